@@ -1,0 +1,147 @@
+//! The ABI between probe's kernel programs and userspace: `#[repr(C)]` event records, event kinds,
+//! map names and limits. Every record starts with [`EventHeader`]. Nothing here allocates.
+#![no_std]
+
+pub mod blockio;
+pub mod fault;
+pub mod filemap;
+pub mod mmap;
+pub mod proc;
+pub mod sock;
+pub mod tracepoints;
+
+use core::mem::size_of;
+
+/// Names of the maps the kernel programs define and userspace opens.
+pub mod maps {
+    /// `RingBuf`: every event record.
+    pub const EVENTS: &str = "EVENTS";
+    /// `HashMap<u32 tgid, u8>`: the processes being traced (the target and its descendants).
+    pub const TARGETS: &str = "TARGETS";
+    /// `PerCpuArray<u64>` indexed by [`crate::EventKind`]: ring buffer reserve failures.
+    pub const LOST: &str = "LOST";
+    /// `PerCpuArray<u64>` indexed by [`crate::Counter`]: in-kernel counters (not events).
+    pub const COUNTERS: &str = "COUNTERS";
+    /// `HashMap<u16 port, u8>`: TCP ports the target listens on (accepted sockets are the target's).
+    pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
+    /// `HashMap<u64 struct sock *, u8>`: TCP sockets known to belong to the target.
+    pub const OWNED_SOCKS: &str = "OWNED_SOCKS";
+}
+
+/// Ring buffer size in bytes unless the user asks for another (must be a power of two pages).
+pub const DEFAULT_RING_BYTES: u32 = 16 << 20;
+/// Once this much data waits in the ring, the producer forces one wakeup (measured: waking the
+/// consumer per event halves throughput; a 20 ms timer drains the rest).
+pub const WAKEUP_BACKLOG_BYTES: u64 = 256 << 10;
+/// Size of the `LOST` and `COUNTERS` arrays.
+pub const MAX_KINDS: u32 = 16;
+pub const MAX_TARGETS: u32 = 4096;
+
+/// What a record is. Carried as `u32` in [`EventHeader::kind`]; decode with `TryFrom`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    BlockIo = 1,
+    Fault = 2,
+    Mmap = 3,
+    Sock = 4,
+    Proc = 5,
+    Filemap = 6,
+}
+
+impl EventKind {
+    pub const ALL: [EventKind; 6] =
+        [Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::BlockIo => "blockio",
+            Self::Fault => "fault",
+            Self::Mmap => "mmap",
+            Self::Sock => "sock",
+            Self::Proc => "proc",
+            Self::Filemap => "filemap",
+        }
+    }
+
+    /// Size in bytes of this kind's record.
+    pub const fn record_size(self) -> usize {
+        match self {
+            Self::BlockIo => size_of::<blockio::BlockIoEvent>(),
+            Self::Fault => size_of::<fault::FaultEvent>(),
+            Self::Mmap => size_of::<mmap::MmapEvent>(),
+            Self::Sock => size_of::<sock::SockEvent>(),
+            Self::Proc => size_of::<proc::ProcEvent>(),
+            Self::Filemap => size_of::<filemap::FilemapEvent>(),
+        }
+    }
+}
+
+impl TryFrom<u32> for EventKind {
+    type Error = u32;
+    fn try_from(v: u32) -> Result<Self, u32> {
+        Ok(match v {
+            1 => Self::BlockIo,
+            2 => Self::Fault,
+            3 => Self::Mmap,
+            4 => Self::Sock,
+            5 => Self::Proc,
+            6 => Self::Filemap,
+            other => return Err(other),
+        })
+    }
+}
+
+/// In-kernel counters (index into `COUNTERS`), for things too frequent to send one by one.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// Every user page fault of the target (`exceptions:page_fault_user`), minor and major.
+    UserFaults = 0,
+    /// A map insert failed (map full): attribution for that record may be missing.
+    MapFull = 1,
+    /// A `bpf_probe_read_*` of a tracepoint field failed inside a program.
+    ReadErrors = 2,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 3] = [Self::UserFaults, Self::MapFull, Self::ReadErrors];
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::UserFaults => "user_faults",
+            Self::MapFull => "map_full",
+            Self::ReadErrors => "read_errors",
+        }
+    }
+}
+
+/// The first 24 bytes of every record. `ts_ns` is CLOCK_MONOTONIC (`bpf_ktime_get_ns`);
+/// `pid` is the thread group id (what userspace calls the pid), `tid` the thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventHeader {
+    pub kind: u32,
+    pub pid: u32,
+    pub tid: u32,
+    pub cpu: u32,
+    pub ts_ns: u64,
+}
+const _: () = assert!(size_of::<EventHeader>() == 24);
+
+/// Implemented by every record type: its kind, and that it starts with an [`EventHeader`].
+pub trait Record: Copy {
+    const KIND: EventKind;
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all these types are #[repr(C)], made of integers and integer arrays with explicit
+    // padding fields, so every bit pattern is valid and there are no uninitialised bytes.
+    unsafe impl aya::Pod for crate::EventHeader {}
+    unsafe impl aya::Pod for crate::blockio::BlockIoEvent {}
+    unsafe impl aya::Pod for crate::fault::FaultEvent {}
+    unsafe impl aya::Pod for crate::mmap::MmapEvent {}
+    unsafe impl aya::Pod for crate::sock::SockEvent {}
+    unsafe impl aya::Pod for crate::proc::ProcEvent {}
+    unsafe impl aya::Pod for crate::filemap::FilemapEvent {}
+}

@@ -1,0 +1,97 @@
+//! Block IO issued on behalf of the target: insert → issue → complete, one record per request.
+//!
+//! Completions run in interrupt or another task's context, so requests are remembered by
+//! (device, sector) at issue and matched at completion; the record carries the issuer's pid.
+use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
+use probe_common::{
+    blockio::{BlockIoEvent, BlockKey, BlockStart},
+    tracepoints::{block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
+};
+
+use crate::{current_target, emit, field, header, insert, now_ns};
+
+/// Requests of the target that entered the IO scheduler and are not yet issued.
+#[map(name = "BLOCK_QUEUED")]
+static BLOCK_QUEUED: HashMap<BlockKey, BlockStart> = HashMap::with_max_entries(16384, 0);
+
+/// Requests of the target that were issued and are not yet complete.
+#[map(name = "BLOCK_INFLIGHT")]
+static BLOCK_INFLIGHT: HashMap<BlockKey, BlockStart> = HashMap::with_max_entries(16384, 0);
+
+#[inline(always)]
+fn key(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<BlockKey, i64> {
+    Ok(BlockKey { dev: field(ctx, dev_off)?, _pad: 0, sector: field(ctx, sector_off)? })
+}
+
+/// block:block_rq_insert (dev @8, sector @16): runs in the submitter's context when the
+/// request goes through an IO scheduler, so this is where the target is seen queuing IO.
+#[tracepoint(category = "block", name = "block_rq_insert")]
+pub fn block_rq_insert(ctx: TracePointContext) -> u32 {
+    let _ = try_block_rq_insert(&ctx);
+    0
+}
+
+fn try_block_rq_insert(ctx: &TracePointContext) -> Result<(), i64> {
+    let Some((pid, tid)) = current_target() else { return Ok(()) };
+    let k = key(ctx, ins::DEV, ins::SECTOR)?;
+    let start = BlockStart { pid, tid, cpu: crate::cpu(), bytes: 0, insert_ns: now_ns(), issue_ns: 0, rwbs: [0; 8] };
+    insert(&BLOCK_QUEUED, &k, &start);
+    Ok(())
+}
+
+/// block:block_rq_issue (dev @8, sector @16, bytes @28): the driver takes the request. Runs in
+/// the submitter's context for direct issue, or in kblockd for queued requests (matched by key).
+#[tracepoint(category = "block", name = "block_rq_issue")]
+pub fn block_rq_issue(ctx: TracePointContext) -> u32 {
+    let _ = try_block_rq_issue(&ctx);
+    0
+}
+
+fn try_block_rq_issue(ctx: &TracePointContext) -> Result<(), i64> {
+    let k = key(ctx, iss::DEV, iss::SECTOR)?;
+    // SAFETY: the value is copied out before any other map operation.
+    let queued = unsafe { BLOCK_QUEUED.get(&k) }.copied();
+    let mut start = match (queued, current_target()) {
+        (Some(q), _) => {
+            let _ = BLOCK_QUEUED.remove(&k);
+            q
+        }
+        (None, Some((pid, tid))) => BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() },
+        (None, None) => return Ok(()),
+    };
+    start.bytes = field(ctx, iss::BYTES)?;
+    start.rwbs = field(ctx, iss::RWBS)?;
+    start.issue_ns = now_ns();
+    insert(&BLOCK_INFLIGHT, &k, &start);
+    Ok(())
+}
+
+/// block:block_rq_complete (dev @8, sector @16, error @28): usually in interrupt context.
+#[tracepoint(category = "block", name = "block_rq_complete")]
+pub fn block_rq_complete(ctx: TracePointContext) -> u32 {
+    let _ = try_block_rq_complete(&ctx);
+    0
+}
+
+fn try_block_rq_complete(ctx: &TracePointContext) -> Result<(), i64> {
+    let k = key(ctx, cpl::DEV, cpl::SECTOR)?;
+    // SAFETY: copied out before the remove below.
+    let Some(start) = (unsafe { BLOCK_INFLIGHT.get(&k) }).copied() else { return Ok(()) };
+    let _ = BLOCK_INFLIGHT.remove(&k);
+    let mut hdr = header::<BlockIoEvent>(start.pid, start.tid);
+    hdr.cpu = start.cpu;
+    let ev = BlockIoEvent {
+        hdr,
+        dev: k.dev,
+        bytes: start.bytes,
+        sector: k.sector,
+        insert_ns: start.insert_ns,
+        issue_ns: start.issue_ns,
+        complete_ns: hdr.ts_ns,
+        rwbs: start.rwbs,
+        error: field(ctx, cpl::ERROR).unwrap_or(0),
+        _pad: 0,
+    };
+    emit(&ev);
+    Ok(())
+}

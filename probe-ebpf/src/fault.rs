@@ -1,0 +1,49 @@
+//! Page faults of the target: every major fault as a record (address + user IP), every user
+//! fault counted in the kernel (minor faults are too frequent to send one by one).
+use aya_ebpf::{
+    bindings::bpf_perf_event_data,
+    macros::{perf_event, tracepoint},
+    programs::{PerfEventContext, TracePointContext},
+    EbpfContext,
+};
+use probe_common::{
+    fault::{FaultEvent, FAULT_MAJOR},
+    Counter,
+};
+
+use crate::{count, current_target, emit, header};
+
+/// perf software event PERF_COUNT_SW_PAGE_FAULTS_MAJ, period 1, opened per thread of the target
+/// with inherit (so new threads and children count too). `bpf_perf_event_data.addr` is the
+/// faulting address (PERF_SAMPLE_ADDR semantics), `regs.rip` the user IP at the fault.
+#[perf_event]
+pub fn fault_major(ctx: PerfEventContext) -> u32 {
+    let _ = try_fault_major(&ctx);
+    0
+}
+
+fn try_fault_major(ctx: &PerfEventContext) -> Result<(), i64> {
+    let data = ctx.as_ptr() as *const bpf_perf_event_data;
+    // SAFETY: the kernel passes a valid bpf_perf_event_data to perf_event programs; direct
+    // context reads of `addr` and `regs` are allowed by the verifier for this program type.
+    let (addr, ip) = unsafe { ((*data).addr, (*data).regs.rip) };
+    let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
+    let ev = FaultEvent {
+        hdr: header::<FaultEvent>((pid_tgid >> 32) as u32, pid_tgid as u32),
+        addr,
+        ip,
+        flags: FAULT_MAJOR,
+        _pad: 0,
+    };
+    emit(&ev);
+    Ok(())
+}
+
+/// exceptions:page_fault_user (address @8, ip @16, error_code @24): every user fault. Counted only.
+#[tracepoint(category = "exceptions", name = "page_fault_user")]
+pub fn page_fault_user(_ctx: TracePointContext) -> u32 {
+    if current_target().is_some() {
+        count(Counter::UserFaults);
+    }
+    0
+}

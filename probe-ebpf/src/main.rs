@@ -1,0 +1,131 @@
+//! probe's kernel programs. Every program filters to the target set (`TARGETS`, kept up to date
+//! by `proc`), sends fixed-size records through one ring buffer, and counts what it could not send.
+#![no_std]
+#![no_main]
+
+mod blockio;
+mod fault;
+mod filemap;
+mod mmap;
+mod proc;
+mod sock;
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns},
+    macros::map,
+    maps::{HashMap, PerCpuArray, RingBuf},
+    programs::TracePointContext,
+};
+use probe_common::{Counter, EventHeader, MAX_KINDS, MAX_TARGETS, Record, WAKEUP_BACKLOG_BYTES};
+
+#[map(name = "EVENTS")]
+static EVENTS: RingBuf = RingBuf::with_byte_size(probe_common::DEFAULT_RING_BYTES, 0);
+
+#[map(name = "TARGETS")]
+static TARGETS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_TARGETS, 0);
+
+#[map(name = "LOST")]
+static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_KINDS, 0);
+
+#[map(name = "COUNTERS")]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_KINDS, 0);
+
+// Flags of bpf_ringbuf_submit / bpf_ringbuf_query (include/uapi/linux/bpf.h).
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+
+/// The current task as (tgid, tid) when its process is being traced.
+#[inline(always)]
+fn current_target() -> Option<(u32, u32)> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is a u8 copied out immediately; no reference outlives the lookup.
+    if unsafe { TARGETS.get(&tgid) }.is_some() {
+        Some((tgid, pid_tgid as u32))
+    } else {
+        None
+    }
+}
+
+#[inline(always)]
+fn now_ns() -> u64 {
+    // SAFETY: helper without arguments.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+#[inline(always)]
+fn cpu() -> u32 {
+    // SAFETY: helper without arguments.
+    unsafe { bpf_get_smp_processor_id() }
+}
+
+#[inline(always)]
+fn header<T: Record>(pid: u32, tid: u32) -> EventHeader {
+    EventHeader { kind: T::KIND as u32, pid, tid, cpu: cpu(), ts_ns: now_ns() }
+}
+
+#[inline(always)]
+fn add(map: &PerCpuArray<u64>, index: u32, n: u64) {
+    if let Some(p) = map.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, only this CPU writes it while the program runs (no preemption).
+        unsafe { *p += n };
+    }
+}
+
+#[inline(always)]
+fn count(c: Counter) {
+    add(&COUNTERS, c as u32, 1);
+}
+
+/// Send one record. A full ring buffer is counted per kind, never silent. The consumer is woken
+/// only when the backlog first crosses `WAKEUP_BACKLOG_BYTES`; a 20 ms timer drains the rest.
+#[inline(always)]
+fn emit<T: Record + 'static>(ev: &T) {
+    match EVENTS.reserve::<T>(0) {
+        Some(mut slot) => {
+            slot.write(*ev);
+            let before = EVENTS.query(BPF_RB_AVAIL_DATA);
+            let size = core::mem::size_of::<T>() as u64;
+            let flags = if before < WAKEUP_BACKLOG_BYTES && before + size + 8 >= WAKEUP_BACKLOG_BYTES {
+                BPF_RB_FORCE_WAKEUP
+            } else {
+                BPF_RB_NO_WAKEUP
+            };
+            slot.submit(flags);
+        }
+        None => add(&LOST, T::KIND as u32, 1),
+    }
+}
+
+/// Read a tracepoint field; a failed read is counted and turned into `Err`.
+#[inline(always)]
+fn field<T>(ctx: &TracePointContext, offset: usize) -> Result<T, i64> {
+    // SAFETY: `offset` comes from probe_common::tracepoints, checked by userspace against the
+    // running kernel's format file before this program was attached; the read is a probe read.
+    match unsafe { ctx.read_at::<T>(offset) } {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            count(Counter::ReadErrors);
+            Err(e as i64)
+        }
+    }
+}
+
+/// Insert into a hash map, counting a full map.
+#[inline(always)]
+fn insert<K, V>(map: &HashMap<K, V>, k: &K, v: &V) {
+    if map.insert(k, v, 0).is_err() {
+        count(Counter::MapFull);
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

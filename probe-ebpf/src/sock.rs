@@ -1,0 +1,197 @@
+//! TCP connections of the target: every state change with its 4-tuple, and resets sent and
+//! received, so userspace can tell who closed first (local FIN, peer FIN, RST either way).
+//!
+//! Many transitions run in softirq (peer FIN, RST, handshake of accepted sockets), not in the
+//! target's threads. A socket is the target's when a transition or a send/recv ran in one of
+//! its threads (`OWNED_SOCKS`), or when its local port is one the target listens on.
+use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
+use probe_common::{
+    sock::*,
+    tracepoints::{inet_sock_set_state as st, sock_recv_length as rl, sock_send_length as sl,
+        tcp_receive_reset as rr, tcp_send_reset as sr},
+};
+
+use crate::{current_target, emit, field, header, insert};
+
+#[map(name = "OWNED_SOCKS")]
+static OWNED_SOCKS: HashMap<u64, u8> = HashMap::with_max_entries(65536, 0);
+
+#[map(name = "LISTEN_PORTS")]
+static LISTEN_PORTS: HashMap<u16, u8> = HashMap::with_max_entries(1024, 0);
+
+#[inline(always)]
+fn owned(skaddr: u64, sport: u16) -> bool {
+    // SAFETY: u8 values, nothing borrowed past the lookup.
+    unsafe { OWNED_SOCKS.get(&skaddr).is_some() || LISTEN_PORTS.get(&sport).is_some() }
+}
+
+/// sock:inet_sock_set_state: every TCP/IP state change (ports in host order).
+#[tracepoint(category = "sock", name = "inet_sock_set_state")]
+pub fn inet_sock_set_state(ctx: TracePointContext) -> u32 {
+    let _ = try_inet_sock_set_state(&ctx);
+    0
+}
+
+fn try_inet_sock_set_state(ctx: &TracePointContext) -> Result<(), i64> {
+    let protocol: u16 = field(ctx, st::PROTOCOL)?;
+    if protocol != IPPROTO_TCP {
+        return Ok(());
+    }
+    let skaddr: u64 = field(ctx, st::SKADDR)?;
+    let sport: u16 = field(ctx, st::SPORT)?;
+    let newstate: i32 = field(ctx, st::NEWSTATE)?;
+    let target = current_target();
+    let (pid, tid) = match target {
+        Some(t) => t,
+        None if owned(skaddr, sport) => (0, 0),
+        None => return Ok(()),
+    };
+    let family: u16 = field(ctx, st::FAMILY)?;
+    let mut ev = SockEvent {
+        hdr: header::<SockEvent>(pid, tid),
+        skaddr,
+        what: SOCK_STATE,
+        oldstate: field(ctx, st::OLDSTATE)?,
+        newstate,
+        family,
+        sport,
+        dport: field(ctx, st::DPORT)?,
+        in_target: target.is_some() as u8,
+        ..Default::default()
+    };
+    if family == AF_INET6 {
+        ev.saddr = field(ctx, st::SADDR_V6)?;
+        ev.daddr = field(ctx, st::DADDR_V6)?;
+    } else {
+        let s: [u8; 4] = field(ctx, st::SADDR)?;
+        let d: [u8; 4] = field(ctx, st::DADDR)?;
+        ev.saddr[..4].copy_from_slice(&s);
+        ev.daddr[..4].copy_from_slice(&d);
+    }
+    emit(&ev);
+    if newstate == TCP_CLOSE {
+        let _ = OWNED_SOCKS.remove(&skaddr);
+        if ev.oldstate == TCP_LISTEN && target.is_some() {
+            let _ = LISTEN_PORTS.remove(&sport);
+        }
+    } else if newstate == TCP_LISTEN && target.is_some() {
+        insert(&LISTEN_PORTS, &sport, &1u8);
+    } else {
+        insert(&OWNED_SOCKS, &skaddr, &1u8);
+    }
+    Ok(())
+}
+
+/// tcp:tcp_receive_reset: the peer reset the connection (softirq; ports in host order).
+#[tracepoint(category = "tcp", name = "tcp_receive_reset")]
+pub fn tcp_receive_reset(ctx: TracePointContext) -> u32 {
+    let _ = try_tcp_receive_reset(&ctx);
+    0
+}
+
+fn try_tcp_receive_reset(ctx: &TracePointContext) -> Result<(), i64> {
+    let skaddr: u64 = field(ctx, rr::SKADDR)?;
+    let sport: u16 = field(ctx, rr::SPORT)?;
+    if !owned(skaddr, sport) {
+        return Ok(());
+    }
+    let family: u16 = field(ctx, rr::FAMILY)?;
+    let mut ev = SockEvent {
+        hdr: header::<SockEvent>(0, 0),
+        skaddr,
+        what: SOCK_RESET_RECEIVED,
+        family,
+        sport,
+        dport: field(ctx, rr::DPORT)?,
+        in_target: current_target().is_some() as u8,
+        ..Default::default()
+    };
+    if family == AF_INET6 {
+        ev.saddr = field(ctx, rr::SADDR_V6)?;
+        ev.daddr = field(ctx, rr::DADDR_V6)?;
+    } else {
+        let s: [u8; 4] = field(ctx, rr::SADDR)?;
+        let d: [u8; 4] = field(ctx, rr::DADDR)?;
+        ev.saddr[..4].copy_from_slice(&s);
+        ev.daddr[..4].copy_from_slice(&d);
+    }
+    emit(&ev);
+    Ok(())
+}
+
+/// tcp:tcp_send_reset (skaddr @16, state @24, saddr/daddr sockaddr @32/@60): we send an RST,
+/// e.g. close() with unread data, or a segment for a dead socket (skaddr 0: not a connection).
+#[tracepoint(category = "tcp", name = "tcp_send_reset")]
+pub fn tcp_send_reset(ctx: TracePointContext) -> u32 {
+    let _ = try_tcp_send_reset(&ctx);
+    0
+}
+
+fn try_tcp_send_reset(ctx: &TracePointContext) -> Result<(), i64> {
+    let skaddr: u64 = field(ctx, sr::SKADDR)?;
+    if skaddr == 0 {
+        return Ok(());
+    }
+    // struct sockaddr_in{6}: family u16, port u16 (network order), v4 addr @4 / v6 addr @8.
+    let s: [u8; 28] = field(ctx, sr::SADDR)?;
+    let d: [u8; 28] = field(ctx, sr::DADDR)?;
+    let family = u16::from_ne_bytes([s[0], s[1]]);
+    let sport = u16::from_be_bytes([s[2], s[3]]);
+    let target = current_target();
+    if target.is_none() && !owned(skaddr, sport) {
+        return Ok(());
+    }
+    let (pid, tid) = target.unwrap_or((0, 0));
+    let mut ev = SockEvent {
+        hdr: header::<SockEvent>(pid, tid),
+        skaddr,
+        what: SOCK_RESET_SENT,
+        oldstate: field(ctx, sr::STATE)?,
+        family,
+        sport,
+        dport: u16::from_be_bytes([d[2], d[3]]),
+        in_target: target.is_some() as u8,
+        ..Default::default()
+    };
+    if family == AF_INET6 {
+        ev.saddr.copy_from_slice(&s[8..24]);
+        ev.daddr.copy_from_slice(&d[8..24]);
+    } else {
+        ev.saddr[..4].copy_from_slice(&s[4..8]);
+        ev.daddr[..4].copy_from_slice(&d[4..8]);
+    }
+    emit(&ev);
+    Ok(())
+}
+
+/// sock:sock_send_length / sock_recv_length (sk @8, family @16, protocol @18): a send or recv
+/// in the target's thread marks the socket as the target's, including connections opened
+/// before probe attached (the slow request already in flight).
+#[tracepoint(category = "sock", name = "sock_send_length")]
+pub fn sock_send_length(ctx: TracePointContext) -> u32 {
+    let _ = mark(&ctx, sl::SK, sl::PROTOCOL);
+    0
+}
+
+#[tracepoint(category = "sock", name = "sock_recv_length")]
+pub fn sock_recv_length(ctx: TracePointContext) -> u32 {
+    let _ = mark(&ctx, rl::SK, rl::PROTOCOL);
+    0
+}
+
+#[inline(always)]
+fn mark(ctx: &TracePointContext, sk_off: usize, proto_off: usize) -> Result<(), i64> {
+    if current_target().is_none() {
+        return Ok(());
+    }
+    let protocol: u16 = field(ctx, proto_off)?;
+    if protocol != IPPROTO_TCP {
+        return Ok(());
+    }
+    let sk: u64 = field(ctx, sk_off)?;
+    // SAFETY: u8 value, nothing borrowed past the lookup.
+    if unsafe { OWNED_SOCKS.get(&sk) }.is_none() {
+        insert(&OWNED_SOCKS, &sk, &1u8);
+    }
+    Ok(())
+}

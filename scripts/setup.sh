@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One idempotent setup step: installs what a fresh machine lacks to build probe's eBPF programs.
+#  - rust-src for the nightly toolchain (eBPF builds need -Z build-std=core)
+#  - bpf-linker 0.13.0 built against nightly's own libLLVM (no system LLVM needed)
+# Everything lands under ${PROBE_CACHE:-~/.cache/probe}, outside the clone; a second run takes seconds.
+set -euo pipefail
+
+CACHE="${PROBE_CACHE:-$HOME/.cache/probe}"
+NIGHTLY="${PROBE_NIGHTLY:-nightly}"
+BPF_LINKER_VERSION=0.13.0
+mkdir -p "$CACHE/bin"
+
+say() { printf 'setup: %s\n' "$*" >&2; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+command -v rustup >/dev/null || die "rustup not found: install Rust with rustup first"
+rustup toolchain list | grep -q "^$NIGHTLY" || {
+  say "installing the $NIGHTLY toolchain"
+  rustup toolchain install "$NIGHTLY" --profile minimal || die "cannot install the $NIGHTLY toolchain"
+}
+sysroot="$(rustc +"$NIGHTLY" --print sysroot)"
+if [ ! -d "$sysroot/lib/rustlib/src/rust/library/core" ]; then
+  say "adding rust-src to $NIGHTLY"
+  rustup component add rust-src --toolchain "$NIGHTLY" || die "cannot add rust-src to $NIGHTLY"
+fi
+
+# bpf-linker must use the same LLVM as the nightly rustc. Rebuild when nightly changes.
+stamp="$CACHE/bpf-linker.stamp"
+want="bpf-linker $BPF_LINKER_VERSION / $(rustc +"$NIGHTLY" --version)"
+if [ ! -x "$CACHE/bin/bpf-linker" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "building bpf-linker $BPF_LINKER_VERSION against $NIGHTLY's libLLVM (about 2 minutes)"
+  llvm_major="$(ls "$sysroot/lib" | sed -n 's/^libLLVM\.so\.\([0-9]*\)\..*/\1/p' | head -n1)"
+  [ -n "$llvm_major" ] || die "no libLLVM.so.N in $sysroot/lib: this nightly does not ship its LLVM"
+  prefix="$CACHE/llvm"
+  mkdir -p "$prefix/lib"
+  for f in "$sysroot"/lib/libLLVM*.so*; do ln -sf "$f" "$prefix/lib/"; done
+  ln -sf "$(ls "$sysroot"/lib/libLLVM.so."$llvm_major".* | head -n1)" "$prefix/lib/libLLVM.so"
+  LLVM_PREFIX="$prefix" cargo install bpf-linker --locked --version "$BPF_LINKER_VERSION" \
+      --no-default-features --features "llvm-$llvm_major" --root "$CACHE" --force \
+    || die "building bpf-linker failed (see above)"
+  echo "$want" > "$stamp"
+fi
+"$CACHE/bin/bpf-linker" --version >/dev/null 2>&1 || die "$CACHE/bin/bpf-linker does not run"
+say "ok: nightly $(rustc +"$NIGHTLY" --version | cut -d' ' -f2), $("$CACHE/bin/bpf-linker" --version)"
