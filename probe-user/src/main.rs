@@ -1,1 +1,115 @@
-fn main(){}
+//! The `probe` command line: parse, set up logging, run, print errors with their causes, exit
+//! with a documented code (0 ok, 1 partial: probes skipped or events lost, 2 error).
+use std::{path::PathBuf, process::ExitCode, time::{Duration, Instant}};
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use probe_user::{collector, doctor, exit, recording, report};
+
+#[derive(Parser)]
+#[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Trace a running process (and processes it starts) until Ctrl-C, the duration, or its exit.
+    Trace {
+        /// The process to trace (e.g. `pgrep -o llama-server`).
+        #[arg(long)]
+        pid: u32,
+        /// Stop after this long (e.g. 30s, 2m, 500ms). Default: until Ctrl-C or the target exits.
+        #[arg(long, value_parser = parse_duration)]
+        duration: Option<Duration>,
+        /// Recording directory (created). Default: probe-PID-UNIXTIME in the current directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Only these probes (comma separated): blockio, fault, filemap, mmap, sock, proc.
+        /// A named probe that cannot attach is an error; by default such probes are skipped.
+        #[arg(long, value_delimiter = ',')]
+        probes: Option<Vec<String>>,
+        /// Ring buffer size in MiB (a power of two).
+        #[arg(long, default_value_t = 16)]
+        ring_mb: u32,
+        /// Print report.json instead of the human summary at the end.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read a recording directory again and print its summary (or its JSON).
+    Report {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Say which kernel features are present and what probe can do here.
+    Doctor,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "s"));
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration: use e.g. 30s, 2m, 500ms"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "s" | "" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{s}`: use ms, s, m or h")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
+    match cli.command {
+        Command::Trace { pid, duration, out, probes, ring_mb, json } => {
+            if !ring_mb.is_power_of_two() {
+                anyhow::bail!("--ring-mb must be a power of two (got {ring_mb})");
+            }
+            let out = out.unwrap_or_else(|| {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+                PathBuf::from(format!("probe-{pid}-{now}"))
+            });
+            let outcome = collector::trace(collector::TraceOptions {
+                pid,
+                duration,
+                out: out.clone(),
+                only: probes,
+                ring_bytes: ring_mb << 20,
+                started,
+            })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&outcome.report)?);
+            } else {
+                print!("{}", report::render(&outcome.report));
+                println!("\nrecording: {}  (report.json beside it; `probe report {}` prints this again)", out.display(), out.display());
+            }
+            Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
+        }
+        Command::Report { dir, json } => {
+            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let r = report::build(&rec);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print!("{}", report::render(&r));
+            }
+            Ok(if r.lost_events.values().any(|&n| n > 0) { exit::PARTIAL } else { exit::OK })
+        }
+        Command::Doctor => Ok(doctor::run()),
+    }
+}
+
+fn main() -> ExitCode {
+    let started = Instant::now();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    match run(cli, started) {
+        Ok(code) => ExitCode::from(code as u8),
+        Err(e) => {
+            eprintln!("probe: error: {e:#}");
+            ExitCode::from(exit::ERROR as u8)
+        }
+    }
+}

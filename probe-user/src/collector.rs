@@ -1,0 +1,269 @@
+//! `probe trace`: attach, drain the ring buffer into the recording as events arrive, follow the
+//! target's mappings and files, and stop on Ctrl-C, SIGTERM, the duration or the target's exit.
+use std::{
+    collections::{HashMap, HashSet},
+    io::IsTerminal as _,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use probe_common::{Counter, EventKind, maps, mmap::MmapOp, proc::{PROC_EXIT, PROC_FORK}};
+use serde_json::json;
+use tokio::{io::unix::AsyncFd, signal::unix::{SignalKind, signal}};
+
+use crate::{
+    decode::{self, Event},
+    monotonic_ns, probes, procfs,
+    recording::{self, Writer},
+    report::{self, Report},
+};
+
+pub struct TraceOptions {
+    pub pid: u32,
+    pub duration: Option<Duration>,
+    pub out: PathBuf,
+    pub only: Option<Vec<String>>,
+    pub ring_bytes: u32,
+    /// When the process started: "armed in N ms" counts from here.
+    pub started: Instant,
+}
+
+pub struct TraceOutcome {
+    pub report: Report,
+    /// Probes were skipped or events were lost: the recording is usable but incomplete.
+    pub partial: bool,
+}
+
+pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
+    let attached = probes::attach(&probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes })?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(run(opts, attached))
+}
+
+struct State {
+    writer: Writer,
+    root: u32,
+    root_exited: bool,
+    events: u64,
+    per_kind: [u64; probe_common::MAX_KINDS as usize],
+    dirty_maps: HashSet<u32>,
+    dirty_files: HashSet<u32>,
+    last_maps: HashMap<u32, Vec<procfs::Mapping>>,
+    known_files: HashSet<(u32, u32, u64)>,
+    last_file_scan: HashMap<u32, Instant>,
+}
+
+impl State {
+    fn on_record(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.writer.kernel(bytes)?;
+        self.events += 1;
+        let Ok(ev) = decode::decode(bytes) else { return Ok(()) };
+        self.per_kind[ev.kind() as usize] += 1;
+        match ev {
+            Event::Mmap(m) => {
+                if matches!(MmapOp::try_from(m.op), Ok(MmapOp::Mmap | MmapOp::Munmap | MmapOp::Mremap)) {
+                    self.dirty_maps.insert(m.hdr.pid);
+                }
+            }
+            Event::Proc(p) if p.op == PROC_FORK => {
+                self.dirty_maps.insert(p.child);
+                self.dirty_files.insert(p.child);
+            }
+            Event::Proc(p) if p.op == PROC_EXIT && p.hdr.pid == self.root => self.root_exited = true,
+            Event::Filemap(f) => {
+                if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) {
+                    self.dirty_files.insert(f.hdr.pid);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Re-read /proc for processes whose mappings or files changed; write what is new.
+    fn refresh(&mut self) -> std::io::Result<()> {
+        for pid in std::mem::take(&mut self.dirty_maps) {
+            self.snapshot_maps(pid)?;
+        }
+        let now = Instant::now();
+        let due: Vec<u32> = self
+            .dirty_files
+            .iter()
+            .copied()
+            .filter(|p| self.last_file_scan.get(p).is_none_or(|t| now - *t > Duration::from_millis(200)))
+            .collect();
+        for pid in due {
+            self.dirty_files.remove(&pid);
+            self.last_file_scan.insert(pid, now);
+            self.snapshot_files(pid)?;
+        }
+        Ok(())
+    }
+
+    fn snapshot_maps(&mut self, pid: u32) -> std::io::Result<()> {
+        let Ok(maps) = procfs::read_maps(pid) else { return Ok(()) };
+        if self.last_maps.get(&pid) == Some(&maps) {
+            return Ok(());
+        }
+        for m in &maps {
+            self.known_files.insert((m.major, m.minor, m.inode));
+        }
+        self.writer.json(&json!({"type": "maps", "pid": pid, "ts_ns": monotonic_ns(), "mappings": maps}))?;
+        self.last_maps.insert(pid, maps);
+        Ok(())
+    }
+
+    fn snapshot_files(&mut self, pid: u32) -> std::io::Result<()> {
+        let files: Vec<_> = procfs::open_files(pid)
+            .into_iter()
+            .filter(|f| self.known_files.insert((f.major, f.minor, f.inode)))
+            .collect();
+        if !files.is_empty() {
+            self.writer.json(&json!({"type": "files", "pid": pid, "ts_ns": monotonic_ns(), "files": files}))?;
+        }
+        Ok(())
+    }
+}
+
+fn sum(map: &PerCpuArray<MapData, u64>) -> Vec<u64> {
+    (0..probe_common::MAX_KINDS).map(|i| map.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0)).collect()
+}
+
+fn stats_json(lost: &[u64], counters: &[u64], st: &State) -> serde_json::Value {
+    let lost: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(lost[*k as usize]))).collect();
+    let counters: serde_json::Map<_, _> = Counter::ALL.iter().map(|c| (c.name().to_string(), json!(counters[*c as usize]))).collect();
+    let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
+    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events})
+}
+
+async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Result<TraceOutcome> {
+    let ring = RingBuf::try_from(attached.ebpf.take_map(maps::EVENTS).context("EVENTS map missing")?)?;
+    let lost_map: PerCpuArray<MapData, u64> = PerCpuArray::try_from(attached.ebpf.take_map(maps::LOST).context("LOST map missing")?)?;
+    let counter_map: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(attached.ebpf.take_map(maps::COUNTERS).context("COUNTERS map missing")?)?;
+    // SAFETY: the RingBuf owns its map fd and keeps it open, unchanged, for as long as the AsyncFd lives.
+    let mut ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
+
+    let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
+    let writer = Writer::create(&opts.out).with_context(|| format!("cannot create the recording in {}", opts.out.display()))?;
+    let mut st = State {
+        writer,
+        root: opts.pid,
+        root_exited: false,
+        events: 0,
+        per_kind: [0; probe_common::MAX_KINDS as usize],
+        dirty_maps: attached.targets.iter().copied().collect(),
+        dirty_files: attached.targets.iter().copied().collect(),
+        last_maps: HashMap::new(),
+        known_files: HashSet::new(),
+        last_file_scan: HashMap::new(),
+    };
+    let uname = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let start_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    st.writer.json(&json!({
+        "type": "meta", "format_version": recording::VERSION, "probe_version": env!("CARGO_PKG_VERSION"),
+        "pid": opts.pid, "comm": procfs::comm(opts.pid), "cmdline": procfs::cmdline(opts.pid),
+        "targets": attached.targets, "start_ns": monotonic_ns(), "start_unix_ms": start_unix_ms,
+        "kernel": uname.trim(), "armed_ms": armed_ms, "probes": attached.status,
+        // SAFETY: sysconf has no preconditions.
+        "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
+    }))?;
+    st.refresh()?;
+    st.writer.flush()?;
+
+    let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.as_str()).collect();
+    eprintln!(
+        "probe: armed in {armed_ms:.0} ms: pid {} ({}), {} process(es); probes live: {}",
+        opts.pid,
+        procfs::comm(opts.pid),
+        attached.targets.len(),
+        live.join(", ")
+    );
+    let mut partial = false;
+    for s in &attached.status {
+        if !s.live {
+            partial = true;
+            eprintln!("probe: skipped {}: {}", s.name, s.skipped.join("; "));
+        } else if !s.skipped.is_empty() {
+            log::info!("{}: optional programs not attached: {}", s.name, s.skipped.join("; "));
+        }
+    }
+    eprintln!("probe: recording to {} (Ctrl-C to stop)", opts.out.display());
+
+    let tty = std::io::stderr().is_terminal();
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut drain_tick = tokio::time::interval(Duration::from_millis(20));
+    let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
+    let started = Instant::now();
+    let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
+    let mut last_events = 0u64;
+    let drain = |ring: &mut RingBuf<aya::maps::MapData>, st: &mut State| -> std::io::Result<()> {
+        while let Some(item) = ring.next() {
+            st.on_record(&item)?;
+        }
+        st.refresh()
+    };
+    let reason = loop {
+        tokio::select! {
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                drain(guard.get_inner_mut(), &mut st)?;
+                guard.clear_ready();
+            }
+            _ = drain_tick.tick() => drain(ring.get_mut(), &mut st)?,
+            _ = sec_tick.tick() => {
+                drain(ring.get_mut(), &mut st)?;
+                let lost = sum(&lost_map);
+                st.writer.json(&stats_json(&lost, &sum(&counter_map), &st))?;
+                st.writer.flush()?;
+                if tty {
+                    let rate = st.events - last_events;
+                    eprint!("\r  {:>6.1} s | {} events ({rate}/s) | lost {}    ", started.elapsed().as_secs_f64(), st.events, lost.iter().sum::<u64>());
+                }
+                last_events = st.events;
+                if !procfs::exists(opts.pid) {
+                    st.root_exited = true;
+                }
+            }
+            _ = sigint.recv() => break "interrupted (Ctrl-C)",
+            _ = sigterm.recv() => break "terminated (SIGTERM)",
+            _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached",
+        }
+        if st.root_exited {
+            break "target exited";
+        }
+    };
+    if tty {
+        eprintln!();
+    }
+    drain(ring.get_mut(), &mut st)?;
+    let lost = sum(&lost_map);
+    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st))?;
+    st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
+    st.writer.flush()?;
+    drop(attached);
+    eprintln!("probe: stopped: {reason}; {} events, {} lost", st.events, lost.iter().sum::<u64>());
+
+    let rec = recording::read_dir(&opts.out)?;
+    let report = report::build(&rec);
+    let path = opts.out.join("report.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("cannot write {}", path.display()))?;
+    partial |= report.lost_events.values().any(|&n| n > 0);
+    Ok(TraceOutcome { report, partial })
+}
+
+/// "major:minor" → name of every block device (/sys/class/block/*/dev), to name devices in reports.
+fn block_devices() -> serde_json::Map<String, serde_json::Value> {
+    std::fs::read_dir("/sys/class/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let dev = std::fs::read_to_string(e.path().join("dev")).ok()?;
+            Some((dev.trim().to_string(), json!(e.file_name().to_string_lossy())))
+        })
+        .collect()
+}

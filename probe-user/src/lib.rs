@@ -1,0 +1,30 @@
+//! probe: eBPF tracing for local LLM servers. The `probe` binary is a thin layer over this library:
+//! probes (load + attach table), collector (ring buffer → recording), recording (the on-disk
+//! format), report (analysis, pure), and the /proc and tracefs readers they need.
+
+pub mod collector;
+pub mod decode;
+pub mod doctor;
+pub mod probes;
+pub mod procfs;
+pub mod recording;
+pub mod report;
+pub mod tracefs;
+
+/// Exit codes of the `probe` binary (documented in README.md).
+pub mod exit {
+    /// Everything asked for was traced, nothing was lost.
+    pub const OK: i32 = 0;
+    /// A recording was written, but some probes were skipped or some events were lost.
+    pub const PARTIAL: i32 = 1;
+    /// Nothing useful happened: bad arguments, no such pid, no permission, kernel refused.
+    pub const ERROR: i32 = 2;
+}
+
+/// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns()` and of every record.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -1,0 +1,271 @@
+//! Loading probe's kernel object and attaching it from one table, feature-checked first.
+//!
+//! Every program belongs to a subsystem (blockio, fault, filemap, mmap, sock, proc). A program
+//! that cannot attach here (tracepoint missing, layout differs, kernel refuses) is reported and
+//! its subsystem skipped, unless the user named that subsystem with `--probes`: then it is an error.
+use std::path::Path;
+
+use anyhow::{Context as _, anyhow, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::HashMap,
+    programs::{
+        PerfEvent, TracePoint,
+        perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
+    },
+};
+use probe_common::tracepoints::{self as tp, Layout};
+
+use crate::{procfs, tracefs};
+
+/// The compiled kernel object, built by build.rs from probe-ebpf.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/probe"));
+
+pub const SUBSYSTEMS: [&str; 6] = ["blockio", "fault", "filemap", "mmap", "sock", "proc"];
+
+#[derive(Clone, Copy, Debug)]
+enum How {
+    /// A classic tracepoint whose fields are read at the offsets in `Layout`.
+    Tracepoint(&'static Layout),
+    /// A tracepoint whose fields are not read (only that it fired).
+    Plain(&'static str, &'static str),
+    /// syscalls:sys_enter_X / sys_exit_X: arguments at 16 + 8i, ret at 16.
+    Syscall(&'static str),
+    /// perf software event PAGE_FAULTS_MAJ, period 1, per thread of each target process.
+    PerfMajorFaults,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Spec {
+    subsystem: &'static str,
+    program: &'static str,
+    how: How,
+    /// When false the subsystem still counts as live without it (e.g. insert: not every
+    /// device uses an IO scheduler; mlock2: not every libc calls it).
+    required: bool,
+}
+
+const fn s(subsystem: &'static str, program: &'static str, how: How, required: bool) -> Spec {
+    Spec { subsystem, program, how, required }
+}
+
+/// The attach table.
+const TABLE: &[Spec] = &[
+    s("proc", "task_newtask", How::Tracepoint(&tp::task_newtask::LAYOUT), true),
+    s("proc", "sched_process_exec", How::Plain("sched", "sched_process_exec"), false),
+    s("proc", "sched_process_exit", How::Tracepoint(&tp::sched_process_exit::LAYOUT), true),
+    s("blockio", "block_rq_insert", How::Tracepoint(&tp::block_rq_insert::LAYOUT), false),
+    s("blockio", "block_rq_issue", How::Tracepoint(&tp::block_rq_issue::LAYOUT), true),
+    s("blockio", "block_rq_complete", How::Tracepoint(&tp::block_rq_complete::LAYOUT), true),
+    s("fault", "fault_major", How::PerfMajorFaults, true),
+    s("fault", "page_fault_user", How::Tracepoint(&tp::page_fault_user::LAYOUT), false),
+    s("filemap", "filemap_add", How::Tracepoint(&tp::mm_filemap_add_to_page_cache::LAYOUT), true),
+    s("mmap", "mmap_enter", How::Syscall("sys_enter_mmap"), true),
+    s("mmap", "mmap_exit", How::Syscall("sys_exit_mmap"), true),
+    s("mmap", "munmap_enter", How::Syscall("sys_enter_munmap"), true),
+    s("mmap", "munmap_exit", How::Syscall("sys_exit_munmap"), true),
+    s("mmap", "mremap_enter", How::Syscall("sys_enter_mremap"), false),
+    s("mmap", "mremap_exit", How::Syscall("sys_exit_mremap"), false),
+    s("mmap", "madvise_enter", How::Syscall("sys_enter_madvise"), false),
+    s("mmap", "madvise_exit", How::Syscall("sys_exit_madvise"), false),
+    s("mmap", "mlock_enter", How::Syscall("sys_enter_mlock"), false),
+    s("mmap", "mlock_exit", How::Syscall("sys_exit_mlock"), false),
+    s("mmap", "munlock_enter", How::Syscall("sys_enter_munlock"), false),
+    s("mmap", "munlock_exit", How::Syscall("sys_exit_munlock"), false),
+    s("mmap", "mlock2_enter", How::Syscall("sys_enter_mlock2"), false),
+    s("mmap", "mlock2_exit", How::Syscall("sys_exit_mlock2"), false),
+    s("mmap", "mprotect_enter", How::Syscall("sys_enter_mprotect"), false),
+    s("mmap", "mprotect_exit", How::Syscall("sys_exit_mprotect"), false),
+    s("sock", "inet_sock_set_state", How::Tracepoint(&tp::inet_sock_set_state::LAYOUT), true),
+    s("sock", "tcp_receive_reset", How::Tracepoint(&tp::tcp_receive_reset::LAYOUT), true),
+    s("sock", "tcp_send_reset", How::Tracepoint(&tp::tcp_send_reset::LAYOUT), true),
+    s("sock", "sock_send_length", How::Tracepoint(&tp::sock_send_length::LAYOUT), false),
+    s("sock", "sock_recv_length", How::Tracepoint(&tp::sock_recv_length::LAYOUT), false),
+];
+
+/// What happened to one subsystem at attach time.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct SubsystemStatus {
+    pub name: String,
+    pub live: bool,
+    pub attached: Vec<String>,
+    /// "program: reason" for each program that did not attach.
+    pub skipped: Vec<String>,
+}
+
+pub struct Attached {
+    pub ebpf: Ebpf,
+    pub status: Vec<SubsystemStatus>,
+    /// The processes traced from the start: the target and its live descendants.
+    pub targets: Vec<u32>,
+}
+
+pub struct Options {
+    pub pid: u32,
+    /// Subsystems to trace; `None` = all. Named subsystems that cannot attach are errors.
+    pub only: Option<Vec<String>>,
+    pub ring_bytes: u32,
+}
+
+/// Fails unless we are root or hold CAP_BPF + CAP_PERFMON (+ CAP_SYS_ADMIN for tracefs mounts).
+pub fn check_privileges() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return Ok(());
+    }
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .unwrap_or(0);
+    const CAP_PERFMON: u64 = 38;
+    const CAP_BPF: u64 = 39;
+    if eff & (1 << CAP_BPF) != 0 && eff & (1 << CAP_PERFMON) != 0 {
+        return Ok(());
+    }
+    bail!("probe needs root (or CAP_BPF and CAP_PERFMON) to load kernel programs: run it with sudo")
+}
+
+fn raise_memlock() {
+    let lim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: valid rlimit struct. Failure only matters on kernels before 5.11 (memcg accounting).
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) };
+}
+
+/// Check, load and attach everything for `opts.pid`. On error nothing stays loaded: the `Ebpf`
+/// owns every program, map and link and is dropped.
+pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
+    check_privileges()?;
+    if !procfs::exists(opts.pid) {
+        bail!("no process with pid {}: check the pid (e.g. `pgrep llama-server`)", opts.pid);
+    }
+    if let Some(only) = &opts.only {
+        for name in only {
+            if !SUBSYSTEMS.contains(&name.as_str()) {
+                bail!("unknown probe `{name}`: choose from {}", SUBSYSTEMS.join(", "));
+            }
+        }
+    }
+    let tracefs = tracefs::ensure_mounted().map_err(|e| anyhow!(e))?;
+    raise_memlock();
+
+    let mut ebpf = EbpfLoader::new()
+        .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
+        .load(OBJECT)
+        .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")?;
+
+    let mut targets = vec![opts.pid];
+    targets.extend(procfs::descendants(opts.pid));
+    {
+        let mut map: HashMap<_, u32, u8> =
+            HashMap::try_from(ebpf.map_mut(probe_common::maps::TARGETS).context("TARGETS map missing")?)?;
+        for &pid in &targets {
+            map.insert(pid, 1, 0).with_context(|| format!("cannot add pid {pid} to the target set"))?;
+        }
+    }
+    {
+        let mut ports: HashMap<_, u16, u8> =
+            HashMap::try_from(ebpf.map_mut(probe_common::maps::LISTEN_PORTS).context("LISTEN_PORTS map missing")?)?;
+        for &pid in &targets {
+            for port in procfs::listen_ports(pid) {
+                let _ = ports.insert(port, 1, 0);
+            }
+        }
+    }
+
+    let wanted = |sub: &str| opts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == sub));
+    let mut status: Vec<SubsystemStatus> = SUBSYSTEMS
+        .iter()
+        .filter(|s| wanted(s))
+        .map(|s| SubsystemStatus { name: s.to_string(), live: true, attached: vec![], skipped: vec![] })
+        .collect();
+    for spec in TABLE.iter().filter(|s| wanted(s.subsystem)) {
+        let result = attach_one(&mut ebpf, &tracefs, spec, &targets);
+        let st = status.iter_mut().find(|s| s.name == spec.subsystem).expect("subsystem in table");
+        match result {
+            Ok(()) => st.attached.push(spec.program.to_string()),
+            Err(why) => {
+                if spec.required {
+                    st.live = false;
+                }
+                st.skipped.push(format!("{}: {why:#}", spec.program));
+            }
+        }
+    }
+    for st in &status {
+        if !st.live && opts.only.is_some() {
+            bail!("probe `{}` cannot run here: {}", st.name, st.skipped.join("; "));
+        }
+    }
+    if !status.iter().any(|s| s.live) {
+        let why: Vec<String> = status.iter().flat_map(|s| s.skipped.clone()).collect();
+        bail!("no probe could attach: {}", why.join("; "));
+    }
+    Ok(Attached { ebpf, status, targets })
+}
+
+fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32]) -> anyhow::Result<()> {
+    let program = ebpf.program_mut(spec.program).ok_or_else(|| anyhow!("program missing from the object"))?;
+    match spec.how {
+        How::Tracepoint(layout) => {
+            let fmt = tracefs::format(tracefs, layout.group, layout.name).map_err(|e| anyhow!(e))?;
+            if let Some(why) = tracefs::check_layout(layout, &fmt) {
+                bail!("{}:{} layout differs from what probe was built for: {why}", layout.group, layout.name);
+            }
+            let p: &mut TracePoint = program.try_into()?;
+            p.load().context("verifier refused the program")?;
+            p.attach(layout.group, layout.name)?;
+        }
+        How::Plain(group, name) => {
+            tracefs::format(tracefs, group, name).map_err(|e| anyhow!(e))?;
+            let p: &mut TracePoint = program.try_into()?;
+            p.load().context("verifier refused the program")?;
+            p.attach(group, name)?;
+        }
+        How::Syscall(name) => {
+            let fmt = tracefs::format(tracefs, "syscalls", name).map_err(|e| anyhow!(e))?;
+            let ok = tracefs::parse_format(&fmt).iter().any(|f| f.offset == tp::SYSCALL_ARG0 && f.size == 8);
+            if !ok {
+                bail!("syscalls:{name} has no 8-byte field at offset {}", tp::SYSCALL_ARG0);
+            }
+            let p: &mut TracePoint = program.try_into()?;
+            p.load().context("verifier refused the program")?;
+            p.attach("syscalls", name)?;
+        }
+        How::PerfMajorFaults => {
+            let p: &mut PerfEvent = program.try_into()?;
+            p.load().context("verifier refused the program")?;
+            let mut n = 0;
+            for &pid in targets {
+                for tid in procfs::tasks(pid) {
+                    // Threads that exit between listing and opening are fine to miss.
+                    if p.attach(
+                        PerfEventConfig::Software(SoftwareEvent::PageFaultsMaj),
+                        PerfEventScope::OneProcess { pid: tid, cpu: None },
+                        SamplePolicy::Period(1),
+                        true,
+                    )
+                    .is_ok()
+                    {
+                        n += 1;
+                    } else if !procfs::exists(pid) {
+                        continue;
+                    } else if n == 0 {
+                        p.attach(
+                            PerfEventConfig::Software(SoftwareEvent::PageFaultsMaj),
+                            PerfEventScope::OneProcess { pid: tid, cpu: None },
+                            SamplePolicy::Period(1),
+                            true,
+                        )
+                        .context("perf_event_open(PAGE_FAULTS_MAJ) failed")?;
+                    }
+                }
+            }
+            if n == 0 {
+                bail!("no thread of the target could be watched for major faults");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! Readers of /proc: a process's mappings, threads, descendants, open files and listening ports.
+//! Parsers are pure functions over the file text, with tests.
+use std::{collections::HashSet, fs, path::Path};
+
+use serde::{Deserialize, Serialize};
+
+/// One line of /proc/PID/maps that maps a file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    pub offset: u64,
+    pub major: u32,
+    pub minor: u32,
+    pub inode: u64,
+    pub path: String,
+}
+
+/// File-backed mappings of /proc/PID/maps text (anonymous, [heap], [stack] ... are left out).
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines().filter_map(parse_maps_line).collect()
+}
+
+fn parse_maps_line(line: &str) -> Option<Mapping> {
+    let mut it = line.splitn(6, ' ');
+    let range = it.next()?;
+    let perms = it.next()?;
+    let offset = u64::from_str_radix(it.next()?, 16).ok()?;
+    let dev = it.next()?;
+    let inode: u64 = it.next()?.parse().ok()?;
+    let path = it.next().unwrap_or("").trim_start();
+    if inode == 0 || !path.starts_with('/') {
+        return None;
+    }
+    let (s, e) = range.split_once('-')?;
+    let (ma, mi) = dev.split_once(':')?;
+    Some(Mapping {
+        start: u64::from_str_radix(s, 16).ok()?,
+        end: u64::from_str_radix(e, 16).ok()?,
+        perms: perms.to_string(),
+        offset,
+        major: u32::from_str_radix(ma, 16).ok()?,
+        minor: u32::from_str_radix(mi, 16).ok()?,
+        inode,
+        path: path.to_string(),
+    })
+}
+
+pub fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
+    Ok(parse_maps(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
+}
+
+pub fn exists(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+pub fn comm(pid: u32) -> String {
+    fs::read_to_string(format!("/proc/{pid}/comm")).map(|s| s.trim_end().to_string()).unwrap_or_default()
+}
+
+pub fn cmdline(pid: u32) -> String {
+    fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| b.split(|&c| c == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s)).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Thread ids of a process.
+pub fn tasks(pid: u32) -> Vec<u32> {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// Parent pid from /proc/PID/stat text (the field after the parenthesised comm).
+pub fn parse_ppid(stat: &str) -> Option<u32> {
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Every live process below `root` (children, grandchildren ...), found by scanning /proc once.
+pub fn descendants(root: u32) -> Vec<u32> {
+    let mut parent = Vec::new();
+    for e in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if let Some(pp) = fs::read_to_string(format!("/proc/{pid}/stat")).ok().as_deref().and_then(parse_ppid) {
+            parent.push((pid, pp));
+        }
+    }
+    let mut set: HashSet<u32> = HashSet::from([root]);
+    let mut out = Vec::new();
+    loop {
+        let before = out.len();
+        for &(pid, pp) in &parent {
+            if set.contains(&pp) && set.insert(pid) {
+                out.push(pid);
+            }
+        }
+        if out.len() == before {
+            return out;
+        }
+    }
+}
+
+/// A file a process has open, identified the way the kernel's page cache sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenFile {
+    pub major: u32,
+    pub minor: u32,
+    pub inode: u64,
+    pub path: String,
+}
+
+/// Regular files open in /proc/PID/fd.
+pub fn open_files(pid: u32) -> Vec<OpenFile> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    for e in fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten() {
+        let Ok(meta) = fs::metadata(e.path()) else { continue };
+        if !meta.is_file() {
+            continue;
+        }
+        let Ok(target) = fs::read_link(e.path()) else { continue };
+        let dev = meta.dev();
+        out.push(OpenFile {
+            major: libc::major(dev),
+            minor: libc::minor(dev),
+            inode: meta.ino(),
+            path: target.display().to_string(),
+        });
+    }
+    out
+}
+
+/// Socket inodes among a process's fds ("socket:[12345]").
+pub fn socket_inodes(pid: u32) -> HashSet<u64> {
+    fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let l = fs::read_link(e.path()).ok()?;
+            l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+        })
+        .collect()
+}
+
+/// Local ports of LISTEN sockets in /proc/net/tcp{,6} text whose inode is in `inodes`.
+pub fn parse_listen_ports(text: &str, inodes: &HashSet<u64>) -> Vec<u16> {
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let port = u16::from_str_radix(f.get(1)?.rsplit_once(':')?.1, 16).ok()?;
+            let state = *f.get(3)?;
+            let inode: u64 = f.get(9)?.parse().ok()?;
+            (state == "0A" && inodes.contains(&inode)).then_some(port)
+        })
+        .collect()
+}
+
+/// TCP ports the process listens on.
+pub fn listen_ports(pid: u32) -> Vec<u16> {
+    let inodes = socket_inodes(pid);
+    let mut ports = Vec::new();
+    for f in ["tcp", "tcp6"] {
+        if let Ok(t) = fs::read_to_string(format!("/proc/{pid}/net/{f}")) {
+            ports.extend(parse_listen_ports(&t, &inodes));
+        }
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_keep_file_mappings_only() {
+        let text = "\
+55d0c0a00000-55d0c0a02000 r--p 00000000 fe:00 1311 /usr/bin/cat
+7f1c00000000-7f1c06000000 r--s 00001000 fe:00 98765 /root/.cache/probe/models/SmolLM2 135M.gguf
+7f1c06000000-7f1c06021000 rw-p 00000000 00:00 0 
+7ffd1c5e0000-7ffd1c601000 rw-p 00000000 00:00 0                          [stack]
+7f1c07000000-7f1c07001000 rw-s 00000000 00:01 4242 /dev/zero (deleted)
+";
+        let m = parse_maps(text);
+        assert_eq!(m.len(), 3);
+        assert_eq!(m[0].start, 0x55d0c0a00000);
+        assert_eq!((m[1].major, m[1].minor, m[1].inode), (0xfe, 0, 98765));
+        assert_eq!(m[1].offset, 0x1000);
+        assert_eq!(m[1].path, "/root/.cache/probe/models/SmolLM2 135M.gguf");
+        assert_eq!(m[2].path, "/dev/zero (deleted)");
+    }
+
+    #[test]
+    fn ppid_survives_odd_comm() {
+        assert_eq!(parse_ppid("1234 (a) b (c)) S 77 1234 1234 0 -1"), Some(77));
+    }
+
+    #[test]
+    fn listen_ports_match_own_inodes() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5555 1 0 100 0 0 10 0
+   1: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 6666 1 0 100 0 0 10 0
+   2: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 5555 1 0 100 0 0 10 0
+";
+        assert_eq!(parse_listen_ports(text, &HashSet::from([5555])), vec![8080]);
+    }
+}

@@ -1,0 +1,576 @@
+//! The analysis: a recording in, a [`Report`] out (pure), and its human summary. `probe trace`
+//! and `probe report DIR` both go through [`build`], so the two always agree.
+use std::collections::{BTreeMap, HashMap};
+
+use probe_common::{
+    blockio::BlockIoEvent,
+    fault::FAULT_MAJOR,
+    mmap::MmapOp,
+    proc::{PROC_EXEC, PROC_EXIT, PROC_FORK},
+    sock::*,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{decode::Event, procfs::Mapping, recording::Recording};
+
+/// Most memory-map rows listed one by one; the counts cover all.
+pub const MAX_MMAP_ROWS: usize = 2000;
+/// A block read is charged to the file its thread last added to the page cache this recently.
+const FILE_IO_WINDOW_NS: u64 = 100_000_000;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    pub target: Target,
+    pub duration_s: f64,
+    pub events: u64,
+    pub files: Vec<FileStat>,
+    pub blockio: BlockIo,
+    pub faults: Faults,
+    pub mmap_counts: BTreeMap<String, u64>,
+    pub mmaps: Vec<MmapRow>,
+    pub mmaps_not_listed: u64,
+    pub connections: Vec<Connection>,
+    pub lost_events: BTreeMap<String, u64>,
+    pub counters: BTreeMap<String, u64>,
+    pub probes: Value,
+    pub problems: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Target {
+    pub pid: u32,
+    pub comm: String,
+    pub cmdline: String,
+    pub processes: Vec<Process>,
+    pub end_reason: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Process {
+    pub pid: u32,
+    pub parent: Option<u32>,
+    pub comm: String,
+    /// ms after the trace started; None when it was there from the start.
+    pub forked_ms: Option<f64>,
+    pub exec_ms: Option<f64>,
+    pub exited_ms: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FileStat {
+    pub path: String,
+    pub dev: String,
+    pub inode: u64,
+    pub major_faults: u64,
+    /// Bytes this file added to the page cache for the target (pages read from storage).
+    pub read_bytes: u64,
+    /// Block read requests charged to this file, and their device time (issue → complete).
+    pub block_reads: u64,
+    pub io_time_ms: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BlockIo {
+    pub requests: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub devices: Vec<Device>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Device {
+    pub dev: String,
+    pub name: Option<String>,
+    pub requests: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    /// Issue → complete, µs.
+    pub latency_us: Percentiles,
+    /// Insert → issue (time in the IO scheduler), µs, for requests that went through one.
+    pub queue_us: Percentiles,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Percentiles {
+    pub count: u64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Faults {
+    pub major: u64,
+    /// User faults that were not major; None when the user-fault counter was not attached.
+    pub minor: Option<u64>,
+    /// Major faults whose address is in no file mapping probe saw (anonymous memory, swap).
+    pub major_unresolved: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MmapRow {
+    pub t_ms: f64,
+    pub pid: u32,
+    pub tid: u32,
+    pub op: String,
+    pub addr: String,
+    pub len: u64,
+    pub path: Option<String>,
+    /// 0 on success, -errno on failure (mmap/mremap: 0 when an address came back).
+    pub error: i64,
+    pub result_addr: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Connection {
+    pub local: String,
+    pub peer: String,
+    pub pid: Option<u32>,
+    pub opened_ms: Option<f64>,
+    pub closed_ms: Option<f64>,
+    /// "local", "peer", or "none" (still open when the trace ended).
+    pub closed_by: String,
+    /// "none", "sent" or "received".
+    pub reset: String,
+    pub states: Vec<String>,
+}
+
+pub fn state_name(s: i32) -> &'static str {
+    match s {
+        TCP_ESTABLISHED => "ESTABLISHED",
+        TCP_SYN_SENT => "SYN_SENT",
+        TCP_SYN_RECV => "SYN_RECV",
+        TCP_FIN_WAIT1 => "FIN_WAIT1",
+        TCP_FIN_WAIT2 => "FIN_WAIT2",
+        TCP_TIME_WAIT => "TIME_WAIT",
+        TCP_CLOSE => "CLOSE",
+        TCP_CLOSE_WAIT => "CLOSE_WAIT",
+        TCP_LAST_ACK => "LAST_ACK",
+        TCP_LISTEN => "LISTEN",
+        TCP_CLOSING => "CLOSING",
+        _ => "UNKNOWN",
+    }
+}
+
+fn kdev(dev: u32) -> (u32, u32) {
+    (dev >> 20, dev & 0xfffff)
+}
+
+fn percentiles(mut v: Vec<f64>) -> Percentiles {
+    if v.is_empty() {
+        return Percentiles::default();
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    Percentiles { count: v.len() as u64, p50: at(0.50), p90: at(0.90), p99: at(0.99), max: v[v.len() - 1] }
+}
+
+fn addr_str(family: u16, a: &[u8; 16], port: u16) -> String {
+    if family == AF_INET6 {
+        format!("[{}]:{port}", std::net::Ipv6Addr::from(*a))
+    } else {
+        format!("{}.{}.{}.{}:{port}", a[0], a[1], a[2], a[3])
+    }
+}
+
+/// Mapping snapshots per pid, in time order, to name the file behind an address at a time.
+#[derive(Default)]
+struct MapHistory {
+    by_pid: HashMap<u32, Vec<(u64, Vec<Mapping>)>>,
+}
+
+impl MapHistory {
+    /// The mapping that covered `addr` in `pid` at `ts`: the latest snapshot at or before `ts`
+    /// that has it, else the earliest after (a mapping is read from /proc just after its mmap).
+    fn find(&self, pid: u32, ts: u64, addr: u64) -> Option<&Mapping> {
+        let snaps = self.by_pid.get(&pid)?;
+        let split = snaps.partition_point(|(t, _)| *t <= ts);
+        fn hit(snap: &(u64, Vec<Mapping>), addr: u64) -> Option<&Mapping> {
+            snap.1.iter().find(|m| m.start <= addr && addr < m.end)
+        }
+        snaps[..split].iter().rev().find_map(|s| hit(s, addr)).or_else(|| snaps[split..].iter().find_map(|s| hit(s, addr)))
+    }
+}
+
+fn json_u64(v: &Value, k: &str) -> u64 {
+    v.get(k).and_then(Value::as_u64).unwrap_or(0)
+}
+
+pub fn build(rec: &Recording) -> Report {
+    let mut r = Report { problems: rec.problems.clone(), ..Default::default() };
+    let meta = rec.json.iter().find(|v| v["type"] == "meta").cloned().unwrap_or(Value::Null);
+    if meta.is_null() {
+        r.problems.push("the recording has no meta record: target details are unknown".into());
+    }
+    let start = json_u64(&meta, "start_ns");
+    let page_size = meta.get("page_size").and_then(Value::as_u64).unwrap_or(4096);
+    let ms = |ts: u64| (ts.saturating_sub(start)) as f64 / 1e6;
+    r.target.pid = json_u64(&meta, "pid") as u32;
+    r.target.comm = meta["comm"].as_str().unwrap_or_default().to_string();
+    r.target.cmdline = meta["cmdline"].as_str().unwrap_or_default().to_string();
+    r.probes = meta.get("probes").cloned().unwrap_or(Value::Null);
+    let dev_names: HashMap<String, String> = meta
+        .get("block_devices")
+        .and_then(Value::as_object)
+        .map(|o| o.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+        .unwrap_or_default();
+
+    // Userspace records: mappings over time, open files, the last counters, the end.
+    let mut maps = MapHistory::default();
+    let mut file_names: HashMap<(u32, u32, u64), String> = HashMap::new();
+    let mut end_ts = start;
+    for v in &rec.json {
+        end_ts = end_ts.max(json_u64(v, "ts_ns"));
+        match v["type"].as_str() {
+            Some("maps") => {
+                let list: Vec<Mapping> = serde_json::from_value(v["mappings"].clone()).unwrap_or_default();
+                for m in &list {
+                    file_names.entry((m.major, m.minor, m.inode)).or_insert_with(|| m.path.clone());
+                }
+                maps.by_pid.entry(json_u64(v, "pid") as u32).or_default().push((json_u64(v, "ts_ns"), list));
+            }
+            Some("files") => {
+                for f in v["files"].as_array().into_iter().flatten() {
+                    let key = (json_u64(f, "major") as u32, json_u64(f, "minor") as u32, json_u64(f, "inode"));
+                    file_names.entry(key).or_insert_with(|| f["path"].as_str().unwrap_or_default().to_string());
+                }
+            }
+            Some("stats") => {
+                for (k, out) in [("lost", &mut r.lost_events), ("counters", &mut r.counters)] {
+                    if let Some(o) = v[k].as_object() {
+                        *out = o.iter().map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0))).collect();
+                    }
+                }
+            }
+            Some("end") => r.target.end_reason = v["reason"].as_str().map(String::from),
+            _ => {}
+        }
+    }
+    for snaps in maps.by_pid.values_mut() {
+        snaps.sort_by_key(|(t, _)| *t);
+    }
+    if rec.json.iter().all(|v| v["type"] != "end") {
+        r.problems.push("the recording has no end record: probe did not stop cleanly (killed?); the report covers what was written".into());
+    }
+
+    let mut events: Vec<&Event> = rec.events.iter().collect();
+    events.sort_by_key(|e| e.header().ts_ns);
+    r.events = events.len() as u64;
+    if let Some(last) = events.last() {
+        end_ts = end_ts.max(last.header().ts_ns);
+    }
+    r.duration_s = end_ts.saturating_sub(start) as f64 / 1e9;
+
+    let mut files: HashMap<(u32, u32, u64), FileStat> = HashMap::new();
+    fn file_of<'a>(files: &'a mut HashMap<(u32, u32, u64), FileStat>, names: &HashMap<(u32, u32, u64), String>, key: (u32, u32, u64)) -> &'a mut FileStat {
+        files.entry(key).or_insert_with(|| FileStat {
+            path: names.get(&key).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", key.2, key.0, key.1)),
+            dev: format!("{}:{}", key.0, key.1),
+            inode: key.2,
+            ..Default::default()
+        })
+    }
+    // Page-cache fills per thread, to charge block reads to files.
+    let mut fills_by_tid: HashMap<u32, Vec<(u64, (u32, u32, u64))>> = HashMap::new();
+    let mut blocks: Vec<&BlockIoEvent> = Vec::new();
+    let mut procs: BTreeMap<u32, Process> = BTreeMap::new();
+    for pid in meta["targets"].as_array().into_iter().flatten().filter_map(Value::as_u64) {
+        let pid = pid as u32;
+        let comm = if pid == r.target.pid { r.target.comm.clone() } else { String::new() };
+        procs.insert(pid, Process { pid, comm, ..Default::default() });
+    }
+    let mut conns: Vec<(u64, Connection, bool)> = Vec::new(); // (skaddr, row, open)
+    let mut conn_index: HashMap<u64, usize> = HashMap::new();
+
+    for ev in &events {
+        match ev {
+            Event::Fault(f) if f.flags & FAULT_MAJOR != 0 => {
+                r.faults.major += 1;
+                match maps.find(f.hdr.pid, f.hdr.ts_ns, f.addr) {
+                    Some(m) => file_of(&mut files, &file_names, (m.major, m.minor, m.inode)).major_faults += 1,
+                    None => r.faults.major_unresolved += 1,
+                }
+            }
+            Event::Fault(_) => {}
+            Event::Filemap(f) => {
+                let (ma, mi) = kdev(f.dev);
+                let key = (ma, mi, f.ino);
+                file_of(&mut files, &file_names, key).read_bytes += page_size << f.order;
+                fills_by_tid.entry(f.hdr.tid).or_default().push((f.hdr.ts_ns, key));
+            }
+            Event::BlockIo(b) => blocks.push(b),
+            Event::Mmap(m) => {
+                let op = MmapOp::try_from(m.op).map(|o| o.name().to_string()).unwrap_or_else(|n| format!("op{n}"));
+                *r.mmap_counts.entry(op.clone()).or_default() += 1;
+                if r.mmaps.len() >= MAX_MMAP_ROWS {
+                    r.mmaps_not_listed += 1;
+                    continue;
+                }
+                let returns_addr = matches!(MmapOp::try_from(m.op), Ok(MmapOp::Mmap | MmapOp::Mremap));
+                let ok_addr = returns_addr && !(-4095..0).contains(&m.ret);
+                let path = if ok_addr {
+                    maps.find(m.hdr.pid, m.hdr.ts_ns, m.ret as u64).map(|x| x.path.clone())
+                } else if m.ret == 0 && !returns_addr {
+                    maps.find(m.hdr.pid, m.enter_ns, m.addr).map(|x| x.path.clone())
+                } else {
+                    None
+                };
+                r.mmaps.push(MmapRow {
+                    t_ms: ms(m.hdr.ts_ns),
+                    pid: m.hdr.pid,
+                    tid: m.hdr.tid,
+                    op,
+                    addr: format!("{:#x}", m.addr),
+                    len: m.len,
+                    path: if returns_addr && m.fd < 0 { None } else { path },
+                    error: if ok_addr || (!returns_addr && m.ret == 0) { 0 } else { m.ret },
+                    result_addr: ok_addr.then(|| format!("{:#x}", m.ret)),
+                });
+            }
+            Event::Proc(p) => {
+                let t = ms(p.hdr.ts_ns);
+                let comm = String::from_utf8_lossy(p.comm.split(|&c| c == 0).next().unwrap_or_default()).to_string();
+                match p.op {
+                    PROC_FORK => {
+                        procs.insert(p.child, Process { pid: p.child, parent: Some(p.hdr.pid), comm, forked_ms: Some(t), ..Default::default() });
+                    }
+                    PROC_EXEC => {
+                        let e = procs.entry(p.hdr.pid).or_insert_with(|| Process { pid: p.hdr.pid, ..Default::default() });
+                        e.exec_ms = Some(t);
+                        e.comm = comm;
+                    }
+                    PROC_EXIT => {
+                        let e = procs.entry(p.hdr.pid).or_insert_with(|| Process { pid: p.hdr.pid, comm, ..Default::default() });
+                        e.exited_ms = Some(t);
+                    }
+                    _ => {}
+                }
+            }
+            Event::Sock(s) => sock_event(s, &mut conns, &mut conn_index, &ms),
+        }
+    }
+
+    // Block IO: totals, per device, and per file by the thread that filled the page cache.
+    let mut devs: BTreeMap<u32, (Device, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    for b in &blocks {
+        let rwbs = String::from_utf8_lossy(b.rwbs.split(|&c| c == 0).next().unwrap_or_default()).to_string();
+        let (read, write) = (rwbs.contains('R'), rwbs.contains('W'));
+        r.blockio.requests += 1;
+        let (ma, mi) = kdev(b.dev);
+        let e = devs.entry(b.dev).or_insert_with(|| {
+            let dev = format!("{ma}:{mi}");
+            (Device { name: dev_names.get(&dev).cloned(), dev, ..Default::default() }, vec![], vec![])
+        });
+        e.0.requests += 1;
+        if read {
+            r.blockio.read_bytes += b.bytes as u64;
+            e.0.read_bytes += b.bytes as u64;
+        } else if write {
+            r.blockio.write_bytes += b.bytes as u64;
+            e.0.write_bytes += b.bytes as u64;
+        }
+        let device_ns = b.complete_ns.saturating_sub(b.issue_ns);
+        e.1.push(device_ns as f64 / 1e3);
+        if b.insert_ns != 0 {
+            e.2.push(b.issue_ns.saturating_sub(b.insert_ns) as f64 / 1e3);
+        }
+        if read {
+            let at = if b.insert_ns != 0 { b.insert_ns } else { b.issue_ns };
+            let fill = fills_by_tid.get(&b.hdr.tid).and_then(|v| {
+                let i = v.partition_point(|(t, _)| *t <= at);
+                i.checked_sub(1).map(|i| v[i]).filter(|(t, _)| at - t <= FILE_IO_WINDOW_NS)
+            });
+            if let Some((_, key)) = fill {
+                let f = file_of(&mut files, &file_names, key);
+                f.block_reads += 1;
+                f.io_time_ms += device_ns as f64 / 1e6;
+            }
+        }
+    }
+    r.blockio.devices = devs
+        .into_values()
+        .map(|(mut d, lat, q)| {
+            d.latency_us = percentiles(lat);
+            d.queue_us = percentiles(q);
+            d
+        })
+        .collect();
+
+    r.files = files.into_values().collect();
+    r.files.sort_by(|a, b| b.read_bytes.cmp(&a.read_bytes).then(b.major_faults.cmp(&a.major_faults)).then(a.path.cmp(&b.path)));
+    r.faults.minor = r.counters.get("user_faults").map(|&all| all.saturating_sub(r.faults.major));
+    r.connections = conns.into_iter().map(|(_, c, _)| c).collect();
+    r.target.processes = procs.into_values().collect();
+    let lost: u64 = r.lost_events.values().sum();
+    if lost > 0 {
+        r.problems.push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
+    }
+    r
+}
+
+fn sock_event(
+    s: &SockEvent,
+    conns: &mut Vec<(u64, Connection, bool)>,
+    index: &mut HashMap<u64, usize>,
+    ms: &dyn Fn(u64) -> f64,
+) {
+    let is_listener = s.what == SOCK_STATE && (s.newstate == TCP_LISTEN || s.oldstate == TCP_LISTEN);
+    if is_listener {
+        return;
+    }
+    let i = match index.get(&s.skaddr) {
+        Some(&i) if conns[i].2 => i,
+        _ => {
+            conns.push((
+                s.skaddr,
+                Connection {
+                    local: addr_str(s.family, &s.saddr, s.sport),
+                    peer: addr_str(s.family, &s.daddr, s.dport),
+                    closed_by: "none".into(),
+                    reset: "none".into(),
+                    ..Default::default()
+                },
+                true,
+            ));
+            index.insert(s.skaddr, conns.len() - 1);
+            conns.len() - 1
+        }
+    };
+    let (_, c, open) = &mut conns[i];
+    if s.hdr.pid != 0 && c.pid.is_none() {
+        c.pid = Some(s.hdr.pid);
+    }
+    let t = ms(s.hdr.ts_ns);
+    let mut set_closer = |who: &str| {
+        if c.closed_by == "none" {
+            c.closed_by = who.into();
+        }
+    };
+    match s.what {
+        SOCK_RESET_RECEIVED => {
+            set_closer("peer");
+            if c.reset == "none" {
+                c.reset = "received".into();
+            }
+        }
+        SOCK_RESET_SENT => {
+            set_closer("local");
+            if c.reset == "none" {
+                c.reset = "sent".into();
+            }
+        }
+        _ => {
+            if c.states.is_empty() {
+                c.states.push(state_name(s.oldstate).into());
+            }
+            c.states.push(state_name(s.newstate).into());
+            if matches!(s.newstate, TCP_ESTABLISHED | TCP_SYN_SENT) && c.opened_ms.is_none() {
+                c.opened_ms = Some(t);
+            }
+            match (s.oldstate, s.newstate) {
+                (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_FIN_WAIT1) => set_closer("local"),
+                (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_CLOSE_WAIT) => set_closer("peer"),
+                (_, TCP_CLOSE) => set_closer(if s.in_target != 0 { "local" } else { "peer" }),
+                _ => {}
+            }
+            if s.newstate == TCP_CLOSE {
+                c.closed_ms = Some(t);
+                *open = false;
+            }
+        }
+    }
+}
+
+fn bytes(n: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < U.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{n} B") } else { format!("{v:.1} {}", U[u]) }
+}
+
+/// The human summary printed by `probe trace` and `probe report`.
+pub fn render(r: &Report) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "probe report: pid {} ({}), {:.1} s, {} events{}",
+        r.target.pid,
+        r.target.comm,
+        r.duration_s,
+        r.events,
+        r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default()
+    );
+    let forked: Vec<String> = r.target.processes.iter().filter(|p| p.pid != r.target.pid).map(|p| format!("{} ({})", p.pid, p.comm)).collect();
+    if !forked.is_empty() {
+        let _ = writeln!(o, "  also traced: {}", forked.join(", "));
+    }
+    let _ = writeln!(o, "\nFiles read (largest first):");
+    if r.files.is_empty() {
+        let _ = writeln!(o, "  none: nothing was read from storage through the page cache");
+    } else {
+        let _ = writeln!(o, "  {:>12} {:>11} {:>8} {:>10}  path", "major faults", "read", "reads", "io time");
+        for f in r.files.iter().take(20) {
+            let _ = writeln!(o, "  {:>12} {:>11} {:>8} {:>7.1} ms  {}", f.major_faults, bytes(f.read_bytes), f.block_reads, f.io_time_ms, f.path);
+        }
+        if r.files.len() > 20 {
+            let _ = writeln!(o, "  ... {} more in report.json", r.files.len() - 20);
+        }
+    }
+    let b = &r.blockio;
+    let _ = writeln!(o, "\nBlock IO: {} requests, {} read, {} written", b.requests, bytes(b.read_bytes), bytes(b.write_bytes));
+    for d in &b.devices {
+        let _ = writeln!(
+            o,
+            "  {} {}: {} requests, device latency p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
+            d.dev,
+            d.name.as_deref().unwrap_or(""),
+            d.requests,
+            d.latency_us.p50,
+            d.latency_us.p90,
+            d.latency_us.p99,
+            d.latency_us.max
+        );
+    }
+    let minor = r.faults.minor.map(|m| m.to_string()).unwrap_or_else(|| "not counted".into());
+    let _ = writeln!(o, "\nPage faults: {} major ({} outside file mappings), {minor} minor", r.faults.major, r.faults.major_unresolved);
+    let counts: Vec<String> = r.mmap_counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
+    let _ = writeln!(o, "\nMemory maps: {}", if counts.is_empty() { "none".into() } else { counts.join(", ") });
+    for m in r.mmaps.iter().filter(|m| m.path.is_some() && m.op == "mmap").take(10) {
+        let _ = writeln!(o, "  +{:.3} s pid {} mmap {} {}", m.t_ms / 1e3, m.pid, bytes(m.len), m.path.as_deref().unwrap_or(""));
+    }
+    let _ = writeln!(o, "\nTCP connections: {}", r.connections.len());
+    for c in r.connections.iter().take(30) {
+        let how = match (c.closed_by.as_str(), c.reset.as_str()) {
+            ("none", _) => "still open".to_string(),
+            (by, "none") => format!("closed by {by}"),
+            (by, rst) => format!("closed by {by} (reset {rst})"),
+        };
+        let _ = writeln!(o, "  {} <-> {}  {how}", c.local, c.peer);
+    }
+    if r.connections.len() > 30 {
+        let _ = writeln!(o, "  ... {} more in report.json", r.connections.len() - 30);
+    }
+    let lost: u64 = r.lost_events.values().sum();
+    if lost == 0 {
+        let _ = writeln!(o, "\nLost events: none");
+    } else {
+        let per: Vec<String> = r.lost_events.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
+        let _ = writeln!(o, "\nLost events: {lost} ({})", per.join(", "));
+    }
+    for p in r.probes.as_array().into_iter().flatten() {
+        if p["live"] == false {
+            let _ = writeln!(o, "Skipped probe {}: {}", p["name"].as_str().unwrap_or("?"), p["skipped"]);
+        }
+    }
+    for p in &r.problems {
+        let _ = writeln!(o, "Note: {p}");
+    }
+    o
+}
