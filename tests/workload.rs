@@ -1,1 +1,185 @@
-fn main(){}
+//! Workloads with a known answer, for probe's kernel tests and benchmark. Each prints `ready PID`,
+//! waits for a line on stdin (so the tracer can attach first), does exactly what it says, prints
+//! `done ...` with what it did, and exits.
+//!
+//!   probe-workload cold-mmap FILE PAGES      evict FILE, map it MADV_RANDOM, touch PAGES pages
+//!   probe-workload tcp ADDR close|wait-reset connect; close first, or wait for the peer's RST
+//!   probe-workload fork-mmap N LEN           a forked child does N mmap+munmap of LEN bytes
+//!   probe-workload mmap-loop SECONDS         mmap+munmap in a tight loop (event-rate benchmark)
+//!   probe-workload demo FILE ADDR            the README demo: cold file reads + a TCP exchange
+use std::{
+    fs::{File, OpenOptions},
+    io::{BufRead, Read, Write},
+    net::TcpStream,
+    os::fd::AsRawFd,
+    time::{Duration, Instant},
+};
+
+const PAGE: usize = 4096;
+/// Pages between two touched pages: far apart, so no readahead or fault-around joins them.
+const STRIDE: usize = 16;
+
+fn wait_for_go() {
+    println!("ready {}", std::process::id());
+    std::io::stdout().flush().ok();
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).ok();
+}
+
+fn die(msg: String) -> ! {
+    eprintln!("probe-workload: {msg}");
+    std::process::exit(2)
+}
+
+/// Make FILE at least `bytes` long, on disk, and not in the page cache.
+fn make_cold(path: &str, bytes: usize) -> File {
+    let mut f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).unwrap_or_else(|e| die(format!("open {path}: {e}")));
+    let len = f.metadata().map(|m| m.len() as usize).unwrap_or(0);
+    if len < bytes {
+        let chunk = vec![0xa5u8; 1 << 20];
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            f.write_all(&chunk[..n]).unwrap_or_else(|e| die(format!("write {path}: {e}")));
+            left -= n;
+        }
+    }
+    f.sync_all().unwrap_or_else(|e| die(format!("fsync {path}: {e}")));
+    // SAFETY: valid fd; DONTNEED drops clean, unmapped pages of this file from the page cache.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc != 0 {
+        die(format!("posix_fadvise: {rc}"));
+    }
+    f
+}
+
+fn resident_pages(addr: *mut libc::c_void, len: usize) -> usize {
+    let mut vec = vec![0u8; len.div_ceil(PAGE)];
+    // SAFETY: addr/len describe a live mapping; vec has one byte per page.
+    unsafe { libc::mincore(addr, len, vec.as_mut_ptr()) };
+    vec.iter().filter(|&&b| b & 1 != 0).count()
+}
+
+fn cold_mmap(path: &str, pages: usize) {
+    let len = pages * STRIDE * PAGE;
+    let f = make_cold(path, len);
+    wait_for_go();
+    // SAFETY: mapping a file we own read-only; the pointer is only read within `len`.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        die(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: p/len is the mapping made above.
+    unsafe { libc::madvise(p, len, libc::MADV_RANDOM) };
+    let cold_before = resident_pages(p, len);
+    let mut sum = 0u64;
+    for i in 0..pages {
+        // SAFETY: i * STRIDE * PAGE < len.
+        sum += unsafe { std::ptr::read_volatile((p as *const u8).add(i * STRIDE * PAGE)) } as u64;
+    }
+    let resident = resident_pages(p, len);
+    // SAFETY: unmapping what we mapped.
+    unsafe { libc::munmap(p, len) };
+    println!("done touched={pages} resident_before={cold_before} resident_after={resident} sum={sum}");
+}
+
+fn tcp(addr: &str, mode: &str) {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| die(format!("connect {addr}: {e}")));
+    println!("local {}", s.local_addr().map(|a| a.to_string()).unwrap_or_default());
+    wait_for_go();
+    s.write_all(b"hello\n").ok();
+    match mode {
+        "close" => {
+            drop(s);
+            println!("done closed");
+        }
+        "wait-reset" => {
+            let mut buf = [0u8; 64];
+            let r = s.read(&mut buf);
+            println!("done read={r:?}");
+        }
+        _ => die(format!("unknown tcp mode {mode}")),
+    }
+}
+
+fn map_unmap(len: usize) {
+    // SAFETY: anonymous private mapping, unmapped right after.
+    unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        if p == libc::MAP_FAILED {
+            die("mmap failed".into());
+        }
+        libc::munmap(p, len);
+    }
+}
+
+fn fork_mmap(n: usize, len: usize) {
+    wait_for_go();
+    // SAFETY: the child only makes syscalls and exits with _exit.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        for _ in 0..n {
+            map_unmap(len);
+        }
+        // SAFETY: leave without running the parent's exit handlers.
+        unsafe { libc::_exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    println!("done child={child} n={n} len={len}");
+}
+
+fn mmap_loop(secs: f64) {
+    wait_for_go();
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < Duration::from_secs_f64(secs) {
+        for _ in 0..1000 {
+            map_unmap(PAGE);
+        }
+        n += 1000;
+    }
+    println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
+}
+
+fn demo(path: &str, addr: &str) {
+    let pages = 256;
+    let len = pages * STRIDE * PAGE;
+    let f = make_cold(path, len);
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: as in cold_mmap.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        die(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: p/len is the mapping made above.
+    unsafe { libc::madvise(p, len, libc::MADV_RANDOM) };
+    let mut sum = 0u64;
+    for i in 0..pages {
+        // SAFETY: in bounds of the mapping.
+        sum += unsafe { std::ptr::read_volatile((p as *const u8).add(i * STRIDE * PAGE)) } as u64;
+    }
+    // SAFETY: unmapping what we mapped.
+    unsafe { libc::munmap(p, len) };
+    if let Ok(mut s) = TcpStream::connect(addr) {
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n").ok();
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).ok();
+    }
+    println!("done sum={sum}");
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let arg = |i: usize| a.get(i).cloned().unwrap_or_else(|| die(format!("missing argument {i}; see the file's doc comment")));
+    let num = |i: usize| arg(i).parse::<usize>().unwrap_or_else(|_| die(format!("argument {i} must be a number")));
+    match arg(1).as_str() {
+        "cold-mmap" => cold_mmap(&arg(2), num(3)),
+        "tcp" => tcp(&arg(2), &arg(3)),
+        "fork-mmap" => fork_mmap(num(2), num(3)),
+        "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
+        "demo" => demo(&arg(2), &arg(3)),
+        other => die(format!("unknown workload {other}")),
+    }
+}

@@ -4,6 +4,7 @@
 
 pub mod blockio;
 pub mod fault;
+pub mod kernel;
 pub mod filemap;
 pub mod mmap;
 pub mod proc;
@@ -144,4 +145,5 @@ mod pod {
     unsafe impl aya::Pod for crate::sock::SockEvent {}
     unsafe impl aya::Pod for crate::proc::ProcEvent {}
     unsafe impl aya::Pod for crate::filemap::FilemapEvent {}
+    unsafe impl aya::Pod for crate::kernel::KernelOffsets {}
 }

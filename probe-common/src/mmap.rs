@@ -6,7 +6,7 @@ use crate::{EventHeader, EventKind, Record};
 /// arg2=new_len, arg3=flags, arg4=new_addr) · madvise(addr, len, arg2=advice) ·
 /// mlock/munlock(addr, len) · mlock2(addr, len, arg2=flags) · mprotect(addr, len, arg2=prot).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MmapEvent {
     pub hdr: EventHeader,
     /// [`MmapOp`] as u32.
@@ -22,8 +22,15 @@ pub struct MmapEvent {
     pub ret: i64,
     /// Entry timestamp (the header carries the exit time).
     pub enter_ns: u64,
+    /// mmap of a file: the file's inode and kernel dev_t (major << 20 | minor), read in the
+    /// kernel from the fd at entry, so the file is known even if it is unmapped at once.
+    pub ino: u64,
+    pub dev: u32,
+    pub _pad: u32,
+    /// mmap of a file: its base name, NUL padded (the full path comes from /proc when it can).
+    pub name: [u8; crate::kernel::NAME_LEN],
 }
-const _: () = assert!(core::mem::size_of::<MmapEvent>() == 88);
+const _: () = assert!(core::mem::size_of::<MmapEvent>() == 152);
 impl Record for MmapEvent {
     const KIND: EventKind = EventKind::Mmap;
 }
@@ -75,7 +82,7 @@ impl TryFrom<u32> for MmapOp {
 
 /// Saved at syscall entry, keyed by tid, consumed at exit.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MmapArgs {
     pub op: u32,
     pub fd: i32,
@@ -85,4 +92,17 @@ pub struct MmapArgs {
     pub arg3: u64,
     pub arg4: u64,
     pub enter_ns: u64,
+    pub ino: u64,
+    pub dev: u32,
+    pub _pad: u32,
+    pub name: [u8; crate::kernel::NAME_LEN],
+}
+
+impl Default for MmapEvent {
+    fn default() -> Self {
+        Self {
+            hdr: Default::default(), op: 0, fd: -1, addr: 0, len: 0, arg2: 0, arg3: 0, arg4: 0, ret: 0,
+            enter_ns: 0, ino: 0, dev: 0, _pad: 0, name: [0; crate::kernel::NAME_LEN],
+        }
+    }
 }

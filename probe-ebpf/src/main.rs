@@ -9,6 +9,7 @@ mod filemap;
 mod mmap;
 mod proc;
 mod sock;
+mod task;
 
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns},

@@ -3,11 +3,12 @@
 //! The file behind a mapping is resolved in userspace from /proc/PID/maps right after.
 use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
 use probe_common::{
+    kernel::NAME_LEN,
     mmap::{MmapArgs, MmapEvent, MmapOp},
     tracepoints::{SYSCALL_ARG0, SYSCALL_RET},
 };
 
-use crate::{current_target, emit, field, header, insert, now_ns};
+use crate::{current_target, emit, field, header, insert, now_ns, task::file_of_fd};
 
 /// Arguments of a syscall in progress, by tid.
 #[map(name = "MMAP_ARGS")]
@@ -24,17 +25,19 @@ fn enter(ctx: &TracePointContext, op: MmapOp, nargs: usize) -> Result<(), i64> {
         }
         i += 1;
     }
-    let args = match op {
-        // mmap(addr, len, prot, flags, fd, off)
-        MmapOp::Mmap => MmapArgs {
-            op: op as u32, fd: a[4] as i32, addr: a[0], len: a[1], arg2: a[2], arg3: a[3], arg4: a[5],
-            enter_ns: now_ns(),
-        },
-        _ => MmapArgs {
-            op: op as u32, fd: -1, addr: a[0], len: a[1], arg2: a[2], arg3: a[3], arg4: a[4],
-            enter_ns: now_ns(),
-        },
+    let mut args = MmapArgs {
+        op: op as u32, fd: -1, addr: a[0], len: a[1], arg2: a[2], arg3: a[3], arg4: a[4],
+        enter_ns: now_ns(), ino: 0, dev: 0, _pad: 0, name: [0; NAME_LEN],
     };
+    // mmap(addr, len, prot, flags, fd, off): name the file while the fd surely exists.
+    if let MmapOp::Mmap = op {
+        args.fd = a[4] as i32;
+        args.arg4 = a[5];
+        if let Some((ino, dev)) = file_of_fd(args.fd, &mut args.name) {
+            args.ino = ino;
+            args.dev = dev;
+        }
+    }
     insert(&MMAP_ARGS, &tid, &args);
     Ok(())
 }
@@ -56,6 +59,10 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
         arg4: a.arg4,
         ret: field(ctx, SYSCALL_RET)?,
         enter_ns: a.enter_ns,
+        ino: a.ino,
+        dev: a.dev,
+        _pad: 0,
+        name: a.name,
     };
     emit(&ev);
     Ok(())

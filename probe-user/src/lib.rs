@@ -2,6 +2,7 @@
 //! probes (load + attach table), collector (ring buffer → recording), recording (the on-disk
 //! format), report (analysis, pure), and the /proc and tracefs readers they need.
 
+pub mod btf;
 pub mod collector;
 pub mod decode;
 pub mod doctor;

@@ -150,8 +150,19 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     let tracefs = tracefs::ensure_mounted().map_err(|e| anyhow!(e))?;
     raise_memlock();
 
+    // Struct offsets for naming the file behind an fd; without BTF the mmap probe still runs
+    // and files are named from /proc alone.
+    let (koff, koff_note) = match crate::btf::Btf::from_sys_fs() {
+        Ok(Ok(btf)) => match btf.kernel_offsets() {
+            Ok(k) => (k, None),
+            Err(e) => (Default::default(), Some(format!("kernel BTF lacks a needed field ({e})"))),
+        },
+        Ok(Err(e)) => (Default::default(), Some(format!("kernel BTF unreadable ({e})"))),
+        Err(e) => (Default::default(), Some(format!("no kernel BTF ({e})"))),
+    };
     let mut ebpf = EbpfLoader::new()
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
+        .override_global(probe_common::kernel::KOFF_SYMBOL, &koff, true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")?;
 
@@ -192,6 +203,9 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
                 st.skipped.push(format!("{}: {why:#}", spec.program));
             }
         }
+    }
+    if let (Some(note), Some(st)) = (koff_note, status.iter_mut().find(|s| s.name == "mmap")) {
+        st.skipped.push(format!("file names in the kernel: {note}; files are named from /proc only"));
     }
     for st in &status {
         if !st.live && opts.only.is_some() {

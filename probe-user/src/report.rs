@@ -175,6 +175,15 @@ fn addr_str(family: u16, a: &[u8; 16], port: u16) -> String {
     }
 }
 
+/// A file mapping (or an unmap) seen by the mmap probe.
+struct FileMap {
+    pid: u32,
+    t: u64,
+    start: u64,
+    end: u64,
+    key: (u32, u32, u64),
+}
+
 /// Mapping snapshots per pid, in time order, to name the file behind an address at a time.
 #[derive(Default)]
 struct MapHistory {
@@ -257,6 +266,35 @@ pub fn build(rec: &Recording) -> Report {
 
     let mut events: Vec<&Event> = rec.events.iter().collect();
     events.sort_by_key(|e| e.header().ts_ns);
+    // File mappings as the mmap probe saw them (named in the kernel, exact in time), and unmaps.
+    let mut file_maps: Vec<FileMap> = Vec::new();
+    let mut unmaps: Vec<FileMap> = Vec::new();
+    for ev in &events {
+        let Event::Mmap(m) = ev else { continue };
+        match MmapOp::try_from(m.op) {
+            Ok(MmapOp::Mmap) if m.ino != 0 && !(-4095..0).contains(&m.ret) => {
+                let (ma, mi) = kdev(m.dev);
+                let key = (ma, mi, m.ino);
+                let name = String::from_utf8_lossy(m.name.split(|&c| c == 0).next().unwrap_or_default()).to_string();
+                file_names.entry(key).or_insert_with(|| format!("<inode {} on {ma}:{mi}>/{name}", m.ino));
+                file_maps.push(FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.ret as u64, end: m.ret as u64 + m.len, key });
+            }
+            Ok(MmapOp::Munmap) if m.ret == 0 => {
+                unmaps.push(FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.addr, end: m.addr + m.len, key: (0, 0, 0) });
+            }
+            _ => {}
+        }
+    }
+    let resolve = |pid: u32, t: u64, addr: u64| -> Option<(u32, u32, u64)> {
+        let live = file_maps.iter().rev().find(|m| {
+            m.pid == pid
+                && m.t <= t
+                && m.start <= addr
+                && addr < m.end
+                && !unmaps.iter().any(|u| u.pid == pid && u.t > m.t && u.t < t && u.start <= addr && addr < u.end)
+        });
+        live.map(|m| m.key).or_else(|| maps.find(pid, t, addr).map(|m| (m.major, m.minor, m.inode)))
+    };
     r.events = events.len() as u64;
     if let Some(last) = events.last() {
         end_ts = end_ts.max(last.header().ts_ns);
@@ -288,8 +326,8 @@ pub fn build(rec: &Recording) -> Report {
         match ev {
             Event::Fault(f) if f.flags & FAULT_MAJOR != 0 => {
                 r.faults.major += 1;
-                match maps.find(f.hdr.pid, f.hdr.ts_ns, f.addr) {
-                    Some(m) => file_of(&mut files, &file_names, (m.major, m.minor, m.inode)).major_faults += 1,
+                match resolve(f.hdr.pid, f.hdr.ts_ns, f.addr) {
+                    Some(key) => file_of(&mut files, &file_names, key).major_faults += 1,
                     None => r.faults.major_unresolved += 1,
                 }
             }
@@ -310,13 +348,17 @@ pub fn build(rec: &Recording) -> Report {
                 }
                 let returns_addr = matches!(MmapOp::try_from(m.op), Ok(MmapOp::Mmap | MmapOp::Mremap));
                 let ok_addr = returns_addr && !(-4095..0).contains(&m.ret);
-                let path = if ok_addr {
-                    maps.find(m.hdr.pid, m.hdr.ts_ns, m.ret as u64).map(|x| x.path.clone())
+                let key = if m.ino != 0 {
+                    let (ma, mi) = kdev(m.dev);
+                    Some((ma, mi, m.ino))
+                } else if ok_addr {
+                    resolve(m.hdr.pid, m.hdr.ts_ns, m.ret as u64)
                 } else if m.ret == 0 && !returns_addr {
-                    maps.find(m.hdr.pid, m.enter_ns, m.addr).map(|x| x.path.clone())
+                    resolve(m.hdr.pid, m.enter_ns, m.addr)
                 } else {
                     None
                 };
+                let path = key.and_then(|k| file_names.get(&k).cloned());
                 r.mmaps.push(MmapRow {
                     t_ms: ms(m.hdr.ts_ns),
                     pid: m.hdr.pid,

@@ -1,0 +1,36 @@
+//! Kernel struct offsets the programs need to walk from a task to an open file. aya-ebpf has no
+//! CO-RE, so userspace reads these from the running kernel's BTF (/sys/kernel/btf/vmlinux) and
+//! sets them as the global `KOFF` before loading. `valid == 0` means "unknown here: don't walk".
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelOffsets {
+    pub valid: u32,
+    /// task_struct.files
+    pub task_files: u32,
+    /// files_struct.fdt
+    pub files_fdt: u32,
+    /// fdtable.max_fds
+    pub fdt_max_fds: u32,
+    /// fdtable.fd
+    pub fdt_fd: u32,
+    /// file.f_inode
+    pub file_inode: u32,
+    /// file.f_path.dentry
+    pub file_dentry: u32,
+    /// inode.i_ino
+    pub inode_ino: u32,
+    /// inode.i_sb
+    pub inode_sb: u32,
+    /// super_block.s_dev
+    pub sb_dev: u32,
+    /// dentry.d_name.name
+    pub dentry_name: u32,
+    pub _pad: u32,
+}
+
+/// Name of the global in probe-ebpf that holds [`KernelOffsets`].
+pub const KOFF_SYMBOL: &str = "KOFF";
+
+/// Bytes of a file's base name carried in records.
+pub const NAME_LEN: usize = 48;

@@ -1,0 +1,49 @@
+//! Walks from the current task to one of its open files (task → files → fdt → fd[n] → file),
+//! with struct offsets userspace read from the running kernel's BTF (`KOFF`).
+use aya_ebpf::helpers::{bpf_get_current_task, bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes};
+use probe_common::kernel::{KernelOffsets, NAME_LEN};
+
+/// Set by userspace before load (EbpfLoader::set_global). All zero = unknown: don't walk.
+#[unsafe(no_mangle)]
+static KOFF: KernelOffsets = KernelOffsets {
+    valid: 0, task_files: 0, files_fdt: 0, fdt_max_fds: 0, fdt_fd: 0, file_inode: 0, file_dentry: 0,
+    inode_ino: 0, inode_sb: 0, sb_dev: 0, dentry_name: 0, _pad: 0,
+};
+
+#[inline(always)]
+fn read<T>(base: u64, off: u32) -> Option<T> {
+    // SAFETY: a probe read: a bad kernel address returns an error instead of faulting.
+    unsafe { bpf_probe_read_kernel((base + off as u64) as *const T) }.ok()
+}
+
+/// The file behind `fd` of the current task: (inode, kernel dev_t), and its base name in `name`.
+#[inline(always)]
+pub fn file_of_fd(fd: i32, name: &mut [u8; NAME_LEN]) -> Option<(u64, u32)> {
+    // SAFETY: read_volatile of a global so the verifier sees the value set at load, not 0.
+    let k: KernelOffsets = unsafe { core::ptr::read_volatile(&KOFF) };
+    if k.valid == 0 || fd < 0 {
+        return None;
+    }
+    // SAFETY: helper without arguments; the pointer is only used for probe reads.
+    let task = unsafe { bpf_get_current_task() };
+    let files: u64 = read(task, k.task_files)?;
+    let fdt: u64 = read(files, k.files_fdt)?;
+    let max: u32 = read(fdt, k.fdt_max_fds)?;
+    if fd as u32 >= max {
+        return None;
+    }
+    let fds: u64 = read(fdt, k.fdt_fd)?;
+    let file: u64 = read(fds, fd as u32 * 8)?;
+    if file == 0 {
+        return None;
+    }
+    let inode: u64 = read(file, k.file_inode)?;
+    let ino: u64 = read(inode, k.inode_ino)?;
+    let sb: u64 = read(inode, k.inode_sb)?;
+    let dev: u32 = read(sb, k.sb_dev)?;
+    let dentry: u64 = read(file, k.file_dentry)?;
+    let name_ptr: u64 = read(dentry, k.dentry_name)?;
+    // SAFETY: probe read of a NUL-terminated kernel string into a fixed buffer.
+    let _ = unsafe { bpf_probe_read_kernel_str_bytes(name_ptr as *const u8, name) };
+    Some((ino, dev))
+}
