@@ -1,1 +1,290 @@
+//! Kernel tests: real workloads traced by the real `probe` binary, as root, on this kernel.
+//! They fail (never skip) when probe cannot attach. Build the binary first: `cargo xtask test`
+//! does, or set PROBE_BIN.
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::TcpListener,
+    path::PathBuf,
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
 
+use serde_json::Value;
+
+fn probe_bin() -> PathBuf {
+    let p = std::env::var_os("PROBE_BIN").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe")
+    });
+    assert!(p.exists(), "{} not found: run `cargo xtask test` (builds it) or set PROBE_BIN", p.display());
+    p
+}
+
+fn workload_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_probe-workload")
+}
+
+/// A scratch directory on a real disk (not tmpfs), so reads go through the block layer.
+fn scratch(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A workload started and paused at its `ready` line.
+struct Workload {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    pid: u32,
+}
+
+impl Workload {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(workload_bin())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn workload");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        let stdin = child.stdin.take();
+        let mut w = Workload { child, stdin, lines, pid: 0 };
+        let ready = w.wait_line("ready");
+        w.pid = ready.split_whitespace().nth(1).unwrap().parse().unwrap();
+        w
+    }
+
+    fn wait_line(&mut self, prefix: &str) -> String {
+        loop {
+            let l = self.lines.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| panic!("workload never printed `{prefix}`"));
+            if l.starts_with(prefix) {
+                return l;
+            }
+        }
+    }
+
+    fn go(&mut self) -> String {
+        let mut stdin = self.stdin.take().unwrap();
+        writeln!(stdin, "go").unwrap();
+        let done = self.wait_line("done");
+        assert!(self.child.wait().unwrap().success(), "workload failed");
+        done
+    }
+}
+
+/// `probe trace` running against a pid, returning once it printed "armed".
+struct Trace {
+    child: Child,
+    out: PathBuf,
+    stderr: mpsc::Receiver<String>,
+}
+
+impl Trace {
+    fn start(pid: u32, out: &std::path::Path, extra: &[&str]) -> Self {
+        let mut child = Command::new(probe_bin())
+            .args(["trace", "--pid", &pid.to_string(), "--out"])
+            .arg(out)
+            .args(["--duration", "60s", "--json"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn probe");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        loop {
+            let l = rx.recv_timeout(Duration::from_secs(30)).expect("probe did not arm within 30 s");
+            assert!(!l.contains("error"), "probe failed to start: {l}");
+            if l.contains("armed in") {
+                break;
+            }
+        }
+        Trace { child, out: out.to_path_buf(), stderr: rx }
+    }
+
+    /// Wait for probe to stop by itself (the target exited) and return report.json.
+    fn finish(mut self) -> Value {
+        let status = self.child.wait().unwrap();
+        let log: Vec<String> = self.stderr.try_iter().collect();
+        assert!(status.code() == Some(0), "probe exited {status:?}: {log:?}");
+        assert!(log.iter().any(|l| l.contains("target exited")), "probe should stop on the target's exit: {log:?}");
+        serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap()
+    }
+}
+
+fn n(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+#[test]
+fn cold_mapped_file_is_named_with_exact_major_faults() {
+    const PAGES: u64 = 48;
+    let dir = scratch("cold");
+    let file = dir.join("weights.bin");
+    let mut w = Workload::start(&["cold-mmap", file.to_str().unwrap(), &PAGES.to_string()]);
+    let t = Trace::start(w.pid, &dir.join("rec"), &[]);
+    let done = w.go();
+    assert!(done.contains("resident_before=0"), "the file was not cold: {done}");
+    let r = t.finish();
+
+    let files = r["files"].as_array().unwrap();
+    let f = files.iter().find(|f| f["path"] == file.to_str().unwrap()).unwrap_or_else(|| panic!("file not named: {files:?}"));
+    assert_eq!(n(&f["major_faults"]), PAGES, "{f}");
+    assert!(n(&f["read_bytes"]) >= PAGES * 4096, "{f}");
+    assert!(n(&r["blockio"]["read_bytes"]) >= PAGES * 4096, "{}", r["blockio"]);
+    assert!(n(&r["blockio"]["requests"]) >= 1);
+    assert_eq!(n(&r["faults"]["major"]), PAGES);
+    let mmaps = r["mmaps"].as_array().unwrap();
+    assert!(mmaps.iter().any(|m| m["op"] == "mmap" && m["path"] == file.to_str().unwrap() && n(&m["len"]) == PAGES * 16 * 4096), "{mmaps:?}");
+    assert!(mmaps.iter().any(|m| m["op"] == "madvise"), "{mmaps:?}");
+    assert!(r["lost_events"].as_object().unwrap().values().all(|v| n(v) == 0));
+}
+
+/// A listener on loopback in the test process: the peer of the workload's connection.
+fn listener() -> (TcpListener, String) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (l, addr)
+}
+
+fn connection_to<'a>(r: &'a Value, peer: &str) -> &'a Value {
+    let conns = r["connections"].as_array().unwrap();
+    conns.iter().find(|c| c["peer"] == peer).unwrap_or_else(|| panic!("no connection to {peer}: {conns:?}"))
+}
+
+#[test]
+fn peer_reset_is_seen_as_received_reset() {
+    let dir = scratch("rst");
+    let (l, addr) = listener();
+    let mut w = Workload::start(&["tcp", &addr, "wait-reset"]);
+    let (sock, _) = l.accept().unwrap();
+    let t = Trace::start(w.pid, &dir.join("rec"), &[]);
+    let peer = std::thread::spawn(move || {
+        let mut s = sock;
+        let mut line = String::new();
+        BufReader::new(&mut s).read_line(&mut line).unwrap();
+        // SO_LINGER 0 makes close() send RST instead of FIN.
+        let lin = libc::linger { l_onoff: 1, l_linger: 0 };
+        // SAFETY: valid socket fd and a linger struct of the right size.
+        unsafe {
+            use std::os::fd::AsRawFd;
+            libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, (&lin as *const libc::linger).cast(), size_of::<libc::linger>() as u32);
+        }
+        drop(s);
+    });
+    let done = w.go();
+    peer.join().unwrap();
+    assert!(done.contains("ConnectionReset") || done.contains("104"), "workload did not see a reset: {done}");
+    let r = t.finish();
+    let c = connection_to(&r, &addr);
+    assert_eq!(c["closed_by"], "peer", "{c}");
+    assert_eq!(c["reset"], "received", "{c}");
+}
+
+#[test]
+fn local_close_is_seen_as_closed_by_local() {
+    let dir = scratch("fin");
+    let (l, addr) = listener();
+    let mut w = Workload::start(&["tcp", &addr, "close"]);
+    let (sock, _) = l.accept().unwrap();
+    let t = Trace::start(w.pid, &dir.join("rec"), &[]);
+    let peer = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut &sock, &mut buf);
+        drop(sock);
+    });
+    w.go();
+    peer.join().unwrap();
+    let r = t.finish();
+    let c = connection_to(&r, &addr);
+    assert_eq!(c["closed_by"], "local", "{c}");
+    assert_eq!(c["reset"], "none", "{c}");
+    assert!(c["states"].as_array().unwrap().iter().any(|s| s == "FIN_WAIT1"), "{c}");
+}
+
+#[test]
+fn forked_child_is_traced_and_mmaps_are_counted() {
+    const N: usize = 37;
+    const LEN: usize = 7 * 4096; // a length nothing else in the workload uses
+    let dir = scratch("fork");
+    let mut w = Workload::start(&["fork-mmap", &N.to_string(), &LEN.to_string()]);
+    let t = Trace::start(w.pid, &dir.join("rec"), &[]);
+    let done = w.go();
+    let child: u64 = done.split_whitespace().find_map(|kv| kv.strip_prefix("child=")).unwrap().parse().unwrap();
+    let r = t.finish();
+    let procs = r["target"]["processes"].as_array().unwrap();
+    let p = procs.iter().find(|p| n(&p["pid"]) == child).unwrap_or_else(|| panic!("child {child} not traced: {procs:?}"));
+    assert_eq!(n(&p["parent"]), w.pid as u64);
+    assert!(p["exited_ms"].is_number(), "{p}");
+    let rows = r["mmaps"].as_array().unwrap();
+    let count = |op: &str| rows.iter().filter(|m| m["op"] == op && n(&m["pid"]) == child && n(&m["len"]) == LEN as u64).count();
+    assert_eq!(count("mmap"), N);
+    assert_eq!(count("munmap"), N);
+}
+
+#[test]
+fn sigkilled_probe_leaves_a_readable_recording() {
+    let dir = scratch("kill");
+    let rec = dir.join("rec");
+    let mut w = Workload::start(&["mmap-loop", "30"]);
+    let mut t = Trace::start(w.pid, &rec, &[]);
+    w.stdin.take().map(|mut s| writeln!(s, "go"));
+    std::thread::sleep(Duration::from_millis(2500));
+    t.child.kill().unwrap(); // SIGKILL
+    t.child.wait().unwrap();
+    let _ = w.child.kill();
+    let _ = w.child.wait();
+    let out = Command::new(probe_bin()).args(["report", "--json"]).arg(&rec).output().unwrap();
+    assert!(out.status.code() == Some(0) || out.status.code() == Some(1), "{out:?}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(n(&r["mmap_counts"]["mmap"]) > 1000, "events before the kill should be there: {}", r["mmap_counts"]);
+    let problems = r["problems"].as_array().unwrap();
+    assert!(problems.iter().any(|p| p.as_str().unwrap().contains("no end record")), "{problems:?}");
+}
+
+fn run_probe(args: &[&str]) -> (i32, String) {
+    let out = Command::new(probe_bin()).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn bad_input_gets_one_clear_line_and_exit_2() {
+    // A pid that cannot exist (above pid_max).
+    let (code, err) = run_probe(&["trace", "--pid", "999999999", "--duration", "1s"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no process with pid 999999999"), "{err}");
+    let (code, err) = run_probe(&["trace", "--pid", "1", "--probes", "blockio,nosuch", "--duration", "1s"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("unknown probe `nosuch`"), "{err}");
+    let dir = scratch("notrec");
+    std::fs::write(dir.join("events.bin"), b"definitely not a recording").unwrap();
+    let (code, err) = run_probe(&["report", dir.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not a probe recording"), "{err}");
+    let (code, err) = run_probe(&["report", "/nonexistent/dir"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("cannot read"), "{err}");
+}
+
+#[test]
+fn doctor_finds_every_probe_live() {
+    let out = Command::new(probe_bin()).arg("doctor").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    for p in ["blockio", "fault", "filemap", "mmap", "sock", "proc"] {
+        assert!(text.lines().any(|l| l.starts_with(&format!("probe {p}")) && l.contains("live")), "{p}: {text}");
+    }
+}
