@@ -118,7 +118,7 @@ impl Trace {
     /// Wait for probe to stop by itself (the target exited) and return report.json.
     fn finish(mut self) -> Value {
         let status = self.child.wait().unwrap();
-        let log: Vec<String> = self.stderr.try_iter().collect();
+        let log: Vec<String> = self.stderr.iter().collect(); // until probe closed stderr
         assert!(status.code() == Some(0), "probe exited {status:?}: {log:?}");
         assert!(log.iter().any(|l| l.contains("target exited")), "probe should stop on the target's exit: {log:?}");
         serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap()

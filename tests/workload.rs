@@ -147,7 +147,7 @@ fn demo(path: &str, addr: &str) {
     let pages = 256;
     let len = pages * STRIDE * PAGE;
     let f = make_cold(path, len);
-    std::thread::sleep(Duration::from_millis(300));
+    wait_for_go();
     // SAFETY: as in cold_mmap.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
     if p == libc::MAP_FAILED {
@@ -166,6 +166,10 @@ fn demo(path: &str, addr: &str) {
         s.write_all(b"GET / HTTP/1.0\r\n\r\n").ok();
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).ok();
+    }
+    // A second connection that this side closes first.
+    if let Ok(s) = TcpStream::connect(addr) {
+        drop(s);
     }
     println!("done sum={sum}");
 }

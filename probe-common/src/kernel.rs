@@ -26,7 +26,12 @@ pub struct KernelOffsets {
     pub sb_dev: u32,
     /// dentry.d_name.name
     pub dentry_name: u32,
-    pub _pad: u32,
+    /// file.private_data (a `struct socket *` for socket files)
+    pub file_private_data: u32,
+    /// socket.sk
+    pub socket_sk: u32,
+    /// inode.i_mode (u16)
+    pub inode_mode: u32,
 }
 
 /// Name of the global in probe-ebpf that holds [`KernelOffsets`].

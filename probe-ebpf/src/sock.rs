@@ -1,17 +1,19 @@
 //! TCP connections of the target: every state change with its 4-tuple, and resets sent and
 //! received, so userspace can tell who closed first (local FIN, peer FIN, RST either way).
 //!
-//! Many transitions run in softirq (peer FIN, RST, handshake of accepted sockets), not in the
-//! target's threads. A socket is the target's when a transition or a send/recv ran in one of
-//! its threads (`OWNED_SOCKS`), or when its local port is one the target listens on.
+//! Many transitions run in softirq (peer FIN, RST, handshake of accepted sockets), and on
+//! loopback softirq runs on whatever task sent the packet, so the current task says nothing
+//! about whose socket it is. Ownership is by socket instead (`OWNED_SOCKS`): marked when one
+//! of the target's threads calls connect/listen/close or sends/receives on it (the fd is walked
+//! to its `struct sock`), or when its local port is one the target listens on (accepted sockets).
 use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
 use probe_common::{
     sock::*,
     tracepoints::{inet_sock_set_state as st, sock_recv_length as rl, sock_send_length as sl,
-        tcp_receive_reset as rr, tcp_send_reset as sr},
+        tcp_receive_reset as rr, tcp_send_reset as sr, SYSCALL_ARG0},
 };
 
-use crate::{current_target, emit, field, header, insert};
+use crate::{current_target, emit, field, header, insert, task::sock_of_fd};
 
 #[map(name = "OWNED_SOCKS")]
 static OWNED_SOCKS: HashMap<u64, u8> = HashMap::with_max_entries(65536, 0);
@@ -40,12 +42,11 @@ fn try_inet_sock_set_state(ctx: &TracePointContext) -> Result<(), i64> {
     let skaddr: u64 = field(ctx, st::SKADDR)?;
     let sport: u16 = field(ctx, st::SPORT)?;
     let newstate: i32 = field(ctx, st::NEWSTATE)?;
+    if !owned(skaddr, sport) {
+        return Ok(());
+    }
     let target = current_target();
-    let (pid, tid) = match target {
-        Some(t) => t,
-        None if owned(skaddr, sport) => (0, 0),
-        None => return Ok(()),
-    };
+    let (pid, tid) = target.unwrap_or((0, 0));
     let family: u16 = field(ctx, st::FAMILY)?;
     let mut ev = SockEvent {
         hdr: header::<SockEvent>(pid, tid),
@@ -71,12 +72,13 @@ fn try_inet_sock_set_state(ctx: &TracePointContext) -> Result<(), i64> {
     emit(&ev);
     if newstate == TCP_CLOSE {
         let _ = OWNED_SOCKS.remove(&skaddr);
-        if ev.oldstate == TCP_LISTEN && target.is_some() {
+        if ev.oldstate == TCP_LISTEN {
             let _ = LISTEN_PORTS.remove(&sport);
         }
-    } else if newstate == TCP_LISTEN && target.is_some() {
+    } else if newstate == TCP_LISTEN {
         insert(&LISTEN_PORTS, &sport, &1u8);
     } else {
+        // Accepted sockets are owned through their listener's port until now.
         insert(&OWNED_SOCKS, &skaddr, &1u8);
     }
     Ok(())
@@ -137,10 +139,10 @@ fn try_tcp_send_reset(ctx: &TracePointContext) -> Result<(), i64> {
     let d: [u8; 28] = field(ctx, sr::DADDR)?;
     let family = u16::from_ne_bytes([s[0], s[1]]);
     let sport = u16::from_be_bytes([s[2], s[3]]);
-    let target = current_target();
-    if target.is_none() && !owned(skaddr, sport) {
+    if !owned(skaddr, sport) {
         return Ok(());
     }
+    let target = current_target();
     let (pid, tid) = target.unwrap_or((0, 0));
     let mut ev = SockEvent {
         hdr: header::<SockEvent>(pid, tid),
@@ -188,10 +190,46 @@ fn mark(ctx: &TracePointContext, sk_off: usize, proto_off: usize) -> Result<(), 
     if protocol != IPPROTO_TCP {
         return Ok(());
     }
-    let sk: u64 = field(ctx, sk_off)?;
+    own(field(ctx, sk_off)?);
+    Ok(())
+}
+
+#[inline(always)]
+fn own(sk: u64) {
     // SAFETY: u8 value, nothing borrowed past the lookup.
     if unsafe { OWNED_SOCKS.get(&sk) }.is_none() {
         insert(&OWNED_SOCKS, &sk, &1u8);
     }
+}
+
+/// syscalls:sys_enter_connect / sys_enter_listen / sys_enter_close (fd @16): the target acts on
+/// a socket; mark it before the state change the call causes (SYN_SENT, LISTEN, FIN_WAIT1).
+#[inline(always)]
+fn own_fd(ctx: &TracePointContext) -> Result<(), i64> {
+    if current_target().is_none() {
+        return Ok(());
+    }
+    let fd: u64 = field(ctx, SYSCALL_ARG0)?;
+    if let Some(sk) = sock_of_fd(fd as i32) {
+        own(sk);
+    }
     Ok(())
+}
+
+#[tracepoint(category = "syscalls", name = "sys_enter_connect")]
+pub fn sock_connect(ctx: TracePointContext) -> u32 {
+    let _ = own_fd(&ctx);
+    0
+}
+
+#[tracepoint(category = "syscalls", name = "sys_enter_listen")]
+pub fn sock_listen(ctx: TracePointContext) -> u32 {
+    let _ = own_fd(&ctx);
+    0
+}
+
+#[tracepoint(category = "syscalls", name = "sys_enter_close")]
+pub fn sock_close(ctx: TracePointContext) -> u32 {
+    let _ = own_fd(&ctx);
+    0
 }

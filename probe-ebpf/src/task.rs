@@ -7,7 +7,8 @@ use probe_common::kernel::{KernelOffsets, NAME_LEN};
 #[unsafe(no_mangle)]
 static KOFF: KernelOffsets = KernelOffsets {
     valid: 0, task_files: 0, files_fdt: 0, fdt_max_fds: 0, fdt_fd: 0, file_inode: 0, file_dentry: 0,
-    inode_ino: 0, inode_sb: 0, sb_dev: 0, dentry_name: 0, _pad: 0,
+    inode_ino: 0, inode_sb: 0, sb_dev: 0, dentry_name: 0, file_private_data: 0, socket_sk: 0,
+    inode_mode: 0,
 };
 
 #[inline(always)]
@@ -16,11 +17,15 @@ fn read<T>(base: u64, off: u32) -> Option<T> {
     unsafe { bpf_probe_read_kernel((base + off as u64) as *const T) }.ok()
 }
 
-/// The file behind `fd` of the current task: (inode, kernel dev_t), and its base name in `name`.
 #[inline(always)]
-pub fn file_of_fd(fd: i32, name: &mut [u8; NAME_LEN]) -> Option<(u64, u32)> {
-    // SAFETY: read_volatile of a global so the verifier sees the value set at load, not 0.
-    let k: KernelOffsets = unsafe { core::ptr::read_volatile(&KOFF) };
+fn offsets() -> KernelOffsets {
+    // SAFETY: read_volatile of a global so the compiler keeps the value set at load, not 0.
+    unsafe { core::ptr::read_volatile(&KOFF) }
+}
+
+/// `struct file *` of the current task's `fd`.
+#[inline(always)]
+fn file_ptr(k: &KernelOffsets, fd: i32) -> Option<u64> {
     if k.valid == 0 || fd < 0 {
         return None;
     }
@@ -34,9 +39,14 @@ pub fn file_of_fd(fd: i32, name: &mut [u8; NAME_LEN]) -> Option<(u64, u32)> {
     }
     let fds: u64 = read(fdt, k.fdt_fd)?;
     let file: u64 = read(fds, fd as u32 * 8)?;
-    if file == 0 {
-        return None;
-    }
+    (file != 0).then_some(file)
+}
+
+/// The file behind `fd` of the current task: (inode, kernel dev_t), and its base name in `name`.
+#[inline(always)]
+pub fn file_of_fd(fd: i32, name: &mut [u8; NAME_LEN]) -> Option<(u64, u32)> {
+    let k = offsets();
+    let file = file_ptr(&k, fd)?;
     let inode: u64 = read(file, k.file_inode)?;
     let ino: u64 = read(inode, k.inode_ino)?;
     let sb: u64 = read(inode, k.inode_sb)?;
@@ -46,4 +56,21 @@ pub fn file_of_fd(fd: i32, name: &mut [u8; NAME_LEN]) -> Option<(u64, u32)> {
     // SAFETY: probe read of a NUL-terminated kernel string into a fixed buffer.
     let _ = unsafe { bpf_probe_read_kernel_str_bytes(name_ptr as *const u8, name) };
     Some((ino, dev))
+}
+
+/// The `struct sock *` behind `fd` of the current task, when that fd is a socket.
+#[inline(always)]
+pub fn sock_of_fd(fd: i32) -> Option<u64> {
+    const S_IFMT: u16 = 0o170000;
+    const S_IFSOCK: u16 = 0o140000;
+    let k = offsets();
+    let file = file_ptr(&k, fd)?;
+    let inode: u64 = read(file, k.file_inode)?;
+    let mode: u16 = read(inode, k.inode_mode)?;
+    if mode & S_IFMT != S_IFSOCK {
+        return None;
+    }
+    let socket: u64 = read(file, k.file_private_data)?;
+    let sk: u64 = read(socket, k.socket_sk)?;
+    (sk != 0).then_some(sk)
 }

@@ -156,7 +156,9 @@ impl Btf {
             inode_sb: self.offset("inode", "i_sb")?,
             sb_dev: self.offset("super_block", "s_dev")?,
             dentry_name: self.offset("dentry", "d_name.name")?,
-            _pad: 0,
+            file_private_data: self.offset("file", "private_data")?,
+            socket_sk: self.offset("socket", "sk")?,
+            inode_mode: self.offset("inode", "i_mode")?,
         })
     }
 }

@@ -81,6 +81,9 @@ const TABLE: &[Spec] = &[
     s("sock", "tcp_send_reset", How::Tracepoint(&tp::tcp_send_reset::LAYOUT), true),
     s("sock", "sock_send_length", How::Tracepoint(&tp::sock_send_length::LAYOUT), false),
     s("sock", "sock_recv_length", How::Tracepoint(&tp::sock_recv_length::LAYOUT), false),
+    s("sock", "sock_connect", How::Syscall("sys_enter_connect"), true),
+    s("sock", "sock_listen", How::Syscall("sys_enter_listen"), false),
+    s("sock", "sock_close", How::Syscall("sys_enter_close"), false),
 ];
 
 /// What happened to one subsystem at attach time.

@@ -481,6 +481,11 @@ fn sock_event(
         }
     };
     let (_, c, open) = &mut conns[i];
+    // connect() moves to SYN_SENT before the local port is chosen: take the 4-tuple once complete.
+    if s.sport != 0 && s.dport != 0 {
+        c.local = addr_str(s.family, &s.saddr, s.sport);
+        c.peer = addr_str(s.family, &s.daddr, s.dport);
+    }
     if s.hdr.pid != 0 && c.pid.is_none() {
         c.pid = Some(s.hdr.pid);
     }

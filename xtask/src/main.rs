@@ -1,1 +1,240 @@
-fn main(){}
+//! `cargo xtask`: setup, build, test, demo and bench for probe. Every entry point runs the
+//! idempotent setup first, so a fresh machine needs only these commands.
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what a fresh machine lacks (nightly rust-src, bpf-linker), cached in ~/.cache/probe.
+    Setup,
+    /// Setup, then build `probe` (release) and the test workloads.
+    Build,
+    /// Setup, build, then run every test (unit, golden and kernel tests; needs root).
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        args: Vec<String>,
+    },
+    /// The main job end to end: trace a bundled workload that reads a cold file through mmap and
+    /// talks TCP to a local server, and print probe's report.
+    Demo,
+    /// Measure: start-to-armed time (median of 10) and the drained event rate at a high event rate.
+    Bench,
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn setup() -> anyhow::Result<()> {
+    run(Command::new("bash").arg(root().join("scripts/setup.sh")))
+}
+
+fn build() -> anyhow::Result<()> {
+    setup()?;
+    run(Command::new("cargo").current_dir(root()).args(["build", "--release", "-p", "probe-user", "-p", "probe-tests"]))
+}
+
+fn bin(name: &str) -> PathBuf {
+    root().join("target/release").join(name)
+}
+
+fn require_root() -> anyhow::Result<()> {
+    let uid = Command::new("id").arg("-u").output()?.stdout;
+    if String::from_utf8_lossy(&uid).trim() != "0" {
+        bail!("this needs root: the kernel tests load BPF programs (run it with sudo)");
+    }
+    Ok(())
+}
+
+fn test(args: &[String]) -> anyhow::Result<()> {
+    require_root()?;
+    build()?;
+    run(Command::new("cargo")
+        .current_dir(root())
+        .env("PROBE_BIN", bin("probe"))
+        .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf"])
+        .args(args))
+}
+
+/// Start a workload (it prints `ready PID` and waits for a line on stdin).
+/// Returns the child, its pid, and its later stdout lines.
+fn start_workload(args: &[&str]) -> anyhow::Result<(std::process::Child, u32, std::sync::mpsc::Receiver<String>)> {
+    let mut child = Command::new(bin("probe-workload")).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
+    let mut out = BufReader::new(child.stdout.take().context("workload stdout")?);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if out.read_line(&mut line)? == 0 {
+            bail!("workload exited before it was ready");
+        }
+        if let Some(pid) = line.strip_prefix("ready ") {
+            let pid = pid.trim().parse()?;
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                for l in out.lines().map_while(Result::ok) {
+                    let _ = tx.send(l);
+                }
+            });
+            return Ok((child, pid, rx));
+        }
+    }
+}
+
+fn wait_for(path: &Path, limit: Duration) -> anyhow::Result<()> {
+    let t = Instant::now();
+    while !path.exists() {
+        if t.elapsed() > limit {
+            bail!("{} did not appear within {limit:?}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+fn demo() -> anyhow::Result<()> {
+    require_root()?;
+    build()?;
+    let dir = root().join("target/demo");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    // A tiny local HTTP server for the workload to talk to.
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?.to_string();
+    std::thread::spawn(move || {
+        for s in listener.incoming().flatten() {
+            let mut s = s;
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\nok\n");
+        }
+    });
+    let file = dir.join("cold-weights.bin");
+    let (mut w, pid, _) = start_workload(&["demo", file.to_str().unwrap_or_default(), &addr])?;
+    let rec = dir.join("recording");
+    let mut probe = Command::new(bin("probe")).args(["trace", "--pid", &pid.to_string(), "--out"]).arg(&rec).spawn()?;
+    wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+    writeln!(w.stdin.take().context("workload stdin")?, "go")?;
+    w.wait()?;
+    let status = probe.wait()?;
+    println!("\ndemo: probe exited with {status}; the recording and report.json are in {}", rec.display());
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn bench() -> anyhow::Result<()> {
+    require_root()?;
+    build()?;
+    let dir = root().join("target/bench");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+
+    // 1. Start to armed: wall time from spawning `probe trace` to its "armed" line.
+    let mut sleeper = Command::new("sleep").arg("600").spawn()?;
+    let (mut wall, mut inner) = (Vec::new(), Vec::new());
+    for i in 0..10 {
+        let t = Instant::now();
+        let mut p = Command::new(bin("probe"))
+            .args(["trace", "--pid", &sleeper.id().to_string(), "--duration", "200ms", "--out"])
+            .arg(dir.join(format!("armed-{i}")))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let mut err = BufReader::new(p.stderr.take().context("stderr")?);
+        let mut line = String::new();
+        while err.read_line(&mut line)? > 0 {
+            if let Some(rest) = line.split("armed in ").nth(1) {
+                wall.push(t.elapsed().as_secs_f64() * 1e3);
+                inner.push(rest.split(' ').next().unwrap_or("0").parse::<f64>().unwrap_or(0.0));
+                break;
+            }
+            line.clear();
+        }
+        std::io::copy(&mut err, &mut std::io::sink())?;
+        p.wait()?;
+    }
+    let _ = sleeper.kill();
+    println!("start to armed (10 runs): median {:.1} ms wall (spawn → \"armed\"), {:.1} ms inside probe; max {:.1} ms",
+        median(wall.clone()), median(inner), wall.iter().cloned().fold(0.0, f64::max));
+
+    // 2. High event rate: mmap+munmap in a tight loop (2 records per iteration), untraced
+    //    then traced, in this one invocation.
+    let secs = 3.0;
+    let calls = |out: &str| -> f64 {
+        let kv = |k: &str| out.split_whitespace().find_map(|w| w.strip_prefix(k)).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        kv("calls=") / kv("secs=").max(1e-9)
+    };
+    let run_loop = |traced: bool| -> anyhow::Result<(f64, Option<serde_json::Value>)> {
+        let (mut w, pid, lines) = start_workload(&["mmap-loop", &secs.to_string()])?;
+        let rec = dir.join(format!("rate-{traced}"));
+        let mut probe = None;
+        if traced {
+            probe = Some(
+                Command::new(bin("probe"))
+                    .args(["trace", "--pid", &pid.to_string(), "--probes", "mmap", "--out"])
+                    .arg(&rec)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()?,
+            );
+            wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+        }
+        writeln!(w.stdin.take().context("stdin")?, "go")?;
+        let out = lines.iter().find(|l| l.starts_with("done")).unwrap_or_default();
+        w.wait()?;
+        let report = match probe {
+            Some(mut p) => {
+                p.wait()?;
+                Some(serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?)
+            }
+            None => None,
+        };
+        Ok((calls(&out), report))
+    };
+    let (base, _) = run_loop(false)?;
+    let (traced, report) = run_loop(true)?;
+    let report = report.context("no report")?;
+    let events = report["events"].as_u64().unwrap_or(0);
+    let lost: u64 = report["lost_events"].as_object().map(|o| o.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
+    let dur = report["duration_s"].as_f64().unwrap_or(1.0);
+    println!("high event rate (mmap+munmap loop, {secs} s):");
+    println!("  untraced: {:.0} syscalls/s", base);
+    println!("  traced:   {:.0} syscalls/s  (ratio {:.2})", traced, traced / base.max(1.0));
+    println!("  probe drained {events} events ({:.0} events/s over {:.1} s), lost {lost}", events as f64 / dur.max(1e-9), dur);
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Setup => setup(),
+        Cmd::Build => build(),
+        Cmd::Test { args } => test(&args),
+        Cmd::Demo => demo(),
+        Cmd::Bench => bench(),
+    }
+}
