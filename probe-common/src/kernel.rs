@@ -32,6 +32,15 @@ pub struct KernelOffsets {
     pub socket_sk: u32,
     /// inode.i_mode (u16)
     pub inode_mode: u32,
+    /// sock_common (at the start of struct sock): skc_daddr, skc_rcv_saddr (IPv4, network order),
+    /// skc_dport (network order), skc_num (host order), skc_family, skc_v6_daddr, skc_v6_rcv_saddr.
+    pub skc_daddr: u32,
+    pub skc_rcv_saddr: u32,
+    pub skc_dport: u32,
+    pub skc_num: u32,
+    pub skc_family: u32,
+    pub skc_v6_daddr: u32,
+    pub skc_v6_rcv_saddr: u32,
 }
 
 /// Name of the global in probe-ebpf that holds [`KernelOffsets`].

@@ -9,6 +9,7 @@ pub mod filemap;
 pub mod mmap;
 pub mod proc;
 pub mod sock;
+pub mod stream;
 pub mod tracepoints;
 
 use core::mem::size_of;
@@ -48,11 +49,12 @@ pub enum EventKind {
     Sock = 4,
     Proc = 5,
     Filemap = 6,
+    Data = 7,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 6] =
-        [Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap];
+    pub const ALL: [EventKind; 7] =
+        [Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data];
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -62,6 +64,7 @@ impl EventKind {
             Self::Sock => "sock",
             Self::Proc => "proc",
             Self::Filemap => "filemap",
+            Self::Data => "stream",
         }
     }
 
@@ -74,6 +77,8 @@ impl EventKind {
             Self::Sock => size_of::<sock::SockEvent>(),
             Self::Proc => size_of::<proc::ProcEvent>(),
             Self::Filemap => size_of::<filemap::FilemapEvent>(),
+            // The fixed part; `captured` payload bytes follow it.
+            Self::Data => size_of::<stream::DataEvent>(),
         }
     }
 }
@@ -88,6 +93,7 @@ impl TryFrom<u32> for EventKind {
             4 => Self::Sock,
             5 => Self::Proc,
             6 => Self::Filemap,
+            7 => Self::Data,
             other => return Err(other),
         })
     }
@@ -146,4 +152,5 @@ mod pod {
     unsafe impl aya::Pod for crate::proc::ProcEvent {}
     unsafe impl aya::Pod for crate::filemap::FilemapEvent {}
     unsafe impl aya::Pod for crate::kernel::KernelOffsets {}
+    unsafe impl aya::Pod for crate::stream::DataEvent {}
 }

@@ -9,6 +9,7 @@ mod filemap;
 mod mmap;
 mod proc;
 mod sock;
+mod stream;
 mod task;
 
 use aya_ebpf::{
@@ -86,16 +87,21 @@ fn emit<T: Record + 'static>(ev: &T) {
     match EVENTS.reserve::<T>(0) {
         Some(mut slot) => {
             slot.write(*ev);
-            let before = EVENTS.query(BPF_RB_AVAIL_DATA);
-            let size = core::mem::size_of::<T>() as u64;
-            let flags = if before < WAKEUP_BACKLOG_BYTES && before + size + 8 >= WAKEUP_BACKLOG_BYTES {
-                BPF_RB_FORCE_WAKEUP
-            } else {
-                BPF_RB_NO_WAKEUP
-            };
-            slot.submit(flags);
+            slot.submit(ringbuf_flags(core::mem::size_of::<T>() as u64));
         }
         None => add(&LOST, T::KIND as u32, 1),
+    }
+}
+
+/// Submit flags for a record of `size` bytes: wake the consumer only when this record makes the
+/// backlog cross `WAKEUP_BACKLOG_BYTES`.
+#[inline(always)]
+fn ringbuf_flags(size: u64) -> u64 {
+    let before = EVENTS.query(BPF_RB_AVAIL_DATA);
+    if before < WAKEUP_BACKLOG_BYTES && before + size + 8 >= WAKEUP_BACKLOG_BYTES {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
     }
 }
 

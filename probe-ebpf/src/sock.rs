@@ -21,6 +21,13 @@ static OWNED_SOCKS: HashMap<u64, u8> = HashMap::with_max_entries(65536, 0);
 #[map(name = "LISTEN_PORTS")]
 static LISTEN_PORTS: HashMap<u16, u8> = HashMap::with_max_entries(1024, 0);
 
+/// Whether `sk` is one of the target's TCP sockets.
+#[inline(always)]
+pub fn is_owned(sk: u64) -> bool {
+    // SAFETY: u8 value, nothing borrowed past the lookup.
+    unsafe { OWNED_SOCKS.get(&sk) }.is_some()
+}
+
 #[inline(always)]
 fn owned(skaddr: u64, sport: u16) -> bool {
     // SAFETY: u8 values, nothing borrowed past the lookup.

@@ -8,17 +8,18 @@ use probe_common::kernel::{KernelOffsets, NAME_LEN};
 static KOFF: KernelOffsets = KernelOffsets {
     valid: 0, task_files: 0, files_fdt: 0, fdt_max_fds: 0, fdt_fd: 0, file_inode: 0, file_dentry: 0,
     inode_ino: 0, inode_sb: 0, sb_dev: 0, dentry_name: 0, file_private_data: 0, socket_sk: 0,
-    inode_mode: 0,
+    inode_mode: 0, skc_daddr: 0, skc_rcv_saddr: 0, skc_dport: 0, skc_num: 0, skc_family: 0,
+    skc_v6_daddr: 0, skc_v6_rcv_saddr: 0,
 };
 
 #[inline(always)]
-fn read<T>(base: u64, off: u32) -> Option<T> {
+pub fn read<T>(base: u64, off: u32) -> Option<T> {
     // SAFETY: a probe read: a bad kernel address returns an error instead of faulting.
     unsafe { bpf_probe_read_kernel((base + off as u64) as *const T) }.ok()
 }
 
 #[inline(always)]
-fn offsets() -> KernelOffsets {
+pub fn offsets() -> KernelOffsets {
     // SAFETY: read_volatile of a global so the compiler keeps the value set at load, not 0.
     unsafe { core::ptr::read_volatile(&KOFF) }
 }

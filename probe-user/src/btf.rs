@@ -159,6 +159,13 @@ impl Btf {
             file_private_data: self.offset("file", "private_data")?,
             socket_sk: self.offset("socket", "sk")?,
             inode_mode: self.offset("inode", "i_mode")?,
+            skc_daddr: self.offset("sock_common", "skc_daddr")?,
+            skc_rcv_saddr: self.offset("sock_common", "skc_rcv_saddr")?,
+            skc_dport: self.offset("sock_common", "skc_dport")?,
+            skc_num: self.offset("sock_common", "skc_num")?,
+            skc_family: self.offset("sock_common", "skc_family")?,
+            skc_v6_daddr: self.offset("sock_common", "skc_v6_daddr")?,
+            skc_v6_rcv_saddr: self.offset("sock_common", "skc_v6_rcv_saddr")?,
         })
     }
 }

@@ -1,7 +1,7 @@
 //! Kernel records → typed events. Pure: bytes in, [`Event`] out; never trusts the kind blindly.
 use probe_common::{
     EventHeader, EventKind, blockio::BlockIoEvent, fault::FaultEvent, filemap::FilemapEvent,
-    mmap::MmapEvent, proc::ProcEvent, sock::SockEvent,
+    mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stream::DataEvent,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,6 +12,8 @@ pub enum Event {
     Mmap(MmapEvent),
     Sock(SockEvent),
     Proc(ProcEvent),
+    /// The fixed part of a stream data record; the payload is in [`data_payload`].
+    Data(DataEvent),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -33,6 +35,7 @@ impl Event {
             Event::Mmap(e) => &e.hdr,
             Event::Sock(e) => &e.hdr,
             Event::Proc(e) => &e.hdr,
+            Event::Data(e) => &e.hdr,
         }
     }
     pub fn kind(&self) -> EventKind {
@@ -43,6 +46,7 @@ impl Event {
             Event::Mmap(_) => EventKind::Mmap,
             Event::Sock(_) => EventKind::Sock,
             Event::Proc(_) => EventKind::Proc,
+            Event::Data(_) => EventKind::Data,
         }
     }
 }
@@ -75,7 +79,21 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Mmap => Event::Mmap(read(bytes, kind)?),
         EventKind::Sock => Event::Sock(read(bytes, kind)?),
         EventKind::Proc => Event::Proc(read(bytes, kind)?),
+        EventKind::Data => {
+            let want = size_of::<DataEvent>();
+            let fixed = bytes.get(..want).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want })?;
+            let ev: DataEvent = read(fixed, kind)?;
+            if bytes.len() != want + ev.captured as usize {
+                return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want: want + ev.captured as usize });
+            }
+            Event::Data(ev)
+        }
     })
+}
+
+/// The captured payload bytes of a stream data record (empty for other records).
+pub fn data_payload(bytes: &[u8]) -> &[u8] {
+    bytes.get(size_of::<DataEvent>()..).unwrap_or_default()
 }
 
 /// The raw bytes of a record (what the kernel sends), for writing recordings and tests.

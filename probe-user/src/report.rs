@@ -391,6 +391,8 @@ pub fn build(rec: &Recording) -> Report {
                 }
             }
             Event::Sock(s) => sock_event(s, &mut conns, &mut conn_index, &ms),
+            // Stream bytes (present only with --capture-text) are summarised in request records.
+            Event::Data(_) => {}
         }
     }
 

@@ -71,11 +71,37 @@ fn require_root() -> anyhow::Result<()> {
 fn test(args: &[String]) -> anyhow::Result<()> {
     require_root()?;
     build()?;
-    run(Command::new("cargo")
+    // Pass cargo's output through and close with one total line over every test binary.
+    let mut child = Command::new("cargo")
         .current_dir(root())
         .env("PROBE_BIN", bin("probe"))
         .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf"])
-        .args(args))
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot run cargo test")?;
+    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().context("cargo test stdout")?).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let count = |what: &str| -> u64 {
+                rest.split(';').find_map(|p| p.trim().strip_suffix(what)?.trim().rsplit(' ').next()?.parse().ok()).unwrap_or(0)
+            };
+            passed += count("passed");
+            failed += count("failed");
+            ignored += count("ignored");
+        }
+    }
+    let status = child.wait()?;
+    println!("\ntests: {passed} passed, {failed} failed, {ignored} skipped");
+    if !status.success() || failed > 0 {
+        bail!("tests failed ({status})");
+    }
+    if passed == 0 {
+        bail!("no test ran");
+    }
+    Ok(())
 }
 
 /// Start a workload (it prints `ready PID` and waits for a line on stdin).
