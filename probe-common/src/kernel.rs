@@ -41,6 +41,9 @@ pub struct KernelOffsets {
     pub skc_family: u32,
     pub skc_v6_daddr: u32,
     pub skc_v6_rcv_saddr: u32,
+    /// sock_common.skc_state (u8, TCP_* numbering)
+    pub skc_state: u32,
+    pub _pad: u32,
 }
 
 /// Name of the global in probe-ebpf that holds [`KernelOffsets`].

@@ -13,7 +13,7 @@ use probe_common::{
         tcp_receive_reset as rr, tcp_send_reset as sr, SYSCALL_ARG0},
 };
 
-use crate::{current_target, emit, field, header, insert, task::sock_of_fd};
+use crate::{current_target, emit, field, header, insert, task::{offsets, read, sock_of_fd}};
 
 #[map(name = "OWNED_SOCKS")]
 static OWNED_SOCKS: HashMap<u64, u8> = HashMap::with_max_entries(65536, 0);
@@ -201,11 +201,19 @@ fn mark(ctx: &TracePointContext, sk_off: usize, proto_off: usize) -> Result<(), 
     Ok(())
 }
 
+/// Mark a live socket as the target's. A socket already in CLOSE is not marked: its memory
+/// is about to be freed and reused for someone else's socket (seen: a server's close() after
+/// the peer's FIN had closed the sock, then curl's next socket at the same address).
 #[inline(always)]
 fn own(sk: u64) {
     // SAFETY: u8 value, nothing borrowed past the lookup.
-    if unsafe { OWNED_SOCKS.get(&sk) }.is_none() {
-        insert(&OWNED_SOCKS, &sk, &1u8);
+    if unsafe { OWNED_SOCKS.get(&sk) }.is_some() {
+        return;
+    }
+    let k = offsets();
+    match read::<u8>(sk, k.skc_state) {
+        Some(state) if state as i32 != TCP_CLOSE && k.valid != 0 => insert(&OWNED_SOCKS, &sk, &1u8),
+        _ => {}
     }
 }
 

@@ -114,10 +114,13 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
     unsafe {
         ev.write(e);
         let payload = buf.cast::<u8>().add(HDR);
-        if probe_read_user_raw(payload.cast(), n, src as *const _) != 0 {
+        // Volatile reload + mask right at the call: the verifier must see the bound on the
+        // register passed as the size, and the compiler must not drop the mask as redundant.
+        let size = core::ptr::read_volatile(&raw const (*ev).captured) & DATA_MASK;
+        if probe_read_user_raw(payload.cast(), size, src as *const _) != 0 {
             (*ev).captured = 0;
         }
-        let total = HDR + ((*ev).captured & DATA_MASK) as usize;
+        let total = HDR + (core::ptr::read_volatile(&raw const (*ev).captured) & DATA_MASK) as usize;
         let bytes = core::slice::from_raw_parts(buf.cast::<u8>(), total);
         if EVENTS.output::<[u8]>(bytes, ringbuf_flags(total as u64)).is_err() {
             add(&LOST, DataEvent::KIND as u32, 1);

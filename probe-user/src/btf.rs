@@ -166,6 +166,8 @@ impl Btf {
             skc_family: self.offset("sock_common", "skc_family")?,
             skc_v6_daddr: self.offset("sock_common", "skc_v6_daddr")?,
             skc_v6_rcv_saddr: self.offset("sock_common", "skc_v6_rcv_saddr")?,
+            skc_state: self.offset("sock_common", "skc_state")?,
+            _pad: 0,
         })
     }
 }

@@ -18,6 +18,7 @@ use crate::{
     monotonic_ns, probes, procfs,
     recording::{self, Writer},
     report::{self, Report},
+    stream,
 };
 
 pub struct TraceOptions {
@@ -26,6 +27,9 @@ pub struct TraceOptions {
     pub out: PathBuf,
     pub only: Option<Vec<String>>,
     pub ring_bytes: u32,
+    /// Keep the bytes of request streams in the recording (off by default: prompts and answers
+    /// are private).
+    pub capture_text: bool,
     /// When the process started: "armed in N ms" counts from here.
     pub started: Instant,
 }
@@ -44,6 +48,8 @@ pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
 
 struct State {
     writer: Writer,
+    capture_text: bool,
+    streams: stream::Tracker,
     root: u32,
     root_exited: bool,
     events: u64,
@@ -57,11 +63,18 @@ struct State {
 
 impl State {
     fn on_record(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.writer.kernel(bytes)?;
         self.events += 1;
-        let Ok(ev) = decode::decode(bytes) else { return Ok(()) };
+        let Ok(ev) = decode::decode(bytes) else {
+            return self.writer.kernel(bytes);
+        };
         self.per_kind[ev.kind() as usize] += 1;
+        // Stream bytes are parsed here and dropped unless the user asked to keep them.
+        if !matches!(ev, Event::Data(_)) || self.capture_text {
+            self.writer.kernel(bytes)?;
+        }
         match ev {
+            Event::Data(d) => self.streams.on_data(&d, decode::data_payload(bytes)),
+            Event::Sock(s) => self.streams.on_sock(&s),
             Event::Mmap(m) => {
                 if matches!(MmapOp::try_from(m.op), Ok(MmapOp::Mmap | MmapOp::Munmap | MmapOp::Mremap)) {
                     self.dirty_maps.insert(m.hdr.pid);
@@ -82,8 +95,19 @@ impl State {
         Ok(())
     }
 
+    /// Write the requests that finished.
+    fn write_requests(&mut self) -> std::io::Result<()> {
+        for r in self.streams.take_done() {
+            let mut v = serde_json::to_value(&r).map_err(std::io::Error::other)?;
+            v["type"] = json!("request");
+            self.writer.json(&v)?;
+        }
+        Ok(())
+    }
+
     /// Re-read /proc for processes whose mappings or files changed; write what is new.
     fn refresh(&mut self) -> std::io::Result<()> {
+        self.write_requests()?;
         for pid in std::mem::take(&mut self.dirty_maps) {
             self.snapshot_maps(pid)?;
         }
@@ -148,8 +172,11 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
 
     let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
     let writer = Writer::create(&opts.out).with_context(|| format!("cannot create the recording in {}", opts.out.display()))?;
+    let start_ns = monotonic_ns();
     let mut st = State {
         writer,
+        capture_text: opts.capture_text,
+        streams: stream::Tracker::new(start_ns, opts.capture_text),
         root: opts.pid,
         root_exited: false,
         events: 0,
@@ -165,7 +192,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     st.writer.json(&json!({
         "type": "meta", "format_version": recording::VERSION, "probe_version": env!("CARGO_PKG_VERSION"),
         "pid": opts.pid, "comm": procfs::comm(opts.pid), "cmdline": procfs::cmdline(opts.pid),
-        "targets": attached.targets, "start_ns": monotonic_ns(), "start_unix_ms": start_unix_ms,
+        "targets": attached.targets, "start_ns": start_ns, "capture_text": opts.capture_text, "start_unix_ms": start_unix_ms,
         "kernel": uname.trim(), "armed_ms": armed_ms, "probes": attached.status,
         // SAFETY: sysconf has no preconditions.
         "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
@@ -221,7 +248,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
                 st.writer.flush()?;
                 if tty {
                     let rate = st.events - last_events;
-                    eprint!("\r  {:>6.1} s | {} events ({rate}/s) | lost {}    ", started.elapsed().as_secs_f64(), st.events, lost.iter().sum::<u64>());
+                    eprint!("\r  {:>6.1} s | {} events ({rate}/s) | {} requests in flight | lost {}    ", started.elapsed().as_secs_f64(), st.events, st.streams.in_flight(), lost.iter().sum::<u64>());
                 }
                 last_events = st.events;
                 if !procfs::exists(opts.pid) {
@@ -240,6 +267,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         eprintln!();
     }
     drain(ring.get_mut(), &mut st)?;
+    st.streams.finish();
+    st.write_requests()?;
     let lost = sum(&lost_map);
     st.writer.json(&stats_json(&lost, &sum(&counter_map), &st))?;
     st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;

@@ -10,6 +10,7 @@ pub mod probes;
 pub mod procfs;
 pub mod recording;
 pub mod report;
+pub mod stream;
 pub mod tracefs;
 
 /// Exit codes of the `probe` binary (documented in README.md).

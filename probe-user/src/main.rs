@@ -26,7 +26,7 @@ enum Command {
         /// Recording directory (created). Default: probe-PID-UNIXTIME in the current directory.
         #[arg(long)]
         out: Option<PathBuf>,
-        /// Only these probes (comma separated): blockio, fault, filemap, mmap, sock, proc.
+        /// Only these probes (comma separated): blockio, fault, filemap, mmap, sock, stream, proc.
         /// A named probe that cannot attach is an error; by default such probes are skipped.
         #[arg(long, value_delimiter = ',')]
         probes: Option<Vec<String>>,
@@ -36,6 +36,10 @@ enum Command {
         /// Print report.json instead of the human summary at the end.
         #[arg(long)]
         json: bool,
+        /// Also store the bytes of request streams (prompts, answers) in the recording. Off by
+        /// default: only request metadata (timing, sizes, stop reasons) is kept.
+        #[arg(long)]
+        capture_text: bool,
     },
     /// Read a recording directory again and print its summary (or its JSON).
     Report {
@@ -63,7 +67,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace { pid, duration, out, probes, ring_mb, json } => {
+        Command::Trace { pid, duration, out, probes, ring_mb, json, capture_text } => {
             if !ring_mb.is_power_of_two() {
                 anyhow::bail!("--ring-mb must be a power of two (got {ring_mb})");
             }
@@ -77,6 +81,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 out: out.clone(),
                 only: probes,
                 ring_bytes: ring_mb << 20,
+                capture_text,
                 started,
             })?;
             if json {

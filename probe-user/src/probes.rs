@@ -21,7 +21,7 @@ use crate::{procfs, tracefs};
 /// The compiled kernel object, built by build.rs from probe-ebpf.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/probe"));
 
-pub const SUBSYSTEMS: [&str; 6] = ["blockio", "fault", "filemap", "mmap", "sock", "proc"];
+pub const SUBSYSTEMS: [&str; 7] = ["blockio", "fault", "filemap", "mmap", "sock", "stream", "proc"];
 
 #[derive(Clone, Copy, Debug)]
 enum How {
@@ -84,6 +84,22 @@ const TABLE: &[Spec] = &[
     s("sock", "sock_connect", How::Syscall("sys_enter_connect"), true),
     s("sock", "sock_listen", How::Syscall("sys_enter_listen"), false),
     s("sock", "sock_close", How::Syscall("sys_enter_close"), false),
+    s("stream", "read_enter", How::Syscall("sys_enter_read"), true),
+    s("stream", "read_exit", How::Syscall("sys_exit_read"), true),
+    s("stream", "write_enter", How::Syscall("sys_enter_write"), true),
+    s("stream", "write_exit", How::Syscall("sys_exit_write"), true),
+    s("stream", "recvfrom_enter", How::Syscall("sys_enter_recvfrom"), true),
+    s("stream", "recvfrom_exit", How::Syscall("sys_exit_recvfrom"), true),
+    s("stream", "sendto_enter", How::Syscall("sys_enter_sendto"), true),
+    s("stream", "sendto_exit", How::Syscall("sys_exit_sendto"), true),
+    s("stream", "readv_enter", How::Syscall("sys_enter_readv"), false),
+    s("stream", "readv_exit", How::Syscall("sys_exit_readv"), false),
+    s("stream", "writev_enter", How::Syscall("sys_enter_writev"), false),
+    s("stream", "writev_exit", How::Syscall("sys_exit_writev"), false),
+    s("stream", "recvmsg_enter", How::Syscall("sys_enter_recvmsg"), false),
+    s("stream", "recvmsg_exit", How::Syscall("sys_exit_recvmsg"), false),
+    s("stream", "sendmsg_enter", How::Syscall("sys_enter_sendmsg"), false),
+    s("stream", "sendmsg_exit", How::Syscall("sys_exit_sendmsg"), false),
 ];
 
 /// What happened to one subsystem at attach time.
@@ -207,8 +223,15 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
             }
         }
     }
-    if let (Some(note), Some(st)) = (koff_note, status.iter_mut().find(|s| s.name == "mmap")) {
-        st.skipped.push(format!("file names in the kernel: {note}; files are named from /proc only"));
+    if let Some(note) = koff_note {
+        if let Some(st) = status.iter_mut().find(|s| s.name == "mmap") {
+            st.skipped.push(format!("file names in the kernel: {note}; files are named from /proc only"));
+        }
+        // Without the fd → socket walk there is no way to tell socket bytes from file bytes.
+        if let Some(st) = status.iter_mut().find(|s| s.name == "stream") {
+            st.live = false;
+            st.skipped.push(format!("needs struct offsets from kernel BTF: {note}"));
+        }
     }
     for st in &status {
         if !st.live && opts.only.is_some() {

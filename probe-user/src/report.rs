@@ -12,7 +12,7 @@ use probe_common::{
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{decode::Event, procfs::Mapping, recording::Recording};
+use crate::{decode::Event, procfs::Mapping, recording::Recording, stream::RequestRecord};
 
 /// Most memory-map rows listed one by one; the counts cover all.
 pub const MAX_MMAP_ROWS: usize = 2000;
@@ -31,6 +31,8 @@ pub struct Report {
     pub mmaps: Vec<MmapRow>,
     pub mmaps_not_listed: u64,
     pub connections: Vec<Connection>,
+    /// Every HTTP request seen on the target's sockets, in arrival order.
+    pub requests: Vec<RequestRecord>,
     pub lost_events: BTreeMap<String, u64>,
     pub counters: BTreeMap<String, u64>,
     pub probes: Value,
@@ -254,6 +256,10 @@ pub fn build(rec: &Recording) -> Report {
                 }
             }
             Some("end") => r.target.end_reason = v["reason"].as_str().map(String::from),
+            Some("request") => match serde_json::from_value::<RequestRecord>(v.clone()) {
+                Ok(q) => r.requests.push(q),
+                Err(e) => r.problems.push(format!("a request record could not be read: {e}")),
+            },
             _ => {}
         }
     }
@@ -447,6 +453,7 @@ pub fn build(rec: &Recording) -> Report {
     r.faults.minor = r.counters.get("user_faults").map(|&all| all.saturating_sub(r.faults.major));
     r.connections = conns.into_iter().map(|(_, c, _)| c).collect();
     r.target.processes = procs.into_values().collect();
+    r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
     let lost: u64 = r.lost_events.values().sum();
     if lost > 0 {
         r.problems.push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
@@ -605,6 +612,35 @@ pub fn render(r: &Report) -> String {
     }
     if r.connections.len() > 30 {
         let _ = writeln!(o, "  ... {} more in report.json", r.connections.len() - 30);
+    }
+    if !r.requests.is_empty() {
+        let _ = writeln!(o, "\nRequests: {}", r.requests.len());
+        let _ = writeln!(o, "  {:>4} {:<28} {:>6} {:>9} {:>9} {:>6} {:>7} {:<8} {:<13} {:<8}", "id", "request", "status", "ttft ms", "total ms", "chunks", "max tok", "finish", "ended", "complete");
+        for q in r.requests.iter().take(50) {
+            let req = format!("{} {}", q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
+            let req: String = req.chars().take(28).collect();
+            let fmt = |v: Option<f64>| v.map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into());
+            let finish = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.error.as_ref().map(|_| "error".to_string())).unwrap_or_else(|| "-".into());
+            let ended = if q.reset == "none" { q.closed_by.clone() } else { format!("{} ({})", q.closed_by, q.reset.replace('_', " ")) };
+            let _ = writeln!(
+                o,
+                "  {:>4} {:<28} {:>6} {:>9} {:>9} {:>6} {:>7} {:<8} {:<13} {}{}",
+                q.id,
+                req,
+                q.status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                fmt(q.ttft_ms),
+                fmt(q.end_ms),
+                q.chunks,
+                q.max_tokens.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
+                finish,
+                ended,
+                if q.complete { "yes" } else { "no" },
+                if q.partial { " (partly seen)" } else { "" }
+            );
+        }
+        if r.requests.len() > 50 {
+            let _ = writeln!(o, "  ... {} more in report.json", r.requests.len() - 50);
+        }
     }
     let lost: u64 = r.lost_events.values().sum();
     if lost == 0 {

@@ -1,0 +1,290 @@
+//! HTTP/1.1 message framing over a captured byte stream: heads parsed with httparse, bodies
+//! delimited by Content-Length, chunked encoding or the connection's end. Bytes the kernel did
+//! not capture arrive as gaps; a gap inside a body is skipped, a gap anywhere else loses sync.
+
+/// How a body ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    None,
+    Length(u64),
+    Chunked,
+    UntilClose,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Chunk {
+    /// Reading a chunk-size line.
+    Size(Vec<u8>),
+    /// In chunk data, this many bytes left.
+    Data(u64),
+    /// The CRLF after chunk data, this many bytes left.
+    DataEnd(u8),
+    /// After the last (0) chunk: trailers until an empty line.
+    Trailer(Vec<u8>),
+}
+
+/// Incremental body decoder.
+#[derive(Clone, Debug)]
+pub struct Body {
+    framing: Framing,
+    left: u64,
+    chunk: Chunk,
+    pub done: bool,
+}
+
+impl Body {
+    pub fn new(framing: Framing) -> Self {
+        let left = if let Framing::Length(n) = framing { n } else { 0 };
+        Body { framing, left, chunk: Chunk::Size(Vec::new()), done: matches!(framing, Framing::None | Framing::Length(0)) }
+    }
+
+    /// Decode from `input`, appending body bytes to `out`. Returns bytes consumed (input after
+    /// the end of the message is left for the next message), or None when the framing is broken.
+    pub fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Option<usize> {
+        let mut i = 0;
+        while i < input.len() && !self.done {
+            match self.framing {
+                Framing::None => self.done = true,
+                Framing::UntilClose => {
+                    out.extend_from_slice(&input[i..]);
+                    i = input.len();
+                }
+                Framing::Length(_) => {
+                    let n = (self.left as usize).min(input.len() - i);
+                    out.extend_from_slice(&input[i..i + n]);
+                    i += n;
+                    self.left -= n as u64;
+                    self.done = self.left == 0;
+                }
+                Framing::Chunked => match &mut self.chunk {
+                    Chunk::Size(line) => {
+                        let b = input[i];
+                        i += 1;
+                        if b == b'\n' {
+                            let text = String::from_utf8_lossy(line);
+                            let hex = text.trim().split(';').next().unwrap_or("").trim();
+                            let size = u64::from_str_radix(hex, 16).ok()?;
+                            self.chunk = if size == 0 { Chunk::Trailer(Vec::new()) } else { Chunk::Data(size) };
+                        } else {
+                            line.push(b);
+                            if line.len() > 1024 {
+                                return None;
+                            }
+                        }
+                    }
+                    Chunk::Data(left) => {
+                        let n = (*left as usize).min(input.len() - i);
+                        out.extend_from_slice(&input[i..i + n]);
+                        i += n;
+                        *left -= n as u64;
+                        if *left == 0 {
+                            self.chunk = Chunk::DataEnd(2);
+                        }
+                    }
+                    Chunk::DataEnd(left) => {
+                        let b = input[i];
+                        i += 1;
+                        if b == b'\n' || *left == 1 {
+                            self.chunk = Chunk::Size(Vec::new());
+                        } else if b == b'\r' {
+                            *left = 1;
+                        } else {
+                            return None;
+                        }
+                    }
+                    Chunk::Trailer(line) => {
+                        let b = input[i];
+                        i += 1;
+                        if b == b'\n' {
+                            if line.iter().all(|&c| c == b'\r') {
+                                self.done = true;
+                            }
+                            line.clear();
+                        } else {
+                            line.push(b);
+                        }
+                    }
+                },
+            }
+        }
+        Some(i)
+    }
+
+    /// `n` bytes were not captured. True when they fell inside body data (skipped), false
+    /// when the framing around them is lost.
+    pub fn gap(&mut self, n: u64) -> bool {
+        match self.framing {
+            Framing::UntilClose => true,
+            Framing::Length(_) if n <= self.left => {
+                self.left -= n;
+                self.done = self.left == 0;
+                true
+            }
+            Framing::Chunked => match &mut self.chunk {
+                Chunk::Data(left) if n <= *left => {
+                    *left -= n;
+                    if *left == 0 {
+                        self.chunk = Chunk::DataEnd(2);
+                    }
+                    true
+                }
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
+    /// The connection ended: a body delimited by the close is complete now.
+    pub fn close(&mut self) {
+        if self.framing == Framing::UntilClose {
+            self.done = true;
+        }
+    }
+}
+
+/// A parsed request head.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestHead {
+    pub method: String,
+    pub path: String,
+    pub framing: Option<Framing>,
+}
+
+/// A parsed response head.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResponseHead {
+    pub status: u16,
+    pub content_type: String,
+    pub chunked: bool,
+    pub content_length: Option<u64>,
+}
+
+pub enum Parsed<T> {
+    /// The head and its length in bytes.
+    Done(T, usize),
+    Partial,
+    Invalid,
+}
+
+fn header<'a>(headers: &'a [httparse::Header<'a>], name: &str) -> Option<&'a str> {
+    headers.iter().find(|h| h.name.eq_ignore_ascii_case(name)).and_then(|h| std::str::from_utf8(h.value).ok())
+}
+
+fn framing_of(headers: &[httparse::Header<'_>]) -> (bool, Option<u64>) {
+    let chunked = header(headers, "transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+    let length = header(headers, "content-length").and_then(|v| v.trim().parse().ok());
+    (chunked, length)
+}
+
+pub fn parse_request(buf: &[u8]) -> Parsed<RequestHead> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => {
+            let (chunked, length) = framing_of(req.headers);
+            let framing = if chunked { Framing::Chunked } else { length.map_or(Framing::None, Framing::Length) };
+            Parsed::Done(
+                RequestHead { method: req.method.unwrap_or("").into(), path: req.path.unwrap_or("").into(), framing: Some(framing) },
+                n,
+            )
+        }
+        Ok(httparse::Status::Partial) => Parsed::Partial,
+        Err(_) => Parsed::Invalid,
+    }
+}
+
+pub fn parse_response(buf: &[u8]) -> Parsed<ResponseHead> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut resp = httparse::Response::new(&mut headers);
+    match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => {
+            let (chunked, content_length) = framing_of(resp.headers);
+            Parsed::Done(
+                ResponseHead {
+                    status: resp.code.unwrap_or(0),
+                    content_type: header(resp.headers, "content-type").unwrap_or("").to_ascii_lowercase(),
+                    chunked,
+                    content_length,
+                },
+                n,
+            )
+        }
+        Ok(httparse::Status::Partial) => Parsed::Partial,
+        Err(_) => Parsed::Invalid,
+    }
+}
+
+impl ResponseHead {
+    /// How this response's body ends, given the request method.
+    pub fn framing(&self, method: &str) -> Framing {
+        if method == "HEAD" || self.status == 204 || self.status == 304 || (100..200).contains(&self.status) {
+            Framing::None
+        } else if self.chunked {
+            Framing::Chunked
+        } else if let Some(n) = self.content_length {
+            Framing::Length(n)
+        } else {
+            Framing::UntilClose
+        }
+    }
+}
+
+/// Whether bytes look like the start of an HTTP request (for resynchronising mid-stream).
+pub fn looks_like_request(b: &[u8]) -> bool {
+    const METHODS: [&[u8]; 7] = [b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"OPTIONS ", b"PATCH "];
+    METHODS.iter().any(|m| b.starts_with(m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(framing: Framing, parts: &[&[u8]]) -> (Vec<u8>, bool, usize) {
+        let mut b = Body::new(framing);
+        let mut out = Vec::new();
+        let mut used = 0;
+        for p in parts {
+            used += b.feed(p, &mut out).unwrap();
+        }
+        (out, b.done, used)
+    }
+
+    #[test]
+    fn chunked_across_any_split() {
+        let wire = b"5\r\nhello\r\n1a;ext=1\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\n\r\nGET /next";
+        for cut in 0..wire.len() {
+            let (out, done, used) = decode(Framing::Chunked, &[&wire[..cut], &wire[cut..]]);
+            assert_eq!(out, b"helloabcdefghijklmnopqrstuvwxyz", "cut {cut}");
+            assert!(done);
+            assert_eq!(&wire[used..], b"GET /next", "cut {cut}");
+        }
+    }
+
+    #[test]
+    fn gaps_inside_chunks_are_skipped() {
+        let mut b = Body::new(Framing::Chunked);
+        let mut out = Vec::new();
+        b.feed(b"a\r\n0123", &mut out).unwrap();
+        assert!(b.gap(4));
+        b.feed(b"89\r\n0\r\n\r\n", &mut out).unwrap();
+        assert_eq!(out, b"012389");
+        assert!(b.done);
+        let mut b = Body::new(Framing::Chunked);
+        b.feed(b"a\r\n0123456789", &mut out).unwrap();
+        assert!(!b.gap(5), "a gap over a chunk header loses sync");
+        assert!(Body::new(Framing::Chunked).feed(b"zz\r\n", &mut out).is_none());
+    }
+
+    #[test]
+    fn heads() {
+        let Parsed::Done(h, n) = parse_request(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\n\r\n{}") else { panic!() };
+        assert_eq!((h.method.as_str(), h.path.as_str(), h.framing, n), ("POST", "/v1/chat/completions", Some(Framing::Length(12)), 66));
+        assert!(matches!(parse_request(b"POST /x HTTP/1.1\r\nHost"), Parsed::Partial));
+        assert!(matches!(parse_request(b"\x00\x01garbage\r\n\r\n"), Parsed::Invalid));
+        let Parsed::Done(r, _) = parse_response(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n") else { panic!() };
+        assert_eq!(r.framing("POST"), Framing::Chunked);
+        assert_eq!(r.content_type, "text/event-stream");
+        let Parsed::Done(r, _) = parse_response(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 5\r\n\r\n") else { panic!() };
+        assert_eq!((r.status, r.framing("POST")), (400, Framing::Length(5)));
+    }
+}

@@ -1,0 +1,544 @@
+//! Request streams: rebuilds every HTTP request the target serves (or makes) from the bytes its
+//! sockets moved, with timing per content chunk and the stop information from the wire.
+//! Bytes are parsed in memory and dropped; only [`RequestRecord`]s (numbers, method, path, stop
+//! reasons) are kept. `http` frames messages, `payload` reads SSE / NDJSON / JSON bodies.
+pub mod http;
+pub mod payload;
+
+use std::collections::{HashMap, VecDeque};
+
+use probe_common::{
+    sock::{SOCK_RESET_RECEIVED, SOCK_RESET_SENT, SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_SYN_RECV},
+    stream::{DIR_RECV, DataEvent},
+};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use self::{
+    http::{Body, Framing, Parsed},
+    payload::{Kind, Msg, Splitter, Stop},
+};
+
+/// Request bodies are kept (in memory, to read max_tokens and stream) up to this many bytes.
+const MAX_BODY: usize = 256 << 10;
+/// A request or response head longer than this is not HTTP.
+const MAX_HEAD: usize = 64 << 10;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Gaps {
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+/// One request as seen on the wire. Times in ms; `arrival_ms` from the start of the trace,
+/// the others from the request's arrival (its first byte read by the server).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub pid: u32,
+    pub local: String,
+    pub peer: String,
+    /// "server" when the target received the request (it serves it), "client" when it sent it.
+    pub role: String,
+    pub method: Option<String>,
+    pub path: Option<String>,
+    pub status: Option<u16>,
+    pub stream: Option<bool>,
+    pub max_tokens: Option<i64>,
+    pub arrival_ms: Option<f64>,
+    /// First response byte.
+    pub ttfb_ms: Option<f64>,
+    /// First content chunk (for a non-streamed response: the response).
+    pub ttft_ms: Option<f64>,
+    /// Last response byte seen.
+    pub end_ms: Option<f64>,
+    pub chunks: u64,
+    pub chunk_times_ms: Vec<f64>,
+    pub chunk_gaps: Option<Gaps>,
+    #[serde(flatten)]
+    pub stop: Stop,
+    /// How it ended: "server" (response complete), "client" (the peer closed or reset first),
+    /// "server_abort" (the server closed before finishing), "open" (still open when the trace ended).
+    pub closed_by: String,
+    /// "none", "by_client" or "by_server".
+    pub reset: String,
+    /// The whole response was seen (terminal chunk, full length, or the close that ends it).
+    pub complete: bool,
+    /// probe attached while this request was already in flight: its start was not seen.
+    pub partial: bool,
+    pub request_bytes: u64,
+    pub response_bytes: u64,
+    /// Bytes moved but not captured (each call captures its first 4095 bytes).
+    pub bytes_not_captured: u64,
+    /// Stream messages that could not be read (cut by the capture limit, not JSON).
+    pub messages_unread: u64,
+}
+
+#[derive(Debug)]
+enum Side {
+    /// Collecting a head; the time of its first byte.
+    Head(Vec<u8>, u64),
+    Body(Body),
+    /// Framing lost (gap over a head, garbage): wait for something that starts a message.
+    Lost,
+}
+
+#[derive(Debug)]
+struct Pending {
+    rec: RequestRecord,
+    arrival_ns: Option<u64>,
+    body: Vec<u8>,
+    body_cut: bool,
+    splitter: Option<Splitter>,
+    content_type: String,
+    response_started: bool,
+}
+
+#[derive(Debug)]
+struct Conn {
+    pid: u32,
+    local: String,
+    peer: String,
+    /// Request bytes flow in on `recv` when the target is the server.
+    req_dir: Option<u8>,
+    req: Side,
+    resp: Side,
+    pending: VecDeque<Pending>,
+    seen_any: bool,
+    /// Who closed first ("client" / "server_abort") and resets.
+    closer: Option<&'static str>,
+    reset: &'static str,
+}
+
+/// Follows every connection and turns bytes into request records.
+pub struct Tracker {
+    start_ns: u64,
+    keep_text: bool,
+    conns: HashMap<u64, Conn>,
+    next_id: u64,
+    pub done: Vec<RequestRecord>,
+}
+
+fn addr(family: u16, a: &[u8; 16], port: u16) -> String {
+    if family == probe_common::sock::AF_INET6 {
+        format!("[{}]:{port}", std::net::Ipv6Addr::from(*a))
+    } else {
+        format!("{}.{}.{}.{}:{port}", a[0], a[1], a[2], a[3])
+    }
+}
+
+fn gaps(times: &[f64]) -> Option<Gaps> {
+    let mut g: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    if g.is_empty() {
+        return None;
+    }
+    g.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| g[((q * g.len() as f64).ceil() as usize).clamp(1, g.len()) - 1];
+    Some(Gaps { p50_ms: at(0.5), p99_ms: at(0.99), max_ms: g[g.len() - 1] })
+}
+
+impl Tracker {
+    pub fn new(start_ns: u64, keep_text: bool) -> Self {
+        Tracker { start_ns, keep_text, conns: HashMap::new(), next_id: 1, done: Vec::new() }
+    }
+
+    /// Requests not finished yet.
+    pub fn in_flight(&self) -> usize {
+        self.conns.values().map(|c| c.pending.len()).sum()
+    }
+
+    pub fn on_data(&mut self, ev: &DataEvent, payload: &[u8]) {
+        let conn = self.conns.entry(ev.sk).or_insert_with(|| Conn {
+            pid: ev.hdr.pid,
+            local: addr(ev.family, &ev.saddr, ev.sport),
+            peer: addr(ev.family, &ev.daddr, ev.dport),
+            req_dir: None,
+            req: Side::Head(Vec::new(), 0),
+            resp: Side::Head(Vec::new(), 0),
+            pending: VecDeque::new(),
+            seen_any: false,
+            closer: None,
+            reset: "none",
+        });
+        let first = !conn.seen_any;
+        conn.seen_any = true;
+        // Which way do requests flow? The first bytes that parse as a request head decide.
+        if conn.req_dir.is_none() {
+            if http::looks_like_request(payload) {
+                conn.req_dir = Some(ev.dir);
+            } else if payload.starts_with(b"HTTP/") {
+                conn.req_dir = Some(ev.dir ^ 1);
+            } else if first {
+                // Attached mid-stream: responses are what the server sends.
+                conn.req_dir = Some(DIR_RECV);
+            }
+        }
+        let missing = (ev.len - ev.captured) as u64;
+        let ts = ev.hdr.ts_ns;
+        let Some(req_dir) = conn.req_dir else { return };
+        let role = if req_dir == DIR_RECV { "server" } else { "client" };
+        if ev.dir == req_dir {
+            Self::request_bytes(conn, payload, missing, ts, role, &mut self.next_id, self.start_ns);
+        } else {
+            let finished = Self::response_bytes(conn, payload, missing, ts, role, &mut self.next_id, self.start_ns, self.keep_text);
+            for p in finished {
+                self.done.push(finalize(p, conn, self.start_ns, "server", ts));
+            }
+        }
+    }
+
+    fn new_pending(conn: &Conn, id: &mut u64, role: &str, partial: bool) -> Pending {
+        let rec = RequestRecord {
+            id: *id,
+            pid: conn.pid,
+            local: conn.local.clone(),
+            peer: conn.peer.clone(),
+            role: role.into(),
+            partial,
+            reset: "none".into(),
+            ..Default::default()
+        };
+        *id += 1;
+        Pending { rec, arrival_ns: None, body: Vec::new(), body_cut: false, splitter: None, content_type: String::new(), response_started: false }
+    }
+
+    fn request_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, start_ns: u64) {
+        if let Some(p) = conn.pending.back_mut().filter(|_| matches!(conn.req, Side::Body(_))) {
+            p.rec.request_bytes += data.len() as u64 + missing;
+            p.rec.bytes_not_captured += missing;
+        }
+        while !data.is_empty() {
+            match &mut conn.req {
+                Side::Lost => {
+                    if !http::looks_like_request(data) {
+                        return;
+                    }
+                    conn.req = Side::Head(Vec::new(), ts);
+                }
+                Side::Head(buf, t0) => {
+                    if buf.is_empty() {
+                        *t0 = ts;
+                        if !http::looks_like_request(data) {
+                            conn.req = Side::Lost;
+                            return;
+                        }
+                    }
+                    let before = buf.len();
+                    buf.extend_from_slice(data);
+                    match http::parse_request(buf) {
+                        Parsed::Done(head, n) => {
+                            let t0 = *t0;
+                            let mut p = Self::new_pending(conn, id, role, false);
+                            p.rec.method = Some(head.method.clone());
+                            p.rec.path = Some(head.path.clone());
+                            p.arrival_ns = Some(t0);
+                            p.rec.arrival_ms = Some(t0.saturating_sub(start_ns) as f64 / 1e6);
+                            let used = n - before;
+                            p.rec.request_bytes = n as u64 + missing;
+                            p.rec.bytes_not_captured += missing;
+                            data = &data[used..];
+                            let body = Body::new(head.framing.unwrap_or(Framing::None));
+                            let done = body.done;
+                            conn.pending.push_back(p);
+                            conn.req = Side::Body(body);
+                            if done {
+                                Self::request_done(conn);
+                            }
+                        }
+                        Parsed::Partial if buf.len() < MAX_HEAD => return,
+                        _ => {
+                            conn.req = Side::Lost;
+                            return;
+                        }
+                    }
+                }
+                Side::Body(body) => {
+                    let Some(p) = conn.pending.back_mut() else {
+                        conn.req = Side::Lost;
+                        return;
+                    };
+                    let mut out = Vec::new();
+                    let Some(used) = body.feed(data, &mut out) else {
+                        conn.req = Side::Lost;
+                        return;
+                    };
+                    if p.body.len() + out.len() <= MAX_BODY {
+                        p.body.extend_from_slice(&out);
+                    } else {
+                        p.body_cut = true;
+                    }
+                    data = &data[used..];
+                    if body.done {
+                        Self::request_done(conn);
+                    }
+                }
+            }
+        }
+        if missing > 0 {
+            match &mut conn.req {
+                Side::Body(body) => {
+                    if let Some(p) = conn.pending.back_mut() {
+                        p.body_cut = true;
+                    }
+                    if !body.gap(missing) {
+                        conn.req = Side::Lost;
+                    } else if body.done {
+                        Self::request_done(conn);
+                    }
+                }
+                _ => conn.req = Side::Lost,
+            }
+        }
+    }
+
+    /// The request body is complete: read max_tokens and stream from it, then forget it.
+    fn request_done(conn: &mut Conn) {
+        conn.req = Side::Head(Vec::new(), 0);
+        let Some(p) = conn.pending.back_mut() else { return };
+        let body = std::mem::take(&mut p.body);
+        match serde_json::from_slice::<Value>(&body) {
+            Ok(v) if !p.body_cut => {
+                p.rec.max_tokens = payload::max_tokens(&v);
+                p.rec.stream = v.get("stream").and_then(Value::as_bool);
+            }
+            _ => {
+                let (max, stream) = payload::scan_fields(&body);
+                p.rec.max_tokens = max;
+                p.rec.stream = stream;
+            }
+        }
+        // Ollama's native API streams unless told not to.
+        let path = p.rec.path.as_deref().unwrap_or("");
+        if p.rec.stream.is_none() && (path.starts_with("/api/generate") || path.starts_with("/api/chat")) {
+            p.rec.stream = Some(true);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn response_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, start_ns: u64, keep_text: bool) -> Vec<Pending> {
+        let mut finished = Vec::new();
+        // The response belongs to the oldest request still waiting for one.
+        if conn.pending.is_empty() {
+            if data.is_empty() && missing == 0 {
+                return finished;
+            }
+            let mut p = Self::new_pending(conn, id, role, true);
+            if !data.starts_with(b"HTTP/") {
+                // Attached mid-response: read the body as it comes, framing unknown.
+                conn.resp = Side::Body(Body::new(Framing::UntilClose));
+                p.response_started = true;
+            }
+            conn.pending.push_back(p);
+        }
+        if let Some(p) = conn.pending.front_mut() {
+            p.rec.response_bytes += data.len() as u64 + missing;
+            p.rec.bytes_not_captured += missing;
+            if p.rec.ttfb_ms.is_none() {
+                if let Some(a) = p.arrival_ns {
+                    p.rec.ttfb_ms = Some(ts.saturating_sub(a) as f64 / 1e6);
+                }
+            }
+        }
+        let _ = start_ns;
+        while !data.is_empty() {
+            let Some(p) = conn.pending.front_mut() else { break };
+            match &mut conn.resp {
+                Side::Lost => return finished,
+                Side::Head(buf, _) => {
+                    let before = buf.len();
+                    buf.extend_from_slice(data);
+                    match http::parse_response(buf) {
+                        Parsed::Done(head, n) => {
+                            data = &data[n - before..];
+                            let method = p.rec.method.clone().unwrap_or_default();
+                            p.rec.status = Some(head.status);
+                            p.content_type = head.content_type.clone();
+                            p.response_started = true;
+                            let body = Body::new(head.framing(&method));
+                            let done = body.done;
+                            conn.resp = Side::Body(body);
+                            if head.status == 100 {
+                                conn.resp = Side::Head(Vec::new(), 0);
+                                continue;
+                            }
+                            if done {
+                                conn.resp = Side::Head(Vec::new(), 0);
+                                if let Some(mut p) = conn.pending.pop_front() {
+                                    p.rec.complete = true;
+                                    end(&mut p, ts);
+                                    finished.push(p);
+                                }
+                            }
+                        }
+                        Parsed::Partial if buf.len() < MAX_HEAD => return finished,
+                        _ => {
+                            conn.resp = Side::Lost;
+                            return finished;
+                        }
+                    }
+                }
+                Side::Body(body) => {
+                    let mut out = Vec::new();
+                    let Some(used) = body.feed(data, &mut out) else {
+                        conn.resp = Side::Lost;
+                        return finished;
+                    };
+                    data = &data[used..];
+                    messages(p, &out, ts, keep_text, false);
+                    if body.done {
+                        messages(p, &[], ts, keep_text, true);
+                        conn.resp = Side::Head(Vec::new(), 0);
+                        if let Some(mut p) = conn.pending.pop_front() {
+                            p.rec.complete = true;
+                            end(&mut p, ts);
+                            finished.push(p);
+                        }
+                    }
+                }
+            }
+        }
+        if missing > 0 {
+            match (&mut conn.resp, conn.pending.front_mut()) {
+                (Side::Body(body), Some(p)) => {
+                    if let Some(s) = p.splitter.as_mut() {
+                        let mut msgs = Vec::new();
+                        s.gap(&mut msgs);
+                        p.rec.messages_unread += msgs.len() as u64;
+                    }
+                    if !body.gap(missing) {
+                        conn.resp = Side::Lost;
+                    }
+                }
+                _ => conn.resp = Side::Lost,
+            }
+        }
+        if let Some(p) = conn.pending.front_mut() {
+            end(p, ts);
+        }
+        finished
+    }
+
+    /// A TCP state change or reset of a connection.
+    pub fn on_sock(&mut self, ev: &SockEvent) {
+        let Some(conn) = self.conns.get_mut(&ev.skaddr) else { return };
+        let client_side = conn.req_dir == Some(DIR_RECV);
+        // "peer" is the other end; for a server that is the client.
+        let (peer_word, local_word) = if client_side { ("client", "server_abort") } else { ("server_abort", "client") };
+        match ev.what {
+            SOCK_RESET_RECEIVED => {
+                conn.closer.get_or_insert(peer_word);
+                if conn.reset == "none" {
+                    conn.reset = if client_side { "by_client" } else { "by_server" };
+                }
+            }
+            SOCK_RESET_SENT => {
+                conn.closer.get_or_insert(local_word);
+                if conn.reset == "none" {
+                    conn.reset = if client_side { "by_server" } else { "by_client" };
+                }
+            }
+            SOCK_STATE => {
+                match (ev.oldstate, ev.newstate) {
+                    (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_CLOSE_WAIT) => {
+                        conn.closer.get_or_insert(peer_word);
+                    }
+                    (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_FIN_WAIT1) => {
+                        conn.closer.get_or_insert(local_word);
+                    }
+                    _ => {}
+                }
+                if ev.newstate == TCP_CLOSE {
+                    let ts = ev.hdr.ts_ns;
+                    if let Some(mut conn) = self.conns.remove(&ev.skaddr) {
+                        let closer = conn.closer.unwrap_or("server_abort");
+                        while let Some(mut p) = conn.pending.pop_front() {
+                            if let Side::Body(b) = &mut conn.resp {
+                                b.close();
+                                if b.done && p.response_started {
+                                    messages(&mut p, &[], ts, self.keep_text, true);
+                                    p.rec.complete = true;
+                                }
+                            }
+                            let rec = finalize(p, &conn, self.start_ns, closer, ts);
+                            self.done.push(rec);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The trace ended: requests still in flight are written as they are.
+    pub fn finish(&mut self) {
+        let conns: Vec<Conn> = self.conns.drain().map(|(_, c)| c).collect();
+        for mut conn in conns {
+            let closer = conn.closer.unwrap_or("open");
+            while let Some(mut p) = conn.pending.pop_front() {
+                let last = p.rec.end_ms.unwrap_or(0.0);
+                let _ = last;
+                if let Some(s) = p.splitter.as_mut() {
+                    let mut msgs = Vec::new();
+                    s.finish(&mut msgs);
+                    apply_msgs(&mut p, msgs, 0, self.keep_text);
+                }
+                let rec = finalize(p, &conn, self.start_ns, closer, 0);
+                self.done.push(rec);
+            }
+        }
+    }
+
+    pub fn take_done(&mut self) -> Vec<RequestRecord> {
+        std::mem::take(&mut self.done)
+    }
+}
+
+fn end(p: &mut Pending, ts: u64) {
+    if let Some(a) = p.arrival_ns {
+        p.rec.end_ms = Some(ts.saturating_sub(a) as f64 / 1e6);
+    }
+}
+
+/// Feed response body bytes to the message splitter; `last` when the body ended.
+fn messages(p: &mut Pending, body: &[u8], ts: u64, keep_text: bool, last: bool) {
+    if p.splitter.is_none() {
+        if body.is_empty() && !last {
+            return;
+        }
+        p.splitter = Some(Splitter::new(Kind::detect(&p.content_type, body)));
+    }
+    let mut msgs = Vec::new();
+    if let Some(s) = p.splitter.as_mut() {
+        s.push(body, &mut msgs);
+        if last {
+            s.finish(&mut msgs);
+        }
+    }
+    apply_msgs(p, msgs, ts, keep_text);
+}
+
+fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, ts: u64, keep_text: bool) {
+    for m in msgs {
+        match m {
+            Msg::Json(v) => {
+                if payload::apply(&v, &mut p.rec.stop, keep_text) {
+                    p.rec.chunks += 1;
+                    if let Some(a) = p.arrival_ns.filter(|_| ts != 0) {
+                        p.rec.chunk_times_ms.push(ts.saturating_sub(a) as f64 / 1e6);
+                    }
+                }
+            }
+            Msg::Done => p.rec.stop.done_marker = true,
+            Msg::Unparsed => p.rec.messages_unread += 1,
+        }
+    }
+}
+
+fn finalize(mut p: Pending, conn: &Conn, _start_ns: u64, closed_by: &str, _ts: u64) -> RequestRecord {
+    p.rec.closed_by = if p.rec.complete { "server".into() } else { closed_by.into() };
+    p.rec.reset = conn.reset.into();
+    p.rec.ttft_ms = p.rec.chunk_times_ms.first().copied();
+    p.rec.chunk_gaps = gaps(&p.rec.chunk_times_ms);
+    p.rec
+}

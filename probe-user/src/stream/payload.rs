@@ -1,0 +1,293 @@
+//! Response bodies of LLM servers: SSE (`data: {...}`), NDJSON (one JSON per line) or one JSON
+//! document, split into messages and read for what matters: is this a content token, and what
+//! stop information, server timings, usage or error does it carry. Content itself is not kept.
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Sse,
+    Ndjson,
+    Json,
+}
+
+impl Kind {
+    /// From the response's content type, or by sniffing the first body bytes.
+    pub fn detect(content_type: &str, first: &[u8]) -> Kind {
+        if content_type.contains("event-stream") {
+            Kind::Sse
+        } else if content_type.contains("ndjson") || content_type.contains("jsonl") {
+            Kind::Ndjson
+        } else if first.starts_with(b"data:") || first.starts_with(b"event:") || first.starts_with(b":") {
+            Kind::Sse
+        } else {
+            Kind::Json
+        }
+    }
+}
+
+/// One message of a stream.
+#[derive(Debug, PartialEq)]
+pub enum Msg {
+    Json(Value),
+    /// SSE `data: [DONE]`.
+    Done,
+    /// A message that is not JSON (or was cut by the capture limit).
+    Unparsed,
+}
+
+/// Splits body bytes into messages as they arrive.
+#[derive(Debug)]
+pub struct Splitter {
+    pub kind: Kind,
+    buf: Vec<u8>,
+}
+
+const MAX_MESSAGE: usize = 1 << 20;
+
+impl Splitter {
+    pub fn new(kind: Kind) -> Self {
+        Splitter { kind, buf: Vec::new() }
+    }
+
+    pub fn push(&mut self, bytes: &[u8], out: &mut Vec<Msg>) {
+        self.buf.extend_from_slice(bytes);
+        match self.kind {
+            Kind::Json => {
+                if self.buf.len() > MAX_MESSAGE {
+                    self.buf.clear();
+                    out.push(Msg::Unparsed);
+                }
+            }
+            Kind::Ndjson => {
+                while let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                    let line: Vec<u8> = self.buf.drain(..=i).collect();
+                    let line = trim(&line);
+                    if !line.is_empty() {
+                        out.push(serde_json::from_slice(line).map(Msg::Json).unwrap_or(Msg::Unparsed));
+                    }
+                }
+            }
+            Kind::Sse => {
+                while let Some((end, sep)) = find_event_end(&self.buf) {
+                    let event: Vec<u8> = self.buf.drain(..end + sep).collect();
+                    sse_event(&event[..end], out);
+                }
+            }
+        }
+        if self.buf.len() > MAX_MESSAGE {
+            self.buf.clear();
+            out.push(Msg::Unparsed);
+        }
+    }
+
+    /// The body ended: whatever is buffered is the last message.
+    pub fn finish(&mut self, out: &mut Vec<Msg>) {
+        let rest = std::mem::take(&mut self.buf);
+        let rest = trim(&rest);
+        if rest.is_empty() {
+            return;
+        }
+        match self.kind {
+            Kind::Sse => sse_event(rest, out),
+            _ => out.push(serde_json::from_slice(rest).map(Msg::Json).unwrap_or(Msg::Unparsed)),
+        }
+    }
+
+    /// Bytes were not captured: the message they belong to is lost.
+    pub fn gap(&mut self, out: &mut Vec<Msg>) {
+        if !self.buf.is_empty() || self.kind == Kind::Json {
+            self.buf.clear();
+            out.push(Msg::Unparsed);
+        }
+    }
+}
+
+fn trim(b: &[u8]) -> &[u8] {
+    let s = b.iter().position(|c| !c.is_ascii_whitespace()).unwrap_or(b.len());
+    let e = b.iter().rposition(|c| !c.is_ascii_whitespace()).map_or(s, |e| e + 1);
+    &b[s..e]
+}
+
+/// End of the first SSE event (a blank line) and the separator's length.
+fn find_event_end(b: &[u8]) -> Option<(usize, usize)> {
+    (0..b.len()).find_map(|i| {
+        if b[i..].starts_with(b"\r\n\r\n") {
+            Some((i, 4))
+        } else if b[i..].starts_with(b"\n\n") {
+            Some((i, 2))
+        } else {
+            None
+        }
+    })
+}
+
+fn sse_event(event: &[u8], out: &mut Vec<Msg>) {
+    let text = String::from_utf8_lossy(event);
+    let mut data = String::new();
+    let mut name = "";
+    for line in text.lines() {
+        if let Some(d) = line.strip_prefix("data:") {
+            if !data.is_empty() {
+                data.push('\n');
+            }
+            data.push_str(d.strip_prefix(' ').unwrap_or(d));
+        } else if let Some(e) = line.strip_prefix("event:") {
+            name = e.trim();
+        } else if let Some(e) = line.strip_prefix("error:") {
+            // llama.cpp has sent errors as `error: {...}` lines.
+            out.push(serde_json::from_str::<Value>(e.trim()).map(|v| Msg::Json(serde_json::json!({"error": v}))).unwrap_or(Msg::Unparsed));
+        }
+    }
+    if data.is_empty() {
+        return;
+    }
+    if data.trim() == "[DONE]" {
+        out.push(Msg::Done);
+        return;
+    }
+    match serde_json::from_str::<Value>(&data) {
+        Ok(v) if name == "error" && v.get("error").is_none() => out.push(Msg::Json(serde_json::json!({"error": v}))),
+        Ok(v) => out.push(Msg::Json(v)),
+        Err(_) => out.push(Msg::Unparsed),
+    }
+}
+
+/// What the stream said about why it stopped, and the server's own numbers.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Stop {
+    /// OpenAI-style `finish_reason` (stop | length | tool_calls | ...).
+    pub finish_reason: Option<String>,
+    /// vLLM `stop_reason` (the stop string or token id).
+    pub stop_reason: Option<Value>,
+    /// llama.cpp `/completion`: `stop_type` (none | eos | limit | word), `truncated`, older `stopped_*`.
+    pub stop_type: Option<String>,
+    pub truncated: Option<bool>,
+    pub stopped: Option<String>,
+    /// Ollama `done_reason` (stop | length | load | unload).
+    pub done_reason: Option<String>,
+    /// A terminal message was seen: `[DONE]`, `"stop": true` or `"done": true`.
+    pub done_marker: bool,
+    pub server_timings: Option<Value>,
+    pub usage: Option<Value>,
+    /// A mid-stream or body error: its code and type (the message only with --capture-text).
+    pub error: Option<Value>,
+}
+
+fn s(v: &Value) -> Option<String> {
+    v.as_str().map(String::from)
+}
+
+/// Numbers only: keeps server timings/usage objects free of any text.
+fn numbers(v: &Value) -> Option<Value> {
+    let o = v.as_object()?;
+    let m: serde_json::Map<String, Value> = o.iter().filter(|(_, x)| x.is_number() || x.is_object()).map(|(k, x)| (k.clone(), if x.is_object() { numbers(x).unwrap_or(Value::Null) } else { x.clone() })).collect();
+    Some(Value::Object(m))
+}
+
+fn nonempty(v: &Value) -> bool {
+    match v {
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Null => false,
+        _ => true,
+    }
+}
+
+/// Read one message. Returns true when it carries generated content (a token or more).
+pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
+    let mut content = false;
+    if let Some(err) = v.get("error") {
+        let mut e = serde_json::Map::new();
+        for k in ["code", "type"] {
+            if let Some(x) = err.get(k) {
+                e.insert(k.into(), x.clone());
+            }
+        }
+        if keep_text {
+            if let Some(m) = err.get("message").or(Some(err).filter(|e| e.is_string())) {
+                e.insert("message".into(), m.clone());
+            }
+        }
+        stop.error = Some(Value::Object(e));
+    }
+    // OpenAI chat/completions (llama-server /v1, vLLM, Ollama /v1, LM Studio).
+    if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
+        if let Some(d) = choice.get("delta") {
+            content |= ["content", "reasoning_content", "tool_calls", "reasoning"].iter().any(|k| d.get(*k).is_some_and(nonempty));
+        }
+        if let Some(m) = choice.get("message") {
+            content |= m.get("content").is_some_and(nonempty) || m.get("tool_calls").is_some_and(nonempty);
+        }
+        content |= choice.get("text").is_some_and(nonempty);
+        if let Some(f) = choice.get("finish_reason").and_then(s) {
+            stop.finish_reason = Some(f);
+        }
+        if let Some(r) = choice.get("stop_reason").filter(|r| !r.is_null()) {
+            stop.stop_reason = Some(r.clone());
+        }
+    }
+    // llama.cpp native /completion.
+    if v.get("choices").is_none() && v.get("message").is_none() {
+        content |= v.get("content").is_some_and(nonempty);
+    }
+    if v.get("stop") == Some(&Value::Bool(true)) {
+        stop.done_marker = true;
+        stop.stop_type = v.get("stop_type").and_then(s).or(stop.stop_type.take());
+        stop.truncated = v.get("truncated").and_then(Value::as_bool).or(stop.truncated);
+        for k in ["stopped_eos", "stopped_word", "stopped_limit"] {
+            if v.get(k) == Some(&Value::Bool(true)) {
+                stop.stopped = Some(k.trim_start_matches("stopped_").into());
+            }
+        }
+    }
+    // Ollama native /api/generate and /api/chat (NDJSON).
+    content |= v.get("response").is_some_and(nonempty);
+    if let Some(m) = v.get("message") {
+        content |= m.get("content").is_some_and(nonempty) || m.get("tool_calls").is_some_and(nonempty);
+    }
+    if v.get("done") == Some(&Value::Bool(true)) {
+        stop.done_marker = true;
+        stop.done_reason = v.get("done_reason").and_then(s);
+        let keys = ["total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration"];
+        let t: serde_json::Map<String, Value> = keys.iter().filter_map(|k| Some((k.to_string(), v.get(*k)?.clone()))).collect();
+        if !t.is_empty() {
+            stop.server_timings = Some(Value::Object(t));
+        }
+    }
+    if let Some(t) = v.get("timings").and_then(numbers) {
+        stop.server_timings = Some(t);
+    }
+    if let Some(u) = v.get("usage").filter(|u| u.is_object()).and_then(numbers) {
+        stop.usage = Some(u);
+    }
+    content
+}
+
+/// Requested output limit from a request body: OpenAI `max_tokens` / `max_completion_tokens`,
+/// llama.cpp `n_predict`, Ollama `options.num_predict`.
+pub fn max_tokens(body: &Value) -> Option<i64> {
+    body.get("max_completion_tokens")
+        .or_else(|| body.get("max_tokens"))
+        .or_else(|| body.get("n_predict"))
+        .or_else(|| body.get("options").and_then(|o| o.get("num_predict")))
+        .and_then(Value::as_i64)
+}
+
+/// Same as [`max_tokens`] and `stream` for a body cut by the capture limit: a lenient scan for
+/// `"key": number` / `"stream": bool` in the bytes that were captured.
+pub fn scan_fields(body: &[u8]) -> (Option<i64>, Option<bool>) {
+    let text = String::from_utf8_lossy(body);
+    let num = |key: &str| -> Option<i64> {
+        let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
+        let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
+        let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '-')).unwrap_or(rest.len());
+        rest[..end].parse().ok()
+    };
+    let max = ["max_completion_tokens", "max_tokens", "n_predict", "num_predict"].iter().find_map(|k| num(k));
+    let stream = text.find("\"stream\"").and_then(|at| {
+        let rest = text[at + 8..].trim_start().strip_prefix(':')?.trim_start();
+        if rest.starts_with("true") { Some(true) } else if rest.starts_with("false") { Some(false) } else { None }
+    });
+    (max, stream)
+}
