@@ -308,10 +308,10 @@ impl Tracker {
                 p.rec.stream = stream;
             }
         }
-        // Ollama's native API streams unless told not to.
+        // Without a `stream` key, Ollama's native API streams and the others do not.
         let path = p.rec.path.as_deref().unwrap_or("");
-        if p.rec.stream.is_none() && (path.starts_with("/api/generate") || path.starts_with("/api/chat")) {
-            p.rec.stream = Some(true);
+        if p.rec.stream.is_none() && !body.is_empty() && !p.body_cut {
+            p.rec.stream = Some(path.starts_with("/api/generate") || path.starts_with("/api/chat"));
         }
     }
 

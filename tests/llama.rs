@@ -1,0 +1,381 @@
+//! Request-stream tests against a real llama-server with a real model (SmolLM2-135M), traced by
+//! the real probe. `cargo xtask test` builds both (scripts/llama.sh) and passes their paths in
+//! LLAMA_SERVER and LLAMA_MODEL. One server is shared; each test traces it with its own probe
+//! and finds its own requests by the client's local address.
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    os::unix::process::CommandExt,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{OnceLock, mpsc},
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+
+fn env_path(name: &str) -> PathBuf {
+    let p = PathBuf::from(std::env::var_os(name).unwrap_or_else(|| panic!("{name} is not set: run the tests with `cargo xtask test`, which builds llama-server and the model")));
+    assert!(p.exists(), "{name}={} does not exist", p.display());
+    p
+}
+
+fn probe_bin() -> PathBuf {
+    std::env::var_os("PROBE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe"))
+}
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+/// llama-server -c 2048 -np 2: 1024 tokens per slot.
+fn server() -> &'static Server {
+    static S: OnceLock<Server> = OnceLock::new();
+    S.get_or_init(|| {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut cmd = Command::new(env_path("LLAMA_SERVER"));
+        cmd.arg("-m").arg(env_path("LLAMA_MODEL"));
+        cmd.args(["-c", "2048", "-np", "2", "--host", "127.0.0.1", "--port", &port.to_string(), "-t", "1", "--seed", "42"]);
+        cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        // SAFETY: prctl in the child before exec; the server dies with the thread that spawned
+        // it, so spawn it from a thread that lives as long as the test process.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(cmd.spawn());
+            loop {
+                std::thread::park();
+            }
+        });
+        let child = rx.recv().unwrap().expect("start llama-server");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let t = Instant::now();
+        loop {
+            if let Ok((200, _)) = request_once(addr, "GET", "/health", None) {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not become healthy");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Server { child, addr }
+    })
+}
+
+/// A probe trace of the shared server, stopped with SIGINT.
+struct Trace {
+    child: Child,
+    out: PathBuf,
+}
+
+impl Trace {
+    fn start(name: &str, extra: &[&str]) -> Trace {
+        let s = server();
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let mut child = Command::new(probe_bin())
+            .args(["trace", "--pid", &s.child.id().to_string(), "--duration", "120s", "--out"])
+            .arg(&out)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        loop {
+            let l = rx.recv_timeout(Duration::from_secs(30)).expect("probe did not arm");
+            assert!(!l.contains("error"), "{l}");
+            if l.contains("armed in") {
+                assert!(l.contains("stream"), "the stream probe is not live: {l}");
+                break;
+            }
+        }
+        Trace { child, out }
+    }
+
+    fn stop(mut self) -> Value {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let st = self.child.wait().unwrap();
+        assert_eq!(st.code(), Some(0), "probe exit");
+        serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap()
+    }
+}
+
+/// The request this test made: the one whose peer is our socket's local address.
+fn find<'a>(report: &'a Value, client: SocketAddr) -> Vec<&'a Value> {
+    let reqs = report["requests"].as_array().unwrap();
+    let mine: Vec<&Value> = reqs.iter().filter(|r| r["peer"] == client.to_string()).collect();
+    assert!(!mine.is_empty(), "no request from {client} among {}", serde_json::to_string_pretty(reqs).unwrap());
+    mine
+}
+
+fn send_request(mut s: &TcpStream, method: &str, path: &str, body: Option<&Value>) {
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    s.write_all(req.as_bytes()).unwrap();
+}
+
+/// Read one response: (status, body bytes, and for SSE the time each content event arrived).
+struct Response {
+    status: u16,
+    events: Vec<(Instant, Value)>,
+    body: Vec<u8>,
+}
+
+fn read_response(r: &mut BufReader<&TcpStream>, limit_events: Option<usize>) -> Response {
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let (mut chunked, mut length) = (false, None);
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        let l = line.trim_end().to_ascii_lowercase();
+        if l.is_empty() {
+            break;
+        }
+        chunked |= l.starts_with("transfer-encoding:") && l.contains("chunked");
+        if let Some(v) = l.strip_prefix("content-length:") {
+            length = v.trim().parse::<usize>().ok();
+        }
+    }
+    let mut resp = Response { status, events: Vec::new(), body: Vec::new() };
+    if let Some(n) = length {
+        resp.body.resize(n, 0);
+        r.read_exact(&mut resp.body).unwrap();
+        return resp;
+    }
+    assert!(chunked, "expected a chunked or sized response");
+    let mut pending = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        let size = usize::from_str_radix(line.trim(), 16).unwrap();
+        let mut data = vec![0; size + 2];
+        r.read_exact(&mut data).unwrap();
+        if size == 0 {
+            return resp;
+        }
+        let now = Instant::now();
+        pending.extend_from_slice(&data[..size]);
+        resp.body.extend_from_slice(&data[..size]);
+        while let Some(i) = pending.windows(2).position(|w| w == b"\n\n") {
+            let ev: Vec<u8> = pending.drain(..i + 2).collect();
+            let text = String::from_utf8_lossy(&ev);
+            if let Some(d) = text.trim().strip_prefix("data: ") {
+                if let Ok(v) = serde_json::from_str::<Value>(d) {
+                    resp.events.push((now, v));
+                }
+            }
+        }
+        if limit_events.is_some_and(|n| resp.events.iter().filter(|(_, v)| has_content(v)).count() >= n) {
+            return resp;
+        }
+    }
+}
+
+fn has_content(v: &Value) -> bool {
+    v["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty()) || (v["content"].as_str().is_some_and(|s| !s.is_empty()) && v.get("choices").is_none())
+}
+
+fn request_once(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
+    let s = TcpStream::connect(addr)?;
+    send_request(&s, method, path, body);
+    let r = read_response(&mut BufReader::new(&s), None);
+    Ok((r.status, r.body))
+}
+
+fn chat(max_tokens: u64, prompt: &str) -> Value {
+    json!({"messages": [{"role": "user", "content": prompt}], "stream": true, "max_tokens": max_tokens, "seed": 1, "temperature": 0})
+}
+
+#[test]
+fn streamed_chat_matches_the_server_and_the_client() {
+    let t = Trace::start("chat", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    let sent = Instant::now();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&chat(40, "Write one sentence about the sea.")));
+    let resp = read_response(&mut BufReader::new(&s), None);
+    drop(s);
+    let r = t.stop();
+    let q = find(&r, client)[0];
+    let last = resp.events.iter().rev().find(|(_, v)| v["choices"][0]["finish_reason"].is_string()).expect("final chunk").1.clone();
+    let timings = resp.events.iter().rev().find_map(|(_, v)| v.get("timings")).expect("timings").clone();
+    let predicted = timings["predicted_n"].as_i64().unwrap();
+    assert!((q["chunks"].as_i64().unwrap() - predicted).abs() <= 1, "chunks {} vs predicted_n {predicted}", q["chunks"]);
+    assert_eq!(q["finish_reason"], last["choices"][0]["finish_reason"]);
+    assert_eq!(q["status"], 200);
+    assert_eq!(q["method"], "POST");
+    assert_eq!(q["path"], "/v1/chat/completions");
+    assert_eq!(q["max_tokens"], 40);
+    assert_eq!(q["stream"], true);
+    assert_eq!(q["complete"], true);
+    assert_eq!(q["closed_by"], "server");
+    assert_eq!(q["server_timings"]["predicted_n"], predicted);
+    let client_ttft = resp.events.iter().find(|(_, v)| has_content(v)).unwrap().0.duration_since(sent).as_secs_f64() * 1e3;
+    let probe_ttft = q["ttft_ms"].as_f64().unwrap();
+    assert!((client_ttft - probe_ttft).abs() < 5.0, "TTFT: client {client_ttft:.2} ms, probe {probe_ttft:.2} ms");
+}
+
+#[test]
+fn max_tokens_8_stops_at_length_after_8_chunks() {
+    let t = Trace::start("len8", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&chat(8, "Write a long story about a dragon who learns to cook.")));
+    let resp = read_response(&mut BufReader::new(&s), None);
+    assert_eq!(resp.events.iter().filter(|(_, v)| has_content(v)).count(), 8);
+    let r = t.stop();
+    let q = find(&r, client)[0];
+    assert_eq!(q["finish_reason"], "length");
+    assert_eq!(q["chunks"], 8);
+    assert_eq!(q["done_marker"], true);
+    assert_eq!(q["chunk_times_ms"].as_array().unwrap().len(), 8);
+    assert!(q["chunk_gaps"]["max_ms"].as_f64().unwrap() >= q["chunk_gaps"]["p50_ms"].as_f64().unwrap());
+}
+
+#[test]
+fn client_disconnect_after_5_chunks_is_closed_by_client() {
+    let t = Trace::start("cut", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&chat(300, "Tell a long story about a lighthouse keeper.")));
+    let resp = read_response(&mut BufReader::new(&s), Some(5));
+    assert_eq!(resp.status, 200);
+    drop(s);
+    std::thread::sleep(Duration::from_millis(800));
+    let r = t.stop();
+    let q = find(&r, client)[0];
+    assert_eq!(q["closed_by"], "client", "{q}");
+    assert_eq!(q["complete"], false, "{q}");
+    assert!(q["finish_reason"].is_null(), "{q}");
+    assert!(q["chunks"].as_u64().unwrap() >= 5, "{q}");
+}
+
+#[test]
+fn native_completion_with_n_predict_stops_at_limit() {
+    let t = Trace::start("native", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "The capital of France is", "n_predict": 6, "stream": true, "temperature": 0})));
+    let resp = read_response(&mut BufReader::new(&s), None);
+    let fin = resp.events.iter().find(|(_, v)| v["stop"] == true).expect("final event").1.clone();
+    let r = t.stop();
+    let q = find(&r, client)[0];
+    assert_eq!(q["stop_type"], fin["stop_type"]);
+    assert_eq!(q["stop_type"], "limit");
+    assert_eq!(q["max_tokens"], 6);
+    assert_eq!(q["truncated"], fin["truncated"]);
+    assert_eq!(q["server_timings"]["predicted_n"], fin["timings"]["predicted_n"]);
+}
+
+#[test]
+fn concurrent_streams_and_keep_alive_requests_are_kept_apart() {
+    let t = Trace::start("apart", &[]);
+    // Two concurrent streams with different lengths.
+    let handles: Vec<_> = [5u64, 11]
+        .into_iter()
+        .map(|n| {
+            std::thread::spawn(move || {
+                let s = TcpStream::connect(server().addr).unwrap();
+                let client = s.local_addr().unwrap();
+                send_request(&s, "POST", "/v1/chat/completions", Some(&chat(n, "Write a long story about a dragon who learns to cook.")));
+                let resp = read_response(&mut BufReader::new(&s), None);
+                (n, client, resp.events.iter().filter(|(_, v)| has_content(v)).count())
+            })
+        })
+        .collect();
+    let streams: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    // Two non-streamed requests on one keep-alive connection.
+    let s = TcpStream::connect(server().addr).unwrap();
+    let ka = s.local_addr().unwrap();
+    let mut reader = BufReader::new(&s);
+    let mut usage = Vec::new();
+    for n in [3u64, 7] {
+        send_request(&s, "POST", "/v1/chat/completions", Some(&json!({"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": n, "temperature": 0})));
+        let resp = read_response(&mut reader, None);
+        assert_eq!(resp.status, 200);
+        let v: Value = serde_json::from_slice(&resp.body).unwrap();
+        usage.push(v["usage"]["completion_tokens"].clone());
+    }
+    drop(reader);
+    drop(s);
+    let r = t.stop();
+    for (n, client, seen) in streams {
+        let q = find(&r, client);
+        assert_eq!(q.len(), 1);
+        assert_eq!(q[0]["max_tokens"], n);
+        assert_eq!(q[0]["chunks"].as_u64().unwrap() as usize, seen, "{}", q[0]);
+    }
+    let q = find(&r, ka);
+    assert_eq!(q.len(), 2, "two requests on one connection");
+    assert_eq!((q[0]["max_tokens"].clone(), q[1]["max_tokens"].clone()), (json!(3), json!(7)));
+    for (q, u) in q.iter().zip(&usage) {
+        assert_eq!(q["stream"], false);
+        assert_eq!(q["status"], 200);
+        assert_eq!(q["complete"], true);
+        assert_eq!(&q["usage"]["completion_tokens"], u);
+    }
+}
+
+#[test]
+fn non_streamed_and_rejected_requests_keep_their_status() {
+    let t = Trace::start("status", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let ok_client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})));
+    let ok = read_response(&mut BufReader::new(&s), None);
+    drop(s);
+    // A prompt larger than the 1024-token slot context.
+    let long = "lighthouse ".repeat(3000);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let bad_client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&json!({"messages": [{"role": "user", "content": long}], "max_tokens": 4})));
+    let bad = read_response(&mut BufReader::new(&s), None);
+    drop(s);
+    let r = t.stop();
+    assert_eq!(ok.status, 200);
+    assert_eq!(bad.status, 400, "{}", String::from_utf8_lossy(&bad.body));
+    let q = find(&r, ok_client)[0];
+    assert_eq!((q["status"].clone(), q["stream"].clone(), q["complete"].clone()), (json!(200), json!(false), json!(true)));
+    assert!(q["finish_reason"].is_string());
+    let q = find(&r, bad_client)[0];
+    assert_eq!(q["status"], 400);
+    assert!(q["error"].is_object(), "{q}");
+    assert_eq!(q["max_tokens"], 4, "max_tokens after a long body: {q}");
+}
+
+#[test]
+fn prompt_text_stays_out_of_the_recording() {
+    let secret = "zebra-quartz-4711-lighthouse";
+    let t = Trace::start("privacy", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&chat(6, &format!("Repeat this word: {secret}"))));
+    let resp = read_response(&mut BufReader::new(&s), None);
+    assert!(!resp.events.is_empty());
+    drop(s);
+    let out = t.out.clone();
+    let r = t.stop();
+    assert!(find(&r, client)[0]["chunks"].as_u64().unwrap() >= 1);
+    for e in std::fs::read_dir(&out).unwrap() {
+        let bytes = std::fs::read(e.unwrap().path()).unwrap();
+        assert!(!bytes.windows(secret.len()).any(|w| w == secret.as_bytes()), "prompt text in the recording");
+        assert!(!bytes.windows(11).any(|w| w == b"\"content\":\""), "response text in the recording");
+    }
+}
