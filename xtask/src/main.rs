@@ -68,13 +68,27 @@ fn require_root() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Build (or find cached) llama-server and the SmolLM2 model: (server, model) paths.
+fn llama() -> anyhow::Result<(String, String)> {
+    let out = Command::new("bash").arg(root().join("scripts/llama.sh")).stderr(Stdio::inherit()).output()?;
+    if !out.status.success() {
+        bail!("scripts/llama.sh failed: cannot build llama-server or unpack the model");
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let get = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(String::from).with_context(|| format!("scripts/llama.sh printed no {k}"));
+    Ok((get("LLAMA_SERVER=")?, get("LLAMA_MODEL=")?))
+}
+
 fn test(args: &[String]) -> anyhow::Result<()> {
     require_root()?;
     build()?;
+    let (server, model) = llama()?;
     // Pass cargo's output through and close with one total line over every test binary.
     let mut child = Command::new("cargo")
         .current_dir(root())
         .env("PROBE_BIN", bin("probe"))
+        .env("LLAMA_SERVER", server)
+        .env("LLAMA_MODEL", model)
         .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf"])
         .args(args)
         .stdout(Stdio::piped())
