@@ -134,6 +134,7 @@ struct Response {
     status: u16,
     events: Vec<(Instant, Value)>,
     body: Vec<u8>,
+    pending: Vec<u8>,
 }
 
 fn read_response(r: &mut BufReader<&TcpStream>, limit_events: Option<usize>) -> Response {
@@ -153,14 +154,21 @@ fn read_response(r: &mut BufReader<&TcpStream>, limit_events: Option<usize>) -> 
             length = v.trim().parse::<usize>().ok();
         }
     }
-    let mut resp = Response { status, events: Vec::new(), body: Vec::new() };
+    let mut resp = Response { status, events: Vec::new(), body: Vec::new(), pending: Vec::new() };
     if let Some(n) = length {
         resp.body.resize(n, 0);
         r.read_exact(&mut resp.body).unwrap();
         return resp;
     }
     assert!(chunked, "expected a chunked or sized response");
-    let mut pending = Vec::new();
+    read_chunks(r, &mut resp, limit_events);
+    resp
+}
+
+/// Read chunks of an SSE response until its end, or until `limit_events` content events.
+fn read_chunks(r: &mut BufReader<&TcpStream>, resp: &mut Response, limit_events: Option<usize>) {
+    let mut line = String::new();
+    let pending = &mut resp.pending;
     loop {
         line.clear();
         r.read_line(&mut line).unwrap();
@@ -168,7 +176,7 @@ fn read_response(r: &mut BufReader<&TcpStream>, limit_events: Option<usize>) -> 
         let mut data = vec![0; size + 2];
         r.read_exact(&mut data).unwrap();
         if size == 0 {
-            return resp;
+            return;
         }
         let now = Instant::now();
         pending.extend_from_slice(&data[..size]);
@@ -183,7 +191,7 @@ fn read_response(r: &mut BufReader<&TcpStream>, limit_events: Option<usize>) -> 
             }
         }
         if limit_events.is_some_and(|n| resp.events.iter().filter(|(_, v)| has_content(v)).count() >= n) {
-            return resp;
+            return;
         }
     }
 }
@@ -378,4 +386,29 @@ fn prompt_text_stays_out_of_the_recording() {
         assert!(!bytes.windows(secret.len()).any(|w| w == secret.as_bytes()), "prompt text in the recording");
         assert!(!bytes.windows(11).any(|w| w == b"\"content\":\""), "response text in the recording");
     }
+}
+
+#[test]
+fn attaching_mid_stream_marks_the_request_partly_seen() {
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&chat(60, "Write a long story about a dragon who learns to cook.")));
+    let mut reader = BufReader::new(&s);
+    let mut resp = read_response(&mut reader, Some(3));
+    let before = resp.events.iter().filter(|(_, v)| has_content(v)).count();
+    let t = Trace::start("midstream", &[]);
+    read_chunks(&mut reader, &mut resp, None);
+    let total = resp.events.iter().filter(|(_, v)| has_content(v)).count();
+    let fin = resp.events.iter().rev().find_map(|(_, v)| v["choices"][0]["finish_reason"].as_str().map(String::from)).unwrap();
+    drop(reader);
+    drop(s);
+    let r = t.stop();
+    let q = find(&r, client)[0];
+    assert_eq!(q["partial"], true, "{q}");
+    assert_eq!(q["complete"], true, "{q}");
+    assert_eq!(q["finish_reason"], fin.as_str());
+    let seen = q["chunks"].as_u64().unwrap() as usize;
+    // Chunks sent while probe was still attaching (~100 ms, ~10 tokens here) are not seen.
+    assert!(seen <= total - before && seen * 2 >= total - before, "probe saw {seen} of the {} chunks after attach", total - before);
+    assert!(q["ttft_ms"].is_null(), "no TTFT without the request's start: {q}");
 }

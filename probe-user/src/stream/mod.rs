@@ -325,8 +325,10 @@ impl Tracker {
             }
             let mut p = Self::new_pending(conn, id, role, true);
             if !data.starts_with(b"HTTP/") {
-                // Attached mid-response: read the body as it comes, framing unknown.
-                conn.resp = Side::Body(Body::new(Framing::UntilClose));
+                // Attached mid-response. Servers that stream write one chunk per call, so a
+                // write that starts with a chunk-size line means chunked framing.
+                let framing = if looks_like_chunk_start(data) { Framing::Chunked } else { Framing::UntilClose };
+                conn.resp = Side::Body(Body::new(framing));
                 p.response_started = true;
             }
             conn.pending.push_back(p);
@@ -492,6 +494,12 @@ impl Tracker {
     pub fn take_done(&mut self) -> Vec<RequestRecord> {
         std::mem::take(&mut self.done)
     }
+}
+
+/// `1a3\r\n` at the start of a write: a chunk-size line.
+fn looks_like_chunk_start(b: &[u8]) -> bool {
+    let hex = b.iter().take_while(|c| c.is_ascii_hexdigit()).count();
+    (1..=8).contains(&hex) && b[hex..].starts_with(b"\r\n")
 }
 
 fn end(p: &mut Pending, ts: u64) {
