@@ -120,12 +120,19 @@ impl Body {
                 self.done = self.left == 0;
                 true
             }
+            // A gap may run to the end of the chunk's CRLF (one write per chunk ends there).
             Framing::Chunked => match &mut self.chunk {
-                Chunk::Data(left) if n <= *left => {
-                    *left -= n;
-                    if *left == 0 {
-                        self.chunk = Chunk::DataEnd(2);
-                    }
+                Chunk::Data(left) if n <= *left + 2 => {
+                    self.chunk = match n.checked_sub(*left) {
+                        None => Chunk::Data(*left - n),
+                        Some(0) => Chunk::DataEnd(2),
+                        Some(1) => Chunk::DataEnd(1),
+                        Some(_) => Chunk::Size(Vec::new()),
+                    };
+                    true
+                }
+                Chunk::DataEnd(left) if n <= *left as u64 => {
+                    self.chunk = if n == *left as u64 { Chunk::Size(Vec::new()) } else { Chunk::DataEnd(*left - n as u8) };
                     true
                 }
                 _ => false,
@@ -268,6 +275,12 @@ mod tests {
         assert!(b.gap(4));
         b.feed(b"89\r\n0\r\n\r\n", &mut out).unwrap();
         assert_eq!(out, b"012389");
+        assert!(b.done);
+        // A write cut at the capture limit: the gap ends with the chunk's CRLF.
+        let mut b = Body::new(Framing::Chunked);
+        b.feed(b"a\r\n0123", &mut out).unwrap();
+        assert!(b.gap(8));
+        b.feed(b"3\r\nxyz\r\n0\r\n\r\n", &mut out).unwrap();
         assert!(b.done);
         let mut b = Body::new(Framing::Chunked);
         b.feed(b"a\r\n0123456789", &mut out).unwrap();

@@ -1,0 +1,111 @@
+//! Golden tests of request-stream parsing for servers that cannot run here (Ollama NDJSON, vLLM
+//! SSE): byte streams written from their documented formats in tests/data/stream/<name>/
+//! conversation.json, fed to the same Tracker `probe trace` uses, compared with expected.json.
+//! `UPDATE_GOLDEN=1` rewrites the expected files.
+use std::path::PathBuf;
+
+use probe_common::{
+    EventHeader, EventKind,
+    sock::{SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_LAST_ACK},
+    stream::{DIR_RECV, DIR_SEND, DataEvent},
+};
+use probe_user::stream::{RequestRecord, Tracker};
+use serde_json::Value;
+
+const SK: u64 = 0xffff_8881_0000_1000;
+
+fn run(name: &str) -> Vec<RequestRecord> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/stream").join(name);
+    let segs: Vec<Value> = serde_json::from_slice(&std::fs::read(dir.join("conversation.json")).unwrap()).unwrap();
+    let start = 1_000_000_000u64;
+    let mut t = Tracker::new(start, false);
+    for s in &segs {
+        let ts = start + (s["t_ms"].as_f64().unwrap() * 1e6) as u64;
+        let hdr = |kind: EventKind| EventHeader { kind: kind as u32, pid: 100, tid: 101, cpu: 0, ts_ns: ts };
+        if let Some(what) = s["sock"].as_str() {
+            let (old, new) = match what {
+                "peer_fin" => (TCP_ESTABLISHED, TCP_CLOSE_WAIT),
+                "close" => (TCP_LAST_ACK, TCP_CLOSE),
+                other => panic!("unknown sock step {other}"),
+            };
+            t.on_sock(&SockEvent { hdr: hdr(EventKind::Sock), skaddr: SK, what: SOCK_STATE, oldstate: old, newstate: new, ..Default::default() });
+            continue;
+        }
+        let data = s["data"].as_str().unwrap().as_bytes();
+        let cap = s["capture"].as_u64().map_or(data.len(), |c| c as usize).min(data.len());
+        let mut ev = DataEvent {
+            hdr: hdr(EventKind::Data),
+            sk: SK,
+            len: data.len() as u32,
+            captured: cap as u32,
+            fd: 7,
+            dir: if s["dir"] == "recv" { DIR_RECV } else { DIR_SEND },
+            family: 2,
+            sport: 11434,
+            dport: 50000,
+            ..Default::default()
+        };
+        ev.saddr[..4].copy_from_slice(&[127, 0, 0, 1]);
+        ev.daddr[..4].copy_from_slice(&[127, 0, 0, 1]);
+        t.on_data(&ev, &data[..cap]);
+    }
+    t.finish();
+    let got = t.take_done();
+    let json = serde_json::to_string_pretty(&got).unwrap() + "\n";
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(dir.join("expected.json"), &json).unwrap();
+    }
+    let want: Value = serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+    assert_eq!(serde_json::to_value(&got).unwrap(), want, "{name}: differs from expected.json (UPDATE_GOLDEN=1 to accept)");
+    got
+}
+
+#[test]
+fn ollama_generate_ndjson_stops_at_length() {
+    let r = run("ollama-generate");
+    assert_eq!(r.len(), 1);
+    let q = &r[0];
+    assert_eq!((q.method.as_deref(), q.path.as_deref(), q.status), (Some("POST"), Some("/api/generate"), Some(200)));
+    assert_eq!(q.max_tokens, Some(3));
+    assert_eq!(q.stream, Some(true), "Ollama streams by default");
+    assert_eq!(q.chunks, 3);
+    assert_eq!(q.stop.done_reason.as_deref(), Some("length"));
+    assert_eq!(q.stop.server_timings.as_ref().unwrap()["load_duration"], 2900000000u64);
+    assert_eq!(q.ttft_ms, Some(3200.0));
+    assert!(q.complete && q.closed_by == "server");
+}
+
+#[test]
+fn ollama_chat_client_gone_mid_stream() {
+    let r = run("ollama-chat-client-gone");
+    let q = &r[0];
+    assert_eq!(q.chunks, 2);
+    assert!(!q.complete);
+    assert_eq!(q.closed_by, "client");
+    assert_eq!(q.stop.done_reason, None);
+}
+
+#[test]
+fn vllm_chat_sse_with_usage_and_done() {
+    let r = run("vllm-chat");
+    let q = &r[0];
+    assert_eq!(q.chunks, 7, "the role-only first delta is not content");
+    assert_eq!(q.max_tokens, Some(64));
+    assert_eq!(q.stop.finish_reason.as_deref(), Some("stop"));
+    assert!(q.stop.done_marker);
+    assert_eq!(q.stop.usage.as_ref().unwrap()["completion_tokens"], 7);
+    assert_eq!(q.chunk_gaps.as_ref().unwrap().p50_ms, 8.0);
+}
+
+#[test]
+fn vllm_midstream_error_and_a_cut_write() {
+    let r = run("vllm-midstream-error");
+    let q = &r[0];
+    assert_eq!(q.stop.error.as_ref().unwrap()["code"], 500);
+    assert!(q.stop.error.as_ref().unwrap().get("message").is_none(), "error text is kept only with --capture-text");
+    assert!(!q.stop.done_marker);
+    assert!(q.bytes_not_captured > 900);
+    assert_eq!(q.messages_unread, 1, "the message in the cut write is counted, not guessed");
+    assert_eq!(q.chunks, 1);
+    assert!(q.complete);
+}
