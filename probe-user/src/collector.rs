@@ -274,7 +274,9 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
     st.writer.flush()?;
     drop(attached);
-    eprintln!("probe: stopped: {reason}; {} events, {} lost", st.events, lost.iter().sum::<u64>());
+    let parsed = st.per_kind[EventKind::Data as usize];
+    let kept = if st.capture_text { "kept with --capture-text" } else { "parsed in memory, not stored" };
+    eprintln!("probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost", st.events, lost.iter().sum::<u64>());
 
     let rec = recording::read_dir(&opts.out)?;
     let report = report::build(&rec);

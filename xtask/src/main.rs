@@ -36,7 +36,8 @@ enum Cmd {
 }
 
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    let xtask = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    xtask.parent().map(PathBuf::from).unwrap_or(xtask)
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<()> {
@@ -153,33 +154,87 @@ fn wait_for(path: &Path, limit: Duration) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One HTTP request with `Connection: close`; reads the whole response, or drops the connection
+/// after `cut_after` SSE events. Returns (status line, SSE events read).
+fn http(addr: &str, path: &str, body: &str, cut_after: Option<usize>) -> anyhow::Result<(String, usize)> {
+    let mut s = std::net::TcpStream::connect(addr)?;
+    write!(s, "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = s.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let events = buf.windows(6).filter(|w| w == b"data: ").count();
+        if cut_after.is_some_and(|c| events > c) {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&buf);
+    Ok((text.lines().next().unwrap_or("").to_string(), buf.windows(6).filter(|w| w == b"data: ").count()))
+}
+
+/// The main job end to end: a real llama-server with SmolLM2-135M, traced by probe while it
+/// answers a few requests (one cut short by the client); probe prints the per-request table.
 fn demo() -> anyhow::Result<()> {
     require_root()?;
     build()?;
+    let (server, model) = llama()?;
     let dir = root().join("target/demo");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    // A tiny local HTTP server for the workload to talk to.
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?.to_string();
-    std::thread::spawn(move || {
-        for s in listener.incoming().flatten() {
-            let mut s = s;
-            let mut buf = [0u8; 1024];
-            let _ = s.read(&mut buf);
-            let _ = s.write_all(b"HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\nok\n");
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let addr = format!("127.0.0.1:{port}");
+    println!("demo: starting llama-server on {addr} with {model}");
+    let mut srv = Command::new(&server)
+        .args(["-m", &model, "-c", "2048", "-np", "2", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("llama-server.log"))?)
+        .spawn()?;
+    let result = (|| -> anyhow::Result<()> {
+        let t = Instant::now();
+        while std::net::TcpStream::connect(&addr).is_err() || !http_get_ok(&addr, "/health") {
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!("llama-server did not become healthy in 60 s (see {})", dir.join("llama-server.log").display());
+            }
+            std::thread::sleep(Duration::from_millis(100));
         }
-    });
-    let file = dir.join("cold-weights.bin");
-    let (mut w, pid, _) = start_workload(&["demo", file.to_str().unwrap_or_default(), &addr])?;
-    let rec = dir.join("recording");
-    let mut probe = Command::new(bin("probe")).args(["trace", "--pid", &pid.to_string(), "--out"]).arg(&rec).spawn()?;
-    wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
-    writeln!(w.stdin.take().context("workload stdin")?, "go")?;
-    w.wait()?;
-    let status = probe.wait()?;
-    println!("\ndemo: probe exited with {status}; the recording and report.json are in {}", rec.display());
-    Ok(())
+        let rec = dir.join("recording");
+        let mut probe = Command::new(bin("probe")).args(["trace", "--pid", &srv.id().to_string(), "--out"]).arg(&rec).spawn()?;
+        wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+        let chat = |n: u32, stream: bool| format!(r#"{{"messages":[{{"role":"user","content":"Write a short story about a lighthouse."}}],"max_tokens":{n},"stream":{stream},"temperature":0}}"#);
+        let steps: [(&str, String, Option<usize>, &str); 4] = [
+            ("/v1/chat/completions", chat(32, true), None, "streamed chat, max_tokens 32"),
+            ("/completion", r#"{"prompt":"The lighthouse keeper","n_predict":16,"stream":true}"#.to_string(), None, "native /completion, n_predict 16"),
+            ("/v1/chat/completions", chat(200, true), Some(5), "streamed chat, the client leaves after 5 events"),
+            ("/v1/chat/completions", chat(12, false), None, "non-streamed chat, max_tokens 12"),
+        ];
+        for (path, body, cut, what) in steps {
+            let (status, events) = http(&addr, path, &body, cut)?;
+            println!("demo: {what}: {status}, {events} SSE events read");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        // SIGINT, as Ctrl-C would: probe writes report.json and prints the summary.
+        Command::new("kill").args(["-INT", &probe.id().to_string()]).status()?;
+        let status = probe.wait()?;
+        println!("\ndemo: probe exited with {status}; recording and report.json in {}", rec.display());
+        Ok(())
+    })();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    result
+}
+
+fn http_get_ok(addr: &str, path: &str) -> bool {
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return false };
+    if write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut buf = String::new();
+    let _ = s.read_to_string(&mut buf);
+    buf.starts_with("HTTP/1.1 200")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
