@@ -412,3 +412,69 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
     assert!(seen <= total - before && seen * 2 >= total - before, "probe saw {seen} of the {} chunks after attach", total - before);
     assert!(q["ttft_ms"].is_null(), "no TTFT without the request's start: {q}");
 }
+
+/// The slow morning request: llama-server unloads the model when idle (--sleep-idle-seconds);
+/// with the model file dropped from the page cache, the next request reads it back from disk.
+/// The report must name the model file, with the bytes read, and show the model mapped again.
+#[test]
+fn cold_model_reload_is_named_in_the_report() {
+    let model = env_path("LLAMA_MODEL");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut srv = Command::new(env_path("LLAMA_SERVER"))
+        .arg("-m")
+        .arg(&model)
+        .args(["-c", "1024", "-np", "1", "--no-repack", "--sleep-idle-seconds", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
+        assert!(t.elapsed() < Duration::from_secs(60), "server not healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Hello", "n_predict": 2}))).unwrap();
+    assert_eq!(st, 200);
+    // Let it fall asleep (model unmapped), then drop the file from the page cache.
+    std::thread::sleep(Duration::from_millis(3000));
+    let f = std::fs::File::open(&model).unwrap();
+    // SAFETY: valid fd; DONTNEED on a file nobody maps evicts its clean pages.
+    unsafe {
+        use std::os::fd::AsRawFd;
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-cold-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut p = Command::new(probe_bin())
+        .args(["trace", "--pid", &srv.id().to_string(), "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !out.join("events.bin").exists() {
+        assert!(t.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Good morning", "n_predict": 2}))).unwrap();
+    assert_eq!(st, 200);
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+    assert!(p.wait().unwrap().success());
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let r: Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let size = std::fs::metadata(&model).unwrap().len();
+    let files = r["files"].as_array().unwrap();
+    let top = &files[0];
+    assert_eq!(top["path"], model.to_str().unwrap(), "the model is not the largest file read: {files:?}");
+    assert!(top["read_bytes"].as_u64().unwrap() >= size / 2, "read {} of {size} bytes", top["read_bytes"]);
+    assert!(r["blockio"]["read_bytes"].as_u64().unwrap() >= size / 2);
+    assert!(r["mmaps"].as_array().unwrap().iter().any(|m| m["op"] == "mmap" && m["path"] == model.to_str().unwrap()), "model mmap not named");
+    let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("request");
+    assert!(q["ttft_ms"].as_f64().unwrap() > 0.0);
+}
