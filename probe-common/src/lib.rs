@@ -9,6 +9,7 @@ pub mod filemap;
 pub mod mmap;
 pub mod proc;
 pub mod sock;
+pub mod stack;
 pub mod stream;
 pub mod tracepoints;
 
@@ -50,11 +51,14 @@ pub enum EventKind {
     Proc = 5,
     Filemap = 6,
     Data = 7,
+    Stack = 8,
+    Sched = 9,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 7] =
-        [Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data];
+    pub const ALL: [EventKind; 9] = [
+        Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data, Self::Stack, Self::Sched,
+    ];
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -65,6 +69,8 @@ impl EventKind {
             Self::Proc => "proc",
             Self::Filemap => "filemap",
             Self::Data => "stream",
+            Self::Stack => "stack",
+            Self::Sched => "sched",
         }
     }
 
@@ -79,6 +85,9 @@ impl EventKind {
             Self::Filemap => size_of::<filemap::FilemapEvent>(),
             // The fixed part; `captured` payload bytes follow it.
             Self::Data => size_of::<stream::DataEvent>(),
+            // The fixed part; `ustack_bytes` of user stack follow it.
+            Self::Stack => size_of::<stack::StackEvent>(),
+            Self::Sched => size_of::<stack::SchedEvent>(),
         }
     }
 }
@@ -94,6 +103,8 @@ impl TryFrom<u32> for EventKind {
             5 => Self::Proc,
             6 => Self::Filemap,
             7 => Self::Data,
+            8 => Self::Stack,
+            9 => Self::Sched,
             other => return Err(other),
         })
     }
@@ -153,4 +164,6 @@ mod pod {
     unsafe impl aya::Pod for crate::filemap::FilemapEvent {}
     unsafe impl aya::Pod for crate::kernel::KernelOffsets {}
     unsafe impl aya::Pod for crate::stream::DataEvent {}
+    unsafe impl aya::Pod for crate::stack::StackEvent {}
+    unsafe impl aya::Pod for crate::stack::SchedEvent {}
 }

@@ -70,6 +70,9 @@ layout!(sock_send_length, "sock", "sock_send_length", {
 layout!(sock_recv_length, "sock", "sock_recv_length", {
     SK: "sk" @ 8, 8; FAMILY: "family" @ 16, 2; PROTOCOL: "protocol" @ 18, 2;
 });
+layout!(sched_switch, "sched", "sched_switch", {
+    PREV_PID: "prev_pid" @ 24, 4; PREV_STATE: "prev_state" @ 32, 8; NEXT_PID: "next_pid" @ 56, 4;
+});
 layout!(task_newtask, "task", "task_newtask", { PID: "pid" @ 8, 4; CLONE_FLAGS: "clone_flags" @ 32, 8; });
 layout!(sched_process_exec, "sched", "sched_process_exec", { PID: "pid" @ 12, 4; });
 layout!(sched_process_exit, "sched", "sched_process_exit", { PID: "pid" @ 24, 4; GROUP_DEAD: "group_dead" @ 32, 1; });

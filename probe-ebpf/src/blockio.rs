@@ -2,7 +2,7 @@
 //!
 //! Completions run in interrupt or another task's context, so requests are remembered by
 //! (device, sector) at issue and matched at completion; the record carries the issuer's pid.
-use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
+use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext, EbpfContext};
 use probe_common::{
     blockio::{BlockIoEvent, BlockKey, BlockStart},
     tracepoints::{block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
@@ -36,6 +36,8 @@ fn try_block_rq_insert(ctx: &TracePointContext) -> Result<(), i64> {
     let k = key(ctx, ins::DEV, ins::SECTOR)?;
     let start = BlockStart { pid, tid, cpu: crate::cpu(), bytes: 0, insert_ns: now_ns(), issue_ns: 0, rwbs: [0; 8] };
     insert(&BLOCK_QUEUED, &k, &start);
+    // The code path that made this IO (the target's own context).
+    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0);
     Ok(())
 }
 
@@ -56,7 +58,10 @@ fn try_block_rq_issue(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = BLOCK_QUEUED.remove(&k);
             q
         }
-        (None, Some((pid, tid))) => BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() },
+        (None, Some((pid, tid))) => {
+            crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0);
+            BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() }
+        }
         (None, None) => return Ok(()),
     };
     start.bytes = field(ctx, iss::BYTES)?;

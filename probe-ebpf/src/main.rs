@@ -9,6 +9,7 @@ mod filemap;
 mod mmap;
 mod proc;
 mod sock;
+mod stack;
 mod stream;
 mod task;
 

@@ -19,6 +19,7 @@ use crate::{
     recording::{self, Writer},
     report::{self, Report},
     stream,
+    unwind::Unwinders,
 };
 
 pub struct TraceOptions {
@@ -27,6 +28,8 @@ pub struct TraceOptions {
     pub out: PathBuf,
     pub only: Option<Vec<String>>,
     pub ring_bytes: u32,
+    /// On-CPU sampling frequency (Hz).
+    pub sample_hz: u64,
     /// Keep the bytes of request streams in the recording (off by default: prompts and answers
     /// are private).
     pub capture_text: bool,
@@ -41,7 +44,7 @@ pub struct TraceOutcome {
 }
 
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
-    let attached = probes::attach(&probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes })?;
+    let attached = probes::attach(&probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes, sample_hz: opts.sample_hz })?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(run(opts, attached))
 }
@@ -50,6 +53,9 @@ struct State {
     writer: Writer,
     capture_text: bool,
     streams: stream::Tracker,
+    unwinders: Unwinders,
+    /// Off-CPU stacks waiting for their thread to run again (by tid).
+    offcpu: HashMap<u32, serde_json::Value>,
     root: u32,
     root_exited: bool,
     events: u64,
@@ -68,11 +74,19 @@ impl State {
             return self.writer.kernel(bytes);
         };
         self.per_kind[ev.kind() as usize] += 1;
-        // Stream bytes are parsed here and dropped unless the user asked to keep them.
-        if !matches!(ev, Event::Data(_)) || self.capture_text {
+        // Stream bytes are parsed here and dropped unless the user asked to keep them; raw stacks
+        // (which hold user memory) are unwound here and only their frames are kept.
+        if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_)) || (self.capture_text && matches!(ev, Event::Data(_))) {
             self.writer.kernel(bytes)?;
         }
         match ev {
+            Event::Stack(s) => self.on_stack(&s, decode::data_payload(bytes))?,
+            Event::Sched(e) => {
+                if let Some(mut v) = self.offcpu.remove(&e.tid) {
+                    v["blocked_ns"] = json!(e.blocked_ns);
+                    self.writer.json(&v)?;
+                }
+            }
             Event::Data(d) => self.streams.on_data(&d, decode::data_payload(bytes)),
             Event::Sock(s) => self.streams.on_sock(&s),
             Event::Mmap(m) => {
@@ -93,6 +107,36 @@ impl State {
             _ => {}
         }
         Ok(())
+    }
+
+    /// Unwind a stack sample and write its frames (off-CPU ones once the thread runs again).
+    fn on_stack(&mut self, s: &probe_common::stack::StackEvent, ustack: &[u8]) -> std::io::Result<()> {
+        let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
+        for (id, path) in self.unwinders.take_new_modules() {
+            self.writer.json(&json!({"type": "module", "id": id, "path": path}))?;
+        }
+        let kernel: Vec<u64> = if s.kstack_bytes > 0 {
+            s.kstack.iter().take(s.kstack_bytes as usize / 8).copied().take_while(|&a| a != 0).collect()
+        } else {
+            Vec::new()
+        };
+        let what = match s.what {
+            probe_common::stack::STACK_CPU => "cpu",
+            probe_common::stack::STACK_OFFCPU => "offcpu",
+            probe_common::stack::STACK_FAULT => "fault",
+            _ => "io",
+        };
+        let v = json!({
+            "type": "stack", "what": what, "pid": s.hdr.pid, "tid": s.hdr.tid, "ts_ns": s.hdr.ts_ns,
+            "user": u.frames, "kernel": kernel, "complete": u.complete, "addr": s.addr, "state": s.state,
+        });
+        if s.what == probe_common::stack::STACK_OFFCPU {
+            if let Some(old) = self.offcpu.insert(s.hdr.tid, v) {
+                self.writer.json(&old)?;
+            }
+            return Ok(());
+        }
+        self.writer.json(&v)
     }
 
     /// Write the requests that finished.
@@ -131,6 +175,7 @@ impl State {
         if self.last_maps.get(&pid) == Some(&maps) {
             return Ok(());
         }
+        self.unwinders.invalidate(pid);
         for m in &maps {
             self.known_files.insert((m.major, m.minor, m.inode));
         }
@@ -159,7 +204,9 @@ fn stats_json(lost: &[u64], counters: &[u64], st: &State) -> serde_json::Value {
     let lost: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(lost[*k as usize]))).collect();
     let counters: serde_json::Map<_, _> = Counter::ALL.iter().map(|c| (c.name().to_string(), json!(counters[*c as usize]))).collect();
     let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
-    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events})
+    let u = &st.unwinders;
+    let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos});
+    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind})
 }
 
 async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Result<TraceOutcome> {
@@ -177,6 +224,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         writer,
         capture_text: opts.capture_text,
         streams: stream::Tracker::new(start_ns, opts.capture_text),
+        unwinders: Unwinders::default(),
+        offcpu: HashMap::new(),
         root: opts.pid,
         root_exited: false,
         events: 0,
@@ -269,6 +318,13 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     drain(ring.get_mut(), &mut st)?;
     st.streams.finish();
     st.write_requests()?;
+    // Threads still blocked when the trace ended: blocked until now.
+    let now = monotonic_ns();
+    for (_, mut v) in std::mem::take(&mut st.offcpu) {
+        v["blocked_ns"] = json!(now.saturating_sub(v["ts_ns"].as_u64().unwrap_or(now)));
+        v["still_blocked"] = json!(true);
+        st.writer.json(&v)?;
+    }
     let lost = sum(&lost_map);
     st.writer.json(&stats_json(&lost, &sum(&counter_map), &st))?;
     st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
@@ -280,6 +336,14 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
 
     let rec = recording::read_dir(&opts.out)?;
     let report = report::build(&rec);
+    match crate::flame::write_defaults(&rec, &opts.out) {
+        Ok(written) => {
+            for (path, weight) in written {
+                eprintln!("probe: flamegraph {} (weight {weight})", path.display());
+            }
+        }
+        Err(e) => eprintln!("probe: flamegraphs not written: {e}"),
+    }
     let path = opts.out.join("report.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("cannot write {}", path.display()))?;
     partial |= report.lost_events.values().any(|&n| n > 0);

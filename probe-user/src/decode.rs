@@ -1,7 +1,7 @@
 //! Kernel records → typed events. Pure: bytes in, [`Event`] out; never trusts the kind blindly.
 use probe_common::{
     EventHeader, EventKind, blockio::BlockIoEvent, fault::FaultEvent, filemap::FilemapEvent,
-    mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stream::DataEvent,
+    mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stack::{SchedEvent, StackEvent}, stream::DataEvent,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,6 +14,9 @@ pub enum Event {
     Proc(ProcEvent),
     /// The fixed part of a stream data record; the payload is in [`data_payload`].
     Data(DataEvent),
+    /// The fixed part of a stack record; the raw user stack is in [`data_payload`].
+    Stack(StackEvent),
+    Sched(SchedEvent),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -36,6 +39,8 @@ impl Event {
             Event::Sock(e) => &e.hdr,
             Event::Proc(e) => &e.hdr,
             Event::Data(e) => &e.hdr,
+            Event::Stack(e) => &e.hdr,
+            Event::Sched(e) => &e.hdr,
         }
     }
     pub fn kind(&self) -> EventKind {
@@ -47,6 +52,8 @@ impl Event {
             Event::Sock(_) => EventKind::Sock,
             Event::Proc(_) => EventKind::Proc,
             Event::Data(_) => EventKind::Data,
+            Event::Stack(_) => EventKind::Stack,
+            Event::Sched(_) => EventKind::Sched,
         }
     }
 }
@@ -88,12 +95,27 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             }
             Event::Data(ev)
         }
+        EventKind::Stack => {
+            let want = size_of::<StackEvent>();
+            let fixed = bytes.get(..want).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want })?;
+            let ev: StackEvent = read(fixed, kind)?;
+            if bytes.len() != want + ev.ustack_bytes as usize {
+                return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want: want + ev.ustack_bytes as usize });
+            }
+            Event::Stack(ev)
+        }
+        EventKind::Sched => Event::Sched(read(bytes, kind)?),
     })
 }
 
-/// The captured payload bytes of a stream data record (empty for other records).
+/// The bytes after a variable-length record's fixed part: a stream record's payload, a stack
+/// record's raw user stack (empty for other records).
 pub fn data_payload(bytes: &[u8]) -> &[u8] {
-    bytes.get(size_of::<DataEvent>()..).unwrap_or_default()
+    match kind_of(bytes) {
+        Ok(EventKind::Data) => bytes.get(size_of::<DataEvent>()..).unwrap_or_default(),
+        Ok(EventKind::Stack) => bytes.get(size_of::<StackEvent>()..).unwrap_or_default(),
+        _ => &[],
+    }
 }
 
 /// The raw bytes of a record (what the kernel sends), for writing recordings and tests.

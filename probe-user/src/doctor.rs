@@ -26,7 +26,7 @@ pub fn run() -> i32 {
     println!("BTF           {}", if btf { "present (/sys/kernel/btf/vmlinux)" } else { "absent: tp_btf programs and later stack features need it" });
     let kprobes = Path::new("/sys/kernel/tracing/kprobe_events").exists();
     println!("kprobes       {}", if kprobes { "present (probe does not need them)" } else { "absent (probe does not need them)" });
-    let opts = probes::Options { pid: std::process::id(), only: None, ring_bytes: 1 << 20 };
+    let opts = probes::Options { pid: std::process::id(), only: None, ring_bytes: 1 << 20, sample_hz: 99 };
     match probes::attach(&opts) {
         Ok(a) => {
             println!("BPF object    loaded (ring buffer, hash and per-CPU maps work)");

@@ -6,12 +6,14 @@ pub mod btf;
 pub mod collector;
 pub mod decode;
 pub mod doctor;
+pub mod flame;
 pub mod probes;
 pub mod procfs;
 pub mod recording;
 pub mod report;
 pub mod stream;
 pub mod tracefs;
+pub mod unwind;
 
 /// Exit codes of the `probe` binary (documented in README.md).
 pub mod exit {

@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::ExitCode, time::{Duration, Instant}};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{collector, doctor, exit, recording, report};
+use probe_user::{collector, doctor, exit, flame, recording, report};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -36,6 +36,9 @@ enum Command {
         /// Print report.json instead of the human summary at the end.
         #[arg(long)]
         json: bool,
+        /// On-CPU stack sampling frequency, per thread (Hz).
+        #[arg(long, default_value_t = 99)]
+        hz: u64,
         /// Also store the bytes of request streams (prompts, answers) in the recording. Off by
         /// default: only request metadata (timing, sizes, stop reasons) is kept.
         #[arg(long)]
@@ -46,6 +49,25 @@ enum Command {
         dir: PathBuf,
         #[arg(long)]
         json: bool,
+    },
+    /// Draw a flamegraph (SVG, plus the folded stacks beside it) from a recording.
+    Flamegraph {
+        dir: PathBuf,
+        /// cpu (on-CPU samples), offcpu (blocked time, µs), faults (major faults), io (block requests).
+        #[arg(long, default_value = "cpu")]
+        kind: String,
+        /// Only the stacks inside this request's time window (an id from the report).
+        #[arg(long)]
+        request: Option<u64>,
+        /// Only stacks from this many seconds after the trace started.
+        #[arg(long)]
+        from: Option<f64>,
+        /// Only stacks until this many seconds after the trace started.
+        #[arg(long)]
+        to: Option<f64>,
+        /// Output SVG (default DIR/flame-KIND.svg); the folded text goes beside it (.folded).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
     },
     /// Say which kernel features are present and what probe can do here.
     Doctor,
@@ -67,7 +89,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace { pid, duration, out, probes, ring_mb, json, capture_text } => {
+        Command::Trace { pid, duration, out, probes, ring_mb, json, hz, capture_text } => {
             if !ring_mb.is_power_of_two() {
                 anyhow::bail!("--ring-mb must be a power of two (got {ring_mb})");
             }
@@ -82,6 +104,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 only: probes,
                 ring_bytes: ring_mb << 20,
                 capture_text,
+                sample_hz: hz,
                 started,
             })?;
             if json {
@@ -101,6 +124,34 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 print!("{}", report::render(&r));
             }
             Ok(if r.lost_events.values().any(|&n| n > 0) { exit::PARTIAL } else { exit::OK })
+        }
+        Command::Flamegraph { dir, kind, request, from, to, output } => {
+            let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
+            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let start = rec.json.iter().find(|v| v["type"] == "meta").and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
+            let secs = |s: f64| start + (s * 1e9) as u64;
+            let mut window = flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) };
+            if let Some(id) = request {
+                let r = report::build(&rec);
+                let q = r.requests.iter().find(|q| q.id == id).with_context(|| format!("no request {id} in this recording (see `probe report {}`)", dir.display()))?;
+                let arrival = q.arrival_ms.with_context(|| format!("request {id} was already in flight when probe attached: use --from/--to"))?;
+                window.from_ns = Some(start + (arrival * 1e6) as u64);
+                window.to_ns = Some(start + ((arrival + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
+            }
+            let syms = flame::Symbols::resolve(&rec);
+            let folded = flame::folded(&rec, &syms, kind, window);
+            if folded.is_empty() {
+                anyhow::bail!("no {} stacks in {} for this window", kind.name(), dir.display());
+            }
+            let out = output.unwrap_or_else(|| dir.join(format!("flame-{}.svg", kind.name())));
+            let title = match request {
+                Some(id) => format!("probe: {} stacks of request {id}", kind.name()),
+                None => format!("probe: {} stacks", kind.name()),
+            };
+            std::fs::write(&out, flame::svg(&folded, kind, &title)?).with_context(|| format!("cannot write {}", out.display()))?;
+            std::fs::write(out.with_extension("folded"), flame::folded_text(&folded))?;
+            println!("{} ({} stacks, weight {})", out.display(), folded.len(), folded.values().sum::<u64>());
+            Ok(exit::OK)
         }
         Command::Doctor => Ok(doctor::run()),
     }

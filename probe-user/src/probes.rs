@@ -21,7 +21,7 @@ use crate::{procfs, tracefs};
 /// The compiled kernel object, built by build.rs from probe-ebpf.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/probe"));
 
-pub const SUBSYSTEMS: [&str; 7] = ["blockio", "fault", "filemap", "mmap", "sock", "stream", "proc"];
+pub const SUBSYSTEMS: [&str; 9] = ["blockio", "fault", "filemap", "mmap", "sock", "stream", "cpu", "offcpu", "proc"];
 
 #[derive(Clone, Copy, Debug)]
 enum How {
@@ -33,6 +33,8 @@ enum How {
     Syscall(&'static str),
     /// perf software event PAGE_FAULTS_MAJ, period 1, per thread of each target process.
     PerfMajorFaults,
+    /// perf software event CPU_CLOCK at `Options::sample_hz`, per thread of each target process.
+    PerfCpuClock,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -84,6 +86,8 @@ const TABLE: &[Spec] = &[
     s("sock", "sock_connect", How::Syscall("sys_enter_connect"), true),
     s("sock", "sock_listen", How::Syscall("sys_enter_listen"), false),
     s("sock", "sock_close", How::Syscall("sys_enter_close"), false),
+    s("cpu", "cpu_sample", How::PerfCpuClock, true),
+    s("offcpu", "sched_switch", How::Tracepoint(&tp::sched_switch::LAYOUT), true),
     s("stream", "read_enter", How::Syscall("sys_enter_read"), true),
     s("stream", "read_exit", How::Syscall("sys_exit_read"), true),
     s("stream", "write_enter", How::Syscall("sys_enter_write"), true),
@@ -124,6 +128,8 @@ pub struct Options {
     /// Subsystems to trace; `None` = all. Named subsystems that cannot attach are errors.
     pub only: Option<Vec<String>>,
     pub ring_bytes: u32,
+    /// On-CPU sampling frequency (Hz).
+    pub sample_hz: u64,
 }
 
 /// Fails unless we are root or hold CAP_BPF + CAP_PERFMON (+ CAP_SYS_ADMIN for tracefs mounts).
@@ -181,6 +187,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     };
     let mut ebpf = EbpfLoader::new()
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
+        .map_max_entries("STACK_SCRATCH", aya::util::nr_cpus().map(|n| n as u32).unwrap_or(256))
         .override_global(probe_common::kernel::KOFF_SYMBOL, &koff, true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")?;
@@ -211,7 +218,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         .map(|s| SubsystemStatus { name: s.to_string(), live: true, attached: vec![], skipped: vec![] })
         .collect();
     for spec in TABLE.iter().filter(|s| wanted(s.subsystem)) {
-        let result = attach_one(&mut ebpf, &tracefs, spec, &targets);
+        let result = attach_one(&mut ebpf, &tracefs, spec, &targets, opts.sample_hz);
         let st = status.iter_mut().find(|s| s.name == spec.subsystem).expect("subsystem in table");
         match result {
             Ok(()) => st.attached.push(spec.program.to_string()),
@@ -245,7 +252,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     Ok(Attached { ebpf, status, targets })
 }
 
-fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32]) -> anyhow::Result<()> {
+fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
     let program = ebpf.program_mut(spec.program).ok_or_else(|| anyhow!("program missing from the object"))?;
     match spec.how {
         How::Tracepoint(layout) => {
@@ -273,39 +280,32 @@ fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32]) -> 
             p.load().context("verifier refused the program")?;
             p.attach("syscalls", name)?;
         }
-        How::PerfMajorFaults => {
-            let p: &mut PerfEvent = program.try_into()?;
-            p.load().context("verifier refused the program")?;
-            let mut n = 0;
-            for &pid in targets {
-                for tid in procfs::tasks(pid) {
-                    // Threads that exit between listing and opening are fine to miss.
-                    if p.attach(
-                        PerfEventConfig::Software(SoftwareEvent::PageFaultsMaj),
-                        PerfEventScope::OneProcess { pid: tid, cpu: None },
-                        SamplePolicy::Period(1),
-                        true,
-                    )
-                    .is_ok()
-                    {
-                        n += 1;
-                    } else if !procfs::exists(pid) {
-                        continue;
-                    } else if n == 0 {
-                        p.attach(
-                            PerfEventConfig::Software(SoftwareEvent::PageFaultsMaj),
-                            PerfEventScope::OneProcess { pid: tid, cpu: None },
-                            SamplePolicy::Period(1),
-                            true,
-                        )
-                        .context("perf_event_open(PAGE_FAULTS_MAJ) failed")?;
-                    }
-                }
-            }
-            if n == 0 {
-                bail!("no thread of the target could be watched for major faults");
+        How::PerfMajorFaults => per_thread(program, targets, SoftwareEvent::PageFaultsMaj, SamplePolicy::Period(1))?,
+        How::PerfCpuClock => per_thread(program, targets, SoftwareEvent::CpuClock, SamplePolicy::Frequency(sample_hz))?,
+    }
+    Ok(())
+}
+
+/// Attach a perf_event program to every thread of every target process, inherited by threads
+/// and children created later (perf follows them from the thread that creates them).
+fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: SoftwareEvent, policy: SamplePolicy) -> anyhow::Result<()> {
+    let p: &mut PerfEvent = program.try_into()?;
+    p.load().context("verifier refused the program")?;
+    let (mut n, mut last_err) = (0, None);
+    for &pid in targets {
+        for tid in procfs::tasks(pid) {
+            // A thread that exits between listing and opening is fine to miss.
+            match p.attach(PerfEventConfig::Software(event), PerfEventScope::OneProcess { pid: tid, cpu: None }, policy, true) {
+                Ok(_) => n += 1,
+                Err(e) => last_err = Some(e),
             }
         }
+    }
+    if n == 0 {
+        return match last_err {
+            Some(e) => Err(anyhow::Error::new(e).context(format!("perf_event_open({event:?}) failed"))),
+            None => bail!("no thread of the target could be watched"),
+        };
     }
     Ok(())
 }

@@ -31,12 +31,32 @@ pub struct Report {
     pub mmaps: Vec<MmapRow>,
     pub mmaps_not_listed: u64,
     pub connections: Vec<Connection>,
+    /// Stack records per kind (cpu, offcpu, fault, io): count, unwound to the end, median depth.
+    pub stacks: BTreeMap<String, StackStats>,
+    /// User-stack unwinding while tracing: samples, how many reached the end of the stack, cost.
+    pub unwind: Unwind,
     /// Every HTTP request seen on the target's sockets, in arrival order.
     pub requests: Vec<RequestRecord>,
     pub lost_events: BTreeMap<String, u64>,
     pub counters: BTreeMap<String, u64>,
     pub probes: Value,
     pub problems: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StackStats {
+    pub stacks: u64,
+    pub complete: u64,
+    pub median_depth: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Unwind {
+    pub samples: u64,
+    pub complete: u64,
+    /// Share of samples unwound to the end of the stack.
+    pub success_rate: f64,
+    pub us_per_sample: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -230,6 +250,7 @@ pub fn build(rec: &Recording) -> Report {
 
     // Userspace records: mappings over time, open files, the last counters, the end.
     let mut maps = MapHistory::default();
+    let mut depths: BTreeMap<String, (u64, u64, Vec<u64>)> = BTreeMap::new();
     let mut file_names: HashMap<(u32, u32, u64), String> = HashMap::new();
     let mut end_ts = start;
     for v in &rec.json {
@@ -248,7 +269,22 @@ pub fn build(rec: &Recording) -> Report {
                     file_names.entry(key).or_insert_with(|| f["path"].as_str().unwrap_or_default().to_string());
                 }
             }
+            Some("stack") => {
+                let what = v["what"].as_str().unwrap_or("?").to_string();
+                let depth = v["user"].as_array().map_or(0, Vec::len) + v["kernel"].as_array().map_or(0, Vec::len);
+                let e = depths.entry(what).or_default();
+                e.0 += 1;
+                e.1 += u64::from(v["complete"] == true);
+                e.2.push(depth as u64);
+            }
             Some("stats") => {
+                let u = &v["unwind"];
+                r.unwind.samples = json_u64(u, "samples");
+                r.unwind.complete = json_u64(u, "complete");
+                if r.unwind.samples > 0 {
+                    r.unwind.success_rate = r.unwind.complete as f64 / r.unwind.samples as f64;
+                    r.unwind.us_per_sample = json_u64(u, "ns") as f64 / 1e3 / r.unwind.samples as f64;
+                }
                 for (k, out) in [("lost", &mut r.lost_events), ("counters", &mut r.counters)] {
                     if let Some(o) = v[k].as_object() {
                         *out = o.iter().map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0))).collect();
@@ -262,6 +298,10 @@ pub fn build(rec: &Recording) -> Report {
             },
             _ => {}
         }
+    }
+    for (what, (n, complete, mut d)) in depths {
+        d.sort_unstable();
+        r.stacks.insert(what, StackStats { stacks: n, complete, median_depth: d.get(d.len() / 2).copied().unwrap_or(0) });
     }
     for snaps in maps.by_pid.values_mut() {
         snaps.sort_by_key(|(t, _)| *t);
@@ -397,8 +437,9 @@ pub fn build(rec: &Recording) -> Report {
                 }
             }
             Event::Sock(s) => sock_event(s, &mut conns, &mut conn_index, &ms),
-            // Stream bytes (present only with --capture-text) are summarised in request records.
-            Event::Data(_) => {}
+            // Stream bytes (present only with --capture-text) are summarised in request records;
+            // stacks are unwound while tracing and kept as stack records.
+            Event::Data(_) | Event::Stack(_) | Event::Sched(_) => {}
         }
     }
 
@@ -612,6 +653,17 @@ pub fn render(r: &Report) -> String {
     }
     if r.connections.len() > 30 {
         let _ = writeln!(o, "  ... {} more in report.json", r.connections.len() - 30);
+    }
+    if !r.stacks.is_empty() {
+        let per: Vec<String> = r.stacks.iter().map(|(k, s)| format!("{} {k} (median depth {})", s.stacks, s.median_depth)).collect();
+        let _ = writeln!(
+            o,
+            "\nStacks: {}; user stacks unwound to the end: {:.0}% of {} ({:.1} us each)",
+            per.join(", "),
+            r.unwind.success_rate * 100.0,
+            r.unwind.samples,
+            r.unwind.us_per_sample
+        );
     }
     if !r.requests.is_empty() {
         let _ = writeln!(o, "\nRequests: {}", r.requests.len());

@@ -1,0 +1,64 @@
+//! Stacks: a sample's kernel stack (instruction pointers) and the raw user stack with the user
+//! registers, for unwinding in userspace from `.eh_frame` (servers ship without frame pointers).
+//! The raw user stack is unwound by the collector and dropped: only frame addresses are stored.
+use crate::{EventHeader, EventKind, Record};
+
+/// Largest user-stack slice copied per sample (from `sp` up): 64 KiB less one word, so that
+/// `& USTACK_MASK` bounds it for the verifier (a server thread's frames from `main` down to
+/// the sampled function can exceed 16 KiB). Near the top of a stack the copy falls back to
+/// 32, 16, 8, 4, 2 and 1 KiB.
+pub const USTACK_CAP: usize = 65536 - 8;
+pub const USTACK_MASK: u32 = 0xffff;
+pub const KSTACK_DEPTH: usize = 64;
+
+/// Fixed part of a stack record; `ustack_bytes` of user stack (starting at `sp`) follow it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackEvent {
+    pub hdr: EventHeader,
+    /// [`STACK_CPU`], [`STACK_OFFCPU`], [`STACK_FAULT`] or [`STACK_IO`].
+    pub what: u32,
+    /// `bpf_get_stack` result for the kernel stack: bytes written, or -errno.
+    pub kstack_bytes: i32,
+    pub ustack_bytes: u32,
+    /// Off-CPU: the task state when it left the CPU (1 interruptible, 2 uninterruptible, ...).
+    pub state: u32,
+    /// User registers (the user-mode state at the last kernel entry).
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Fault: the faulting address; IO: the sector.
+    pub addr: u64,
+    pub kstack: [u64; KSTACK_DEPTH],
+}
+const _: () = assert!(core::mem::size_of::<StackEvent>() == 584);
+impl Record for StackEvent {
+    const KIND: EventKind = EventKind::Stack;
+}
+
+impl Default for StackEvent {
+    fn default() -> Self {
+        Self { hdr: Default::default(), what: 0, kstack_bytes: 0, ustack_bytes: 0, state: 0, ip: 0, sp: 0, bp: 0, addr: 0, kstack: [0; KSTACK_DEPTH] }
+    }
+}
+
+pub const STACK_CPU: u32 = 1;
+pub const STACK_OFFCPU: u32 = 2;
+pub const STACK_FAULT: u32 = 3;
+pub const STACK_IO: u32 = 4;
+
+/// A target thread came back on a CPU after blocking; pairs with its STACK_OFFCPU record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedEvent {
+    pub hdr: EventHeader,
+    /// The thread that switched in (the header's tid is the task it replaced).
+    pub tid: u32,
+    pub _pad: u32,
+    /// How long it was off the CPU, ns.
+    pub blocked_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<SchedEvent>() == 40);
+impl Record for SchedEvent {
+    const KIND: EventKind = EventKind::Sched;
+}

@@ -1,0 +1,135 @@
+//! Stacks for flamegraphs: CPU samples (perf software clock), off-CPU (sched_switch), and the
+//! stacks behind major faults and block IO. Each record carries the kernel stack and a raw
+//! slice of the user stack with the user registers; userspace unwinds it from `.eh_frame`.
+use aya_ebpf::{
+    helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
+    bindings::pt_regs,
+    macros::{map, perf_event, tracepoint},
+    maps::{Array, HashMap},
+    programs::{PerfEventContext, TracePointContext},
+    EbpfContext,
+};
+use probe_common::{
+    stack::{SchedEvent, StackEvent, KSTACK_DEPTH, STACK_CPU, STACK_OFFCPU, USTACK_CAP, USTACK_MASK},
+    tracepoints::sched_switch as sw,
+    Record,
+};
+
+use crate::{add, current_target, emit, field, header, insert, now_ns, ringbuf_flags, EVENTS, LOST};
+
+const HDR: usize = core::mem::size_of::<StackEvent>();
+
+/// One record under construction per CPU (indexed by CPU id; per-CPU maps cap values at
+/// 32 KiB); USTACK_MASK + 1 bytes after the header, so the masked size is always in bounds.
+/// Userspace sizes it to the number of possible CPUs.
+#[map(name = "STACK_SCRATCH")]
+static STACK_SCRATCH: Array<[u8; HDR + USTACK_MASK as usize + 1]> = Array::with_max_entries(1, 0);
+
+/// Target threads off the CPU since this time (ns), by tid.
+#[map(name = "OFFCPU_SINCE")]
+static OFFCPU_SINCE: HashMap<u32, u64> = HashMap::with_max_entries(16384, 0);
+
+#[inline(always)]
+fn read_kernel<T>(p: *const T) -> T {
+    let mut v = core::mem::MaybeUninit::<T>::zeroed();
+    // SAFETY: a probe read into a local; on failure the zeroed value is kept.
+    unsafe {
+        bpf_probe_read_kernel(v.as_mut_ptr().cast(), core::mem::size_of::<T>() as u32, p.cast());
+        v.assume_init()
+    }
+}
+
+/// Capture the current task's kernel and user stack and send a StackEvent.
+#[inline(always)]
+pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32) {
+    let Some(buf) = STACK_SCRATCH.get_ptr_mut(crate::cpu()) else { return };
+    let ev = buf.cast::<StackEvent>();
+    // SAFETY: `buf` is this CPU's scratch slot of HDR + USTACK_MASK + 1 bytes (programs do not
+    // migrate while running, so no other program uses it meanwhile); every write below
+    // stays inside it (user copy sizes are constants ≤ USTACK_CAP at offset HDR).
+    unsafe {
+        (*ev).hdr = header::<StackEvent>(pid, tid);
+        (*ev).what = what;
+        (*ev).state = state;
+        (*ev).addr = addr;
+        (*ev).kstack_bytes = bpf_get_stack(ctx, (&raw mut (*ev).kstack).cast(), (KSTACK_DEPTH * 8) as u32, 0) as i32;
+        // The user registers at the task's last kernel entry (interrupt, fault or syscall).
+        let regs = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const pt_regs;
+        let (ip, sp, bp) = if regs.is_null() {
+            (0, 0, 0)
+        } else {
+            (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp))
+        };
+        (*ev).ip = ip;
+        (*ev).sp = sp;
+        (*ev).bp = bp;
+        let dst = buf.cast::<u8>().add(HDR).cast();
+        let mut n: u32 = 0;
+        if sp != 0 {
+            // Near the top of a stack a long read faults as a whole: try shorter ones.
+            if bpf_probe_read_user(dst, USTACK_CAP as u32, sp as *const _) == 0 {
+                n = USTACK_CAP as u32;
+            } else if bpf_probe_read_user(dst, 32768, sp as *const _) == 0 {
+                n = 32768;
+            } else if bpf_probe_read_user(dst, 16384, sp as *const _) == 0 {
+                n = 16384;
+            } else if bpf_probe_read_user(dst, 8192, sp as *const _) == 0 {
+                n = 8192;
+            } else if bpf_probe_read_user(dst, 4096, sp as *const _) == 0 {
+                n = 4096;
+            } else if bpf_probe_read_user(dst, 2048, sp as *const _) == 0 {
+                n = 2048;
+            } else if bpf_probe_read_user(dst, 1024, sp as *const _) == 0 {
+                n = 1024;
+            }
+        }
+        (*ev).ustack_bytes = n;
+        let total = HDR + (core::ptr::read_volatile(&raw const (*ev).ustack_bytes) & USTACK_MASK) as usize;
+        let bytes = core::slice::from_raw_parts(buf.cast::<u8>(), total);
+        if EVENTS.output::<[u8]>(bytes, ringbuf_flags(total as u64)).is_err() {
+            add(&LOST, StackEvent::KIND as u32, 1);
+        }
+    }
+}
+
+/// perf software event CPU_CLOCK at 99 Hz, opened per thread of the target with inherit.
+#[perf_event]
+pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
+    let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
+    capture(ctx.as_ptr(), STACK_CPU, (pid_tgid >> 32) as u32, pid_tgid as u32, 0, 0);
+    0
+}
+
+/// sched:sched_switch (prev_pid @24, prev_state @32, next_pid @56): runs in `prev`. A target
+/// thread that blocks (state != running) sends its stack; when it runs again its blocked time.
+#[tracepoint(category = "sched", name = "sched_switch")]
+pub fn sched_switch(ctx: TracePointContext) -> u32 {
+    let _ = try_sched_switch(&ctx);
+    0
+}
+
+fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
+    let now = now_ns();
+    if let Some((pid, tid)) = current_target() {
+        let state: i64 = field(ctx, sw::PREV_STATE)?;
+        if state & 0xff != 0 {
+            insert(&OFFCPU_SINCE, &tid, &now);
+            capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32);
+        }
+    }
+    let next: i32 = field(ctx, sw::NEXT_PID)?;
+    let next = next as u32;
+    // SAFETY: the value is copied out before the remove.
+    if let Some(since) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
+        let _ = OFFCPU_SINCE.remove(&next);
+        let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
+        let ev = SchedEvent {
+            hdr: header::<SchedEvent>((pid_tgid >> 32) as u32, pid_tgid as u32),
+            tid: next,
+            _pad: 0,
+            blocked_ns: now.saturating_sub(since),
+        };
+        emit(&ev);
+    }
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! User-stack unwinding from `.eh_frame` with framehop, for binaries without frame pointers
+//! (real servers): the modules of a process come from /proc/PID/maps, their unwind sections from
+//! the ELF files, the stack bytes from the sample. Addresses leave here as (module, file offset)
+//! so they can be symbolized after the process is gone.
+//!
+//! framehop does not evaluate CFA expressions. GCC emits one for functions that realign the
+//! stack (AVX code, e.g. all of ggml's compute kernels): the DRAP pattern, CFA = *(rbp - 24).
+//! framehop then falls back to frame pointers and the next frame reads a wrong slot; those
+//! frames are stepped here instead, with the rule read by gimli.
+use std::{
+    collections::HashMap,
+    ops::Range,
+    sync::Arc,
+};
+
+use framehop::{
+    ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder,
+    x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
+};
+use object::{Object, ObjectSection, ObjectSegment};
+
+use crate::procfs::{self, Mapping};
+
+/// Frames kept per stack at most.
+pub const MAX_FRAMES: usize = 128;
+
+/// Unwind sections of one ELF file, shared by every process that maps it.
+struct Elf {
+    /// PT_LOAD segments: (vaddr, file offset, file size).
+    segments: Vec<(u64, u64, u64)>,
+    text: Option<(Range<u64>, Arc<[u8]>)>,
+    eh_frame: Option<(Range<u64>, Arc<[u8]>)>,
+    eh_frame_hdr: Option<(Range<u64>, Arc<[u8]>)>,
+    got: Option<Range<u64>>,
+}
+
+fn load_elf(path: &str) -> Option<Elf> {
+    let data = std::fs::read(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    let section = |name: &str| {
+        let s = file.section_by_name(name)?;
+        let bytes = s.data().ok()?;
+        Some((s.address()..s.address() + s.size(), Arc::<[u8]>::from(bytes)))
+    };
+    Some(Elf {
+        segments: file.segments().map(|s| (s.address(), s.file_range().0, s.file_range().1)).collect(),
+        text: section(".text"),
+        eh_frame: section(".eh_frame"),
+        eh_frame_hdr: section(".eh_frame_hdr"),
+        got: file.section_by_name(".got").map(|s| s.address()..s.address() + s.size()),
+    })
+}
+
+struct Proc {
+    unwinder: UnwinderX86_64<Arc<[u8]>>,
+    cache: CacheX86_64,
+    maps: Vec<Mapping>,
+    /// Executable mappings: address range, ELF, load bias.
+    modules: Vec<(Range<u64>, Arc<Elf>, u64)>,
+}
+
+/// A frame whose CFA is `*(rbp + cfa)`: the return address is at CFA + `ra`, the caller's rbp
+/// at `*(rbp + rbp)` (expression rule) or CFA + offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrapRule {
+    pub cfa: i64,
+    pub ra: i64,
+    pub rbp: SavedRbp,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SavedRbp {
+    AtRbpPlus(i64),
+    AtCfaPlus(i64),
+    Same,
+}
+
+/// `DW_OP_breg6 <sleb128>` optionally followed by `DW_OP_deref`: (offset, deref).
+fn breg6(expr: &[u8]) -> Option<(i64, bool)> {
+    let (&op, mut rest) = expr.split_first()?;
+    if op != 0x76 {
+        return None;
+    }
+    let (mut value, mut shift) = (0i64, 0);
+    loop {
+        let (&b, r) = rest.split_first()?;
+        rest = r;
+        value |= ((b & 0x7f) as i64) << shift;
+        shift += 7;
+        if b & 0x80 == 0 {
+            if shift < 64 && b & 0x40 != 0 {
+                value |= -1i64 << shift;
+            }
+            break;
+        }
+    }
+    match rest {
+        [] => Some((value, false)),
+        [0x06] => Some((value, true)),
+        _ => None,
+    }
+}
+
+/// The DRAP rule at `svma` in `elf`, if its CFA is an expression of that shape.
+fn drap_rule(elf: &Elf, svma: u64) -> Option<DrapRule> {
+    use gimli::{BaseAddresses, CfaRule, EhFrame, EhFrameHdr, LittleEndian, RegisterRule, UnwindContext, UnwindSection, X86_64};
+    let (hdr_svma, hdr) = elf.eh_frame_hdr.as_ref()?;
+    let (frame_svma, frame) = elf.eh_frame.as_ref()?;
+    let mut bases = BaseAddresses::default().set_eh_frame_hdr(hdr_svma.start).set_eh_frame(frame_svma.start);
+    if let Some((text, _)) = &elf.text {
+        bases = bases.set_text(text.start);
+    }
+    let eh_frame = EhFrame::new(frame, LittleEndian);
+    let parsed = EhFrameHdr::new(hdr, LittleEndian).parse(&bases, 8).ok()?;
+    let fde = parsed.table()?.fde_for_address(&eh_frame, &bases, svma, EhFrame::cie_from_offset).ok()?;
+    let mut ctx = UnwindContext::new();
+    let row = fde.unwind_info_for_address(&eh_frame, &bases, &mut ctx, svma).ok()?;
+    let CfaRule::Expression(e) = row.cfa() else { return None };
+    let (cfa, true) = breg6(e.get(&eh_frame).ok()?.0.slice())? else { return None };
+    let ra = match row.register(X86_64::RA) {
+        Some(RegisterRule::Offset(o)) => o,
+        _ => return None,
+    };
+    let rbp = match row.register(X86_64::RBP) {
+        Some(RegisterRule::Expression(e)) => match breg6(e.get(&eh_frame).ok()?.0.slice())? {
+            (o, false) => SavedRbp::AtRbpPlus(o),
+            _ => return None,
+        },
+        Some(RegisterRule::Offset(o)) => SavedRbp::AtCfaPlus(o),
+        _ => SavedRbp::Same,
+    };
+    Some(DrapRule { cfa, ra, rbp })
+}
+
+/// One frame: a module id and a file offset, or (-1, absolute address) outside any file.
+pub type Frame = (i64, u64);
+
+#[derive(Debug, Default)]
+pub struct Unwound {
+    /// Innermost first.
+    pub frames: Vec<Frame>,
+    /// The unwinder reached the end of the stack (not cut by missing unwind info or stack bytes).
+    pub complete: bool,
+}
+
+/// Unwinders for every traced process, and the table of modules (file paths) frames refer to.
+#[derive(Default)]
+pub struct Unwinders {
+    procs: HashMap<u32, Proc>,
+    elves: HashMap<(String, u64), Option<Arc<Elf>>>,
+    /// DRAP rules by (ELF, svma), looked up once.
+    drap: HashMap<(usize, u64), Option<DrapRule>>,
+    module_ids: HashMap<String, i64>,
+    /// Modules assigned an id since the last call to `take_new_modules`.
+    new_modules: Vec<(i64, String)>,
+    pub samples: u64,
+    pub complete: u64,
+    pub nanos: u64,
+}
+
+impl Unwinders {
+    /// The mappings of `pid` changed: rebuild its unwinder at the next sample.
+    pub fn invalidate(&mut self, pid: u32) {
+        self.procs.remove(&pid);
+    }
+
+    pub fn take_new_modules(&mut self) -> Vec<(i64, String)> {
+        std::mem::take(&mut self.new_modules)
+    }
+
+    fn module_id(&mut self, path: &str) -> i64 {
+        if let Some(&id) = self.module_ids.get(path) {
+            return id;
+        }
+        let id = self.module_ids.len() as i64;
+        self.module_ids.insert(path.to_string(), id);
+        self.new_modules.push((id, path.to_string()));
+        id
+    }
+
+    fn proc(&mut self, pid: u32) -> &mut Proc {
+        if !self.procs.contains_key(&pid) {
+            let maps = procfs::read_maps(pid).unwrap_or_default();
+            let mut unwinder = UnwinderX86_64::new();
+            let mut modules = Vec::new();
+            for m in maps.iter().filter(|m| m.perms.contains('x')) {
+                let elf = self
+                    .elves
+                    .entry((m.path.clone(), m.inode))
+                    .or_insert_with(|| load_elf(&m.path).map(Arc::new))
+                    .clone();
+                let Some(elf) = elf else { continue };
+                // The load segment this mapping comes from gives the load bias.
+                let Some(&(vaddr, off, size)) = elf.segments.iter().find(|(_, off, size)| *off <= m.offset && m.offset < off + size.max(&1)) else {
+                    continue;
+                };
+                let _ = size;
+                let bias = m.start.wrapping_sub(vaddr + (m.offset - off));
+                let info = ExplicitModuleSectionInfo {
+                    base_svma: 0,
+                    text_svma: elf.text.as_ref().map(|t| t.0.clone()),
+                    text: elf.text.as_ref().map(|t| t.1.clone()),
+                    got_svma: elf.got.clone(),
+                    eh_frame_svma: elf.eh_frame.as_ref().map(|t| t.0.clone()),
+                    eh_frame: elf.eh_frame.as_ref().map(|t| t.1.clone()),
+                    eh_frame_hdr_svma: elf.eh_frame_hdr.as_ref().map(|t| t.0.clone()),
+                    eh_frame_hdr: elf.eh_frame_hdr.as_ref().map(|t| t.1.clone()),
+                    ..Default::default()
+                };
+                unwinder.add_module(Module::new(m.path.clone(), m.start..m.end, bias, info));
+                modules.push((m.start..m.end, elf.clone(), bias));
+            }
+            self.procs.insert(pid, Proc { unwinder, cache: CacheX86_64::new(), maps, modules });
+        }
+        self.procs.get_mut(&pid).expect("inserted above")
+    }
+
+    /// Unwind one sample: user registers and the stack bytes copied from `sp` upwards.
+    pub fn unwind(&mut self, pid: u32, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> Unwound {
+        let t = std::time::Instant::now();
+        let mut addrs = Vec::new();
+        let mut complete = false;
+        if ip != 0 {
+            self.proc(pid);
+            let p = self.procs.get_mut(&pid).expect("built above");
+            let drap = &mut self.drap;
+            let mut read_stack = |addr: u64| -> Result<u64, ()> {
+                let off = addr.checked_sub(sp).ok_or(())? as usize;
+                let b = stack.get(off..off + 8).ok_or(())?;
+                Ok(u64::from_le_bytes(b.try_into().map_err(|_| ())?))
+            };
+            let mut regs = UnwindRegsX86_64::new(ip, sp, bp);
+            let mut frame = FrameAddress::from_instruction_pointer(ip);
+            while addrs.len() < MAX_FRAMES {
+                let lookup = frame.address_for_lookup();
+                addrs.push(lookup);
+                let rule = p.modules.iter().find(|(r, _, _)| r.contains(&lookup)).and_then(|(_, elf, bias)| {
+                    let svma = lookup.wrapping_sub(*bias);
+                    *drap.entry((Arc::as_ptr(elf) as usize, svma)).or_insert_with(|| drap_rule(elf, svma))
+                });
+                let next = match rule {
+                    Some(r) => step_drap(&r, &mut regs, &mut read_stack),
+                    None => p.unwinder.unwind_frame(frame, &mut regs, &mut p.cache, &mut read_stack).map_err(|_| ()),
+                };
+                match next {
+                    Ok(Some(ra)) => match FrameAddress::from_return_address(ra) {
+                        Some(f) => frame = f,
+                        None => {
+                            complete = true;
+                            break;
+                        }
+                    },
+                    Ok(None) => {
+                        complete = true;
+                        break;
+                    }
+                    Err(()) => break,
+                }
+            }
+        }
+        let frames = self.frames(pid, &addrs);
+        self.samples += 1;
+        self.complete += complete as u64;
+        self.nanos += t.elapsed().as_nanos() as u64;
+        Unwound { frames, complete }
+    }
+
+    /// Absolute addresses → (module id, file offset) with the process's current mappings.
+    fn frames(&mut self, pid: u32, addrs: &[u64]) -> Vec<Frame> {
+        let maps = self.procs.get(&pid).map(|p| p.maps.clone()).unwrap_or_default();
+        addrs
+            .iter()
+            .map(|&a| match maps.iter().find(|m| m.start <= a && a < m.end) {
+                Some(m) => (self.module_id(&m.path), a - m.start + m.offset),
+                None => (-1, a),
+            })
+            .collect()
+    }
+}
+
+/// One step through a DRAP frame: CFA = *(rbp + cfa), return address at CFA + ra.
+fn step_drap(r: &DrapRule, regs: &mut UnwindRegsX86_64, read: &mut impl FnMut(u64) -> Result<u64, ()>) -> Result<Option<u64>, ()> {
+    let bp = regs.bp();
+    let cfa = read(bp.wrapping_add_signed(r.cfa))?;
+    let ra = read(cfa.wrapping_add_signed(r.ra))?;
+    let caller_bp = match r.rbp {
+        SavedRbp::AtRbpPlus(o) => read(bp.wrapping_add_signed(o))?,
+        SavedRbp::AtCfaPlus(o) => read(cfa.wrapping_add_signed(o))?,
+        SavedRbp::Same => bp,
+    };
+    if cfa <= regs.sp() {
+        return Err(()); // the stack grows down: a caller's frame is above
+    }
+    regs.set_sp(cfa);
+    regs.set_bp(caller_bp);
+    Ok(if ra == 0 { None } else { Some(ra) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_breg6_expressions() {
+        // DW_OP_breg6 -24; DW_OP_deref (GCC's DRAP CFA) and DW_OP_breg6 0.
+        assert_eq!(breg6(&[0x76, 0x68, 0x06]), Some((-24, true)));
+        assert_eq!(breg6(&[0x76, 0x00]), Some((0, false)));
+        assert_eq!(breg6(&[0x76, 0x80, 0x01]), Some((128, false)));
+        assert_eq!(breg6(&[0x77, 0x00]), None);
+        assert_eq!(breg6(&[0x76, 0x68, 0x06, 0x06]), None);
+    }
+
+    #[test]
+    fn steps_through_a_realigned_frame() {
+        // rbp = 0x1000; *(rbp - 24) = CFA 0x1040; return address at CFA - 8; caller rbp at *rbp.
+        let mem: HashMap<u64, u64> = [(0x1000 - 24, 0x1040), (0x1040 - 8, 0x4000_1234), (0x1000, 0x2000)].into();
+        let mut read = |a: u64| mem.get(&a).copied().ok_or(());
+        let mut regs = UnwindRegsX86_64::new(0x4000_0000, 0x0f00, 0x1000);
+        let rule = DrapRule { cfa: -24, ra: -8, rbp: SavedRbp::AtRbpPlus(0) };
+        assert_eq!(step_drap(&rule, &mut regs, &mut read), Ok(Some(0x4000_1234)));
+        assert_eq!((regs.sp(), regs.bp()), (0x1040, 0x2000));
+    }
+}

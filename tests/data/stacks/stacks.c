@@ -1,0 +1,126 @@
+/* Workloads with known call chains for probe's stack tests. Built by the tests with
+ * `cc -O2 -fomit-frame-pointer`: no frame pointers, like real servers, so only .eh_frame
+ * unwinding gives full stacks. Each mode prints "ready PID", waits for a line on stdin, works,
+ * prints "done ...".
+ *   stacks spin SECONDS          outer -> middle -> inner, spinning in inner
+ *   stacks read-cold FILE MB     read_cold(): O_DIRECT reads of a file evicted from the cache
+ *   stacks touch-cold FILE PAGES touch_cold(): touches PAGES pages of a cold file mapped MADV_RANDOM
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+static volatile uint64_t sink;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static void wait_go(void) {
+    char line[16];
+    printf("ready %d\n", getpid());
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) exit(2);
+}
+
+__attribute__((noinline)) uint64_t inner(uint64_t deadline) {
+    uint64_t x = 0;
+    while (now_ns() < deadline)
+        for (int i = 0; i < 100000; i++) x = x * 6364136223846793005ull + 1442695040888963407ull;
+    sink = x;
+    return x;
+}
+
+__attribute__((noinline)) uint64_t middle(uint64_t deadline) {
+    uint64_t r = inner(deadline);
+    sink += r;
+    return r + 1;
+}
+
+__attribute__((noinline)) uint64_t outer(uint64_t deadline) {
+    uint64_t r = middle(deadline);
+    sink += r;
+    return r + 1;
+}
+
+static void make_cold(const char *path, size_t bytes) {
+    int fd = open(path, O_RDWR | O_CREAT, 0644);
+    if (fd < 0) { perror("open"); exit(2); }
+    char *buf = malloc(1 << 20);
+    memset(buf, 0xa5, 1 << 20);
+    for (size_t done = 0; done < bytes; done += 1 << 20)
+        if (write(fd, buf, 1 << 20) != 1 << 20) { perror("write"); exit(2); }
+    fsync(fd);
+    posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    close(fd);
+    free(buf);
+}
+
+static uint64_t thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+/* Returns the time the thread spent off the CPU while reading: wall time minus its CPU time. */
+__attribute__((noinline)) uint64_t read_cold(const char *path, size_t bytes) {
+    int fd = open(path, O_RDONLY | O_DIRECT);
+    if (fd < 0) { perror("open O_DIRECT"); exit(2); }
+    void *buf;
+    if (posix_memalign(&buf, 4096, 1 << 20)) exit(2);
+    uint64_t t0 = now_ns(), c0 = thread_cpu_ns();
+    for (size_t off = 0; off < bytes; off += 1 << 20)
+        if (pread(fd, buf, 1 << 20, off) < 0) { perror("pread"); exit(2); }
+    uint64_t wall = now_ns() - t0, cpu = thread_cpu_ns() - c0;
+    close(fd);
+    free(buf);
+    sink = wall;
+    return wall - cpu;
+}
+
+__attribute__((noinline)) uint64_t touch_cold(const char *path, size_t pages) {
+    int fd = open(path, O_RDONLY);
+    size_t len = pages * 16 * 4096;
+    unsigned char *p = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) { perror("mmap"); exit(2); }
+    madvise(p, len, MADV_RANDOM);
+    uint64_t s = 0;
+    for (size_t i = 0; i < pages; i++) s += ((volatile unsigned char *)p)[i * 16 * 4096];
+    munmap(p, len);
+    close(fd);
+    sink = s;
+    return s;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) { fprintf(stderr, "usage: see the comment at the top\n"); return 2; }
+    if (!strcmp(argv[1], "spin")) {
+        wait_go();
+        uint64_t r = outer(now_ns() + (uint64_t)(atof(argv[2]) * 1e9));
+        printf("done %llu\n", (unsigned long long)(r & 1));
+    } else if (!strcmp(argv[1], "read-cold") && argc > 3) {
+        size_t bytes = (size_t)atoi(argv[3]) << 20;
+        make_cold(argv[2], bytes);
+        wait_go();
+        uint64_t t = read_cold(argv[2], bytes);
+        printf("done blocked_ns=%llu\n", (unsigned long long)t);
+    } else if (!strcmp(argv[1], "touch-cold") && argc > 3) {
+        size_t pages = (size_t)atoi(argv[3]);
+        make_cold(argv[2], pages * 16 * 4096);
+        wait_go();
+        touch_cold(argv[2], pages);
+        printf("done pages=%zu\n", pages);
+    } else {
+        return 2;
+    }
+    fflush(stdout);
+    return 0;
+}
