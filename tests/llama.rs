@@ -418,7 +418,11 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
 /// The report must name the model file, with the bytes read, and show the model mapped again.
 #[test]
 fn cold_model_reload_is_named_in_the_report() {
-    let model = env_path("LLAMA_MODEL");
+    // A copy of the model that no other server maps (a mapped file cannot be evicted).
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cold-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.gguf");
+    std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let mut srv = Command::new(env_path("LLAMA_SERVER"))
@@ -477,4 +481,44 @@ fn cold_model_reload_is_named_in_the_report() {
     assert!(r["mmaps"].as_array().unwrap().iter().any(|m| m["op"] == "mmap" && m["path"] == model.to_str().unwrap()), "model mmap not named");
     let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("request");
     assert!(q["ttft_ms"].as_f64().unwrap() > 0.0);
+}
+
+/// The CPU flamegraph of a generating llama-server (release build, no frame pointers) names
+/// llama.cpp/ggml functions, and the decoding thread's stacks are deep (unwound through DRAP
+/// frames); a flamegraph can be cut to one request.
+#[test]
+fn generation_flamegraph_names_ggml_functions() {
+    let t = Trace::start("flame", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Write a long story about a dragon who learns to cook.", "n_predict": 200, "stream": true})));
+    let resp = read_response(&mut BufReader::new(&s), None);
+    assert_eq!(resp.status, 200);
+    drop(s);
+    let out = t.out.clone();
+    let r = t.stop();
+    let text = std::fs::read_to_string(out.join("flame-cpu.folded")).expect("cpu flamegraph");
+    let stacks: Vec<(Vec<&str>, u64)> = text
+        .lines()
+        .map(|l| {
+            let (s, n) = l.rsplit_once(' ').unwrap();
+            (s.split(';').collect(), n.parse().unwrap())
+        })
+        .collect();
+    let has = |name: &str| stacks.iter().any(|(s, _)| s.iter().any(|f| f.contains(name)));
+    assert!(has("ggml_graph_compute"), "no ggml_graph_compute in {text}");
+    assert!(has("llama_context::decode"), "no llama_context::decode in {text}");
+    // Depth of the decoding thread's samples (the thread that calls llama_context::decode).
+    let mut depths: Vec<usize> = stacks.iter().filter(|(s, _)| s.iter().any(|f| f.contains("llama_context::decode"))).flat_map(|(s, n)| std::iter::repeat_n(s.len(), *n as usize)).collect();
+    depths.sort_unstable();
+    assert!(depths[depths.len() / 2] >= 8, "median depth {} of the decoding thread", depths[depths.len() / 2]);
+    assert!(r["unwind"]["samples"].as_u64().unwrap() > 0);
+    // One request's window.
+    let id = find(&r, client)[0]["id"].as_u64().unwrap();
+    let svg = out.join("request.svg");
+    let st = Command::new(probe_bin()).args(["flamegraph", "--kind", "cpu", "--request", &id.to_string(), "-o"]).arg(&svg).arg(&out).output().unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let folded = std::fs::read_to_string(svg.with_extension("folded")).unwrap();
+    assert!(folded.contains("ggml"), "{folded}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
 }

@@ -1,0 +1,107 @@
+//! Stack tests: real programs without frame pointers, sampled and unwound by the real probe.
+//! The C workload (tests/data/stacks/stacks.c) is compiled here with `cc -O2 -fomit-frame-pointer`.
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{OnceLock, mpsc},
+    time::Duration,
+};
+
+fn probe_bin() -> PathBuf {
+    std::env::var_os("PROBE_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("stacks-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The C workload, built once per test run.
+fn workload() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("stacks-workload");
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/stacks/stacks.c");
+        let st = Command::new("cc").args(["-O2", "-fomit-frame-pointer", "-o"]).arg(&out).arg(&src).status().expect("cc");
+        assert!(st.success(), "cannot compile {}", src.display());
+        out
+    })
+}
+
+/// Run a workload mode under `probe trace` (started once the workload is ready, stopped by the
+/// workload's exit); returns the workload's `done` line and the recording directory.
+fn traced(name: &str, args: &[&str]) -> (String, PathBuf) {
+    let dir = tmp(name);
+    let mut w: Child = Command::new(workload()).args(args).current_dir(&dir).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(w.stdout.take().unwrap()).lines();
+    let ready = lines.next().unwrap().unwrap();
+    let pid = ready.strip_prefix("ready ").unwrap().to_string();
+    let rec = dir.join("rec");
+    let mut p = Command::new(probe_bin()).args(["trace", "--pid", &pid, "--duration", "60s", "--out"]).arg(&rec).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let err = p.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    loop {
+        let l = rx.recv_timeout(Duration::from_secs(30)).expect("probe did not arm");
+        assert!(!l.contains("error"), "{l}");
+        if l.contains("armed in") {
+            assert!(l.contains("cpu") && l.contains("offcpu"), "stack probes not live: {l}");
+            break;
+        }
+    }
+    writeln!(w.stdin.take().unwrap(), "go").unwrap();
+    let done = lines.next().unwrap().unwrap();
+    assert!(w.wait().unwrap().success());
+    assert!(p.wait().unwrap().success(), "probe: {:?}", rx.try_iter().collect::<Vec<_>>());
+    (done, rec)
+}
+
+fn folded(rec: &Path, kind: &str) -> BTreeMap<String, u64> {
+    let text = std::fs::read_to_string(rec.join(format!("flame-{kind}.folded"))).unwrap_or_else(|e| panic!("no {kind} flamegraph: {e}"));
+    assert!(rec.join(format!("flame-{kind}.svg")).exists());
+    text.lines()
+        .map(|l| {
+            let (stack, n) = l.rsplit_once(' ').unwrap();
+            (stack.to_string(), n.parse().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn cpu_stacks_unwind_without_frame_pointers() {
+    let (_, rec) = traced("spin", &["spin", "2"]);
+    let f = folded(&rec, "cpu");
+    let total: u64 = f.values().sum();
+    let chain: u64 = f.iter().filter(|(s, _)| s.contains("main;outer;middle;inner")).map(|(_, n)| n).sum();
+    assert!(total >= 150, "2 s at 99 Hz should give ~198 samples, got {total}");
+    assert!(chain * 10 >= total * 9, "outer;middle;inner in {chain} of {total} samples: {f:?}");
+}
+
+#[test]
+fn blocked_read_shows_io_wait_with_its_time() {
+    let (done, rec) = traced("offcpu", &["read-cold", "cold.bin", "48"]);
+    let blocked_ns: f64 = done.strip_prefix("done blocked_ns=").unwrap().parse().unwrap();
+    let f = folded(&rec, "offcpu");
+    let io: u64 = f.iter().filter(|(s, _)| s.contains("[io wait]") && s.contains(";read_cold;")).map(|(_, n)| n).sum();
+    let io_ns = io as f64 * 1e3;
+    assert!((io_ns - blocked_ns).abs() <= blocked_ns * 0.10, "probe: {io_ns:.0} ns blocked in IO under read_cold, workload measured {blocked_ns:.0} ns: {f:?}");
+    assert!(f.keys().any(|s| s.contains("read_cold") && s.contains("io_schedule")), "no io_schedule kernel frame: {f:?}");
+    let io = folded(&rec, "io");
+    assert!(io.keys().all(|s| s.contains(";read_cold;")), "block IO issued outside read_cold: {io:?}");
+}
+
+#[test]
+fn major_faults_are_charged_to_the_touching_function() {
+    let (_, rec) = traced("faults", &["touch-cold", "cold.bin", "40"]);
+    let f = folded(&rec, "faults");
+    let n: u64 = f.iter().filter(|(s, _)| s.ends_with("main;touch_cold") || s.contains(";touch_cold;")).map(|(_, n)| n).sum();
+    assert_eq!(n, 40, "{f:?}");
+}
