@@ -37,7 +37,7 @@ fn try_block_rq_insert(ctx: &TracePointContext) -> Result<(), i64> {
     let start = BlockStart { pid, tid, cpu: crate::cpu(), bytes: 0, insert_ns: now_ns(), issue_ns: 0, rwbs: [0; 8] };
     insert(&BLOCK_QUEUED, &k, &start);
     // The code path that made this IO (the target's own context).
-    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0);
+    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true);
     Ok(())
 }
 
@@ -59,7 +59,7 @@ fn try_block_rq_issue(ctx: &TracePointContext) -> Result<(), i64> {
             q
         }
         (None, Some((pid, tid))) => {
-            crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0);
+            crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true);
             BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() }
         }
         (None, None) => return Ok(()),

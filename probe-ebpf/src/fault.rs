@@ -36,7 +36,7 @@ fn try_fault_major(ctx: &PerfEventContext) -> Result<(), i64> {
         _pad: 0,
     };
     emit(&ev);
-    crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0);
+    crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0, true);
     Ok(())
 }
 

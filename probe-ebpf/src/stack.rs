@@ -39,9 +39,11 @@ fn read_kernel<T>(p: *const T) -> T {
     }
 }
 
-/// Capture the current task's kernel and user stack and send a StackEvent.
+/// Capture the current task's kernel and user stack and send a StackEvent. `full` copies up
+/// to USTACK_CAP bytes of user stack; otherwise 16 KiB (off-CPU switches are frequent and
+/// block in shallow places: a libc wrapper under the caller that matters).
 #[inline(always)]
-pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32) {
+pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool) {
     let Some(buf) = STACK_SCRATCH.get_ptr_mut(crate::cpu()) else { return };
     let ev = buf.cast::<StackEvent>();
     // SAFETY: `buf` is this CPU's scratch slot of HDR + USTACK_MASK + 1 bytes (programs do not
@@ -67,9 +69,9 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         let mut n: u32 = 0;
         if sp != 0 {
             // Near the top of a stack a long read faults as a whole: try shorter ones.
-            if bpf_probe_read_user(dst, USTACK_CAP as u32, sp as *const _) == 0 {
+            if full && bpf_probe_read_user(dst, USTACK_CAP as u32, sp as *const _) == 0 {
                 n = USTACK_CAP as u32;
-            } else if bpf_probe_read_user(dst, 32768, sp as *const _) == 0 {
+            } else if full && bpf_probe_read_user(dst, 32768, sp as *const _) == 0 {
                 n = 32768;
             } else if bpf_probe_read_user(dst, 16384, sp as *const _) == 0 {
                 n = 16384;
@@ -96,7 +98,7 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
-    capture(ctx.as_ptr(), STACK_CPU, (pid_tgid >> 32) as u32, pid_tgid as u32, 0, 0);
+    capture(ctx.as_ptr(), STACK_CPU, (pid_tgid >> 32) as u32, pid_tgid as u32, 0, 0, true);
     0
 }
 
@@ -114,7 +116,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
         let state: i64 = field(ctx, sw::PREV_STATE)?;
         if state & 0xff != 0 {
             insert(&OFFCPU_SINCE, &tid, &now);
-            capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32);
+            capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false);
         }
     }
     let next: i32 = field(ctx, sw::NEXT_PID)?;

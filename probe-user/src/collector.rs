@@ -205,7 +205,7 @@ fn stats_json(lost: &[u64], counters: &[u64], st: &State) -> serde_json::Value {
     let counters: serde_json::Map<_, _> = Counter::ALL.iter().map(|c| (c.name().to_string(), json!(counters[*c as usize]))).collect();
     let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
     let u = &st.unwinders;
-    let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos});
+    let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos, "load_ns": u.load_nanos});
     json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind})
 }
 
@@ -247,6 +247,9 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
     }))?;
     st.refresh()?;
+    for &pid in &attached.targets {
+        st.unwinders.prepare(pid);
+    }
     st.writer.flush()?;
 
     let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.as_str()).collect();

@@ -57,6 +57,8 @@ pub struct Unwind {
     /// Share of samples unwound to the end of the stack.
     pub success_rate: f64,
     pub us_per_sample: f64,
+    /// Reading ELF files and building unwinders (once per process and mapping change), ms.
+    pub load_ms: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -285,6 +287,7 @@ pub fn build(rec: &Recording) -> Report {
                     r.unwind.success_rate = r.unwind.complete as f64 / r.unwind.samples as f64;
                     r.unwind.us_per_sample = json_u64(u, "ns") as f64 / 1e3 / r.unwind.samples as f64;
                 }
+                r.unwind.load_ms = json_u64(u, "load_ns") as f64 / 1e6;
                 for (k, out) in [("lost", &mut r.lost_events), ("counters", &mut r.counters)] {
                     if let Some(o) = v[k].as_object() {
                         *out = o.iter().map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0))).collect();

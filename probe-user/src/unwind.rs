@@ -155,10 +155,22 @@ pub struct Unwinders {
     new_modules: Vec<(i64, String)>,
     pub samples: u64,
     pub complete: u64,
+    /// Time spent unwinding, ns (module loading excluded: see `load_nanos`).
     pub nanos: u64,
+    /// Time spent reading ELF files and building unwinders, ns (once per process and mapping change).
+    pub load_nanos: u64,
 }
 
 impl Unwinders {
+    /// Build the unwinder of `pid` now (at attach), so the first samples do not pay for it.
+    pub fn prepare(&mut self, pid: u32) {
+        if !self.procs.contains_key(&pid) {
+            let l = std::time::Instant::now();
+            self.proc(pid);
+            self.load_nanos += l.elapsed().as_nanos() as u64;
+        }
+    }
+
     /// The mappings of `pid` changed: rebuild its unwinder at the next sample.
     pub fn invalidate(&mut self, pid: u32) {
         self.procs.remove(&pid);
@@ -218,10 +230,15 @@ impl Unwinders {
     /// Unwind one sample: user registers and the stack bytes copied from `sp` upwards.
     pub fn unwind(&mut self, pid: u32, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> Unwound {
         let t = std::time::Instant::now();
+        let load_before = self.load_nanos;
         let mut addrs = Vec::new();
         let mut complete = false;
         if ip != 0 {
-            self.proc(pid);
+            if !self.procs.contains_key(&pid) {
+                let l = std::time::Instant::now();
+                self.proc(pid);
+                self.load_nanos += l.elapsed().as_nanos() as u64;
+            }
             let p = self.procs.get_mut(&pid).expect("built above");
             let drap = &mut self.drap;
             let mut read_stack = |addr: u64| -> Result<u64, ()> {
@@ -261,7 +278,7 @@ impl Unwinders {
         let frames = self.frames(pid, &addrs);
         self.samples += 1;
         self.complete += complete as u64;
-        self.nanos += t.elapsed().as_nanos() as u64;
+        self.nanos += (t.elapsed().as_nanos() as u64).saturating_sub(self.load_nanos - load_before);
         Unwound { frames, complete }
     }
 

@@ -321,7 +321,71 @@ fn bench() -> anyhow::Result<()> {
     println!("  untraced: {:.0} syscalls/s", base);
     println!("  traced:   {:.0} syscalls/s  (ratio {:.2} against untraced)", traced, traced / base.max(1.0));
     println!("  probe drained {events} events ({:.0} events/s while the loop ran {ran:.1} s), lost {lost}", events as f64 / ran.max(1e-9));
-    Ok(())
+    bench_llama(&dir)
+}
+
+/// Generation speed of a real llama-server untraced and traced (all probes, 99 Hz CPU stacks
+/// with unwinding), interleaved: the ratio, and the unwinding cost per sample.
+fn bench_llama(dir: &Path) -> anyhow::Result<()> {
+    let (server, model) = llama()?;
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut srv = Command::new(&server)
+        .args(["-m", &model, "-c", "2048", "-np", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let result = (|| -> anyhow::Result<()> {
+        let t = Instant::now();
+        while !http_get_ok(&addr, "/health") {
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!("llama-server did not become healthy");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let body = r#"{"prompt":"Write a long story about a lighthouse keeper and the sea.","n_predict":256,"seed":7,"temperature":0,"cache_prompt":false,"ignore_eos":true}"#;
+        // tokens/s as the server measured it (timings.predicted_per_second).
+        let generate = || -> anyhow::Result<f64> {
+            let mut s = std::net::TcpStream::connect(&addr)?;
+            write!(s, "POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
+            let mut text = String::new();
+            s.read_to_string(&mut text)?;
+            let json = text.split("\r\n\r\n").nth(1).context("no body")?;
+            let v: serde_json::Value = serde_json::from_str(json)?;
+            v["timings"]["predicted_per_second"].as_f64().context("no timings")
+        };
+        generate()?; // warm up
+        let (mut plain, mut traced, mut unwind_us, mut load_ms, mut samples) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0u64);
+        for i in 0..8 {
+            plain.push(generate()?);
+            let rec = dir.join(format!("llama-{i}"));
+            let mut p = Command::new(bin("probe"))
+                .args(["trace", "--pid", &srv.id().to_string(), "--hz", "99", "--out"])
+                .arg(&rec)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()?;
+            wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+            traced.push(generate()?);
+            Command::new("kill").args(["-INT", &p.id().to_string()]).status()?;
+            p.wait()?;
+            let r: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
+            unwind_us.push(r["unwind"]["us_per_sample"].as_f64().unwrap_or(0.0));
+            load_ms.push(r["unwind"]["load_ms"].as_f64().unwrap_or(0.0));
+            samples += r["stacks"]["cpu"]["stacks"].as_u64().unwrap_or(0);
+        }
+        let (p, t) = (median(plain.clone()), median(traced.clone()));
+        let pairs: Vec<f64> = plain.iter().zip(&traced).map(|(a, b)| b / a).collect();
+        println!("llama-server generation (SmolLM2-135M, 256 tokens, 8 interleaved pairs):");
+        println!("  untraced: median {p:.1} tokens/s {plain:.1?}");
+        println!("  traced:   median {t:.1} tokens/s {traced:.1?}  (all probes, 99 Hz CPU stacks)");
+        println!("  ratio traced/untraced: {:.3} (medians), {:.3} (median of the 8 pairs {pairs:.3?})", t / p, median(pairs.clone()));
+        println!("  unwinding: median {:.1} us per stack ({samples} CPU samples); loading unwind tables: median {:.1} ms per trace", median(unwind_us), median(load_ms));
+        Ok(())
+    })();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    result
 }
 
 fn main() -> anyhow::Result<()> {
