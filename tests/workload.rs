@@ -6,7 +6,6 @@
 //!   probe-workload tcp ADDR close|wait-reset connect; close first, or wait for the peer's RST
 //!   probe-workload fork-mmap N LEN           a forked child does N mmap+munmap of LEN bytes
 //!   probe-workload mmap-loop SECONDS         mmap+munmap in a tight loop (event-rate benchmark)
-//!   probe-workload demo FILE ADDR            the README demo: cold file reads + a TCP exchange
 use std::{
     fs::{File, OpenOptions},
     io::{BufRead, Read, Write},
@@ -143,37 +142,6 @@ fn mmap_loop(secs: f64) {
     println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
 }
 
-fn demo(path: &str, addr: &str) {
-    let pages = 256;
-    let len = pages * STRIDE * PAGE;
-    let f = make_cold(path, len);
-    wait_for_go();
-    // SAFETY: as in cold_mmap.
-    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
-    if p == libc::MAP_FAILED {
-        die(format!("mmap: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: p/len is the mapping made above.
-    unsafe { libc::madvise(p, len, libc::MADV_RANDOM) };
-    let mut sum = 0u64;
-    for i in 0..pages {
-        // SAFETY: in bounds of the mapping.
-        sum += unsafe { std::ptr::read_volatile((p as *const u8).add(i * STRIDE * PAGE)) } as u64;
-    }
-    // SAFETY: unmapping what we mapped.
-    unsafe { libc::munmap(p, len) };
-    if let Ok(mut s) = TcpStream::connect(addr) {
-        s.write_all(b"GET / HTTP/1.0\r\n\r\n").ok();
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).ok();
-    }
-    // A second connection that this side closes first.
-    if let Ok(s) = TcpStream::connect(addr) {
-        drop(s);
-    }
-    println!("done sum={sum}");
-}
-
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     let arg = |i: usize| a.get(i).cloned().unwrap_or_else(|| die(format!("missing argument {i}; see the file's doc comment")));
@@ -183,7 +151,6 @@ fn main() {
         "tcp" => tcp(&arg(2), &arg(3)),
         "fork-mmap" => fork_mmap(num(2), num(3)),
         "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
-        "demo" => demo(&arg(2), &arg(3)),
         other => die(format!("unknown workload {other}")),
     }
 }

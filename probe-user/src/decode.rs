@@ -74,6 +74,18 @@ fn read<T: Copy>(bytes: &[u8], kind: EventKind) -> Result<T, DecodeError> {
     Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
 }
 
+/// A record with a fixed part `T` followed by `tail(T)` bytes.
+fn read_var<T: Copy>(bytes: &[u8], kind: EventKind, tail: impl Fn(&T) -> u32) -> Result<T, DecodeError> {
+    let want = size_of::<T>();
+    let fixed = bytes.get(..want).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want })?;
+    let ev: T = read(fixed, kind)?;
+    let want = want + tail(&ev) as usize;
+    if bytes.len() != want {
+        return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want });
+    }
+    Ok(ev)
+}
+
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {
         return Err(DecodeError::NoHeader { len: bytes.len() });
@@ -86,24 +98,8 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Mmap => Event::Mmap(read(bytes, kind)?),
         EventKind::Sock => Event::Sock(read(bytes, kind)?),
         EventKind::Proc => Event::Proc(read(bytes, kind)?),
-        EventKind::Data => {
-            let want = size_of::<DataEvent>();
-            let fixed = bytes.get(..want).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want })?;
-            let ev: DataEvent = read(fixed, kind)?;
-            if bytes.len() != want + ev.captured as usize {
-                return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want: want + ev.captured as usize });
-            }
-            Event::Data(ev)
-        }
-        EventKind::Stack => {
-            let want = size_of::<StackEvent>();
-            let fixed = bytes.get(..want).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want })?;
-            let ev: StackEvent = read(fixed, kind)?;
-            if bytes.len() != want + ev.ustack_bytes as usize {
-                return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want: want + ev.ustack_bytes as usize });
-            }
-            Event::Stack(ev)
-        }
+        EventKind::Data => Event::Data(read_var(bytes, kind, |e: &DataEvent| e.captured)?),
+        EventKind::Stack => Event::Stack(read_var(bytes, kind, |e: &StackEvent| e.ustack_bytes)?),
         EventKind::Sched => Event::Sched(read(bytes, kind)?),
     })
 }
@@ -141,6 +137,20 @@ mod tests {
         assert_eq!(decode(&encode(&b)), Ok(Event::BlockIo(b)));
         let m = MmapEvent { hdr: hdr::<MmapEvent>(), op: 1, fd: 3, ret: 0x1000, ..Default::default() };
         assert_eq!(decode(&encode(&m)).unwrap().kind(), EventKind::Mmap);
+    }
+
+    #[test]
+    fn variable_length_records_carry_their_tail() {
+        use probe_common::stack::StackEvent;
+        let mut ev = StackEvent { hdr: hdr::<StackEvent>(), ustack_bytes: 16, ..Default::default() };
+        let mut bytes = encode(&ev);
+        bytes.extend_from_slice(&[7u8; 16]);
+        assert_eq!(decode(&bytes), Ok(Event::Stack(ev)));
+        assert_eq!(data_payload(&bytes), &[7u8; 16]);
+        ev.ustack_bytes = 32; // claims more than it carries
+        let mut short = encode(&ev);
+        short.extend_from_slice(&[7u8; 16]);
+        assert!(matches!(decode(&short), Err(DecodeError::Size { kind: "stack", .. })));
     }
 
     #[test]

@@ -90,7 +90,7 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         .env("PROBE_BIN", bin("probe"))
         .env("LLAMA_SERVER", server)
         .env("LLAMA_MODEL", model)
-        .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf"])
+        .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf", "--no-fail-fast"])
         .args(args)
         .stdout(Stdio::piped())
         .spawn()
