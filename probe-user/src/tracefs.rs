@@ -15,7 +15,8 @@ pub fn ensure_mounted() -> Result<PathBuf, String> {
     let fstype = CString::new("tracefs").unwrap_or_default();
     // SAFETY: valid NUL-terminated strings; no data argument.
     let rc = unsafe { libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
-    if rc != 0 {
+    // Another probe may have mounted it meanwhile.
+    if rc != 0 && !PathBuf::from(CANDIDATES[0]).join("events").is_dir() {
         return Err(format!(
             "tracefs is not mounted and mounting it on {} failed ({}): mount it with `mount -t tracefs tracefs {}`",
             CANDIDATES[0],
