@@ -175,7 +175,7 @@ impl State {
         if self.last_maps.get(&pid) == Some(&maps) {
             return Ok(());
         }
-        self.unwinders.invalidate(pid);
+        self.unwinders.update(pid, &maps);
         for m in &maps {
             self.known_files.insert((m.major, m.minor, m.inode));
         }

@@ -171,9 +171,13 @@ impl Unwinders {
         }
     }
 
-    /// The mappings of `pid` changed: rebuild its unwinder at the next sample.
-    pub fn invalidate(&mut self, pid: u32) {
-        self.procs.remove(&pid);
+    /// The mappings of `pid` changed: rebuild its unwinder now, while the process surely exists
+    /// (samples already in the ring buffer may be read after it exited).
+    pub fn update(&mut self, pid: u32, maps: &[Mapping]) {
+        let l = std::time::Instant::now();
+        let p = self.build(maps.to_vec());
+        self.procs.insert(pid, p);
+        self.load_nanos += l.elapsed().as_nanos() as u64;
     }
 
     pub fn take_new_modules(&mut self) -> Vec<(i64, String)> {
@@ -192,7 +196,14 @@ impl Unwinders {
 
     fn proc(&mut self, pid: u32) -> &mut Proc {
         if !self.procs.contains_key(&pid) {
-            let maps = procfs::read_maps(pid).unwrap_or_default();
+            let p = self.build(procfs::read_maps(pid).unwrap_or_default());
+            self.procs.insert(pid, p);
+        }
+        self.procs.get_mut(&pid).expect("inserted above")
+    }
+
+    fn build(&mut self, maps: Vec<Mapping>) -> Proc {
+        {
             let mut unwinder = UnwinderX86_64::new();
             let mut modules = Vec::new();
             for m in maps.iter().filter(|m| m.perms.contains('x')) {
@@ -222,9 +233,8 @@ impl Unwinders {
                 unwinder.add_module(Module::new(m.path.clone(), m.start..m.end, bias, info));
                 modules.push((m.start..m.end, elf.clone(), bias));
             }
-            self.procs.insert(pid, Proc { unwinder, cache: CacheX86_64::new(), maps, modules });
+            Proc { unwinder, cache: CacheX86_64::new(), maps, modules }
         }
-        self.procs.get_mut(&pid).expect("inserted above")
     }
 
     /// Unwind one sample: user registers and the stack bytes copied from `sp` upwards.
