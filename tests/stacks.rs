@@ -81,7 +81,8 @@ fn cpu_stacks_unwind_without_frame_pointers() {
     let f = folded(&rec, "cpu");
     let total: u64 = f.values().sum();
     let chain: u64 = f.iter().filter(|(s, _)| s.contains("main;outer;middle;inner")).map(|(_, n)| n).sum();
-    assert!(total >= 150, "2 s at 99 Hz should give ~198 samples, got {total}");
+    // 2 s at 99 Hz gives ~198 samples when the spinning thread has a CPU to itself.
+    assert!(total >= 100, "2 s of spinning at 99 Hz gave only {total} samples");
     assert!(chain * 10 >= total * 9, "outer;middle;inner in {chain} of {total} samples: {f:?}");
 }
 
