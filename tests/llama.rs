@@ -423,6 +423,8 @@ fn cold_model_reload_is_named_in_the_report() {
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("model.gguf");
     std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
+    // Written pages are dirty and DONTNEED leaves dirty pages in the cache: write them out.
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let mut srv = Command::new(env_path("LLAMA_SERVER"))
@@ -440,8 +442,17 @@ fn cold_model_reload_is_named_in_the_report() {
     }
     let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Hello", "n_predict": 2}))).unwrap();
     assert_eq!(st, 200);
-    // Let it fall asleep (model unmapped), then drop the file from the page cache.
-    std::thread::sleep(Duration::from_millis(3000));
+    // Let it fall asleep (model unmapped; /props says so without waking it), then drop the file
+    // from the page cache.
+    let t = Instant::now();
+    loop {
+        let (_, body) = request_once(addr, "GET", "/props", None).unwrap();
+        if serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["is_sleeping"].as_bool()) == Some(true) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not go to sleep");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let f = std::fs::File::open(&model).unwrap();
     // SAFETY: valid fd; DONTNEED on a file nobody maps evicts its clean pages.
     unsafe {
