@@ -252,6 +252,7 @@ fn max_tokens_8_stops_at_length_after_8_chunks() {
     let q = find(&r, client)[0];
     assert_eq!(q["finish_reason"], "length");
     assert_eq!(q["chunks"], 8);
+    assert_eq!(q["verdict"]["stop_cause"], "requested_limit");
     assert_eq!(q["done_marker"], true);
     assert_eq!(q["chunk_times_ms"].as_array().unwrap().len(), 8);
     assert!(q["chunk_gaps"]["max_ms"].as_f64().unwrap() >= q["chunk_gaps"]["p50_ms"].as_f64().unwrap());
@@ -271,6 +272,7 @@ fn client_disconnect_after_5_chunks_is_closed_by_client() {
     let q = find(&r, client)[0];
     assert_eq!(q["closed_by"], "client", "{q}");
     assert_eq!(q["complete"], false, "{q}");
+    assert_eq!(q["verdict"]["stop_cause"], "client_disconnect", "{q}");
     assert!(q["finish_reason"].is_null(), "{q}");
     assert!(q["chunks"].as_u64().unwrap() >= 5, "{q}");
 }
@@ -476,6 +478,9 @@ fn cold_model_reload_is_named_in_the_report() {
     std::thread::sleep(Duration::from_millis(200));
     let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Good morning", "n_predict": 2}))).unwrap();
     assert_eq!(st, 200);
+    // The warm control: the same request again, model resident.
+    let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Good morning", "n_predict": 2}))).unwrap();
+    assert_eq!(st, 200);
     std::thread::sleep(Duration::from_millis(300));
     // SAFETY: signalling our own child.
     unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
@@ -490,8 +495,22 @@ fn cold_model_reload_is_named_in_the_report() {
     assert!(top["read_bytes"].as_u64().unwrap() >= size / 2, "read {} of {size} bytes", top["read_bytes"]);
     assert!(r["blockio"]["read_bytes"].as_u64().unwrap() >= size / 2);
     assert!(r["mmaps"].as_array().unwrap().iter().any(|m| m["op"] == "mmap" && m["path"] == model.to_str().unwrap()), "model mmap not named");
-    let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("request");
-    assert!(q["ttft_ms"].as_f64().unwrap() > 0.0);
+    let reqs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == "/completion").collect();
+    assert_eq!(reqs.len(), 2, "{reqs:?}");
+    // The cold one: its TTFT is model load and disk, and the verdict names the model file.
+    let (cold, warm) = (reqs[0], reqs[1]);
+    let v = &cold["verdict"];
+    let ttft = cold["ttft_ms"].as_f64().unwrap();
+    let split = &v["ttft_ms"];
+    assert!(["load", "disk"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
+    assert!(split["load"].as_f64().unwrap() + split["disk"].as_f64().unwrap() >= 0.5 * ttft, "{v}");
+    assert!(v["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains(model.to_str().unwrap())), "{v}");
+    assert_eq!(v["stop_cause"], "requested_limit");
+    // The warm control: no load, (almost) no disk.
+    let w = &warm["verdict"];
+    assert_eq!(w["ttft_ms"]["load"], 0.0, "{w}");
+    assert!(w["ttft_ms"]["disk"].as_f64().unwrap() < 0.1 * warm["ttft_ms"].as_f64().unwrap(), "{w}");
+    assert!(["none", "compute"].contains(&w["slow_cause"].as_str().unwrap()), "{w}");
 }
 
 /// The CPU flamegraph of a generating llama-server (release build, no frame pointers) names
@@ -532,4 +551,64 @@ fn generation_flamegraph_names_ggml_functions() {
     let folded = std::fs::read_to_string(svg.with_extension("folded")).unwrap();
     assert!(folded.contains("ggml"), "{folded}");
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+}
+
+/// A generation longer than the slot's context (-c 2048 -np 2: 1024 tokens a slot) stops at a
+/// limit the server imposed, below the one requested.
+#[test]
+fn slot_context_limit_is_a_server_limit() {
+    let t = Trace::start("slotlimit", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Write a very long story.", "n_predict": 4000, "stream": true, "ignore_eos": true})));
+    let resp = read_response(&mut BufReader::new(&s), None);
+    assert_eq!(resp.status, 200);
+    drop(s);
+    let r = t.stop();
+    let q = find(&r, client)[0];
+    assert!(q["chunks"].as_u64().unwrap() < 1100, "{q}");
+    assert_eq!(q["verdict"]["stop_cause"], "server_limit", "{q}");
+}
+
+/// `-np 1` and four requests at once: the later ones wait in the server's queue.
+#[test]
+fn waiting_for_the_only_slot_is_queueing() {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut srv = Command::new(env_path("LLAMA_SERVER"))
+        .arg("-m")
+        .arg(env_path("LLAMA_MODEL"))
+        .args(["-c", "1024", "-np", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
+        assert!(t.elapsed() < Duration::from_secs(60), "server not healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-queue-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut p = Command::new(probe_bin()).args(["trace", "--pid", &srv.id().to_string(), "--out"]).arg(&out).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    while !out.join("events.bin").exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let handles: Vec<_> = (0..4)
+        .map(|_| std::thread::spawn(move || request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Tell a story.", "n_predict": 64, "ignore_eos": true}))).unwrap().0))
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 200);
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+    assert!(p.wait().unwrap().success());
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let r: Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let reqs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == "/completion").collect();
+    assert_eq!(reqs.len(), 4);
+    let queued = reqs.iter().filter(|q| q["verdict"]["slow_cause"] == "queue").count();
+    assert!(queued >= 2, "{}", serde_json::to_string_pretty(&reqs.iter().map(|q| &q["verdict"]).collect::<Vec<_>>()).unwrap());
 }

@@ -66,7 +66,9 @@ pub struct Window {
 /// What a wait was, from the kernel stack at the switch.
 pub fn wait_class(kernel: &[String]) -> &'static str {
     let has = |s: &str| kernel.iter().any(|f| f.contains(s));
-    if has("io_schedule") || has("folio_wait") || has("blk_") || has("bio_") || has("wait_on_page") {
+    if has("try_to_free_pages") || has("shrink_") || has("compact_zone") || has("__alloc_pages_slowpath") || has("mem_cgroup_handle_over_high") || has("reclaim") {
+        "[memory wait]"
+    } else if has("io_schedule") || has("folio_wait") || has("blk_") || has("bio_") || has("wait_on_page") {
         if has("page_fault") || has("filemap_fault") || has("handle_mm_fault") {
             "[page-fault wait]"
         } else {
@@ -96,6 +98,24 @@ fn sym_name(s: &Symbolized<'_>) -> Option<String> {
         Symbolized::Sym(sym) => Some(sym.name.to_string()),
         Symbolized::Unknown(_) => None,
     }
+}
+
+/// Kernel symbol names for the kernel addresses of the off-CPU stacks (for wait classes).
+pub fn offcpu_kernel_names(rec: &Recording) -> HashMap<u64, String> {
+    let mut addrs: Vec<u64> = rec
+        .json
+        .iter()
+        .filter(|v| v["type"] == "stack" && v["what"] == "offcpu")
+        .flat_map(|v| v["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect::<Vec<_>>())
+        .collect();
+    addrs.sort_unstable();
+    addrs.dedup();
+    if addrs.is_empty() {
+        return HashMap::new();
+    }
+    let symbolizer = Symbolizer::new();
+    let names = symbolizer.symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(&addrs)).unwrap_or_default();
+    addrs.iter().enumerate().filter_map(|(i, a)| Some((*a, sym_name(names.get(i)?)?))).collect()
 }
 
 impl Symbols {

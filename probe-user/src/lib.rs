@@ -14,6 +14,7 @@ pub mod report;
 pub mod stream;
 pub mod tracefs;
 pub mod unwind;
+pub mod verdict;
 
 /// Exit codes of the `probe` binary (documented in README.md).
 pub mod exit {

@@ -361,6 +361,7 @@ pub fn build(rec: &Recording) -> Report {
     }
     // Page-cache fills per thread, to charge block reads to files.
     let mut fills_by_tid: HashMap<u32, Vec<(u64, (u32, u32, u64))>> = HashMap::new();
+    let mut fills: Vec<(u64, (u32, u32, u64), u64)> = Vec::new();
     let mut blocks: Vec<&BlockIoEvent> = Vec::new();
     let mut procs: BTreeMap<u32, Process> = BTreeMap::new();
     for pid in meta["targets"].as_array().into_iter().flatten().filter_map(Value::as_u64) {
@@ -385,6 +386,7 @@ pub fn build(rec: &Recording) -> Report {
                 let (ma, mi) = kdev(f.dev);
                 let key = (ma, mi, f.ino);
                 file_of(&mut files, &file_names, key).read_bytes += page_size << f.order;
+                fills.push((f.hdr.ts_ns, key, page_size << f.order));
                 fills_by_tid.entry(f.hdr.tid).or_default().push((f.hdr.ts_ns, key));
             }
             Event::BlockIo(b) => blocks.push(b),
@@ -498,11 +500,87 @@ pub fn build(rec: &Recording) -> Report {
     r.connections = conns.into_iter().map(|(_, c, _)| c).collect();
     r.target.processes = procs.into_values().collect();
     r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
+    verdicts(rec, &mut r, start, &fills, &file_maps, &file_names);
     let lost: u64 = r.lost_events.values().sum();
     if lost > 0 {
         r.problems.push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
     }
     r
+}
+
+/// Attach a verdict to every request (see crate::verdict).
+fn verdicts(
+    rec: &Recording,
+    r: &mut Report,
+    start: u64,
+    fills: &[(u64, (u32, u32, u64), u64)],
+    file_maps: &[FileMap],
+    names: &HashMap<(u32, u32, u64), String>,
+) {
+    if r.requests.is_empty() {
+        return;
+    }
+    let knames = crate::flame::offcpu_kernel_names(rec);
+    let (mut io_waits, mut mem_waits) = (Vec::new(), Vec::new());
+    for v in rec.json.iter().filter(|v| v["type"] == "stack" && v["what"] == "offcpu") {
+        let (Some(ts), Some(b)) = (v["ts_ns"].as_u64(), v["blocked_ns"].as_u64()) else { continue };
+        let kernel: Vec<String> = v["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).filter_map(|a| knames.get(&a).cloned()).collect();
+        match crate::flame::wait_class(&kernel) {
+            "[io wait]" | "[page-fault wait]" => io_waits.push((ts, ts + b)),
+            "[memory wait]" => mem_waits.push((ts, ts + b)),
+            _ => {}
+        }
+    }
+    let offcpu_probe = r.probes.as_array().into_iter().flatten().any(|p| p["name"] == "offcpu" && p["live"] == true);
+    let lost: u64 = r.lost_events.values().sum();
+    let name = |k: &(u32, u32, u64)| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
+    // When each request was being served: from the start of its prompt processing (its last
+    // byte less the server's prompt and generation time) to its last byte. Before that it may
+    // have been waiting itself.
+    let spans: Vec<(u64, Option<(u64, u64)>)> = r
+        .requests
+        .iter()
+        .map(|q| {
+            let t = q.stop.server_timings.as_ref();
+            let work = t.and_then(|t| Some(t["prompt_ms"].as_f64()? + t["predicted_ms"].as_f64()?));
+            let served = q.arrival_ms.map(|a| {
+                let end = q.end_ms.unwrap_or(0.0);
+                let begin = a + match work {
+                    Some(w) => (end - w).max(0.0),
+                    None => q.ttft_ms.unwrap_or(0.0),
+                };
+                (start + (begin * 1e6) as u64, start + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64)
+            });
+            (q.id, served)
+        })
+        .collect();
+    for q in r.requests.iter_mut() {
+        let Some(a) = q.arrival_ms else {
+            q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, ..Default::default() }));
+            continue;
+        };
+        let from = start + (a * 1e6) as u64;
+        let to = from + (q.ttft_ms.or(q.end_ms).unwrap_or(0.0) * 1e6) as u64;
+        let mut read: BTreeMap<(u32, u32, u64), (u64, u64)> = BTreeMap::new();
+        for (t, k, b) in fills.iter().filter(|f| f.0 >= from && f.0 <= to) {
+            let e = read.entry(*k).or_insert((0, *t));
+            e.0 += b;
+            e.1 = e.1.min(*t);
+        }
+        let mut files_read: Vec<(String, u64, u64)> = read.iter().map(|(k, (b, t))| (name(k), *b, *t)).collect();
+        files_read.sort_by(|a, b| b.1.cmp(&a.1));
+        let w = crate::verdict::Window {
+            arrival_ns: from,
+            io_waits: io_waits.clone(),
+            mem_waits: mem_waits.clone(),
+            files_read,
+            mapped: file_maps.iter().filter(|m| m.t >= from && m.t <= to).map(|m| (m.t, name(&m.key))).collect(),
+            others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),
+            lost_events: lost,
+            offcpu_probe,
+        };
+        q.verdict = Some(crate::verdict::attribute(q, &w));
+    }
 }
 
 fn sock_event(
@@ -607,6 +685,19 @@ pub fn render(r: &Report) -> String {
         r.events,
         r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default()
     );
+    if !r.requests.is_empty() {
+        let _ = writeln!(o, "\nVerdicts:");
+        for q in r.requests.iter().take(50) {
+            let Some(v) = &q.verdict else { continue };
+            let req = format!("{} {}", q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
+            let ttft = q.ttft_ms.map(|t| format!("TTFT {t:.0} ms")).unwrap_or_else(|| "no first token seen".into());
+            let slow = if v.slow_cause == "none" { String::new() } else { format!(", slow: {}", v.slow_cause) };
+            let _ = writeln!(o, "  #{} {req}: {ttft}{slow}; stopped: {}", q.id, v.stop_cause.replace('_', " "));
+            for e in v.evidence.iter().take(4) {
+                let _ = writeln!(o, "      {e}");
+            }
+        }
+    }
     let forked: Vec<String> = r.target.processes.iter().filter(|p| p.pid != r.target.pid).map(|p| format!("{} ({})", p.pid, p.comm)).collect();
     if !forked.is_empty() {
         let _ = writeln!(o, "  also traced: {}", forked.join(", "));

@@ -73,6 +73,9 @@ pub struct RequestRecord {
     pub bytes_not_captured: u64,
     /// Stream messages that could not be read (cut by the capture limit, not JSON).
     pub messages_unread: u64,
+    /// Why it was slow and why it stopped (added by the report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<crate::verdict::Verdict>,
 }
 
 #[derive(Debug)]
