@@ -551,6 +551,14 @@ fn generation_flamegraph_names_ggml_functions() {
     let folded = std::fs::read_to_string(svg.with_extension("folded")).unwrap();
     assert!(folded.contains("ggml"), "{folded}");
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    // The timeline has this request's track with its first token and tokens.
+    let st = Command::new(probe_bin()).arg("timeline").arg(&out).output().unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let tl: Value = serde_json::from_slice(&std::fs::read(out.join("timeline.json")).unwrap()).unwrap();
+    let ev = tl["traceEvents"].as_array().unwrap();
+    assert!(ev.iter().any(|e| e["pid"] == 1 && e["tid"] == id && e["name"] == "first token"));
+    let chunks = find(&r, client)[0]["chunks"].as_u64().unwrap() as usize;
+    assert_eq!(ev.iter().filter(|e| e["pid"] == 1 && e["tid"] == id && e["name"] == "token").count(), chunks - 1);
 }
 
 /// A generation longer than the slot's context (-c 2048 -np 2: 1024 tokens a slot) stops at a

@@ -12,6 +12,7 @@ pub mod procfs;
 pub mod recording;
 pub mod report;
 pub mod stream;
+pub mod timeline;
 pub mod tracefs;
 pub mod unwind;
 pub mod verdict;

@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::ExitCode, time::{Duration, Instant}};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{collector, doctor, exit, flame, recording, report};
+use probe_user::{collector, doctor, exit, flame, recording, report, timeline};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -66,6 +66,13 @@ enum Command {
         #[arg(long)]
         to: Option<f64>,
         /// Output SVG (default DIR/flame-KIND.svg); the folded text goes beside it (.folded).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+    /// Write the recording as a Chrome trace-event JSON timeline (opens in the Perfetto UI).
+    Timeline {
+        dir: PathBuf,
+        /// Output file (default DIR/timeline.json).
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
@@ -151,6 +158,14 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             std::fs::write(&out, flame::svg(&folded, kind, &title)?).with_context(|| format!("cannot write {}", out.display()))?;
             std::fs::write(out.with_extension("folded"), flame::folded_text(&folded))?;
             println!("{} ({} stacks, weight {})", out.display(), folded.len(), folded.values().sum::<u64>());
+            Ok(exit::OK)
+        }
+        Command::Timeline { dir, output } => {
+            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let trace = timeline::build(&rec, &flame::offcpu_kernel_names(&rec));
+            let out = output.unwrap_or_else(|| dir.join("timeline.json"));
+            std::fs::write(&out, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", out.display()))?;
+            println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
             Ok(exit::OK)
         }
         Command::Doctor => Ok(doctor::run()),

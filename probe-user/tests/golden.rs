@@ -49,3 +49,22 @@ fn truncated_recording() {
     assert!(r.problems.iter().any(|p| p.contains("ends mid-record")), "{:?}", r.problems);
     assert!(r.problems.iter().any(|p| p.contains("no end record")), "{:?}", r.problems);
 }
+
+/// The demo recording as a Perfetto timeline: every block request a slice with its latency,
+/// every major fault an instant, the TCP state changes, all on named tracks.
+#[test]
+fn demo_timeline() {
+    let rec = recording::read_dir(&data().join("demo")).unwrap();
+    let t = probe_user::timeline::build(&rec, &Default::default());
+    let ev = t["traceEvents"].as_array().unwrap();
+    let count = |f: &dyn Fn(&serde_json::Value) -> bool| ev.iter().filter(|e| f(e)).count();
+    assert_eq!(count(&|e| e["ph"] == "i" && e["name"] == "major fault"), 256);
+    assert_eq!(count(&|e| e["ph"] == "X" && e["pid"] == 2 && e["dur"].as_f64().unwrap() > 0.0), 256);
+    assert!(count(&|e| e["pid"] == 3 && e["name"].as_str().unwrap().contains("ESTABLISHED")) >= 2);
+    assert!(ev.iter().any(|e| e["ph"] == "M" && e["args"]["name"].as_str().unwrap_or("").starts_with("probe-workload")));
+    // Every event has the fields the trace-event format requires.
+    for e in ev {
+        assert!(e["ph"].is_string() && e["pid"].is_number() && e["tid"].is_number(), "{e}");
+        assert!(e["ph"] == "M" || e["ts"].as_f64().unwrap() >= 0.0, "{e}");
+    }
+}

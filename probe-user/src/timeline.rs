@@ -1,0 +1,99 @@
+//! `probe timeline`: the recording as Chrome trace-event JSON, which the Perfetto UI
+//! (ui.perfetto.dev, or chrome://tracing) opens: a track per request with its wait for the first
+//! token and every token, each target thread's off-CPU time by wait class, block IO per device,
+//! major faults, memory maps and TCP state changes. Times are µs from the start of the trace.
+use std::collections::BTreeMap;
+
+use probe_common::{fault::FAULT_MAJOR, mmap::MmapOp, sock::SOCK_STATE};
+use serde_json::{Value, json};
+
+use crate::{decode::Event, recording::Recording, report};
+
+const REQUESTS_PID: u64 = 1;
+const BLOCKIO_PID: u64 = 2;
+const TCP_PID: u64 = 3;
+
+fn meta(pid: u64, tid: Option<u64>, name: &str) -> Value {
+    match tid {
+        None => json!({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}),
+        Some(t) => json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": name}}),
+    }
+}
+
+/// Build the trace. `kernel_names` classifies off-CPU waits (see flame::wait_class).
+pub fn build(rec: &Recording, kernel_names: &std::collections::HashMap<u64, String>) -> Value {
+    let r = report::build(rec);
+    let start = rec.json.iter().find(|v| v["type"] == "meta").and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
+    let us = |ns: u64| ns.saturating_sub(start) as f64 / 1e3;
+    let mut ev: Vec<Value> = vec![
+        meta(REQUESTS_PID, None, "requests"),
+        meta(BLOCKIO_PID, None, "block IO"),
+        meta(TCP_PID, None, "TCP"),
+        meta(r.target.pid as u64, None, &format!("{} (pid {})", r.target.comm, r.target.pid)),
+    ];
+    for q in &r.requests {
+        let name = format!("#{} {} {}", q.id, q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
+        ev.push(meta(REQUESTS_PID, Some(q.id), &name));
+        let Some(a) = q.arrival_ms else { continue };
+        let at = a * 1e3;
+        let v = q.verdict.as_ref();
+        ev.push(json!({"ph": "X", "name": name, "pid": REQUESTS_PID, "tid": q.id, "ts": at, "dur": q.end_ms.unwrap_or(0.0) * 1e3,
+            "args": {"status": q.status, "chunks": q.chunks, "stop_cause": v.map(|v| v.stop_cause.clone()), "slow_cause": v.map(|v| v.slow_cause.clone()), "closed_by": q.closed_by}}));
+        if let Some(t) = q.ttft_ms {
+            ev.push(json!({"ph": "X", "name": "until first token", "pid": REQUESTS_PID, "tid": q.id, "ts": at, "dur": t * 1e3,
+                "args": {"ttft_ms": v.and_then(|v| v.ttft_ms.clone())}}));
+            ev.push(json!({"ph": "i", "s": "t", "name": "first token", "pid": REQUESTS_PID, "tid": q.id, "ts": at + t * 1e3}));
+        }
+        for c in q.chunk_times_ms.iter().skip(1) {
+            ev.push(json!({"ph": "i", "s": "t", "name": "token", "pid": REQUESTS_PID, "tid": q.id, "ts": at + c * 1e3}));
+        }
+    }
+    // Off-CPU time of each target thread, named by what it waited for.
+    let mut threads: BTreeMap<(u64, u64), ()> = BTreeMap::new();
+    for v in rec.json.iter().filter(|v| v["type"] == "stack" && v["what"] == "offcpu") {
+        let (Some(ts), Some(b), Some(pid), Some(tid)) = (v["ts_ns"].as_u64(), v["blocked_ns"].as_u64(), v["pid"].as_u64(), v["tid"].as_u64()) else { continue };
+        let kernel: Vec<String> = v["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).filter_map(|a| kernel_names.get(&a).cloned()).collect();
+        threads.insert((pid, tid), ());
+        ev.push(json!({"ph": "X", "name": crate::flame::wait_class(&kernel), "pid": pid, "tid": tid, "ts": us(ts), "dur": b as f64 / 1e3}));
+    }
+    let mut devices: BTreeMap<u32, u64> = BTreeMap::new();
+    for e in &rec.events {
+        match e {
+            Event::BlockIo(b) => {
+                let n = devices.len() as u64 + 1;
+                let tid = *devices.entry(b.dev).or_insert(n);
+                let begin = if b.insert_ns != 0 { b.insert_ns } else { b.issue_ns };
+                let rwbs = String::from_utf8_lossy(b.rwbs.split(|&c| c == 0).next().unwrap_or_default()).to_string();
+                ev.push(json!({"ph": "X", "name": format!("{rwbs} {} KiB", b.bytes / 1024), "pid": BLOCKIO_PID, "tid": tid, "ts": us(begin), "dur": b.complete_ns.saturating_sub(begin) as f64 / 1e3,
+                    "args": {"sector": b.sector, "bytes": b.bytes, "issuer_tid": b.hdr.tid, "queue_us": if b.insert_ns != 0 { b.issue_ns.saturating_sub(b.insert_ns) as f64 / 1e3 } else { 0.0 }}}));
+            }
+            Event::Fault(f) if f.flags & FAULT_MAJOR != 0 => {
+                threads.insert((f.hdr.pid as u64, f.hdr.tid as u64), ());
+                ev.push(json!({"ph": "i", "s": "t", "name": "major fault", "pid": f.hdr.pid, "tid": f.hdr.tid, "ts": us(f.hdr.ts_ns), "args": {"addr": format!("{:#x}", f.addr)}}));
+            }
+            Event::Mmap(m) => {
+                threads.insert((m.hdr.pid as u64, m.hdr.tid as u64), ());
+                let op = MmapOp::try_from(m.op).map(|o| o.name()).unwrap_or("mmap?");
+                ev.push(json!({"ph": "X", "name": op, "pid": m.hdr.pid, "tid": m.hdr.tid, "ts": us(m.enter_ns), "dur": m.hdr.ts_ns.saturating_sub(m.enter_ns) as f64 / 1e3, "args": {"len": m.len}}));
+            }
+            Event::Sock(s) => {
+                let name = if s.what == SOCK_STATE {
+                    format!("{} → {}", report::state_name(s.oldstate), report::state_name(s.newstate))
+                } else if s.what == probe_common::sock::SOCK_RESET_RECEIVED {
+                    "reset received".to_string()
+                } else {
+                    "reset sent".to_string()
+                };
+                ev.push(json!({"ph": "i", "s": "t", "name": name, "pid": TCP_PID, "tid": s.sport, "ts": us(s.hdr.ts_ns), "args": {"dport": s.dport}}));
+            }
+            _ => {}
+        }
+    }
+    for (dev, tid) in &devices {
+        ev.push(meta(BLOCKIO_PID, Some(*tid), &format!("dev {}:{}", dev >> 20, dev & 0xfffff)));
+    }
+    for (pid, tid) in threads.keys() {
+        ev.push(meta(*pid, Some(*tid), &format!("thread {tid}")));
+    }
+    json!({"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"probe": env!("CARGO_PKG_VERSION"), "target_pid": r.target.pid}})
+}
