@@ -415,6 +415,27 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
     assert!(q["ttft_ms"].is_null(), "no TTFT without the request's start: {q}");
 }
 
+/// A llama-server of the test's own (not the shared one), healthy, on a free loopback port.
+fn own_server(model: &std::path::Path, args: &[&str]) -> (Child, SocketAddr) {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let srv = Command::new(env_path("LLAMA_SERVER"))
+        .arg("-m")
+        .arg(model)
+        .args(args)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
+        assert!(t.elapsed() < Duration::from_secs(60), "server not healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (srv, addr)
+}
+
 /// The slow morning request: llama-server unloads the model when idle (--sleep-idle-seconds);
 /// with the model file dropped from the page cache, the next request reads it back from disk.
 /// The report must name the model file, with the bytes read, and show the model mapped again.
@@ -427,21 +448,7 @@ fn cold_model_reload_is_named_in_the_report() {
     std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
     // Written pages are dirty and DONTNEED leaves dirty pages in the cache: write them out.
     std::fs::File::open(&model).unwrap().sync_all().unwrap();
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut srv = Command::new(env_path("LLAMA_SERVER"))
-        .arg("-m")
-        .arg(&model)
-        .args(["-c", "1024", "-np", "1", "--no-repack", "--sleep-idle-seconds", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
-        assert!(t.elapsed() < Duration::from_secs(60), "server not healthy");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let (mut srv, addr) = own_server(&model, &["-c", "1024", "-np", "1", "--no-repack", "--sleep-idle-seconds", "1"]);
     let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Hello", "n_predict": 2}))).unwrap();
     assert_eq!(st, 200);
     // Let it fall asleep (model unmapped; /props says so without waking it), then drop the file
@@ -581,21 +588,7 @@ fn slot_context_limit_is_a_server_limit() {
 /// `-np 1` and four requests at once: the later ones wait in the server's queue.
 #[test]
 fn waiting_for_the_only_slot_is_queueing() {
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut srv = Command::new(env_path("LLAMA_SERVER"))
-        .arg("-m")
-        .arg(env_path("LLAMA_MODEL"))
-        .args(["-c", "1024", "-np", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
-        assert!(t.elapsed() < Duration::from_secs(60), "server not healthy");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1"]);
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-queue-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let mut p = Command::new(probe_bin()).args(["trace", "--pid", &srv.id().to_string(), "--out"]).arg(&out).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();

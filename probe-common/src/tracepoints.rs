@@ -41,6 +41,7 @@ macro_rules! layout {
 
 // block: `dev_t dev` is the kernel-internal encoding (major << 20 | minor).
 layout!(block_rq_insert, "block", "block_rq_insert", { DEV: "dev" @ 8, 4; SECTOR: "sector" @ 16, 8; });
+layout!(block_io_start, "block", "block_io_start", { DEV: "dev" @ 8, 4; SECTOR: "sector" @ 16, 8; });
 layout!(block_rq_issue, "block", "block_rq_issue", {
     DEV: "dev" @ 8, 4; SECTOR: "sector" @ 16, 8; BYTES: "bytes" @ 28, 4; RWBS: "rwbs" @ 34, 10;
 });

@@ -5,7 +5,7 @@
 use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext, EbpfContext};
 use probe_common::{
     blockio::{BlockIoEvent, BlockKey, BlockStart},
-    tracepoints::{block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
+    tracepoints::{block_io_start as st, block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
 };
 
 use crate::{current_target, emit, field, header, insert, now_ns};
@@ -31,9 +31,27 @@ pub fn block_rq_insert(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// block:block_io_start (dev @8, sector @16, 6.5+): a request is created for the target's bio,
+/// in the submitter's context. It covers requests that bypass the IO scheduler (no insert
+/// event) and are issued later from another request's completion (interrupt) context.
+#[tracepoint(category = "block", name = "block_io_start")]
+pub fn block_io_start(ctx: TracePointContext) -> u32 {
+    let _ = queued(&ctx, st::DEV, st::SECTOR);
+    0
+}
+
 fn try_block_rq_insert(ctx: &TracePointContext) -> Result<(), i64> {
+    queued(ctx, ins::DEV, ins::SECTOR)
+}
+
+/// Remember a request of the target until it is issued (the first of io_start / insert wins).
+fn queued(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<(), i64> {
     let Some((pid, tid)) = current_target() else { return Ok(()) };
-    let k = key(ctx, ins::DEV, ins::SECTOR)?;
+    let k = key(ctx, dev_off, sector_off)?;
+    // SAFETY: presence check only.
+    if unsafe { BLOCK_QUEUED.get(&k) }.is_some() {
+        return Ok(());
+    }
     let start = BlockStart { pid, tid, cpu: crate::cpu(), bytes: 0, insert_ns: now_ns(), issue_ns: 0, rwbs: [0; 8] };
     insert(&BLOCK_QUEUED, &k, &start);
     // The code path that made this IO (the target's own context).

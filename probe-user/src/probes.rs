@@ -56,6 +56,7 @@ const TABLE: &[Spec] = &[
     s("proc", "task_newtask", How::Tracepoint(&tp::task_newtask::LAYOUT), true),
     s("proc", "sched_process_exec", How::Plain("sched", "sched_process_exec"), false),
     s("proc", "sched_process_exit", How::Tracepoint(&tp::sched_process_exit::LAYOUT), true),
+    s("blockio", "block_io_start", How::Tracepoint(&tp::block_io_start::LAYOUT), false),
     s("blockio", "block_rq_insert", How::Tracepoint(&tp::block_rq_insert::LAYOUT), false),
     s("blockio", "block_rq_issue", How::Tracepoint(&tp::block_rq_issue::LAYOUT), true),
     s("blockio", "block_rq_complete", How::Tracepoint(&tp::block_rq_complete::LAYOUT), true),
