@@ -383,6 +383,13 @@ fn prompt_text_stays_out_of_the_recording() {
     let out = t.out.clone();
     let r = t.stop();
     assert!(find(&r, client)[0]["chunks"].as_u64().unwrap() >= 1);
+    // The bundle for an issue: no prompt text in it either.
+    let bundle = out.with_extension("tar.gz");
+    let st = Command::new(probe_bin()).arg("bundle").arg(&out).arg("-o").arg(&bundle).output().unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let listing = Command::new("tar").arg("xzOf").arg(&bundle).output().unwrap();
+    assert!(listing.status.success() && listing.stdout.len() > 1000);
+    assert!(!listing.stdout.windows(secret.len()).any(|w| w == secret.as_bytes()), "prompt text in the bundle");
     for e in std::fs::read_dir(&out).unwrap() {
         let bytes = std::fs::read(e.unwrap().path()).unwrap();
         assert!(!bytes.windows(secret.len()).any(|w| w == secret.as_bytes()), "prompt text in the recording");

@@ -3,6 +3,7 @@
 //! format), report (analysis, pure), and the /proc and tracefs readers they need.
 
 pub mod btf;
+pub mod bundle;
 pub mod collector;
 pub mod decode;
 pub mod doctor;

@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::ExitCode, time::{Duration, Instant}};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{collector, doctor, exit, flame, recording, report, timeline};
+use probe_user::{bundle, collector, doctor, exit, flame, recording, report, timeline};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -75,6 +75,17 @@ enum Command {
         /// Output file (default DIR/timeline.json).
         #[arg(short, long)]
         output: Option<PathBuf>,
+    },
+    /// Pack a recording's report, flamegraphs, timeline and environment into one .tar.gz for an
+    /// issue (never the raw event log, so no prompt or response text).
+    Bundle {
+        dir: PathBuf,
+        /// Output file (default DIR.tar.gz beside the recording).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Hide directory names in paths and IP addresses.
+        #[arg(long)]
+        mask: bool,
     },
     /// Say which kernel features are present and what probe can do here.
     Doctor,
@@ -166,6 +177,15 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             let out = output.unwrap_or_else(|| dir.join("timeline.json"));
             std::fs::write(&out, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", out.display()))?;
             println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
+            Ok(exit::OK)
+        }
+        Command::Bundle { dir, output, mask } => {
+            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let r = report::build(&rec);
+            let name = dir.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "probe".into());
+            let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));
+            let files = bundle::write(&rec, &r, &out, mask)?;
+            println!("{} ({})", out.display(), files.join(", "));
             Ok(exit::OK)
         }
         Command::Doctor => Ok(doctor::run()),

@@ -177,10 +177,10 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
     if memory > 0.0 {
         v.evidence.push(format!("{memory:.0} ms in memory reclaim or compaction"));
     }
-    if queue > 0.0 {
+    if queue >= 1.0 {
         v.evidence.push(format!("{queue:.0} ms waiting while other requests were served"));
     }
-    if compute > 0.0 {
+    if compute >= 1.0 {
         v.evidence.push(format!("{compute:.0} ms of prompt processing{} (server's timings)", if generated > 0.0 { " and generation" } else { "" }));
     }
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).

@@ -68,3 +68,21 @@ fn demo_timeline() {
         assert!(e["ph"] == "M" || e["ts"].as_f64().unwrap() >= 0.0, "{e}");
     }
 }
+
+/// A bundle of the demo recording: the derived files, never the event log; masking hides paths.
+#[test]
+fn demo_bundle() {
+    let dir = data().join("demo");
+    let rec = recording::read_dir(&dir).unwrap();
+    let r = report::build(&rec);
+    let out = std::env::temp_dir().join(format!("probe-bundle-{}.tar.gz", std::process::id()));
+    let names = probe_user::bundle::write(&rec, &r, &out, false).unwrap();
+    for want in ["report.md", "report.json", "environment.txt", "timeline.json"] {
+        assert!(names.iter().any(|n| n == want), "{names:?}");
+    }
+    assert!(!names.iter().any(|n| n.contains("events")));
+    let md = probe_user::bundle::markdown(&r);
+    assert!(md.contains("| `/work/main/target/demo/cold-weights.bin` | 256 | 1.0 MiB |"), "{md}");
+    assert!(probe_user::bundle::mask(&md).contains("| `<dir>/cold-weights.bin` | 256 |"));
+    let _ = std::fs::remove_file(out);
+}

@@ -1,0 +1,147 @@
+//! `probe bundle`: one .tar.gz to attach to an issue on the server's tracker: a GitHub-ready
+//! report.md (verdicts first), report.json, the flamegraphs, the Perfetto timeline and the
+//! environment. Never the raw event log (it may hold payload with --capture-text), so no prompt
+//! or response text; `--mask` also hides directory names and IP addresses.
+use std::{fmt::Write as _, path::Path};
+
+use anyhow::Context as _;
+
+use crate::{flame, recording::Recording, report::Report, timeline};
+
+/// The markdown report: verdicts, requests, files, block IO, losses.
+pub fn markdown(r: &Report) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "## probe report: `{}` (pid {})\n", r.target.comm, r.target.pid);
+    let _ = writeln!(o, "Traced {:.1} s, {} events{}.\n", r.duration_s, r.events, r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default());
+    if !r.requests.is_empty() {
+        let _ = writeln!(o, "### Verdicts\n\n| # | request | status | TTFT ms | slow | stopped | evidence |\n|---|---|---|---|---|---|---|");
+        for q in &r.requests {
+            let v = q.verdict.as_ref();
+            let _ = writeln!(
+                o,
+                "| {} | `{} {}` | {} | {} | {} | {} | {} |",
+                q.id,
+                q.method.as_deref().unwrap_or("?"),
+                q.path.as_deref().unwrap_or("?"),
+                q.status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                q.ttft_ms.map(|t| format!("{t:.0}")).unwrap_or_else(|| "-".into()),
+                v.map(|v| v.slow_cause.as_str()).unwrap_or("-"),
+                v.map(|v| v.stop_cause.replace('_', " ")).unwrap_or_else(|| "-".into()),
+                v.map(|v| v.evidence.join("; ").replace('|', "/")).unwrap_or_default()
+            );
+        }
+        let _ = writeln!(o);
+    }
+    let _ = writeln!(o, "### Files read\n\n| path | major faults | read | io time ms |\n|---|---|---|---|");
+    for f in r.files.iter().take(20) {
+        let _ = writeln!(o, "| `{}` | {} | {:.1} MiB | {:.1} |", f.path, f.major_faults, f.read_bytes as f64 / (1 << 20) as f64, f.io_time_ms);
+    }
+    let _ = writeln!(o, "\nBlock IO: {} requests, {:.1} MiB read. Major faults: {}. Lost events: {}.", r.blockio.requests, r.blockio.read_bytes as f64 / (1 << 20) as f64, r.faults.major, r.lost_events.values().sum::<u64>());
+    if !r.stacks.is_empty() {
+        let _ = writeln!(o, "Stacks unwound to the end: {:.0}% of {}.", r.unwind.success_rate * 100.0, r.unwind.samples);
+    }
+    for p in &r.problems {
+        let _ = writeln!(o, "\n> note: {p}");
+    }
+    let _ = writeln!(o, "\nFlamegraphs (`flame-*.svg`) and a timeline (`timeline.json`, open in ui.perfetto.dev) are in this bundle.");
+    o
+}
+
+/// Facts about the machine and the server, for the issue.
+fn environment(rec: &Recording) -> String {
+    let meta = rec.json.iter().find(|v| v["type"] == "meta").cloned().unwrap_or_default();
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo").lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string()).unwrap_or_default();
+    let mem = read("/proc/meminfo").lines().next().unwrap_or_default().to_string();
+    let gpu = if Path::new("/proc/driver/nvidia/version").exists() { read("/proc/driver/nvidia/version") } else { "no NVIDIA GPU driver".into() };
+    format!(
+        "probe {}\nkernel {}\ncpu {cpu} x {}\n{mem}\ngpu {}\ntarget {} (pid {})\ncommand line: {}\nprobes: {}\n",
+        env!("CARGO_PKG_VERSION"),
+        meta["kernel"].as_str().unwrap_or("?"),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        gpu.trim(),
+        meta["comm"].as_str().unwrap_or("?"),
+        meta["pid"],
+        meta["cmdline"].as_str().unwrap_or("?"),
+        meta["probes"]
+    )
+}
+
+/// Replace directory names in absolute paths with `<dir>` and IPv4/IPv6 addresses with `<ip>`.
+pub fn mask(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for token in text.split_inclusive(|c: char| c.is_whitespace() || "\"'`(),;|[]{}<>=".contains(c)) {
+        let (word, sep) = match token.char_indices().last() {
+            Some((i, c)) if c.is_whitespace() || "\"'`(),;|[]{}<>=".contains(c) => (&token[..i], &token[i..]),
+            _ => (token, ""),
+        };
+        let masked = if word.starts_with('/') && word.matches('/').count() > 1 {
+            format!("<dir>/{}", word.rsplit('/').next().unwrap_or(""))
+        } else if let Some((host, port)) = word.rsplit_once(':').filter(|(h, p)| p.chars().all(|c| c.is_ascii_digit()) && (h.parse::<std::net::Ipv4Addr>().is_ok() || h.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok())) {
+            let _ = host;
+            format!("<ip>:{port}")
+        } else if word.parse::<std::net::IpAddr>().is_ok() {
+            "<ip>".into()
+        } else {
+            word.to_string()
+        };
+        out.push_str(&masked);
+        out.push_str(sep);
+    }
+    out
+}
+
+/// Write the bundle; returns the list of files in it.
+pub fn write(rec: &Recording, report: &Report, out: &Path, masked: bool) -> anyhow::Result<Vec<String>> {
+    let syms = flame::Symbols::resolve(rec);
+    let mut files: Vec<(String, Vec<u8>)> = vec![
+        ("report.md".into(), markdown(report).into_bytes()),
+        ("report.json".into(), serde_json::to_vec_pretty(report)?),
+        ("environment.txt".into(), environment(rec).into_bytes()),
+        ("timeline.json".into(), serde_json::to_vec(&timeline::build(rec, &flame::offcpu_kernel_names(rec)))?),
+    ];
+    for kind in flame::Kind::ALL {
+        let f = flame::folded(rec, &syms, kind, flame::Window::default());
+        if !f.is_empty() {
+            files.push((format!("flame-{}.svg", kind.name()), flame::svg(&f, kind, &format!("probe: {} stacks", kind.name()))?));
+            files.push((format!("flame-{}.folded", kind.name()), flame::folded_text(&f).into_bytes()));
+        }
+    }
+    let file = std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let mut tar = tar::Builder::new(flate2::write::GzEncoder::new(file, flate2::Compression::default()));
+    let stem = out.file_name().and_then(|n| n.to_str()).unwrap_or("probe-bundle").trim_end_matches(".tar.gz").to_string();
+    let mut names = Vec::new();
+    for (name, data) in files {
+        let data = if masked { mask(&String::from_utf8_lossy(&data)).into_bytes() } else { data };
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0));
+        h.set_cksum();
+        tar.append_data(&mut h, format!("{stem}/{name}"), data.as_slice())?;
+        names.push(name);
+    }
+    tar.into_inner()?.finish()?;
+    chown_to_sudo_caller(out);
+    Ok(names)
+}
+
+/// Files made under sudo belong to the user who ran sudo, not root.
+pub fn chown_to_sudo_caller(path: &Path) {
+    let id = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+    if let (Some(uid), Some(gid)) = (id("SUDO_UID"), id("SUDO_GID")) {
+        let _ = std::os::unix::fs::chown(path, Some(uid), Some(gid));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_dirs_and_addresses() {
+        assert_eq!(mask("read /home/alice/models/m.gguf from 192.168.1.7:8080 and [::1]:80"), "read <dir>/m.gguf from <ip>:8080 and [<ip>]:80");
+        assert_eq!(mask("`/usr/bin/llama-server` 10.0.0.1"), "`<dir>/llama-server` <ip>");
+        assert_eq!(mask("TTFT 241 ms; 93.8 MiB"), "TTFT 241 ms; 93.8 MiB");
+    }
+}
