@@ -1,10 +1,9 @@
 //! Nothing stays loaded: after `probe trace` ends (cleanly, or refused with an error) no BPF
 //! program of probe's is left in the kernel. Its own test binary, so no other probe runs meanwhile.
-use std::{path::PathBuf, process::Command};
+use std::process::Command;
 
-fn probe_bin() -> PathBuf {
-    std::env::var_os("PROBE_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe"))
-}
+mod common;
+use common::probe_bin;
 
 const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
 const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;

@@ -12,13 +12,8 @@ use std::{
 
 use serde_json::Value;
 
-fn probe_bin() -> PathBuf {
-    let p = std::env::var_os("PROBE_BIN").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe")
-    });
-    assert!(p.exists(), "{} not found: run `cargo xtask test` (builds it) or set PROBE_BIN", p.display());
-    p
-}
+mod common;
+use common::{probe_bin, start_trace};
 
 fn workload_bin() -> &'static str {
     env!("CARGO_BIN_EXE_probe-workload")
@@ -89,30 +84,12 @@ struct Trace {
 
 impl Trace {
     fn start(pid: u32, out: &std::path::Path, extra: &[&str]) -> Self {
-        let mut child = Command::new(probe_bin())
-            .args(["trace", "--pid", &pid.to_string(), "--out"])
-            .arg(out)
-            .args(["--duration", "60s", "--json"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn probe");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        loop {
-            let l = rx.recv_timeout(Duration::from_secs(30)).expect("probe did not arm within 30 s");
-            assert!(!l.contains("error"), "probe failed to start: {l}");
-            if l.contains("armed in") {
-                break;
-            }
-        }
-        Trace { child, out: out.to_path_buf(), stderr: rx }
+        let pid = pid.to_string();
+        let out_s = out.to_str().unwrap();
+        let mut args = vec!["--pid", &pid, "--out", out_s, "--duration", "60s", "--json"];
+        args.extend_from_slice(extra);
+        let (child, stderr, _) = start_trace(&args);
+        Trace { child, out: out.to_path_buf(), stderr }
     }
 
     /// Wait for probe to stop by itself (the target exited) and return report.json.

@@ -20,11 +20,8 @@ fn env_path(name: &str) -> PathBuf {
     p
 }
 
-fn probe_bin() -> PathBuf {
-    std::env::var_os("PROBE_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe"))
-}
+mod common;
+use common::{probe_bin, start_trace};
 
 struct Server {
     child: Child,
@@ -80,29 +77,11 @@ impl Trace {
         let s = server();
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
-        let mut child = Command::new(probe_bin())
-            .args(["trace", "--pid", &s.child.id().to_string(), "--duration", "120s", "--out"])
-            .arg(&out)
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        loop {
-            let l = rx.recv_timeout(Duration::from_secs(30)).expect("probe did not arm");
-            assert!(!l.contains("error"), "{l}");
-            if l.contains("armed in") {
-                assert!(l.contains("stream"), "the stream probe is not live: {l}");
-                break;
-            }
-        }
+        let pid = s.child.id().to_string();
+        let mut args = vec!["--pid", &pid, "--duration", "120s", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let (child, _, armed) = start_trace(&args);
+        assert!(armed.contains("stream"), "the stream probe is not live: {armed}");
         Trace { child, out }
     }
 

@@ -5,13 +5,11 @@ use std::{
     io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{OnceLock, mpsc},
-    time::Duration,
+    sync::OnceLock,
 };
 
-fn probe_bin() -> PathBuf {
-    std::env::var_os("PROBE_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe"))
-}
+mod common;
+use common::start_trace;
 
 fn tmp(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("stacks-{name}-{}", std::process::id()));
@@ -41,22 +39,8 @@ fn traced(name: &str, args: &[&str]) -> (String, PathBuf) {
     let ready = lines.next().unwrap().unwrap();
     let pid = ready.strip_prefix("ready ").unwrap().to_string();
     let rec = dir.join("rec");
-    let mut p = Command::new(probe_bin()).args(["trace", "--pid", &pid, "--duration", "60s", "--out"]).arg(&rec).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let (tx, rx) = mpsc::channel();
-    let err = p.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for l in BufReader::new(err).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
-    loop {
-        let l = rx.recv_timeout(Duration::from_secs(30)).expect("probe did not arm");
-        assert!(!l.contains("error"), "{l}");
-        if l.contains("armed in") {
-            assert!(l.contains("cpu") && l.contains("offcpu"), "stack probes not live: {l}");
-            break;
-        }
-    }
+    let (mut p, rx, armed) = start_trace(&["--pid", &pid, "--duration", "60s", "--out", rec.to_str().unwrap()]);
+    assert!(armed.contains("cpu") && armed.contains("offcpu"), "stack probes not live: {armed}");
     writeln!(w.stdin.take().unwrap(), "go").unwrap();
     let done = lines.next().unwrap().unwrap();
     assert!(w.wait().unwrap().success());

@@ -8,7 +8,7 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use probe_common::{
-    EventKind, Record,
+    Record,
     sock::AF_INET6,
     stream::{DATA_CAP, DATA_MASK, DIR_RECV, DIR_SEND, DataArgs, DataEvent, MSG_PEEK, Syscall},
     tracepoints::{SYSCALL_ARG0, SYSCALL_RET},
@@ -126,7 +126,6 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
             add(&LOST, DataEvent::KIND as u32, 1);
         }
     }
-    let _ = EventKind::Data;
     Ok(())
 }
 

@@ -77,8 +77,7 @@ pub fn mask(text: &str) -> String {
         };
         let masked = if word.starts_with('/') && word.matches('/').count() > 1 {
             format!("<dir>/{}", word.rsplit('/').next().unwrap_or(""))
-        } else if let Some((host, port)) = word.rsplit_once(':').filter(|(h, p)| p.chars().all(|c| c.is_ascii_digit()) && (h.parse::<std::net::Ipv4Addr>().is_ok() || h.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok())) {
-            let _ = host;
+        } else if let Some((_, port)) = word.rsplit_once(':').filter(|(h, p)| p.chars().all(|c| c.is_ascii_digit()) && (h.parse::<std::net::Ipv4Addr>().is_ok() || h.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok())) {
             format!("<ip>:{port}")
         } else if word.parse::<std::net::IpAddr>().is_ok() {
             "<ip>".into()

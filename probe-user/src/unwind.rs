@@ -214,10 +214,9 @@ impl Unwinders {
                     .clone();
                 let Some(elf) = elf else { continue };
                 // The load segment this mapping comes from gives the load bias.
-                let Some(&(vaddr, off, size)) = elf.segments.iter().find(|(_, off, size)| *off <= m.offset && m.offset < off + size.max(&1)) else {
+                let Some(&(vaddr, off, _)) = elf.segments.iter().find(|(_, off, size)| *off <= m.offset && m.offset < off + size.max(&1)) else {
                     continue;
                 };
-                let _ = size;
                 let bias = m.start.wrapping_sub(vaddr + (m.offset - off));
                 let info = ExplicitModuleSectionInfo {
                     base_svma: 0,

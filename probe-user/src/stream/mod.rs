@@ -184,9 +184,9 @@ impl Tracker {
         if ev.dir == req_dir {
             Self::request_bytes(conn, payload, missing, ts, role, &mut self.next_id, self.start_ns);
         } else {
-            let finished = Self::response_bytes(conn, payload, missing, ts, role, &mut self.next_id, self.start_ns, self.keep_text);
+            let finished = Self::response_bytes(conn, payload, missing, ts, role, &mut self.next_id, self.keep_text);
             for p in finished {
-                self.done.push(finalize(p, conn, self.start_ns, "server", ts));
+                self.done.push(finalize(p, conn, "server"));
             }
         }
     }
@@ -318,8 +318,7 @@ impl Tracker {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn response_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, start_ns: u64, keep_text: bool) -> Vec<Pending> {
+    fn response_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, keep_text: bool) -> Vec<Pending> {
         let mut finished = Vec::new();
         // The response belongs to the oldest request still waiting for one.
         if conn.pending.is_empty() {
@@ -345,7 +344,6 @@ impl Tracker {
                 }
             }
         }
-        let _ = start_ns;
         while !data.is_empty() {
             let Some(p) = conn.pending.front_mut() else { break };
             match &mut conn.resp {
@@ -465,7 +463,7 @@ impl Tracker {
                                     p.rec.complete = true;
                                 }
                             }
-                            let rec = finalize(p, &conn, self.start_ns, closer, ts);
+                            let rec = finalize(p, &conn, closer);
                             self.done.push(rec);
                         }
                     }
@@ -481,14 +479,12 @@ impl Tracker {
         for mut conn in conns {
             let closer = conn.closer.unwrap_or("open");
             while let Some(mut p) = conn.pending.pop_front() {
-                let last = p.rec.end_ms.unwrap_or(0.0);
-                let _ = last;
                 if let Some(s) = p.splitter.as_mut() {
                     let mut msgs = Vec::new();
                     s.finish(&mut msgs);
                     apply_msgs(&mut p, msgs, 0, self.keep_text);
                 }
-                let rec = finalize(p, &conn, self.start_ns, closer, 0);
+                let rec = finalize(p, &conn, closer);
                 self.done.push(rec);
             }
         }
@@ -546,7 +542,7 @@ fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, ts: u64, keep_text: bool) {
     }
 }
 
-fn finalize(mut p: Pending, conn: &Conn, _start_ns: u64, closed_by: &str, _ts: u64) -> RequestRecord {
+fn finalize(mut p: Pending, conn: &Conn, closed_by: &str) -> RequestRecord {
     p.rec.closed_by = if p.rec.complete { "server".into() } else { closed_by.into() };
     p.rec.reset = conn.reset.into();
     p.rec.ttft_ms = p.rec.chunk_times_ms.first().copied();
