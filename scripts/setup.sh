@@ -24,6 +24,22 @@ if [ ! -d "$sysroot/lib/rustlib/src/rust/library/core" ]; then
   rustup component add rust-src --toolchain "$NIGHTLY" || die "cannot add rust-src to $NIGHTLY"
 fi
 
+# Test-only system packages: nginx (a real gateway for deadline scenarios) and chromium (renders the
+# HTML report headless). Debian packages; installed once.
+need=()
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+command -v chromium >/dev/null || need+=(chromium)
+if [ ${#need[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    say "installing ${need[*]} (Debian packages, for the tests)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null \
+      || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; } \
+      || die "cannot install ${need[*]} with apt-get"
+  else
+    say "warning: ${need[*]} missing and not installable here (need root and apt-get): the gateway and HTML tests will fail"
+  fi
+fi
+
 # bpf-linker must use the same LLVM as the nightly rustc. Rebuild when nightly changes.
 stamp="$CACHE/bpf-linker.stamp"
 want="bpf-linker $BPF_LINKER_VERSION / $(rustc +"$NIGHTLY" --version)"
