@@ -6,6 +6,7 @@ pub mod blockio;
 pub mod fault;
 pub mod kernel;
 pub mod filemap;
+pub mod mem;
 pub mod mmap;
 pub mod proc;
 pub mod sock;
@@ -53,11 +54,12 @@ pub enum EventKind {
     Data = 7,
     Stack = 8,
     Sched = 9,
+    Mem = 10,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 9] = [
-        Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data, Self::Stack, Self::Sched,
+    pub const ALL: [EventKind; 10] = [
+        Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data, Self::Stack, Self::Sched, Self::Mem,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -71,6 +73,7 @@ impl EventKind {
             Self::Data => "stream",
             Self::Stack => "stack",
             Self::Sched => "sched",
+            Self::Mem => "mem",
         }
     }
 
@@ -88,6 +91,7 @@ impl EventKind {
             // The fixed part; `ustack_bytes` of user stack follow it.
             Self::Stack => size_of::<stack::StackEvent>(),
             Self::Sched => size_of::<stack::SchedEvent>(),
+            Self::Mem => size_of::<mem::MemEvent>(),
         }
     }
 }
@@ -105,6 +109,7 @@ impl TryFrom<u32> for EventKind {
             7 => Self::Data,
             8 => Self::Stack,
             9 => Self::Sched,
+            10 => Self::Mem,
             other => return Err(other),
         })
     }
@@ -166,4 +171,5 @@ mod pod {
     unsafe impl aya::Pod for crate::stream::DataEvent {}
     unsafe impl aya::Pod for crate::stack::StackEvent {}
     unsafe impl aya::Pod for crate::stack::SchedEvent {}
+    unsafe impl aya::Pod for crate::mem::MemEvent {}
 }

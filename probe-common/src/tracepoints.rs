@@ -74,6 +74,11 @@ layout!(sock_recv_length, "sock", "sock_recv_length", {
 layout!(sched_switch, "sched", "sched_switch", {
     PREV_PID: "prev_pid" @ 24, 4; PREV_STATE: "prev_state" @ 32, 8; NEXT_PID: "next_pid" @ 56, 4;
 });
+// vmscan / compaction / oom: memory pressure (the begin events are only timed, no field read).
+layout!(mm_vmscan_direct_reclaim_end, "vmscan", "mm_vmscan_direct_reclaim_end", { NR_RECLAIMED: "nr_reclaimed" @ 8, 8; });
+layout!(mm_vmscan_memcg_reclaim_end, "vmscan", "mm_vmscan_memcg_reclaim_end", { NR_RECLAIMED: "nr_reclaimed" @ 8, 8; });
+layout!(mm_compaction_end, "compaction", "mm_compaction_end", { STATUS: "status" @ 44, 4; });
+layout!(mark_victim, "oom", "mark_victim", { PID: "pid" @ 8, 4; ANON_RSS: "anon_rss" @ 24, 8; FILE_RSS: "file_rss" @ 32, 8; });
 layout!(task_newtask, "task", "task_newtask", { PID: "pid" @ 8, 4; CLONE_FLAGS: "clone_flags" @ 32, 8; });
 layout!(sched_process_exec, "sched", "sched_process_exec", { PID: "pid" @ 12, 4; });
 layout!(sched_process_exit, "sched", "sched_process_exit", { PID: "pid" @ 24, 4; GROUP_DEAD: "group_dead" @ 32, 1; });

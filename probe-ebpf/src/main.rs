@@ -5,6 +5,7 @@
 
 mod blockio;
 mod fault;
+mod mem;
 mod filemap;
 mod mmap;
 mod proc;

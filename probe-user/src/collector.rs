@@ -33,6 +33,10 @@ pub struct TraceOptions {
     /// Keep the bytes of request streams in the recording (off by default: prompts and answers
     /// are private).
     pub capture_text: bool,
+    /// GPU / CPU-frequency / memory samples per second (0: off).
+    pub host_hz: f64,
+    /// Poll the server's own HTTP endpoints (/metrics, /props, /api/ps).
+    pub poll: bool,
     /// When the process started: "armed in N ms" counts from here.
     pub started: Instant,
 }
@@ -269,11 +273,13 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
             log::info!("{}: optional programs not attached: {}", s.name, s.skipped.join("; "));
         }
     }
-    eprintln!("probe: recording to {} (Ctrl-C to stop)", opts.out.display());
+    let sampler = crate::sampler::Sampler::start(crate::sampler::Options { pid: opts.pid, hz: opts.host_hz, poll: opts.poll });
+    eprintln!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
 
     let tty = std::io::stderr().is_terminal();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigusr1 = signal(SignalKind::user_defined1())?;
     let mut drain_tick = tokio::time::interval(Duration::from_millis(20));
     let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
     let started = Instant::now();
@@ -282,6 +288,9 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     let drain = |ring: &mut RingBuf<aya::maps::MapData>, st: &mut State| -> std::io::Result<()> {
         while let Some(item) = ring.next() {
             st.on_record(&item)?;
+        }
+        for v in sampler.drain() {
+            st.writer.json(&v)?;
         }
         st.refresh()
     };
@@ -307,6 +316,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
                     st.root_exited = true;
                 }
             }
+            _ = sigusr1.recv() => sampler.snapshot_now(),
             _ = sigint.recv() => break "interrupted (Ctrl-C)",
             _ = sigterm.recv() => break "terminated (SIGTERM)",
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached",
@@ -319,6 +329,9 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         eprintln!();
     }
     drain(ring.get_mut(), &mut st)?;
+    for v in sampler.stop() {
+        st.writer.json(&v)?;
+    }
     st.streams.finish();
     st.write_requests()?;
     // Threads still blocked when the trace ended: blocked until now.

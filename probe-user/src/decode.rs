@@ -1,7 +1,7 @@
 //! Kernel records → typed events. Pure: bytes in, [`Event`] out; never trusts the kind blindly.
 use probe_common::{
     EventHeader, EventKind, blockio::BlockIoEvent, fault::FaultEvent, filemap::FilemapEvent,
-    mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stack::{SchedEvent, StackEvent}, stream::DataEvent,
+    mem::MemEvent, mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stack::{SchedEvent, StackEvent}, stream::DataEvent,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -17,6 +17,7 @@ pub enum Event {
     /// The fixed part of a stack record; the raw user stack is in [`data_payload`].
     Stack(StackEvent),
     Sched(SchedEvent),
+    Mem(MemEvent),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -41,6 +42,7 @@ impl Event {
             Event::Data(e) => &e.hdr,
             Event::Stack(e) => &e.hdr,
             Event::Sched(e) => &e.hdr,
+            Event::Mem(e) => &e.hdr,
         }
     }
     pub fn kind(&self) -> EventKind {
@@ -54,6 +56,7 @@ impl Event {
             Event::Data(_) => EventKind::Data,
             Event::Stack(_) => EventKind::Stack,
             Event::Sched(_) => EventKind::Sched,
+            Event::Mem(_) => EventKind::Mem,
         }
     }
 }
@@ -101,6 +104,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Data => Event::Data(read_var(bytes, kind, |e: &DataEvent| e.captured)?),
         EventKind::Stack => Event::Stack(read_var(bytes, kind, |e: &StackEvent| e.ustack_bytes)?),
         EventKind::Sched => Event::Sched(read(bytes, kind)?),
+        EventKind::Mem => Event::Mem(read(bytes, kind)?),
     })
 }
 

@@ -26,7 +26,8 @@ enum Command {
         /// Recording directory (created). Default: probe-PID-UNIXTIME in the current directory.
         #[arg(long)]
         out: Option<PathBuf>,
-        /// Only these probes (comma separated): blockio, fault, filemap, mmap, sock, stream, proc.
+        /// Only these probes (comma separated): blockio, fault, filemap, mmap, sock, stream, cpu,
+        /// offcpu, mem, proc.
         /// A named probe that cannot attach is an error; by default such probes are skipped.
         #[arg(long, value_delimiter = ',')]
         probes: Option<Vec<String>>,
@@ -43,6 +44,13 @@ enum Command {
         /// default: only request metadata (timing, sizes, stop reasons) is kept.
         #[arg(long)]
         capture_text: bool,
+        /// GPU (NVML), CPU-frequency and memory-pressure samples per second; 0 turns them off.
+        #[arg(long, default_value_t = 10.0)]
+        sample_hz: f64,
+        /// Do not poll the server's own endpoints (llama.cpp /metrics and /props, vLLM /metrics,
+        /// Ollama /api/ps) on the ports it listens on.
+        #[arg(long)]
+        no_poll: bool,
     },
     /// Read a recording directory again and print its summary (or its JSON).
     Report {
@@ -107,7 +115,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace { pid, duration, out, probes, ring_mb, json, hz, capture_text } => {
+        Command::Trace { pid, duration, out, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll } => {
             if !ring_mb.is_power_of_two() {
                 anyhow::bail!("--ring-mb must be a power of two (got {ring_mb})");
             }
@@ -123,6 +131,8 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 ring_bytes: ring_mb << 20,
                 capture_text,
                 sample_hz: hz,
+                host_hz: sample_hz.max(0.0),
+                poll: !no_poll,
                 started,
             })?;
             if json {

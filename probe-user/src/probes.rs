@@ -21,7 +21,7 @@ use crate::{procfs, tracefs};
 /// The compiled kernel object, built by build.rs from probe-ebpf.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/probe"));
 
-pub const SUBSYSTEMS: [&str; 9] = ["blockio", "fault", "filemap", "mmap", "sock", "stream", "cpu", "offcpu", "proc"];
+pub const SUBSYSTEMS: [&str; 10] = ["blockio", "fault", "filemap", "mmap", "sock", "stream", "cpu", "offcpu", "mem", "proc"];
 
 #[derive(Clone, Copy, Debug)]
 enum How {
@@ -89,6 +89,13 @@ const TABLE: &[Spec] = &[
     s("sock", "sock_close", How::Syscall("sys_enter_close"), false),
     s("cpu", "cpu_sample", How::PerfCpuClock, true),
     s("offcpu", "sched_switch", How::Tracepoint(&tp::sched_switch::LAYOUT), true),
+    s("mem", "direct_reclaim_begin", How::Plain("vmscan", "mm_vmscan_direct_reclaim_begin"), true),
+    s("mem", "direct_reclaim_end", How::Tracepoint(&tp::mm_vmscan_direct_reclaim_end::LAYOUT), true),
+    s("mem", "memcg_reclaim_begin", How::Plain("vmscan", "mm_vmscan_memcg_reclaim_begin"), false),
+    s("mem", "memcg_reclaim_end", How::Tracepoint(&tp::mm_vmscan_memcg_reclaim_end::LAYOUT), false),
+    s("mem", "compaction_begin", How::Plain("compaction", "mm_compaction_begin"), false),
+    s("mem", "compaction_end", How::Tracepoint(&tp::mm_compaction_end::LAYOUT), false),
+    s("mem", "oom_mark_victim", How::Tracepoint(&tp::mark_victim::LAYOUT), false),
     s("stream", "read_enter", How::Syscall("sys_enter_read"), true),
     s("stream", "read_exit", How::Syscall("sys_exit_read"), true),
     s("stream", "write_enter", How::Syscall("sys_enter_write"), true),

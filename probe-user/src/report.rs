@@ -37,6 +37,12 @@ pub struct Report {
     pub unwind: Unwind,
     /// Every HTTP request seen on the target's sockets, in arrival order.
     pub requests: Vec<RequestRecord>,
+    /// GPU, CPU frequency, memory pressure, model-file residency, the server's own endpoints.
+    #[serde(default)]
+    pub system: crate::system::System,
+    /// Requests probe itself made to the server's endpoints (left out of `requests`).
+    #[serde(default)]
+    pub probe_polls: u64,
     pub lost_events: BTreeMap<String, u64>,
     pub counters: BTreeMap<String, u64>,
     pub probes: Value,
@@ -369,6 +375,7 @@ pub fn build(rec: &Recording) -> Report {
         let comm = if pid == r.target.pid { r.target.comm.clone() } else { String::new() };
         procs.insert(pid, Process { pid, comm, ..Default::default() });
     }
+    let mut mem_events = Vec::new();
     let mut conns: Vec<(u64, Connection, bool)> = Vec::new(); // (skaddr, row, open)
     let mut conn_index: HashMap<u64, usize> = HashMap::new();
 
@@ -445,8 +452,10 @@ pub fn build(rec: &Recording) -> Report {
             // Stream bytes (present only with --capture-text) are summarised in request records;
             // stacks are unwound while tracing and kept as stack records.
             Event::Data(_) | Event::Stack(_) | Event::Sched(_) => {}
+            Event::Mem(m) => mem_events.push(m),
         }
     }
+    r.system = crate::system::build(&rec.json, &mem_events, start);
 
     // Block IO: totals, per device, and per file by the thread that filled the page cache.
     let mut devs: BTreeMap<u32, (Device, Vec<f64>, Vec<f64>)> = BTreeMap::new();
@@ -497,7 +506,17 @@ pub fn build(rec: &Recording) -> Report {
     r.files = files.into_values().collect();
     r.files.sort_by(|a, b| b.read_bytes.cmp(&a.read_bytes).then(b.major_faults.cmp(&a.major_faults)).then(a.path.cmp(&b.path)));
     r.faults.minor = r.counters.get("user_faults").map(|&all| all.saturating_sub(r.faults.major));
-    r.connections = conns.into_iter().map(|(_, c, _)| c).collect();
+    // probe's own polls of the server's endpoints are not the server's traffic.
+    let polls = crate::system::poll_ports(&rec.json);
+    let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+    let ours = |peer: &str, local: &str, role: &str| {
+        let p = if role == "client" { port_of(local) } else { port_of(peer) };
+        p.is_some_and(|p| polls.contains(&p))
+    };
+    let before = r.requests.len();
+    r.requests.retain(|q| !ours(&q.peer, &q.local, &q.role));
+    r.probe_polls = (before - r.requests.len()) as u64;
+    r.connections = conns.into_iter().map(|(_, c, _)| c).filter(|c| !port_of(&c.peer).is_some_and(|p| polls.contains(&p))).collect();
     r.target.processes = procs.into_values().collect();
     r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
     verdicts(rec, &mut r, start, &fills, &file_maps, &file_names);
@@ -532,6 +551,36 @@ fn verdicts(
         }
     }
     let offcpu_probe = r.probes.as_array().into_iter().flatten().any(|p| p["name"] == "offcpu" && p["live"] == true);
+    // Memory stalls the target lived on the CPU (reclaim, compaction) and OOM kills.
+    for e in rec.events.iter().filter_map(|e| if let Event::Mem(m) = e { Some(m) } else { None }) {
+        match e.what {
+            probe_common::mem::MEM_OOM_VICTIM => {}
+            _ => mem_waits.push((e.begin_ns, e.hdr.ts_ns)),
+        }
+    }
+    let oom_kills: Vec<u64> = rec
+        .events
+        .iter()
+        .filter_map(|e| if let Event::Mem(m) = e { Some(m) } else { None })
+        .filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM)
+        .map(|m| m.hdr.ts_ns)
+        .collect();
+    let (gpu_clocks, cpu_clocks) = crate::system::clock_series(&rec.json);
+    let sys = &r.system;
+    let power_absent = (gpu_clocks.is_empty() && cpu_clocks.is_empty()).then(|| {
+        let gpu = sys.gpu.absent.clone().unwrap_or_else(|| "GPU clocks not sampled".into());
+        let cpu = sys.cpu_freq.absent.clone().unwrap_or_else(|| "CPU frequency not sampled".into());
+        format!("{gpu}; {cpu}")
+    });
+    let polls: Vec<&Value> = rec.json.iter().filter(|v| v["type"] == "endpoint" && v["kind"] != "none").collect();
+    let sleeping_before = |t: u64| polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= t).is_some_and(|v| v["props"]["is_sleeping"] == true);
+    let deferred_in = |from: u64, to: u64| {
+        polls
+            .iter()
+            .filter(|v| (from..=to + 1_000_000_000).contains(&json_u64(v, "ts_ns")))
+            .filter_map(|v| v["metrics"]["llamacpp:requests_deferred"].as_f64().or(v["metrics"]["vllm:num_requests_waiting"].as_f64()))
+            .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
+    };
     let lost: u64 = r.lost_events.values().sum();
     let name = |k: &(u32, u32, u64)| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
     // When each request was being served: from the start of its prompt processing (its last
@@ -556,7 +605,7 @@ fn verdicts(
         .collect();
     for q in r.requests.iter_mut() {
         let Some(a) = q.arrival_ms else {
-            q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, ..Default::default() }));
+            q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, power_absent: power_absent.clone(), ..Default::default() }));
             continue;
         };
         let from = start + (a * 1e6) as u64;
@@ -578,6 +627,12 @@ fn verdicts(
             others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),
             lost_events: lost,
             offcpu_probe,
+            oom_kills: oom_kills.clone(),
+            gpu_clocks: gpu_clocks.clone(),
+            cpu_clocks: cpu_clocks.clone(),
+            power_absent: power_absent.clone(),
+            server_sleeping: sleeping_before(from),
+            server_deferred: deferred_in(from, to),
         };
         q.verdict = Some(crate::verdict::attribute(q, &w));
     }

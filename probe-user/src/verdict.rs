@@ -28,6 +28,35 @@ pub struct Window {
     /// Events lost anywhere in the trace, and the share of stacks unwound.
     pub lost_events: u64,
     pub offcpu_probe: bool,
+    /// OOM kills of a target process (time).
+    pub oom_kills: Vec<u64>,
+    /// GPU readings: (time, device, SM clock as a share of its working clock, P-state).
+    pub gpu_clocks: Vec<(u64, u32, f64, Option<u32>)>,
+    /// CPU readings: (time, mean current/max frequency).
+    pub cpu_clocks: Vec<(u64, f64)>,
+    /// Why there are no clock readings, when there are none.
+    pub power_absent: Option<String>,
+    /// The server said it was sleeping (model unloaded) at its last poll before arrival.
+    pub server_sleeping: bool,
+    /// Highest count of requests the server reported deferred (queued) in the window.
+    pub server_deferred: Option<f64>,
+}
+
+/// A clock below this share of its working level at arrival is a low power state...
+const LOW_CLOCK: f64 = 0.7;
+/// ...and it has ramped once it reaches this share.
+const WORKING_CLOCK: f64 = 0.9;
+
+/// How long a clock took to ramp after `from`: (ms, share at arrival), when it was low at
+/// arrival and reached its working level before `until` (a device that never did was not the
+/// one doing the work). `series` is in time order.
+pub fn ramp_ms(series: &[(u64, f64)], from: u64, until: u64) -> Option<(f64, f64)> {
+    let at = series.iter().rev().find(|(t, _)| *t <= from).or_else(|| series.iter().find(|(t, _)| *t <= from + 50_000_000))?.1;
+    if at >= LOW_CLOCK {
+        return None;
+    }
+    let up = series.iter().find(|(t, c)| *t > from && *t <= until && *c >= WORKING_CLOCK)?.0;
+    Some(((up - from) as f64 / 1e6, at))
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -80,6 +109,19 @@ fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
 }
 
+/// A close after a long silence is a deadline: ≥ 1 s since the last chunk (or since arrival if
+/// none came) and ≥ 10 times the request's median gap between chunks. A reader that goes away
+/// while tokens flow closes within a gap or two.
+pub fn idle_before_close_ms(q: &RequestRecord) -> Option<f64> {
+    let end = q.closed_ms.or(q.end_ms)?;
+    let last = q.chunk_times_ms.last().copied().unwrap_or(q.ttft_ms.filter(|_| q.chunks > 0).unwrap_or(0.0));
+    let idle = end - last;
+    let mut gaps: Vec<f64> = q.chunk_times_ms.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort_by(|a, b| a.total_cmp(b));
+    let median = gaps.get(gaps.len() / 2).copied().unwrap_or(0.0);
+    (idle >= 1000.0 && idle >= 10.0 * median).then_some(idle)
+}
+
 pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
     let s = &q.stop;
     let produced = q
@@ -93,8 +135,7 @@ pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
     let cause = if s.error.is_some() || q.status.is_some_and(|c| c >= 400) {
         "server_error"
     } else if !q.complete && q.closed_by == "client" {
-        let idle = q.chunk_times_ms.last().zip(q.end_ms).map(|(l, e)| e - l).unwrap_or(0.0);
-        if idle >= 5000.0 { "deadline" } else { "client_disconnect" }
+        if idle_before_close_ms(q).is_some() { "deadline" } else { "client_disconnect" }
     } else if !q.complete && q.closed_by == "server_abort" {
         "crash"
     } else if length {
@@ -113,7 +154,11 @@ pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
         "server_limit" => Some(format!("stopped at length after {produced} tokens, below the requested {}: the server's context (slot or KV pool) ran out", q.max_tokens.unwrap_or(0))),
         "requested_limit" => Some(format!("stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string()))),
         "client_disconnect" => Some(format!("the client closed the connection after {} chunks, before the response ended", q.chunks)),
-        "deadline" => Some("the peer closed after 5 s or more without a chunk: a timeout (gateway or client)".to_string()),
+        "deadline" => Some(format!(
+            "the peer (client or gateway) closed after {:.1} s without a chunk{}: a timeout, not a reader that went away",
+            idle_before_close_ms(q).unwrap_or(0.0) / 1e3,
+            if q.chunks == 0 { " (none had come)" } else { "" }
+        )),
         "server_error" => Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default())),
         _ => None,
     };
@@ -122,7 +167,14 @@ pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
 
 pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
     let mut v = Verdict::default();
-    let (stop, why) = stop_cause(q);
+    let (mut stop, mut why) = stop_cause(q);
+    if let Some(arrival) = q.arrival_ms.map(|_| w.arrival_ns) {
+        let end = arrival + (q.end_ms.unwrap_or(0.0) * 1e6) as u64 + 2_000_000_000;
+        if !q.complete && w.oom_kills.iter().any(|&t| t >= arrival && (q.closed_by == "open" || t <= end)) {
+            stop = "oom".into();
+            why = Some("the kernel's OOM killer killed the server process while it served this request".into());
+        }
+    }
     v.stop_cause = stop;
     v.evidence.extend(why);
     if q.partial {
@@ -134,7 +186,9 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
     if !w.offcpu_probe {
         v.data_quality.push("the offcpu probe was not live: disk and memory waits are not measured".into());
     }
-    v.data_quality.push("no power data: GPU and CPU clocks are not sampled yet".into());
+    if let Some(why) = &w.power_absent {
+        v.data_quality.push(format!("no power data: {why}"));
+    }
     let Some(ttft) = q.ttft_ms else {
         v.slow_cause = "none".into();
         return v;
@@ -158,12 +212,44 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
     let timings = q.stop.server_timings.as_ref();
     let prompt = timings.and_then(|t| t["prompt_ms"].as_f64()).unwrap_or(0.0);
     let generated = if q.stream == Some(false) { timings.and_then(|t| t["predicted_ms"].as_f64()).unwrap_or(0.0) } else { 0.0 };
-    let compute = (prompt + generated).min(ttft);
-    let known = disk + memory + load + compute;
+    // Power: a GPU or the CPUs were below their working clock at arrival; the ramp is the time
+    // until they reached it, less what disk, memory and load already explain.
+    let until = from + (q.end_ms.unwrap_or(ttft).max(ttft) * 1e6) as u64;
+    let mut ramp: Option<(f64, String)> = None;
+    let mut devices: Vec<u32> = w.gpu_clocks.iter().map(|g| g.1).collect();
+    devices.dedup();
+    devices.sort_unstable();
+    devices.dedup();
+    for d in devices {
+        let series: Vec<(u64, f64)> = w.gpu_clocks.iter().filter(|g| g.1 == d).map(|g| (g.0, g.2)).collect();
+        if let Some((ms, at)) = ramp_ms(&series, from, until) {
+            let p = w.gpu_clocks.iter().rev().find(|g| g.1 == d && g.0 <= from).and_then(|g| g.3).map(|p| format!(", P{p}")).unwrap_or_default();
+            if ramp.as_ref().is_none_or(|r| ms > r.0) {
+                ramp = Some((ms, format!("GPU {d} SM clock at {:.0}% of its working clock at arrival{p}; {ms:.0} ms to ramp up", at * 100.0)));
+            }
+        }
+    }
+    if let Some((ms, at)) = ramp_ms(&w.cpu_clocks, from, until) {
+        if ramp.as_ref().is_none_or(|r| ms > r.0) {
+            ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
+        }
+    }
+    let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - load).max(0.0)));
+    let compute = (prompt + generated).min((ttft - disk - memory - load - power).max(0.0));
+    let known = disk + memory + load + power + compute;
     let left = (ttft - known).max(0.0);
     let busy = union_ms(&w.others, from, to);
     let queue = left.min(busy);
-    let split = Split { queue, disk, memory, power: 0.0, load, compute, unexplained: (left - queue).max(0.0) };
+    let split = Split { queue, disk, memory, power, load, compute, unexplained: (left - queue).max(0.0) };
+    if let Some((_, e)) = &ramp {
+        v.evidence.push(e.clone());
+    }
+    if w.server_sleeping {
+        v.evidence.push("the server reported itself sleeping (model unloaded) before this request arrived".into());
+    }
+    if let Some(n) = w.server_deferred.filter(|&n| n >= 1.0) {
+        v.evidence.push(format!("the server reported up to {n:.0} deferred request(s) (no free slot) meanwhile"));
+    }
     if disk > 0.0 || read > 0 {
         let mut files: Vec<String> = w.files_read.iter().take(3).map(|(p, b, _)| format!("{p} ({})", mib(*b))).collect();
         if files.is_empty() {
@@ -175,7 +261,7 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
         v.evidence.push(format!("{p} was mapped {:.0} ms after arrival and read from disk: a model (re)load", t.saturating_sub(from) as f64 / 1e6));
     }
     if memory > 0.0 {
-        v.evidence.push(format!("{memory:.0} ms in memory reclaim or compaction"));
+        v.evidence.push(format!("{memory:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)"));
     }
     if queue >= 1.0 {
         v.evidence.push(format!("{queue:.0} ms waiting while other requests were served"));
@@ -184,7 +270,7 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
         v.evidence.push(format!("{compute:.0} ms of prompt processing{} (server's timings)", if generated > 0.0 { " and generation" } else { "" }));
     }
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
-    let candidates = [("disk", disk), ("memory", memory), ("load", load), ("queue", queue)];
+    let candidates = [("disk", disk), ("memory", memory), ("load", load), ("power", power), ("queue", queue)];
     let (name, ms) = candidates.iter().copied().fold(("none", 0.0), |a, b| if b.1 > a.1 { b } else { a });
     v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
         name.into()
@@ -243,6 +329,54 @@ mod tests {
         assert_eq!(v.slow_cause, "queue");
         let s = v.ttft_ms.unwrap();
         assert_eq!((s.queue, s.compute, s.unexplained), (850.0, 40.0, 10.0));
+    }
+
+    #[test]
+    fn low_clock_at_arrival_is_power() {
+        let ms = 1_000_000u64;
+        let mut q = req(400.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 380.0}));
+        // GPU 0 idles at 20% until 150 ms after arrival; GPU 1 is never used (stays low).
+        let mut gpu: Vec<(u64, u32, f64, Option<u32>)> = (0..10).map(|i| (i * 50 * ms, 0, if i < 5 { 0.2 } else { 1.0 }, Some(if i < 5 { 8 } else { 0 }))).collect();
+        gpu.extend((0..10).map(|i| (i * 50 * ms, 1, 0.1, Some(8))));
+        let w = Window { arrival_ns: 100 * ms, gpu_clocks: gpu, offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!(s.power, 150.0);
+        assert_eq!(s.compute, 250.0);
+        assert_eq!(v.slow_cause, "power");
+        assert!(v.evidence.iter().any(|e| e.contains("GPU 0 SM clock at 20%") && e.contains("P8")), "{:?}", v.evidence);
+        // Clocks already up at arrival: no power share.
+        let w = Window { arrival_ns: 300 * ms, gpu_clocks: w.gpu_clocks.clone(), offcpu_probe: true, ..Default::default() };
+        assert_eq!(attribute(&q, &w).ttft_ms.unwrap().power, 0.0);
+        assert_eq!(ramp_ms(&[(0, 0.5), (10, 0.6)], 5, 100), None, "never reached its working clock");
+    }
+
+    #[test]
+    fn an_oom_kill_in_the_window_is_the_stop_cause() {
+        let mut q = req(10.0);
+        q.arrival_ms = Some(0.0);
+        q.complete = false;
+        q.closed_by = "server_abort".into();
+        q.end_ms = Some(500.0);
+        let w = Window { arrival_ns: 1_000_000_000, oom_kills: vec![1_400_000_000], ..Default::default() };
+        assert_eq!(attribute(&q, &w).stop_cause, "oom");
+        let w = Window { arrival_ns: 1_000_000_000, oom_kills: vec![900_000_000], ..Default::default() };
+        assert_eq!(attribute(&q, &w).stop_cause, "crash");
+    }
+
+    #[test]
+    fn silence_before_the_close_is_a_deadline() {
+        let mut q = req(10.0);
+        q.complete = false;
+        q.closed_by = "client".into();
+        q.chunks = 4;
+        q.chunk_times_ms = vec![10.0, 20.0, 30.0, 40.0];
+        q.closed_ms = Some(2040.0);
+        assert_eq!(stop_cause(&q).0, "deadline");
+        assert!(stop_cause(&q).1.unwrap().contains("2.0 s"));
+        q.closed_ms = Some(45.0); // the reader left while tokens flowed
+        assert_eq!(stop_cause(&q).0, "client_disconnect");
     }
 
     #[test]

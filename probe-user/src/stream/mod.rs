@@ -73,6 +73,9 @@ pub struct RequestRecord {
     pub bytes_not_captured: u64,
     /// Stream messages that could not be read (cut by the capture limit, not JSON).
     pub messages_unread: u64,
+    /// When the first close (FIN) or reset of the connection was seen, ms after arrival.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub closed_ms: Option<f64>,
     /// Why it was slow and why it stopped (added by the report).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verdict: Option<crate::verdict::Verdict>,
@@ -111,6 +114,8 @@ struct Conn {
     seen_any: bool,
     /// Who closed first ("client" / "server_abort") and resets.
     closer: Option<&'static str>,
+    /// When the first close or reset was seen (ns).
+    closed_at: Option<u64>,
     reset: &'static str,
 }
 
@@ -162,6 +167,7 @@ impl Tracker {
             pending: VecDeque::new(),
             seen_any: false,
             closer: None,
+            closed_at: None,
             reset: "none",
         });
         let first = !conn.seen_any;
@@ -428,6 +434,11 @@ impl Tracker {
         let client_side = conn.req_dir == Some(DIR_RECV);
         // "peer" is the other end; for a server that is the client.
         let (peer_word, local_word) = if client_side { ("client", "server_abort") } else { ("server_abort", "client") };
+        let closing = matches!(ev.what, SOCK_RESET_RECEIVED | SOCK_RESET_SENT)
+            || (ev.what == SOCK_STATE && matches!(ev.newstate, TCP_CLOSE_WAIT | TCP_FIN_WAIT1 | TCP_CLOSE));
+        if closing {
+            conn.closed_at.get_or_insert(ev.hdr.ts_ns);
+        }
         match ev.what {
             SOCK_RESET_RECEIVED => {
                 conn.closer.get_or_insert(peer_word);
@@ -543,6 +554,9 @@ fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, ts: u64, keep_text: bool) {
 }
 
 fn finalize(mut p: Pending, conn: &Conn, closed_by: &str) -> RequestRecord {
+    if let (Some(c), Some(a)) = (conn.closed_at, p.arrival_ns) {
+        p.rec.closed_ms = Some(c.saturating_sub(a) as f64 / 1e6);
+    }
     p.rec.closed_by = if p.rec.complete { "server".into() } else { closed_by.into() };
     p.rec.reset = conn.reset.into();
     p.rec.ttft_ms = p.rec.chunk_times_ms.first().copied();

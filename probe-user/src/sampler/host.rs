@@ -1,0 +1,157 @@
+//! Host readings from /proc and /sys: CPU frequency (cpufreq), memory pressure (PSI, vmstat
+//! reclaim/compaction/swap/OOM counters), the target's RSS and its memory cgroup. Each reader
+//! returns `None` where the kernel does not offer it, so a VM without cpufreq just has no CPU
+//! clock track.
+use serde::{Deserialize, Serialize};
+
+/// Current and highest frequency of every CPU with cpufreq, kHz.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct CpuFreq {
+    pub cur_khz: Vec<u64>,
+    pub max_khz: Vec<u64>,
+}
+
+pub fn cpufreq() -> Option<CpuFreq> {
+    let mut f = CpuFreq::default();
+    for cpu in 0.. {
+        let dir = format!("/sys/devices/system/cpu/cpu{cpu}");
+        if !std::path::Path::new(&dir).exists() {
+            break;
+        }
+        let read = |name: &str| std::fs::read_to_string(format!("{dir}/cpufreq/{name}")).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        let (Some(cur), Some(max)) = (read("scaling_cur_freq"), read("cpuinfo_max_freq")) else { continue };
+        f.cur_khz.push(cur);
+        f.max_khz.push(max);
+    }
+    (!f.cur_khz.is_empty()).then_some(f)
+}
+
+/// Memory pressure, system-wide and for the target.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Mem {
+    /// PSI memory "some" and "full" stall totals, µs since boot.
+    pub psi_some_us: Option<u64>,
+    pub psi_full_us: Option<u64>,
+    /// PSI io "some" total, µs.
+    pub psi_io_some_us: Option<u64>,
+    /// /proc/vmstat counters (pages / events since boot).
+    pub pgscan_direct: u64,
+    pub allocstall: u64,
+    pub compact_stall: u64,
+    pub pswpin: u64,
+    pub pgmajfault: u64,
+    pub oom_kill: u64,
+    pub mem_available_kib: Option<u64>,
+    /// The target's resident memory (KiB): all, file-backed, anonymous.
+    pub rss_kib: Option<u64>,
+    pub rss_file_kib: Option<u64>,
+    pub rss_anon_kib: Option<u64>,
+    /// The target's memory cgroup: usage and limit (bytes), failcnt / max events.
+    pub cgroup: Option<String>,
+    pub cgroup_usage: Option<u64>,
+    pub cgroup_limit: Option<u64>,
+    pub cgroup_limit_hits: Option<u64>,
+}
+
+fn psi_total(text: &str, kind: &str) -> Option<u64> {
+    text.lines().find(|l| l.starts_with(kind))?.split_whitespace().find_map(|w| w.strip_prefix("total="))?.parse().ok()
+}
+
+fn vmstat(text: &str, m: &mut Mem) {
+    for l in text.lines() {
+        let mut it = l.split_whitespace();
+        let (Some(k), Some(v)) = (it.next(), it.next().and_then(|v| v.parse::<u64>().ok())) else { continue };
+        match k {
+            "pgscan_direct" => m.pgscan_direct = v,
+            "compact_stall" => m.compact_stall = v,
+            "pswpin" => m.pswpin = v,
+            "pgmajfault" => m.pgmajfault = v,
+            "oom_kill" => m.oom_kill = v,
+            k if k.starts_with("allocstall_") => m.allocstall += v,
+            _ => {}
+        }
+    }
+}
+
+fn status_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix(key))?.split_whitespace().next()?.parse().ok()
+}
+
+/// The memory cgroup directory of `pid` (v1 `memory` controller, else the v2 unified one).
+pub fn memory_cgroup(pid: u32) -> Option<std::path::PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    for l in text.lines() {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if ctrl.split(',').any(|c| c == "memory") {
+            return Some(std::path::PathBuf::from(format!("/sys/fs/cgroup/memory{path}")));
+        }
+    }
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    for root in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
+        let dir = std::path::PathBuf::from(format!("{root}{path}"));
+        if dir.join("memory.current").exists() {
+            return Some(dir);
+        }
+    }
+    None
+}
+
+pub fn mem(pid: u32, cgroup: Option<&std::path::Path>) -> Mem {
+    let mut m = Mem::default();
+    if let Ok(t) = std::fs::read_to_string("/proc/pressure/memory") {
+        m.psi_some_us = psi_total(&t, "some");
+        m.psi_full_us = psi_total(&t, "full");
+    }
+    if let Ok(t) = std::fs::read_to_string("/proc/pressure/io") {
+        m.psi_io_some_us = psi_total(&t, "some");
+    }
+    if let Ok(t) = std::fs::read_to_string("/proc/vmstat") {
+        vmstat(&t, &mut m);
+    }
+    if let Ok(t) = std::fs::read_to_string("/proc/meminfo") {
+        m.mem_available_kib = status_kib(&t, "MemAvailable:");
+    }
+    if let Ok(t) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+        m.rss_kib = status_kib(&t, "VmRSS:");
+        m.rss_file_kib = status_kib(&t, "RssFile:");
+        m.rss_anon_kib = status_kib(&t, "RssAnon:");
+    }
+    if let Some(dir) = cgroup {
+        let num = |name: &str| std::fs::read_to_string(dir.join(name)).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        m.cgroup = Some(dir.display().to_string());
+        if dir.join("memory.limit_in_bytes").exists() {
+            m.cgroup_usage = num("memory.usage_in_bytes");
+            m.cgroup_limit = num("memory.limit_in_bytes").filter(|&l| l < (1 << 62));
+            m.cgroup_limit_hits = num("memory.failcnt");
+        } else {
+            m.cgroup_usage = num("memory.current");
+            m.cgroup_limit = num("memory.max");
+            m.cgroup_limit_hits = std::fs::read_to_string(dir.join("memory.events")).ok().and_then(|t| status_kib(&t, "max "));
+        }
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_psi_and_vmstat() {
+        let psi = "some avg10=0.00 avg60=0.00 avg300=0.00 total=1234\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=56\n";
+        assert_eq!(psi_total(psi, "some"), Some(1234));
+        assert_eq!(psi_total(psi, "full"), Some(56));
+        let mut m = Mem::default();
+        vmstat("pgscan_direct 10\nallocstall_normal 2\nallocstall_movable 3\noom_kill 1\npswpin 0\n", &mut m);
+        assert_eq!((m.pgscan_direct, m.allocstall, m.oom_kill), (10, 5, 1));
+        assert_eq!(status_kib("Name:\tx\nVmRSS:\t  1024 kB\n", "VmRSS:"), Some(1024));
+    }
+
+    #[test]
+    fn reads_this_process() {
+        let me = std::process::id();
+        let m = mem(me, memory_cgroup(me).as_deref());
+        assert!(m.rss_kib.unwrap_or(0) > 0, "{m:?}");
+    }
+}

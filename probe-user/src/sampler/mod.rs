@@ -1,0 +1,206 @@
+//! Samplers that run beside the kernel probes, on the same CLOCK_MONOTONIC clock: GPU clocks and
+//! memory (NVML, behind a trait), CPU frequency, memory pressure and the target's RSS (10 Hz by
+//! default), page-cache residency of the model files (every second, at the end, and on SIGUSR1),
+//! and the server's own endpoints (every second). Each reading becomes a JSON record in the
+//! recording; a source the machine lacks is described once in the `samplers` record, never an error.
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+
+use crate::{monotonic_ns, procfs};
+
+pub mod endpoints;
+pub mod gpu;
+pub mod host;
+pub mod residency;
+
+/// Files at least this big that the target maps or opens are watched for residency (weights).
+pub const MODEL_FILE_MIN_BYTES: u64 = 16 << 20;
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub pid: u32,
+    /// GPU / CPU-frequency / memory samples per second; 0 turns them off.
+    pub hz: f64,
+    /// Poll the server's HTTP endpoints.
+    pub poll: bool,
+}
+
+pub struct Sampler {
+    rx: mpsc::Receiver<Value>,
+    stop: Arc<AtomicBool>,
+    snapshot: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+fn targets(root: u32) -> Vec<u32> {
+    let mut t = vec![root];
+    t.extend(procfs::descendants(root));
+    t
+}
+
+impl Sampler {
+    pub fn start(opts: Options) -> Sampler {
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let snapshot = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        {
+            let (tx, stop, snapshot, opts) = (tx.clone(), stop.clone(), snapshot.clone(), opts.clone());
+            threads.push(std::thread::Builder::new().name("probe-sample".into()).spawn(move || sample_loop(&opts, &tx, &stop, &snapshot)).expect("spawn sampler"));
+        }
+        if opts.poll {
+            let stop = stop.clone();
+            threads.push(std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(opts.pid, &tx, &stop)).expect("spawn poller"));
+        }
+        Sampler { rx, stop, snapshot, threads }
+    }
+
+    /// Records gathered since the last call.
+    pub fn drain(&self) -> Vec<Value> {
+        self.rx.try_iter().collect()
+    }
+
+    /// Measure residency now (SIGUSR1).
+    pub fn snapshot_now(&self) {
+        self.snapshot.store(true, Ordering::Relaxed);
+    }
+
+    /// Stop the threads (they take a last residency and memory reading) and return what is left.
+    pub fn stop(mut self) -> Vec<Value> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.drain()
+    }
+}
+
+/// Sleep up to `d` in small steps, returning early when stopped.
+fn nap(d: Duration, stop: &AtomicBool) {
+    let until = Instant::now() + d;
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if now >= until {
+            break;
+        }
+        std::thread::sleep((until - now).min(Duration::from_millis(20)));
+    }
+}
+
+fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snapshot: &AtomicBool) {
+    let mut gpu = gpu::open();
+    let freq = host::cpufreq();
+    let cgroup = host::memory_cgroup(opts.pid);
+    let mut info = json!({
+        "type": "samplers", "ts_ns": monotonic_ns(), "hz": opts.hz,
+        "cpufreq_max_khz": freq.as_ref().map(|f| f.max_khz.clone()),
+        "psi": std::path::Path::new("/proc/pressure/memory").exists(),
+        "memory_cgroup": cgroup.as_ref().map(|c| c.display().to_string()),
+    });
+    match &mut gpu {
+        Ok(g) => info["gpus"] = json!(g.devices()),
+        Err(why) => info["gpu_absent"] = json!(why),
+    }
+    if freq.is_none() {
+        info["cpufreq_absent"] = json!("no cpufreq in this kernel (VM or driver): CPU clocks not sampled");
+    }
+    let _ = tx.send(info);
+    let mut files: Vec<String> = Vec::new();
+    let mut pids = targets(opts.pid);
+    let mut last_slow: Option<Instant> = None;
+    let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
+    loop {
+        let stopping = stop.load(Ordering::Relaxed);
+        let slow_due = last_slow.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+        if slow_due || stopping {
+            last_slow = Some(Instant::now());
+            pids = targets(opts.pid);
+        }
+        if opts.hz > 0.0 || stopping {
+            if let Ok(g) = &mut gpu {
+                let s = g.sample(&pids);
+                if !s.is_empty() {
+                    let _ = tx.send(json!({"type": "gpu", "ts_ns": monotonic_ns(), "gpus": s}));
+                }
+            }
+            if freq.is_some() {
+                if let Some(f) = host::cpufreq() {
+                    let _ = tx.send(json!({"type": "cpufreq", "ts_ns": monotonic_ns(), "cur_khz": f.cur_khz}));
+                }
+            }
+            let mut m = host::mem(opts.pid, cgroup.as_deref());
+            // Children (Ollama's runner) count towards the target's memory.
+            for &p in pids.iter().filter(|&&p| p != opts.pid) {
+                let c = host::mem(p, None);
+                for (a, b) in [(&mut m.rss_kib, c.rss_kib), (&mut m.rss_file_kib, c.rss_file_kib), (&mut m.rss_anon_kib, c.rss_anon_kib)] {
+                    *a = Some(a.unwrap_or(0) + b.unwrap_or(0));
+                }
+            }
+            let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
+            v["type"] = json!("mem");
+            v["ts_ns"] = json!(monotonic_ns());
+            let _ = tx.send(v);
+        }
+        let on_demand = snapshot.swap(false, Ordering::Relaxed);
+        if slow_due || stopping || on_demand {
+            for &p in &pids {
+                for f in residency::big_files(p, MODEL_FILE_MIN_BYTES) {
+                    if !files.contains(&f) {
+                        files.push(f);
+                    }
+                }
+            }
+            if !files.is_empty() {
+                let r: Vec<residency::Residency> = files.iter().filter_map(|f| residency::measure(f)).collect();
+                let why = if stopping { "end" } else if on_demand { "on_demand" } else { "periodic" };
+                let _ = tx.send(json!({"type": "residency", "ts_ns": monotonic_ns(), "why": why, "files": r}));
+            }
+        }
+        if stopping {
+            break;
+        }
+        nap(period, stop);
+    }
+}
+
+fn poll_loop(root: u32, tx: &mpsc::Sender<Value>, stop: &AtomicBool) {
+    let mut eps: Vec<endpoints::Endpoint> = Vec::new();
+    let mut dead: Vec<std::net::SocketAddr> = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        for pid in targets(root) {
+            for port in procfs::listen_ports(pid) {
+                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+                if !eps.iter().any(|e| e.addr == addr) && !dead.contains(&addr) {
+                    eps.push(endpoints::Endpoint::new(addr));
+                }
+            }
+        }
+        let mut i = 0;
+        while i < eps.len() {
+            let t = monotonic_ns();
+            match eps[i].poll() {
+                Some(mut rec) => {
+                    rec["ts_ns"] = json!(t);
+                    let _ = tx.send(rec);
+                    i += 1;
+                }
+                None if eps[i].kind.is_none() => {
+                    // Not HTTP (or not on loopback): stop asking.
+                    let _ = tx.send(json!({"type": "endpoint", "ts_ns": t, "addr": eps[i].addr.to_string(), "kind": "none", "local_ports": eps[i].local_ports}));
+                    dead.push(eps.remove(i).addr);
+                }
+                None => i += 1,
+            }
+        }
+        nap(Duration::from_secs(1), stop);
+    }
+}

@@ -1,0 +1,358 @@
+//! The machine around the target during a trace, from the sampler records and the mem probe:
+//! GPU clocks and memory, CPU frequency, memory pressure (PSI, reclaim, compaction, OOM kills,
+//! RSS, memory cgroup), the model files' page-cache residency and the server's own endpoints.
+//! Pure: records in, summary out.
+use std::collections::{BTreeMap, HashSet};
+
+use probe_common::mem::{MEM_COMPACTION, MEM_DIRECT_RECLAIM, MEM_MEMCG_RECLAIM, MEM_OOM_VICTIM, MemEvent};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::sampler::{gpu::GpuDevice, residency::Residency};
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct System {
+    pub gpu: Gpu,
+    pub cpu_freq: CpuFreq,
+    pub memory: Memory,
+    pub model_files: Vec<ModelFile>,
+    pub server: Vec<Endpoint>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Gpu {
+    /// Why GPU clocks were not sampled (no NVIDIA driver), if so.
+    pub absent: Option<String>,
+    pub devices: Vec<GpuDevice>,
+    pub samples: u64,
+    pub per_device: Vec<GpuStats>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuStats {
+    pub index: u32,
+    pub sm_mhz_min: Option<u32>,
+    pub sm_mhz_max: Option<u32>,
+    pub pstates: Vec<u32>,
+    pub power_w_max: Option<f64>,
+    pub util_gpu_max: Option<u32>,
+    pub vram_used_max: Option<u64>,
+    pub target_vram_max: Option<u64>,
+    /// Clock-event reasons seen, with how many samples had each.
+    pub reasons: BTreeMap<String, u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct CpuFreq {
+    pub absent: Option<String>,
+    pub samples: u64,
+    /// Mean over CPUs of current/max, lowest and highest seen.
+    pub share_min: Option<f64>,
+    pub share_max: Option<f64>,
+    pub max_mhz: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Stall {
+    pub count: u64,
+    pub total_ms: f64,
+    pub max_ms: f64,
+    /// Reclaim: pages reclaimed.
+    pub pages: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct OomKill {
+    pub t_ms: f64,
+    pub pid: u32,
+    pub rss_kib: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Memory {
+    /// In the target's threads (mem probe).
+    pub direct_reclaim: Stall,
+    pub memcg_reclaim: Stall,
+    pub compaction: Stall,
+    pub oom_kills: Vec<OomKill>,
+    /// System-wide during the trace (deltas of PSI totals and /proc/vmstat).
+    pub psi_some_ms: Option<f64>,
+    pub psi_full_ms: Option<f64>,
+    pub psi_io_some_ms: Option<f64>,
+    pub pgscan_direct: u64,
+    pub allocstall: u64,
+    pub compact_stall: u64,
+    pub pswpin: u64,
+    pub oom_kill_events: u64,
+    pub mem_available_min_kib: Option<u64>,
+    /// The target (and its children): resident memory, KiB.
+    pub rss_kib_start: Option<u64>,
+    pub rss_kib_max: Option<u64>,
+    pub rss_kib_end: Option<u64>,
+    pub rss_file_kib_max: Option<u64>,
+    pub cgroup: Option<String>,
+    pub cgroup_limit: Option<u64>,
+    pub cgroup_usage_max: Option<u64>,
+    pub cgroup_limit_hits: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ModelFile {
+    pub path: String,
+    pub bytes: u64,
+    /// Share of its pages in the page cache: first and last reading, lowest seen.
+    pub resident_start: f64,
+    pub resident_end: f64,
+    pub resident_min: f64,
+    pub readings: u64,
+    /// Pages evicted while tracing (cachestat), if known.
+    pub evicted: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Series {
+    pub first: f64,
+    pub last: f64,
+    pub max: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Endpoint {
+    pub addr: String,
+    pub kind: String,
+    pub polls: u64,
+    pub build_info: Option<String>,
+    pub model_path: Option<String>,
+    pub total_slots: Option<u64>,
+    /// llama.cpp: context per slot (tokens).
+    pub n_ctx_slot: Option<u64>,
+    /// llama.cpp: polls that found the server sleeping (model unloaded).
+    pub sleeping_polls: u64,
+    pub metrics_status: Option<u64>,
+    /// Prometheus series: first, last and highest value while tracing.
+    pub series: BTreeMap<String, Series>,
+    /// Ollama: models loaded at the last poll (name, size_vram, expires_at).
+    pub loaded_models: Vec<Value>,
+}
+
+fn u(v: &Value, k: &str) -> Option<u64> {
+    v.get(k).and_then(Value::as_u64)
+}
+
+/// Local ports of probe's own endpoint polls: requests from them are not the server's traffic.
+pub fn poll_ports(json: &[Value]) -> HashSet<u16> {
+    json.iter()
+        .filter(|v| v["type"] == "endpoint")
+        .flat_map(|v| v["local_ports"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p.as_u64().map(|p| p as u16))
+        .collect()
+}
+
+pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
+    let ms = |ts: u64| ts.saturating_sub(start) as f64 / 1e6;
+    let mut s = System::default();
+    let mut first_mem: Option<&Value> = None;
+    let mut last_mem: Option<&Value> = None;
+    let mut files: BTreeMap<String, ModelFile> = BTreeMap::new();
+    let mut first_evicted: BTreeMap<String, u64> = BTreeMap::new();
+    let mut eps: BTreeMap<String, Endpoint> = BTreeMap::new();
+    let cpu_maxes = cpu_max(json);
+    for v in json {
+        match v["type"].as_str() {
+            Some("samplers") => {
+                s.gpu.absent = v["gpu_absent"].as_str().map(String::from);
+                s.gpu.devices = serde_json::from_value(v["gpus"].clone()).unwrap_or_default();
+                s.cpu_freq.absent = v["cpufreq_absent"].as_str().map(String::from);
+                if let Some(m) = v["cpufreq_max_khz"].as_array() {
+                    s.cpu_freq.max_mhz = m.iter().filter_map(Value::as_f64).fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b)))).map(|k| k / 1e3);
+                }
+                s.memory.cgroup = v["memory_cgroup"].as_str().map(String::from);
+            }
+            Some("gpu") => {
+                s.gpu.samples += 1;
+                for g in v["gpus"].as_array().into_iter().flatten() {
+                    let i = u(g, "index").unwrap_or(0) as u32;
+                    let st = match s.gpu.per_device.iter().position(|d| d.index == i) {
+                        Some(p) => &mut s.gpu.per_device[p],
+                        None => {
+                            s.gpu.per_device.push(GpuStats { index: i, ..Default::default() });
+                            s.gpu.per_device.last_mut().expect("just pushed")
+                        }
+                    };
+                    if let Some(c) = u(g, "sm_mhz").map(|c| c as u32) {
+                        st.sm_mhz_min = Some(st.sm_mhz_min.map_or(c, |m| m.min(c)));
+                        st.sm_mhz_max = Some(st.sm_mhz_max.map_or(c, |m| m.max(c)));
+                    }
+                    if let Some(p) = u(g, "pstate").map(|p| p as u32) {
+                        if !st.pstates.contains(&p) {
+                            st.pstates.push(p);
+                            st.pstates.sort_unstable();
+                        }
+                    }
+                    if let Some(w) = g["power_w"].as_f64() {
+                        st.power_w_max = Some(st.power_w_max.map_or(w, |m| m.max(w)));
+                    }
+                    for (k, out) in [("util_gpu", &mut st.util_gpu_max)] {
+                        if let Some(x) = u(g, k).map(|x| x as u32) {
+                            *out = Some(out.map_or(x, |m| m.max(x)));
+                        }
+                    }
+                    for (k, out) in [("vram_used", &mut st.vram_used_max), ("target_vram", &mut st.target_vram_max)] {
+                        if let Some(x) = u(g, k) {
+                            *out = Some(out.map_or(x, |m| m.max(x)));
+                        }
+                    }
+                    for r in g["reasons"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+                        *st.reasons.entry(r.to_string()).or_default() += 1;
+                    }
+                }
+            }
+            Some("cpufreq") => {
+                s.cpu_freq.samples += 1;
+                if let Some(share) = cpu_share(v, &cpu_maxes) {
+                    s.cpu_freq.share_min = Some(s.cpu_freq.share_min.map_or(share, |m| m.min(share)));
+                    s.cpu_freq.share_max = Some(s.cpu_freq.share_max.map_or(share, |m| m.max(share)));
+                }
+            }
+            Some("mem") => {
+                first_mem.get_or_insert(v);
+                last_mem = Some(v);
+                let m = &mut s.memory;
+                for (k, out) in [("rss_kib", &mut m.rss_kib_max), ("rss_file_kib", &mut m.rss_file_kib_max), ("cgroup_usage", &mut m.cgroup_usage_max)] {
+                    if let Some(x) = u(v, k) {
+                        *out = Some(out.map_or(x, |o| o.max(x)));
+                    }
+                }
+                if let Some(x) = u(v, "mem_available_kib") {
+                    m.mem_available_min_kib = Some(m.mem_available_min_kib.map_or(x, |o| o.min(x)));
+                }
+                if let Some(l) = u(v, "cgroup_limit") {
+                    m.cgroup_limit = Some(l);
+                }
+            }
+            Some("residency") => {
+                for r in v["files"].as_array().into_iter().flatten() {
+                    let Ok(r) = serde_json::from_value::<Residency>(r.clone()) else { continue };
+                    let share = r.share();
+                    let f = files.entry(r.path.clone()).or_insert_with(|| ModelFile { path: r.path.clone(), bytes: r.bytes, resident_start: share, resident_min: share, ..Default::default() });
+                    f.resident_end = share;
+                    f.resident_min = f.resident_min.min(share);
+                    f.readings += 1;
+                    if let Some(e) = r.evicted {
+                        let first = *first_evicted.entry(r.path.clone()).or_insert(e);
+                        f.evicted = Some(e.saturating_sub(first));
+                    }
+                }
+            }
+            Some("endpoint") if v["kind"] != "none" => {
+                let addr = v["addr"].as_str().unwrap_or("?").to_string();
+                let e = eps.entry(addr.clone()).or_insert_with(|| Endpoint { addr, ..Default::default() });
+                e.kind = v["kind"].as_str().unwrap_or("other").to_string();
+                e.polls += 1;
+                e.metrics_status = u(v, "metrics_status");
+                let p = &v["props"];
+                if p.is_object() {
+                    e.build_info = p["build_info"].as_str().map(String::from).or(e.build_info.take());
+                    e.model_path = p["model_path"].as_str().map(String::from).or(e.model_path.take());
+                    e.total_slots = u(p, "total_slots").or(e.total_slots);
+                    e.n_ctx_slot = u(p, "n_ctx_slot").or(e.n_ctx_slot);
+                    e.sleeping_polls += u64::from(p["is_sleeping"] == true);
+                }
+                for (k, x) in v["metrics"].as_object().into_iter().flatten() {
+                    let Some(x) = x.as_f64() else { continue };
+                    let sr = e.series.entry(k.clone()).or_insert(Series { first: x, last: x, max: x });
+                    sr.last = x;
+                    sr.max = sr.max.max(x);
+                }
+                if let Some(ps) = v["ps"].as_array() {
+                    e.loaded_models = ps.clone();
+                }
+            }
+            _ => {}
+        }
+    }
+    if let (Some(a), Some(b)) = (first_mem, last_mem) {
+        let d = |k: &str| u(b, k).unwrap_or(0).saturating_sub(u(a, k).unwrap_or(0));
+        let dms = |k: &str| Some(u(b, k)?.saturating_sub(u(a, k)?) as f64 / 1e3);
+        let m = &mut s.memory;
+        m.psi_some_ms = dms("psi_some_us");
+        m.psi_full_ms = dms("psi_full_us");
+        m.psi_io_some_ms = dms("psi_io_some_us");
+        m.pgscan_direct = d("pgscan_direct");
+        m.allocstall = d("allocstall");
+        m.compact_stall = d("compact_stall");
+        m.pswpin = d("pswpin");
+        m.oom_kill_events = d("oom_kill");
+        m.rss_kib_start = u(a, "rss_kib");
+        m.rss_kib_end = u(b, "rss_kib");
+        m.cgroup_limit_hits = match (u(a, "cgroup_limit_hits"), u(b, "cgroup_limit_hits")) {
+            (Some(x), Some(y)) => Some(y.saturating_sub(x)),
+            _ => None,
+        };
+    }
+    for e in mem_events {
+        let dur = e.hdr.ts_ns.saturating_sub(e.begin_ns) as f64 / 1e6;
+        let stall = match e.what {
+            MEM_DIRECT_RECLAIM => &mut s.memory.direct_reclaim,
+            MEM_MEMCG_RECLAIM => &mut s.memory.memcg_reclaim,
+            MEM_COMPACTION => &mut s.memory.compaction,
+            MEM_OOM_VICTIM => {
+                s.memory.oom_kills.push(OomKill { t_ms: ms(e.hdr.ts_ns), pid: e.victim, rss_kib: e.nr });
+                continue;
+            }
+            _ => continue,
+        };
+        stall.count += 1;
+        stall.total_ms += dur;
+        stall.max_ms = stall.max_ms.max(dur);
+        if e.what != MEM_COMPACTION {
+            stall.pages += e.nr;
+        }
+    }
+    s.model_files = files.into_values().collect();
+    s.model_files.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+    s.server = eps.into_values().collect();
+    s
+}
+
+fn cpu_max(json: &[Value]) -> Vec<f64> {
+    json.iter().find(|v| v["type"] == "samplers").and_then(|v| v["cpufreq_max_khz"].as_array()).map(|m| m.iter().filter_map(Value::as_f64).collect()).unwrap_or_default()
+}
+
+/// Mean over CPUs of cur/max for one cpufreq record.
+fn cpu_share(v: &Value, max: &[f64]) -> Option<f64> {
+    let cur: Vec<f64> = v["cur_khz"].as_array()?.iter().filter_map(Value::as_f64).collect();
+    if cur.is_empty() || cur.len() != max.len() {
+        return None;
+    }
+    Some(cur.iter().zip(max).map(|(c, m)| if *m > 0.0 { c / m } else { 1.0 }).sum::<f64>() / cur.len() as f64)
+}
+
+/// Clock readings over time for the verdicts: (ts, share of the device's working clock).
+/// GPU: SM clock / highest SM clock seen in the trace (or the device maximum); CPU: mean cur/max.
+pub fn clock_series(json: &[Value]) -> (Vec<(u64, u32, f64, Option<u32>)>, Vec<(u64, f64)>) {
+    let mut gpu_max: BTreeMap<u32, f64> = BTreeMap::new();
+    for v in json.iter().filter(|v| v["type"] == "gpu") {
+        for g in v["gpus"].as_array().into_iter().flatten() {
+            if let Some(c) = g["sm_mhz"].as_f64() {
+                let e = gpu_max.entry(u(g, "index").unwrap_or(0) as u32).or_insert(0.0);
+                *e = e.max(c);
+            }
+        }
+    }
+    let mut gpu = Vec::new();
+    for v in json.iter().filter(|v| v["type"] == "gpu") {
+        let ts = u(v, "ts_ns").unwrap_or(0);
+        for g in v["gpus"].as_array().into_iter().flatten() {
+            let i = u(g, "index").unwrap_or(0) as u32;
+            if let (Some(c), Some(m)) = (g["sm_mhz"].as_f64(), gpu_max.get(&i)) {
+                if *m > 0.0 {
+                    gpu.push((ts, i, c / m, u(g, "pstate").map(|p| p as u32)));
+                }
+            }
+        }
+    }
+    let max = cpu_max(json);
+    let cpu = json.iter().filter(|v| v["type"] == "cpufreq").filter_map(|v| Some((u(v, "ts_ns")?, cpu_share(v, &max)?))).collect();
+    (gpu, cpu)
+}
