@@ -599,3 +599,180 @@ fn waiting_for_the_only_slot_is_queueing() {
     let queued = reqs.iter().filter(|q| q["verdict"]["slow_cause"] == "queue").count();
     assert!(queued >= 2, "{}", serde_json::to_string_pretty(&reqs.iter().map(|q| &q["verdict"]).collect::<Vec<_>>()).unwrap());
 }
+
+/// Start `probe trace` on `pid` writing to a fresh directory named `name`; returns once armed.
+fn trace_pid(pid: u32, name: &str, env: &[(&str, &str)]) -> (Child, PathBuf) {
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = Command::new(probe_bin());
+    cmd.args(["trace", "--pid", &pid.to_string(), "--out"]).arg(&out).stdout(Stdio::null()).stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("armed in") {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "probe exited before arming");
+        assert!(!line.contains("error"), "{line}");
+    }
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    (child, out)
+}
+
+fn stop_trace(mut p: Child, out: &std::path::Path) -> Value {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+    assert!(p.wait().unwrap().success());
+    serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap()
+}
+
+/// A GPU whose SM clock is low (P8) when a request arrives and ramps about 100 ms later: the verdict
+/// gives that time to power, with the clock in its evidence; once clocks are up, power is 0.
+/// These machines have no GPU, so the GPU is the scripted source behind the same trait as NVML
+/// (PROBE_FAKE_GPU); everything else (server, request, probes, report) is real.
+#[test]
+fn low_gpu_clock_at_arrival_is_power() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let script = dir.join(format!("fake-gpu-{}.json", std::process::id()));
+    let low = json!({"index": 0, "sm_mhz": 210, "mem_mhz": 405, "pstate": 8, "power_w": 30.0, "util_gpu": 0, "reasons": ["gpu_idle"]});
+    let high = json!({"index": 0, "sm_mhz": 1980, "mem_mhz": 2619, "pstate": 0, "power_w": 300.0, "util_gpu": 95});
+    let dev = json!({"index": 0, "name": "Scripted GPU", "uuid": "GPU-test", "driver": "test", "max_sm_mhz": 1980, "max_mem_mhz": 2619});
+    let spec = json!({"devices": [dev], "samples": [{"after_ms": 0, "gpus": [low]}, {"after_ms": 1100, "gpus": [high]}]});
+    std::fs::write(&script, spec.to_string()).unwrap();
+    let (p, out) = trace_pid(server().child.id(), "power", &[("PROBE_FAKE_GPU", script.to_str().unwrap())]);
+    let armed = Instant::now();
+    std::thread::sleep(Duration::from_millis(1000).saturating_sub(armed.elapsed()));
+    // A long prompt: prefill takes a few hundred ms here.
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(60);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/completion", Some(&json!({"prompt": prompt, "n_predict": 16, "stream": true, "cache_prompt": false})));
+    assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+    drop(s);
+    std::thread::sleep(Duration::from_millis(300));
+    let s2 = TcpStream::connect(server().addr).unwrap();
+    let warm = s2.local_addr().unwrap();
+    send_request(&s2, "POST", "/completion", Some(&json!({"prompt": prompt, "n_predict": 4, "stream": true, "cache_prompt": false})));
+    assert_eq!(read_response(&mut BufReader::new(&s2), None).status, 200);
+    drop(s2);
+    let r = stop_trace(p, &out);
+    assert_eq!(r["system"]["gpu"]["devices"][0]["name"], "Scripted GPU");
+    assert!(r["system"]["gpu"]["samples"].as_u64().unwrap() >= 10, "{}", r["system"]["gpu"]);
+    let q = find(&r, client)[0];
+    let v = &q["verdict"];
+    let power = v["ttft_ms"]["power"].as_f64().unwrap();
+    assert!(power >= 50.0 && power <= q["ttft_ms"].as_f64().unwrap(), "{q}");
+    assert!(v["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("GPU 0 SM clock at 11%") && e.as_str().unwrap().contains("P8")), "{v}");
+    let w = &find(&r, warm)[0]["verdict"];
+    assert_eq!(w["ttft_ms"]["power"], 0.0, "{w}");
+}
+
+/// nginx in front with `proxy_read_timeout 2s`; the server is paused (SIGSTOP) mid-stream. The
+/// gateway gives up after 2 s without a byte: the verdict says deadline, with the idle time.
+#[test]
+fn gateway_timeout_is_a_deadline() {
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1", "-t", "1"]);
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("nginx-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("tmp")).unwrap();
+    let gw_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let d = dir.display();
+    let conf = format!(
+        "daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
+         events {{ worker_connections 64; }}\n\
+         http {{ access_log off; client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp; uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
+           server {{ listen 127.0.0.1:{gw_port}; location / {{ proxy_pass http://{addr}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout 2s; }} }} }}\n"
+    );
+    std::fs::write(dir.join("nginx.conf"), conf).unwrap();
+    let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| std::path::Path::new(p).exists()).expect("nginx is not installed: run scripts/setup.sh");
+    let mut gw = Command::new(nginx).arg("-p").arg(&dir).arg("-c").arg(dir.join("nginx.conf")).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let gw_addr: SocketAddr = format!("127.0.0.1:{gw_port}").parse().unwrap();
+    let t = Instant::now();
+    while !matches!(request_once(gw_addr, "GET", "/health", None), Ok((200, _))) {
+        assert!(t.elapsed() < Duration::from_secs(20), "nginx did not come up: {}", std::fs::read_to_string(dir.join("error.log")).unwrap_or_default());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (p, out) = trace_pid(srv.id(), "gateway", &[]);
+    let s = TcpStream::connect(gw_addr).unwrap();
+    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Tell a long story.", "n_predict": 2000, "stream": true, "ignore_eos": true})));
+    let mut rd = BufReader::new(&s);
+    let resp = read_response(&mut rd, Some(5));
+    assert_eq!(resp.status, 200);
+    // SAFETY: signalling our own child: pause the server mid-stream, resume after the gateway gave up.
+    unsafe { libc::kill(srv.id() as i32, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_millis(3500));
+    unsafe { libc::kill(srv.id() as i32, libc::SIGCONT) };
+    std::thread::sleep(Duration::from_millis(1000));
+    drop(rd);
+    drop(s);
+    let r = stop_trace(p, &out);
+    let _ = gw.kill();
+    let _ = gw.wait();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let reqs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == "/completion").collect();
+    assert_eq!(reqs.len(), 1, "{reqs:?}");
+    let v = &reqs[0]["verdict"];
+    assert_eq!(v["stop_cause"], "deadline", "{}", reqs[0]);
+    let why = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("without a chunk")).unwrap_or_else(|| panic!("{v}")).to_string();
+    let secs: f64 = why.split("after ").nth(1).and_then(|x| x.split(' ').next()).and_then(|x| x.parse().ok()).unwrap();
+    assert!((1.5..3.5).contains(&secs), "idle {secs} s: {why}");
+}
+
+/// The server in a memory cgroup (v1) limited below the model size: decode faults the model back
+/// in, so the request's TTFT has disk and memory shares, the cgroup reclaims, and the report counts
+/// major faults on the model file.
+#[test]
+fn memory_cgroup_squeeze_is_disk_and_memory() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("memcg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.gguf");
+    std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    {
+        let f = std::fs::File::open(&model).unwrap();
+        // SAFETY: valid fd; nobody maps this private copy yet.
+        unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    let cg = PathBuf::from(format!("/sys/fs/cgroup/memory/probe-test-{}", std::process::id()));
+    assert!(std::path::Path::new("/sys/fs/cgroup/memory").exists(), "no cgroup v1 memory controller at /sys/fs/cgroup/memory");
+    std::fs::create_dir_all(&cg).unwrap();
+    std::fs::write(cg.join("memory.limit_in_bytes"), (80u64 << 20).to_string()).unwrap();
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec {} -m {} -c 512 -np 1 --no-repack -t 1 --host 127.0.0.1 --port {port}",
+        cg.display(),
+        env_path("LLAMA_SERVER").display(),
+        model.display()
+    );
+    let mut srv = Command::new("sh").args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let t = Instant::now();
+    while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
+        assert!(t.elapsed() < Duration::from_secs(60), "server in the cgroup did not become healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (p, out) = trace_pid(srv.id(), "memcg", &[]);
+    let s = TcpStream::connect(addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Hello there", "n_predict": 4, "stream": true})));
+    assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+    drop(s);
+    let r = stop_trace(p, &out);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let _ = std::fs::remove_dir(&cg);
+    let q = find(&r, client)[0];
+    let v = &q["verdict"];
+    let split = &v["ttft_ms"];
+    let (disk, memory) = (split["disk"].as_f64().unwrap(), split["memory"].as_f64().unwrap());
+    assert!(disk > 0.0 && memory > 0.0, "{v}");
+    assert!(["disk", "memory"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
+    let m = &r["system"]["memory"];
+    assert!(m["memcg_reclaim"]["count"].as_u64().unwrap() > 0, "{m}");
+    assert_eq!(m["cgroup_limit"], 80u64 << 20, "{m}");
+    let f = r["files"].as_array().unwrap().iter().find(|f| f["path"] == model.to_str().unwrap()).unwrap_or_else(|| panic!("{}", r["files"]));
+    assert!(f["major_faults"].as_u64().unwrap() >= 5, "{f}");
+}

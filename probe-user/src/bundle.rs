@@ -32,6 +32,8 @@ pub fn markdown(r: &Report) -> String {
         }
         let _ = writeln!(o);
     }
+    let system = crate::system::render(&r.system);
+    let _ = writeln!(o, "### System\n\n```\n{}\n```\n", system.trim_start_matches("\nSystem:\n").trim_end());
     let _ = writeln!(o, "### Files read\n\n| path | major faults | read | io time ms |\n|---|---|---|---|");
     for f in r.files.iter().take(20) {
         let _ = writeln!(o, "| `{}` | {} | {:.1} MiB | {:.1} |", f.path, f.major_faults, f.read_bytes as f64 / (1 << 20) as f64, f.io_time_ms);
@@ -53,15 +55,35 @@ fn environment(rec: &Recording) -> String {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let cpu = read("/proc/cpuinfo").lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string()).unwrap_or_default();
     let mem = read("/proc/meminfo").lines().next().unwrap_or_default().to_string();
-    let gpu = if Path::new("/proc/driver/nvidia/version").exists() { read("/proc/driver/nvidia/version") } else { "no NVIDIA GPU driver".into() };
+    let samplers = rec.json.iter().find(|v| v["type"] == "samplers").cloned().unwrap_or_default();
+    let mut gpu: Vec<String> = samplers["gpus"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|g| format!("GPU {}: {} ({}), driver {}, max SM {} MHz, power limit {} W", g["index"], g["name"].as_str().unwrap_or("?"), g["uuid"].as_str().unwrap_or("?"), g["driver"].as_str().unwrap_or("?"), g["max_sm_mhz"], g["power_limit_w"]))
+        .collect();
+    if gpu.is_empty() {
+        gpu.push(samplers["gpu_absent"].as_str().map(String::from).unwrap_or_else(|| if Path::new("/proc/driver/nvidia/version").exists() { read("/proc/driver/nvidia/version") } else { "no NVIDIA GPU driver".into() }));
+    }
+    let gpu = gpu.join("\n    ");
+    // The server's own account of itself (llama.cpp /props, first poll that answered).
+    let server: Vec<String> = rec
+        .json
+        .iter()
+        .filter(|v| v["type"] == "endpoint" && v["kind"] != "none")
+        .take(1)
+        .map(|v| format!("{} at {}: build {}, model {}, {} slots x {} tokens", v["kind"].as_str().unwrap_or("?"), v["addr"].as_str().unwrap_or("?"), v["props"]["build_info"], v["props"]["model_path"], v["props"]["total_slots"], v["props"]["n_ctx_slot"]))
+        .collect();
     format!(
-        "probe {}\nkernel {}\ncpu {cpu} x {}\n{mem}\ngpu {}\ntarget {} (pid {})\ncommand line: {}\nprobes: {}\n",
+        "probe {}\nkernel {}\ncpu {cpu} x {}\n{mem}\ngpu {}\ntarget {} (pid {}), binary {}\nserver: {}\ncommand line: {}\nprobes: {}\n",
         env!("CARGO_PKG_VERSION"),
         meta["kernel"].as_str().unwrap_or("?"),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         gpu.trim(),
         meta["comm"].as_str().unwrap_or("?"),
         meta["pid"],
+        meta["exe"].as_str().unwrap_or("?"),
+        if server.is_empty() { "its endpoints did not answer (or polling was off)".to_string() } else { server.join("; ") },
         meta["cmdline"].as_str().unwrap_or("?"),
         meta["probes"]
     )

@@ -245,6 +245,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     st.writer.json(&json!({
         "type": "meta", "format_version": recording::VERSION, "probe_version": env!("CARGO_PKG_VERSION"),
         "pid": opts.pid, "comm": procfs::comm(opts.pid), "cmdline": procfs::cmdline(opts.pid),
+        "exe": std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
         "targets": attached.targets, "start_ns": start_ns, "capture_text": opts.capture_text, "start_unix_ms": start_unix_ms,
         "kernel": uname.trim(), "armed_ms": armed_ms, "probes": attached.status,
         // SAFETY: sysconf has no preconditions.

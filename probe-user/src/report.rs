@@ -753,6 +753,7 @@ pub fn render(r: &Report) -> String {
             }
         }
     }
+    o.push_str(&crate::system::render(&r.system));
     let forked: Vec<String> = r.target.processes.iter().filter(|p| p.pid != r.target.pid).map(|p| format!("{} ({})", p.pid, p.comm)).collect();
     if !forked.is_empty() {
         let _ = writeln!(o, "  also traced: {}", forked.join(", "));

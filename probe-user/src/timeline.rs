@@ -12,11 +12,71 @@ use crate::{decode::Event, recording::Recording, report};
 const REQUESTS_PID: u64 = 1;
 const BLOCKIO_PID: u64 = 2;
 const TCP_PID: u64 = 3;
+const SYSTEM_PID: u64 = 4;
 
 fn meta(pid: u64, tid: Option<u64>, name: &str) -> Value {
     match tid {
         None => json!({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}),
         Some(t) => json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": name}}),
+    }
+}
+
+/// Counter tracks from the sampler records: GPU clocks, power and VRAM, CPU frequency, memory
+/// pressure (PSI stall ms per second, RSS), the model files' residency, the server's queue.
+fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
+    let c = |name: String, ts: f64, args: Value| json!({"ph": "C", "name": name, "pid": SYSTEM_PID, "tid": 0, "ts": ts, "args": args});
+    let mut last_psi: Option<(u64, u64, u64)> = None;
+    for v in &rec.json {
+        let Some(t) = v["ts_ns"].as_u64() else { continue };
+        let ts = us(t);
+        match v["type"].as_str() {
+            Some("gpu") => {
+                for g in v["gpus"].as_array().into_iter().flatten() {
+                    let i = g["index"].as_u64().unwrap_or(0);
+                    ev.push(c(format!("GPU {i} clock MHz"), ts, json!({"sm": g["sm_mhz"], "mem": g["mem_mhz"]})));
+                    ev.push(c(format!("GPU {i} P-state"), ts, json!({"P": g["pstate"]})));
+                    ev.push(c(format!("GPU {i} power W"), ts, json!({"W": g["power_w"]})));
+                    ev.push(c(format!("GPU {i} VRAM MiB"), ts, json!({"used": g["vram_used"].as_u64().map(|b| b >> 20), "target": g["target_vram"].as_u64().map(|b| b >> 20)})));
+                }
+            }
+            Some("cpufreq") => {
+                let khz: Vec<f64> = v["cur_khz"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
+                if !khz.is_empty() {
+                    ev.push(c("CPU MHz (mean)".into(), ts, json!({"MHz": khz.iter().sum::<f64>() / khz.len() as f64 / 1e3})));
+                }
+            }
+            Some("mem") => {
+                if let (Some(some), Some(full)) = (v["psi_some_us"].as_u64(), v["psi_full_us"].as_u64()) {
+                    if let Some((t0, s0, f0)) = last_psi {
+                        let secs = (t.saturating_sub(t0) as f64 / 1e9).max(1e-3);
+                        ev.push(c("memory stall ms/s (PSI)".into(), ts, json!({"some": some.saturating_sub(s0) as f64 / 1e3 / secs, "full": full.saturating_sub(f0) as f64 / 1e3 / secs})));
+                    }
+                    last_psi = Some((t, some, full));
+                }
+                if let Some(rss) = v["rss_kib"].as_u64() {
+                    ev.push(c("target RSS MiB".into(), ts, json!({"all": rss >> 10, "file": v["rss_file_kib"].as_u64().map(|k| k >> 10)})));
+                }
+            }
+            Some("residency") => {
+                for f in v["files"].as_array().into_iter().flatten() {
+                    let (res, pages) = (f["resident"].as_f64().unwrap_or(0.0), f["pages"].as_f64().unwrap_or(0.0).max(1.0));
+                    let name = f["path"].as_str().unwrap_or("?").rsplit('/').next().unwrap_or("?").to_string();
+                    ev.push(c(format!("{name} in page cache %"), ts, json!({"%": res / pages * 100.0})));
+                }
+            }
+            Some("endpoint") => {
+                let m = &v["metrics"];
+                for (k, label) in [("llamacpp:requests_processing", "processing"), ("llamacpp:requests_deferred", "deferred"), ("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting")] {
+                    if let Some(x) = m[k].as_f64() {
+                        ev.push(c(format!("server {label}"), ts, json!({label: x})));
+                    }
+                }
+                if v["props"]["is_sleeping"].is_boolean() {
+                    ev.push(c("server sleeping".into(), ts, json!({"sleeping": u8::from(v["props"]["is_sleeping"] == true)})));
+                }
+            }
+            _ => {}
+        }
     }
 }
 
@@ -29,6 +89,7 @@ pub fn build(rec: &Recording, kernel_names: &std::collections::HashMap<u64, Stri
         meta(REQUESTS_PID, None, "requests"),
         meta(BLOCKIO_PID, None, "block IO"),
         meta(TCP_PID, None, "TCP"),
+        meta(SYSTEM_PID, None, "system (GPU, CPU, memory)"),
         meta(r.target.pid as u64, None, &format!("{} (pid {})", r.target.comm, r.target.pid)),
     ];
     for q in &r.requests {
@@ -76,6 +137,13 @@ pub fn build(rec: &Recording, kernel_names: &std::collections::HashMap<u64, Stri
                 let op = MmapOp::try_from(m.op).map(|o| o.name()).unwrap_or("mmap?");
                 ev.push(json!({"ph": "X", "name": op, "pid": m.hdr.pid, "tid": m.hdr.tid, "ts": us(m.enter_ns), "dur": m.hdr.ts_ns.saturating_sub(m.enter_ns) as f64 / 1e3, "args": {"len": m.len}}));
             }
+            Event::Mem(m) if m.what == probe_common::mem::MEM_OOM_VICTIM => {
+                ev.push(json!({"ph": "i", "s": "g", "name": format!("OOM kill of pid {}", m.victim), "pid": SYSTEM_PID, "tid": 0, "ts": us(m.hdr.ts_ns)}));
+            }
+            Event::Mem(m) => {
+                threads.insert((m.hdr.pid as u64, m.hdr.tid as u64), ());
+                ev.push(json!({"ph": "X", "name": probe_common::mem::mem_name(m.what), "pid": m.hdr.pid, "tid": m.hdr.tid, "ts": us(m.begin_ns), "dur": m.hdr.ts_ns.saturating_sub(m.begin_ns) as f64 / 1e3, "args": {"pages_or_status": m.nr}}));
+            }
             Event::Sock(s) => {
                 let name = if s.what == SOCK_STATE {
                     format!("{} → {}", report::state_name(s.oldstate), report::state_name(s.newstate))
@@ -89,6 +157,7 @@ pub fn build(rec: &Recording, kernel_names: &std::collections::HashMap<u64, Stri
             _ => {}
         }
     }
+    counters(rec, &us, &mut ev);
     for (dev, tid) in &devices {
         ev.push(meta(BLOCKIO_PID, Some(*tid), &format!("dev {}:{}", dev >> 20, dev & 0xfffff)));
     }
