@@ -776,3 +776,32 @@ fn memory_cgroup_squeeze_is_disk_and_memory() {
     let f = r["files"].as_array().unwrap().iter().find(|f| f["path"] == model.to_str().unwrap()).unwrap_or_else(|| panic!("{}", r["files"]));
     assert!(f["major_faults"].as_u64().unwrap() >= 5, "{f}");
 }
+
+/// A long prompt makes llama.cpp's last message bigger than one capture (it echoes the prompt
+/// and settings before `stop_type` and `timings`): the kernel sends that write's last bytes too,
+/// so the stop reason and the server's timings are still read, streamed or not.
+#[test]
+fn long_prompt_keeps_its_stop_reason() {
+    let t = Trace::start("longprompt", &[]);
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(80);
+    let mut clients = Vec::new();
+    for stream in [true, false] {
+        let s = TcpStream::connect(server().addr).unwrap();
+        clients.push((s.local_addr().unwrap(), stream));
+        send_request(&s, "POST", "/completion", Some(&json!({"prompt": prompt, "n_predict": 8, "stream": stream, "ignore_eos": true})));
+        let resp = read_response(&mut BufReader::new(&s), None);
+        assert_eq!(resp.status, 200);
+        if !stream {
+            assert!(resp.body.len() > 4095, "the response fits one capture ({} bytes): the test needs a longer prompt", resp.body.len());
+        }
+    }
+    let r = t.stop();
+    for (client, stream) in clients {
+        let q = find(&r, client)[0];
+        assert_eq!(q["stop_type"], "limit", "stream={stream}: {q}");
+        let t = &q["server_timings"];
+        assert!(t["prompt_n"].as_u64().unwrap() + t["cache_n"].as_u64().unwrap() > 300, "stream={stream}: {q}");
+        assert_eq!(q["verdict"]["stop_cause"], "requested_limit", "stream={stream}: {q}");
+        assert!(q["response_bytes"].as_u64().unwrap() > 4095, "{q}");
+    }
+}

@@ -40,6 +40,23 @@ impl Record for DataEvent {
     const KIND: EventKind = EventKind::Data;
 }
 
+/// Set in [`DataEvent::syscall`] on the record that carries the *last* bytes of a call that moved
+/// more than [`DATA_CAP`] bytes from one buffer (read, write, recvfrom, sendto): what ends a
+/// large message (a final SSE chunk that echoes the prompt, a long non-streamed answer, a long
+/// prompt's `max_tokens`) is at its end. It follows the head record of the same call.
+pub const DATA_TAIL: u8 = 0x80;
+
+/// Tail bytes the kernel sends after a head record of this call: the last
+/// min(len - DATA_CAP, DATA_CAP) bytes, for single-buffer calls whose head was full.
+pub const fn tail_len(syscall: u8, len: u32, captured: u32) -> u32 {
+    let single = syscall == Syscall::Read as u8 || syscall == Syscall::Write as u8 || syscall == Syscall::Recvfrom as u8 || syscall == Syscall::Sendto as u8;
+    if !single || captured as usize != DATA_CAP || len as usize <= DATA_CAP {
+        return 0;
+    }
+    let rest = len - DATA_CAP as u32;
+    if rest > DATA_CAP as u32 { DATA_CAP as u32 } else { rest }
+}
+
 pub const DIR_RECV: u8 = 0;
 pub const DIR_SEND: u8 = 1;
 pub const MSG_PEEK: u32 = 2;

@@ -10,7 +10,7 @@ use aya_ebpf::{
 use probe_common::{
     Record,
     sock::AF_INET6,
-    stream::{DATA_CAP, DATA_MASK, DIR_RECV, DIR_SEND, DataArgs, DataEvent, MSG_PEEK, Syscall},
+    stream::{tail_len, DATA_CAP, DATA_MASK, DATA_TAIL, DIR_RECV, DIR_SEND, DataArgs, DataEvent, MSG_PEEK, Syscall},
     tracepoints::{SYSCALL_ARG0, SYSCALL_RET},
 };
 
@@ -118,6 +118,23 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
         // register passed as the size, and the compiler must not drop the mask as redundant.
         let size = core::ptr::read_volatile(&raw const (*ev).captured) & DATA_MASK;
         if probe_read_user_raw(payload.cast(), size, src as *const _) != 0 {
+            (*ev).captured = 0;
+        }
+        let total = HDR + (core::ptr::read_volatile(&raw const (*ev).captured) & DATA_MASK) as usize;
+        let bytes = core::slice::from_raw_parts(buf.cast::<u8>(), total);
+        if EVENTS.output::<[u8]>(bytes, ringbuf_flags(total as u64)).is_err() {
+            add(&LOST, DataEvent::KIND as u32, 1);
+        }
+        // The end of a large single-buffer call, in a second record.
+        let tail = tail_len(a.syscall, ret as u32, core::ptr::read_volatile(&raw const (*ev).captured)) & DATA_MASK;
+        if tail == 0 {
+            return Ok(());
+        }
+        (*ev).captured = tail;
+        (*ev).syscall = a.syscall | DATA_TAIL;
+        let from = src + ret as u64 - tail as u64;
+        let size = core::ptr::read_volatile(&raw const (*ev).captured) & DATA_MASK;
+        if probe_read_user_raw(payload.cast(), size, from as *const _) != 0 {
             (*ev).captured = 0;
         }
         let total = HDR + (core::ptr::read_volatile(&raw const (*ev).captured) & DATA_MASK) as usize;

@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 
 use probe_common::{
     sock::{SOCK_RESET_RECEIVED, SOCK_RESET_SENT, SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_SYN_RECV},
-    stream::{DIR_RECV, DataEvent},
+    stream::{DATA_TAIL, DIR_RECV, DataEvent, tail_len},
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -73,12 +73,19 @@ pub struct RequestRecord {
     pub bytes_not_captured: u64,
     /// Stream messages that could not be read (cut by the capture limit, not JSON).
     pub messages_unread: u64,
+    /// Messages with a hole whose stop fields were read from their captured end.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub messages_partly_read: u64,
     /// When the first close (FIN) or reset of the connection was seen, ms after arrival.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub closed_ms: Option<f64>,
     /// Why it was slow and why it stopped (added by the report).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verdict: Option<crate::verdict::Verdict>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug)]
@@ -117,6 +124,8 @@ struct Conn {
     /// When the first close or reset was seen (ns).
     closed_at: Option<u64>,
     reset: &'static str,
+    /// The tail record expected for the last large call: (direction, bytes, its entry time).
+    expect_tail: Option<(u8, u32, u64)>,
 }
 
 /// Follows every connection and turns bytes into request records.
@@ -169,7 +178,25 @@ impl Tracker {
             closer: None,
             closed_at: None,
             reset: "none",
+            expect_tail: None,
         });
+        let ts = ev.hdr.ts_ns;
+        if ev.syscall & DATA_TAIL != 0 {
+            // The last bytes of the call before: what lies between head and tail is a gap.
+            match conn.expect_tail.take() {
+                Some((dir, n, enter)) if dir == ev.dir && enter == ev.enter_ns => {
+                    let missing = (n as u64).saturating_sub(payload.len() as u64);
+                    Self::feed(conn, dir, payload, missing, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+                }
+                Some((dir, n, _)) => Self::feed(conn, dir, &[], n as u64, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done),
+                None => {}
+            }
+            return;
+        }
+        if let Some((dir, n, _)) = conn.expect_tail.take() {
+            // The tail never came (lost): its bytes are a gap.
+            Self::feed(conn, dir, &[], n as u64, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+        }
         let first = !conn.seen_any;
         conn.seen_any = true;
         // Which way do requests flow? The first bytes that parse as a request head decide.
@@ -183,17 +210,34 @@ impl Tracker {
                 conn.req_dir = Some(DIR_RECV);
             }
         }
-        let missing = (ev.len - ev.captured) as u64;
-        let ts = ev.hdr.ts_ns;
+        let tail = tail_len(ev.syscall, ev.len, ev.captured);
+        let missing = ev.len.saturating_sub(ev.captured + tail) as u64;
+        Self::feed(conn, ev.dir, payload, missing, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+        if tail > 0 {
+            conn.expect_tail = Some((ev.dir, tail, ev.enter_ns));
+        }
+    }
+
+    /// Bytes that moved in direction `dir`, then `missing` bytes that were not captured.
+    #[allow(clippy::too_many_arguments)]
+    fn feed(conn: &mut Conn, dir: u8, payload: &[u8], missing: u64, ts: u64, next_id: &mut u64, start_ns: u64, keep_text: bool, done: &mut Vec<RequestRecord>) {
         let Some(req_dir) = conn.req_dir else { return };
         let role = if req_dir == DIR_RECV { "server" } else { "client" };
-        if ev.dir == req_dir {
-            Self::request_bytes(conn, payload, missing, ts, role, &mut self.next_id, self.start_ns);
+        if dir == req_dir {
+            Self::request_bytes(conn, payload, missing, ts, role, next_id, start_ns);
         } else {
-            let finished = Self::response_bytes(conn, payload, missing, ts, role, &mut self.next_id, self.keep_text);
+            let finished = Self::response_bytes(conn, payload, missing, ts, role, next_id, keep_text);
             for p in finished {
-                self.done.push(finalize(p, conn, "server"));
+                done.push(finalize(p, conn, "server"));
             }
+        }
+    }
+
+    /// A tail that was expected before a close or the end of the trace is a gap.
+    fn flush_tail(&mut self, sk: u64, ts: u64) {
+        let Some(conn) = self.conns.get_mut(&sk) else { return };
+        if let Some((dir, n, _)) = conn.expect_tail.take() {
+            Self::feed(conn, dir, &[], n as u64, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
         }
     }
 
@@ -430,6 +474,9 @@ impl Tracker {
 
     /// A TCP state change or reset of a connection.
     pub fn on_sock(&mut self, ev: &SockEvent) {
+        if ev.what == SOCK_STATE && ev.newstate == TCP_CLOSE {
+            self.flush_tail(ev.skaddr, ev.hdr.ts_ns);
+        }
         let Some(conn) = self.conns.get_mut(&ev.skaddr) else { return };
         let client_side = conn.req_dir == Some(DIR_RECV);
         // "peer" is the other end; for a server that is the client.
@@ -486,6 +533,10 @@ impl Tracker {
 
     /// The trace ended: requests still in flight are written as they are.
     pub fn finish(&mut self) {
+        let sks: Vec<u64> = self.conns.keys().copied().collect();
+        for sk in sks {
+            self.flush_tail(sk, 0);
+        }
         let conns: Vec<Conn> = self.conns.drain().map(|(_, c)| c).collect();
         for mut conn in conns {
             let closer = conn.closer.unwrap_or("open");
@@ -549,6 +600,10 @@ fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, ts: u64, keep_text: bool) {
             }
             Msg::Done => p.rec.stop.done_marker = true,
             Msg::Unparsed => p.rec.messages_unread += 1,
+            Msg::Partial(v) => {
+                payload::apply(&v, &mut p.rec.stop, keep_text);
+                p.rec.messages_partly_read += 1;
+            }
         }
     }
 }

@@ -34,6 +34,8 @@ pub enum Msg {
     Done,
     /// A message that is not JSON (or was cut by the capture limit).
     Unparsed,
+    /// A message with a hole (bytes not captured): the stop fields found in what was captured.
+    Partial(Value),
 }
 
 /// Splits body bytes into messages as they arrive.
@@ -41,16 +43,30 @@ pub enum Msg {
 pub struct Splitter {
     pub kind: Kind,
     buf: Vec<u8>,
+    /// Bytes of the message being collected were not captured.
+    holed: bool,
 }
 
 const MAX_MESSAGE: usize = 1 << 20;
 
 impl Splitter {
     pub fn new(kind: Kind) -> Self {
-        Splitter { kind, buf: Vec::new() }
+        Splitter { kind, buf: Vec::new(), holed: false }
     }
 
     pub fn push(&mut self, bytes: &[u8], out: &mut Vec<Msg>) {
+        // After a hole, bytes that start a new message mean the holed one ended in the hole
+        // (servers write one message per call): read what it left, then go on.
+        let starts_message = match self.kind {
+            Kind::Sse => bytes.starts_with(b"data:") || bytes.starts_with(b"event:"),
+            Kind::Ndjson => bytes.starts_with(b"{"),
+            Kind::Json => false,
+        };
+        if self.holed && starts_message {
+            self.holed = false;
+            let held = std::mem::take(&mut self.buf);
+            out.push(salvaged(trim(&held)));
+        }
         self.buf.extend_from_slice(bytes);
         match self.kind {
             Kind::Json => {
@@ -63,7 +79,9 @@ impl Splitter {
                 while let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
                     let line: Vec<u8> = self.buf.drain(..=i).collect();
                     let line = trim(&line);
-                    if !line.is_empty() {
+                    if std::mem::take(&mut self.holed) {
+                        out.push(salvaged(line));
+                    } else if !line.is_empty() {
                         out.push(serde_json::from_slice(line).map(Msg::Json).unwrap_or(Msg::Unparsed));
                     }
                 }
@@ -71,7 +89,11 @@ impl Splitter {
             Kind::Sse => {
                 while let Some((end, sep)) = find_event_end(&self.buf) {
                     let event: Vec<u8> = self.buf.drain(..end + sep).collect();
-                    sse_event(&event[..end], out);
+                    if std::mem::take(&mut self.holed) {
+                        out.push(salvaged(&event[..end]));
+                    } else {
+                        sse_event(&event[..end], out);
+                    }
                 }
             }
         }
@@ -85,6 +107,10 @@ impl Splitter {
     pub fn finish(&mut self, out: &mut Vec<Msg>) {
         let rest = std::mem::take(&mut self.buf);
         let rest = trim(&rest);
+        if std::mem::take(&mut self.holed) {
+            out.push(salvaged(rest));
+            return;
+        }
         if rest.is_empty() {
             return;
         }
@@ -94,13 +120,100 @@ impl Splitter {
         }
     }
 
-    /// Bytes were not captured: the message they belong to is lost.
-    pub fn gap(&mut self, out: &mut Vec<Msg>) {
-        if !self.buf.is_empty() || self.kind == Kind::Json {
-            self.buf.clear();
-            out.push(Msg::Unparsed);
+    /// Bytes were not captured: the message they fall in has a hole. What comes after the hole
+    /// (the kernel sends the last bytes of a large write) is searched for stop fields.
+    pub fn gap(&mut self, _out: &mut Vec<Msg>) {
+        // A NUL marks the hole: no JSON value spans it.
+        self.buf.push(0);
+        self.holed = true;
+    }
+}
+
+fn salvaged(bytes: &[u8]) -> Msg {
+    salvage(bytes).map(Msg::Partial).unwrap_or(Msg::Unparsed)
+}
+
+/// The value after each `"key":` in `text`, as raw text up to where a JSON value of that shape
+/// ends (strings honour escapes; objects are brace-balanced).
+fn values_of<'a>(text: &'a str, key: &str) -> Vec<&'a str> {
+    let pat = format!("\"{key}\"");
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(i) = text[from..].find(&pat) {
+        let at = from + i + pat.len();
+        from = at;
+        let Some(rest) = text[at..].trim_start().strip_prefix(':') else { continue };
+        let rest = rest.trim_start();
+        let end = match rest.as_bytes().first() {
+            Some(b'"') => {
+                let mut esc = false;
+                rest.char_indices().skip(1).find(|&(_, c)| {
+                    let end = c == '"' && !esc;
+                    esc = c == '\\' && !esc;
+                    end
+                }).map(|(i, _)| i + 1)
+            }
+            Some(b'{') => {
+                let (mut depth, mut in_str, mut esc) = (0i32, false, false);
+                rest.char_indices().find(|&(_, c)| {
+                    if in_str {
+                        if c == '"' && !esc {
+                            in_str = false;
+                        }
+                        esc = c == '\\' && !esc;
+                        return false;
+                    }
+                    match c {
+                        '"' => in_str = true,
+                        '{' => depth += 1,
+                        '}' => depth -= 1,
+                        _ => {}
+                    }
+                    depth == 0
+                }).map(|(i, _)| i + 1)
+            }
+            Some(_) => Some(rest.find([',', '}', ']', '\n']).unwrap_or(rest.len())),
+            None => None,
+        };
+        if let Some(e) = end {
+            out.push(rest[..e].trim());
         }
     }
+    out
+}
+
+/// Stop fields from a fragment of a JSON message (its start was not captured): the last
+/// well-formed value of each key that says how a response ended. None when there is none.
+pub fn salvage(bytes: &[u8]) -> Option<Value> {
+    let text = String::from_utf8_lossy(bytes);
+    let mut o = serde_json::Map::new();
+    let last = |key: &str, ok: &dyn Fn(&Value) -> bool| values_of(&text, key).into_iter().rev().filter_map(|v| serde_json::from_str::<Value>(v).ok()).find(|v| ok(v));
+    for k in ["stop_type", "done_reason", "finish_reason"] {
+        if let Some(v) = last(k, &|v| v.is_string()) {
+            o.insert(k.into(), v);
+        }
+    }
+    for k in ["stop", "done", "truncated", "stopped_eos", "stopped_word", "stopped_limit"] {
+        if let Some(v) = last(k, &|v| v.is_boolean()) {
+            o.insert(k.into(), v);
+        }
+    }
+    for k in ["timings", "usage", "error"] {
+        if let Some(v) = last(k, &|v| v.is_object()) {
+            o.insert(k.into(), v);
+        }
+    }
+    // These appear only in a final message, whose `stop` / `done` flag may be in the hole.
+    if o.contains_key("stop_type") {
+        o.entry("stop").or_insert(Value::Bool(true));
+    }
+    if o.contains_key("done_reason") {
+        o.entry("done").or_insert(Value::Bool(true));
+    }
+    if let Some(f) = o.remove("finish_reason") {
+        o.insert("choices".into(), serde_json::json!([{"finish_reason": f}]));
+    }
+    (!o.is_empty()).then_some(Value::Object(o))
 }
 
 fn trim(b: &[u8]) -> &[u8] {
@@ -290,4 +403,39 @@ pub fn scan_fields(body: &[u8]) -> (Option<i64>, Option<bool>) {
         if rest.starts_with("true") { Some(true) } else if rest.starts_with("false") { Some(false) } else { None }
     });
     (max, stream)
+}
+
+#[cfg(test)]
+mod salvage_tests {
+    use super::*;
+
+    #[test]
+    fn reads_stop_fields_from_the_end_of_a_cut_message() {
+        // The end of llama.cpp's final /completion chunk after a long prompt echo.
+        let tail = br#"ng fox","has_new_line":false,"truncated":false,"stop_type":"limit","stopping_word":"","tokens_cached":560,"timings":{"cache_n":0,"prompt_n":545,"prompt_ms":2040.5,"predicted_n":16,"predicted_ms":120.0}}"#;
+        let v = salvage(tail).unwrap();
+        let mut stop = Stop::default();
+        assert!(!apply(&v, &mut stop, false));
+        assert_eq!(stop.stop_type.as_deref(), Some("limit"));
+        assert_eq!(stop.truncated, Some(false));
+        assert_eq!(stop.server_timings.unwrap()["prompt_n"], 545);
+        // OpenAI non-streamed answer: finish_reason and usage after the message.
+        let tail = br#"e end."},"finish_reason":"length","index":0}],"usage":{"completion_tokens":400,"prompt_tokens":12}}"#;
+        let mut stop = Stop::default();
+        apply(&salvage(tail).unwrap(), &mut stop, false);
+        assert_eq!(stop.finish_reason.as_deref(), Some("length"));
+        assert_eq!(stop.usage.unwrap()["completion_tokens"], 400);
+        assert_eq!(salvage(b"just some text \"x\": 1"), None);
+    }
+
+    #[test]
+    fn a_gap_then_the_tail_gives_a_partial_message() {
+        let mut sp = Splitter::new(Kind::Sse);
+        let mut out = Vec::new();
+        sp.push(b"data: {\"content\":\"a\",\"stop\":false}\n\ndata: {\"content\":\"\",\"prompt\":\"long", &mut out);
+        sp.gap(&mut out);
+        sp.push(b"text\",\"stop\":true,\"stop_type\":\"eos\"}\n\n", &mut out);
+        assert_eq!(out.len(), 2);
+        assert!(matches!(&out[1], Msg::Partial(v) if v["stop_type"] == "eos" && v["stop"] == true), "{out:?}");
+    }
 }
