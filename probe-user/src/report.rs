@@ -566,6 +566,20 @@ fn verdicts(
         .map(|m| m.hdr.ts_ns)
         .collect();
     let (gpu_clocks, cpu_clocks) = crate::system::clock_series(&rec.json);
+    // Losses are counted per second (stats records, cumulative): a window's losses are the
+    // growth between the last count before it and the first after it.
+    let lost_at: Vec<(u64, u64)> = rec
+        .json
+        .iter()
+        .filter(|v| v["type"] == "stats")
+        .map(|v| (json_u64(v, "ts_ns"), v["lost"].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum())))
+        .collect();
+    let lost_between = |from: u64, to: u64| {
+        let before = lost_at.iter().rev().find(|(t, _)| *t <= from).map_or(0, |x| x.1);
+        let after = lost_at.iter().find(|(t, _)| *t >= to).or(lost_at.last()).map_or(0, |x| x.1);
+        after.saturating_sub(before)
+    };
+    let stack_times: Vec<(u64, bool)> = rec.json.iter().filter(|v| v["type"] == "stack").map(|v| (json_u64(v, "ts_ns"), v["complete"] == true)).collect();
     let sys = &r.system;
     let power_absent = (gpu_clocks.is_empty() && cpu_clocks.is_empty()).then(|| {
         let gpu = sys.gpu.absent.clone().unwrap_or_else(|| "GPU clocks not sampled".into());
@@ -610,6 +624,7 @@ fn verdicts(
         };
         let from = start + (a * 1e6) as u64;
         let to = from + (q.ttft_ms.or(q.end_ms).unwrap_or(0.0) * 1e6) as u64;
+        let until = from + (q.end_ms.unwrap_or(0.0).max(q.ttft_ms.unwrap_or(0.0)) * 1e6) as u64;
         let mut read: BTreeMap<(u32, u32, u64), (u64, u64)> = BTreeMap::new();
         for (t, k, b) in fills.iter().filter(|f| f.0 >= from && f.0 <= to) {
             let e = read.entry(*k).or_insert((0, *t));
@@ -625,8 +640,10 @@ fn verdicts(
             files_read,
             mapped: file_maps.iter().filter(|m| m.t >= from && m.t <= to).map(|m| (m.t, name(&m.key))).collect(),
             others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),
-            lost_events: lost,
+            lost_events: lost_between(from, until),
             offcpu_probe,
+            stacks: stack_times.iter().filter(|(t, _)| (from..=until).contains(t)).count() as u64,
+            stacks_cut: stack_times.iter().filter(|(t, c)| !c && (from..=until).contains(t)).count() as u64,
             oom_kills: oom_kills.clone(),
             gpu_clocks: gpu_clocks.clone(),
             cpu_clocks: cpu_clocks.clone(),

@@ -28,6 +28,9 @@ pub struct Window {
     /// Events lost anywhere in the trace, and the share of stacks unwound.
     pub lost_events: u64,
     pub offcpu_probe: bool,
+    /// Stack records in this request's window, and how many were not unwound to the end.
+    pub stacks: u64,
+    pub stacks_cut: u64,
     /// OOM kills of a target process (time).
     pub oom_kills: Vec<u64>,
     /// GPU readings: (time, device, SM clock as a share of its working clock, P-state).
@@ -181,7 +184,10 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
         v.data_quality.push("probe attached while this request was in flight: its start was not seen".into());
     }
     if w.lost_events > 0 {
-        v.data_quality.push(format!("{} events were lost in this trace: shares are lower bounds", w.lost_events));
+        v.data_quality.push(format!("{} events were lost while this request was served (ring buffer full): shares are lower bounds", w.lost_events));
+    }
+    if w.stacks_cut > 0 {
+        v.data_quality.push(format!("{} of {} stacks in this request's window were not unwound to the end: flamegraph frames near the root are missing", w.stacks_cut, w.stacks));
     }
     if !w.offcpu_probe {
         v.data_quality.push("the offcpu probe was not live: disk and memory waits are not measured".into());
