@@ -122,3 +122,37 @@ fn kernel_demo_recording_renders() {
     browse(&path);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The bundle's report.html, masked: no directory names or addresses, and still a page that
+/// renders (the masking happens before drawing, never inside the embedded images).
+#[test]
+fn masked_bundle_page_renders() {
+    let dir = scratch("bundle", &data("html/llama-demo"));
+    let rec = probe_user::recording::read_dir(&dir).unwrap();
+    let r = probe_user::report::build(&rec);
+    let out = dir.join("bundle.tar.gz");
+    let names = probe_user::bundle::write(&rec, &r, &out, true).unwrap();
+    assert!(names.iter().any(|n| n == "report.html"), "{names:?}");
+    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(std::fs::File::open(&out).unwrap()));
+    let mut page = String::new();
+    for e in tar.entries().unwrap() {
+        let mut e = e.unwrap();
+        let name = e.path().unwrap().to_string_lossy().into_owned();
+        if name.ends_with("report.html") {
+            std::io::Read::read_to_string(&mut e, &mut page).unwrap();
+        } else if name.ends_with(".svg") {
+            // Masked before drawing: no raw `<dir>` tags in the markup, the script intact.
+            let mut svg = String::new();
+            std::io::Read::read_to_string(&mut e, &mut svg).unwrap();
+            assert!(!svg.contains("<dir>") && !svg.contains("<ip>") && svg.contains("// Use GET parameters"), "{name}");
+        }
+    }
+    assert!(page.contains("<tr id=\"request-1\">"));
+    assert!(!page.contains("/root/.cache") && !page.contains("127.0.0.1"), "masked");
+    assert!(page.contains("&lt;dir&gt;/llama-server") && page.contains("&lt;ip&gt;:46233"));
+    self_contained(&page);
+    let path = dir.join("masked.html");
+    std::fs::write(&path, &page).unwrap();
+    browse(&path);
+    let _ = std::fs::remove_dir_all(dir);
+}
