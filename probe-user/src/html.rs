@@ -475,6 +475,18 @@ mod tests {
         assert!(chart.svg.contains(" × [lock wait]"), "merged runs say how many slices they hold");
         assert!(chart.svg.contains("gpu clock MHz: min 0, max 1600"));
 
+        // 300 requests one after the other: packed into a couple of rows, not 300 lanes.
+        let mut ev = vec![json!({"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "requests"}})];
+        for i in 0..300u64 {
+            ev.push(json!({"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": format!("#{i} POST /v1/chat/completions")}}));
+            ev.push(json!({"ph": "X", "name": format!("#{i} POST /v1/chat/completions"), "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 1_500_000}));
+            ev.push(json!({"ph": "X", "name": "until first token", "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 300_000}));
+        }
+        let chart = timeline::svg(&json!({ "traceEvents": ev }));
+        assert!(chart.svg.contains(">#0 POST /v1/chat/compl +149</text>"), "two rows of 150");
+        assert!(chart.notes.is_empty(), "{:?}", chart.notes);
+        assert!(chart.svg.contains("#299 POST /v1/chat/completions: 1500 ms at 598000 ms"));
+
         // Far more distinct things than the cap: the rest is counted, not silently dropped.
         let ev: Vec<Value> = (0..20_000u64).map(|i| json!({"ph": "X", "name": format!("n{i}"), "pid": 1, "tid": i % 10, "ts": i * 1000, "dur": 10})).collect();
         let chart = timeline::svg(&json!({ "traceEvents": ev }));

@@ -21,6 +21,11 @@ const AXIS: f64 = 22.0;
 pub const MAX_ELEMENTS: usize = 6000;
 /// At most this many lanes (threads, devices, counter series).
 pub const MAX_LANES: usize = 120;
+/// A group with more lanes than this shares rows between lanes that do not overlap in time
+/// (a long trace's requests, connections).
+const PACK_OVER: usize = 24;
+/// At most this many rows per group, so one group cannot crowd out the others.
+const MAX_GROUP_ROWS: usize = 48;
 /// Nested slices (a request and its wait for the first token) are drawn inset, this deep at most.
 const MAX_DEPTH: usize = 3;
 
@@ -55,9 +60,10 @@ fn id(v: &Value) -> u64 {
     v.as_u64().or_else(|| v.as_f64().map(|f| f as u64)).or_else(|| v.as_str().and_then(|s| s.parse().ok())).unwrap_or(0)
 }
 
+const PALETTE: [&str; 10] = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
+
 /// Colours for the names probe's timeline uses; any other name gets one from its hash.
 pub fn color(name: &str) -> &'static str {
-    const PALETTE: [&str; 10] = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
     match name {
         "until first token" => "#f28e2b",
         "first token" => "#000000",
@@ -165,6 +171,33 @@ fn parse(trace: &Value, skipped: &mut BTreeMap<String, u64>) -> (BTreeMap<u64, P
     (procs, end)
 }
 
+/// First and last time (µs) of anything in a lane.
+fn extent(lane: &Lane) -> (f64, f64) {
+    let times = lane.slices.iter().flat_map(|s| [s.ts, s.ts + s.dur]).chain(lane.instants.iter().map(|i| i.0));
+    times.fold((f64::INFINITY, 0.0), |(a, b), t| (a.min(t), b.max(t)))
+}
+
+/// The rows a process's lanes are drawn in: one each, or, past [`PACK_OVER`] lanes, packed
+/// first-fit by time so lanes that never overlap (with a few px between) share a row.
+fn rows(p: &Process, scale: f64) -> Vec<Vec<(&u64, &Lane)>> {
+    if p.lanes.len() <= PACK_OVER {
+        return p.lanes.iter().map(|l| vec![l]).collect();
+    }
+    let mut lanes: Vec<(&u64, &Lane, (f64, f64))> = p.lanes.iter().map(|(t, l)| (t, l, extent(l))).collect();
+    lanes.sort_by(|a, b| a.2.0.total_cmp(&b.2.0));
+    let mut rows: Vec<(f64, Vec<(&u64, &Lane)>)> = Vec::new();
+    for (tid, lane, (first, last)) in lanes {
+        match rows.iter_mut().find(|(end, _)| *end + 3.0 <= first * scale) {
+            Some(row) => {
+                row.0 = last * scale;
+                row.1.push((tid, lane));
+            }
+            None => rows.push((last * scale, vec![(tid, lane)])),
+        }
+    }
+    rows.into_iter().map(|(_, r)| r).collect()
+}
+
 fn ms(us: f64) -> String {
     let m = us / 1e3;
     if m.abs() >= 100.0 { format!("{m:.0} ms") } else if m.abs() >= 1.0 { format!("{m:.1} ms") } else { format!("{m:.3} ms") }
@@ -236,6 +269,9 @@ fn draw_slices(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
                 return;
             }
             let w = (r.x1 - r.x0).max(1.0);
+            // A merged run is as opaque as it is busy: sparse waits do not look like one long one.
+            let density = (r.busy * scale / w).clamp(0.15, 1.0);
+            let opacity = if density < 0.95 { format!(" fill-opacity=\"{density:.2}\"") } else { String::new() };
             let title = if r.n == 1 {
                 format!("{}: {} at {}{}", r.first.name, ms(r.first.dur), ms(r.first.ts), args_text(&r.first.args))
             } else {
@@ -243,7 +279,7 @@ fn draw_slices(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
             };
             let _ = write!(
                 o.body,
-                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{w:.1}\" height=\"{h:.1}\" fill=\"{}\"><title>{}</title></rect>",
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{w:.1}\" height=\"{h:.1}\" fill=\"{}\"{opacity}><title>{}</title></rect>",
                 LABEL + r.x0,
                 y + inset,
                 color(name),
@@ -305,7 +341,7 @@ fn draw_instants(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
     }
 }
 
-fn draw_counter(o: &mut Out, label: &str, pts: &[(f64, f64)], y: f64, scale: f64) {
+fn draw_counter(o: &mut Out, label: &str, pts: &[(f64, f64)], y: f64, scale: f64, stroke: &str) {
     let (lo, hi) = pts.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), p| (l.min(p.1), h.max(p.1)));
     let last = pts.last().map_or(0.0, |p| p.1);
     let top = y + 3.0;
@@ -346,7 +382,7 @@ fn draw_counter(o: &mut Out, label: &str, pts: &[(f64, f64)], y: f64, scale: f64
         );
     }
     if o.room() {
-        let _ = write!(o.body, "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.2\" points=\"{}\"><title>{}</title></polyline>", color(label), points.trim_end(), escape(&title));
+        let _ = write!(o.body, "<polyline fill=\"none\" stroke=\"{stroke}\" stroke-width=\"1.2\" points=\"{}\"><title>{}</title></polyline>", points.trim_end(), escape(&title));
     }
     if o.room() {
         let _ = write!(
@@ -376,6 +412,7 @@ pub fn svg(trace: &Value) -> Chart {
     let mut lanes = 0usize;
     let mut lanes_left = 0usize;
     let mut used: BTreeMap<&'static str, String> = BTreeMap::new();
+    let mut counter_index = 0usize;
     for (pid, p) in order {
         let group = p.name.clone().unwrap_or_else(|| format!("pid {pid}"));
         if lanes >= MAX_LANES {
@@ -386,43 +423,58 @@ pub fn svg(trace: &Value) -> Chart {
             let _ = write!(o.body, "<text x=\"2\" y=\"{:.1}\" class=\"grp\">{}</text>", y + GROUP - 5.0, escape(&group));
         }
         y += GROUP;
-        for (tid, lane) in &p.lanes {
-            if lanes >= MAX_LANES {
-                lanes_left += 1;
+        let label = |tid: &u64| p.threads.get(tid).cloned().unwrap_or_else(|| if group == "TCP" { format!("port {tid}") } else { format!("tid {tid}") });
+        let rows = rows(p, scale);
+        let packed = rows.len() < p.lanes.len();
+        let mut group_rows = 0;
+        for row in &rows {
+            if lanes >= MAX_LANES || group_rows >= MAX_GROUP_ROWS {
+                lanes_left += row.len();
                 continue;
             }
             lanes += 1;
-            let label = p.threads.get(tid).cloned().unwrap_or_else(|| if group == "TCP" { format!("port {tid}") } else { format!("tid {tid}") });
+            group_rows += 1;
+            let mut text = label(row[0].0);
+            if row.len() > 1 {
+                text = format!("{} +{}", text.chars().take(22).collect::<String>(), row.len() - 1);
+            }
             if o.room() {
-                let _ = write!(o.body, "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>", y + LANE - 4.0, escape(&label.chars().take(30).collect::<String>()));
+                let _ = write!(o.body, "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>", y + LANE - 4.0, escape(&text.chars().take(30).collect::<String>()));
             }
-            for s in &lane.slices {
-                used.entry(color(&s.name)).or_insert_with(|| s.name.clone());
-            }
-            draw_slices(&mut o, lane, y, scale);
-            draw_instants(&mut o, lane, y, scale);
-            // The TTFT in words, right of everything in the lane (or left of it), never over it.
-            let first = lane.slices.iter().map(|s| s.ts).chain(lane.instants.iter().map(|i| i.0)).fold(f64::INFINITY, f64::min) * scale;
-            let last = lane.slices.iter().map(|s| s.ts + s.dur).chain(lane.instants.iter().map(|i| i.0)).fold(0.0, f64::max) * scale;
-            for s in lane.slices.iter().filter(|s| s.name == "until first token") {
-                let at = if last + 70.0 < WIDTH { Some((last + 4.0, "start")) } else if first > 70.0 { Some((first - 4.0, "end")) } else { None };
-                if let Some((x, anchor)) = at.filter(|_| o.room()) {
-                    let _ = write!(o.body, "<text x=\"{:.1}\" y=\"{:.1}\" class=\"ttft\" text-anchor=\"{anchor}\">TTFT {}</text>", LABEL + x, y + LANE - 4.0, ms(s.dur));
+            for (_, lane) in row {
+                for s in &lane.slices {
+                    used.entry(color(&s.name)).or_insert_with(|| s.name.clone());
+                }
+                draw_slices(&mut o, lane, y, scale);
+                draw_instants(&mut o, lane, y, scale);
+                if packed {
+                    continue;
+                }
+                // The TTFT in words, right of everything in the lane (or left of it), never over it.
+                let (first, last) = extent(lane);
+                let (first, last) = (first * scale, last * scale);
+                for s in lane.slices.iter().filter(|s| s.name == "until first token") {
+                    let at = if last + 70.0 < WIDTH { Some((last + 4.0, "start")) } else if first > 70.0 { Some((first - 4.0, "end")) } else { None };
+                    if let Some((x, anchor)) = at.filter(|_| o.room()) {
+                        let _ = write!(o.body, "<text x=\"{:.1}\" y=\"{:.1}\" class=\"ttft\" text-anchor=\"{anchor}\">TTFT {}</text>", LABEL + x, y + LANE - 4.0, ms(s.dur));
+                    }
                 }
             }
             y += LANE;
         }
         for ((name, key), pts) in &p.counters {
-            if lanes >= MAX_LANES {
+            if lanes >= MAX_LANES || group_rows >= MAX_GROUP_ROWS {
                 lanes_left += 1;
                 continue;
             }
             lanes += 1;
+            group_rows += 1;
             let label = if key == name || key == "value" { name.clone() } else { format!("{name} {key}") };
             if o.room() {
                 let _ = write!(o.body, "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>", y + 12.0, escape(&label.chars().take(30).collect::<String>()));
             }
-            draw_counter(&mut o, &label, pts, y, scale);
+            draw_counter(&mut o, &label, pts, y, scale, PALETTE[counter_index % PALETTE.len()]);
+            counter_index += 1;
             y += COUNTER;
         }
     }
