@@ -79,10 +79,12 @@ pub fn color(name: &str) -> &'static str {
         "major fault" => "#ff7f0e",
         "reset received" | "reset sent" => "#d62728",
         n if n.starts_with('#') => "#c6dbef",
-        n if n.starts_with('m') && (n.contains("map") || n.contains("lock") || n.contains("protect") || n == "madvise") => "#9c755f",
+        // A state change ("A → B"): coloured by the state it enters.
+        n if n.contains(" → ") => color(n.rsplit(" → ").next().unwrap_or(n)),
+        n if is_mmap(n) => "#8d6e63",
         n => {
             // Block IO is named "RWBS size": colour by the operation, not the size.
-            let key = n.split(' ').next().unwrap_or(n);
+            let key = if n.ends_with(" KiB") { n.split(' ').next().unwrap_or(n) } else { n };
             let h = key.bytes().fold(2166136261u32, |h, b| (h ^ b as u32).wrapping_mul(16777619));
             PALETTE[h as usize % PALETTE.len()]
         }
@@ -90,13 +92,22 @@ pub fn color(name: &str) -> &'static str {
 }
 
 /// What a colour stands for in the legend.
-fn legend_name(name: &str) -> &str {
-    match color(name) {
-        "#c6dbef" => "request",
-        "#9c755f" => "memory-map calls",
-        _ if name.starts_with('[') || name == "until first token" => name,
-        _ => name.split(' ').next().unwrap_or(name),
+fn legend_name(name: &str) -> String {
+    if name.starts_with('#') {
+        "request".into()
+    } else if is_mmap(name) {
+        "memory-map calls".into()
+    } else if let Some((_, to)) = name.rsplit_once(" → ") {
+        format!("→ {to}")
+    } else if name.ends_with(" KiB") {
+        format!("block {}", name.split(' ').next().unwrap_or(name))
+    } else {
+        name.into()
     }
+}
+
+fn is_mmap(name: &str) -> bool {
+    matches!(name, "mmap" | "munmap" | "mremap" | "madvise" | "mlock" | "munlock" | "mlock2" | "mprotect" | "mmap?")
 }
 
 /// The group a process's lanes go in: requests first, then the target's threads, block IO,
@@ -411,7 +422,7 @@ pub fn svg(trace: &Value) -> Chart {
     let mut y = AXIS;
     let mut lanes = 0usize;
     let mut lanes_left = 0usize;
-    let mut used: BTreeMap<&'static str, String> = BTreeMap::new();
+    let mut used: BTreeMap<String, &'static str> = BTreeMap::new();
     let mut counter_index = 0usize;
     for (pid, p) in order {
         let group = p.name.clone().unwrap_or_else(|| format!("pid {pid}"));
@@ -442,8 +453,8 @@ pub fn svg(trace: &Value) -> Chart {
                 let _ = write!(o.body, "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>", y + LANE - 4.0, escape(&text.chars().take(30).collect::<String>()));
             }
             for (_, lane) in row {
-                for s in &lane.slices {
-                    used.entry(color(&s.name)).or_insert_with(|| s.name.clone());
+                for n in lane.slices.iter().map(|s| &s.name).chain(lane.instants.iter().map(|i| &i.1)) {
+                    used.entry(legend_name(n)).or_insert_with(|| color(n));
                 }
                 draw_slices(&mut o, lane, y, scale);
                 draw_instants(&mut o, lane, y, scale);
@@ -498,7 +509,7 @@ pub fn svg(trace: &Value) -> Chart {
     for (what, n) in notes_skipped {
         notes.push(format!("{n} {what}"));
     }
-    let legend: Vec<String> = used.iter().map(|(c, name)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(legend_name(name)))).collect();
+    let legend: Vec<String> = used.iter().map(|(name, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(name))).collect();
     let total = LABEL + WIDTH + 10.0;
     let svg = format!(
         "<div class=\"legend\">{}</div><svg class=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{total:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {total:.0} {height:.0}\" role=\"img\" aria-label=\"timeline\">{axis}{}</svg>",
