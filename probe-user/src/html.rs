@@ -85,6 +85,8 @@ pub fn bar_widths(segs: &[f64; 7], ttft: f64, longest: f64, full: f64) -> [f64; 
 }
 
 const BAR: f64 = 240.0;
+/// Larger flamegraphs are named, not embedded (base64 adds a third), to keep the page light.
+const MAX_FLAME_BYTES: usize = 4 << 20;
 
 fn ms(v: f64) -> String {
     if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") }
@@ -214,6 +216,10 @@ fn flames(o: &mut String, flames: &[(String, String)]) {
     }
     let _ = writeln!(o, "<p class=\"muted\">Shown as images; the interactive SVGs (zoom, search) are the flame-*.svg files beside this page.</p>");
     for (kind, svg) in flames {
+        if svg.len() > MAX_FLAME_BYTES {
+            let _ = writeln!(o, "<p>{}: {} of SVG, too large to embed: open flame-{}.svg beside this page.</p>", escape(kind), bytes(svg.len() as u64), escape(kind));
+            continue;
+        }
         // An <img> never runs the SVG's own script: no errors, no network, nothing to escape.
         let _ = writeln!(
             o,
