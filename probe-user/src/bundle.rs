@@ -1,12 +1,12 @@
 //! `probe bundle`: one .tar.gz to attach to an issue on the server's tracker: a GitHub-ready
-//! report.md (verdicts first), report.json, the flamegraphs, the Perfetto timeline and the
-//! environment. Never the raw event log (it may hold payload with --capture-text), so no prompt
+//! report.md (verdicts first), report.json, report.html (self-contained), the flamegraphs, the
+//! Perfetto timeline and the environment. Never the raw event log (it may hold payload with --capture-text), so no prompt
 //! or response text; `--mask` also hides directory names and IP addresses.
 use std::{fmt::Write as _, path::Path};
 
 use anyhow::Context as _;
 
-use crate::{flame, recording::Recording, report::Report, timeline};
+use crate::{flame, html, recording::Recording, report::Report, timeline};
 
 /// The markdown report: verdicts, requests, files, block IO, losses.
 pub fn markdown(r: &Report) -> String {
@@ -45,7 +45,7 @@ pub fn markdown(r: &Report) -> String {
     for p in &r.problems {
         let _ = writeln!(o, "\n> note: {p}");
     }
-    let _ = writeln!(o, "\nFlamegraphs (`flame-*.svg`) and a timeline (`timeline.json`, open in ui.perfetto.dev) are in this bundle.");
+    let _ = writeln!(o, "\nFlamegraphs (`flame-*.svg`), a timeline (`timeline.json`, open in ui.perfetto.dev) and `report.html` (all of it on one page, opens offline) are in this bundle.");
     o
 }
 
@@ -115,25 +115,46 @@ pub fn mask(text: &str) -> String {
 /// Write the bundle; returns the list of files in it.
 pub fn write(rec: &Recording, report: &Report, out: &Path, masked: bool) -> anyhow::Result<Vec<String>> {
     let syms = flame::Symbols::resolve(rec);
+    let trace = timeline::build(rec, &flame::offcpu_kernel_names(rec));
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("report.md".into(), markdown(report).into_bytes()),
         ("report.json".into(), serde_json::to_vec_pretty(report)?),
         ("environment.txt".into(), environment(rec).into_bytes()),
-        ("timeline.json".into(), serde_json::to_vec(&timeline::build(rec, &flame::offcpu_kernel_names(rec)))?),
+        ("timeline.json".into(), serde_json::to_vec(&trace)?),
     ];
+    // Text files are masked as a whole below. Flamegraphs and the page are drawn from masked
+    // data instead: masking their markup would open `<dir>` tags and cut into scripts and images.
+    let mut flames = Vec::new();
+    let mut drawn: Vec<(String, Vec<u8>)> = Vec::new();
     for kind in flame::Kind::ALL {
-        let f = flame::folded(rec, &syms, kind, flame::Window::default());
+        let mut f = flame::folded(rec, &syms, kind, flame::Window::default());
+        if masked {
+            f = f.into_iter().fold(std::collections::BTreeMap::new(), |mut m, (k, w)| {
+                *m.entry(mask(&k)).or_default() += w;
+                m
+            });
+        }
         if !f.is_empty() {
-            files.push((format!("flame-{}.svg", kind.name()), flame::svg(&f, kind, &format!("probe: {} stacks", kind.name()))?));
+            let svg = flame::svg(&f, kind, &format!("probe: {} stacks", kind.name()))?;
+            flames.push((kind.name().to_string(), String::from_utf8_lossy(&svg).into_owned()));
+            drawn.push((format!("flame-{}.svg", kind.name()), svg));
             files.push((format!("flame-{}.folded", kind.name()), flame::folded_text(&f).into_bytes()));
         }
     }
+    let page = if masked {
+        let r: Report = serde_json::from_str(&mask(&serde_json::to_string(report)?)).context("masked report")?;
+        let t: serde_json::Value = serde_json::from_str(&mask(&serde_json::to_string(&trace)?)).context("masked timeline")?;
+        html::render(&r, &t, &flames)
+    } else {
+        html::render(report, &trace, &flames)
+    };
+    drawn.push((html::FILE_NAME.into(), page.into_bytes()));
     let file = std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut tar = tar::Builder::new(flate2::write::GzEncoder::new(file, flate2::Compression::default()));
     let stem = out.file_name().and_then(|n| n.to_str()).unwrap_or("probe-bundle").trim_end_matches(".tar.gz").to_string();
     let mut names = Vec::new();
-    for (name, data) in files {
-        let data = if masked { mask(&String::from_utf8_lossy(&data)).into_bytes() } else { data };
+    let files = files.into_iter().map(|(n, d)| (n, if masked { mask(&String::from_utf8_lossy(&d)).into_bytes() } else { d }));
+    for (name, data) in files.chain(drawn) {
         let mut h = tar::Header::new_gnu();
         h.set_size(data.len() as u64);
         h.set_mode(0o644);

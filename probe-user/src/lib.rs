@@ -8,6 +8,7 @@ pub mod collector;
 pub mod decode;
 pub mod doctor;
 pub mod flame;
+pub mod html;
 pub mod probes;
 pub mod procfs;
 pub mod recording;

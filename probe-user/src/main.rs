@@ -57,6 +57,9 @@ enum Command {
         dir: PathBuf,
         #[arg(long)]
         json: bool,
+        /// Write DIR/report.html (self-contained: verdicts, timeline, flamegraphs) and print its path.
+        #[arg(long)]
+        html: bool,
     },
     /// Draw a flamegraph (SVG, plus the folded stacks beside it) from a recording.
     Flamegraph {
@@ -143,10 +146,12 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             }
             Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
         }
-        Command::Report { dir, json } => {
+        Command::Report { dir, json, html } => {
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let r = report::build(&rec);
-            if json {
+            if html {
+                println!("{}", probe_user::html::write_for(&rec, &r, &dir)?.display());
+            } else if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 print!("{}", report::render(&r));

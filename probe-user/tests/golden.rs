@@ -77,7 +77,7 @@ fn demo_bundle() {
     let r = report::build(&rec);
     let out = std::env::temp_dir().join(format!("probe-bundle-{}.tar.gz", std::process::id()));
     let names = probe_user::bundle::write(&rec, &r, &out, false).unwrap();
-    for want in ["report.md", "report.json", "environment.txt", "timeline.json"] {
+    for want in ["report.md", "report.json", "report.html", "environment.txt", "timeline.json"] {
         assert!(names.iter().any(|n| n == want), "{names:?}");
     }
     assert!(!names.iter().any(|n| n.contains("events")));

@@ -1,0 +1,158 @@
+//! report.html of real recordings, checked in headless Chromium (Debian's `chromium`): the page
+//! loads, its images decode, and nothing is logged to the console. The recordings:
+//! tests/data/report/demo (the kernel demo: faults, block IO, TCP; no requests, no stacks) and
+//! tests/data/html/llama-demo (`cargo xtask demo`: a real llama-server answering four requests,
+//! with its flamegraphs). Without chromium these tests fail: run scripts/setup.sh.
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use probe_user::html;
+
+fn data(p: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data").join(p)
+}
+
+/// A fresh temporary directory with a copy of the recording's files (the page is written there).
+fn scratch(name: &str, from: &Path) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("probe-html-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["events.bin", "flame-cpu.svg", "flame-offcpu.svg", "flame-faults.svg", "flame-io.svg"] {
+        if from.join(f).exists() {
+            std::fs::copy(from.join(f), dir.join(f)).unwrap();
+        }
+    }
+    dir
+}
+
+fn chromium() -> PathBuf {
+    if let Some(p) = std::env::var_os("CHROMIUM") {
+        return p.into();
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .flat_map(|d| ["chromium", "chromium-browser"].map(|n| d.join(n)))
+        .find(|p| p.is_file())
+        .expect("headless Chromium is needed to check report.html: run scripts/setup.sh (installs Debian's `chromium`) or set CHROMIUM=/path/to/chromium")
+}
+
+/// Load `page` in headless Chromium and return the DOM after load. Panics when Chromium fails,
+/// the page's load marker is missing, the page's error hooks fired, or the console got a line.
+fn browse(page: &Path) -> String {
+    let dir = page.parent().unwrap();
+    let (out, err) = (dir.join("chromium.out"), dir.join("chromium.err"));
+    let t = Instant::now();
+    let mut child = Command::new(chromium())
+        .args(["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=3000", "--dump-dom"])
+        .arg(format!("--user-data-dir={}", dir.join("chromium-profile").display()))
+        .arg(format!("file://{}", page.display()))
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("cannot start chromium: run scripts/setup.sh");
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("chromium did not finish within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (dom, log) = (std::fs::read_to_string(&out).unwrap(), std::fs::read_to_string(&err).unwrap());
+    eprintln!("chromium rendered {} in {:.2} s", page.display(), t.elapsed().as_secs_f64());
+    assert!(status.success(), "chromium failed ({status}):\n{log}");
+    let console: Vec<&str> = log.lines().filter(|l| l.contains(":CONSOLE") || l.contains("Uncaught")).collect();
+    assert!(console.is_empty(), "the page logged to the console:\n{}", console.join("\n"));
+    if let Some(i) = dom.find("data-errors=") {
+        panic!("the page's error hooks fired: {}", &dom[i..dom.len().min(i + 400)]);
+    }
+    assert!(dom.contains("data-rendered=\"ok\""), "the page's load marker is missing: did its script run?\n{}", &dom[..dom.len().min(2000)]);
+    dom
+}
+
+/// Nothing in the page may point outside it.
+fn self_contained(page: &str) {
+    for bad in ["src=\"http", "href=\"http", "src=\"//", "href=\"//", "url(", "@import", "<link", "<iframe"] {
+        assert!(!page.contains(bad), "the page refers to something outside it: {bad}");
+    }
+}
+
+#[test]
+fn llama_server_recording_renders() {
+    let dir = scratch("llama", &data("html/llama-demo"));
+    let path = html::write(&dir).unwrap();
+    let page = std::fs::read_to_string(&path).unwrap();
+    eprintln!("report.html of the llama-server recording: {} bytes", page.len());
+    // A verdict row per request, with its cause and its TTFT split.
+    for (id, req, stop) in [(1, "POST /v1/chat/completions", "requested limit"), (2, "POST /completion", "requested limit"), (3, "POST /v1/chat/completions", "client disconnect"), (4, "POST /v1/chat/completions", "requested limit")] {
+        let at = page.find(&format!("<tr id=\"request-{id}\">")).unwrap_or_else(|| panic!("no verdict row for request {id}"));
+        let row = &page[at..at + page[at..].find("</tr>").unwrap()];
+        assert!(row.contains(req) && row.contains(stop) && row.contains("<svg class=\"bar\""), "{row}");
+    }
+    assert!(page.contains("compute 88.4"), "the ms numbers under the bar");
+    // The timeline: a lane per request with its TTFT, the server's threads, TCP.
+    assert!(page.contains("<svg class=\"timeline\""));
+    assert!(page.contains("#1 POST /v1/chat/completions</text>") && page.contains(">TTFT 90.5 ms</text>"));
+    assert!(page.contains("llama-server (pid 28239)") && page.contains("port 46233"));
+    // Both flamegraphs, embedded.
+    assert_eq!(page.matches("src=\"data:image/svg+xml;base64,").count(), 2);
+    self_contained(&page);
+    assert!(page.len() < 1 << 20, "{} bytes", page.len());
+    let dom = browse(&path);
+    assert!(dom.contains("request-4"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn kernel_demo_recording_renders() {
+    let dir = scratch("demo", &data("report/demo"));
+    let path = html::write(&dir).unwrap();
+    let page = std::fs::read_to_string(&path).unwrap();
+    assert!(page.contains("No HTTP requests were seen"));
+    assert!(page.contains("<svg class=\"timeline\"") && page.contains("major fault"));
+    assert!(page.contains("<code>/work/main/target/demo/cold-weights.bin</code>"));
+    assert!(page.contains("closed by</th>") && page.contains("127.0.0.1:34079"));
+    self_contained(&page);
+    browse(&path);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The bundle's report.html, masked: no directory names or addresses, and still a page that
+/// renders (the masking happens before drawing, never inside the embedded images).
+#[test]
+fn masked_bundle_page_renders() {
+    let dir = scratch("bundle", &data("html/llama-demo"));
+    let rec = probe_user::recording::read_dir(&dir).unwrap();
+    let r = probe_user::report::build(&rec);
+    let out = dir.join("bundle.tar.gz");
+    let names = probe_user::bundle::write(&rec, &r, &out, true).unwrap();
+    assert!(names.iter().any(|n| n == "report.html"), "{names:?}");
+    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(std::fs::File::open(&out).unwrap()));
+    let mut page = String::new();
+    for e in tar.entries().unwrap() {
+        let mut e = e.unwrap();
+        let name = e.path().unwrap().to_string_lossy().into_owned();
+        if name.ends_with("report.html") {
+            std::io::Read::read_to_string(&mut e, &mut page).unwrap();
+        } else if name.ends_with(".svg") {
+            // Masked before drawing: no raw `<dir>` tags in the markup, the script intact.
+            let mut svg = String::new();
+            std::io::Read::read_to_string(&mut e, &mut svg).unwrap();
+            assert!(!svg.contains("<dir>") && !svg.contains("<ip>") && svg.contains("// Use GET parameters"), "{name}");
+        }
+    }
+    assert!(page.contains("<tr id=\"request-1\">"));
+    assert!(!page.contains("/root/.cache") && !page.contains("127.0.0.1"), "masked");
+    assert!(page.contains("&lt;dir&gt;/llama-server") && page.contains("&lt;ip&gt;:46233"));
+    self_contained(&page);
+    let path = dir.join("masked.html");
+    std::fs::write(&path, &page).unwrap();
+    browse(&path);
+    let _ = std::fs::remove_dir_all(dir);
+}
