@@ -363,6 +363,10 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     }
     let path = opts.out.join("report.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("cannot write {}", path.display()))?;
+    match crate::html::write_for(&rec, &report, &opts.out) {
+        Ok(page) => eprintln!("probe: {}", page.display()),
+        Err(e) => eprintln!("probe: report.html not written: {e:#}"),
+    }
     partial |= report.lost_events.values().any(|&n| n > 0);
     Ok(TraceOutcome { report, partial })
 }
