@@ -667,6 +667,14 @@ fn low_gpu_clock_at_arrival_is_power() {
     assert!(v["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("GPU 0 SM clock at 11%") && e.as_str().unwrap().contains("P8")), "{v}");
     let w = &find(&r, warm)[0]["verdict"];
     assert_eq!(w["ttft_ms"]["power"], 0.0, "{w}");
+    // The server's own view came from its endpoints; probe's polls (of any probe instance
+    // tracing this shared server) are not among its requests.
+    let srv = &r["system"]["server"][0];
+    assert_eq!((srv["kind"].as_str(), srv["n_ctx_slot"].as_u64(), srv["total_slots"].as_u64()), (Some("llama.cpp"), Some(1024), Some(2)), "{srv}");
+    assert!(r["probe_polls"].as_u64().unwrap() >= 2, "{}", r["probe_polls"]);
+    let reqs = r["requests"].as_array().unwrap();
+    assert!(reqs.iter().all(|q| q["path"] != "/props" && q["path"] != "/metrics"), "{reqs:?}");
+    assert!(r["system"]["model_files"][0]["resident_end"].as_f64().unwrap() > 0.9, "{}", r["system"]["model_files"]);
 }
 
 /// nginx in front with `proxy_read_timeout 2s`; the server is paused (SIGSTOP) mid-stream. The

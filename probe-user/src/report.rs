@@ -514,7 +514,7 @@ pub fn build(rec: &Recording) -> Report {
         p.is_some_and(|p| polls.contains(&p))
     };
     let before = r.requests.len();
-    r.requests.retain(|q| !ours(&q.peer, &q.local, &q.role));
+    r.requests.retain(|q| !q.probe_poll && !ours(&q.peer, &q.local, &q.role));
     r.probe_polls = (before - r.requests.len()) as u64;
     r.connections = conns.into_iter().map(|(_, c, _)| c).filter(|c| !port_of(&c.peer).is_some_and(|p| polls.contains(&p))).collect();
     r.target.processes = procs.into_values().collect();

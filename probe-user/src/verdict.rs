@@ -186,8 +186,14 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
     if w.lost_events > 0 {
         v.data_quality.push(format!("{} events were lost while this request was served (ring buffer full): shares are lower bounds", w.lost_events));
     }
-    if w.stacks_cut > 0 {
-        v.data_quality.push(format!("{} of {} stacks in this request's window were not unwound to the end: flamegraph frames near the root are missing", w.stacks_cut, w.stacks));
+    // A few stacks cut short are normal (deep frames past the copied stack); say so past 10%.
+    if w.stacks_cut * 10 > w.stacks {
+        v.data_quality.push(format!(
+            "{:.0}% of the stacks in this request's window ({} of {}) were not unwound to the end: frames near the root are missing from its flamegraph",
+            w.stacks_cut as f64 * 100.0 / w.stacks as f64,
+            w.stacks_cut,
+            w.stacks
+        ));
     }
     if !w.offcpu_probe {
         v.data_quality.push("the offcpu probe was not live: disk and memory waits are not measured".into());

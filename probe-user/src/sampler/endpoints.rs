@@ -17,7 +17,8 @@ pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<(
     let local = s.local_addr()?.port();
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: probe\r\nAccept: */*\r\nConnection: close\r\n\r\n")?;
+    let ua = crate::stream::http::POLL_USER_AGENT;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: {ua}/{}\r\nAccept: */*\r\nConnection: close\r\n\r\n", env!("CARGO_PKG_VERSION"))?;
     let mut buf = Vec::new();
     s.take(4 << 20).read_to_end(&mut buf)?;
     let (status, body) = parse_response(&buf).ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response"))?;

@@ -155,7 +155,12 @@ pub struct RequestHead {
     pub method: String,
     pub path: String,
     pub framing: Option<Framing>,
+    /// Sent by probe's own endpoint poller (any probe instance): not the server's traffic.
+    pub probe_poll: bool,
 }
+
+/// The User-Agent of probe's endpoint polls.
+pub const POLL_USER_AGENT: &str = "probe-poll";
 
 /// A parsed response head.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -191,7 +196,12 @@ pub fn parse_request(buf: &[u8]) -> Parsed<RequestHead> {
             let (chunked, length) = framing_of(req.headers);
             let framing = if chunked { Framing::Chunked } else { length.map_or(Framing::None, Framing::Length) };
             Parsed::Done(
-                RequestHead { method: req.method.unwrap_or("").into(), path: req.path.unwrap_or("").into(), framing: Some(framing) },
+                RequestHead {
+                    method: req.method.unwrap_or("").into(),
+                    path: req.path.unwrap_or("").into(),
+                    framing: Some(framing),
+                    probe_poll: header(req.headers, "user-agent").is_some_and(|u| u.starts_with(POLL_USER_AGENT)),
+                },
                 n,
             )
         }

@@ -73,6 +73,9 @@ pub struct RequestRecord {
     pub bytes_not_captured: u64,
     /// Stream messages that could not be read (cut by the capture limit, not JSON).
     pub messages_unread: u64,
+    /// A request probe's own endpoint poller made (left out of reports).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub probe_poll: bool,
     /// Messages with a hole whose stop fields were read from their captured end.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub messages_partly_read: u64,
@@ -285,6 +288,7 @@ impl Tracker {
                             let mut p = Self::new_pending(conn, id, role, false);
                             p.rec.method = Some(head.method.clone());
                             p.rec.path = Some(head.path.clone());
+                            p.rec.probe_poll = head.probe_poll;
                             p.arrival_ns = Some(t0);
                             p.rec.arrival_ms = Some(t0.saturating_sub(start_ns) as f64 / 1e6);
                             let used = n - before;
