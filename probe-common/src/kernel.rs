@@ -43,7 +43,14 @@ pub struct KernelOffsets {
     pub skc_v6_rcv_saddr: u32,
     /// sock_common.skc_state (u8, TCP_* numbering)
     pub skc_state: u32,
-    pub _pad: u32,
+    /// 1 when the block-request offsets below are known (read separately: a kernel may lack them).
+    pub blk_valid: u32,
+    /// request.__sector (u64), request.q, request_queue.disk, gendisk.major, gendisk.first_minor (int)
+    pub rq_sector: u32,
+    pub rq_q: u32,
+    pub q_disk: u32,
+    pub disk_major: u32,
+    pub disk_first_minor: u32,
 }
 
 /// Name of the global in probe-ebpf that holds [`KernelOffsets`].

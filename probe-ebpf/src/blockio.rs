@@ -2,7 +2,12 @@
 //!
 //! Completions run in interrupt or another task's context, so requests are remembered by
 //! (device, sector) at issue and matched at completion; the record carries the issuer's pid.
-use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext, EbpfContext};
+use aya_ebpf::{
+    macros::{map, raw_tracepoint, tracepoint},
+    maps::HashMap,
+    programs::{RawTracePointContext, TracePointContext},
+    EbpfContext,
+};
 use probe_common::{
     blockio::{BlockIoEvent, BlockKey, BlockStart},
     tracepoints::{block_io_start as st, block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
@@ -98,6 +103,34 @@ pub fn block_rq_complete(ctx: TracePointContext) -> u32 {
 
 fn try_block_rq_complete(ctx: &TracePointContext) -> Result<(), i64> {
     let k = key(ctx, cpl::DEV, cpl::SECTOR)?;
+    complete(k, field(ctx, cpl::ERROR).unwrap_or(0))
+}
+
+/// The same completion as a raw tracepoint (block_rq_complete(struct request *rq, blk_status_t
+/// error, unsigned int nr_bytes)), preferred when the request offsets are known from BTF. A
+/// classic tracepoint program is skipped by the kernel whenever any other tracepoint, kprobe or
+/// perf BPF program is running on that CPU (one global guard), and completions arrive in
+/// interrupts, on top of whatever runs there: some were lost. Raw tracepoints are only guarded
+/// against themselves.
+#[raw_tracepoint(tracepoint = "block_rq_complete")]
+pub fn block_rq_complete_raw(ctx: RawTracePointContext) -> i32 {
+    let rq: u64 = ctx.arg(0);
+    let error: u64 = ctx.arg(1);
+    let k = crate::task::offsets();
+    if k.blk_valid == 0 {
+        return 0;
+    }
+    let (Some(sector), Some(q)) = (crate::task::read::<u64>(rq, k.rq_sector), crate::task::read::<u64>(rq, k.rq_q)) else { return 0 };
+    let Some(disk) = crate::task::read::<u64>(q, k.q_disk).filter(|&d| d != 0) else { return 0 };
+    let (Some(major), Some(minor)) = (crate::task::read::<i32>(disk, k.disk_major), crate::task::read::<i32>(disk, k.disk_first_minor)) else { return 0 };
+    let key = BlockKey { dev: ((major as u32) << 20) | (minor as u32 & 0xfffff), _pad: 0, sector };
+    // blk_status_t: 0 ok; the classic tracepoint gives an errno, so any failure reads as -EIO.
+    let _ = complete(key, if error as u8 == 0 { 0 } else { -5 });
+    0
+}
+
+#[inline(always)]
+fn complete(k: BlockKey, error: i32) -> Result<(), i64> {
     // SAFETY: copied out before the remove below.
     let Some(start) = (unsafe { BLOCK_INFLIGHT.get(&k) }).copied() else { return Ok(()) };
     let _ = BLOCK_INFLIGHT.remove(&k);
@@ -112,7 +145,7 @@ fn try_block_rq_complete(ctx: &TracePointContext) -> Result<(), i64> {
         issue_ns: start.issue_ns,
         complete_ns: hdr.ts_ns,
         rwbs: start.rwbs,
-        error: field(ctx, cpl::ERROR).unwrap_or(0),
+        error,
         _pad: 0,
     };
     emit(&ev);

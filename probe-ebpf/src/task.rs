@@ -9,7 +9,8 @@ static KOFF: KernelOffsets = KernelOffsets {
     valid: 0, task_files: 0, files_fdt: 0, fdt_max_fds: 0, fdt_fd: 0, file_inode: 0, file_dentry: 0,
     inode_ino: 0, inode_sb: 0, sb_dev: 0, dentry_name: 0, file_private_data: 0, socket_sk: 0,
     inode_mode: 0, skc_daddr: 0, skc_rcv_saddr: 0, skc_dport: 0, skc_num: 0, skc_family: 0,
-    skc_v6_daddr: 0, skc_v6_rcv_saddr: 0, skc_state: 0, _pad: 0,
+    skc_v6_daddr: 0, skc_v6_rcv_saddr: 0, skc_state: 0, blk_valid: 0, rq_sector: 0, rq_q: 0, q_disk: 0,
+    disk_major: 0, disk_first_minor: 0,
 };
 
 #[inline(always)]

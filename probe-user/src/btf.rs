@@ -144,6 +144,16 @@ impl Btf {
 
     /// The offsets the kernel programs use to name the file behind an fd.
     pub fn kernel_offsets(&self) -> Result<KernelOffsets, BtfError> {
+        let blk = (|| -> Result<[u32; 5], BtfError> {
+            Ok([
+                self.offset("request", "__sector")?,
+                self.offset("request", "q")?,
+                self.offset("request_queue", "disk")?,
+                self.offset("gendisk", "major")?,
+                self.offset("gendisk", "first_minor")?,
+            ])
+        })();
+        let [rq_sector, rq_q, q_disk, disk_major, disk_first_minor] = blk.as_ref().copied().unwrap_or_default();
         Ok(KernelOffsets {
             valid: 1,
             task_files: self.offset("task_struct", "files")?,
@@ -167,7 +177,12 @@ impl Btf {
             skc_v6_daddr: self.offset("sock_common", "skc_v6_daddr")?,
             skc_v6_rcv_saddr: self.offset("sock_common", "skc_v6_rcv_saddr")?,
             skc_state: self.offset("sock_common", "skc_state")?,
-            _pad: 0,
+            blk_valid: u32::from(blk.is_ok()),
+            rq_sector,
+            rq_q,
+            q_disk,
+            disk_major,
+            disk_first_minor,
         })
     }
 }

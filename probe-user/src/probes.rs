@@ -31,6 +31,8 @@ enum How {
     Plain(&'static str, &'static str),
     /// syscalls:sys_enter_X / sys_exit_X: arguments at 16 + 8i, ret at 16.
     Syscall(&'static str),
+    /// A raw tracepoint (arguments of the trace call; needs the request offsets from BTF).
+    RawBlock(&'static str),
     /// perf software event PAGE_FAULTS_MAJ, period 1, per thread of each target process.
     PerfMajorFaults,
     /// perf software event CPU_CLOCK at `Options::sample_hz`, per thread of each target process.
@@ -59,6 +61,7 @@ const TABLE: &[Spec] = &[
     s("blockio", "block_io_start", How::Tracepoint(&tp::block_io_start::LAYOUT), false),
     s("blockio", "block_rq_insert", How::Tracepoint(&tp::block_rq_insert::LAYOUT), false),
     s("blockio", "block_rq_issue", How::Tracepoint(&tp::block_rq_issue::LAYOUT), true),
+    s("blockio", "block_rq_complete_raw", How::RawBlock("block_rq_complete"), false),
     s("blockio", "block_rq_complete", How::Tracepoint(&tp::block_rq_complete::LAYOUT), true),
     s("fault", "fault_major", How::PerfMajorFaults, true),
     s("fault", "page_fault_user", How::Tracepoint(&tp::page_fault_user::LAYOUT), false),
@@ -226,7 +229,15 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         .map(|s| SubsystemStatus { name: s.to_string(), live: true, attached: vec![], skipped: vec![] })
         .collect();
     for spec in TABLE.iter().filter(|s| wanted(s.subsystem)) {
-        let result = attach_one(&mut ebpf, &tracefs, spec, &targets, opts.sample_hz);
+        // The classic completion tracepoint only when the raw one could not attach.
+        if spec.program == "block_rq_complete" && status.iter().any(|s| s.attached.iter().any(|p| p == "block_rq_complete_raw")) {
+            continue;
+        }
+        let result = if matches!(spec.how, How::RawBlock(_)) && koff.blk_valid == 0 {
+            Err(anyhow!("kernel BTF lacks the block request offsets"))
+        } else {
+            attach_one(&mut ebpf, &tracefs, spec, &targets, opts.sample_hz)
+        };
         let st = status.iter_mut().find(|s| s.name == spec.subsystem).expect("subsystem in table");
         match result {
             Ok(()) => st.attached.push(spec.program.to_string()),
@@ -287,6 +298,11 @@ fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32], sam
             let p: &mut TracePoint = program.try_into()?;
             p.load().context("verifier refused the program")?;
             p.attach("syscalls", name)?;
+        }
+        How::RawBlock(name) => {
+            let p: &mut aya::programs::RawTracePoint = program.try_into()?;
+            p.load().context("verifier refused the program")?;
+            p.attach(name)?;
         }
         How::PerfMajorFaults => per_thread(program, targets, SoftwareEvent::PageFaultsMaj, SamplePolicy::Period(1))?,
         How::PerfCpuClock => per_thread(program, targets, SoftwareEvent::CpuClock, SamplePolicy::Frequency(sample_hz))?,
