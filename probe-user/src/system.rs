@@ -418,8 +418,8 @@ pub fn render(s: &System) -> String {
         let _ = writeln!(o, "  Target RSS: {} at start, {} max, {} at end", mib(a << 10), mib(b << 10), mib(c << 10));
     }
     if let Some(cg) = &m.cgroup {
-        let limit = m.cgroup_limit.map(mib).unwrap_or_else(|| "no limit".into());
-        let _ = writeln!(o, "  Memory cgroup {cg}: limit {limit}, usage max {}, limit hits {}", m.cgroup_usage_max.map(mib).unwrap_or_else(|| "?".into()), m.cgroup_limit_hits.unwrap_or(0));
+        let limit = m.cgroup_limit.map(|l| format!("limit {}", mib(l))).unwrap_or_else(|| "no limit".into());
+        let _ = writeln!(o, "  Memory cgroup {cg}: {limit}, usage max {}, limit hits {}", m.cgroup_usage_max.map(mib).unwrap_or_else(|| "?".into()), m.cgroup_limit_hits.unwrap_or(0));
     }
     for k in &m.oom_kills {
         let _ = writeln!(o, "  OOM kill: pid {} at +{:.3} s ({} resident)", k.pid, k.t_ms / 1e3, mib(k.rss_kib << 10));

@@ -189,7 +189,7 @@ fn demo() -> anyhow::Result<()> {
     let addr = format!("127.0.0.1:{port}");
     println!("demo: starting llama-server on {addr} with {model}");
     let mut srv = Command::new(&server)
-        .args(["-m", &model, "-c", "2048", "-np", "2", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["-m", &model, "-c", "2048", "-np", "2", "--metrics", "--host", "127.0.0.1", "--port", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("llama-server.log"))?)
         .spawn()?;
