@@ -6,7 +6,11 @@
 //! about whose socket it is. Ownership is by socket instead (`OWNED_SOCKS`): marked when one
 //! of the target's threads calls connect/listen/close or sends/receives on it (the fd is walked
 //! to its `struct sock`), or when its local port is one the target listens on (accepted sockets).
-use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{map, raw_tracepoint, tracepoint},
+    maps::HashMap,
+    programs::{RawTracePointContext, TracePointContext},
+};
 use probe_common::{
     sock::*,
     tracepoints::{inet_sock_set_state as st, sock_recv_length as rl, sock_send_length as sl,
@@ -76,7 +80,15 @@ fn try_inet_sock_set_state(ctx: &TracePointContext) -> Result<(), i64> {
         ev.saddr[..4].copy_from_slice(&s);
         ev.daddr[..4].copy_from_slice(&d);
     }
-    emit(&ev);
+    state_changed(&ev);
+    Ok(())
+}
+
+/// Send a state change and keep the ownership maps in step with it.
+#[inline(always)]
+fn state_changed(ev: &SockEvent) {
+    let (skaddr, sport, newstate) = (ev.skaddr, ev.sport, ev.newstate);
+    emit(ev);
     if newstate == TCP_CLOSE {
         let _ = OWNED_SOCKS.remove(&skaddr);
         if ev.oldstate == TCP_LISTEN {
@@ -88,7 +100,78 @@ fn try_inet_sock_set_state(ctx: &TracePointContext) -> Result<(), i64> {
         // Accepted sockets are owned through their listener's port until now.
         insert(&OWNED_SOCKS, &skaddr, &1u8);
     }
-    Ok(())
+}
+
+/// The 4-tuple of `sk` from its sock_common (the classic tracepoints read the same fields).
+#[inline(always)]
+fn from_sock(sk: u64, what: u32) -> Option<SockEvent> {
+    let k = offsets();
+    if k.valid == 0 {
+        return None;
+    }
+    let family: u16 = read(sk, k.skc_family)?;
+    let target = current_target();
+    let (pid, tid) = target.unwrap_or((0, 0));
+    let mut ev = SockEvent {
+        hdr: header::<SockEvent>(pid, tid),
+        skaddr: sk,
+        what,
+        family,
+        sport: read(sk, k.skc_num)?,
+        dport: u16::from_be(read(sk, k.skc_dport)?),
+        in_target: target.is_some() as u8,
+        ..Default::default()
+    };
+    if family == AF_INET6 {
+        ev.saddr = read(sk, k.skc_v6_rcv_saddr)?;
+        ev.daddr = read(sk, k.skc_v6_daddr)?;
+    } else {
+        let s: [u8; 4] = read(sk, k.skc_rcv_saddr)?;
+        let d: [u8; 4] = read(sk, k.skc_daddr)?;
+        ev.saddr[..4].copy_from_slice(&s);
+        ev.daddr[..4].copy_from_slice(&d);
+    }
+    Some(ev)
+}
+
+/// inet_sock_set_state(const struct sock *sk, int oldstate, int newstate) as a raw tracepoint,
+/// preferred over the classic one: state changes run in softirq, on top of whatever BPF program
+/// the interrupted task was running, and the kernel skips a classic tracepoint program whenever
+/// any tracepoint/kprobe/perf program is running on the CPU. Raw tracepoints only guard against
+/// themselves. Only TCP sockets are ever owned, so no protocol check is needed.
+#[raw_tracepoint(tracepoint = "inet_sock_set_state")]
+pub fn inet_sock_set_state_raw(ctx: RawTracePointContext) -> i32 {
+    let sk: u64 = ctx.arg(0);
+    let old: u64 = ctx.arg(1);
+    let new: u64 = ctx.arg(2);
+    let k = offsets();
+    let Some(sport) = read::<u16>(sk, k.skc_num) else { return 0 };
+    if k.valid == 0 || !owned(sk, sport) {
+        return 0;
+    }
+    if let Some(mut ev) = from_sock(sk, SOCK_STATE) {
+        ev.oldstate = old as i32;
+        ev.newstate = new as i32;
+        state_changed(&ev);
+    }
+    0
+}
+
+/// tcp_receive_reset(struct sock *sk) as a raw tracepoint (softirq; see above).
+#[raw_tracepoint(tracepoint = "tcp_receive_reset")]
+pub fn tcp_receive_reset_raw(ctx: RawTracePointContext) -> i32 {
+    let sk: u64 = ctx.arg(0);
+    let k = offsets();
+    let Some(sport) = read::<u16>(sk, k.skc_num) else { return 0 };
+    if k.valid == 0 || !owned(sk, sport) {
+        return 0;
+    }
+    if let Some(mut ev) = from_sock(sk, SOCK_RESET_RECEIVED) {
+        ev.hdr.pid = 0;
+        ev.hdr.tid = 0;
+        emit(&ev);
+    }
+    0
 }
 
 /// tcp:tcp_receive_reset: the peer reset the connection (softirq; ports in host order).

@@ -31,8 +31,8 @@ enum How {
     Plain(&'static str, &'static str),
     /// syscalls:sys_enter_X / sys_exit_X: arguments at 16 + 8i, ret at 16.
     Syscall(&'static str),
-    /// A raw tracepoint (arguments of the trace call; needs the request offsets from BTF).
-    RawBlock(&'static str),
+    /// A raw tracepoint (arguments of the trace call; reads structs at offsets from BTF).
+    Raw(&'static str),
     /// perf software event PAGE_FAULTS_MAJ, period 1, per thread of each target process.
     PerfMajorFaults,
     /// perf software event CPU_CLOCK at `Options::sample_hz`, per thread of each target process.
@@ -61,7 +61,7 @@ const TABLE: &[Spec] = &[
     s("blockio", "block_io_start", How::Tracepoint(&tp::block_io_start::LAYOUT), false),
     s("blockio", "block_rq_insert", How::Tracepoint(&tp::block_rq_insert::LAYOUT), false),
     s("blockio", "block_rq_issue", How::Tracepoint(&tp::block_rq_issue::LAYOUT), true),
-    s("blockio", "block_rq_complete_raw", How::RawBlock("block_rq_complete"), false),
+    s("blockio", "block_rq_complete_raw", How::Raw("block_rq_complete"), false),
     s("blockio", "block_rq_complete", How::Tracepoint(&tp::block_rq_complete::LAYOUT), true),
     s("fault", "fault_major", How::PerfMajorFaults, true),
     s("fault", "page_fault_user", How::Tracepoint(&tp::page_fault_user::LAYOUT), false),
@@ -82,7 +82,9 @@ const TABLE: &[Spec] = &[
     s("mmap", "mlock2_exit", How::Syscall("sys_exit_mlock2"), false),
     s("mmap", "mprotect_enter", How::Syscall("sys_enter_mprotect"), false),
     s("mmap", "mprotect_exit", How::Syscall("sys_exit_mprotect"), false),
+    s("sock", "inet_sock_set_state_raw", How::Raw("inet_sock_set_state"), false),
     s("sock", "inet_sock_set_state", How::Tracepoint(&tp::inet_sock_set_state::LAYOUT), true),
+    s("sock", "tcp_receive_reset_raw", How::Raw("tcp_receive_reset"), false),
     s("sock", "tcp_receive_reset", How::Tracepoint(&tp::tcp_receive_reset::LAYOUT), true),
     s("sock", "tcp_send_reset", How::Tracepoint(&tp::tcp_send_reset::LAYOUT), true),
     s("sock", "sock_send_length", How::Tracepoint(&tp::sock_send_length::LAYOUT), false),
@@ -229,12 +231,17 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         .map(|s| SubsystemStatus { name: s.to_string(), live: true, attached: vec![], skipped: vec![] })
         .collect();
     for spec in TABLE.iter().filter(|s| wanted(s.subsystem)) {
-        // The classic completion tracepoint only when the raw one could not attach.
-        if spec.program == "block_rq_complete" && status.iter().any(|s| s.attached.iter().any(|p| p == "block_rq_complete_raw")) {
+        // A classic tracepoint only when its raw twin (`NAME_raw`) could not attach.
+        let raw_twin = format!("{}_raw", spec.program);
+        if status.iter().any(|s| s.attached.contains(&raw_twin)) {
             continue;
         }
-        let result = if matches!(spec.how, How::RawBlock(_)) && koff.blk_valid == 0 {
-            Err(anyhow!("kernel BTF lacks the block request offsets"))
+        let offsets_known = match spec.program {
+            "block_rq_complete_raw" => koff.blk_valid != 0,
+            _ => koff.valid != 0,
+        };
+        let result = if matches!(spec.how, How::Raw(_)) && !offsets_known {
+            Err(anyhow!("kernel BTF lacks the struct offsets it reads"))
         } else {
             attach_one(&mut ebpf, &tracefs, spec, &targets, opts.sample_hz)
         };
@@ -299,7 +306,7 @@ fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32], sam
             p.load().context("verifier refused the program")?;
             p.attach("syscalls", name)?;
         }
-        How::RawBlock(name) => {
+        How::Raw(name) => {
             let p: &mut aya::programs::RawTracePoint = program.try_into()?;
             p.load().context("verifier refused the program")?;
             p.attach(name)?;
