@@ -43,8 +43,20 @@ pub struct GpuStats {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct IdleState {
+    pub name: String,
+    pub latency_us: u64,
+    /// Share of all CPUs' time in this state while tracing, and how often they entered it.
+    pub share: f64,
+    pub entries: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct CpuFreq {
     pub absent: Option<String>,
+    /// CPU idle states (cpuidle), when the kernel has them.
+    #[serde(default)]
+    pub idle: Vec<IdleState>,
     pub samples: u64,
     /// Mean over CPUs of current/max, lowest and highest seen.
     pub share_min: Option<f64>,
@@ -271,6 +283,21 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
             _ => {}
         }
     }
+    let idle: Vec<&Value> = json.iter().filter(|v| v["type"] == "cpuidle").collect();
+    if let (Some(a), Some(b)) = (idle.first(), idle.last()) {
+        let wall_us = u(b, "ts_ns").unwrap_or(0).saturating_sub(u(a, "ts_ns").unwrap_or(0)) as f64 / 1e3 * u(b, "cpus").unwrap_or(1) as f64;
+        let arr = |v: &Value, k: &str| -> Vec<u64> { v[k].as_array().map(|x| x.iter().filter_map(Value::as_u64).collect()).unwrap_or_default() };
+        let (ta, tb, ua, ub) = (arr(a, "time_us"), arr(b, "time_us"), arr(a, "usage"), arr(b, "usage"));
+        for (i, name) in b["names"].as_array().into_iter().flatten().enumerate() {
+            let dt = tb.get(i).zip(ta.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x));
+            s.cpu_freq.idle.push(IdleState {
+                name: name.as_str().unwrap_or("?").to_string(),
+                latency_us: arr(b, "latency_us").get(i).copied().unwrap_or(0),
+                share: if wall_us > 0.0 { (dt as f64 / wall_us).min(1.0) } else { 0.0 },
+                entries: ub.get(i).zip(ua.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x)),
+            });
+        }
+    }
     if let (Some(a), Some(b)) = (first_mem, last_mem) {
         let d = |k: &str| u(b, k).unwrap_or(0).saturating_sub(u(a, k).unwrap_or(0));
         let dms = |k: &str| Some(u(b, k)?.saturating_sub(u(a, k)?) as f64 / 1e3);
@@ -400,6 +427,10 @@ pub fn render(s: &System) -> String {
             let _ = writeln!(o, "  CPU frequency: {:.0}%-{:.0}% of maximum ({:.0} MHz)", a * 100.0, b * 100.0, s.cpu_freq.max_mhz.unwrap_or(0.0));
         }
         _ => {}
+    }
+    if !s.cpu_freq.idle.is_empty() {
+        let states: Vec<String> = s.cpu_freq.idle.iter().map(|i| format!("{} {:.0}% ({} entries, exit {} us)", i.name, i.share * 100.0, i.entries, i.latency_us)).collect();
+        let _ = writeln!(o, "  CPU idle states: {}", states.join(", "));
     }
     let m = &s.memory;
     let stall = |name: &str, st: &Stall| if st.count == 0 { None } else { Some(format!("{name} {}x {:.0} ms (max {:.0} ms, {} pages)", st.count, st.total_ms, st.max_ms, st.pages)) };

@@ -26,6 +26,7 @@ fn meta(pid: u64, tid: Option<u64>, name: &str) -> Value {
 fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
     let c = |name: String, ts: f64, args: Value| json!({"ph": "C", "name": name, "pid": SYSTEM_PID, "tid": 0, "ts": ts, "args": args});
     let mut last_psi: Option<(u64, u64, u64)> = None;
+    let mut last_idle: Option<(u64, Vec<u64>)> = None;
     for v in &rec.json {
         let Some(t) = v["ts_ns"].as_u64() else { continue };
         let ts = us(t);
@@ -44,6 +45,19 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
                 if !khz.is_empty() {
                     ev.push(c("CPU MHz (mean)".into(), ts, json!({"MHz": khz.iter().sum::<f64>() / khz.len() as f64 / 1e3})));
                 }
+            }
+            Some("cpuidle") => {
+                let time: Vec<u64> = v["time_us"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+                if let Some((t0, prev)) = &last_idle {
+                    let wall = (t.saturating_sub(*t0) as f64 / 1e3 * v["cpus"].as_f64().unwrap_or(1.0)).max(1.0);
+                    let mut args = serde_json::Map::new();
+                    for (i, name) in v["names"].as_array().into_iter().flatten().enumerate() {
+                        let d = time.get(i).zip(prev.get(i)).map_or(0, |(a, b)| a.saturating_sub(*b));
+                        args.insert(name.as_str().unwrap_or("?").to_string(), json!((d as f64 / wall * 100.0).min(100.0)));
+                    }
+                    ev.push(c("CPU idle % by state".into(), ts, Value::Object(args)));
+                }
+                last_idle = Some((t, time));
             }
             Some("mem") => {
                 if let (Some(some), Some(full)) = (v["psi_some_us"].as_u64(), v["psi_full_us"].as_u64()) {

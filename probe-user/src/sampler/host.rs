@@ -26,6 +26,44 @@ pub fn cpufreq() -> Option<CpuFreq> {
     (!f.cur_khz.is_empty()).then_some(f)
 }
 
+/// CPU idle states (cpuidle sysfs), summed over CPUs: per state its name, exit latency (µs), time
+/// spent in it (µs) and entries, cumulative.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct CpuIdle {
+    pub cpus: u32,
+    pub names: Vec<String>,
+    pub latency_us: Vec<u64>,
+    pub time_us: Vec<u64>,
+    pub usage: Vec<u64>,
+}
+
+pub fn cpuidle() -> Option<CpuIdle> {
+    let mut c = CpuIdle::default();
+    for cpu in 0.. {
+        let dir = format!("/sys/devices/system/cpu/cpu{cpu}");
+        if !std::path::Path::new(&dir).exists() {
+            break;
+        }
+        let mut any = false;
+        for st in 0.. {
+            let sd = format!("{dir}/cpuidle/state{st}");
+            let Ok(name) = std::fs::read_to_string(format!("{sd}/name")) else { break };
+            let num = |f: &str| std::fs::read_to_string(format!("{sd}/{f}")).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+            if c.names.len() <= st {
+                c.names.push(name.trim().to_string());
+                c.latency_us.push(num("latency"));
+                c.time_us.push(0);
+                c.usage.push(0);
+            }
+            c.time_us[st] += num("time");
+            c.usage[st] += num("usage");
+            any = true;
+        }
+        c.cpus += u32::from(any);
+    }
+    (c.cpus > 0).then_some(c)
+}
+
 /// Memory pressure, system-wide and for the target.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Mem {
@@ -146,6 +184,17 @@ mod tests {
         vmstat("pgscan_direct 10\nallocstall_normal 2\nallocstall_movable 3\noom_kill 1\npswpin 0\n", &mut m);
         assert_eq!((m.pgscan_direct, m.allocstall, m.oom_kill), (10, 5, 1));
         assert_eq!(status_kib("Name:\tx\nVmRSS:\t  1024 kB\n", "VmRSS:"), Some(1024));
+    }
+
+    #[test]
+    fn idle_states_sum_over_cpus() {
+        // Not every kernel has cpuidle; where it does, entries only grow.
+        if let Some(a) = cpuidle() {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let b = cpuidle().unwrap();
+            assert_eq!(a.names, b.names);
+            assert!(a.time_us.iter().zip(&b.time_us).all(|(x, y)| y >= x), "{a:?} {b:?}");
+        }
     }
 
     #[test]

@@ -151,6 +151,14 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
             let _ = tx.send(v);
         }
         let on_demand = snapshot.swap(false, Ordering::Relaxed);
+        if slow_due || stopping {
+            if let Some(c) = host::cpuidle() {
+                let mut v = serde_json::to_value(&c).unwrap_or(Value::Null);
+                v["type"] = json!("cpuidle");
+                v["ts_ns"] = json!(monotonic_ns());
+                let _ = tx.send(v);
+            }
+        }
         if slow_due || stopping || on_demand {
             for &p in &pids {
                 for f in residency::big_files(p, MODEL_FILE_MIN_BYTES) {
