@@ -121,11 +121,10 @@ impl Btf {
             if name == member.as_bytes() {
                 return Some((bits / 8, mtype));
             }
-            if name.is_empty() {
-                if let Some((inner, t)) = self.member_in(self.strip(mtype), member) {
+            if name.is_empty()
+                && let Some((inner, t)) = self.member_in(self.strip(mtype), member) {
                     return Some((bits / 8 + inner, t));
                 }
-            }
         }
         None
     }

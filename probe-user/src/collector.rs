@@ -103,11 +103,10 @@ impl State {
                 self.dirty_files.insert(p.child);
             }
             Event::Proc(p) if p.op == PROC_EXIT && p.hdr.pid == self.root => self.root_exited = true,
-            Event::Filemap(f) => {
-                if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) {
+            Event::Filemap(f)
+                if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) => {
                     self.dirty_files.insert(f.hdr.pid);
                 }
-            }
             _ => {}
         }
         Ok(())

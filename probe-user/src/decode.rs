@@ -4,6 +4,9 @@ use probe_common::{
     mem::MemEvent, mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stack::{SchedEvent, StackEvent}, stream::DataEvent,
 };
 
+// Stack records are big (kernel stack inline); events are decoded one at a time and the
+// recording keeps them in one Vec, so boxing would only add an allocation per stack.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
     BlockIo(BlockIoEvent),

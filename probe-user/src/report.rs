@@ -205,6 +205,9 @@ fn addr_str(family: u16, a: &[u8; 16], port: u16) -> String {
     }
 }
 
+/// A file by (major, minor, inode).
+type FileKey = (u32, u32, u64);
+
 /// A file mapping (or an unmap) seen by the mmap probe.
 struct FileMap {
     pid: u32,
@@ -366,8 +369,8 @@ pub fn build(rec: &Recording) -> Report {
         })
     }
     // Page-cache fills per thread, to charge block reads to files.
-    let mut fills_by_tid: HashMap<u32, Vec<(u64, (u32, u32, u64))>> = HashMap::new();
-    let mut fills: Vec<(u64, (u32, u32, u64), u64)> = Vec::new();
+    let mut fills_by_tid: HashMap<u32, Vec<(u64, FileKey)>> = HashMap::new();
+    let mut fills: Vec<(u64, FileKey, u64)> = Vec::new();
     let mut blocks: Vec<&BlockIoEvent> = Vec::new();
     let mut procs: BTreeMap<u32, Process> = BTreeMap::new();
     for pid in meta["targets"].as_array().into_iter().flatten().filter_map(Value::as_u64) {
@@ -632,7 +635,7 @@ fn verdicts(
             e.1 = e.1.min(*t);
         }
         let mut files_read: Vec<(String, u64, u64)> = read.iter().map(|(k, (b, t))| (name(k), *b, *t)).collect();
-        files_read.sort_by(|a, b| b.1.cmp(&a.1));
+        files_read.sort_by_key(|f| std::cmp::Reverse(f.1));
         let w = crate::verdict::Window {
             arrival_ns: from,
             io_waits: io_waits.clone(),

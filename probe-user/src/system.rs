@@ -195,12 +195,11 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
                         st.sm_mhz_min = Some(st.sm_mhz_min.map_or(c, |m| m.min(c)));
                         st.sm_mhz_max = Some(st.sm_mhz_max.map_or(c, |m| m.max(c)));
                     }
-                    if let Some(p) = u(g, "pstate").map(|p| p as u32) {
-                        if !st.pstates.contains(&p) {
+                    if let Some(p) = u(g, "pstate").map(|p| p as u32)
+                        && !st.pstates.contains(&p) {
                             st.pstates.push(p);
                             st.pstates.sort_unstable();
                         }
-                    }
                     if let Some(w) = g["power_w"].as_f64() {
                         st.power_w_max = Some(st.power_w_max.map_or(w, |m| m.max(w)));
                     }
@@ -337,7 +336,7 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
         }
     }
     s.model_files = files.into_values().collect();
-    s.model_files.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+    s.model_files.sort_by_key(|f| std::cmp::Reverse(f.bytes));
     s.server = eps.into_values().collect();
     s
 }
@@ -355,9 +354,12 @@ fn cpu_share(v: &Value, max: &[f64]) -> Option<f64> {
     Some(cur.iter().zip(max).map(|(c, m)| if *m > 0.0 { c / m } else { 1.0 }).sum::<f64>() / cur.len() as f64)
 }
 
+/// (time, device, SM clock as a share of its working clock, P-state).
+pub type GpuClock = (u64, u32, f64, Option<u32>);
+
 /// Clock readings over time for the verdicts: (ts, share of the device's working clock).
 /// GPU: SM clock / highest SM clock seen in the trace (or the device maximum); CPU: mean cur/max.
-pub fn clock_series(json: &[Value]) -> (Vec<(u64, u32, f64, Option<u32>)>, Vec<(u64, f64)>) {
+pub fn clock_series(json: &[Value]) -> (Vec<GpuClock>, Vec<(u64, f64)>) {
     let mut gpu_max: BTreeMap<u32, f64> = BTreeMap::new();
     for v in json.iter().filter(|v| v["type"] == "gpu") {
         for g in v["gpus"].as_array().into_iter().flatten() {
@@ -372,11 +374,10 @@ pub fn clock_series(json: &[Value]) -> (Vec<(u64, u32, f64, Option<u32>)>, Vec<(
         let ts = u(v, "ts_ns").unwrap_or(0);
         for g in v["gpus"].as_array().into_iter().flatten() {
             let i = u(g, "index").unwrap_or(0) as u32;
-            if let (Some(c), Some(m)) = (g["sm_mhz"].as_f64(), gpu_max.get(&i)) {
-                if *m > 0.0 {
+            if let (Some(c), Some(m)) = (g["sm_mhz"].as_f64(), gpu_max.get(&i))
+                && *m > 0.0 {
                     gpu.push((ts, i, c / m, u(g, "pstate").map(|p| p as u32)));
                 }
-            }
         }
     }
     let max = cpu_max(json);

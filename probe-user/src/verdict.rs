@@ -34,7 +34,7 @@ pub struct Window {
     /// OOM kills of a target process (time).
     pub oom_kills: Vec<u64>,
     /// GPU readings: (time, device, SM clock as a share of its working clock, P-state).
-    pub gpu_clocks: Vec<(u64, u32, f64, Option<u32>)>,
+    pub gpu_clocks: Vec<crate::system::GpuClock>,
     /// CPU readings: (time, mean current/max frequency).
     pub cpu_clocks: Vec<(u64, f64)>,
     /// Why there are no clock readings, when there are none.
@@ -241,11 +241,10 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
             }
         }
     }
-    if let Some((ms, at)) = ramp_ms(&w.cpu_clocks, from, until) {
-        if ramp.as_ref().is_none_or(|r| ms > r.0) {
+    if let Some((ms, at)) = ramp_ms(&w.cpu_clocks, from, until)
+        && ramp.as_ref().is_none_or(|r| ms > r.0) {
             ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
         }
-    }
     let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - load).max(0.0)));
     let compute = (prompt + generated).min((ttft - disk - memory - load - power).max(0.0));
     let known = disk + memory + load + power + compute;

@@ -132,11 +132,10 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
                     let _ = tx.send(json!({"type": "gpu", "ts_ns": monotonic_ns(), "gpus": s}));
                 }
             }
-            if freq.is_some() {
-                if let Some(f) = host::cpufreq() {
+            if freq.is_some()
+                && let Some(f) = host::cpufreq() {
                     let _ = tx.send(json!({"type": "cpufreq", "ts_ns": monotonic_ns(), "cur_khz": f.cur_khz}));
                 }
-            }
             let mut m = host::mem(opts.pid, cgroup.as_deref());
             // Children (Ollama's runner) count towards the target's memory.
             for &p in pids.iter().filter(|&&p| p != opts.pid) {
@@ -151,14 +150,13 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
             let _ = tx.send(v);
         }
         let on_demand = snapshot.swap(false, Ordering::Relaxed);
-        if slow_due || stopping {
-            if let Some(c) = host::cpuidle() {
+        if (slow_due || stopping)
+            && let Some(c) = host::cpuidle() {
                 let mut v = serde_json::to_value(&c).unwrap_or(Value::Null);
                 v["type"] = json!("cpuidle");
                 v["ts_ns"] = json!(monotonic_ns());
                 let _ = tx.send(v);
             }
-        }
         if slow_due || stopping || on_demand {
             for &p in &pids {
                 for f in residency::big_files(p, MODEL_FILE_MIN_BYTES) {

@@ -392,11 +392,10 @@ impl Tracker {
         if let Some(p) = conn.pending.front_mut() {
             p.rec.response_bytes += data.len() as u64 + missing;
             p.rec.bytes_not_captured += missing;
-            if p.rec.ttfb_ms.is_none() {
-                if let Some(a) = p.arrival_ns {
+            if p.rec.ttfb_ms.is_none()
+                && let Some(a) = p.arrival_ns {
                     p.rec.ttfb_ms = Some(ts.saturating_sub(a) as f64 / 1e6);
                 }
-            }
         }
         while !data.is_empty() {
             let Some(p) = conn.pending.front_mut() else { break };

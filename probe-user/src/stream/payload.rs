@@ -317,11 +317,10 @@ pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
                 e.insert(k.into(), x.clone());
             }
         }
-        if keep_text {
-            if let Some(m) = err.get("message").or(Some(err).filter(|e| e.is_string())) {
+        if keep_text
+            && let Some(m) = err.get("message").or(Some(err).filter(|e| e.is_string())) {
                 e.insert("message".into(), m.clone());
             }
-        }
         stop.error = Some(Value::Object(e));
     }
     // OpenAI chat/completions (llama-server /v1, vLLM, Ollama /v1, LM Studio).
