@@ -343,15 +343,17 @@ pub fn build(rec: &Recording) -> Report {
             _ => {}
         }
     }
-    let resolve = |pid: u32, t: u64, addr: u64| -> Option<(u32, u32, u64)> {
-        let live = file_maps.iter().rev().find(|m| {
-            m.pid == pid
-                && m.t <= t
-                && m.start <= addr
-                && addr < m.end
-                && !unmaps.iter().any(|u| u.pid == pid && u.t > m.t && u.t < t && u.start <= addr && addr < u.end)
-        });
-        live.map(|m| m.key).or_else(|| maps.find(pid, t, addr).map(|m| (m.major, m.minor, m.inode)))
+    // Per pid, its file mappings in time order, each with the unmaps that later cut into it
+    // (computed once: resolving a fault then costs one scan of its own process's mappings).
+    let mut by_pid: HashMap<u32, Vec<(&FileMap, Vec<&FileMap>)>> = HashMap::new();
+    for m in &file_maps {
+        let cuts: Vec<&FileMap> = unmaps.iter().filter(|u| u.pid == m.pid && u.t > m.t && u.start < m.end && m.start < u.end).collect();
+        by_pid.entry(m.pid).or_default().push((m, cuts));
+    }
+    let resolve = |pid: u32, t: u64, addr: u64| -> Option<FileKey> {
+        let live = |(m, cuts): &(&FileMap, Vec<&FileMap>)| m.t <= t && m.start <= addr && addr < m.end && !cuts.iter().any(|u| u.t < t && u.start <= addr && addr < u.end);
+        let hit = by_pid.get(&pid).and_then(|list| list.iter().rev().find(|e| live(e)).map(|e| e.0.key));
+        hit.or_else(|| maps.find(pid, t, addr).map(|m| (m.major, m.minor, m.inode)))
     };
     r.events = events.len() as u64;
     if let Some(last) = events.last() {
