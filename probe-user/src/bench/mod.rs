@@ -1,0 +1,614 @@
+//! `probe bench`: the controlled experiments that separate a serving defect from noise. It
+//! drives a running server with fixed prompts, a fixed seed and fixed sampling, changing one
+//! thing per sweep (concurrency, prompt length, idle time), records every request (TTFT, ITL,
+//! TPOT, E2E, output tokens, stop reason), reads the server's counters per level, optionally
+//! traces the server (`probe trace`) and attaches each request's verdict, and writes tables,
+//! JSON, CSV, SVG charts and conclusions.
+//!
+//! client (HTTP/1.1 over std TCP) → api (per-server bodies, counters, tokenizer) → sweep (levels)
+//! → metrics (rows, stop reasons, summaries) → conclude (words) → output (files); trace joins
+//! traced verdicts.
+pub mod api;
+pub mod client;
+pub mod conclude;
+pub mod metrics;
+pub mod output;
+pub mod sweep;
+pub mod trace;
+
+use std::{
+    path::PathBuf,
+    process::Command,
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use serde_json::json;
+
+use self::{
+    api::{Api, Sampling, ServerInfo},
+    client::Url,
+    metrics::{Level, Row, Slo},
+    output::Results,
+    sweep::{Ctx, Progress},
+};
+
+/// Set by SIGINT: stop sending; requests in flight get [`GRACE`] to finish.
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+static INTERRUPTED_AT_NS: AtomicU64 = AtomicU64::new(0);
+const GRACE: Duration = Duration::from_secs(3);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    // Async-signal-safe: atomics and clock_gettime only.
+    if !INTERRUPTED.swap(true, Ordering::SeqCst) {
+        INTERRUPTED_AT_NS.store(crate::monotonic_ns(), Ordering::SeqCst);
+    }
+}
+
+/// Ctrl-C came more than the grace period ago: in-flight requests are abandoned.
+pub(crate) fn interrupt_grace_over() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed) && crate::monotonic_ns().saturating_sub(INTERRUPTED_AT_NS.load(Ordering::Relaxed)) > GRACE.as_nanos() as u64
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sweep {
+    /// The same prompts at rising concurrency (--levels).
+    Concurrency,
+    /// Prompt-length buckets (--buckets), one user then rising concurrency (--prompt-levels).
+    Prompt,
+    /// A fixed short prompt after each idle interval (--idle), with optional layers.
+    Idle,
+}
+
+/// Parse `1,2,4` lists of positive integers.
+fn parse_u64(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{s}` is not a positive integer")),
+    }
+}
+
+/// Idle intervals: `0`, `30s`, `1m`, `10m`, `1h`, `500ms`; a bare number is minutes (as the
+/// experiment's list is written), `s` for seconds.
+pub fn parse_idle(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "m"));
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not an interval: use e.g. 0, 5s, 1m, 10m, 1h"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{s}`: use ms, s, m or h (a bare number is minutes)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    parse_idle(s).and_then(|d| if s.trim().chars().all(|c| c.is_ascii_digit() || c == '.') { s.trim().parse::<f64>().map(Duration::from_secs_f64).map_err(|e| e.to_string()) } else { Ok(d) })
+}
+
+fn label(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s == 0.0 {
+        "0s".into()
+    } else if s >= 3600.0 && s % 3600.0 == 0.0 {
+        format!("{}h", s / 3600.0)
+    } else if s >= 60.0 && s % 60.0 == 0.0 {
+        format!("{}m", s / 60.0)
+    } else if s.fract() == 0.0 {
+        format!("{s}s")
+    } else {
+        format!("{}ms", (s * 1e3).round())
+    }
+}
+
+/// `probe bench`: drive a running LLM server with controlled experiments.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The server, plain HTTP only: http://HOST:PORT (e.g. http://127.0.0.1:8080).
+    #[arg(long)]
+    pub url: String,
+    /// Request format: openai (/v1/completions), llamacpp (/completion), ollama (/api/generate).
+    #[arg(long, value_enum, default_value = "openai")]
+    pub api: Api,
+    /// Model name for the request body (openai/ollama); default: the server's first model.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Sweeps to run (comma list or repeated): concurrency, prompt, idle.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "concurrency")]
+    pub sweep: Vec<Sweep>,
+    /// Concurrency levels of the concurrency sweep.
+    #[arg(long, value_delimiter = ',', value_parser = parse_u64, default_value = "1,2,4,8")]
+    pub levels: Vec<u64>,
+    /// Requests per level: each level sends max(level, N) requests, request i with prompt i mod N,
+    /// so every level sends the same prompts. Default: the largest level (concurrency sweep),
+    /// 1 (prompt sweep).
+    #[arg(long, value_parser = parse_u64)]
+    pub requests_per_level: Option<u64>,
+    /// Requested output tokens (concurrency sweep).
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: u64,
+    /// Prompt-length buckets, tokens.
+    #[arg(long, value_delimiter = ',', value_parser = parse_u64, default_value = "512,2048,8192,16384")]
+    pub buckets: Vec<u64>,
+    /// Concurrency levels per bucket (default: 1, then --levels).
+    #[arg(long, value_delimiter = ',', value_parser = parse_u64)]
+    pub prompt_levels: Option<Vec<u64>>,
+    /// Requested output tokens per bucket request (controlled output length).
+    #[arg(long, default_value_t = 32)]
+    pub bucket_max_tokens: u64,
+    /// Idle intervals before the fixed short prompt: a bare number is minutes; 5s, 10m, 1h.
+    #[arg(long, value_delimiter = ',', value_parser = parse_idle, default_value = "0,1,10,60,480")]
+    pub idle: Vec<Duration>,
+    /// Requested output tokens of the idle sweep's request.
+    #[arg(long, default_value_t = 8)]
+    pub idle_max_tokens: u64,
+    /// Idle layer: a shell command that restarts the server, run before each idle interval; it
+    /// must return once the server is started (probe then waits for its health endpoint).
+    #[arg(long)]
+    pub restart_cmd: Option<String>,
+    /// With --restart-cmd: a shell command that stops the server first; the model's cache is
+    /// then dropped while no process maps it, before --restart-cmd starts it again.
+    #[arg(long)]
+    pub stop_cmd: Option<String>,
+    /// Idle layer: drop the model file from the page cache (posix_fadvise DONTNEED) before the
+    /// request (and between --stop-cmd and --restart-cmd).
+    #[arg(long)]
+    pub drop_cache: bool,
+    /// The model file for --drop-cache (default: the server's /props model_path, else the largest
+    /// file the server process maps).
+    #[arg(long)]
+    pub model_file: Option<PathBuf>,
+    /// Idle layer "pinned worker": a 1-token request every --keep-warm-every during the idle wait.
+    #[arg(long)]
+    pub keep_warm: bool,
+    #[arg(long, value_parser = parse_secs, default_value = "5s")]
+    pub keep_warm_every: Duration,
+    /// Sampling seed (fixed across every request).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Ask the server to ignore end-of-sequence (llama.cpp, vLLM) for generations of fixed length.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Client deadline per request (e.g. 60s, 5m): a request still running then is cut and
+    /// recorded as a deadline hit.
+    #[arg(long, value_parser = parse_secs, default_value = "300s")]
+    pub timeout: Duration,
+    /// Goodput target on TTFT, ms.
+    #[arg(long)]
+    pub goodput_ttft_ms: Option<f64>,
+    /// Goodput target on TPOT, ms.
+    #[arg(long)]
+    pub goodput_tpot_ms: Option<f64>,
+    /// Trace this server pid during the run (root) and attach each request's verdict.
+    #[arg(long)]
+    pub trace_pid: Option<u32>,
+    /// Trace the process listening on the URL's port (found again after every restart).
+    #[arg(long)]
+    pub trace: bool,
+    /// Output directory: results.json, results.csv, summary.txt, *.svg, trace-N/.
+    #[arg(long, default_value = "probe-bench")]
+    pub out: PathBuf,
+    /// How long to wait for the server's health endpoint (start and after each restart).
+    #[arg(long, value_parser = parse_secs, default_value = "120s")]
+    pub health_timeout: Duration,
+}
+
+/// A running trace: the fixed pid, or none to find it by port.
+struct Tracing {
+    fixed: Option<u32>,
+    seg: Option<trace::Segment>,
+    n: usize,
+}
+
+struct Run {
+    args: BenchArgs,
+    url: Url,
+    info: ServerInfo,
+    t0: Instant,
+    rows: Vec<Row>,
+    levels: Vec<Level>,
+    notes: Vec<String>,
+    traces: Vec<String>,
+    tracing: Option<Tracing>,
+    metrics: bool,
+    progress: Progress,
+}
+
+impl Run {
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            url: &self.url,
+            api: self.args.api,
+            timeout: self.args.timeout,
+            slot_ctx: self.info.slot_ctx,
+            t0: self.t0,
+            slo: Slo { ttft_ms: self.args.goodput_ttft_ms, tpot_ms: self.args.goodput_tpot_ms },
+            metrics: self.metrics,
+            progress: &self.progress,
+        }
+    }
+
+    fn sampling(&self, max_tokens: u64) -> Sampling {
+        Sampling { max_tokens, seed: self.args.seed, temperature: self.args.temperature, ignore_eos: self.args.ignore_eos, model: self.info.model.clone() }
+    }
+
+    fn push(&mut self, rows: Vec<Row>, level: Level) {
+        self.progress.line(&format!(
+            "{} {}: {} requests, output {} tokens, TTFT p50 {}, stops: {}",
+            level.sweep,
+            level.level,
+            level.requests,
+            level.output_tokens_mean.map_or("-".into(), |x| format!("{x:.0}")),
+            level.ttft_ms_p50.map_or("-".into(), |x| format!("{x:.0} ms")),
+            conclude::mix(&level)
+        ));
+        let first = self.rows.len();
+        self.rows.extend(rows);
+        if let Some(seg) = self.tracing.as_mut().and_then(|t| t.seg.as_mut()) {
+            seg.rows.extend(first..self.rows.len());
+        }
+        self.levels.push(level);
+    }
+
+    fn server_pid(&self) -> Option<u32> {
+        self.tracing.as_ref().and_then(|t| t.fixed).or_else(|| trace::pid_listening(self.url.port))
+    }
+
+    fn start_trace(&mut self) -> anyhow::Result<()> {
+        let Some(t) = self.tracing.as_ref() else { return Ok(()) };
+        let pid = match t.fixed {
+            Some(p) => p,
+            None => trace::pid_listening(self.url.port).with_context(|| format!("--trace: no process listens on port {} (or /proc is not readable)", self.url.port))?,
+        };
+        let n = t.n + 1;
+        let out = self.args.out.join(format!("trace-{n}"));
+        let seg = trace::start(pid, &out)?;
+        self.progress.line(&format!("tracing pid {pid} into {}", out.display()));
+        if let Some(t) = self.tracing.as_mut() {
+            t.n = n;
+            t.seg = Some(seg);
+        }
+        Ok(())
+    }
+
+    fn stop_trace(&mut self) {
+        let Some(seg) = self.tracing.as_mut().and_then(|t| t.seg.take()) else { return };
+        // Let the trace see the last responses' ends before it stops.
+        std::thread::sleep(Duration::from_millis(300));
+        match trace::stop(seg) {
+            Ok((seg, report)) => {
+                let name = seg.out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let found = trace::join(&mut self.rows, &seg.rows, &report, &name);
+                if found < seg.rows.len() {
+                    self.notes.push(format!("{name}: {found} of {} requests found in the trace (pid {})", seg.rows.len(), seg.pid));
+                }
+                self.traces.push(seg.out.display().to_string());
+            }
+            Err(e) => self.notes.push(format!("trace failed: {e:#}")),
+        }
+    }
+
+    fn wait_healthy(&self) -> anyhow::Result<()> {
+        let t = Instant::now();
+        loop {
+            if let Ok((200, _)) = client::request(&self.url, "GET", self.args.api.health_path(), None, Duration::from_secs(5)) {
+                return Ok(());
+            }
+            if t.elapsed() > self.args.health_timeout {
+                bail!("{} did not answer {} with 200 within {:?}", self.args.url, self.args.api.health_path(), self.args.health_timeout);
+            }
+            if client::interrupted() {
+                bail!("interrupted while waiting for the server");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+fn shell(cmd: &str, what: &str) -> anyhow::Result<()> {
+    let st = Command::new("sh").arg("-c").arg(cmd).status().with_context(|| format!("cannot run the {what} command"))?;
+    if !st.success() {
+        bail!("the {what} command `{cmd}` failed: {st}");
+    }
+    Ok(())
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    let url = Url::parse(&args.url).map_err(anyhow::Error::msg)?;
+    if args.trace_pid.is_some() && args.trace {
+        bail!("--trace-pid and --trace: choose one (--trace finds the pid by the URL's port)");
+    }
+    if args.trace_pid.is_some() && args.restart_cmd.is_some() {
+        bail!("--trace-pid with --restart-cmd: the pid changes at each restart; use --trace to follow the server by its port");
+    }
+    if args.stop_cmd.is_some() && args.restart_cmd.is_none() {
+        bail!("--stop-cmd needs --restart-cmd (which starts the server again)");
+    }
+    let tracing = args.trace || args.trace_pid.is_some();
+    // SAFETY: geteuid has no preconditions.
+    if tracing && unsafe { libc::geteuid() } != 0 {
+        bail!("--trace/--trace-pid load BPF programs: run probe bench as root (or drop the tracing flags)");
+    }
+    let sweeps: Vec<Sweep> = args.sweep.iter().fold(Vec::new(), |mut v, s| {
+        if !v.contains(s) {
+            v.push(*s);
+        }
+        v
+    });
+    // Reach the server first: a clear error rather than a table of failed rows.
+    match client::request(&url, "GET", args.api.health_path(), None, Duration::from_secs(10)) {
+        Ok(_) => {}
+        Err(e) => bail!("cannot reach the server at {}: {e}", args.url),
+    }
+    std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
+    // SAFETY: installing an async-signal-safe handler (atomics only).
+    unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
+    let info = api::server_info(&url, args.api, args.model.clone());
+    if matches!(args.api, Api::Ollama) && info.model.is_none() {
+        bail!("--api ollama needs a model: pass --model (no model is loaded or listed)");
+    }
+    let (_, metric_notes) = api::counters(&url, args.api);
+    let metrics = metric_notes.iter().all(|n| !n.starts_with("/metrics"));
+    let started_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut run = Run {
+        url,
+        info,
+        t0: Instant::now(),
+        rows: Vec::new(),
+        levels: Vec::new(),
+        notes: metric_notes,
+        traces: Vec::new(),
+        tracing: tracing.then_some(Tracing { fixed: args.trace_pid, seg: None, n: 0 }),
+        metrics,
+        progress: Progress::new(),
+        args: args.clone(),
+    };
+    run.notes.extend(run.info.notes.iter().map(|n| format!("server: {n}")));
+    run.notes.push("requests are plain HTTP/1.1, one connection each (Connection: close); prompts and answers are not stored (prompt hash and token count only)".into());
+    if run.args.api != Api::Ollama {
+        run.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server)".into());
+    }
+    let result = (|| -> anyhow::Result<()> {
+        run.start_trace()?;
+        for s in &sweeps {
+            if client::interrupted() {
+                break;
+            }
+            match s {
+                Sweep::Concurrency => concurrency(&mut run),
+                Sweep::Prompt => prompt(&mut run),
+                Sweep::Idle => idle(&mut run)?,
+            }
+        }
+        Ok(())
+    })();
+    run.stop_trace();
+    if let Err(e) = &result {
+        run.notes.push(format!("stopped early: {e:#}"));
+    }
+    let interrupted = client::interrupted();
+    let conclusions = conclude::conclude(&run.levels, &run.rows, run.info.slot_ctx);
+    let results = Results {
+        tool: format!("probe bench {}", env!("CARGO_PKG_VERSION")),
+        url: args.url.clone(),
+        api: args.api,
+        started_unix_s,
+        config: json!({
+            "sweeps": sweeps, "levels": args.levels, "requests_per_level": args.requests_per_level, "max_tokens": args.max_tokens,
+            "buckets": args.buckets, "prompt_levels": args.prompt_levels, "bucket_max_tokens": args.bucket_max_tokens,
+            "idle_s": args.idle.iter().map(|d| d.as_secs_f64()).collect::<Vec<_>>(), "idle_max_tokens": args.idle_max_tokens,
+            "restart_cmd": args.restart_cmd.is_some(), "stop_cmd": args.stop_cmd.is_some(), "drop_cache": args.drop_cache, "keep_warm": args.keep_warm,
+            "keep_warm_every_s": args.keep_warm_every.as_secs_f64(), "seed": args.seed, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+            "timeout_s": args.timeout.as_secs_f64(), "goodput_ttft_ms": args.goodput_ttft_ms, "goodput_tpot_ms": args.goodput_tpot_ms,
+            "trace": tracing, "model": run.info.model,
+        }),
+        definitions: metrics::DEFINITIONS.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        server: run.info.clone(),
+        interrupted,
+        rows: run.rows,
+        levels: run.levels,
+        conclusions,
+        notes: run.notes,
+        traces: run.traces,
+    };
+    let files = output::write_all(&args.out, &results)?;
+    run.progress.line(&format!("wrote {} in {}", files.join(", "), args.out.display()));
+    for s in ["concurrency", "prompt", "idle"] {
+        print!("{}", output::table(&results.levels, s));
+    }
+    println!("\nconclusions:");
+    for c in &results.conclusions {
+        println!("  - {c}");
+    }
+    println!("\n(definitions and notes in {})", args.out.join("summary.txt").display());
+    result?;
+    Ok(if interrupted { crate::exit::PARTIAL } else { crate::exit::OK })
+}
+
+fn template(sweep: &str, level: String, concurrency: u64) -> Row {
+    Row { sweep: sweep.into(), level, concurrency, ..Default::default() }
+}
+
+fn concurrency(run: &mut Run) {
+    let top = run.args.levels.iter().copied().max().unwrap_or(1);
+    let n_prompts = run.args.requests_per_level.unwrap_or(top) as usize;
+    let prompts = sweep::instruction_prompts(&run.url, n_prompts, run.info.model.as_deref(), false);
+    let s = run.sampling(run.args.max_tokens);
+    for &c in &run.args.levels.clone() {
+        if client::interrupted() {
+            break;
+        }
+        let n = (c as usize).max(n_prompts);
+        let (rows, level) = sweep::level(&run.ctx(), &template("concurrency", c.to_string(), c), &prompts, n, c as usize, &s);
+        run.push(rows, level);
+    }
+}
+
+fn prompt(run: &mut Run) {
+    let levels = run.args.prompt_levels.clone().unwrap_or_else(|| {
+        let mut v = vec![1];
+        v.extend(run.args.levels.iter().filter(|&&l| l != 1));
+        v
+    });
+    let per = run.args.requests_per_level.unwrap_or(1) as usize;
+    let s = run.sampling(run.args.bucket_max_tokens);
+    let ctx_tokens = run.info.slot_ctx;
+    for &b in &run.args.buckets.clone() {
+        if client::interrupted() {
+            break;
+        }
+        run.progress.update(&format!("sizing a {b}-token prompt"));
+        let p = sweep::sized_prompt(&run.url, b, run.args.seed, run.info.model.as_deref());
+        if p.source == "estimate" && !run.notes.iter().any(|n| n.contains("no tokenizer")) {
+            run.notes.push("the server has no tokenizer endpoint: prompt buckets are estimated at 4 characters a token".into());
+        }
+        let tokens = p.tokens.unwrap_or(b);
+        let over = ctx_tokens.is_some_and(|c| tokens >= c);
+        let levels: Vec<u64> = if over {
+            run.notes.push(format!("bucket {b} ({tokens} tokens) does not fit the server's {}-token slot context: sent once, to record the server's answer", ctx_tokens.unwrap_or(0)));
+            vec![1]
+        } else {
+            if let Some(c) = ctx_tokens.filter(|c| tokens + s.max_tokens > *c) {
+                run.notes.push(format!("bucket {b}: prompt + {} output tokens exceed the {c}-token slot context: expect a server-imposed limit", s.max_tokens));
+            }
+            levels.clone()
+        };
+        for c in levels {
+            if client::interrupted() {
+                break;
+            }
+            let mut t = template("prompt", format!("{b} @{c}"), c);
+            t.bucket_tokens = Some(b);
+            let n = if over { 1 } else { (c as usize).max(per) };
+            let (rows, level) = sweep::level(&run.ctx(), &t, std::slice::from_ref(&p), n, c as usize, &s);
+            run.push(rows, level);
+        }
+    }
+}
+
+/// Sleep `d`, in steps, stopping on Ctrl-C; with keep-warm, a 1-token request every `every`.
+fn idle_wait(run: &Run, d: Duration, keep_warm: bool, pings: &mut u64) {
+    let start = Instant::now();
+    let mut last = Instant::now();
+    let s = Sampling { max_tokens: 1, ..run.sampling(1) };
+    while start.elapsed() < d && !client::interrupted() {
+        if keep_warm && last.elapsed() >= run.args.keep_warm_every {
+            let (path, body) = run.args.api.generate("Hi", &s);
+            let _ = client::stream(&run.url, path, &body, Duration::from_secs(60));
+            *pings += 1;
+            last = Instant::now();
+        }
+        run.progress.update(&format!("idle {:.0}/{:.0} s", start.elapsed().as_secs_f64(), d.as_secs_f64()));
+        std::thread::sleep(Duration::from_millis(100).min(d.saturating_sub(start.elapsed())).max(Duration::from_millis(1)));
+    }
+}
+
+fn idle(run: &mut Run) -> anyhow::Result<()> {
+    let mut layers = Vec::new();
+    if run.args.restart_cmd.is_some() {
+        layers.push("restart".to_string());
+    }
+    if run.args.drop_cache {
+        layers.push("drop_cache".to_string());
+    }
+    if run.args.keep_warm {
+        layers.push("keep_warm".to_string());
+    }
+    let model_file = if run.args.drop_cache {
+        let f = run
+            .args
+            .model_file
+            .clone()
+            .or_else(|| run.info.model_path.clone().map(PathBuf::from).filter(|p| p.is_file()))
+            .or_else(|| run.server_pid().and_then(trace::largest_mapped_file))
+            .context("--drop-cache: cannot find the model file (pass --model-file)")?;
+        run.notes.push(format!(
+            "--drop-cache: posix_fadvise(DONTNEED) on {} before each idle request{}. DONTNEED cannot evict pages a live process maps: the model only goes cold when no process maps it (after --stop-cmd, or while the server has unloaded the model: llama-server --sleep-idle-seconds, Ollama keep_alive); model_resident_pct shows what was in the page cache just before each request",
+            f.display(),
+            if run.args.stop_cmd.is_some() { " and between --stop-cmd and --restart-cmd" } else { "" }
+        ));
+        Some(f)
+    } else {
+        None
+    };
+    if run.args.keep_warm {
+        run.notes.push(format!("--keep-warm (pinned worker): a 1-token request every {:?} during each idle wait, not recorded as rows", run.args.keep_warm_every));
+    }
+    let prompts = sweep::instruction_prompts(&run.url, 1, run.info.model.as_deref(), true);
+    let s = run.sampling(run.args.idle_max_tokens);
+    let mut pings = 0;
+    for d in run.args.idle.clone() {
+        if client::interrupted() {
+            break;
+        }
+        if let Some(cmd) = run.args.restart_cmd.clone() {
+            run.stop_trace();
+            if let Some(stop) = run.args.stop_cmd.clone() {
+                run.progress.update("stopping the server");
+                shell(&stop, "--stop-cmd")?;
+                let t = Instant::now();
+                while trace::pid_listening(run.url.port).is_some() && t.elapsed() < run.args.health_timeout {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                if let Some(f) = &model_file {
+                    trace::drop_cache(f)?;
+                }
+            }
+            run.progress.update("restarting the server");
+            shell(&cmd, "--restart-cmd")?;
+            run.wait_healthy()?;
+            run.start_trace()?;
+        }
+        idle_wait(run, d, run.args.keep_warm, &mut pings);
+        if client::interrupted() {
+            break;
+        }
+        let mut notes = Vec::new();
+        if let Some(f) = &model_file {
+            trace::drop_cache(f)?;
+        }
+        let resident = model_file.as_deref().or(run.args.model_file.as_deref()).and_then(trace::resident_pct);
+        let pid = run.server_pid();
+        let (age, rss) = pid.map(trace::process_facts).unwrap_or((None, None));
+        if let Some(r) = resident {
+            notes.push(format!("model file {:.0}% in the page cache before the request", r));
+        }
+        let mut t = template("idle", label(d), 1);
+        t.idle_s = Some(d.as_secs_f64());
+        t.layers = layers.clone();
+        t.model_resident_pct = resident;
+        t.server_pid = pid;
+        t.process_age_s = age;
+        t.server_rss_mib = rss;
+        let (rows, mut level) = sweep::level(&run.ctx(), &t, &prompts, 1, 1, &s);
+        level.notes.extend(notes);
+        run.push(rows, level);
+    }
+    if pings > 0 {
+        run.notes.push(format!("keep-warm sent {pings} requests during the idle waits"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_intervals_default_to_minutes_and_take_seconds() {
+        assert_eq!(parse_idle("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_idle("10").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_idle("5s").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse_idle("1h").unwrap(), Duration::from_secs(3600));
+        assert!(parse_idle("5x").is_err());
+        assert_eq!(parse_secs("300").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_secs("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!((label(Duration::ZERO), label(Duration::from_secs(5)), label(Duration::from_secs(600)), label(Duration::from_millis(1500))), ("0s".into(), "5s".into(), "10m".into(), "1500ms".into()));
+    }
+}
