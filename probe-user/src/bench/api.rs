@@ -239,6 +239,12 @@ pub fn counters(url: &Url, api: Api) -> (BTreeMap<String, f64>, Vec<String>) {
 
 /// Free VRAM over all GPUs (MiB) from nvidia-smi, when it is installed and answers.
 fn free_vram_mib() -> Option<f64> {
+    // Looked up once: spawning a missing binary every 500 ms is noise (and SIGCHLD).
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let has = *HAS.get_or_init(|| std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvidia-smi").is_file())));
+    if !has {
+        return None;
+    }
     let out = std::process::Command::new("nvidia-smi").args(["--query-gpu=memory.free", "--format=csv,noheader,nounits"]).stderr(std::process::Stdio::null()).output().ok()?;
     if !out.status.success() {
         return None;

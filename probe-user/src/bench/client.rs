@@ -107,7 +107,7 @@ pub fn request(url: &Url, method: &str, path: &str, body: Option<&str>, timeout:
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16384];
     let (status, framing, start) = loop {
-        let n = s.read(&mut chunk).map_err(|e| format!("no answer from {addr}: {e}"))?;
+        let n = read_retry(&mut s, &mut chunk).map_err(|e| format!("no answer from {addr}: {e}"))?;
         if n == 0 {
             return Err(format!("{addr} closed the connection without an HTTP response"));
         }
@@ -128,7 +128,7 @@ pub fn request(url: &Url, method: &str, path: &str, body: Option<&str>, timeout:
         if dec.done {
             break;
         }
-        let n = s.read(&mut chunk).map_err(|e| format!("reading from {addr}: {e}"))?;
+        let n = read_retry(&mut s, &mut chunk).map_err(|e| format!("reading from {addr}: {e}"))?;
         if n == 0 {
             dec.close();
             break;
@@ -136,6 +136,16 @@ pub fn request(url: &Url, method: &str, path: &str, body: Option<&str>, timeout:
         rest = chunk[..n].to_vec();
     }
     Ok((status, out))
+}
+
+/// A read that retries when a signal interrupted it (Ctrl-C is handled by a flag, not EINTR).
+fn read_retry(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match s.read(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
 }
 
 fn head(url: &Url, method: &str, path: &str, body: Option<&str>) -> String {
@@ -195,7 +205,7 @@ pub fn stream(url: &Url, path: &str, body: &str, deadline: Duration) -> Exchange
         let _ = s.set_read_timeout(Some(left.min(Duration::from_millis(200))));
         let n = match s.read(&mut chunk) {
             Ok(n) => n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => continue,
             Err(e) => {
                 x.disconnected = true;
                 x.transport_error = Some(format!("connection to {addr} failed while reading: {e}"));

@@ -278,7 +278,7 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
         e2e_ms_mean: mean(&f(&|r| r.e2e_ms)),
         prompt_tps_mean: mean(&f(&|r| r.prompt_tps)),
         output_tps_mean: mean(&f(&|r| r.output_tps)),
-        throughput_output_tps: per_s(outs.iter().sum()),
+        throughput_output_tps: per_s(outs.iter().fold(0.0, |a, b| a + b)),
         request_rate: per_s(rows.len() as f64),
         goodput_rps: per_s(good as f64),
         duration_s,
