@@ -58,7 +58,7 @@ pub fn conclude(levels: &[Level], rows: &[Row], slot_ctx: Option<u64>) -> Vec<St
         match sweep {
             "concurrency" => concurrency(&ls, slot_ctx, &mut out),
             "prompt" => prompt(&ls, rows, slot_ctx, &mut out),
-            _ => idle(&ls, &mut out),
+            _ => idle(&ls, rows, &mut out),
         }
     }
     out
@@ -136,28 +136,52 @@ fn prompt(ls: &[&Level], rows: &[Row], slot_ctx: Option<u64>, out: &mut Vec<Stri
     }
 }
 
-fn idle(ls: &[&Level], out: &mut Vec<String>) {
-    let base = ls.iter().filter_map(|l| l.ttft_ms_p50).fold(f64::INFINITY, f64::min);
+/// The traced split of a level's first tokens (means over its rows), largest parts first.
+fn split_words(rows: &[Row], l: &Level) -> Option<String> {
+    let splits: Vec<_> = rows.iter().filter(|r| r.sweep == l.sweep && r.level == l.level).filter_map(|r| r.verdict.as_ref()?.ttft_ms.clone()).collect();
+    if splits.is_empty() {
+        return None;
+    }
+    let n = splits.len() as f64;
+    let avg = |g: &dyn Fn(&crate::verdict::Split) -> f64| splits.iter().map(g).sum::<f64>() / n;
+    let mut parts = [("disk", avg(&|s| s.disk)), ("load", avg(&|s| s.load)), ("memory", avg(&|s| s.memory)), ("queue", avg(&|s| s.queue)), ("compute", avg(&|s| s.compute)), ("unexplained", avg(&|s| s.unexplained))];
+    parts.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let words: Vec<String> = parts.iter().filter(|p| p.1 >= 1.0).map(|(k, v)| format!("{k} {v:.0} ms")).collect();
+    (!words.is_empty()).then(|| words.join(", "))
+}
+
+fn idle(ls: &[&Level], rows: &[Row], out: &mut Vec<String>) {
+    // The reference: the shortest interval's TTFT when the intervals differ, else the best.
+    let shortest = ls.iter().filter_map(|l| l.idle_s).fold(f64::INFINITY, f64::min);
+    let refs: Vec<&&Level> = ls.iter().filter(|l| l.idle_s == Some(shortest)).collect();
+    let distinct = ls.iter().any(|l| l.idle_s != Some(shortest));
+    let base = if distinct { refs.iter().filter_map(|l| l.ttft_ms_p50).fold(f64::INFINITY, f64::min) } else { ls.iter().filter_map(|l| l.ttft_ms_p50).fold(f64::INFINITY, f64::min) };
+    let base_label = if distinct { refs.first().map(|l| format!("after {}", l.level)).unwrap_or_default() } else { "at best".into() };
     for l in ls {
         let Some(t) = l.ttft_ms_p50 else {
             out.push(format!("after {} idle: no first token ({})", l.level, mix(l)));
             continue;
         };
-        let cause = verdicts(l);
-        if t > 3.0 * base && t - base >= 50.0 {
-            out.push(format!("after {} idle the first token took {} against {} at best{cause}", l.level, ms(Some(t)), ms(Some(base))));
+        let mut s = if t > 3.0 * base && t - base >= 50.0 {
+            format!("after {} idle the first token took {} against {} {base_label}", l.level, ms(Some(t)), ms(Some(base)))
         } else {
-            out.push(format!("after {} idle: TTFT {} (no idle penalty){cause}", l.level, ms(Some(t))));
+            format!("after {} idle: TTFT {}", l.level, ms(Some(t)))
+        };
+        s.push_str(&verdicts(l));
+        if let Some(w) = split_words(rows, l).filter(|_| l.slow_causes.keys().any(|k| k != "none")) {
+            s.push_str(&format!(" ({w})"));
         }
         for n in &l.notes {
-            out.push(format!("  {n}"));
+            s.push_str(&format!("; {n}"));
         }
+        out.push(s);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{bench::metrics::RowVerdict, verdict::Split};
 
     fn level(sweep: &str, name: &str, out: f64, stops: &[(&str, u64)], ttft: f64) -> Level {
         Level {
@@ -200,10 +224,18 @@ mod tests {
         let rows = vec![Row { sweep: "prompt".into(), level: "16384 @1".into(), status: Some(400), ..Default::default() }];
         assert_eq!(conclude(&[b], &rows, Some(1024)), vec!["prompt bucket 16384 was rejected by the server (HTTP 400): longer than the 1024-token slot context"]);
         let mut cold = level("idle", "5s", 8.0, &[("requested_limit", 1)], 700.0);
+        cold.idle_s = Some(5.0);
         cold.slow_causes.insert("disk".into(), 1);
-        let warm = level("idle", "0s", 8.0, &[("requested_limit", 1)], 20.0);
-        let c = conclude(&[warm, cold], &[], None);
-        assert_eq!(c[0], "after 0s idle: TTFT 20 ms (no idle penalty)");
-        assert_eq!(c[1], "after 5s idle the first token took 700 ms against 20 ms at best; traced: 1 of 1 first tokens were slow for disk");
+        cold.notes.push("model file 0% in the page cache before the request".into());
+        let mut warm = level("idle", "0s", 8.0, &[("requested_limit", 1)], 20.0);
+        warm.idle_s = Some(0.0);
+        let split = Split { disk: 600.0, compute: 40.0, unexplained: 60.0, ..Default::default() };
+        let rows = vec![Row { sweep: "idle".into(), level: "5s".into(), verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: "disk".into(), ..Default::default() }), ..Default::default() }];
+        let c = conclude(&[warm, cold], &rows, None);
+        assert_eq!(c[0], "after 0s idle: TTFT 20 ms");
+        assert_eq!(
+            c[1],
+            "after 5s idle the first token took 700 ms against 20 ms after 0s; traced: 1 of 1 first tokens were slow for disk (disk 600 ms, unexplained 60 ms, compute 40 ms); model file 0% in the page cache before the request"
+        );
     }
 }

@@ -229,7 +229,7 @@ impl Run {
             slot_ctx: self.info.slot_ctx,
             t0: self.t0,
             slo: Slo { ttft_ms: self.args.goodput_ttft_ms, tpot_ms: self.args.goodput_tpot_ms },
-            metrics: self.metrics,
+            metrics: self.metrics && self.tracing.is_none(),
             progress: &self.progress,
         }
     }
@@ -370,6 +370,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         args: args.clone(),
     };
     run.notes.extend(run.info.notes.iter().map(|n| format!("server: {n}")));
+    if metrics {
+        run.notes.push(format!(
+            "server counters: /metrics read before and after each level{}",
+            if tracing { " (not polled during levels while tracing: a poll is a request the verdicts would count)" } else { ", and every 500 ms during levels above concurrency 1 (peaks)" }
+        ));
+    }
     run.notes.push("requests are plain HTTP/1.1, one connection each (Connection: close); prompts and answers are not stored (prompt hash and token count only)".into());
     if run.args.api != Api::Ollama {
         run.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server)".into());
@@ -577,7 +583,7 @@ fn idle(run: &mut Run) -> anyhow::Result<()> {
         let pid = run.server_pid();
         let (age, rss) = pid.map(trace::process_facts).unwrap_or((None, None));
         if let Some(r) = resident {
-            notes.push(format!("model file {:.0}% in the page cache before the request", r));
+            notes.push(format!("model file {r:.0}% in the page cache before the request"));
         }
         let mut t = template("idle", label(d), 1);
         t.idle_s = Some(d.as_secs_f64());

@@ -38,20 +38,22 @@ pub fn hash(s: &str) -> String {
     format!("{h:016x}")
 }
 
-/// Instructions that invite long answers; request i uses PROMPTS[i % n].
+/// Instructions that invite long answers, each with the start of its answer so that a raw
+/// completion route (llama.cpp /completion, Ollama raw) continues instead of ending at once.
+/// Request i uses PROMPTS[i % n].
 pub const PROMPTS: &[&str] = &[
-    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain in detail how a steam engine works, step by step.",
-    "Describe a journey across a desert, day by day, in great detail.",
-    "Write a long letter from a sailor to his family about life at sea.",
-    "Tell the full history of an imaginary city from its founding to today.",
-    "Write a detailed guide to growing tomatoes in a small garden.",
-    "Describe the four seasons in a mountain village, one after another.",
-    "Write a long fairy tale about a clockmaker and a talking cat.",
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.\n\nOnce upon a time, on a rocky island far from the coast,",
+    "Explain in detail how a steam engine works, step by step.\n\nA steam engine turns heat into motion. First,",
+    "Describe a journey across a desert, day by day, in great detail.\n\nDay one. We left the oasis before dawn and",
+    "Write a long letter from a sailor to his family about life at sea.\n\nDear mother and father, the ship left the harbor on Monday and",
+    "Tell the full history of an imaginary city from its founding to today.\n\nThe city was founded by fishermen who",
+    "Write a detailed guide to growing tomatoes in a small garden.\n\nStep 1: Choose a sunny spot. Tomatoes need",
+    "Describe the four seasons in a mountain village, one after another.\n\nIn spring, the snow melts and",
+    "Write a long fairy tale about a clockmaker and a talking cat.\n\nThere once was an old clockmaker who",
 ];
 
-/// The fixed short prompt of the idle sweep.
-pub const IDLE_PROMPT: &str = "Good morning! Say hello in one short sentence.";
+/// The fixed short prompt of the idle sweep (a continuation, so every server answers with text).
+pub const IDLE_PROMPT: &str = "Good morning! The weather today is";
 
 const WORDS: &[&str] = &[
     "river", "stone", "garden", "window", "morning", "silver", "quiet", "market", "winter", "paper", "bridge", "lantern", "forest", "letter", "harbor", "candle", "meadow",
@@ -159,7 +161,7 @@ pub struct Ctx<'a> {
     pub slot_ctx: Option<u64>,
     pub t0: Instant,
     pub slo: Slo,
-    /// Poll /metrics while the level runs (it answered before the run).
+    /// Poll /metrics while the level runs (it answered before the run; not while tracing).
     pub metrics: bool,
     pub progress: &'a Progress,
 }
@@ -208,7 +210,9 @@ pub fn level(ctx: &Ctx, template: &Row, prompts: &[Prompt], n: usize, concurrenc
     let peak = Mutex::new(BTreeMap::<String, f64>::new());
     let start = Instant::now();
     std::thread::scope(|sc| {
-        if ctx.metrics {
+        // Not at concurrency 1: a poll during a lone request is another request the server
+        // serves (and a traced verdict would count it as queueing).
+        if ctx.metrics && concurrency > 1 {
             sc.spawn(|| {
                 while !finished.load(Ordering::Relaxed) {
                     let (now, _) = api::counters(ctx.url, ctx.api);
