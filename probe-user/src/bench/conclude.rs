@@ -111,7 +111,7 @@ fn prompt(ls: &[&Level], rows: &[Row], slot_ctx: Option<u64>, out: &mut Vec<Stri
     for l in ls {
         let bucket = l.bucket_tokens.unwrap_or(0);
         if l.rejected == l.requests && l.requests > 0 {
-            let status = rows.iter().find(|r| r.sweep == "prompt" && r.level == l.level).and_then(|r| r.status).unwrap_or(0);
+            let status = rows.iter().find(|r| r.seq == l.seq).and_then(|r| r.status).unwrap_or(0);
             let ctx = slot_ctx.map(|c| format!(": longer than the {c}-token slot context")).unwrap_or_default();
             out.push(format!("prompt bucket {bucket} was rejected by the server (HTTP {status}){ctx}"));
         } else if l.concurrency == 1 {
@@ -138,7 +138,7 @@ fn prompt(ls: &[&Level], rows: &[Row], slot_ctx: Option<u64>, out: &mut Vec<Stri
 
 /// The traced split of a level's first tokens (means over its rows), largest parts first.
 fn split_words(rows: &[Row], l: &Level) -> Option<String> {
-    let splits: Vec<_> = rows.iter().filter(|r| r.sweep == l.sweep && r.level == l.level).filter_map(|r| r.verdict.as_ref()?.ttft_ms.clone()).collect();
+    let splits: Vec<_> = rows.iter().filter(|r| r.seq == l.seq).filter_map(|r| r.verdict.as_ref()?.ttft_ms.clone()).collect();
     if splits.is_empty() {
         return None;
     }
@@ -171,7 +171,7 @@ fn idle(ls: &[&Level], rows: &[Row], out: &mut Vec<String>) {
         if let Some(w) = split_words(rows, l).filter(|_| l.slow_causes.keys().any(|k| k != "none")) {
             s.push_str(&format!(" ({w})"));
         }
-        for n in &l.notes {
+        for n in l.notes.iter().filter(|n| n.contains("page cache")) {
             s.push_str(&format!("; {n}"));
         }
         out.push(s);
@@ -230,7 +230,8 @@ mod tests {
         let mut warm = level("idle", "0s", 8.0, &[("requested_limit", 1)], 20.0);
         warm.idle_s = Some(0.0);
         let split = Split { disk: 600.0, compute: 40.0, unexplained: 60.0, ..Default::default() };
-        let rows = vec![Row { sweep: "idle".into(), level: "5s".into(), verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: "disk".into(), ..Default::default() }), ..Default::default() }];
+        cold.seq = 1;
+        let rows = vec![Row { sweep: "idle".into(), level: "5s".into(), seq: 1, verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: "disk".into(), ..Default::default() }), ..Default::default() }];
         let c = conclude(&[warm, cold], &rows, None);
         assert_eq!(c[0], "after 0s idle: TTFT 20 ms");
         assert_eq!(

@@ -82,6 +82,9 @@ pub struct Row {
     pub verdict: Option<RowVerdict>,
     #[serde(skip)]
     pub itl: Vec<f64>,
+    /// Which level (its position in the run's `levels`) this row belongs to.
+    #[serde(rename = "level_seq")]
+    pub seq: usize,
 }
 
 /// Whether an error message says the server's context (slot or shared KV pool) ran out.
@@ -221,6 +224,21 @@ pub struct Level {
     /// Highest value of each counter sampled while the level ran.
     pub counters_peak: BTreeMap<String, f64>,
     pub notes: Vec<String>,
+    /// Its position in the run (rows carry it as level_seq).
+    #[serde(rename = "level_seq")]
+    pub seq: usize,
+}
+
+/// Count the traced slow causes of each level's rows (verdicts arrive when a trace stops).
+pub fn tally_verdicts(levels: &mut [Level], rows: &[Row]) {
+    for l in levels.iter_mut() {
+        l.slow_causes.clear();
+        for r in rows.iter().filter(|r| r.seq == l.seq) {
+            if let Some(v) = &r.verdict {
+                *l.slow_causes.entry(v.slow_cause.clone()).or_insert(0) += 1;
+            }
+        }
+    }
 }
 
 /// Goodput targets (ms); None = no target on that metric.

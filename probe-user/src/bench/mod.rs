@@ -238,7 +238,11 @@ impl Run {
         Sampling { max_tokens, seed: self.args.seed, temperature: self.args.temperature, ignore_eos: self.args.ignore_eos, model: self.info.model.clone() }
     }
 
-    fn push(&mut self, rows: Vec<Row>, level: Level) {
+    fn push(&mut self, mut rows: Vec<Row>, mut level: Level) {
+        level.seq = self.levels.len();
+        for r in rows.iter_mut() {
+            r.seq = level.seq;
+        }
         self.progress.line(&format!(
             "{} {}: {} requests, output {} tokens, TTFT p50 {}, stops: {}",
             level.sweep,
@@ -260,8 +264,12 @@ impl Run {
         self.tracing.as_ref().and_then(|t| t.fixed).or_else(|| trace::pid_listening(self.url.port))
     }
 
+    /// Start a trace segment unless one is running (or tracing is off).
     fn start_trace(&mut self) -> anyhow::Result<()> {
         let Some(t) = self.tracing.as_ref() else { return Ok(()) };
+        if t.seg.is_some() {
+            return Ok(());
+        }
         let pid = match t.fixed {
             Some(p) => p,
             None => trace::pid_listening(self.url.port).with_context(|| format!("--trace: no process listens on port {} (or /proc is not readable)", self.url.port))?,
@@ -381,10 +389,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         run.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server)".into());
     }
     let result = (|| -> anyhow::Result<()> {
-        run.start_trace()?;
         for s in &sweeps {
             if client::interrupted() {
                 break;
+            }
+            // The idle sweep with restarts starts its own segments (one per server process).
+            if *s != Sweep::Idle || run.args.restart_cmd.is_none() {
+                run.start_trace()?;
             }
             match s {
                 Sweep::Concurrency => concurrency(&mut run),
@@ -399,6 +410,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         run.notes.push(format!("stopped early: {e:#}"));
     }
     let interrupted = client::interrupted();
+    metrics::tally_verdicts(&mut run.levels, &run.rows);
     let conclusions = conclude::conclude(&run.levels, &run.rows, run.info.slot_ctx);
     let results = Results {
         tool: format!("probe bench {}", env!("CARGO_PKG_VERSION")),

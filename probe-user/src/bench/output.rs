@@ -231,7 +231,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
                         .map(|l| {
                             let parts: Vec<f64> = rows
                                 .iter()
-                                .filter(|r| r.sweep == "idle" && r.level == l.level)
+                                .filter(|r| r.seq == l.seq)
                                 .filter_map(|r| r.verdict.as_ref()?.ttft_ms.as_ref().map(|s| match *n {
                                     "queue" => s.queue,
                                     "disk" => s.disk,
@@ -249,7 +249,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
                 .collect()
         } else {
             let per = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> {
-                i.iter().map(|l| super::metrics::mean(&rows.iter().filter(|r| r.sweep == "idle" && r.level == l.level).filter_map(g).collect::<Vec<_>>()).unwrap_or(0.0)).collect()
+                i.iter().map(|l| super::metrics::mean(&rows.iter().filter(|r| r.seq == l.seq).filter_map(g).collect::<Vec<_>>()).unwrap_or(0.0)).collect()
             };
             vec![
                 ("compute".into(), per(&|r| r.prompt_ms.zip(r.ttft_ms).map(|(p, t)| p.min(t)))),
