@@ -146,6 +146,11 @@ pub fn server_info(url: &Url, api: Api, model: Option<String>) -> ServerInfo {
         }
         Err(_) => info.notes.push("no /props".into()),
     }
+    if tokenize(url, "hello", info.model.as_deref()).is_some() {
+        info.tokenizer = Some("POST /tokenize".into());
+    } else {
+        info.notes.push("no tokenizer endpoint: prompt sizes are estimated at 4 characters a token".into());
+    }
     if info.model.is_none() {
         info.model = match api {
             Api::Openai => get_json(url, "/v1/models").ok().and_then(|m| m["data"][0]["id"].as_str().map(String::from)),
@@ -208,7 +213,7 @@ pub fn parse_prometheus(text: &str) -> BTreeMap<String, f64> {
 /// requests, tokens; and free VRAM where nvidia-smi answers.
 pub fn wanted(name: &str) -> bool {
     let keys = ["preempt", "kv_cache", "cache_usage", "deferred", "waiting", "running", "processing", "tokens_total", "predicted_total", "n_tokens_max", "busy_slots"];
-    (name.starts_with("llamacpp:") || name.starts_with("vllm:")) && !name.ends_with("_bucket") && !name.ends_with("_created") && keys.iter().any(|k| name.contains(k))
+    (name.starts_with("llamacpp:") || name.starts_with("vllm:")) && !name.contains("spec_decode") && !name.ends_with("_bucket") && !name.ends_with("_created") && keys.iter().any(|k| name.contains(k))
 }
 
 /// A snapshot of the server's own counters; `notes` says which endpoints did not answer.

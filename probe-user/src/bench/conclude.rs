@@ -66,6 +66,11 @@ pub fn conclude(levels: &[Level], rows: &[Row], slot_ctx: Option<u64>) -> Vec<St
 
 fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
     let base = ls[0];
+    if ls.len() == 1 {
+        out.push(format!("concurrency {} only (nothing to compare): {} output tokens on average, TTFT median {}; stop reasons: {}", base.level, base.output_tokens_mean.map_or("?".into(), |o| format!("{o:.0}")), ms(base.ttft_ms_p50), mix(base)));
+        out.extend(short_stop(base, slot_ctx).map(|s| format!("at concurrency {}: {s}", base.level)));
+        return;
+    }
     let base_out = base.output_tokens_mean.unwrap_or(0.0);
     let mut changed = false;
     for l in &ls[1..] {
