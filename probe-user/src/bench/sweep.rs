@@ -120,20 +120,22 @@ pub fn instruction_prompts(url: &Url, n: usize, model: Option<&str>, idle: bool)
         .collect()
 }
 
-/// A live status line on a terminal, plain lines otherwise.
+/// A live progress bar on a terminal (requests done of those planned), plain lines otherwise.
 pub struct Progress {
     tty: bool,
     start: Instant,
+    pub done: AtomicUsize,
+    pub total: AtomicUsize,
 }
 
 impl Progress {
     pub fn new() -> Self {
-        Progress { tty: std::io::stderr().is_terminal(), start: Instant::now() }
+        Progress { tty: std::io::stderr().is_terminal(), start: Instant::now(), done: AtomicUsize::new(0), total: AtomicUsize::new(0) }
     }
 
     pub fn update(&self, what: &str) {
         if self.tty {
-            eprint!("\r\x1b[2Kprobe bench: {what}  [{:.0} s]", self.start.elapsed().as_secs_f64());
+            eprint!("\r\x1b[2K{}", bar(self.done.load(Ordering::Relaxed), self.total.load(Ordering::Relaxed), what, self.start.elapsed().as_secs_f64()));
             let _ = std::io::stderr().flush();
         }
     }
@@ -145,6 +147,13 @@ impl Progress {
         }
         eprintln!("probe bench: {what}");
     }
+}
+
+/// `[#####---------------] 12/48 requests  concurrency 4: 3/8  [35 s]`
+pub fn bar(done: usize, total: usize, what: &str, secs: f64) -> String {
+    let total = total.max(done).max(1);
+    let filled = done * 20 / total;
+    format!("[{}{}] {done}/{total} requests  {what}  [{secs:.0} s]", "#".repeat(filled), "-".repeat(20 - filled))
 }
 
 impl Default for Progress {
@@ -245,6 +254,7 @@ pub fn level(ctx: &Ctx, template: &Row, prompts: &[Prompt], n: usize, concurrenc
                         let row = one(ctx, template, i as u64, &prompts[i % prompts.len()], s);
                         rows.lock().unwrap_or_else(|e| e.into_inner()).push(row);
                         let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+                        ctx.progress.done.fetch_add(1, Ordering::Relaxed);
                         ctx.progress.update(&format!("{} {}: {d}/{n} requests", template.sweep, template.level));
                     }
                 })
@@ -284,6 +294,12 @@ mod tests {
         assert_eq!(words_text(1, 13).split(' ').count(), 13);
         assert_eq!(hash("abc"), hash("abc"));
         assert_eq!(hash(""), "cbf29ce484222325");
+    }
+
+    #[test]
+    fn progress_bar() {
+        assert_eq!(bar(5, 20, "idle 3/5 s", 12.4), "[#####---------------] 5/20 requests  idle 3/5 s  [12 s]");
+        assert!(bar(3, 0, "x", 0.0).starts_with("[####################] 3/3"));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! idle sweep records: process age, RSS, the model file and its page-cache residency.
 use std::{
     io::{BufRead, BufReader},
-    os::fd::AsRawFd,
+    os::{fd::AsRawFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc,
@@ -145,6 +145,9 @@ pub fn start(pid: u32, out: &Path) -> anyhow::Result<Segment> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
+        // Its own process group: a terminal's Ctrl-C reaches probe bench, which lets requests
+        // in flight finish and then stops the trace itself, so the trace sees their ends.
+        .process_group(0)
         .spawn()
         .context("cannot start probe trace")?;
     let err = child.stderr.take().context("probe trace stderr")?;
