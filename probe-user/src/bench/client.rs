@@ -316,6 +316,73 @@ mod tests {
         assert!(Url::parse("http://h:notaport").is_err());
     }
 
+    /// A one-shot server on loopback that answers with `parts`, pausing `pause` between them,
+    /// then closes (or stalls for `stall` first).
+    fn serve(parts: Vec<String>, pause: Duration, stall: Duration) -> Url {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = c.read(&mut buf);
+            for p in parts {
+                let _ = c.write_all(p.as_bytes());
+                std::thread::sleep(pause);
+            }
+            std::thread::sleep(stall);
+        });
+        Url::parse(&format!("http://127.0.0.1:{port}")).unwrap()
+    }
+
+    const HEAD: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n";
+
+    /// One chunk of chunked encoding carrying one SSE event.
+    fn event(json: &str) -> String {
+        let e = format!("data: {json}\n\n");
+        format!("{:x}\r\n{e}\r\n", e.len())
+    }
+
+    #[test]
+    fn chunked_sse_is_timed_per_content_message() {
+        let url = serve(
+            vec![
+                HEAD.into(),
+                event(r#"{"content":"a","stop":false}"#),
+                event(r#"{"content":"b","stop":false}"#),
+                event(r#"{"content":"","stop":true,"stop_type":"limit","timings":{"predicted_n":2,"prompt_n":3}}"#),
+                "0\r\n\r\n".into(),
+            ],
+            Duration::from_millis(20),
+            Duration::ZERO,
+        );
+        let x = stream(&url, "/completion", "{}", Duration::from_secs(5));
+        assert_eq!((x.status, x.complete, x.disconnected, x.deadline_hit), (Some(200), true, false, false), "{x:?}");
+        assert_eq!(x.content_ms.len(), 2);
+        assert!(x.content_ms[1] - x.content_ms[0] >= 15.0, "{:?}", x.content_ms);
+        assert_eq!(x.stop.stop_type.as_deref(), Some("limit"));
+        assert_eq!(x.stop.server_timings.as_ref().unwrap()["predicted_n"], 2);
+        assert!(x.local_port.is_some() && x.ttft_ms.unwrap() <= x.e2e_ms.unwrap());
+    }
+
+    #[test]
+    fn a_cut_stream_a_stall_and_a_rejection() {
+        let cut = serve(vec![HEAD.into(), event(r#"{"content":"a","stop":false}"#)], Duration::ZERO, Duration::ZERO);
+        let x = stream(&cut, "/completion", "{}", Duration::from_secs(5));
+        assert!(x.disconnected && !x.complete, "{x:?}");
+        assert_eq!(x.content_ms.len(), 1);
+        let stall = serve(vec![HEAD.into()], Duration::ZERO, Duration::from_secs(3));
+        let t = std::time::Instant::now();
+        let x = stream(&stall, "/completion", "{}", Duration::from_millis(300));
+        assert!(x.deadline_hit && t.elapsed() < Duration::from_secs(2), "{x:?}");
+        let body = "{\"error\":{\"code\":400,\"message\":\"the request exceeds the available context size\",\"type\":\"invalid_request_error\"}}";
+        let text = format!("HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+        let x = stream(&serve(vec![text], Duration::ZERO, Duration::ZERO), "/completion", "{}", Duration::from_secs(5));
+        assert_eq!((x.status, x.complete), (Some(400), true));
+        assert_eq!(x.error_message.as_deref(), Some("the request exceeds the available context size"));
+        let junk = serve(vec!["SSH-2.0-OpenSSH_9\r\n".into()], Duration::ZERO, Duration::ZERO);
+        assert!(stream(&junk, "/", "{}", Duration::from_secs(5)).transport_error.unwrap().contains("HTTP/1.x"));
+    }
+
     #[test]
     fn errors_keep_only_the_message() {
         let v: Value = serde_json::json!({"error": {"code": 400, "message": "the request exceeds the available context size", "type": "invalid_request_error"}});
