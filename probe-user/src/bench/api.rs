@@ -168,10 +168,10 @@ pub fn server_info(url: &Url, api: Api, model: Option<String>) -> ServerInfo {
 /// vLLM `POST /tokenize {"prompt"}`. None when the server has no tokenizer endpoint.
 pub fn tokenize(url: &Url, text: &str, model: Option<&str>) -> Option<u64> {
     let body = json!({"content": text}).to_string();
-    if let Ok((200, b)) = request(url, "POST", "/tokenize", Some(&body), T) {
-        if let Some(n) = serde_json::from_slice::<Value>(&b).ok().and_then(|v| v["tokens"].as_array().map(|t| t.len() as u64)) {
-            return Some(n);
-        }
+    if let Ok((200, b)) = request(url, "POST", "/tokenize", Some(&body), T)
+        && let Some(n) = serde_json::from_slice::<Value>(&b).ok().and_then(|v| v["tokens"].as_array().map(|t| t.len() as u64))
+    {
+        return Some(n);
     }
     let mut body = json!({"prompt": text});
     if let Some(m) = model {

@@ -265,13 +265,13 @@ pub fn stream(url: &Url, path: &str, body: &str, deadline: Duration) -> Exchange
             break;
         }
     }
-    if !x.complete {
-        if let Some((_, split, _)) = headed.as_mut() {
-            split.finish(&mut msgs);
-            let now = ms(t0);
-            for m in msgs.drain(..) {
-                read_msg(&m, &mut x, now);
-            }
+    if !x.complete
+        && let Some((_, split, _)) = headed.as_mut()
+    {
+        split.finish(&mut msgs);
+        let now = ms(t0);
+        for m in msgs.drain(..) {
+            read_msg(&m, &mut x, now);
         }
     }
     x

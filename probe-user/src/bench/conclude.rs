@@ -83,11 +83,12 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
             changed = true;
             out.push(format!("errors appear at concurrency {}: {}", l.level, short_stop(l, slot_ctx).unwrap_or_else(|| mix(l))));
         }
-        if let (Some(a), Some(b)) = (base.ttft_ms_p50, l.ttft_ms_p50) {
-            if b > 2.0 * a && b - a >= 20.0 {
-                changed = true;
-                out.push(format!("TTFT rises at concurrency {}: median {} against {} at {}{}", l.level, ms(Some(b)), ms(Some(a)), base.level, verdicts(l)));
-            }
+        if let (Some(a), Some(b)) = (base.ttft_ms_p50, l.ttft_ms_p50)
+            && b > 2.0 * a
+            && b - a >= 20.0
+        {
+            changed = true;
+            out.push(format!("TTFT rises at concurrency {}: median {} against {} at {}{}", l.level, ms(Some(b)), ms(Some(a)), base.level, verdicts(l)));
         }
     }
     if !changed {
@@ -129,10 +130,11 @@ fn prompt(ls: &[&Level], rows: &[Row], slot_ctx: Option<u64>, out: &mut Vec<Stri
                 short_stop(l, slot_ctx).map(|s| format!("; {s}")).unwrap_or_default()
             ));
         } else if let Some(one) = ls.iter().find(|o| o.bucket_tokens == l.bucket_tokens && o.concurrency == 1) {
-            if let (Some(a), Some(b)) = (one.ttft_ms_p50, l.ttft_ms_p50) {
-                if b > 1.5 * a && b - a >= 20.0 {
-                    out.push(format!("prompt bucket {bucket}: TTFT rises from {} at 1 user to {} at {}{}", ms(Some(a)), ms(Some(b)), l.concurrency, verdicts(l)));
-                }
+            if let (Some(a), Some(b)) = (one.ttft_ms_p50, l.ttft_ms_p50)
+                && b > 1.5 * a
+                && b - a >= 20.0
+            {
+                out.push(format!("prompt bucket {bucket}: TTFT rises from {} at 1 user to {} at {}{}", ms(Some(a)), ms(Some(b)), l.concurrency, verdicts(l)));
             }
             if let Some(s) = short_stop(l, slot_ctx).filter(|_| short_stop(one, slot_ctx).is_none()) {
                 out.push(format!("prompt bucket {bucket} at concurrency {}: {s}", l.concurrency));

@@ -113,10 +113,10 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
             ("server_error", format!("HTTP {st} {err}").trim_end().to_string())
         };
     }
-    if let Some(e) = &x.transport_error {
-        if x.status.is_none() {
-            return ("server_error", e.clone());
-        }
+    if let Some(e) = &x.transport_error
+        && x.status.is_none()
+    {
+        return ("server_error", e.clone());
     }
     if !err.is_empty() {
         return if context_exceeded(&err) {
@@ -172,11 +172,12 @@ pub fn fill_latency(row: &mut Row, x: &Exchange) {
     row.itl = x.content_ms.windows(2).map(|w| w[1] - w[0]).collect();
     row.itl_p50_ms = percentile(&row.itl, 50.0);
     row.itl_max_ms = row.itl.iter().copied().reduce(f64::max);
-    if let (Some(t), Some(e)) = (x.ttft_ms, x.e2e_ms) {
-        if row.output_tokens > 1 && e > t {
-            row.tpot_ms = Some((e - t) / (row.output_tokens - 1) as f64);
-            row.output_tps = Some((row.output_tokens - 1) as f64 / ((e - t) / 1e3));
-        }
+    if let (Some(t), Some(e)) = (x.ttft_ms, x.e2e_ms)
+        && row.output_tokens > 1
+        && e > t
+    {
+        row.tpot_ms = Some((e - t) / (row.output_tokens - 1) as f64);
+        row.output_tps = Some((row.output_tokens - 1) as f64 / ((e - t) / 1e3));
     }
     row.prompt_tps = match (row.prompt_tokens, row.prompt_ms, row.ttft_ms) {
         (Some(n), Some(ms), _) if ms > 0.0 => Some(n as f64 / (ms / 1e3)),

@@ -135,8 +135,9 @@ fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
-/// One bar chart panel at (x, y) of size w×h: grouped or stacked bars per category.
-pub fn panel(x: f64, y: f64, w: f64, h: f64, title: &str, cats: &[String], series: &[(String, Vec<f64>)], stacked: bool) -> String {
+/// One bar chart panel at `at` = (x, y, width, height): grouped or stacked bars per category.
+pub fn panel(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: &[(String, Vec<f64>)], stacked: bool) -> String {
+    let (x, y, w, h) = at;
     let mut o = String::new();
     let (left, top, bottom) = (50.0, 24.0, 40.0);
     let (pw, ph) = (w - left - 10.0, h - top - bottom);
@@ -205,18 +206,18 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
     };
     let c = of("concurrency");
     if !c.is_empty() {
-        let a = panel(0.0, 0.0, w, h, "TTFT p50 (ms) by concurrency", &cats(&c), &[("TTFT p50".into(), vals(&c, &|l| l.ttft_ms_p50))], false);
-        let b = panel(w, 0.0, w, h, "output tokens (mean) by concurrency", &cats(&c), &[("output tokens".into(), vals(&c, &|l| l.output_tokens_mean))], false);
+        let a = panel((0.0, 0.0, w, h), "TTFT p50 (ms) by concurrency", &cats(&c), &[("TTFT p50".into(), vals(&c, &|l| l.ttft_ms_p50))], false);
+        let b = panel((w, 0.0, w, h), "output tokens (mean) by concurrency", &cats(&c), &[("output tokens".into(), vals(&c, &|l| l.output_tokens_mean))], false);
         out.push(("concurrency-ttft-output.svg".into(), svg(&[a, b], w, h)));
-        out.push(("concurrency-stops.svg".into(), svg(&[panel(0.0, 0.0, w, h, "stop reasons by concurrency (requests)", &cats(&c), &mix(&c), true)], w, h)));
+        out.push(("concurrency-stops.svg".into(), svg(&[panel((0.0, 0.0, w, h), "stop reasons by concurrency (requests)", &cats(&c), &mix(&c), true)], w, h)));
     }
     let p = of("prompt");
     if !p.is_empty() {
-        let a = panel(0.0, 0.0, w, h, "prompt tokens/s by bucket", &cats(&p), &[("prompt tok/s".into(), vals(&p, &|l| l.prompt_tps_mean))], false);
-        let b = panel(w, 0.0, w, h, "output tokens/s by bucket", &cats(&p), &[("output tok/s".into(), vals(&p, &|l| l.throughput_output_tps))], false);
-        let t = panel(2.0 * w, 0.0, w, h, "TTFT p50 (ms) by bucket", &cats(&p), &[("TTFT p50".into(), vals(&p, &|l| l.ttft_ms_p50))], false);
+        let a = panel((0.0, 0.0, w, h), "prompt tokens/s by bucket", &cats(&p), &[("prompt tok/s".into(), vals(&p, &|l| l.prompt_tps_mean))], false);
+        let b = panel((w, 0.0, w, h), "output tokens/s by bucket", &cats(&p), &[("output tok/s".into(), vals(&p, &|l| l.throughput_output_tps))], false);
+        let t = panel((2.0 * w, 0.0, w, h), "TTFT p50 (ms) by bucket", &cats(&p), &[("TTFT p50".into(), vals(&p, &|l| l.ttft_ms_p50))], false);
         out.push(("prompt-throughput.svg".into(), svg(&[a, b, t], w, h)));
-        out.push(("prompt-stops.svg".into(), svg(&[panel(0.0, 0.0, w, h, "stop reasons by bucket (requests)", &cats(&p), &mix(&p), true)], w, h)));
+        out.push(("prompt-stops.svg".into(), svg(&[panel((0.0, 0.0, w, h), "stop reasons by bucket (requests)", &cats(&p), &mix(&p), true)], w, h)));
     }
     let i = of("idle");
     if !i.is_empty() {
@@ -257,7 +258,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
             ]
         };
         let title = if traced { "TTFT (ms) by idle interval, split by traced cause" } else { "TTFT (ms) by idle interval (server prompt time + rest; --trace splits it)" };
-        out.push(("idle-ttft.svg".into(), svg(&[panel(0.0, 0.0, 2.0 * w, h, title, &cats(&i), &series, true)], 2.0 * w, h)));
+        out.push(("idle-ttft.svg".into(), svg(&[panel((0.0, 0.0, 2.0 * w, h), title, &cats(&i), &series, true)], 2.0 * w, h)));
     }
     out
 }
@@ -282,7 +283,7 @@ mod tests {
 
     #[test]
     fn panels_draw_one_rect_per_nonzero_value_and_escape_names() {
-        let p = panel(0.0, 0.0, 400.0, 300.0, "a < b", &["1".into(), "2".into()], &[("eos".into(), vec![3.0, 0.0]), ("server_limit".into(), vec![1.0, 4.0])], true);
+        let p = panel((0.0, 0.0, 400.0, 300.0), "a < b", &["1".into(), "2".into()], &[("eos".into(), vec![3.0, 0.0]), ("server_limit".into(), vec![1.0, 4.0])], true);
         assert_eq!(p.matches("<rect x=").count(), 3 + 2, "{p}"); // 3 bars + 2 legend swatches
         assert!(p.contains("a &lt; b"));
         assert!(p.contains("#e15759"));
