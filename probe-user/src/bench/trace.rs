@@ -139,17 +139,24 @@ pub struct Segment {
 pub fn start(pid: u32, out: &Path) -> anyhow::Result<Segment> {
     let exe = std::env::current_exe().context("cannot find the probe binary")?;
     let _ = std::fs::remove_dir_all(out);
-    let mut child = Command::new(exe)
-        .args(["trace", "--pid", &pid.to_string(), "--out"])
+    let mut cmd = Command::new(exe);
+    cmd.args(["trace", "--pid", &pid.to_string(), "--out"])
         .arg(out)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         // Its own process group: a terminal's Ctrl-C reaches probe bench, which lets requests
         // in flight finish and then stops the trace itself, so the trace sees their ends.
-        .process_group(0)
-        .spawn()
-        .context("cannot start probe trace")?;
+        .process_group(0);
+    // SAFETY: prctl in the child before exec. If probe bench dies, the trace stops as on Ctrl-C
+    // (and writes its report) instead of tracing on.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGINT);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("cannot start probe trace")?;
     let err = child.stderr.take().context("probe trace stderr")?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
