@@ -32,7 +32,9 @@ fn ms(v: Option<f64>) -> String {
 fn short_stop(l: &Level, slot_ctx: Option<u64>) -> Option<String> {
     let abnormal: BTreeMap<String, u64> = l.stops.iter().filter(|(k, _)| !["eos", "requested_limit"].contains(&k.as_str())).map(|(k, v)| (k.clone(), *v)).collect();
     let (stop, n) = most(&abnormal)?;
+    let pool = l.server_limits.get("kv_pool").copied().unwrap_or(0);
     let ctx = match (stop, slot_ctx) {
+        ("server_limit", Some(c)) if pool * 2 > n => format!(" (the KV pool the slots share ran out, well below the {c}-token slot context)"),
         ("server_limit", Some(c)) => format!(" ({c}-token slot context)"),
         _ => String::new(),
     };
@@ -208,6 +210,10 @@ mod tests {
         let ls = vec![level("concurrency", "1", 300.0, &[("requested_limit", 4)], 20.0), level("concurrency", "4", 120.0, &[("server_limit", 3), ("requested_limit", 1)], 25.0)];
         let c = conclude(&ls, &[], Some(256));
         assert_eq!(c, vec!["output length falls at concurrency 4: 120 tokens on average against 300 at 1; 3 of 4 requests stopped at a server-imposed limit (256-token slot context), not EOS"]);
+        let mut pooled = ls.clone();
+        pooled[1].server_limits.insert("kv_pool".into(), 3);
+        let c = conclude(&pooled, &[], Some(1024));
+        assert!(c[0].ends_with("3 of 4 requests stopped at a server-imposed limit (the KV pool the slots share ran out, well below the 1024-token slot context), not EOS"), "{c:?}");
     }
 
     #[test]

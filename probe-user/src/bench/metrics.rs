@@ -57,6 +57,10 @@ pub struct Row {
     /// eos | requested_limit | server_limit | stop_word | client_disconnect | deadline | server_error | rejected | unknown
     pub stop: String,
     pub stop_detail: String,
+    /// For server_limit: which limit, by the tokens in the slot: "slot_context" (prompt + output
+    /// reached the slot's context) or "kv_pool" (they stopped well below it: a KV pool shared by
+    /// the slots ran out).
+    pub server_limit: Option<String>,
     pub status: Option<u16>,
     pub error: Option<String>,
     pub ttft_ms: Option<f64>,
@@ -149,6 +153,13 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
     ("unknown", format!("no stop information after {output} tokens"))
 }
 
+/// Which server limit stopped a response: the slot's own context when prompt + output filled at
+/// least 90% of it, else a KV pool shared between slots (llama-server --kv-unified, vLLM).
+pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64>) -> Option<&'static str> {
+    let (p, c) = (prompt_tokens?, slot_ctx?);
+    Some(if (p + output) * 10 >= c * 9 { "slot_context" } else { "kv_pool" })
+}
+
 /// Linear-interpolated percentile (numpy's default, as vllm bench serve reports).
 pub fn percentile(v: &[f64], p: f64) -> Option<f64> {
     if v.is_empty() {
@@ -205,6 +216,8 @@ pub struct Level {
     pub output_tokens_min: Option<u64>,
     pub output_tokens_max: Option<u64>,
     pub stops: BTreeMap<String, u64>,
+    /// Server limits by kind (see Row::server_limit).
+    pub server_limits: BTreeMap<String, u64>,
     pub ttft_ms_mean: Option<f64>,
     pub ttft_ms_p50: Option<f64>,
     pub ttft_ms_p99: Option<f64>,
@@ -260,7 +273,11 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
     let ttft = f(&|r| r.ttft_ms);
     let mut stops = BTreeMap::new();
     let mut slow = BTreeMap::new();
+    let mut limits = BTreeMap::new();
     for r in rows {
+        if let Some(l) = &r.server_limit {
+            *limits.entry(l.clone()).or_insert(0) += 1;
+        }
         *stops.entry(r.stop.clone()).or_insert(0) += 1;
         if let Some(v) = &r.verdict {
             *slow.entry(v.slow_cause.clone()).or_insert(0) += 1;
@@ -288,6 +305,7 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
         output_tokens_min: served.iter().map(|r| r.output_tokens).min(),
         output_tokens_max: served.iter().map(|r| r.output_tokens).max(),
         stops,
+        server_limits: limits,
         ttft_ms_mean: mean(&ttft),
         ttft_ms_p50: percentile(&ttft, 50.0),
         ttft_ms_p99: percentile(&ttft, 99.0),
@@ -310,7 +328,7 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
 pub fn csv(rows: &[Row]) -> String {
     let cols = [
         "sweep", "level", "concurrency", "bucket_tokens", "idle_s", "layers", "index", "prompt_hash", "prompt_tokens", "prompt_tokens_source", "max_tokens", "output_tokens",
-        "output_tokens_source", "finish_reason", "truncated", "stop", "status", "error", "ttft_ms", "itl_p50_ms", "itl_max_ms", "tpot_ms", "e2e_ms", "queue_ms", "prompt_ms",
+        "output_tokens_source", "finish_reason", "truncated", "stop", "server_limit", "status", "error", "ttft_ms", "itl_p50_ms", "itl_max_ms", "tpot_ms", "e2e_ms", "queue_ms", "prompt_ms",
         "prompt_tps", "output_tps", "deadline_hit", "disconnected", "sent_ms", "local_port", "server_pid", "model_resident_pct", "slow_cause", "verdict_stop_cause",
         "ttft_disk_ms", "ttft_load_ms", "ttft_queue_ms", "ttft_compute_ms",
     ];
@@ -323,7 +341,7 @@ pub fn csv(rows: &[Row]) -> String {
         let fields = [
             r.sweep.clone(), r.level.clone(), r.concurrency.to_string(), n(r.bucket_tokens), o(r.idle_s), r.layers.join("+"), r.index.to_string(), r.prompt_hash.clone(),
             n(r.prompt_tokens), r.prompt_tokens_source.clone(), r.max_tokens.to_string(), r.output_tokens.to_string(), r.output_tokens_source.clone(),
-            r.finish_reason.clone().unwrap_or_default(), r.truncated.map(|t| t.to_string()).unwrap_or_default(), r.stop.clone(), n(r.status.map(u64::from)),
+            r.finish_reason.clone().unwrap_or_default(), r.truncated.map(|t| t.to_string()).unwrap_or_default(), r.stop.clone(), r.server_limit.clone().unwrap_or_default(), n(r.status.map(u64::from)),
             r.error.clone().unwrap_or_default(), o(r.ttft_ms), o(r.itl_p50_ms), o(r.itl_max_ms), o(r.tpot_ms), o(r.e2e_ms), o(r.queue_ms), o(r.prompt_ms), o(r.prompt_tps),
             o(r.output_tps), r.deadline_hit.to_string(), r.disconnected.to_string(), format!("{:.3}", r.sent_ms), n(r.local_port.map(u64::from)), n(r.server_pid.map(u64::from)),
             o(r.model_resident_pct), r.verdict.as_ref().map(|v| v.slow_cause.clone()).unwrap_or_default(), r.verdict.as_ref().map(|v| v.stop_cause.clone()).unwrap_or_default(),
@@ -384,6 +402,9 @@ mod tests {
         assert_eq!(normalize_stop(&cut, 3, 16, None).0, "server_error");
         let refused = Exchange { transport_error: Some("cannot connect to 127.0.0.1:9: Connection refused".into()), ..Default::default() };
         assert_eq!(normalize_stop(&refused, 0, 16, None), ("server_error", "cannot connect to 127.0.0.1:9: Connection refused".into()));
+        assert_eq!(which_limit(Some(9), 248, Some(1024)), Some("kv_pool"));
+        assert_eq!(which_limit(Some(30), 226, Some(256)), Some("slot_context"));
+        assert_eq!(which_limit(None, 226, Some(256)), None);
     }
 
     #[test]
@@ -426,6 +447,6 @@ mod tests {
         assert_eq!(text.lines().count(), 3);
         assert!(text.contains("\"a, \"\"b\"\"\""), "{text}");
         let header = text.lines().next().unwrap().split(',').count();
-        assert_eq!(header, 39);
+        assert_eq!(header, 40);
     }
 }

@@ -205,6 +205,16 @@ pub fn one(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling)
         local_port: x.local_port,
         ..template.clone()
     };
+    if row.stop == "server_limit"
+        && let Some(kind) = super::metrics::which_limit(row.prompt_tokens, output, ctx.slot_ctx)
+    {
+        let used = row.prompt_tokens.unwrap_or(0) + output;
+        let c = ctx.slot_ctx.unwrap_or(0);
+        if kind == "kv_pool" {
+            row.stop_detail.push_str(&format!("; prompt + output = {used} tokens, well below the {c}-token slot context: a KV pool shared by the slots ran out"));
+        }
+        row.server_limit = Some(kind.into());
+    }
     fill_latency(&mut row, &x);
     row
 }
