@@ -103,7 +103,7 @@ pub fn request(url: &Url, method: &str, path: &str, body: Option<&str>, timeout:
     let mut s = TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("cannot connect to {addr}: {e}"))?;
     let _ = s.set_read_timeout(Some(timeout));
     let _ = s.set_nodelay(true);
-    s.write_all(head(url, method, path, body).as_bytes()).map_err(|e| format!("cannot send to {addr}: {e}"))?;
+    s.write_all(head(url, method, path, body, POLL_AGENT).as_bytes()).map_err(|e| format!("cannot send to {addr}: {e}"))?;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16384];
     let (status, framing, start) = loop {
@@ -148,8 +148,15 @@ fn read_retry(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
     }
 }
 
-fn head(url: &Url, method: &str, path: &str, body: Option<&str>) -> String {
-    let mut h = format!("{method} {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: probe-bench\r\nAccept: */*\r\nConnection: close\r\n", url.prefix, url.host_header());
+/// User-Agent of the benchmark's own endpoint reads (/health, /metrics, /props, /slots,
+/// /tokenize): probe's endpoint-poll agent, which traces leave out of their reports, so a
+/// traced verdict does not count them as other requests being served.
+pub const POLL_AGENT: &str = "probe-poll (bench)";
+/// User-Agent of the generation requests the benchmark measures.
+pub const BENCH_AGENT: &str = "probe-bench";
+
+fn head(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str) -> String {
+    let mut h = format!("{method} {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: {agent}\r\nAccept: */*\r\nConnection: close\r\n", url.prefix, url.host_header());
     if let Some(b) = body {
         h.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()));
     } else {
@@ -180,7 +187,7 @@ pub fn stream(url: &Url, path: &str, body: &str, deadline: Duration) -> Exchange
     };
     x.local_port = s.local_addr().ok().map(|a| a.port());
     let _ = s.set_nodelay(true);
-    let t0 = if s.write_all(head(url, "POST", path, Some(body)).as_bytes()).is_ok() {
+    let t0 = if s.write_all(head(url, "POST", path, Some(body), BENCH_AGENT).as_bytes()).is_ok() {
         t0.max(Instant::now())
     } else {
         x.transport_error = Some(format!("cannot send the request to {addr}"));
