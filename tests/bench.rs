@@ -148,24 +148,34 @@ fn shorter_answers_at_concurrency_4_are_a_server_limit() {
 }
 
 /// The same run twice with the same seed at concurrency 1 gives the same output token counts.
+/// Short questions through the chat route end at EOS at lengths the model chooses (not at the
+/// limit), so equal counts say the runs generated the same tokens.
 #[test]
 fn same_seed_twice_gives_identical_output_lengths() {
     let _t = turn();
-    let args = ["--url", &server().url, "--api", "llamacpp", "--sweep", "concurrency", "--levels", "1", "--requests-per-level", "3", "--max-tokens", "96", "--seed", "7"];
     let dir_a = out_dir("seed-a");
+    std::fs::create_dir_all(&dir_a).unwrap();
+    let prompts = dir_a.with_extension("prompts.txt");
+    std::fs::write(&prompts, "Say hello.\nReply with one word: yes or no.\nWhat color is the sky?\nName three colors.\nWhat is two plus two?\nGive me a greeting.\n").unwrap();
+    let p = prompts.to_str().unwrap();
+    let args = ["--url", &server().url, "--api", "chat", "--prompts", p, "--sweep", "concurrency", "--levels", "1", "--requests-per-level", "6", "--max-tokens", "120", "--seed", "7"];
     let a = bench(&dir_a, &args);
     let b = bench(&out_dir("seed-b"), &args);
     let counts = |v: &Value| -> Vec<(String, u64, String)> {
         v["rows"].as_array().unwrap().iter().map(|r| (r["prompt_hash"].as_str().unwrap().to_string(), r["output_tokens"].as_u64().unwrap(), r["stop"].as_str().unwrap().to_string())).collect()
     };
     let (ca, cb) = (counts(&a), counts(&b));
-    assert_eq!(ca.len(), 3);
-    assert_eq!(ca, cb);
-    assert!(ca.iter().all(|(_, n, s)| *n > 1 && ["eos", "requested_limit"].contains(&s.as_str())), "{ca:?}");
-    // Three different prompts, no text stored.
-    assert_eq!(ca.iter().map(|c| &c.0).collect::<std::collections::BTreeSet<_>>().len(), 3);
+    assert_eq!(ca.len(), 6);
+    assert_eq!(ca, cb, "the same seed gave different output lengths");
+    assert!(ca.iter().all(|(_, n, s)| *n > 0 && ["eos", "requested_limit"].contains(&s.as_str())), "{ca:?}");
+    // Lengths the model chose: at least three answers ended at EOS, with different lengths.
+    let eos: std::collections::BTreeSet<u64> = ca.iter().filter(|c| c.2 == "eos").map(|c| c.1).collect();
+    assert!(eos.len() >= 3, "{ca:?}");
+    assert!(a["rows"].as_array().unwrap().iter().all(|r| r["output_tokens_source"] == "usage"));
+    // Six different prompts, and no prompt text in the outputs.
+    assert_eq!(ca.iter().map(|c| &c.0).collect::<std::collections::BTreeSet<_>>().len(), 6);
     let text = std::fs::read_to_string(dir_a.join("results.json")).unwrap() + &std::fs::read_to_string(dir_a.join("results.csv")).unwrap();
-    assert!(!text.contains("lighthouse"), "prompt text leaked into results.json");
+    assert!(!text.contains("two plus two") && !text.contains("greeting"), "prompt text leaked into the outputs");
 }
 
 /// Prompt buckets that fit the context report TTFT and prompt tokens/s; one longer than the

@@ -13,6 +13,9 @@ use crate::stream::payload::Stop;
 pub enum Api {
     /// OpenAI-compatible `/v1/completions` (vLLM, llama-server, Ollama, LM Studio).
     Openai,
+    /// OpenAI-compatible `/v1/chat/completions`: the prompt as one user message, through the
+    /// model's chat template (answers end at EOS as in real use).
+    Chat,
     /// llama.cpp's native `/completion`.
     Llamacpp,
     /// Ollama's native `/api/generate` (NDJSON).
@@ -46,6 +49,19 @@ impl Api {
                 b["cache_prompt"] = json!(false);
                 b
             }
+            Api::Chat => {
+                // The instruction only: the answer openers of PROMPTS are for raw completion routes.
+                let instruction = prompt.split("\n\n").next().unwrap_or(prompt);
+                let mut b = json!({"messages": [{"role": "user", "content": instruction}], "max_tokens": s.max_tokens, "temperature": s.temperature,
+                    "seed": s.seed, "stream": true, "stream_options": {"include_usage": true}, "cache_prompt": false});
+                if let Some(m) = &s.model {
+                    b["model"] = json!(m);
+                }
+                if s.ignore_eos {
+                    b["ignore_eos"] = json!(true);
+                }
+                b
+            }
             Api::Llamacpp => {
                 let mut b = json!({"prompt": prompt, "n_predict": s.max_tokens, "temperature": s.temperature, "seed": s.seed,
                     "stream": true, "cache_prompt": false});
@@ -65,6 +81,7 @@ impl Api {
         };
         let path = match self {
             Api::Openai => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
             Api::Llamacpp => "/completion",
             Api::Ollama => "/api/generate",
         };
@@ -153,7 +170,7 @@ pub fn server_info(url: &Url, api: Api, model: Option<String>) -> ServerInfo {
     }
     if info.model.is_none() {
         info.model = match api {
-            Api::Openai => get_json(url, "/v1/models").ok().and_then(|m| m["data"][0]["id"].as_str().map(String::from)),
+            Api::Openai | Api::Chat => get_json(url, "/v1/models").ok().and_then(|m| m["data"][0]["id"].as_str().map(String::from)),
             Api::Ollama => get_json(url, "/api/ps")
                 .ok()
                 .and_then(|m| m["models"][0]["name"].as_str().map(String::from))
@@ -298,5 +315,8 @@ mod tests {
         let (p, b) = Api::Openai.generate("hi", &s);
         let v: Value = serde_json::from_str(&b).unwrap();
         assert_eq!((p, v["max_tokens"].as_u64(), v["stream"].as_bool()), ("/v1/completions", Some(32), Some(true)));
+        let (p, b) = Api::Chat.generate("Write a story.\n\nOnce upon a time,", &s);
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!((p, v["messages"][0]["content"].as_str()), ("/v1/chat/completions", Some("Write a story.")));
     }
 }

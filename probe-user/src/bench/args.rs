@@ -64,7 +64,8 @@ pub struct BenchArgs {
     /// The server, plain HTTP only: http://HOST:PORT (e.g. http://127.0.0.1:8080).
     #[arg(long)]
     pub url: String,
-    /// Request format: openai (/v1/completions), llamacpp (/completion), ollama (/api/generate).
+    /// Request format: openai (/v1/completions), chat (/v1/chat/completions), llamacpp
+    /// (/completion), ollama (/api/generate).
     #[arg(long, value_enum, default_value = "openai")]
     pub api: Api,
     /// Model name for the request body (openai/ollama); default: the server's first model.
@@ -81,6 +82,11 @@ pub struct BenchArgs {
     /// 1 (prompt sweep).
     #[arg(long, value_parser = parse_u64)]
     pub requests_per_level: Option<u64>,
+    /// Fixed prompts of the concurrency and idle sweeps, one a line (`\n` for a newline), in
+    /// place of the built-in ones (long-answer instructions; a short greeting for idle). The
+    /// outputs keep their hash and token count, never their text.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
     /// Requested output tokens (concurrency sweep).
     #[arg(long, default_value_t = 256)]
     pub max_tokens: u64,

@@ -73,6 +73,8 @@ struct Run {
     tracing: Option<Tracing>,
     metrics: bool,
     progress: Progress,
+    /// --prompts: the user's fixed prompts (never written to the outputs).
+    own_prompts: Vec<String>,
 }
 
 impl Run {
@@ -212,6 +214,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
     // SAFETY: installing an async-signal-safe handler (atomics only).
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
+    let own_prompts: Vec<String> = match &args.prompts {
+        Some(f) => std::fs::read_to_string(f).with_context(|| format!("cannot read --prompts {}", f.display()))?.lines().map(|l| l.replace("\\n", "\n")).filter(|l| !l.trim().is_empty()).collect(),
+        None => Vec::new(),
+    };
+    if args.prompts.is_some() && own_prompts.is_empty() {
+        bail!("--prompts {}: no prompts in it (one a line)", args.prompts.as_deref().unwrap_or(std::path::Path::new("")).display());
+    }
     let info = api::server_info(&url, args.api, args.model.clone());
     if matches!(args.api, Api::Ollama) && info.model.is_none() {
         bail!("--api ollama needs a model: pass --model (no model is loaded or listed)");
@@ -230,6 +239,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         tracing: tracing.then_some(Tracing { fixed: args.trace_pid, seg: None, n: 0 }),
         metrics,
         progress: Progress::new(),
+        own_prompts,
         args: args.clone(),
     };
     run.notes.extend(run.info.notes.iter().map(|n| format!("server: {n}")));
@@ -322,7 +332,7 @@ fn template(sweep: &str, level: String, concurrency: u64) -> Row {
 fn concurrency(run: &mut Run) {
     let top = run.args.levels.iter().copied().max().unwrap_or(1);
     let n_prompts = run.args.requests_per_level.unwrap_or(top) as usize;
-    let prompts = sweep::instruction_prompts(&run.url, n_prompts, run.info.model.as_deref(), false);
+    let prompts = sweep::instruction_prompts(&run.url, n_prompts, run.info.model.as_deref(), false, &run.own_prompts);
     let s = run.sampling(run.args.max_tokens);
     for &c in &run.args.levels.clone() {
         if client::interrupted() {
@@ -424,7 +434,7 @@ fn idle(run: &mut Run) -> anyhow::Result<()> {
     if run.args.keep_warm {
         run.notes.push(format!("--keep-warm (pinned worker): a 1-token request every {:?} during each idle wait, not recorded as rows", run.args.keep_warm_every));
     }
-    let prompts = sweep::instruction_prompts(&run.url, 1, run.info.model.as_deref(), true);
+    let prompts = sweep::instruction_prompts(&run.url, 1, run.info.model.as_deref(), true, &run.own_prompts);
     let s = run.sampling(run.args.idle_max_tokens);
     let mut pings = 0;
     for d in run.args.idle.clone() {

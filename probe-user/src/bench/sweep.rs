@@ -109,8 +109,12 @@ pub fn sized_prompt(url: &Url, target: u64, seed: u64, model: Option<&str>) -> P
 }
 
 /// The instruction prompts, with their token counts when the server can tell.
-pub fn instruction_prompts(url: &Url, n: usize, model: Option<&str>, idle: bool) -> Vec<Prompt> {
-    let texts: Vec<&str> = if idle { vec![IDLE_PROMPT] } else { (0..n.max(1)).map(|i| PROMPTS[i % PROMPTS.len()]).collect() };
+/// `own`: the user's prompts (--prompts), used in place of the built-in ones, cycled.
+pub fn instruction_prompts(url: &Url, n: usize, model: Option<&str>, idle: bool, own: &[String]) -> Vec<Prompt> {
+    let builtin: Vec<&str> = if idle { vec![IDLE_PROMPT] } else { PROMPTS.to_vec() };
+    let pool: Vec<&str> = if own.is_empty() { builtin } else { own.iter().map(String::as_str).collect() };
+    let count = if idle { 1 } else { n.max(1) };
+    let texts: Vec<&str> = (0..count).map(|i| pool[i % pool.len()]).collect();
     texts
         .into_iter()
         .map(|t| match api::tokenize(url, t, model) {
@@ -310,6 +314,17 @@ mod tests {
     fn progress_bar() {
         assert_eq!(bar(5, 20, "idle 3/5 s", 12.4), "[#####---------------] 5/20 requests  idle 3/5 s  [12 s]");
         assert!(bar(3, 0, "x", 0.0).starts_with("[####################] 3/3"));
+    }
+
+    #[test]
+    fn own_prompts_replace_the_builtin_ones_and_cycle() {
+        let url = Url::parse("http://127.0.0.1:9").unwrap();
+        let own = vec!["a b c d".to_string(), "e".to_string()];
+        let p = instruction_prompts(&url, 3, None, false, &own);
+        assert_eq!(p.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(), ["a b c d", "e", "a b c d"]);
+        assert_eq!((p[0].tokens, p[0].source), (Some(2), "estimate"));
+        assert_eq!(instruction_prompts(&url, 3, None, true, &[])[0].text, IDLE_PROMPT);
+        assert_eq!(instruction_prompts(&url, 2, None, false, &[])[1].text, PROMPTS[1]);
     }
 
     #[test]
