@@ -2,6 +2,7 @@
 //! probes (load + attach table), collector (ring buffer → recording), recording (the on-disk
 //! format), report (analysis, pure), and the /proc and tracefs readers they need.
 
+pub mod bench;
 pub mod btf;
 pub mod bundle;
 pub mod collector;

@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::ExitCode, time::{Duration, Instant}};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{bundle, collector, doctor, exit, flame, recording, report, timeline};
+use probe_user::{bench, bundle, collector, doctor, exit, flame, recording, report, timeline};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -100,6 +100,9 @@ enum Command {
     },
     /// Say which kernel features are present and what probe can do here.
     Doctor,
+    /// Drive a running server with controlled experiments (concurrency, prompt length, idle
+    /// time) and explain every change in length or latency with stop reasons and verdicts.
+    Bench(bench::BenchArgs),
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -204,6 +207,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Doctor => Ok(doctor::run()),
+        Command::Bench(args) => bench::run(args),
     }
 }
 

@@ -1,0 +1,322 @@
+//! What differs between servers: the generation request body per API, the health route, the
+//! server's own counters (Prometheus `/metrics`, llama.cpp `/slots` and `/props`, Ollama
+//! `/api/ps`), its tokenizer endpoint, and where the output token count comes from.
+use std::{collections::BTreeMap, time::Duration};
+
+use serde_json::{Value, json};
+
+use super::client::{Url, request};
+use crate::stream::payload::Stop;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// OpenAI-compatible `/v1/completions` (vLLM, llama-server, Ollama, LM Studio).
+    Openai,
+    /// OpenAI-compatible `/v1/chat/completions`: the prompt as one user message, through the
+    /// model's chat template (answers end at EOS as in real use).
+    Chat,
+    /// llama.cpp's native `/completion`.
+    Llamacpp,
+    /// Ollama's native `/api/generate` (NDJSON).
+    Ollama,
+}
+
+/// Sampling and limits that stay fixed across a sweep.
+#[derive(Clone, Debug)]
+pub struct Sampling {
+    pub max_tokens: u64,
+    pub seed: u64,
+    pub temperature: f64,
+    pub ignore_eos: bool,
+    pub model: Option<String>,
+}
+
+impl Api {
+    /// The route and JSON body of one streamed generation request.
+    pub fn generate(self, prompt: &str, s: &Sampling) -> (&'static str, String) {
+        let body = match self {
+            Api::Openai => {
+                let mut b = json!({"prompt": prompt, "max_tokens": s.max_tokens, "temperature": s.temperature, "seed": s.seed,
+                    "stream": true, "stream_options": {"include_usage": true}});
+                if let Some(m) = &s.model {
+                    b["model"] = json!(m);
+                }
+                if s.ignore_eos {
+                    b["ignore_eos"] = json!(true);
+                }
+                // llama-server: no prompt cache reuse between the same prompts at different levels.
+                b["cache_prompt"] = json!(false);
+                b
+            }
+            Api::Chat => {
+                // The instruction only: the answer openers of PROMPTS are for raw completion routes.
+                let instruction = prompt.split("\n\n").next().unwrap_or(prompt);
+                let mut b = json!({"messages": [{"role": "user", "content": instruction}], "max_tokens": s.max_tokens, "temperature": s.temperature,
+                    "seed": s.seed, "stream": true, "stream_options": {"include_usage": true}, "cache_prompt": false});
+                if let Some(m) = &s.model {
+                    b["model"] = json!(m);
+                }
+                if s.ignore_eos {
+                    b["ignore_eos"] = json!(true);
+                }
+                b
+            }
+            Api::Llamacpp => {
+                let mut b = json!({"prompt": prompt, "n_predict": s.max_tokens, "temperature": s.temperature, "seed": s.seed,
+                    "stream": true, "cache_prompt": false});
+                if s.ignore_eos {
+                    b["ignore_eos"] = json!(true);
+                }
+                b
+            }
+            Api::Ollama => {
+                let mut opts = json!({"num_predict": s.max_tokens, "temperature": s.temperature, "seed": s.seed});
+                if s.ignore_eos {
+                    // Ollama has no ignore_eos; dropping the stop words is the closest it offers.
+                    opts["stop"] = json!([]);
+                }
+                json!({"model": s.model.clone().unwrap_or_default(), "prompt": prompt, "stream": true, "raw": true, "options": opts})
+            }
+        };
+        let path = match self {
+            Api::Openai => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+            Api::Llamacpp => "/completion",
+            Api::Ollama => "/api/generate",
+        };
+        (path, body.to_string())
+    }
+
+    pub fn health_path(self) -> &'static str {
+        match self {
+            Api::Ollama => "/api/version",
+            _ => "/health",
+        }
+    }
+}
+
+/// Output tokens and where the number came from: the server's usage, its timings, Ollama's
+/// eval_count, or the content messages the client counted.
+pub fn output_tokens(stop: &Stop, chunks: usize) -> (u64, &'static str) {
+    if let Some(n) = stop.usage.as_ref().and_then(|u| u["completion_tokens"].as_u64()) {
+        return (n, "usage");
+    }
+    if let Some(n) = stop.server_timings.as_ref().and_then(|t| t["predicted_n"].as_u64()) {
+        return (n, "timings");
+    }
+    if let Some(n) = stop.server_timings.as_ref().and_then(|t| t["eval_count"].as_u64()) {
+        return (n, "eval_count");
+    }
+    (chunks as u64, "chunks")
+}
+
+/// Prompt tokens and the server's prompt processing time (ms), when it reports them.
+pub fn prompt_stats(stop: &Stop) -> (Option<u64>, Option<f64>) {
+    let t = stop.server_timings.as_ref();
+    let n = stop
+        .usage
+        .as_ref()
+        .and_then(|u| u["prompt_tokens"].as_u64())
+        .or_else(|| t.and_then(|t| t["prompt_n"].as_u64().map(|n| n + t["cache_n"].as_u64().unwrap_or(0))))
+        .or_else(|| t.and_then(|t| t["prompt_eval_count"].as_u64()));
+    let ms = t.and_then(|t| t["prompt_ms"].as_f64().or_else(|| t["prompt_eval_duration"].as_f64().map(|ns| ns / 1e6)));
+    (n, ms)
+}
+
+/// What the server says about itself before a run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ServerInfo {
+    /// Context per slot (llama.cpp /slots or /props), tokens.
+    pub slot_ctx: Option<u64>,
+    pub slots: Option<u64>,
+    pub model: Option<String>,
+    /// The model file the server reports (llama.cpp /props model_path).
+    pub model_path: Option<String>,
+    pub tokenizer: Option<String>,
+    pub notes: Vec<String>,
+}
+
+const T: Duration = Duration::from_secs(10);
+
+fn get_json(url: &Url, path: &str) -> Result<Value, String> {
+    match request(url, "GET", path, None, T)? {
+        (200, b) => serde_json::from_slice(&b).map_err(|_| format!("{path}: not JSON")),
+        (st, _) => Err(format!("{path}: HTTP {st}")),
+    }
+}
+
+pub fn server_info(url: &Url, api: Api, model: Option<String>) -> ServerInfo {
+    let mut info = ServerInfo { model, ..Default::default() };
+    match get_json(url, "/slots") {
+        Ok(Value::Array(slots)) => {
+            info.slots = Some(slots.len() as u64);
+            info.slot_ctx = slots.first().and_then(|s| s["n_ctx"].as_u64());
+        }
+        _ => info.notes.push("no /slots (per-slot context unknown from it)".into()),
+    }
+    match get_json(url, "/props") {
+        Ok(p) => {
+            info.slot_ctx = info.slot_ctx.or(p["default_generation_settings"]["n_ctx"].as_u64());
+            info.slots = info.slots.or(p["total_slots"].as_u64());
+            info.model_path = p["model_path"].as_str().map(String::from);
+        }
+        Err(_) => info.notes.push("no /props".into()),
+    }
+    if tokenize(url, "hello", info.model.as_deref()).is_some() {
+        info.tokenizer = Some("POST /tokenize".into());
+    } else {
+        info.notes.push("no tokenizer endpoint: prompt sizes are estimated at 4 characters a token".into());
+    }
+    if info.model.is_none() {
+        info.model = match api {
+            Api::Openai | Api::Chat => get_json(url, "/v1/models").ok().and_then(|m| m["data"][0]["id"].as_str().map(String::from)),
+            Api::Ollama => get_json(url, "/api/ps")
+                .ok()
+                .and_then(|m| m["models"][0]["name"].as_str().map(String::from))
+                .or_else(|| get_json(url, "/api/tags").ok().and_then(|m| m["models"][0]["name"].as_str().map(String::from))),
+            Api::Llamacpp => None,
+        };
+    }
+    info
+}
+
+/// Token count of `text` by the server's tokenizer: llama.cpp `POST /tokenize {"content"}`,
+/// vLLM `POST /tokenize {"prompt"}`. None when the server has no tokenizer endpoint.
+pub fn tokenize(url: &Url, text: &str, model: Option<&str>) -> Option<u64> {
+    let body = json!({"content": text}).to_string();
+    if let Ok((200, b)) = request(url, "POST", "/tokenize", Some(&body), T)
+        && let Some(n) = serde_json::from_slice::<Value>(&b).ok().and_then(|v| v["tokens"].as_array().map(|t| t.len() as u64))
+    {
+        return Some(n);
+    }
+    let mut body = json!({"prompt": text});
+    if let Some(m) = model {
+        body["model"] = json!(m);
+    }
+    match request(url, "POST", "/tokenize", Some(&body.to_string()), T) {
+        Ok((200, b)) => serde_json::from_slice::<Value>(&b).ok().and_then(|v| v["count"].as_u64().or(v["tokens"].as_array().map(|t| t.len() as u64))),
+        _ => None,
+    }
+}
+
+/// Prometheus text: sum of each series' samples by metric name (labels summed over).
+pub fn parse_prometheus(text: &str) -> BTreeMap<String, f64> {
+    let mut m = BTreeMap::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        // `name{labels} value [timestamp]`; label values may hold spaces.
+        let (name, rest) = match line.find('{') {
+            Some(i) => match line[i..].find('}') {
+                Some(j) => (&line[..i], &line[i + j + 1..]),
+                None => continue,
+            },
+            None => line.split_once(char::is_whitespace).unwrap_or((line, "")),
+        };
+        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else { continue };
+        if value.is_nan() {
+            continue;
+        }
+        let name = name.trim();
+        *m.entry(name.to_string()).or_insert(0.0) += value;
+    }
+    m
+}
+
+/// Counters worth a before/after per level: preemptions, KV cache use, waiting/deferred
+/// requests, tokens; and free VRAM where nvidia-smi answers.
+pub fn wanted(name: &str) -> bool {
+    let keys = ["preempt", "kv_cache", "cache_usage", "deferred", "waiting", "running", "processing", "tokens_total", "predicted_total", "n_tokens_max", "busy_slots"];
+    (name.starts_with("llamacpp:") || name.starts_with("vllm:")) && !name.contains("spec_decode") && !name.ends_with("_bucket") && !name.ends_with("_created") && keys.iter().any(|k| name.contains(k))
+}
+
+/// A snapshot of the server's own counters; `notes` says which endpoints did not answer.
+pub fn counters(url: &Url, api: Api) -> (BTreeMap<String, f64>, Vec<String>) {
+    let mut out = BTreeMap::new();
+    let mut notes = Vec::new();
+    match request(url, "GET", "/metrics", None, T) {
+        Ok((200, b)) => out.extend(parse_prometheus(&String::from_utf8_lossy(&b)).into_iter().filter(|(k, _)| wanted(k))),
+        Ok((st, _)) => notes.push(format!("/metrics answered HTTP {st} (llama-server needs --metrics)")),
+        Err(e) => notes.push(format!("/metrics: {e}")),
+    }
+    if api == Api::Ollama {
+        match get_json(url, "/api/ps") {
+            Ok(ps) => {
+                let models = ps["models"].as_array().cloned().unwrap_or_default();
+                out.insert("ollama:models_loaded".into(), models.len() as f64);
+                out.insert("ollama:size_vram_bytes".into(), models.iter().filter_map(|m| m["size_vram"].as_f64()).sum());
+                out.insert("ollama:size_bytes".into(), models.iter().filter_map(|m| m["size"].as_f64()).sum());
+            }
+            Err(e) => notes.push(format!("/api/ps: {e}")),
+        }
+    }
+    if let Some(free) = free_vram_mib() {
+        out.insert("gpu:free_vram_mib".into(), free);
+    }
+    (out, notes)
+}
+
+/// Free VRAM over all GPUs (MiB) from nvidia-smi, when it is installed and answers.
+fn free_vram_mib() -> Option<f64> {
+    // Looked up once: spawning a missing binary every 500 ms is noise (and SIGCHLD).
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let has = *HAS.get_or_init(|| std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvidia-smi").is_file())));
+    if !has {
+        return None;
+    }
+    let out = std::process::Command::new("nvidia-smi").args(["--query-gpu=memory.free", "--format=csv,noheader,nounits"]).stderr(std::process::Stdio::null()).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let v: Vec<f64> = String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect();
+    (!v.is_empty()).then(|| v.iter().sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_sums_labels_and_skips_comments() {
+        let text = "# HELP x\nllamacpp:requests_deferred 2\nvllm:num_preemptions_total{model=\"a\"} 3\nvllm:num_preemptions_total{model=\"b\"} 4\nvllm:kv_cache_usage_perc{m=\"a\"} 0.5 1700000000\nbad line here x\n";
+        let m = parse_prometheus(text);
+        assert_eq!(m["llamacpp:requests_deferred"], 2.0);
+        assert_eq!(m["vllm:num_preemptions_total"], 7.0);
+        assert_eq!(m["vllm:kv_cache_usage_perc"], 0.5);
+        assert!(wanted("vllm:num_preemptions_total") && wanted("llamacpp:requests_deferred") && !wanted("process_cpu_seconds_total"));
+    }
+
+    #[test]
+    fn output_token_sources() {
+        let mut s = Stop::default();
+        assert_eq!(output_tokens(&s, 7), (7, "chunks"));
+        s.server_timings = Some(json!({"predicted_n": 9, "prompt_n": 5, "cache_n": 1, "prompt_ms": 12.5}));
+        assert_eq!(output_tokens(&s, 7), (9, "timings"));
+        assert_eq!(prompt_stats(&s), (Some(6), Some(12.5)));
+        s.usage = Some(json!({"completion_tokens": 10, "prompt_tokens": 6}));
+        assert_eq!(output_tokens(&s, 7), (10, "usage"));
+        let o = Stop { server_timings: Some(json!({"eval_count": 4, "prompt_eval_count": 3, "prompt_eval_duration": 2e6})), ..Default::default() };
+        assert_eq!(output_tokens(&o, 1), (4, "eval_count"));
+        assert_eq!(prompt_stats(&o), (Some(3), Some(2.0)));
+    }
+
+    #[test]
+    fn bodies_fix_sampling() {
+        let s = Sampling { max_tokens: 32, seed: 7, temperature: 0.0, ignore_eos: true, model: Some("m".into()) };
+        let (p, b) = Api::Llamacpp.generate("hi", &s);
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!((p, v["n_predict"].as_u64(), v["seed"].as_u64(), v["ignore_eos"].as_bool()), ("/completion", Some(32), Some(7), Some(true)));
+        let (p, b) = Api::Ollama.generate("hi", &s);
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!((p, v["options"]["num_predict"].as_u64(), v["model"].as_str()), ("/api/generate", Some(32), Some("m")));
+        let (p, b) = Api::Openai.generate("hi", &s);
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!((p, v["max_tokens"].as_u64(), v["stream"].as_bool()), ("/v1/completions", Some(32), Some(true)));
+        let (p, b) = Api::Chat.generate("Write a story.\n\nOnce upon a time,", &s);
+        let v: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!((p, v["messages"][0]["content"].as_str()), ("/v1/chat/completions", Some("Write a story.")));
+    }
+}

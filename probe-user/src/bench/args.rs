@@ -1,0 +1,176 @@
+//! The `probe bench` command line: sweeps, levels, buckets, idle intervals and layers, sampling,
+//! deadline, goodput targets, tracing and the output directory.
+use std::{path::PathBuf, time::Duration};
+
+use super::api::Api;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sweep {
+    /// The same prompts at rising concurrency (--levels).
+    Concurrency,
+    /// Prompt-length buckets (--buckets), one user then rising concurrency (--prompt-levels).
+    Prompt,
+    /// A fixed short prompt after each idle interval (--idle), with optional layers.
+    Idle,
+}
+
+/// Parse `1,2,4` lists of positive integers.
+fn parse_u64(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{s}` is not a positive integer")),
+    }
+}
+
+/// Idle intervals: `0`, `30s`, `1m`, `10m`, `1h`, `500ms`; a bare number is minutes (as the
+/// experiment's list is written), `s` for seconds.
+pub fn parse_idle(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "m"));
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not an interval: use e.g. 0, 5s, 1m, 10m, 1h"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{s}`: use ms, s, m or h (a bare number is minutes)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+pub fn parse_secs(s: &str) -> Result<Duration, String> {
+    parse_idle(s).and_then(|d| if s.trim().chars().all(|c| c.is_ascii_digit() || c == '.') { s.trim().parse::<f64>().map(Duration::from_secs_f64).map_err(|e| e.to_string()) } else { Ok(d) })
+}
+
+pub fn label(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s == 0.0 {
+        "0s".into()
+    } else if s >= 3600.0 && s % 3600.0 == 0.0 {
+        format!("{}h", s / 3600.0)
+    } else if s >= 60.0 && s % 60.0 == 0.0 {
+        format!("{}m", s / 60.0)
+    } else if s.fract() == 0.0 {
+        format!("{s}s")
+    } else {
+        format!("{}ms", (s * 1e3).round())
+    }
+}
+
+/// `probe bench`: drive a running LLM server with controlled experiments.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The server, plain HTTP only: http://HOST:PORT (e.g. http://127.0.0.1:8080).
+    #[arg(long)]
+    pub url: String,
+    /// Request format: openai (/v1/completions), chat (/v1/chat/completions), llamacpp
+    /// (/completion), ollama (/api/generate).
+    #[arg(long, value_enum, default_value = "openai")]
+    pub api: Api,
+    /// Model name for the request body (openai/ollama); default: the server's first model.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Sweeps to run (comma list or repeated): concurrency, prompt, idle.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "concurrency")]
+    pub sweep: Vec<Sweep>,
+    /// Concurrency levels of the concurrency sweep.
+    #[arg(long, value_delimiter = ',', value_parser = parse_u64, default_value = "1,2,4,8")]
+    pub levels: Vec<u64>,
+    /// Requests per level: each level sends max(level, N) requests, request i with prompt i mod N,
+    /// so every level sends the same prompts. Default: the largest level (concurrency sweep),
+    /// 1 (prompt sweep).
+    #[arg(long, value_parser = parse_u64)]
+    pub requests_per_level: Option<u64>,
+    /// Fixed prompts of the concurrency and idle sweeps, one a line (`\n` for a newline), in
+    /// place of the built-in ones (long-answer instructions; a short greeting for idle). The
+    /// outputs keep their hash and token count, never their text.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Requested output tokens (concurrency sweep).
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: u64,
+    /// Prompt-length buckets, tokens.
+    #[arg(long, value_delimiter = ',', value_parser = parse_u64, default_value = "512,2048,8192,16384")]
+    pub buckets: Vec<u64>,
+    /// Concurrency levels per bucket (default: 1, then --levels).
+    #[arg(long, value_delimiter = ',', value_parser = parse_u64)]
+    pub prompt_levels: Option<Vec<u64>>,
+    /// Requested output tokens per bucket request (controlled output length).
+    #[arg(long, default_value_t = 32)]
+    pub bucket_max_tokens: u64,
+    /// Idle intervals before the fixed short prompt: a bare number is minutes; 5s, 10m, 1h.
+    #[arg(long, value_delimiter = ',', value_parser = parse_idle, default_value = "0,1,10,60,480")]
+    pub idle: Vec<Duration>,
+    /// Requested output tokens of the idle sweep's request.
+    #[arg(long, default_value_t = 8)]
+    pub idle_max_tokens: u64,
+    /// Idle layer: a shell command that restarts the server, run before each idle interval; it
+    /// must return once the server is started (probe then waits for its health endpoint).
+    #[arg(long)]
+    pub restart_cmd: Option<String>,
+    /// With --restart-cmd: a shell command that stops the server first; the model's cache is
+    /// then dropped while no process maps it, before --restart-cmd starts it again.
+    #[arg(long)]
+    pub stop_cmd: Option<String>,
+    /// Idle layer: drop the model file from the page cache (posix_fadvise DONTNEED) before the
+    /// request (and between --stop-cmd and --restart-cmd).
+    #[arg(long)]
+    pub drop_cache: bool,
+    /// The model file for --drop-cache (default: the server's /props model_path, else the largest
+    /// file the server process maps).
+    #[arg(long)]
+    pub model_file: Option<PathBuf>,
+    /// Idle layer "pinned worker": a 1-token request every --keep-warm-every during the idle wait.
+    #[arg(long)]
+    pub keep_warm: bool,
+    #[arg(long, value_parser = parse_secs, default_value = "5s")]
+    pub keep_warm_every: Duration,
+    /// Sampling seed (fixed across every request).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Ask the server to ignore end-of-sequence (llama.cpp, vLLM) for generations of fixed length.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Client deadline per request (e.g. 60s, 5m): a request still running then is cut and
+    /// recorded as a deadline hit.
+    #[arg(long, value_parser = parse_secs, default_value = "300s")]
+    pub timeout: Duration,
+    /// Goodput target on TTFT, ms.
+    #[arg(long)]
+    pub goodput_ttft_ms: Option<f64>,
+    /// Goodput target on TPOT, ms.
+    #[arg(long)]
+    pub goodput_tpot_ms: Option<f64>,
+    /// Trace this server pid during the run (root) and attach each request's verdict.
+    #[arg(long)]
+    pub trace_pid: Option<u32>,
+    /// Trace the process listening on the URL's port (found again after every restart).
+    #[arg(long)]
+    pub trace: bool,
+    /// Output directory: results.json, results.csv, summary.txt, *.svg, trace-N/.
+    #[arg(long, default_value = "probe-bench")]
+    pub out: PathBuf,
+    /// How long to wait for the server's health endpoint (start and after each restart).
+    #[arg(long, value_parser = parse_secs, default_value = "120s")]
+    pub health_timeout: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_intervals_default_to_minutes_and_take_seconds() {
+        assert_eq!(parse_idle("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_idle("10").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_idle("5s").unwrap(), Duration::from_secs(5));
+        assert_eq!(parse_idle("1h").unwrap(), Duration::from_secs(3600));
+        assert!(parse_idle("5x").is_err());
+        assert_eq!(parse_secs("300").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_secs("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!((label(Duration::ZERO), label(Duration::from_secs(5)), label(Duration::from_secs(600)), label(Duration::from_millis(1500))), ("0s".into(), "5s".into(), "10m".into(), "1500ms".into()));
+    }
+}

@@ -1,0 +1,452 @@
+//! The benchmark's records and their arithmetic, pure: one [`Row`] per request, stop reasons
+//! normalized, per-request TTFT/ITL/TPOT/E2E, and per-level summaries ([`Level`]) with pooled
+//! percentiles, throughput and goodput. Definitions follow `vllm bench serve` (see DEFINITIONS).
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::client::Exchange;
+use crate::verdict::Split;
+
+/// The definitions every output states.
+pub const DEFINITIONS: &[(&str, &str)] = &[
+    ("TTFT", "time to first token: request sent -> first streamed message carrying content, client side (ms)"),
+    ("E2E", "end-to-end latency: request sent -> last response byte (ms)"),
+    ("ITL", "inter-token latency: gaps between consecutive content messages; level percentiles pool every gap of every request (as vllm bench serve does) (ms)"),
+    ("TPOT", "time per output token after the first: (E2E - TTFT) / (output tokens - 1), per request, then averaged (ms)"),
+    ("output tokens", "usage.completion_tokens, else timings.predicted_n (llama.cpp), else eval_count (Ollama), else counted content messages; each row says which"),
+    ("prompt tok/s", "prompt tokens / the server's prompt time (timings.prompt_ms or prompt_eval_duration), else prompt tokens / TTFT"),
+    ("output tok/s", "per request: (output tokens - 1) / (E2E - TTFT); per level (throughput): all output tokens / the level's wall time"),
+    ("goodput", "requests per second of the level's wall time that completed without error and met the TTFT and TPOT targets (--goodput-ttft-ms, --goodput-tpot-ms; no target = only 'completed')"),
+    ("queue", "with a trace: the verdict's queue share of TTFT (waiting while other requests were served); servers do not report a per-request queue time in their streams"),
+];
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct RowVerdict {
+    /// The trace directory and the request's id in its report.json.
+    pub trace: String,
+    pub request_id: u64,
+    pub slow_cause: String,
+    pub stop_cause: String,
+    pub ttft_ms: Option<Split>,
+    pub evidence: Vec<String>,
+}
+
+/// One request of the benchmark. No prompt or response text: the prompt's hash and token count.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Row {
+    pub sweep: String,
+    /// The level's label: concurrency ("4"), bucket ("2048 @1"), idle interval ("10s").
+    pub level: String,
+    pub concurrency: u64,
+    pub bucket_tokens: Option<u64>,
+    pub idle_s: Option<f64>,
+    /// Idle layers applied before this request: restart, drop_cache, keep_warm.
+    pub layers: Vec<String>,
+    pub index: u64,
+    pub prompt_hash: String,
+    pub prompt_tokens: Option<u64>,
+    /// server | tokenizer | estimate (4 characters a token)
+    pub prompt_tokens_source: String,
+    pub max_tokens: u64,
+    pub output_tokens: u64,
+    pub output_tokens_source: String,
+    /// The server's own words: finish_reason, stop_type or done_reason.
+    pub finish_reason: Option<String>,
+    pub truncated: Option<bool>,
+    /// eos | requested_limit | server_limit | stop_word | client_disconnect | deadline | server_error | rejected | unknown
+    pub stop: String,
+    pub stop_detail: String,
+    /// For server_limit: which limit, by the tokens in the slot: "slot_context" (prompt + output
+    /// reached the slot's context) or "kv_pool" (they stopped well below it: a KV pool shared by
+    /// the slots ran out).
+    pub server_limit: Option<String>,
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    pub ttft_ms: Option<f64>,
+    pub itl_p50_ms: Option<f64>,
+    pub itl_max_ms: Option<f64>,
+    pub tpot_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+    pub queue_ms: Option<f64>,
+    /// The server's prompt processing time.
+    pub prompt_ms: Option<f64>,
+    pub prompt_tps: Option<f64>,
+    pub output_tps: Option<f64>,
+    pub deadline_hit: bool,
+    pub disconnected: bool,
+    /// When it was sent, ms from the start of the benchmark.
+    pub sent_ms: f64,
+    pub local_port: Option<u16>,
+    pub server_pid: Option<u32>,
+    pub process_age_s: Option<f64>,
+    pub server_rss_mib: Option<f64>,
+    /// Share of the model file in the page cache just before the request (idle sweep).
+    pub model_resident_pct: Option<f64>,
+    pub verdict: Option<RowVerdict>,
+    #[serde(skip)]
+    pub itl: Vec<f64>,
+    /// Which level (its position in the run's `levels`) this row belongs to.
+    #[serde(rename = "level_seq")]
+    pub seq: usize,
+}
+
+/// Whether an error message says the server's context (slot or shared KV pool) ran out.
+pub fn context_exceeded(msg: &str) -> bool {
+    let m = msg.to_ascii_lowercase();
+    m.contains("context") && (m.contains("exceed") || m.contains("too long") || m.contains("full"))
+}
+
+/// Normalize the stop: what ended this response, and a sentence with the numbers behind it.
+pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Option<u64>) -> (&'static str, String) {
+    let s = &x.stop;
+    let ctx = slot_ctx.map(|n| format!(" ({n}-token slot context)")).unwrap_or_default();
+    let err = x.error_message.clone().or_else(|| s.error.as_ref().map(|e| e.to_string())).unwrap_or_default();
+    if x.deadline_hit {
+        return ("deadline", format!("the client deadline passed after {output} tokens"));
+    }
+    if x.aborted {
+        return ("client_disconnect", format!("the client left (Ctrl-C) after {output} tokens"));
+    }
+    if let Some(st) = x.status.filter(|&c| c >= 400) {
+        return if (400..500).contains(&st) {
+            ("rejected", format!("rejected by the server: HTTP {st} {err}").trim_end().to_string())
+        } else if context_exceeded(&err) {
+            ("server_limit", format!("HTTP {st} before any token: {err}{ctx}"))
+        } else {
+            ("server_error", format!("HTTP {st} {err}").trim_end().to_string())
+        };
+    }
+    if let Some(e) = &x.transport_error
+        && x.status.is_none()
+    {
+        return ("server_error", e.clone());
+    }
+    if !err.is_empty() {
+        return if context_exceeded(&err) {
+            ("server_limit", format!("server-imposed limit{ctx}: stopped with \"{err}\" after {output} of {max_tokens} tokens"))
+        } else {
+            ("server_error", format!("mid-stream error after {output} tokens: {err}"))
+        };
+    }
+    if x.disconnected && !x.complete {
+        return ("server_error", format!("the server closed the connection after {output} tokens, before the response ended"));
+    }
+    if s.truncated == Some(true) {
+        return ("server_limit", format!("server-imposed limit{ctx}: truncated after {output} of {max_tokens} tokens (context ran out)"));
+    }
+    let length = s.finish_reason.as_deref() == Some("length") || s.stop_type.as_deref() == Some("limit") || s.done_reason.as_deref() == Some("length") || s.stopped.as_deref() == Some("limit");
+    if length {
+        // One token of slack: some servers count the last token differently.
+        return if max_tokens > 0 && output + 1 < max_tokens {
+            ("server_limit", format!("server-imposed limit{ctx}: length after {output} of {max_tokens} requested tokens"))
+        } else {
+            ("requested_limit", format!("the requested limit ({max_tokens} tokens)"))
+        };
+    }
+    if s.stop_type.as_deref() == Some("word") || s.stopped.as_deref() == Some("word") || s.stop_reason.as_ref().is_some_and(|r| r.is_string()) {
+        return ("stop_word", format!("a stop word after {output} tokens"));
+    }
+    if s.finish_reason.as_deref() == Some("stop") || s.stop_type.as_deref() == Some("eos") || s.done_reason.as_deref() == Some("stop") || s.stopped.as_deref() == Some("eos") {
+        return ("eos", format!("end of sequence after {output} tokens"));
+    }
+    ("unknown", format!("no stop information after {output} tokens"))
+}
+
+/// Which server limit stopped a response: the slot's own context when prompt + output filled at
+/// least 90% of it, else a KV pool shared between slots (llama-server --kv-unified, vLLM).
+pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64>) -> Option<&'static str> {
+    let (p, c) = (prompt_tokens?, slot_ctx?);
+    Some(if (p + output) * 10 >= c * 9 { "slot_context" } else { "kv_pool" })
+}
+
+/// Linear-interpolated percentile (numpy's default, as vllm bench serve reports).
+pub fn percentile(v: &[f64], p: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let r = p / 100.0 * (s.len() - 1) as f64;
+    let (lo, hi) = (r.floor() as usize, r.ceil() as usize);
+    Some(s[lo] + (s[hi] - s[lo]) * (r - lo as f64))
+}
+
+pub fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// Per-request latency numbers from the content arrival times.
+pub fn fill_latency(row: &mut Row, x: &Exchange) {
+    row.ttft_ms = x.ttft_ms;
+    row.e2e_ms = x.e2e_ms;
+    row.itl = x.content_ms.windows(2).map(|w| w[1] - w[0]).collect();
+    row.itl_p50_ms = percentile(&row.itl, 50.0);
+    row.itl_max_ms = row.itl.iter().copied().reduce(f64::max);
+    if let (Some(t), Some(e)) = (x.ttft_ms, x.e2e_ms)
+        && row.output_tokens > 1
+        && e > t
+    {
+        row.tpot_ms = Some((e - t) / (row.output_tokens - 1) as f64);
+        row.output_tps = Some((row.output_tokens - 1) as f64 / ((e - t) / 1e3));
+    }
+    row.prompt_tps = match (row.prompt_tokens, row.prompt_ms, row.ttft_ms) {
+        (Some(n), Some(ms), _) if ms > 0.0 => Some(n as f64 / (ms / 1e3)),
+        (Some(n), None, Some(t)) if t > 0.0 => Some(n as f64 / (t / 1e3)),
+        _ => None,
+    };
+}
+
+/// One level of one sweep, summarized.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Level {
+    pub sweep: String,
+    pub level: String,
+    pub concurrency: u64,
+    pub bucket_tokens: Option<u64>,
+    pub idle_s: Option<f64>,
+    pub requests: u64,
+    pub ok: u64,
+    pub rejected: u64,
+    pub errors: u64,
+    pub deadline_hits: u64,
+    pub disconnects: u64,
+    pub prompt_tokens_mean: Option<f64>,
+    pub output_tokens_mean: Option<f64>,
+    pub output_tokens_min: Option<u64>,
+    pub output_tokens_max: Option<u64>,
+    pub stops: BTreeMap<String, u64>,
+    /// Server limits by kind (see Row::server_limit).
+    pub server_limits: BTreeMap<String, u64>,
+    pub ttft_ms_mean: Option<f64>,
+    pub ttft_ms_p50: Option<f64>,
+    pub ttft_ms_p99: Option<f64>,
+    pub itl_ms_p50: Option<f64>,
+    pub itl_ms_p99: Option<f64>,
+    pub tpot_ms_mean: Option<f64>,
+    pub e2e_ms_mean: Option<f64>,
+    pub prompt_tps_mean: Option<f64>,
+    pub output_tps_mean: Option<f64>,
+    pub throughput_output_tps: Option<f64>,
+    pub request_rate: Option<f64>,
+    pub goodput_rps: Option<f64>,
+    pub duration_s: f64,
+    /// Traced verdicts: slow causes by count.
+    pub slow_causes: BTreeMap<String, u64>,
+    pub counters_before: BTreeMap<String, f64>,
+    pub counters_after: BTreeMap<String, f64>,
+    /// Highest value of each counter sampled while the level ran.
+    pub counters_peak: BTreeMap<String, f64>,
+    pub notes: Vec<String>,
+    /// Its position in the run (rows carry it as level_seq).
+    #[serde(rename = "level_seq")]
+    pub seq: usize,
+}
+
+/// Count the traced slow causes of each level's rows (verdicts arrive when a trace stops).
+pub fn tally_verdicts(levels: &mut [Level], rows: &[Row]) {
+    for l in levels.iter_mut() {
+        l.slow_causes.clear();
+        for r in rows.iter().filter(|r| r.seq == l.seq) {
+            if let Some(v) = &r.verdict {
+                *l.slow_causes.entry(v.slow_cause.clone()).or_insert(0) += 1;
+            }
+        }
+    }
+}
+
+/// Goodput targets (ms); None = no target on that metric.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Slo {
+    pub ttft_ms: Option<f64>,
+    pub tpot_ms: Option<f64>,
+}
+
+pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
+    let first = rows.first().copied().cloned().unwrap_or_default();
+    // Completed: a 2xx answer that ended without an error, deadline or disconnect.
+    let ok: Vec<&&Row> = rows.iter().filter(|r| r.status.is_some_and(|s| (200..300).contains(&s)) && r.error.is_none() && !r.deadline_hit && !r.disconnected && r.stop != "client_disconnect").collect();
+    let f = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> { rows.iter().filter_map(|r| g(r)).collect() };
+    let served: Vec<&&Row> = rows.iter().filter(|r| r.status.is_some_and(|s| s < 400)).collect();
+    let outs: Vec<f64> = served.iter().map(|r| r.output_tokens as f64).collect();
+    let itl: Vec<f64> = rows.iter().flat_map(|r| r.itl.iter().copied()).collect();
+    let ttft = f(&|r| r.ttft_ms);
+    let mut stops = BTreeMap::new();
+    let mut slow = BTreeMap::new();
+    let mut limits = BTreeMap::new();
+    for r in rows {
+        if let Some(l) = &r.server_limit {
+            *limits.entry(l.clone()).or_insert(0) += 1;
+        }
+        *stops.entry(r.stop.clone()).or_insert(0) += 1;
+        if let Some(v) = &r.verdict {
+            *slow.entry(v.slow_cause.clone()).or_insert(0) += 1;
+        }
+    }
+    let good = ok
+        .iter()
+        .filter(|r| slo.ttft_ms.is_none_or(|t| r.ttft_ms.is_some_and(|x| x <= t)) && slo.tpot_ms.is_none_or(|t| r.tpot_ms.is_none_or(|x| x <= t)))
+        .count();
+    let per_s = |n: f64| (duration_s > 0.0).then(|| n / duration_s);
+    Level {
+        sweep: first.sweep.clone(),
+        level: first.level.clone(),
+        concurrency: first.concurrency,
+        bucket_tokens: first.bucket_tokens,
+        idle_s: first.idle_s,
+        requests: rows.len() as u64,
+        ok: ok.len() as u64,
+        rejected: rows.iter().filter(|r| r.stop == "rejected").count() as u64,
+        errors: rows.iter().filter(|r| r.stop == "server_error").count() as u64,
+        deadline_hits: rows.iter().filter(|r| r.deadline_hit).count() as u64,
+        disconnects: rows.iter().filter(|r| r.disconnected).count() as u64,
+        prompt_tokens_mean: mean(&f(&|r| r.prompt_tokens.map(|n| n as f64))),
+        output_tokens_mean: mean(&outs),
+        output_tokens_min: served.iter().map(|r| r.output_tokens).min(),
+        output_tokens_max: served.iter().map(|r| r.output_tokens).max(),
+        stops,
+        server_limits: limits,
+        ttft_ms_mean: mean(&ttft),
+        ttft_ms_p50: percentile(&ttft, 50.0),
+        ttft_ms_p99: percentile(&ttft, 99.0),
+        itl_ms_p50: percentile(&itl, 50.0),
+        itl_ms_p99: percentile(&itl, 99.0),
+        tpot_ms_mean: mean(&f(&|r| r.tpot_ms)),
+        e2e_ms_mean: mean(&f(&|r| r.e2e_ms)),
+        prompt_tps_mean: mean(&f(&|r| r.prompt_tps)),
+        output_tps_mean: mean(&f(&|r| r.output_tps)),
+        throughput_output_tps: per_s(outs.iter().fold(0.0, |a, b| a + b)),
+        request_rate: per_s(rows.len() as f64),
+        goodput_rps: per_s(good as f64),
+        duration_s,
+        slow_causes: slow,
+        ..Default::default()
+    }
+}
+
+/// CSV of the rows (one line per request; verdict columns empty without a trace).
+pub fn csv(rows: &[Row]) -> String {
+    let cols = [
+        "sweep", "level", "concurrency", "bucket_tokens", "idle_s", "layers", "index", "prompt_hash", "prompt_tokens", "prompt_tokens_source", "max_tokens", "output_tokens",
+        "output_tokens_source", "finish_reason", "truncated", "stop", "server_limit", "status", "error", "ttft_ms", "itl_p50_ms", "itl_max_ms", "tpot_ms", "e2e_ms", "queue_ms", "prompt_ms",
+        "prompt_tps", "output_tps", "deadline_hit", "disconnected", "sent_ms", "local_port", "server_pid", "model_resident_pct", "slow_cause", "verdict_stop_cause",
+        "ttft_disk_ms", "ttft_load_ms", "ttft_queue_ms", "ttft_compute_ms",
+    ];
+    let mut out = cols.join(",");
+    out.push('\n');
+    let o = |v: Option<f64>| v.map(|x| format!("{x:.3}")).unwrap_or_default();
+    let n = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_default();
+    for r in rows {
+        let split = r.verdict.as_ref().and_then(|v| v.ttft_ms.clone());
+        let fields = [
+            r.sweep.clone(), r.level.clone(), r.concurrency.to_string(), n(r.bucket_tokens), o(r.idle_s), r.layers.join("+"), r.index.to_string(), r.prompt_hash.clone(),
+            n(r.prompt_tokens), r.prompt_tokens_source.clone(), r.max_tokens.to_string(), r.output_tokens.to_string(), r.output_tokens_source.clone(),
+            r.finish_reason.clone().unwrap_or_default(), r.truncated.map(|t| t.to_string()).unwrap_or_default(), r.stop.clone(), r.server_limit.clone().unwrap_or_default(), n(r.status.map(u64::from)),
+            r.error.clone().unwrap_or_default(), o(r.ttft_ms), o(r.itl_p50_ms), o(r.itl_max_ms), o(r.tpot_ms), o(r.e2e_ms), o(r.queue_ms), o(r.prompt_ms), o(r.prompt_tps),
+            o(r.output_tps), r.deadline_hit.to_string(), r.disconnected.to_string(), format!("{:.3}", r.sent_ms), n(r.local_port.map(u64::from)), n(r.server_pid.map(u64::from)),
+            o(r.model_resident_pct), r.verdict.as_ref().map(|v| v.slow_cause.clone()).unwrap_or_default(), r.verdict.as_ref().map(|v| v.stop_cause.clone()).unwrap_or_default(),
+            o(split.as_ref().map(|s| s.disk)), o(split.as_ref().map(|s| s.load)), o(split.as_ref().map(|s| s.queue)), o(split.as_ref().map(|s| s.compute)),
+        ];
+        out.push_str(&fields.iter().map(|f| csv_field(f)).collect::<Vec<_>>().join(","));
+        out.push('\n');
+    }
+    out
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::payload::Stop;
+
+    fn x(stop: Stop) -> Exchange {
+        Exchange { status: Some(200), complete: true, stop, ..Default::default() }
+    }
+
+    #[test]
+    fn stops_are_normalized() {
+        let length = Stop { finish_reason: Some("length".into()), ..Default::default() };
+        assert_eq!(normalize_stop(&x(length.clone()), 64, 64, None).0, "requested_limit");
+        let (s, d) = normalize_stop(&x(length), 200, 400, Some(256));
+        assert_eq!(s, "server_limit");
+        assert!(d.contains("256-token slot context") && d.contains("200 of 400"), "{d}");
+        let limit = Stop { stop_type: Some("limit".into()), truncated: Some(true), ..Default::default() };
+        assert_eq!(normalize_stop(&x(limit), 10, 10, None).0, "server_limit");
+        assert_eq!(normalize_stop(&x(Stop { stop_type: Some("eos".into()), ..Default::default() }), 5, 64, None).0, "eos");
+        assert_eq!(normalize_stop(&x(Stop { done_reason: Some("stop".into()), ..Default::default() }), 5, 64, None).0, "eos");
+        assert_eq!(normalize_stop(&x(Stop { stop_type: Some("word".into()), ..Default::default() }), 5, 64, None).0, "stop_word");
+        assert_eq!(normalize_stop(&x(Stop::default()), 5, 64, None).0, "unknown");
+        let mut mid = x(Stop::default());
+        mid.error_message = Some("Context size has been exceeded.".into());
+        assert_eq!(normalize_stop(&mid, 248, 300, Some(1024)).0, "server_limit");
+        mid.error_message = Some("boom".into());
+        assert_eq!(normalize_stop(&mid, 3, 300, None).0, "server_error");
+        let mut rej = x(Stop::default());
+        rej.status = Some(400);
+        rej.error_message = Some("the request exceeds the available context size".into());
+        let (s, d) = normalize_stop(&rej, 0, 16, None);
+        assert_eq!(s, "rejected");
+        assert!(d.contains("HTTP 400"), "{d}");
+        rej.status = Some(503);
+        rej.error_message = Some("Loading model".into());
+        assert_eq!(normalize_stop(&rej, 0, 16, None).0, "server_error");
+        let mut dl = x(Stop::default());
+        dl.deadline_hit = true;
+        assert_eq!(normalize_stop(&dl, 3, 16, None).0, "deadline");
+        let mut cut = x(Stop::default());
+        cut.complete = false;
+        cut.disconnected = true;
+        assert_eq!(normalize_stop(&cut, 3, 16, None).0, "server_error");
+        let refused = Exchange { transport_error: Some("cannot connect to 127.0.0.1:9: Connection refused".into()), ..Default::default() };
+        assert_eq!(normalize_stop(&refused, 0, 16, None), ("server_error", "cannot connect to 127.0.0.1:9: Connection refused".into()));
+        assert_eq!(which_limit(Some(9), 248, Some(1024)), Some("kv_pool"));
+        assert_eq!(which_limit(Some(30), 226, Some(256)), Some("slot_context"));
+        assert_eq!(which_limit(None, 226, Some(256)), None);
+    }
+
+    #[test]
+    fn latency_math() {
+        let ex = Exchange { ttft_ms: Some(100.0), e2e_ms: Some(1000.0), content_ms: vec![100.0, 200.0, 400.0, 1000.0], ..Default::default() };
+        let mut r = Row { output_tokens: 10, prompt_tokens: Some(50), prompt_ms: Some(25.0), ..Default::default() };
+        fill_latency(&mut r, &ex);
+        assert_eq!(r.tpot_ms, Some(100.0));
+        assert_eq!(r.itl, vec![100.0, 200.0, 600.0]);
+        assert_eq!(r.itl_p50_ms, Some(200.0));
+        assert_eq!(r.itl_max_ms, Some(600.0));
+        assert_eq!(r.prompt_tps, Some(2000.0));
+        assert_eq!(r.output_tps, Some(10.0));
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 50.0), Some(2.5));
+        assert_eq!(percentile(&[5.0], 99.0), Some(5.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+
+    #[test]
+    fn levels_pool_itl_and_count_goodput() {
+        let mk = |ttft: f64, stop: &str, itl: Vec<f64>| Row { sweep: "concurrency".into(), level: "2".into(), concurrency: 2, status: Some(200), stop: stop.into(), ttft_ms: Some(ttft), tpot_ms: Some(10.0), output_tokens: 8, itl, ..Default::default() };
+        let a = mk(100.0, "eos", vec![1.0, 2.0]);
+        let b = mk(300.0, "requested_limit", vec![3.0]);
+        let mut c = mk(50.0, "server_error", vec![]);
+        c.status = Some(500);
+        c.error = Some("x".into());
+        let l = summarize(&[&a, &b, &c], 2.0, Slo { ttft_ms: Some(200.0), tpot_ms: None });
+        assert_eq!((l.requests, l.ok, l.errors), (3, 2, 1));
+        assert_eq!(l.itl_ms_p50, Some(2.0));
+        assert_eq!(l.goodput_rps, Some(0.5));
+        assert_eq!(l.throughput_output_tps, Some(8.0));
+        assert_eq!(l.stops["eos"], 1);
+        assert_eq!(l.output_tokens_mean, Some(8.0));
+    }
+
+    #[test]
+    fn csv_quotes_and_has_one_line_per_row() {
+        let r = Row { sweep: "prompt".into(), level: "512 @1".into(), error: Some("a, \"b\"".into()), ..Default::default() };
+        let text = csv(&[r.clone(), r]);
+        assert_eq!(text.lines().count(), 3);
+        assert!(text.contains("\"a, \"\"b\"\"\""), "{text}");
+        let header = text.lines().next().unwrap().split(',').count();
+        assert_eq!(header, 40);
+    }
+}

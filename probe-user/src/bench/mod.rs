@@ -1,0 +1,491 @@
+//! `probe bench`: the controlled experiments that separate a serving defect from noise. It
+//! drives a running server with fixed prompts, a fixed seed and fixed sampling, changing one
+//! thing per sweep (concurrency, prompt length, idle time), records every request (TTFT, ITL,
+//! TPOT, E2E, output tokens, stop reason), reads the server's counters per level, optionally
+//! traces the server (`probe trace`) and attaches each request's verdict, and writes tables,
+//! JSON, CSV, SVG charts and conclusions.
+//!
+//! client (HTTP/1.1 over std TCP) → api (per-server bodies, counters, tokenizer) → sweep (levels)
+//! → metrics (rows, stop reasons, summaries) → conclude (words) → output (files); trace joins
+//! traced verdicts.
+pub mod api;
+pub mod args;
+pub mod client;
+pub mod conclude;
+pub mod metrics;
+pub mod output;
+pub mod sweep;
+pub mod trace;
+
+use std::{
+    path::PathBuf,
+    process::Command,
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use serde_json::json;
+
+pub use self::args::{BenchArgs, Sweep};
+use self::{
+    api::{Api, Sampling, ServerInfo},
+    args::label,
+    client::Url,
+    metrics::{Level, Row, Slo},
+    output::Results,
+    sweep::{Ctx, Progress},
+};
+
+/// Set by SIGINT: stop sending; requests in flight get [`GRACE`] to finish.
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+static INTERRUPTED_AT_NS: AtomicU64 = AtomicU64::new(0);
+const GRACE: Duration = Duration::from_secs(3);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    // Async-signal-safe: atomics and clock_gettime only.
+    if !INTERRUPTED.swap(true, Ordering::SeqCst) {
+        INTERRUPTED_AT_NS.store(crate::monotonic_ns(), Ordering::SeqCst);
+    }
+}
+
+/// Ctrl-C came more than the grace period ago: in-flight requests are abandoned.
+pub(crate) fn interrupt_grace_over() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed) && crate::monotonic_ns().saturating_sub(INTERRUPTED_AT_NS.load(Ordering::Relaxed)) > GRACE.as_nanos() as u64
+}
+
+/// A running trace: the fixed pid, or none to find it by port.
+struct Tracing {
+    fixed: Option<u32>,
+    seg: Option<trace::Segment>,
+    n: usize,
+}
+
+struct Run {
+    args: BenchArgs,
+    url: Url,
+    info: ServerInfo,
+    t0: Instant,
+    rows: Vec<Row>,
+    levels: Vec<Level>,
+    notes: Vec<String>,
+    traces: Vec<String>,
+    tracing: Option<Tracing>,
+    metrics: bool,
+    progress: Progress,
+    /// --prompts: the user's fixed prompts (never written to the outputs).
+    own_prompts: Vec<String>,
+}
+
+impl Run {
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            url: &self.url,
+            api: self.args.api,
+            timeout: self.args.timeout,
+            slot_ctx: self.info.slot_ctx,
+            t0: self.t0,
+            slo: Slo { ttft_ms: self.args.goodput_ttft_ms, tpot_ms: self.args.goodput_tpot_ms },
+            metrics: self.metrics && self.tracing.is_none(),
+            progress: &self.progress,
+        }
+    }
+
+    fn sampling(&self, max_tokens: u64) -> Sampling {
+        Sampling { max_tokens, seed: self.args.seed, temperature: self.args.temperature, ignore_eos: self.args.ignore_eos, model: self.info.model.clone() }
+    }
+
+    fn push(&mut self, mut rows: Vec<Row>, mut level: Level) {
+        level.seq = self.levels.len();
+        for r in rows.iter_mut() {
+            r.seq = level.seq;
+        }
+        self.progress.line(&format!(
+            "{} {}: {} requests, output {} tokens, TTFT p50 {}, stops: {}",
+            level.sweep,
+            level.level,
+            level.requests,
+            level.output_tokens_mean.map_or("-".into(), |x| format!("{x:.0}")),
+            level.ttft_ms_p50.map_or("-".into(), |x| format!("{x:.0} ms")),
+            conclude::mix(&level)
+        ));
+        let first = self.rows.len();
+        self.rows.extend(rows);
+        if let Some(seg) = self.tracing.as_mut().and_then(|t| t.seg.as_mut()) {
+            seg.rows.extend(first..self.rows.len());
+        }
+        self.levels.push(level);
+    }
+
+    fn server_pid(&self) -> Option<u32> {
+        self.tracing.as_ref().and_then(|t| t.fixed).or_else(|| trace::pid_listening(self.url.port))
+    }
+
+    /// Start a trace segment unless one is running (or tracing is off).
+    fn start_trace(&mut self) -> anyhow::Result<()> {
+        let Some(t) = self.tracing.as_ref() else { return Ok(()) };
+        if t.seg.is_some() {
+            return Ok(());
+        }
+        let pid = match t.fixed {
+            Some(p) => p,
+            None => trace::pid_listening(self.url.port).with_context(|| format!("--trace: no process listens on port {} (or /proc is not readable)", self.url.port))?,
+        };
+        let n = t.n + 1;
+        let out = self.args.out.join(format!("trace-{n}"));
+        let seg = trace::start(pid, &out)?;
+        self.progress.line(&format!("tracing pid {pid} into {}", out.display()));
+        if let Some(t) = self.tracing.as_mut() {
+            t.n = n;
+            t.seg = Some(seg);
+        }
+        Ok(())
+    }
+
+    fn stop_trace(&mut self) {
+        let Some(seg) = self.tracing.as_mut().and_then(|t| t.seg.take()) else { return };
+        // Let the trace see the last responses' ends before it stops.
+        std::thread::sleep(Duration::from_millis(300));
+        match trace::stop(seg) {
+            Ok((seg, report)) => {
+                let name = seg.out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let found = trace::join(&mut self.rows, &seg.rows, &report, &name);
+                if found < seg.rows.len() {
+                    self.notes.push(format!("{name}: {found} of {} requests found in the trace (pid {})", seg.rows.len(), seg.pid));
+                }
+                self.traces.push(seg.out.display().to_string());
+            }
+            Err(e) => self.notes.push(format!("trace failed: {e:#}")),
+        }
+    }
+
+    fn wait_healthy(&self) -> anyhow::Result<()> {
+        let t = Instant::now();
+        loop {
+            if let Ok((200, _)) = client::request(&self.url, "GET", self.args.api.health_path(), None, Duration::from_secs(5)) {
+                return Ok(());
+            }
+            if t.elapsed() > self.args.health_timeout {
+                bail!("{} did not answer {} with 200 within {:?}", self.args.url, self.args.api.health_path(), self.args.health_timeout);
+            }
+            if client::interrupted() {
+                bail!("interrupted while waiting for the server");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+fn shell(cmd: &str, what: &str) -> anyhow::Result<()> {
+    let st = Command::new("sh").arg("-c").arg(cmd).status().with_context(|| format!("cannot run the {what} command"))?;
+    if !st.success() {
+        bail!("the {what} command `{cmd}` failed: {st}");
+    }
+    Ok(())
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    let url = Url::parse(&args.url).map_err(anyhow::Error::msg)?;
+    if args.trace_pid.is_some() && args.trace {
+        bail!("--trace-pid and --trace: choose one (--trace finds the pid by the URL's port)");
+    }
+    if args.trace_pid.is_some() && args.restart_cmd.is_some() {
+        bail!("--trace-pid with --restart-cmd: the pid changes at each restart; use --trace to follow the server by its port");
+    }
+    if args.stop_cmd.is_some() && args.restart_cmd.is_none() {
+        bail!("--stop-cmd needs --restart-cmd (which starts the server again)");
+    }
+    let tracing = args.trace || args.trace_pid.is_some();
+    // SAFETY: geteuid has no preconditions.
+    if tracing && unsafe { libc::geteuid() } != 0 {
+        bail!("--trace/--trace-pid load BPF programs: run probe bench as root (or drop the tracing flags)");
+    }
+    let sweeps: Vec<Sweep> = args.sweep.iter().fold(Vec::new(), |mut v, s| {
+        if !v.contains(s) {
+            v.push(*s);
+        }
+        v
+    });
+    // Reach the server first: a clear error rather than a table of failed rows.
+    match client::request(&url, "GET", args.api.health_path(), None, Duration::from_secs(10)) {
+        Ok(_) => {}
+        Err(e) => bail!("cannot reach the server at {}: {e}", args.url),
+    }
+    std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
+    // SAFETY: installing an async-signal-safe handler (atomics only).
+    unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
+    let own_prompts: Vec<String> = match &args.prompts {
+        Some(f) => std::fs::read_to_string(f).with_context(|| format!("cannot read --prompts {}", f.display()))?.lines().map(|l| l.replace("\\n", "\n")).filter(|l| !l.trim().is_empty()).collect(),
+        None => Vec::new(),
+    };
+    if args.prompts.is_some() && own_prompts.is_empty() {
+        bail!("--prompts {}: no prompts in it (one a line)", args.prompts.as_deref().unwrap_or(std::path::Path::new("")).display());
+    }
+    let info = api::server_info(&url, args.api, args.model.clone());
+    if matches!(args.api, Api::Ollama) && info.model.is_none() {
+        bail!("--api ollama needs a model: pass --model (no model is loaded or listed)");
+    }
+    let (_, metric_notes) = api::counters(&url, args.api);
+    let metrics = metric_notes.iter().all(|n| !n.starts_with("/metrics"));
+    let started_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut run = Run {
+        url,
+        info,
+        t0: Instant::now(),
+        rows: Vec::new(),
+        levels: Vec::new(),
+        notes: metric_notes,
+        traces: Vec::new(),
+        tracing: tracing.then_some(Tracing { fixed: args.trace_pid, seg: None, n: 0 }),
+        metrics,
+        progress: Progress::new(),
+        own_prompts,
+        args: args.clone(),
+    };
+    run.notes.extend(run.info.notes.iter().map(|n| format!("server: {n}")));
+    if metrics {
+        run.notes.push(format!(
+            "server counters: /metrics read before and after each level{}",
+            if tracing { " (not polled during levels while tracing: a poll is a request the verdicts would count)" } else { ", and every 500 ms during levels above concurrency 1 (peaks)" }
+        ));
+    }
+    run.notes.push("requests are plain HTTP/1.1, one connection each (Connection: close); prompts and answers are not stored (prompt hash and token count only)".into());
+    if run.args.api != Api::Ollama {
+        run.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server)".into());
+    }
+    // The plan, for the progress bar: requests per sweep.
+    let top = args.levels.iter().copied().max().unwrap_or(1);
+    let planned: u64 = sweeps
+        .iter()
+        .map(|s| match s {
+            Sweep::Concurrency => args.levels.iter().map(|&c| c.max(args.requests_per_level.unwrap_or(top))).sum(),
+            Sweep::Prompt => args.buckets.len() as u64 * args.prompt_levels.as_ref().map_or(args.levels.len() as u64 + u64::from(!args.levels.contains(&1)), |l| l.len() as u64),
+            Sweep::Idle => args.idle.len() as u64,
+        })
+        .sum();
+    run.progress.total.store(planned as usize, std::sync::atomic::Ordering::Relaxed);
+    let result = (|| -> anyhow::Result<()> {
+        for s in &sweeps {
+            if client::interrupted() {
+                break;
+            }
+            // The idle sweep with restarts starts its own segments (one per server process).
+            if *s != Sweep::Idle || run.args.restart_cmd.is_none() {
+                run.start_trace()?;
+            }
+            match s {
+                Sweep::Concurrency => concurrency(&mut run),
+                Sweep::Prompt => prompt(&mut run),
+                Sweep::Idle => idle(&mut run)?,
+            }
+        }
+        Ok(())
+    })();
+    run.stop_trace();
+    if let Err(e) = &result {
+        run.notes.push(format!("stopped early: {e:#}"));
+    }
+    let interrupted = client::interrupted();
+    metrics::tally_verdicts(&mut run.levels, &run.rows);
+    let conclusions = conclude::conclude(&run.levels, &run.rows, run.info.slot_ctx);
+    let results = Results {
+        tool: format!("probe bench {}", env!("CARGO_PKG_VERSION")),
+        url: args.url.clone(),
+        api: args.api,
+        started_unix_s,
+        config: json!({
+            "sweeps": sweeps, "levels": args.levels, "requests_per_level": args.requests_per_level, "max_tokens": args.max_tokens,
+            "buckets": args.buckets, "prompt_levels": args.prompt_levels, "bucket_max_tokens": args.bucket_max_tokens,
+            "idle_s": args.idle.iter().map(|d| d.as_secs_f64()).collect::<Vec<_>>(), "idle_max_tokens": args.idle_max_tokens,
+            "restart_cmd": args.restart_cmd.is_some(), "stop_cmd": args.stop_cmd.is_some(), "drop_cache": args.drop_cache, "keep_warm": args.keep_warm,
+            "keep_warm_every_s": args.keep_warm_every.as_secs_f64(), "seed": args.seed, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+            "timeout_s": args.timeout.as_secs_f64(), "goodput_ttft_ms": args.goodput_ttft_ms, "goodput_tpot_ms": args.goodput_tpot_ms,
+            "trace": tracing, "model": run.info.model,
+        }),
+        definitions: metrics::DEFINITIONS.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        server: run.info.clone(),
+        interrupted,
+        rows: run.rows,
+        levels: run.levels,
+        conclusions,
+        notes: run.notes,
+        traces: run.traces,
+    };
+    let files = output::write_all(&args.out, &results)?;
+    run.progress.line(&format!("wrote {} in {}", files.join(", "), args.out.display()));
+    for s in ["concurrency", "prompt", "idle"] {
+        print!("{}", output::table(&results.levels, s));
+    }
+    println!("\nconclusions:");
+    for c in &results.conclusions {
+        println!("  - {c}");
+    }
+    println!("\n(definitions and notes in {})", args.out.join("summary.txt").display());
+    result?;
+    Ok(if interrupted { crate::exit::PARTIAL } else { crate::exit::OK })
+}
+
+fn template(sweep: &str, level: String, concurrency: u64) -> Row {
+    Row { sweep: sweep.into(), level, concurrency, ..Default::default() }
+}
+
+fn concurrency(run: &mut Run) {
+    let top = run.args.levels.iter().copied().max().unwrap_or(1);
+    let n_prompts = run.args.requests_per_level.unwrap_or(top) as usize;
+    let prompts = sweep::instruction_prompts(&run.url, n_prompts, run.info.model.as_deref(), false, &run.own_prompts);
+    let s = run.sampling(run.args.max_tokens);
+    for &c in &run.args.levels.clone() {
+        if client::interrupted() {
+            break;
+        }
+        let n = (c as usize).max(n_prompts);
+        let (rows, level) = sweep::level(&run.ctx(), &template("concurrency", c.to_string(), c), &prompts, n, c as usize, &s);
+        run.push(rows, level);
+    }
+}
+
+fn prompt(run: &mut Run) {
+    let levels = run.args.prompt_levels.clone().unwrap_or_else(|| {
+        let mut v = vec![1];
+        v.extend(run.args.levels.iter().filter(|&&l| l != 1));
+        v
+    });
+    let per = run.args.requests_per_level.unwrap_or(1) as usize;
+    let s = run.sampling(run.args.bucket_max_tokens);
+    let ctx_tokens = run.info.slot_ctx;
+    for &b in &run.args.buckets.clone() {
+        if client::interrupted() {
+            break;
+        }
+        run.progress.update(&format!("sizing a {b}-token prompt"));
+        let p = sweep::sized_prompt(&run.url, b, run.args.seed, run.info.model.as_deref());
+        if p.source == "estimate" && !run.notes.iter().any(|n| n.contains("no tokenizer")) {
+            run.notes.push("the server has no tokenizer endpoint: prompt buckets are estimated at 4 characters a token".into());
+        }
+        let tokens = p.tokens.unwrap_or(b);
+        let over = ctx_tokens.is_some_and(|c| tokens >= c);
+        let levels: Vec<u64> = if over {
+            run.notes.push(format!("bucket {b} ({tokens} tokens) does not fit the server's {}-token slot context: sent once, to record the server's answer", ctx_tokens.unwrap_or(0)));
+            vec![1]
+        } else {
+            if let Some(c) = ctx_tokens.filter(|c| tokens + s.max_tokens > *c) {
+                run.notes.push(format!("bucket {b}: prompt + {} output tokens exceed the {c}-token slot context: expect a server-imposed limit", s.max_tokens));
+            }
+            levels.clone()
+        };
+        for c in levels {
+            if client::interrupted() {
+                break;
+            }
+            let mut t = template("prompt", format!("{b} @{c}"), c);
+            t.bucket_tokens = Some(b);
+            let n = if over { 1 } else { (c as usize).max(per) };
+            let (rows, level) = sweep::level(&run.ctx(), &t, std::slice::from_ref(&p), n, c as usize, &s);
+            run.push(rows, level);
+        }
+    }
+}
+
+/// Sleep `d`, in steps, stopping on Ctrl-C; with keep-warm, a 1-token request every `every`.
+fn idle_wait(run: &Run, d: Duration, keep_warm: bool, pings: &mut u64) {
+    let start = Instant::now();
+    let mut last = Instant::now();
+    let s = Sampling { max_tokens: 1, ..run.sampling(1) };
+    while start.elapsed() < d && !client::interrupted() {
+        if keep_warm && last.elapsed() >= run.args.keep_warm_every {
+            let (path, body) = run.args.api.generate("Hi", &s);
+            let _ = client::stream(&run.url, path, &body, Duration::from_secs(60));
+            *pings += 1;
+            last = Instant::now();
+        }
+        run.progress.update(&format!("idle {:.0}/{:.0} s", start.elapsed().as_secs_f64(), d.as_secs_f64()));
+        std::thread::sleep(Duration::from_millis(100).min(d.saturating_sub(start.elapsed())).max(Duration::from_millis(1)));
+    }
+}
+
+fn idle(run: &mut Run) -> anyhow::Result<()> {
+    let mut layers = Vec::new();
+    if run.args.restart_cmd.is_some() {
+        layers.push("restart".to_string());
+    }
+    if run.args.drop_cache {
+        layers.push("drop_cache".to_string());
+    }
+    if run.args.keep_warm {
+        layers.push("keep_warm".to_string());
+    }
+    let model_file = if run.args.drop_cache {
+        let f = run
+            .args
+            .model_file
+            .clone()
+            .or_else(|| run.info.model_path.clone().map(PathBuf::from).filter(|p| p.is_file()))
+            .or_else(|| run.server_pid().and_then(trace::largest_mapped_file))
+            .context("--drop-cache: cannot find the model file (pass --model-file)")?;
+        run.notes.push(format!(
+            "--drop-cache: posix_fadvise(DONTNEED) on {} before each idle request{}. DONTNEED cannot evict pages a live process maps: the model only goes cold when no process maps it (after --stop-cmd, or while the server has unloaded the model: llama-server --sleep-idle-seconds, Ollama keep_alive); model_resident_pct shows what was in the page cache just before each request",
+            f.display(),
+            if run.args.stop_cmd.is_some() { " and between --stop-cmd and --restart-cmd" } else { "" }
+        ));
+        Some(f)
+    } else {
+        None
+    };
+    if run.args.keep_warm {
+        run.notes.push(format!("--keep-warm (pinned worker): a 1-token request every {:?} during each idle wait, not recorded as rows", run.args.keep_warm_every));
+    }
+    let prompts = sweep::instruction_prompts(&run.url, 1, run.info.model.as_deref(), true, &run.own_prompts);
+    let s = run.sampling(run.args.idle_max_tokens);
+    let mut pings = 0;
+    for d in run.args.idle.clone() {
+        if client::interrupted() {
+            break;
+        }
+        if let Some(cmd) = run.args.restart_cmd.clone() {
+            run.stop_trace();
+            if let Some(stop) = run.args.stop_cmd.clone() {
+                run.progress.update("stopping the server");
+                shell(&stop, "--stop-cmd")?;
+                let t = Instant::now();
+                while trace::pid_listening(run.url.port).is_some() && t.elapsed() < run.args.health_timeout {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                if let Some(f) = &model_file {
+                    trace::drop_cache(f)?;
+                }
+            }
+            run.progress.update("restarting the server");
+            shell(&cmd, "--restart-cmd")?;
+            run.wait_healthy()?;
+            run.start_trace()?;
+        }
+        idle_wait(run, d, run.args.keep_warm, &mut pings);
+        if client::interrupted() {
+            break;
+        }
+        let mut notes = Vec::new();
+        if let Some(f) = &model_file {
+            trace::drop_cache(f)?;
+        }
+        let resident = model_file.as_deref().or(run.args.model_file.as_deref()).and_then(trace::resident_pct);
+        let pid = run.server_pid();
+        let (age, rss) = pid.map(trace::process_facts).unwrap_or((None, None));
+        if let Some(r) = resident {
+            notes.push(format!("model file {r:.0}% in the page cache before the request"));
+        }
+        let mut t = template("idle", label(d), 1);
+        t.idle_s = Some(d.as_secs_f64());
+        t.layers = layers.clone();
+        t.model_resident_pct = resident;
+        t.server_pid = pid;
+        t.process_age_s = age;
+        t.server_rss_mib = rss;
+        let (rows, mut level) = sweep::level(&run.ctx(), &t, &prompts, 1, 1, &s);
+        level.notes.extend(notes);
+        run.push(rows, level);
+    }
+    if pings > 0 {
+        run.notes.push(format!("keep-warm sent {pings} requests during the idle waits"));
+    }
+    Ok(())
+}

@@ -1,0 +1,337 @@
+//! Running a level: `concurrency` workers (closed loop, like `vllm bench serve
+//! --max-concurrency`) send `n` requests from a fixed prompt list, each recorded as a [`Row`];
+//! the server's counters are read before, after, and every 500 ms in between (peaks). Also the
+//! fixed prompts: seeded text sized to a token count with the server's tokenizer.
+use std::{
+    collections::BTreeMap,
+    io::{IsTerminal, Write},
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use super::{
+    api::{self, Api, Sampling},
+    client::{self, Url},
+    metrics::{Level, Row, Slo, fill_latency, normalize_stop, summarize},
+};
+
+/// A prompt of the benchmark: its text (never written out), token count and hash.
+#[derive(Clone, Debug)]
+pub struct Prompt {
+    pub text: String,
+    pub tokens: Option<u64>,
+    /// tokenizer | estimate
+    pub source: &'static str,
+    pub hash: String,
+}
+
+/// FNV-1a 64, hex: names a prompt in the outputs without its text.
+pub fn hash(s: &str) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in s.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Instructions that invite long answers, each with the start of its answer so that a raw
+/// completion route (llama.cpp /completion, Ollama raw) continues instead of ending at once.
+/// Request i uses PROMPTS[i % n].
+pub const PROMPTS: &[&str] = &[
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.\n\nOnce upon a time, on a rocky island far from the coast,",
+    "Explain in detail how a steam engine works, step by step.\n\nA steam engine turns heat into motion. First,",
+    "Describe a journey across a desert, day by day, in great detail.\n\nDay one. We left the oasis before dawn and",
+    "Write a long letter from a sailor to his family about life at sea.\n\nDear mother and father, the ship left the harbor on Monday and",
+    "Tell the full history of an imaginary city from its founding to today.\n\nThe city was founded by fishermen who",
+    "Write a detailed guide to growing tomatoes in a small garden.\n\nStep 1: Choose a sunny spot. Tomatoes need",
+    "Describe the four seasons in a mountain village, one after another.\n\nIn spring, the snow melts and",
+    "Write a long fairy tale about a clockmaker and a talking cat.\n\nThere once was an old clockmaker who",
+];
+
+/// The fixed short prompt of the idle sweep (a continuation, so every server answers with text).
+pub const IDLE_PROMPT: &str = "Good morning! The weather today is";
+
+const WORDS: &[&str] = &[
+    "river", "stone", "garden", "window", "morning", "silver", "quiet", "market", "winter", "paper", "bridge", "lantern", "forest", "letter", "harbor", "candle", "meadow",
+    "thunder", "copper", "orchard", "village", "mirror", "feather", "valley", "engine", "ribbon", "island", "compass", "shadow", "kettle", "saddle", "glacier",
+];
+
+/// Deterministic text of `words` words from `seed` (a fixed word list, an LCG).
+pub fn words_text(seed: u64, words: usize) -> String {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut out = String::with_capacity(words * 8);
+    for i in 0..words {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        if i > 0 {
+            out.push_str(if i % 12 == 0 { ". " } else { " " });
+        }
+        out.push_str(WORDS[((x >> 33) as usize) % WORDS.len()]);
+    }
+    out.push('.');
+    out
+}
+
+/// A prompt of about `target` tokens, sized with the server's tokenizer when it has one
+/// (a few rounds of rescaling the word count), else estimated at 4 characters a token.
+pub fn sized_prompt(url: &Url, target: u64, seed: u64, model: Option<&str>) -> Prompt {
+    let mut words = (target as usize * 3 / 4).max(1);
+    let mut best: Option<(u64, String)> = None;
+    for _ in 0..6 {
+        let text = words_text(seed, words);
+        let Some(n) = api::tokenize(url, &text, model) else { break };
+        let better = best.as_ref().is_none_or(|(b, _)| n.abs_diff(target) < b.abs_diff(target));
+        if better {
+            best = Some((n, text));
+        }
+        if n == target || n.abs_diff(target) * 200 < target {
+            break;
+        }
+        let next = ((words as f64) * target as f64 / n.max(1) as f64).round() as usize;
+        words = if next == words { if n > target { words - 1 } else { words + 1 } } else { next.max(1) };
+    }
+    match best {
+        Some((n, text)) => Prompt { hash: hash(&text), text, tokens: Some(n), source: "tokenizer" },
+        None => {
+            let mut text = String::new();
+            let mut w = target as usize / 4;
+            while text.len() < target as usize * 4 {
+                text = words_text(seed, w.max(1));
+                w = w * 5 / 4 + 1;
+            }
+            text.truncate(target as usize * 4);
+            Prompt { hash: hash(&text), tokens: Some(target), source: "estimate", text }
+        }
+    }
+}
+
+/// The instruction prompts, with their token counts when the server can tell.
+/// `own`: the user's prompts (--prompts), used in place of the built-in ones, cycled.
+pub fn instruction_prompts(url: &Url, n: usize, model: Option<&str>, idle: bool, own: &[String]) -> Vec<Prompt> {
+    let builtin: Vec<&str> = if idle { vec![IDLE_PROMPT] } else { PROMPTS.to_vec() };
+    let pool: Vec<&str> = if own.is_empty() { builtin } else { own.iter().map(String::as_str).collect() };
+    let count = if idle { 1 } else { n.max(1) };
+    let texts: Vec<&str> = (0..count).map(|i| pool[i % pool.len()]).collect();
+    texts
+        .into_iter()
+        .map(|t| match api::tokenize(url, t, model) {
+            Some(k) => Prompt { text: t.into(), tokens: Some(k), source: "tokenizer", hash: hash(t) },
+            None => Prompt { text: t.into(), tokens: Some(t.len().div_ceil(4) as u64), source: "estimate", hash: hash(t) },
+        })
+        .collect()
+}
+
+/// A live progress bar on a terminal (requests done of those planned), plain lines otherwise.
+pub struct Progress {
+    tty: bool,
+    start: Instant,
+    pub done: AtomicUsize,
+    pub total: AtomicUsize,
+}
+
+impl Progress {
+    pub fn new() -> Self {
+        Progress { tty: std::io::stderr().is_terminal(), start: Instant::now(), done: AtomicUsize::new(0), total: AtomicUsize::new(0) }
+    }
+
+    pub fn update(&self, what: &str) {
+        if self.tty {
+            eprint!("\r\x1b[2K{}", bar(self.done.load(Ordering::Relaxed), self.total.load(Ordering::Relaxed), what, self.start.elapsed().as_secs_f64()));
+            let _ = std::io::stderr().flush();
+        }
+    }
+
+    /// A line that stays (level done, notes).
+    pub fn line(&self, what: &str) {
+        if self.tty {
+            eprint!("\r\x1b[2K");
+        }
+        eprintln!("probe bench: {what}");
+    }
+}
+
+/// `[#####---------------] 12/48 requests  concurrency 4: 3/8  [35 s]`
+pub fn bar(done: usize, total: usize, what: &str, secs: f64) -> String {
+    let total = total.max(done).max(1);
+    let filled = done * 20 / total;
+    format!("[{}{}] {done}/{total} requests  {what}  [{secs:.0} s]", "#".repeat(filled), "-".repeat(20 - filled))
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What a level needs to send and record requests.
+pub struct Ctx<'a> {
+    pub url: &'a Url,
+    pub api: Api,
+    pub timeout: Duration,
+    pub slot_ctx: Option<u64>,
+    pub t0: Instant,
+    pub slo: Slo,
+    /// Poll /metrics while the level runs (it answered before the run; not while tracing).
+    pub metrics: bool,
+    pub progress: &'a Progress,
+}
+
+/// One request, recorded: the row template gives sweep, level and layers.
+pub fn one(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling) -> Row {
+    let (path, body) = ctx.api.generate(&prompt.text, s);
+    let sent_ms = ctx.t0.elapsed().as_secs_f64() * 1e3;
+    let x = client::stream(ctx.url, path, &body, ctx.timeout);
+    let chunks = x.content_ms.len();
+    let (output, source) = api::output_tokens(&x.stop, chunks);
+    let (server_prompt, prompt_ms) = api::prompt_stats(&x.stop);
+    let (stop, detail) = normalize_stop(&x, output, s.max_tokens, ctx.slot_ctx);
+    let mut row = Row {
+        index,
+        prompt_hash: prompt.hash.clone(),
+        prompt_tokens: server_prompt.or(prompt.tokens),
+        prompt_tokens_source: if server_prompt.is_some() { "server".into() } else { prompt.source.into() },
+        max_tokens: s.max_tokens,
+        output_tokens: output,
+        output_tokens_source: source.into(),
+        finish_reason: x.stop.finish_reason.clone().or(x.stop.stop_type.clone()).or(x.stop.done_reason.clone()).or(x.stop.stopped.clone()),
+        truncated: x.stop.truncated,
+        stop: stop.into(),
+        stop_detail: detail,
+        status: x.status,
+        error: x.error_message.clone().or(x.transport_error.clone()),
+        prompt_ms,
+        deadline_hit: x.deadline_hit,
+        disconnected: x.disconnected,
+        sent_ms,
+        local_port: x.local_port,
+        ..template.clone()
+    };
+    if row.stop == "server_limit"
+        && let Some(kind) = super::metrics::which_limit(row.prompt_tokens, output, ctx.slot_ctx)
+    {
+        let used = row.prompt_tokens.unwrap_or(0) + output;
+        let c = ctx.slot_ctx.unwrap_or(0);
+        if kind == "kv_pool" {
+            row.stop_detail.push_str(&format!("; prompt + output = {used} tokens, well below the {c}-token slot context: a KV pool shared by the slots ran out"));
+        }
+        row.server_limit = Some(kind.into());
+    }
+    fill_latency(&mut row, &x);
+    row
+}
+
+/// Run one level: `n` requests, at most `concurrency` in flight; stops early on Ctrl-C.
+pub fn level(ctx: &Ctx, template: &Row, prompts: &[Prompt], n: usize, concurrency: usize, s: &Sampling) -> (Vec<Row>, Level) {
+    let (before, mut notes) = api::counters(ctx.url, ctx.api);
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let finished = AtomicBool::new(false);
+    let rows = Mutex::new(Vec::new());
+    let peak = Mutex::new(BTreeMap::<String, f64>::new());
+    let start = Instant::now();
+    std::thread::scope(|sc| {
+        // Not at concurrency 1: a poll during a lone request is another request the server
+        // serves (and a traced verdict would count it as queueing).
+        if ctx.metrics && concurrency > 1 {
+            sc.spawn(|| {
+                while !finished.load(Ordering::Relaxed) {
+                    let (now, _) = api::counters(ctx.url, ctx.api);
+                    let mut p = peak.lock().unwrap_or_else(|e| e.into_inner());
+                    for (k, v) in now {
+                        let e = p.entry(k).or_insert(v);
+                        *e = e.max(v);
+                    }
+                    drop(p);
+                    for _ in 0..5 {
+                        if finished.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            });
+        }
+        let workers: Vec<_> = (0..concurrency.max(1))
+            .map(|_| {
+                sc.spawn(|| {
+                    loop {
+                        if client::interrupted() {
+                            break;
+                        }
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= n {
+                            break;
+                        }
+                        let row = one(ctx, template, i as u64, &prompts[i % prompts.len()], s);
+                        rows.lock().unwrap_or_else(|e| e.into_inner()).push(row);
+                        let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+                        ctx.progress.done.fetch_add(1, Ordering::Relaxed);
+                        ctx.progress.update(&format!("{} {}: {d}/{n} requests", template.sweep, template.level));
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            let _ = w.join();
+        }
+        finished.store(true, Ordering::Relaxed);
+    });
+    let duration = start.elapsed().as_secs_f64();
+    let (after, more) = api::counters(ctx.url, ctx.api);
+    for m in more {
+        if !notes.contains(&m) {
+            notes.push(m);
+        }
+    }
+    let mut rows = rows.into_inner().unwrap_or_else(|e| e.into_inner());
+    rows.sort_by_key(|r| r.index);
+    let refs: Vec<&Row> = rows.iter().collect();
+    let mut l = summarize(&refs, duration, ctx.slo);
+    l.counters_before = before;
+    l.counters_after = after;
+    l.counters_peak = peak.into_inner().unwrap_or_else(|e| e.into_inner());
+    l.notes = notes;
+    (rows, l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_are_deterministic_and_hashed() {
+        assert_eq!(words_text(42, 30), words_text(42, 30));
+        assert_ne!(words_text(42, 30), words_text(43, 30));
+        assert_eq!(words_text(1, 13).split(' ').count(), 13);
+        assert_eq!(hash("abc"), hash("abc"));
+        assert_eq!(hash(""), "cbf29ce484222325");
+    }
+
+    #[test]
+    fn progress_bar() {
+        assert_eq!(bar(5, 20, "idle 3/5 s", 12.4), "[#####---------------] 5/20 requests  idle 3/5 s  [12 s]");
+        assert!(bar(3, 0, "x", 0.0).starts_with("[####################] 3/3"));
+    }
+
+    #[test]
+    fn own_prompts_replace_the_builtin_ones_and_cycle() {
+        let url = Url::parse("http://127.0.0.1:9").unwrap();
+        let own = vec!["a b c d".to_string(), "e".to_string()];
+        let p = instruction_prompts(&url, 3, None, false, &own);
+        assert_eq!(p.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(), ["a b c d", "e", "a b c d"]);
+        assert_eq!((p[0].tokens, p[0].source), (Some(2), "estimate"));
+        assert_eq!(instruction_prompts(&url, 3, None, true, &[])[0].text, IDLE_PROMPT);
+        assert_eq!(instruction_prompts(&url, 2, None, false, &[])[1].text, PROMPTS[1]);
+    }
+
+    #[test]
+    fn without_a_tokenizer_prompts_are_estimated() {
+        // Nothing listens on port 9 of loopback: no tokenizer.
+        let url = Url::parse("http://127.0.0.1:9").unwrap();
+        let p = sized_prompt(&url, 100, 7, None);
+        assert_eq!((p.source, p.tokens, p.text.len()), ("estimate", Some(100), 400));
+    }
+}
