@@ -148,20 +148,24 @@ fn get_json(url: &Url, path: &str) -> Result<Value, String> {
 
 pub fn server_info(url: &Url, api: Api, model: Option<String>) -> ServerInfo {
     let mut info = ServerInfo { model, ..Default::default() };
-    match get_json(url, "/slots") {
-        Ok(Value::Array(slots)) => {
-            info.slots = Some(slots.len() as u64);
-            info.slot_ctx = slots.first().and_then(|s| s["n_ctx"].as_u64());
-        }
-        _ => info.notes.push("no /slots (per-slot context unknown from it)".into()),
-    }
+    // /props first: it answers without waking a sleeping llama-server; /slots would reload the
+    // model, so it is read only when /props did not give the slots' context.
     match get_json(url, "/props") {
         Ok(p) => {
-            info.slot_ctx = info.slot_ctx.or(p["default_generation_settings"]["n_ctx"].as_u64());
-            info.slots = info.slots.or(p["total_slots"].as_u64());
+            info.slot_ctx = p["default_generation_settings"]["n_ctx"].as_u64();
+            info.slots = p["total_slots"].as_u64();
             info.model_path = p["model_path"].as_str().map(String::from);
         }
         Err(_) => info.notes.push("no /props".into()),
+    }
+    if info.slot_ctx.is_none() {
+        match get_json(url, "/slots") {
+            Ok(Value::Array(slots)) => {
+                info.slots = info.slots.or(Some(slots.len() as u64));
+                info.slot_ctx = slots.first().and_then(|s| s["n_ctx"].as_u64());
+            }
+            _ => info.notes.push("no /slots (per-slot context unknown from it)".into()),
+        }
     }
     if tokenize(url, "hello", info.model.as_deref()).is_some() {
         info.tokenizer = Some("POST /tokenize".into());
