@@ -62,6 +62,8 @@ struct State {
     offcpu: HashMap<u32, serde_json::Value>,
     root: u32,
     root_exited: bool,
+    /// The target set, shared with the samplers.
+    targets: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
     events: u64,
     per_kind: [u64; probe_common::MAX_KINDS as usize],
     dirty_maps: HashSet<u32>,
@@ -99,10 +101,20 @@ impl State {
                 }
             }
             Event::Proc(p) if p.op == PROC_FORK => {
+                if let Ok(mut t) = self.targets.lock() {
+                    t.push(p.child);
+                }
                 self.dirty_maps.insert(p.child);
                 self.dirty_files.insert(p.child);
             }
-            Event::Proc(p) if p.op == PROC_EXIT && p.hdr.pid == self.root => self.root_exited = true,
+            Event::Proc(p) if p.op == PROC_EXIT => {
+                if let Ok(mut t) = self.targets.lock() {
+                    t.retain(|&x| x != p.hdr.pid);
+                }
+                if p.hdr.pid == self.root {
+                    self.root_exited = true;
+                }
+            }
             Event::Filemap(f)
                 if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) => {
                     self.dirty_files.insert(f.hdr.pid);
@@ -231,6 +243,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         offcpu: HashMap::new(),
         root: opts.pid,
         root_exited: false,
+        targets: std::sync::Arc::new(std::sync::Mutex::new(attached.targets.clone())),
         events: 0,
         per_kind: [0; probe_common::MAX_KINDS as usize],
         dirty_maps: attached.targets.iter().copied().collect(),
@@ -273,7 +286,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
             log::info!("{}: optional programs not attached: {}", s.name, s.skipped.join("; "));
         }
     }
-    let sampler = crate::sampler::Sampler::start(crate::sampler::Options { pid: opts.pid, hz: opts.host_hz, poll: opts.poll });
+    let sampler = crate::sampler::Sampler::start(crate::sampler::Options { pid: opts.pid, targets: st.targets.clone(), hz: opts.host_hz, poll: opts.poll });
     eprintln!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
 
     let tty = std::io::stderr().is_terminal();

@@ -104,13 +104,15 @@ impl Kind {
 pub struct Endpoint {
     pub addr: SocketAddr,
     pub kind: Option<Kind>,
+    /// /metrics answered 404/501 once (llama-server without --metrics): not asked again.
+    no_metrics: Option<u16>,
     pub local_ports: Vec<u16>,
     timeout: Duration,
 }
 
 impl Endpoint {
     pub fn new(addr: SocketAddr) -> Endpoint {
-        Endpoint { addr, kind: None, local_ports: Vec::new(), timeout: Duration::from_millis(800) }
+        Endpoint { addr, kind: None, no_metrics: None, local_ports: Vec::new(), timeout: Duration::from_millis(800) }
     }
 
     fn fetch(&mut self, path: &str) -> Option<(u16, Vec<u8>)> {
@@ -127,7 +129,13 @@ impl Endpoint {
     pub fn poll(&mut self) -> Option<Value> {
         self.local_ports.clear();
         let mut rec = json!({"type": "endpoint", "addr": self.addr.to_string()});
-        let metrics = self.fetch("/metrics");
+        let metrics = match self.no_metrics {
+            Some(st) => Some((st, Vec::new())),
+            None => self.fetch("/metrics"),
+        };
+        if let Some((st @ (404 | 501), _)) = metrics {
+            self.no_metrics = Some(st);
+        }
         let metrics_text = metrics.as_ref().filter(|(s, _)| *s == 200).map(|(_, b)| String::from_utf8_lossy(b).to_string());
         if self.kind.is_none() {
             self.kind = Some(match &metrics_text {

@@ -1,11 +1,11 @@
 //! Samplers that run beside the kernel probes, on the same CLOCK_MONOTONIC clock: GPU clocks and
 //! memory (NVML, behind a trait), CPU frequency, memory pressure and the target's RSS (10 Hz by
 //! default), page-cache residency of the model files (every second, at the end, and on SIGUSR1),
-//! and the server's own endpoints (every second). Each reading becomes a JSON record in the
+//! and the server's own endpoints (every 2 s). Each reading becomes a JSON record in the
 //! recording; a source the machine lacks is described once in the `samplers` record, never an error.
 use std::{
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicBool, Ordering},
         mpsc,
     },
@@ -22,12 +22,19 @@ pub mod gpu;
 pub mod host;
 pub mod residency;
 
+/// How often the server's endpoints are polled (each poll is 2-3 small HTTP requests the server
+/// answers between decode steps; its counters change slowly).
+pub const POLL_EVERY: Duration = Duration::from_secs(2);
+
 /// Files at least this big that the target maps or opens are watched for residency (weights).
 pub const MODEL_FILE_MIN_BYTES: u64 = 16 << 20;
 
 #[derive(Clone, Debug)]
 pub struct Options {
     pub pid: u32,
+    /// The processes being traced, kept current by the collector (forks join, exits leave), so
+    /// the samplers never scan /proc for descendants.
+    pub targets: Arc<Mutex<Vec<u32>>>,
     /// GPU / CPU-frequency / memory samples per second; 0 turns them off.
     pub hz: f64,
     /// Poll the server's HTTP endpoints.
@@ -41,11 +48,12 @@ pub struct Sampler {
     threads: Vec<JoinHandle<()>>,
 }
 
-fn targets(root: u32) -> Vec<u32> {
-    let mut t = vec![root];
-    t.extend(procfs::descendants(root));
-    t
+fn targets(opts: &Options) -> Vec<u32> {
+    opts.targets.lock().map(|t| t.clone()).unwrap_or_else(|_| vec![opts.pid])
 }
+
+/// The big-file list is refreshed this often (residency itself is measured every second).
+const FILE_SCAN_EVERY: Duration = Duration::from_secs(5);
 
 impl Sampler {
     pub fn start(opts: Options) -> Sampler {
@@ -59,7 +67,7 @@ impl Sampler {
         }
         if opts.poll {
             let stop = stop.clone();
-            threads.push(std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(opts.pid, &tx, &stop)).expect("spawn poller"));
+            threads.push(std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(&opts, &tx, &stop)).expect("spawn poller"));
         }
         Sampler { rx, stop, snapshot, threads }
     }
@@ -115,15 +123,16 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
     }
     let _ = tx.send(info);
     let mut files: Vec<String> = Vec::new();
-    let mut pids = targets(opts.pid);
+    let mut pids = targets(opts);
     let mut last_slow: Option<Instant> = None;
+    let mut last_file_scan: Option<Instant> = None;
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
     loop {
         let stopping = stop.load(Ordering::Relaxed);
         let slow_due = last_slow.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
         if slow_due || stopping {
             last_slow = Some(Instant::now());
-            pids = targets(opts.pid);
+            pids = targets(opts);
         }
         if opts.hz > 0.0 || stopping {
             if let Ok(g) = &mut gpu {
@@ -158,10 +167,13 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
                 let _ = tx.send(v);
             }
         if slow_due || stopping || on_demand {
-            for &p in &pids {
-                for f in residency::big_files(p, MODEL_FILE_MIN_BYTES) {
-                    if !files.contains(&f) {
-                        files.push(f);
+            if last_file_scan.is_none_or(|t| t.elapsed() >= FILE_SCAN_EVERY) || stopping || on_demand {
+                last_file_scan = Some(Instant::now());
+                for &p in &pids {
+                    for f in residency::big_files(p, MODEL_FILE_MIN_BYTES) {
+                        if !files.contains(&f) {
+                            files.push(f);
+                        }
                     }
                 }
             }
@@ -178,17 +190,24 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
     }
 }
 
-fn poll_loop(root: u32, tx: &mpsc::Sender<Value>, stop: &AtomicBool) {
+fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool) {
     let mut eps: Vec<endpoints::Endpoint> = Vec::new();
     let mut dead: Vec<std::net::SocketAddr> = Vec::new();
+    // Reading /proc/net/tcp walks the kernel's whole TCP hash table (most of this thread's CPU
+    // when done every poll): listeners are looked up when the target set changes, else every 30 s.
+    let (mut scanned_for, mut scanned_at): (Vec<u32>, Option<Instant>) = (Vec::new(), None);
     while !stop.load(Ordering::Relaxed) {
-        for pid in targets(root) {
-            for port in procfs::listen_ports(pid) {
-                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-                if !eps.iter().any(|e| e.addr == addr) && !dead.contains(&addr) {
-                    eps.push(endpoints::Endpoint::new(addr));
+        let pids = targets(opts);
+        if pids != scanned_for || scanned_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(30)) {
+            for &pid in &pids {
+                for port in procfs::listen_ports(pid) {
+                    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+                    if !eps.iter().any(|e| e.addr == addr) && !dead.contains(&addr) {
+                        eps.push(endpoints::Endpoint::new(addr));
+                    }
                 }
             }
+            (scanned_for, scanned_at) = (pids, Some(Instant::now()));
         }
         let mut i = 0;
         while i < eps.len() {
@@ -207,6 +226,6 @@ fn poll_loop(root: u32, tx: &mpsc::Sender<Value>, stop: &AtomicBool) {
                 None => i += 1,
             }
         }
-        nap(Duration::from_secs(1), stop);
+        nap(POLL_EVERY, stop);
     }
 }
