@@ -215,13 +215,13 @@ fn sum(map: &PerCpuArray<MapData, u64>) -> Vec<u64> {
     (0..probe_common::MAX_KINDS).map(|i| map.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0)).collect()
 }
 
-fn stats_json(lost: &[u64], counters: &[u64], st: &State) -> serde_json::Value {
+fn stats_json(lost: &[u64], counters: &[u64], st: &State, skipped: &std::collections::BTreeMap<String, u64>) -> serde_json::Value {
     let lost: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(lost[*k as usize]))).collect();
     let counters: serde_json::Map<_, _> = Counter::ALL.iter().map(|c| (c.name().to_string(), json!(counters[*c as usize]))).collect();
     let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
     let u = &st.unwinders;
     let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos, "load_ns": u.load_nanos});
-    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind})
+    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped})
 }
 
 async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Result<TraceOutcome> {
@@ -318,7 +318,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
             _ = sec_tick.tick() => {
                 drain(ring.get_mut(), &mut st)?;
                 let lost = sum(&lost_map);
-                st.writer.json(&stats_json(&lost, &sum(&counter_map), &st))?;
+                st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &probes::skipped_runs(&attached.ebpf)))?;
                 st.writer.flush()?;
                 if tty {
                     let rate = st.events - last_events;
@@ -355,13 +355,16 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         st.writer.json(&v)?;
     }
     let lost = sum(&lost_map);
-    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st))?;
+    let skipped = probes::skipped_runs(&attached.ebpf);
+    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &skipped))?;
     st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
     st.writer.flush()?;
     drop(attached);
     let parsed = st.per_kind[EventKind::Data as usize];
     let kept = if st.capture_text { "kept with --capture-text" } else { "parsed in memory, not stored" };
-    eprintln!("probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost", st.events, lost.iter().sum::<u64>());
+    let skipped_total: u64 = skipped.values().sum();
+    let skipped_note = if skipped_total > 0 { format!(", {skipped_total} program runs skipped by the kernel (another BPF program was running on that CPU)") } else { String::new() };
+    eprintln!("probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}", st.events, lost.iter().sum::<u64>());
 
     let rec = recording::read_dir(&opts.out)?;
     let report = report::build(&rec);
@@ -379,7 +382,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         Ok(page) => eprintln!("probe: {}", page.display()),
         Err(e) => eprintln!("probe: report.html not written: {e:#}"),
     }
-    partial |= report.lost_events.values().any(|&n| n > 0);
+    partial |= report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
     Ok(TraceOutcome { report, partial })
 }
 

@@ -340,3 +340,38 @@ fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: Soft
     }
     Ok(())
 }
+
+/// Runs of each loaded program that the kernel skipped because a BPF program was already running
+/// on that CPU (`bpf_prog_info.recursion_misses`, Linux 5.12+): events lost before they were
+/// made. Programs with none are left out; a kernel without the counter gives an empty map.
+pub fn skipped_runs(ebpf: &Ebpf) -> std::collections::BTreeMap<String, u64> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    /// Offset of `recursion_misses` in `struct bpf_prog_info` (include/uapi/linux/bpf.h).
+    const RECURSION_MISSES: usize = 208;
+    #[repr(C, align(8))]
+    struct Info([u8; 256]);
+    #[repr(C)]
+    struct Attr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for (name, prog) in ebpf.programs() {
+        let Ok(fd) = prog.fd() else { continue };
+        let mut info = Info([0; 256]);
+        let mut attr = Attr { bpf_fd: fd.as_fd().as_raw_fd() as u32, info_len: 256, info: info.0.as_mut_ptr() as u64 };
+        // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most info_len bytes into `info` and the
+        // written length into attr.info_len; both live for the call.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &mut attr as *mut Attr, std::mem::size_of::<Attr>()) };
+        if rc != 0 || (attr.info_len as usize) < RECURSION_MISSES + 8 {
+            continue;
+        }
+        let n = u64::from_ne_bytes(info.0[RECURSION_MISSES..RECURSION_MISSES + 8].try_into().expect("8 bytes"));
+        if n > 0 {
+            out.insert(name.to_string(), n);
+        }
+    }
+    out
+}

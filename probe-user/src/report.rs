@@ -44,6 +44,10 @@ pub struct Report {
     #[serde(default)]
     pub probe_polls: u64,
     pub lost_events: BTreeMap<String, u64>,
+    /// Program runs the kernel skipped because another BPF program was running on that CPU
+    /// (per program; events that were never made).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub skipped_runs: BTreeMap<String, u64>,
     pub counters: BTreeMap<String, u64>,
     pub probes: Value,
     pub problems: Vec<String>,
@@ -297,7 +301,7 @@ pub fn build(rec: &Recording) -> Report {
                     r.unwind.us_per_sample = json_u64(u, "ns") as f64 / 1e3 / r.unwind.samples as f64;
                 }
                 r.unwind.load_ms = json_u64(u, "load_ns") as f64 / 1e6;
-                for (k, out) in [("lost", &mut r.lost_events), ("counters", &mut r.counters)] {
+                for (k, out) in [("lost", &mut r.lost_events), ("counters", &mut r.counters), ("skipped_runs", &mut r.skipped_runs)] {
                     if let Some(o) = v[k].as_object() {
                         *out = o.iter().map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0))).collect();
                     }
@@ -529,6 +533,14 @@ pub fn build(rec: &Recording) -> Report {
     if lost > 0 {
         r.problems.push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
     }
+    let skipped: u64 = r.skipped_runs.values().sum();
+    if skipped > 0 {
+        let per: Vec<String> = r.skipped_runs.iter().map(|(k, n)| format!("{k} {n}")).collect();
+        r.problems.push(format!(
+            "the kernel skipped {skipped} program runs because another BPF program was already running on that CPU ({}): those events were never made; other BPF tools running at the same time make this likelier",
+            per.join(", ")
+        ));
+    }
     r
 }
 
@@ -577,7 +589,10 @@ fn verdicts(
         .json
         .iter()
         .filter(|v| v["type"] == "stats")
-        .map(|v| (json_u64(v, "ts_ns"), v["lost"].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum())))
+        .map(|v| {
+            let sum = |k: &str| v[k].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum::<u64>());
+            (json_u64(v, "ts_ns"), sum("lost") + sum("skipped_runs"))
+        })
         .collect();
     let lost_between = |from: u64, to: u64| {
         let before = lost_at.iter().rev().find(|(t, _)| *t <= from).map_or(0, |x| x.1);

@@ -184,7 +184,7 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
         v.data_quality.push("probe attached while this request was in flight: its start was not seen".into());
     }
     if w.lost_events > 0 {
-        v.data_quality.push(format!("{} events were lost while this request was served (ring buffer full): shares are lower bounds", w.lost_events));
+        v.data_quality.push(format!("{} events were lost while this request was served (ring buffer full, or program runs the kernel skipped): shares are lower bounds", w.lost_events));
     }
     // A few stacks cut short are normal (deep frames past the copied stack); say so past 10%.
     if w.stacks_cut * 10 > w.stacks {
