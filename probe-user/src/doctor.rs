@@ -46,5 +46,40 @@ pub fn run() -> i32 {
             return exit::ERROR;
         }
     }
+    samplers();
     code
+}
+
+/// What the samplers beside the kernel probes will find here (none of it is required).
+fn samplers() {
+    use crate::sampler::{gpu, host, residency};
+    match gpu::open() {
+        Ok(mut g) => {
+            for d in g.devices() {
+                println!("GPU {}         {} (driver {}), max SM {} MHz", d.index, d.name, d.driver, d.max_sm_mhz.map_or("?".into(), |m| m.to_string()));
+            }
+        }
+        Err(why) => println!("GPU           {why}"),
+    }
+    match host::cpufreq() {
+        Some(f) => println!("cpufreq       {} CPUs, max {} MHz", f.cur_khz.len(), f.max_khz.iter().max().copied().unwrap_or(0) / 1000),
+        None => println!("cpufreq       absent: CPU clocks not sampled (common in VMs)"),
+    }
+    match host::cpuidle() {
+        Some(c) => println!("cpuidle       {} states: {}", c.names.len(), c.names.join(", ")),
+        None => println!("cpuidle       absent"),
+    }
+    let psi = Path::new("/proc/pressure/memory").exists();
+    println!("PSI           {}", if psi { "present (memory and io stall time)" } else { "absent: boot with psi=1 for memory-pressure stall time" });
+    let me = std::process::id();
+    match host::memory_cgroup(me) {
+        Some(d) => println!("memory cgroup {} (probe's own; the target's is read at trace time)", d.display()),
+        None => println!("memory cgroup none found"),
+    }
+    let exe = std::env::current_exe().ok().and_then(|p| p.to_str().map(String::from)).unwrap_or_default();
+    match residency::measure(&exe) {
+        Some(r) if r.evicted.is_some() => println!("page cache    cachestat(2) (residency and evictions)"),
+        Some(_) => println!("page cache    mincore(2) (residency; this kernel has no cachestat)"),
+        None => println!("page cache    cannot measure residency here"),
+    }
 }
