@@ -261,7 +261,11 @@ fn doctor_finds_every_probe_live() {
     let out = Command::new(probe_bin()).arg("doctor").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
-    for p in ["blockio", "fault", "filemap", "mmap", "sock", "proc"] {
+    for p in ["blockio", "fault", "filemap", "mmap", "sock", "stream", "cpu", "offcpu", "mem", "proc"] {
         assert!(text.lines().any(|l| l.starts_with(&format!("probe {p}")) && l.contains("live")), "{p}: {text}");
     }
+    // The samplers' findings: this machine has PSI and a 6.18 kernel (cachestat), no NVIDIA GPU.
+    assert!(text.contains("PSI           present"), "{text}");
+    assert!(text.contains("page cache    cachestat(2)"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("GPU")), "{text}");
 }
