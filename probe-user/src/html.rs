@@ -366,9 +366,11 @@ pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) ->
     let _ = writeln!(o, "<meta name=\"generator\" content=\"probe {}\">", env!("CARGO_PKG_VERSION"));
     let _ = writeln!(o, "<title>probe report: {} (pid {})</title>", escape(&r.target.comm), r.target.pid);
     let _ = writeln!(o, "<style>{STYLE}</style>\n<script>{SCRIPT}</script>\n</head><body>");
-    let _ = writeln!(o, "<nav><a href=\"#verdicts\">verdicts</a><a href=\"#timeline\">timeline</a><a href=\"#flamegraphs\">flamegraphs</a><a href=\"#files\">files</a><a href=\"#blockio\">block IO</a><a href=\"#connections\">connections</a></nav>");
+    let _ = writeln!(o, "<nav><a href=\"#verdicts\">verdicts</a><a href=\"#system\">system</a><a href=\"#timeline\">timeline</a><a href=\"#flamegraphs\">flamegraphs</a><a href=\"#files\">files</a><a href=\"#blockio\">block IO</a><a href=\"#connections\">connections</a></nav>");
     header(&mut o, r);
     verdicts(&mut o, r);
+    let system = crate::system::render(&r.system);
+    let _ = writeln!(o, "<h2 id=\"system\">System</h2>\n<pre>{}</pre>", escape(system.trim_start_matches("\nSystem:\n").trim_end()));
     let chart = timeline::svg(timeline);
     let _ = writeln!(o, "<h2 id=\"timeline\">Timeline</h2>");
     let _ = writeln!(o, "<p class=\"muted\">Hover for details. Requests: the wait for the first token, then each token; threads: off-CPU time by what they waited for; block IO per device; TCP state changes; counters. timeline.json opens in the Perfetto UI.</p>");
