@@ -231,7 +231,7 @@ pub fn parse_prometheus(text: &str) -> BTreeMap<String, f64> {
 }
 
 /// Counters worth a before/after per level: preemptions, KV cache use, waiting/deferred
-/// requests, tokens; and free VRAM where nvidia-smi answers.
+/// requests, tokens; and free VRAM where NVML sees a GPU.
 pub fn wanted(name: &str) -> bool {
     let keys = ["preempt", "kv_cache", "cache_usage", "deferred", "waiting", "running", "processing", "tokens_total", "predicted_total", "n_tokens_max", "busy_slots"];
     (name.starts_with("llamacpp:") || name.starts_with("vllm:")) && !name.contains("spec_decode") && !name.ends_with("_bucket") && !name.ends_with("_created") && keys.iter().any(|k| name.contains(k))
@@ -263,20 +263,16 @@ pub fn counters(url: &Url, api: Api) -> (BTreeMap<String, f64>, Vec<String>) {
     (out, notes)
 }
 
-/// Free VRAM over all GPUs (MiB) from nvidia-smi, when it is installed and answers.
+/// Free VRAM over all GPUs (MiB), through the same NVML source `probe trace` samples with
+/// (sampler::gpu). NVML is opened once and kept; no NVIDIA GPU → None.
 fn free_vram_mib() -> Option<f64> {
-    // Looked up once: spawning a missing binary every 500 ms is noise (and SIGCHLD).
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let has = *HAS.get_or_init(|| std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvidia-smi").is_file())));
-    if !has {
-        return None;
-    }
-    let out = std::process::Command::new("nvidia-smi").args(["--query-gpu=memory.free", "--format=csv,noheader,nounits"]).stderr(std::process::Stdio::null()).output().ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let v: Vec<f64> = String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect();
-    (!v.is_empty()).then(|| v.iter().sum())
+    use std::sync::{Mutex, OnceLock};
+    type Source = Option<Mutex<Box<dyn crate::sampler::gpu::GpuSource>>>;
+    static GPU: OnceLock<Source> = OnceLock::new();
+    let gpu = GPU.get_or_init(|| crate::sampler::gpu::open().ok().map(Mutex::new)).as_ref()?;
+    let samples = gpu.lock().ok()?.sample(&[]);
+    let free: Vec<f64> = samples.iter().filter_map(|g| g.vram_free).map(|b| b as f64 / (1u64 << 20) as f64).collect();
+    (!free.is_empty()).then(|| free.iter().sum())
 }
 
 #[cfg(test)]
