@@ -158,6 +158,55 @@ pub fn parse_listen_ports(text: &str, inodes: &HashSet<u64>) -> Vec<u16> {
         .collect()
 }
 
+/// Where to reach each LISTEN socket in /proc/net/tcp{,6} text whose inode is in `inodes`: its
+/// address, with a wildcard (0.0.0.0, ::) replaced by the loopback address of its family.
+pub fn parse_listen_addrs(text: &str, inodes: &HashSet<u64>) -> Vec<std::net::SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (hex, port) = f.get(1)?.rsplit_once(':')?;
+            let port = u16::from_str_radix(port, 16).ok()?;
+            let inode: u64 = f.get(9)?.parse().ok()?;
+            if *f.get(3)? != "0A" || !inodes.contains(&inode) {
+                return None;
+            }
+            // The kernel prints each 32-bit word of the address in host byte order.
+            let words: Vec<u32> = (0..hex.len() / 8).filter_map(|i| u32::from_str_radix(&hex[i * 8..i * 8 + 8], 16).ok()).collect();
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+            let ip = match bytes.len() {
+                4 => IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3])),
+                16 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(bytes.as_slice()).ok()?)),
+                _ => return None,
+            };
+            let ip = match ip {
+                IpAddr::V4(a) if a.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(a) if a.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+                IpAddr::V6(a) => a.to_ipv4_mapped().map_or(IpAddr::V6(a), IpAddr::V4),
+                a => a,
+            };
+            Some(std::net::SocketAddr::new(ip, port))
+        })
+        .collect()
+}
+
+/// Addresses the process listens on (wildcards as loopback), IPv4 first.
+pub fn listen_addrs(pid: u32) -> Vec<std::net::SocketAddr> {
+    let inodes = socket_inodes(pid);
+    let mut out = Vec::new();
+    for f in ["tcp", "tcp6"] {
+        if let Ok(t) = fs::read_to_string(format!("/proc/{pid}/net/{f}")) {
+            for a in parse_listen_addrs(&t, &inodes) {
+                if !out.contains(&a) {
+                    out.push(a);
+                }
+            }
+        }
+    }
+    out
+}
+
 /// TCP ports the process listens on.
 pub fn listen_ports(pid: u32) -> Vec<u16> {
     let inodes = socket_inodes(pid);
@@ -207,5 +256,21 @@ mod tests {
    2: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 5555 1 0 100 0 0 10 0
 ";
         assert_eq!(parse_listen_ports(text, &HashSet::from([5555])), vec![8080]);
+        assert_eq!(parse_listen_addrs(text, &HashSet::from([5555])), vec!["127.0.0.1:8080".parse().unwrap()]);
+    }
+
+    #[test]
+    fn listen_addrs_of_real_sockets() {
+        // A wildcard listener is reached on loopback; a specific one on its own address.
+        let any = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let own = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+        let v6 = std::net::TcpListener::bind("[::]:0").ok();
+        let addrs = listen_addrs(std::process::id());
+        assert!(addrs.contains(&format!("127.0.0.1:{}", any.local_addr().unwrap().port()).parse().unwrap()), "{addrs:?}");
+        assert!(addrs.contains(&own.local_addr().unwrap()), "{addrs:?}");
+        if let Some(l) = v6 {
+            let p = l.local_addr().unwrap().port();
+            assert!(addrs.iter().any(|a| a.port() == p && a.ip().is_loopback()), "{addrs:?}");
+        }
     }
 }

@@ -200,9 +200,9 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool) {
         let pids = targets(opts);
         if pids != scanned_for || scanned_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(30)) {
             for &pid in &pids {
-                for port in procfs::listen_ports(pid) {
-                    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-                    if !eps.iter().any(|e| e.addr == addr) && !dead.contains(&addr) {
+                for addr in procfs::listen_addrs(pid) {
+                    // One endpoint per port (a dual-stack server lists two addresses).
+                    if !eps.iter().any(|e| e.addr.port() == addr.port()) && !dead.contains(&addr) {
                         eps.push(endpoints::Endpoint::new(addr));
                     }
                 }
