@@ -269,3 +269,29 @@ fn doctor_finds_every_probe_live() {
     assert!(text.contains("page cache    cachestat(2)"), "{text}");
     assert!(text.lines().any(|l| l.starts_with("GPU")), "{text}");
 }
+
+/// A process that allocates without end inside a memory cgroup (v1, 48 MiB): the cgroup reclaims
+/// in its context, then the OOM killer ends it. The mem probe sees both; the trace stops on the exit.
+#[test]
+fn oom_kill_in_a_memory_cgroup_is_reported() {
+    let cg = PathBuf::from(format!("/sys/fs/cgroup/memory/probe-oom-{}", std::process::id()));
+    assert!(std::path::Path::new("/sys/fs/cgroup/memory").exists(), "no cgroup v1 memory controller at /sys/fs/cgroup/memory");
+    std::fs::create_dir_all(&cg).unwrap();
+    std::fs::write(cg.join("memory.limit_in_bytes"), (48u64 << 20).to_string()).unwrap();
+    let dir = scratch("oom");
+    let mut w = Workload::start(&["hog", cg.to_str().unwrap()]);
+    let t = Trace::start(w.pid, &dir.join("rec"), &[]);
+    writeln!(w.stdin.take().unwrap(), "go").unwrap();
+    let status = w.child.wait().unwrap();
+    let r = t.finish();
+    let _ = std::fs::remove_dir(&cg);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "the workload was not killed: {status:?}");
+    let m = &r["system"]["memory"];
+    let kills = m["oom_kills"].as_array().unwrap();
+    assert_eq!(kills.len(), 1, "{m}");
+    assert_eq!(n(&kills[0]["pid"]), w.pid as u64, "{m}");
+    assert!(n(&kills[0]["rss_kib"]) >= 30 << 10, "the victim's RSS at the kill: {m}");
+    assert!(n(&m["memcg_reclaim"]["count"]) > 0, "no cgroup reclaim seen before the kill: {m}");
+    assert_eq!(m["cgroup_limit"], 48u64 << 20, "{m}");
+}

@@ -6,6 +6,8 @@
 //!   probe-workload tcp ADDR close|wait-reset connect; close first, or wait for the peer's RST
 //!   probe-workload fork-mmap N LEN           a forked child does N mmap+munmap of LEN bytes
 //!   probe-workload mmap-loop SECONDS         mmap+munmap in a tight loop (event-rate benchmark)
+//!   probe-workload hog CGROUP                join the memory cgroup (v1 dir), then allocate and touch
+//!                                            1 MiB at a time until the OOM killer ends it
 use std::{
     fs::{File, OpenOptions},
     io::{BufRead, Read, Write},
@@ -142,6 +144,19 @@ fn mmap_loop(secs: f64) {
     println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
 }
 
+fn hog(cgroup: &str) {
+    std::fs::write(format!("{cgroup}/cgroup.procs"), std::process::id().to_string()).unwrap_or_else(|e| die(format!("cannot join {cgroup}: {e}")));
+    wait_for_go();
+    let mut kept: Vec<Vec<u8>> = Vec::new();
+    loop {
+        kept.push(vec![1u8; 1 << 20]);
+        if kept.len() % 64 == 0 {
+            println!("allocated {} MiB", kept.len());
+            std::io::stdout().flush().ok();
+        }
+    }
+}
+
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     let arg = |i: usize| a.get(i).cloned().unwrap_or_else(|| die(format!("missing argument {i}; see the file's doc comment")));
@@ -151,6 +166,7 @@ fn main() {
         "tcp" => tcp(&arg(2), &arg(3)),
         "fork-mmap" => fork_mmap(num(2), num(3)),
         "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
+        "hog" => hog(&arg(2)),
         other => die(format!("unknown workload {other}")),
     }
 }
