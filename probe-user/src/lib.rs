@@ -9,6 +9,7 @@ pub mod collector;
 pub mod decode;
 pub mod doctor;
 pub mod flame;
+pub mod httpc;
 pub mod html;
 pub mod probes;
 pub mod procfs;

@@ -207,24 +207,7 @@ pub fn tokenize(url: &Url, text: &str, model: Option<&str>) -> Option<u64> {
 /// Prometheus text: sum of each series' samples by metric name (labels summed over).
 pub fn parse_prometheus(text: &str) -> BTreeMap<String, f64> {
     let mut m = BTreeMap::new();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        // `name{labels} value [timestamp]`; label values may hold spaces.
-        let (name, rest) = match line.find('{') {
-            Some(i) => match line[i..].find('}') {
-                Some(j) => (&line[..i], &line[i + j + 1..]),
-                None => continue,
-            },
-            None => line.split_once(char::is_whitespace).unwrap_or((line, "")),
-        };
-        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else { continue };
-        if value.is_nan() {
-            continue;
-        }
-        let name = name.trim();
+    for (name, _, value) in crate::sampler::endpoints::prometheus_samples(text) {
         *m.entry(name.to_string()).or_insert(0.0) += value;
     }
     m

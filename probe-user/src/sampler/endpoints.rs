@@ -3,80 +3,34 @@
 //! that neither wake a sleeping llama-server nor reset its idle timer are polled (`/metrics` and
 //! `/props` bypass sleep and do not count as activity; `/slots` would wake the model, so it is
 //! never polled). Every poll's local port is recorded so the report leaves these requests out.
-use std::{
-    io::{Read as _, Write as _},
-    net::{SocketAddr, TcpStream},
-    time::Duration,
-};
+use std::{net::SocketAddr, time::Duration};
 
 use serde_json::{Value, json};
 
-/// One HTTP/1.1 GET with `Connection: close`: (status, body, our local port).
-pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<(u16, Vec<u8>, u16)> {
-    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
-    let local = s.local_addr()?.port();
-    s.set_read_timeout(Some(timeout))?;
-    s.set_write_timeout(Some(timeout))?;
-    let ua = crate::stream::http::POLL_USER_AGENT;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: {ua}/{}\r\nAccept: */*\r\nConnection: close\r\n\r\n", env!("CARGO_PKG_VERSION"))?;
-    let mut buf = Vec::new();
-    s.take(4 << 20).read_to_end(&mut buf)?;
-    let (status, body) = parse_response(&buf).ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response"))?;
-    Ok((status, body, local))
-}
-
-/// Status and body of a whole HTTP/1.x response (Content-Length, chunked or until close).
-pub fn parse_response(buf: &[u8]) -> Option<(u16, Vec<u8>)> {
-    let mut headers = [httparse::EMPTY_HEADER; 64];
-    let mut resp = httparse::Response::new(&mut headers);
-    let httparse::Status::Complete(n) = resp.parse(buf).ok()? else { return None };
-    let status = resp.code?;
-    let chunked = resp.headers.iter().any(|h| h.name.eq_ignore_ascii_case("transfer-encoding") && String::from_utf8_lossy(h.value).to_ascii_lowercase().contains("chunked"));
-    let rest = &buf[n..];
-    if !chunked {
-        return Some((status, rest.to_vec()));
-    }
-    let (mut out, mut at) = (Vec::new(), 0);
-    while at < rest.len() {
-        let line_end = rest[at..].windows(2).position(|w| w == b"\r\n")? + at;
-        let size_text = String::from_utf8_lossy(&rest[at..line_end]);
-        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
-        at = line_end + 2;
-        if size == 0 {
-            break;
+/// The samples of Prometheus text: (metric name, series `name{labels}`, value); comments,
+/// blank lines and non-finite values left out. Label values may hold spaces.
+pub fn prometheus_samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
+    text.lines().filter_map(|l| {
+        let l = l.trim();
+        if l.is_empty() || l.starts_with('#') {
+            return None;
         }
-        out.extend_from_slice(rest.get(at..at + size)?);
-        at += size + 2;
-    }
-    Some((status, out))
+        let (series, rest) = match l.rfind('}') {
+            Some(i) => (&l[..=i], &l[i + 1..]),
+            None => l.split_once(char::is_whitespace)?,
+        };
+        let value = rest.split_whitespace().next()?.parse::<f64>().ok().filter(|v| v.is_finite())?;
+        Some((series.split('{').next()?.trim(), series.trim(), value))
+    })
 }
 
 /// Prometheus text → {"name{labels}": value}, histogram buckets left out, at most `max` series.
 pub fn parse_prometheus(text: &str, max: usize) -> serde_json::Map<String, Value> {
-    let mut out = serde_json::Map::new();
-    for l in text.lines() {
-        if l.starts_with('#') || l.trim().is_empty() {
-            continue;
-        }
-        let (series, value) = match l.rfind('}') {
-            Some(i) => (&l[..=i], l[i + 1..].split_whitespace().next()),
-            None => {
-                let mut it = l.split_whitespace();
-                (it.next().unwrap_or(""), it.next())
-            }
-        };
-        let name = series.split('{').next().unwrap_or("");
-        if name.ends_with("_bucket") || name.ends_with("_created") {
-            continue;
-        }
-        if let Some(v) = value.and_then(|v| v.parse::<f64>().ok()).filter(|v| v.is_finite()) {
-            out.insert(series.to_string(), json!(v));
-            if out.len() >= max {
-                break;
-            }
-        }
-    }
-    out
+    prometheus_samples(text)
+        .filter(|(name, _, _)| !name.ends_with("_bucket") && !name.ends_with("_created"))
+        .take(max)
+        .map(|(_, series, v)| (series.to_string(), json!(v)))
+        .collect()
 }
 
 /// What a port answers as.
@@ -116,7 +70,7 @@ impl Endpoint {
     }
 
     fn fetch(&mut self, path: &str) -> Option<(u16, Vec<u8>)> {
-        match get(self.addr, path, self.timeout) {
+        match crate::httpc::request_from(&crate::httpc::Url::of(self.addr), "GET", path, None, self.timeout) {
             Ok((s, b, port)) => {
                 self.local_ports.push(port);
                 Some((s, b))
@@ -193,15 +147,6 @@ impl Endpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reads_chunked_and_plain_responses() {
-        let plain = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello";
-        assert_eq!(parse_response(plain), Some((200, b"hello".to_vec())));
-        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nhel\r\n2;x=1\r\nlo\r\n0\r\n\r\n";
-        assert_eq!(parse_response(chunked), Some((200, b"hello".to_vec())));
-        assert_eq!(parse_response(b"garbage\r\n\r\n"), None);
-    }
 
     #[test]
     fn reads_prometheus_series() {
