@@ -639,7 +639,7 @@ fn verdicts(
         .collect();
     for q in r.requests.iter_mut() {
         let Some(a) = q.arrival_ms else {
-            q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, power_absent: power_absent.clone(), ..Default::default() }));
+            q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, power_absent: power_absent.as_deref(), ..Default::default() }));
             continue;
         };
         let from = start + (a * 1e6) as u64;
@@ -655,8 +655,8 @@ fn verdicts(
         files_read.sort_by_key(|f| std::cmp::Reverse(f.1));
         let w = crate::verdict::Window {
             arrival_ns: from,
-            io_waits: io_waits.clone(),
-            mem_waits: mem_waits.clone(),
+            io_waits: &io_waits,
+            mem_waits: &mem_waits,
             files_read,
             mapped: file_maps.iter().filter(|m| m.t >= from && m.t <= to).map(|m| (m.t, name(&m.key))).collect(),
             others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),
@@ -664,10 +664,10 @@ fn verdicts(
             offcpu_probe,
             stacks: stack_times.iter().filter(|(t, _)| (from..=until).contains(t)).count() as u64,
             stacks_cut: stack_times.iter().filter(|(t, c)| !c && (from..=until).contains(t)).count() as u64,
-            oom_kills: oom_kills.clone(),
-            gpu_clocks: gpu_clocks.clone(),
-            cpu_clocks: cpu_clocks.clone(),
-            power_absent: power_absent.clone(),
+            oom_kills: &oom_kills,
+            gpu_clocks: &gpu_clocks,
+            cpu_clocks: &cpu_clocks,
+            power_absent: power_absent.as_deref(),
             server_sleeping: sleeping_before(from),
             server_deferred: deferred_in(from, to),
         };

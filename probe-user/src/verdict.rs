@@ -11,14 +11,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::stream::RequestRecord;
 
-/// Facts about one request's window (CLOCK_MONOTONIC ns).
+/// Facts about one request's window (CLOCK_MONOTONIC ns). Trace-wide series are borrowed: the
+/// report builds them once and every request's window points into them.
 #[derive(Clone, Debug, Default)]
-pub struct Window {
+pub struct Window<'a> {
     pub arrival_ns: u64,
     /// Off-CPU intervals of the target in IO or page-fault wait.
-    pub io_waits: Vec<(u64, u64)>,
+    pub io_waits: &'a [(u64, u64)],
     /// Off-CPU intervals in memory reclaim or compaction.
-    pub mem_waits: Vec<(u64, u64)>,
+    pub mem_waits: &'a [(u64, u64)],
     /// Files read from disk in the window: (path, bytes, time of the first read).
     pub files_read: Vec<(String, u64, u64)>,
     /// Files mapped in the window: (time, path).
@@ -32,13 +33,13 @@ pub struct Window {
     pub stacks: u64,
     pub stacks_cut: u64,
     /// OOM kills of a target process (time).
-    pub oom_kills: Vec<u64>,
+    pub oom_kills: &'a [u64],
     /// GPU readings: (time, device, SM clock as a share of its working clock, P-state).
-    pub gpu_clocks: Vec<crate::system::GpuClock>,
+    pub gpu_clocks: &'a [crate::system::GpuClock],
     /// CPU readings: (time, mean current/max frequency).
-    pub cpu_clocks: Vec<(u64, f64)>,
+    pub cpu_clocks: &'a [(u64, f64)],
     /// Why there are no clock readings, when there are none.
-    pub power_absent: Option<String>,
+    pub power_absent: Option<&'a str>,
     /// The server said it was sleeping (model unloaded) at its last poll before arrival.
     pub server_sleeping: bool,
     /// Highest count of requests the server reported deferred (queued) in the window.
@@ -168,7 +169,14 @@ pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
     (cause.to_string(), why)
 }
 
-pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
+/// The part of a time-ordered series from 10 s before `from` to `until`.
+fn around<T>(v: &[T], ts: impl Fn(&T) -> u64, from: u64, until: u64) -> &[T] {
+    let lo = v.partition_point(|x| ts(x) < from.saturating_sub(10_000_000_000));
+    let hi = v.partition_point(|x| ts(x) <= until).max(lo);
+    &v[lo..hi]
+}
+
+pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     let mut v = Verdict::default();
     let (mut stop, mut why) = stop_cause(q);
     if let Some(arrival) = q.arrival_ms.map(|_| w.arrival_ns) {
@@ -207,8 +215,8 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
     };
     let from = w.arrival_ns;
     let to = from + (ttft * 1e6) as u64;
-    let disk = union_ms(&w.io_waits, from, to);
-    let memory = union_ms(&w.mem_waits, from, to);
+    let disk = union_ms(w.io_waits, from, to);
+    let memory = union_ms(w.mem_waits, from, to);
     let read: u64 = w.files_read.iter().map(|f| f.1).sum();
     // A model (re)load: a file mapped in the window that was also read from disk in it.
     // It starts at the first read of that file (a loader reads the header before mapping).
@@ -228,20 +236,21 @@ pub fn attribute(q: &RequestRecord, w: &Window) -> Verdict {
     // until they reached it, less what disk, memory and load already explain.
     let until = from + (q.end_ms.unwrap_or(ttft).max(ttft) * 1e6) as u64;
     let mut ramp: Option<(f64, String)> = None;
-    let mut devices: Vec<u32> = w.gpu_clocks.iter().map(|g| g.1).collect();
-    devices.dedup();
+    // Readings are in time order: look only at the request's span (and 10 s before it).
+    let gpu = around(w.gpu_clocks, |g| g.0, from, until);
+    let mut devices: Vec<u32> = gpu.iter().map(|g| g.1).collect();
     devices.sort_unstable();
     devices.dedup();
     for d in devices {
-        let series: Vec<(u64, f64)> = w.gpu_clocks.iter().filter(|g| g.1 == d).map(|g| (g.0, g.2)).collect();
+        let series: Vec<(u64, f64)> = gpu.iter().filter(|g| g.1 == d).map(|g| (g.0, g.2)).collect();
         if let Some((ms, at)) = ramp_ms(&series, from, until) {
-            let p = w.gpu_clocks.iter().rev().find(|g| g.1 == d && g.0 <= from).and_then(|g| g.3).map(|p| format!(", P{p}")).unwrap_or_default();
+            let p = gpu.iter().rev().find(|g| g.1 == d && g.0 <= from).and_then(|g| g.3).map(|p| format!(", P{p}")).unwrap_or_default();
             if ramp.as_ref().is_none_or(|r| ms > r.0) {
                 ramp = Some((ms, format!("GPU {d} SM clock at {:.0}% of its working clock at arrival{p}; {ms:.0} ms to ramp up", at * 100.0)));
             }
         }
     }
-    if let Some((ms, at)) = ramp_ms(&w.cpu_clocks, from, until)
+    if let Some((ms, at)) = ramp_ms(around(w.cpu_clocks, |c| c.0, from, until), from, until)
         && ramp.as_ref().is_none_or(|r| ms > r.0) {
             ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
         }
@@ -316,7 +325,7 @@ mod tests {
         let q = req(1500.0);
         let w = Window {
             arrival_ns: 1000 * ms,
-            io_waits: vec![(1100 * ms, 2300 * ms)],
+            io_waits: &[(1100 * ms, 2300 * ms)],
             files_read: vec![("/models/m.gguf".into(), 98 << 20, 1020 * ms)],
             mapped: vec![(1050 * ms, "/models/m.gguf".into())],
             offcpu_probe: true,
@@ -350,7 +359,7 @@ mod tests {
         // GPU 0 idles at 20% until 150 ms after arrival; GPU 1 is never used (stays low).
         let mut gpu: Vec<(u64, u32, f64, Option<u32>)> = (0..10).map(|i| (i * 50 * ms, 0, if i < 5 { 0.2 } else { 1.0 }, Some(if i < 5 { 8 } else { 0 }))).collect();
         gpu.extend((0..10).map(|i| (i * 50 * ms, 1, 0.1, Some(8))));
-        let w = Window { arrival_ns: 100 * ms, gpu_clocks: gpu, offcpu_probe: true, ..Default::default() };
+        let w = Window { arrival_ns: 100 * ms, gpu_clocks: &gpu, offcpu_probe: true, ..Default::default() };
         let v = attribute(&q, &w);
         let s = v.ttft_ms.clone().unwrap();
         assert_eq!(s.power, 150.0);
@@ -358,7 +367,7 @@ mod tests {
         assert_eq!(v.slow_cause, "power");
         assert!(v.evidence.iter().any(|e| e.contains("GPU 0 SM clock at 20%") && e.contains("P8")), "{:?}", v.evidence);
         // Clocks already up at arrival: no power share.
-        let w = Window { arrival_ns: 300 * ms, gpu_clocks: w.gpu_clocks.clone(), offcpu_probe: true, ..Default::default() };
+        let w = Window { arrival_ns: 300 * ms, gpu_clocks: &gpu, offcpu_probe: true, ..Default::default() };
         assert_eq!(attribute(&q, &w).ttft_ms.unwrap().power, 0.0);
         assert_eq!(ramp_ms(&[(0, 0.5), (10, 0.6)], 5, 100), None, "never reached its working clock");
     }
@@ -370,9 +379,9 @@ mod tests {
         q.complete = false;
         q.closed_by = "server_abort".into();
         q.end_ms = Some(500.0);
-        let w = Window { arrival_ns: 1_000_000_000, oom_kills: vec![1_400_000_000], ..Default::default() };
+        let w = Window { arrival_ns: 1_000_000_000, oom_kills: &[1_400_000_000], ..Default::default() };
         assert_eq!(attribute(&q, &w).stop_cause, "oom");
-        let w = Window { arrival_ns: 1_000_000_000, oom_kills: vec![900_000_000], ..Default::default() };
+        let w = Window { arrival_ns: 1_000_000_000, oom_kills: &[900_000_000], ..Default::default() };
         assert_eq!(attribute(&q, &w).stop_cause, "crash");
     }
 
