@@ -3,47 +3,21 @@
 //! LLAMA_SERVER and LLAMA_MODEL. The tests take turns (one lock): they measure latency on a
 //! 2-core machine, and the concurrency test needs the server's KV pool to itself.
 use std::{
-    io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    os::unix::process::CommandExt,
+    net::{SocketAddr, TcpListener},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::{Mutex, MutexGuard, OnceLock, mpsc},
-    time::{Duration, Instant},
+    process::{Child, Command},
+    sync::{Mutex, MutexGuard, OnceLock},
+    time::Instant,
 };
 
 use serde_json::Value;
 
 mod common;
-use common::probe_bin;
-
-fn env_path(name: &str) -> PathBuf {
-    let p = PathBuf::from(std::env::var_os(name).unwrap_or_else(|| panic!("{name} is not set: run the tests with `cargo xtask test`, which builds llama-server and the model")));
-    assert!(p.exists(), "{name}={} does not exist", p.display());
-    p
-}
+use common::{env_path, probe_bin, shared_llama_server, wait_healthy};
 
 fn turn() -> MutexGuard<'static, ()> {
     static L: Mutex<()> = Mutex::new(());
     L.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn healthy(addr: SocketAddr) -> bool {
-    let Ok(mut s) = TcpStream::connect(addr) else { return false };
-    if s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").is_err() {
-        return false;
-    }
-    let mut b = String::new();
-    let _ = s.read_to_string(&mut b);
-    b.starts_with("HTTP/1.1 200")
-}
-
-fn wait_healthy(addr: SocketAddr) {
-    let t = Instant::now();
-    while !healthy(addr) {
-        assert!(t.elapsed() < Duration::from_secs(60), "llama-server on {addr} did not become healthy");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 struct Server {
@@ -58,29 +32,7 @@ struct Server {
 fn server() -> &'static Server {
     static S: OnceLock<Server> = OnceLock::new();
     S.get_or_init(|| {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut cmd = Command::new(env_path("LLAMA_SERVER"));
-        cmd.arg("-m").arg(env_path("LLAMA_MODEL"));
-        cmd.args(["-np", "4", "-c", "1024", "--kv-unified", "-t", "1", "--seed", "42", "--metrics", "--host", "127.0.0.1", "--port", &port.to_string()]);
-        cmd.stdout(Stdio::null()).stderr(Stdio::null());
-        // SAFETY: prctl in the child before exec; the server dies with the thread that spawned
-        // it, so spawn it from a thread that lives as long as the test process.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(cmd.spawn());
-            loop {
-                std::thread::park();
-            }
-        });
-        let child = rx.recv().unwrap().expect("start llama-server");
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        wait_healthy(addr);
+        let (child, addr) = shared_llama_server(&["-np", "4", "-c", "1024", "--kv-unified", "-t", "1", "--seed", "42", "--metrics"]);
         Server { _child: child, url: format!("http://{addr}") }
     })
 }

@@ -5,23 +5,16 @@
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
-    os::unix::process::CommandExt,
     path::PathBuf,
     process::{Child, Command, Stdio},
-    sync::{OnceLock, mpsc},
+    sync::OnceLock,
     time::{Duration, Instant},
 };
 
 use serde_json::{Value, json};
 
-fn env_path(name: &str) -> PathBuf {
-    let p = PathBuf::from(std::env::var_os(name).unwrap_or_else(|| panic!("{name} is not set: run the tests with `cargo xtask test`, which builds llama-server and the model")));
-    assert!(p.exists(), "{name}={} does not exist", p.display());
-    p
-}
-
 mod common;
-use common::{probe_bin, start_trace};
+use common::{env_path, probe_bin, shared_llama_server, start_trace};
 
 struct Server {
     child: Child,
@@ -32,36 +25,7 @@ struct Server {
 fn server() -> &'static Server {
     static S: OnceLock<Server> = OnceLock::new();
     S.get_or_init(|| {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut cmd = Command::new(env_path("LLAMA_SERVER"));
-        cmd.arg("-m").arg(env_path("LLAMA_MODEL"));
-        cmd.args(["-c", "2048", "-np", "2", "--host", "127.0.0.1", "--port", &port.to_string(), "-t", "1", "--seed", "42"]);
-        cmd.stdout(Stdio::null()).stderr(Stdio::null());
-        // SAFETY: prctl in the child before exec; the server dies with the thread that spawned
-        // it, so spawn it from a thread that lives as long as the test process.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(cmd.spawn());
-            loop {
-                std::thread::park();
-            }
-        });
-        let child = rx.recv().unwrap().expect("start llama-server");
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let t = Instant::now();
-        loop {
-            if let Ok((200, _)) = request_once(addr, "GET", "/health", None) {
-                break;
-            }
-            assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not become healthy");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let (child, addr) = shared_llama_server(&["-c", "2048", "-np", "2", "-t", "1", "--seed", "42"]);
         Server { child, addr }
     })
 }

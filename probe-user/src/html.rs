@@ -11,7 +11,7 @@ use std::{
 use anyhow::Context as _;
 use serde_json::Value;
 
-use crate::{flame, recording::Recording, report::Report, verdict::Split};
+use crate::{flame, recording::Recording, report::{Report, bytes}, verdict::Split};
 
 pub mod timeline;
 
@@ -90,17 +90,6 @@ const MAX_FLAME_BYTES: usize = 4 << 20;
 
 fn ms(v: f64) -> String {
     if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") }
-}
-
-fn bytes(n: u64) -> String {
-    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < U.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{n} B") } else { format!("{v:.1} {}", U[u]) }
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {

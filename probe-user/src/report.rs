@@ -753,7 +753,8 @@ fn sock_event(
     }
 }
 
-fn bytes(n: u64) -> String {
+/// A byte count for people: B, KiB, MiB...
+pub fn bytes(n: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
     let mut u = 0;

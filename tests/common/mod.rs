@@ -34,3 +34,60 @@ pub fn start_trace(args: &[&str]) -> (Child, mpsc::Receiver<String>, String) {
         }
     }
 }
+
+/// A path from the environment (`cargo xtask test` sets LLAMA_SERVER and LLAMA_MODEL).
+pub fn env_path(name: &str) -> PathBuf {
+    let p = PathBuf::from(std::env::var_os(name).unwrap_or_else(|| panic!("{name} is not set: run the tests with `cargo xtask test`, which builds llama-server and the model")));
+    assert!(p.exists(), "{name}={} does not exist", p.display());
+    p
+}
+
+/// `GET /health` answers 200.
+pub fn healthy(addr: std::net::SocketAddr) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return false };
+    if s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut b = String::new();
+    let _ = s.read_to_string(&mut b);
+    b.starts_with("HTTP/1.1 200")
+}
+
+pub fn wait_healthy(addr: std::net::SocketAddr) {
+    let t = std::time::Instant::now();
+    while !healthy(addr) {
+        assert!(t.elapsed() < Duration::from_secs(60), "llama-server on {addr} did not become healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A llama-server ($LLAMA_SERVER, model $LLAMA_MODEL) on a free loopback port with `args`, that
+/// dies with the test process (PR_SET_PDEATHSIG from a spawning thread that never ends);
+/// returned once /health answers.
+pub fn shared_llama_server(args: &[&str]) -> (Child, std::net::SocketAddr) {
+    use std::os::unix::process::CommandExt;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cmd = Command::new(env_path("LLAMA_SERVER"));
+    cmd.arg("-m").arg(env_path("LLAMA_MODEL")).args(args).args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+    cmd.stdout(Stdio::null()).stderr(Stdio::null());
+    // SAFETY: prctl in the child before exec; the server dies with the thread that spawned it,
+    // so spawn it from a thread that lives as long as the test process.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(cmd.spawn());
+        loop {
+            std::thread::park();
+        }
+    });
+    let child = rx.recv().unwrap().expect("start llama-server");
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_healthy(addr);
+    (child, addr)
+}
