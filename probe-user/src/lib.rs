@@ -40,3 +40,13 @@ pub fn monotonic_ns() -> u64 {
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
+
+/// A duration with `default_unit` for a bare number (`2.5` → 2.5 of it); anything with a unit
+/// is read by humantime (`500ms`, `30s`, `10m`, `1h 30m`).
+pub fn parse_duration_or(s: &str, default_unit: std::time::Duration) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    if let Ok(n) = s.parse::<f64>() {
+        return if n.is_finite() && n >= 0.0 { Ok(default_unit.mul_f64(n)) } else { Err(format!("`{s}` is not a duration")) };
+    }
+    humantime::parse_duration(s).map_err(|e| format!("`{s}` is not a duration ({e}): use e.g. 500ms, 30s, 10m, 1h"))
+}

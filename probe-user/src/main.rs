@@ -105,18 +105,9 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// `--duration`: `30s`, `2m`, `500ms`, `1h 30m` (humantime); a bare number is seconds.
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "s"));
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration: use e.g. 30s, 2m, 500ms"))?;
-    let secs = match unit {
-        "ms" => n / 1e3,
-        "s" | "" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("unknown unit `{unit}` in `{s}`: use ms, s, m or h")),
-    };
-    Ok(Duration::from_secs_f64(secs))
+    probe_user::parse_duration_or(s, Duration::from_secs(1))
 }
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {

@@ -24,23 +24,14 @@ fn parse_u64(s: &str) -> Result<u64, String> {
 }
 
 /// Idle intervals: `0`, `30s`, `1m`, `10m`, `1h`, `500ms`; a bare number is minutes (as the
-/// experiment's list is written), `s` for seconds.
+/// experiment's list is written).
 pub fn parse_idle(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "m"));
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not an interval: use e.g. 0, 5s, 1m, 10m, 1h"))?;
-    let secs = match unit {
-        "ms" => n / 1e3,
-        "s" => n,
-        "m" | "min" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("unknown unit `{unit}` in `{s}`: use ms, s, m or h (a bare number is minutes)")),
-    };
-    Ok(Duration::from_secs_f64(secs))
+    crate::parse_duration_or(s, Duration::from_secs(60))
 }
 
+/// A deadline or period: a bare number is seconds.
 pub fn parse_secs(s: &str) -> Result<Duration, String> {
-    parse_idle(s).and_then(|d| if s.trim().chars().all(|c| c.is_ascii_digit() || c == '.') { s.trim().parse::<f64>().map(Duration::from_secs_f64).map_err(|e| e.to_string()) } else { Ok(d) })
+    crate::parse_duration_or(s, Duration::from_secs(1))
 }
 
 pub fn label(d: Duration) -> String {
