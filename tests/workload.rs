@@ -150,7 +150,7 @@ fn hog(cgroup: &str) {
     let mut kept: Vec<Vec<u8>> = Vec::new();
     loop {
         kept.push(vec![1u8; 1 << 20]);
-        if kept.len() % 64 == 0 {
+        if kept.len().is_multiple_of(64) {
             println!("allocated {} MiB", kept.len());
             std::io::stdout().flush().ok();
         }

@@ -102,7 +102,7 @@ enum Command {
     Doctor,
     /// Drive a running server with controlled experiments (concurrency, prompt length, idle
     /// time) and explain every change in length or latency with stop reasons and verdicts.
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
 }
 
 /// `--duration`: `30s`, `2m`, `500ms`, `1h 30m` (humantime); a bare number is seconds.
@@ -198,7 +198,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Doctor => Ok(doctor::run()),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(*args),
     }
 }
 
