@@ -599,7 +599,9 @@ fn verdicts(
         let after = lost_at.iter().find(|(t, _)| *t >= to).or(lost_at.last()).map_or(0, |x| x.1);
         after.saturating_sub(before)
     };
-    let stack_times: Vec<(u64, bool)> = rec.json.iter().filter(|v| v["type"] == "stack").map(|v| (json_u64(v, "ts_ns"), v["complete"] == true)).collect();
+    let mut stack_times: Vec<(u64, bool)> = rec.json.iter().filter(|v| v["type"] == "stack").map(|v| (json_u64(v, "ts_ns"), v["complete"] == true)).collect();
+    stack_times.sort_unstable();
+    let stacks_in = |from: u64, until: u64| &stack_times[stack_times.partition_point(|s| s.0 < from)..stack_times.partition_point(|s| s.0 <= until)];
     let sys = &r.system;
     let power_absent = (gpu_clocks.is_empty() && cpu_clocks.is_empty()).then(|| {
         let gpu = sys.gpu.absent.clone().unwrap_or_else(|| "GPU clocks not sampled".into());
@@ -662,8 +664,8 @@ fn verdicts(
             others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),
             lost_events: lost_between(from, until),
             offcpu_probe,
-            stacks: stack_times.iter().filter(|(t, _)| (from..=until).contains(t)).count() as u64,
-            stacks_cut: stack_times.iter().filter(|(t, c)| !c && (from..=until).contains(t)).count() as u64,
+            stacks: stacks_in(from, until).len() as u64,
+            stacks_cut: stacks_in(from, until).iter().filter(|s| !s.1).count() as u64,
             oom_kills: &oom_kills,
             gpu_clocks: &gpu_clocks,
             cpu_clocks: &cpu_clocks,
