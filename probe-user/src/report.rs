@@ -308,7 +308,11 @@ pub fn build(rec: &Recording) -> Report {
                 }
             }
             Some("end") => r.target.end_reason = v["reason"].as_str().map(String::from),
-            Some("request") => match serde_json::from_value::<RequestRecord>(v.clone()) {
+            Some("request") => match serde_json::from_value::<RequestRecord>({
+                let mut v = v.clone();
+                RequestRecord::upgrade_legacy(&mut v);
+                v
+            }) {
                 Ok(q) => r.requests.push(q),
                 Err(e) => r.problems.push(format!("a request record could not be read: {e}")),
             },
@@ -863,7 +867,7 @@ pub fn render(r: &Report) -> String {
             let req: String = req.chars().take(28).collect();
             let fmt = |v: Option<f64>| v.map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into());
             let finish = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.error.as_ref().map(|_| "error".to_string())).unwrap_or_else(|| "-".into());
-            let ended = if q.reset == "none" { q.closed_by.clone() } else { format!("{} ({})", q.closed_by, q.reset.replace('_', " ")) };
+            let ended = q.ended();
             let _ = writeln!(
                 o,
                 "  {:>4} {:<28} {:>6} {:>9} {:>9} {:>6} {:>7} {:<8} {:<13} {}{}",
@@ -876,7 +880,7 @@ pub fn render(r: &Report) -> String {
                 q.max_tokens.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
                 finish,
                 ended,
-                if q.complete { "yes" } else { "no" },
+                q.completeness(),
                 if q.partial { " (partly seen)" } else { "" }
             );
         }

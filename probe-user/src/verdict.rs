@@ -113,59 +113,90 @@ fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
 }
 
-/// A close after a long silence is a deadline: ≥ 1 s since the last chunk (or since arrival if
-/// none came) and ≥ 10 times the request's median gap between chunks. A reader that goes away
-/// while tokens flow closes within a gap or two.
+/// A close after a long silence is a deadline: ≥ 1 s since the last chunk before the close (or
+/// since arrival if none came) and ≥ 10 times the request's median gap between chunks. A reader
+/// that goes away while tokens flow closes within a gap or two.
 pub fn idle_before_close_ms(q: &RequestRecord) -> Option<f64> {
     let end = q.closed_ms.or(q.end_ms)?;
-    let last = q.chunk_times_ms.last().copied().unwrap_or(q.ttft_ms.filter(|_| q.chunks > 0).unwrap_or(0.0));
+    let before: Vec<f64> = q.chunk_times_ms.iter().copied().filter(|t| *t <= end).collect();
+    let last = before.last().copied().unwrap_or(0.0);
     let idle = end - last;
-    let mut gaps: Vec<f64> = q.chunk_times_ms.windows(2).map(|w| w[1] - w[0]).collect();
+    let mut gaps: Vec<f64> = before.windows(2).map(|w| w[1] - w[0]).collect();
     gaps.sort_by(|a, b| a.total_cmp(b));
     let median = gaps.get(gaps.len() / 2).copied().unwrap_or(0.0);
     (idle >= 1000.0 && idle >= 10.0 * median).then_some(idle)
 }
 
-pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
+/// Tokens the server produced: its usage or timings, else the content chunks seen.
+fn produced(q: &RequestRecord) -> u64 {
     let s = &q.stop;
-    let produced = q
-        .stop
-        .usage
+    s.usage
         .as_ref()
         .and_then(|u| u["completion_tokens"].as_u64())
         .or_else(|| s.server_timings.as_ref().and_then(|t| t["predicted_n"].as_u64().or(t["eval_count"].as_u64())))
-        .unwrap_or(q.chunks);
-    let length = s.finish_reason.as_deref() == Some("length") || s.stop_type.as_deref() == Some("limit") || s.done_reason.as_deref() == Some("length") || s.stopped.as_deref() == Some("limit");
-    let cause = if s.error.is_some() || q.status.is_some_and(|c| c >= 400) {
-        "server_error"
-    } else if !q.complete && q.closed_by == "client" {
-        if idle_before_close_ms(q).is_some() { "deadline" } else { "client_disconnect" }
-    } else if !q.complete && q.closed_by == "server_abort" {
-        "crash"
-    } else if length {
-        match q.max_tokens {
-            Some(m) if m > 0 && produced + 1 < m as u64 => "server_limit",
+        .unwrap_or(q.chunks)
+}
+
+/// The stop the server itself reported, from any server's stop fields.
+fn server_stop(q: &RequestRecord) -> Option<&'static str> {
+    let s = &q.stop;
+    let is = |v: &Option<String>, w: &str| v.as_deref() == Some(w);
+    if is(&s.finish_reason, "length") || is(&s.stop_type, "limit") || is(&s.done_reason, "length") || is(&s.stopped, "limit") {
+        return Some(match q.max_tokens {
+            Some(m) if m > 0 && produced(q) + 1 < m as u64 => "server_limit",
             _ => "requested_limit",
-        }
-    } else if s.stop_type.as_deref() == Some("word") || s.stopped.as_deref() == Some("word") {
-        "stop_word"
-    } else if s.finish_reason.as_deref() == Some("stop") || s.stop_type.as_deref() == Some("eos") || s.done_reason.as_deref() == Some("stop") || s.stopped.as_deref() == Some("eos") {
-        "eos"
+        });
+    }
+    if is(&s.stop_type, "word") || is(&s.stopped, "word") || s.stop_reason.as_ref().is_some_and(|r| r.is_string()) {
+        return Some("stop_word");
+    }
+    if is(&s.finish_reason, "stop") || is(&s.stop_type, "eos") || is(&s.done_reason, "stop") || is(&s.stopped, "eos") {
+        return Some("eos");
+    }
+    None
+}
+
+/// Why the response stopped, with the fact it rests on. Precedence: the server's own stop (an
+/// error, or its final message sent before the peer left) whoever closes the socket afterwards;
+/// then the peer's close before that message (a deadline after a long silence, else a reader
+/// that went away) or the server's own close (a crash); then what the transport shows.
+pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
+    let n = produced(q);
+    let cause = if q.stop.error.is_some() || q.status.is_some_and(|c| c >= 400) {
+        "server_error"
+    } else if q.content_complete {
+        server_stop(q).unwrap_or("unknown")
+    } else if q.closed_by == "client" {
+        if idle_before_close_ms(q).is_some() { "deadline" } else { "client_disconnect" }
+    } else if q.closed_by == "server" {
+        "crash"
     } else {
         "unknown"
     };
-    let why = match cause {
-        "server_limit" => Some(format!("stopped at length after {produced} tokens, below the requested {}: the server's context (slot or KV pool) ran out", q.max_tokens.unwrap_or(0))),
-        "requested_limit" => Some(format!("stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string()))),
-        "client_disconnect" => Some(format!("the client closed the connection after {} chunks, before the response ended", q.chunks)),
+    let mut why = match cause {
+        "eos" => Some(format!("the server stopped at EOS (end of its answer) after {n} tokens")),
+        "stop_word" => Some(format!("the server stopped at a stop word after {n} tokens")),
+        "server_limit" => Some(format!("stopped at length after {n} tokens, below the requested {}: the server's context (slot or KV pool) ran out", q.max_tokens.unwrap_or(0))),
+        "requested_limit" => Some(format!("the server stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string()))),
+        "client_disconnect" => Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks)),
         "deadline" => Some(format!(
-            "the peer (client or gateway) closed after {:.1} s without a chunk{}: a timeout, not a reader that went away",
+            "the peer (client or gateway) closed after {:.1} s without a chunk{}, before the server's final message: a timeout, not a reader that went away",
             idle_before_close_ms(q).unwrap_or(0.0) / 1e3,
             if q.chunks == 0 { " (none had come)" } else { "" }
         )),
+        "crash" => Some("the server closed the connection before its final message".into()),
         "server_error" => Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default())),
         _ => None,
     };
+    // The transport fact, when it differs from the server's word.
+    if q.content_complete && !q.transport_complete && q.closed_by != "open" {
+        let who = if q.closed_by == "client" { "the client" } else { "the server" };
+        let line = format!("{who} then closed before the end of the HTTP response, which is harmless: the server's final message had been sent");
+        why = Some(match why {
+            Some(w) => format!("{w}; {line}"),
+            None => line,
+        });
+    }
     (cause.to_string(), why)
 }
 
@@ -181,7 +212,7 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     let (mut stop, mut why) = stop_cause(q);
     if let Some(arrival) = q.arrival_ms.map(|_| w.arrival_ns) {
         let end = arrival + (q.end_ms.unwrap_or(0.0) * 1e6) as u64 + 2_000_000_000;
-        if !q.complete && w.oom_kills.iter().any(|&t| t >= arrival && (q.closed_by == "open" || t <= end)) {
+        if !q.content_complete && w.oom_kills.iter().any(|&t| t >= arrival && (q.closed_by == "open" || t <= end)) {
             stop = "oom".into();
             why = Some("the kernel's OOM killer killed the server process while it served this request".into());
         }
@@ -309,7 +340,7 @@ mod tests {
     use crate::stream::payload::Stop;
 
     fn req(ttft: f64) -> RequestRecord {
-        RequestRecord { ttft_ms: Some(ttft), complete: true, closed_by: "server".into(), status: Some(200), ..Default::default() }
+        RequestRecord { ttft_ms: Some(ttft), content_complete: true, transport_complete: true, closed_by: "none".into(), status: Some(200), ..Default::default() }
     }
 
     #[test]
@@ -376,8 +407,9 @@ mod tests {
     fn an_oom_kill_in_the_window_is_the_stop_cause() {
         let mut q = req(10.0);
         q.arrival_ms = Some(0.0);
-        q.complete = false;
-        q.closed_by = "server_abort".into();
+        q.content_complete = false;
+        q.transport_complete = false;
+        q.closed_by = "server".into();
         q.end_ms = Some(500.0);
         let w = Window { arrival_ns: 1_000_000_000, oom_kills: &[1_400_000_000], ..Default::default() };
         assert_eq!(attribute(&q, &w).stop_cause, "oom");
@@ -388,7 +420,8 @@ mod tests {
     #[test]
     fn silence_before_the_close_is_a_deadline() {
         let mut q = req(10.0);
-        q.complete = false;
+        q.content_complete = false;
+        q.transport_complete = false;
         q.closed_by = "client".into();
         q.chunks = 4;
         q.chunk_times_ms = vec![10.0, 20.0, 30.0, 40.0];
@@ -412,7 +445,8 @@ mod tests {
         q.stop = Stop { finish_reason: Some("stop".into()), ..Default::default() };
         assert_eq!(stop_cause(&q).0, "eos");
         let mut c = req(10.0);
-        c.complete = false;
+        c.content_complete = false;
+        c.transport_complete = false;
         c.closed_by = "client".into();
         assert_eq!(stop_cause(&c).0, "client_disconnect");
         c.chunk_times_ms = vec![10.0];
@@ -421,5 +455,88 @@ mod tests {
         let mut e = req(10.0);
         e.status = Some(400);
         assert_eq!(stop_cause(&e).0, "server_error");
+    }
+
+    /// A reader that closes right after the server's final message (before `[DONE]` or the
+    /// terminal chunk): the server's stop stands, and the evidence says both facts.
+    #[test]
+    fn the_servers_stop_outranks_a_close_after_it() {
+        for (stop, want) in [
+            (Stop { finish_reason: Some("stop".into()), ..Default::default() }, "eos"),
+            (Stop { stop_type: Some("word".into()), done_marker: true, ..Default::default() }, "stop_word"),
+            (Stop { finish_reason: Some("stop".into()), stop_reason: Some(serde_json::json!("###")), ..Default::default() }, "stop_word"),
+            (Stop { stop_type: Some("limit".into()), truncated: Some(true), done_marker: true, ..Default::default() }, "requested_limit"),
+            (Stop { done_reason: Some("stop".into()), done_marker: true, ..Default::default() }, "eos"),
+            (Stop { stopped: Some("eos".into()), done_marker: true, ..Default::default() }, "eos"),
+        ] {
+            let mut q = req(10.0);
+            q.stop = stop;
+            q.transport_complete = false;
+            q.closed_by = "client".into();
+            q.reset = "by_client".into();
+            q.chunks = 11;
+            let (cause, why) = stop_cause(&q);
+            assert_eq!(cause, want, "{:?}", q.stop);
+            let why = why.unwrap();
+            assert!(why.contains("the client then closed before the end of the HTTP response, which is harmless"), "{why}");
+        }
+        // The same stop fields sent after the peer had left do not count (content_complete is
+        // false: the stream tracker compares the final message with the peer's FIN).
+        let mut q = req(10.0);
+        q.stop = Stop { finish_reason: Some("stop".into()), ..Default::default() };
+        q.content_complete = false;
+        q.transport_complete = false;
+        q.closed_by = "client".into();
+        q.chunk_times_ms = vec![5.0, 6.0, 7.0];
+        q.closed_ms = Some(7.5);
+        assert_eq!(stop_cause(&q).0, "client_disconnect");
+    }
+
+    #[test]
+    fn precedence_error_then_server_then_peer_then_transport() {
+        // An error outranks everything, even a close before it.
+        let mut q = req(10.0);
+        q.stop.error = Some(serde_json::json!({"code": 500}));
+        q.content_complete = false;
+        q.closed_by = "client".into();
+        assert_eq!(stop_cause(&q).0, "server_error");
+        // The server's word (content complete) outranks the peer's close and the server's own close.
+        let mut q = req(10.0);
+        q.stop.finish_reason = Some("length".into());
+        q.max_tokens = Some(16);
+        q.chunks = 16;
+        q.transport_complete = false;
+        q.closed_by = "server".into();
+        assert_eq!(stop_cause(&q).0, "requested_limit");
+        // Without it: the peer's close...
+        q.content_complete = false;
+        q.closed_by = "client".into();
+        assert_eq!(stop_cause(&q).0, "client_disconnect");
+        // ...or the server's own close before its final message...
+        q.closed_by = "server".into();
+        assert_eq!(stop_cause(&q).0, "crash");
+        // ...then the transport: still open at the end of the trace says nothing.
+        q.closed_by = "open".into();
+        assert_eq!(stop_cause(&q).0, "unknown");
+        // A response whose framing ended without stop fields (not a generation) is not blamed.
+        let mut g = req(1.0);
+        g.stop = Stop::default();
+        assert_eq!(stop_cause(&g).0, "unknown");
+        // A whole response, transport complete: the evidence has no transport remark.
+        let mut e = req(1.0);
+        e.stop.finish_reason = Some("stop".into());
+        assert!(!stop_cause(&e).1.unwrap().contains("harmless"));
+    }
+
+    #[test]
+    fn chunks_sent_after_the_peer_left_do_not_hide_a_deadline() {
+        // A gateway closed after 2 s of silence; the server's next chunk went out after it.
+        let mut q = req(10.0);
+        q.content_complete = false;
+        q.transport_complete = false;
+        q.closed_by = "client".into();
+        q.chunk_times_ms = vec![10.0, 20.0, 2600.0];
+        q.closed_ms = Some(2030.0);
+        assert_eq!(stop_cause(&q).0, "deadline");
     }
 }

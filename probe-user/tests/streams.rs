@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use probe_common::{
     EventHeader, EventKind,
-    sock::{SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_LAST_ACK},
+    sock::{SOCK_RESET_RECEIVED, SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_LAST_ACK},
     stream::{DIR_RECV, DIR_SEND, DataEvent},
 };
 use probe_user::stream::{RequestRecord, Tracker};
@@ -23,6 +23,10 @@ fn run(name: &str) -> Vec<RequestRecord> {
         let ts = start + (s["t_ms"].as_f64().unwrap() * 1e6) as u64;
         let hdr = |kind: EventKind| EventHeader { kind: kind as u32, pid: 100, tid: 101, cpu: 0, ts_ns: ts };
         if let Some(what) = s["sock"].as_str() {
+            if what == "peer_reset" {
+                t.on_sock(&SockEvent { hdr: hdr(EventKind::Sock), skaddr: SK, what: SOCK_RESET_RECEIVED, ..Default::default() });
+                continue;
+            }
             let (old, new) = match what {
                 "peer_fin" => (TCP_ESTABLISHED, TCP_CLOSE_WAIT),
                 "close" => (TCP_LAST_ACK, TCP_CLOSE),
@@ -36,6 +40,7 @@ fn run(name: &str) -> Vec<RequestRecord> {
         let mut ev = DataEvent {
             hdr: hdr(EventKind::Data),
             sk: SK,
+            enter_ns: ts,
             len: data.len() as u32,
             captured: cap as u32,
             fd: 7,
@@ -72,7 +77,7 @@ fn ollama_generate_ndjson_stops_at_length() {
     assert_eq!(q.stop.done_reason.as_deref(), Some("length"));
     assert_eq!(q.stop.server_timings.as_ref().unwrap()["load_duration"], 2900000000u64);
     assert_eq!(q.ttft_ms, Some(3200.0));
-    assert!(q.complete && q.closed_by == "server");
+    assert!(q.content_complete && q.transport_complete && q.closed_by == "none", "{q:?}");
 }
 
 #[test]
@@ -80,8 +85,9 @@ fn ollama_chat_client_gone_mid_stream() {
     let r = run("ollama-chat-client-gone");
     let q = &r[0];
     assert_eq!(q.chunks, 2);
-    assert!(!q.complete);
+    assert!(!q.content_complete && !q.transport_complete);
     assert_eq!(q.closed_by, "client");
+    assert_eq!(probe_user::verdict::stop_cause(q).0, "client_disconnect");
     assert_eq!(q.stop.done_reason, None);
 }
 
@@ -107,5 +113,30 @@ fn vllm_midstream_error_and_a_cut_write() {
     assert!(q.bytes_not_captured > 900);
     assert_eq!(q.messages_unread, 1, "the message in the cut write is counted, not guessed");
     assert_eq!(q.chunks, 1);
-    assert!(q.complete);
+    assert!(q.transport_complete);
+}
+
+/// An SDK loop that breaks at the final event: the client closes before `[DONE]` and the
+/// terminal chunk; the server's `[DONE]` write draws a reset. The server's stop stands.
+#[test]
+fn reader_that_leaves_at_the_final_event_keeps_the_servers_stop() {
+    let r = run("llama-chat-reader-leaves-at-final");
+    let q = &r[0];
+    assert!(q.content_complete && !q.transport_complete, "{q:?}");
+    assert_eq!((q.closed_by.as_str(), q.reset.as_str()), ("client", "by_client"));
+    assert_eq!(q.stop.finish_reason.as_deref(), Some("stop"));
+    let (cause, why) = probe_user::verdict::stop_cause(q);
+    assert_eq!(cause, "eos");
+    assert!(why.unwrap().contains("harmless"));
+}
+
+/// A gateway that gives up after 2.5 s of silence: the server's final message goes out after
+/// the gateway's FIN (the first write after a FIN succeeds), so it does not count.
+#[test]
+fn a_final_message_after_the_peer_left_is_a_deadline() {
+    let r = run("llama-chat-gateway-deadline");
+    let q = &r[0];
+    assert!(!q.content_complete, "{q:?}");
+    assert_eq!(q.stop.finish_reason.as_deref(), Some("stop"), "the stop fields are kept as seen");
+    assert_eq!(probe_user::verdict::stop_cause(q).0, "deadline");
 }

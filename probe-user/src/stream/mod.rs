@@ -58,13 +58,23 @@ pub struct RequestRecord {
     pub chunk_gaps: Option<Gaps>,
     #[serde(flatten)]
     pub stop: Stop,
-    /// How it ended: "server" (response complete), "client" (the peer closed or reset first),
-    /// "server_abort" (the server closed before finishing), "open" (still open when the trace ended).
+    /// The transport fact: who closed the connection while this request was its current one.
+    /// "client" or "server" (whichever end sent the first FIN or reset), "none" (the response
+    /// ended and the connection stayed open: keep-alive), "open" (in flight when the trace ended).
     pub closed_by: String,
     /// "none", "by_client" or "by_server".
     pub reset: String,
-    /// The whole response was seen (terminal chunk, full length, or the close that ends it).
-    pub complete: bool,
+    /// The server sent its final message (a stop reason, `[DONE]`, `"stop"/"done": true`, an
+    /// error, or a body without stream messages that ended) before its peer closed.
+    #[serde(default)]
+    pub content_complete: bool,
+    /// The HTTP framing ended cleanly: terminal chunk, full Content-Length, or the close that
+    /// ends a body without a length.
+    #[serde(default)]
+    pub transport_complete: bool,
+    /// When the server's final message was sent, ms after arrival.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_ms: Option<f64>,
     /// probe attached while this request was already in flight: its start was not seen.
     pub partial: bool,
     pub request_bytes: u64,
@@ -85,6 +95,46 @@ pub struct RequestRecord {
     /// Why it was slow and why it stopped (added by the report).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verdict: Option<crate::verdict::Verdict>,
+}
+
+impl RequestRecord {
+    /// How the connection ended for this request: who closed, and a reset if there was one.
+    pub fn ended(&self) -> String {
+        if self.reset == "none" { self.closed_by.clone() } else { format!("{} ({})", self.closed_by, self.reset.replace('_', " ")) }
+    }
+
+    /// The two completeness facts in one word: "yes" (both), "content" (the server's final
+    /// message, then the framing was cut), "transport" (framing ended without the server's
+    /// final message), "no".
+    pub fn completeness(&self) -> &'static str {
+        match (self.content_complete, self.transport_complete) {
+            (true, true) => "yes",
+            (true, false) => "content",
+            (false, true) => "transport",
+            (false, false) => "no",
+        }
+    }
+
+    /// A record written by a probe before the two completeness fields (it had one `complete`
+    /// and called closes "server" / "server_abort"): read it with today's words.
+    pub fn upgrade_legacy(v: &mut Value) {
+        let Some(o) = v.as_object_mut() else { return };
+        if o.contains_key("transport_complete") {
+            return;
+        }
+        let complete = o.remove("complete").and_then(|c| c.as_bool()).unwrap_or(false);
+        o.insert("transport_complete".into(), Value::Bool(complete));
+        // Stop fields in a record cut short were most likely read before the close.
+        let said = ["finish_reason", "stop_type", "stopped", "done_reason", "error"].iter().any(|k| o.get(*k).is_some_and(|x| !x.is_null())) || o.get("done_marker") == Some(&Value::Bool(true));
+        o.insert("content_complete".into(), Value::Bool(complete || said));
+        let by = match o.get("closed_by").and_then(Value::as_str) {
+            Some("server") => "none",
+            Some("server_abort") => "server",
+            Some(other) => other,
+            None => "open",
+        };
+        o.insert("closed_by".into(), Value::String(by.into()));
+    }
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -109,6 +159,9 @@ struct Pending {
     splitter: Option<Splitter>,
     content_type: String,
     response_started: bool,
+    /// When the server began sending its final message (syscall entry, ns): a peer that closed
+    /// after this left after the server had stopped.
+    final_at: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -126,6 +179,8 @@ struct Conn {
     closer: Option<&'static str>,
     /// When the first close or reset was seen (ns).
     closed_at: Option<u64>,
+    /// When the peer's FIN or reset was first seen (ns).
+    peer_closed_at: Option<u64>,
     reset: &'static str,
     /// The tail record expected for the last large call: (direction, bytes, its entry time).
     expect_tail: Option<(u8, u32, u64)>,
@@ -180,6 +235,7 @@ impl Tracker {
             seen_any: false,
             closer: None,
             closed_at: None,
+            peer_closed_at: None,
             reset: "none",
             expect_tail: None,
         });
@@ -189,16 +245,16 @@ impl Tracker {
             match conn.expect_tail.take() {
                 Some((dir, n, enter)) if dir == ev.dir && enter == ev.enter_ns => {
                     let missing = (n as u64).saturating_sub(payload.len() as u64);
-                    Self::feed(conn, dir, payload, missing, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+                    Self::feed(conn, dir, payload, missing, (ts, ev.enter_ns), &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
                 }
-                Some((dir, n, _)) => Self::feed(conn, dir, &[], n as u64, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done),
+                Some((dir, n, _)) => Self::feed(conn, dir, &[], n as u64, (ts, ev.enter_ns), &mut self.next_id, self.start_ns, self.keep_text, &mut self.done),
                 None => {}
             }
             return;
         }
         if let Some((dir, n, _)) = conn.expect_tail.take() {
             // The tail never came (lost): its bytes are a gap.
-            Self::feed(conn, dir, &[], n as u64, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+            Self::feed(conn, dir, &[], n as u64, (ts, ev.enter_ns), &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
         }
         let first = !conn.seen_any;
         conn.seen_any = true;
@@ -215,23 +271,26 @@ impl Tracker {
         }
         let tail = tail_len(ev.syscall, ev.len, ev.captured);
         let missing = ev.len.saturating_sub(ev.captured + tail) as u64;
-        Self::feed(conn, ev.dir, payload, missing, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+        Self::feed(conn, ev.dir, payload, missing, (ts, ev.enter_ns), &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
         if tail > 0 {
             conn.expect_tail = Some((ev.dir, tail, ev.enter_ns));
         }
     }
 
-    /// Bytes that moved in direction `dir`, then `missing` bytes that were not captured.
+    /// Bytes that moved in direction `dir`, then `missing` bytes that were not captured; `at` is
+    /// (the call's return, its entry) in ns.
     #[allow(clippy::too_many_arguments)]
-    fn feed(conn: &mut Conn, dir: u8, payload: &[u8], missing: u64, ts: u64, next_id: &mut u64, start_ns: u64, keep_text: bool, done: &mut Vec<RequestRecord>) {
+    fn feed(conn: &mut Conn, dir: u8, payload: &[u8], missing: u64, at: (u64, u64), next_id: &mut u64, start_ns: u64, keep_text: bool, done: &mut Vec<RequestRecord>) {
         let Some(req_dir) = conn.req_dir else { return };
         let role = if req_dir == DIR_RECV { "server" } else { "client" };
         if dir == req_dir {
-            Self::request_bytes(conn, payload, missing, ts, role, next_id, start_ns);
+            Self::request_bytes(conn, payload, missing, at.0, role, next_id, start_ns);
         } else {
-            let finished = Self::response_bytes(conn, payload, missing, ts, role, next_id, keep_text);
+            let finished = Self::response_bytes(conn, payload, missing, at, role, next_id, keep_text);
             for p in finished {
-                done.push(finalize(p, conn, "server"));
+                // The response ended while the connection stayed open (unless a close was seen).
+                let closer = conn.closer.unwrap_or("none");
+                done.push(finalize(p, conn, closer));
             }
         }
     }
@@ -240,7 +299,7 @@ impl Tracker {
     fn flush_tail(&mut self, sk: u64, ts: u64) {
         let Some(conn) = self.conns.get_mut(&sk) else { return };
         if let Some((dir, n, _)) = conn.expect_tail.take() {
-            Self::feed(conn, dir, &[], n as u64, ts, &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+            Self::feed(conn, dir, &[], n as u64, (ts, ts), &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
         }
     }
 
@@ -256,7 +315,7 @@ impl Tracker {
             ..Default::default()
         };
         *id += 1;
-        Pending { rec, arrival_ns: None, body: Vec::new(), body_cut: false, splitter: None, content_type: String::new(), response_started: false }
+        Pending { rec, arrival_ns: None, body: Vec::new(), body_cut: false, splitter: None, content_type: String::new(), response_started: false, final_at: None }
     }
 
     fn request_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, start_ns: u64) {
@@ -372,7 +431,8 @@ impl Tracker {
         }
     }
 
-    fn response_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, keep_text: bool) -> Vec<Pending> {
+    fn response_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, at: (u64, u64), role: &str, id: &mut u64, keep_text: bool) -> Vec<Pending> {
+        let (ts, sent) = at;
         let mut finished = Vec::new();
         // The response belongs to the oldest request still waiting for one.
         if conn.pending.is_empty() {
@@ -421,7 +481,8 @@ impl Tracker {
                             if done {
                                 conn.resp = Side::Head(Vec::new(), 0);
                                 if let Some(mut p) = conn.pending.pop_front() {
-                                    p.rec.complete = true;
+                                    p.rec.transport_complete = true;
+                                    p.final_at.get_or_insert(sent);
                                     end(&mut p, ts);
                                     finished.push(p);
                                 }
@@ -441,12 +502,13 @@ impl Tracker {
                         return finished;
                     };
                     data = &data[used..];
-                    messages(p, &out, ts, keep_text, false);
+                    messages(p, &out, (ts, sent), keep_text, false);
                     if body.done {
-                        messages(p, &[], ts, keep_text, true);
+                        messages(p, &[], (ts, sent), keep_text, true);
                         conn.resp = Side::Head(Vec::new(), 0);
                         if let Some(mut p) = conn.pending.pop_front() {
-                            p.rec.complete = true;
+                            p.rec.transport_complete = true;
+                            p.final_at.get_or_insert(sent);
                             end(&mut p, ts);
                             finished.push(p);
                         }
@@ -483,11 +545,15 @@ impl Tracker {
         let Some(conn) = self.conns.get_mut(&ev.skaddr) else { return };
         let client_side = conn.req_dir == Some(DIR_RECV);
         // "peer" is the other end; for a server that is the client.
-        let (peer_word, local_word) = if client_side { ("client", "server_abort") } else { ("server_abort", "client") };
+        let (peer_word, local_word) = if client_side { ("client", "server") } else { ("server", "client") };
         let closing = matches!(ev.what, SOCK_RESET_RECEIVED | SOCK_RESET_SENT)
             || (ev.what == SOCK_STATE && matches!(ev.newstate, TCP_CLOSE_WAIT | TCP_FIN_WAIT1 | TCP_CLOSE));
         if closing {
             conn.closed_at.get_or_insert(ev.hdr.ts_ns);
+        }
+        let peer_left = ev.what == SOCK_RESET_RECEIVED || (ev.what == SOCK_STATE && matches!((ev.oldstate, ev.newstate), (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_CLOSE_WAIT)));
+        if peer_left {
+            conn.peer_closed_at.get_or_insert(ev.hdr.ts_ns);
         }
         match ev.what {
             SOCK_RESET_RECEIVED => {
@@ -515,13 +581,22 @@ impl Tracker {
                 if ev.newstate == TCP_CLOSE {
                     let ts = ev.hdr.ts_ns;
                     if let Some(mut conn) = self.conns.remove(&ev.skaddr) {
-                        let closer = conn.closer.unwrap_or("server_abort");
+                        // A close with no FIN or reset seen first: the local end closed.
+                        let closer = conn.closer.unwrap_or(local_word);
                         while let Some(mut p) = conn.pending.pop_front() {
                             if let Side::Body(b) = &mut conn.resp {
                                 b.close();
                                 if b.done && p.response_started {
-                                    messages(&mut p, &[], ts, self.keep_text, true);
-                                    p.rec.complete = true;
+                                    // A body that runs until the close: the close ends it.
+                                    messages(&mut p, &[], (ts, ts), self.keep_text, true);
+                                    p.rec.transport_complete = true;
+                                    p.final_at.get_or_insert(ts);
+                                } else if let Some(s) = p.splitter.as_mut() {
+                                    // What was buffered is read for stop fields (a last message
+                                    // without its blank line).
+                                    let mut msgs = Vec::new();
+                                    s.finish(&mut msgs);
+                                    apply_msgs(&mut p, msgs, (ts, ts), self.keep_text);
                                 }
                             }
                             let rec = finalize(p, &conn, closer);
@@ -547,7 +622,7 @@ impl Tracker {
                 if let Some(s) = p.splitter.as_mut() {
                     let mut msgs = Vec::new();
                     s.finish(&mut msgs);
-                    apply_msgs(&mut p, msgs, 0, self.keep_text);
+                    apply_msgs(&mut p, msgs, (0, 0), self.keep_text);
                 }
                 let rec = finalize(p, &conn, closer);
                 self.done.push(rec);
@@ -572,8 +647,9 @@ fn end(p: &mut Pending, ts: u64) {
     }
 }
 
-/// Feed response body bytes to the message splitter; `last` when the body ended.
-fn messages(p: &mut Pending, body: &[u8], ts: u64, keep_text: bool, last: bool) {
+/// Feed response body bytes to the message splitter; `last` when the body ended. `at` is (the
+/// call's return, its entry), ns.
+fn messages(p: &mut Pending, body: &[u8], at: (u64, u64), keep_text: bool, last: bool) {
     if p.splitter.is_none() {
         if body.is_empty() && !last {
             return;
@@ -587,10 +663,11 @@ fn messages(p: &mut Pending, body: &[u8], ts: u64, keep_text: bool, last: bool) 
             s.finish(&mut msgs);
         }
     }
-    apply_msgs(p, msgs, ts, keep_text);
+    apply_msgs(p, msgs, at, keep_text);
 }
 
-fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, ts: u64, keep_text: bool) {
+fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, at: (u64, u64), keep_text: bool) {
+    let (ts, sent) = at;
     for m in msgs {
         match m {
             Msg::Json(v) => {
@@ -608,14 +685,20 @@ fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, ts: u64, keep_text: bool) {
                 p.rec.messages_partly_read += 1;
             }
         }
+        if p.final_at.is_none() && p.rec.stop.is_final() && ts != 0 {
+            p.final_at = Some(sent);
+        }
     }
 }
 
 fn finalize(mut p: Pending, conn: &Conn, closed_by: &str) -> RequestRecord {
-    if let (Some(c), Some(a)) = (conn.closed_at, p.arrival_ns) {
-        p.rec.closed_ms = Some(c.saturating_sub(a) as f64 / 1e6);
-    }
-    p.rec.closed_by = if p.rec.complete { "server".into() } else { closed_by.into() };
+    let since = |t: u64| p.arrival_ns.map(|a| t.saturating_sub(a) as f64 / 1e6);
+    p.rec.closed_ms = conn.closed_at.and_then(since);
+    p.rec.final_ms = p.final_at.and_then(since);
+    // The server's word counts when it was sent before the peer left: a peer that closed first
+    // (a reader that went away, a gateway's deadline) never got it, whatever was sent after.
+    p.rec.content_complete = p.final_at.is_some_and(|t| conn.peer_closed_at.is_none_or(|c| t <= c));
+    p.rec.closed_by = closed_by.into();
     p.rec.reset = conn.reset.into();
     p.rec.ttft_ms = p.rec.chunk_times_ms.first().copied();
     p.rec.chunk_gaps = gaps(&p.rec.chunk_times_ms);

@@ -287,6 +287,13 @@ pub struct Stop {
     pub error: Option<Value>,
 }
 
+impl Stop {
+    /// The server said it stopped: a stop reason of any server, a terminal marker or an error.
+    pub fn is_final(&self) -> bool {
+        self.finish_reason.is_some() || self.stop_type.is_some() || self.stopped.is_some() || self.done_reason.is_some() || self.done_marker || self.error.is_some()
+    }
+}
+
 fn s(v: &Value) -> Option<String> {
     v.as_str().map(String::from)
 }
