@@ -19,7 +19,7 @@ pip_get() { # name version kind -> prints the file path
   found="$(ls "$CACHE/dl/$norm-$version"[.-]* 2>/dev/null | grep -v '\.part$' | head -n1 || true)"
   if [ -z "$found" ]; then
     say "downloading $name $version ($kind) with pip"
-    local fmt=(--no-binary :all:); [ "$kind" = wheel ] && fmt=(--only-binary :all:)
+    local fmt=(--no-binary "$name"); [ "$kind" = wheel ] && fmt=(--only-binary :all:)
     python3 -m pip download -q --no-deps "${fmt[@]}" -d "$CACHE/dl" "$name==$version" >&2 \
       || die "pip download $name==$version failed (check your pip index or proxy configuration)"
     found="$(ls "$CACHE/dl/$norm-$version"[.-]* 2>/dev/null | head -n1 || true)"
