@@ -29,6 +29,7 @@ fi
 need=()
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v chromium >/dev/null || need+=(chromium)
+command -v curl >/dev/null || need+=(curl)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     say "installing ${need[*]} (Debian packages, for the tests)"
@@ -38,6 +39,18 @@ if [ ${#need[@]} -gt 0 ]; then
   else
     say "warning: ${need[*]} missing and not installable here (need root and apt-get): the gateway and HTML tests will fail"
   fi
+fi
+
+# Test-only Python clients for the client matrix (tests/clients/client.py): the openai SDK, httpx
+# and requests, from PyPI through pip's configured index, in their own venv.
+clients="$CACHE/clients"
+want_clients="openai==3.57.0 httpx==0.28.1 requests==2.34.2"
+if [ "$(cat "$clients/.stamp" 2>/dev/null)" != "$want_clients" ]; then
+  say "installing the test clients ($want_clients) into $clients"
+  python3 -m venv "$clients" || die "cannot create a Python venv in $clients"
+  # shellcheck disable=SC2086
+  "$clients/bin/pip" install -q $want_clients || die "pip could not install $want_clients"
+  echo "$want_clients" > "$clients/.stamp"
 fi
 
 # bpf-linker must use the same LLVM as the nightly rustc. Rebuild when nightly changes.

@@ -58,6 +58,8 @@ struct State {
     capture_text: bool,
     streams: stream::Tracker,
     unwinders: Unwinders,
+    /// Kernel addresses named while they mean something (see crate::ksyms).
+    ksyms: crate::ksyms::Resolver,
     /// Off-CPU stacks waiting for their thread to run again (by tid).
     offcpu: HashMap<u32, serde_json::Value>,
     root: u32,
@@ -141,11 +143,15 @@ impl State {
             probe_common::stack::STACK_FAULT => "fault",
             _ => "io",
         };
-        let v = json!({
+        if let Some(names) = self.ksyms.learn(&kernel) {
+            self.writer.json(&names)?;
+        }
+        let mut v = json!({
             "type": "stack", "what": what, "pid": s.hdr.pid, "tid": s.hdr.tid, "ts_ns": s.hdr.ts_ns,
             "user": u.frames, "kernel": kernel, "complete": u.complete, "addr": s.addr, "state": s.state,
         });
         if s.what == probe_common::stack::STACK_OFFCPU {
+            v["wait"] = json!(crate::ksyms::wait_class(&self.ksyms.names(&kernel)));
             if let Some(old) = self.offcpu.insert(s.hdr.tid, v) {
                 self.writer.json(&old)?;
             }
@@ -240,6 +246,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         capture_text: opts.capture_text,
         streams: stream::Tracker::new(start_ns, opts.capture_text),
         unwinders: Unwinders::default(),
+        ksyms: crate::ksyms::Resolver::default(),
         offcpu: HashMap::new(),
         root: opts.pid,
         root_exited: false,

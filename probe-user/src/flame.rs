@@ -1,11 +1,10 @@
 //! Flamegraphs from a recording: stack records (frames as module + file offset, kernel
-//! addresses) are symbolized with blazesym (ELF symbols, demangled C++/Rust; kernel via
-//! kallsyms), folded (`root;caller;callee weight`, flamegraph.pl / speedscope format) and
+//! addresses) are symbolized with blazesym (ELF symbols, demangled C++/Rust; kernel names
+//! from the recording, see crate::ksyms), folded (`root;caller;callee weight`, flamegraph.pl / speedscope format) and
 //! rendered to SVG with inferno.
 use std::collections::{BTreeMap, HashMap};
 
-use blazesym::symbolize::{Input, Symbolized, Symbolizer, source::{Elf, Kernel, Source}};
-use serde_json::Value;
+use blazesym::symbolize::{Input, Symbolized, Symbolizer, source::{Elf, Source}};
 
 use crate::recording::Recording;
 
@@ -63,34 +62,11 @@ pub struct Window {
     pub to_ns: Option<u64>,
 }
 
-/// What a wait was, from the kernel stack at the switch.
-pub fn wait_class(kernel: &[String]) -> &'static str {
-    let has = |s: &str| kernel.iter().any(|f| f.contains(s));
-    if has("try_to_free_pages") || has("shrink_") || has("compact_zone") || has("__alloc_pages_slowpath") || has("mem_cgroup_handle_over_high") || has("reclaim") {
-        "[memory wait]"
-    } else if has("io_schedule") || has("folio_wait") || has("blk_") || has("bio_") || has("wait_on_page") {
-        if has("page_fault") || has("filemap_fault") || has("handle_mm_fault") {
-            "[page-fault wait]"
-        } else {
-            "[io wait]"
-        }
-    } else if has("futex") {
-        "[lock wait]"
-    } else if has("nanosleep") {
-        "[sleep]"
-    } else if has("ep_poll") || has("do_sys_poll") || has("do_select") || has("poll_schedule") {
-        "[poll wait]"
-    } else if has("sk_wait") || has("inet_csk_accept") || has("wait_woken") {
-        "[network wait]"
-    } else {
-        "[other wait]"
-    }
-}
-
 /// Names for (module, file offset) and kernel addresses, resolved once per recording.
 pub struct Symbols {
     user: HashMap<(i64, u64), String>,
-    kernel: HashMap<u64, String>,
+    /// Kernel names and wait classes come from the recording (see crate::ksyms).
+    pub kernel: crate::ksyms::Names,
 }
 
 fn sym_name(s: &Symbolized<'_>) -> Option<String> {
@@ -98,24 +74,6 @@ fn sym_name(s: &Symbolized<'_>) -> Option<String> {
         Symbolized::Sym(sym) => Some(sym.name.to_string()),
         Symbolized::Unknown(_) => None,
     }
-}
-
-/// Kernel symbol names for the kernel addresses of the off-CPU stacks (for wait classes).
-pub fn offcpu_kernel_names(rec: &Recording) -> HashMap<u64, String> {
-    let mut addrs: Vec<u64> = rec
-        .json
-        .iter()
-        .filter(|v| v["type"] == "stack" && v["what"] == "offcpu")
-        .flat_map(|v| v["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect::<Vec<_>>())
-        .collect();
-    addrs.sort_unstable();
-    addrs.dedup();
-    if addrs.is_empty() {
-        return HashMap::new();
-    }
-    let symbolizer = Symbolizer::new();
-    let names = symbolizer.symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(&addrs)).unwrap_or_default();
-    addrs.iter().enumerate().filter_map(|(i, a)| Some((*a, sym_name(names.get(i)?)?))).collect()
 }
 
 impl Symbols {
@@ -127,14 +85,12 @@ impl Symbols {
             .filter_map(|v| Some((v["id"].as_i64()?, v["path"].as_str()?.to_string())))
             .collect();
         let mut wanted: BTreeMap<i64, Vec<u64>> = BTreeMap::new();
-        let mut kaddrs: Vec<u64> = Vec::new();
         for v in rec.json.iter().filter(|v| v["type"] == "stack") {
             for f in v["user"].as_array().into_iter().flatten() {
                 if let (Some(id), Some(off)) = (f[0].as_i64(), f[1].as_u64()) {
                     wanted.entry(id).or_default().push(off);
                 }
             }
-            kaddrs.extend(v["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64));
         }
         let symbolizer = Symbolizer::new();
         let mut user = HashMap::new();
@@ -149,16 +105,7 @@ impl Symbols {
                 user.insert((id, *off), name);
             }
         }
-        kaddrs.sort_unstable();
-        kaddrs.dedup();
-        let mut kernel = HashMap::new();
-        if !kaddrs.is_empty() {
-            let names = symbolizer.symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(&kaddrs)).unwrap_or_default();
-            for (i, a) in kaddrs.iter().enumerate() {
-                kernel.insert(*a, names.get(i).and_then(sym_name).unwrap_or_else(|| format!("{a:#x}")));
-            }
-        }
-        Symbols { user, kernel }
+        Symbols { user, kernel: crate::ksyms::Names::of(rec) }
     }
 
     fn user(&self, id: i64, off: u64) -> String {
@@ -179,15 +126,9 @@ pub fn folded(rec: &Recording, syms: &Symbols, kind: Kind, window: Window) -> BT
         }
         let pid = v["pid"].as_u64().unwrap_or(0);
         let mut frames = vec![if pid == root_pid { root_comm.clone() } else { format!("pid {pid}") }];
-        let kernel: Vec<String> = v["kernel"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_u64)
-            .map(|a| syms.kernel.get(&a).cloned().unwrap_or_else(|| format!("{a:#x}")))
-            .collect();
+        let kernel: Vec<String> = crate::ksyms::kernel_addrs(v).into_iter().map(|a| syms.kernel.frame(a)).collect();
         if kind == Kind::Offcpu {
-            frames.push(wait_class(&kernel).to_string());
+            frames.push(syms.kernel.wait_of(v).to_string());
         }
         let user: Vec<String> = v["user"]
             .as_array()

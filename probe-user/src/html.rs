@@ -400,7 +400,7 @@ pub fn flamegraphs(rec: &Recording, dir: Option<&Path>) -> Vec<(String, String)>
 /// Write `dir/report.html` for a recording already read and analysed (what `probe trace` has
 /// at its end); returns its path.
 pub fn write_for(rec: &Recording, report: &Report, dir: &Path) -> anyhow::Result<PathBuf> {
-    let trace = crate::timeline::build(rec, &flame::offcpu_kernel_names(rec));
+    let trace = crate::timeline::build(rec, &crate::ksyms::Names::of(rec));
     let page = render(report, &trace, &flamegraphs(rec, Some(dir)));
     let out = dir.join(FILE_NAME);
     std::fs::write(&out, page).with_context(|| format!("cannot write {}", out.display()))?;

@@ -10,6 +10,7 @@ pub mod decode;
 pub mod doctor;
 pub mod flame;
 pub mod httpc;
+pub mod ksyms;
 pub mod html;
 pub mod probes;
 pub mod procfs;

@@ -182,7 +182,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Timeline { dir, output } => {
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let trace = timeline::build(&rec, &flame::offcpu_kernel_names(&rec));
+            let trace = timeline::build(&rec, &probe_user::ksyms::Names::of(&rec));
             let out = output.unwrap_or_else(|| dir.join("timeline.json"));
             std::fs::write(&out, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", out.display()))?;
             println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));

@@ -560,12 +560,11 @@ fn verdicts(
     if r.requests.is_empty() {
         return;
     }
-    let knames = crate::flame::offcpu_kernel_names(rec);
+    let knames = crate::ksyms::Names::of(rec);
     let (mut io_waits, mut mem_waits) = (Vec::new(), Vec::new());
     for v in rec.json.iter().filter(|v| v["type"] == "stack" && v["what"] == "offcpu") {
         let (Some(ts), Some(b)) = (v["ts_ns"].as_u64(), v["blocked_ns"].as_u64()) else { continue };
-        let kernel: Vec<String> = v["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).filter_map(|a| knames.get(&a).cloned()).collect();
-        match crate::flame::wait_class(&kernel) {
+        match knames.wait_of(v) {
             "[io wait]" | "[page-fault wait]" => io_waits.push((ts, ts + b)),
             "[memory wait]" => mem_waits.push((ts, ts + b)),
             _ => {}

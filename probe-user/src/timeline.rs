@@ -94,8 +94,8 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
     }
 }
 
-/// Build the trace. `kernel_names` classifies off-CPU waits (see flame::wait_class).
-pub fn build(rec: &Recording, kernel_names: &std::collections::HashMap<u64, String>) -> Value {
+/// Build the trace. `kernel` classifies off-CPU waits (see crate::ksyms).
+pub fn build(rec: &Recording, kernel: &crate::ksyms::Names) -> Value {
     let r = report::build(rec);
     let start = rec.json.iter().find(|v| v["type"] == "meta").and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
     let us = |ns: u64| ns.saturating_sub(start) as f64 / 1e3;
@@ -127,9 +127,8 @@ pub fn build(rec: &Recording, kernel_names: &std::collections::HashMap<u64, Stri
     let mut threads: BTreeMap<(u64, u64), ()> = BTreeMap::new();
     for v in rec.json.iter().filter(|v| v["type"] == "stack" && v["what"] == "offcpu") {
         let (Some(ts), Some(b), Some(pid), Some(tid)) = (v["ts_ns"].as_u64(), v["blocked_ns"].as_u64(), v["pid"].as_u64(), v["tid"].as_u64()) else { continue };
-        let kernel: Vec<String> = v["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).filter_map(|a| kernel_names.get(&a).cloned()).collect();
         threads.insert((pid, tid), ());
-        ev.push(json!({"ph": "X", "name": crate::flame::wait_class(&kernel), "pid": pid, "tid": tid, "ts": us(ts), "dur": b as f64 / 1e3}));
+        ev.push(json!({"ph": "X", "name": kernel.wait_of(v), "pid": pid, "tid": tid, "ts": us(ts), "dur": b as f64 / 1e3}));
     }
     let mut devices: BTreeMap<u32, u64> = BTreeMap::new();
     for e in &rec.events {

@@ -1,0 +1,160 @@
+//! Kernel symbols and off-CPU wait classes, resolved while tracing and stored in the recording.
+//!
+//! Kernel addresses mean something only on the machine and boot that made them: kallsyms reads
+//! as zeros without root and KASLR moves the kernel at every boot. So `probe trace` names each
+//! kernel address the first time a stack carries it (a `ksyms` record) and classifies every
+//! off-CPU stack's wait (`wait` in the stack record). `probe report`, `timeline`, `flamegraph`
+//! and `bundle` then read names and classes from the recording only: the same report as root,
+//! as another user, after a reboot or on another machine.
+use std::collections::HashMap;
+
+use blazesym::symbolize::{Input, Symbolized, Symbolizer, source::{Kernel, Source}};
+use serde_json::{Value, json};
+
+use crate::recording::Recording;
+
+/// What an off-CPU wait was, from the kernel stack at the switch. The closed set of classes.
+pub const WAITS: [&str; 8] = ["[memory wait]", "[page-fault wait]", "[io wait]", "[lock wait]", "[sleep]", "[poll wait]", "[network wait]", "[other wait]"];
+
+/// Classify a wait by its kernel frames (names, innermost first).
+pub fn wait_class(kernel: &[String]) -> &'static str {
+    let has = |s: &str| kernel.iter().any(|f| f.contains(s));
+    if has("try_to_free_pages") || has("shrink_") || has("compact_zone") || has("__alloc_pages_slowpath") || has("mem_cgroup_handle_over_high") || has("reclaim") {
+        "[memory wait]"
+    } else if has("io_schedule") || has("folio_wait") || has("blk_") || has("bio_") || has("wait_on_page") {
+        if has("page_fault") || has("filemap_fault") || has("handle_mm_fault") { "[page-fault wait]" } else { "[io wait]" }
+    } else if has("futex") {
+        "[lock wait]"
+    } else if has("nanosleep") {
+        "[sleep]"
+    } else if has("ep_poll") || has("do_sys_poll") || has("do_select") || has("poll_schedule") {
+        "[poll wait]"
+    } else if has("sk_wait") || has("inet_csk_accept") || has("wait_woken") {
+        "[network wait]"
+    } else {
+        "[other wait]"
+    }
+}
+
+fn sym_name(s: &Symbolized<'_>) -> Option<String> {
+    match s {
+        Symbolized::Sym(sym) => Some(sym.name.to_string()),
+        Symbolized::Unknown(_) => None,
+    }
+}
+
+/// Names kernel addresses on the live machine (kallsyms), each address once.
+pub struct Resolver {
+    symbolizer: Symbolizer,
+    known: HashMap<u64, Option<String>>,
+}
+
+impl Default for Resolver {
+    fn default() -> Self {
+        Resolver { symbolizer: Symbolizer::new(), known: HashMap::new() }
+    }
+}
+
+impl Resolver {
+    /// Resolve the addresses not seen before; returns them as a `ksyms` record to write (None when
+    /// all were known). An address kallsyms cannot name is remembered as unnamed.
+    pub fn learn(&mut self, addrs: &[u64]) -> Option<Value> {
+        let mut fresh: Vec<u64> = addrs.iter().copied().filter(|a| !self.known.contains_key(a)).collect();
+        if fresh.is_empty() {
+            return None;
+        }
+        fresh.sort_unstable();
+        fresh.dedup();
+        let names = self.symbolizer.symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(&fresh)).unwrap_or_default();
+        let mut syms = Vec::new();
+        for (i, a) in fresh.iter().enumerate() {
+            let name = names.get(i).and_then(sym_name);
+            if let Some(n) = &name {
+                syms.push(json!([a, n]));
+            }
+            self.known.insert(*a, name);
+        }
+        (!syms.is_empty()).then(|| json!({"type": "ksyms", "syms": syms}))
+    }
+
+    /// The names of `addrs` (innermost first), for the ones that have one.
+    pub fn names(&self, addrs: &[u64]) -> Vec<String> {
+        addrs.iter().filter_map(|a| self.known.get(a).cloned().flatten()).collect()
+    }
+}
+
+/// The kernel names a recording carries.
+#[derive(Debug, Default)]
+pub struct Names {
+    by_addr: HashMap<u64, String>,
+    /// A recording from before `ksyms` records: waits are classified with this machine's
+    /// kallsyms (right only on the machine and boot that traced).
+    pub legacy: bool,
+}
+
+impl Names {
+    pub fn of(rec: &Recording) -> Names {
+        let mut by_addr = HashMap::new();
+        for v in rec.json.iter().filter(|v| v["type"] == "ksyms") {
+            for s in v["syms"].as_array().into_iter().flatten() {
+                if let (Some(a), Some(n)) = (s[0].as_u64(), s[1].as_str()) {
+                    by_addr.insert(a, n.to_string());
+                }
+            }
+        }
+        let traced_with_names = rec.json.iter().any(|v| v["type"] == "ksyms" || (v["type"] == "stack" && v.get("wait").is_some()));
+        let has_kernel = rec.json.iter().any(|v| v["type"] == "stack" && v["kernel"].as_array().is_some_and(|k| !k.is_empty()));
+        if traced_with_names || !has_kernel {
+            return Names { by_addr, legacy: false };
+        }
+        // An old recording: name its addresses here, as probe did before.
+        let mut r = Resolver::default();
+        let addrs: Vec<u64> = rec.json.iter().filter(|v| v["type"] == "stack").flat_map(|v| kernel_addrs(v)).collect();
+        r.learn(&addrs);
+        Names { by_addr: r.known.into_iter().filter_map(|(a, n)| Some((a, n?))).collect(), legacy: true }
+    }
+
+    /// A frame's name: its symbol, or the bare address when the trace could not name it.
+    pub fn frame(&self, addr: u64) -> String {
+        self.by_addr.get(&addr).cloned().unwrap_or_else(|| format!("{addr:#x}"))
+    }
+
+    /// The class of an off-CPU stack record's wait: as recorded, else from its frames' names.
+    pub fn wait_of(&self, stack: &Value) -> &'static str {
+        if let Some(w) = stack["wait"].as_str() {
+            return WAITS.iter().copied().find(|c| *c == w).unwrap_or("[other wait]");
+        }
+        let names: Vec<String> = kernel_addrs(stack).into_iter().filter_map(|a| self.by_addr.get(&a).cloned()).collect();
+        wait_class(&names)
+    }
+}
+
+/// The kernel addresses of a stack record, innermost first.
+pub fn kernel_addrs(stack: &Value) -> Vec<u64> {
+    stack["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recorded_names_and_waits_win_over_the_live_machine() {
+        let rec = Recording {
+            json: vec![
+                json!({"type": "ksyms", "syms": [[0xffff_ffff_8100_0000u64, "io_schedule"], [0xffff_ffff_8100_1000u64, "filemap_fault"]]}),
+                json!({"type": "stack", "what": "offcpu", "kernel": [0xffff_ffff_8100_0000u64, 0xffff_ffff_8100_1000u64], "wait": "[page-fault wait]"}),
+                json!({"type": "stack", "what": "offcpu", "kernel": [0xffff_ffff_8100_0000u64]}),
+            ],
+            ..Default::default()
+        };
+        let n = Names::of(&rec);
+        assert!(!n.legacy);
+        assert_eq!(n.frame(0xffff_ffff_8100_1000), "filemap_fault");
+        assert_eq!(n.frame(0x1234), "0x1234");
+        assert_eq!(n.wait_of(&rec.json[1]), "[page-fault wait]");
+        // No recorded class: classified from the recorded names.
+        assert_eq!(n.wait_of(&rec.json[2]), "[io wait]");
+        assert_eq!(n.wait_of(&json!({"wait": "[made up]"})), "[other wait]");
+    }
+}

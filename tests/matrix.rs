@@ -1,0 +1,304 @@
+//! The client matrix: every stop cause llama-server produces here, each driven by real clients
+//! that end a stream in different ways (tests/clients/client.py: the openai SDK breaking out of
+//! its loop at the final chunk, httpx leaving at the final event, requests and curl reading to the
+//! end, a raw socket closing right after the final event, a keep-alive client reusing its
+//! connection). The verdict must be the cause the cell produced, whatever the client did at the
+//! end; what each client saw is printed next to it. Nothing in probe keys on a client.
+use std::{
+    collections::BTreeMap,
+    net::{SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+mod common;
+use common::{env_path, start_trace, wait_healthy};
+
+const CLIENTS: [&str; 6] = ["openai", "httpx", "requests", "curl", "raw", "keepalive"];
+
+/// One row of the matrix: how to make the server stop for `cause`.
+#[derive(Clone, Copy)]
+struct Cell {
+    cause: &'static str,
+    api: &'static str,
+    prompt: &'static str,
+    /// Each client gets `max_tokens = base + its index` (the keep-alive client's second request
+    /// `+ 50`): the report's requests are told apart by it.
+    base: u64,
+    stop: Option<&'static str>,
+    ignore_eos: bool,
+    leave_after: u64,
+}
+
+fn python() -> PathBuf {
+    let p = std::env::var_os("PROBE_CLIENTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/probe/clients"))
+        .join("bin/python");
+    assert!(p.exists(), "{} not found: scripts/setup.sh installs the test clients", p.display());
+    p
+}
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("clients/client.py")
+}
+
+/// Start every client on `cell` at once against `url`.
+fn start_clients(cell: &Cell, url: &str) -> Vec<Child> {
+    CLIENTS
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut cmd = Command::new(python());
+            cmd.arg(script()).args(["--client", c, "--url", url, "--api", cell.api, "--prompt", cell.prompt]);
+            cmd.args(["--max-tokens", &(cell.base + i as u64).to_string()]);
+            if let Some(s) = cell.stop {
+                cmd.args(["--stop", s]);
+            }
+            if cell.ignore_eos {
+                cmd.arg("--ignore-eos");
+            }
+            if cell.leave_after > 0 {
+                cmd.args(["--leave-after", &cell.leave_after.to_string()]);
+            }
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start a client")
+        })
+        .collect()
+}
+
+/// What the clients saw, by max_tokens.
+fn finish_clients(children: Vec<Child>) -> BTreeMap<u64, Value> {
+    let mut seen = BTreeMap::new();
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.trim().is_empty(), "a client printed nothing: {}", String::from_utf8_lossy(&out.stderr));
+        for l in text.lines() {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("client line {l}: {e}"));
+            seen.insert(v["max_tokens"].as_u64().unwrap(), v);
+        }
+    }
+    seen
+}
+
+/// The report's requests on `path`, by max_tokens.
+fn by_max_tokens(r: &Value, path: &str) -> BTreeMap<u64, Value> {
+    r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == path).filter_map(|q| Some((q["max_tokens"].as_u64()?, q.clone()))).collect()
+}
+
+/// Compare every client's request with `want` (a cause, or a function of what the client saw);
+/// returns the table rows.
+fn check(cell: &Cell, r: &Value, seen: &BTreeMap<u64, Value>, want: impl Fn(&Value) -> &'static str) -> Vec<String> {
+    let path = if cell.api == "chat" { "/v1/chat/completions" } else { "/completion" };
+    let reqs = by_max_tokens(r, path);
+    let mut rows = Vec::new();
+    let mut wrong = Vec::new();
+    for (max, saw) in seen {
+        let q = reqs.get(max).unwrap_or_else(|| panic!("{}: no request with max_tokens {max} in the report (client saw {saw}); requests: {:?}", cell.cause, reqs.keys().collect::<Vec<_>>()));
+        let v = &q["verdict"];
+        let expected = want(saw);
+        let row = format!(
+            "{:<18} {:<10} max {:>4}: verdict {:<17} (content_complete {}, transport_complete {}, closed_by {}, reset {}) client saw {}",
+            cell.cause, saw["client"].as_str().unwrap_or("?"), max, v["stop_cause"].as_str().unwrap_or("?"), q["content_complete"], q["transport_complete"], q["closed_by"], q["reset"], saw
+        );
+        if v["stop_cause"] != expected {
+            wrong.push(format!("{row}\n    want {expected}; evidence {}", v["evidence"]));
+        }
+        rows.push(row);
+    }
+    eprintln!("{}", rows.join("\n"));
+    assert!(wrong.is_empty(), "{} of {} cells wrong:\n{}", wrong.len(), rows.len(), wrong.join("\n"));
+    rows
+}
+
+/// A llama-server of our own with `args`, optionally started inside a memory cgroup.
+fn server(args: &[&str], cgroup: Option<&Path>) -> (Child, SocketAddr) {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let cmd = format!(
+        "{}exec {} -m {} {} --host 127.0.0.1 --port {port}",
+        cgroup.map(|c| format!("echo $$ > {}/cgroup.procs && ", c.display())).unwrap_or_default(),
+        env_path("LLAMA_SERVER").display(),
+        env_path("LLAMA_MODEL").display(),
+        args.join(" ")
+    );
+    let child = Command::new("sh").args(["-c", &cmd]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    wait_healthy(addr);
+    (child, addr)
+}
+
+struct Trace {
+    child: Child,
+    out: PathBuf,
+}
+
+impl Trace {
+    fn start(pid: u32, name: &str) -> Trace {
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("matrix-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let (child, _, armed) = start_trace(&["--pid", &pid.to_string(), "--duration", "300s", "--out", out.to_str().unwrap()]);
+        assert!(armed.contains("stream") && armed.contains("sock"), "stream probes not live: {armed}");
+        Trace { child, out }
+    }
+
+    /// Stop with SIGINT (unless the target's exit already stopped it) and read report.json.
+    fn stop(mut self) -> Value {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let st = self.child.wait().unwrap();
+        assert!(st.code().is_some_and(|c| c <= 1), "probe exit {st:?}");
+        serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap()
+    }
+}
+
+fn finish_is(saw: &Value, words: &[&str]) -> bool {
+    words.iter().any(|w| saw["finish_reason"] == *w || saw["stop_type"] == *w)
+}
+
+/// Causes from one server with six slots: EOS, the requested limit, a stop word, a reader that
+/// leaves mid-stream, and (through nginx, the server paused) a gateway deadline.
+#[test]
+fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
+    let (mut srv, addr) = server(&["-c", "4096", "-np", "6", "-t", "2", "--seed", "42"], None);
+    let url = format!("http://{addr}");
+    let t = Trace::start(srv.id(), "llama");
+    let cells = [
+        Cell { cause: "eos", api: "chat", prompt: "short", base: 300, stop: None, ignore_eos: false, leave_after: 0 },
+        Cell { cause: "requested_limit", api: "chat", prompt: "long", base: 6, stop: None, ignore_eos: true, leave_after: 0 },
+        Cell { cause: "stop_word", api: "native", prompt: "count", base: 200, stop: Some(","), ignore_eos: false, leave_after: 0 },
+        Cell { cause: "client_disconnect", api: "chat", prompt: "long", base: 400, stop: None, ignore_eos: true, leave_after: 3 },
+    ];
+    let mut seen = Vec::new();
+    for cell in &cells {
+        seen.push(finish_clients(start_clients(cell, &url)));
+    }
+    // The gateway: nginx with a 2 s read timeout; the server paused mid-stream for 3.5 s.
+    let gw = Nginx::start(addr);
+    let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 2000, stop: None, ignore_eos: true, leave_after: 0 };
+    let kids = start_clients(&deadline, &format!("http://{}", gw.addr));
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: signalling our own child: pause the server, resume after the gateway gave up.
+    unsafe { libc::kill(srv.id() as i32, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_millis(3500));
+    unsafe { libc::kill(srv.id() as i32, libc::SIGCONT) };
+    let seen_deadline = finish_clients(kids);
+    std::thread::sleep(Duration::from_millis(500));
+    let r = t.stop();
+    drop(gw);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let mut rows = Vec::new();
+    for (cell, saw) in cells.iter().zip(&seen) {
+        // Ground truth first: the clients saw the stop this cell is made for.
+        for s in saw.values() {
+            let ok = match cell.cause {
+                "eos" => finish_is(s, &["stop", "eos"]),
+                "requested_limit" => finish_is(s, &["length", "limit"]),
+                "stop_word" => finish_is(s, &["word"]),
+                _ => s["left_early"] == true,
+            };
+            assert!(ok, "{}: the client did not see what the cell is made for: {s}", cell.cause);
+        }
+        rows.extend(check(cell, &r, saw, |_| cell.cause));
+    }
+    for s in seen_deadline.values() {
+        assert!(s["finish_reason"].is_null(), "the gateway did not cut this stream: {s}");
+    }
+    rows.extend(check(&deadline, &r, &seen_deadline, |_| "deadline"));
+    assert_eq!(rows.len(), 5 * (CLIENTS.len() + 1) - 1, "the keep-alive client makes two requests except when it leaves");
+}
+
+/// Server-imposed limits: a slot's own context (-c 768 -np 6: 128 tokens a slot), and one KV pool
+/// the slots share (--kv-unified) running out with six streams at once. Every request asks for
+/// more tokens than either holds.
+#[test]
+fn server_limits_per_slot_and_shared_kv_pool() {
+    for (name, args) in [("slot", vec!["-c", "768", "-np", "6", "-t", "2"]), ("kvpool", vec!["-c", "768", "-np", "6", "-t", "2", "--kv-unified"])] {
+        let (mut srv, addr) = server(&args, None);
+        let t = Trace::start(srv.id(), name);
+        let cell = Cell { cause: "server_limit", api: "chat", prompt: "long", base: 1000, stop: None, ignore_eos: true, leave_after: 0 };
+        let seen = finish_clients(start_clients(&cell, &format!("http://{addr}")));
+        let r = t.stop();
+        let _ = srv.kill();
+        let _ = srv.wait();
+        // What the clients saw decides: a length stop below the request is the server's limit; a
+        // request the server refused or failed is its error.
+        check(&cell, &r, &seen, |s| if s["status"].as_u64().is_some_and(|c| c >= 400) || !s["error"].is_null() && s["finish_reason"].is_null() { "server_error" } else { "server_limit" });
+        assert!(seen.values().filter(|s| s["finish_reason"] == "length").count() >= 4, "{name}: {seen:?}");
+    }
+}
+
+/// The server is killed by the OOM killer mid-stream (its memory cgroup fills; it is the
+/// preferred victim): every open stream ends with `oom`.
+#[test]
+fn oom_kill_mid_stream() {
+    let cg = PathBuf::from(format!("/sys/fs/cgroup/memory/probe-matrix-oom-{}", std::process::id()));
+    assert!(Path::new("/sys/fs/cgroup/memory").exists(), "no cgroup v1 memory controller at /sys/fs/cgroup/memory");
+    std::fs::create_dir_all(&cg).unwrap();
+    let (mut srv, addr) = server(&["-c", "4096", "-np", "6", "-t", "2"], Some(&cg));
+    std::fs::write(format!("/proc/{}/oom_score_adj", srv.id()), "1000").unwrap();
+    let usage: u64 = std::fs::read_to_string(cg.join("memory.usage_in_bytes")).unwrap().trim().parse().unwrap();
+    std::fs::write(cg.join("memory.limit_in_bytes"), (usage + (256 << 20)).to_string()).unwrap();
+    let t = Trace::start(srv.id(), "oom");
+    let cell = Cell { cause: "oom", api: "chat", prompt: "long", base: 3000, stop: None, ignore_eos: true, leave_after: 0 };
+    let kids = start_clients(&cell, &format!("http://{addr}"));
+    std::thread::sleep(Duration::from_millis(1500));
+    // A process in the same cgroup allocates until the cgroup is out of memory.
+    let mut hog = Command::new("sh")
+        .args(["-c", &format!("echo $$ > {}/cgroup.procs && exec python3 -c 'a = []\nwhile True: a.append(bytearray(1 << 20))'", cg.display())])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = srv.wait().unwrap();
+    let _ = hog.kill();
+    let _ = hog.wait();
+    let seen = finish_clients(kids);
+    let r = t.stop();
+    let _ = std::fs::remove_dir(&cg);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "the server was not killed: {status:?}");
+    check(&cell, &r, &seen, |_| "oom");
+}
+
+/// nginx as a gateway with `proxy_read_timeout 2s`, stopped on drop.
+struct Nginx {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Nginx {
+    fn start(upstream: SocketAddr) -> Nginx {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("matrix-nginx-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("tmp")).unwrap();
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let d = dir.display();
+        let conf = format!(
+            "daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
+             events {{ worker_connections 64; }}\n\
+             http {{ access_log off; client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp; uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
+               server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://{upstream}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout 2s; }} }} }}\n"
+        );
+        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
+        let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| Path::new(p).exists()).expect("nginx is not installed: run scripts/setup.sh");
+        let child = Command::new(bin).arg("-p").arg(&dir).arg("-c").arg(dir.join("nginx.conf")).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let t = Instant::now();
+        while !common::healthy(addr) {
+            assert!(t.elapsed() < Duration::from_secs(20), "nginx did not come up: {}", std::fs::read_to_string(dir.join("error.log")).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Nginx { child, addr }
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
