@@ -81,6 +81,8 @@ fn blocked_read_shows_io_wait_with_its_time() {
     assert!(f.keys().any(|s| s.contains("read_cold") && s.contains("io_schedule")), "no io_schedule kernel frame: {f:?}");
     let io = folded(&rec, "io");
     assert!(io.keys().all(|s| s.contains(";read_cold;")), "block IO issued outside read_cold: {io:?}");
+    // The wait classes come from the recording, not from the machine that reads it.
+    common::assert_report_is_the_same_offline(&rec);
 }
 
 #[test]

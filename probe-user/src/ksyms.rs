@@ -109,7 +109,7 @@ impl Names {
         }
         // An old recording: name its addresses here, as probe did before.
         let mut r = Resolver::default();
-        let addrs: Vec<u64> = rec.json.iter().filter(|v| v["type"] == "stack").flat_map(|v| kernel_addrs(v)).collect();
+        let addrs: Vec<u64> = rec.json.iter().filter(|v| v["type"] == "stack").flat_map(kernel_addrs).collect();
         r.learn(&addrs);
         Names { by_addr: r.known.into_iter().filter_map(|(a, n)| Some((a, n?))).collect(), legacy: true }
     }

@@ -91,3 +91,27 @@ pub fn shared_llama_server(args: &[&str]) -> (Child, std::net::SocketAddr) {
     wait_healthy(addr);
     (child, addr)
 }
+
+/// `probe report DIR --json` recomputed where kernel symbols cannot be read (as user `nobody`:
+/// kallsyms reads as zeros; as root with /proc/kallsyms hidden in a private mount namespace) must
+/// equal the report.json written at trace time: the analysis is a pure function of the recording.
+pub fn assert_report_is_the_same_offline(dir: &std::path::Path) {
+    let at_trace: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("report.json")).unwrap();
+    let bin = probe_bin();
+    let ways: [(&str, Vec<String>); 2] = [
+        ("as nobody", vec!["setpriv".into(), "--reuid=65534".into(), "--regid=65534".into(), "--clear-groups".into(), bin.display().to_string(), "report".into(), dir.display().to_string(), "--json".into()]),
+        (
+            "without kallsyms",
+            vec!["unshare".into(), "-m".into(), "sh".into(), "-c".into(), format!("mount --bind /dev/null /proc/kallsyms && exec {} report {} --json", bin.display(), dir.display())],
+        ),
+    ];
+    for (how, argv) in ways {
+        let out = Command::new(&argv[0]).args(&argv[1..]).output().unwrap_or_else(|e| panic!("{how}: cannot run {}: {e}", argv[0]));
+        assert!(out.status.code().is_some_and(|c| c <= 1), "{how}: probe report failed: {}", String::from_utf8_lossy(&out.stderr));
+        let again: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{how}: not JSON: {e}"));
+        if again != at_trace {
+            let keys: Vec<&String> = at_trace.as_object().unwrap().iter().filter(|(k, v)| again.get(k.as_str()) != Some(v)).map(|(k, _)| k).collect();
+            panic!("the report recomputed {how} differs from the one written at trace time in {keys:?}");
+        }
+    }
+}
