@@ -620,6 +620,19 @@ fn verdicts(
             .filter_map(|v| v["metrics"]["llamacpp:requests_deferred"].as_f64().or(v["metrics"]["vllm:num_requests_waiting"].as_f64()))
             .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
     };
+    // vLLM preemptions (cumulative counter, summed over its labels): the growth from the last
+    // poll before `from` to the first poll after `until`.
+    let preemptions_at = |v: &Value| -> Option<f64> {
+        let m = v["metrics"].as_object()?;
+        let mut it = m.iter().filter(|(k, _)| k.starts_with("vllm:num_preemptions_total")).filter_map(|(_, x)| x.as_f64()).peekable();
+        it.peek()?;
+        Some(it.sum())
+    };
+    let preempted_in = |from: u64, until: u64| {
+        let before = polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= from).and_then(|v| preemptions_at(v))?;
+        let after = polls.iter().find(|v| json_u64(v, "ts_ns") >= until).and_then(|v| preemptions_at(v))?;
+        Some((after - before).max(0.0))
+    };
     let lost: u64 = r.lost_events.values().sum();
     let name = |k: &(u32, u32, u64)| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
     // When each request was being served: from the start of its prompt processing (its last
@@ -675,6 +688,7 @@ fn verdicts(
             power_absent: power_absent.as_deref(),
             server_sleeping: sleeping_before(from),
             server_deferred: deferred_in(from, to),
+            server_preemptions: preempted_in(from, until),
         };
         q.verdict = Some(crate::verdict::attribute(q, &w));
     }

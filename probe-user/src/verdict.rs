@@ -44,6 +44,8 @@ pub struct Window<'a> {
     pub server_sleeping: bool,
     /// Highest count of requests the server reported deferred (queued) in the window.
     pub server_deferred: Option<f64>,
+    /// Requests the server preempted while this one was served (vLLM `num_preemptions_total`).
+    pub server_preemptions: Option<f64>,
 }
 
 /// A clock below this share of its working level at arrival is a low power state...
@@ -219,6 +221,11 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     }
     v.stop_cause = stop;
     v.evidence.extend(why);
+    if let Some(n) = w.server_preemptions.filter(|&n| n >= 1.0) {
+        v.evidence.push(format!(
+            "the server preempted {n:.0} request(s) while this one was served (its KV cache was full): a preempted request is recomputed, which adds time, not a shorter answer"
+        ));
+    }
     if q.partial {
         v.data_quality.push("probe attached while this request was in flight: its start was not seen".into());
     }
@@ -538,5 +545,15 @@ mod tests {
         q.chunk_times_ms = vec![10.0, 20.0, 2600.0];
         q.closed_ms = Some(2030.0);
         assert_eq!(stop_cause(&q).0, "deadline");
+    }
+
+    #[test]
+    fn preemptions_are_evidence_not_a_stop_cause() {
+        let mut q = req(10.0);
+        q.stop.finish_reason = Some("stop".into());
+        let w = Window { server_preemptions: Some(3.0), offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        assert_eq!(v.stop_cause, "eos");
+        assert!(v.evidence.iter().any(|e| e.contains("preempted 3 request(s)")), "{:?}", v.evidence);
     }
 }
