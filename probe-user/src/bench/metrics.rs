@@ -91,11 +91,7 @@ pub struct Row {
     pub seq: usize,
 }
 
-/// Whether an error message says the server's context (slot or shared KV pool) ran out.
-pub fn context_exceeded(msg: &str) -> bool {
-    let m = msg.to_ascii_lowercase();
-    m.contains("context") && (m.contains("exceed") || m.contains("too long") || m.contains("full"))
-}
+pub use crate::stream::payload::context_exceeded;
 
 /// Normalize the stop: what ended this response, and a sentence with the numbers behind it.
 pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Option<u64>) -> (&'static str, String) {

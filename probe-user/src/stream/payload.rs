@@ -314,6 +314,12 @@ fn nonempty(v: &Value) -> bool {
     }
 }
 
+/// Whether an error message says the server's context (slot or shared KV pool) ran out.
+pub fn context_exceeded(msg: &str) -> bool {
+    let m = msg.to_ascii_lowercase();
+    m.contains("context") && (m.contains("exceed") || m.contains("too long") || m.contains("full"))
+}
+
 /// Read one message. Returns true when it carries generated content (a token or more).
 pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
     let mut content = false;
@@ -324,10 +330,15 @@ pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
                 e.insert(k.into(), x.clone());
             }
         }
-        if keep_text
-            && let Some(m) = err.get("message").or(Some(err).filter(|e| e.is_string())) {
-                e.insert("message".into(), m.clone());
-            }
+        let message = err.get("message").or(Some(err).filter(|e| e.is_string()));
+        // What the message says, as a word from a closed set: the text itself stays out unless
+        // the user asked for it (it may quote the prompt).
+        if message.and_then(Value::as_str).is_some_and(context_exceeded) {
+            e.insert("reason".into(), Value::String("context_exceeded".into()));
+        }
+        if keep_text && let Some(m) = message {
+            e.insert("message".into(), m.clone());
+        }
         stop.error = Some(Value::Object(e));
     }
     // OpenAI chat/completions (llama-server /v1, vLLM, Ollama /v1, LM Studio).
