@@ -26,7 +26,7 @@ struct Cell {
     api: &'static str,
     prompt: &'static str,
     /// Each client gets `max_tokens = base + its index` (the keep-alive client's second request
-    /// `+ 50`): the report's requests are told apart by it.
+    /// `+ 10`): the report's requests are told apart by it.
     base: u64,
     stop: Option<&'static str>,
     ignore_eos: bool,
@@ -354,4 +354,132 @@ impl Drop for Nginx {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// vLLM's OpenAI server (CPU build from PyPI, installed by scripts/vllm.sh), in its own process
+/// group (the API server starts an engine process), killed as a group when dropped.
+struct Vllm {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Vllm {
+    fn start(args: &[&str]) -> Vllm {
+        use std::os::unix::process::CommandExt;
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm-cache");
+        let mut cmd = Command::new(env_path("VLLM_PYTHON"));
+        cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"]).arg(env_path("VLLM_MODEL"));
+        cmd.args(["--served-model-name", "model", "--host", "127.0.0.1", "--port", &port.to_string(), "--dtype", "bfloat16", "--enforce-eager"]);
+        cmd.args(args);
+        cmd.envs([("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1")]).env("VLLM_CACHE_ROOT", &cache);
+        let log = std::fs::File::create(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm.log")).unwrap();
+        cmd.stdout(log.try_clone().unwrap()).stderr(log);
+        // SAFETY: setsid in the child before exec: its own process group, killed as one.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut v = Vllm { child: cmd.spawn().expect("start vLLM"), addr };
+        let t = Instant::now();
+        while !common::healthy(addr) {
+            assert!(v.child.try_wait().unwrap().is_none(), "vLLM exited while starting: see target/tmp/vllm.log");
+            assert!(t.elapsed() < Duration::from_secs(300), "vLLM did not answer /health within 300 s: see target/tmp/vllm.log");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        v
+    }
+
+    /// `vllm:num_preemptions_total`, summed over its labels.
+    fn preemptions(&self) -> f64 {
+        let mut s = std::net::TcpStream::connect(self.addr).unwrap();
+        use std::io::{Read, Write};
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text.lines().filter(|l| l.starts_with("vllm:num_preemptions_total")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+    }
+}
+
+impl Drop for Vllm {
+    fn drop(&mut self) {
+        // SAFETY: signalling the process group we created.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+/// A second server with its own HTTP stack (vLLM: Python, uvicorn; LF-only SSE; `finish_reason`
+/// on the last token's chunk; `stop_reason` names the stop string), the same clients: EOS, the
+/// requested limit, a stop word, a reader that leaves, a gateway deadline (the API server
+/// paused), and the context limit under a KV cache made small on purpose (12 blocks of 32
+/// tokens for six streams), where the server preempts requests: read from its /metrics, in the
+/// report as evidence.
+#[test]
+fn vllm_second_server_same_clients() {
+    // 12 blocks of 32 tokens: six streams' prompts (2 blocks each) fit, their growth does not.
+    let v = Vllm::start(&["--max-model-len", "128", "--block-size", "32", "--num-gpu-blocks-override", "12"]);
+    let pid = v.child.id();
+    let url = format!("http://{}", v.addr);
+    let mut t = Trace::start(pid, "vllm");
+    let cells = [
+        // vLLM refuses a max_tokens above max-model-len: every request asks for at most 128.
+        Cell { cause: "eos", api: "chat", prompt: "short", base: 70, stop: None, ignore_eos: false, leave_after: 0 },
+        Cell { cause: "requested_limit", api: "chat", prompt: "long", base: 6, stop: None, ignore_eos: true, leave_after: 0 },
+        Cell { cause: "stop_word", api: "chat", prompt: "count", base: 50, stop: Some(","), ignore_eos: false, leave_after: 0 },
+        Cell { cause: "client_disconnect", api: "chat", prompt: "long", base: 30, stop: None, ignore_eos: true, leave_after: 3 },
+    ];
+    let mut seen = Vec::new();
+    for cell in &cells {
+        seen.push(finish_clients(start_clients(cell, &url)));
+    }
+    let before = v.preemptions();
+    // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
+    // length when the context is full.
+    let limit = Cell { cause: "server_limit", api: "chat", prompt: "long", base: 110, stop: None, ignore_eos: true, leave_after: 0 };
+    let seen_limit = finish_clients(start_clients(&limit, &url));
+    let preempted = v.preemptions() - before;
+    let gw = Nginx::start(v.addr);
+    let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 90, stop: None, ignore_eos: true, leave_after: 0 };
+    let ready = ready_dir("vllm-deadline");
+    let kids = start_clients_ready(&deadline, &format!("http://{}", gw.addr), Some(&ready));
+    wait_ready(&ready);
+    // SAFETY: signalling our own child: pause the API server, resume after the gateway gave up.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_millis(3500));
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    let seen_deadline = finish_clients(kids);
+    std::thread::sleep(Duration::from_millis(2500));
+    let r = t.stop();
+    drop(gw);
+    drop(v);
+    for (cell, saw) in cells.iter().zip(&seen) {
+        for s in saw.values() {
+            let ok = match cell.cause {
+                "eos" => s["finish_reason"] == "stop" && s["stop_reason"].is_null(),
+                "requested_limit" => s["finish_reason"] == "length",
+                "stop_word" => s["finish_reason"] == "stop" && s["stop_reason"] == ",",
+                _ => s["left_early"] == true,
+            };
+            assert!(ok, "vLLM {}: the client did not see what the cell is made for: {s}", cell.cause);
+        }
+        check(cell, &r, saw, |_| cell.cause);
+    }
+    for s in seen_limit.values() {
+        assert!(s["finish_reason"] == "length" && s["content_events"].as_u64().unwrap() + 1 < s["max_tokens"].as_u64().unwrap(), "vLLM context limit: {s}");
+    }
+    check(&limit, &r, &seen_limit, |_| "server_limit");
+    assert!(preempted >= 1.0, "vLLM did not preempt with 8 KV blocks for six streams");
+    // The preemptions reached the report through the endpoint poller, and the verdicts of the
+    // streams served meanwhile say so.
+    let reqs = by_max_tokens(&r, "/v1/chat/completions");
+    let told = seen_limit.keys().filter(|m| reqs[m]["verdict"]["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("preempted"))).count();
+    assert!(told >= 1, "no verdict mentions the {preempted} preemptions: {:?}", seen_limit.keys().map(|m| &reqs[m]["verdict"]).collect::<Vec<_>>());
+    for s in seen_deadline.values() {
+        assert!(s["finish_reason"].is_null(), "the gateway did not cut this stream: {s}");
+    }
+    check(&deadline, &r, &seen_deadline, |_| "deadline");
 }

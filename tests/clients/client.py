@@ -258,7 +258,7 @@ def run_keepalive(a, max_tokens):
     conn.request("GET", "/health")
     conn.getresponse().read()
     out = []
-    for n in (max_tokens, max_tokens + 50):
+    for n in (max_tokens, max_tokens + 10):
         seen = Seen(n)
         path, b = body(a, n)
         for attempt in (0, 1):
