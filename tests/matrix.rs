@@ -19,6 +19,13 @@ use common::{env_path, start_trace, wait_healthy};
 
 const CLIENTS: [&str; 6] = ["openai", "httpx", "requests", "curl", "raw", "keepalive"];
 
+/// The matrix's tests run one at a time: each loads both cores with six streams, and a server
+/// slowed by another test's would stretch its token gaps toward the gateway's timeout.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// One row of the matrix: how to make the server stop for `cause`.
 #[derive(Clone, Copy)]
 struct Cell {
@@ -211,6 +218,7 @@ fn finish_is(saw: &Value, words: &[&str]) -> bool {
 /// leaves mid-stream, and (through nginx, the server paused) a gateway deadline.
 #[test]
 fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
+    let _serial = serial();
     let srv = server(&["-c", "4096", "-np", "6", "-t", "2", "--seed", "42"], None);
     let (addr, pid) = (srv.addr, srv.child.id());
     let url = format!("http://{addr}");
@@ -225,7 +233,7 @@ fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
     for cell in &cells {
         seen.push(finish_clients(start_clients(cell, &url)));
     }
-    // The gateway: nginx with a 2 s read timeout; the server paused mid-stream for 3.5 s.
+    // The gateway: nginx with a 3 s read timeout; the server paused mid-stream for 4.5 s.
     let gw = Nginx::start(addr);
     let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 2000, stop: None, ignore_eos: true, leave_after: 0 };
     let ready = ready_dir("deadline");
@@ -233,7 +241,7 @@ fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
     wait_ready(&ready);
     // SAFETY: signalling our own child: pause the server, resume after the gateway gave up.
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-    std::thread::sleep(Duration::from_millis(3500));
+    std::thread::sleep(Duration::from_millis(4500));
     unsafe { libc::kill(pid as i32, libc::SIGCONT) };
     let seen_deadline = finish_clients(kids);
     std::thread::sleep(Duration::from_millis(500));
@@ -267,6 +275,7 @@ fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
 /// more tokens than either holds.
 #[test]
 fn server_limits_per_slot_and_shared_kv_pool() {
+    let _serial = serial();
     for (name, args) in [("slot", vec!["-c", "768", "-np", "6", "-t", "2"]), ("kvpool", vec!["-c", "768", "-np", "6", "-t", "2", "--kv-unified"])] {
         let srv = server(&args, None);
         let mut t = Trace::start(srv.child.id(), name);
@@ -287,6 +296,7 @@ fn server_limits_per_slot_and_shared_kv_pool() {
 /// preferred victim): every open stream ends with `oom`.
 #[test]
 fn oom_kill_mid_stream() {
+    let _serial = serial();
     let cg = PathBuf::from(format!("/sys/fs/cgroup/memory/probe-matrix-oom-{}", std::process::id()));
     assert!(Path::new("/sys/fs/cgroup/memory").exists(), "no cgroup v1 memory controller at /sys/fs/cgroup/memory");
     std::fs::create_dir_all(&cg).unwrap();
@@ -317,7 +327,7 @@ fn oom_kill_mid_stream() {
     check(&cell, &r, &seen, |_| "oom");
 }
 
-/// nginx as a gateway with `proxy_read_timeout 2s`, stopped on drop.
+/// nginx as a gateway with `proxy_read_timeout 3s`, stopped on drop.
 struct Nginx {
     child: Child,
     addr: SocketAddr,
@@ -334,7 +344,7 @@ impl Nginx {
             "daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
              events {{ worker_connections 64; }}\n\
              http {{ access_log off; client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp; uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
-               server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://{upstream}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout 2s; }} }} }}\n"
+               server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://{upstream}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout 3s; }} }} }}\n"
         );
         std::fs::write(dir.join("nginx.conf"), conf).unwrap();
         let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| Path::new(p).exists()).expect("nginx is not installed: run scripts/setup.sh");
@@ -420,6 +430,7 @@ impl Drop for Vllm {
 /// report as evidence.
 #[test]
 fn vllm_second_server_same_clients() {
+    let _serial = serial();
     // 12 blocks of 32 tokens: six streams' prompts (2 blocks each) fit, their growth does not.
     let v = Vllm::start(&["--max-model-len", "128", "--block-size", "32", "--num-gpu-blocks-override", "12"]);
     let pid = v.child.id();
@@ -449,7 +460,7 @@ fn vllm_second_server_same_clients() {
     wait_ready(&ready);
     // SAFETY: signalling our own child: pause the API server, resume after the gateway gave up.
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-    std::thread::sleep(Duration::from_millis(3500));
+    std::thread::sleep(Duration::from_millis(4500));
     unsafe { libc::kill(pid as i32, libc::SIGCONT) };
     let seen_deadline = finish_clients(kids);
     std::thread::sleep(Duration::from_millis(2500));
