@@ -175,8 +175,11 @@ fn streamed_chat_matches_the_server_and_the_client() {
     assert_eq!(q["path"], "/v1/chat/completions");
     assert_eq!(q["max_tokens"], 40);
     assert_eq!(q["stream"], true);
-    assert_eq!(q["complete"], true);
-    assert_eq!(q["closed_by"], "server");
+    assert_eq!((q["content_complete"].clone(), q["transport_complete"].clone()), (json!(true), json!(true)), "{q}");
+    // The response ended with the connection open; what happens to it afterwards is not this request's.
+    assert_eq!(q["closed_by"], "none", "{q}");
+    let want = if last["choices"][0]["finish_reason"] == "length" { "requested_limit" } else { "eos" };
+    assert_eq!(q["verdict"]["stop_cause"], want, "{q}");
     assert_eq!(q["server_timings"]["predicted_n"], predicted);
     let client_ttft = resp.events.iter().find(|(_, v)| has_content(v)).unwrap().0.duration_since(sent).as_secs_f64() * 1e3;
     let probe_ttft = q["ttft_ms"].as_f64().unwrap();
@@ -214,7 +217,7 @@ fn client_disconnect_after_5_chunks_is_closed_by_client() {
     let r = t.stop();
     let q = find(&r, client)[0];
     assert_eq!(q["closed_by"], "client", "{q}");
-    assert_eq!(q["complete"], false, "{q}");
+    assert_eq!((q["content_complete"].clone(), q["transport_complete"].clone()), (json!(false), json!(false)), "{q}");
     assert_eq!(q["verdict"]["stop_cause"], "client_disconnect", "{q}");
     assert!(q["finish_reason"].is_null(), "{q}");
     assert!(q["chunks"].as_u64().unwrap() >= 5, "{q}");
@@ -281,7 +284,7 @@ fn concurrent_streams_and_keep_alive_requests_are_kept_apart() {
     for (q, u) in q.iter().zip(&usage) {
         assert_eq!(q["stream"], false);
         assert_eq!(q["status"], 200);
-        assert_eq!(q["complete"], true);
+        assert_eq!((q["content_complete"].clone(), q["transport_complete"].clone()), (json!(true), json!(true)), "{q}");
         assert_eq!(&q["usage"]["completion_tokens"], u);
     }
 }
@@ -305,7 +308,7 @@ fn non_streamed_and_rejected_requests_keep_their_status() {
     assert_eq!(ok.status, 200);
     assert_eq!(bad.status, 400, "{}", String::from_utf8_lossy(&bad.body));
     let q = find(&r, ok_client)[0];
-    assert_eq!((q["status"].clone(), q["stream"].clone(), q["complete"].clone()), (json!(200), json!(false), json!(true)));
+    assert_eq!((q["status"].clone(), q["stream"].clone(), q["transport_complete"].clone()), (json!(200), json!(false), json!(true)));
     assert!(q["finish_reason"].is_string());
     let q = find(&r, bad_client)[0];
     assert_eq!(q["status"], 400);
@@ -357,7 +360,7 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
     let r = t.stop();
     let q = find(&r, client)[0];
     assert_eq!(q["partial"], true, "{q}");
-    assert_eq!(q["complete"], true, "{q}");
+    assert_eq!((q["content_complete"].clone(), q["transport_complete"].clone()), (json!(true), json!(true)), "{q}");
     assert_eq!(q["finish_reason"], fin.as_str());
     let seen = q["chunks"].as_u64().unwrap() as usize;
     // Chunks sent while probe was still attaching (~100 ms, ~10 tokens here) are not seen.

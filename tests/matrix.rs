@@ -186,9 +186,16 @@ struct Trace {
 
 impl Trace {
     fn start(pid: u32, name: &str) -> Trace {
+        Self::start_with(pid, name, &[])
+    }
+
+    fn start_with(pid: u32, name: &str, extra: &[&str]) -> Trace {
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("matrix-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
-        let (child, _, armed) = start_trace(&["--pid", &pid.to_string(), "--duration", "300s", "--out", out.to_str().unwrap()]);
+        let pid = pid.to_string();
+        let mut args = vec!["--pid", &pid, "--duration", "300s", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let (child, _, armed) = start_trace(&args);
         assert!(armed.contains("stream") && armed.contains("sock"), "stream probes not live: {armed}");
         Trace { child, out }
     }
@@ -199,7 +206,10 @@ impl Trace {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
         let st = self.child.wait().unwrap();
         assert!(st.code().is_some_and(|c| c <= 1), "probe exit {st:?}");
-        serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap()
+        let r: Value = serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap();
+        let lost: u64 = r["lost_events"].as_object().unwrap().values().filter_map(Value::as_u64).sum();
+        assert_eq!(lost, 0, "events were lost: {}", r["lost_events"]);
+        r
     }
 }
 
@@ -425,17 +435,21 @@ impl Drop for Vllm {
 /// A second server with its own HTTP stack (vLLM: Python, uvicorn; LF-only SSE; `finish_reason`
 /// on the last token's chunk; `stop_reason` names the stop string), the same clients: EOS, the
 /// requested limit, a stop word, a reader that leaves, a gateway deadline (the API server
-/// paused), and the context limit under a KV cache made small on purpose (12 blocks of 32
+/// paused), and the context limit under a KV cache made small on purpose (16 blocks of 32
 /// tokens for six streams), where the server preempts requests: read from its /metrics, in the
 /// report as evidence.
 #[test]
 fn vllm_second_server_same_clients() {
     let _serial = serial();
-    // 12 blocks of 32 tokens: six streams' prompts (2 blocks each) fit, their growth does not.
-    let v = Vllm::start(&["--max-model-len", "128", "--block-size", "32", "--num-gpu-blocks-override", "12"]);
+    // 16 blocks of 32 tokens: six streams' prompts (2 blocks each) fit, their growth to 128
+    // tokens (4 blocks each) does not.
+    let v = Vllm::start(&["--max-model-len", "128", "--block-size", "32", "--num-gpu-blocks-override", "16"]);
     let pid = v.child.id();
     let url = format!("http://{}", v.addr);
-    let mut t = Trace::start(pid, "vllm");
+    // The probes verdicts of stop causes rest on. With every probe, the seconds after attach lose
+    // stack and switch events on vLLM (the collector loads unwind tables for torch's libraries on
+    // its one thread while a hundred threads switch), and with them the first requests' heads.
+    let mut t = Trace::start_with(pid, "vllm", &["--probes", "sock,stream,proc,mem"]);
     let cells = [
         // vLLM refuses a max_tokens above max-model-len: every request asks for at most 128.
         Cell { cause: "eos", api: "chat", prompt: "short", base: 70, stop: None, ignore_eos: false, leave_after: 0 },
@@ -447,12 +461,6 @@ fn vllm_second_server_same_clients() {
     for cell in &cells {
         seen.push(finish_clients(start_clients(cell, &url)));
     }
-    let before = v.preemptions();
-    // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
-    // length when the context is full.
-    let limit = Cell { cause: "server_limit", api: "chat", prompt: "long", base: 110, stop: None, ignore_eos: true, leave_after: 0 };
-    let seen_limit = finish_clients(start_clients(&limit, &url));
-    let preempted = v.preemptions() - before;
     let gw = Nginx::start(v.addr);
     let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 90, stop: None, ignore_eos: true, leave_after: 0 };
     let ready = ready_dir("vllm-deadline");
@@ -463,9 +471,15 @@ fn vllm_second_server_same_clients() {
     std::thread::sleep(Duration::from_millis(4500));
     unsafe { libc::kill(pid as i32, libc::SIGCONT) };
     let seen_deadline = finish_clients(kids);
+    drop(gw);
+    let before = v.preemptions();
+    // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
+    // length when the context is full.
+    let limit = Cell { cause: "server_limit", api: "chat", prompt: "long", base: 110, stop: None, ignore_eos: true, leave_after: 0 };
+    let seen_limit = finish_clients(start_clients(&limit, &url));
+    let preempted = v.preemptions() - before;
     std::thread::sleep(Duration::from_millis(2500));
     let r = t.stop();
-    drop(gw);
     drop(v);
     for (cell, saw) in cells.iter().zip(&seen) {
         for s in saw.values() {
