@@ -224,6 +224,36 @@ fn finish_is(saw: &Value, words: &[&str]) -> bool {
     words.iter().any(|w| saw["finish_reason"] == *w || saw["stop_type"] == *w)
 }
 
+/// Ground truth first: every client saw the stop its cell is made for (llama.cpp native says
+/// `stop_type`, OpenAI routes `finish_reason`; vLLM names the stop string in `stop_reason`).
+fn assert_client_saw(cell: &Cell, saw: &BTreeMap<u64, Value>) {
+    for s in saw.values() {
+        let ok = match cell.cause {
+            "eos" => finish_is(s, &["stop", "eos"]) && s["stop_reason"].is_null(),
+            "requested_limit" => finish_is(s, &["length", "limit"]),
+            "stop_word" => finish_is(s, &["word"]) || (s["finish_reason"] == "stop" && s["stop_reason"].is_string()),
+            "client_disconnect" => s["left_early"] == true,
+            "deadline" => s["finish_reason"].is_null() && s["stop_type"].is_null() && s["left_early"] == false,
+            other => panic!("no ground truth for {other}"),
+        };
+        assert!(ok, "{}: the client did not see what the cell is made for: {s}", cell.cause);
+    }
+}
+
+/// The gateway: nginx with a 3 s read timeout in front of `upstream`; once every client's stream
+/// flows, the server (`pid`) is paused for 4.5 s. What the clients saw.
+fn gateway_deadline(cell: &Cell, upstream: SocketAddr, pid: u32, name: &str) -> BTreeMap<u64, Value> {
+    let gw = Nginx::start(upstream);
+    let ready = ready_dir(&format!("{name}-deadline"));
+    let kids = start_clients_ready(cell, &format!("http://{}", gw.addr), Some(&ready));
+    wait_ready(&ready);
+    // SAFETY: signalling our own child: pause the server, resume after the gateway gave up.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_millis(4500));
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    finish_clients(kids)
+}
+
 /// Causes from one server with six slots: EOS, the requested limit, a stop word, a reader that
 /// leaves mid-stream, and (through nginx, the server paused) a gateway deadline.
 #[test]
@@ -243,39 +273,16 @@ fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
     for cell in &cells {
         seen.push(finish_clients(start_clients(cell, &url)));
     }
-    // The gateway: nginx with a 3 s read timeout; the server paused mid-stream for 4.5 s.
-    let gw = Nginx::start(addr);
     let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 2000, stop: None, ignore_eos: true, leave_after: 0 };
-    let ready = ready_dir("deadline");
-    let kids = start_clients_ready(&deadline, &format!("http://{}", gw.addr), Some(&ready));
-    wait_ready(&ready);
-    // SAFETY: signalling our own child: pause the server, resume after the gateway gave up.
-    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-    std::thread::sleep(Duration::from_millis(4500));
-    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
-    let seen_deadline = finish_clients(kids);
+    let seen_deadline = gateway_deadline(&deadline, addr, pid, "llama");
     std::thread::sleep(Duration::from_millis(500));
     let r = t.stop();
-    drop(gw);
     drop(srv);
     let mut rows = Vec::new();
-    for (cell, saw) in cells.iter().zip(&seen) {
-        // Ground truth first: the clients saw the stop this cell is made for.
-        for s in saw.values() {
-            let ok = match cell.cause {
-                "eos" => finish_is(s, &["stop", "eos"]),
-                "requested_limit" => finish_is(s, &["length", "limit"]),
-                "stop_word" => finish_is(s, &["word"]),
-                _ => s["left_early"] == true,
-            };
-            assert!(ok, "{}: the client did not see what the cell is made for: {s}", cell.cause);
-        }
+    for (cell, saw) in cells.iter().zip(&seen).chain([(&deadline, &seen_deadline)]) {
+        assert_client_saw(cell, saw);
         rows.extend(check(cell, &r, saw, |_| cell.cause));
     }
-    for s in seen_deadline.values() {
-        assert!(s["finish_reason"].is_null(), "the gateway did not cut this stream: {s}");
-    }
-    rows.extend(check(&deadline, &r, &seen_deadline, |_| "deadline"));
     // The keep-alive client makes two requests, except where its first was left or cut.
     assert_eq!(rows.len(), 3 * (CLIENTS.len() + 1) + 2 * CLIENTS.len());
 }
@@ -461,17 +468,8 @@ fn vllm_second_server_same_clients() {
     for cell in &cells {
         seen.push(finish_clients(start_clients(cell, &url)));
     }
-    let gw = Nginx::start(v.addr);
     let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 90, stop: None, ignore_eos: true, leave_after: 0 };
-    let ready = ready_dir("vllm-deadline");
-    let kids = start_clients_ready(&deadline, &format!("http://{}", gw.addr), Some(&ready));
-    wait_ready(&ready);
-    // SAFETY: signalling our own child: pause the API server, resume after the gateway gave up.
-    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-    std::thread::sleep(Duration::from_millis(4500));
-    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
-    let seen_deadline = finish_clients(kids);
-    drop(gw);
+    let seen_deadline = gateway_deadline(&deadline, v.addr, pid, "vllm");
     let before = v.preemptions();
     // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
     // length when the context is full.
@@ -481,16 +479,8 @@ fn vllm_second_server_same_clients() {
     std::thread::sleep(Duration::from_millis(2500));
     let r = t.stop();
     drop(v);
-    for (cell, saw) in cells.iter().zip(&seen) {
-        for s in saw.values() {
-            let ok = match cell.cause {
-                "eos" => s["finish_reason"] == "stop" && s["stop_reason"].is_null(),
-                "requested_limit" => s["finish_reason"] == "length",
-                "stop_word" => s["finish_reason"] == "stop" && s["stop_reason"] == ",",
-                _ => s["left_early"] == true,
-            };
-            assert!(ok, "vLLM {}: the client did not see what the cell is made for: {s}", cell.cause);
-        }
+    for (cell, saw) in cells.iter().zip(&seen).chain([(&deadline, &seen_deadline)]) {
+        assert_client_saw(cell, saw);
         check(cell, &r, saw, |_| cell.cause);
     }
     for s in seen_limit.values() {
@@ -503,8 +493,4 @@ fn vllm_second_server_same_clients() {
     let reqs = by_max_tokens(&r, "/v1/chat/completions");
     let told = seen_limit.keys().filter(|m| reqs[m]["verdict"]["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("preempted"))).count();
     assert!(told >= 1, "no verdict mentions the {preempted} preemptions: {:?}", seen_limit.keys().map(|m| &reqs[m]["verdict"]).collect::<Vec<_>>());
-    for s in seen_deadline.values() {
-        assert!(s["finish_reason"].is_null(), "the gateway did not cut this stream: {s}");
-    }
-    check(&deadline, &r, &seen_deadline, |_| "deadline");
 }
