@@ -98,9 +98,16 @@ pub struct RequestRecord {
 }
 
 impl RequestRecord {
-    /// How the connection ended for this request: who closed, and a reset if there was one.
+    /// How the connection ended for this request, in words: who closed, and a reset if there was one.
     pub fn ended(&self) -> String {
-        if self.reset == "none" { self.closed_by.clone() } else { format!("{} ({})", self.closed_by, self.reset.replace('_', " ")) }
+        let who = match self.closed_by.as_str() {
+            "client" => "client closed",
+            "server" => "server closed",
+            "none" => "kept open",
+            "open" => "open at end",
+            other => other,
+        };
+        if self.reset == "none" { who.to_string() } else { format!("{who} ({})", self.reset.replace('_', " ")) }
     }
 
     /// The two completeness facts in one word: "yes" (both), "content" (the server's final
