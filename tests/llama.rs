@@ -649,26 +649,8 @@ fn low_gpu_clock_at_arrival_is_power() {
 #[test]
 fn gateway_timeout_is_a_deadline() {
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1", "-t", "1"]);
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("nginx-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("tmp")).unwrap();
-    let gw_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let d = dir.display();
-    let conf = format!(
-        "daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
-         events {{ worker_connections 64; }}\n\
-         http {{ access_log off; client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp; uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
-           server {{ listen 127.0.0.1:{gw_port}; location / {{ proxy_pass http://{addr}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout 2s; }} }} }}\n"
-    );
-    std::fs::write(dir.join("nginx.conf"), conf).unwrap();
-    let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| std::path::Path::new(p).exists()).expect("nginx is not installed: run scripts/setup.sh");
-    let mut gw = Command::new(nginx).arg("-p").arg(&dir).arg("-c").arg(dir.join("nginx.conf")).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let gw_addr: SocketAddr = format!("127.0.0.1:{gw_port}").parse().unwrap();
-    let t = Instant::now();
-    while !matches!(request_once(gw_addr, "GET", "/health", None), Ok((200, _))) {
-        assert!(t.elapsed() < Duration::from_secs(20), "nginx did not come up: {}", std::fs::read_to_string(dir.join("error.log")).unwrap_or_default());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let gw = common::Nginx::start(addr, 2);
+    let gw_addr = gw.addr;
     let (p, out) = trace_pid(srv.id(), "gateway", &[]);
     let s = TcpStream::connect(gw_addr).unwrap();
     send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Tell a long story.", "n_predict": 2000, "stream": true, "ignore_eos": true})));
@@ -683,8 +665,7 @@ fn gateway_timeout_is_a_deadline() {
     drop(rd);
     drop(s);
     let r = stop_trace(p, &out);
-    let _ = gw.kill();
-    let _ = gw.wait();
+    drop(gw);
     let _ = srv.kill();
     let _ = srv.wait();
     let reqs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == "/completion").collect();

@@ -243,7 +243,7 @@ fn assert_client_saw(cell: &Cell, saw: &BTreeMap<u64, Value>) {
 /// The gateway: nginx with a 3 s read timeout in front of `upstream`; once every client's stream
 /// flows, the server (`pid`) is paused for 4.5 s. What the clients saw.
 fn gateway_deadline(cell: &Cell, upstream: SocketAddr, pid: u32, name: &str) -> BTreeMap<u64, Value> {
-    let gw = Nginx::start(upstream);
+    let gw = common::Nginx::start(upstream, 3);
     let ready = ready_dir(&format!("{name}-deadline"));
     let kids = start_clients_ready(cell, &format!("http://{}", gw.addr), Some(&ready));
     wait_ready(&ready);
@@ -342,45 +342,6 @@ fn oom_kill_mid_stream() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGKILL), "the server was not killed: {status:?}");
     check(&cell, &r, &seen, |_| "oom");
-}
-
-/// nginx as a gateway with `proxy_read_timeout 3s`, stopped on drop.
-struct Nginx {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Nginx {
-    fn start(upstream: SocketAddr) -> Nginx {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("matrix-nginx-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("tmp")).unwrap();
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let d = dir.display();
-        let conf = format!(
-            "daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
-             events {{ worker_connections 64; }}\n\
-             http {{ access_log off; client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp; uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
-               server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://{upstream}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout 3s; }} }} }}\n"
-        );
-        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
-        let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| Path::new(p).exists()).expect("nginx is not installed: run scripts/setup.sh");
-        let child = Command::new(bin).arg("-p").arg(&dir).arg("-c").arg(dir.join("nginx.conf")).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let t = Instant::now();
-        while !common::healthy(addr) {
-            assert!(t.elapsed() < Duration::from_secs(20), "nginx did not come up: {}", std::fs::read_to_string(dir.join("error.log")).unwrap_or_default());
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Nginx { child, addr }
-    }
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// vLLM's OpenAI server (CPU build from PyPI, installed by scripts/vllm.sh), in its own process

@@ -17,8 +17,8 @@ use crate::recording::Recording;
 pub const WAITS: [&str; 8] = ["[memory wait]", "[page-fault wait]", "[io wait]", "[lock wait]", "[sleep]", "[poll wait]", "[network wait]", "[other wait]"];
 
 /// Classify a wait by its kernel frames (names, innermost first).
-pub fn wait_class(kernel: &[String]) -> &'static str {
-    let has = |s: &str| kernel.iter().any(|f| f.contains(s));
+pub fn wait_class<S: AsRef<str>>(kernel: &[S]) -> &'static str {
+    let has = |s: &str| kernel.iter().any(|f| f.as_ref().contains(s));
     if has("try_to_free_pages") || has("shrink_") || has("compact_zone") || has("__alloc_pages_slowpath") || has("mem_cgroup_handle_over_high") || has("reclaim") {
         "[memory wait]"
     } else if has("io_schedule") || has("folio_wait") || has("blk_") || has("bio_") || has("wait_on_page") {
@@ -78,8 +78,8 @@ impl Resolver {
     }
 
     /// The names of `addrs` (innermost first), for the ones that have one.
-    pub fn names(&self, addrs: &[u64]) -> Vec<String> {
-        addrs.iter().filter_map(|a| self.known.get(a).cloned().flatten()).collect()
+    pub fn names(&self, addrs: &[u64]) -> Vec<&str> {
+        addrs.iter().filter_map(|a| self.known.get(a)?.as_deref()).collect()
     }
 }
 
@@ -124,7 +124,7 @@ impl Names {
         if let Some(w) = stack["wait"].as_str() {
             return WAITS.iter().copied().find(|c| *c == w).unwrap_or("[other wait]");
         }
-        let names: Vec<String> = kernel_addrs(stack).into_iter().filter_map(|a| self.by_addr.get(&a).cloned()).collect();
+        let names: Vec<&str> = kernel_addrs(stack).into_iter().filter_map(|a| self.by_addr.get(&a).map(String::as_str)).collect();
         wait_class(&names)
     }
 }

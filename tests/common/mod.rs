@@ -115,3 +115,43 @@ pub fn assert_report_is_the_same_offline(dir: &std::path::Path) {
         }
     }
 }
+
+/// nginx as a gateway in front of `upstream` (a real one: the Debian package that setup installs),
+/// with `proxy_read_timeout` `timeout_s` and no buffering, on a free loopback port; stopped on drop.
+pub struct Nginx {
+    child: Child,
+    pub addr: std::net::SocketAddr,
+}
+
+impl Nginx {
+    pub fn start(upstream: std::net::SocketAddr, timeout_s: u32) -> Nginx {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("nginx-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("tmp")).unwrap();
+        let d = dir.display();
+        let conf = format!(
+            "daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
+             events {{ worker_connections 64; }}\n\
+             http {{ access_log off; client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp; uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
+               server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://{upstream}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout {timeout_s}s; }} }} }}\n"
+        );
+        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
+        let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| std::path::Path::new(p).exists()).expect("nginx is not installed: run scripts/setup.sh");
+        let child = Command::new(bin).arg("-p").arg(&dir).arg("-c").arg(dir.join("nginx.conf")).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let gw = Nginx { child, addr: format!("127.0.0.1:{port}").parse().unwrap() };
+        let t = std::time::Instant::now();
+        while !healthy(gw.addr) {
+            assert!(t.elapsed() < Duration::from_secs(20), "nginx did not come up: {}", std::fs::read_to_string(dir.join("error.log")).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        gw
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
