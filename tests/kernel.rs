@@ -98,7 +98,7 @@ impl Trace {
         let log: Vec<String> = self.stderr.iter().collect(); // until probe closed stderr
         assert!(status.code() == Some(0), "probe exited {status:?}: {log:?}");
         assert!(log.iter().any(|l| l.contains("target exited")), "probe should stop on the target's exit: {log:?}");
-        serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap()
+        common::read_report(&self.out)
     }
 }
 

@@ -54,7 +54,7 @@ impl Trace {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
         let st = self.child.wait().unwrap();
         assert_eq!(st.code(), Some(0), "probe exit");
-        serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap()
+        common::read_report(&self.out)
     }
 }
 
@@ -447,7 +447,7 @@ fn cold_model_reload_is_named_in_the_report() {
     assert!(p.wait().unwrap().success());
     let _ = srv.kill();
     let _ = srv.wait();
-    let r: Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let r: Value = common::read_report(&out);
     let size = std::fs::metadata(&model).unwrap().len();
     let files = r["files"].as_array().unwrap();
     let top = &files[0];
@@ -560,7 +560,7 @@ fn waiting_for_the_only_slot_is_queueing() {
     assert!(p.wait().unwrap().success());
     let _ = srv.kill();
     let _ = srv.wait();
-    let r: Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let r: Value = common::read_report(&out);
     let reqs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == "/completion").collect();
     assert_eq!(reqs.len(), 4);
     let queued = reqs.iter().filter(|q| q["verdict"]["slow_cause"] == "queue").count();
@@ -592,7 +592,7 @@ fn stop_trace(mut p: Child, out: &std::path::Path) -> Value {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
     assert!(p.wait().unwrap().success());
-    serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap()
+    common::read_report(&out)
 }
 
 /// A GPU whose SM clock is low (P8) when a request arrives and ramps about 100 ms later: the verdict

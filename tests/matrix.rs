@@ -206,7 +206,7 @@ impl Trace {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
         let st = self.child.wait().unwrap();
         assert!(st.code().is_some_and(|c| c <= 1), "probe exit {st:?}");
-        let r: Value = serde_json::from_slice(&std::fs::read(self.out.join("report.json")).unwrap()).unwrap();
+        let r: Value = common::read_report(&self.out);
         let lost: u64 = r["lost_events"].as_object().unwrap().values().filter_map(Value::as_u64).sum();
         assert_eq!(lost, 0, "events were lost: {}", r["lost_events"]);
         r

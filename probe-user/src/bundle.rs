@@ -115,7 +115,7 @@ pub fn mask(text: &str) -> String {
 /// Write the bundle; returns the list of files in it.
 pub fn write(rec: &Recording, report: &Report, out: &Path, masked: bool) -> anyhow::Result<Vec<String>> {
     let syms = flame::Symbols::resolve(rec);
-    let trace = timeline::build(rec, &crate::ksyms::Names::of(rec));
+    let trace = timeline::build(rec, report, &syms.kernel);
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("report.md".into(), markdown(report).into_bytes()),
         ("report.json".into(), serde_json::to_vec_pretty(report)?),

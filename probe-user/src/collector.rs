@@ -61,7 +61,7 @@ struct State {
     /// Kernel addresses named while they mean something (see crate::ksyms).
     ksyms: crate::ksyms::Resolver,
     /// Off-CPU stacks waiting for their thread to run again (by tid).
-    offcpu: HashMap<u32, serde_json::Value>,
+    offcpu: HashMap<u32, recording::StackRecord>,
     root: u32,
     root_exited: bool,
     /// The target set, shared with the samplers.
@@ -91,8 +91,8 @@ impl State {
             Event::Stack(s) => self.on_stack(&s, decode::data_payload(bytes))?,
             Event::Sched(e) => {
                 if let Some(mut v) = self.offcpu.remove(&e.tid) {
-                    v["blocked_ns"] = json!(e.blocked_ns);
-                    self.writer.json(&v)?;
+                    v.blocked_ns = Some(e.blocked_ns);
+                    self.writer.stack(&v)?;
                 }
             }
             Event::Data(d) => self.streams.on_data(&d, decode::data_payload(bytes)),
@@ -146,18 +146,27 @@ impl State {
         if let Some(names) = self.ksyms.learn(&kernel) {
             self.writer.json(&names)?;
         }
-        let mut v = json!({
-            "type": "stack", "what": what, "pid": s.hdr.pid, "tid": s.hdr.tid, "ts_ns": s.hdr.ts_ns,
-            "user": u.frames, "kernel": kernel, "complete": u.complete, "addr": s.addr, "state": s.state,
-        });
+        let mut v = recording::StackRecord {
+            what: what.into(),
+            pid: s.hdr.pid,
+            tid: s.hdr.tid,
+            ts_ns: s.hdr.ts_ns,
+            user: u.frames,
+            complete: u.complete,
+            addr: s.addr,
+            state: s.state,
+            ..Default::default()
+        };
         if s.what == probe_common::stack::STACK_OFFCPU {
-            v["wait"] = json!(crate::ksyms::wait_class(&self.ksyms.names(&kernel)));
+            v.wait = Some(crate::ksyms::wait_class(&self.ksyms.names(&kernel)).into());
+            v.kernel = kernel;
             if let Some(old) = self.offcpu.insert(s.hdr.tid, v) {
-                self.writer.json(&old)?;
+                self.writer.stack(&old)?;
             }
             return Ok(());
         }
-        self.writer.json(&v)
+        v.kernel = kernel;
+        self.writer.stack(&v)
     }
 
     /// Write the requests that finished.
@@ -357,9 +366,9 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     // Threads still blocked when the trace ended: blocked until now.
     let now = monotonic_ns();
     for (_, mut v) in std::mem::take(&mut st.offcpu) {
-        v["blocked_ns"] = json!(now.saturating_sub(v["ts_ns"].as_u64().unwrap_or(now)));
-        v["still_blocked"] = json!(true);
-        st.writer.json(&v)?;
+        v.blocked_ns = Some(now.saturating_sub(v.ts_ns));
+        v.still_blocked = true;
+        st.writer.stack(&v)?;
     }
     let lost = sum(&lost_map);
     let skipped = probes::skipped_runs(&attached.ebpf);
@@ -374,8 +383,10 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     eprintln!("probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}", st.events, lost.iter().sum::<u64>());
 
     let rec = recording::read_dir(&opts.out)?;
+    // One analysis and one symbolization for every output.
     let report = report::build(&rec);
-    match crate::flame::write_defaults(&rec, &opts.out) {
+    let syms = crate::flame::Symbols::resolve(&rec);
+    match crate::flame::write_defaults(&rec, &syms, &opts.out) {
         Ok(written) => {
             for (path, weight) in written {
                 eprintln!("probe: flamegraph {} (weight {weight})", path.display());
@@ -385,7 +396,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     }
     let path = opts.out.join("report.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("cannot write {}", path.display()))?;
-    match crate::html::write_for(&rec, &report, &opts.out) {
+    match crate::html::write_for(&rec, &report, &syms, &opts.out) {
         Ok(page) => eprintln!("probe: {}", page.display()),
         Err(e) => eprintln!("probe: report.html not written: {e:#}"),
     }

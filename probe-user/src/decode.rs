@@ -4,10 +4,10 @@ use probe_common::{
     mem::MemEvent, mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stack::{SchedEvent, StackEvent}, stream::DataEvent,
 };
 
-// Stack records are big (kernel stack inline); events are decoded one at a time and the
-// recording keeps them in one Vec, so boxing would only add an allocation per stack.
-#[allow(clippy::large_enum_variant)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+// Stack records are big (a 512-byte kernel stack inline) and never stored in a recording (the
+// collector unwinds them into stack records): boxed, so that every other event in a Vec takes
+// the size of the largest of them, not of a stack.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     BlockIo(BlockIoEvent),
     Fault(FaultEvent),
@@ -18,7 +18,7 @@ pub enum Event {
     /// The fixed part of a stream data record; the payload is in [`data_payload`].
     Data(DataEvent),
     /// The fixed part of a stack record; the raw user stack is in [`data_payload`].
-    Stack(StackEvent),
+    Stack(Box<StackEvent>),
     Sched(SchedEvent),
     Mem(MemEvent),
 }
@@ -105,7 +105,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Sock => Event::Sock(read(bytes, kind)?),
         EventKind::Proc => Event::Proc(read(bytes, kind)?),
         EventKind::Data => Event::Data(read_var(bytes, kind, |e: &DataEvent| e.captured)?),
-        EventKind::Stack => Event::Stack(read_var(bytes, kind, |e: &StackEvent| e.ustack_bytes)?),
+        EventKind::Stack => Event::Stack(Box::new(read_var(bytes, kind, |e: &StackEvent| e.ustack_bytes)?)),
         EventKind::Sched => Event::Sched(read(bytes, kind)?),
         EventKind::Mem => Event::Mem(read(bytes, kind)?),
     })
@@ -118,6 +118,22 @@ pub fn data_payload(bytes: &[u8]) -> &[u8] {
         Ok(EventKind::Data) => bytes.get(size_of::<DataEvent>()..).unwrap_or_default(),
         Ok(EventKind::Stack) => bytes.get(size_of::<StackEvent>()..).unwrap_or_default(),
         _ => &[],
+    }
+}
+
+/// The raw bytes of a decoded event (without a stream record's payload or a stack's user stack).
+pub fn encode_event(ev: &Event) -> Vec<u8> {
+    match ev {
+        Event::BlockIo(e) => encode(e),
+        Event::Fault(e) => encode(e),
+        Event::Filemap(e) => encode(e),
+        Event::Mmap(e) => encode(e),
+        Event::Sock(e) => encode(e),
+        Event::Proc(e) => encode(e),
+        Event::Data(e) => encode(&probe_common::stream::DataEvent { captured: 0, ..*e }),
+        Event::Stack(e) => encode(&StackEvent { ustack_bytes: 0, ..**e }),
+        Event::Sched(e) => encode(e),
+        Event::Mem(e) => encode(e),
     }
 }
 
@@ -152,7 +168,7 @@ mod tests {
         let mut ev = StackEvent { hdr: hdr::<StackEvent>(), ustack_bytes: 16, ..Default::default() };
         let mut bytes = encode(&ev);
         bytes.extend_from_slice(&[7u8; 16]);
-        assert_eq!(decode(&bytes), Ok(Event::Stack(ev)));
+        assert_eq!(decode(&bytes), Ok(Event::Stack(Box::new(ev))));
         assert_eq!(data_payload(&bytes), &[7u8; 16]);
         ev.ustack_bytes = 32; // claims more than it carries
         let mut short = encode(&ev);

@@ -173,11 +173,10 @@ pub fn svg(f: &BTreeMap<String, u64>, kind: Kind, title: &str) -> std::io::Resul
 
 /// Write `<dir>/flame-<kind>.svg` and `.folded` for every kind that has stacks; returns what
 /// was written (path, stacks weight).
-pub fn write_defaults(rec: &Recording, dir: &std::path::Path) -> std::io::Result<Vec<(std::path::PathBuf, u64)>> {
-    let syms = Symbols::resolve(rec);
+pub fn write_defaults(rec: &Recording, syms: &Symbols, dir: &std::path::Path) -> std::io::Result<Vec<(std::path::PathBuf, u64)>> {
     let mut written = Vec::new();
     for kind in Kind::ALL {
-        let f = folded(rec, &syms, kind, Window::default());
+        let f = folded(rec, syms, kind, Window::default());
         if f.is_empty() {
             continue;
         }

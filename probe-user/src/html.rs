@@ -376,9 +376,8 @@ pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) ->
 
 /// The flamegraphs for the page: `dir/flame-KIND.svg` where present, else drawn from the
 /// recording's stacks (in memory; nothing is written).
-pub fn flamegraphs(rec: &Recording, dir: Option<&Path>) -> Vec<(String, String)> {
+pub fn flamegraphs(rec: &Recording, syms: &flame::Symbols, dir: Option<&Path>) -> Vec<(String, String)> {
     let mut out = Vec::new();
-    let mut syms = None;
     for kind in flame::Kind::ALL {
         if let Some(svg) = dir.and_then(|d| std::fs::read_to_string(d.join(format!("flame-{}.svg", kind.name()))).ok()) {
             out.push((kind.name().to_string(), svg));
@@ -388,7 +387,6 @@ pub fn flamegraphs(rec: &Recording, dir: Option<&Path>) -> Vec<(String, String)>
         if !rec.json.iter().any(|v| v["type"] == "stack" && v["what"] == what) {
             continue;
         }
-        let syms = syms.get_or_insert_with(|| flame::Symbols::resolve(rec));
         let folded = flame::folded(rec, syms, kind, flame::Window::default());
         if let Ok(svg) = flame::svg(&folded, kind, &format!("probe: {} stacks", kind.name())) {
             out.push((kind.name().to_string(), String::from_utf8_lossy(&svg).into_owned()));
@@ -399,9 +397,9 @@ pub fn flamegraphs(rec: &Recording, dir: Option<&Path>) -> Vec<(String, String)>
 
 /// Write `dir/report.html` for a recording already read and analysed (what `probe trace` has
 /// at its end); returns its path.
-pub fn write_for(rec: &Recording, report: &Report, dir: &Path) -> anyhow::Result<PathBuf> {
-    let trace = crate::timeline::build(rec, &crate::ksyms::Names::of(rec));
-    let page = render(report, &trace, &flamegraphs(rec, Some(dir)));
+pub fn write_for(rec: &Recording, report: &Report, syms: &flame::Symbols, dir: &Path) -> anyhow::Result<PathBuf> {
+    let trace = crate::timeline::build(rec, report, &syms.kernel);
+    let page = render(report, &trace, &flamegraphs(rec, syms, Some(dir)));
     let out = dir.join(FILE_NAME);
     std::fs::write(&out, page).with_context(|| format!("cannot write {}", out.display()))?;
     crate::bundle::chown_to_sudo_caller(&out);
@@ -412,7 +410,7 @@ pub fn write_for(rec: &Recording, report: &Report, dir: &Path) -> anyhow::Result
 pub fn write(dir: &Path) -> anyhow::Result<PathBuf> {
     let rec = crate::recording::read_dir(dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
     let report = crate::report::build(&rec);
-    write_for(&rec, &report, dir)
+    write_for(&rec, &report, &flame::Symbols::resolve(&rec), dir)
 }
 
 #[cfg(test)]

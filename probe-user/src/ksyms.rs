@@ -92,31 +92,83 @@ pub struct Names {
     pub legacy: bool,
 }
 
-impl Names {
-    pub fn of(rec: &Recording) -> Names {
-        let mut by_addr = HashMap::new();
-        for v in rec.json.iter().filter(|v| v["type"] == "ksyms") {
-            for s in v["syms"].as_array().into_iter().flatten() {
-                if let (Some(a), Some(n)) = (s[0].as_u64(), s[1].as_str()) {
-                    by_addr.insert(a, n.to_string());
+/// [`Names`] gathered record by record (the report streams a recording).
+#[derive(Debug, Default)]
+pub struct NamesBuilder {
+    by_addr: HashMap<u64, String>,
+    traced_with_names: bool,
+    /// Kernel addresses of stack records, kept only while the recording might be an old one.
+    addrs: std::collections::HashSet<u64>,
+}
+
+impl NamesBuilder {
+    pub fn feed(&mut self, v: &Value) {
+        match v["type"].as_str() {
+            Some("ksyms") => {
+                self.traced_with_names = true;
+                self.addrs.clear();
+                for s in v["syms"].as_array().into_iter().flatten() {
+                    if let (Some(a), Some(n)) = (s[0].as_u64(), s[1].as_str()) {
+                        self.by_addr.insert(a, n.to_string());
+                    }
                 }
             }
+            Some("stack") => {
+                if v.get("wait").is_some() {
+                    self.traced_with_names = true;
+                    self.addrs.clear();
+                }
+                if !self.traced_with_names {
+                    self.addrs.extend(kernel_addrs(v));
+                }
+            }
+            _ => {}
         }
-        let traced_with_names = rec.json.iter().any(|v| v["type"] == "ksyms" || (v["type"] == "stack" && v.get("wait").is_some()));
-        let has_kernel = rec.json.iter().any(|v| v["type"] == "stack" && v["kernel"].as_array().is_some_and(|k| !k.is_empty()));
-        if traced_with_names || !has_kernel {
-            return Names { by_addr, legacy: false };
+    }
+
+    pub fn feed_stack(&mut self, s: &crate::recording::StackRecord) {
+        if s.wait.is_some() {
+            self.traced_with_names = true;
+            self.addrs.clear();
+        }
+        if !self.traced_with_names {
+            self.addrs.extend(s.kernel.iter().copied());
+        }
+    }
+
+    pub fn finish(self) -> Names {
+        if self.traced_with_names || self.addrs.is_empty() {
+            return Names { by_addr: self.by_addr, legacy: false };
         }
         // An old recording: name its addresses here, as probe did before.
         let mut r = Resolver::default();
-        let addrs: Vec<u64> = rec.json.iter().filter(|v| v["type"] == "stack").flat_map(kernel_addrs).collect();
+        let addrs: Vec<u64> = self.addrs.into_iter().collect();
         r.learn(&addrs);
         Names { by_addr: r.known.into_iter().filter_map(|(a, n)| Some((a, n?))).collect(), legacy: true }
+    }
+}
+
+impl Names {
+    pub fn of(rec: &Recording) -> Names {
+        let mut b = NamesBuilder::default();
+        for v in &rec.json {
+            b.feed(v);
+        }
+        b.finish()
     }
 
     /// A frame's name: its symbol, or the bare address when the trace could not name it.
     pub fn frame(&self, addr: u64) -> String {
         self.by_addr.get(&addr).cloned().unwrap_or_else(|| format!("{addr:#x}"))
+    }
+
+    /// [`Names::wait_of`] of a typed stack record.
+    pub fn wait_of_stack(&self, s: &crate::recording::StackRecord) -> &'static str {
+        if let Some(w) = &s.wait {
+            return WAITS.iter().copied().find(|c| c == w).unwrap_or("[other wait]");
+        }
+        let names: Vec<&str> = s.kernel.iter().filter_map(|a| self.by_addr.get(a).map(String::as_str)).collect();
+        wait_class(&names)
     }
 
     /// The class of an off-CPU stack record's wait: as recorded, else from its frames' names.

@@ -17,6 +17,8 @@ pub mod procfs;
 pub mod recording;
 pub mod report;
 pub mod sampler;
+pub mod stats;
+pub mod synth;
 pub mod stream;
 pub mod system;
 pub mod timeline;

@@ -60,6 +60,9 @@ enum Command {
         /// Write DIR/report.html (self-contained: verdicts, timeline, flamegraphs) and print its path.
         #[arg(long)]
         html: bool,
+        /// Print what the recording spends its space on (records and bytes per kind) instead.
+        #[arg(long)]
+        sizes: bool,
     },
     /// Draw a flamegraph (SVG, plus the folded stacks beside it) from a recording.
     Flamegraph {
@@ -100,6 +103,15 @@ enum Command {
     },
     /// Say which kernel features are present and what probe can do here.
     Doctor,
+    /// Write a synthetic recording with a real trace's mix of records (the report benchmark).
+    #[command(hide = true)]
+    Synth {
+        /// Kernel events and stack records to write.
+        #[arg(long)]
+        events: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Drive a running server with controlled experiments (concurrency, prompt length, idle
     /// time) and explain every change in length or latency with stop reasons and verdicts.
     Bench(Box<bench::BenchArgs>),
@@ -140,17 +152,31 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             }
             Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
         }
-        Command::Report { dir, json, html } => {
-            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let r = report::build(&rec);
-            if html {
-                println!("{}", probe_user::html::write_for(&rec, &r, &dir)?.display());
-            } else if json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
+        Command::Report { dir, sizes: true, .. } => {
+            let s = recording::sizes(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            println!("{:<16} {:>12} {:>14} {:>10}", "kind", "records", "bytes", "per record");
+            for (k, (n, b)) in &s {
+                println!("{k:<16} {n:>12} {b:>14} {:>10.1}", *b as f64 / (*n).max(1) as f64);
+            }
+            Ok(exit::OK)
+        }
+        Command::Report { dir, json, html, .. } => {
+            let r = if html {
+                let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+                let r = report::build(&rec);
+                println!("{}", probe_user::html::write_for(&rec, &r, &flame::Symbols::resolve(&rec), &dir)?.display());
+                r
             } else {
+                // Streamed: memory does not grow with the recording.
+                report::build_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else if !html {
                 print!("{}", report::render(&r));
             }
-            Ok(if r.lost_events.values().any(|&n| n > 0) { exit::PARTIAL } else { exit::OK })
+            // A torn or corrupt recording is reported from what was whole, and says so (exit 1).
+            Ok(if r.lost_events.values().any(|&n| n > 0) || !r.problems.is_empty() { exit::PARTIAL } else { exit::OK })
         }
         Command::Flamegraph { dir, kind, request, from, to, output } => {
             let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
@@ -182,7 +208,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Timeline { dir, output } => {
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let trace = timeline::build(&rec, &probe_user::ksyms::Names::of(&rec));
+            let trace = timeline::build(&rec, &report::build(&rec), &probe_user::ksyms::Names::of(&rec));
             let out = output.unwrap_or_else(|| dir.join("timeline.json"));
             std::fs::write(&out, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", out.display()))?;
             println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
@@ -198,6 +224,11 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Doctor => Ok(doctor::run()),
+        Command::Synth { events, out } => {
+            let s = probe_user::synth::write(&out, events)?;
+            println!("{} ({} kernel events, {} stack records, {} other records, {} requests, {:.0} s, {} bytes)", out.display(), s.kernel_events, s.stack_records, s.other_records, s.requests, s.seconds, s.bytes);
+            Ok(exit::OK)
+        }
         Command::Bench(args) => bench::run(*args),
     }
 }

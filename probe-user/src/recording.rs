@@ -1,29 +1,288 @@
-//! The recording directory's event log, `events.bin` (format v1, documented in docs/recording.md).
+//! The recording directory's event log, `events.bin` (format v2; v1 still reads; both are
+//! documented in docs/recording.md).
 //!
-//! A file header (`PROBEREC`, version) then frames: `u32 len | u16 type | u16 0 | payload`, in
-//! native byte order. Type 1 = one kernel record as probe-common lays it out; type 2 = one JSON
-//! object written by userspace (meta, maps, files, stats, end). The writer flushes at least once
-//! a second, so a `probe` killed by SIGKILL leaves a readable file; the reader keeps every whole
+//! A file header (`PROBEREC`, version u32, flags u32) then frames. v2 frames are
+//! `varint len | u8 type | payload`; a kernel record (type 1) is stored compactly: `u8 kind |
+//! zigzag varint ts delta from the previous kernel record | varint pid | zigzag varint tid - pid |
+//! varint cpu | the record after its 24-byte header`, with trailing zero bytes cut from
+//! fixed-size records (an anonymous mmap does not carry an empty path buffer). Type 2 is one JSON
+//! object written by userspace (meta, maps, files, stacks, requests, samples, stats, end).
+//! v1 frames were `u32 len | u16 type | u16 0 | payload` with kernel records stored whole.
+//!
+//! The writer flushes at least once a second, so a `probe` killed by SIGKILL leaves a readable
+//! file. The [`Reader`] streams frames (memory does not grow with the file), keeps every whole
 //! frame and reports a torn tail or a corrupt frame instead of failing.
 use std::{
     fs::File,
-    io::{self, BufWriter, Read, Write},
+    io::{self, BufRead, BufReader, BufWriter, Write},
     path::Path,
 };
+
+use probe_common::{EventHeader, EventKind};
 
 use crate::decode::{self, Event};
 
 pub const FILE_NAME: &str = "events.bin";
 pub const MAGIC: &[u8; 8] = b"PROBEREC";
-pub const VERSION: u32 = 1;
-pub const FRAME_KERNEL: u16 = 1;
-pub const FRAME_JSON: u16 = 2;
-/// No frame is larger than this; a larger length means the file is corrupt.
+/// The format this probe writes.
+pub const VERSION: u32 = 2;
+/// The oldest format this probe reads.
+pub const OLDEST: u32 = 1;
+pub const FRAME_KERNEL: u8 = 1;
+pub const FRAME_JSON: u8 = 2;
+/// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
+/// test checks the page against this list, and every real trace in the test suite checks that
+/// its recording holds no other.
+pub const USER_RECORD_TYPES: [&str; 15] =
+    ["meta", "maps", "files", "module", "ksyms", "request", "stats", "samplers", "gpu", "cpufreq", "mem", "cpuidle", "residency", "endpoint", "end"];
+/// v2: one unwound stack sample ([`StackRecord`]), binary.
+pub const FRAME_STACK: u8 = 3;
+/// No frame is larger than this; a larger length means the file is corrupt. The writer refuses
+/// larger JSON records (see [`Writer::json`]).
 pub const MAX_FRAME: u32 = 16 << 20;
+const HEADER: usize = size_of::<EventHeader>();
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn zigzag(v: i64) -> u64 {
+    ((v << 1) ^ (v >> 63)) as u64
+}
+
+fn unzigzag(v: u64) -> i64 {
+    (v >> 1) as i64 ^ -((v & 1) as i64)
+}
+
+/// A varint from the front of `b`, and the rest.
+#[inline]
+fn take_varint(b: &[u8]) -> Option<(u64, &[u8])> {
+    let mut v = 0u64;
+    for (i, &c) in b.iter().enumerate().take(10) {
+        v |= u64::from(c & 0x7f) << (7 * i);
+        if c & 0x80 == 0 {
+            return Some((v, &b[i + 1..]));
+        }
+    }
+    None
+}
+
+/// One stack sample as the collector unwound it: user frames as (module id, file offset) with the
+/// module table in `module` records, kernel addresses named by `ksyms` records. In v1
+/// recordings it was a JSON record of `type: "stack"` with these fields.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StackRecord {
+    /// cpu | offcpu | fault | io.
+    pub what: String,
+    pub pid: u32,
+    pub tid: u32,
+    pub ts_ns: u64,
+    /// Innermost first; module -1 for an address in no known module.
+    #[serde(default)]
+    pub user: Vec<(i64, u64)>,
+    /// Innermost first.
+    #[serde(default)]
+    pub kernel: Vec<u64>,
+    /// Unwound to the end of the stack.
+    #[serde(default)]
+    pub complete: bool,
+    /// Fault and IO stacks: the address or sector; 0 otherwise.
+    #[serde(default)]
+    pub addr: u64,
+    /// Off-CPU stacks: the task state at the switch.
+    #[serde(default)]
+    pub state: u32,
+    /// Off-CPU stacks: the class of the wait (crate::ksyms::WAITS), decided at trace time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<String>,
+    /// Off-CPU stacks: how long the thread stayed off the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocked_ns: Option<u64>,
+    /// Still off the CPU when the trace ended (blocked_ns runs to the end).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub still_blocked: bool,
+}
+
+const STACK_KINDS: [&str; 4] = ["cpu", "offcpu", "fault", "io"];
+
+impl StackRecord {
+    /// As the JSON record v1 recordings held (and the renderers read).
+    pub fn to_value(&self) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        v["type"] = "stack".into();
+        v
+    }
+
+    /// The binary form (frame type 3).
+    fn encode(&self, prev_ts: u64, out: &mut Vec<u8>) {
+        let kind = STACK_KINDS.iter().position(|k| *k == self.what).map_or(0, |i| i as u8 + 1);
+        let flags = u8::from(self.complete) | u8::from(self.wait.is_some()) << 1 | u8::from(self.blocked_ns.is_some()) << 2 | u8::from(self.still_blocked) << 3;
+        out.extend_from_slice(&[kind, flags]);
+        put_varint(out, zigzag(self.ts_ns.wrapping_sub(prev_ts) as i64));
+        put_varint(out, u64::from(self.pid));
+        put_varint(out, zigzag(i64::from(self.tid) - i64::from(self.pid)));
+        put_varint(out, self.addr);
+        put_varint(out, u64::from(self.state));
+        if kind == 0 {
+            put_varint(out, self.what.len() as u64);
+            out.extend_from_slice(self.what.as_bytes());
+        }
+        if let Some(w) = &self.wait {
+            put_varint(out, w.len() as u64);
+            out.extend_from_slice(w.as_bytes());
+        }
+        if let Some(b) = self.blocked_ns {
+            put_varint(out, b);
+        }
+        put_varint(out, self.user.len() as u64);
+        let mut prev = 0i64;
+        for &(m, off) in &self.user {
+            put_varint(out, zigzag(m.wrapping_sub(prev)));
+            put_varint(out, off);
+            prev = m;
+        }
+        put_varint(out, self.kernel.len() as u64);
+        let mut prev = 0u64;
+        for &a in &self.kernel {
+            put_varint(out, zigzag(a.wrapping_sub(prev) as i64));
+            prev = a;
+        }
+    }
+
+    fn decode(b: &[u8], prev_ts: u64) -> Option<StackRecord> {
+        fn string(b: &[u8]) -> Option<(String, &[u8])> {
+            let (n, b) = take_varint(b)?;
+            let n = usize::try_from(n).ok().filter(|&n| n <= b.len())?;
+            Some((String::from_utf8(b[..n].to_vec()).ok()?, &b[n..]))
+        }
+        let (&[kind, flags], b) = b.split_first_chunk::<2>()?;
+        let (dts, b) = take_varint(b)?;
+        let (pid, b) = take_varint(b)?;
+        let (dtid, b) = take_varint(b)?;
+        let (addr, b) = take_varint(b)?;
+        let (state, mut b) = take_varint(b)?;
+        let mut s = StackRecord {
+            ts_ns: prev_ts.wrapping_add(unzigzag(dts) as u64),
+            pid: u32::try_from(pid).ok()?,
+            tid: u32::try_from(pid as i64 + unzigzag(dtid)).ok()?,
+            addr,
+            state: u32::try_from(state).ok()?,
+            complete: flags & 1 != 0,
+            still_blocked: flags & 8 != 0,
+            ..Default::default()
+        };
+        s.what = match kind {
+            0 => {
+                let (w, rest) = string(b)?;
+                b = rest;
+                w
+            }
+            k => STACK_KINDS.get(usize::from(k) - 1)?.to_string(),
+        };
+        if flags & 2 != 0 {
+            let (w, rest) = string(b)?;
+            s.wait = Some(w);
+            b = rest;
+        }
+        if flags & 4 != 0 {
+            let (v, rest) = take_varint(b)?;
+            s.blocked_ns = Some(v);
+            b = rest;
+        }
+        let (n, mut b) = take_varint(b)?;
+        // Every frame takes at least two bytes: a count beyond that is corruption.
+        if n > b.len() as u64 {
+            return None;
+        }
+        s.user.reserve_exact(n as usize);
+        let mut prev = 0i64;
+        for _ in 0..n {
+            let (dm, rest) = take_varint(b)?;
+            let (off, rest) = take_varint(rest)?;
+            prev = prev.wrapping_add(unzigzag(dm));
+            s.user.push((prev, off));
+            b = rest;
+        }
+        let (n, mut b) = take_varint(b)?;
+        if n > b.len() as u64 {
+            return None;
+        }
+        s.kernel.reserve_exact(n as usize);
+        let mut prev = 0u64;
+        for _ in 0..n {
+            let (d, rest) = take_varint(b)?;
+            prev = prev.wrapping_add(unzigzag(d) as u64);
+            s.kernel.push(prev);
+            b = rest;
+        }
+        b.is_empty().then_some(s)
+    }
+}
+
+/// Fixed-size records lose their trailing zero bytes on disk; variable-length ones (a fixed part
+/// then a tail whose length the fixed part gives) are stored whole.
+fn trims(kind: EventKind) -> bool {
+    !matches!(kind, EventKind::Data | EventKind::Stack)
+}
+
+/// The compact form of one raw kernel record, `prev_ts` the previous record's timestamp.
+pub fn compact(record: &[u8], prev_ts: u64, out: &mut Vec<u8>) -> Option<u64> {
+    let kind = decode::kind_of(record).ok()?;
+    let hdr = record.get(..HEADER)?;
+    let word = |i: usize| u32::from_ne_bytes(hdr[i..i + 4].try_into().unwrap_or_default());
+    let (pid, tid, cpu) = (word(4), word(8), word(12));
+    let ts = u64::from_ne_bytes(hdr[16..24].try_into().unwrap_or_default());
+    out.push(kind as u32 as u8);
+    put_varint(out, zigzag(ts.wrapping_sub(prev_ts) as i64));
+    put_varint(out, u64::from(pid));
+    put_varint(out, zigzag(i64::from(tid) - i64::from(pid)));
+    put_varint(out, u64::from(cpu));
+    let mut body = &record[HEADER..];
+    if trims(kind) {
+        while let [rest @ .., 0] = body {
+            body = rest;
+        }
+    }
+    out.extend_from_slice(body);
+    Some(ts)
+}
+
+/// The raw record back from its compact form.
+fn expand(b: &[u8], prev_ts: u64) -> Option<(Vec<u8>, u64)> {
+    let (&kind, b) = b.split_first()?;
+    let kind = EventKind::try_from(u32::from(kind)).ok()?;
+    let (dts, b) = take_varint(b)?;
+    let (pid, b) = take_varint(b)?;
+    let (dtid, b) = take_varint(b)?;
+    let (cpu, body) = take_varint(b)?;
+    let ts = prev_ts.wrapping_add(unzigzag(dts) as u64);
+    let tid = u32::try_from(pid as i64 + unzigzag(dtid)).ok()?;
+    let mut rec = Vec::with_capacity(kind.record_size().max(HEADER + body.len()));
+    rec.extend_from_slice(&(kind as u32).to_ne_bytes());
+    rec.extend_from_slice(&u32::try_from(pid).ok()?.to_ne_bytes());
+    rec.extend_from_slice(&tid.to_ne_bytes());
+    rec.extend_from_slice(&u32::try_from(cpu).ok()?.to_ne_bytes());
+    rec.extend_from_slice(&ts.to_ne_bytes());
+    rec.extend_from_slice(body);
+    if trims(kind) {
+        if rec.len() > kind.record_size() {
+            return None;
+        }
+        rec.resize(kind.record_size(), 0);
+    }
+    Some((rec, ts))
+}
 
 pub struct Writer {
     out: BufWriter<File>,
     pub bytes: u64,
+    prev_ts: u64,
+    prev_stack_ts: u64,
+    scratch: Vec<u8>,
 }
 
 impl Writer {
@@ -33,24 +292,57 @@ impl Writer {
         out.write_all(MAGIC)?;
         out.write_all(&VERSION.to_ne_bytes())?;
         out.write_all(&0u32.to_ne_bytes())?;
-        Ok(Self { out, bytes: 16 })
+        Ok(Self { out, bytes: 16, prev_ts: 0, prev_stack_ts: 0, scratch: Vec::with_capacity(256) })
     }
 
-    fn frame(&mut self, ty: u16, payload: &[u8]) -> io::Result<()> {
-        self.out.write_all(&(payload.len() as u32).to_ne_bytes())?;
-        self.out.write_all(&ty.to_ne_bytes())?;
-        self.out.write_all(&0u16.to_ne_bytes())?;
+    fn frame(&mut self, ty: u8, payload: &[u8]) -> io::Result<()> {
+        let mut head = Vec::with_capacity(11);
+        put_varint(&mut head, payload.len() as u64);
+        head.push(ty);
+        self.out.write_all(&head)?;
         self.out.write_all(payload)?;
-        self.bytes += 8 + payload.len() as u64;
+        self.bytes += (head.len() + payload.len()) as u64;
         Ok(())
     }
 
+    /// One raw kernel record, as the ring buffer delivered it.
     pub fn kernel(&mut self, record: &[u8]) -> io::Result<()> {
-        self.frame(FRAME_KERNEL, record)
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        let ts = compact(record, self.prev_ts, &mut buf).ok_or_else(|| io::Error::other("kernel record without a valid header"))?;
+        self.prev_ts = ts;
+        let r = self.frame(FRAME_KERNEL, &buf);
+        self.scratch = buf;
+        r
     }
 
+    /// One userspace record. A record over [`MAX_FRAME`] is refused (the reader would take it
+    /// for corruption and lose the rest of the file).
     pub fn json(&mut self, value: &serde_json::Value) -> io::Result<()> {
-        self.frame(FRAME_JSON, &serde_json::to_vec(value).map_err(io::Error::other)?)
+        let bytes = serde_json::to_vec(value).map_err(io::Error::other)?;
+        if bytes.len() > MAX_FRAME as usize {
+            return Err(io::Error::other(format!("a {} record of {} bytes is over the {MAX_FRAME}-byte frame limit", value["type"], bytes.len())));
+        }
+        self.frame(FRAME_JSON, &bytes)
+    }
+
+    /// One unwound stack sample.
+    pub fn stack(&mut self, s: &StackRecord) -> io::Result<()> {
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        s.encode(self.prev_stack_ts, &mut buf);
+        self.prev_stack_ts = s.ts_ns;
+        let r = self.frame(FRAME_STACK, &buf);
+        self.scratch = buf;
+        r
+    }
+
+    /// One userspace record already serialized (copying a recording).
+    pub fn json_bytes(&mut self, bytes: &[u8]) -> io::Result<()> {
+        if bytes.len() > MAX_FRAME as usize {
+            return Err(io::Error::other(format!("a record of {} bytes is over the {MAX_FRAME}-byte frame limit", bytes.len())));
+        }
+        self.frame(FRAME_JSON, bytes)
     }
 
     pub fn flush(&mut self) -> io::Result<()> {
@@ -58,7 +350,197 @@ impl Writer {
     }
 }
 
-/// A recording read back: every event and JSON record that was whole, and what was not.
+/// One frame read back.
+pub enum Frame {
+    Kernel(Event),
+    Stack(StackRecord),
+    /// A userspace record's JSON text (parse it with serde_json, into a `Value` or a type).
+    Json(Vec<u8>),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: String, source: io::Error },
+    #[error("{path} is not a probe recording (bad magic); expected a directory written by `probe trace`")]
+    BadMagic { path: String },
+    #[error("{path} is recording format v{found}, written by a newer probe; this probe (v{}) reads formats v{OLDEST} to v{VERSION}: use a newer probe", env!("CARGO_PKG_VERSION"))]
+    Version { path: String, found: u32 },
+}
+
+/// Frames of a recording, one at a time.
+pub struct Reader<R> {
+    inp: R,
+    pub version: u32,
+    /// Bytes consumed so far (frame positions in problems).
+    pos: u64,
+    /// The file's length when known (to say how much a torn tail lost).
+    len: Option<u64>,
+    prev_ts: u64,
+    prev_stack_ts: u64,
+    done: bool,
+    /// Human-readable problems: torn tail, corrupt frame, undecodable records (counted).
+    pub problems: Vec<String>,
+    pub undecodable: u64,
+    /// Bytes on disk of the frame [`Reader::next_frame`] returned last, its head included.
+    pub frame_bytes: u64,
+    buf: Vec<u8>,
+}
+
+impl Reader<BufReader<File>> {
+    /// Open `DIR/events.bin`.
+    pub fn open(dir: &Path) -> Result<Self, ReadError> {
+        let path = dir.join(FILE_NAME);
+        let io = |source| ReadError::Io { path: path.display().to_string(), source };
+        let f = File::open(&path).map_err(io)?;
+        let len = f.metadata().map_err(io)?.len();
+        Reader::new(BufReader::with_capacity(1 << 20, f), Some(len), &path.display().to_string())
+    }
+}
+
+impl<R: BufRead> Reader<R> {
+    pub fn new(mut inp: R, len: Option<u64>, path: &str) -> Result<Self, ReadError> {
+        let mut head = [0u8; 16];
+        match inp.read_exact(&mut head) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(ReadError::BadMagic { path: path.into() }),
+            Err(source) => return Err(ReadError::Io { path: path.into(), source }),
+        }
+        if &head[..8] != MAGIC {
+            return Err(ReadError::BadMagic { path: path.into() });
+        }
+        let version = u32::from_ne_bytes(head[8..12].try_into().unwrap_or_default());
+        if !(OLDEST..=VERSION).contains(&version) {
+            return Err(ReadError::Version { path: path.into(), found: version });
+        }
+        Ok(Reader { inp, version, pos: 16, len, prev_ts: 0, prev_stack_ts: 0, done: false, problems: vec![], undecodable: 0, frame_bytes: 0, buf: vec![] })
+    }
+
+    fn torn(&mut self, at: u64) {
+        let lost = self.len.map_or(String::new(), |l| format!(": the last {} bytes were ignored", l.saturating_sub(at)));
+        self.problems.push(format!("recording ends mid-record at byte {at} (probe was killed or the disk filled){lost}"));
+        self.done = true;
+    }
+
+    fn corrupt(&mut self, at: u64, ty: u32, len: u64) {
+        let after = self.len.map_or(String::new(), |l| format!(": the {} bytes after it were ignored", l.saturating_sub(at)));
+        self.problems.push(format!("corrupt frame at byte {at} (type {ty}, length {len}){after}"));
+        self.done = true;
+    }
+
+    /// Fill `buf` with exactly `n` bytes; false at a torn end.
+    fn fill(&mut self, n: usize) -> bool {
+        self.buf.clear();
+        self.buf.resize(n, 0);
+        self.inp.read_exact(&mut self.buf).is_ok()
+    }
+
+    /// The next frame's type and length; None at the end (clean, torn or corrupt).
+    fn head(&mut self) -> Option<(u8, u64)> {
+        let at = self.pos;
+        if self.inp.fill_buf().map_or(true, <[u8]>::is_empty) {
+            self.done = true;
+            return None;
+        }
+        if self.version == 1 {
+            if !self.fill(8) {
+                self.torn(at);
+                return None;
+            }
+            let len = u32::from_ne_bytes(self.buf[..4].try_into().unwrap_or_default());
+            let ty = u16::from_ne_bytes([self.buf[4], self.buf[5]]);
+            if len > MAX_FRAME || !(ty == u16::from(FRAME_KERNEL) || ty == u16::from(FRAME_JSON)) {
+                self.corrupt(at, u32::from(ty), u64::from(len));
+                return None;
+            }
+            self.pos += 8;
+            return Some((ty as u8, u64::from(len)));
+        }
+        let mut len = 0u64;
+        let mut i = 0;
+        loop {
+            let mut b = [0u8];
+            if self.inp.read_exact(&mut b).is_err() {
+                self.torn(at);
+                return None;
+            }
+            len |= u64::from(b[0] & 0x7f) << (7 * i);
+            i += 1;
+            if b[0] & 0x80 == 0 {
+                break;
+            }
+            if i == 5 {
+                self.corrupt(at, 0, len);
+                return None;
+            }
+        }
+        let mut ty = [0u8];
+        if self.inp.read_exact(&mut ty).is_err() {
+            self.torn(at);
+            return None;
+        }
+        if len > u64::from(MAX_FRAME) || !matches!(ty[0], FRAME_KERNEL | FRAME_JSON | FRAME_STACK) {
+            self.corrupt(at, u32::from(ty[0]), len);
+            return None;
+        }
+        self.pos += i as u64 + 1;
+        Some((ty[0], len))
+    }
+
+    /// The next whole frame, or None at the end of what can be read (see [`Reader::problems`]).
+    /// Kernel records that do not decode are counted in `undecodable` and skipped.
+    pub fn next_frame(&mut self) -> Option<Frame> {
+        while !self.done {
+            let at = self.pos;
+            let (ty, len) = self.head()?;
+            if !self.fill(len as usize) {
+                self.torn(at);
+                return None;
+            }
+            self.pos += len;
+            self.frame_bytes = self.pos - at;
+            if ty == FRAME_JSON {
+                return Some(Frame::Json(std::mem::take(&mut self.buf)));
+            }
+            if ty == FRAME_STACK {
+                match StackRecord::decode(&self.buf, self.prev_stack_ts) {
+                    Some(s) => {
+                        self.prev_stack_ts = s.ts_ns;
+                        return Some(Frame::Stack(s));
+                    }
+                    None => {
+                        self.undecodable += 1;
+                        continue;
+                    }
+                }
+            }
+            let decoded = if self.version == 1 {
+                decode::decode(&self.buf).ok()
+            } else {
+                expand(&self.buf, self.prev_ts).and_then(|(raw, ts)| {
+                    self.prev_ts = ts;
+                    decode::decode(&raw).ok()
+                })
+            };
+            match decoded {
+                Some(ev) => return Some(Frame::Kernel(ev)),
+                None => self.undecodable += 1,
+            }
+        }
+        None
+    }
+
+    /// Problems after the last frame was read: the torn tail, corruption, undecodable records.
+    pub fn finish(&mut self) -> Vec<String> {
+        let mut p = std::mem::take(&mut self.problems);
+        if self.undecodable > 0 {
+            p.push(format!("{} records could not be decoded and were skipped", self.undecodable));
+        }
+        p
+    }
+}
+
+/// A recording read whole into memory (the timeline and flamegraphs; the report streams).
 #[derive(Debug, Default)]
 pub struct Recording {
     pub events: Vec<Event>,
@@ -68,117 +550,124 @@ pub struct Recording {
     pub undecodable: u64,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ReadError {
-    #[error("cannot read {path}: {source}")]
-    Io { path: String, source: io::Error },
-    #[error("{path} is not a probe recording (bad magic); expected a directory written by `probe trace`")]
-    BadMagic { path: String },
-    #[error("{path} is recording format v{found}; this probe reads v{VERSION}")]
-    Version { path: String, found: u32 },
+impl Recording {
+    fn collect<R: BufRead>(mut r: Reader<R>) -> Recording {
+        let mut rec = Recording::default();
+        while let Some(f) = r.next_frame() {
+            match f {
+                Frame::Kernel(ev) => rec.events.push(ev),
+                Frame::Stack(s) => rec.json.push(s.to_value()),
+                Frame::Json(b) => match serde_json::from_slice(&b) {
+                    Ok(v) => rec.json.push(v),
+                    Err(_) => r.undecodable += 1,
+                },
+            }
+        }
+        rec.undecodable = r.undecodable;
+        rec.problems = r.finish();
+        rec
+    }
 }
 
-/// Read `DIR/events.bin`.
+/// Copy the recording in `from` to `to` in this probe's format, frame by frame and in order
+/// (an older recording rewritten; tests). Returns the problems the reader met.
+pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<String>, ReadError> {
+    let mut r = Reader::open(from)?;
+    let io = |source| ReadError::Io { path: to.display().to_string(), source };
+    let mut w = Writer::create(to).map_err(io)?;
+    while let Some(f) = r.next_frame() {
+        match f {
+            Frame::Kernel(ev) => w.kernel(&decode::encode_event(&ev)),
+            Frame::Stack(s) => w.stack(&s),
+            // v1 stack records become binary ones.
+            Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
+                Ok(v) if v["type"] == "stack" => match serde_json::from_value::<StackRecord>(v) {
+                    Ok(s) => w.stack(&s),
+                    Err(_) => w.json_bytes(&b),
+                },
+                _ => w.json_bytes(&b),
+            },
+        }
+        .map_err(io)?;
+    }
+    w.flush().map_err(io)?;
+    Ok(r.finish())
+}
+
+/// Frames and bytes on disk by record kind (kernel kinds by name, userspace records by their
+/// `type` as `json:TYPE`): what a recording spends its space on.
+pub fn sizes(dir: &Path) -> Result<std::collections::BTreeMap<String, (u64, u64)>, ReadError> {
+    #[derive(serde::Deserialize)]
+    struct Peek {
+        #[serde(rename = "type")]
+        ty: Option<String>,
+    }
+    let mut out = std::collections::BTreeMap::<String, (u64, u64)>::new();
+    let mut r = Reader::open(dir)?;
+    while let Some(f) = r.next_frame() {
+        let k = match f {
+            Frame::Kernel(ev) => ev.kind().name().to_string(),
+            Frame::Stack(s) => format!("stack:{}", s.what),
+            Frame::Json(b) => format!("json:{}", serde_json::from_slice::<Peek>(&b).ok().and_then(|p| p.ty).unwrap_or_default()),
+        };
+        let e = out.entry(k).or_default();
+        e.0 += 1;
+        e.1 += r.frame_bytes;
+    }
+    Ok(out)
+}
+
+/// Read `DIR/events.bin` whole.
 pub fn read_dir(dir: &Path) -> Result<Recording, ReadError> {
-    let path = dir.join(FILE_NAME);
-    let mut buf = Vec::new();
-    File::open(&path)
-        .and_then(|mut f| f.read_to_end(&mut buf))
-        .map_err(|source| ReadError::Io { path: path.display().to_string(), source })?;
-    parse(&buf, &path.display().to_string())
+    Ok(Recording::collect(Reader::open(dir)?))
 }
 
+/// Read a recording from bytes (tests, tools).
 pub fn parse(buf: &[u8], path: &str) -> Result<Recording, ReadError> {
-    if buf.len() < 16 || &buf[..8] != MAGIC {
-        return Err(ReadError::BadMagic { path: path.into() });
-    }
-    let found = u32::from_ne_bytes(buf[8..12].try_into().unwrap_or_default());
-    if found != VERSION {
-        return Err(ReadError::Version { path: path.into(), found });
-    }
-    let mut rec = Recording::default();
-    let mut pos = 16usize;
-    while pos < buf.len() {
-        let Some(head) = buf.get(pos..pos + 8) else {
-            rec.problems.push(torn(pos, buf.len()));
-            break;
-        };
-        let len = u32::from_ne_bytes([head[0], head[1], head[2], head[3]]);
-        let ty = u16::from_ne_bytes([head[4], head[5]]);
-        if len > MAX_FRAME || !(ty == FRAME_KERNEL || ty == FRAME_JSON) {
-            rec.problems.push(format!(
-                "corrupt frame at byte {pos} (type {ty}, length {len}): the {} bytes after it were ignored",
-                buf.len() - pos
-            ));
-            break;
-        }
-        let end = pos + 8 + len as usize;
-        let Some(payload) = buf.get(pos + 8..end) else {
-            rec.problems.push(torn(pos, buf.len()));
-            break;
-        };
-        match ty {
-            FRAME_KERNEL => match decode::decode(payload) {
-                Ok(ev) => rec.events.push(ev),
-                Err(_) => rec.undecodable += 1,
-            },
-            _ => match serde_json::from_slice(payload) {
-                Ok(v) => rec.json.push(v),
-                Err(_) => rec.undecodable += 1,
-            },
-        }
-        pos = end;
-    }
-    if rec.undecodable > 0 {
-        rec.problems.push(format!("{} records could not be decoded and were skipped", rec.undecodable));
-    }
-    Ok(rec)
-}
-
-fn torn(pos: usize, len: usize) -> String {
-    format!(
-        "recording ends mid-record at byte {pos} (probe was killed or the disk filled): the last {} bytes were ignored",
-        len - pos
-    )
+    Ok(Recording::collect(Reader::new(buf, Some(buf.len() as u64), path)?))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use probe_common::{EventHeader, EventKind, fault::FaultEvent};
+    use probe_common::{EventHeader, EventKind, fault::FaultEvent, mmap::MmapEvent};
 
-    fn sample(dir: &Path) -> Vec<u8> {
+    /// A recording of one JSON record and three faults; and the byte offset where each frame ends.
+    fn sample(dir: &Path) -> (Vec<u8>, Vec<usize>) {
         let mut w = Writer::create(dir).unwrap();
+        let mut ends = vec![];
         w.json(&serde_json::json!({"type": "meta", "pid": 1})).unwrap();
+        ends.push(w.bytes as usize);
         for i in 0..3u64 {
             let ev = FaultEvent {
-                hdr: EventHeader { kind: EventKind::Fault as u32, pid: 1, tid: 1, cpu: 0, ts_ns: i },
-                addr: 0x1000 * i,
+                hdr: EventHeader { kind: EventKind::Fault as u32, pid: 1, tid: 1, cpu: 0, ts_ns: 1_000_000 + i * 5000 },
+                addr: 0x7f00_0000_1000 * (i + 1),
                 ..Default::default()
             };
             w.kernel(&decode::encode(&ev)).unwrap();
+            ends.push(w.bytes as usize);
         }
         w.flush().unwrap();
-        std::fs::read(dir.join(FILE_NAME)).unwrap()
+        (std::fs::read(dir.join(FILE_NAME)).unwrap(), ends)
     }
 
     #[test]
     fn reads_back_what_was_written() {
         let dir = std::env::temp_dir().join(format!("probe-rec-{}", std::process::id()));
-        let bytes = sample(&dir);
+        let (bytes, ends) = sample(&dir);
         let rec = parse(&bytes, "x").unwrap();
         assert_eq!(rec.events.len(), 3);
         assert_eq!(rec.json.len(), 1);
-        assert!(rec.problems.is_empty());
+        assert!(rec.problems.is_empty(), "{:?}", rec.problems);
+        let Event::Fault(f) = rec.events[2] else { panic!() };
+        assert_eq!((f.hdr.ts_ns, f.addr, f.hdr.pid, f.hdr.tid), (1_010_000, 0x7f00_0000_1000 * 3, 1, 1));
 
         // Every truncation keeps all whole frames before it and says what was cut.
         for cut in 17..bytes.len() {
             let r = parse(&bytes[..cut], "x").unwrap();
-            let j = 16 + 8 + serde_json::to_vec(&serde_json::json!({"type": "meta", "pid": 1})).unwrap().len();
-            let whole = [j, j + 56, j + 112, j + 168];
-            let want_events = whole.iter().filter(|&&w| w <= cut).count().saturating_sub(1);
-            assert_eq!(r.events.len(), want_events, "cut at {cut}");
-            assert_eq!(r.problems.len(), usize::from(!whole.contains(&cut) && cut > 16), "cut at {cut}");
+            let whole = ends.iter().filter(|&&e| e <= cut).count();
+            assert_eq!(r.json.len() + r.events.len(), whole, "cut at {cut}");
+            assert_eq!(r.problems.len(), usize::from(!ends.contains(&cut)), "cut at {cut}: {:?}", r.problems);
         }
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -186,14 +675,67 @@ mod tests {
     #[test]
     fn corrupt_frames_and_bad_files_are_reported() {
         let dir = std::env::temp_dir().join(format!("probe-rec-c-{}", std::process::id()));
-        let mut bytes = sample(&dir);
-        let second = 16 + 8 + serde_json::to_vec(&serde_json::json!({"type": "meta", "pid": 1})).unwrap().len();
-        bytes[second..second + 4].copy_from_slice(&u32::MAX.to_ne_bytes());
+        let (mut bytes, ends) = sample(&dir);
+        // The second frame's type byte (after a one-byte length).
+        bytes[ends[0] + 1] = 9;
         let r = parse(&bytes, "x").unwrap();
         assert_eq!(r.events.len(), 0);
         assert_eq!(r.json.len(), 1);
-        assert!(r.problems[0].contains(&format!("corrupt frame at byte {second}")), "{:?}", r.problems);
+        assert!(r.problems[0].contains(&format!("corrupt frame at byte {}", ends[0])), "{:?}", r.problems);
         assert!(matches!(parse(b"hello world, not a recording", "x"), Err(ReadError::BadMagic { .. })));
+        assert!(matches!(parse(b"PROBE", "x"), Err(ReadError::BadMagic { .. })));
+        let mut future = bytes.clone();
+        future[8..12].copy_from_slice(&(VERSION + 1).to_ne_bytes());
+        let e = parse(&future, "x").unwrap_err().to_string();
+        assert!(e.contains("written by a newer probe"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn compact_records_round_trip_and_drop_empty_buffers() {
+        let anon = MmapEvent {
+            hdr: EventHeader { kind: EventKind::Mmap as u32, pid: 4242, tid: 4250, cpu: 1, ts_ns: 5_000_000_000 },
+            op: 1,
+            fd: -1,
+            addr: 0,
+            len: 1 << 20,
+            ret: 0x7f12_3456_0000,
+            enter_ns: 4_999_990_000,
+            ..Default::default()
+        };
+        let mut named = anon;
+        named.name[..10].copy_from_slice(b"model.gguf");
+        named.ino = 77;
+        for ev in [anon, named] {
+            let raw = decode::encode(&ev);
+            let mut out = vec![];
+            compact(&raw, 4_999_000_000, &mut out).unwrap();
+            let (back, ts) = expand(&out, 4_999_000_000).unwrap();
+            assert_eq!(back, raw);
+            assert_eq!(ts, 5_000_000_000);
+        }
+        let mut out = vec![];
+        compact(&decode::encode(&anon), 4_999_000_000, &mut out).unwrap();
+        assert!(out.len() < 80, "an anonymous mmap takes {} bytes on disk, not {}", out.len(), size_of::<MmapEvent>());
+        // Out of order by a little (records from other CPUs): negative deltas.
+        let mut out = vec![];
+        compact(&decode::encode(&anon), 5_000_000_100, &mut out).unwrap();
+        assert_eq!(expand(&out, 5_000_000_100).unwrap().0, decode::encode(&anon));
+    }
+
+    #[test]
+    fn version_1_recordings_still_read() {
+        let mut v1 = MAGIC.to_vec();
+        v1.extend_from_slice(&1u32.to_ne_bytes());
+        v1.extend_from_slice(&0u32.to_ne_bytes());
+        let ev = FaultEvent { hdr: EventHeader { kind: EventKind::Fault as u32, pid: 3, tid: 4, cpu: 0, ts_ns: 9 }, addr: 5, ..Default::default() };
+        let raw = decode::encode(&ev);
+        v1.extend_from_slice(&(raw.len() as u32).to_ne_bytes());
+        v1.extend_from_slice(&1u16.to_ne_bytes());
+        v1.extend_from_slice(&0u16.to_ne_bytes());
+        v1.extend_from_slice(&raw);
+        let r = parse(&v1, "x").unwrap();
+        assert_eq!(r.events, vec![Event::Fault(ev)]);
+        assert!(r.problems.is_empty());
     }
 }

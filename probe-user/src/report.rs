@@ -12,8 +12,15 @@ use probe_common::{
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{decode::Event, procfs::Mapping, recording::Recording, stream::RequestRecord};
+use crate::{
+    decode::Event,
+    procfs::Mapping,
+    recording::{Recording, StackRecord},
+    stream::RequestRecord,
+};
 
+/// report.json's layout version: 2 since recordings went binary and percentiles interpolate.
+pub const SCHEMA_VERSION: u32 = 2;
 /// Most memory-map rows listed one by one; the counts cover all.
 pub const MAX_MMAP_ROWS: usize = 2000;
 /// A block read is charged to the file its thread last added to the page cache this recently.
@@ -21,6 +28,9 @@ const FILE_IO_WINDOW_NS: u64 = 100_000_000;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Report {
+    /// The layout of report.json: [`SCHEMA_VERSION`] (absent in reports before it was versioned).
+    #[serde(default)]
+    pub schema_version: u32,
     pub target: Target,
     pub duration_s: f64,
     pub events: u64,
@@ -197,8 +207,9 @@ fn percentiles(mut v: Vec<f64>) -> Percentiles {
         return Percentiles::default();
     }
     v.sort_by(|a, b| a.total_cmp(b));
-    let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Percentiles { count: v.len() as u64, p50: at(0.50), p90: at(0.90), p99: at(0.99), max: v[v.len() - 1] }
+    // To the nanosecond (values are µs).
+    let at = |p: f64| (crate::stats::percentile_sorted(&v, p).unwrap_or(0.0) * 1e3).round() / 1e3;
+    Percentiles { count: v.len() as u64, p50: at(50.0), p90: at(90.0), p99: at(99.0), max: v[v.len() - 1] }
 }
 
 fn addr_str(family: u16, a: &[u8; 16], port: u16) -> String {
@@ -244,53 +255,158 @@ fn json_u64(v: &Value, k: &str) -> u64 {
     v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
-pub fn build(rec: &Recording) -> Report {
-    let mut r = Report { problems: rec.problems.clone(), ..Default::default() };
-    let meta = rec.json.iter().find(|v| v["type"] == "meta").cloned().unwrap_or(Value::Null);
-    if meta.is_null() {
-        r.problems.push("the recording has no meta record: target details are unknown".into());
-    }
-    let start = json_u64(&meta, "start_ns");
-    let page_size = meta.get("page_size").and_then(Value::as_u64).unwrap_or(4096);
-    let ms = |ts: u64| (ts.saturating_sub(start)) as f64 / 1e6;
-    r.target.pid = json_u64(&meta, "pid") as u32;
-    r.target.comm = meta["comm"].as_str().unwrap_or_default().to_string();
-    r.target.cmdline = meta["cmdline"].as_str().unwrap_or_default().to_string();
-    r.probes = meta.get("probes").cloned().unwrap_or(Value::Null);
-    let dev_names: HashMap<String, String> = meta
-        .get("block_devices")
-        .and_then(Value::as_object)
-        .map(|o| o.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
-        .unwrap_or_default();
+/// Fills older than this (by the time of the event being read) cannot be the cause of a block
+/// read any more: forgotten, so memory does not grow with the trace.
+const FILL_MEMORY_NS: u64 = 10_000_000_000;
+/// Kernel records arrive nearly in time order (one ring buffer, records from several CPUs);
+/// this many are held back and sorted before they are analysed.
+const REORDER: usize = 1 << 16;
 
-    // Userspace records: mappings over time, open files, the last counters, the end.
-    let mut maps = MapHistory::default();
-    let mut depths: BTreeMap<String, (u64, u64, Vec<u64>)> = BTreeMap::new();
-    let mut file_names: HashMap<(u32, u32, u64), String> = HashMap::new();
-    let mut end_ts = start;
-    for v in &rec.json {
-        end_ts = end_ts.max(json_u64(v, "ts_ns"));
+/// Which requests' windows cover a time: the windows cut the timeline into segments, each with
+/// the requests that cover it; a lookup is one binary search.
+struct WindowIndex {
+    bounds: Vec<u64>,
+    covering: Vec<Vec<usize>>,
+}
+
+impl WindowIndex {
+    fn new(windows: &[Option<(u64, u64)>]) -> Self {
+        let mut bounds: Vec<u64> = windows.iter().flatten().flat_map(|&(a, b)| [a, b.saturating_add(1)]).collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        let covering = bounds
+            .iter()
+            .map(|&t| windows.iter().enumerate().filter(|(_, w)| w.is_some_and(|(a, b)| a <= t && t <= b)).map(|(i, _)| i).collect())
+            .collect();
+        WindowIndex { bounds, covering }
+    }
+
+    /// The windows `[from, to]` (inclusive) that contain `t`.
+    fn at(&self, t: u64) -> &[usize] {
+        match self.bounds.partition_point(|&b| b <= t).checked_sub(1) {
+            Some(i) => &self.covering[i],
+            None => &[],
+        }
+    }
+}
+
+/// What each request's verdict needs from the events inside its window, gathered while the
+/// events stream past.
+#[derive(Default, Clone)]
+struct WindowData {
+    /// Bytes each file added to the page cache before the first token, and when it started.
+    read: BTreeMap<FileKey, (u64, u64)>,
+    stacks: u64,
+    stacks_cut: u64,
+}
+
+/// The analysis, built in two passes over a recording so that memory grows with requests,
+/// files, threads and connections, not with events. Pass 1 reads the userspace records (and the
+/// file mappings); pass 2 reads the kernel records in time order.
+struct Builder {
+    r: Report,
+    meta: Value,
+    start: u64,
+    page_size: u64,
+    end_ts: u64,
+    dev_names: HashMap<String, String>,
+    /// Userspace records the system section and verdicts read (samples, polls, stats, meta);
+    /// stack records are not kept (counted here, revisited in pass 2).
+    json: Vec<Value>,
+    maps: MapHistory,
+    depths: BTreeMap<String, (u64, u64, BTreeMap<u64, u64>)>,
+    file_names: HashMap<FileKey, String>,
+    mmap_names: HashMap<FileKey, String>,
+    names: crate::ksyms::NamesBuilder,
+    knames: crate::ksyms::Names,
+    has_end: bool,
+    /// Stack records that could not be read.
+    bad_stacks: u64,
+    // File mappings as the mmap probe saw them (named in the kernel, exact in time), and the
+    // unmaps that cut into one of them.
+    file_maps: Vec<FileMap>,
+    unmaps: Vec<FileMap>,
+    by_pid: HashMap<u32, Vec<(usize, Vec<usize>)>>,
+    // Pass 2.
+    files: HashMap<FileKey, FileStat>,
+    fills_by_tid: HashMap<u32, std::collections::VecDeque<(u64, FileKey)>>,
+    procs: BTreeMap<u32, Process>,
+    mem_events: Vec<probe_common::mem::MemEvent>,
+    conns: Vec<(u64, Connection, bool)>,
+    conn_index: HashMap<u64, usize>,
+    devs: BTreeMap<u32, (Device, Vec<f64>, Vec<f64>)>,
+    io_waits: Vec<(u64, u64)>,
+    mem_waits: Vec<(u64, u64)>,
+    ttft_windows: WindowIndex,
+    served_windows: WindowIndex,
+    windows: Vec<WindowData>,
+}
+
+impl Builder {
+    fn new() -> Self {
+        Builder {
+            r: Report::default(),
+            meta: Value::Null,
+            start: 0,
+            page_size: 4096,
+            end_ts: 0,
+            dev_names: HashMap::new(),
+            json: vec![],
+            maps: MapHistory::default(),
+            depths: BTreeMap::new(),
+            file_names: HashMap::new(),
+            mmap_names: HashMap::new(),
+            names: Default::default(),
+            knames: Default::default(),
+            has_end: false,
+            bad_stacks: 0,
+            file_maps: vec![],
+            unmaps: vec![],
+            by_pid: HashMap::new(),
+            files: HashMap::new(),
+            fills_by_tid: HashMap::new(),
+            procs: BTreeMap::new(),
+            mem_events: vec![],
+            conns: vec![],
+            conn_index: HashMap::new(),
+            devs: BTreeMap::new(),
+            io_waits: vec![],
+            mem_waits: vec![],
+            ttft_windows: WindowIndex::new(&[]),
+            served_windows: WindowIndex::new(&[]),
+            windows: vec![],
+        }
+    }
+
+    /// Pass 1: one userspace record.
+    fn user(&mut self, v: Value) {
+        let r = &mut self.r;
+        self.end_ts = self.end_ts.max(json_u64(&v, "ts_ns"));
+        if v["type"] != "stack" {
+            self.names.feed(&v);
+        }
         match v["type"].as_str() {
+            Some("meta") if self.meta.is_null() => self.meta = v.clone(),
             Some("maps") => {
                 let list: Vec<Mapping> = serde_json::from_value(v["mappings"].clone()).unwrap_or_default();
                 for m in &list {
-                    file_names.entry((m.major, m.minor, m.inode)).or_insert_with(|| m.path.clone());
+                    self.file_names.entry((m.major, m.minor, m.inode)).or_insert_with(|| m.path.clone());
                 }
-                maps.by_pid.entry(json_u64(v, "pid") as u32).or_default().push((json_u64(v, "ts_ns"), list));
+                self.maps.by_pid.entry(json_u64(&v, "pid") as u32).or_default().push((json_u64(&v, "ts_ns"), list));
+                return;
             }
             Some("files") => {
                 for f in v["files"].as_array().into_iter().flatten() {
                     let key = (json_u64(f, "major") as u32, json_u64(f, "minor") as u32, json_u64(f, "inode"));
-                    file_names.entry(key).or_insert_with(|| f["path"].as_str().unwrap_or_default().to_string());
+                    self.file_names.entry(key).or_insert_with(|| f["path"].as_str().unwrap_or_default().to_string());
                 }
             }
             Some("stack") => {
-                let what = v["what"].as_str().unwrap_or("?").to_string();
-                let depth = v["user"].as_array().map_or(0, Vec::len) + v["kernel"].as_array().map_or(0, Vec::len);
-                let e = depths.entry(what).or_default();
-                e.0 += 1;
-                e.1 += u64::from(v["complete"] == true);
-                e.2.push(depth as u64);
+                match serde_json::from_value::<StackRecord>(v) {
+                    Ok(s) => self.stack_seen(&s),
+                    Err(_) => self.bad_stacks += 1,
+                }
+                return;
             }
             Some("stats") => {
                 let u = &v["unwind"];
@@ -307,115 +423,206 @@ pub fn build(rec: &Recording) -> Report {
                     }
                 }
             }
-            Some("end") => r.target.end_reason = v["reason"].as_str().map(String::from),
-            Some("request") => match serde_json::from_value::<RequestRecord>({
-                let mut v = v.clone();
+            Some("end") => {
+                self.has_end = true;
+                r.target.end_reason = v["reason"].as_str().map(String::from);
+            }
+            Some("request") => {
+                let mut v = v;
                 RequestRecord::upgrade_legacy(&mut v);
-                v
-            }) {
-                Ok(q) => r.requests.push(q),
-                Err(e) => r.problems.push(format!("a request record could not be read: {e}")),
-            },
+                match serde_json::from_value::<RequestRecord>(v) {
+                    Ok(q) => r.requests.push(q),
+                    Err(e) => r.problems.push(format!("a request record could not be read: {e}")),
+                }
+                return;
+            }
+            // Module tables and kernel names are for the stack renderers.
+            Some("module" | "ksyms") => return,
             _ => {}
         }
-    }
-    for (what, (n, complete, mut d)) in depths {
-        d.sort_unstable();
-        r.stacks.insert(what, StackStats { stacks: n, complete, median_depth: d.get(d.len() / 2).copied().unwrap_or(0) });
-    }
-    for snaps in maps.by_pid.values_mut() {
-        snaps.sort_by_key(|(t, _)| *t);
-    }
-    if rec.json.iter().all(|v| v["type"] != "end") {
-        r.problems.push("the recording has no end record: probe did not stop cleanly (killed?); the report covers what was written".into());
+        self.json.push(v);
     }
 
-    let mut events: Vec<&Event> = rec.events.iter().collect();
-    events.sort_by_key(|e| e.header().ts_ns);
-    // File mappings as the mmap probe saw them (named in the kernel, exact in time), and unmaps.
-    let mut file_maps: Vec<FileMap> = Vec::new();
-    let mut unmaps: Vec<FileMap> = Vec::new();
-    for ev in &events {
-        let Event::Mmap(m) = ev else { continue };
+    /// Pass 1: a stack record: counts and depths per kind.
+    fn stack_seen(&mut self, s: &StackRecord) {
+        self.end_ts = self.end_ts.max(s.ts_ns);
+        self.names.feed_stack(s);
+        let e = self.depths.entry(s.what.clone()).or_default();
+        e.0 += 1;
+        e.1 += u64::from(s.complete);
+        *e.2.entry((s.user.len() + s.kernel.len()) as u64).or_default() += 1;
+    }
+
+    /// Pass 1: a kernel record, for the file mappings (in file order, which is time order but
+    /// for records from different CPUs a few microseconds apart).
+    fn mapping(&mut self, m: &probe_common::mmap::MmapEvent) {
         match MmapOp::try_from(m.op) {
             Ok(MmapOp::Mmap) if m.ino != 0 && !(-4095..0).contains(&m.ret) => {
                 let (ma, mi) = kdev(m.dev);
                 let key = (ma, mi, m.ino);
                 let name = String::from_utf8_lossy(m.name.split(|&c| c == 0).next().unwrap_or_default()).to_string();
-                file_names.entry(key).or_insert_with(|| format!("<inode {} on {ma}:{mi}>/{name}", m.ino));
-                file_maps.push(FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.ret as u64, end: m.ret as u64 + m.len, key });
+                // Names from /proc (maps and files records) win: merged after pass 1.
+                self.mmap_names.entry(key).or_insert_with(|| format!("<inode {} on {ma}:{mi}>/{name}", m.ino));
+                self.by_pid.entry(m.hdr.pid).or_default().push((self.file_maps.len(), vec![]));
+                self.file_maps.push(FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.ret as u64, end: m.ret as u64 + m.len, key });
             }
             Ok(MmapOp::Munmap) if m.ret == 0 => {
-                unmaps.push(FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.addr, end: m.addr + m.len, key: (0, 0, 0) });
+                let u = FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.addr, end: m.addr + m.len, key: (0, 0, 0) };
+                // Only an unmap that cuts into a file mapping matters (anonymous memory churn
+                // would otherwise be kept whole).
+                let Some(list) = self.by_pid.get_mut(&u.pid) else { return };
+                let mut kept = false;
+                for (i, cuts) in list.iter_mut() {
+                    let f = &self.file_maps[*i];
+                    if u.t > f.t && u.start < f.end && f.start < u.end {
+                        cuts.push(self.unmaps.len());
+                        kept = true;
+                    }
+                }
+                if kept {
+                    self.unmaps.push(u);
+                }
             }
             _ => {}
         }
     }
-    // Per pid, its file mappings in time order, each with the unmaps that later cut into it
-    // (computed once: resolving a fault then costs one scan of its own process's mappings).
-    let mut by_pid: HashMap<u32, Vec<(&FileMap, Vec<&FileMap>)>> = HashMap::new();
-    for m in &file_maps {
-        let cuts: Vec<&FileMap> = unmaps.iter().filter(|u| u.pid == m.pid && u.t > m.t && u.start < m.end && m.start < u.end).collect();
-        by_pid.entry(m.pid).or_default().push((m, cuts));
-    }
-    let resolve = |pid: u32, t: u64, addr: u64| -> Option<FileKey> {
-        let live = |(m, cuts): &(&FileMap, Vec<&FileMap>)| m.t <= t && m.start <= addr && addr < m.end && !cuts.iter().any(|u| u.t < t && u.start <= addr && addr < u.end);
-        let hit = by_pid.get(&pid).and_then(|list| list.iter().rev().find(|e| live(e)).map(|e| e.0.key));
-        hit.or_else(|| maps.find(pid, t, addr).map(|m| (m.major, m.minor, m.inode)))
-    };
-    r.events = events.len() as u64;
-    if let Some(last) = events.last() {
-        end_ts = end_ts.max(last.header().ts_ns);
-    }
-    r.duration_s = end_ts.saturating_sub(start) as f64 / 1e9;
 
-    let mut files: HashMap<(u32, u32, u64), FileStat> = HashMap::new();
-    fn file_of<'a>(files: &'a mut HashMap<(u32, u32, u64), FileStat>, names: &HashMap<(u32, u32, u64), String>, key: (u32, u32, u64)) -> &'a mut FileStat {
-        files.entry(key).or_insert_with(|| FileStat {
+    /// The file behind `addr` in `pid` at `t`.
+    fn resolve(&self, pid: u32, t: u64, addr: u64) -> Option<FileKey> {
+        let live = |(i, cuts): &(usize, Vec<usize>)| {
+            let m = &self.file_maps[*i];
+            m.t <= t && m.start <= addr && addr < m.end && !cuts.iter().map(|&c| &self.unmaps[c]).any(|u| u.t < t && u.start <= addr && addr < u.end)
+        };
+        let hit = self.by_pid.get(&pid).and_then(|list| list.iter().rev().find(|e| live(e)).map(|e| self.file_maps[e.0].key));
+        hit.or_else(|| self.maps.find(pid, t, addr).map(|m| (m.major, m.minor, m.inode)))
+    }
+
+    /// Between the passes: the target, the requests and their windows.
+    fn prepare(&mut self) {
+        for (k, n) in std::mem::take(&mut self.mmap_names) {
+            self.file_names.entry(k).or_insert(n);
+        }
+        let r = &mut self.r;
+        if self.meta.is_null() {
+            r.problems.push("the recording has no meta record: target details are unknown".into());
+        }
+        let meta = &self.meta;
+        self.start = json_u64(meta, "start_ns");
+        self.end_ts = self.end_ts.max(self.start);
+        self.page_size = meta.get("page_size").and_then(Value::as_u64).unwrap_or(4096);
+        r.target.pid = json_u64(meta, "pid") as u32;
+        r.target.comm = meta["comm"].as_str().unwrap_or_default().to_string();
+        r.target.cmdline = meta["cmdline"].as_str().unwrap_or_default().to_string();
+        r.probes = meta.get("probes").cloned().unwrap_or(Value::Null);
+        self.dev_names = meta
+            .get("block_devices")
+            .and_then(Value::as_object)
+            .map(|o| o.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+            .unwrap_or_default();
+        for pid in meta["targets"].as_array().into_iter().flatten().filter_map(Value::as_u64) {
+            let pid = pid as u32;
+            let comm = if pid == r.target.pid { r.target.comm.clone() } else { String::new() };
+            self.procs.insert(pid, Process { pid, comm, ..Default::default() });
+        }
+        for (what, (n, complete, hist)) in std::mem::take(&mut self.depths) {
+            let depths: Vec<f64> = hist.iter().flat_map(|(&d, &k)| std::iter::repeat_n(d as f64, k as usize)).collect();
+            let median = crate::stats::percentile(&depths, 50.0).unwrap_or(0.0).round() as u64;
+            r.stacks.insert(what, StackStats { stacks: n, complete, median_depth: median });
+        }
+        for snaps in self.maps.by_pid.values_mut() {
+            snaps.sort_by_key(|(t, _)| *t);
+        }
+        if self.bad_stacks > 0 {
+            r.problems.push(format!("{} stack records could not be read and were skipped", self.bad_stacks));
+        }
+        if !self.has_end {
+            r.problems.push("the recording has no end record: probe did not stop cleanly (killed?); the report covers what was written".into());
+        }
+        // probe's own polls of the server's endpoints are not the server's traffic.
+        let polls = crate::system::poll_ports(&self.json);
+        let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+        let ours = |peer: &str, local: &str, role: &str| {
+            let p = if role == "client" { port_of(local) } else { port_of(peer) };
+            p.is_some_and(|p| polls.contains(&p))
+        };
+        let before = r.requests.len();
+        r.requests.retain(|q| !q.probe_poll && !ours(&q.peer, &q.local, &q.role));
+        r.probe_polls = (before - r.requests.len()) as u64;
+        r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
+        let start = self.start;
+        let ttft: Vec<Option<(u64, u64)>> = r.requests.iter().map(|q| q.arrival_ms.map(|a| ttft_window(start, a, q))).collect();
+        let served: Vec<Option<(u64, u64)>> = r.requests.iter().map(|q| q.arrival_ms.map(|a| (start + (a * 1e6) as u64, served_until(start, a, q)))).collect();
+        self.ttft_windows = WindowIndex::new(&ttft);
+        self.served_windows = WindowIndex::new(&served);
+        self.windows = vec![WindowData::default(); r.requests.len()];
+        self.knames = std::mem::take(&mut self.names).finish();
+    }
+
+    /// Pass 2: a stack record (for the windows it falls in, and off-CPU waits).
+    fn stack(&mut self, s: &StackRecord) {
+        let ts = s.ts_ns;
+        for &i in self.served_windows.at(ts) {
+            self.windows[i].stacks += 1;
+            self.windows[i].stacks_cut += u64::from(!s.complete);
+        }
+        if s.what == "offcpu" {
+            let Some(b) = s.blocked_ns else { return };
+            match self.knames.wait_of_stack(s) {
+                "[io wait]" | "[page-fault wait]" => self.io_waits.push((ts, ts + b)),
+                "[memory wait]" => self.mem_waits.push((ts, ts + b)),
+                _ => {}
+            }
+        }
+    }
+
+    fn file_of(&mut self, key: FileKey) -> &mut FileStat {
+        let names = &self.file_names;
+        self.files.entry(key).or_insert_with(|| FileStat {
             path: names.get(&key).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", key.2, key.0, key.1)),
             dev: format!("{}:{}", key.0, key.1),
             inode: key.2,
             ..Default::default()
         })
     }
-    // Page-cache fills per thread, to charge block reads to files.
-    let mut fills_by_tid: HashMap<u32, Vec<(u64, FileKey)>> = HashMap::new();
-    let mut fills: Vec<(u64, FileKey, u64)> = Vec::new();
-    let mut blocks: Vec<&BlockIoEvent> = Vec::new();
-    let mut procs: BTreeMap<u32, Process> = BTreeMap::new();
-    for pid in meta["targets"].as_array().into_iter().flatten().filter_map(Value::as_u64) {
-        let pid = pid as u32;
-        let comm = if pid == r.target.pid { r.target.comm.clone() } else { String::new() };
-        procs.insert(pid, Process { pid, comm, ..Default::default() });
-    }
-    let mut mem_events = Vec::new();
-    let mut conns: Vec<(u64, Connection, bool)> = Vec::new(); // (skaddr, row, open)
-    let mut conn_index: HashMap<u64, usize> = HashMap::new();
 
-    for ev in &events {
+    /// Pass 2: one kernel record, in time order.
+    fn kernel(&mut self, ev: &Event) {
+        let start = self.start;
+        let ms = |ts: u64| (ts.saturating_sub(start)) as f64 / 1e6;
+        self.r.events += 1;
+        self.end_ts = self.end_ts.max(ev.header().ts_ns);
         match ev {
             Event::Fault(f) if f.flags & FAULT_MAJOR != 0 => {
-                r.faults.major += 1;
-                match resolve(f.hdr.pid, f.hdr.ts_ns, f.addr) {
-                    Some(key) => file_of(&mut files, &file_names, key).major_faults += 1,
-                    None => r.faults.major_unresolved += 1,
+                self.r.faults.major += 1;
+                match self.resolve(f.hdr.pid, f.hdr.ts_ns, f.addr) {
+                    Some(key) => self.file_of(key).major_faults += 1,
+                    None => self.r.faults.major_unresolved += 1,
                 }
             }
             Event::Fault(_) => {}
             Event::Filemap(f) => {
                 let (ma, mi) = kdev(f.dev);
                 let key = (ma, mi, f.ino);
-                file_of(&mut files, &file_names, key).read_bytes += page_size << f.order;
-                fills.push((f.hdr.ts_ns, key, page_size << f.order));
-                fills_by_tid.entry(f.hdr.tid).or_default().push((f.hdr.ts_ns, key));
+                let (t, bytes) = (f.hdr.ts_ns, self.page_size << f.order);
+                self.file_of(key).read_bytes += bytes;
+                for &i in self.ttft_windows.at(t) {
+                    let e = self.windows[i].read.entry(key).or_insert((0, t));
+                    e.0 += bytes;
+                    e.1 = e.1.min(t);
+                }
+                let fills = self.fills_by_tid.entry(f.hdr.tid).or_default();
+                while fills.front().is_some_and(|(old, _)| old + FILL_MEMORY_NS < t) {
+                    fills.pop_front();
+                }
+                fills.push_back((t, key));
             }
-            Event::BlockIo(b) => blocks.push(b),
+            Event::BlockIo(b) => self.block(b),
             Event::Mmap(m) => {
                 let op = MmapOp::try_from(m.op).map(|o| o.name().to_string()).unwrap_or_else(|n| format!("op{n}"));
-                *r.mmap_counts.entry(op.clone()).or_default() += 1;
-                if r.mmaps.len() >= MAX_MMAP_ROWS {
-                    r.mmaps_not_listed += 1;
-                    continue;
+                *self.r.mmap_counts.entry(op.clone()).or_default() += 1;
+                if self.r.mmaps.len() >= MAX_MMAP_ROWS {
+                    self.r.mmaps_not_listed += 1;
+                    return;
                 }
                 let returns_addr = matches!(MmapOp::try_from(m.op), Ok(MmapOp::Mmap | MmapOp::Mremap));
                 let ok_addr = returns_addr && !(-4095..0).contains(&m.ret);
@@ -423,14 +630,14 @@ pub fn build(rec: &Recording) -> Report {
                     let (ma, mi) = kdev(m.dev);
                     Some((ma, mi, m.ino))
                 } else if ok_addr {
-                    resolve(m.hdr.pid, m.hdr.ts_ns, m.ret as u64)
+                    self.resolve(m.hdr.pid, m.hdr.ts_ns, m.ret as u64)
                 } else if m.ret == 0 && !returns_addr {
-                    resolve(m.hdr.pid, m.enter_ns, m.addr)
+                    self.resolve(m.hdr.pid, m.enter_ns, m.addr)
                 } else {
                     None
                 };
-                let path = key.and_then(|k| file_names.get(&k).cloned());
-                r.mmaps.push(MmapRow {
+                let path = key.and_then(|k| self.file_names.get(&k).cloned());
+                self.r.mmaps.push(MmapRow {
                     t_ms: ms(m.hdr.ts_ns),
                     pid: m.hdr.pid,
                     tid: m.hdr.tid,
@@ -447,37 +654,42 @@ pub fn build(rec: &Recording) -> Report {
                 let comm = String::from_utf8_lossy(p.comm.split(|&c| c == 0).next().unwrap_or_default()).to_string();
                 match p.op {
                     PROC_FORK => {
-                        procs.insert(p.child, Process { pid: p.child, parent: Some(p.hdr.pid), comm, forked_ms: Some(t), ..Default::default() });
+                        self.procs.insert(p.child, Process { pid: p.child, parent: Some(p.hdr.pid), comm, forked_ms: Some(t), ..Default::default() });
                     }
                     PROC_EXEC => {
-                        let e = procs.entry(p.hdr.pid).or_insert_with(|| Process { pid: p.hdr.pid, ..Default::default() });
+                        let e = self.procs.entry(p.hdr.pid).or_insert_with(|| Process { pid: p.hdr.pid, ..Default::default() });
                         e.exec_ms = Some(t);
                         e.comm = comm;
                     }
                     PROC_EXIT => {
-                        let e = procs.entry(p.hdr.pid).or_insert_with(|| Process { pid: p.hdr.pid, comm, ..Default::default() });
+                        let e = self.procs.entry(p.hdr.pid).or_insert_with(|| Process { pid: p.hdr.pid, comm, ..Default::default() });
                         e.exited_ms = Some(t);
                     }
                     _ => {}
                 }
             }
-            Event::Sock(s) => sock_event(s, &mut conns, &mut conn_index, &ms),
+            Event::Sock(s) => sock_event(s, &mut self.conns, &mut self.conn_index, &ms),
             // Stream bytes (present only with --capture-text) are summarised in request records;
             // stacks are unwound while tracing and kept as stack records.
             Event::Data(_) | Event::Stack(_) | Event::Sched(_) => {}
-            Event::Mem(m) => mem_events.push(m),
+            Event::Mem(m) => {
+                if m.what != probe_common::mem::MEM_OOM_VICTIM {
+                    self.mem_waits.push((m.begin_ns, m.hdr.ts_ns));
+                }
+                self.mem_events.push(*m);
+            }
         }
     }
-    r.system = crate::system::build(&rec.json, &mem_events, start);
 
-    // Block IO: totals, per device, and per file by the thread that filled the page cache.
-    let mut devs: BTreeMap<u32, (Device, Vec<f64>, Vec<f64>)> = BTreeMap::new();
-    for b in &blocks {
+    /// Block IO: totals, per device, and per file by the thread that filled the page cache.
+    fn block(&mut self, b: &BlockIoEvent) {
         let rwbs = String::from_utf8_lossy(b.rwbs.split(|&c| c == 0).next().unwrap_or_default()).to_string();
         let (read, write) = (rwbs.contains('R'), rwbs.contains('W'));
+        let r = &mut self.r;
         r.blockio.requests += 1;
         let (ma, mi) = kdev(b.dev);
-        let e = devs.entry(b.dev).or_insert_with(|| {
+        let dev_names = &self.dev_names;
+        let e = self.devs.entry(b.dev).or_insert_with(|| {
             let dev = format!("{ma}:{mi}");
             (Device { name: dev_names.get(&dev).cloned(), dev, ..Default::default() }, vec![], vec![])
         });
@@ -496,202 +708,271 @@ pub fn build(rec: &Recording) -> Report {
         }
         if read {
             let at = if b.insert_ns != 0 { b.insert_ns } else { b.issue_ns };
-            let fill = fills_by_tid.get(&b.hdr.tid).and_then(|v| {
+            let fill = self.fills_by_tid.get(&b.hdr.tid).and_then(|v| {
                 let i = v.partition_point(|(t, _)| *t <= at);
                 i.checked_sub(1).map(|i| v[i]).filter(|(t, _)| at - t <= FILE_IO_WINDOW_NS)
             });
             if let Some((_, key)) = fill {
-                let f = file_of(&mut files, &file_names, key);
+                let f = self.file_of(key);
                 f.block_reads += 1;
                 f.io_time_ms += device_ns as f64 / 1e6;
             }
         }
     }
-    r.blockio.devices = devs
-        .into_values()
-        .map(|(mut d, lat, q)| {
-            d.latency_us = percentiles(lat);
-            d.queue_us = percentiles(q);
-            d
-        })
-        .collect();
 
-    r.files = files.into_values().collect();
-    r.files.sort_by(|a, b| b.read_bytes.cmp(&a.read_bytes).then(b.major_faults.cmp(&a.major_faults)).then(a.path.cmp(&b.path)));
-    r.faults.minor = r.counters.get("user_faults").map(|&all| all.saturating_sub(r.faults.major));
-    // probe's own polls of the server's endpoints are not the server's traffic.
-    let polls = crate::system::poll_ports(&rec.json);
-    let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
-    let ours = |peer: &str, local: &str, role: &str| {
-        let p = if role == "client" { port_of(local) } else { port_of(peer) };
-        p.is_some_and(|p| polls.contains(&p))
-    };
-    let before = r.requests.len();
-    r.requests.retain(|q| !q.probe_poll && !ours(&q.peer, &q.local, &q.role));
-    r.probe_polls = (before - r.requests.len()) as u64;
-    r.connections = conns.into_iter().map(|(_, c, _)| c).filter(|c| !port_of(&c.peer).is_some_and(|p| polls.contains(&p))).collect();
-    r.target.processes = procs.into_values().collect();
-    r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
-    verdicts(rec, &mut r, start, &fills, &file_maps, &file_names);
-    let lost: u64 = r.lost_events.values().sum();
-    if lost > 0 {
-        r.problems.push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
+    fn finish(mut self, problems: Vec<String>) -> Report {
+        let mut r = std::mem::take(&mut self.r);
+        r.schema_version = SCHEMA_VERSION;
+        r.problems.splice(0..0, problems);
+        r.duration_s = self.end_ts.saturating_sub(self.start) as f64 / 1e9;
+        r.system = crate::system::build(&self.json, &self.mem_events.iter().collect::<Vec<_>>(), self.start);
+        r.blockio.devices = std::mem::take(&mut self.devs)
+            .into_values()
+            .map(|(mut d, lat, q)| {
+                d.latency_us = percentiles(lat);
+                d.queue_us = percentiles(q);
+                d
+            })
+            .collect();
+        r.files = std::mem::take(&mut self.files).into_values().collect();
+        r.files.sort_by(|a, b| b.read_bytes.cmp(&a.read_bytes).then(b.major_faults.cmp(&a.major_faults)).then(a.path.cmp(&b.path)));
+        r.faults.minor = r.counters.get("user_faults").map(|&all| all.saturating_sub(r.faults.major));
+        let polls = crate::system::poll_ports(&self.json);
+        let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+        r.connections = std::mem::take(&mut self.conns).into_iter().map(|(_, c, _)| c).filter(|c| !port_of(&c.peer).is_some_and(|p| polls.contains(&p))).collect();
+        r.target.processes = std::mem::take(&mut self.procs).into_values().collect();
+        self.verdicts(&mut r);
+        let lost: u64 = r.lost_events.values().sum();
+        if lost > 0 {
+            r.problems.push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
+        }
+        let skipped: u64 = r.skipped_runs.values().sum();
+        if skipped > 0 {
+            let per: Vec<String> = r.skipped_runs.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            r.problems.push(format!(
+                "the kernel skipped {skipped} program runs because another BPF program was already running on that CPU ({}): those events were never made; other BPF tools running at the same time make this likelier",
+                per.join(", ")
+            ));
+        }
+        r
     }
-    let skipped: u64 = r.skipped_runs.values().sum();
-    if skipped > 0 {
-        let per: Vec<String> = r.skipped_runs.iter().map(|(k, n)| format!("{k} {n}")).collect();
-        r.problems.push(format!(
-            "the kernel skipped {skipped} program runs because another BPF program was already running on that CPU ({}): those events were never made; other BPF tools running at the same time make this likelier",
-            per.join(", ")
-        ));
+
+    /// Attach a verdict to every request (see crate::verdict).
+    fn verdicts(&self, r: &mut Report) {
+        if r.requests.is_empty() {
+            return;
+        }
+        let (start, json) = (self.start, &self.json);
+        let offcpu_probe = r.probes.as_array().into_iter().flatten().any(|p| p["name"] == "offcpu" && p["live"] == true);
+        let oom_kills: Vec<u64> = self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
+        let (gpu_clocks, cpu_clocks) = crate::system::clock_series(json);
+        // Losses are counted per second (stats records, cumulative): a window's losses are the
+        // growth between the last count before it and the first after it.
+        let lost_at: Vec<(u64, u64)> = json
+            .iter()
+            .filter(|v| v["type"] == "stats")
+            .map(|v| {
+                let sum = |k: &str| v[k].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum::<u64>());
+                (json_u64(v, "ts_ns"), sum("lost") + sum("skipped_runs"))
+            })
+            .collect();
+        let lost_between = |from: u64, to: u64| {
+            let before = lost_at.iter().rev().find(|(t, _)| *t <= from).map_or(0, |x| x.1);
+            let after = lost_at.iter().find(|(t, _)| *t >= to).or(lost_at.last()).map_or(0, |x| x.1);
+            after.saturating_sub(before)
+        };
+        let sys = &r.system;
+        let power_absent = (gpu_clocks.is_empty() && cpu_clocks.is_empty()).then(|| {
+            let gpu = sys.gpu.absent.clone().unwrap_or_else(|| "GPU clocks not sampled".into());
+            let cpu = sys.cpu_freq.absent.clone().unwrap_or_else(|| "CPU frequency not sampled".into());
+            format!("{gpu}; {cpu}")
+        });
+        let polls: Vec<&Value> = json.iter().filter(|v| v["type"] == "endpoint" && v["kind"] != "none").collect();
+        let sleeping_before = |t: u64| polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= t).is_some_and(|v| v["props"]["is_sleeping"] == true);
+        let deferred_in = |from: u64, to: u64| {
+            polls
+                .iter()
+                .filter(|v| (from..=to + 1_000_000_000).contains(&json_u64(v, "ts_ns")))
+                .filter_map(|v| v["metrics"]["llamacpp:requests_deferred"].as_f64().or(v["metrics"]["vllm:num_requests_waiting"].as_f64()))
+                .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
+        };
+        // vLLM preemptions (cumulative counter, summed over its labels): the growth from the last
+        // poll before `from` to the first poll after `until`.
+        let preemptions_at = |v: &Value| -> Option<f64> {
+            let m = v["metrics"].as_object()?;
+            let mut it = m.iter().filter(|(k, _)| k.starts_with("vllm:num_preemptions_total")).filter_map(|(_, x)| x.as_f64()).peekable();
+            it.peek()?;
+            Some(it.sum())
+        };
+        let preempted_in = |from: u64, until: u64| {
+            let before = polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= from).and_then(|v| preemptions_at(v))?;
+            let after = polls.iter().find(|v| json_u64(v, "ts_ns") >= until).and_then(|v| preemptions_at(v))?;
+            Some((after - before).max(0.0))
+        };
+        let lost: u64 = r.lost_events.values().sum();
+        let names = &self.file_names;
+        let name = |k: &FileKey| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
+        // When each request was being served: from the start of its prompt processing (its last
+        // byte less the server's prompt and generation time) to its last byte. Before that it may
+        // have been waiting itself.
+        let spans: Vec<(u64, Option<(u64, u64)>)> = r
+            .requests
+            .iter()
+            .map(|q| {
+                let t = q.stop.server_timings.as_ref();
+                let work = t.and_then(|t| Some(t["prompt_ms"].as_f64()? + t["predicted_ms"].as_f64()?));
+                let served = q.arrival_ms.map(|a| {
+                    let end = q.end_ms.unwrap_or(0.0);
+                    let begin = a + match work {
+                        Some(w) => (end - w).max(0.0),
+                        None => q.ttft_ms.unwrap_or(0.0),
+                    };
+                    (start + (begin * 1e6) as u64, start + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64)
+                });
+                (q.id, served)
+            })
+            .collect();
+        for (i, q) in r.requests.iter_mut().enumerate() {
+            let Some(a) = q.arrival_ms else {
+                q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, power_absent: power_absent.as_deref(), ..Default::default() }));
+                continue;
+            };
+            let (from, to) = ttft_window(start, a, q);
+            let until = served_until(start, a, q);
+            let data = &self.windows[i];
+            let mut files_read: Vec<(String, u64, u64)> = data.read.iter().map(|(k, (b, t))| (name(k), *b, *t)).collect();
+            files_read.sort_by_key(|f| std::cmp::Reverse(f.1));
+            let w = crate::verdict::Window {
+                arrival_ns: from,
+                io_waits: &self.io_waits,
+                mem_waits: &self.mem_waits,
+                files_read,
+                mapped: self.file_maps.iter().filter(|m| m.t >= from && m.t <= to).map(|m| (m.t, name(&m.key))).collect(),
+                others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),
+                lost_events: lost_between(from, until),
+                offcpu_probe,
+                stacks: data.stacks,
+                stacks_cut: data.stacks_cut,
+                oom_kills: &oom_kills,
+                gpu_clocks: &gpu_clocks,
+                cpu_clocks: &cpu_clocks,
+                power_absent: power_absent.as_deref(),
+                server_sleeping: sleeping_before(from),
+                server_deferred: deferred_in(from, to),
+                server_preemptions: preempted_in(from, until),
+            };
+            q.verdict = Some(crate::verdict::attribute(q, &w));
+        }
     }
-    r
 }
 
-/// Attach a verdict to every request (see crate::verdict).
-fn verdicts(
-    rec: &Recording,
-    r: &mut Report,
-    start: u64,
-    fills: &[(u64, (u32, u32, u64), u64)],
-    file_maps: &[FileMap],
-    names: &HashMap<(u32, u32, u64), String>,
-) {
-    if r.requests.is_empty() {
-        return;
-    }
-    let knames = crate::ksyms::Names::of(rec);
-    let (mut io_waits, mut mem_waits) = (Vec::new(), Vec::new());
-    for v in rec.json.iter().filter(|v| v["type"] == "stack" && v["what"] == "offcpu") {
-        let (Some(ts), Some(b)) = (v["ts_ns"].as_u64(), v["blocked_ns"].as_u64()) else { continue };
-        match knames.wait_of(v) {
-            "[io wait]" | "[page-fault wait]" => io_waits.push((ts, ts + b)),
-            "[memory wait]" => mem_waits.push((ts, ts + b)),
-            _ => {}
+/// A request's time to first token: arrival to the first token (or to its end).
+fn ttft_window(start: u64, arrival_ms: f64, q: &RequestRecord) -> (u64, u64) {
+    let from = start + (arrival_ms * 1e6) as u64;
+    (from, from + (q.ttft_ms.or(q.end_ms).unwrap_or(0.0) * 1e6) as u64)
+}
+
+/// The end of a request: its last byte (or its first token when that came later).
+fn served_until(start: u64, arrival_ms: f64, q: &RequestRecord) -> u64 {
+    start + (arrival_ms * 1e6) as u64 + (q.end_ms.unwrap_or(0.0).max(q.ttft_ms.unwrap_or(0.0)) * 1e6) as u64
+}
+
+/// Sorts kernel records that arrive nearly in time order: holds back up to 2 × [`REORDER`],
+/// sorts them (nearly sorted runs sort in about linear time) and lets the earlier half go. Exact
+/// while no record arrives more than [`REORDER`] records late.
+#[derive(Default)]
+struct Reorder {
+    buf: Vec<Event>,
+}
+
+impl Reorder {
+    fn push(&mut self, ev: Event, out: &mut impl FnMut(&Event)) {
+        self.buf.push(ev);
+        if self.buf.len() >= 2 * REORDER {
+            self.buf.sort_by_key(|e| e.header().ts_ns);
+            for e in self.buf.drain(..REORDER) {
+                out(&e);
+            }
         }
     }
-    let offcpu_probe = r.probes.as_array().into_iter().flatten().any(|p| p["name"] == "offcpu" && p["live"] == true);
-    // Memory stalls the target lived on the CPU (reclaim, compaction) and OOM kills.
-    for e in rec.events.iter().filter_map(|e| if let Event::Mem(m) = e { Some(m) } else { None }) {
-        match e.what {
-            probe_common::mem::MEM_OOM_VICTIM => {}
-            _ => mem_waits.push((e.begin_ns, e.hdr.ts_ns)),
+
+    fn drain(&mut self, out: &mut impl FnMut(&Event)) {
+        self.buf.sort_by_key(|e| e.header().ts_ns);
+        for e in self.buf.drain(..) {
+            out(&e);
         }
     }
-    let oom_kills: Vec<u64> = rec
-        .events
-        .iter()
-        .filter_map(|e| if let Event::Mem(m) = e { Some(m) } else { None })
-        .filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM)
-        .map(|m| m.hdr.ts_ns)
-        .collect();
-    let (gpu_clocks, cpu_clocks) = crate::system::clock_series(&rec.json);
-    // Losses are counted per second (stats records, cumulative): a window's losses are the
-    // growth between the last count before it and the first after it.
-    let lost_at: Vec<(u64, u64)> = rec
-        .json
-        .iter()
-        .filter(|v| v["type"] == "stats")
-        .map(|v| {
-            let sum = |k: &str| v[k].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum::<u64>());
-            (json_u64(v, "ts_ns"), sum("lost") + sum("skipped_runs"))
-        })
-        .collect();
-    let lost_between = |from: u64, to: u64| {
-        let before = lost_at.iter().rev().find(|(t, _)| *t <= from).map_or(0, |x| x.1);
-        let after = lost_at.iter().find(|(t, _)| *t >= to).or(lost_at.last()).map_or(0, |x| x.1);
-        after.saturating_sub(before)
-    };
-    let mut stack_times: Vec<(u64, bool)> = rec.json.iter().filter(|v| v["type"] == "stack").map(|v| (json_u64(v, "ts_ns"), v["complete"] == true)).collect();
-    stack_times.sort_unstable();
-    let stacks_in = |from: u64, until: u64| &stack_times[stack_times.partition_point(|s| s.0 < from)..stack_times.partition_point(|s| s.0 <= until)];
-    let sys = &r.system;
-    let power_absent = (gpu_clocks.is_empty() && cpu_clocks.is_empty()).then(|| {
-        let gpu = sys.gpu.absent.clone().unwrap_or_else(|| "GPU clocks not sampled".into());
-        let cpu = sys.cpu_freq.absent.clone().unwrap_or_else(|| "CPU frequency not sampled".into());
-        format!("{gpu}; {cpu}")
-    });
-    let polls: Vec<&Value> = rec.json.iter().filter(|v| v["type"] == "endpoint" && v["kind"] != "none").collect();
-    let sleeping_before = |t: u64| polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= t).is_some_and(|v| v["props"]["is_sleeping"] == true);
-    let deferred_in = |from: u64, to: u64| {
-        polls
-            .iter()
-            .filter(|v| (from..=to + 1_000_000_000).contains(&json_u64(v, "ts_ns")))
-            .filter_map(|v| v["metrics"]["llamacpp:requests_deferred"].as_f64().or(v["metrics"]["vllm:num_requests_waiting"].as_f64()))
-            .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
-    };
-    // vLLM preemptions (cumulative counter, summed over its labels): the growth from the last
-    // poll before `from` to the first poll after `until`.
-    let preemptions_at = |v: &Value| -> Option<f64> {
-        let m = v["metrics"].as_object()?;
-        let mut it = m.iter().filter(|(k, _)| k.starts_with("vllm:num_preemptions_total")).filter_map(|(_, x)| x.as_f64()).peekable();
-        it.peek()?;
-        Some(it.sum())
-    };
-    let preempted_in = |from: u64, until: u64| {
-        let before = polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= from).and_then(|v| preemptions_at(v))?;
-        let after = polls.iter().find(|v| json_u64(v, "ts_ns") >= until).and_then(|v| preemptions_at(v))?;
-        Some((after - before).max(0.0))
-    };
-    let lost: u64 = r.lost_events.values().sum();
-    let name = |k: &(u32, u32, u64)| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
-    // When each request was being served: from the start of its prompt processing (its last
-    // byte less the server's prompt and generation time) to its last byte. Before that it may
-    // have been waiting itself.
-    let spans: Vec<(u64, Option<(u64, u64)>)> = r
-        .requests
-        .iter()
-        .map(|q| {
-            let t = q.stop.server_timings.as_ref();
-            let work = t.and_then(|t| Some(t["prompt_ms"].as_f64()? + t["predicted_ms"].as_f64()?));
-            let served = q.arrival_ms.map(|a| {
-                let end = q.end_ms.unwrap_or(0.0);
-                let begin = a + match work {
-                    Some(w) => (end - w).max(0.0),
-                    None => q.ttft_ms.unwrap_or(0.0),
-                };
-                (start + (begin * 1e6) as u64, start + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64)
-            });
-            (q.id, served)
-        })
-        .collect();
-    for q in r.requests.iter_mut() {
-        let Some(a) = q.arrival_ms else {
-            q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, power_absent: power_absent.as_deref(), ..Default::default() }));
-            continue;
-        };
-        let from = start + (a * 1e6) as u64;
-        let to = from + (q.ttft_ms.or(q.end_ms).unwrap_or(0.0) * 1e6) as u64;
-        let until = from + (q.end_ms.unwrap_or(0.0).max(q.ttft_ms.unwrap_or(0.0)) * 1e6) as u64;
-        let mut read: BTreeMap<(u32, u32, u64), (u64, u64)> = BTreeMap::new();
-        for (t, k, b) in fills.iter().filter(|f| f.0 >= from && f.0 <= to) {
-            let e = read.entry(*k).or_insert((0, *t));
-            e.0 += b;
-            e.1 = e.1.min(*t);
-        }
-        let mut files_read: Vec<(String, u64, u64)> = read.iter().map(|(k, (b, t))| (name(k), *b, *t)).collect();
-        files_read.sort_by_key(|f| std::cmp::Reverse(f.1));
-        let w = crate::verdict::Window {
-            arrival_ns: from,
-            io_waits: &io_waits,
-            mem_waits: &mem_waits,
-            files_read,
-            mapped: file_maps.iter().filter(|m| m.t >= from && m.t <= to).map(|m| (m.t, name(&m.key))).collect(),
-            others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),
-            lost_events: lost_between(from, until),
-            offcpu_probe,
-            stacks: stacks_in(from, until).len() as u64,
-            stacks_cut: stacks_in(from, until).iter().filter(|s| !s.1).count() as u64,
-            oom_kills: &oom_kills,
-            gpu_clocks: &gpu_clocks,
-            cpu_clocks: &cpu_clocks,
-            power_absent: power_absent.as_deref(),
-            server_sleeping: sleeping_before(from),
-            server_deferred: deferred_in(from, to),
-            server_preemptions: preempted_in(from, until),
-        };
-        q.verdict = Some(crate::verdict::attribute(q, &w));
+}
+
+/// The report of a recording already in memory.
+pub fn build(rec: &Recording) -> Report {
+    let mut b = Builder::new();
+    for v in &rec.json {
+        b.user(v.clone());
     }
+    for e in &rec.events {
+        if let Event::Mmap(m) = e {
+            b.mapping(m);
+        }
+    }
+    b.prepare();
+    let mut events: Vec<&Event> = rec.events.iter().collect();
+    events.sort_by_key(|e| e.header().ts_ns);
+    for e in events {
+        b.kernel(e);
+    }
+    for v in rec.json.iter().filter(|v| v["type"] == "stack") {
+        if let Ok(s) = serde_json::from_value::<StackRecord>(v.clone()) {
+            b.stack(&s);
+        }
+    }
+    b.finish(rec.problems.clone())
+}
+
+/// The report of a recording directory, streamed: two passes over `events.bin`, memory bounded
+/// by what the report holds (requests, files, threads, connections), not by the events.
+pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::ReadError> {
+    use crate::recording::{Frame, Reader};
+    let mut b = Builder::new();
+    let mut undecodable = 0u64;
+    let mut pass1 = Reader::open(dir)?;
+    while let Some(f) = pass1.next_frame() {
+        match f {
+            Frame::Kernel(Event::Mmap(m)) => b.mapping(&m),
+            Frame::Kernel(_) => {}
+            Frame::Stack(s) => b.stack_seen(&s),
+            Frame::Json(bytes) => match serde_json::from_slice::<Value>(&bytes) {
+                Ok(v) => b.user(v),
+                Err(_) => undecodable += 1,
+            },
+        }
+    }
+    pass1.undecodable += undecodable;
+    let problems = pass1.finish();
+    b.prepare();
+    let mut pass2 = Reader::open(dir)?;
+    let mut order = Reorder::default();
+    while let Some(f) = pass2.next_frame() {
+        match f {
+            Frame::Kernel(ev) => order.push(ev, &mut |e| b.kernel(e)),
+            Frame::Stack(s) => b.stack(&s),
+            Frame::Json(bytes) => {
+                // Only stack records matter in this pass: peek at the type before parsing all.
+                #[derive(Deserialize)]
+                struct Peek<'a> {
+                    #[serde(rename = "type", borrow)]
+                    ty: Option<std::borrow::Cow<'a, str>>,
+                }
+                if serde_json::from_slice::<Peek>(&bytes).is_ok_and(|p| p.ty.as_deref() == Some("stack")) {
+                    if let Ok(s) = serde_json::from_slice::<StackRecord>(&bytes) {
+                        b.stack(&s);
+                    }
+                }
+            }
+        }
+    }
+    order.drain(&mut |e| b.kernel(e));
+    Ok(b.finish(problems))
 }
 
 fn sock_event(

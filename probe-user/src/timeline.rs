@@ -95,8 +95,7 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
 }
 
 /// Build the trace. `kernel` classifies off-CPU waits (see crate::ksyms).
-pub fn build(rec: &Recording, kernel: &crate::ksyms::Names) -> Value {
-    let r = report::build(rec);
+pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) -> Value {
     let start = rec.json.iter().find(|v| v["type"] == "meta").and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
     let us = |ns: u64| ns.saturating_sub(start) as f64 / 1e3;
     let mut ev: Vec<Value> = vec![

@@ -126,7 +126,7 @@ pub fn idle_before_close_ms(q: &RequestRecord) -> Option<f64> {
     let idle = end - last;
     let mut gaps: Vec<f64> = before.windows(2).map(|w| w[1] - w[0]).collect();
     gaps.sort_by(|a, b| a.total_cmp(b));
-    let median = gaps.get(gaps.len() / 2).copied().unwrap_or(0.0);
+    let median = crate::stats::percentile(&gaps, 50.0).unwrap_or(0.0);
     (idle >= 1000.0 && idle >= 3.0 * median).then_some(idle)
 }
 

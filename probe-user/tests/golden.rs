@@ -12,6 +12,17 @@ fn check(name: &str) {
     let dir = data().join(name);
     let rec = recording::read_dir(&dir).unwrap();
     let r = report::build(&rec);
+    // The streamed analysis (two passes over the file) says exactly what the one in memory says,
+    // and so does the recording rewritten in the compact format.
+    assert_eq!(report::build_dir(&dir).unwrap(), r, "{name}: streamed report differs");
+    let v2 = std::env::temp_dir().join(format!("probe-golden-v2-{name}-{}", std::process::id()));
+    assert!(recording::rewrite(&dir, &v2).unwrap().is_empty());
+    // Kernel records take at most 48 bytes each on average (v1: 56 to 160).
+    let sizes = recording::sizes(&v2).unwrap();
+    let (n, bytes) = sizes.iter().filter(|(k, _)| !k.contains(':')).fold((0, 0), |a, (_, v)| (a.0 + v.0, a.1 + v.1));
+    assert!(n > 0 && bytes <= 48 * n, "{name}: {n} kernel records take {bytes} bytes: {sizes:?}");
+    assert_eq!(report::build_dir(&v2).unwrap(), r, "{name}: the rewritten recording's report differs");
+    std::fs::remove_dir_all(&v2).ok();
     let json = serde_json::to_string_pretty(&r).unwrap() + "\n";
     let text = report::render(&r);
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
@@ -55,7 +66,7 @@ fn truncated_recording() {
 #[test]
 fn demo_timeline() {
     let rec = recording::read_dir(&data().join("demo")).unwrap();
-    let t = probe_user::timeline::build(&rec, &Default::default());
+    let t = probe_user::timeline::build(&rec, &probe_user::report::build(&rec), &Default::default());
     let ev = t["traceEvents"].as_array().unwrap();
     let count = |f: &dyn Fn(&serde_json::Value) -> bool| ev.iter().filter(|e| f(e)).count();
     assert_eq!(count(&|e| e["ph"] == "i" && e["name"] == "major fault"), 256);

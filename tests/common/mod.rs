@@ -155,3 +155,29 @@ impl Drop for Nginx {
         let _ = self.child.wait();
     }
 }
+
+/// The userspace record types docs/recording.md lists (its `- `type`` bullets).
+fn documented_record_types() -> Vec<String> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/recording.md")).unwrap();
+    doc.lines().filter_map(|l| l.strip_prefix("- `")).filter_map(|l| l.split('`').next()).map(String::from).collect()
+}
+
+/// report.json of a finished trace in `dir`, after checking the recording against the docs and
+/// the analysis against itself: the recording holds only documented userspace record types, and
+/// `probe report --json` (streamed from the file in two passes) says exactly what `probe trace`
+/// wrote at its end (analysed in memory).
+pub fn read_report(dir: &std::path::Path) -> serde_json::Value {
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let sizes = Command::new(probe_bin()).args(["report", "--sizes"]).arg(dir).output().unwrap();
+    assert!(sizes.status.success(), "probe report --sizes: {}", String::from_utf8_lossy(&sizes.stderr));
+    let known = documented_record_types();
+    for line in String::from_utf8_lossy(&sizes.stdout).lines().skip(1) {
+        if let Some(ty) = line.split_whitespace().next().and_then(|k| k.strip_prefix("json:")) {
+            assert!(known.iter().any(|k| k == ty), "{}: a `{ty}` record is not in docs/recording.md", dir.display());
+        }
+    }
+    let again = Command::new(probe_bin()).args(["report", "--json"]).arg(dir).output().unwrap();
+    let streamed: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap_or_else(|e| panic!("probe report --json {}: {e}: {}", dir.display(), String::from_utf8_lossy(&again.stderr)));
+    assert_eq!(streamed, written, "{}: the streamed report differs from the one probe trace wrote", dir.display());
+    written
+}

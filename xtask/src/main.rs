@@ -106,6 +106,8 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         .env("LLAMA_MODEL", model)
         .env("VLLM_PYTHON", vllm_python)
         .env("VLLM_MODEL", vllm_model)
+        // A failing test's message, not a backtrace of the test harness, is what CI's log keeps.
+        .env("RUST_BACKTRACE", "0")
         .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf", "--no-fail-fast"])
         .args(args)
         .stdout(Stdio::piped())

@@ -156,17 +156,7 @@ pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64
     Some(if (p + output) * 10 >= c * 9 { "slot_context" } else { "kv_pool" })
 }
 
-/// Linear-interpolated percentile (numpy's default, as vllm bench serve reports).
-pub fn percentile(v: &[f64], p: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let r = p / 100.0 * (s.len() - 1) as f64;
-    let (lo, hi) = (r.floor() as usize, r.ceil() as usize);
-    Some(s[lo] + (s[hi] - s[lo]) * (r - lo as f64))
-}
+pub use crate::stats::percentile;
 
 pub fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)

@@ -216,8 +216,8 @@ fn gaps(times: &[f64]) -> Option<Gaps> {
         return None;
     }
     g.sort_by(|a, b| a.total_cmp(b));
-    let at = |q: f64| g[((q * g.len() as f64).ceil() as usize).clamp(1, g.len()) - 1];
-    Some(Gaps { p50_ms: at(0.5), p99_ms: at(0.99), max_ms: g[g.len() - 1] })
+    let at = |p: f64| crate::stats::percentile_sorted(&g, p).unwrap_or(0.0);
+    Some(Gaps { p50_ms: at(50.0), p99_ms: at(99.0), max_ms: g[g.len() - 1] })
 }
 
 impl Tracker {
