@@ -240,16 +240,18 @@ fn assert_client_saw(cell: &Cell, saw: &BTreeMap<u64, Value>) {
     }
 }
 
-/// The gateway: nginx with a 3 s read timeout in front of `upstream`; once every client's stream
-/// flows, the server (`pid`) is paused for 4.5 s. What the clients saw.
-fn gateway_deadline(cell: &Cell, upstream: SocketAddr, pid: u32, name: &str) -> BTreeMap<u64, Value> {
-    let gw = common::Nginx::start(upstream, 3);
+/// The gateway: nginx with a `timeout_s` read timeout in front of `upstream`; once every client's
+/// stream flows, the server (`pid`) is paused for 1.5 s longer than that. What the clients saw.
+/// A deadline is a silence of at least 3 token gaps: a slow server (vLLM on a loaded CPU: up to a
+/// second a token) needs a longer timeout than the gaps it makes.
+fn gateway_deadline(cell: &Cell, upstream: SocketAddr, pid: u32, name: &str, timeout_s: u32) -> BTreeMap<u64, Value> {
+    let gw = common::Nginx::start(upstream, timeout_s);
     let ready = ready_dir(&format!("{name}-deadline"));
     let kids = start_clients_ready(cell, &format!("http://{}", gw.addr), Some(&ready));
     wait_ready(&ready);
     // SAFETY: signalling our own child: pause the server, resume after the gateway gave up.
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-    std::thread::sleep(Duration::from_millis(4500));
+    std::thread::sleep(Duration::from_millis(u64::from(timeout_s) * 1000 + 1500));
     unsafe { libc::kill(pid as i32, libc::SIGCONT) };
     finish_clients(kids)
 }
@@ -274,7 +276,7 @@ fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
         seen.push(finish_clients(start_clients(cell, &url)));
     }
     let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 2000, stop: None, ignore_eos: true, leave_after: 0 };
-    let seen_deadline = gateway_deadline(&deadline, addr, pid, "llama");
+    let seen_deadline = gateway_deadline(&deadline, addr, pid, "llama", 3);
     std::thread::sleep(Duration::from_millis(500));
     let r = t.stop();
     drop(srv);
@@ -430,7 +432,7 @@ fn vllm_second_server_same_clients() {
         seen.push(finish_clients(start_clients(cell, &url)));
     }
     let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 90, stop: None, ignore_eos: true, leave_after: 0 };
-    let seen_deadline = gateway_deadline(&deadline, v.addr, pid, "vllm");
+    let seen_deadline = gateway_deadline(&deadline, v.addr, pid, "vllm", 6);
     let before = v.preemptions();
     // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
     // length when the context is full.

@@ -113,9 +113,8 @@ pub fn mask(text: &str) -> String {
 }
 
 /// Write the bundle; returns the list of files in it.
-pub fn write(rec: &Recording, report: &Report, out: &Path, masked: bool) -> anyhow::Result<Vec<String>> {
-    let syms = flame::Symbols::resolve(rec);
-    let trace = timeline::build(rec, report, &syms.kernel);
+pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, masked: bool) -> anyhow::Result<Vec<String>> {
+    let trace = timeline::build(rec, report, &all.symbols.kernel);
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("report.md".into(), markdown(report).into_bytes()),
         ("report.json".into(), serde_json::to_vec_pretty(report)?),
@@ -127,7 +126,7 @@ pub fn write(rec: &Recording, report: &Report, out: &Path, masked: bool) -> anyh
     let mut flames = Vec::new();
     let mut drawn: Vec<(String, Vec<u8>)> = Vec::new();
     for kind in flame::Kind::ALL {
-        let mut f = flame::folded(rec, &syms, kind, flame::Window::default());
+        let mut f = all.get(kind);
         if masked {
             f = f.into_iter().fold(std::collections::BTreeMap::new(), |mut m, (k, w)| {
                 *m.entry(mask(&k)).or_default() += w;

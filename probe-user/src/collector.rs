@@ -138,16 +138,16 @@ impl State {
             Vec::new()
         };
         let what = match s.what {
-            probe_common::stack::STACK_CPU => "cpu",
-            probe_common::stack::STACK_OFFCPU => "offcpu",
-            probe_common::stack::STACK_FAULT => "fault",
-            _ => "io",
+            probe_common::stack::STACK_CPU => recording::StackKind::Cpu,
+            probe_common::stack::STACK_OFFCPU => recording::StackKind::Offcpu,
+            probe_common::stack::STACK_FAULT => recording::StackKind::Fault,
+            _ => recording::StackKind::Io,
         };
         if let Some(names) = self.ksyms.learn(&kernel) {
             self.writer.json(&names)?;
         }
         let mut v = recording::StackRecord {
-            what: what.into(),
+            what,
             pid: s.hdr.pid,
             tid: s.hdr.tid,
             ts_ns: s.hdr.ts_ns,
@@ -382,11 +382,12 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     let skipped_note = if skipped_total > 0 { format!(", {skipped_total} program runs skipped by the kernel (another BPF program was running on that CPU)") } else { String::new() };
     eprintln!("probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}", st.events, lost.iter().sum::<u64>());
 
+    // One analysis (streamed from the file: memory does not grow with the trace's length) and
+    // one symbolization for every output.
+    let report = report::build_dir(&opts.out)?;
     let rec = recording::read_dir(&opts.out)?;
-    // One analysis and one symbolization for every output.
-    let report = report::build(&rec);
-    let syms = crate::flame::Symbols::resolve(&rec);
-    match crate::flame::write_defaults(&rec, &syms, &opts.out) {
+    let flames = crate::flame::Flames::of_dir(&opts.out, Default::default())?;
+    match crate::flame::write_defaults(&flames, &opts.out) {
         Ok(written) => {
             for (path, weight) in written {
                 eprintln!("probe: flamegraph {} (weight {weight})", path.display());
@@ -396,7 +397,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     }
     let path = opts.out.join("report.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("cannot write {}", path.display()))?;
-    match crate::html::write_for(&rec, &report, &syms, &opts.out) {
+    match crate::html::write_for(&rec, &report, &flames, &opts.out) {
         Ok(page) => eprintln!("probe: {}", page.display()),
         Err(e) => eprintln!("probe: report.html not written: {e:#}"),
     }

@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use blazesym::symbolize::{Input, Symbolized, Symbolizer, source::{Elf, Source}};
 
-use crate::recording::Recording;
+use crate::recording::{Frame, ReadError, Reader, Recording, StackKind, StackRecord};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     Cpu,
     Offcpu,
@@ -36,13 +36,13 @@ impl Kind {
             Kind::Io => "io",
         }
     }
-    /// The `what` of the stack records this graph is made of.
-    fn what(self) -> &'static str {
+    /// The stack samples this graph is made of.
+    pub fn what(self) -> StackKind {
         match self {
-            Kind::Cpu => "cpu",
-            Kind::Offcpu => "offcpu",
-            Kind::Faults => "fault",
-            Kind::Io => "io",
+            Kind::Cpu => StackKind::Cpu,
+            Kind::Offcpu => StackKind::Offcpu,
+            Kind::Faults => StackKind::Fault,
+            Kind::Io => StackKind::Io,
         }
     }
     fn unit(self) -> &'static str {
@@ -76,27 +76,71 @@ fn sym_name(s: &Symbolized<'_>) -> Option<String> {
     }
 }
 
-impl Symbols {
-    pub fn resolve(rec: &Recording) -> Symbols {
-        let modules: HashMap<i64, String> = rec
-            .json
-            .iter()
-            .filter(|v| v["type"] == "module")
-            .filter_map(|v| Some((v["id"].as_i64()?, v["path"].as_str()?.to_string())))
-            .collect();
-        let mut wanted: BTreeMap<i64, Vec<u64>> = BTreeMap::new();
-        for v in rec.json.iter().filter(|v| v["type"] == "stack") {
-            for f in v["user"].as_array().into_iter().flatten() {
-                if let (Some(id), Some(off)) = (f[0].as_i64(), f[1].as_u64()) {
-                    wanted.entry(id).or_default().push(off);
-                }
+/// What symbolization needs from a recording: its module table, the user frames its stacks
+/// use (each once) and its kernel names. Grows with distinct frames, not with samples.
+#[derive(Default)]
+struct Wanted {
+    modules: HashMap<i64, String>,
+    offsets: BTreeMap<i64, std::collections::BTreeSet<u64>>,
+    names: crate::ksyms::NamesBuilder,
+}
+
+impl Wanted {
+    fn json(&mut self, v: &serde_json::Value) {
+        if v["type"] == "module" {
+            if let (Some(id), Some(p)) = (v["id"].as_i64(), v["path"].as_str()) {
+                self.modules.insert(id, p.to_string());
             }
         }
+        self.names.feed(v);
+    }
+
+    fn stack(&mut self, s: &StackRecord) {
+        for &(id, off) in &s.user {
+            self.offsets.entry(id).or_default().insert(off);
+        }
+        self.names.feed_stack(s);
+    }
+}
+
+impl Symbols {
+    pub fn resolve(rec: &Recording) -> Symbols {
+        let mut w = Wanted::default();
+        rec.json.iter().for_each(|v| w.json(v));
+        rec.stacks.iter().for_each(|s| w.stack(s));
+        Symbols::of(w)
+    }
+
+    /// Symbols for every stack of the recording in `dir`, streamed.
+    pub fn resolve_dir(dir: &std::path::Path) -> Result<Symbols, ReadError> {
+        let mut w = Wanted::default();
+        let mut r = Reader::open(dir)?;
+        while let Some(f) = r.next_frame() {
+            match f {
+                Frame::Stack(s) => w.stack(&s),
+                Frame::Json(b) => {
+                    match serde_json::from_slice::<serde_json::Value>(&b) {
+                        Ok(v) if v["type"] == "stack" => {
+                            if let Ok(s) = serde_json::from_value::<StackRecord>(v) {
+                                w.stack(&s);
+                            }
+                        }
+                        Ok(v) => w.json(&v),
+                        Err(_) => {}
+                    }
+                }
+                Frame::Kernel(_) => {}
+            }
+        }
+        Ok(Symbols::of(w))
+    }
+
+    fn of(w: Wanted) -> Symbols {
+        let (modules, wanted) = (w.modules, w.offsets);
         let symbolizer = Symbolizer::new();
         let mut user = HashMap::new();
-        for (id, mut offs) in wanted {
-            offs.sort_unstable();
-            offs.dedup();
+        for (id, offs) in wanted {
+            let offs: Vec<u64> = offs.into_iter().collect();
             let Some(path) = modules.get(&id) else { continue };
             let base = path.rsplit('/').next().unwrap_or(path);
             let names = symbolizer.symbolize(&Source::Elf(Elf::new(path)), Input::FileOffset(&offs)).unwrap_or_default();
@@ -105,7 +149,7 @@ impl Symbols {
                 user.insert((id, *off), name);
             }
         }
-        Symbols { user, kernel: crate::ksyms::Names::of(rec) }
+        Symbols { user, kernel: w.names.finish() }
     }
 
     fn user(&self, id: i64, off: u64) -> String {
@@ -113,42 +157,124 @@ impl Symbols {
     }
 }
 
-/// Folded stacks of one kind: `comm;outer;...;inner;kernel_[k]` → weight, sorted by stack.
-pub fn folded(rec: &Recording, syms: &Symbols, kind: Kind, window: Window) -> BTreeMap<String, u64> {
-    let meta = rec.json.iter().find(|v| v["type"] == "meta");
-    let root_pid = meta.and_then(|m| m["pid"].as_u64()).unwrap_or(0);
-    let root_comm = meta.and_then(|m| m["comm"].as_str()).unwrap_or("target").to_string();
-    let mut out = BTreeMap::new();
-    for v in rec.json.iter().filter(|v| v["type"] == "stack" && v["what"] == kind.what()) {
-        let ts = v["ts_ns"].as_u64().unwrap_or(0);
-        if window.from_ns.is_some_and(|f| ts < f) || window.to_ns.is_some_and(|t| ts > t) {
-            continue;
+/// Folded stacks: `comm;outer;...;inner;kernel_[k]` → weight, per kind, sorted by stack.
+pub type Folded = BTreeMap<String, u64>;
+
+/// Every kind's folded stacks of a recording, with the symbols they were named with.
+pub struct Flames {
+    pub symbols: Symbols,
+    pub by_kind: BTreeMap<Kind, Folded>,
+}
+
+/// A distinct stack before it is named: kind, process, wait class, user and kernel frames.
+type RawStack = (Kind, u32, &'static str, Vec<(i64, u64)>, Vec<u64>);
+
+/// Folds stack samples one at a time: weights are summed per distinct raw stack, and each
+/// distinct stack is named once at the end.
+struct Folder<'a> {
+    syms: &'a Symbols,
+    root_pid: u32,
+    root_comm: String,
+    window: Window,
+    raw: HashMap<RawStack, u64>,
+}
+
+impl Folder<'_> {
+    fn add(&mut self, s: &StackRecord) {
+        let Some(kind) = Kind::ALL.into_iter().find(|k| k.what() == s.what) else { return };
+        if self.window.from_ns.is_some_and(|f| s.ts_ns < f) || self.window.to_ns.is_some_and(|t| s.ts_ns > t) {
+            return;
         }
-        let pid = v["pid"].as_u64().unwrap_or(0);
-        let mut frames = vec![if pid == root_pid { root_comm.clone() } else { format!("pid {pid}") }];
-        let kernel: Vec<String> = crate::ksyms::kernel_addrs(v).into_iter().map(|a| syms.kernel.frame(a)).collect();
-        if kind == Kind::Offcpu {
-            frames.push(syms.kernel.wait_of(v).to_string());
-        }
-        let user: Vec<String> = v["user"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|f| Some(syms.user(f[0].as_i64()?, f[1].as_u64()?)))
-            .collect();
-        frames.extend(user.into_iter().rev());
-        frames.extend(kernel.into_iter().rev().map(|k| format!("{k}_[k]")));
         let weight = match kind {
-            Kind::Offcpu => v["blocked_ns"].as_u64().unwrap_or(0) / 1000,
+            Kind::Offcpu => s.blocked_ns.unwrap_or(0) / 1000,
             _ => 1,
         };
-        if weight > 0 {
+        if weight == 0 {
+            return;
+        }
+        let wait = if kind == Kind::Offcpu { self.syms.kernel.wait_of_stack(s) } else { "" };
+        *self.raw.entry((kind, s.pid, wait, s.user.clone(), s.kernel.clone())).or_default() += weight;
+    }
+
+    fn finish(self) -> BTreeMap<Kind, Folded> {
+        let syms = self.syms;
+        let mut out: BTreeMap<Kind, Folded> = BTreeMap::new();
+        for ((kind, pid, wait, user, kernel), weight) in self.raw {
+            let mut frames = vec![if pid == self.root_pid { self.root_comm.clone() } else { format!("pid {pid}") }];
+            if kind == Kind::Offcpu {
+                frames.push(wait.to_string());
+            }
+            frames.extend(user.iter().rev().map(|&(id, off)| syms.user(id, off)));
+            frames.extend(kernel.iter().rev().map(|&a| format!("{}_[k]", syms.kernel.frame(a))));
             // ';' separates frames in the folded format.
             let line = frames.iter().map(|f| f.replace(';', ":")).collect::<Vec<_>>().join(";");
-            *out.entry(line).or_default() += weight;
+            *out.entry(kind).or_default().entry(line).or_default() += weight;
         }
+        out
     }
-    out
+}
+
+fn root(meta: Option<&serde_json::Value>) -> (u32, String) {
+    (meta.and_then(|m| m["pid"].as_u64()).unwrap_or(0) as u32, meta.and_then(|m| m["comm"].as_str()).unwrap_or("target").to_string())
+}
+
+impl Flames {
+    /// The flamegraphs of the recording in `dir`, streamed in two passes (symbols, then folding):
+    /// memory grows with distinct stacks, not with samples.
+    pub fn of_dir(dir: &std::path::Path, window: Window) -> Result<Flames, ReadError> {
+        let symbols = Symbols::resolve_dir(dir)?;
+        let mut r = Reader::open(dir)?;
+        let mut meta = None;
+        let mut folder: Option<Folder> = None;
+        while let Some(f) = r.next_frame() {
+            let s = match f {
+                Frame::Stack(s) => s,
+                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
+                    Ok(v) if v["type"] == "meta" && meta.is_none() => {
+                        meta = Some(v);
+                        continue;
+                    }
+                    Ok(v) if v["type"] == "stack" => match serde_json::from_value::<StackRecord>(v) {
+                        Ok(s) => s,
+                        Err(_) => continue,
+                    },
+                    _ => continue,
+                },
+                Frame::Kernel(_) => continue,
+            };
+            folder
+                .get_or_insert_with(|| {
+                    let (root_pid, root_comm) = root(meta.as_ref());
+                    Folder { syms: &symbols, root_pid, root_comm, window, raw: HashMap::new() }
+                })
+                .add(&s);
+        }
+        let by_kind = folder.map(Folder::finish).unwrap_or_default();
+        Ok(Flames { symbols, by_kind })
+    }
+
+    /// Those of a recording in memory.
+    pub fn of(rec: &Recording, window: Window) -> Flames {
+        let symbols = Symbols::resolve(rec);
+        let (root_pid, root_comm) = root(rec.meta());
+        let mut f = Folder { syms: &symbols, root_pid, root_comm, window, raw: HashMap::new() };
+        rec.stacks.iter().for_each(|s| f.add(s));
+        let by_kind = f.finish();
+        Flames { symbols, by_kind }
+    }
+
+    /// One kind's folded stacks (empty when there are none).
+    pub fn get(&self, kind: Kind) -> Folded {
+        self.by_kind.get(&kind).cloned().unwrap_or_default()
+    }
+}
+
+/// Folded stacks of one kind in a recording in memory.
+pub fn folded(rec: &Recording, syms: &Symbols, kind: Kind, window: Window) -> Folded {
+    let (root_pid, root_comm) = root(rec.meta());
+    let mut f = Folder { syms, root_pid, root_comm, window, raw: HashMap::new() };
+    rec.stacks.iter().filter(|s| s.what == kind.what()).for_each(|s| f.add(s));
+    f.finish().remove(&kind).unwrap_or_default()
 }
 
 pub fn folded_text(f: &BTreeMap<String, u64>) -> String {
@@ -173,10 +299,10 @@ pub fn svg(f: &BTreeMap<String, u64>, kind: Kind, title: &str) -> std::io::Resul
 
 /// Write `<dir>/flame-<kind>.svg` and `.folded` for every kind that has stacks; returns what
 /// was written (path, stacks weight).
-pub fn write_defaults(rec: &Recording, syms: &Symbols, dir: &std::path::Path) -> std::io::Result<Vec<(std::path::PathBuf, u64)>> {
+pub fn write_defaults(flames: &Flames, dir: &std::path::Path) -> std::io::Result<Vec<(std::path::PathBuf, u64)>> {
     let mut written = Vec::new();
     for kind in Kind::ALL {
-        let f = folded(rec, syms, kind, Window::default());
+        let f = flames.get(kind);
         if f.is_empty() {
             continue;
         }

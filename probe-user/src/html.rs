@@ -376,18 +376,17 @@ pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) ->
 
 /// The flamegraphs for the page: `dir/flame-KIND.svg` where present, else drawn from the
 /// recording's stacks (in memory; nothing is written).
-pub fn flamegraphs(rec: &Recording, syms: &flame::Symbols, dir: Option<&Path>) -> Vec<(String, String)> {
+pub fn flamegraphs(flames: &flame::Flames, dir: Option<&Path>) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for kind in flame::Kind::ALL {
         if let Some(svg) = dir.and_then(|d| std::fs::read_to_string(d.join(format!("flame-{}.svg", kind.name()))).ok()) {
             out.push((kind.name().to_string(), svg));
             continue;
         }
-        let what = if kind == flame::Kind::Faults { "fault" } else { kind.name() };
-        if !rec.json.iter().any(|v| v["type"] == "stack" && v["what"] == what) {
+        let folded = flames.get(kind);
+        if folded.is_empty() {
             continue;
         }
-        let folded = flame::folded(rec, syms, kind, flame::Window::default());
         if let Ok(svg) = flame::svg(&folded, kind, &format!("probe: {} stacks", kind.name())) {
             out.push((kind.name().to_string(), String::from_utf8_lossy(&svg).into_owned()));
         }
@@ -397,20 +396,21 @@ pub fn flamegraphs(rec: &Recording, syms: &flame::Symbols, dir: Option<&Path>) -
 
 /// Write `dir/report.html` for a recording already read and analysed (what `probe trace` has
 /// at its end); returns its path.
-pub fn write_for(rec: &Recording, report: &Report, syms: &flame::Symbols, dir: &Path) -> anyhow::Result<PathBuf> {
-    let trace = crate::timeline::build(rec, report, &syms.kernel);
-    let page = render(report, &trace, &flamegraphs(rec, syms, Some(dir)));
+pub fn write_for(rec: &Recording, report: &Report, flames: &flame::Flames, dir: &Path) -> anyhow::Result<PathBuf> {
+    let trace = crate::timeline::build(rec, report, &flames.symbols.kernel);
+    let page = render(report, &trace, &flamegraphs(flames, Some(dir)));
     let out = dir.join(FILE_NAME);
     std::fs::write(&out, page).with_context(|| format!("cannot write {}", out.display()))?;
     crate::bundle::chown_to_sudo_caller(&out);
     Ok(out)
 }
 
-/// Read the recording in `dir` and write `dir/report.html`; returns its path.
-pub fn write(dir: &Path) -> anyhow::Result<PathBuf> {
+/// Read the recording in `dir` and write `dir/report.html`; returns its path and the report.
+pub fn write(dir: &Path) -> anyhow::Result<(PathBuf, Report)> {
+    let report = crate::report::build_dir(dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
     let rec = crate::recording::read_dir(dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-    let report = crate::report::build(&rec);
-    write_for(&rec, &report, &flame::Symbols::resolve(&rec), dir)
+    let flames = flame::Flames::of_dir(dir, flame::Window::default())?;
+    Ok((write_for(&rec, &report, &flames, dir)?, report))
 }
 
 #[cfg(test)]

@@ -113,15 +113,6 @@ impl NamesBuilder {
                     }
                 }
             }
-            Some("stack") => {
-                if v.get("wait").is_some() {
-                    self.traced_with_names = true;
-                    self.addrs.clear();
-                }
-                if !self.traced_with_names {
-                    self.addrs.extend(kernel_addrs(v));
-                }
-            }
             _ => {}
         }
     }
@@ -154,6 +145,9 @@ impl Names {
         for v in &rec.json {
             b.feed(v);
         }
+        for s in &rec.stacks {
+            b.feed_stack(s);
+        }
         b.finish()
     }
 
@@ -170,20 +164,6 @@ impl Names {
         let names: Vec<&str> = s.kernel.iter().filter_map(|a| self.by_addr.get(a).map(String::as_str)).collect();
         wait_class(&names)
     }
-
-    /// The class of an off-CPU stack record's wait: as recorded, else from its frames' names.
-    pub fn wait_of(&self, stack: &Value) -> &'static str {
-        if let Some(w) = stack["wait"].as_str() {
-            return WAITS.iter().copied().find(|c| *c == w).unwrap_or("[other wait]");
-        }
-        let names: Vec<&str> = kernel_addrs(stack).into_iter().filter_map(|a| self.by_addr.get(&a).map(String::as_str)).collect();
-        wait_class(&names)
-    }
-}
-
-/// The kernel addresses of a stack record, innermost first.
-pub fn kernel_addrs(stack: &Value) -> Vec<u64> {
-    stack["kernel"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect()
 }
 
 #[cfg(test)]
@@ -192,21 +172,20 @@ mod tests {
 
     #[test]
     fn recorded_names_and_waits_win_over_the_live_machine() {
-        let rec = Recording {
-            json: vec![
-                json!({"type": "ksyms", "syms": [[0xffff_ffff_8100_0000u64, "io_schedule"], [0xffff_ffff_8100_1000u64, "filemap_fault"]]}),
-                json!({"type": "stack", "what": "offcpu", "kernel": [0xffff_ffff_8100_0000u64, 0xffff_ffff_8100_1000u64], "wait": "[page-fault wait]"}),
-                json!({"type": "stack", "what": "offcpu", "kernel": [0xffff_ffff_8100_0000u64]}),
-            ],
-            ..Default::default()
-        };
+        let rec = Recording::from_json(vec![
+            json!({"type": "ksyms", "syms": [[0xffff_ffff_8100_0000u64, "io_schedule"], [0xffff_ffff_8100_1000u64, "filemap_fault"]]}),
+            json!({"type": "stack", "what": "offcpu", "pid": 1, "tid": 1, "ts_ns": 5, "kernel": [0xffff_ffff_8100_0000u64, 0xffff_ffff_8100_1000u64], "wait": "[page-fault wait]"}),
+            json!({"type": "stack", "what": "offcpu", "pid": 1, "tid": 1, "ts_ns": 6, "kernel": [0xffff_ffff_8100_0000u64]}),
+        ]);
+        assert_eq!(rec.stacks.len(), 2);
         let n = Names::of(&rec);
         assert!(!n.legacy);
         assert_eq!(n.frame(0xffff_ffff_8100_1000), "filemap_fault");
         assert_eq!(n.frame(0x1234), "0x1234");
-        assert_eq!(n.wait_of(&rec.json[1]), "[page-fault wait]");
+        assert_eq!(n.wait_of_stack(&rec.stacks[0]), "[page-fault wait]");
         // No recorded class: classified from the recorded names.
-        assert_eq!(n.wait_of(&rec.json[2]), "[io wait]");
-        assert_eq!(n.wait_of(&json!({"wait": "[made up]"})), "[other wait]");
+        assert_eq!(n.wait_of_stack(&rec.stacks[1]), "[io wait]");
+        let made_up = crate::recording::StackRecord { wait: Some("[made up]".into()), ..Default::default() };
+        assert_eq!(n.wait_of_stack(&made_up), "[other wait]");
     }
 }

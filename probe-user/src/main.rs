@@ -162,9 +162,8 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Report { dir, json, html, .. } => {
             let r = if html {
-                let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-                let r = report::build(&rec);
-                println!("{}", probe_user::html::write_for(&rec, &r, &flame::Symbols::resolve(&rec), &dir)?.display());
+                let (page, r) = probe_user::html::write(&dir)?;
+                println!("{}", page.display());
                 r
             } else {
                 // Streamed: memory does not grow with the recording.
@@ -180,19 +179,19 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Flamegraph { dir, kind, request, from, to, output } => {
             let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
-            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let start = rec.json.iter().find(|v| v["type"] == "meta").and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
+            let meta = recording::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let start = meta.and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
             let secs = |s: f64| start + (s * 1e9) as u64;
             let mut window = flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) };
             if let Some(id) = request {
-                let r = report::build(&rec);
+                let r = report::build_dir(&dir)?;
                 let q = r.requests.iter().find(|q| q.id == id).with_context(|| format!("no request {id} in this recording (see `probe report {}`)", dir.display()))?;
                 let arrival = q.arrival_ms.with_context(|| format!("request {id} was already in flight when probe attached: use --from/--to"))?;
                 window.from_ns = Some(start + (arrival * 1e6) as u64);
                 window.to_ns = Some(start + ((arrival + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
             }
-            let syms = flame::Symbols::resolve(&rec);
-            let folded = flame::folded(&rec, &syms, kind, window);
+            // Streamed: every stack of the recording, however long.
+            let folded = flame::Flames::of_dir(&dir, window)?.get(kind);
             if folded.is_empty() {
                 anyhow::bail!("no {} stacks in {} for this window", kind.name(), dir.display());
             }
@@ -208,18 +207,19 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Timeline { dir, output } => {
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let trace = timeline::build(&rec, &report::build(&rec), &probe_user::ksyms::Names::of(&rec));
+            let trace = timeline::build(&rec, &report::build_dir(&dir)?, &probe_user::ksyms::Names::of(&rec));
             let out = output.unwrap_or_else(|| dir.join("timeline.json"));
             std::fs::write(&out, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", out.display()))?;
             println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
             Ok(exit::OK)
         }
         Command::Bundle { dir, output, mask } => {
+            let r = report::build_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let r = report::build(&rec);
             let name = dir.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "probe".into());
             let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));
-            let files = bundle::write(&rec, &r, &out, mask)?;
+            let flames = flame::Flames::of_dir(&dir, flame::Window::default())?;
+            let files = bundle::write(&rec, &r, &flames, &out, mask)?;
             println!("{} ({})", out.display(), files.join(", "));
             Ok(exit::OK)
         }

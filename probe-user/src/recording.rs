@@ -76,8 +76,7 @@ fn take_varint(b: &[u8]) -> Option<(u64, &[u8])> {
 /// recordings it was a JSON record of `type: "stack"` with these fields.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StackRecord {
-    /// cpu | offcpu | fault | io.
-    pub what: String,
+    pub what: StackKind,
     pub pid: u32,
     pub tid: u32,
     pub ts_ns: u64,
@@ -107,7 +106,32 @@ pub struct StackRecord {
     pub still_blocked: bool,
 }
 
-const STACK_KINDS: [&str; 4] = ["cpu", "offcpu", "fault", "io"];
+/// What a stack sample is of (serialized as today's words).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StackKind {
+    /// On-CPU samples at the sampling frequency.
+    #[default]
+    Cpu,
+    /// Blocked time: the stack at the switch-out, weighted by the time off the CPU.
+    Offcpu,
+    /// Major page faults.
+    Fault,
+    /// Block IO requests, at issue.
+    Io,
+}
+
+impl StackKind {
+    pub const ALL: [StackKind; 4] = [StackKind::Cpu, StackKind::Offcpu, StackKind::Fault, StackKind::Io];
+    pub fn name(self) -> &'static str {
+        match self {
+            StackKind::Cpu => "cpu",
+            StackKind::Offcpu => "offcpu",
+            StackKind::Fault => "fault",
+            StackKind::Io => "io",
+        }
+    }
+}
 
 impl StackRecord {
     /// As the JSON record v1 recordings held (and the renderers read).
@@ -119,7 +143,7 @@ impl StackRecord {
 
     /// The binary form (frame type 3).
     fn encode(&self, prev_ts: u64, out: &mut Vec<u8>) {
-        let kind = STACK_KINDS.iter().position(|k| *k == self.what).map_or(0, |i| i as u8 + 1);
+        let kind = self.what as u8 + 1;
         let flags = u8::from(self.complete) | u8::from(self.wait.is_some()) << 1 | u8::from(self.blocked_ns.is_some()) << 2 | u8::from(self.still_blocked) << 3;
         out.extend_from_slice(&[kind, flags]);
         put_varint(out, zigzag(self.ts_ns.wrapping_sub(prev_ts) as i64));
@@ -127,10 +151,6 @@ impl StackRecord {
         put_varint(out, zigzag(i64::from(self.tid) - i64::from(self.pid)));
         put_varint(out, self.addr);
         put_varint(out, u64::from(self.state));
-        if kind == 0 {
-            put_varint(out, self.what.len() as u64);
-            out.extend_from_slice(self.what.as_bytes());
-        }
         if let Some(w) = &self.wait {
             put_varint(out, w.len() as u64);
             out.extend_from_slice(w.as_bytes());
@@ -175,14 +195,7 @@ impl StackRecord {
             still_blocked: flags & 8 != 0,
             ..Default::default()
         };
-        s.what = match kind {
-            0 => {
-                let (w, rest) = string(b)?;
-                b = rest;
-                w
-            }
-            k => STACK_KINDS.get(usize::from(k) - 1)?.to_string(),
-        };
+        s.what = *StackKind::ALL.get(usize::from(kind).checked_sub(1)?)?;
         if flags & 2 != 0 {
             let (w, rest) = string(b)?;
             s.wait = Some(w);
@@ -540,32 +553,100 @@ impl<R: BufRead> Reader<R> {
     }
 }
 
-/// A recording read whole into memory (the timeline and flamegraphs; the report streams).
+/// The most kernel events and stack samples [`read_dir`] keeps in memory for the timeline: the
+/// timeline of a longer recording shows its end (where a trace left running overnight holds the
+/// morning's slow request), and says so. The report and the flamegraphs stream the whole file
+/// ([`crate::report::build_dir`], [`crate::flame::Flames::of_dir`]).
+pub const KEEP_EVENTS: u64 = 100_000;
+pub const KEEP_STACKS: u64 = 100_000;
+
+/// A recording read into memory (the timeline, the flamegraphs, the bundle).
 #[derive(Debug, Default)]
 pub struct Recording {
     pub events: Vec<Event>,
+    /// Stack samples, in file order.
+    pub stacks: Vec<StackRecord>,
+    /// Userspace records other than stack samples.
     pub json: Vec<serde_json::Value>,
     /// Human-readable problems: torn tail, corrupt frame, undecodable records (counted).
     pub problems: Vec<String>,
     pub undecodable: u64,
+    /// Kernel events and stack samples past [`KEEP_EVENTS`] / [`KEEP_STACKS`], not held.
+    pub events_not_kept: u64,
+    pub stacks_not_kept: u64,
 }
 
 impl Recording {
-    fn collect<R: BufRead>(mut r: Reader<R>) -> Recording {
+    fn collect<R: BufRead>(r: Reader<R>) -> Recording {
+        Recording::collect_keeping(r, KEEP_EVENTS, KEEP_STACKS)
+    }
+
+    fn collect_keeping<R: BufRead>(mut r: Reader<R>, keep_events: u64, keep_stacks: u64) -> Recording {
         let mut rec = Recording::default();
+        let (mut events, mut stacks) = (std::collections::VecDeque::new(), std::collections::VecDeque::new());
         while let Some(f) = r.next_frame() {
             match f {
-                Frame::Kernel(ev) => rec.events.push(ev),
-                Frame::Stack(s) => rec.json.push(s.to_value()),
-                Frame::Json(b) => match serde_json::from_slice(&b) {
-                    Ok(v) => rec.json.push(v),
+                Frame::Kernel(ev) => {
+                    if events.len() as u64 >= keep_events {
+                        events.pop_front();
+                        rec.events_not_kept += 1;
+                    }
+                    events.push_back(ev);
+                }
+                Frame::Stack(s) => {
+                    if stacks.len() as u64 >= keep_stacks {
+                        stacks.pop_front();
+                        rec.stacks_not_kept += 1;
+                    }
+                    stacks.push_back(s);
+                }
+                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
+                    Ok(v) => rec.push_json(v),
                     Err(_) => r.undecodable += 1,
                 },
             }
         }
+        rec.events = events.into();
+        rec.stacks.extend(stacks);
         rec.undecodable = r.undecodable;
         rec.problems = r.finish();
+        if rec.events_not_kept + rec.stacks_not_kept > 0 {
+            rec.problems.push(format!(
+                "a long recording: its timeline shows the last {} kernel events and {} stack samples ({} and {} before them are in the report's counts and the flamegraphs)",
+                rec.events.len(),
+                rec.stacks.len(),
+                rec.events_not_kept,
+                rec.stacks_not_kept
+            ));
+        }
         rec
+    }
+
+    /// A v1 stack record becomes a typed one; other records are kept as they are.
+    fn push_json(&mut self, v: serde_json::Value) {
+        if v["type"] == "stack" {
+            match serde_json::from_value::<StackRecord>(v) {
+                Ok(s) if (self.stacks.len() as u64) < KEEP_STACKS => self.stacks.push(s),
+                Ok(_) => self.stacks_not_kept += 1,
+                Err(_) => self.undecodable += 1,
+            }
+        } else {
+            self.json.push(v);
+        }
+    }
+
+    /// A recording of userspace records (tests, tools): stack records become typed.
+    pub fn from_json(values: Vec<serde_json::Value>) -> Recording {
+        let mut rec = Recording::default();
+        for v in values {
+            rec.push_json(v);
+        }
+        rec
+    }
+
+    /// The `meta` record, if any.
+    pub fn meta(&self) -> Option<&serde_json::Value> {
+        self.json.iter().find(|v| v["type"] == "meta")
     }
 }
 
@@ -581,7 +662,7 @@ pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<String>, ReadError> {
             Frame::Stack(s) => w.stack(&s),
             // v1 stack records become binary ones.
             Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
-                Ok(v) if v["type"] == "stack" => match serde_json::from_value::<StackRecord>(v) {
+                Ok(v) if v.get("type").and_then(|t| t.as_str()) == Some("stack") => match serde_json::from_value::<StackRecord>(v) {
                     Ok(s) => w.stack(&s),
                     Err(_) => w.json_bytes(&b),
                 },
@@ -607,7 +688,7 @@ pub fn sizes(dir: &Path) -> Result<std::collections::BTreeMap<String, (u64, u64)
     while let Some(f) = r.next_frame() {
         let k = match f {
             Frame::Kernel(ev) => ev.kind().name().to_string(),
-            Frame::Stack(s) => format!("stack:{}", s.what),
+            Frame::Stack(s) => format!("stack:{}", s.what.name()),
             Frame::Json(b) => format!("json:{}", serde_json::from_slice::<Peek>(&b).ok().and_then(|p| p.ty).unwrap_or_default()),
         };
         let e = out.entry(k).or_default();
@@ -615,6 +696,24 @@ pub fn sizes(dir: &Path) -> Result<std::collections::BTreeMap<String, (u64, u64)
         e.1 += r.frame_bytes;
     }
     Ok(out)
+}
+
+/// The `meta` record of the recording in `dir` (its first frame), without reading the rest.
+pub fn read_meta(dir: &Path) -> Result<Option<serde_json::Value>, ReadError> {
+    let mut r = Reader::open(dir)?;
+    while let Some(f) = r.next_frame() {
+        if let Frame::Json(b) = f {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) {
+                if v["type"] == "meta" {
+                    return Ok(Some(v));
+                }
+            }
+        }
+        if r.pos > 1 << 20 {
+            break;
+        }
+    }
+    Ok(None)
 }
 
 /// Read `DIR/events.bin` whole.
@@ -631,6 +730,8 @@ pub fn parse(buf: &[u8], path: &str) -> Result<Recording, ReadError> {
 mod tests {
     use super::*;
     use probe_common::{EventHeader, EventKind, fault::FaultEvent, mmap::MmapEvent};
+
+    use super::StackKind;
 
     /// A recording of one JSON record and three faults; and the byte offset where each frame ends.
     fn sample(dir: &Path) -> (Vec<u8>, Vec<usize>) {
@@ -721,6 +822,51 @@ mod tests {
         let mut out = vec![];
         compact(&decode::encode(&anon), 5_000_000_100, &mut out).unwrap();
         assert_eq!(expand(&out, 5_000_000_100).unwrap().0, decode::encode(&anon));
+    }
+
+    #[test]
+    fn a_long_recording_keeps_its_end_in_memory_and_says_so() {
+        let dir = std::env::temp_dir().join(format!("probe-rec-keep-{}", std::process::id()));
+        let mut w = Writer::create(&dir).unwrap();
+        for i in 0..10u64 {
+            let ev = FaultEvent { hdr: EventHeader { kind: EventKind::Fault as u32, pid: 1, tid: 1, cpu: 0, ts_ns: i }, ..Default::default() };
+            w.kernel(&decode::encode(&ev)).unwrap();
+            w.stack(&StackRecord { pid: 1, tid: 1, ts_ns: i, user: vec![(0, i)], ..Default::default() }).unwrap();
+        }
+        w.flush().unwrap();
+        let bytes = std::fs::read(dir.join(FILE_NAME)).unwrap();
+        let rec = Recording::collect_keeping(Reader::new(&bytes[..], None, "x").unwrap(), 4, 3);
+        assert_eq!(rec.events.iter().map(|e| e.header().ts_ns).collect::<Vec<_>>(), [6, 7, 8, 9]);
+        assert_eq!(rec.stacks.iter().map(|s| s.ts_ns).collect::<Vec<_>>(), [7, 8, 9]);
+        assert_eq!((rec.events_not_kept, rec.stacks_not_kept), (6, 7));
+        assert!(rec.problems[0].contains("last 4 kernel events and 3 stack samples"), "{:?}", rec.problems);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn stack_samples_round_trip() {
+        let s = StackRecord {
+            what: StackKind::Offcpu,
+            pid: 10,
+            tid: 9,
+            ts_ns: 1_000_000,
+            user: vec![(0, 0x1234), (2, 0x10), (-1, 0x7fff_0000_1000)],
+            kernel: vec![0xffff_ffff_8100_0000, 0xffff_ffff_8000_0010],
+            complete: true,
+            addr: 0,
+            state: 2,
+            wait: Some("[io wait]".into()),
+            blocked_ns: Some(12345),
+            still_blocked: true,
+        };
+        let mut out = vec![];
+        s.encode(999_000, &mut out);
+        assert_eq!(StackRecord::decode(&out, 999_000), Some(s.clone()));
+        assert!(out.len() < 60, "{} bytes", out.len());
+        // Cut anywhere: never a panic, never a wrong record.
+        for cut in 0..out.len() {
+            assert_eq!(StackRecord::decode(&out[..cut], 999_000), None, "cut at {cut}");
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@ use serde_json::Value;
 use crate::{
     decode::Event,
     procfs::Mapping,
-    recording::{Recording, StackRecord},
+    recording::{Recording, StackKind, StackRecord},
     stream::RequestRecord,
 };
 
@@ -447,7 +447,7 @@ impl Builder {
     fn stack_seen(&mut self, s: &StackRecord) {
         self.end_ts = self.end_ts.max(s.ts_ns);
         self.names.feed_stack(s);
-        let e = self.depths.entry(s.what.clone()).or_default();
+        let e = self.depths.entry(s.what.name().to_string()).or_default();
         e.0 += 1;
         e.1 += u64::from(s.complete);
         *e.2.entry((s.user.len() + s.kernel.len()) as u64).or_default() += 1;
@@ -565,7 +565,7 @@ impl Builder {
             self.windows[i].stacks += 1;
             self.windows[i].stacks_cut += u64::from(!s.complete);
         }
-        if s.what == "offcpu" {
+        if s.what == StackKind::Offcpu {
             let Some(b) = s.blocked_ns else { return };
             match self.knames.wait_of_stack(s) {
                 "[io wait]" | "[page-fault wait]" => self.io_waits.push((ts, ts + b)),
@@ -910,6 +910,9 @@ pub fn build(rec: &Recording) -> Report {
     for v in &rec.json {
         b.user(v.clone());
     }
+    for s in &rec.stacks {
+        b.stack_seen(s);
+    }
     for e in &rec.events {
         if let Event::Mmap(m) = e {
             b.mapping(m);
@@ -921,10 +924,8 @@ pub fn build(rec: &Recording) -> Report {
     for e in events {
         b.kernel(e);
     }
-    for v in rec.json.iter().filter(|v| v["type"] == "stack") {
-        if let Ok(s) = serde_json::from_value::<StackRecord>(v.clone()) {
-            b.stack(&s);
-        }
+    for s in &rec.stacks {
+        b.stack(s);
     }
     b.finish(rec.problems.clone())
 }

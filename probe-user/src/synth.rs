@@ -20,7 +20,7 @@ use serde_json::json;
 
 use crate::{
     decode::encode,
-    recording::{StackRecord, Writer},
+    recording::{StackKind, StackRecord, Writer},
     stream::{RequestRecord, payload::Stop},
 };
 
@@ -130,7 +130,7 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
                 let offcpu = rng.below(4) == 0;
                 let k = rng.below(8) as usize;
                 let mut v = StackRecord {
-                    what: if offcpu { "offcpu" } else { "cpu" }.into(),
+                    what: if offcpu { StackKind::Offcpu } else { StackKind::Cpu },
                     pid: PID,
                     tid,
                     ts_ns: ts,

@@ -124,10 +124,10 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
     }
     // Off-CPU time of each target thread, named by what it waited for.
     let mut threads: BTreeMap<(u64, u64), ()> = BTreeMap::new();
-    for v in rec.json.iter().filter(|v| v["type"] == "stack" && v["what"] == "offcpu") {
-        let (Some(ts), Some(b), Some(pid), Some(tid)) = (v["ts_ns"].as_u64(), v["blocked_ns"].as_u64(), v["pid"].as_u64(), v["tid"].as_u64()) else { continue };
-        threads.insert((pid, tid), ());
-        ev.push(json!({"ph": "X", "name": kernel.wait_of(v), "pid": pid, "tid": tid, "ts": us(ts), "dur": b as f64 / 1e3}));
+    for s in rec.stacks.iter().filter(|s| s.what == crate::recording::StackKind::Offcpu) {
+        let Some(b) = s.blocked_ns else { continue };
+        threads.insert((u64::from(s.pid), u64::from(s.tid)), ());
+        ev.push(json!({"ph": "X", "name": kernel.wait_of_stack(s), "pid": s.pid, "tid": s.tid, "ts": us(s.ts_ns), "dur": b as f64 / 1e3}));
     }
     let mut devices: BTreeMap<u32, u64> = BTreeMap::new();
     for e in &rec.events {

@@ -15,7 +15,7 @@ fn data() -> PathBuf {
 
 fn recording() -> Recording {
     let json: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(data().join("stacks.json")).unwrap()).unwrap();
-    Recording { json, ..Default::default() }
+    Recording::from_json(json)
 }
 
 fn golden(name: &str, got: &[u8]) {

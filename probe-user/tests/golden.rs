@@ -87,7 +87,7 @@ fn demo_bundle() {
     let rec = recording::read_dir(&dir).unwrap();
     let r = report::build(&rec);
     let out = std::env::temp_dir().join(format!("probe-bundle-{}.tar.gz", std::process::id()));
-    let names = probe_user::bundle::write(&rec, &r, &out, false).unwrap();
+    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, false).unwrap();
     for want in ["report.md", "report.json", "report.html", "environment.txt", "timeline.json"] {
         assert!(names.iter().any(|n| n == want), "{names:?}");
     }
@@ -96,4 +96,25 @@ fn demo_bundle() {
     assert!(md.contains("| `/work/main/target/demo/cold-weights.bin` | 256 | 1.0 MiB |"), "{md}");
     assert!(probe_user::bundle::mask(&md).contains("| `<dir>/cold-weights.bin` | 256 |"));
     let _ = std::fs::remove_file(out);
+}
+
+/// A real llama-server recording (v1, with stack samples): the streamed flamegraphs fold the
+/// same stacks as the ones in memory, and the file rewritten in v2 (binary stack samples) gives
+/// the same report and flamegraphs.
+#[test]
+fn llama_recording_streams_and_rewrites_the_same() {
+    let dir = data().join("../html/llama-demo");
+    let rec = recording::read_dir(&dir).unwrap();
+    assert!(rec.stacks.len() > 100, "{} stacks", rec.stacks.len());
+    let mem = probe_user::flame::Flames::of(&rec, Default::default());
+    let streamed = probe_user::flame::Flames::of_dir(&dir, Default::default()).unwrap();
+    assert_eq!(mem.by_kind, streamed.by_kind);
+    assert!(!mem.by_kind.is_empty());
+    let v2 = std::env::temp_dir().join(format!("probe-golden-v2-llama-{}", std::process::id()));
+    assert!(recording::rewrite(&dir, &v2).unwrap().is_empty());
+    assert_eq!(report::build_dir(&v2).unwrap(), report::build(&rec));
+    assert_eq!(probe_user::flame::Flames::of_dir(&v2, Default::default()).unwrap().by_kind, mem.by_kind);
+    let (old, new) = (std::fs::metadata(dir.join("events.bin")).unwrap().len(), std::fs::metadata(v2.join("events.bin")).unwrap().len());
+    assert!(new * 2 < old, "v2 {new} bytes, v1 {old}");
+    std::fs::remove_dir_all(&v2).ok();
 }

@@ -86,7 +86,7 @@ fn self_contained(page: &str) {
 #[test]
 fn llama_server_recording_renders() {
     let dir = scratch("llama", &data("html/llama-demo"));
-    let path = html::write(&dir).unwrap();
+    let (path, _) = html::write(&dir).unwrap();
     let page = std::fs::read_to_string(&path).unwrap();
     eprintln!("report.html of the llama-server recording: {} bytes", page.len());
     // A verdict row per request, with its cause and its TTFT split.
@@ -112,7 +112,7 @@ fn llama_server_recording_renders() {
 #[test]
 fn kernel_demo_recording_renders() {
     let dir = scratch("demo", &data("report/demo"));
-    let path = html::write(&dir).unwrap();
+    let (path, _) = html::write(&dir).unwrap();
     let page = std::fs::read_to_string(&path).unwrap();
     assert!(page.contains("No HTTP requests were seen"));
     assert!(page.contains("<svg class=\"timeline\"") && page.contains("major fault"));
@@ -131,7 +131,7 @@ fn masked_bundle_page_renders() {
     let rec = probe_user::recording::read_dir(&dir).unwrap();
     let r = probe_user::report::build(&rec);
     let out = dir.join("bundle.tar.gz");
-    let names = probe_user::bundle::write(&rec, &r, &out, true).unwrap();
+    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, true).unwrap();
     assert!(names.iter().any(|n| n == "report.html"), "{names:?}");
     let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(std::fs::File::open(&out).unwrap()));
     let mut page = String::new();

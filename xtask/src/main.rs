@@ -339,7 +339,84 @@ fn bench() -> anyhow::Result<()> {
     println!("  untraced: {:.0} syscalls/s", base);
     println!("  traced:   {:.0} syscalls/s  (ratio {:.2} against untraced)", traced, traced / base.max(1.0));
     println!("  probe drained {events} events ({:.0} events/s while the loop ran {ran:.1} s), lost {lost}", events as f64 / ran.max(1e-9));
+    let (secs, rss) = timed(Command::new(bin("probe")).args(["report", "--json"]).arg(dir.join("rate-true")))?;
+    println!("  reporting it: {secs:.2} s, peak RSS {:.0} MB; on disk: {}", rss / 1e6, sizes(&dir.join("rate-true"), false)?);
+    bench_report(&dir)?;
     bench_llama(&dir)
+}
+
+/// Wall time and peak RSS (bytes) of a command run to the end, its output discarded.
+fn timed(cmd: &mut Command) -> anyhow::Result<(f64, f64)> {
+    let t = Instant::now();
+    let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is valid; wait4 fills it for our own child.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting for our own child, with valid pointers.
+    let r = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut ru) };
+    if r < 0 {
+        bail!("wait4: {}", std::io::Error::last_os_error());
+    }
+    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) > 1 {
+        bail!("{cmd:?} failed (status {status:#x})");
+    }
+    Ok((t.elapsed().as_secs_f64(), ru.ru_maxrss as f64 * 1024.0))
+}
+
+/// `probe report --sizes DIR` in one line: bytes per record of each kind (`stacks`: also the
+/// stack samples; otherwise the kernel records only, with their average).
+fn sizes(dir: &Path, stacks: bool) -> anyhow::Result<String> {
+    let out = Command::new(bin("probe")).args(["report", "--sizes"]).arg(dir).output()?;
+    let (mut parts, mut n, mut bytes) = (vec![], 0u64, 0u64);
+    for l in String::from_utf8_lossy(&out.stdout).lines().skip(1) {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (Some(k), Some(c), Some(b), Some(per)) = (f.first(), f.get(1).and_then(|v| v.parse::<u64>().ok()), f.get(2).and_then(|v| v.parse::<u64>().ok()), f.get(3)) else { continue };
+        if k.starts_with("json:") || (k.starts_with("stack:") && !stacks) {
+            continue;
+        }
+        if !k.contains(':') {
+            n += c;
+            bytes += b;
+        }
+        parts.push(format!("{k} {per} B"));
+    }
+    Ok(format!("{} ({} kernel records, {:.1} bytes each on average)", parts.join(", "), n, bytes as f64 / n.max(1) as f64))
+}
+
+/// Reporting a night-long recording: a synthetic one with a real trace's mix (10 M kernel
+/// events and stack samples, 250 requests), and `perf report` on as many samples.
+fn bench_report(dir: &Path) -> anyhow::Result<()> {
+    const EVENTS: u64 = 10_000_000;
+    let night = dir.join("night");
+    let out = Command::new(bin("probe")).args(["synth", "--events", &EVENTS.to_string(), "--out"]).arg(&night).output()?;
+    if !out.status.success() {
+        bail!("probe synth: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    println!("reporting a night-long recording ({}):", String::from_utf8_lossy(&out.stdout).trim());
+    println!("  on disk: {}", sizes(&night, true)?);
+    let (secs, rss) = timed(Command::new(bin("probe")).args(["report", "--json"]).arg(&night))?;
+    println!("  probe report: {secs:.2} s, peak RSS {:.0} MB (goals: 10 s, 400 MB)", rss / 1e6);
+    // The reference: perf's own report over as many samples (page faults, one sample each; no
+    // call chains) of a process writing 40 GB a page at a time.
+    let data = dir.join("perf.data");
+    let rec = Command::new("perf")
+        .args(["record", "-q", "-e", "page-faults", "-c", "1", "-o"])
+        .arg(&data)
+        .args(["--", "python3", "-c", &format!("for _ in range({}): b = b'\\x01' * (256 << 20)", EVENTS / 65536 + 1)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    match rec {
+        Ok(s) if s.success() => {
+            let (psecs, prss) = timed(Command::new("perf").args(["report", "--stdio", "-i"]).arg(&data))?;
+            println!("  perf report --stdio on {} page-fault samples: {psecs:.2} s, peak RSS {:.0} MB; probe/perf: {:.2}× the time, {:.2}× the memory",
+                EVENTS / 65536 * 65536 + 65536, prss / 1e6, secs / psecs.max(1e-9), rss / prss.max(1.0));
+        }
+        _ => println!("  perf record did not run here (perf missing or not permitted): no reference figure"),
+    }
+    let _ = std::fs::remove_file(&data);
+    let _ = std::fs::remove_dir_all(&night);
+    Ok(())
 }
 
 /// Generation speed of a real llama-server untraced and traced (all probes, 99 Hz CPU stacks
