@@ -9,10 +9,7 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_default();
     let bin = cache.join("bin");
     if !bin.join("bpf-linker").exists() && which_bpf_linker().is_none() {
-        anyhow::bail!(
-            "bpf-linker not found in {} or PATH: run `cargo xtask setup` (or scripts/setup.sh) first",
-            bin.display()
-        );
+        anyhow::bail!("bpf-linker not found in {} or PATH: run `cargo xtask setup` (or scripts/setup.sh) first", bin.display());
     }
     let path = env::var_os("PATH").unwrap_or_default();
     let mut paths = vec![bin];
@@ -21,10 +18,7 @@ fn main() -> anyhow::Result<()> {
     unsafe { env::set_var("PATH", env::join_paths(paths)?) };
     println!("cargo:rerun-if-env-changed=PROBE_CACHE");
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../probe-ebpf");
-    aya_build::build_ebpf(
-        [aya_build::Package { name: "probe-ebpf", root_dir: root, ..Default::default() }],
-        aya_build::Toolchain::Nightly,
-    )
+    aya_build::build_ebpf([aya_build::Package { name: "probe-ebpf", root_dir: root, ..Default::default() }], aya_build::Toolchain::Nightly)
 }
 
 fn which_bpf_linker() -> Option<PathBuf> {

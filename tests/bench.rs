@@ -70,7 +70,24 @@ fn mean_output(rows: &[&Value]) -> f64 {
 fn shorter_answers_at_concurrency_4_are_a_server_limit() {
     let _t = turn();
     let out = out_dir("concurrency");
-    let v = bench(&out, &["--url", &server().url, "--api", "llamacpp", "--sweep", "concurrency", "--levels", "1,2,4", "--requests-per-level", "1", "--max-tokens", "280", "--ignore-eos"]);
+    let v = bench(
+        &out,
+        &[
+            "--url",
+            &server().url,
+            "--api",
+            "llamacpp",
+            "--sweep",
+            "concurrency",
+            "--levels",
+            "1,2,4",
+            "--requests-per-level",
+            "1",
+            "--max-tokens",
+            "280",
+            "--ignore-eos",
+        ],
+    );
     let (one, four) = (rows(&v, "1"), rows(&v, "4"));
     assert_eq!((one.len(), rows(&v, "2").len(), four.len()), (1, 2, 4));
     for r in &one {
@@ -87,10 +104,18 @@ fn shorter_answers_at_concurrency_4_are_a_server_limit() {
         assert_eq!(r["server_limit"], "kv_pool", "{r}");
     }
     let c: Vec<&str> = v["conclusions"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect();
-    assert!(c.iter().any(|c| c.starts_with("output length falls at concurrency 4") && c.contains("server-imposed limit") && c.contains("KV pool")), "{c:?}");
+    assert!(
+        c.iter()
+            .any(|c| c.starts_with("output length falls at concurrency 4") && c.contains("server-imposed limit") && c.contains("KV pool")),
+        "{c:?}"
+    );
     // The server's counters were read around each level, and every output is there.
     let l4 = v["levels"].as_array().unwrap().iter().find(|l| l["level"] == "4").unwrap();
-    assert!(l4["counters_after"]["llamacpp:tokens_predicted_total"].as_f64().unwrap() > l4["counters_before"]["llamacpp:tokens_predicted_total"].as_f64().unwrap(), "{l4}");
+    assert!(
+        l4["counters_after"]["llamacpp:tokens_predicted_total"].as_f64().unwrap()
+            > l4["counters_before"]["llamacpp:tokens_predicted_total"].as_f64().unwrap(),
+        "{l4}"
+    );
     for f in ["results.csv", "summary.txt", "concurrency-ttft-output.svg", "concurrency-stops.svg"] {
         assert!(out.join(f).exists(), "{f} missing");
     }
@@ -110,11 +135,39 @@ fn same_seed_twice_gives_identical_output_lengths() {
     let prompts = dir_a.with_extension("prompts.txt");
     std::fs::write(&prompts, "Say hello.\nReply with one word: yes or no.\nWhat color is the sky?\nName three colors.\nWhat is two plus two?\nGive me a greeting.\n").unwrap();
     let p = prompts.to_str().unwrap();
-    let args = ["--url", &server().url, "--api", "chat", "--prompts", p, "--sweep", "concurrency", "--levels", "1", "--requests-per-level", "6", "--max-tokens", "120", "--seed", "7"];
+    let args = [
+        "--url",
+        &server().url,
+        "--api",
+        "chat",
+        "--prompts",
+        p,
+        "--sweep",
+        "concurrency",
+        "--levels",
+        "1",
+        "--requests-per-level",
+        "6",
+        "--max-tokens",
+        "120",
+        "--seed",
+        "7",
+    ];
     let a = bench(&dir_a, &args);
     let b = bench(&out_dir("seed-b"), &args);
     let counts = |v: &Value| -> Vec<(String, u64, String)> {
-        v["rows"].as_array().unwrap().iter().map(|r| (r["prompt_hash"].as_str().unwrap().to_string(), r["output_tokens"].as_u64().unwrap(), r["stop"].as_str().unwrap().to_string())).collect()
+        v["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["prompt_hash"].as_str().unwrap().to_string(),
+                    r["output_tokens"].as_u64().unwrap(),
+                    r["stop"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
     };
     let (ca, cb) = (counts(&a), counts(&b));
     assert_eq!(ca.len(), 6);
@@ -136,7 +189,23 @@ fn same_seed_twice_gives_identical_output_lengths() {
 fn prompt_buckets_report_prefill_and_an_overlong_bucket_is_rejected() {
     let _t = turn();
     let out = out_dir("prompt");
-    let v = bench(&out, &["--url", &server().url, "--api", "llamacpp", "--sweep", "prompt", "--buckets", "128,512,4096", "--prompt-levels", "1", "--bucket-max-tokens", "8"]);
+    let v = bench(
+        &out,
+        &[
+            "--url",
+            &server().url,
+            "--api",
+            "llamacpp",
+            "--sweep",
+            "prompt",
+            "--buckets",
+            "128,512,4096",
+            "--prompt-levels",
+            "1",
+            "--bucket-max-tokens",
+            "8",
+        ],
+    );
     assert_eq!(v["server"]["slot_ctx"], 1024);
     let mut ttft = Vec::new();
     for b in [128u64, 512] {
@@ -226,18 +295,34 @@ fn idle_restart_with_a_dropped_cache_is_disk_bound_and_without_it_is_not() {
     let srv = ScriptServer::new(&dir, &model);
     let url = format!("http://{}", srv.addr);
     let restart = format!("sh {}", srv.script.display());
-    let cold = bench(&dir.join("with-layer"), &["--url", &url, "--api", "llamacpp", "--sweep", "idle", "--idle", "3s,3s", "--restart-cmd", &restart, "--drop-cache", "--trace"]);
-    let warm = bench(&dir.join("without-layer"), &["--url", &url, "--api", "llamacpp", "--sweep", "idle", "--idle", "3s,3s", "--trace", "--model-file", model.to_str().unwrap()]);
+    let cold = bench(
+        &dir.join("with-layer"),
+        &["--url", &url, "--api", "llamacpp", "--sweep", "idle", "--idle", "3s,3s", "--restart-cmd", &restart, "--drop-cache", "--trace"],
+    );
+    let warm = bench(
+        &dir.join("without-layer"),
+        &["--url", &url, "--api", "llamacpp", "--sweep", "idle", "--idle", "3s,3s", "--trace", "--model-file", model.to_str().unwrap()],
+    );
     let split = |r: &Value| -> (f64, f64, f64) {
         let s = &r["verdict"]["ttft_ms"];
-        let total: f64 = ["queue", "disk", "memory", "power", "load", "compute", "unexplained"].iter().map(|k| s[k].as_f64().unwrap()).sum();
+        let total: f64 =
+            ["queue", "disk", "memory", "power", "load", "compute", "unexplained"].iter().map(|k| s[k].as_f64().unwrap()).sum();
         (s["disk"].as_f64().unwrap(), s["load"].as_f64().unwrap(), total)
     };
     // Bytes of the model the trace saw read from disk (its report.json, the row's trace).
     let size = std::fs::metadata(&model).unwrap().len();
     let model_read = |run: &str, r: &Value| -> u64 {
-        let report: Value = serde_json::from_slice(&std::fs::read(dir.join(run).join(r["verdict"]["trace"].as_str().unwrap()).join("report.json")).unwrap()).unwrap();
-        report["files"].as_array().unwrap().iter().filter(|f| f["path"] == model.to_str().unwrap()).map(|f| f["read_bytes"].as_u64().unwrap()).sum()
+        let report: Value = serde_json::from_slice(
+            &std::fs::read(dir.join(run).join(r["verdict"]["trace"].as_str().unwrap()).join("report.json")).unwrap(),
+        )
+        .unwrap();
+        report["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| f["path"] == model.to_str().unwrap())
+            .map(|f| f["read_bytes"].as_u64().unwrap())
+            .sum()
     };
     let cold_rows = cold["rows"].as_array().unwrap();
     assert_eq!(cold_rows.len(), 2);

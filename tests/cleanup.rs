@@ -81,5 +81,6 @@ fn no_program_outlives_probe() {
     assert!(err.contains("needs root"), "{err}");
     assert_eq!(ours(), 0);
     let _ = sleeper.kill();
+    let _ = sleeper.wait();
     let _ = std::fs::remove_dir_all(out);
 }

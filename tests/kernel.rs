@@ -37,12 +37,8 @@ struct Workload {
 
 impl Workload {
     fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(workload_bin())
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn workload");
+        let mut child =
+            Command::new(workload_bin()).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn workload");
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -125,7 +121,10 @@ fn cold_mapped_file_is_named_with_exact_major_faults() {
     assert!(n(&r["blockio"]["requests"]) >= 1);
     assert_eq!(n(&r["faults"]["major"]), PAGES);
     let mmaps = r["mmaps"].as_array().unwrap();
-    assert!(mmaps.iter().any(|m| m["op"] == "mmap" && m["path"] == file.to_str().unwrap() && n(&m["len"]) == PAGES * 16 * 4096), "{mmaps:?}");
+    assert!(
+        mmaps.iter().any(|m| m["op"] == "mmap" && m["path"] == file.to_str().unwrap() && n(&m["len"]) == PAGES * 16 * 4096),
+        "{mmaps:?}"
+    );
     assert!(mmaps.iter().any(|m| m["op"] == "madvise"), "{mmaps:?}");
     assert!(r["lost_events"].as_object().unwrap().values().all(|v| n(v) == 0));
 }
@@ -158,7 +157,13 @@ fn peer_reset_is_seen_as_received_reset() {
         // SAFETY: valid socket fd and a linger struct of the right size.
         unsafe {
             use std::os::fd::AsRawFd;
-            libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, (&lin as *const libc::linger).cast(), size_of::<libc::linger>() as u32);
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&lin as *const libc::linger).cast(),
+                size_of::<libc::linger>() as u32,
+            );
         }
         drop(s);
     });

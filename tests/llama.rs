@@ -59,7 +59,7 @@ impl Trace {
 }
 
 /// The request this test made: the one whose peer is our socket's local address.
-fn find<'a>(report: &'a Value, client: SocketAddr) -> Vec<&'a Value> {
+fn find(report: &Value, client: SocketAddr) -> Vec<&Value> {
     let reqs = report["requests"].as_array().unwrap();
     let mine: Vec<&Value> = reqs.iter().filter(|r| r["peer"] == client.to_string()).collect();
     assert!(!mine.is_empty(), "no request from {client} among {}", serde_json::to_string_pretty(reqs).unwrap());
@@ -68,7 +68,10 @@ fn find<'a>(report: &'a Value, client: SocketAddr) -> Vec<&'a Value> {
 
 fn send_request(mut s: &TcpStream, method: &str, path: &str, body: Option<&Value>) {
     let body = body.map(|b| b.to_string()).unwrap_or_default();
-    let req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
     s.write_all(req.as_bytes()).unwrap();
 }
 
@@ -127,10 +130,10 @@ fn read_chunks(r: &mut BufReader<&TcpStream>, resp: &mut Response, limit_events:
         while let Some(i) = pending.windows(2).position(|w| w == b"\n\n") {
             let ev: Vec<u8> = pending.drain(..i + 2).collect();
             let text = String::from_utf8_lossy(&ev);
-            if let Some(d) = text.trim().strip_prefix("data: ") {
-                if let Ok(v) = serde_json::from_str::<Value>(d) {
-                    resp.events.push((now, v));
-                }
+            if let Some(d) = text.trim().strip_prefix("data: ")
+                && let Ok(v) = serde_json::from_str::<Value>(d)
+            {
+                resp.events.push((now, v));
             }
         }
         if limit_events.is_some_and(|n| resp.events.iter().filter(|(_, v)| has_content(v)).count() >= n) {
@@ -140,7 +143,8 @@ fn read_chunks(r: &mut BufReader<&TcpStream>, resp: &mut Response, limit_events:
 }
 
 fn has_content(v: &Value) -> bool {
-    v["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty()) || (v["content"].as_str().is_some_and(|s| !s.is_empty()) && v.get("choices").is_none())
+    v["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty())
+        || (v["content"].as_str().is_some_and(|s| !s.is_empty()) && v.get("choices").is_none())
 }
 
 fn request_once(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
@@ -228,7 +232,12 @@ fn native_completion_with_n_predict_stops_at_limit() {
     let t = Trace::start("native", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
-    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "The capital of France is", "n_predict": 6, "stream": true, "temperature": 0})));
+    send_request(
+        &s,
+        "POST",
+        "/completion",
+        Some(&json!({"prompt": "The capital of France is", "n_predict": 6, "stream": true, "temperature": 0})),
+    );
     let resp = read_response(&mut BufReader::new(&s), None);
     let fin = resp.events.iter().find(|(_, v)| v["stop"] == true).expect("final event").1.clone();
     let r = t.stop();
@@ -263,7 +272,12 @@ fn concurrent_streams_and_keep_alive_requests_are_kept_apart() {
     let mut reader = BufReader::new(&s);
     let mut usage = Vec::new();
     for n in [3u64, 7] {
-        send_request(&s, "POST", "/v1/chat/completions", Some(&json!({"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": n, "temperature": 0})));
+        send_request(
+            &s,
+            "POST",
+            "/v1/chat/completions",
+            Some(&json!({"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": n, "temperature": 0})),
+        );
         let resp = read_response(&mut reader, None);
         assert_eq!(resp.status, 200);
         let v: Value = serde_json::from_slice(&resp.body).unwrap();
@@ -454,7 +468,10 @@ fn cold_model_reload_is_named_in_the_report() {
     assert_eq!(top["path"], model.to_str().unwrap(), "the model is not the largest file read: {files:?}");
     assert!(top["read_bytes"].as_u64().unwrap() >= size / 2, "read {} of {size} bytes", top["read_bytes"]);
     assert!(r["blockio"]["read_bytes"].as_u64().unwrap() >= size / 2);
-    assert!(r["mmaps"].as_array().unwrap().iter().any(|m| m["op"] == "mmap" && m["path"] == model.to_str().unwrap()), "model mmap not named");
+    assert!(
+        r["mmaps"].as_array().unwrap().iter().any(|m| m["op"] == "mmap" && m["path"] == model.to_str().unwrap()),
+        "model mmap not named"
+    );
     let reqs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == "/completion").collect();
     assert_eq!(reqs.len(), 2, "{reqs:?}");
     // The cold one: its TTFT is model load and disk, and the verdict names the model file.
@@ -481,7 +498,12 @@ fn generation_flamegraph_names_ggml_functions() {
     let t = Trace::start("flame", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
-    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Write a long story about a dragon who learns to cook.", "n_predict": 200, "stream": true})));
+    send_request(
+        &s,
+        "POST",
+        "/completion",
+        Some(&json!({"prompt": "Write a long story about a dragon who learns to cook.", "n_predict": 200, "stream": true})),
+    );
     let resp = read_response(&mut BufReader::new(&s), None);
     assert_eq!(resp.status, 200);
     drop(s);
@@ -499,14 +521,23 @@ fn generation_flamegraph_names_ggml_functions() {
     assert!(has("ggml_graph_compute"), "no ggml_graph_compute in {text}");
     assert!(has("llama_context::decode"), "no llama_context::decode in {text}");
     // Depth of the decoding thread's samples (the thread that calls llama_context::decode).
-    let mut depths: Vec<usize> = stacks.iter().filter(|(s, _)| s.iter().any(|f| f.contains("llama_context::decode"))).flat_map(|(s, n)| std::iter::repeat_n(s.len(), *n as usize)).collect();
+    let mut depths: Vec<usize> = stacks
+        .iter()
+        .filter(|(s, _)| s.iter().any(|f| f.contains("llama_context::decode")))
+        .flat_map(|(s, n)| std::iter::repeat_n(s.len(), *n as usize))
+        .collect();
     depths.sort_unstable();
     assert!(depths[depths.len() / 2] >= 8, "median depth {} of the decoding thread", depths[depths.len() / 2]);
     assert!(r["unwind"]["samples"].as_u64().unwrap() > 0);
     // One request's window.
     let id = find(&r, client)[0]["id"].as_u64().unwrap();
     let svg = out.join("request.svg");
-    let st = Command::new(probe_bin()).args(["flamegraph", "--kind", "cpu", "--request", &id.to_string(), "-o"]).arg(&svg).arg(&out).output().unwrap();
+    let st = Command::new(probe_bin())
+        .args(["flamegraph", "--kind", "cpu", "--request", &id.to_string(), "-o"])
+        .arg(&svg)
+        .arg(&out)
+        .output()
+        .unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
     let folded = std::fs::read_to_string(svg.with_extension("folded")).unwrap();
     assert!(folded.contains("ggml"), "{folded}");
@@ -528,7 +559,12 @@ fn slot_context_limit_is_a_server_limit() {
     let t = Trace::start("slotlimit", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
-    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Write a very long story.", "n_predict": 4000, "stream": true, "ignore_eos": true})));
+    send_request(
+        &s,
+        "POST",
+        "/completion",
+        Some(&json!({"prompt": "Write a very long story.", "n_predict": 4000, "stream": true, "ignore_eos": true})),
+    );
     let resp = read_response(&mut BufReader::new(&s), None);
     assert_eq!(resp.status, 200);
     drop(s);
@@ -544,13 +580,25 @@ fn waiting_for_the_only_slot_is_queueing() {
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1"]);
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-queue-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let mut p = Command::new(probe_bin()).args(["trace", "--pid", &srv.id().to_string(), "--out"]).arg(&out).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let mut p = Command::new(probe_bin())
+        .args(["trace", "--pid", &srv.id().to_string(), "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     while !out.join("events.bin").exists() {
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(Duration::from_millis(200));
     let handles: Vec<_> = (0..4)
-        .map(|_| std::thread::spawn(move || request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Tell a story.", "n_predict": 64, "ignore_eos": true}))).unwrap().0))
+        .map(|_| {
+            std::thread::spawn(move || {
+                request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Tell a story.", "n_predict": 64, "ignore_eos": true})))
+                    .unwrap()
+                    .0
+            })
+        })
         .collect();
     for h in handles {
         assert_eq!(h.join().unwrap(), 200);
@@ -592,7 +640,7 @@ fn stop_trace(mut p: Child, out: &std::path::Path) -> Value {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
     assert!(p.wait().unwrap().success());
-    common::read_report(&out)
+    common::read_report(out)
 }
 
 /// A GPU whose SM clock is low (P8) when a request arrives and ramps about 100 ms later: the verdict
@@ -631,13 +679,24 @@ fn low_gpu_clock_at_arrival_is_power() {
     let v = &q["verdict"];
     let power = v["ttft_ms"]["power"].as_f64().unwrap();
     assert!(power >= 50.0 && power <= q["ttft_ms"].as_f64().unwrap(), "{q}");
-    assert!(v["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("GPU 0 SM clock at 11%") && e.as_str().unwrap().contains("P8")), "{v}");
+    assert!(
+        v["evidence"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e.as_str().unwrap().contains("GPU 0 SM clock at 11%") && e.as_str().unwrap().contains("P8")),
+        "{v}"
+    );
     let w = &find(&r, warm)[0]["verdict"];
     assert_eq!(w["ttft_ms"]["power"], 0.0, "{w}");
     // The server's own view came from its endpoints; probe's polls (of any probe instance
     // tracing this shared server) are not among its requests.
     let srv = &r["system"]["server"][0];
-    assert_eq!((srv["kind"].as_str(), srv["n_ctx_slot"].as_u64(), srv["total_slots"].as_u64()), (Some("llama.cpp"), Some(1024), Some(2)), "{srv}");
+    assert_eq!(
+        (srv["kind"].as_str(), srv["n_ctx_slot"].as_u64(), srv["total_slots"].as_u64()),
+        (Some("llama.cpp"), Some(1024), Some(2)),
+        "{srv}"
+    );
     assert!(r["probe_polls"].as_u64().unwrap() >= 2, "{}", r["probe_polls"]);
     let reqs = r["requests"].as_array().unwrap();
     assert!(reqs.iter().all(|q| q["path"] != "/props" && q["path"] != "/metrics"), "{reqs:?}");
@@ -653,7 +712,12 @@ fn gateway_timeout_is_a_deadline() {
     let gw_addr = gw.addr;
     let (p, out) = trace_pid(srv.id(), "gateway", &[]);
     let s = TcpStream::connect(gw_addr).unwrap();
-    send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Tell a long story.", "n_predict": 2000, "stream": true, "ignore_eos": true})));
+    send_request(
+        &s,
+        "POST",
+        "/completion",
+        Some(&json!({"prompt": "Tell a long story.", "n_predict": 2000, "stream": true, "ignore_eos": true})),
+    );
     let mut rd = BufReader::new(&s);
     let resp = read_response(&mut rd, Some(5));
     assert_eq!(resp.status, 200);
@@ -672,7 +736,14 @@ fn gateway_timeout_is_a_deadline() {
     assert_eq!(reqs.len(), 1, "{reqs:?}");
     let v = &reqs[0]["verdict"];
     assert_eq!(v["stop_cause"], "deadline", "{}", reqs[0]);
-    let why = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("without a chunk")).unwrap_or_else(|| panic!("{v}")).to_string();
+    let why = v["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .find(|e| e.contains("without a chunk"))
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_string();
     let secs: f64 = why.split("after ").nth(1).and_then(|x| x.split(' ').next()).and_then(|x| x.parse().ok()).unwrap();
     assert!((1.5..3.5).contains(&secs), "idle {secs} s: {why}");
 }
@@ -732,7 +803,8 @@ fn memory_cgroup_squeeze_is_disk_and_memory() {
     let m = &r["system"]["memory"];
     assert!(m["memcg_reclaim"]["count"].as_u64().unwrap() > 0, "{m}");
     assert_eq!(m["cgroup_limit"], 80u64 << 20, "{m}");
-    let f = r["files"].as_array().unwrap().iter().find(|f| f["path"] == model.to_str().unwrap()).unwrap_or_else(|| panic!("{}", r["files"]));
+    let f =
+        r["files"].as_array().unwrap().iter().find(|f| f["path"] == model.to_str().unwrap()).unwrap_or_else(|| panic!("{}", r["files"]));
     assert!(f["major_faults"].as_u64().unwrap() >= 5, "{f}");
 }
 

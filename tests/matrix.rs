@@ -120,7 +120,13 @@ fn finish_clients(children: Vec<Child>) -> BTreeMap<u64, Value> {
 
 /// The report's requests on `path`, by max_tokens.
 fn by_max_tokens(r: &Value, path: &str) -> BTreeMap<u64, Value> {
-    r["requests"].as_array().unwrap().iter().filter(|q| q["path"] == path).filter_map(|q| Some((q["max_tokens"].as_u64()?, q.clone()))).collect()
+    r["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|q| q["path"] == path)
+        .filter_map(|q| Some((q["max_tokens"].as_u64()?, q.clone())))
+        .collect()
 }
 
 /// Compare every client's request with `want` (a cause, or a function of what the client saw);
@@ -132,12 +138,26 @@ fn check(cell: &Cell, r: &Value, seen: &BTreeMap<u64, Value>, want: impl Fn(&Val
     let mut rows = Vec::new();
     let mut wrong = Vec::new();
     for (max, saw) in seen {
-        let q = reqs.get(max).unwrap_or_else(|| panic!("{}: no request with max_tokens {max} in the report (client saw {saw}); requests: {:?}", cell.cause, reqs.keys().collect::<Vec<_>>()));
+        let q = reqs.get(max).unwrap_or_else(|| {
+            panic!(
+                "{}: no request with max_tokens {max} in the report (client saw {saw}); requests: {:?}",
+                cell.cause,
+                reqs.keys().collect::<Vec<_>>()
+            )
+        });
         let v = &q["verdict"];
         let expected = want(saw);
         let row = format!(
             "{:<18} {:<10} max {:>4}: verdict {:<17} (content_complete {}, transport_complete {}, closed_by {}, reset {}) client saw {}",
-            cell.cause, saw["client"].as_str().unwrap_or("?"), max, v["stop_cause"].as_str().unwrap_or("?"), q["content_complete"], q["transport_complete"], q["closed_by"], q["reset"], saw
+            cell.cause,
+            saw["client"].as_str().unwrap_or("?"),
+            max,
+            v["stop_cause"].as_str().unwrap_or("?"),
+            q["content_complete"],
+            q["transport_complete"],
+            q["closed_by"],
+            q["reset"],
+            saw
         );
         if v["stop_cause"] != expected {
             wrong.push(format!("{row}\n    want {expected}; evidence {}", v["evidence"]));
@@ -295,7 +315,9 @@ fn one_server_eos_limit_stop_word_leaver_and_gateway_deadline() {
 #[test]
 fn server_limits_per_slot_and_shared_kv_pool() {
     let _serial = serial();
-    for (name, args) in [("slot", vec!["-c", "768", "-np", "6", "-t", "2"]), ("kvpool", vec!["-c", "768", "-np", "6", "-t", "2", "--kv-unified"])] {
+    for (name, args) in
+        [("slot", vec!["-c", "768", "-np", "6", "-t", "2"]), ("kvpool", vec!["-c", "768", "-np", "6", "-t", "2", "--kv-unified"])]
+    {
         let srv = server(&args, None);
         let mut t = Trace::start(srv.child.id(), name);
         let cell = Cell { cause: "server_limit", api: "chat", prompt: "long", base: 1000, stop: None, ignore_eos: true, leave_after: 0 };
@@ -330,7 +352,10 @@ fn oom_kill_mid_stream() {
     wait_ready(&ready);
     // A process in the same cgroup allocates until the cgroup is out of memory.
     let mut hog = Command::new("sh")
-        .args(["-c", &format!("echo $$ > {}/cgroup.procs && exec python3 -c 'a = []\nwhile True: a.append(bytearray(1 << 20))'", cg.display())])
+        .args([
+            "-c",
+            &format!("echo $$ > {}/cgroup.procs && exec python3 -c 'a = []\nwhile True: a.append(bytearray(1 << 20))'", cg.display()),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -361,7 +386,17 @@ impl Vllm {
         let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm-cache");
         let mut cmd = Command::new(env_path("VLLM_PYTHON"));
         cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"]).arg(env_path("VLLM_MODEL"));
-        cmd.args(["--served-model-name", "model", "--host", "127.0.0.1", "--port", &port.to_string(), "--dtype", "bfloat16", "--enforce-eager"]);
+        cmd.args([
+            "--served-model-name",
+            "model",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+        ]);
         cmd.args(args);
         cmd.envs([("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1")]).env("VLLM_CACHE_ROOT", &cache);
         let log = std::fs::File::create(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm.log")).unwrap();
@@ -447,13 +482,23 @@ fn vllm_second_server_same_clients() {
         check(cell, &r, saw, |_| cell.cause);
     }
     for s in seen_limit.values() {
-        assert!(s["finish_reason"] == "length" && s["content_events"].as_u64().unwrap() + 1 < s["max_tokens"].as_u64().unwrap(), "vLLM context limit: {s}");
+        assert!(
+            s["finish_reason"] == "length" && s["content_events"].as_u64().unwrap() + 1 < s["max_tokens"].as_u64().unwrap(),
+            "vLLM context limit: {s}"
+        );
     }
     check(&limit, &r, &seen_limit, |_| "server_limit");
     assert!(preempted >= 1.0, "vLLM did not preempt with 8 KV blocks for six streams");
     // The preemptions reached the report through the endpoint poller, and the verdicts of the
     // streams served meanwhile say so.
     let reqs = by_max_tokens(&r, "/v1/chat/completions");
-    let told = seen_limit.keys().filter(|m| reqs[m]["verdict"]["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("preempted"))).count();
-    assert!(told >= 1, "no verdict mentions the {preempted} preemptions: {:?}", seen_limit.keys().map(|m| &reqs[m]["verdict"]).collect::<Vec<_>>());
+    let told = seen_limit
+        .keys()
+        .filter(|m| reqs[m]["verdict"]["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("preempted")))
+        .count();
+    assert!(
+        told >= 1,
+        "no verdict mentions the {preempted} preemptions: {:?}",
+        seen_limit.keys().map(|m| &reqs[m]["verdict"]).collect::<Vec<_>>()
+    );
 }

@@ -77,7 +77,10 @@ fn blocked_read_shows_io_wait_with_its_time() {
     let f = folded(&rec, "offcpu");
     let io: u64 = f.iter().filter(|(s, _)| s.contains("[io wait]") && s.contains(";read_cold;")).map(|(_, n)| n).sum();
     let io_ns = io as f64 * 1e3;
-    assert!((io_ns - blocked_ns).abs() <= blocked_ns * 0.10, "probe: {io_ns:.0} ns blocked in IO under read_cold, workload measured {blocked_ns:.0} ns: {f:?}");
+    assert!(
+        (io_ns - blocked_ns).abs() <= blocked_ns * 0.10,
+        "probe: {io_ns:.0} ns blocked in IO under read_cold, workload measured {blocked_ns:.0} ns: {f:?}"
+    );
     assert!(f.keys().any(|s| s.contains("read_cold") && s.contains("io_schedule")), "no io_schedule kernel frame: {f:?}");
     let io = folded(&rec, "io");
     assert!(io.keys().all(|s| s.contains(";read_cold;")), "block IO issued outside read_cold: {io:?}");

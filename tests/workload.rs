@@ -34,7 +34,13 @@ fn die(msg: String) -> ! {
 
 /// Make FILE at least `bytes` long, on disk, and not in the page cache.
 fn make_cold(path: &str, bytes: usize) -> File {
-    let mut f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).unwrap_or_else(|e| die(format!("open {path}: {e}")));
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap_or_else(|e| die(format!("open {path}: {e}")));
     let len = f.metadata().map(|m| m.len() as usize).unwrap_or(0);
     if len < bytes {
         let chunk = vec![0xa5u8; 1 << 20];
@@ -145,7 +151,8 @@ fn mmap_loop(secs: f64) {
 }
 
 fn hog(cgroup: &str) {
-    std::fs::write(format!("{cgroup}/cgroup.procs"), std::process::id().to_string()).unwrap_or_else(|e| die(format!("cannot join {cgroup}: {e}")));
+    std::fs::write(format!("{cgroup}/cgroup.procs"), std::process::id().to_string())
+        .unwrap_or_else(|e| die(format!("cannot join {cgroup}: {e}")));
     wait_for_go();
     let mut kept: Vec<Vec<u8>> = Vec::new();
     loop {

@@ -4,8 +4,8 @@
 
 pub mod blockio;
 pub mod fault;
-pub mod kernel;
 pub mod filemap;
+pub mod kernel;
 pub mod mem;
 pub mod mmap;
 pub mod proc;
@@ -58,9 +58,8 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 10] = [
-        Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data, Self::Stack, Self::Sched, Self::Mem,
-    ];
+    pub const ALL: [EventKind; 10] =
+        [Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data, Self::Stack, Self::Sched, Self::Mem];
 
     pub const fn name(self) -> &'static str {
         match self {

@@ -101,8 +101,20 @@ pub struct MmapArgs {
 impl Default for MmapEvent {
     fn default() -> Self {
         Self {
-            hdr: Default::default(), op: 0, fd: -1, addr: 0, len: 0, arg2: 0, arg3: 0, arg4: 0, ret: 0,
-            enter_ns: 0, ino: 0, dev: 0, _pad: 0, name: [0; crate::kernel::NAME_LEN],
+            hdr: Default::default(),
+            op: 0,
+            fd: -1,
+            addr: 0,
+            len: 0,
+            arg2: 0,
+            arg3: 0,
+            arg4: 0,
+            ret: 0,
+            enter_ns: 0,
+            ino: 0,
+            dev: 0,
+            _pad: 0,
+            name: [0; crate::kernel::NAME_LEN],
         }
     }
 }

@@ -38,7 +38,18 @@ impl Record for StackEvent {
 
 impl Default for StackEvent {
     fn default() -> Self {
-        Self { hdr: Default::default(), what: 0, kstack_bytes: 0, ustack_bytes: 0, state: 0, ip: 0, sp: 0, bp: 0, addr: 0, kstack: [0; KSTACK_DEPTH] }
+        Self {
+            hdr: Default::default(),
+            what: 0,
+            kstack_bytes: 0,
+            ustack_bytes: 0,
+            state: 0,
+            ip: 0,
+            sp: 0,
+            bp: 0,
+            addr: 0,
+            kstack: [0; KSTACK_DEPTH],
+        }
     }
 }
 

@@ -49,7 +49,10 @@ pub const DATA_TAIL: u8 = 0x80;
 /// Tail bytes the kernel sends after a head record of this call: the last
 /// min(len - DATA_CAP, DATA_CAP) bytes, for single-buffer calls whose head was full.
 pub const fn tail_len(syscall: u8, len: u32, captured: u32) -> u32 {
-    let single = syscall == Syscall::Read as u8 || syscall == Syscall::Write as u8 || syscall == Syscall::Recvfrom as u8 || syscall == Syscall::Sendto as u8;
+    let single = syscall == Syscall::Read as u8
+        || syscall == Syscall::Write as u8
+        || syscall == Syscall::Recvfrom as u8
+        || syscall == Syscall::Sendto as u8;
     if !single || captured as usize != DATA_CAP || len as usize <= DATA_CAP {
         return 0;
     }

@@ -3,10 +3,10 @@
 //! Completions run in interrupt or another task's context, so requests are remembered by
 //! (device, sector) at issue and matched at completion; the record carries the issuer's pid.
 use aya_ebpf::{
+    EbpfContext,
     macros::{map, raw_tracepoint, tracepoint},
     maps::HashMap,
     programs::{RawTracePointContext, TracePointContext},
-    EbpfContext,
 };
 use probe_common::{
     blockio::{BlockIoEvent, BlockKey, BlockStart},
@@ -122,7 +122,10 @@ pub fn block_rq_complete_raw(ctx: RawTracePointContext) -> i32 {
     }
     let (Some(sector), Some(q)) = (crate::task::read::<u64>(rq, k.rq_sector), crate::task::read::<u64>(rq, k.rq_q)) else { return 0 };
     let Some(disk) = crate::task::read::<u64>(q, k.q_disk).filter(|&d| d != 0) else { return 0 };
-    let (Some(major), Some(minor)) = (crate::task::read::<i32>(disk, k.disk_major), crate::task::read::<i32>(disk, k.disk_first_minor)) else { return 0 };
+    let (Some(major), Some(minor)) = (crate::task::read::<i32>(disk, k.disk_major), crate::task::read::<i32>(disk, k.disk_first_minor))
+    else {
+        return 0;
+    };
     let key = BlockKey { dev: ((major as u32) << 20) | (minor as u32 & 0xfffff), _pad: 0, sector };
     // blk_status_t: 0 ok; the classic tracepoint gives an errno, so any failure reads as -EIO.
     let _ = complete(key, if error as u8 == 0 { 0 } else { -5 });

@@ -1,14 +1,14 @@
 //! Page faults of the target: every major fault as a record (address + user IP), every user
 //! fault counted in the kernel (minor faults are too frequent to send one by one).
 use aya_ebpf::{
+    EbpfContext,
     bindings::bpf_perf_event_data,
     macros::{perf_event, tracepoint},
     programs::{PerfEventContext, TracePointContext},
-    EbpfContext,
 };
 use probe_common::{
-    fault::{FaultEvent, FAULT_MAJOR},
     Counter,
+    fault::{FAULT_MAJOR, FaultEvent},
 };
 
 use crate::{count, current_target, emit, header};
@@ -28,13 +28,7 @@ fn try_fault_major(ctx: &PerfEventContext) -> Result<(), i64> {
     // context reads of `addr` and `regs` are allowed by the verifier for this program type.
     let (addr, ip) = unsafe { ((*data).addr, (*data).regs.rip) };
     let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
-    let ev = FaultEvent {
-        hdr: header::<FaultEvent>((pid_tgid >> 32) as u32, pid_tgid as u32),
-        addr,
-        ip,
-        flags: FAULT_MAJOR,
-        _pad: 0,
-    };
+    let ev = FaultEvent { hdr: header::<FaultEvent>((pid_tgid >> 32) as u32, pid_tgid as u32), addr, ip, flags: FAULT_MAJOR, _pad: 0 };
     emit(&ev);
     crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0, true);
     Ok(())

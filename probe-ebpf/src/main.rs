@@ -5,8 +5,8 @@
 
 mod blockio;
 mod fault;
-mod mem;
 mod filemap;
+mod mem;
 mod mmap;
 mod proc;
 mod sock;
@@ -45,11 +45,7 @@ fn current_target() -> Option<(u32, u32)> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: the value is a u8 copied out immediately; no reference outlives the lookup.
-    if unsafe { TARGETS.get(&tgid) }.is_some() {
-        Some((tgid, pid_tgid as u32))
-    } else {
-        None
-    }
+    if unsafe { TARGETS.get(&tgid) }.is_some() { Some((tgid, pid_tgid as u32)) } else { None }
 }
 
 #[inline(always)]
@@ -100,11 +96,7 @@ fn emit<T: Record + 'static>(ev: &T) {
 #[inline(always)]
 fn ringbuf_flags(size: u64) -> u64 {
     let before = EVENTS.query(BPF_RB_AVAIL_DATA);
-    if before < WAKEUP_BACKLOG_BYTES && before + size + 8 >= WAKEUP_BACKLOG_BYTES {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    }
+    if before < WAKEUP_BACKLOG_BYTES && before + size + 8 >= WAKEUP_BACKLOG_BYTES { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP }
 }
 
 /// Read a tracepoint field; a failed read is counted and turned into `Err`.

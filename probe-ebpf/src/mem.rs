@@ -1,13 +1,17 @@
 //! Memory pressure in the target: direct reclaim (global, or against its memory cgroup's limit)
 //! and compaction, timed from begin to end in the thread that did it (that time is spent on the
 //! CPU, so off-CPU stacks do not see it), and OOM kills of a target process.
-use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{map, tracepoint},
+    maps::HashMap,
+    programs::TracePointContext,
+};
 use probe_common::{
-    mem::{MemEvent, MEM_COMPACTION, MEM_DIRECT_RECLAIM, MEM_MEMCG_RECLAIM, MEM_OOM_VICTIM},
+    mem::{MEM_COMPACTION, MEM_DIRECT_RECLAIM, MEM_MEMCG_RECLAIM, MEM_OOM_VICTIM, MemEvent},
     tracepoints::{mark_victim as ov, mm_compaction_end as ce, mm_vmscan_direct_reclaim_end as dre, mm_vmscan_memcg_reclaim_end as mre},
 };
 
-use crate::{current_target, emit, field, header, insert, now_ns, TARGETS};
+use crate::{TARGETS, current_target, emit, field, header, insert, now_ns};
 
 /// Begin time of a reclaim or compaction in progress, by (tid << 8 | what).
 #[map(name = "MEM_SINCE")]

@@ -1,7 +1,11 @@
 //! Memory-map syscalls of the target (mmap, munmap, mremap, madvise, mlock, munlock, mlock2,
 //! mprotect): arguments saved at `sys_enter_*`, one record at `sys_exit_*` with the result.
 //! The file behind a mapping is resolved in userspace from /proc/PID/maps right after.
-use aya_ebpf::{macros::{map, tracepoint}, maps::HashMap, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{map, tracepoint},
+    maps::HashMap,
+    programs::TracePointContext,
+};
 use probe_common::{
     kernel::NAME_LEN,
     mmap::{MmapArgs, MmapEvent, MmapOp},
@@ -26,8 +30,18 @@ fn enter(ctx: &TracePointContext, op: MmapOp, nargs: usize) -> Result<(), i64> {
         i += 1;
     }
     let mut args = MmapArgs {
-        op: op as u32, fd: -1, addr: a[0], len: a[1], arg2: a[2], arg3: a[3], arg4: a[4],
-        enter_ns: now_ns(), ino: 0, dev: 0, _pad: 0, name: [0; NAME_LEN],
+        op: op as u32,
+        fd: -1,
+        addr: a[0],
+        len: a[1],
+        arg2: a[2],
+        arg3: a[3],
+        arg4: a[4],
+        enter_ns: now_ns(),
+        ino: 0,
+        dev: 0,
+        _pad: 0,
+        name: [0; NAME_LEN],
     };
     // mmap(addr, len, prot, flags, fd, off): name the file while the fd surely exists.
     if let MmapOp::Mmap = op {

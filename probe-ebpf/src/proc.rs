@@ -2,22 +2,16 @@
 //! execs and whole-process exits are reported so userspace can follow and stop.
 use aya_ebpf::{helpers::bpf_get_current_comm, macros::tracepoint, programs::TracePointContext};
 use probe_common::{
-    proc::{ProcEvent, PROC_EXEC, PROC_EXIT, PROC_FORK},
-    tracepoints::{sched_process_exit as ex, task_newtask as nt, CLONE_THREAD},
+    proc::{PROC_EXEC, PROC_EXIT, PROC_FORK, ProcEvent},
+    tracepoints::{CLONE_THREAD, sched_process_exit as ex, task_newtask as nt},
 };
 
-use crate::{current_target, emit, field, header, insert, TARGETS};
+use crate::{TARGETS, current_target, emit, field, header, insert};
 
 #[inline(always)]
 fn send(pid: u32, tid: u32, op: u32, child: u32, group_dead: u32) {
-    let ev = ProcEvent {
-        hdr: header::<ProcEvent>(pid, tid),
-        op,
-        child,
-        group_dead,
-        _pad: 0,
-        comm: bpf_get_current_comm().unwrap_or([0; 16]),
-    };
+    let ev =
+        ProcEvent { hdr: header::<ProcEvent>(pid, tid), op, child, group_dead, _pad: 0, comm: bpf_get_current_comm().unwrap_or([0; 16]) };
     emit(&ev);
 }
 

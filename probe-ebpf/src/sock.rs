@@ -13,11 +13,16 @@ use aya_ebpf::{
 };
 use probe_common::{
     sock::*,
-    tracepoints::{inet_sock_set_state as st, sock_recv_length as rl, sock_send_length as sl,
-        tcp_receive_reset as rr, tcp_send_reset as sr, SYSCALL_ARG0},
+    tracepoints::{
+        SYSCALL_ARG0, inet_sock_set_state as st, sock_recv_length as rl, sock_send_length as sl, tcp_receive_reset as rr,
+        tcp_send_reset as sr,
+    },
 };
 
-use crate::{current_target, emit, field, header, insert, task::{offsets, read, sock_of_fd}};
+use crate::{
+    current_target, emit, field, header, insert,
+    task::{offsets, read, sock_of_fd},
+};
 
 #[map(name = "OWNED_SOCKS")]
 static OWNED_SOCKS: HashMap<u64, u8> = HashMap::with_max_entries(65536, 0);

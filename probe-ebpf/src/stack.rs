@@ -2,20 +2,20 @@
 //! stacks behind major faults and block IO. Each record carries the kernel stack and a raw
 //! slice of the user stack with the user registers; userspace unwinds it from `.eh_frame`.
 use aya_ebpf::{
-    helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
+    EbpfContext,
     bindings::pt_regs,
+    helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
     macros::{map, perf_event, tracepoint},
     maps::{Array, HashMap},
     programs::{PerfEventContext, TracePointContext},
-    EbpfContext,
 };
 use probe_common::{
-    stack::{SchedEvent, StackEvent, KSTACK_DEPTH, STACK_CPU, STACK_OFFCPU, USTACK_CAP, USTACK_MASK},
-    tracepoints::sched_switch as sw,
     Record,
+    stack::{KSTACK_DEPTH, STACK_CPU, STACK_OFFCPU, SchedEvent, StackEvent, USTACK_CAP, USTACK_MASK},
+    tracepoints::sched_switch as sw,
 };
 
-use crate::{add, current_target, emit, field, header, insert, now_ns, ringbuf_flags, EVENTS, LOST};
+use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert, now_ns, ringbuf_flags};
 
 const HDR: usize = core::mem::size_of::<StackEvent>();
 

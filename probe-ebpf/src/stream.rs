@@ -10,7 +10,7 @@ use aya_ebpf::{
 use probe_common::{
     Record,
     sock::AF_INET6,
-    stream::{tail_len, DATA_CAP, DATA_MASK, DATA_TAIL, DIR_RECV, DIR_SEND, DataArgs, DataEvent, MSG_PEEK, Syscall},
+    stream::{DATA_CAP, DATA_MASK, DATA_TAIL, DIR_RECV, DIR_SEND, DataArgs, DataEvent, MSG_PEEK, Syscall, tail_len},
     tracepoints::{SYSCALL_ARG0, SYSCALL_RET},
 };
 
@@ -80,7 +80,9 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
     let Some(buf) = DATA_SCRATCH.get_ptr_mut(0) else { return Ok(()) };
     let ev = buf.cast::<DataEvent>();
     let dir = match a.syscall {
-        s if s == Syscall::Write as u8 || s == Syscall::Sendto as u8 || s == Syscall::Writev as u8 || s == Syscall::Sendmsg as u8 => DIR_SEND,
+        s if s == Syscall::Write as u8 || s == Syscall::Sendto as u8 || s == Syscall::Writev as u8 || s == Syscall::Sendmsg as u8 => {
+            DIR_SEND
+        }
         _ => DIR_RECV,
     };
     let k = offsets();

@@ -54,12 +54,12 @@ impl Btf {
             let vlen = (info & 0xffff) as usize;
             let kind = (info >> 24) & 0x1f;
             let extra = match kind {
-                1 | 14 | 17 => 4,             // INT, VAR, DECL_TAG
-                3 => 12,                      // ARRAY
-                4 | 5 | 15 => 12 * vlen,      // STRUCT, UNION, DATASEC
-                6 | 13 => 8 * vlen,           // ENUM, FUNC_PROTO
-                19 => 12 * vlen,              // ENUM64
-                2 | 7..=12 | 16 | 18 => 0,    // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG
+                1 | 14 | 17 => 4,          // INT, VAR, DECL_TAG
+                3 => 12,                   // ARRAY
+                4 | 5 | 15 => 12 * vlen,   // STRUCT, UNION, DATASEC
+                6 | 13 => 8 * vlen,        // ENUM, FUNC_PROTO
+                19 => 12 * vlen,           // ENUM64
+                2 | 7..=12 | 16 | 18 => 0, // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG
                 _ => return Err(BtfError::Corrupt(pos)),
             };
             types.push(pos);
@@ -92,7 +92,11 @@ impl Btf {
     fn strip(&self, mut id: u32) -> u32 {
         for _ in 0..16 {
             match self.ty(id) {
-                Some((_, info, t, _)) if matches!((info >> 24) & 0x1f, KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG) => id = t,
+                Some((_, info, t, _))
+                    if matches!((info >> 24) & 0x1f, KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG) =>
+                {
+                    id = t
+                }
                 _ => break,
             }
         }
@@ -101,7 +105,8 @@ impl Btf {
 
     fn struct_id(&self, name: &str) -> Option<u32> {
         (1..=self.types.len() as u32).find(|&id| {
-            self.ty(id).is_some_and(|(n, info, _, _)| (info >> 24) & 0x1f == KIND_STRUCT && (info & 0xffff) > 0 && self.name(n) == name.as_bytes())
+            self.ty(id)
+                .is_some_and(|(n, info, _, _)| (info >> 24) & 0x1f == KIND_STRUCT && (info & 0xffff) > 0 && self.name(n) == name.as_bytes())
         })
     }
 
@@ -122,9 +127,10 @@ impl Btf {
                 return Some((bits / 8, mtype));
             }
             if name.is_empty()
-                && let Some((inner, t)) = self.member_in(self.strip(mtype), member) {
-                    return Some((bits / 8 + inner, t));
-                }
+                && let Some((inner, t)) = self.member_in(self.strip(mtype), member)
+            {
+                return Some((bits / 8 + inner, t));
+            }
         }
         None
     }
@@ -193,7 +199,13 @@ mod tests {
     /// A BTF blob: int; struct inner { int a; int b; }; struct outer { int x; union { inner in; }; }
     fn blob() -> Vec<u8> {
         let strings = b"\0int\0a\0b\0inner\0outer\0x\0in\0";
-        let s = |name: &str| strings.windows(name.len() + 2).position(|w| w[0] == 0 && &w[1..=name.len()] == name.as_bytes() && w[name.len() + 1] == 0).unwrap() as u32 + 1;
+        let s = |name: &str| {
+            strings
+                .windows(name.len() + 2)
+                .position(|w| w[0] == 0 && &w[1..=name.len()] == name.as_bytes() && w[name.len() + 1] == 0)
+                .unwrap() as u32
+                + 1
+        };
         let mut t: Vec<u32> = Vec::new();
         t.extend([s("int"), 1 << 24, 4, 32]); // 1: int
         t.extend([s("inner"), (4 << 24) | 2, 8, s("a"), 1, 0, s("b"), 1, 32]); // 2: struct inner

@@ -12,9 +12,16 @@ use crate::{flame, html, recording::Recording, report::Report, timeline};
 pub fn markdown(r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "## probe report: `{}` (pid {})\n", r.target.comm, r.target.pid);
-    let _ = writeln!(o, "Traced {:.1} s, {} events{}.\n", r.duration_s, r.events, r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default());
+    let _ = writeln!(
+        o,
+        "Traced {:.1} s, {} events{}.\n",
+        r.duration_s,
+        r.events,
+        r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default()
+    );
     if !r.requests.is_empty() {
-        let _ = writeln!(o, "### Verdicts\n\n| # | request | status | TTFT ms | slow | stopped | evidence |\n|---|---|---|---|---|---|---|");
+        let _ =
+            writeln!(o, "### Verdicts\n\n| # | request | status | TTFT ms | slow | stopped | evidence |\n|---|---|---|---|---|---|---|");
         for q in &r.requests {
             let v = q.verdict.as_ref();
             let _ = writeln!(
@@ -36,16 +43,27 @@ pub fn markdown(r: &Report) -> String {
     let _ = writeln!(o, "### System\n\n```\n{}\n```\n", system.trim_start_matches("\nSystem:\n").trim_end());
     let _ = writeln!(o, "### Files read\n\n| path | major faults | read | io time ms |\n|---|---|---|---|");
     for f in r.files.iter().take(20) {
-        let _ = writeln!(o, "| `{}` | {} | {:.1} MiB | {:.1} |", f.path, f.major_faults, f.read_bytes as f64 / (1 << 20) as f64, f.io_time_ms);
+        let _ =
+            writeln!(o, "| `{}` | {} | {:.1} MiB | {:.1} |", f.path, f.major_faults, f.read_bytes as f64 / (1 << 20) as f64, f.io_time_ms);
     }
-    let _ = writeln!(o, "\nBlock IO: {} requests, {:.1} MiB read. Major faults: {}. Lost events: {}.", r.blockio.requests, r.blockio.read_bytes as f64 / (1 << 20) as f64, r.faults.major, r.lost_events.values().sum::<u64>());
+    let _ = writeln!(
+        o,
+        "\nBlock IO: {} requests, {:.1} MiB read. Major faults: {}. Lost events: {}.",
+        r.blockio.requests,
+        r.blockio.read_bytes as f64 / (1 << 20) as f64,
+        r.faults.major,
+        r.lost_events.values().sum::<u64>()
+    );
     if !r.stacks.is_empty() {
         let _ = writeln!(o, "Stacks unwound to the end: {:.0}% of {}.", r.unwind.success_rate * 100.0, r.unwind.samples);
     }
     for p in &r.problems {
         let _ = writeln!(o, "\n> note: {p}");
     }
-    let _ = writeln!(o, "\nFlamegraphs (`flame-*.svg`), a timeline (`timeline.json`, open in ui.perfetto.dev) and `report.html` (all of it on one page, opens offline) are in this bundle.");
+    let _ = writeln!(
+        o,
+        "\nFlamegraphs (`flame-*.svg`), a timeline (`timeline.json`, open in ui.perfetto.dev) and `report.html` (all of it on one page, opens offline) are in this bundle."
+    );
     o
 }
 
@@ -53,17 +71,37 @@ pub fn markdown(r: &Report) -> String {
 fn environment(rec: &Recording) -> String {
     let meta = rec.json.iter().find(|v| v["type"] == "meta").cloned().unwrap_or_default();
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let cpu = read("/proc/cpuinfo").lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).to_string()).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_default();
     let mem = read("/proc/meminfo").lines().next().unwrap_or_default().to_string();
     let samplers = rec.json.iter().find(|v| v["type"] == "samplers").cloned().unwrap_or_default();
     let mut gpu: Vec<String> = samplers["gpus"]
         .as_array()
         .into_iter()
         .flatten()
-        .map(|g| format!("GPU {}: {} ({}), driver {}, max SM {} MHz, power limit {} W", g["index"], g["name"].as_str().unwrap_or("?"), g["uuid"].as_str().unwrap_or("?"), g["driver"].as_str().unwrap_or("?"), g["max_sm_mhz"], g["power_limit_w"]))
+        .map(|g| {
+            format!(
+                "GPU {}: {} ({}), driver {}, max SM {} MHz, power limit {} W",
+                g["index"],
+                g["name"].as_str().unwrap_or("?"),
+                g["uuid"].as_str().unwrap_or("?"),
+                g["driver"].as_str().unwrap_or("?"),
+                g["max_sm_mhz"],
+                g["power_limit_w"]
+            )
+        })
         .collect();
     if gpu.is_empty() {
-        gpu.push(samplers["gpu_absent"].as_str().map(String::from).unwrap_or_else(|| if Path::new("/proc/driver/nvidia/version").exists() { read("/proc/driver/nvidia/version") } else { "no NVIDIA GPU driver".into() }));
+        gpu.push(samplers["gpu_absent"].as_str().map(String::from).unwrap_or_else(|| {
+            if Path::new("/proc/driver/nvidia/version").exists() {
+                read("/proc/driver/nvidia/version")
+            } else {
+                "no NVIDIA GPU driver".into()
+            }
+        }));
     }
     let gpu = gpu.join("\n    ");
     // The server's own account of itself (llama.cpp /props, first poll that answered).
@@ -72,7 +110,17 @@ fn environment(rec: &Recording) -> String {
         .iter()
         .filter(|v| v["type"] == "endpoint" && v["kind"] != "none")
         .take(1)
-        .map(|v| format!("{} at {}: build {}, model {}, {} slots x {} tokens", v["kind"].as_str().unwrap_or("?"), v["addr"].as_str().unwrap_or("?"), v["props"]["build_info"], v["props"]["model_path"], v["props"]["total_slots"], v["props"]["n_ctx_slot"]))
+        .map(|v| {
+            format!(
+                "{} at {}: build {}, model {}, {} slots x {} tokens",
+                v["kind"].as_str().unwrap_or("?"),
+                v["addr"].as_str().unwrap_or("?"),
+                v["props"]["build_info"],
+                v["props"]["model_path"],
+                v["props"]["total_slots"],
+                v["props"]["n_ctx_slot"]
+            )
+        })
         .collect();
     format!(
         "probe {}\nkernel {}\ncpu {cpu} x {}\n{mem}\ngpu {}\ntarget {} (pid {}), binary {}\nserver: {}\ncommand line: {}\nprobes: {}\n",
@@ -99,7 +147,10 @@ pub fn mask(text: &str) -> String {
         };
         let masked = if word.starts_with('/') && word.matches('/').count() > 1 {
             format!("<dir>/{}", word.rsplit('/').next().unwrap_or(""))
-        } else if let Some((_, port)) = word.rsplit_once(':').filter(|(h, p)| p.chars().all(|c| c.is_ascii_digit()) && (h.parse::<std::net::Ipv4Addr>().is_ok() || h.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok())) {
+        } else if let Some((_, port)) = word.rsplit_once(':').filter(|(h, p)| {
+            p.chars().all(|c| c.is_ascii_digit())
+                && (h.parse::<std::net::Ipv4Addr>().is_ok() || h.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok())
+        }) {
             format!("<ip>:{port}")
         } else if word.parse::<std::net::IpAddr>().is_ok() {
             "<ip>".into()
@@ -181,7 +232,10 @@ mod tests {
 
     #[test]
     fn masks_dirs_and_addresses() {
-        assert_eq!(mask("read /home/alice/models/m.gguf from 192.168.1.7:8080 and [::1]:80"), "read <dir>/m.gguf from <ip>:8080 and [<ip>]:80");
+        assert_eq!(
+            mask("read /home/alice/models/m.gguf from 192.168.1.7:8080 and [::1]:80"),
+            "read <dir>/m.gguf from <ip>:8080 and [<ip>]:80"
+        );
         assert_eq!(mask("`/usr/bin/llama-server` 10.0.0.1"), "`<dir>/llama-server` <ip>");
         assert_eq!(mask("TTFT 241 ms; 93.8 MiB"), "TTFT 241 ms; 93.8 MiB");
     }

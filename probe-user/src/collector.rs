@@ -9,9 +9,16 @@ use std::{
 
 use anyhow::Context as _;
 use aya::maps::{MapData, PerCpuArray, RingBuf};
-use probe_common::{Counter, EventKind, maps, mmap::MmapOp, proc::{PROC_EXIT, PROC_FORK}};
+use probe_common::{
+    Counter, EventKind, maps,
+    mmap::MmapOp,
+    proc::{PROC_EXIT, PROC_FORK},
+};
 use serde_json::json;
-use tokio::{io::unix::AsyncFd, signal::unix::{SignalKind, signal}};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+};
 
 use crate::{
     decode::{self, Event},
@@ -48,7 +55,12 @@ pub struct TraceOutcome {
 }
 
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
-    let attached = probes::attach(&probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes, sample_hz: opts.sample_hz })?;
+    let attached = probes::attach(&probes::Options {
+        pid: opts.pid,
+        only: opts.only.clone(),
+        ring_bytes: opts.ring_bytes,
+        sample_hz: opts.sample_hz,
+    })?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(run(opts, attached))
 }
@@ -117,10 +129,9 @@ impl State {
                     self.root_exited = true;
                 }
             }
-            Event::Filemap(f)
-                if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) => {
-                    self.dirty_files.insert(f.hdr.pid);
-                }
+            Event::Filemap(f) if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) => {
+                self.dirty_files.insert(f.hdr.pid);
+            }
             _ => {}
         }
         Ok(())
@@ -215,10 +226,7 @@ impl State {
     }
 
     fn snapshot_files(&mut self, pid: u32) -> std::io::Result<()> {
-        let files: Vec<_> = procfs::open_files(pid)
-            .into_iter()
-            .filter(|f| self.known_files.insert((f.major, f.minor, f.inode)))
-            .collect();
+        let files: Vec<_> = procfs::open_files(pid).into_iter().filter(|f| self.known_files.insert((f.major, f.minor, f.inode))).collect();
         if !files.is_empty() {
             self.writer.json(&json!({"type": "files", "pid": pid, "ts_ns": monotonic_ns(), "files": files}))?;
         }
@@ -302,7 +310,12 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
             log::info!("{}: optional programs not attached: {}", s.name, s.skipped.join("; "));
         }
     }
-    let sampler = crate::sampler::Sampler::start(crate::sampler::Options { pid: opts.pid, targets: st.targets.clone(), hz: opts.host_hz, poll: opts.poll });
+    let sampler = crate::sampler::Sampler::start(crate::sampler::Options {
+        pid: opts.pid,
+        targets: st.targets.clone(),
+        hz: opts.host_hz,
+        poll: opts.poll,
+    });
     eprintln!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
 
     let tty = std::io::stderr().is_terminal();
@@ -379,8 +392,16 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     let parsed = st.per_kind[EventKind::Data as usize];
     let kept = if st.capture_text { "kept with --capture-text" } else { "parsed in memory, not stored" };
     let skipped_total: u64 = skipped.values().sum();
-    let skipped_note = if skipped_total > 0 { format!(", {skipped_total} program runs skipped by the kernel (another BPF program was running on that CPU)") } else { String::new() };
-    eprintln!("probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}", st.events, lost.iter().sum::<u64>());
+    let skipped_note = if skipped_total > 0 {
+        format!(", {skipped_total} program runs skipped by the kernel (another BPF program was running on that CPU)")
+    } else {
+        String::new()
+    };
+    eprintln!(
+        "probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}",
+        st.events,
+        lost.iter().sum::<u64>()
+    );
 
     // One analysis (streamed from the file: memory does not grow with the trace's length) and
     // one symbolization for every output.

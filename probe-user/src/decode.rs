@@ -1,7 +1,15 @@
 //! Kernel records → typed events. Pure: bytes in, [`Event`] out; never trusts the kind blindly.
 use probe_common::{
-    EventHeader, EventKind, blockio::BlockIoEvent, fault::FaultEvent, filemap::FilemapEvent,
-    mem::MemEvent, mmap::MmapEvent, proc::ProcEvent, sock::SockEvent, stack::{SchedEvent, StackEvent}, stream::DataEvent,
+    EventHeader, EventKind,
+    blockio::BlockIoEvent,
+    fault::FaultEvent,
+    filemap::FilemapEvent,
+    mem::MemEvent,
+    mmap::MmapEvent,
+    proc::ProcEvent,
+    sock::SockEvent,
+    stack::{SchedEvent, StackEvent},
+    stream::DataEvent,
 };
 
 // Stack records are big (a 512-byte kernel stack inline) and never stored in a recording (the
@@ -156,7 +164,14 @@ mod tests {
     fn round_trips_every_kind() {
         let f = FaultEvent { hdr: hdr::<FaultEvent>(), addr: 0x7f00_0000_1000, ip: 0x4010, flags: 1, _pad: 0 };
         assert_eq!(decode(&encode(&f)), Ok(Event::Fault(f)));
-        let b = BlockIoEvent { hdr: hdr::<BlockIoEvent>(), dev: 254 << 20, bytes: 4096, sector: 9, rwbs: *b"RA\0\0\0\0\0\0", ..Default::default() };
+        let b = BlockIoEvent {
+            hdr: hdr::<BlockIoEvent>(),
+            dev: 254 << 20,
+            bytes: 4096,
+            sector: 9,
+            rwbs: *b"RA\0\0\0\0\0\0",
+            ..Default::default()
+        };
         assert_eq!(decode(&encode(&b)), Ok(Event::BlockIo(b)));
         let m = MmapEvent { hdr: hdr::<MmapEvent>(), op: 1, fd: 3, ret: 0x1000, ..Default::default() };
         assert_eq!(decode(&encode(&m)).unwrap().kind(), EventKind::Mmap);

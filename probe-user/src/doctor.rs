@@ -23,7 +23,10 @@ pub fn run() -> i32 {
         }
     }
     let btf = Path::new("/sys/kernel/btf/vmlinux").exists();
-    println!("BTF           {}", if btf { "present (/sys/kernel/btf/vmlinux)" } else { "absent: tp_btf programs and later stack features need it" });
+    println!(
+        "BTF           {}",
+        if btf { "present (/sys/kernel/btf/vmlinux)" } else { "absent: tp_btf programs and later stack features need it" }
+    );
     let kprobes = Path::new("/sys/kernel/tracing/kprobe_events").exists();
     println!("kprobes       {}", if kprobes { "present (probe does not need them)" } else { "absent (probe does not need them)" });
     let opts = probes::Options { pid: std::process::id(), only: None, ring_bytes: 1 << 20, sample_hz: 99 };
@@ -56,7 +59,13 @@ fn samplers() {
     match gpu::open() {
         Ok(mut g) => {
             for d in g.devices() {
-                println!("GPU {}         {} (driver {}), max SM {} MHz", d.index, d.name, d.driver, d.max_sm_mhz.map_or("?".into(), |m| m.to_string()));
+                println!(
+                    "GPU {}         {} (driver {}), max SM {} MHz",
+                    d.index,
+                    d.name,
+                    d.driver,
+                    d.max_sm_mhz.map_or("?".into(), |m| m.to_string())
+                );
             }
         }
         Err(why) => println!("GPU           {why}"),
@@ -70,7 +79,10 @@ fn samplers() {
         None => println!("cpuidle       absent"),
     }
     let psi = Path::new("/proc/pressure/memory").exists();
-    println!("PSI           {}", if psi { "present (memory and io stall time)" } else { "absent: boot with psi=1 for memory-pressure stall time" });
+    println!(
+        "PSI           {}",
+        if psi { "present (memory and io stall time)" } else { "absent: boot with psi=1 for memory-pressure stall time" }
+    );
     let me = std::process::id();
     match host::memory_cgroup(me) {
         Some(d) => println!("memory cgroup {} (probe's own; the target's is read at trace time)", d.display()),

@@ -4,7 +4,10 @@
 //! rendered to SVG with inferno.
 use std::collections::{BTreeMap, HashMap};
 
-use blazesym::symbolize::{Input, Symbolized, Symbolizer, source::{Elf, Source}};
+use blazesym::symbolize::{
+    Input, Symbolized, Symbolizer,
+    source::{Elf, Source},
+};
 
 use crate::recording::{Frame, ReadError, Reader, Recording, StackKind, StackRecord};
 
@@ -87,10 +90,10 @@ struct Wanted {
 
 impl Wanted {
     fn json(&mut self, v: &serde_json::Value) {
-        if v["type"] == "module" {
-            if let (Some(id), Some(p)) = (v["id"].as_i64(), v["path"].as_str()) {
-                self.modules.insert(id, p.to_string());
-            }
+        if v["type"] == "module"
+            && let (Some(id), Some(p)) = (v["id"].as_i64(), v["path"].as_str())
+        {
+            self.modules.insert(id, p.to_string());
         }
         self.names.feed(v);
     }
@@ -118,17 +121,15 @@ impl Symbols {
         while let Some(f) = r.next_frame() {
             match f {
                 Frame::Stack(s) => w.stack(&s),
-                Frame::Json(b) => {
-                    match serde_json::from_slice::<serde_json::Value>(&b) {
-                        Ok(v) if v["type"] == "stack" => {
-                            if let Ok(s) = serde_json::from_value::<StackRecord>(v) {
-                                w.stack(&s);
-                            }
+                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
+                    Ok(v) if v["type"] == "stack" => {
+                        if let Ok(s) = serde_json::from_value::<StackRecord>(v) {
+                            w.stack(&s);
                         }
-                        Ok(v) => w.json(&v),
-                        Err(_) => {}
                     }
-                }
+                    Ok(v) => w.json(&v),
+                    Err(_) => {}
+                },
                 Frame::Kernel(_) => {}
             }
         }
@@ -153,7 +154,10 @@ impl Symbols {
     }
 
     fn user(&self, id: i64, off: u64) -> String {
-        self.user.get(&(id, off)).cloned().unwrap_or_else(|| if id < 0 { format!("[unknown] {off:#x}") } else { format!("[module {id}]+{off:#x}") })
+        self.user
+            .get(&(id, off))
+            .cloned()
+            .unwrap_or_else(|| if id < 0 { format!("[unknown] {off:#x}") } else { format!("[module {id}]+{off:#x}") })
     }
 }
 

@@ -11,7 +11,12 @@ use std::{
 use anyhow::Context as _;
 use serde_json::Value;
 
-use crate::{flame, recording::Recording, report::{Report, bytes}, verdict::Split};
+use crate::{
+    flame,
+    recording::Recording,
+    report::{Report, bytes},
+    verdict::Split,
+};
 
 pub mod timeline;
 
@@ -111,7 +116,11 @@ fn ttft_bar(split: &Split, ttft: f64, longest: f64) -> String {
     let mut x = 0.0;
     for (((name, c), w), v) in CAUSES.iter().zip(widths).zip(segs) {
         if v > 0.0 {
-            let _ = write!(o, "<rect x=\"{x:.2}\" y=\"1\" width=\"{w:.2}\" height=\"12\" fill=\"{c}\"><title>{name} {} ms</title></rect>", ms(v));
+            let _ = write!(
+                o,
+                "<rect x=\"{x:.2}\" y=\"1\" width=\"{w:.2}\" height=\"12\" fill=\"{c}\"><title>{name} {} ms</title></rect>",
+                ms(v)
+            );
         }
         x += w;
     }
@@ -136,7 +145,10 @@ fn verdicts(o: &mut String, r: &Report) {
     let legend: Vec<String> = CAUSES.iter().map(|(n, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{n}")).collect();
     let _ = writeln!(o, "<p class=\"legend\">Time to first token by cause: {}</p>", legend.join(" "));
     let longest = r.requests.iter().filter_map(|q| q.ttft_ms).fold(0.0, f64::max);
-    let _ = writeln!(o, "<table class=\"verdicts\"><thead><tr><th>#</th><th>request</th><th>status</th><th>TTFT ms</th><th>TTFT split</th><th>slow cause</th><th>stop cause</th><th>evidence</th><th>data quality</th></tr></thead><tbody>");
+    let _ = writeln!(
+        o,
+        "<table class=\"verdicts\"><thead><tr><th>#</th><th>request</th><th>status</th><th>TTFT ms</th><th>TTFT split</th><th>slow cause</th><th>stop cause</th><th>evidence</th><th>data quality</th></tr></thead><tbody>"
+    );
     for q in &r.requests {
         let v = q.verdict.as_ref();
         let bar = match (v.and_then(|v| v.ttft_ms.as_ref()), q.ttft_ms) {
@@ -189,8 +201,17 @@ fn header(o: &mut String, r: &Report) {
         .filter(|p| p["live"] == false)
         .map(|p| format!("{}: {}", escape(p["name"].as_str().unwrap_or("?")), escape(&p["skipped"].to_string())))
         .collect();
-    let live: Vec<String> = r.probes.as_array().into_iter().flatten().filter(|p| p["live"] == true).filter_map(|p| p["name"].as_str().map(escape)).collect();
-    row(o, "probes", format!("{}{}", if live.is_empty() { "–".into() } else { live.join(", ") }, if skipped.is_empty() { String::new() } else { format!("; <b class=\"bad\">skipped</b>: {}", skipped.join("; ")) }));
+    let live: Vec<String> =
+        r.probes.as_array().into_iter().flatten().filter(|p| p["live"] == true).filter_map(|p| p["name"].as_str().map(escape)).collect();
+    row(
+        o,
+        "probes",
+        format!(
+            "{}{}",
+            if live.is_empty() { "–".into() } else { live.join(", ") },
+            if skipped.is_empty() { String::new() } else { format!("; <b class=\"bad\">skipped</b>: {}", skipped.join("; ")) }
+        ),
+    );
     if !r.problems.is_empty() {
         row(o, "problems", list(&r.problems));
     }
@@ -203,10 +224,19 @@ fn flames(o: &mut String, flames: &[(String, String)]) {
         let _ = writeln!(o, "<p class=\"muted\">No stacks in this recording (the cpu and offcpu probes record them).</p>");
         return;
     }
-    let _ = writeln!(o, "<p class=\"muted\">Shown as images; the interactive SVGs (zoom, search) are the flame-*.svg files beside this page.</p>");
+    let _ = writeln!(
+        o,
+        "<p class=\"muted\">Shown as images; the interactive SVGs (zoom, search) are the flame-*.svg files beside this page.</p>"
+    );
     for (kind, svg) in flames {
         if svg.len() > MAX_FLAME_BYTES {
-            let _ = writeln!(o, "<p>{}: {} of SVG, too large to embed: open flame-{}.svg beside this page.</p>", escape(kind), bytes(svg.len() as u64), escape(kind));
+            let _ = writeln!(
+                o,
+                "<p>{}: {} of SVG, too large to embed: open flame-{}.svg beside this page.</p>",
+                escape(kind),
+                bytes(svg.len() as u64),
+                escape(kind)
+            );
             continue;
         }
         // An <img> never runs the SVG's own script: no errors, no network, nothing to escape.
@@ -225,9 +255,20 @@ fn tables(o: &mut String, r: &Report) {
     if r.files.is_empty() {
         let _ = writeln!(o, "<p class=\"muted\">Nothing was read from storage through the page cache.</p>");
     } else {
-        let _ = writeln!(o, "<table><thead><tr><th>path</th><th>major faults</th><th>read</th><th>block reads</th><th>io time ms</th></tr></thead><tbody>");
+        let _ = writeln!(
+            o,
+            "<table><thead><tr><th>path</th><th>major faults</th><th>read</th><th>block reads</th><th>io time ms</th></tr></thead><tbody>"
+        );
         for f in r.files.iter().take(100) {
-            let _ = writeln!(o, "<tr><td><code>{}</code></td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{:.1}</td></tr>", escape(&f.path), f.major_faults, bytes(f.read_bytes), f.block_reads, f.io_time_ms);
+            let _ = writeln!(
+                o,
+                "<tr><td><code>{}</code></td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{:.1}</td></tr>",
+                escape(&f.path),
+                f.major_faults,
+                bytes(f.read_bytes),
+                f.block_reads,
+                f.io_time_ms
+            );
         }
         let _ = writeln!(o, "</tbody></table>");
         if r.files.len() > 100 {
@@ -235,9 +276,18 @@ fn tables(o: &mut String, r: &Report) {
         }
     }
     let b = &r.blockio;
-    let _ = writeln!(o, "<h2 id=\"blockio\">Block IO</h2><p>{} requests, {} read, {} written</p>", b.requests, bytes(b.read_bytes), bytes(b.write_bytes));
+    let _ = writeln!(
+        o,
+        "<h2 id=\"blockio\">Block IO</h2><p>{} requests, {} read, {} written</p>",
+        b.requests,
+        bytes(b.read_bytes),
+        bytes(b.write_bytes)
+    );
     if !b.devices.is_empty() {
-        let _ = writeln!(o, "<table><thead><tr><th>device</th><th>requests</th><th>read</th><th>written</th><th>latency p50 / p90 / p99 / max µs</th><th>queue p50 / p99 µs</th></tr></thead><tbody>");
+        let _ = writeln!(
+            o,
+            "<table><thead><tr><th>device</th><th>requests</th><th>read</th><th>written</th><th>latency p50 / p90 / p99 / max µs</th><th>queue p50 / p99 µs</th></tr></thead><tbody>"
+        );
         for d in &b.devices {
             let (l, q) = (&d.latency_us, &d.queue_us);
             let _ = writeln!(
@@ -258,20 +308,35 @@ fn tables(o: &mut String, r: &Report) {
         let _ = writeln!(o, "</tbody></table>");
     }
     let minor = r.faults.minor.map(|m| m.to_string()).unwrap_or_else(|| "not counted".into());
-    let _ = writeln!(o, "<h2 id=\"faults\">Page faults</h2><p>{} major ({} outside file mappings), {minor} minor</p>", r.faults.major, r.faults.major_unresolved);
+    let _ = writeln!(
+        o,
+        "<h2 id=\"faults\">Page faults</h2><p>{} major ({} outside file mappings), {minor} minor</p>",
+        r.faults.major, r.faults.major_unresolved
+    );
     let counts: Vec<String> = r.mmap_counts.iter().map(|(k, v)| format!("{v} {}", escape(k))).collect();
     let _ = writeln!(o, "<h2 id=\"mmaps\">Memory maps</h2><p>{}</p>", if counts.is_empty() { "none".into() } else { counts.join(", ") });
     let named: Vec<_> = r.mmaps.iter().filter(|m| m.path.is_some()).take(50).collect();
     if !named.is_empty() {
         let _ = writeln!(o, "<table><thead><tr><th>at s</th><th>pid</th><th>call</th><th>length</th><th>file</th></tr></thead><tbody>");
         for m in named {
-            let _ = writeln!(o, "<tr><td class=\"n\">{:.3}</td><td class=\"n\">{}</td><td>{}</td><td class=\"n\">{}</td><td><code>{}</code></td></tr>", m.t_ms / 1e3, m.pid, escape(&m.op), bytes(m.len), escape(m.path.as_deref().unwrap_or("")));
+            let _ = writeln!(
+                o,
+                "<tr><td class=\"n\">{:.3}</td><td class=\"n\">{}</td><td>{}</td><td class=\"n\">{}</td><td><code>{}</code></td></tr>",
+                m.t_ms / 1e3,
+                m.pid,
+                escape(&m.op),
+                bytes(m.len),
+                escape(m.path.as_deref().unwrap_or(""))
+            );
         }
         let _ = writeln!(o, "</tbody></table>");
     }
     let _ = writeln!(o, "<h2 id=\"connections\">TCP connections: {}</h2>", r.connections.len());
     if !r.connections.is_empty() {
-        let _ = writeln!(o, "<table><thead><tr><th>local</th><th>peer</th><th>opened ms</th><th>closed ms</th><th>closed by</th><th>reset</th><th>states</th></tr></thead><tbody>");
+        let _ = writeln!(
+            o,
+            "<table><thead><tr><th>local</th><th>peer</th><th>opened ms</th><th>closed ms</th><th>closed by</th><th>reset</th><th>states</th></tr></thead><tbody>"
+        );
         for c in r.connections.iter().take(200) {
             let _ = writeln!(
                 o,
@@ -289,9 +354,16 @@ fn tables(o: &mut String, r: &Report) {
     }
     if !r.requests.is_empty() {
         let _ = writeln!(o, "<h2 id=\"requests\">Requests: {}</h2>", r.requests.len());
-        let _ = writeln!(o, "<table><thead><tr><th>#</th><th>request</th><th>status</th><th>arrival ms</th><th>TTFB ms</th><th>TTFT ms</th><th>total ms</th><th>chunks</th><th>gap p50 / p99 / max ms</th><th>max tokens</th><th>finish</th><th>ended</th><th>server's final message</th><th>HTTP framing ended</th></tr></thead><tbody>");
+        let _ = writeln!(
+            o,
+            "<table><thead><tr><th>#</th><th>request</th><th>status</th><th>arrival ms</th><th>TTFB ms</th><th>TTFT ms</th><th>total ms</th><th>chunks</th><th>gap p50 / p99 / max ms</th><th>max tokens</th><th>finish</th><th>ended</th><th>server's final message</th><th>HTTP framing ended</th></tr></thead><tbody>"
+        );
         for q in &r.requests {
-            let finish = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.error.as_ref().map(|_| "error".into()));
+            let finish = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q
+                .stop
+                .error
+                .as_ref()
+                .map(|_| "error".into()));
             let ended = q.ended();
             let gaps = serde_json::to_value(&q.chunk_gaps).unwrap_or(Value::Null);
             let g = |k: &str| gaps[k].as_f64().map(ms).unwrap_or_else(|| "–".into());
@@ -311,15 +383,29 @@ fn tables(o: &mut String, r: &Report) {
                 opt(q.max_tokens),
                 opt(finish),
                 escape(&ended),
-                if q.content_complete { "yes" } else if q.partial { "no (partly seen)" } else { "no" },
+                if q.content_complete {
+                    "yes"
+                } else if q.partial {
+                    "no (partly seen)"
+                } else {
+                    "no"
+                },
                 if q.transport_complete { "yes" } else { "no" }
             );
         }
         let _ = writeln!(o, "</tbody></table>");
     }
     if !r.stacks.is_empty() {
-        let per: Vec<String> = r.stacks.iter().map(|(k, s)| format!("{} {} (median depth {})", s.stacks, escape(k), s.median_depth)).collect();
-        let _ = writeln!(o, "<h2 id=\"stacks\">Stacks</h2><p>{}; user stacks unwound to the end: {:.0}% of {} ({:.1} µs each)</p>", per.join(", "), r.unwind.success_rate * 100.0, r.unwind.samples, r.unwind.us_per_sample);
+        let per: Vec<String> =
+            r.stacks.iter().map(|(k, s)| format!("{} {} (median depth {})", s.stacks, escape(k), s.median_depth)).collect();
+        let _ = writeln!(
+            o,
+            "<h2 id=\"stacks\">Stacks</h2><p>{}; user stacks unwound to the end: {:.0}% of {} ({:.1} µs each)</p>",
+            per.join(", "),
+            r.unwind.success_rate * 100.0,
+            r.unwind.samples,
+            r.unwind.us_per_sample
+        );
     }
 }
 
@@ -351,19 +437,28 @@ pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) ->
     let mut o = String::with_capacity(64 * 1024);
     let _ = writeln!(o, "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">");
     // Nothing may be fetched: the page works offline and cannot leak anything when opened.
-    let _ = writeln!(o, "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'\">");
+    let _ = writeln!(
+        o,
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'\">"
+    );
     let _ = writeln!(o, "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">");
     let _ = writeln!(o, "<meta name=\"generator\" content=\"probe {}\">", env!("CARGO_PKG_VERSION"));
     let _ = writeln!(o, "<title>probe report: {} (pid {})</title>", escape(&r.target.comm), r.target.pid);
     let _ = writeln!(o, "<style>{STYLE}</style>\n<script>{SCRIPT}</script>\n</head><body>");
-    let _ = writeln!(o, "<nav><a href=\"#verdicts\">verdicts</a><a href=\"#system\">system</a><a href=\"#timeline\">timeline</a><a href=\"#flamegraphs\">flamegraphs</a><a href=\"#files\">files</a><a href=\"#blockio\">block IO</a><a href=\"#connections\">connections</a></nav>");
+    let _ = writeln!(
+        o,
+        "<nav><a href=\"#verdicts\">verdicts</a><a href=\"#system\">system</a><a href=\"#timeline\">timeline</a><a href=\"#flamegraphs\">flamegraphs</a><a href=\"#files\">files</a><a href=\"#blockio\">block IO</a><a href=\"#connections\">connections</a></nav>"
+    );
     header(&mut o, r);
     verdicts(&mut o, r);
     let system = crate::system::render(&r.system);
     let _ = writeln!(o, "<h2 id=\"system\">System</h2>\n<pre>{}</pre>", escape(system.trim_start_matches("\nSystem:\n").trim_end()));
     let chart = timeline::svg(timeline);
     let _ = writeln!(o, "<h2 id=\"timeline\">Timeline</h2>");
-    let _ = writeln!(o, "<p class=\"muted\">Hover for details. Requests: the wait for the first token, then each token; threads: off-CPU time by what they waited for; block IO per device; TCP state changes; counters. timeline.json opens in the Perfetto UI.</p>");
+    let _ = writeln!(
+        o,
+        "<p class=\"muted\">Hover for details. Requests: the wait for the first token, then each token; threads: off-CPU time by what they waited for; block IO per device; TCP state changes; counters. timeline.json opens in the Perfetto UI.</p>"
+    );
     let _ = writeln!(o, "<div class=\"scroll\">{}</div>", chart.svg);
     for n in &chart.notes {
         let _ = writeln!(o, "<p class=\"muted\">{}</p>", escape(n));
@@ -429,7 +524,9 @@ mod tests {
 
     #[test]
     fn base64_matches_rfc4648() {
-        for (i, o) in [("", ""), ("f", "Zg=="), ("fo", "Zm8="), ("foo", "Zm9v"), ("foob", "Zm9vYg=="), ("fooba", "Zm9vYmE="), ("foobar", "Zm9vYmFy")] {
+        for (i, o) in
+            [("", ""), ("f", "Zg=="), ("fo", "Zm8="), ("foo", "Zm9v"), ("foob", "Zm9vYg=="), ("fooba", "Zm9vYmE="), ("foobar", "Zm9vYmFy")]
+        {
             assert_eq!(base64(i.as_bytes()), o);
         }
         assert_eq!(base64(&[0xff, 0xfe, 0xfd]), "//79");
@@ -474,7 +571,9 @@ mod tests {
         // 300 requests one after the other: packed into a couple of rows, not 300 lanes.
         let mut ev = vec![json!({"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "requests"}})];
         for i in 0..300u64 {
-            ev.push(json!({"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": format!("#{i} POST /v1/chat/completions")}}));
+            ev.push(
+                json!({"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": format!("#{i} POST /v1/chat/completions")}}),
+            );
             ev.push(json!({"ph": "X", "name": format!("#{i} POST /v1/chat/completions"), "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 1_500_000}));
             ev.push(json!({"ph": "X", "name": "until first token", "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 300_000}));
         }
@@ -484,7 +583,9 @@ mod tests {
         assert!(chart.svg.contains("#299 POST /v1/chat/completions: 1500 ms at 598000 ms"));
 
         // Far more distinct things than the cap: the rest is counted, not silently dropped.
-        let ev: Vec<Value> = (0..20_000u64).map(|i| json!({"ph": "X", "name": format!("n{i}"), "pid": 1, "tid": i % 10, "ts": i * 1000, "dur": 10})).collect();
+        let ev: Vec<Value> = (0..20_000u64)
+            .map(|i| json!({"ph": "X", "name": format!("n{i}"), "pid": 1, "tid": i % 10, "ts": i * 1000, "dur": 10}))
+            .collect();
         let chart = timeline::svg(&json!({ "traceEvents": ev }));
         assert_eq!(chart.elements, timeline::MAX_ELEMENTS);
         assert!(chart.notes.iter().any(|n| n.contains("more elements not drawn")), "{:?}", chart.notes);
@@ -502,6 +603,9 @@ mod tests {
         assert!(page.contains("&lt;b&gt;srv&lt;/b&gt;") && page.contains("&quot;/m/&lt;x&gt;.gguf&quot;") && page.contains("a&amp;b"));
         assert!(page.contains("&lt;script&gt;"));
         assert_eq!(page.matches("<script>").count(), 1, "only the page's own script");
-        assert!(!page.contains("http://") || page.matches("http://").count() == page.matches("xmlns=\"http://www.w3.org/2000/svg\"").count(), "no links out");
+        assert!(
+            !page.contains("http://") || page.matches("http://").count() == page.matches("xmlns=\"http://www.w3.org/2000/svg\"").count(),
+            "no links out"
+        );
     }
 }

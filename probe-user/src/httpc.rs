@@ -27,7 +27,8 @@ impl Url {
                 format!("`{s}` is not an http:// URL (e.g. http://127.0.0.1:8080)")
             }
         })?;
-        let (hostport, prefix) = rest.split_once('/').map(|(h, p)| (h, format!("/{}", p.trim_end_matches('/')))).unwrap_or((rest, String::new()));
+        let (hostport, prefix) =
+            rest.split_once('/').map(|(h, p)| (h, format!("/{}", p.trim_end_matches('/')))).unwrap_or((rest, String::new()));
         let prefix = if prefix == "/" { String::new() } else { prefix };
         let (host, port) = if let Some(h) = hostport.strip_prefix('[') {
             let (h, p) = h.split_once(']').ok_or_else(|| format!("`{s}`: unclosed [ in the host"))?;
@@ -131,7 +132,11 @@ pub fn read_retry(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
 pub const POLL_AGENT: &str = crate::stream::http::POLL_USER_AGENT;
 
 pub fn head(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str) -> String {
-    let mut h = format!("{method} {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: {agent}\r\nAccept: */*\r\nConnection: close\r\n", url.prefix, url.host_header());
+    let mut h = format!(
+        "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: {agent}\r\nAccept: */*\r\nConnection: close\r\n",
+        url.prefix,
+        url.host_header()
+    );
     if let Some(b) = body {
         h.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()));
     } else {
@@ -139,4 +144,3 @@ pub fn head(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str
     }
     h
 }
-

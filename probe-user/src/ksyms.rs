@@ -8,18 +8,28 @@
 //! as another user, after a reboot or on another machine.
 use std::collections::HashMap;
 
-use blazesym::symbolize::{Input, Symbolized, Symbolizer, source::{Kernel, Source}};
+use blazesym::symbolize::{
+    Input, Symbolized, Symbolizer,
+    source::{Kernel, Source},
+};
 use serde_json::{Value, json};
 
 use crate::recording::Recording;
 
 /// What an off-CPU wait was, from the kernel stack at the switch. The closed set of classes.
-pub const WAITS: [&str; 8] = ["[memory wait]", "[page-fault wait]", "[io wait]", "[lock wait]", "[sleep]", "[poll wait]", "[network wait]", "[other wait]"];
+pub const WAITS: [&str; 8] =
+    ["[memory wait]", "[page-fault wait]", "[io wait]", "[lock wait]", "[sleep]", "[poll wait]", "[network wait]", "[other wait]"];
 
 /// Classify a wait by its kernel frames (names, innermost first).
 pub fn wait_class<S: AsRef<str>>(kernel: &[S]) -> &'static str {
     let has = |s: &str| kernel.iter().any(|f| f.as_ref().contains(s));
-    if has("try_to_free_pages") || has("shrink_") || has("compact_zone") || has("__alloc_pages_slowpath") || has("mem_cgroup_handle_over_high") || has("reclaim") {
+    if has("try_to_free_pages")
+        || has("shrink_")
+        || has("compact_zone")
+        || has("__alloc_pages_slowpath")
+        || has("mem_cgroup_handle_over_high")
+        || has("reclaim")
+    {
         "[memory wait]"
     } else if has("io_schedule") || has("folio_wait") || has("blk_") || has("bio_") || has("wait_on_page") {
         if has("page_fault") || has("filemap_fault") || has("handle_mm_fault") { "[page-fault wait]" } else { "[io wait]" }
@@ -103,17 +113,14 @@ pub struct NamesBuilder {
 
 impl NamesBuilder {
     pub fn feed(&mut self, v: &Value) {
-        match v["type"].as_str() {
-            Some("ksyms") => {
-                self.traced_with_names = true;
-                self.addrs.clear();
-                for s in v["syms"].as_array().into_iter().flatten() {
-                    if let (Some(a), Some(n)) = (s[0].as_u64(), s[1].as_str()) {
-                        self.by_addr.insert(a, n.to_string());
-                    }
+        if let Some("ksyms") = v["type"].as_str() {
+            self.traced_with_names = true;
+            self.addrs.clear();
+            for s in v["syms"].as_array().into_iter().flatten() {
+                if let (Some(a), Some(n)) = (s[0].as_u64(), s[1].as_str()) {
+                    self.by_addr.insert(a, n.to_string());
                 }
             }
-            _ => {}
         }
     }
 

@@ -1,6 +1,10 @@
 //! The `probe` command line: parse, set up logging, run, print errors with their causes, exit
 //! with a documented code (0 ok, 1 partial: probes skipped or events lost, 2 error).
-use std::{path::PathBuf, process::ExitCode, time::{Duration, Instant}};
+use std::{
+    path::PathBuf,
+    process::ExitCode,
+    time::{Duration, Instant},
+};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
@@ -185,8 +189,13 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             let mut window = flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) };
             if let Some(id) = request {
                 let r = report::build_dir(&dir)?;
-                let q = r.requests.iter().find(|q| q.id == id).with_context(|| format!("no request {id} in this recording (see `probe report {}`)", dir.display()))?;
-                let arrival = q.arrival_ms.with_context(|| format!("request {id} was already in flight when probe attached: use --from/--to"))?;
+                let q = r
+                    .requests
+                    .iter()
+                    .find(|q| q.id == id)
+                    .with_context(|| format!("no request {id} in this recording (see `probe report {}`)", dir.display()))?;
+                let arrival =
+                    q.arrival_ms.with_context(|| format!("request {id} was already in flight when probe attached: use --from/--to"))?;
                 window.from_ns = Some(start + (arrival * 1e6) as u64);
                 window.to_ns = Some(start + ((arrival + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
             }
@@ -216,7 +225,11 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         Command::Bundle { dir, output, mask } => {
             let r = report::build_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let name = dir.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "probe".into());
+            let name = dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "probe".into());
             let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));
             let flames = flame::Flames::of_dir(&dir, flame::Window::default())?;
             let files = bundle::write(&rec, &r, &flames, &out, mask)?;
@@ -226,7 +239,16 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         Command::Doctor => Ok(doctor::run()),
         Command::Synth { events, out } => {
             let s = probe_user::synth::write(&out, events)?;
-            println!("{} ({} kernel events, {} stack records, {} other records, {} requests, {:.0} s, {} bytes)", out.display(), s.kernel_events, s.stack_records, s.other_records, s.requests, s.seconds, s.bytes);
+            println!(
+                "{} ({} kernel events, {} stack records, {} other records, {} requests, {:.0} s, {} bytes)",
+                out.display(),
+                s.kernel_events,
+                s.stack_records,
+                s.other_records,
+                s.requests,
+                s.seconds,
+                s.bytes
+            );
             Ok(exit::OK)
         }
         Command::Bench(args) => bench::run(*args),

@@ -152,11 +152,7 @@ pub fn check_privileges() -> anyhow::Result<()> {
         return Ok(());
     }
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .unwrap_or(0);
+    let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0);
     const CAP_PERFMON: u64 = 38;
     const CAP_BPF: u64 = 39;
     if eff & (1 << CAP_BPF) != 0 && eff & (1 << CAP_PERFMON) != 0 {
@@ -208,8 +204,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     let mut targets = vec![opts.pid];
     targets.extend(procfs::descendants(opts.pid));
     {
-        let mut map: HashMap<_, u32, u8> =
-            HashMap::try_from(ebpf.map_mut(probe_common::maps::TARGETS).context("TARGETS map missing")?)?;
+        let mut map: HashMap<_, u32, u8> = HashMap::try_from(ebpf.map_mut(probe_common::maps::TARGETS).context("TARGETS map missing")?)?;
         for &pid in &targets {
             map.insert(pid, 1, 0).with_context(|| format!("cannot add pid {pid} to the target set"))?;
         }

@@ -121,12 +121,7 @@ pub fn open_files(pid: u32) -> Vec<OpenFile> {
         }
         let Ok(target) = fs::read_link(e.path()) else { continue };
         let dev = meta.dev();
-        out.push(OpenFile {
-            major: libc::major(dev),
-            minor: libc::minor(dev),
-            inode: meta.ino(),
-            path: target.display().to_string(),
-        });
+        out.push(OpenFile { major: libc::major(dev), minor: libc::minor(dev), inode: meta.ino(), path: target.display().to_string() });
     }
     out
 }

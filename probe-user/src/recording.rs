@@ -33,8 +33,23 @@ pub const FRAME_JSON: u8 = 2;
 /// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
 /// test checks the page against this list, and every real trace in the test suite checks that
 /// its recording holds no other.
-pub const USER_RECORD_TYPES: [&str; 15] =
-    ["meta", "maps", "files", "module", "ksyms", "request", "stats", "samplers", "gpu", "cpufreq", "mem", "cpuidle", "residency", "endpoint", "end"];
+pub const USER_RECORD_TYPES: [&str; 15] = [
+    "meta",
+    "maps",
+    "files",
+    "module",
+    "ksyms",
+    "request",
+    "stats",
+    "samplers",
+    "gpu",
+    "cpufreq",
+    "mem",
+    "cpuidle",
+    "residency",
+    "endpoint",
+    "end",
+];
 /// v2: one unwound stack sample ([`StackRecord`]), binary.
 pub const FRAME_STACK: u8 = 3;
 /// No frame is larger than this; a larger length means the file is corrupt. The writer refuses
@@ -144,7 +159,10 @@ impl StackRecord {
     /// The binary form (frame type 3).
     fn encode(&self, prev_ts: u64, out: &mut Vec<u8>) {
         let kind = self.what as u8 + 1;
-        let flags = u8::from(self.complete) | u8::from(self.wait.is_some()) << 1 | u8::from(self.blocked_ns.is_some()) << 2 | u8::from(self.still_blocked) << 3;
+        let flags = u8::from(self.complete)
+            | u8::from(self.wait.is_some()) << 1
+            | u8::from(self.blocked_ns.is_some()) << 2
+            | u8::from(self.still_blocked) << 3;
         out.extend_from_slice(&[kind, flags]);
         put_varint(out, zigzag(self.ts_ns.wrapping_sub(prev_ts) as i64));
         put_varint(out, u64::from(self.pid));
@@ -334,7 +352,11 @@ impl Writer {
     pub fn json(&mut self, value: &serde_json::Value) -> io::Result<()> {
         let bytes = serde_json::to_vec(value).map_err(io::Error::other)?;
         if bytes.len() > MAX_FRAME as usize {
-            return Err(io::Error::other(format!("a {} record of {} bytes is over the {MAX_FRAME}-byte frame limit", value["type"], bytes.len())));
+            return Err(io::Error::other(format!(
+                "a {} record of {} bytes is over the {MAX_FRAME}-byte frame limit",
+                value["type"],
+                bytes.len()
+            )));
         }
         self.frame(FRAME_JSON, &bytes)
     }
@@ -426,7 +448,19 @@ impl<R: BufRead> Reader<R> {
         if !(OLDEST..=VERSION).contains(&version) {
             return Err(ReadError::Version { path: path.into(), found: version });
         }
-        Ok(Reader { inp, version, pos: 16, len, prev_ts: 0, prev_stack_ts: 0, done: false, problems: vec![], undecodable: 0, frame_bytes: 0, buf: vec![] })
+        Ok(Reader {
+            inp,
+            version,
+            pos: 16,
+            len,
+            prev_ts: 0,
+            prev_stack_ts: 0,
+            done: false,
+            problems: vec![],
+            undecodable: 0,
+            frame_bytes: 0,
+            buf: vec![],
+        })
     }
 
     fn torn(&mut self, at: u64) {
@@ -702,12 +736,11 @@ pub fn sizes(dir: &Path) -> Result<std::collections::BTreeMap<String, (u64, u64)
 pub fn read_meta(dir: &Path) -> Result<Option<serde_json::Value>, ReadError> {
     let mut r = Reader::open(dir)?;
     while let Some(f) = r.next_frame() {
-        if let Frame::Json(b) = f {
-            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) {
-                if v["type"] == "meta" {
-                    return Ok(Some(v));
-                }
-            }
+        if let Frame::Json(b) = f
+            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
+            && v["type"] == "meta"
+        {
+            return Ok(Some(v));
         }
         if r.pos > 1 << 20 {
             break;
@@ -829,7 +862,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("probe-rec-keep-{}", std::process::id()));
         let mut w = Writer::create(&dir).unwrap();
         for i in 0..10u64 {
-            let ev = FaultEvent { hdr: EventHeader { kind: EventKind::Fault as u32, pid: 1, tid: 1, cpu: 0, ts_ns: i }, ..Default::default() };
+            let ev =
+                FaultEvent { hdr: EventHeader { kind: EventKind::Fault as u32, pid: 1, tid: 1, cpu: 0, ts_ns: i }, ..Default::default() };
             w.kernel(&decode::encode(&ev)).unwrap();
             w.stack(&StackRecord { pid: 1, tid: 1, ts_ns: i, user: vec![(0, i)], ..Default::default() }).unwrap();
         }
@@ -874,7 +908,11 @@ mod tests {
         let mut v1 = MAGIC.to_vec();
         v1.extend_from_slice(&1u32.to_ne_bytes());
         v1.extend_from_slice(&0u32.to_ne_bytes());
-        let ev = FaultEvent { hdr: EventHeader { kind: EventKind::Fault as u32, pid: 3, tid: 4, cpu: 0, ts_ns: 9 }, addr: 5, ..Default::default() };
+        let ev = FaultEvent {
+            hdr: EventHeader { kind: EventKind::Fault as u32, pid: 3, tid: 4, cpu: 0, ts_ns: 9 },
+            addr: 5,
+            ..Default::default()
+        };
         let raw = decode::encode(&ev);
         v1.extend_from_slice(&(raw.len() as u32).to_ne_bytes());
         v1.extend_from_slice(&1u16.to_ne_bytes());

@@ -491,7 +491,10 @@ impl Builder {
     fn resolve(&self, pid: u32, t: u64, addr: u64) -> Option<FileKey> {
         let live = |(i, cuts): &(usize, Vec<usize>)| {
             let m = &self.file_maps[*i];
-            m.t <= t && m.start <= addr && addr < m.end && !cuts.iter().map(|&c| &self.unmaps[c]).any(|u| u.t < t && u.start <= addr && addr < u.end)
+            m.t <= t
+                && m.start <= addr
+                && addr < m.end
+                && !cuts.iter().map(|&c| &self.unmaps[c]).any(|u| u.t < t && u.start <= addr && addr < u.end)
         };
         let hit = self.by_pid.get(&pid).and_then(|list| list.iter().rev().find(|e| live(e)).map(|e| self.file_maps[e.0].key));
         hit.or_else(|| self.maps.find(pid, t, addr).map(|m| (m.major, m.minor, m.inode)))
@@ -536,7 +539,8 @@ impl Builder {
             r.problems.push(format!("{} stack records could not be read and were skipped", self.bad_stacks));
         }
         if !self.has_end {
-            r.problems.push("the recording has no end record: probe did not stop cleanly (killed?); the report covers what was written".into());
+            r.problems
+                .push("the recording has no end record: probe did not stop cleanly (killed?); the report covers what was written".into());
         }
         // probe's own polls of the server's endpoints are not the server's traffic.
         let polls = crate::system::poll_ports(&self.json);
@@ -551,7 +555,8 @@ impl Builder {
         r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
         let start = self.start;
         let ttft: Vec<Option<(u64, u64)>> = r.requests.iter().map(|q| q.arrival_ms.map(|a| ttft_window(start, a, q))).collect();
-        let served: Vec<Option<(u64, u64)>> = r.requests.iter().map(|q| q.arrival_ms.map(|a| (start + (a * 1e6) as u64, served_until(start, a, q)))).collect();
+        let served: Vec<Option<(u64, u64)>> =
+            r.requests.iter().map(|q| q.arrival_ms.map(|a| (start + (a * 1e6) as u64, served_until(start, a, q)))).collect();
         self.ttft_windows = WindowIndex::new(&ttft);
         self.served_windows = WindowIndex::new(&served);
         self.windows = vec![WindowData::default(); r.requests.len()];
@@ -654,7 +659,10 @@ impl Builder {
                 let comm = String::from_utf8_lossy(p.comm.split(|&c| c == 0).next().unwrap_or_default()).to_string();
                 match p.op {
                     PROC_FORK => {
-                        self.procs.insert(p.child, Process { pid: p.child, parent: Some(p.hdr.pid), comm, forked_ms: Some(t), ..Default::default() });
+                        self.procs.insert(
+                            p.child,
+                            Process { pid: p.child, parent: Some(p.hdr.pid), comm, forked_ms: Some(t), ..Default::default() },
+                        );
                     }
                     PROC_EXEC => {
                         let e = self.procs.entry(p.hdr.pid).or_insert_with(|| Process { pid: p.hdr.pid, ..Default::default() });
@@ -739,12 +747,17 @@ impl Builder {
         r.faults.minor = r.counters.get("user_faults").map(|&all| all.saturating_sub(r.faults.major));
         let polls = crate::system::poll_ports(&self.json);
         let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
-        r.connections = std::mem::take(&mut self.conns).into_iter().map(|(_, c, _)| c).filter(|c| !port_of(&c.peer).is_some_and(|p| polls.contains(&p))).collect();
+        r.connections = std::mem::take(&mut self.conns)
+            .into_iter()
+            .map(|(_, c, _)| c)
+            .filter(|c| !port_of(&c.peer).is_some_and(|p| polls.contains(&p)))
+            .collect();
         r.target.processes = std::mem::take(&mut self.procs).into_values().collect();
         self.verdicts(&mut r);
         let lost: u64 = r.lost_events.values().sum();
         if lost > 0 {
-            r.problems.push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
+            r.problems
+                .push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
         }
         let skipped: u64 = r.skipped_runs.values().sum();
         if skipped > 0 {
@@ -764,7 +777,8 @@ impl Builder {
         }
         let (start, json) = (self.start, &self.json);
         let offcpu_probe = r.probes.as_array().into_iter().flatten().any(|p| p["name"] == "offcpu" && p["live"] == true);
-        let oom_kills: Vec<u64> = self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
+        let oom_kills: Vec<u64> =
+            self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
         let (gpu_clocks, cpu_clocks) = crate::system::clock_series(json);
         // Losses are counted per second (stats records, cumulative): a window's losses are the
         // growth between the last count before it and the first after it.
@@ -788,7 +802,8 @@ impl Builder {
             format!("{gpu}; {cpu}")
         });
         let polls: Vec<&Value> = json.iter().filter(|v| v["type"] == "endpoint" && v["kind"] != "none").collect();
-        let sleeping_before = |t: u64| polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= t).is_some_and(|v| v["props"]["is_sleeping"] == true);
+        let sleeping_before =
+            |t: u64| polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= t).is_some_and(|v| v["props"]["is_sleeping"] == true);
         let deferred_in = |from: u64, to: u64| {
             polls
                 .iter()
@@ -834,7 +849,15 @@ impl Builder {
             .collect();
         for (i, q) in r.requests.iter_mut().enumerate() {
             let Some(a) = q.arrival_ms else {
-                q.verdict = Some(crate::verdict::attribute(q, &crate::verdict::Window { lost_events: lost, offcpu_probe, power_absent: power_absent.as_deref(), ..Default::default() }));
+                q.verdict = Some(crate::verdict::attribute(
+                    q,
+                    &crate::verdict::Window {
+                        lost_events: lost,
+                        offcpu_probe,
+                        power_absent: power_absent.as_deref(),
+                        ..Default::default()
+                    },
+                ));
                 continue;
             };
             let (from, to) = ttft_window(start, a, q);
@@ -964,10 +987,10 @@ pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::Read
                     #[serde(rename = "type", borrow)]
                     ty: Option<std::borrow::Cow<'a, str>>,
                 }
-                if serde_json::from_slice::<Peek>(&bytes).is_ok_and(|p| p.ty.as_deref() == Some("stack")) {
-                    if let Ok(s) = serde_json::from_slice::<StackRecord>(&bytes) {
-                        b.stack(&s);
-                    }
+                if serde_json::from_slice::<Peek>(&bytes).is_ok_and(|p| p.ty.as_deref() == Some("stack"))
+                    && let Ok(s) = serde_json::from_slice::<StackRecord>(&bytes)
+                {
+                    b.stack(&s);
                 }
             }
         }
@@ -976,12 +999,7 @@ pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::Read
     Ok(b.finish(problems))
 }
 
-fn sock_event(
-    s: &SockEvent,
-    conns: &mut Vec<(u64, Connection, bool)>,
-    index: &mut HashMap<u64, usize>,
-    ms: &dyn Fn(u64) -> f64,
-) {
+fn sock_event(s: &SockEvent, conns: &mut Vec<(u64, Connection, bool)>, index: &mut HashMap<u64, usize>, ms: &dyn Fn(u64) -> f64) {
     let is_listener = s.what == SOCK_STATE && (s.newstate == TCP_LISTEN || s.oldstate == TCP_LISTEN);
     if is_listener {
         return;
@@ -1093,7 +1111,8 @@ pub fn render(r: &Report) -> String {
         }
     }
     o.push_str(&crate::system::render(&r.system));
-    let forked: Vec<String> = r.target.processes.iter().filter(|p| p.pid != r.target.pid).map(|p| format!("{} ({})", p.pid, p.comm)).collect();
+    let forked: Vec<String> =
+        r.target.processes.iter().filter(|p| p.pid != r.target.pid).map(|p| format!("{} ({})", p.pid, p.comm)).collect();
     if !forked.is_empty() {
         let _ = writeln!(o, "  also traced: {}", forked.join(", "));
     }
@@ -1103,7 +1122,15 @@ pub fn render(r: &Report) -> String {
     } else {
         let _ = writeln!(o, "  {:>12} {:>11} {:>8} {:>10}  path", "major faults", "read", "reads", "io time");
         for f in r.files.iter().take(20) {
-            let _ = writeln!(o, "  {:>12} {:>11} {:>8} {:>7.1} ms  {}", f.major_faults, bytes(f.read_bytes), f.block_reads, f.io_time_ms, f.path);
+            let _ = writeln!(
+                o,
+                "  {:>12} {:>11} {:>8} {:>7.1} ms  {}",
+                f.major_faults,
+                bytes(f.read_bytes),
+                f.block_reads,
+                f.io_time_ms,
+                f.path
+            );
         }
         if r.files.len() > 20 {
             let _ = writeln!(o, "  ... {} more in report.json", r.files.len() - 20);
@@ -1156,12 +1183,23 @@ pub fn render(r: &Report) -> String {
     }
     if !r.requests.is_empty() {
         let _ = writeln!(o, "\nRequests: {}", r.requests.len());
-        let _ = writeln!(o, "  {:>4} {:<28} {:>6} {:>9} {:>9} {:>6} {:>7} {:<8} {:<13} {:<8}", "id", "request", "status", "ttft ms", "total ms", "chunks", "max tok", "finish", "ended", "complete");
+        let _ = writeln!(
+            o,
+            "  {:>4} {:<28} {:>6} {:>9} {:>9} {:>6} {:>7} {:<8} {:<13} {:<8}",
+            "id", "request", "status", "ttft ms", "total ms", "chunks", "max tok", "finish", "ended", "complete"
+        );
         for q in r.requests.iter().take(50) {
             let req = format!("{} {}", q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
             let req: String = req.chars().take(28).collect();
             let fmt = |v: Option<f64>| v.map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into());
-            let finish = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.error.as_ref().map(|_| "error".to_string())).unwrap_or_else(|| "-".into());
+            let finish = q
+                .stop
+                .finish_reason
+                .clone()
+                .or(q.stop.stop_type.clone())
+                .or(q.stop.done_reason.clone())
+                .or(q.stop.error.as_ref().map(|_| "error".to_string()))
+                .unwrap_or_else(|| "-".into());
             let ended = q.ended();
             let _ = writeln!(
                 o,

@@ -85,7 +85,16 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
     let mut ksyms = vec![];
     for (k, st) in kstacks.iter().enumerate() {
         for (i, a) in st.iter().enumerate() {
-            ksyms.push(json!([a, if i == 0 { "__schedule".to_string() } else if k % 2 == 0 { format!("io_fn_{k}_{i}") } else { format!("fn_{k}_{i}") }]));
+            ksyms.push(json!([
+                a,
+                if i == 0 {
+                    "__schedule".to_string()
+                } else if k % 2 == 0 {
+                    format!("io_fn_{k}_{i}")
+                } else {
+                    format!("fn_{k}_{i}")
+                }
+            ]));
         }
     }
     w.json(&json!({"type": "ksyms", "syms": ksyms}))?;
@@ -104,13 +113,29 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
         let dice = rng.below(100);
         let page = rng.below(MODEL_LEN / 4096);
         let raw = match dice {
-            0..=39 => encode(&FilemapEvent { hdr: hdr::<FilemapEvent>(tid, ts), ino: MODEL_INO, index: page, dev: MODEL_DEV, order: 0, ..Default::default() }),
-            40..=49 => encode(&FaultEvent { hdr: hdr::<FaultEvent>(tid, ts), addr: MODEL_BASE + page * 4096, ip: 0x4010, flags: FAULT_MAJOR, _pad: 0 }),
+            0..=39 => encode(&FilemapEvent { hdr: hdr::<FilemapEvent>(tid, ts), ino: MODEL_INO, index: page, dev: MODEL_DEV, order: 0 }),
+            40..=49 => encode(&FaultEvent {
+                hdr: hdr::<FaultEvent>(tid, ts),
+                addr: MODEL_BASE + page * 4096,
+                ip: 0x4010,
+                flags: FAULT_MAJOR,
+                _pad: 0,
+            }),
             50..=59 => {
                 let mut rwbs = [0u8; 8];
                 rwbs[..2].copy_from_slice(b"RA");
                 let lat = 50_000 + rng.below(2_000_000);
-                encode(&BlockIoEvent { hdr: hdr::<BlockIoEvent>(tid, ts), dev: MODEL_DEV, bytes: 131072, sector: page * 8, insert_ns: ts - lat - 10_000, issue_ns: ts - lat, complete_ns: ts, rwbs, ..Default::default() })
+                encode(&BlockIoEvent {
+                    hdr: hdr::<BlockIoEvent>(tid, ts),
+                    dev: MODEL_DEV,
+                    bytes: 131072,
+                    sector: page * 8,
+                    insert_ns: ts - lat - 10_000,
+                    issue_ns: ts - lat,
+                    complete_ns: ts,
+                    rwbs,
+                    ..Default::default()
+                })
             }
             60..=69 => {
                 let mut m = MmapEvent { hdr: hdr::<MmapEvent>(tid, ts), enter_ns: ts - 2000, ..Default::default() };
@@ -124,7 +149,13 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
                 }
                 encode(&m)
             }
-            70..=72 => encode(&MemEvent { hdr: hdr::<MemEvent>(tid, ts), what: MEM_MEMCG_RECLAIM, begin_ns: ts - 200_000, nr: 32, ..Default::default() }),
+            70..=72 => encode(&MemEvent {
+                hdr: hdr::<MemEvent>(tid, ts),
+                what: MEM_MEMCG_RECLAIM,
+                begin_ns: ts - 200_000,
+                nr: 32,
+                ..Default::default()
+            }),
             _ => {
                 // A stack record: 3 in 4 on-CPU samples, the rest off-CPU waits.
                 let offcpu = rng.below(4) == 0;
@@ -141,7 +172,7 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
                 if offcpu {
                     v.kernel = kstacks[k].clone();
                     v.blocked_ns = Some(100_000 + rng.below(5_000_000));
-                    v.wait = Some(if k % 2 == 0 { "[io wait]" } else { "[lock wait]" }.into());
+                    v.wait = Some(if k.is_multiple_of(2) { "[io wait]" } else { "[lock wait]" }.into());
                 }
                 w.stack(&v)?;
                 s.stack_records += 1;
@@ -160,13 +191,29 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
             let port = 40000 + (id % 20000) as u16;
             let sk = 0xffff_8880_0000_0000 + id * 0x1000;
             let sock = |old: i32, new: i32, dt: u64| {
-                let mut e = SockEvent { hdr: hdr::<SockEvent>(PID + 1, t + dt), skaddr: sk, what: SOCK_STATE, oldstate: old, newstate: new, family: AF_INET, sport: 8080, dport: port, in_target: 1, ..Default::default() };
+                let mut e = SockEvent {
+                    hdr: hdr::<SockEvent>(PID + 1, t + dt),
+                    skaddr: sk,
+                    what: SOCK_STATE,
+                    oldstate: old,
+                    newstate: new,
+                    family: AF_INET,
+                    sport: 8080,
+                    dport: port,
+                    in_target: 1,
+                    ..Default::default()
+                };
                 e.saddr[..4].copy_from_slice(&[127, 0, 0, 1]);
                 e.daddr[..4].copy_from_slice(&[127, 0, 0, 1]);
                 encode(&e)
             };
             let end_ns = (end * 1e6) as u64;
-            for (old, new, dt) in [(TCP_SYN_RECV, TCP_ESTABLISHED, 0), (TCP_ESTABLISHED, TCP_CLOSE_WAIT, end_ns), (TCP_CLOSE_WAIT, TCP_LAST_ACK, end_ns + 1000), (TCP_LAST_ACK, TCP_CLOSE, end_ns + 50_000)] {
+            for (old, new, dt) in [
+                (TCP_SYN_RECV, TCP_ESTABLISHED, 0),
+                (TCP_ESTABLISHED, TCP_CLOSE_WAIT, end_ns),
+                (TCP_CLOSE_WAIT, TCP_LAST_ACK, end_ns + 1000),
+                (TCP_LAST_ACK, TCP_CLOSE, end_ns + 50_000),
+            ] {
                 w.kernel(&sock(old, new, dt))?;
                 s.kernel_events += 1;
             }
@@ -186,7 +233,11 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
                 end_ms: Some(end),
                 chunks,
                 chunk_times_ms: (0..chunks).map(|c| ttft + (end - ttft) * c as f64 / chunks as f64).collect(),
-                stop: Stop { finish_reason: Some(if id % 5 == 0 { "length" } else { "stop" }.into()), done_marker: true, ..Default::default() },
+                stop: Stop {
+                    finish_reason: Some(if id.is_multiple_of(5) { "length" } else { "stop" }.into()),
+                    done_marker: true,
+                    ..Default::default()
+                },
                 closed_by: "client".into(),
                 reset: "none".into(),
                 content_complete: true,
@@ -201,7 +252,8 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
         }
         if t >= next_second {
             next_second += 1_000_000_000;
-            let kinds: serde_json::Map<String, serde_json::Value> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(0))).collect();
+            let kinds: serde_json::Map<String, serde_json::Value> =
+                EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(0))).collect();
             w.json(&json!({"type": "stats", "ts_ns": t, "lost": kinds, "counters": {"user_faults": i / 2}, "skipped_runs": {}, "unwind": {"samples": s.stack_records, "complete": s.stack_records * 9 / 10, "ns": s.stack_records * 9000, "load_ns": 30_000_000}}))?;
             w.json(&json!({"type": "mem", "ts_ns": t, "rss_kib": 900_000, "mem_available_kib": 20_000_000, "pgmajfault": i / 10, "psi_some_us": i, "psi_full_us": i / 2}))?;
             w.json(&json!({"type": "endpoint", "ts_ns": t, "kind": "llama.cpp", "addr": "127.0.0.1:8080", "props": {"is_sleeping": false, "total_slots": 4}, "metrics": {"llamacpp:requests_deferred": 0.0}}))?;

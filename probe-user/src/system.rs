@@ -176,7 +176,8 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
                 s.gpu.devices = serde_json::from_value(v["gpus"].clone()).unwrap_or_default();
                 s.cpu_freq.absent = v["cpufreq_absent"].as_str().map(String::from);
                 if let Some(m) = v["cpufreq_max_khz"].as_array() {
-                    s.cpu_freq.max_mhz = m.iter().filter_map(Value::as_f64).fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b)))).map(|k| k / 1e3);
+                    s.cpu_freq.max_mhz =
+                        m.iter().filter_map(Value::as_f64).fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b)))).map(|k| k / 1e3);
                 }
                 s.memory.cgroup = v["memory_cgroup"].as_str().map(String::from);
             }
@@ -196,10 +197,11 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
                         st.sm_mhz_max = Some(st.sm_mhz_max.map_or(c, |m| m.max(c)));
                     }
                     if let Some(p) = u(g, "pstate").map(|p| p as u32)
-                        && !st.pstates.contains(&p) {
-                            st.pstates.push(p);
-                            st.pstates.sort_unstable();
-                        }
+                        && !st.pstates.contains(&p)
+                    {
+                        st.pstates.push(p);
+                        st.pstates.sort_unstable();
+                    }
                     if let Some(w) = g["power_w"].as_f64() {
                         st.power_w_max = Some(st.power_w_max.map_or(w, |m| m.max(w)));
                     }
@@ -229,7 +231,9 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
                 first_mem.get_or_insert(v);
                 last_mem = Some(v);
                 let m = &mut s.memory;
-                for (k, out) in [("rss_kib", &mut m.rss_kib_max), ("rss_file_kib", &mut m.rss_file_kib_max), ("cgroup_usage", &mut m.cgroup_usage_max)] {
+                for (k, out) in
+                    [("rss_kib", &mut m.rss_kib_max), ("rss_file_kib", &mut m.rss_file_kib_max), ("cgroup_usage", &mut m.cgroup_usage_max)]
+                {
                     if let Some(x) = u(v, k) {
                         *out = Some(out.map_or(x, |o| o.max(x)));
                     }
@@ -245,7 +249,13 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
                 for r in v["files"].as_array().into_iter().flatten() {
                     let Ok(r) = serde_json::from_value::<Residency>(r.clone()) else { continue };
                     let share = r.share();
-                    let f = files.entry(r.path.clone()).or_insert_with(|| ModelFile { path: r.path.clone(), bytes: r.bytes, resident_start: share, resident_min: share, ..Default::default() });
+                    let f = files.entry(r.path.clone()).or_insert_with(|| ModelFile {
+                        path: r.path.clone(),
+                        bytes: r.bytes,
+                        resident_start: share,
+                        resident_min: share,
+                        ..Default::default()
+                    });
                     f.resident_end = share;
                     f.resident_min = f.resident_min.min(share);
                     f.readings += 1;
@@ -285,7 +295,8 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
     let idle: Vec<&Value> = json.iter().filter(|v| v["type"] == "cpuidle").collect();
     if let (Some(a), Some(b)) = (idle.first(), idle.last()) {
         let wall_us = u(b, "ts_ns").unwrap_or(0).saturating_sub(u(a, "ts_ns").unwrap_or(0)) as f64 / 1e3 * u(b, "cpus").unwrap_or(1) as f64;
-        let arr = |v: &Value, k: &str| -> Vec<u64> { v[k].as_array().map(|x| x.iter().filter_map(Value::as_u64).collect()).unwrap_or_default() };
+        let arr =
+            |v: &Value, k: &str| -> Vec<u64> { v[k].as_array().map(|x| x.iter().filter_map(Value::as_u64).collect()).unwrap_or_default() };
         let (ta, tb, ua, ub) = (arr(a, "time_us"), arr(b, "time_us"), arr(a, "usage"), arr(b, "usage"));
         for (i, name) in b["names"].as_array().into_iter().flatten().enumerate() {
             let dt = tb.get(i).zip(ta.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x));
@@ -342,7 +353,11 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
 }
 
 fn cpu_max(json: &[Value]) -> Vec<f64> {
-    json.iter().find(|v| v["type"] == "samplers").and_then(|v| v["cpufreq_max_khz"].as_array()).map(|m| m.iter().filter_map(Value::as_f64).collect()).unwrap_or_default()
+    json.iter()
+        .find(|v| v["type"] == "samplers")
+        .and_then(|v| v["cpufreq_max_khz"].as_array())
+        .map(|m| m.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default()
 }
 
 /// Mean over CPUs of cur/max for one cpufreq record.
@@ -375,9 +390,10 @@ pub fn clock_series(json: &[Value]) -> (Vec<GpuClock>, Vec<(u64, f64)>) {
         for g in v["gpus"].as_array().into_iter().flatten() {
             let i = u(g, "index").unwrap_or(0) as u32;
             if let (Some(c), Some(m)) = (g["sm_mhz"].as_f64(), gpu_max.get(&i))
-                && *m > 0.0 {
-                    gpu.push((ts, i, c / m, u(g, "pstate").map(|p| p as u32)));
-                }
+                && *m > 0.0
+            {
+                gpu.push((ts, i, c / m, u(g, "pstate").map(|p| p as u32)));
+            }
         }
     }
     let max = cpu_max(json);
@@ -400,7 +416,13 @@ pub fn render(s: &System) -> String {
         }
         None => {
             for d in &s.gpu.per_device {
-                let name = s.gpu.devices.iter().find(|x| x.index == d.index).map(|x| format!("{} (driver {})", x.name, x.driver)).unwrap_or_default();
+                let name = s
+                    .gpu
+                    .devices
+                    .iter()
+                    .find(|x| x.index == d.index)
+                    .map(|x| format!("{} (driver {})", x.name, x.driver))
+                    .unwrap_or_default();
                 let clocks = match (d.sm_mhz_min, d.sm_mhz_max) {
                     (Some(a), Some(b)) => format!("SM clock {a}-{b} MHz"),
                     _ => "SM clock unknown".into(),
@@ -425,17 +447,38 @@ pub fn render(s: &System) -> String {
             let _ = writeln!(o, "  CPU: {why}");
         }
         (None, Some(a), Some(b)) => {
-            let _ = writeln!(o, "  CPU frequency: {:.0}%-{:.0}% of maximum ({:.0} MHz)", a * 100.0, b * 100.0, s.cpu_freq.max_mhz.unwrap_or(0.0));
+            let _ = writeln!(
+                o,
+                "  CPU frequency: {:.0}%-{:.0}% of maximum ({:.0} MHz)",
+                a * 100.0,
+                b * 100.0,
+                s.cpu_freq.max_mhz.unwrap_or(0.0)
+            );
         }
         _ => {}
     }
     if !s.cpu_freq.idle.is_empty() {
-        let states: Vec<String> = s.cpu_freq.idle.iter().map(|i| format!("{} {:.0}% ({} entries, exit {} us)", i.name, i.share * 100.0, i.entries, i.latency_us)).collect();
+        let states: Vec<String> = s
+            .cpu_freq
+            .idle
+            .iter()
+            .map(|i| format!("{} {:.0}% ({} entries, exit {} us)", i.name, i.share * 100.0, i.entries, i.latency_us))
+            .collect();
         let _ = writeln!(o, "  CPU idle states: {}", states.join(", "));
     }
     let m = &s.memory;
-    let stall = |name: &str, st: &Stall| if st.count == 0 { None } else { Some(format!("{name} {}x {:.0} ms (max {:.0} ms, {} pages)", st.count, st.total_ms, st.max_ms, st.pages)) };
-    let stalls: Vec<String> = [stall("direct reclaim", &m.direct_reclaim), stall("cgroup reclaim", &m.memcg_reclaim), stall("compaction", &m.compaction)].into_iter().flatten().collect();
+    let stall = |name: &str, st: &Stall| {
+        if st.count == 0 {
+            None
+        } else {
+            Some(format!("{name} {}x {:.0} ms (max {:.0} ms, {} pages)", st.count, st.total_ms, st.max_ms, st.pages))
+        }
+    };
+    let stalls: Vec<String> =
+        [stall("direct reclaim", &m.direct_reclaim), stall("cgroup reclaim", &m.memcg_reclaim), stall("compaction", &m.compaction)]
+            .into_iter()
+            .flatten()
+            .collect();
     let _ = writeln!(
         o,
         "  Memory: in the target {}; system PSI memory some {} / full {}, io some {}; direct-reclaim scans {}, swap-ins {}",
@@ -451,7 +494,12 @@ pub fn render(s: &System) -> String {
     }
     if let Some(cg) = &m.cgroup {
         let limit = m.cgroup_limit.map(|l| format!("limit {}", mib(l))).unwrap_or_else(|| "no limit".into());
-        let _ = writeln!(o, "  Memory cgroup {cg}: {limit}, usage max {}, limit hits {}", m.cgroup_usage_max.map(mib).unwrap_or_else(|| "?".into()), m.cgroup_limit_hits.unwrap_or(0));
+        let _ = writeln!(
+            o,
+            "  Memory cgroup {cg}: {limit}, usage max {}, limit hits {}",
+            m.cgroup_usage_max.map(mib).unwrap_or_else(|| "?".into()),
+            m.cgroup_limit_hits.unwrap_or(0)
+        );
     }
     for k in &m.oom_kills {
         let _ = writeln!(o, "  OOM kill: pid {} at +{:.3} s ({} resident)", k.pid, k.t_ms / 1e3, mib(k.rss_kib << 10));
@@ -474,7 +522,12 @@ pub fn render(s: &System) -> String {
         if let (Some(n), Some(c)) = (e.total_slots, e.n_ctx_slot) {
             facts.push(format!("{n} slots x {c} tokens"));
         }
-        for (k, label) in [("llamacpp:requests_processing", "processing max"), ("llamacpp:requests_deferred", "deferred max"), ("vllm:num_requests_waiting", "waiting max"), ("vllm:num_requests_running", "running max")] {
+        for (k, label) in [
+            ("llamacpp:requests_processing", "processing max"),
+            ("llamacpp:requests_deferred", "deferred max"),
+            ("vllm:num_requests_waiting", "waiting max"),
+            ("vllm:num_requests_running", "running max"),
+        ] {
             if let Some(v) = pick(k) {
                 facts.push(format!("{label} {v}"));
             }
@@ -491,7 +544,13 @@ pub fn render(s: &System) -> String {
         for m in &e.loaded_models {
             facts.push(format!("loaded {} until {}", m["name"].as_str().unwrap_or("?"), m["expires_at"].as_str().unwrap_or("?")));
         }
-        let _ = writeln!(o, "  Server {} at {}: {}", e.kind, e.addr, if facts.is_empty() { format!("{} polls", e.polls) } else { facts.join(", ") });
+        let _ = writeln!(
+            o,
+            "  Server {} at {}: {}",
+            e.kind,
+            e.addr,
+            if facts.is_empty() { format!("{} polls", e.polls) } else { facts.join(", ") }
+        );
     }
     o
 }

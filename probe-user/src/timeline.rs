@@ -37,7 +37,11 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
                     ev.push(c(format!("GPU {i} clock MHz"), ts, json!({"sm": g["sm_mhz"], "mem": g["mem_mhz"]})));
                     ev.push(c(format!("GPU {i} P-state"), ts, json!({"P": g["pstate"]})));
                     ev.push(c(format!("GPU {i} power W"), ts, json!({"W": g["power_w"]})));
-                    ev.push(c(format!("GPU {i} VRAM MiB"), ts, json!({"used": g["vram_used"].as_u64().map(|b| b >> 20), "target": g["target_vram"].as_u64().map(|b| b >> 20)})));
+                    ev.push(c(
+                        format!("GPU {i} VRAM MiB"),
+                        ts,
+                        json!({"used": g["vram_used"].as_u64().map(|b| b >> 20), "target": g["target_vram"].as_u64().map(|b| b >> 20)}),
+                    ));
                 }
             }
             Some("cpufreq") => {
@@ -80,7 +84,12 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
             }
             Some("endpoint") => {
                 let m = &v["metrics"];
-                for (k, label) in [("llamacpp:requests_processing", "processing"), ("llamacpp:requests_deferred", "deferred"), ("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting")] {
+                for (k, label) in [
+                    ("llamacpp:requests_processing", "processing"),
+                    ("llamacpp:requests_deferred", "deferred"),
+                    ("vllm:num_requests_running", "running"),
+                    ("vllm:num_requests_waiting", "waiting"),
+                ] {
                     if let Some(x) = m[k].as_f64() {
                         ev.push(c(format!("server {label}"), ts, json!({label: x})));
                     }

@@ -43,9 +43,7 @@ pub fn parse_format(text: &str) -> Vec<FormatField> {
             let decl = l.strip_prefix("field:")?.split(';').next()?;
             // The name is the last word of the declaration, without any array suffix.
             let name = decl.split_whitespace().last()?.split('[').next()?.to_string();
-            let num = |key: &str| -> Option<usize> {
-                l.split(';').find_map(|p| p.trim().strip_prefix(key)?.parse().ok())
-            };
+            let num = |key: &str| -> Option<usize> { l.split(';').find_map(|p| p.trim().strip_prefix(key)?.parse().ok()) };
             Some(FormatField { name, offset: num("offset:")?, size: num("size:")? })
         })
         .collect()

@@ -7,11 +7,7 @@
 //! stack (AVX code, e.g. all of ggml's compute kernels): the DRAP pattern, CFA = *(rbp - 24).
 //! framehop then falls back to frame pointers and the next frame reads a wrong slot; those
 //! frames are stepped here instead, with the rule read by gimli.
-use std::{
-    collections::HashMap,
-    ops::Range,
-    sync::Arc,
-};
+use std::{collections::HashMap, ops::Range, sync::Arc};
 
 use framehop::{
     ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder,
@@ -207,14 +203,11 @@ impl Unwinders {
             let mut unwinder = UnwinderX86_64::new();
             let mut modules = Vec::new();
             for m in maps.iter().filter(|m| m.perms.contains('x')) {
-                let elf = self
-                    .elves
-                    .entry((m.path.clone(), m.inode))
-                    .or_insert_with(|| load_elf(&m.path).map(Arc::new))
-                    .clone();
+                let elf = self.elves.entry((m.path.clone(), m.inode)).or_insert_with(|| load_elf(&m.path).map(Arc::new)).clone();
                 let Some(elf) = elf else { continue };
                 // The load segment this mapping comes from gives the load bias.
-                let Some(&(vaddr, off, _)) = elf.segments.iter().find(|(_, off, size)| *off <= m.offset && m.offset < off + size.max(&1)) else {
+                let Some(&(vaddr, off, _)) = elf.segments.iter().find(|(_, off, size)| *off <= m.offset && m.offset < off + size.max(&1))
+                else {
                     continue;
                 };
                 let bias = m.start.wrapping_sub(vaddr + (m.offset - off));

@@ -190,22 +190,32 @@ pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
             q.stop.error.as_ref().and_then(|e| e["type"].as_str()).unwrap_or("error"),
             q.max_tokens.map_or("?".into(), |m| m.to_string())
         )),
-        "server_limit" => Some(format!("stopped at length after {n} tokens, below the requested {}: the server's context (slot or KV pool) ran out", q.max_tokens.unwrap_or(0))),
-        "requested_limit" => Some(format!("the server stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string()))),
-        "client_disconnect" => Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks)),
+        "server_limit" => Some(format!(
+            "stopped at length after {n} tokens, below the requested {}: the server's context (slot or KV pool) ran out",
+            q.max_tokens.unwrap_or(0)
+        )),
+        "requested_limit" => {
+            Some(format!("the server stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string())))
+        }
+        "client_disconnect" => {
+            Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks))
+        }
         "deadline" => Some(format!(
             "the peer (client or gateway) closed after {:.1} s without a chunk{}, before the server's final message: a timeout, not a reader that went away",
             idle_before_close_ms(q).unwrap_or(0.0) / 1e3,
             if q.chunks == 0 { " (none had come)" } else { "" }
         )),
         "crash" => Some("the server closed the connection before its final message".into()),
-        "server_error" => Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default())),
+        "server_error" => {
+            Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default()))
+        }
         _ => None,
     };
     // The transport fact, when it differs from the server's word.
     if q.content_complete && !q.transport_complete && q.closed_by != "open" {
         let who = if q.closed_by == "client" { "the client" } else { "the server" };
-        let line = format!("{who} then closed before the end of the HTTP response, which is harmless: the server's final message had been sent");
+        let line =
+            format!("{who} then closed before the end of the HTTP response, which is harmless: the server's final message had been sent");
         why = Some(match why {
             Some(w) => format!("{w}; {line}"),
             None => line,
@@ -296,14 +306,16 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
         if let Some((ms, at)) = ramp_ms(&series, from, until) {
             let p = gpu.iter().rev().find(|g| g.1 == d && g.0 <= from).and_then(|g| g.3).map(|p| format!(", P{p}")).unwrap_or_default();
             if ramp.as_ref().is_none_or(|r| ms > r.0) {
-                ramp = Some((ms, format!("GPU {d} SM clock at {:.0}% of its working clock at arrival{p}; {ms:.0} ms to ramp up", at * 100.0)));
+                ramp =
+                    Some((ms, format!("GPU {d} SM clock at {:.0}% of its working clock at arrival{p}; {ms:.0} ms to ramp up", at * 100.0)));
             }
         }
     }
     if let Some((ms, at)) = ramp_ms(around(w.cpu_clocks, |c| c.0, from, until), from, until)
-        && ramp.as_ref().is_none_or(|r| ms > r.0) {
-            ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
-        }
+        && ramp.as_ref().is_none_or(|r| ms > r.0)
+    {
+        ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
+    }
     let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - load).max(0.0)));
     let compute = (prompt + generated).min((ttft - disk - memory - load - power).max(0.0));
     let known = disk + memory + load + power + compute;
@@ -328,7 +340,10 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
         v.evidence.push(format!("{disk:.0} ms blocked on disk before the first token; {} read: {}", mib(read), files.join(", ")));
     }
     for (t, p) in &loaded {
-        v.evidence.push(format!("{p} was mapped {:.0} ms after arrival and read from disk: a model (re)load", t.saturating_sub(from) as f64 / 1e6));
+        v.evidence.push(format!(
+            "{p} was mapped {:.0} ms after arrival and read from disk: a model (re)load",
+            t.saturating_sub(from) as f64 / 1e6
+        ));
     }
     if memory > 0.0 {
         v.evidence.push(format!("{memory:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)"));
@@ -337,7 +352,10 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
         v.evidence.push(format!("{queue:.0} ms waiting while other requests were served"));
     }
     if compute >= 1.0 {
-        v.evidence.push(format!("{compute:.0} ms of prompt processing{} (server's timings)", if generated > 0.0 { " and generation" } else { "" }));
+        v.evidence.push(format!(
+            "{compute:.0} ms of prompt processing{} (server's timings)",
+            if generated > 0.0 { " and generation" } else { "" }
+        ));
     }
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
     let candidates = [("disk", disk), ("memory", memory), ("load", load), ("power", power), ("queue", queue)];
@@ -359,7 +377,14 @@ mod tests {
     use crate::stream::payload::Stop;
 
     fn req(ttft: f64) -> RequestRecord {
-        RequestRecord { ttft_ms: Some(ttft), content_complete: true, transport_complete: true, closed_by: "none".into(), status: Some(200), ..Default::default() }
+        RequestRecord {
+            ttft_ms: Some(ttft),
+            content_complete: true,
+            transport_complete: true,
+            closed_by: "none".into(),
+            status: Some(200),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -407,7 +432,8 @@ mod tests {
         let mut q = req(400.0);
         q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 380.0}));
         // GPU 0 idles at 20% until 150 ms after arrival; GPU 1 is never used (stays low).
-        let mut gpu: Vec<(u64, u32, f64, Option<u32>)> = (0..10).map(|i| (i * 50 * ms, 0, if i < 5 { 0.2 } else { 1.0 }, Some(if i < 5 { 8 } else { 0 }))).collect();
+        let mut gpu: Vec<(u64, u32, f64, Option<u32>)> =
+            (0..10).map(|i| (i * 50 * ms, 0, if i < 5 { 0.2 } else { 1.0 }, Some(if i < 5 { 8 } else { 0 }))).collect();
         gpu.extend((0..10).map(|i| (i * 50 * ms, 1, 0.1, Some(8))));
         let w = Window { arrival_ns: 100 * ms, gpu_clocks: &gpu, offcpu_probe: true, ..Default::default() };
         let v = attribute(&q, &w);

@@ -24,12 +24,8 @@ fn kernel_record_kinds_and_sizes() {
 #[test]
 fn userspace_record_types() {
     let doc = page();
-    let listed: Vec<String> = doc
-        .lines()
-        .filter_map(|l| l.strip_prefix("- `"))
-        .filter_map(|l| l.split('`').next())
-        .map(String::from)
-        .collect();
+    let listed: Vec<String> =
+        doc.lines().filter_map(|l| l.strip_prefix("- `")).filter_map(|l| l.split('`').next()).map(String::from).collect();
     assert_eq!(listed, USER_RECORD_TYPES, "the userspace record types in docs/recording.md differ from recording::USER_RECORD_TYPES");
 }
 

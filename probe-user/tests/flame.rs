@@ -56,7 +56,10 @@ fn svg_is_deterministic() {
 #[test]
 fn wait_classes_come_from_the_kernel_stack() {
     let k = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "io_schedule", "folio_wait_bit_common", "filemap_fault", "handle_mm_fault"])), "[page-fault wait]");
+    assert_eq!(
+        probe_user::ksyms::wait_class(&k(&["__schedule", "io_schedule", "folio_wait_bit_common", "filemap_fault", "handle_mm_fault"])),
+        "[page-fault wait]"
+    );
     assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "io_schedule_timeout", "__iomap_dio_rw"])), "[io wait]");
     assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "futex_wait"])), "[lock wait]");
     assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "do_nanosleep", "hrtimer_nanosleep"])), "[sleep]");

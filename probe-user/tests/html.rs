@@ -46,7 +46,16 @@ fn browse(page: &Path) -> String {
     let (out, err) = (dir.join("chromium.out"), dir.join("chromium.err"));
     let t = Instant::now();
     let mut child = Command::new(chromium())
-        .args(["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=3000", "--dump-dom"])
+        .args([
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=3000",
+            "--dump-dom",
+        ])
         .arg(format!("--user-data-dir={}", dir.join("chromium-profile").display()))
         .arg(format!("file://{}", page.display()))
         .stdin(Stdio::null())
@@ -72,7 +81,11 @@ fn browse(page: &Path) -> String {
     if let Some(i) = dom.find("data-errors=") {
         panic!("the page's error hooks fired: {}", &dom[i..dom.len().min(i + 400)]);
     }
-    assert!(dom.contains("data-rendered=\"ok\""), "the page's load marker is missing: did its script run?\n{}", &dom[..dom.len().min(2000)]);
+    assert!(
+        dom.contains("data-rendered=\"ok\""),
+        "the page's load marker is missing: did its script run?\n{}",
+        &dom[..dom.len().min(2000)]
+    );
     dom
 }
 
@@ -90,7 +103,12 @@ fn llama_server_recording_renders() {
     let page = std::fs::read_to_string(&path).unwrap();
     eprintln!("report.html of the llama-server recording: {} bytes", page.len());
     // A verdict row per request, with its cause and its TTFT split.
-    for (id, req, stop) in [(1, "POST /v1/chat/completions", "requested limit"), (2, "POST /completion", "requested limit"), (3, "POST /v1/chat/completions", "client disconnect"), (4, "POST /v1/chat/completions", "requested limit")] {
+    for (id, req, stop) in [
+        (1, "POST /v1/chat/completions", "requested limit"),
+        (2, "POST /completion", "requested limit"),
+        (3, "POST /v1/chat/completions", "client disconnect"),
+        (4, "POST /v1/chat/completions", "requested limit"),
+    ] {
         let at = page.find(&format!("<tr id=\"request-{id}\">")).unwrap_or_else(|| panic!("no verdict row for request {id}"));
         let row = &page[at..at + page[at..].find("</tr>").unwrap()];
         assert!(row.contains(req) && row.contains(stop) && row.contains("<svg class=\"bar\""), "{row}");

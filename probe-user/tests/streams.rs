@@ -32,7 +32,14 @@ fn run(name: &str) -> Vec<RequestRecord> {
                 "close" => (TCP_LAST_ACK, TCP_CLOSE),
                 other => panic!("unknown sock step {other}"),
             };
-            t.on_sock(&SockEvent { hdr: hdr(EventKind::Sock), skaddr: SK, what: SOCK_STATE, oldstate: old, newstate: new, ..Default::default() });
+            t.on_sock(&SockEvent {
+                hdr: hdr(EventKind::Sock),
+                skaddr: SK,
+                what: SOCK_STATE,
+                oldstate: old,
+                newstate: new,
+                ..Default::default()
+            });
             continue;
         }
         let data = s["data"].as_str().unwrap().as_bytes();

@@ -10,15 +10,20 @@ use std::{
 
 /// The `probe` binary: $PROBE_BIN (set by `cargo xtask test`) or target/release/probe.
 pub fn probe_bin() -> PathBuf {
-    let p = std::env::var_os("PROBE_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe"));
+    let p = std::env::var_os("PROBE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/probe"));
     assert!(p.exists(), "{} not found: run `cargo xtask test` (builds it) or set PROBE_BIN", p.display());
     p
 }
 
 /// A running `probe trace`, started with `args` and returned once it printed "armed in":
 /// the child, its later stderr lines, and the armed line (which lists the live probes).
+// The child is returned to the caller, who waits for it.
+#[allow(clippy::zombie_processes)]
 pub fn start_trace(args: &[&str]) -> (Child, mpsc::Receiver<String>, String) {
-    let mut child = Command::new(probe_bin()).arg("trace").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn probe");
+    let mut child =
+        Command::new(probe_bin()).arg("trace").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn probe");
     let err = child.stderr.take().expect("stderr");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -37,7 +42,10 @@ pub fn start_trace(args: &[&str]) -> (Child, mpsc::Receiver<String>, String) {
 
 /// A path from the environment (`cargo xtask test` sets LLAMA_SERVER and LLAMA_MODEL).
 pub fn env_path(name: &str) -> PathBuf {
-    let p = PathBuf::from(std::env::var_os(name).unwrap_or_else(|| panic!("{name} is not set: run the tests with `cargo xtask test`, which builds llama-server and the model")));
+    let p =
+        PathBuf::from(std::env::var_os(name).unwrap_or_else(|| {
+            panic!("{name} is not set: run the tests with `cargo xtask test`, which builds llama-server and the model")
+        }));
     assert!(p.exists(), "{name}={} does not exist", p.display());
     p
 }
@@ -99,10 +107,28 @@ pub fn assert_report_is_the_same_offline(dir: &std::path::Path) {
     let at_trace: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("report.json")).unwrap();
     let bin = probe_bin();
     let ways: [(&str, Vec<String>); 2] = [
-        ("as nobody", vec!["setpriv".into(), "--reuid=65534".into(), "--regid=65534".into(), "--clear-groups".into(), bin.display().to_string(), "report".into(), dir.display().to_string(), "--json".into()]),
+        (
+            "as nobody",
+            vec![
+                "setpriv".into(),
+                "--reuid=65534".into(),
+                "--regid=65534".into(),
+                "--clear-groups".into(),
+                bin.display().to_string(),
+                "report".into(),
+                dir.display().to_string(),
+                "--json".into(),
+            ],
+        ),
         (
             "without kallsyms",
-            vec!["unshare".into(), "-m".into(), "sh".into(), "-c".into(), format!("mount --bind /dev/null /proc/kallsyms && exec {} report {} --json", bin.display(), dir.display())],
+            vec![
+                "unshare".into(),
+                "-m".into(),
+                "sh".into(),
+                "-c".into(),
+                format!("mount --bind /dev/null /proc/kallsyms && exec {} report {} --json", bin.display(), dir.display()),
+            ],
         ),
     ];
     for (how, argv) in ways {
@@ -110,7 +136,8 @@ pub fn assert_report_is_the_same_offline(dir: &std::path::Path) {
         assert!(out.status.code().is_some_and(|c| c <= 1), "{how}: probe report failed: {}", String::from_utf8_lossy(&out.stderr));
         let again: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{how}: not JSON: {e}"));
         if again != at_trace {
-            let keys: Vec<&String> = at_trace.as_object().unwrap().iter().filter(|(k, v)| again.get(k.as_str()) != Some(v)).map(|(k, _)| k).collect();
+            let keys: Vec<&String> =
+                at_trace.as_object().unwrap().iter().filter(|(k, v)| again.get(k.as_str()) != Some(v)).map(|(k, _)| k).collect();
             panic!("the report recomputed {how} differs from the one written at trace time in {keys:?}");
         }
     }
@@ -137,12 +164,27 @@ impl Nginx {
                server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://{upstream}; proxy_http_version 1.1; proxy_buffering off; proxy_read_timeout {timeout_s}s; }} }} }}\n"
         );
         std::fs::write(dir.join("nginx.conf"), conf).unwrap();
-        let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| std::path::Path::new(p).exists()).expect("nginx is not installed: run scripts/setup.sh");
-        let child = Command::new(bin).arg("-p").arg(&dir).arg("-c").arg(dir.join("nginx.conf")).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("nginx is not installed: run scripts/setup.sh");
+        let child = Command::new(bin)
+            .arg("-p")
+            .arg(&dir)
+            .arg("-c")
+            .arg(dir.join("nginx.conf"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         let gw = Nginx { child, addr: format!("127.0.0.1:{port}").parse().unwrap() };
         let t = std::time::Instant::now();
         while !healthy(gw.addr) {
-            assert!(t.elapsed() < Duration::from_secs(20), "nginx did not come up: {}", std::fs::read_to_string(dir.join("error.log")).unwrap_or_default());
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "nginx did not come up: {}",
+                std::fs::read_to_string(dir.join("error.log")).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         gw
@@ -177,7 +219,8 @@ pub fn read_report(dir: &std::path::Path) -> serde_json::Value {
         }
     }
     let again = Command::new(probe_bin()).args(["report", "--json"]).arg(dir).output().unwrap();
-    let streamed: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap_or_else(|e| panic!("probe report --json {}: {e}: {}", dir.display(), String::from_utf8_lossy(&again.stderr)));
+    let streamed: serde_json::Value = serde_json::from_slice(&again.stdout)
+        .unwrap_or_else(|e| panic!("probe report --json {}: {e}: {}", dir.display(), String::from_utf8_lossy(&again.stderr)));
     assert_eq!(streamed, written, "{}: the streamed report differs from the one probe trace wrote", dir.display());
     written
 }

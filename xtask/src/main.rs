@@ -77,7 +77,12 @@ fn script_vars(script: &str, env: &[(&str, &str)], keys: &[&str]) -> anyhow::Res
     }
     let text = String::from_utf8_lossy(&out.stdout);
     keys.iter()
-        .map(|k| text.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(String::from).with_context(|| format!("{script} printed no {k}")))
+        .map(|k| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                .map(String::from)
+                .with_context(|| format!("{script} printed no {k}"))
+        })
         .collect()
 }
 
@@ -176,7 +181,11 @@ fn wait_for(path: &Path, limit: Duration) -> anyhow::Result<()> {
 /// after `cut_after` SSE events. Returns (status line, SSE events read).
 fn http(addr: &str, path: &str, body: &str, cut_after: Option<usize>) -> anyhow::Result<(String, usize)> {
     let mut s = std::net::TcpStream::connect(addr)?;
-    write!(s, "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     loop {
@@ -222,10 +231,19 @@ fn demo() -> anyhow::Result<()> {
         let rec = dir.join("recording");
         let mut probe = Command::new(bin("probe")).args(["trace", "--pid", &srv.id().to_string(), "--out"]).arg(&rec).spawn()?;
         wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
-        let chat = |n: u32, stream: bool| format!(r#"{{"messages":[{{"role":"user","content":"Write a short story about a lighthouse."}}],"max_tokens":{n},"stream":{stream},"temperature":0}}"#);
+        let chat = |n: u32, stream: bool| {
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"Write a short story about a lighthouse."}}],"max_tokens":{n},"stream":{stream},"temperature":0}}"#
+            )
+        };
         let steps: [(&str, String, Option<usize>, &str); 4] = [
             ("/v1/chat/completions", chat(32, true), None, "streamed chat, max_tokens 32"),
-            ("/completion", r#"{"prompt":"The lighthouse keeper","n_predict":16,"stream":true}"#.to_string(), None, "native /completion, n_predict 16"),
+            (
+                "/completion",
+                r#"{"prompt":"The lighthouse keeper","n_predict":16,"stream":true}"#.to_string(),
+                None,
+                "native /completion, n_predict 16",
+            ),
             ("/v1/chat/completions", chat(200, true), Some(5), "streamed chat, the client leaves after 5 events"),
             ("/v1/chat/completions", chat(12, false), None, "non-streamed chat, max_tokens 12"),
         ];
@@ -292,8 +310,12 @@ fn bench() -> anyhow::Result<()> {
         p.wait()?;
     }
     let _ = sleeper.kill();
-    println!("start to armed (10 runs): median {:.1} ms wall (spawn → \"armed\"), {:.1} ms inside probe; max {:.1} ms",
-        median(wall.clone()), median(inner), wall.iter().cloned().fold(0.0, f64::max));
+    println!(
+        "start to armed (10 runs): median {:.1} ms wall (spawn → \"armed\"), {:.1} ms inside probe; max {:.1} ms",
+        median(wall.clone()),
+        median(inner),
+        wall.iter().cloned().fold(0.0, f64::max)
+    );
 
     // 2. High event rate: mmap+munmap in a tight loop (2 records per iteration), untraced
     //    then traced, in this one invocation.
@@ -370,7 +392,11 @@ fn sizes(dir: &Path, stacks: bool) -> anyhow::Result<String> {
     let (mut parts, mut n, mut bytes) = (vec![], 0u64, 0u64);
     for l in String::from_utf8_lossy(&out.stdout).lines().skip(1) {
         let f: Vec<&str> = l.split_whitespace().collect();
-        let (Some(k), Some(c), Some(b), Some(per)) = (f.first(), f.get(1).and_then(|v| v.parse::<u64>().ok()), f.get(2).and_then(|v| v.parse::<u64>().ok()), f.get(3)) else { continue };
+        let (Some(k), Some(c), Some(b), Some(per)) =
+            (f.first(), f.get(1).and_then(|v| v.parse::<u64>().ok()), f.get(2).and_then(|v| v.parse::<u64>().ok()), f.get(3))
+        else {
+            continue;
+        };
         if k.starts_with("json:") || (k.starts_with("stack:") && !stacks) {
             continue;
         }
@@ -409,8 +435,13 @@ fn bench_report(dir: &Path) -> anyhow::Result<()> {
     match rec {
         Ok(s) if s.success() => {
             let (psecs, prss) = timed(Command::new("perf").args(["report", "--stdio", "-i"]).arg(&data))?;
-            println!("  perf report --stdio on {} page-fault samples: {psecs:.2} s, peak RSS {:.0} MB; probe/perf: {:.2}× the time, {:.2}× the memory",
-                EVENTS / 65536 * 65536 + 65536, prss / 1e6, secs / psecs.max(1e-9), rss / prss.max(1.0));
+            println!(
+                "  perf report --stdio on {} page-fault samples: {psecs:.2} s, peak RSS {:.0} MB; probe/perf: {:.2}× the time, {:.2}× the memory",
+                EVENTS / 65536 * 65536 + 65536,
+                prss / 1e6,
+                secs / psecs.max(1e-9),
+                rss / prss.max(1.0)
+            );
         }
         _ => println!("  perf record did not run here (perf missing or not permitted): no reference figure"),
     }
@@ -475,7 +506,11 @@ fn bench_llama(dir: &Path) -> anyhow::Result<()> {
         println!("  untraced: median {p:.1} tokens/s {plain:.1?}");
         println!("  traced:   median {t:.1} tokens/s {traced:.1?}  (all probes, 99 Hz CPU stacks)");
         println!("  ratio traced/untraced: {:.3} (medians), {:.3} (median of the 8 pairs {pairs:.3?})", t / p, median(pairs.clone()));
-        println!("  unwinding: median {:.1} us per stack ({samples} CPU samples); loading unwind tables: median {:.1} ms per trace", median(unwind_us), median(load_ms));
+        println!(
+            "  unwinding: median {:.1} us per stack ({samples} CPU samples); loading unwind tables: median {:.1} ms per trace",
+            median(unwind_us),
+            median(load_ms)
+        );
         Ok(())
     })();
     let _ = srv.kill();

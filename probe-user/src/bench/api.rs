@@ -199,7 +199,9 @@ pub fn tokenize(url: &Url, text: &str, model: Option<&str>) -> Option<u64> {
         body["model"] = json!(m);
     }
     match request(url, "POST", "/tokenize", Some(&body.to_string()), T) {
-        Ok((200, b)) => serde_json::from_slice::<Value>(&b).ok().and_then(|v| v["count"].as_u64().or(v["tokens"].as_array().map(|t| t.len() as u64))),
+        Ok((200, b)) => {
+            serde_json::from_slice::<Value>(&b).ok().and_then(|v| v["count"].as_u64().or(v["tokens"].as_array().map(|t| t.len() as u64)))
+        }
         _ => None,
     }
 }
@@ -216,8 +218,24 @@ pub fn parse_prometheus(text: &str) -> BTreeMap<String, f64> {
 /// Counters worth a before/after per level: preemptions, KV cache use, waiting/deferred
 /// requests, tokens; and free VRAM where NVML sees a GPU.
 pub fn wanted(name: &str) -> bool {
-    let keys = ["preempt", "kv_cache", "cache_usage", "deferred", "waiting", "running", "processing", "tokens_total", "predicted_total", "n_tokens_max", "busy_slots"];
-    (name.starts_with("llamacpp:") || name.starts_with("vllm:")) && !name.contains("spec_decode") && !name.ends_with("_bucket") && !name.ends_with("_created") && keys.iter().any(|k| name.contains(k))
+    let keys = [
+        "preempt",
+        "kv_cache",
+        "cache_usage",
+        "deferred",
+        "waiting",
+        "running",
+        "processing",
+        "tokens_total",
+        "predicted_total",
+        "n_tokens_max",
+        "busy_slots",
+    ];
+    (name.starts_with("llamacpp:") || name.starts_with("vllm:"))
+        && !name.contains("spec_decode")
+        && !name.ends_with("_bucket")
+        && !name.ends_with("_created")
+        && keys.iter().any(|k| name.contains(k))
 }
 
 /// A snapshot of the server's own counters; `notes` says which endpoints did not answer.
@@ -281,7 +299,10 @@ mod tests {
         assert_eq!(prompt_stats(&s), (Some(6), Some(12.5)));
         s.usage = Some(json!({"completion_tokens": 10, "prompt_tokens": 6}));
         assert_eq!(output_tokens(&s, 7), (10, "usage"));
-        let o = Stop { server_timings: Some(json!({"eval_count": 4, "prompt_eval_count": 3, "prompt_eval_duration": 2e6})), ..Default::default() };
+        let o = Stop {
+            server_timings: Some(json!({"eval_count": 4, "prompt_eval_count": 3, "prompt_eval_duration": 2e6})),
+            ..Default::default()
+        };
         assert_eq!(output_tokens(&o, 1), (4, "eval_count"));
         assert_eq!(prompt_stats(&o), (Some(3), Some(2.0)));
     }
@@ -291,7 +312,10 @@ mod tests {
         let s = Sampling { max_tokens: 32, seed: 7, temperature: 0.0, ignore_eos: true, model: Some("m".into()) };
         let (p, b) = Api::Llamacpp.generate("hi", &s);
         let v: Value = serde_json::from_str(&b).unwrap();
-        assert_eq!((p, v["n_predict"].as_u64(), v["seed"].as_u64(), v["ignore_eos"].as_bool()), ("/completion", Some(32), Some(7), Some(true)));
+        assert_eq!(
+            (p, v["n_predict"].as_u64(), v["seed"].as_u64(), v["ignore_eos"].as_bool()),
+            ("/completion", Some(32), Some(7), Some(true))
+        );
         let (p, b) = Api::Ollama.generate("hi", &s);
         let v: Value = serde_json::from_str(&b).unwrap();
         assert_eq!((p, v["options"]["num_predict"].as_u64(), v["model"].as_str()), ("/api/generate", Some(32), Some("m")));

@@ -162,6 +162,9 @@ mod tests {
         assert!(parse_idle("5x").is_err());
         assert_eq!(parse_secs("300").unwrap(), Duration::from_secs(300));
         assert_eq!(parse_secs("2m").unwrap(), Duration::from_secs(120));
-        assert_eq!((label(Duration::ZERO), label(Duration::from_secs(5)), label(Duration::from_secs(600)), label(Duration::from_millis(1500))), ("0s".into(), "5s".into(), "10m".into(), "1500ms".into()));
+        assert_eq!(
+            (label(Duration::ZERO), label(Duration::from_secs(5)), label(Duration::from_secs(600)), label(Duration::from_millis(1500))),
+            ("0s".into(), "5s".into(), "10m".into(), "1500ms".into())
+        );
     }
 }

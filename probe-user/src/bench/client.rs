@@ -99,7 +99,11 @@ pub fn stream(url: &Url, path: &str, body: &str, deadline: Duration) -> Exchange
         let _ = s.set_read_timeout(Some(left.min(Duration::from_millis(200))));
         let n = match s.read(&mut chunk) {
             Ok(n) => n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => continue,
+            Err(e)
+                if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) =>
+            {
+                continue;
+            }
             Err(e) => {
                 x.disconnected = true;
                 x.transport_error = Some(format!("connection to {addr} failed while reading: {e}"));
@@ -268,7 +272,8 @@ mod tests {
         let t = std::time::Instant::now();
         let x = stream(&stall, "/completion", "{}", Duration::from_millis(300));
         assert!(x.deadline_hit && t.elapsed() < Duration::from_secs(2), "{x:?}");
-        let body = "{\"error\":{\"code\":400,\"message\":\"the request exceeds the available context size\",\"type\":\"invalid_request_error\"}}";
+        let body =
+            "{\"error\":{\"code\":400,\"message\":\"the request exceeds the available context size\",\"type\":\"invalid_request_error\"}}";
         let text = format!("HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
         let x = stream(&serve(vec![text], Duration::ZERO, Duration::ZERO), "/completion", "{}", Duration::from_secs(5));
         assert_eq!((x.status, x.complete), (Some(400), true));

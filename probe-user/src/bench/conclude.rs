@@ -30,11 +30,14 @@ fn ms(v: Option<f64>) -> String {
 
 /// Why requests at a level stopped short: the leading non-normal stop reason with its count.
 fn short_stop(l: &Level, slot_ctx: Option<u64>) -> Option<String> {
-    let abnormal: BTreeMap<String, u64> = l.stops.iter().filter(|(k, _)| !["eos", "requested_limit"].contains(&k.as_str())).map(|(k, v)| (k.clone(), *v)).collect();
+    let abnormal: BTreeMap<String, u64> =
+        l.stops.iter().filter(|(k, _)| !["eos", "requested_limit"].contains(&k.as_str())).map(|(k, v)| (k.clone(), *v)).collect();
     let (stop, n) = most(&abnormal)?;
     let pool = l.server_limits.get("kv_pool").copied().unwrap_or(0);
     let ctx = match (stop, slot_ctx) {
-        ("server_limit", Some(c)) if pool * 2 > n => format!(" (the KV pool the slots share ran out, well below the {c}-token slot context)"),
+        ("server_limit", Some(c)) if pool * 2 > n => {
+            format!(" (the KV pool the slots share ran out, well below the {c}-token slot context)")
+        }
         ("server_limit", Some(c)) => format!(" ({c}-token slot context)"),
         _ => String::new(),
     };
@@ -69,7 +72,13 @@ pub fn conclude(levels: &[Level], rows: &[Row], slot_ctx: Option<u64>) -> Vec<St
 fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
     let base = ls[0];
     if ls.len() == 1 {
-        out.push(format!("concurrency {} only (nothing to compare): {} output tokens on average, TTFT median {}; stop reasons: {}", base.level, base.output_tokens_mean.map_or("?".into(), |o| format!("{o:.0}")), ms(base.ttft_ms_p50), mix(base)));
+        out.push(format!(
+            "concurrency {} only (nothing to compare): {} output tokens on average, TTFT median {}; stop reasons: {}",
+            base.level,
+            base.output_tokens_mean.map_or("?".into(), |o| format!("{o:.0}")),
+            ms(base.ttft_ms_p50),
+            mix(base)
+        ));
         out.extend(short_stop(base, slot_ctx).map(|s| format!("at concurrency {}: {s}", base.level)));
         return;
     }
@@ -79,8 +88,12 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
         let o = l.output_tokens_mean.unwrap_or(0.0);
         if base_out > 0.0 && o < 0.9 * base_out {
             changed = true;
-            let why = short_stop(l, slot_ctx).unwrap_or_else(|| format!("stop reasons unchanged ({}): the model chose shorter answers", mix(l)));
-            out.push(format!("output length falls at concurrency {}: {o:.0} tokens on average against {base_out:.0} at {}; {why}", l.level, base.level));
+            let why =
+                short_stop(l, slot_ctx).unwrap_or_else(|| format!("stop reasons unchanged ({}): the model chose shorter answers", mix(l)));
+            out.push(format!(
+                "output length falls at concurrency {}: {o:.0} tokens on average against {base_out:.0} at {}; {why}",
+                l.level, base.level
+            ));
         } else if l.errors + l.rejected + l.deadline_hits > 0 && base.errors + base.rejected + base.deadline_hits == 0 {
             changed = true;
             out.push(format!("errors appear at concurrency {}: {}", l.level, short_stop(l, slot_ctx).unwrap_or_else(|| mix(l))));
@@ -90,7 +103,14 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
             && b - a >= 20.0
         {
             changed = true;
-            out.push(format!("TTFT rises at concurrency {}: median {} against {} at {}{}", l.level, ms(Some(b)), ms(Some(a)), base.level, verdicts(l)));
+            out.push(format!(
+                "TTFT rises at concurrency {}: median {} against {} at {}{}",
+                l.level,
+                ms(Some(b)),
+                ms(Some(a)),
+                base.level,
+                verdicts(l)
+            ));
         }
     }
     if !changed {
@@ -136,7 +156,13 @@ fn prompt(ls: &[&Level], rows: &[Row], slot_ctx: Option<u64>, out: &mut Vec<Stri
                 && b > 1.5 * a
                 && b - a >= 20.0
             {
-                out.push(format!("prompt bucket {bucket}: TTFT rises from {} at 1 user to {} at {}{}", ms(Some(a)), ms(Some(b)), l.concurrency, verdicts(l)));
+                out.push(format!(
+                    "prompt bucket {bucket}: TTFT rises from {} at 1 user to {} at {}{}",
+                    ms(Some(a)),
+                    ms(Some(b)),
+                    l.concurrency,
+                    verdicts(l)
+                ));
             }
             if let Some(s) = short_stop(l, slot_ctx).filter(|_| short_stop(one, slot_ctx).is_none()) {
                 out.push(format!("prompt bucket {bucket} at concurrency {}: {s}", l.concurrency));
@@ -153,7 +179,14 @@ fn split_words(rows: &[Row], l: &Level) -> Option<String> {
     }
     let n = splits.len() as f64;
     let avg = |g: &dyn Fn(&crate::verdict::Split) -> f64| splits.iter().map(g).sum::<f64>() / n;
-    let mut parts = [("disk", avg(&|s| s.disk)), ("load", avg(&|s| s.load)), ("memory", avg(&|s| s.memory)), ("queue", avg(&|s| s.queue)), ("compute", avg(&|s| s.compute)), ("unexplained", avg(&|s| s.unexplained))];
+    let mut parts = [
+        ("disk", avg(&|s| s.disk)),
+        ("load", avg(&|s| s.load)),
+        ("memory", avg(&|s| s.memory)),
+        ("queue", avg(&|s| s.queue)),
+        ("compute", avg(&|s| s.compute)),
+        ("unexplained", avg(&|s| s.unexplained)),
+    ];
     parts.sort_by(|a, b| b.1.total_cmp(&a.1));
     let words: Vec<String> = parts.iter().filter(|p| p.1 >= 1.0).map(|(k, v)| format!("{k} {v:.0} ms")).collect();
     (!words.is_empty()).then(|| words.join(", "))
@@ -164,7 +197,11 @@ fn idle(ls: &[&Level], rows: &[Row], out: &mut Vec<String>) {
     let shortest = ls.iter().filter_map(|l| l.idle_s).fold(f64::INFINITY, f64::min);
     let refs: Vec<&&Level> = ls.iter().filter(|l| l.idle_s == Some(shortest)).collect();
     let distinct = ls.iter().any(|l| l.idle_s != Some(shortest));
-    let base = if distinct { refs.iter().filter_map(|l| l.ttft_ms_p50).fold(f64::INFINITY, f64::min) } else { ls.iter().filter_map(|l| l.ttft_ms_p50).fold(f64::INFINITY, f64::min) };
+    let base = if distinct {
+        refs.iter().filter_map(|l| l.ttft_ms_p50).fold(f64::INFINITY, f64::min)
+    } else {
+        ls.iter().filter_map(|l| l.ttft_ms_p50).fold(f64::INFINITY, f64::min)
+    };
     let base_label = if distinct { refs.first().map(|l| format!("after {}", l.level)).unwrap_or_default() } else { "at best".into() };
     for l in ls {
         let Some(t) = l.ttft_ms_p50 else {
@@ -207,9 +244,17 @@ mod tests {
 
     #[test]
     fn falling_output_is_explained_by_its_stop_reason() {
-        let ls = vec![level("concurrency", "1", 300.0, &[("requested_limit", 4)], 20.0), level("concurrency", "4", 120.0, &[("server_limit", 3), ("requested_limit", 1)], 25.0)];
+        let ls = vec![
+            level("concurrency", "1", 300.0, &[("requested_limit", 4)], 20.0),
+            level("concurrency", "4", 120.0, &[("server_limit", 3), ("requested_limit", 1)], 25.0),
+        ];
         let c = conclude(&ls, &[], Some(256));
-        assert_eq!(c, vec!["output length falls at concurrency 4: 120 tokens on average against 300 at 1; 3 of 4 requests stopped at a server-imposed limit (256-token slot context), not EOS"]);
+        assert_eq!(
+            c,
+            vec![
+                "output length falls at concurrency 4: 120 tokens on average against 300 at 1; 3 of 4 requests stopped at a server-imposed limit (256-token slot context), not EOS"
+            ]
+        );
         let mut pooled = ls.clone();
         pooled[1].server_limits.insert("kv_pool".into(), 3);
         let c = conclude(&pooled, &[], Some(1024));
@@ -223,9 +268,15 @@ mod tests {
         l4.slow_causes.insert("none".into(), 1);
         let ls = vec![level("concurrency", "1", 64.0, &[("eos", 4)], 20.0), l4];
         let c = conclude(&ls, &[], None);
-        assert_eq!(c, vec!["TTFT rises at concurrency 4: median 400 ms against 20 ms at 1; traced: 3 of 4 first tokens were slow for queue"]);
+        assert_eq!(
+            c,
+            vec!["TTFT rises at concurrency 4: median 400 ms against 20 ms at 1; traced: 3 of 4 first tokens were slow for queue"]
+        );
         let steady = vec![level("concurrency", "1", 64.0, &[("eos", 2)], 20.0), level("concurrency", "2", 63.0, &[("eos", 2)], 22.0)];
-        assert_eq!(conclude(&steady, &[], None), vec!["concurrency 1..2: output length and TTFT hold (63..64 tokens); stop reasons at 1: 2 eos"]);
+        assert_eq!(
+            conclude(&steady, &[], None),
+            vec!["concurrency 1..2: output length and TTFT hold (63..64 tokens); stop reasons at 1: 2 eos"]
+        );
     }
 
     #[test]
@@ -235,7 +286,10 @@ mod tests {
         b.rejected = 1;
         b.ttft_ms_p50 = None;
         let rows = vec![Row { sweep: "prompt".into(), level: "16384 @1".into(), status: Some(400), ..Default::default() }];
-        assert_eq!(conclude(&[b], &rows, Some(1024)), vec!["prompt bucket 16384 was rejected by the server (HTTP 400): longer than the 1024-token slot context"]);
+        assert_eq!(
+            conclude(&[b], &rows, Some(1024)),
+            vec!["prompt bucket 16384 was rejected by the server (HTTP 400): longer than the 1024-token slot context"]
+        );
         let mut cold = level("idle", "5s", 8.0, &[("requested_limit", 1)], 700.0);
         cold.idle_s = Some(5.0);
         cold.slow_causes.insert("disk".into(), 1);
@@ -244,7 +298,13 @@ mod tests {
         warm.idle_s = Some(0.0);
         let split = Split { disk: 600.0, compute: 40.0, unexplained: 60.0, ..Default::default() };
         cold.seq = 1;
-        let rows = vec![Row { sweep: "idle".into(), level: "5s".into(), seq: 1, verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: "disk".into(), ..Default::default() }), ..Default::default() }];
+        let rows = vec![Row {
+            sweep: "idle".into(),
+            level: "5s".into(),
+            seq: 1,
+            verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: "disk".into(), ..Default::default() }),
+            ..Default::default()
+        }];
         let c = conclude(&[warm, cold], &rows, None);
         assert_eq!(c[0], "after 0s idle: TTFT 20 ms");
         assert_eq!(

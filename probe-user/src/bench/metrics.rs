@@ -12,13 +12,25 @@ use crate::verdict::Split;
 pub const DEFINITIONS: &[(&str, &str)] = &[
     ("TTFT", "time to first token: request sent -> first streamed message carrying content, client side (ms)"),
     ("E2E", "end-to-end latency: request sent -> last response byte (ms)"),
-    ("ITL", "inter-token latency: gaps between consecutive content messages; level percentiles pool every gap of every request (as vllm bench serve does) (ms)"),
+    (
+        "ITL",
+        "inter-token latency: gaps between consecutive content messages; level percentiles pool every gap of every request (as vllm bench serve does) (ms)",
+    ),
     ("TPOT", "time per output token after the first: (E2E - TTFT) / (output tokens - 1), per request, then averaged (ms)"),
-    ("output tokens", "usage.completion_tokens, else timings.predicted_n (llama.cpp), else eval_count (Ollama), else counted content messages; each row says which"),
+    (
+        "output tokens",
+        "usage.completion_tokens, else timings.predicted_n (llama.cpp), else eval_count (Ollama), else counted content messages; each row says which",
+    ),
     ("prompt tok/s", "prompt tokens / the server's prompt time (timings.prompt_ms or prompt_eval_duration), else prompt tokens / TTFT"),
     ("output tok/s", "per request: (output tokens - 1) / (E2E - TTFT); per level (throughput): all output tokens / the level's wall time"),
-    ("goodput", "requests per second of the level's wall time that completed without error and met the TTFT and TPOT targets (--goodput-ttft-ms, --goodput-tpot-ms; no target = only 'completed')"),
-    ("queue", "with a trace: the verdict's queue share of TTFT (waiting while other requests were served); servers do not report a per-request queue time in their streams"),
+    (
+        "goodput",
+        "requests per second of the level's wall time that completed without error and met the TTFT and TPOT targets (--goodput-ttft-ms, --goodput-tpot-ms; no target = only 'completed')",
+    ),
+    (
+        "queue",
+        "with a trace: the verdict's queue share of TTFT (waiting while other requests were served); servers do not report a per-request queue time in their streams",
+    ),
 ];
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -131,7 +143,10 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
     if s.truncated == Some(true) {
         return ("server_limit", format!("server-imposed limit{ctx}: truncated after {output} of {max_tokens} tokens (context ran out)"));
     }
-    let length = s.finish_reason.as_deref() == Some("length") || s.stop_type.as_deref() == Some("limit") || s.done_reason.as_deref() == Some("length") || s.stopped.as_deref() == Some("limit");
+    let length = s.finish_reason.as_deref() == Some("length")
+        || s.stop_type.as_deref() == Some("limit")
+        || s.done_reason.as_deref() == Some("length")
+        || s.stopped.as_deref() == Some("limit");
     if length {
         // One token of slack: some servers count the last token differently.
         return if max_tokens > 0 && output + 1 < max_tokens {
@@ -140,10 +155,17 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
             ("requested_limit", format!("the requested limit ({max_tokens} tokens)"))
         };
     }
-    if s.stop_type.as_deref() == Some("word") || s.stopped.as_deref() == Some("word") || s.stop_reason.as_ref().is_some_and(|r| r.is_string()) {
+    if s.stop_type.as_deref() == Some("word")
+        || s.stopped.as_deref() == Some("word")
+        || s.stop_reason.as_ref().is_some_and(|r| r.is_string())
+    {
         return ("stop_word", format!("a stop word after {output} tokens"));
     }
-    if s.finish_reason.as_deref() == Some("stop") || s.stop_type.as_deref() == Some("eos") || s.done_reason.as_deref() == Some("stop") || s.stopped.as_deref() == Some("eos") {
+    if s.finish_reason.as_deref() == Some("stop")
+        || s.stop_type.as_deref() == Some("eos")
+        || s.done_reason.as_deref() == Some("stop")
+        || s.stopped.as_deref() == Some("eos")
+    {
         return ("eos", format!("end of sequence after {output} tokens"));
     }
     ("unknown", format!("no stop information after {output} tokens"))
@@ -251,7 +273,16 @@ pub struct Slo {
 pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
     let first = rows.first().copied().cloned().unwrap_or_default();
     // Completed: a 2xx answer that ended without an error, deadline or disconnect.
-    let ok: Vec<&&Row> = rows.iter().filter(|r| r.status.is_some_and(|s| (200..300).contains(&s)) && r.error.is_none() && !r.deadline_hit && !r.disconnected && r.stop != "client_disconnect").collect();
+    let ok: Vec<&&Row> = rows
+        .iter()
+        .filter(|r| {
+            r.status.is_some_and(|s| (200..300).contains(&s))
+                && r.error.is_none()
+                && !r.deadline_hit
+                && !r.disconnected
+                && r.stop != "client_disconnect"
+        })
+        .collect();
     let f = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> { rows.iter().filter_map(|r| g(r)).collect() };
     let served: Vec<&&Row> = rows.iter().filter(|r| r.status.is_some_and(|s| s < 400)).collect();
     let outs: Vec<f64> = served.iter().map(|r| r.output_tokens as f64).collect();
@@ -271,7 +302,9 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
     }
     let good = ok
         .iter()
-        .filter(|r| slo.ttft_ms.is_none_or(|t| r.ttft_ms.is_some_and(|x| x <= t)) && slo.tpot_ms.is_none_or(|t| r.tpot_ms.is_none_or(|x| x <= t)))
+        .filter(|r| {
+            slo.ttft_ms.is_none_or(|t| r.ttft_ms.is_some_and(|x| x <= t)) && slo.tpot_ms.is_none_or(|t| r.tpot_ms.is_none_or(|x| x <= t))
+        })
         .count();
     let per_s = |n: f64| (duration_s > 0.0).then(|| n / duration_s);
     Level {
@@ -313,10 +346,46 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
 /// CSV of the rows (one line per request; verdict columns empty without a trace).
 pub fn csv(rows: &[Row]) -> String {
     let cols = [
-        "sweep", "level", "concurrency", "bucket_tokens", "idle_s", "layers", "index", "prompt_hash", "prompt_tokens", "prompt_tokens_source", "max_tokens", "output_tokens",
-        "output_tokens_source", "finish_reason", "truncated", "stop", "server_limit", "status", "error", "ttft_ms", "itl_p50_ms", "itl_max_ms", "tpot_ms", "e2e_ms", "queue_ms", "prompt_ms",
-        "prompt_tps", "output_tps", "deadline_hit", "disconnected", "sent_ms", "local_port", "server_pid", "model_resident_pct", "slow_cause", "verdict_stop_cause",
-        "ttft_disk_ms", "ttft_load_ms", "ttft_queue_ms", "ttft_compute_ms",
+        "sweep",
+        "level",
+        "concurrency",
+        "bucket_tokens",
+        "idle_s",
+        "layers",
+        "index",
+        "prompt_hash",
+        "prompt_tokens",
+        "prompt_tokens_source",
+        "max_tokens",
+        "output_tokens",
+        "output_tokens_source",
+        "finish_reason",
+        "truncated",
+        "stop",
+        "server_limit",
+        "status",
+        "error",
+        "ttft_ms",
+        "itl_p50_ms",
+        "itl_max_ms",
+        "tpot_ms",
+        "e2e_ms",
+        "queue_ms",
+        "prompt_ms",
+        "prompt_tps",
+        "output_tps",
+        "deadline_hit",
+        "disconnected",
+        "sent_ms",
+        "local_port",
+        "server_pid",
+        "model_resident_pct",
+        "slow_cause",
+        "verdict_stop_cause",
+        "ttft_disk_ms",
+        "ttft_load_ms",
+        "ttft_queue_ms",
+        "ttft_compute_ms",
     ];
     let mut out = cols.join(",");
     out.push('\n');
@@ -325,13 +394,46 @@ pub fn csv(rows: &[Row]) -> String {
     for r in rows {
         let split = r.verdict.as_ref().and_then(|v| v.ttft_ms.clone());
         let fields = [
-            r.sweep.clone(), r.level.clone(), r.concurrency.to_string(), n(r.bucket_tokens), o(r.idle_s), r.layers.join("+"), r.index.to_string(), r.prompt_hash.clone(),
-            n(r.prompt_tokens), r.prompt_tokens_source.clone(), r.max_tokens.to_string(), r.output_tokens.to_string(), r.output_tokens_source.clone(),
-            r.finish_reason.clone().unwrap_or_default(), r.truncated.map(|t| t.to_string()).unwrap_or_default(), r.stop.clone(), r.server_limit.clone().unwrap_or_default(), n(r.status.map(u64::from)),
-            r.error.clone().unwrap_or_default(), o(r.ttft_ms), o(r.itl_p50_ms), o(r.itl_max_ms), o(r.tpot_ms), o(r.e2e_ms), o(r.queue_ms), o(r.prompt_ms), o(r.prompt_tps),
-            o(r.output_tps), r.deadline_hit.to_string(), r.disconnected.to_string(), format!("{:.3}", r.sent_ms), n(r.local_port.map(u64::from)), n(r.server_pid.map(u64::from)),
-            o(r.model_resident_pct), r.verdict.as_ref().map(|v| v.slow_cause.clone()).unwrap_or_default(), r.verdict.as_ref().map(|v| v.stop_cause.clone()).unwrap_or_default(),
-            o(split.as_ref().map(|s| s.disk)), o(split.as_ref().map(|s| s.load)), o(split.as_ref().map(|s| s.queue)), o(split.as_ref().map(|s| s.compute)),
+            r.sweep.clone(),
+            r.level.clone(),
+            r.concurrency.to_string(),
+            n(r.bucket_tokens),
+            o(r.idle_s),
+            r.layers.join("+"),
+            r.index.to_string(),
+            r.prompt_hash.clone(),
+            n(r.prompt_tokens),
+            r.prompt_tokens_source.clone(),
+            r.max_tokens.to_string(),
+            r.output_tokens.to_string(),
+            r.output_tokens_source.clone(),
+            r.finish_reason.clone().unwrap_or_default(),
+            r.truncated.map(|t| t.to_string()).unwrap_or_default(),
+            r.stop.clone(),
+            r.server_limit.clone().unwrap_or_default(),
+            n(r.status.map(u64::from)),
+            r.error.clone().unwrap_or_default(),
+            o(r.ttft_ms),
+            o(r.itl_p50_ms),
+            o(r.itl_max_ms),
+            o(r.tpot_ms),
+            o(r.e2e_ms),
+            o(r.queue_ms),
+            o(r.prompt_ms),
+            o(r.prompt_tps),
+            o(r.output_tps),
+            r.deadline_hit.to_string(),
+            r.disconnected.to_string(),
+            format!("{:.3}", r.sent_ms),
+            n(r.local_port.map(u64::from)),
+            n(r.server_pid.map(u64::from)),
+            o(r.model_resident_pct),
+            r.verdict.as_ref().map(|v| v.slow_cause.clone()).unwrap_or_default(),
+            r.verdict.as_ref().map(|v| v.stop_cause.clone()).unwrap_or_default(),
+            o(split.as_ref().map(|s| s.disk)),
+            o(split.as_ref().map(|s| s.load)),
+            o(split.as_ref().map(|s| s.queue)),
+            o(split.as_ref().map(|s| s.compute)),
         ];
         out.push_str(&fields.iter().map(|f| csv_field(f)).collect::<Vec<_>>().join(","));
         out.push('\n');
@@ -395,7 +497,8 @@ mod tests {
 
     #[test]
     fn latency_math() {
-        let ex = Exchange { ttft_ms: Some(100.0), e2e_ms: Some(1000.0), content_ms: vec![100.0, 200.0, 400.0, 1000.0], ..Default::default() };
+        let ex =
+            Exchange { ttft_ms: Some(100.0), e2e_ms: Some(1000.0), content_ms: vec![100.0, 200.0, 400.0, 1000.0], ..Default::default() };
         let mut r = Row { output_tokens: 10, prompt_tokens: Some(50), prompt_ms: Some(25.0), ..Default::default() };
         fill_latency(&mut r, &ex);
         assert_eq!(r.tpot_ms, Some(100.0));
@@ -411,7 +514,18 @@ mod tests {
 
     #[test]
     fn levels_pool_itl_and_count_goodput() {
-        let mk = |ttft: f64, stop: &str, itl: Vec<f64>| Row { sweep: "concurrency".into(), level: "2".into(), concurrency: 2, status: Some(200), stop: stop.into(), ttft_ms: Some(ttft), tpot_ms: Some(10.0), output_tokens: 8, itl, ..Default::default() };
+        let mk = |ttft: f64, stop: &str, itl: Vec<f64>| Row {
+            sweep: "concurrency".into(),
+            level: "2".into(),
+            concurrency: 2,
+            status: Some(200),
+            stop: stop.into(),
+            ttft_ms: Some(ttft),
+            tpot_ms: Some(10.0),
+            output_tokens: 8,
+            itl,
+            ..Default::default()
+        };
         let a = mk(100.0, "eos", vec![1.0, 2.0]);
         let b = mk(300.0, "requested_limit", vec![3.0]);
         let mut c = mk(50.0, "server_error", vec![]);

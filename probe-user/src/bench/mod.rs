@@ -51,7 +51,8 @@ extern "C" fn on_sigint(_: libc::c_int) {
 
 /// Ctrl-C came more than the grace period ago: in-flight requests are abandoned.
 pub(crate) fn interrupt_grace_over() -> bool {
-    INTERRUPTED.load(Ordering::Relaxed) && crate::monotonic_ns().saturating_sub(INTERRUPTED_AT_NS.load(Ordering::Relaxed)) > GRACE.as_nanos() as u64
+    INTERRUPTED.load(Ordering::Relaxed)
+        && crate::monotonic_ns().saturating_sub(INTERRUPTED_AT_NS.load(Ordering::Relaxed)) > GRACE.as_nanos() as u64
 }
 
 /// A running trace: the fixed pid, or none to find it by port.
@@ -92,7 +93,13 @@ impl Run {
     }
 
     fn sampling(&self, max_tokens: u64) -> Sampling {
-        Sampling { max_tokens, seed: self.args.seed, temperature: self.args.temperature, ignore_eos: self.args.ignore_eos, model: self.info.model.clone() }
+        Sampling {
+            max_tokens,
+            seed: self.args.seed,
+            temperature: self.args.temperature,
+            ignore_eos: self.args.ignore_eos,
+            model: self.info.model.clone(),
+        }
     }
 
     fn push(&mut self, mut rows: Vec<Row>, mut level: Level) {
@@ -129,7 +136,8 @@ impl Run {
         }
         let pid = match t.fixed {
             Some(p) => p,
-            None => trace::pid_listening(self.url.port).with_context(|| format!("--trace: no process listens on port {} (or /proc is not readable)", self.url.port))?,
+            None => trace::pid_listening(self.url.port)
+                .with_context(|| format!("--trace: no process listens on port {} (or /proc is not readable)", self.url.port))?,
         };
         let n = t.n + 1;
         let out = self.args.out.join(format!("trace-{n}"));
@@ -215,7 +223,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     // SAFETY: installing an async-signal-safe handler (atomics only).
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
     let own_prompts: Vec<String> = match &args.prompts {
-        Some(f) => std::fs::read_to_string(f).with_context(|| format!("cannot read --prompts {}", f.display()))?.lines().map(|l| l.replace("\\n", "\n")).filter(|l| !l.trim().is_empty()).collect(),
+        Some(f) => std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read --prompts {}", f.display()))?
+            .lines()
+            .map(|l| l.replace("\\n", "\n"))
+            .filter(|l| !l.trim().is_empty())
+            .collect(),
         None => Vec::new(),
     };
     if args.prompts.is_some() && own_prompts.is_empty() {
@@ -246,7 +259,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     if metrics {
         run.notes.push(format!(
             "server counters: /metrics read before and after each level{}",
-            if tracing { " (not polled during levels while tracing: a poll is a request the verdicts would count)" } else { ", and every 500 ms during levels above concurrency 1 (peaks)" }
+            if tracing {
+                " (not polled during levels while tracing: a poll is a request the verdicts would count)"
+            } else {
+                ", and every 500 ms during levels above concurrency 1 (peaks)"
+            }
         ));
     }
     run.notes.push("requests are plain HTTP/1.1, one connection each (Connection: close); prompts and answers are not stored (prompt hash and token count only)".into());
@@ -259,7 +276,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         .iter()
         .map(|s| match s {
             Sweep::Concurrency => args.levels.iter().map(|&c| c.max(args.requests_per_level.unwrap_or(top))).sum(),
-            Sweep::Prompt => args.buckets.len() as u64 * args.prompt_levels.as_ref().map_or(args.levels.len() as u64 + u64::from(!args.levels.contains(&1)), |l| l.len() as u64),
+            Sweep::Prompt => {
+                args.buckets.len() as u64
+                    * args
+                        .prompt_levels
+                        .as_ref()
+                        .map_or(args.levels.len() as u64 + u64::from(!args.levels.contains(&1)), |l| l.len() as u64)
+            }
             Sweep::Idle => args.idle.len() as u64,
         })
         .sum();
@@ -365,11 +388,17 @@ fn prompt(run: &mut Run) {
         let tokens = p.tokens.unwrap_or(b);
         let over = ctx_tokens.is_some_and(|c| tokens >= c);
         let levels: Vec<u64> = if over {
-            run.notes.push(format!("bucket {b} ({tokens} tokens) does not fit the server's {}-token slot context: sent once, to record the server's answer", ctx_tokens.unwrap_or(0)));
+            run.notes.push(format!(
+                "bucket {b} ({tokens} tokens) does not fit the server's {}-token slot context: sent once, to record the server's answer",
+                ctx_tokens.unwrap_or(0)
+            ));
             vec![1]
         } else {
             if let Some(c) = ctx_tokens.filter(|c| tokens + s.max_tokens > *c) {
-                run.notes.push(format!("bucket {b}: prompt + {} output tokens exceed the {c}-token slot context: expect a server-imposed limit", s.max_tokens));
+                run.notes.push(format!(
+                    "bucket {b}: prompt + {} output tokens exceed the {c}-token slot context: expect a server-imposed limit",
+                    s.max_tokens
+                ));
             }
             levels.clone()
         };
@@ -432,7 +461,10 @@ fn idle(run: &mut Run) -> anyhow::Result<()> {
         None
     };
     if run.args.keep_warm {
-        run.notes.push(format!("--keep-warm (pinned worker): a 1-token request every {:?} during each idle wait, not recorded as rows", run.args.keep_warm_every));
+        run.notes.push(format!(
+            "--keep-warm (pinned worker): a 1-token request every {:?} during each idle wait, not recorded as rows",
+            run.args.keep_warm_every
+        ));
     }
     let prompts = sweep::instruction_prompts(&run.url, 1, run.info.model.as_deref(), true, &run.own_prompts);
     let s = run.sampling(run.args.idle_max_tokens);

@@ -40,7 +40,23 @@ pub fn table(levels: &[Level], sweep: &str) -> String {
     if ls.is_empty() {
         return String::new();
     }
-    let head = ["level", "reqs", "ok", "prompt tok", "out tok", "stops", "TTFT p50", "TTFT p99", "ITL p50", "TPOT", "E2E", "prompt t/s", "out t/s", "goodput/s", "slow (traced)"];
+    let head = [
+        "level",
+        "reqs",
+        "ok",
+        "prompt tok",
+        "out tok",
+        "stops",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "TPOT",
+        "E2E",
+        "prompt t/s",
+        "out t/s",
+        "goodput/s",
+        "slow (traced)",
+    ];
     let mut lines: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
     for l in ls {
         lines.push(vec![
@@ -75,7 +91,12 @@ pub fn table(levels: &[Level], sweep: &str) -> String {
 
 /// summary.txt: definitions, tables, counters, conclusions and notes.
 pub fn summary(r: &Results) -> String {
-    let mut o = format!("probe bench against {} ({:?} API){}\n\n", r.url, r.api, if r.interrupted { " — INTERRUPTED: partial results" } else { "" });
+    let mut o = format!(
+        "probe bench against {} ({:?} API){}\n\n",
+        r.url,
+        r.api,
+        if r.interrupted { " — INTERRUPTED: partial results" } else { "" }
+    );
     o.push_str("Definitions\n");
     for (k, v) in DEFINITIONS {
         let _ = writeln!(o, "  {k}: {v}");
@@ -122,9 +143,23 @@ pub fn summary(r: &Results) -> String {
 }
 
 const COLORS: &[(&str, &str)] = &[
-    ("eos", "#4e79a7"), ("requested_limit", "#59a14f"), ("server_limit", "#e15759"), ("stop_word", "#76b7b2"), ("client_disconnect", "#b07aa1"),
-    ("deadline", "#f28e2b"), ("server_error", "#9c755f"), ("rejected", "#bab0ac"), ("unknown", "#d3d3d3"), ("queue", "#f28e2b"), ("disk", "#e15759"),
-    ("memory", "#b07aa1"), ("load", "#ff9da7"), ("power", "#edc948"), ("compute", "#4e79a7"), ("unexplained", "#bab0ac"), ("other", "#bab0ac"),
+    ("eos", "#4e79a7"),
+    ("requested_limit", "#59a14f"),
+    ("server_limit", "#e15759"),
+    ("stop_word", "#76b7b2"),
+    ("client_disconnect", "#b07aa1"),
+    ("deadline", "#f28e2b"),
+    ("server_error", "#9c755f"),
+    ("rejected", "#bab0ac"),
+    ("unknown", "#d3d3d3"),
+    ("queue", "#f28e2b"),
+    ("disk", "#e15759"),
+    ("memory", "#b07aa1"),
+    ("load", "#ff9da7"),
+    ("power", "#edc948"),
+    ("compute", "#4e79a7"),
+    ("unexplained", "#bab0ac"),
+    ("other", "#bab0ac"),
 ];
 
 fn color(name: &str, i: usize) -> &'static str {
@@ -147,18 +182,38 @@ pub fn panel(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: &[(
         series.iter().flat_map(|s| s.1.iter().copied()).fold(0.0, f64::max)
     };
     let max = if max > 0.0 { max * 1.1 } else { 1.0 };
-    let _ = write!(o, r#"<g transform="translate({x},{y})"><text x="{}" y="16" font-size="13" text-anchor="middle" font-weight="bold">{}</text>"#, w / 2.0, esc(title));
-    let _ = write!(o, r##"<line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="#333"/><line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="#333"/>"##, top + ph, top + ph, left + pw, top + ph);
+    let _ = write!(
+        o,
+        r#"<g transform="translate({x},{y})"><text x="{}" y="16" font-size="13" text-anchor="middle" font-weight="bold">{}</text>"#,
+        w / 2.0,
+        esc(title)
+    );
+    let _ = write!(
+        o,
+        r##"<line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="#333"/><line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="#333"/>"##,
+        top + ph,
+        top + ph,
+        left + pw,
+        top + ph
+    );
     for t in 0..=4 {
         let v = max * t as f64 / 4.0;
         let ty = top + ph - ph * t as f64 / 4.0;
-        let _ = write!(o, r##"<text x="{}" y="{}" font-size="10" text-anchor="end">{}</text><line x1="{left}" y1="{ty}" x2="{}" y2="{ty}" stroke="#eee"/>"##, left - 4.0, ty + 3.0, if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") }, left + pw);
+        let _ = write!(
+            o,
+            r##"<text x="{}" y="{}" font-size="10" text-anchor="end">{}</text><line x1="{left}" y1="{ty}" x2="{}" y2="{ty}" stroke="#eee"/>"##,
+            left - 4.0,
+            ty + 3.0,
+            if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") },
+            left + pw
+        );
     }
     let n = cats.len().max(1) as f64;
     let slot = pw / n;
     for (c, cat) in cats.iter().enumerate() {
         let cx = left + slot * c as f64;
-        let _ = write!(o, r#"<text x="{}" y="{}" font-size="10" text-anchor="middle">{}</text>"#, cx + slot / 2.0, top + ph + 14.0, esc(cat));
+        let _ =
+            write!(o, r#"<text x="{}" y="{}" font-size="10" text-anchor="middle">{}</text>"#, cx + slot / 2.0, top + ph + 14.0, esc(cat));
         let mut base = 0.0;
         let k = series.len().max(1) as f64;
         for (i, (name, vals)) in series.iter().enumerate() {
@@ -167,14 +222,31 @@ pub fn panel(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: &[(
                 continue;
             }
             let bh = ph * v / max;
-            let (bx, bw, by) = if stacked { (cx + slot * 0.2, slot * 0.6, top + ph - ph * base / max - bh) } else { (cx + slot * 0.1 + slot * 0.8 * i as f64 / k, slot * 0.8 / k, top + ph - bh) };
+            let (bx, bw, by) = if stacked {
+                (cx + slot * 0.2, slot * 0.6, top + ph - ph * base / max - bh)
+            } else {
+                (cx + slot * 0.1 + slot * 0.8 * i as f64 / k, slot * 0.8 / k, top + ph - bh)
+            };
             base += v;
-            let _ = write!(o, r#"<rect x="{bx:.1}" y="{by:.1}" width="{bw:.1}" height="{bh:.1}" fill="{}"><title>{}: {v:.1}</title></rect>"#, color(name, i), esc(name));
+            let _ = write!(
+                o,
+                r#"<rect x="{bx:.1}" y="{by:.1}" width="{bw:.1}" height="{bh:.1}" fill="{}"><title>{}: {v:.1}</title></rect>"#,
+                color(name, i),
+                esc(name)
+            );
         }
     }
     for (i, (name, _)) in series.iter().enumerate() {
         let lx = left + (i as f64) * (pw / series.len().max(1) as f64);
-        let _ = write!(o, r#"<rect x="{lx}" y="{}" width="10" height="10" fill="{}"/><text x="{}" y="{}" font-size="10">{}</text>"#, h - 14.0, color(name, i), lx + 13.0, h - 5.0, esc(name));
+        let _ = write!(
+            o,
+            r#"<rect x="{lx}" y="{}" width="10" height="10" fill="{}"/><text x="{}" y="{}" font-size="10">{}</text>"#,
+            h - 14.0,
+            color(name, i),
+            lx + 13.0,
+            h - 5.0,
+            esc(name)
+        );
     }
     o.push_str("</g>");
     o
@@ -206,18 +278,44 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
     };
     let c = of("concurrency");
     if !c.is_empty() {
-        let a = panel((0.0, 0.0, w, h), "TTFT p50 (ms) by concurrency", &cats(&c), &[("TTFT p50".into(), vals(&c, &|l| l.ttft_ms_p50))], false);
-        let b = panel((w, 0.0, w, h), "output tokens (mean) by concurrency", &cats(&c), &[("output tokens".into(), vals(&c, &|l| l.output_tokens_mean))], false);
+        let a =
+            panel((0.0, 0.0, w, h), "TTFT p50 (ms) by concurrency", &cats(&c), &[("TTFT p50".into(), vals(&c, &|l| l.ttft_ms_p50))], false);
+        let b = panel(
+            (w, 0.0, w, h),
+            "output tokens (mean) by concurrency",
+            &cats(&c),
+            &[("output tokens".into(), vals(&c, &|l| l.output_tokens_mean))],
+            false,
+        );
         out.push(("concurrency-ttft-output.svg".into(), svg(&[a, b], w, h)));
-        out.push(("concurrency-stops.svg".into(), svg(&[panel((0.0, 0.0, w, h), "stop reasons by concurrency (requests)", &cats(&c), &mix(&c), true)], w, h)));
+        out.push((
+            "concurrency-stops.svg".into(),
+            svg(&[panel((0.0, 0.0, w, h), "stop reasons by concurrency (requests)", &cats(&c), &mix(&c), true)], w, h),
+        ));
     }
     let p = of("prompt");
     if !p.is_empty() {
-        let a = panel((0.0, 0.0, w, h), "prompt tokens/s by bucket", &cats(&p), &[("prompt tok/s".into(), vals(&p, &|l| l.prompt_tps_mean))], false);
-        let b = panel((w, 0.0, w, h), "output tokens/s by bucket", &cats(&p), &[("output tok/s".into(), vals(&p, &|l| l.throughput_output_tps))], false);
-        let t = panel((2.0 * w, 0.0, w, h), "TTFT p50 (ms) by bucket", &cats(&p), &[("TTFT p50".into(), vals(&p, &|l| l.ttft_ms_p50))], false);
+        let a = panel(
+            (0.0, 0.0, w, h),
+            "prompt tokens/s by bucket",
+            &cats(&p),
+            &[("prompt tok/s".into(), vals(&p, &|l| l.prompt_tps_mean))],
+            false,
+        );
+        let b = panel(
+            (w, 0.0, w, h),
+            "output tokens/s by bucket",
+            &cats(&p),
+            &[("output tok/s".into(), vals(&p, &|l| l.throughput_output_tps))],
+            false,
+        );
+        let t =
+            panel((2.0 * w, 0.0, w, h), "TTFT p50 (ms) by bucket", &cats(&p), &[("TTFT p50".into(), vals(&p, &|l| l.ttft_ms_p50))], false);
         out.push(("prompt-throughput.svg".into(), svg(&[a, b, t], w, h)));
-        out.push(("prompt-stops.svg".into(), svg(&[panel((0.0, 0.0, w, h), "stop reasons by bucket (requests)", &cats(&p), &mix(&p), true)], w, h)));
+        out.push((
+            "prompt-stops.svg".into(),
+            svg(&[panel((0.0, 0.0, w, h), "stop reasons by bucket (requests)", &cats(&p), &mix(&p), true)], w, h),
+        ));
     }
     let i = of("idle");
     if !i.is_empty() {
@@ -233,14 +331,16 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
                             let parts: Vec<f64> = rows
                                 .iter()
                                 .filter(|r| r.seq == l.seq)
-                                .filter_map(|r| r.verdict.as_ref()?.ttft_ms.as_ref().map(|s| match *n {
-                                    "queue" => s.queue,
-                                    "disk" => s.disk,
-                                    "memory" => s.memory,
-                                    "load" => s.load,
-                                    "compute" => s.compute,
-                                    _ => s.unexplained + s.power,
-                                }))
+                                .filter_map(|r| {
+                                    r.verdict.as_ref()?.ttft_ms.as_ref().map(|s| match *n {
+                                        "queue" => s.queue,
+                                        "disk" => s.disk,
+                                        "memory" => s.memory,
+                                        "load" => s.load,
+                                        "compute" => s.compute,
+                                        _ => s.unexplained + s.power,
+                                    })
+                                })
                                 .collect();
                             super::metrics::mean(&parts).unwrap_or(0.0)
                         })
@@ -250,14 +350,20 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
                 .collect()
         } else {
             let per = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> {
-                i.iter().map(|l| super::metrics::mean(&rows.iter().filter(|r| r.seq == l.seq).filter_map(g).collect::<Vec<_>>()).unwrap_or(0.0)).collect()
+                i.iter()
+                    .map(|l| super::metrics::mean(&rows.iter().filter(|r| r.seq == l.seq).filter_map(g).collect::<Vec<_>>()).unwrap_or(0.0))
+                    .collect()
             };
             vec![
                 ("compute".into(), per(&|r| r.prompt_ms.zip(r.ttft_ms).map(|(p, t)| p.min(t)))),
                 ("other".into(), per(&|r| r.ttft_ms.map(|t| (t - r.prompt_ms.unwrap_or(0.0)).max(0.0)))),
             ]
         };
-        let title = if traced { "TTFT (ms) by idle interval, split by traced cause" } else { "TTFT (ms) by idle interval (server prompt time + rest; --trace splits it)" };
+        let title = if traced {
+            "TTFT (ms) by idle interval, split by traced cause"
+        } else {
+            "TTFT (ms) by idle interval (server prompt time + rest; --trace splits it)"
+        };
         out.push(("idle-ttft.svg".into(), svg(&[panel((0.0, 0.0, 2.0 * w, h), title, &cats(&i), &series, true)], 2.0 * w, h)));
     }
     out
@@ -283,7 +389,13 @@ mod tests {
 
     #[test]
     fn panels_draw_one_rect_per_nonzero_value_and_escape_names() {
-        let p = panel((0.0, 0.0, 400.0, 300.0), "a < b", &["1".into(), "2".into()], &[("eos".into(), vec![3.0, 0.0]), ("server_limit".into(), vec![1.0, 4.0])], true);
+        let p = panel(
+            (0.0, 0.0, 400.0, 300.0),
+            "a < b",
+            &["1".into(), "2".into()],
+            &[("eos".into(), vec![3.0, 0.0]), ("server_limit".into(), vec![1.0, 4.0])],
+            true,
+        );
         assert_eq!(p.matches("<rect x=").count(), 3 + 2, "{p}"); // 3 bars + 2 legend swatches
         assert!(p.contains("a &lt; b"));
         assert!(p.contains("#e15759"));
@@ -293,7 +405,16 @@ mod tests {
 
     #[test]
     fn tables_align_columns() {
-        let l = Level { sweep: "concurrency".into(), level: "4".into(), requests: 4, ok: 4, output_tokens_mean: Some(12.0), output_tokens_min: Some(10), output_tokens_max: Some(14), ..Default::default() };
+        let l = Level {
+            sweep: "concurrency".into(),
+            level: "4".into(),
+            requests: 4,
+            ok: 4,
+            output_tokens_mean: Some(12.0),
+            output_tokens_min: Some(10),
+            output_tokens_max: Some(14),
+            ..Default::default()
+        };
         let t = table(&[l], "concurrency");
         assert!(t.contains("12 (10-14)"), "{t}");
         assert_eq!(t.lines().count(), 3);

@@ -56,8 +56,9 @@ pub const PROMPTS: &[&str] = &[
 pub const IDLE_PROMPT: &str = "Good morning! The weather today is";
 
 const WORDS: &[&str] = &[
-    "river", "stone", "garden", "window", "morning", "silver", "quiet", "market", "winter", "paper", "bridge", "lantern", "forest", "letter", "harbor", "candle", "meadow",
-    "thunder", "copper", "orchard", "village", "mirror", "feather", "valley", "engine", "ribbon", "island", "compass", "shadow", "kettle", "saddle", "glacier",
+    "river", "stone", "garden", "window", "morning", "silver", "quiet", "market", "winter", "paper", "bridge", "lantern", "forest",
+    "letter", "harbor", "candle", "meadow", "thunder", "copper", "orchard", "village", "mirror", "feather", "valley", "engine", "ribbon",
+    "island", "compass", "shadow", "kettle", "saddle", "glacier",
 ];
 
 /// Deterministic text of `words` words from `seed` (a fixed word list, an LCG).
@@ -139,7 +140,10 @@ impl Progress {
 
     pub fn update(&self, what: &str) {
         if self.tty {
-            eprint!("\r\x1b[2K{}", bar(self.done.load(Ordering::Relaxed), self.total.load(Ordering::Relaxed), what, self.start.elapsed().as_secs_f64()));
+            eprint!(
+                "\r\x1b[2K{}",
+                bar(self.done.load(Ordering::Relaxed), self.total.load(Ordering::Relaxed), what, self.start.elapsed().as_secs_f64())
+            );
             let _ = std::io::stderr().flush();
         }
     }
@@ -215,7 +219,9 @@ pub fn one(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling)
         let used = row.prompt_tokens.unwrap_or(0) + output;
         let c = ctx.slot_ctx.unwrap_or(0);
         if kind == "kv_pool" {
-            row.stop_detail.push_str(&format!("; prompt + output = {used} tokens, well below the {c}-token slot context: a KV pool shared by the slots ran out"));
+            row.stop_detail.push_str(&format!(
+                "; prompt + output = {used} tokens, well below the {c}-token slot context: a KV pool shared by the slots ran out"
+            ));
         }
         row.server_limit = Some(kind.into());
     }

@@ -46,7 +46,9 @@ pub fn pid_listening(port: u16) -> Option<u32> {
     let mut pids: Vec<u32> = std::fs::read_dir("/proc").ok()?.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect();
     pids.sort_unstable();
     pids.into_iter().find(|pid| {
-        std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|d| d.filter_map(Result::ok).any(|e| std::fs::read_link(e.path()).is_ok_and(|l| want.iter().any(|w| l.as_os_str() == w.as_str()))))
+        std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|d| {
+            d.filter_map(Result::ok).any(|e| std::fs::read_link(e.path()).is_ok_and(|l| want.iter().any(|w| l.as_os_str() == w.as_str())))
+        })
     })
 }
 
@@ -58,7 +60,10 @@ pub fn process_facts(pid: u32) -> (Option<f64>, Option<f64>) {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let age = start_ticks.zip(uptime).map(|(t, u)| u - t / hz.max(1.0));
-    let rss = std::fs::read_to_string(format!("/proc/{pid}/status")).ok().and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse::<f64>().ok())).map(|kb| kb / 1024.0);
+    let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse::<f64>().ok()))
+        .map(|kb| kb / 1024.0);
     (age, rss)
 }
 
@@ -68,7 +73,9 @@ pub fn largest_mapped_file(pid: u32) -> Option<PathBuf> {
     if let Ok(d) = std::fs::read_dir("/proc") {
         for e in d.filter_map(Result::ok) {
             let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-            let ppid = std::fs::read_to_string(format!("/proc/{p}/stat")).ok().and_then(|s| s.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse::<u32>().ok());
+            let ppid = std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse::<u32>().ok());
             if ppid == Some(pid) {
                 pids.push(p);
             }
@@ -187,7 +194,8 @@ pub fn stop(mut seg: Segment) -> anyhow::Result<(Segment, Value)> {
     unsafe { libc::kill(seg.child.id() as i32, libc::SIGINT) };
     let st = seg.child.wait()?;
     let path = seg.out.join("report.json");
-    let report: Value = serde_json::from_slice(&std::fs::read(&path).with_context(|| format!("probe trace ({st}) wrote no {}", path.display()))?)?;
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(&path).with_context(|| format!("probe trace ({st}) wrote no {}", path.display()))?)?;
     Ok((seg, report))
 }
 
@@ -200,7 +208,11 @@ pub fn join(rows: &mut [Row], idx: &[usize], report: &Value, trace: &str) -> usi
     for &i in idx {
         let Some(port) = rows[i].local_port else { continue };
         let suffix = format!(":{port}");
-        let Some(j) = (0..reqs.len()).find(|&j| !used[j] && reqs[j]["role"] == "server" && reqs[j]["peer"].as_str().is_some_and(|p| p.ends_with(&suffix))) else { continue };
+        let Some(j) = (0..reqs.len())
+            .find(|&j| !used[j] && reqs[j]["role"] == "server" && reqs[j]["peer"].as_str().is_some_and(|p| p.ends_with(&suffix)))
+        else {
+            continue;
+        };
         used[j] = true;
         let q = &reqs[j];
         let v = &q["verdict"];
@@ -231,7 +243,11 @@ mod tests {
              "ttft_ms": {"queue": 5.0, "disk": 0.0, "memory": 0.0, "power": 0.0, "load": 0.0, "compute": 1.0, "unexplained": 0.0}}},
             {"id": 2, "role": "server", "peer": "127.0.0.1:40001", "verdict": {"slow_cause": "disk", "stop_cause": "requested_limit", "ttft_ms": null}}
         ]});
-        let mut rows = vec![Row { local_port: Some(40001), ..Default::default() }, Row { local_port: Some(40000), ..Default::default() }, Row { local_port: Some(9), ..Default::default() }];
+        let mut rows = vec![
+            Row { local_port: Some(40001), ..Default::default() },
+            Row { local_port: Some(40000), ..Default::default() },
+            Row { local_port: Some(9), ..Default::default() },
+        ];
         assert_eq!(join(&mut rows, &[0, 1, 2], &report, "trace-1"), 2);
         assert_eq!(rows[0].verdict.as_ref().unwrap().slow_cause, "disk");
         assert_eq!(rows[1].verdict.as_ref().unwrap().request_id, 1);

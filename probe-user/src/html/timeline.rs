@@ -211,7 +211,13 @@ fn rows(p: &Process, scale: f64) -> Vec<Vec<(&u64, &Lane)>> {
 
 fn ms(us: f64) -> String {
     let m = us / 1e3;
-    if m.abs() >= 100.0 { format!("{m:.0} ms") } else if m.abs() >= 1.0 { format!("{m:.1} ms") } else { format!("{m:.3} ms") }
+    if m.abs() >= 100.0 {
+        format!("{m:.0} ms")
+    } else if m.abs() >= 1.0 {
+        format!("{m:.1} ms")
+    } else {
+        format!("{m:.3} ms")
+    }
 }
 
 /// A short, escaped summary of an event's args for its hover title.
@@ -336,7 +342,11 @@ fn draw_instants(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
             let j = i + times[i..].iter().take_while(|t| *t * scale < x + 1.0).count();
             let x = LABEL + x;
             if o.room() {
-                let title = if j - i == 1 { format!("{name} at {}", ms(times[i])) } else { format!("{} × {name}, {} to {}", j - i, ms(times[i]), ms(times[j - 1])) };
+                let title = if j - i == 1 {
+                    format!("{name} at {}", ms(times[i]))
+                } else {
+                    format!("{} × {name}, {} to {}", j - i, ms(times[i]), ms(times[j - 1]))
+                };
                 let _ = write!(
                     o.body,
                     "<line x1=\"{x:.1}\" x2=\"{x:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"{}\" stroke-width=\"{}\"><title>{}</title></line>",
@@ -393,7 +403,12 @@ fn draw_counter(o: &mut Out, label: &str, pts: &[(f64, f64)], y: f64, scale: f64
         );
     }
     if o.room() {
-        let _ = write!(o.body, "<polyline fill=\"none\" stroke=\"{stroke}\" stroke-width=\"1.2\" points=\"{}\"><title>{}</title></polyline>", points.trim_end(), escape(&title));
+        let _ = write!(
+            o.body,
+            "<polyline fill=\"none\" stroke=\"{stroke}\" stroke-width=\"1.2\" points=\"{}\"><title>{}</title></polyline>",
+            points.trim_end(),
+            escape(&title)
+        );
     }
     if o.room() {
         let _ = write!(
@@ -434,7 +449,9 @@ pub fn svg(trace: &Value) -> Chart {
             let _ = write!(o.body, "<text x=\"2\" y=\"{:.1}\" class=\"grp\">{}</text>", y + GROUP - 5.0, escape(&group));
         }
         y += GROUP;
-        let label = |tid: &u64| p.threads.get(tid).cloned().unwrap_or_else(|| if group == "TCP" { format!("port {tid}") } else { format!("tid {tid}") });
+        let label = |tid: &u64| {
+            p.threads.get(tid).cloned().unwrap_or_else(|| if group == "TCP" { format!("port {tid}") } else { format!("tid {tid}") })
+        };
         let rows = rows(p, scale);
         let packed = rows.len() < p.lanes.len();
         let mut group_rows = 0;
@@ -450,7 +467,12 @@ pub fn svg(trace: &Value) -> Chart {
                 text = format!("{} +{}", text.chars().take(22).collect::<String>(), row.len() - 1);
             }
             if o.room() {
-                let _ = write!(o.body, "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>", y + LANE - 4.0, escape(&text.chars().take(30).collect::<String>()));
+                let _ = write!(
+                    o.body,
+                    "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>",
+                    y + LANE - 4.0,
+                    escape(&text.chars().take(30).collect::<String>())
+                );
             }
             for (_, lane) in row {
                 for n in lane.slices.iter().map(|s| &s.name).chain(lane.instants.iter().map(|i| &i.1)) {
@@ -465,9 +487,21 @@ pub fn svg(trace: &Value) -> Chart {
                 let (first, last) = extent(lane);
                 let (first, last) = (first * scale, last * scale);
                 for s in lane.slices.iter().filter(|s| s.name == "until first token") {
-                    let at = if last + 70.0 < WIDTH { Some((last + 4.0, "start")) } else if first > 70.0 { Some((first - 4.0, "end")) } else { None };
+                    let at = if last + 70.0 < WIDTH {
+                        Some((last + 4.0, "start"))
+                    } else if first > 70.0 {
+                        Some((first - 4.0, "end"))
+                    } else {
+                        None
+                    };
                     if let Some((x, anchor)) = at.filter(|_| o.room()) {
-                        let _ = write!(o.body, "<text x=\"{:.1}\" y=\"{:.1}\" class=\"ttft\" text-anchor=\"{anchor}\">TTFT {}</text>", LABEL + x, y + LANE - 4.0, ms(s.dur));
+                        let _ = write!(
+                            o.body,
+                            "<text x=\"{:.1}\" y=\"{:.1}\" class=\"ttft\" text-anchor=\"{anchor}\">TTFT {}</text>",
+                            LABEL + x,
+                            y + LANE - 4.0,
+                            ms(s.dur)
+                        );
                     }
                 }
             }
@@ -482,7 +516,12 @@ pub fn svg(trace: &Value) -> Chart {
             group_rows += 1;
             let label = if key == name || key == "value" { name.clone() } else { format!("{name} {key}") };
             if o.room() {
-                let _ = write!(o.body, "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>", y + 12.0, escape(&label.chars().take(30).collect::<String>()));
+                let _ = write!(
+                    o.body,
+                    "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>",
+                    y + 12.0,
+                    escape(&label.chars().take(30).collect::<String>())
+                );
             }
             draw_counter(&mut o, &label, pts, y, scale, PALETTE[counter_index % PALETTE.len()]);
             counter_index += 1;
@@ -496,12 +535,25 @@ pub fn svg(trace: &Value) -> Chart {
     let mut t = 0.0;
     while t <= end {
         let x = LABEL + t * scale;
-        let label = if end >= 10e6 { format!("{:.0} s", t / 1e6) } else if end >= 1e6 { format!("{:.1} s", t / 1e6) } else { format!("{:.0} ms", t / 1e3) };
-        let _ = write!(axis, "<line x1=\"{x:.1}\" x2=\"{x:.1}\" y1=\"{:.1}\" y2=\"{height:.1}\" class=\"grid\"/><text x=\"{x:.1}\" y=\"12\" class=\"lbl\" text-anchor=\"middle\">{label}</text>", AXIS - 6.0);
+        let label = if end >= 10e6 {
+            format!("{:.0} s", t / 1e6)
+        } else if end >= 1e6 {
+            format!("{:.1} s", t / 1e6)
+        } else {
+            format!("{:.0} ms", t / 1e3)
+        };
+        let _ = write!(
+            axis,
+            "<line x1=\"{x:.1}\" x2=\"{x:.1}\" y1=\"{:.1}\" y2=\"{height:.1}\" class=\"grid\"/><text x=\"{x:.1}\" y=\"12\" class=\"lbl\" text-anchor=\"middle\">{label}</text>",
+            AXIS - 6.0
+        );
         t += step;
     }
     if o.dropped > 0 {
-        notes.push(format!("{} more elements not drawn (at most {MAX_ELEMENTS}): open timeline.json in the Perfetto UI for everything", o.dropped));
+        notes.push(format!(
+            "{} more elements not drawn (at most {MAX_ELEMENTS}): open timeline.json in the Perfetto UI for everything",
+            o.dropped
+        ));
     }
     if lanes_left > 0 {
         notes.push(format!("{lanes_left} more lanes not drawn (at most {MAX_LANES})"));
@@ -509,7 +561,8 @@ pub fn svg(trace: &Value) -> Chart {
     for (what, n) in notes_skipped {
         notes.push(format!("{n} {what}"));
     }
-    let legend: Vec<String> = used.iter().map(|(name, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(name))).collect();
+    let legend: Vec<String> =
+        used.iter().map(|(name, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(name))).collect();
     let total = LABEL + WIDTH + 10.0;
     let svg = format!(
         "<div class=\"legend\">{}</div><svg class=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{total:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {total:.0} {height:.0}\" role=\"img\" aria-label=\"timeline\">{axis}{}</svg>",

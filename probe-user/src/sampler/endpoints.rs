@@ -96,7 +96,9 @@ impl Endpoint {
                 Some(t) if t.contains("llamacpp:") => Kind::LlamaCpp,
                 Some(t) if t.contains("vllm:") => Kind::Vllm,
                 _ => match self.fetch("/props") {
-                    Some((200, b)) if serde_json::from_slice::<Value>(&b).is_ok_and(|v| v.get("default_generation_settings").is_some()) => Kind::LlamaCpp,
+                    Some((200, b)) if serde_json::from_slice::<Value>(&b).is_ok_and(|v| v.get("default_generation_settings").is_some()) => {
+                        Kind::LlamaCpp
+                    }
                     Some(_) => match self.fetch("/api/version") {
                         Some((200, b)) if serde_json::from_slice::<Value>(&b).is_ok_and(|v| v.get("version").is_some()) => Kind::Ollama,
                         _ => Kind::Other,

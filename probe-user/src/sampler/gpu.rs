@@ -133,7 +133,11 @@ mod nvml {
                     let d = self.lib.device_by_index(i).ok()?;
                     let mem = d.memory_info().ok();
                     let util = d.utilization_rates().ok();
-                    let procs = d.running_compute_processes().unwrap_or_default().into_iter().chain(d.running_graphics_processes().unwrap_or_default());
+                    let procs = d
+                        .running_compute_processes()
+                        .unwrap_or_default()
+                        .into_iter()
+                        .chain(d.running_graphics_processes().unwrap_or_default());
                     let target: u64 = procs
                         .filter(|p| pids.contains(&p.pid))
                         .map(|p| match p.used_gpu_memory {

@@ -63,11 +63,18 @@ impl Sampler {
         let mut threads = Vec::new();
         {
             let (tx, stop, snapshot, opts) = (tx.clone(), stop.clone(), snapshot.clone(), opts.clone());
-            threads.push(std::thread::Builder::new().name("probe-sample".into()).spawn(move || sample_loop(&opts, &tx, &stop, &snapshot)).expect("spawn sampler"));
+            threads.push(
+                std::thread::Builder::new()
+                    .name("probe-sample".into())
+                    .spawn(move || sample_loop(&opts, &tx, &stop, &snapshot))
+                    .expect("spawn sampler"),
+            );
         }
         if opts.poll {
             let stop = stop.clone();
-            threads.push(std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(&opts, &tx, &stop)).expect("spawn poller"));
+            threads.push(
+                std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(&opts, &tx, &stop)).expect("spawn poller"),
+            );
         }
         Sampler { rx, stop, snapshot, threads }
     }
@@ -142,9 +149,10 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
                 }
             }
             if freq.is_some()
-                && let Some(f) = host::cpufreq() {
-                    let _ = tx.send(json!({"type": "cpufreq", "ts_ns": monotonic_ns(), "cur_khz": f.cur_khz}));
-                }
+                && let Some(f) = host::cpufreq()
+            {
+                let _ = tx.send(json!({"type": "cpufreq", "ts_ns": monotonic_ns(), "cur_khz": f.cur_khz}));
+            }
             let mut m = host::mem(opts.pid, cgroup.as_deref());
             // Children (Ollama's runner) count towards the target's memory.
             for &p in pids.iter().filter(|&&p| p != opts.pid) {
@@ -160,12 +168,13 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
         }
         let on_demand = snapshot.swap(false, Ordering::Relaxed);
         if (slow_due || stopping)
-            && let Some(c) = host::cpuidle() {
-                let mut v = serde_json::to_value(&c).unwrap_or(Value::Null);
-                v["type"] = json!("cpuidle");
-                v["ts_ns"] = json!(monotonic_ns());
-                let _ = tx.send(v);
-            }
+            && let Some(c) = host::cpuidle()
+        {
+            let mut v = serde_json::to_value(&c).unwrap_or(Value::Null);
+            v["type"] = json!("cpuidle");
+            v["ts_ns"] = json!(monotonic_ns());
+            let _ = tx.send(v);
+        }
         if slow_due || stopping || on_demand {
             if last_file_scan.is_none_or(|t| t.elapsed() >= FILE_SCAN_EVERY) || stopping || on_demand {
                 last_file_scan = Some(Instant::now());
@@ -179,7 +188,13 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
             }
             if !files.is_empty() {
                 let r: Vec<residency::Residency> = files.iter().filter_map(|f| residency::measure(f)).collect();
-                let why = if stopping { "end" } else if on_demand { "on_demand" } else { "periodic" };
+                let why = if stopping {
+                    "end"
+                } else if on_demand {
+                    "on_demand"
+                } else {
+                    "periodic"
+                };
                 let _ = tx.send(json!({"type": "residency", "ts_ns": monotonic_ns(), "why": why, "files": r}));
             }
         }

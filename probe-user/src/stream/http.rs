@@ -300,11 +300,17 @@ mod tests {
 
     #[test]
     fn heads() {
-        let Parsed::Done(h, n) = parse_request(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\n\r\n{}") else { panic!() };
+        let Parsed::Done(h, n) = parse_request(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\n\r\n{}") else {
+            panic!()
+        };
         assert_eq!((h.method.as_str(), h.path.as_str(), h.framing, n), ("POST", "/v1/chat/completions", Some(Framing::Length(12)), 67));
         assert!(matches!(parse_request(b"POST /x HTTP/1.1\r\nHost"), Parsed::Partial));
         assert!(matches!(parse_request(b"\x00\x01garbage\r\n\r\n"), Parsed::Invalid));
-        let Parsed::Done(r, _) = parse_response(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n") else { panic!() };
+        let Parsed::Done(r, _) =
+            parse_response(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        else {
+            panic!()
+        };
         assert_eq!(r.framing("POST"), Framing::Chunked);
         assert_eq!(r.content_type, "text/event-stream");
         let Parsed::Done(r, _) = parse_response(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 5\r\n\r\n") else { panic!() };

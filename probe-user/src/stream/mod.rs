@@ -8,7 +8,10 @@ pub mod payload;
 use std::collections::{HashMap, VecDeque};
 
 use probe_common::{
-    sock::{SOCK_RESET_RECEIVED, SOCK_RESET_SENT, SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_SYN_RECV},
+    sock::{
+        SOCK_RESET_RECEIVED, SOCK_RESET_SENT, SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_FIN_WAIT1,
+        TCP_SYN_RECV,
+    },
     stream::{DATA_TAIL, DIR_RECV, DataEvent, tail_len},
 };
 use serde::{Deserialize, Serialize};
@@ -132,7 +135,9 @@ impl RequestRecord {
         let complete = o.remove("complete").and_then(|c| c.as_bool()).unwrap_or(false);
         o.insert("transport_complete".into(), Value::Bool(complete));
         // Stop fields in a record cut short were most likely read before the close.
-        let said = ["finish_reason", "stop_type", "stopped", "done_reason", "error"].iter().any(|k| o.get(*k).is_some_and(|x| !x.is_null())) || o.get("done_marker") == Some(&Value::Bool(true));
+        let said =
+            ["finish_reason", "stop_type", "stopped", "done_reason", "error"].iter().any(|k| o.get(*k).is_some_and(|x| !x.is_null()))
+                || o.get("done_marker") == Some(&Value::Bool(true));
         o.insert("content_complete".into(), Value::Bool(complete || said));
         let by = match o.get("closed_by").and_then(Value::as_str) {
             Some("server") => "none",
@@ -252,9 +257,29 @@ impl Tracker {
             match conn.expect_tail.take() {
                 Some((dir, n, enter)) if dir == ev.dir && enter == ev.enter_ns => {
                     let missing = (n as u64).saturating_sub(payload.len() as u64);
-                    Self::feed(conn, dir, payload, missing, (ts, ev.enter_ns), &mut self.next_id, self.start_ns, self.keep_text, &mut self.done);
+                    Self::feed(
+                        conn,
+                        dir,
+                        payload,
+                        missing,
+                        (ts, ev.enter_ns),
+                        &mut self.next_id,
+                        self.start_ns,
+                        self.keep_text,
+                        &mut self.done,
+                    );
                 }
-                Some((dir, n, _)) => Self::feed(conn, dir, &[], n as u64, (ts, ev.enter_ns), &mut self.next_id, self.start_ns, self.keep_text, &mut self.done),
+                Some((dir, n, _)) => Self::feed(
+                    conn,
+                    dir,
+                    &[],
+                    n as u64,
+                    (ts, ev.enter_ns),
+                    &mut self.next_id,
+                    self.start_ns,
+                    self.keep_text,
+                    &mut self.done,
+                ),
                 None => {}
             }
             return;
@@ -287,7 +312,17 @@ impl Tracker {
     /// Bytes that moved in direction `dir`, then `missing` bytes that were not captured; `at` is
     /// (the call's return, its entry) in ns.
     #[allow(clippy::too_many_arguments)]
-    fn feed(conn: &mut Conn, dir: u8, payload: &[u8], missing: u64, at: (u64, u64), next_id: &mut u64, start_ns: u64, keep_text: bool, done: &mut Vec<RequestRecord>) {
+    fn feed(
+        conn: &mut Conn,
+        dir: u8,
+        payload: &[u8],
+        missing: u64,
+        at: (u64, u64),
+        next_id: &mut u64,
+        start_ns: u64,
+        keep_text: bool,
+        done: &mut Vec<RequestRecord>,
+    ) {
         let Some(req_dir) = conn.req_dir else { return };
         let role = if req_dir == DIR_RECV { "server" } else { "client" };
         if dir == req_dir {
@@ -322,7 +357,16 @@ impl Tracker {
             ..Default::default()
         };
         *id += 1;
-        Pending { rec, arrival_ns: None, body: Vec::new(), body_cut: false, splitter: None, content_type: String::new(), response_started: false, final_at: None }
+        Pending {
+            rec,
+            arrival_ns: None,
+            body: Vec::new(),
+            body_cut: false,
+            splitter: None,
+            content_type: String::new(),
+            response_started: false,
+            final_at: None,
+        }
     }
 
     fn request_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, start_ns: u64) {
@@ -438,7 +482,15 @@ impl Tracker {
         }
     }
 
-    fn response_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, at: (u64, u64), role: &str, id: &mut u64, keep_text: bool) -> Vec<Pending> {
+    fn response_bytes(
+        conn: &mut Conn,
+        mut data: &[u8],
+        missing: u64,
+        at: (u64, u64),
+        role: &str,
+        id: &mut u64,
+        keep_text: bool,
+    ) -> Vec<Pending> {
         let (ts, sent) = at;
         let mut finished = Vec::new();
         // The response belongs to the oldest request still waiting for one.
@@ -460,9 +512,10 @@ impl Tracker {
             p.rec.response_bytes += data.len() as u64 + missing;
             p.rec.bytes_not_captured += missing;
             if p.rec.ttfb_ms.is_none()
-                && let Some(a) = p.arrival_ns {
-                    p.rec.ttfb_ms = Some(ts.saturating_sub(a) as f64 / 1e6);
-                }
+                && let Some(a) = p.arrival_ns
+            {
+                p.rec.ttfb_ms = Some(ts.saturating_sub(a) as f64 / 1e6);
+            }
         }
         while !data.is_empty() {
             let Some(p) = conn.pending.front_mut() else { break };
@@ -558,7 +611,8 @@ impl Tracker {
         if closing {
             conn.closed_at.get_or_insert(ev.hdr.ts_ns);
         }
-        let peer_left = ev.what == SOCK_RESET_RECEIVED || (ev.what == SOCK_STATE && matches!((ev.oldstate, ev.newstate), (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_CLOSE_WAIT)));
+        let peer_left = ev.what == SOCK_RESET_RECEIVED
+            || (ev.what == SOCK_STATE && matches!((ev.oldstate, ev.newstate), (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_CLOSE_WAIT)));
         if peer_left {
             conn.peer_closed_at.get_or_insert(ev.hdr.ts_ns);
         }

@@ -147,30 +147,35 @@ fn values_of<'a>(text: &'a str, key: &str) -> Vec<&'a str> {
         let end = match rest.as_bytes().first() {
             Some(b'"') => {
                 let mut esc = false;
-                rest.char_indices().skip(1).find(|&(_, c)| {
-                    let end = c == '"' && !esc;
-                    esc = c == '\\' && !esc;
-                    end
-                }).map(|(i, _)| i + 1)
+                rest.char_indices()
+                    .skip(1)
+                    .find(|&(_, c)| {
+                        let end = c == '"' && !esc;
+                        esc = c == '\\' && !esc;
+                        end
+                    })
+                    .map(|(i, _)| i + 1)
             }
             Some(b'{') => {
                 let (mut depth, mut in_str, mut esc) = (0i32, false, false);
-                rest.char_indices().find(|&(_, c)| {
-                    if in_str {
-                        if c == '"' && !esc {
-                            in_str = false;
+                rest.char_indices()
+                    .find(|&(_, c)| {
+                        if in_str {
+                            if c == '"' && !esc {
+                                in_str = false;
+                            }
+                            esc = c == '\\' && !esc;
+                            return false;
                         }
-                        esc = c == '\\' && !esc;
-                        return false;
-                    }
-                    match c {
-                        '"' => in_str = true,
-                        '{' => depth += 1,
-                        '}' => depth -= 1,
-                        _ => {}
-                    }
-                    depth == 0
-                }).map(|(i, _)| i + 1)
+                        match c {
+                            '"' => in_str = true,
+                            '{' => depth += 1,
+                            '}' => depth -= 1,
+                            _ => {}
+                        }
+                        depth == 0
+                    })
+                    .map(|(i, _)| i + 1)
             }
             Some(_) => Some(rest.find([',', '}', ']', '\n']).unwrap_or(rest.len())),
             None => None,
@@ -187,7 +192,9 @@ fn values_of<'a>(text: &'a str, key: &str) -> Vec<&'a str> {
 pub fn salvage(bytes: &[u8]) -> Option<Value> {
     let text = String::from_utf8_lossy(bytes);
     let mut o = serde_json::Map::new();
-    let last = |key: &str, ok: &dyn Fn(&Value) -> bool| values_of(&text, key).into_iter().rev().filter_map(|v| serde_json::from_str::<Value>(v).ok()).find(|v| ok(v));
+    let last = |key: &str, ok: &dyn Fn(&Value) -> bool| {
+        values_of(&text, key).into_iter().rev().filter_map(|v| serde_json::from_str::<Value>(v).ok()).find(|v| ok(v))
+    };
     for k in ["stop_type", "done_reason", "finish_reason"] {
         if let Some(v) = last(k, &|v| v.is_string()) {
             o.insert(k.into(), v);
@@ -290,7 +297,12 @@ pub struct Stop {
 impl Stop {
     /// The server said it stopped: a stop reason of any server, a terminal marker or an error.
     pub fn is_final(&self) -> bool {
-        self.finish_reason.is_some() || self.stop_type.is_some() || self.stopped.is_some() || self.done_reason.is_some() || self.done_marker || self.error.is_some()
+        self.finish_reason.is_some()
+            || self.stop_type.is_some()
+            || self.stopped.is_some()
+            || self.done_reason.is_some()
+            || self.done_marker
+            || self.error.is_some()
     }
 }
 
@@ -301,7 +313,11 @@ fn s(v: &Value) -> Option<String> {
 /// Numbers only: keeps server timings/usage objects free of any text.
 fn numbers(v: &Value) -> Option<Value> {
     let o = v.as_object()?;
-    let m: serde_json::Map<String, Value> = o.iter().filter(|(_, x)| x.is_number() || x.is_object()).map(|(k, x)| (k.clone(), if x.is_object() { numbers(x).unwrap_or(Value::Null) } else { x.clone() })).collect();
+    let m: serde_json::Map<String, Value> = o
+        .iter()
+        .filter(|(_, x)| x.is_number() || x.is_object())
+        .map(|(k, x)| (k.clone(), if x.is_object() { numbers(x).unwrap_or(Value::Null) } else { x.clone() }))
+        .collect();
     Some(Value::Object(m))
 }
 
@@ -417,7 +433,13 @@ pub fn scan_fields(body: &[u8]) -> (Option<i64>, Option<bool>) {
     let max = ["max_completion_tokens", "max_tokens", "n_predict", "num_predict"].iter().find_map(|k| num(k));
     let stream = text.find("\"stream\"").and_then(|at| {
         let rest = text[at + 8..].trim_start().strip_prefix(':')?.trim_start();
-        if rest.starts_with("true") { Some(true) } else if rest.starts_with("false") { Some(false) } else { None }
+        if rest.starts_with("true") {
+            Some(true)
+        } else if rest.starts_with("false") {
+            Some(false)
+        } else {
+            None
+        }
     });
     (max, stream)
 }
