@@ -6,7 +6,7 @@ use std::{fmt::Write as _, path::Path};
 
 use anyhow::Context as _;
 
-use crate::{flame, html, recording::Recording, report::Report, timeline};
+use crate::{flame, html, perfetto, recording::Recording, report::Report};
 
 /// The markdown report: verdicts, requests, files, block IO, losses.
 pub fn markdown(r: &Report) -> String {
@@ -165,7 +165,7 @@ pub fn mask(text: &str) -> String {
 
 /// Write the bundle; returns the list of files in it.
 pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, masked: bool) -> anyhow::Result<Vec<String>> {
-    let trace = timeline::build(rec, report, &all.symbols.kernel);
+    let trace = perfetto::build(rec, report, &all.symbols.kernel);
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("report.md".into(), markdown(report).into_bytes()),
         ("report.json".into(), serde_json::to_vec_pretty(report)?),
@@ -214,16 +214,8 @@ pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, 
         names.push(name);
     }
     tar.into_inner()?.finish()?;
-    chown_to_sudo_caller(out);
+    crate::output::chown_to_sudo_caller(out);
     Ok(names)
-}
-
-/// Files made under sudo belong to the user who ran sudo, not root.
-pub fn chown_to_sudo_caller(path: &Path) {
-    let id = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
-    if let (Some(uid), Some(gid)) = (id("SUDO_UID"), id("SUDO_GID")) {
-        let _ = std::os::unix::fs::chown(path, Some(uid), Some(gid));
-    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use crate::{
     verdict::Split,
 };
 
-pub mod timeline;
+pub mod chart;
 
 pub const FILE_NAME: &str = "report.html";
 
@@ -431,7 +431,7 @@ var ce=console.error;console.error=function(){note(Array.prototype.join.call(arg
 window.addEventListener('load',function(){var imgs=document.images;for(var i=0;i<imgs.length;i++){if(!imgs[i].complete||!imgs[i].naturalWidth){note('image not drawn: '+imgs[i].alt);}}
 document.body.setAttribute('data-rendered',errs.length?'errors':'ok');});})();";
 
-/// The page. `timeline` is Chrome trace-event JSON (crate::timeline::build); `flames` are
+/// The page. `timeline` is Chrome trace-event JSON (crate::perfetto::build); `flames` are
 /// (kind, SVG text) pairs.
 pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) -> String {
     let mut o = String::with_capacity(64 * 1024);
@@ -453,7 +453,7 @@ pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) ->
     verdicts(&mut o, r);
     let system = crate::system::render(&r.system);
     let _ = writeln!(o, "<h2 id=\"system\">System</h2>\n<pre>{}</pre>", escape(system.trim_start_matches("\nSystem:\n").trim_end()));
-    let chart = timeline::svg(timeline);
+    let chart = chart::svg(timeline);
     let _ = writeln!(o, "<h2 id=\"timeline\">Timeline</h2>");
     let _ = writeln!(
         o,
@@ -492,11 +492,11 @@ pub fn flamegraphs(flames: &flame::Flames, dir: Option<&Path>) -> Vec<(String, S
 /// Write `dir/report.html` for a recording already read and analysed (what `probe trace` has
 /// at its end); returns its path.
 pub fn write_for(rec: &Recording, report: &Report, flames: &flame::Flames, dir: &Path) -> anyhow::Result<PathBuf> {
-    let trace = crate::timeline::build(rec, report, &flames.symbols.kernel);
+    let trace = crate::perfetto::build(rec, report, &flames.symbols.kernel);
     let page = render(report, &trace, &flamegraphs(flames, Some(dir)));
     let out = dir.join(FILE_NAME);
     std::fs::write(&out, page).with_context(|| format!("cannot write {}", out.display()))?;
-    crate::bundle::chown_to_sudo_caller(&out);
+    crate::output::chown_to_sudo_caller(&out);
     Ok(out)
 }
 
@@ -562,8 +562,8 @@ mod tests {
         for i in 0..100_000u64 {
             ev.push(json!({"ph": "C", "name": "gpu clock", "pid": 9, "tid": 0, "ts": i * 20, "args": {"MHz": (i % 17) * 100}}));
         }
-        let chart = timeline::svg(&json!({ "traceEvents": ev }));
-        assert!(chart.elements <= timeline::MAX_ELEMENTS);
+        let chart = chart::svg(&json!({ "traceEvents": ev }));
+        assert!(chart.elements <= chart::MAX_ELEMENTS);
         assert!(chart.svg.len() < 400_000, "{} bytes", chart.svg.len());
         assert!(chart.svg.contains(" × [lock wait]"), "merged runs say how many slices they hold");
         assert!(chart.svg.contains("gpu clock MHz: min 0, max 1600"));
@@ -577,7 +577,7 @@ mod tests {
             ev.push(json!({"ph": "X", "name": format!("#{i} POST /v1/chat/completions"), "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 1_500_000}));
             ev.push(json!({"ph": "X", "name": "until first token", "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 300_000}));
         }
-        let chart = timeline::svg(&json!({ "traceEvents": ev }));
+        let chart = chart::svg(&json!({ "traceEvents": ev }));
         assert!(chart.svg.contains(">#0 POST /v1/chat/compl +149</text>"), "two rows of 150");
         assert!(chart.notes.is_empty(), "{:?}", chart.notes);
         assert!(chart.svg.contains("#299 POST /v1/chat/completions: 1500 ms at 598000 ms"));
@@ -586,8 +586,8 @@ mod tests {
         let ev: Vec<Value> = (0..20_000u64)
             .map(|i| json!({"ph": "X", "name": format!("n{i}"), "pid": 1, "tid": i % 10, "ts": i * 1000, "dur": 10}))
             .collect();
-        let chart = timeline::svg(&json!({ "traceEvents": ev }));
-        assert_eq!(chart.elements, timeline::MAX_ELEMENTS);
+        let chart = chart::svg(&json!({ "traceEvents": ev }));
+        assert_eq!(chart.elements, chart::MAX_ELEMENTS);
         assert!(chart.notes.iter().any(|n| n.contains("more elements not drawn")), "{:?}", chart.notes);
     }
 

@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{bench, bundle, collector, doctor, exit, flame, recording, report, timeline};
+use probe_user::{bench, bundle, collector, doctor, exit, flame, perfetto, recording, report};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -216,7 +216,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Timeline { dir, output } => {
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let trace = timeline::build(&rec, &report::build_dir(&dir)?, &probe_user::ksyms::Names::of(&rec));
+            let trace = perfetto::build(&rec, &report::build_dir(&dir)?, &probe_user::ksyms::Names::of(&rec));
             let out = output.unwrap_or_else(|| dir.join("timeline.json"));
             std::fs::write(&out, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", out.display()))?;
             println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));

@@ -46,7 +46,7 @@ pub struct Report {
     /// User-stack unwinding while tracing: samples, how many reached the end of the stack, cost.
     pub unwind: Unwind,
     /// Every HTTP request seen on the target's sockets, in arrival order.
-    pub requests: Vec<RequestRecord>,
+    pub requests: Vec<Request>,
     /// GPU, CPU frequency, memory pressure, model-file residency, the server's own endpoints.
     #[serde(default)]
     pub system: crate::system::System,
@@ -61,6 +61,24 @@ pub struct Report {
     pub counters: BTreeMap<String, u64>,
     pub probes: Value,
     pub problems: Vec<String>,
+}
+
+/// A request as the report shows it: the recorded request (its fields, flattened in
+/// report.json) and the verdict the analysis added.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Request {
+    #[serde(flatten)]
+    pub record: RequestRecord,
+    /// Why it was slow and why it stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<crate::verdict::Verdict>,
+}
+
+impl std::ops::Deref for Request {
+    type Target = RequestRecord;
+    fn deref(&self) -> &RequestRecord {
+        &self.record
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -431,7 +449,7 @@ impl Builder {
                 let mut v = v;
                 RequestRecord::upgrade_legacy(&mut v);
                 match serde_json::from_value::<RequestRecord>(v) {
-                    Ok(q) => r.requests.push(q),
+                    Ok(record) => r.requests.push(Request { record, verdict: None }),
                     Err(e) => r.problems.push(format!("a request record could not be read: {e}")),
                 }
                 return;

@@ -95,9 +95,6 @@ pub struct RequestRecord {
     /// When the first close (FIN) or reset of the connection was seen, ms after arrival.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub closed_ms: Option<f64>,
-    /// Why it was slow and why it stopped (added by the report).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub verdict: Option<crate::verdict::Verdict>,
 }
 
 impl RequestRecord {
