@@ -32,8 +32,8 @@ pub fn markdown(r: &Report) -> String {
                 q.path.as_deref().unwrap_or("?"),
                 q.status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
                 q.ttft_ms.map(|t| format!("{t:.0}")).unwrap_or_else(|| "-".into()),
-                v.map(|v| v.slow_cause.as_str()).unwrap_or("-"),
-                v.map(|v| v.stop_cause.replace('_', " ")).unwrap_or_else(|| "-".into()),
+                v.map(|v| v.slow_cause.name()).unwrap_or("-"),
+                v.map(|v| v.stop_cause.words()).unwrap_or_else(|| "-".into()),
                 v.map(|v| v.evidence.join("; ").replace('|', "/")).unwrap_or_default()
             );
         }

@@ -156,7 +156,7 @@ fn verdicts(o: &mut String, r: &Report) {
             (_, Some(_)) => "<span class=\"muted\">not split</span>".into(),
             _ => "<span class=\"muted\">no first token seen</span>".into(),
         };
-        let slow = v.map_or("–", |v| v.slow_cause.as_str());
+        let slow = v.map_or("–", |v| v.slow_cause.name());
         let _ = writeln!(
             o,
             "<tr id=\"request-{}\"><td>{}</td><td><code>{} {}</code></td><td>{}</td><td class=\"n\">{}</td><td>{bar}</td><td class=\"cause {}\">{}</td><td>{}</td><td>{}</td><td class=\"dq\">{}</td></tr>",
@@ -168,7 +168,7 @@ fn verdicts(o: &mut String, r: &Report) {
             q.ttft_ms.map(ms).unwrap_or_else(|| "–".into()),
             if slow == "none" || slow == "–" { "" } else { "slow" },
             escape(slow),
-            escape(&v.map(|v| v.stop_cause.replace('_', " ")).unwrap_or_else(|| "–".into())),
+            escape(&v.map(|v| v.stop_cause.words()).unwrap_or_else(|| "–".into())),
             v.map(|v| list(&v.evidence)).unwrap_or_default(),
             v.map(|v| list(&v.data_quality)).unwrap_or_default()
         );

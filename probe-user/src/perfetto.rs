@@ -121,7 +121,7 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
         let at = a * 1e3;
         let v = q.verdict.as_ref();
         ev.push(json!({"ph": "X", "name": name, "pid": REQUESTS_PID, "tid": q.id, "ts": at, "dur": q.end_ms.unwrap_or(0.0) * 1e3,
-            "args": {"status": q.status, "chunks": q.chunks, "stop_cause": v.map(|v| v.stop_cause.clone()), "slow_cause": v.map(|v| v.slow_cause.clone()), "closed_by": q.closed_by}}));
+            "args": {"status": q.status, "chunks": q.chunks, "stop_cause": v.map(|v| v.stop_cause), "slow_cause": v.map(|v| v.slow_cause), "closed_by": q.closed_by}}));
         if let Some(t) = q.ttft_ms {
             ev.push(json!({"ph": "X", "name": "until first token", "pid": REQUESTS_PID, "tid": q.id, "ts": at, "dur": t * 1e3,
                 "args": {"ttft_ms": v.and_then(|v| v.ttft_ms.clone())}}));

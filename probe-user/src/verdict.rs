@@ -80,14 +80,74 @@ pub struct Split {
 pub struct Verdict {
     /// TTFT split by cause, ms (null when the request has no TTFT).
     pub ttft_ms: Option<Split>,
-    /// disk | memory | power | queue | load | compute | none
-    pub slow_cause: String,
-    /// eos | requested_limit | server_limit | stop_word | client_disconnect | deadline | oom |
-    /// server_error | crash | unknown
-    pub stop_cause: String,
+    pub slow_cause: SlowCause,
+    pub stop_cause: StopCause,
     /// One line per fact the verdict rests on, with numbers and names.
     pub evidence: Vec<String>,
     pub data_quality: Vec<String>,
+}
+
+/// A closed set of values serialized as the documented snake_case words: `name()` gives the
+/// word, `words()` the word with spaces for people, and it compares equal to its word.
+macro_rules! closed_set {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $w:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vm])* #[serde(rename = $w)] $v,)+
+        }
+        impl $name {
+            pub const ALL: &[$name] = &[$($name::$v),+];
+            pub fn name(self) -> &'static str {
+                match self { $($name::$v => $w),+ }
+            }
+            /// The word for people: `client_disconnect` → "client disconnect".
+            pub fn words(self) -> String {
+                self.name().replace('_', " ")
+            }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+        impl PartialEq<&str> for $name {
+            fn eq(&self, o: &&str) -> bool {
+                self.name() == *o
+            }
+        }
+    };
+}
+
+closed_set! {
+    /// Why a response stopped (see [`stop_cause`]).
+    StopCause {
+        Eos = "eos",
+        RequestedLimit = "requested_limit",
+        ServerLimit = "server_limit",
+        StopWord = "stop_word",
+        ClientDisconnect = "client_disconnect",
+        Deadline = "deadline",
+        Oom = "oom",
+        ServerError = "server_error",
+        Crash = "crash",
+        #[default]
+        Unknown = "unknown",
+    }
+}
+
+closed_set! {
+    /// What made the first token slow (see [`attribute`]).
+    SlowCause {
+        Disk = "disk",
+        Memory = "memory",
+        Power = "power",
+        Queue = "queue",
+        Load = "load",
+        Compute = "compute",
+        #[default]
+        None = "none",
+    }
 }
 
 /// Total length of the union of intervals, clipped to [from, to].
@@ -141,20 +201,20 @@ fn produced(q: &RequestRecord) -> u64 {
 }
 
 /// The stop the server itself reported, from any server's stop fields.
-fn server_stop(q: &RequestRecord) -> Option<&'static str> {
+fn server_stop(q: &RequestRecord) -> Option<StopCause> {
     let s = &q.stop;
     let is = |v: &Option<String>, w: &str| v.as_deref() == Some(w);
     if is(&s.finish_reason, "length") || is(&s.stop_type, "limit") || is(&s.done_reason, "length") || is(&s.stopped, "limit") {
         return Some(match q.max_tokens {
-            Some(m) if m > 0 && produced(q) + 1 < m as u64 => "server_limit",
-            _ => "requested_limit",
+            Some(m) if m > 0 && produced(q) + 1 < m as u64 => StopCause::ServerLimit,
+            _ => StopCause::RequestedLimit,
         });
     }
     if is(&s.stop_type, "word") || is(&s.stopped, "word") || s.stop_reason.as_ref().is_some_and(|r| r.is_string()) {
-        return Some("stop_word");
+        return Some(StopCause::StopWord);
     }
     if is(&s.finish_reason, "stop") || is(&s.stop_type, "eos") || is(&s.done_reason, "stop") || is(&s.stopped, "eos") {
-        return Some("eos");
+        return Some(StopCause::Eos);
     }
     None
 }
@@ -163,52 +223,49 @@ fn server_stop(q: &RequestRecord) -> Option<&'static str> {
 /// error, or its final message sent before the peer left) whoever closes the socket afterwards;
 /// then the peer's close before that message (a deadline after a long silence, else a reader
 /// that went away) or the server's own close (a crash); then what the transport shows.
-pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
+pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
+    use StopCause::*;
     let n = produced(q);
     let context_ran_out = q.stop.error.as_ref().is_some_and(|e| e["reason"] == "context_exceeded");
     let cause = if context_ran_out {
         // llama-server with one KV pool for all slots ends a stream with an error when the pool
         // is full: a limit the server imposed, not a fault.
-        "server_limit"
+        ServerLimit
     } else if q.stop.error.is_some() || q.status.is_some_and(|c| c >= 400) {
-        "server_error"
+        ServerError
     } else if q.content_complete {
-        server_stop(q).unwrap_or("unknown")
+        server_stop(q).unwrap_or(Unknown)
     } else if q.closed_by == "client" {
-        if idle_before_close_ms(q).is_some() { "deadline" } else { "client_disconnect" }
+        if idle_before_close_ms(q).is_some() { Deadline } else { ClientDisconnect }
     } else if q.closed_by == "server" {
-        "crash"
+        Crash
     } else {
-        "unknown"
+        Unknown
     };
     let mut why = match cause {
-        "eos" => Some(format!("the server stopped at EOS (end of its answer) after {n} tokens")),
-        "stop_word" => Some(format!("the server stopped at a stop word after {n} tokens")),
-        "server_limit" if context_ran_out => Some(format!(
+        Eos => Some(format!("the server stopped at EOS (end of its answer) after {n} tokens")),
+        StopWord => Some(format!("the server stopped at a stop word after {n} tokens")),
+        ServerLimit if context_ran_out => Some(format!(
             "the server ended the stream with an error after {n} tokens (HTTP {}, {}): its context (slot or shared KV pool) ran out, below the requested {}",
             q.status.unwrap_or(0),
             q.stop.error.as_ref().and_then(|e| e["type"].as_str()).unwrap_or("error"),
             q.max_tokens.map_or("?".into(), |m| m.to_string())
         )),
-        "server_limit" => Some(format!(
+        ServerLimit => Some(format!(
             "stopped at length after {n} tokens, below the requested {}: the server's context (slot or KV pool) ran out",
             q.max_tokens.unwrap_or(0)
         )),
-        "requested_limit" => {
+        RequestedLimit => {
             Some(format!("the server stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string())))
         }
-        "client_disconnect" => {
-            Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks))
-        }
-        "deadline" => Some(format!(
+        ClientDisconnect => Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks)),
+        Deadline => Some(format!(
             "the peer (client or gateway) closed after {:.1} s without a chunk{}, before the server's final message: a timeout, not a reader that went away",
             idle_before_close_ms(q).unwrap_or(0.0) / 1e3,
             if q.chunks == 0 { " (none had come)" } else { "" }
         )),
-        "crash" => Some("the server closed the connection before its final message".into()),
-        "server_error" => {
-            Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default()))
-        }
+        Crash => Some("the server closed the connection before its final message".into()),
+        ServerError => Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default())),
         _ => None,
     };
     // The transport fact, when it differs from the server's word.
@@ -221,7 +278,7 @@ pub fn stop_cause(q: &RequestRecord) -> (String, Option<String>) {
             None => line,
         });
     }
-    (cause.to_string(), why)
+    (cause, why)
 }
 
 /// The part of a time-ordered series from 10 s before `from` to `until`.
@@ -237,7 +294,7 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     if let Some(arrival) = q.arrival_ms.map(|_| w.arrival_ns) {
         let end = arrival + (q.end_ms.unwrap_or(0.0) * 1e6) as u64 + 2_000_000_000;
         if !q.content_complete && w.oom_kills.iter().any(|&t| t >= arrival && (q.closed_by == "open" || t <= end)) {
-            stop = "oom".into();
+            stop = StopCause::Oom;
             why = Some("the kernel's OOM killer killed the server process while it served this request".into());
         }
     }
@@ -270,7 +327,7 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
         v.data_quality.push(format!("no power data: {why}"));
     }
     let Some(ttft) = q.ttft_ms else {
-        v.slow_cause = "none".into();
+        v.slow_cause = SlowCause::None;
         return v;
     };
     let from = w.arrival_ns;
@@ -358,14 +415,20 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
         ));
     }
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
-    let candidates = [("disk", disk), ("memory", memory), ("load", load), ("power", power), ("queue", queue)];
-    let (name, ms) = candidates.iter().copied().fold(("none", 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    let candidates = [
+        (SlowCause::Disk, disk),
+        (SlowCause::Memory, memory),
+        (SlowCause::Load, load),
+        (SlowCause::Power, power),
+        (SlowCause::Queue, queue),
+    ];
+    let (cause, ms) = candidates.iter().copied().fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a });
     v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
-        name.into()
+        cause
     } else if compute >= 0.5 * ttft && ttft >= 200.0 {
-        "compute".into()
+        SlowCause::Compute
     } else {
-        "none".into()
+        SlowCause::None
     };
     v.ttft_ms = Some(split);
     v
