@@ -1,0 +1,196 @@
+//! The analysis: a recording in, a [`Report`] out (pure), and its human summary. `probe trace`
+//! and `probe report DIR` both go through [`build_dir`] (or [`build`] for a recording already in
+//! memory), so the two always agree. The model (this file), the two-pass builder (`build`), the
+//! TCP state machine of the connections table (`sock`) and the text summary (`render`).
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::stream::RequestRecord;
+
+mod build;
+mod render;
+mod sock;
+
+pub use build::{build, build_dir};
+pub use render::{bytes, render};
+pub use sock::state_name;
+
+/// report.json's layout version: 2 since recordings went binary and percentiles interpolate.
+pub const SCHEMA_VERSION: u32 = 2;
+/// Most memory-map rows listed one by one; the counts cover all.
+pub const MAX_MMAP_ROWS: usize = 2000;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    /// The layout of report.json: [`SCHEMA_VERSION`] (absent in reports before it was versioned).
+    #[serde(default)]
+    pub schema_version: u32,
+    pub target: Target,
+    pub duration_s: f64,
+    pub events: u64,
+    pub files: Vec<FileStat>,
+    pub blockio: BlockIo,
+    pub faults: Faults,
+    pub mmap_counts: BTreeMap<String, u64>,
+    pub mmaps: Vec<MmapRow>,
+    pub mmaps_not_listed: u64,
+    pub connections: Vec<Connection>,
+    /// Stack records per kind (cpu, offcpu, fault, io): count, unwound to the end, median depth.
+    pub stacks: BTreeMap<String, StackStats>,
+    /// User-stack unwinding while tracing: samples, how many reached the end of the stack, cost.
+    pub unwind: Unwind,
+    /// Every HTTP request seen on the target's sockets, in arrival order.
+    pub requests: Vec<Request>,
+    /// GPU, CPU frequency, memory pressure, model-file residency, the server's own endpoints.
+    #[serde(default)]
+    pub system: crate::system::System,
+    /// Requests probe itself made to the server's endpoints (left out of `requests`).
+    #[serde(default)]
+    pub probe_polls: u64,
+    pub lost_events: BTreeMap<String, u64>,
+    /// Program runs the kernel skipped because another BPF program was running on that CPU
+    /// (per program; events that were never made).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub skipped_runs: BTreeMap<String, u64>,
+    pub counters: BTreeMap<String, u64>,
+    pub probes: Value,
+    pub problems: Vec<String>,
+}
+
+/// A request as the report shows it: the recorded request (its fields, flattened in
+/// report.json) and the verdict the analysis added.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Request {
+    #[serde(flatten)]
+    pub record: RequestRecord,
+    /// Why it was slow and why it stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<crate::verdict::Verdict>,
+}
+
+impl std::ops::Deref for Request {
+    type Target = RequestRecord;
+    fn deref(&self) -> &RequestRecord {
+        &self.record
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StackStats {
+    pub stacks: u64,
+    pub complete: u64,
+    pub median_depth: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Unwind {
+    pub samples: u64,
+    pub complete: u64,
+    /// Share of samples unwound to the end of the stack.
+    pub success_rate: f64,
+    pub us_per_sample: f64,
+    /// Reading ELF files and building unwinders (once per process and mapping change), ms.
+    pub load_ms: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Target {
+    pub pid: u32,
+    pub comm: String,
+    pub cmdline: String,
+    pub processes: Vec<Process>,
+    pub end_reason: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Process {
+    pub pid: u32,
+    pub parent: Option<u32>,
+    pub comm: String,
+    /// ms after the trace started; None when it was there from the start.
+    pub forked_ms: Option<f64>,
+    pub exec_ms: Option<f64>,
+    pub exited_ms: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FileStat {
+    pub path: String,
+    pub dev: String,
+    pub inode: u64,
+    pub major_faults: u64,
+    /// Bytes this file added to the page cache for the target (pages read from storage).
+    pub read_bytes: u64,
+    /// Block read requests charged to this file, and their device time (issue → complete).
+    pub block_reads: u64,
+    pub io_time_ms: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BlockIo {
+    pub requests: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub devices: Vec<Device>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Device {
+    pub dev: String,
+    pub name: Option<String>,
+    pub requests: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    /// Issue → complete, µs.
+    pub latency_us: Percentiles,
+    /// Insert → issue (time in the IO scheduler), µs, for requests that went through one.
+    pub queue_us: Percentiles,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Percentiles {
+    pub count: u64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Faults {
+    pub major: u64,
+    /// User faults that were not major; None when the user-fault counter was not attached.
+    pub minor: Option<u64>,
+    /// Major faults whose address is in no file mapping probe saw (anonymous memory, swap).
+    pub major_unresolved: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MmapRow {
+    pub t_ms: f64,
+    pub pid: u32,
+    pub tid: u32,
+    pub op: String,
+    pub addr: String,
+    pub len: u64,
+    pub path: Option<String>,
+    /// 0 on success, -errno on failure (mmap/mremap: 0 when an address came back).
+    pub error: i64,
+    pub result_addr: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Connection {
+    pub local: String,
+    pub peer: String,
+    pub pid: Option<u32>,
+    pub opened_ms: Option<f64>,
+    pub closed_ms: Option<f64>,
+    /// "local", "peer", or "none" (still open when the trace ended).
+    pub closed_by: String,
+    /// "none", "sent" or "received".
+    pub reset: String,
+    pub states: Vec<String>,
+}

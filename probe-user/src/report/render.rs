@@ -1,0 +1,169 @@
+//! The human summary printed by `probe trace` and `probe report`.
+use super::Report;
+
+/// A byte count for people: B, KiB, MiB...
+pub fn bytes(n: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < U.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{n} B") } else { format!("{v:.1} {}", U[u]) }
+}
+
+/// The human summary printed by `probe trace` and `probe report`.
+pub fn render(r: &Report) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "probe report: pid {} ({}), {:.1} s, {} events{}",
+        r.target.pid,
+        r.target.comm,
+        r.duration_s,
+        r.events,
+        r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default()
+    );
+    if !r.requests.is_empty() {
+        let _ = writeln!(o, "\nVerdicts:");
+        for q in r.requests.iter().take(50) {
+            let Some(v) = &q.verdict else { continue };
+            let req = format!("{} {}", q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
+            let ttft = q.ttft_ms.map(|t| format!("TTFT {t:.0} ms")).unwrap_or_else(|| "no first token seen".into());
+            let slow = if v.slow_cause == "none" { String::new() } else { format!(", slow: {}", v.slow_cause) };
+            let _ = writeln!(o, "  #{} {req}: {ttft}{slow}; stopped: {}", q.id, v.stop_cause.words());
+            for e in v.evidence.iter().take(4) {
+                let _ = writeln!(o, "      {e}");
+            }
+        }
+    }
+    o.push_str(&crate::system::render(&r.system));
+    let forked: Vec<String> =
+        r.target.processes.iter().filter(|p| p.pid != r.target.pid).map(|p| format!("{} ({})", p.pid, p.comm)).collect();
+    if !forked.is_empty() {
+        let _ = writeln!(o, "  also traced: {}", forked.join(", "));
+    }
+    let _ = writeln!(o, "\nFiles read (largest first):");
+    if r.files.is_empty() {
+        let _ = writeln!(o, "  none: nothing was read from storage through the page cache");
+    } else {
+        let _ = writeln!(o, "  {:>12} {:>11} {:>8} {:>10}  path", "major faults", "read", "reads", "io time");
+        for f in r.files.iter().take(20) {
+            let _ = writeln!(
+                o,
+                "  {:>12} {:>11} {:>8} {:>7.1} ms  {}",
+                f.major_faults,
+                bytes(f.read_bytes),
+                f.block_reads,
+                f.io_time_ms,
+                f.path
+            );
+        }
+        if r.files.len() > 20 {
+            let _ = writeln!(o, "  ... {} more in report.json", r.files.len() - 20);
+        }
+    }
+    let b = &r.blockio;
+    let _ = writeln!(o, "\nBlock IO: {} requests, {} read, {} written", b.requests, bytes(b.read_bytes), bytes(b.write_bytes));
+    for d in &b.devices {
+        let _ = writeln!(
+            o,
+            "  {} {}: {} requests, device latency p50 {:.0} us, p90 {:.0} us, p99 {:.0} us, max {:.0} us",
+            d.dev,
+            d.name.as_deref().unwrap_or(""),
+            d.requests,
+            d.latency_us.p50,
+            d.latency_us.p90,
+            d.latency_us.p99,
+            d.latency_us.max
+        );
+    }
+    let minor = r.faults.minor.map(|m| m.to_string()).unwrap_or_else(|| "not counted".into());
+    let _ = writeln!(o, "\nPage faults: {} major ({} outside file mappings), {minor} minor", r.faults.major, r.faults.major_unresolved);
+    let counts: Vec<String> = r.mmap_counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
+    let _ = writeln!(o, "\nMemory maps: {}", if counts.is_empty() { "none".into() } else { counts.join(", ") });
+    for m in r.mmaps.iter().filter(|m| m.path.is_some() && m.op == "mmap").take(10) {
+        let _ = writeln!(o, "  +{:.3} s pid {} mmap {} {}", m.t_ms / 1e3, m.pid, bytes(m.len), m.path.as_deref().unwrap_or(""));
+    }
+    let _ = writeln!(o, "\nTCP connections: {}", r.connections.len());
+    for c in r.connections.iter().take(30) {
+        let how = match (c.closed_by.as_str(), c.reset.as_str()) {
+            ("none", _) => "still open".to_string(),
+            (by, "none") => format!("closed by {by}"),
+            (by, rst) => format!("closed by {by} (reset {rst})"),
+        };
+        let _ = writeln!(o, "  {} <-> {}  {how}", c.local, c.peer);
+    }
+    if r.connections.len() > 30 {
+        let _ = writeln!(o, "  ... {} more in report.json", r.connections.len() - 30);
+    }
+    if !r.stacks.is_empty() {
+        let per: Vec<String> = r.stacks.iter().map(|(k, s)| format!("{} {k} (median depth {})", s.stacks, s.median_depth)).collect();
+        let _ = writeln!(
+            o,
+            "\nStacks: {}; user stacks unwound to the end: {:.0}% of {} ({:.1} us each)",
+            per.join(", "),
+            r.unwind.success_rate * 100.0,
+            r.unwind.samples,
+            r.unwind.us_per_sample
+        );
+    }
+    if !r.requests.is_empty() {
+        let _ = writeln!(o, "\nRequests: {}", r.requests.len());
+        let _ = writeln!(
+            o,
+            "  {:>4} {:<28} {:>6} {:>9} {:>9} {:>6} {:>7} {:<8} {:<13} {:<8}",
+            "id", "request", "status", "ttft ms", "total ms", "chunks", "max tok", "finish", "ended", "complete"
+        );
+        for q in r.requests.iter().take(50) {
+            let req = format!("{} {}", q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
+            let req: String = req.chars().take(28).collect();
+            let fmt = |v: Option<f64>| v.map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into());
+            let finish = q
+                .stop
+                .finish_reason
+                .clone()
+                .or(q.stop.stop_type.clone())
+                .or(q.stop.done_reason.clone())
+                .or(q.stop.error.as_ref().map(|_| "error".to_string()))
+                .unwrap_or_else(|| "-".into());
+            let ended = q.ended();
+            let _ = writeln!(
+                o,
+                "  {:>4} {:<28} {:>6} {:>9} {:>9} {:>6} {:>7} {:<8} {:<13} {}{}",
+                q.id,
+                req,
+                q.status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                fmt(q.ttft_ms),
+                fmt(q.end_ms),
+                q.chunks,
+                q.max_tokens.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
+                finish,
+                ended,
+                q.completeness(),
+                if q.partial { " (partly seen)" } else { "" }
+            );
+        }
+        if r.requests.len() > 50 {
+            let _ = writeln!(o, "  ... {} more in report.json", r.requests.len() - 50);
+        }
+    }
+    let lost: u64 = r.lost_events.values().sum();
+    if lost == 0 {
+        let _ = writeln!(o, "\nLost events: none");
+    } else {
+        let per: Vec<String> = r.lost_events.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
+        let _ = writeln!(o, "\nLost events: {lost} ({})", per.join(", "));
+    }
+    for p in r.probes.as_array().into_iter().flatten() {
+        if p["live"] == false {
+            let _ = writeln!(o, "Skipped probe {}: {}", p["name"].as_str().unwrap_or("?"), p["skipped"]);
+        }
+    }
+    for p in &r.problems {
+        let _ = writeln!(o, "Note: {p}");
+    }
+    o
+}
