@@ -550,6 +550,15 @@ fn generation_flamegraph_names_ggml_functions() {
     assert!(ev.iter().any(|e| e["pid"] == 1 && e["tid"] == id && e["name"] == "first token"));
     let chunks = find(&r, client)[0]["chunks"].as_u64().unwrap() as usize;
     assert_eq!(ev.iter().filter(|e| e["pid"] == 1 && e["tid"] == id && e["name"] == "token").count(), chunks - 1);
+    // The server's thread lanes carry their names (llama-server names its threads, e.g. the
+    // HTTP workers), not bare tids.
+    let lanes: Vec<&str> = ev
+        .iter()
+        .filter(|e| e["name"] == "thread_name" && e["pid"].as_u64() == r["target"]["pid"].as_u64())
+        .filter_map(|e| e["args"]["name"].as_str())
+        .collect();
+    assert!(!lanes.is_empty() && lanes.iter().all(|l| !l.starts_with("thread ")), "thread lanes: {lanes:?}");
+    assert!(lanes.iter().any(|l| l.starts_with("llama-server (")), "thread lanes: {lanes:?}");
 }
 
 /// A generation longer than the slot's context (-c 2048 -np 2: 1024 tokens a slot) stops at a

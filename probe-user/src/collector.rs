@@ -85,6 +85,9 @@ struct State {
     last_maps: HashMap<u32, Vec<procfs::Mapping>>,
     known_files: HashSet<(u32, u32, u64)>,
     last_file_scan: HashMap<u32, Instant>,
+    /// Threads seen (named in a `threads` record, or being named at the next refresh).
+    threads_seen: HashSet<u32>,
+    threads_new: Vec<(u32, u32)>,
 }
 
 impl State {
@@ -94,6 +97,10 @@ impl State {
             return self.writer.kernel(bytes);
         };
         self.per_kind[ev.kind() as usize] += 1;
+        let h = ev.header();
+        if h.pid != 0 && self.threads_seen.insert(h.tid) {
+            self.threads_new.push((h.pid, h.tid));
+        }
         // Stream bytes are parsed here and dropped unless the user asked to keep them; raw stacks
         // (which hold user memory) are unwound here and only their frames are kept.
         if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_)) || (self.capture_text && matches!(ev, Event::Data(_))) {
@@ -193,6 +200,7 @@ impl State {
     /// Re-read /proc for processes whose mappings or files changed; write what is new.
     fn refresh(&mut self) -> std::io::Result<()> {
         self.write_requests()?;
+        self.name_threads()?;
         for pid in std::mem::take(&mut self.dirty_maps) {
             self.snapshot_maps(pid)?;
         }
@@ -209,6 +217,21 @@ impl State {
             self.snapshot_files(pid)?;
         }
         Ok(())
+    }
+
+    /// Name the threads seen since the last refresh (a thread that already exited stays unnamed).
+    fn name_threads(&mut self) -> std::io::Result<()> {
+        if self.threads_new.is_empty() {
+            return Ok(());
+        }
+        let named: Vec<serde_json::Value> = std::mem::take(&mut self.threads_new)
+            .into_iter()
+            .filter_map(|(pid, tid)| Some(json!([pid, tid, procfs::thread_comm(pid, tid)?])))
+            .collect();
+        if named.is_empty() {
+            return Ok(());
+        }
+        self.writer.json(&json!({"type": "threads", "ts_ns": monotonic_ns(), "threads": named}))
     }
 
     fn snapshot_maps(&mut self, pid: u32) -> std::io::Result<()> {
@@ -275,7 +298,17 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         last_maps: HashMap::new(),
         known_files: HashSet::new(),
         last_file_scan: HashMap::new(),
+        threads_seen: HashSet::new(),
+        threads_new: vec![],
     };
+    // Every thread there at attach; later ones when they first show up in an event.
+    for &pid in &attached.targets {
+        for tid in procfs::tasks(pid) {
+            if st.threads_seen.insert(tid) {
+                st.threads_new.push((pid, tid));
+            }
+        }
+    }
     let uname = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let start_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     st.writer.json(&json!({

@@ -182,8 +182,13 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
     for (dev, tid) in &devices {
         ev.push(meta(BLOCKIO_PID, Some(*tid), &format!("dev {}:{}", dev >> 20, dev & 0xfffff)));
     }
+    let names = rec.thread_names();
     for (pid, tid) in threads.keys() {
-        ev.push(meta(*pid, Some(*tid), &format!("thread {tid}")));
+        let name = match names.get(&(*tid as u32)) {
+            Some(n) => format!("{n} ({tid})"),
+            None => format!("thread {tid}"),
+        };
+        ev.push(meta(*pid, Some(*tid), &name));
     }
     json!({"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"probe": env!("CARGO_PKG_VERSION"), "target_pid": r.target.pid}})
 }

@@ -65,6 +65,11 @@ pub fn cmdline(pid: u32) -> String {
         .unwrap_or_default()
 }
 
+/// A thread's name (`/proc/PID/task/TID/comm`; set by the program, so text, not trusted).
+pub fn thread_comm(pid: u32, tid: u32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).ok().map(|s| s.trim_end().to_string())
+}
+
 /// Thread ids of a process.
 pub fn tasks(pid: u32) -> Vec<u32> {
     fs::read_dir(format!("/proc/{pid}/task"))

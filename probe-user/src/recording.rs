@@ -33,12 +33,13 @@ pub const FRAME_JSON: u8 = 2;
 /// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
 /// test checks the page against this list, and every real trace in the test suite checks that
 /// its recording holds no other.
-pub const USER_RECORD_TYPES: [&str; 15] = [
+pub const USER_RECORD_TYPES: [&str; 16] = [
     "meta",
     "maps",
     "files",
     "module",
     "ksyms",
+    "threads",
     "request",
     "stats",
     "samplers",
@@ -676,6 +677,19 @@ impl Recording {
             rec.push_json(v);
         }
         rec
+    }
+
+    /// Thread names by tid, from the `threads` records.
+    pub fn thread_names(&self) -> std::collections::HashMap<u32, String> {
+        let mut out = std::collections::HashMap::new();
+        for v in self.json.iter().filter(|v| v["type"] == "threads") {
+            for t in v["threads"].as_array().into_iter().flatten() {
+                if let (Some(tid), Some(name)) = (t[1].as_u64(), t[2].as_str()) {
+                    out.insert(tid as u32, name.to_string());
+                }
+            }
+        }
+        out
     }
 
     /// The `meta` record, if any.

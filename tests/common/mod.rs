@@ -212,6 +212,7 @@ pub fn read_report(dir: &std::path::Path) -> serde_json::Value {
     let written: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
     let sizes = Command::new(probe_bin()).args(["report", "--sizes"]).arg(dir).output().unwrap();
     assert!(sizes.status.success(), "probe report --sizes: {}", String::from_utf8_lossy(&sizes.stderr));
+    assert!(String::from_utf8_lossy(&sizes.stdout).contains("json:threads"), "{}: no thread names recorded", dir.display());
     let known = documented_record_types();
     for line in String::from_utf8_lossy(&sizes.stdout).lines().skip(1) {
         if let Some(ty) = line.split_whitespace().next().and_then(|k| k.strip_prefix("json:")) {
