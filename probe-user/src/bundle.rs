@@ -69,7 +69,7 @@ pub fn markdown(r: &Report) -> String {
 
 /// Facts about the machine and the server, for the issue.
 fn environment(rec: &Recording) -> String {
-    let meta = rec.json.iter().find(|v| v["type"] == "meta").cloned().unwrap_or_default();
+    let meta = rec.meta().cloned().unwrap_or_default();
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let cpu = read("/proc/cpuinfo")
         .lines()
@@ -77,7 +77,7 @@ fn environment(rec: &Recording) -> String {
         .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
         .unwrap_or_default();
     let mem = read("/proc/meminfo").lines().next().unwrap_or_default().to_string();
-    let samplers = rec.json.iter().find(|v| v["type"] == "samplers").cloned().unwrap_or_default();
+    let samplers = rec.samples().find(|v| v["type"] == "samplers").cloned().unwrap_or_default();
     let mut gpu: Vec<String> = samplers["gpus"]
         .as_array()
         .into_iter()
@@ -106,8 +106,7 @@ fn environment(rec: &Recording) -> String {
     let gpu = gpu.join("\n    ");
     // The server's own account of itself (llama.cpp /props, first poll that answered).
     let server: Vec<String> = rec
-        .json
-        .iter()
+        .samples()
         .filter(|v| v["type"] == "endpoint" && v["kind"] != "none")
         .take(1)
         .map(|v| {
@@ -125,15 +124,15 @@ fn environment(rec: &Recording) -> String {
     format!(
         "probe {}\nkernel {}\ncpu {cpu} x {}\n{mem}\ngpu {}\ntarget {} (pid {}), binary {}\nserver: {}\ncommand line: {}\nprobes: {}\n",
         env!("CARGO_PKG_VERSION"),
-        meta["kernel"].as_str().unwrap_or("?"),
+        meta.kernel,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         gpu.trim(),
-        meta["comm"].as_str().unwrap_or("?"),
-        meta["pid"],
-        meta["exe"].as_str().unwrap_or("?"),
+        meta.comm,
+        meta.pid,
+        meta.exe,
         if server.is_empty() { "its endpoints did not answer (or polling was off)".to_string() } else { server.join("; ") },
-        meta["cmdline"].as_str().unwrap_or("?"),
-        meta["probes"]
+        meta.cmdline,
+        meta.probes
     )
 }
 

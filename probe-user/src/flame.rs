@@ -9,7 +9,10 @@ use blazesym::symbolize::{
     source::{Elf, Source},
 };
 
-use crate::recording::{Frame, ReadError, Reader, Recording, StackKind, StackRecord};
+use crate::recording::{
+    Frame, ReadError, Reader, Recording, StackKind, StackRecord,
+    records::{Meta, UserRecord},
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
@@ -89,13 +92,14 @@ struct Wanted {
 }
 
 impl Wanted {
-    fn json(&mut self, v: &serde_json::Value) {
-        if v["type"] == "module"
-            && let (Some(id), Some(p)) = (v["id"].as_i64(), v["path"].as_str())
-        {
-            self.modules.insert(id, p.to_string());
+    fn record(&mut self, r: &UserRecord) {
+        match r {
+            UserRecord::Module(m) => {
+                self.modules.insert(m.id, m.path.clone());
+            }
+            UserRecord::Ksyms(k) => self.names.feed_ksyms(k),
+            _ => {}
         }
-        self.names.feed(v);
     }
 
     fn stack(&mut self, s: &StackRecord) {
@@ -109,7 +113,7 @@ impl Wanted {
 impl Symbols {
     pub fn resolve(rec: &Recording) -> Symbols {
         let mut w = Wanted::default();
-        rec.json.iter().for_each(|v| w.json(v));
+        rec.records.iter().for_each(|r| w.record(r));
         rec.stacks.iter().for_each(|s| w.stack(s));
         Symbols::of(w)
     }
@@ -121,13 +125,9 @@ impl Symbols {
         while let Some(f) = r.next_frame() {
             match f {
                 Frame::Stack(s) => w.stack(&s),
-                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
-                    Ok(v) if v["type"] == "stack" => {
-                        if let Ok(s) = serde_json::from_value::<StackRecord>(v) {
-                            w.stack(&s);
-                        }
-                    }
-                    Ok(v) => w.json(&v),
+                Frame::Json(b) => match UserRecord::parse(&b) {
+                    Ok(UserRecord::Stack(s)) => w.stack(&s),
+                    Ok(u) => w.record(&u),
                     Err(_) => {}
                 },
                 Frame::Kernel(_) => {}
@@ -218,8 +218,8 @@ impl Folder<'_> {
     }
 }
 
-fn root(meta: Option<&serde_json::Value>) -> (u32, String) {
-    (meta.and_then(|m| m["pid"].as_u64()).unwrap_or(0) as u32, meta.and_then(|m| m["comm"].as_str()).unwrap_or("target").to_string())
+fn root(meta: Option<&Meta>) -> (u32, String) {
+    (meta.map_or(0, |m| m.pid), meta.map_or_else(|| "target".to_string(), |m| m.comm.clone()))
 }
 
 impl Flames {
@@ -233,15 +233,12 @@ impl Flames {
         while let Some(f) = r.next_frame() {
             let s = match f {
                 Frame::Stack(s) => s,
-                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
-                    Ok(v) if v["type"] == "meta" && meta.is_none() => {
-                        meta = Some(v);
+                Frame::Json(b) => match UserRecord::parse(&b) {
+                    Ok(UserRecord::Meta(m)) if meta.is_none() => {
+                        meta = Some(*m);
                         continue;
                     }
-                    Ok(v) if v["type"] == "stack" => match serde_json::from_value::<StackRecord>(v) {
-                        Ok(s) => s,
-                        Err(_) => continue,
-                    },
+                    Ok(UserRecord::Stack(s)) => *s,
                     _ => continue,
                 },
                 Frame::Kernel(_) => continue,

@@ -112,15 +112,11 @@ pub struct NamesBuilder {
 }
 
 impl NamesBuilder {
-    pub fn feed(&mut self, v: &Value) {
-        if let Some("ksyms") = v["type"].as_str() {
-            self.traced_with_names = true;
-            self.addrs.clear();
-            for s in v["syms"].as_array().into_iter().flatten() {
-                if let (Some(a), Some(n)) = (s[0].as_u64(), s[1].as_str()) {
-                    self.by_addr.insert(a, n.to_string());
-                }
-            }
+    pub fn feed_ksyms(&mut self, k: &crate::recording::records::Ksyms) {
+        self.traced_with_names = true;
+        self.addrs.clear();
+        for (a, n) in &k.syms {
+            self.by_addr.insert(*a, n.clone());
         }
     }
 
@@ -149,8 +145,10 @@ impl NamesBuilder {
 impl Names {
     pub fn of(rec: &Recording) -> Names {
         let mut b = NamesBuilder::default();
-        for v in &rec.json {
-            b.feed(v);
+        for r in &rec.records {
+            if let crate::recording::records::UserRecord::Ksyms(k) = r {
+                b.feed_ksyms(k);
+            }
         }
         for s in &rec.stacks {
             b.feed_stack(s);

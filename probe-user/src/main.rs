@@ -184,7 +184,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         Command::Flamegraph { dir, kind, request, from, to, output } => {
             let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
             let meta = recording::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let start = meta.and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
+            let start = meta.map_or(0, |m| m.start_ns);
             let secs = |s: f64| start + (s * 1e9) as u64;
             let mut window = flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) };
             if let Some(id) = request {

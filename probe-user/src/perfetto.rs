@@ -27,7 +27,7 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
     let c = |name: String, ts: f64, args: Value| json!({"ph": "C", "name": name, "pid": SYSTEM_PID, "tid": 0, "ts": ts, "args": args});
     let mut last_psi: Option<(u64, u64, u64)> = None;
     let mut last_idle: Option<(u64, Vec<u64>)> = None;
-    for v in &rec.json {
+    for v in rec.samples() {
         let Some(t) = v["ts_ns"].as_u64() else { continue };
         let ts = us(t);
         match v["type"].as_str() {
@@ -105,7 +105,7 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
 
 /// Build the trace. `kernel` classifies off-CPU waits (see crate::ksyms).
 pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) -> Value {
-    let start = rec.json.iter().find(|v| v["type"] == "meta").and_then(|m| m["start_ns"].as_u64()).unwrap_or(0);
+    let start = rec.meta().map_or(0, |m| m.start_ns);
     let us = |ns: u64| ns.saturating_sub(start) as f64 / 1e3;
     let mut ev: Vec<Value> = vec![
         meta(REQUESTS_PID, None, "requests"),

@@ -22,6 +22,8 @@ use probe_common::{EventHeader, EventKind};
 
 use crate::decode::{self, Event};
 
+pub mod records;
+
 pub const FILE_NAME: &str = "events.bin";
 pub const MAGIC: &[u8; 8] = b"PROBEREC";
 /// The format this probe writes.
@@ -601,8 +603,8 @@ pub struct Recording {
     pub events: Vec<Event>,
     /// Stack samples, in file order.
     pub stacks: Vec<StackRecord>,
-    /// Userspace records other than stack samples.
-    pub json: Vec<serde_json::Value>,
+    /// Userspace records other than stack samples, typed (the samplers' records in `Sample`).
+    pub records: Vec<records::UserRecord>,
     /// Human-readable problems: torn tail, corrupt frame, undecodable records (counted).
     pub problems: Vec<String>,
     pub undecodable: u64,
@@ -635,11 +637,16 @@ impl Recording {
                     }
                     stacks.push_back(s);
                 }
-                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
-                    Ok(v) => rec.push_json(v),
+                Frame::Json(b) => match records::UserRecord::parse(&b) {
+                    Ok(records::UserRecord::Stack(s)) => stacks.push_back(*s),
+                    Ok(u) => rec.records.push(u),
                     Err(_) => r.undecodable += 1,
                 },
             }
+        }
+        while stacks.len() as u64 > keep_stacks {
+            stacks.pop_front();
+            rec.stacks_not_kept += 1;
         }
         rec.events = events.into();
         rec.stacks.extend(stacks);
@@ -657,44 +664,37 @@ impl Recording {
         rec
     }
 
-    /// A v1 stack record becomes a typed one; other records are kept as they are.
-    fn push_json(&mut self, v: serde_json::Value) {
-        if v["type"] == "stack" {
-            match serde_json::from_value::<StackRecord>(v) {
-                Ok(s) if (self.stacks.len() as u64) < KEEP_STACKS => self.stacks.push(s),
-                Ok(_) => self.stacks_not_kept += 1,
-                Err(_) => self.undecodable += 1,
-            }
-        } else {
-            self.json.push(v);
-        }
-    }
-
-    /// A recording of userspace records (tests, tools): stack records become typed.
+    /// A recording of userspace records (tests, tools).
     pub fn from_json(values: Vec<serde_json::Value>) -> Recording {
         let mut rec = Recording::default();
         for v in values {
-            rec.push_json(v);
+            match records::UserRecord::from_value(v) {
+                Ok(records::UserRecord::Stack(s)) => rec.stacks.push(*s),
+                Ok(u) => rec.records.push(u),
+                Err(_) => rec.undecodable += 1,
+            }
         }
         rec
     }
 
     /// Thread names by tid, from the `threads` records.
     pub fn thread_names(&self) -> std::collections::HashMap<u32, String> {
-        let mut out = std::collections::HashMap::new();
-        for v in self.json.iter().filter(|v| v["type"] == "threads") {
-            for t in v["threads"].as_array().into_iter().flatten() {
-                if let (Some(tid), Some(name)) = (t[1].as_u64(), t[2].as_str()) {
-                    out.insert(tid as u32, name.to_string());
-                }
-            }
-        }
-        out
+        self.records
+            .iter()
+            .filter_map(|r| if let records::UserRecord::Threads(t) = r { Some(&t.threads) } else { None })
+            .flatten()
+            .map(|(_, tid, name)| (*tid, name.clone()))
+            .collect()
+    }
+
+    /// The samplers' records (`gpu`, `mem`, `endpoint`...), as written.
+    pub fn samples(&self) -> impl Iterator<Item = &serde_json::Value> {
+        self.records.iter().filter_map(|r| if let records::UserRecord::Sample(v) = r { Some(v) } else { None })
     }
 
     /// The `meta` record, if any.
-    pub fn meta(&self) -> Option<&serde_json::Value> {
-        self.json.iter().find(|v| v["type"] == "meta")
+    pub fn meta(&self) -> Option<&records::Meta> {
+        self.records.iter().find_map(|r| if let records::UserRecord::Meta(m) = r { Some(&**m) } else { None })
     }
 }
 
@@ -747,14 +747,13 @@ pub fn sizes(dir: &Path) -> Result<std::collections::BTreeMap<String, (u64, u64)
 }
 
 /// The `meta` record of the recording in `dir` (its first frame), without reading the rest.
-pub fn read_meta(dir: &Path) -> Result<Option<serde_json::Value>, ReadError> {
+pub fn read_meta(dir: &Path) -> Result<Option<records::Meta>, ReadError> {
     let mut r = Reader::open(dir)?;
     while let Some(f) = r.next_frame() {
         if let Frame::Json(b) = f
-            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
-            && v["type"] == "meta"
+            && let Ok(records::UserRecord::Meta(m)) = records::UserRecord::parse(&b)
         {
-            return Ok(Some(v));
+            return Ok(Some(*m));
         }
         if r.pos > 1 << 20 {
             break;
@@ -805,7 +804,7 @@ mod tests {
         let (bytes, ends) = sample(&dir);
         let rec = parse(&bytes, "x").unwrap();
         assert_eq!(rec.events.len(), 3);
-        assert_eq!(rec.json.len(), 1);
+        assert_eq!(rec.records.len(), 1);
         assert!(rec.problems.is_empty(), "{:?}", rec.problems);
         let Event::Fault(f) = rec.events[2] else { panic!() };
         assert_eq!((f.hdr.ts_ns, f.addr, f.hdr.pid, f.hdr.tid), (1_010_000, 0x7f00_0000_1000 * 3, 1, 1));
@@ -814,7 +813,7 @@ mod tests {
         for cut in 17..bytes.len() {
             let r = parse(&bytes[..cut], "x").unwrap();
             let whole = ends.iter().filter(|&&e| e <= cut).count();
-            assert_eq!(r.json.len() + r.events.len(), whole, "cut at {cut}");
+            assert_eq!(r.records.len() + r.events.len(), whole, "cut at {cut}");
             assert_eq!(r.problems.len(), usize::from(!ends.contains(&cut)), "cut at {cut}: {:?}", r.problems);
         }
         std::fs::remove_dir_all(&dir).ok();
@@ -828,7 +827,7 @@ mod tests {
         bytes[ends[0] + 1] = 9;
         let r = parse(&bytes, "x").unwrap();
         assert_eq!(r.events.len(), 0);
-        assert_eq!(r.json.len(), 1);
+        assert_eq!(r.records.len(), 1);
         assert!(r.problems[0].contains(&format!("corrupt frame at byte {}", ends[0])), "{:?}", r.problems);
         assert!(matches!(parse(b"hello world, not a recording", "x"), Err(ReadError::BadMagic { .. })));
         assert!(matches!(parse(b"PROBE", "x"), Err(ReadError::BadMagic { .. })));

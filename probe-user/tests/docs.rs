@@ -38,3 +38,29 @@ fn stack_sample_fields() {
         assert!(doc.contains(&format!("`{key}`")), "docs/recording.md does not describe the stack field `{key}`");
     }
 }
+
+#[test]
+fn userspace_record_fields() {
+    use probe_user::recording::records::*;
+    let doc = page();
+    let keys = |v: serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    let all = [
+        ("meta", keys(serde_json::to_value(Meta::default()).unwrap())),
+        ("maps", keys(serde_json::to_value(Maps::default()).unwrap())),
+        ("files", keys(serde_json::to_value(Files::default()).unwrap())),
+        ("module", keys(serde_json::to_value(Module::default()).unwrap())),
+        ("ksyms", keys(serde_json::to_value(Ksyms::default()).unwrap())),
+        ("threads", keys(serde_json::to_value(Threads::default()).unwrap())),
+        ("stats", keys(serde_json::to_value(Stats::default()).unwrap())),
+        ("stats.unwind", keys(serde_json::to_value(UnwindCounters::default()).unwrap())),
+        ("end", keys(serde_json::to_value(End::default()).unwrap())),
+    ];
+    for (ty, fields) in all {
+        let section = ty.split('.').next().unwrap();
+        let at = doc.find(&format!("- `{section}`")).unwrap_or_else(|| panic!("no `{section}` bullet"));
+        let bullet = &doc[at..doc[at + 3..].find("\n- `").map_or(doc.len(), |e| at + 3 + e)];
+        for f in fields {
+            assert!(bullet.contains(&format!("`{f}`")), "docs/recording.md's `{section}` does not describe the field `{f}`");
+        }
+    }
+}

@@ -16,7 +16,10 @@ use super::*;
 use crate::{
     decode::Event,
     procfs::Mapping,
-    recording::{Recording, StackKind, StackRecord},
+    recording::{
+        Recording, StackKind, StackRecord,
+        records::{Meta, Stats, UserRecord},
+    },
     stream::RequestRecord,
 };
 
@@ -122,7 +125,9 @@ struct WindowData {
 /// file mappings); pass 2 reads the kernel records in time order.
 struct Builder {
     r: Report,
-    meta: Value,
+    meta: Option<Meta>,
+    /// The `stats` records, one a second.
+    stats: Vec<Stats>,
     start: u64,
     page_size: u64,
     end_ts: u64,
@@ -163,7 +168,8 @@ impl Builder {
     fn new() -> Self {
         Builder {
             r: Report::default(),
-            meta: Value::Null,
+            meta: None,
+            stats: vec![],
             start: 0,
             page_size: 4096,
             end_ts: 0,
@@ -195,69 +201,58 @@ impl Builder {
         }
     }
 
-    /// Pass 1: one userspace record.
-    fn user(&mut self, v: Value) {
+    /// Pass 1: one userspace record, or why it could not be read.
+    fn user(&mut self, rec: Result<UserRecord, (String, serde_json::Error)>) {
+        let rec = match rec {
+            Ok(rec) => rec,
+            Err((ty, _)) if ty == "stack" => {
+                self.bad_stacks += 1;
+                return;
+            }
+            Err((ty, e)) => {
+                self.r.problems.push(format!("a {ty} record could not be read: {e}"));
+                return;
+            }
+        };
         let r = &mut self.r;
-        self.end_ts = self.end_ts.max(json_u64(&v, "ts_ns"));
-        if v["type"] != "stack" {
-            self.names.feed(&v);
-        }
-        match v["type"].as_str() {
-            Some("meta") if self.meta.is_null() => self.meta = v.clone(),
-            Some("maps") => {
-                let list: Vec<Mapping> = serde_json::from_value(v["mappings"].clone()).unwrap_or_default();
-                for m in &list {
-                    self.file_names.entry((m.major, m.minor, m.inode)).or_insert_with(|| m.path.clone());
+        self.end_ts = self.end_ts.max(rec.ts_ns().unwrap_or(0));
+        match rec {
+            UserRecord::Meta(m) if self.meta.is_none() => self.meta = Some(*m),
+            UserRecord::Meta(_) | UserRecord::Module(_) | UserRecord::Threads(_) => {}
+            UserRecord::Maps(m) => {
+                for f in &m.mappings {
+                    self.file_names.entry((f.major, f.minor, f.inode)).or_insert_with(|| f.path.clone());
                 }
-                self.maps.by_pid.entry(json_u64(&v, "pid") as u32).or_default().push((json_u64(&v, "ts_ns"), list));
-                return;
+                self.maps.by_pid.entry(m.pid).or_default().push((m.ts_ns, m.mappings));
             }
-            Some("files") => {
-                for f in v["files"].as_array().into_iter().flatten() {
-                    let key = (json_u64(f, "major") as u32, json_u64(f, "minor") as u32, json_u64(f, "inode"));
-                    self.file_names.entry(key).or_insert_with(|| f["path"].as_str().unwrap_or_default().to_string());
+            UserRecord::Files(f) => {
+                for f in f.files {
+                    self.file_names.entry((f.major, f.minor, f.inode)).or_insert(f.path);
                 }
             }
-            Some("stack") => {
-                match serde_json::from_value::<StackRecord>(v) {
-                    Ok(s) => self.stack_seen(&s),
-                    Err(_) => self.bad_stacks += 1,
+            UserRecord::Ksyms(k) => self.names.feed_ksyms(&k),
+            UserRecord::Stack(s) => self.stack_seen(&s),
+            UserRecord::Stats(s) => {
+                let u = &s.unwind;
+                r.unwind.samples = u.samples;
+                r.unwind.complete = u.complete;
+                if u.samples > 0 {
+                    r.unwind.success_rate = u.complete as f64 / u.samples as f64;
+                    r.unwind.us_per_sample = u.ns as f64 / 1e3 / u.samples as f64;
                 }
-                return;
+                r.unwind.load_ms = u.load_ns as f64 / 1e6;
+                r.lost_events = s.lost.clone();
+                r.counters = s.counters.clone();
+                r.skipped_runs = s.skipped_runs.clone();
+                self.stats.push(s);
             }
-            Some("stats") => {
-                let u = &v["unwind"];
-                r.unwind.samples = json_u64(u, "samples");
-                r.unwind.complete = json_u64(u, "complete");
-                if r.unwind.samples > 0 {
-                    r.unwind.success_rate = r.unwind.complete as f64 / r.unwind.samples as f64;
-                    r.unwind.us_per_sample = json_u64(u, "ns") as f64 / 1e3 / r.unwind.samples as f64;
-                }
-                r.unwind.load_ms = json_u64(u, "load_ns") as f64 / 1e6;
-                for (k, out) in [("lost", &mut r.lost_events), ("counters", &mut r.counters), ("skipped_runs", &mut r.skipped_runs)] {
-                    if let Some(o) = v[k].as_object() {
-                        *out = o.iter().map(|(k, n)| (k.clone(), n.as_u64().unwrap_or(0))).collect();
-                    }
-                }
-            }
-            Some("end") => {
+            UserRecord::End(e) => {
                 self.has_end = true;
-                r.target.end_reason = v["reason"].as_str().map(String::from);
+                r.target.end_reason = Some(e.reason);
             }
-            Some("request") => {
-                let mut v = v;
-                RequestRecord::upgrade_legacy(&mut v);
-                match serde_json::from_value::<RequestRecord>(v) {
-                    Ok(record) => r.requests.push(Request { record, verdict: None }),
-                    Err(e) => r.problems.push(format!("a request record could not be read: {e}")),
-                }
-                return;
-            }
-            // Module tables and kernel names are for the stack renderers.
-            Some("module" | "ksyms") => return,
-            _ => {}
+            UserRecord::Request(q) => r.requests.push(Request { record: *q, verdict: None }),
+            UserRecord::Sample(v) => self.json.push(v),
         }
-        self.json.push(v);
     }
 
     /// Pass 1: a stack record: counts and depths per kind.
@@ -323,24 +318,19 @@ impl Builder {
             self.file_names.entry(k).or_insert(n);
         }
         let r = &mut self.r;
-        if self.meta.is_null() {
+        if self.meta.is_none() {
             r.problems.push("the recording has no meta record: target details are unknown".into());
         }
-        let meta = &self.meta;
-        self.start = json_u64(meta, "start_ns");
+        let meta = self.meta.clone().unwrap_or_default();
+        self.start = meta.start_ns;
         self.end_ts = self.end_ts.max(self.start);
-        self.page_size = meta.get("page_size").and_then(Value::as_u64).unwrap_or(4096);
-        r.target.pid = json_u64(meta, "pid") as u32;
-        r.target.comm = meta["comm"].as_str().unwrap_or_default().to_string();
-        r.target.cmdline = meta["cmdline"].as_str().unwrap_or_default().to_string();
-        r.probes = meta.get("probes").cloned().unwrap_or(Value::Null);
-        self.dev_names = meta
-            .get("block_devices")
-            .and_then(Value::as_object)
-            .map(|o| o.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
-            .unwrap_or_default();
-        for pid in meta["targets"].as_array().into_iter().flatten().filter_map(Value::as_u64) {
-            let pid = pid as u32;
+        self.page_size = meta.page_size;
+        r.target.pid = meta.pid;
+        r.target.comm = meta.comm.clone();
+        r.target.cmdline = meta.cmdline.clone();
+        r.probes = meta.probes.clone();
+        self.dev_names = meta.block_devices.clone().into_iter().collect();
+        for &pid in &meta.targets {
             let comm = if pid == r.target.pid { r.target.comm.clone() } else { String::new() };
             self.procs.insert(pid, Process { pid, comm, ..Default::default() });
         }
@@ -599,14 +589,7 @@ impl Builder {
         let (gpu_clocks, cpu_clocks) = crate::system::clock_series(json);
         // Losses are counted per second (stats records, cumulative): a window's losses are the
         // growth between the last count before it and the first after it.
-        let lost_at: Vec<(u64, u64)> = json
-            .iter()
-            .filter(|v| v["type"] == "stats")
-            .map(|v| {
-                let sum = |k: &str| v[k].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum::<u64>());
-                (json_u64(v, "ts_ns"), sum("lost") + sum("skipped_runs"))
-            })
-            .collect();
+        let lost_at: Vec<(u64, u64)> = self.stats.iter().map(|s| (s.ts_ns, s.lost_total())).collect();
         let lost_between = |from: u64, to: u64| {
             let before = lost_at.iter().rev().find(|(t, _)| *t <= from).map_or(0, |x| x.1);
             let after = lost_at.iter().find(|(t, _)| *t >= to).or(lost_at.last()).map_or(0, |x| x.1);
@@ -744,11 +727,17 @@ impl Reorder {
     }
 }
 
+/// A userspace record typed, or its type and why it could not be.
+fn typed(v: Value) -> Result<UserRecord, (String, serde_json::Error)> {
+    let ty = v["type"].as_str().unwrap_or_default().to_string();
+    UserRecord::from_value(v).map_err(|e| (ty, e))
+}
+
 /// The report of a recording already in memory.
 pub fn build(rec: &Recording) -> Report {
     let mut b = Builder::new();
-    for v in &rec.json {
-        b.user(v.clone());
+    for r in &rec.records {
+        b.user(Ok(r.clone()));
     }
     for s in &rec.stacks {
         b.stack_seen(s);
@@ -783,7 +772,7 @@ pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::Read
             Frame::Kernel(_) => {}
             Frame::Stack(s) => b.stack_seen(&s),
             Frame::Json(bytes) => match serde_json::from_slice::<Value>(&bytes) {
-                Ok(v) => b.user(v),
+                Ok(v) => b.user(typed(v)),
                 Err(_) => undecodable += 1,
             },
         }

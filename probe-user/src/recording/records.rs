@@ -1,0 +1,212 @@
+//! Userspace records, typed: one Rust type per record kind the analysis reads (docs/recording.md
+//! lists the fields). The samplers' records (`samplers`, `gpu`, `cpufreq`, `mem`, `cpuidle`,
+//! `residency`, `endpoint`) stay JSON objects for `crate::system`, which summarises them.
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::StackRecord;
+use crate::{procfs::Mapping, stream::RequestRecord};
+
+fn page_size() -> u64 {
+    4096
+}
+
+/// The first frame: what was traced, when, with which probes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Meta {
+    pub format_version: u32,
+    pub probe_version: String,
+    pub pid: u32,
+    pub comm: String,
+    pub cmdline: String,
+    pub exe: String,
+    /// Pids traced at attach (the target and its descendants).
+    pub targets: Vec<u32>,
+    /// CLOCK_MONOTONIC at the start; every `ts_ns` is on this clock.
+    pub start_ns: u64,
+    pub start_unix_ms: u64,
+    pub kernel: String,
+    pub armed_ms: f64,
+    /// Per probe: `name`, `live`, `attached`, `skipped` with reasons.
+    pub probes: Value,
+    #[serde(default = "page_size")]
+    pub page_size: u64,
+    pub capture_text: bool,
+    /// `"major:minor"` → device name.
+    pub block_devices: BTreeMap<String, String>,
+}
+
+/// The file-backed lines of /proc/PID/maps at a time.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Maps {
+    pub pid: u32,
+    pub ts_ns: u64,
+    pub mappings: Vec<Mapping>,
+}
+
+/// An open regular file.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OpenFile {
+    pub major: u32,
+    pub minor: u32,
+    pub inode: u64,
+    pub path: String,
+}
+
+/// Open files not named before.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Files {
+    pub pid: u32,
+    pub ts_ns: u64,
+    pub files: Vec<OpenFile>,
+}
+
+/// A file stack frames refer to by id.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Module {
+    pub id: i64,
+    pub path: String,
+}
+
+/// Kernel addresses named while tracing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Ksyms {
+    pub syms: Vec<(u64, String)>,
+}
+
+/// Thread names: `(pid, tid, name)`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Threads {
+    pub ts_ns: u64,
+    pub threads: Vec<(u32, u32, String)>,
+}
+
+/// Unwinding while tracing: samples, how many reached the end, time spent.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct UnwindCounters {
+    pub samples: u64,
+    pub complete: u64,
+    pub ns: u64,
+    pub load_ns: u64,
+}
+
+/// Counters, cumulative since attach (every second and at the end).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Stats {
+    pub ts_ns: u64,
+    /// Ring-buffer reserve failures per kind.
+    pub lost: BTreeMap<String, u64>,
+    pub counters: BTreeMap<String, u64>,
+    /// Records received per kind.
+    pub events: BTreeMap<String, u64>,
+    /// Program runs the kernel skipped, per program.
+    pub skipped_runs: BTreeMap<String, u64>,
+    pub unwind: UnwindCounters,
+}
+
+impl Stats {
+    /// Events lost or never made, all kinds.
+    pub fn lost_total(&self) -> u64 {
+        self.lost.values().sum::<u64>() + self.skipped_runs.values().sum::<u64>()
+    }
+}
+
+/// The last frame of a clean stop.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct End {
+    pub ts_ns: u64,
+    pub reason: String,
+}
+
+/// One userspace record.
+#[derive(Clone, Debug, PartialEq)]
+pub enum UserRecord {
+    Meta(Box<Meta>),
+    Maps(Maps),
+    Files(Files),
+    Module(Module),
+    Ksyms(Ksyms),
+    Threads(Threads),
+    Request(Box<RequestRecord>),
+    Stats(Stats),
+    End(End),
+    /// A v1 stack sample (JSON then; binary frames since v2).
+    Stack(Box<StackRecord>),
+    /// A sampler's record, for `crate::system`.
+    Sample(Value),
+}
+
+impl UserRecord {
+    /// A record from its JSON. Older request records are upgraded to today's fields.
+    pub fn from_value(mut v: Value) -> Result<UserRecord, serde_json::Error> {
+        use serde_json::from_value as from;
+        let ty = v.get("type").and_then(Value::as_str).unwrap_or_default().to_string();
+        Ok(match ty.as_str() {
+            "meta" => UserRecord::Meta(Box::new(from(v)?)),
+            "maps" => UserRecord::Maps(from(v)?),
+            "files" => UserRecord::Files(from(v)?),
+            "module" => UserRecord::Module(from(v)?),
+            "ksyms" => UserRecord::Ksyms(from(v)?),
+            "threads" => UserRecord::Threads(from(v)?),
+            "request" => {
+                RequestRecord::upgrade_legacy(&mut v);
+                UserRecord::Request(Box::new(from(v)?))
+            }
+            "stats" => UserRecord::Stats(from(v)?),
+            "end" => UserRecord::End(from(v)?),
+            "stack" => UserRecord::Stack(Box::new(from(v)?)),
+            _ => UserRecord::Sample(v),
+        })
+    }
+
+    pub fn parse(bytes: &[u8]) -> Result<UserRecord, serde_json::Error> {
+        UserRecord::from_value(serde_json::from_slice(bytes)?)
+    }
+
+    /// Its time, for records that carry one.
+    pub fn ts_ns(&self) -> Option<u64> {
+        match self {
+            UserRecord::Maps(m) => Some(m.ts_ns),
+            UserRecord::Files(f) => Some(f.ts_ns),
+            UserRecord::Threads(t) => Some(t.ts_ns),
+            UserRecord::Stats(s) => Some(s.ts_ns),
+            UserRecord::End(e) => Some(e.ts_ns),
+            UserRecord::Stack(s) => Some(s.ts_ns),
+            UserRecord::Sample(v) => v.get("ts_ns").and_then(Value::as_u64),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_records_read_what_the_collector_writes() {
+        let v = serde_json::json!({"type": "stats", "ts_ns": 5, "lost": {"fault": 2}, "skipped_runs": {"x": 1}, "unwind": {"samples": 3}});
+        let UserRecord::Stats(s) = UserRecord::from_value(v).unwrap() else { panic!() };
+        assert_eq!((s.lost_total(), s.unwind.samples), (3, 3));
+        let v = serde_json::json!({"type": "threads", "ts_ns": 1, "threads": [[1, 2, "llama-server"]]});
+        assert_eq!(
+            UserRecord::from_value(v).unwrap(),
+            UserRecord::Threads(Threads { ts_ns: 1, threads: vec![(1, 2, "llama-server".into())] })
+        );
+        let v = serde_json::json!({"type": "meta", "pid": 7, "start_ns": 9});
+        let UserRecord::Meta(m) = UserRecord::from_value(v).unwrap() else { panic!() };
+        assert_eq!((m.pid, m.start_ns, m.page_size), (7, 9, 4096));
+        assert!(matches!(UserRecord::from_value(serde_json::json!({"type": "gpu", "ts_ns": 3})).unwrap(), UserRecord::Sample(_)));
+        assert!(UserRecord::from_value(serde_json::json!({"type": "maps", "pid": "not a pid"})).is_err());
+    }
+}
