@@ -257,43 +257,80 @@ impl StackRecord {
     }
 }
 
-/// Fixed-size records lose their trailing zero bytes on disk; variable-length ones (a fixed part
-/// then a tail whose length the fixed part gives) are stored whole.
-fn trims(kind: EventKind) -> bool {
+/// Fixed-size records are stored word by word, XOR the previous record of their kind; the
+/// variable-length ones (a fixed part then a tail whose length the fixed part gives) whole.
+fn chained(kind: EventKind) -> bool {
     !matches!(kind, EventKind::Data | EventKind::Stack)
 }
 
-/// The compact form of one raw kernel record, `prev_ts` the previous record's timestamp.
-pub fn compact(record: &[u8], prev_ts: u64, out: &mut Vec<u8>) -> Option<u64> {
+/// What a compact record is relative to: the previous kernel record's time, and per kind the
+/// previous record's body. Writer and reader keep the same chain.
+#[derive(Default)]
+pub struct Chain {
+    ts: u64,
+    prev: Vec<Vec<u8>>,
+}
+
+impl Chain {
+    fn prev(&mut self, kind: EventKind) -> &mut Vec<u8> {
+        let i = kind as usize;
+        if self.prev.len() <= i {
+            self.prev.resize(i + 1, vec![]);
+        }
+        let p = &mut self.prev[i];
+        p.resize(kind.record_size() - HEADER, 0);
+        p
+    }
+}
+
+fn word(b: &[u8], i: usize) -> u64 {
+    let mut w = [0u8; 8];
+    let part = &b[(i * 8).min(b.len())..((i + 1) * 8).min(b.len())];
+    w[..part.len()].copy_from_slice(part);
+    u64::from_ne_bytes(w)
+}
+
+/// The compact form of one raw kernel record, appended to `out`; the chain moves on.
+pub fn compact(record: &[u8], chain: &mut Chain, out: &mut Vec<u8>) -> Option<()> {
     let kind = decode::kind_of(record).ok()?;
     let hdr = record.get(..HEADER)?;
-    let word = |i: usize| u32::from_ne_bytes(hdr[i..i + 4].try_into().unwrap_or_default());
-    let (pid, tid, cpu) = (word(4), word(8), word(12));
+    let field = |i: usize| u32::from_ne_bytes(hdr[i..i + 4].try_into().unwrap_or_default());
+    let (pid, tid, cpu) = (field(4), field(8), field(12));
     let ts = u64::from_ne_bytes(hdr[16..24].try_into().unwrap_or_default());
     out.push(kind as u32 as u8);
-    put_varint(out, zigzag(ts.wrapping_sub(prev_ts) as i64));
+    put_varint(out, zigzag(ts.wrapping_sub(chain.ts) as i64));
     put_varint(out, u64::from(pid));
     put_varint(out, zigzag(i64::from(tid) - i64::from(pid)));
     put_varint(out, u64::from(cpu));
-    let mut body = &record[HEADER..];
-    if trims(kind) {
-        while let [rest @ .., 0] = body {
-            body = rest;
-        }
+    chain.ts = ts;
+    let body = &record[HEADER..];
+    if !chained(kind) {
+        out.extend_from_slice(body);
+        return Some(());
     }
-    out.extend_from_slice(body);
-    Some(ts)
+    if body.len() != kind.record_size() - HEADER {
+        return None;
+    }
+    let prev = chain.prev(kind);
+    let words: Vec<u64> = (0..body.len().div_ceil(8)).map(|i| word(body, i) ^ word(prev, i)).collect();
+    let n = words.iter().rposition(|&w| w != 0).map_or(0, |i| i + 1);
+    put_varint(out, n as u64);
+    for &w in &words[..n] {
+        put_varint(out, w);
+    }
+    prev.copy_from_slice(body);
+    Some(())
 }
 
-/// The raw record back from its compact form.
-fn expand(b: &[u8], prev_ts: u64) -> Option<(Vec<u8>, u64)> {
+/// The raw record back from its compact form; the chain moves on.
+fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
     let (&kind, b) = b.split_first()?;
     let kind = EventKind::try_from(u32::from(kind)).ok()?;
     let (dts, b) = take_varint(b)?;
     let (pid, b) = take_varint(b)?;
     let (dtid, b) = take_varint(b)?;
-    let (cpu, body) = take_varint(b)?;
-    let ts = prev_ts.wrapping_add(unzigzag(dts) as u64);
+    let (cpu, mut body) = take_varint(b)?;
+    let ts = chain.ts.wrapping_add(unzigzag(dts) as u64);
     let tid = u32::try_from(pid as i64 + unzigzag(dtid)).ok()?;
     let mut rec = Vec::with_capacity(kind.record_size().max(HEADER + body.len()));
     rec.extend_from_slice(&(kind as u32).to_ne_bytes());
@@ -301,20 +338,40 @@ fn expand(b: &[u8], prev_ts: u64) -> Option<(Vec<u8>, u64)> {
     rec.extend_from_slice(&tid.to_ne_bytes());
     rec.extend_from_slice(&u32::try_from(cpu).ok()?.to_ne_bytes());
     rec.extend_from_slice(&ts.to_ne_bytes());
-    rec.extend_from_slice(body);
-    if trims(kind) {
-        if rec.len() > kind.record_size() {
-            return None;
-        }
-        rec.resize(kind.record_size(), 0);
+    if !chained(kind) {
+        rec.extend_from_slice(body);
+        chain.ts = ts;
+        return Some(rec);
     }
-    Some((rec, ts))
+    let size = kind.record_size() - HEADER;
+    let (n, rest) = take_varint(body)?;
+    let n = usize::try_from(n).ok().filter(|&n| n <= size.div_ceil(8))?;
+    body = rest;
+    let mut words = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (w, rest) = take_varint(body)?;
+        words.push(w);
+        body = rest;
+    }
+    if !body.is_empty() {
+        return None;
+    }
+    chain.ts = ts;
+    let prev = chain.prev(kind);
+    for i in 0..size.div_ceil(8) {
+        let w = (word(prev, i) ^ words.get(i).copied().unwrap_or(0)).to_ne_bytes();
+        let at = i * 8;
+        let len = 8.min(size - at);
+        prev[at..at + len].copy_from_slice(&w[..len]);
+    }
+    rec.extend_from_slice(prev);
+    Some(rec)
 }
 
 pub struct Writer {
     out: BufWriter<File>,
     pub bytes: u64,
-    prev_ts: u64,
+    chain: Chain,
     prev_stack_ts: u64,
     scratch: Vec<u8>,
 }
@@ -326,7 +383,7 @@ impl Writer {
         out.write_all(MAGIC)?;
         out.write_all(&VERSION.to_ne_bytes())?;
         out.write_all(&0u32.to_ne_bytes())?;
-        Ok(Self { out, bytes: 16, prev_ts: 0, prev_stack_ts: 0, scratch: Vec::with_capacity(256) })
+        Ok(Self { out, bytes: 16, chain: Chain::default(), prev_stack_ts: 0, scratch: Vec::with_capacity(256) })
     }
 
     fn frame(&mut self, ty: u8, payload: &[u8]) -> io::Result<()> {
@@ -343,8 +400,7 @@ impl Writer {
     pub fn kernel(&mut self, record: &[u8]) -> io::Result<()> {
         let mut buf = std::mem::take(&mut self.scratch);
         buf.clear();
-        let ts = compact(record, self.prev_ts, &mut buf).ok_or_else(|| io::Error::other("kernel record without a valid header"))?;
-        self.prev_ts = ts;
+        compact(record, &mut self.chain, &mut buf).ok_or_else(|| io::Error::other("kernel record with a bad header or size"))?;
         let r = self.frame(FRAME_KERNEL, &buf);
         self.scratch = buf;
         r
@@ -414,7 +470,7 @@ pub struct Reader<R> {
     pos: u64,
     /// The file's length when known (to say how much a torn tail lost).
     len: Option<u64>,
-    prev_ts: u64,
+    chain: Chain,
     prev_stack_ts: u64,
     done: bool,
     /// Human-readable problems: torn tail, corrupt frame, undecodable records (counted).
@@ -456,7 +512,7 @@ impl<R: BufRead> Reader<R> {
             version,
             pos: 16,
             len,
-            prev_ts: 0,
+            chain: Chain::default(),
             prev_stack_ts: 0,
             done: false,
             problems: vec![],
@@ -567,10 +623,7 @@ impl<R: BufRead> Reader<R> {
             let decoded = if self.version == 1 {
                 decode::decode(&self.buf).ok()
             } else {
-                expand(&self.buf, self.prev_ts).and_then(|(raw, ts)| {
-                    self.prev_ts = ts;
-                    decode::decode(&raw).ok()
-                })
+                expand(&self.buf, &mut self.chain).and_then(|raw| decode::decode(&raw).ok())
             };
             match decoded {
                 Some(ev) => return Some(Frame::Kernel(ev)),
@@ -839,7 +892,7 @@ mod tests {
     }
 
     #[test]
-    fn compact_records_round_trip_and_drop_empty_buffers() {
+    fn compact_records_round_trip_and_shrink() {
         let anon = MmapEvent {
             hdr: EventHeader { kind: EventKind::Mmap as u32, pid: 4242, tid: 4250, cpu: 1, ts_ns: 5_000_000_000 },
             op: 1,
@@ -853,21 +906,31 @@ mod tests {
         let mut named = anon;
         named.name[..10].copy_from_slice(b"model.gguf");
         named.ino = 77;
-        for ev in [anon, named] {
+        // The next anonymous map a little later, a little higher: what churn looks like.
+        let mut next = anon;
+        next.hdr.ts_ns += 7_000;
+        next.enter_ns += 7_000;
+        next.ret += 0x10_0000;
+        // Out of order by a little (records from other CPUs): a negative time delta.
+        let mut early = next;
+        early.hdr.ts_ns -= 9_000;
+        let (mut w, mut r) = (Chain::default(), Chain::default());
+        let mut sizes = vec![];
+        for ev in [anon, named, anon, next, early] {
             let raw = decode::encode(&ev);
             let mut out = vec![];
-            compact(&raw, 4_999_000_000, &mut out).unwrap();
-            let (back, ts) = expand(&out, 4_999_000_000).unwrap();
-            assert_eq!(back, raw);
-            assert_eq!(ts, 5_000_000_000);
+            compact(&raw, &mut w, &mut out).unwrap();
+            assert_eq!(expand(&out, &mut r).unwrap(), raw);
+            sizes.push(out.len());
         }
+        assert!(sizes[0] < 48, "an anonymous mmap takes {} bytes, not {}: {sizes:?}", sizes[0], size_of::<MmapEvent>());
+        assert!(sizes[3] < 24, "the next one in a churn takes {}: {sizes:?}", sizes[3]);
+        // A cut record never expands.
         let mut out = vec![];
-        compact(&decode::encode(&anon), 4_999_000_000, &mut out).unwrap();
-        assert!(out.len() < 80, "an anonymous mmap takes {} bytes on disk, not {}", out.len(), size_of::<MmapEvent>());
-        // Out of order by a little (records from other CPUs): negative deltas.
-        let mut out = vec![];
-        compact(&decode::encode(&anon), 5_000_000_100, &mut out).unwrap();
-        assert_eq!(expand(&out, 5_000_000_100).unwrap().0, decode::encode(&anon));
+        compact(&decode::encode(&next), &mut Chain::default(), &mut out).unwrap();
+        for cut in 0..out.len() {
+            assert!(expand(&out[..cut], &mut Chain::default()).is_none(), "cut at {cut}");
+        }
     }
 
     #[test]

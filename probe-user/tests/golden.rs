@@ -21,6 +21,11 @@ fn check(name: &str) {
     let sizes = recording::sizes(&v2).unwrap();
     let (n, bytes) = sizes.iter().filter(|(k, _)| !k.contains(':')).fold((0, 0), |a, (_, v)| (a.0 + v.0, a.1 + v.1));
     assert!(n > 0 && bytes <= 48 * n, "{name}: {n} kernel records take {bytes} bytes: {sizes:?}");
+    eprintln!(
+        "{name}: v1 {} bytes, v2 {} bytes; v2 by kind: {sizes:?}",
+        std::fs::metadata(dir.join("events.bin")).unwrap().len(),
+        std::fs::metadata(v2.join("events.bin")).unwrap().len()
+    );
     assert_eq!(report::build_dir(&v2).unwrap(), r, "{name}: the rewritten recording's report differs");
     std::fs::remove_dir_all(&v2).ok();
     let json = serde_json::to_string_pretty(&r).unwrap() + "\n";
@@ -116,5 +121,6 @@ fn llama_recording_streams_and_rewrites_the_same() {
     assert_eq!(probe_user::flame::Flames::of_dir(&v2, Default::default()).unwrap().by_kind, mem.by_kind);
     let (old, new) = (std::fs::metadata(dir.join("events.bin")).unwrap().len(), std::fs::metadata(v2.join("events.bin")).unwrap().len());
     assert!(new * 2 < old, "v2 {new} bytes, v1 {old}");
+    eprintln!("llama-demo: v1 {old} bytes, v2 {new} bytes; v2 by kind: {:?}", recording::sizes(&v2).unwrap());
     std::fs::remove_dir_all(&v2).ok();
 }
