@@ -1,0 +1,126 @@
+//! Stack samples → folded stacks (`root;caller;callee` → weight), per kind: weights summed per
+//! distinct raw stack while the samples stream past, each distinct stack named once.
+use std::collections::{BTreeMap, HashMap};
+
+use super::{Kind, Symbols, Window};
+use crate::recording::{
+    Frame, ReadError, Reader, Recording, StackRecord,
+    records::{Meta, UserRecord},
+};
+
+/// Folded stacks: `comm;outer;...;inner;kernel_[k]` → weight, per kind, sorted by stack.
+pub type Folded = BTreeMap<String, u64>;
+
+/// Every kind's folded stacks of a recording, with the symbols they were named with.
+pub struct Flames {
+    pub symbols: Symbols,
+    pub by_kind: BTreeMap<Kind, Folded>,
+}
+
+/// A distinct stack before it is named: kind, process, wait class, user and kernel frames.
+type RawStack = (Kind, u32, &'static str, Vec<(i64, u64)>, Vec<u64>);
+
+/// Folds stack samples one at a time: weights are summed per distinct raw stack, and each
+/// distinct stack is named once at the end.
+struct Folder<'a> {
+    syms: &'a Symbols,
+    root_pid: u32,
+    root_comm: String,
+    window: Window,
+    raw: HashMap<RawStack, u64>,
+}
+
+impl Folder<'_> {
+    fn add(&mut self, s: &StackRecord) {
+        let Some(kind) = Kind::ALL.into_iter().find(|k| k.what() == s.what) else { return };
+        if self.window.from_ns.is_some_and(|f| s.ts_ns < f) || self.window.to_ns.is_some_and(|t| s.ts_ns > t) {
+            return;
+        }
+        let weight = match kind {
+            Kind::Offcpu => s.blocked_ns.unwrap_or(0) / 1000,
+            _ => 1,
+        };
+        if weight == 0 {
+            return;
+        }
+        let wait = if kind == Kind::Offcpu { self.syms.kernel.wait_of_stack(s) } else { "" };
+        *self.raw.entry((kind, s.pid, wait, s.user.clone(), s.kernel.clone())).or_default() += weight;
+    }
+
+    fn finish(self) -> BTreeMap<Kind, Folded> {
+        let syms = self.syms;
+        let mut out: BTreeMap<Kind, Folded> = BTreeMap::new();
+        for ((kind, pid, wait, user, kernel), weight) in self.raw {
+            let mut frames = vec![if pid == self.root_pid { self.root_comm.clone() } else { format!("pid {pid}") }];
+            if kind == Kind::Offcpu {
+                frames.push(wait.to_string());
+            }
+            frames.extend(user.iter().rev().map(|&(id, off)| syms.user(id, off)));
+            frames.extend(kernel.iter().rev().map(|&a| format!("{}_[k]", syms.kernel.frame(a))));
+            // ';' separates frames in the folded format.
+            let line = frames.iter().map(|f| f.replace(';', ":")).collect::<Vec<_>>().join(";");
+            *out.entry(kind).or_default().entry(line).or_default() += weight;
+        }
+        out
+    }
+}
+
+fn root(meta: Option<&Meta>) -> (u32, String) {
+    (meta.map_or(0, |m| m.pid), meta.map_or_else(|| "target".to_string(), |m| m.comm.clone()))
+}
+
+impl Flames {
+    /// The flamegraphs of the recording in `dir`, streamed in two passes (symbols, then folding):
+    /// memory grows with distinct stacks, not with samples.
+    pub fn of_dir(dir: &std::path::Path, window: Window) -> Result<Flames, ReadError> {
+        let symbols = Symbols::resolve_dir(dir)?;
+        let mut r = Reader::open(dir)?;
+        let mut meta = None;
+        let mut folder: Option<Folder> = None;
+        while let Some(f) = r.next_frame() {
+            let s = match f {
+                Frame::Stack(s) => s,
+                Frame::Json(b) => match UserRecord::parse(&b) {
+                    Ok(UserRecord::Meta(m)) if meta.is_none() => {
+                        meta = Some(*m);
+                        continue;
+                    }
+                    Ok(UserRecord::Stack(s)) => *s,
+                    _ => continue,
+                },
+                Frame::Kernel(_) => continue,
+            };
+            folder
+                .get_or_insert_with(|| {
+                    let (root_pid, root_comm) = root(meta.as_ref());
+                    Folder { syms: &symbols, root_pid, root_comm, window, raw: HashMap::new() }
+                })
+                .add(&s);
+        }
+        let by_kind = folder.map(Folder::finish).unwrap_or_default();
+        Ok(Flames { symbols, by_kind })
+    }
+
+    /// Those of a recording in memory.
+    pub fn of(rec: &Recording, window: Window) -> Flames {
+        let symbols = Symbols::resolve(rec);
+        let (root_pid, root_comm) = root(rec.meta());
+        let mut f = Folder { syms: &symbols, root_pid, root_comm, window, raw: HashMap::new() };
+        rec.stacks.iter().for_each(|s| f.add(s));
+        let by_kind = f.finish();
+        Flames { symbols, by_kind }
+    }
+
+    /// One kind's folded stacks (empty when there are none).
+    pub fn get(&self, kind: Kind) -> Folded {
+        self.by_kind.get(&kind).cloned().unwrap_or_default()
+    }
+}
+
+/// Folded stacks of one kind in a recording in memory.
+pub fn folded(rec: &Recording, syms: &Symbols, kind: Kind, window: Window) -> Folded {
+    let (root_pid, root_comm) = root(rec.meta());
+    let mut f = Folder { syms, root_pid, root_comm, window, raw: HashMap::new() };
+    rec.stacks.iter().filter(|s| s.what == kind.what()).for_each(|s| f.add(s));
+    f.finish().remove(&kind).unwrap_or_default()
+}

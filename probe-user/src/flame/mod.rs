@@ -1,0 +1,86 @@
+//! Flamegraphs from a recording: stack records (frames as module + file offset, kernel
+//! addresses) are symbolized with blazesym (ELF symbols, demangled C++/Rust; kernel names
+//! from the recording, see crate::ksyms), folded (`root;caller;callee weight`, flamegraph.pl / speedscope format) and
+//! rendered to SVG with inferno.
+//! Three stages with one interface between them, as in inferno: `symbols` (what frames are
+//! called), `fold` (stack samples → folded lines and weights, streamed), `draw` (folded → SVG).
+mod draw;
+mod fold;
+mod symbols;
+
+pub use draw::{folded_text, svg};
+pub use fold::{Flames, Folded, folded};
+pub use symbols::Symbols;
+
+use crate::recording::StackKind;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    Cpu,
+    Offcpu,
+    Faults,
+    Io,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 4] = [Kind::Cpu, Kind::Offcpu, Kind::Faults, Kind::Io];
+
+    pub fn parse(s: &str) -> Option<Kind> {
+        Some(match s {
+            "cpu" => Kind::Cpu,
+            "offcpu" => Kind::Offcpu,
+            "faults" | "fault" => Kind::Faults,
+            "io" => Kind::Io,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Cpu => "cpu",
+            Kind::Offcpu => "offcpu",
+            Kind::Faults => "faults",
+            Kind::Io => "io",
+        }
+    }
+    /// The stack samples this graph is made of.
+    pub fn what(self) -> StackKind {
+        match self {
+            Kind::Cpu => StackKind::Cpu,
+            Kind::Offcpu => StackKind::Offcpu,
+            Kind::Faults => StackKind::Fault,
+            Kind::Io => StackKind::Io,
+        }
+    }
+    fn unit(self) -> &'static str {
+        match self {
+            Kind::Cpu => "samples",
+            Kind::Offcpu => "us",
+            Kind::Faults => "major faults",
+            Kind::Io => "block requests",
+        }
+    }
+}
+
+/// Which stacks: a time window (CLOCK_MONOTONIC ns).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Window {
+    pub from_ns: Option<u64>,
+    pub to_ns: Option<u64>,
+}
+
+/// Write `<dir>/flame-<kind>.svg` and `.folded` for every kind that has stacks; returns what
+/// was written (path, stacks weight).
+pub fn write_defaults(flames: &Flames, dir: &std::path::Path) -> std::io::Result<Vec<(std::path::PathBuf, u64)>> {
+    let mut written = Vec::new();
+    for kind in Kind::ALL {
+        let f = flames.get(kind);
+        if f.is_empty() {
+            continue;
+        }
+        let path = dir.join(format!("flame-{}.svg", kind.name()));
+        std::fs::write(&path, svg(&f, kind, &format!("probe: {} stacks", kind.name()))?)?;
+        std::fs::write(path.with_extension("folded"), folded_text(&f))?;
+        written.push((path, f.values().sum()));
+    }
+    Ok(written)
+}
