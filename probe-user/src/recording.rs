@@ -2,12 +2,12 @@
 //! documented in docs/recording.md).
 //!
 //! A file header (`PROBEREC`, version u32, flags u32) then frames. v2 frames are
-//! `varint len | u8 type | payload`; a kernel record (type 1) is stored compactly: `u8 kind |
+//! `varint len | u8 type | payload`. A kernel record (type 1) is stored compactly: `u8 kind |
 //! zigzag varint ts delta from the previous kernel record | varint pid | zigzag varint tid - pid |
-//! varint cpu | the record after its 24-byte header`, with trailing zero bytes cut from
-//! fixed-size records (an anonymous mmap does not carry an empty path buffer). Type 2 is one JSON
-//! object written by userspace (meta, maps, files, stacks, requests, samples, stats, end).
-//! v1 frames were `u32 len | u16 type | u16 0 | payload` with kernel records stored whole.
+//! varint cpu | body`, the body of a fixed-size record cut into 8-byte words, each XOR the same
+//! word of the previous record of its kind ([`Chain`]), up to the last nonzero one. Type 2 is one
+//! JSON object written by userspace (typed in [`records`]); type 3 one stack sample, binary
+//! ([`StackRecord`]). v1 frames were `u32 len | u16 type | u16 0 | payload`, kernel records whole.
 //!
 //! The writer flushes at least once a second, so a `probe` killed by SIGKILL leaves a readable
 //! file. The [`Reader`] streams frames (memory does not grow with the file), keeps every whole
