@@ -283,6 +283,17 @@ impl Chain {
     }
 }
 
+/// The most 8-byte words a fixed-size record's body has (mmap: 128 bytes).
+const MAX_WORDS: usize = 16;
+const _: () = {
+    let mut i = 0;
+    while i < EventKind::ALL.len() {
+        let k = EventKind::ALL[i];
+        assert!(matches!(k, EventKind::Data | EventKind::Stack) || k.record_size() - HEADER <= MAX_WORDS * 8);
+        i += 1;
+    }
+};
+
 fn word(b: &[u8], i: usize) -> u64 {
     let mut w = [0u8; 8];
     let part = &b[(i * 8).min(b.len())..((i + 1) * 8).min(b.len())];
@@ -312,8 +323,13 @@ pub fn compact(record: &[u8], chain: &mut Chain, out: &mut Vec<u8>) -> Option<()
         return None;
     }
     let prev = chain.prev(kind);
-    let words: Vec<u64> = (0..body.len().div_ceil(8)).map(|i| word(body, i) ^ word(prev, i)).collect();
-    let n = words.iter().rposition(|&w| w != 0).map_or(0, |i| i + 1);
+    // On the collector's path for every event: no allocation.
+    let mut words = [0u64; MAX_WORDS];
+    let nw = body.len().div_ceil(8);
+    for (i, w) in words[..nw].iter_mut().enumerate() {
+        *w = word(body, i) ^ word(prev, i);
+    }
+    let n = words[..nw].iter().rposition(|&w| w != 0).map_or(0, |i| i + 1);
     put_varint(out, n as u64);
     for &w in &words[..n] {
         put_varint(out, w);
@@ -347,10 +363,10 @@ fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
     let (n, rest) = take_varint(body)?;
     let n = usize::try_from(n).ok().filter(|&n| n <= size.div_ceil(8))?;
     body = rest;
-    let mut words = Vec::with_capacity(n);
-    for _ in 0..n {
-        let (w, rest) = take_varint(body)?;
-        words.push(w);
+    let mut words = [0u64; MAX_WORDS];
+    for w in &mut words[..n] {
+        let (v, rest) = take_varint(body)?;
+        *w = v;
         body = rest;
     }
     if !body.is_empty() {
@@ -359,7 +375,7 @@ fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
     chain.ts = ts;
     let prev = chain.prev(kind);
     for i in 0..size.div_ceil(8) {
-        let w = (word(prev, i) ^ words.get(i).copied().unwrap_or(0)).to_ne_bytes();
+        let w = (word(prev, i) ^ words[i]).to_ne_bytes();
         let at = i * 8;
         let len = 8.min(size - at);
         prev[at..at + len].copy_from_slice(&w[..len]);
@@ -373,7 +389,9 @@ pub struct Writer {
     pub bytes: u64,
     chain: Chain,
     prev_stack_ts: u64,
+    /// Reused buffers: writing a record allocates nothing.
     scratch: Vec<u8>,
+    head: Vec<u8>,
 }
 
 impl Writer {
@@ -383,17 +401,25 @@ impl Writer {
         out.write_all(MAGIC)?;
         out.write_all(&VERSION.to_ne_bytes())?;
         out.write_all(&0u32.to_ne_bytes())?;
-        Ok(Self { out, bytes: 16, chain: Chain::default(), prev_stack_ts: 0, scratch: Vec::with_capacity(256) })
+        Ok(Self {
+            out,
+            bytes: 16,
+            chain: Chain::default(),
+            prev_stack_ts: 0,
+            scratch: Vec::with_capacity(256),
+            head: Vec::with_capacity(11),
+        })
     }
 
     fn frame(&mut self, ty: u8, payload: &[u8]) -> io::Result<()> {
-        let mut head = Vec::with_capacity(11);
+        let mut head = std::mem::take(&mut self.head);
+        head.clear();
         put_varint(&mut head, payload.len() as u64);
         head.push(ty);
-        self.out.write_all(&head)?;
-        self.out.write_all(payload)?;
+        let r = self.out.write_all(&head).and_then(|()| self.out.write_all(payload));
         self.bytes += (head.len() + payload.len()) as u64;
-        Ok(())
+        self.head = head;
+        r
     }
 
     /// One raw kernel record, as the ring buffer delivered it.
