@@ -374,8 +374,8 @@ fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
     }
     chain.ts = ts;
     let prev = chain.prev(kind);
-    for i in 0..size.div_ceil(8) {
-        let w = (word(prev, i) ^ words[i]).to_ne_bytes();
+    for (i, x) in words[..size.div_ceil(8)].iter().enumerate() {
+        let w = (word(prev, i) ^ x).to_ne_bytes();
         let at = i * 8;
         let len = 8.min(size - at);
         prev[at..at + len].copy_from_slice(&w[..len]);
