@@ -51,7 +51,16 @@ pub struct KernelOffsets {
     pub q_disk: u32,
     pub disk_major: u32,
     pub disk_first_minor: u32,
+    /// request.__data_len (u32 bytes) and request.cmd_flags (u32: op in the low 8 bits, flags above)
+    pub rq_data_len: u32,
+    pub rq_cmd_flags: u32,
+    /// Bit numbers of REQ_PREFLUSH, REQ_FUA, REQ_RAHEAD, REQ_SYNC, REQ_META in cmd_flags, from the
+    /// kernel's `enum req_flag_bits` (they move between versions); [`NO_BIT`] when absent.
+    pub req_bits: [u32; 5],
 }
+
+/// A flag bit the running kernel does not have.
+pub const NO_BIT: u32 = 0xff;
 
 /// Name of the global in probe-ebpf that holds [`KernelOffsets`].
 pub const KOFF_SYMBOL: &str = "KOFF";

@@ -74,6 +74,81 @@ pub fn block_rq_issue(ctx: TracePointContext) -> u32 {
 
 fn try_block_rq_issue(ctx: &TracePointContext) -> Result<(), i64> {
     let k = key(ctx, iss::DEV, iss::SECTOR)?;
+    issued(ctx.as_ptr(), k, field(ctx, iss::BYTES)?, field(ctx, iss::RWBS)?);
+    Ok(())
+}
+
+/// The same issue as a raw tracepoint (block_rq_issue(struct request *rq)), preferred when the
+/// request offsets are known from BTF: requests are also issued from another request's
+/// completion (interrupt context), where a classic tracepoint program is skipped whenever any
+/// other BPF program runs on that CPU (see `block_rq_complete_raw`).
+#[raw_tracepoint(tracepoint = "block_rq_issue")]
+pub fn block_rq_issue_raw(ctx: RawTracePointContext) -> i32 {
+    let rq: u64 = ctx.arg(0);
+    let o = crate::task::offsets();
+    let Some(k) = request_key(rq, &o) else { return 0 };
+    let (Some(bytes), Some(flags)) = (crate::task::read::<u32>(rq, o.rq_data_len), crate::task::read::<u32>(rq, o.rq_cmd_flags)) else {
+        return 0;
+    };
+    issued(ctx.as_ptr(), k, bytes, rwbs(flags, &o.req_bits));
+    0
+}
+
+/// The (device, sector) of a `struct request *`, as the classic tracepoints give it.
+#[inline(always)]
+fn request_key(rq: u64, o: &probe_common::kernel::KernelOffsets) -> Option<BlockKey> {
+    if o.blk_valid == 0 {
+        return None;
+    }
+    let sector = crate::task::read::<u64>(rq, o.rq_sector)?;
+    let q = crate::task::read::<u64>(rq, o.rq_q)?;
+    let disk = crate::task::read::<u64>(q, o.q_disk).filter(|&d| d != 0)?;
+    let major = crate::task::read::<i32>(disk, o.disk_major)?;
+    let minor = crate::task::read::<i32>(disk, o.disk_first_minor)?;
+    Some(BlockKey { dev: ((major as u32) << 20) | (minor as u32 & 0xfffff), _pad: 0, sector })
+}
+
+/// The tracepoints' `rwbs` text from `cmd_flags`, as the kernel's blk_fill_rwbs() writes it.
+/// `bits`: REQ_PREFLUSH, REQ_FUA, REQ_RAHEAD, REQ_SYNC, REQ_META bit numbers.
+#[inline(always)]
+fn rwbs(flags: u32, bits: &[u32; 5]) -> [u8; 8] {
+    let has = |i: usize| bits[i] < 32 && flags & (1 << bits[i]) != 0;
+    // Letters are packed into a u64 (at most 7: "FDEFASM"), never stored at a variable index:
+    // the verifier refuses the pointer arithmetic that indexing a stack array compiles to.
+    let (mut text, mut shift) = (0u64, 0u32);
+    let mut put = |c: u8| {
+        if shift < 56 {
+            text |= u64::from(c) << shift;
+            shift += 8;
+        }
+    };
+    if has(0) {
+        put(b'F');
+    }
+    // enum req_op (include/linux/blk_types.h): READ 0, WRITE 1, FLUSH 2, DISCARD 3, SECURE_ERASE 5.
+    match flags & 0xff {
+        0 => put(b'R'),
+        1 => put(b'W'),
+        2 => put(b'F'),
+        3 => put(b'D'),
+        5 => {
+            put(b'D');
+            put(b'E')
+        }
+        _ => put(b'N'),
+    }
+    for (i, c) in [(1, b'F'), (2, b'A'), (3, b'S'), (4, b'M')] {
+        if has(i) {
+            put(c);
+        }
+    }
+    text.to_le_bytes()
+}
+
+/// The driver took request `k`: carry what was remembered at queueing (or, for a request issued
+/// straight from the target's own context, start here) into the in-flight table.
+#[inline(always)]
+fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8]) {
     // SAFETY: the value is copied out before any other map operation.
     let queued = unsafe { BLOCK_QUEUED.get(&k) }.copied();
     let mut start = match (queued, current_target()) {
@@ -82,16 +157,15 @@ fn try_block_rq_issue(ctx: &TracePointContext) -> Result<(), i64> {
             q
         }
         (None, Some((pid, tid))) => {
-            crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true);
+            crate::stack::capture(ctx, probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true);
             BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() }
         }
-        (None, None) => return Ok(()),
+        (None, None) => return,
     };
-    start.bytes = field(ctx, iss::BYTES)?;
-    start.rwbs = field(ctx, iss::RWBS)?;
+    start.bytes = bytes;
+    start.rwbs = rwbs;
     start.issue_ns = now_ns();
     insert(&BLOCK_INFLIGHT, &k, &start);
-    Ok(())
 }
 
 /// block:block_rq_complete (dev @8, sector @16, error @28): usually in interrupt context.
@@ -116,17 +190,7 @@ fn try_block_rq_complete(ctx: &TracePointContext) -> Result<(), i64> {
 pub fn block_rq_complete_raw(ctx: RawTracePointContext) -> i32 {
     let rq: u64 = ctx.arg(0);
     let error: u64 = ctx.arg(1);
-    let k = crate::task::offsets();
-    if k.blk_valid == 0 {
-        return 0;
-    }
-    let (Some(sector), Some(q)) = (crate::task::read::<u64>(rq, k.rq_sector), crate::task::read::<u64>(rq, k.rq_q)) else { return 0 };
-    let Some(disk) = crate::task::read::<u64>(q, k.q_disk).filter(|&d| d != 0) else { return 0 };
-    let (Some(major), Some(minor)) = (crate::task::read::<i32>(disk, k.disk_major), crate::task::read::<i32>(disk, k.disk_first_minor))
-    else {
-        return 0;
-    };
-    let key = BlockKey { dev: ((major as u32) << 20) | (minor as u32 & 0xfffff), _pad: 0, sector };
+    let Some(key) = request_key(rq, &crate::task::offsets()) else { return 0 };
     // blk_status_t: 0 ok; the classic tracepoint gives an errno, so any failure reads as -EIO.
     let _ = complete(key, if error as u8 == 0 { 0 } else { -5 });
     0

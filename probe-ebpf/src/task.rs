@@ -34,6 +34,9 @@ static KOFF: KernelOffsets = KernelOffsets {
     q_disk: 0,
     disk_major: 0,
     disk_first_minor: 0,
+    rq_data_len: 0,
+    rq_cmd_flags: 0,
+    req_bits: [probe_common::kernel::NO_BIT; 5],
 };
 
 #[inline(always)]

@@ -6,6 +6,8 @@ use probe_common::kernel::KernelOffsets;
 const MAGIC: u16 = 0xeb9f;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
+const KIND_ENUM: u32 = 6;
+const KIND_ENUM64: u32 = 19;
 const KIND_TYPEDEF: u32 = 8;
 const KIND_VOLATILE: u32 = 9;
 const KIND_CONST: u32 = 10;
@@ -149,16 +151,20 @@ impl Btf {
 
     /// The offsets the kernel programs use to name the file behind an fd.
     pub fn kernel_offsets(&self) -> Result<KernelOffsets, BtfError> {
-        let blk = (|| -> Result<[u32; 5], BtfError> {
+        let blk = (|| -> Result<[u32; 7], BtfError> {
             Ok([
                 self.offset("request", "__sector")?,
                 self.offset("request", "q")?,
                 self.offset("request_queue", "disk")?,
                 self.offset("gendisk", "major")?,
                 self.offset("gendisk", "first_minor")?,
+                self.offset("request", "__data_len")?,
+                self.offset("request", "cmd_flags")?,
             ])
         })();
-        let [rq_sector, rq_q, q_disk, disk_major, disk_first_minor] = blk.as_ref().copied().unwrap_or_default();
+        let [rq_sector, rq_q, q_disk, disk_major, disk_first_minor, rq_data_len, rq_cmd_flags] = blk.as_ref().copied().unwrap_or_default();
+        let req_bits = ["__REQ_PREFLUSH", "__REQ_FUA", "__REQ_RAHEAD", "__REQ_SYNC", "__REQ_META"]
+            .map(|n| self.enumerator(n).and_then(|v| u32::try_from(v).ok()).filter(|&b| b < 32).unwrap_or(probe_common::kernel::NO_BIT));
         Ok(KernelOffsets {
             valid: 1,
             task_files: self.offset("task_struct", "files")?,
@@ -188,6 +194,29 @@ impl Btf {
             q_disk,
             disk_major,
             disk_first_minor,
+            rq_data_len,
+            rq_cmd_flags,
+            req_bits,
+        })
+    }
+
+    /// The value of enumerator `name` in any enum of the kernel (ENUM or ENUM64).
+    pub fn enumerator(&self, name: &str) -> Option<i64> {
+        (1..=self.types.len() as u32).find_map(|id| {
+            let (_, info, _, off) = self.ty(id)?;
+            let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
+            let width = match kind {
+                KIND_ENUM => 8,
+                KIND_ENUM64 => 12,
+                _ => return None,
+            };
+            (0..vlen).find_map(|i| {
+                let e = off + 12 + width * i;
+                (self.name(self.u32(e)) == name.as_bytes()).then(|| match kind {
+                    KIND_ENUM => i64::from(self.u32(e + 4) as i32),
+                    _ => ((u64::from(self.u32(e + 8)) << 32) | u64::from(self.u32(e + 4))) as i64,
+                })
+            })
         })
     }
 }
@@ -198,7 +227,7 @@ mod tests {
 
     /// A BTF blob: int; struct inner { int a; int b; }; struct outer { int x; union { inner in; }; }
     fn blob() -> Vec<u8> {
-        let strings = b"\0int\0a\0b\0inner\0outer\0x\0in\0";
+        let strings = b"\0int\0a\0b\0inner\0outer\0x\0in\0REQ_A\0REQ_B\0";
         let s = |name: &str| {
             strings
                 .windows(name.len() + 2)
@@ -211,6 +240,7 @@ mod tests {
         t.extend([s("inner"), (4 << 24) | 2, 8, s("a"), 1, 0, s("b"), 1, 32]); // 2: struct inner
         t.extend([0, (5 << 24) | 1, 8, s("in"), 2, 0]); // 3: anonymous union { inner in; }
         t.extend([s("outer"), (4 << 24) | 2, 16, s("x"), 1, 0, 0, 3, 64]); // 4: struct outer
+        t.extend([0, (6 << 24) | 2, 4, s("REQ_A"), 7, s("REQ_B"), u32::MAX]); // 5: enum { REQ_A = 7, REQ_B = -1 }
         let types: Vec<u8> = t.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut out = Vec::new();
         out.extend(MAGIC.to_le_bytes());
@@ -231,6 +261,17 @@ mod tests {
         assert_eq!(btf.offset("outer", "in.b"), Ok(12));
         assert_eq!(btf.offset("outer", "nope"), Err(BtfError::NoMember("outer".into(), "nope".into())));
         assert_eq!(btf.offset("missing", "x").unwrap_err(), BtfError::NoStruct("missing".into()));
+        assert_eq!((btf.enumerator("REQ_A"), btf.enumerator("REQ_B"), btf.enumerator("REQ_C")), (Some(7), Some(-1), None));
+    }
+
+    /// The running kernel's BTF gives every offset and the request flag bits the block programs use.
+    #[test]
+    fn the_running_kernel_has_the_block_request_layout() {
+        let btf = Btf::from_sys_fs().expect("/sys/kernel/btf/vmlinux").expect("parses");
+        let k = btf.kernel_offsets().unwrap();
+        assert_eq!(k.blk_valid, 1);
+        assert!(k.rq_data_len > 0 && k.rq_cmd_flags > 0 && k.rq_sector > 0);
+        assert!(k.req_bits.iter().all(|&b| (8..32).contains(&b)), "{:?}", k.req_bits);
     }
 
     #[test]

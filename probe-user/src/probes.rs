@@ -60,6 +60,7 @@ const TABLE: &[Spec] = &[
     s("proc", "sched_process_exit", How::Tracepoint(&tp::sched_process_exit::LAYOUT), true),
     s("blockio", "block_io_start", How::Tracepoint(&tp::block_io_start::LAYOUT), false),
     s("blockio", "block_rq_insert", How::Tracepoint(&tp::block_rq_insert::LAYOUT), false),
+    s("blockio", "block_rq_issue_raw", How::Raw("block_rq_issue"), false),
     s("blockio", "block_rq_issue", How::Tracepoint(&tp::block_rq_issue::LAYOUT), true),
     s("blockio", "block_rq_complete_raw", How::Raw("block_rq_complete"), false),
     s("blockio", "block_rq_complete", How::Tracepoint(&tp::block_rq_complete::LAYOUT), true),
@@ -232,7 +233,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
             continue;
         }
         let offsets_known = match spec.program {
-            "block_rq_complete_raw" => koff.blk_valid != 0,
+            "block_rq_complete_raw" | "block_rq_issue_raw" => koff.blk_valid != 0,
             _ => koff.valid != 0,
         };
         let result = if matches!(spec.how, How::Raw(_)) && !offsets_known {
