@@ -216,6 +216,28 @@ fn try_tcp_receive_reset(ctx: &TracePointContext) -> Result<(), i64> {
     Ok(())
 }
 
+/// tcp_send_reset(const struct sock *sk, const struct sk_buff *skb, ...) as a raw tracepoint,
+/// preferred when the sock offsets are known: a reset answering an incoming segment is sent
+/// from softirq, where the classic program is skipped whenever another BPF program runs on
+/// that CPU.
+#[raw_tracepoint(tracepoint = "tcp_send_reset")]
+pub fn tcp_send_reset_raw(ctx: RawTracePointContext) -> i32 {
+    let sk: u64 = ctx.arg(0);
+    let k = offsets();
+    if sk == 0 || k.valid == 0 {
+        return 0;
+    }
+    let Some(sport) = read::<u16>(sk, k.skc_num) else { return 0 };
+    if !owned(sk, sport) {
+        return 0;
+    }
+    if let Some(mut ev) = from_sock(sk, SOCK_RESET_SENT) {
+        ev.oldstate = read::<u8>(sk, k.skc_state).map_or(0, i32::from);
+        emit(&ev);
+    }
+    0
+}
+
 /// tcp:tcp_send_reset (skaddr @16, state @24, saddr/daddr sockaddr @32/@60): we send an RST,
 /// e.g. close() with unread data, or a segment for a dead socket (skaddr 0: not a connection).
 #[tracepoint(category = "tcp", name = "tcp_send_reset")]

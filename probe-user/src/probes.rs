@@ -87,6 +87,7 @@ const TABLE: &[Spec] = &[
     s("sock", "inet_sock_set_state", How::Tracepoint(&tp::inet_sock_set_state::LAYOUT), true),
     s("sock", "tcp_receive_reset_raw", How::Raw("tcp_receive_reset"), false),
     s("sock", "tcp_receive_reset", How::Tracepoint(&tp::tcp_receive_reset::LAYOUT), true),
+    s("sock", "tcp_send_reset_raw", How::Raw("tcp_send_reset"), false),
     s("sock", "tcp_send_reset", How::Tracepoint(&tp::tcp_send_reset::LAYOUT), true),
     s("sock", "sock_send_length", How::Tracepoint(&tp::sock_send_length::LAYOUT), false),
     s("sock", "sock_recv_length", How::Tracepoint(&tp::sock_recv_length::LAYOUT), false),
