@@ -163,7 +163,7 @@ pub fn mask(text: &str) -> String {
 }
 
 /// Write the bundle; returns the list of files in it.
-pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, masked: bool) -> anyhow::Result<Vec<String>> {
+pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, masked: bool, force: bool) -> anyhow::Result<Vec<String>> {
     let trace = perfetto::build(rec, report, &all.symbols.kernel);
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("report.md".into(), markdown(report).into_bytes()),
@@ -198,7 +198,7 @@ pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, 
         html::render(report, &trace, &flames)
     };
     drawn.push((html::FILE_NAME.into(), page.into_bytes()));
-    let file = std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let file = crate::output::create_file(out, force)?;
     let mut tar = tar::Builder::new(flate2::write::GzEncoder::new(file, flate2::Compression::default()));
     let stem = out.file_name().and_then(|n| n.to_str()).unwrap_or("probe-bundle").trim_end_matches(".tar.gz").to_string();
     let mut names = Vec::new();
@@ -213,7 +213,6 @@ pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, 
         names.push(name);
     }
     tar.into_inner()?.finish()?;
-    crate::output::chown_to_sudo_caller(out);
     Ok(names)
 }
 

@@ -33,6 +33,8 @@ pub struct TraceOptions {
     pub pid: u32,
     pub duration: Option<Duration>,
     pub out: PathBuf,
+    /// Replace a recording already in `out` (the caller's own).
+    pub force: bool,
     pub only: Option<Vec<String>>,
     pub ring_bytes: u32,
     /// On-CPU sampling frequency (Hz).
@@ -55,14 +57,23 @@ pub struct TraceOutcome {
 }
 
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
-    let attached = probes::attach(&probes::Options {
+    // The output first: a refused --out costs nothing to attach.
+    let out_dir = crate::output::OutDir::create_recording(&opts.out, opts.force)?;
+    let attached = match probes::attach(&probes::Options {
         pid: opts.pid,
         only: opts.only.clone(),
         ring_bytes: opts.ring_bytes,
         sample_hz: opts.sample_hz,
-    })?;
+    }) {
+        Ok(a) => a,
+        Err(e) => {
+            // Nothing was recorded: leave no empty directory behind (rmdir removes only an empty one).
+            let _ = std::fs::remove_dir(&opts.out);
+            return Err(e);
+        }
+    };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    rt.block_on(run(opts, attached))
+    rt.block_on(run(opts, attached, out_dir))
 }
 
 struct State {
@@ -270,7 +281,7 @@ fn stats_json(lost: &[u64], counters: &[u64], st: &State, skipped: &std::collect
     json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped})
 }
 
-async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Result<TraceOutcome> {
+async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
     let ring = RingBuf::try_from(attached.ebpf.take_map(maps::EVENTS).context("EVENTS map missing")?)?;
     let lost_map: PerCpuArray<MapData, u64> = PerCpuArray::try_from(attached.ebpf.take_map(maps::LOST).context("LOST map missing")?)?;
     let counter_map: PerCpuArray<MapData, u64> =
@@ -279,7 +290,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     let mut ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
 
     let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
-    let writer = Writer::create(&opts.out).with_context(|| format!("cannot create the recording in {}", opts.out.display()))?;
+    let writer = Writer::create_in(&out_dir).with_context(|| format!("cannot create the recording in {}", opts.out.display()))?;
     let start_ns = monotonic_ns();
     let mut st = State {
         writer,
@@ -441,7 +452,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
     let report = report::build_dir(&opts.out)?;
     let rec = recording::read_dir(&opts.out)?;
     let flames = crate::flame::Flames::of_dir(&opts.out, Default::default())?;
-    match crate::flame::write_defaults(&flames, &opts.out) {
+    match crate::flame::write_defaults(&flames, &out_dir) {
         Ok(written) => {
             for (path, weight) in written {
                 eprintln!("probe: flamegraph {} (weight {weight})", path.display());
@@ -449,9 +460,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached) -> anyhow::Resu
         }
         Err(e) => eprintln!("probe: flamegraphs not written: {e}"),
     }
-    let path = opts.out.join("report.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("cannot write {}", path.display()))?;
-    match crate::html::write_for(&rec, &report, &flames, &opts.out) {
+    out_dir.write("report.json", &serde_json::to_vec_pretty(&report)?)?;
+    match crate::html::write_for(&rec, &report, &flames, &out_dir) {
         Ok(page) => eprintln!("probe: {}", page.display()),
         Err(e) => eprintln!("probe: report.html not written: {e:#}"),
     }

@@ -474,7 +474,9 @@ pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) ->
 pub fn flamegraphs(flames: &flame::Flames, dir: Option<&Path>) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for kind in flame::Kind::ALL {
-        if let Some(svg) = dir.and_then(|d| std::fs::read_to_string(d.join(format!("flame-{}.svg", kind.name()))).ok()) {
+        if let Some(svg) =
+            dir.and_then(|d| crate::output::read_recording_text(&d.join(format!("flame-{}.svg", kind.name())), 64 << 20).ok())
+        {
             out.push((kind.name().to_string(), svg));
             continue;
         }
@@ -491,13 +493,10 @@ pub fn flamegraphs(flames: &flame::Flames, dir: Option<&Path>) -> Vec<(String, S
 
 /// Write `dir/report.html` for a recording already read and analysed (what `probe trace` has
 /// at its end); returns its path.
-pub fn write_for(rec: &Recording, report: &Report, flames: &flame::Flames, dir: &Path) -> anyhow::Result<PathBuf> {
+pub fn write_for(rec: &Recording, report: &Report, flames: &flame::Flames, dir: &crate::output::OutDir) -> anyhow::Result<PathBuf> {
     let trace = crate::perfetto::build(rec, report, &flames.symbols.kernel);
-    let page = render(report, &trace, &flamegraphs(flames, Some(dir)));
-    let out = dir.join(FILE_NAME);
-    std::fs::write(&out, page).with_context(|| format!("cannot write {}", out.display()))?;
-    crate::output::chown_to_sudo_caller(&out);
-    Ok(out)
+    let page = render(report, &trace, &flamegraphs(flames, Some(dir.path())));
+    dir.write(FILE_NAME, page.as_bytes())
 }
 
 /// Read the recording in `dir` and write `dir/report.html`; returns its path and the report.
@@ -505,7 +504,8 @@ pub fn write(dir: &Path) -> anyhow::Result<(PathBuf, Report)> {
     let report = crate::report::build_dir(dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
     let rec = crate::recording::read_dir(dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
     let flames = flame::Flames::of_dir(dir, flame::Window::default())?;
-    Ok((write_for(&rec, &report, &flames, dir)?, report))
+    let out = crate::output::OutDir::open(dir)?;
+    Ok((write_for(&rec, &report, &flames, &out)?, report))
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{bench, bundle, collector, doctor, exit, flame, perfetto, recording, report};
+use probe_user::{bench, bundle, collector, doctor, exit, flame, output, perfetto, recording, report};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -27,9 +27,13 @@ enum Command {
         /// Stop after this long (e.g. 30s, 2m, 500ms). Default: until Ctrl-C or the target exits.
         #[arg(long, value_parser = parse_duration)]
         duration: Option<Duration>,
-        /// Recording directory (created). Default: probe-PID-UNIXTIME in the current directory.
+        /// Recording directory, created new with mode 0700 (an existing one must be empty and
+        /// yours). Default: probe-PID-UNIXTIME in the current directory.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Replace the recording already in --out (one of yours; other files there are kept).
+        #[arg(long)]
+        force: bool,
         /// Only these probes (comma separated): blockio, fault, filemap, mmap, sock, stream, cpu,
         /// offcpu, mem, proc.
         /// A named probe that cannot attach is an error; by default such probes are skipped.
@@ -86,6 +90,9 @@ enum Command {
         /// Output SVG (default DIR/flame-KIND.svg); the folded text goes beside it (.folded).
         #[arg(short, long)]
         output: Option<PathBuf>,
+        /// Replace --output if it exists (never through a symbolic link).
+        #[arg(long)]
+        force: bool,
     },
     /// Write the recording as a Chrome trace-event JSON timeline (opens in the Perfetto UI).
     Timeline {
@@ -93,14 +100,20 @@ enum Command {
         /// Output file (default DIR/timeline.json).
         #[arg(short, long)]
         output: Option<PathBuf>,
+        /// Replace --output if it exists (never through a symbolic link).
+        #[arg(long)]
+        force: bool,
     },
     /// Pack a recording's report, flamegraphs, timeline and environment into one .tar.gz for an
     /// issue (never the raw event log, so no prompt or response text).
     Bundle {
         dir: PathBuf,
-        /// Output file (default DIR.tar.gz beside the recording).
+        /// Output file (default DIR.tar.gz beside the recording). Created new, mode 0600.
         #[arg(short, long)]
         output: Option<PathBuf>,
+        /// Replace the output file if it exists (never through a symbolic link).
+        #[arg(long)]
+        force: bool,
         /// Hide directory names in paths and IP addresses.
         #[arg(long)]
         mask: bool,
@@ -128,7 +141,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace { pid, duration, out, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll } => {
+        Command::Trace { pid, duration, out, force, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll } => {
             if !ring_mb.is_power_of_two() {
                 anyhow::bail!("--ring-mb must be a power of two (got {ring_mb})");
             }
@@ -140,6 +153,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 pid,
                 duration,
                 out: out.clone(),
+                force,
                 only: probes,
                 ring_bytes: ring_mb << 20,
                 capture_text,
@@ -181,7 +195,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             // A torn or corrupt recording is reported from what was whole, and says so (exit 1).
             Ok(if r.lost_events.values().any(|&n| n > 0) || !r.problems.is_empty() { exit::PARTIAL } else { exit::OK })
         }
-        Command::Flamegraph { dir, kind, request, from, to, output } => {
+        Command::Flamegraph { dir, kind, request, from, to, output, force } => {
             let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
             let meta = recording::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let start = meta.map_or(0, |m| m.start_ns);
@@ -204,25 +218,41 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             if folded.is_empty() {
                 anyhow::bail!("no {} stacks in {} for this window", kind.name(), dir.display());
             }
-            let out = output.unwrap_or_else(|| dir.join(format!("flame-{}.svg", kind.name())));
             let title = match request {
                 Some(id) => format!("probe: {} stacks of request {id}", kind.name()),
                 None => format!("probe: {} stacks", kind.name()),
             };
-            std::fs::write(&out, flame::svg(&folded, kind, &title)?).with_context(|| format!("cannot write {}", out.display()))?;
-            std::fs::write(out.with_extension("folded"), flame::folded_text(&folded))?;
+            let (svg, text) = (flame::svg(&folded, kind, &title)?, flame::folded_text(&folded));
+            let out = match output {
+                Some(out) => {
+                    output::write_file(&out, &svg, force)?;
+                    output::write_file(&out.with_extension("folded"), text.as_bytes(), force)?;
+                    out
+                }
+                None => {
+                    let d = output::OutDir::open(&dir)?;
+                    d.write(&format!("flame-{}.folded", kind.name()), text.as_bytes())?;
+                    d.write(&format!("flame-{}.svg", kind.name()), &svg)?
+                }
+            };
             println!("{} ({} stacks, weight {})", out.display(), folded.len(), folded.values().sum::<u64>());
             Ok(exit::OK)
         }
-        Command::Timeline { dir, output } => {
+        Command::Timeline { dir, output, force } => {
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let trace = perfetto::build(&rec, &report::build_dir(&dir)?, &probe_user::ksyms::Names::of(&rec));
-            let out = output.unwrap_or_else(|| dir.join("timeline.json"));
-            std::fs::write(&out, serde_json::to_vec(&trace)?).with_context(|| format!("cannot write {}", out.display()))?;
+            let bytes = serde_json::to_vec(&trace)?;
+            let out = match output {
+                Some(out) => {
+                    output::write_file(&out, &bytes, force)?;
+                    out
+                }
+                None => output::OutDir::open(&dir)?.write("timeline.json", &bytes)?,
+            };
             println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
             Ok(exit::OK)
         }
-        Command::Bundle { dir, output, mask } => {
+        Command::Bundle { dir, output, mask, force } => {
             let r = report::build_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let name = dir
@@ -232,7 +262,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 .unwrap_or_else(|| "probe".into());
             let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));
             let flames = flame::Flames::of_dir(&dir, flame::Window::default())?;
-            let files = bundle::write(&rec, &r, &flames, &out, mask)?;
+            let files = bundle::write(&rec, &r, &flames, &out, mask, force)?;
             println!("{} ({})", out.display(), files.join(", "));
             Ok(exit::OK)
         }

@@ -24,7 +24,7 @@ use crate::decode::{self, Event};
 
 pub mod records;
 
-pub const FILE_NAME: &str = "events.bin";
+pub const FILE_NAME: &str = crate::output::RECORDING_FILE;
 pub const MAGIC: &[u8; 8] = b"PROBEREC";
 /// The format this probe writes.
 pub const VERSION: u32 = 2;
@@ -395,9 +395,15 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn create(dir: &Path) -> io::Result<Self> {
-        std::fs::create_dir_all(dir)?;
-        let mut out = BufWriter::with_capacity(1 << 20, File::create(dir.join(FILE_NAME))?);
+    /// A new recording in a new directory `dir` (see [`crate::output::OutDir::create_recording`]).
+    pub fn create(dir: &Path) -> anyhow::Result<Self> {
+        let d = crate::output::OutDir::create_recording(dir, false)?;
+        Ok(Self::create_in(&d)?)
+    }
+
+    /// A new recording file in `dir` (0600, the caller's).
+    pub fn create_in(dir: &crate::output::OutDir) -> io::Result<Self> {
+        let mut out = BufWriter::with_capacity(1 << 20, dir.create(FILE_NAME)?);
         out.write_all(MAGIC)?;
         out.write_all(&VERSION.to_ne_bytes())?;
         out.write_all(&0u32.to_ne_bytes())?;
@@ -512,7 +518,7 @@ impl Reader<BufReader<File>> {
     pub fn open(dir: &Path) -> Result<Self, ReadError> {
         let path = dir.join(FILE_NAME);
         let io = |source| ReadError::Io { path: path.display().to_string(), source };
-        let f = File::open(&path).map_err(io)?;
+        let f = crate::output::open_recording_file(&path).map_err(io)?;
         let len = f.metadata().map_err(io)?.len();
         Reader::new(BufReader::with_capacity(1 << 20, f), Some(len), &path.display().to_string())
     }
@@ -782,7 +788,7 @@ impl Recording {
 pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<String>, ReadError> {
     let mut r = Reader::open(from)?;
     let io = |source| ReadError::Io { path: to.display().to_string(), source };
-    let mut w = Writer::create(to).map_err(io)?;
+    let mut w = Writer::create(to).map_err(|e| io(std::io::Error::other(format!("{e:#}"))))?;
     while let Some(f) = r.next_frame() {
         match f {
             Frame::Kernel(ev) => w.kernel(&decode::encode_event(&ev)),

@@ -64,7 +64,7 @@ fn hdr<T: Record>(tid: u32, ts: u64) -> EventHeader {
 
 /// Write a recording of about `events` records (kernel events and stack records) to `dir`.
 pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
-    let mut w = Writer::create(dir)?;
+    let mut w = Writer::create(dir).map_err(|e| io::Error::other(format!("{e:#}")))?;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut s = Summary::default();
     let secs = (events / RATE).max(1);

@@ -92,7 +92,7 @@ fn demo_bundle() {
     let rec = recording::read_dir(&dir).unwrap();
     let r = report::build(&rec);
     let out = std::env::temp_dir().join(format!("probe-bundle-{}.tar.gz", std::process::id()));
-    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, false).unwrap();
+    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, false, true).unwrap();
     for want in ["report.md", "report.json", "report.html", "environment.txt", "timeline.json"] {
         assert!(names.iter().any(|n| n == want), "{names:?}");
     }

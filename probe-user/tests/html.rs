@@ -149,7 +149,7 @@ fn masked_bundle_page_renders() {
     let rec = probe_user::recording::read_dir(&dir).unwrap();
     let r = probe_user::report::build(&rec);
     let out = dir.join("bundle.tar.gz");
-    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, true).unwrap();
+    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, true, true).unwrap();
     assert!(names.iter().any(|n| n == "report.html"), "{names:?}");
     let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(std::fs::File::open(&out).unwrap()));
     let mut page = String::new();

@@ -219,7 +219,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         Ok(_) => {}
         Err(e) => bail!("cannot reach the server at {}: {e}", args.url),
     }
-    std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
+    crate::output::OutDir::create_or_open(&args.out)?;
     // SAFETY: installing an async-signal-safe handler (atomics only).
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
     let own_prompts: Vec<String> = match &args.prompts {

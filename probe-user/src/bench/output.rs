@@ -4,7 +4,6 @@
 //! bucket, TTFT by idle interval split into its causes.
 use std::{collections::BTreeMap, fmt::Write as _, path::Path};
 
-use anyhow::Context;
 use serde::Serialize;
 
 use super::{
@@ -371,13 +370,13 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
 
 /// Write results.json, results.csv, summary.txt and the charts into `dir`.
 pub fn write_all(dir: &Path, r: &Results) -> anyhow::Result<Vec<String>> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let d = crate::output::OutDir::create_or_open(dir)?;
     let mut files = vec!["results.json".to_string(), "results.csv".into(), "summary.txt".into()];
-    std::fs::write(dir.join("results.json"), serde_json::to_vec_pretty(r)?).context("cannot write results.json")?;
-    std::fs::write(dir.join("results.csv"), csv(&r.rows)).context("cannot write results.csv")?;
-    std::fs::write(dir.join("summary.txt"), summary(r)).context("cannot write summary.txt")?;
+    d.write("results.json", &serde_json::to_vec_pretty(r)?)?;
+    d.write("results.csv", csv(&r.rows).as_bytes())?;
+    d.write("summary.txt", summary(r).as_bytes())?;
     for (name, text) in charts(&r.levels, &r.rows) {
-        std::fs::write(dir.join(&name), text).with_context(|| format!("cannot write {name}"))?;
+        d.write(&name, text.as_bytes())?;
         files.push(name);
     }
     Ok(files)

@@ -145,9 +145,9 @@ pub struct Segment {
 /// Start `probe trace --pid PID --out DIR` (this same binary) and wait for "armed in".
 pub fn start(pid: u32, out: &Path) -> anyhow::Result<Segment> {
     let exe = std::env::current_exe().context("cannot find the probe binary")?;
-    let _ = std::fs::remove_dir_all(out);
     let mut cmd = Command::new(exe);
-    cmd.args(["trace", "--pid", &pid.to_string(), "--out"])
+    // --force: a rerun into the same --out replaces the earlier run's recordings.
+    cmd.args(["trace", "--force", "--pid", &pid.to_string(), "--out"])
         .arg(out)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -70,16 +70,15 @@ pub struct Window {
 
 /// Write `<dir>/flame-<kind>.svg` and `.folded` for every kind that has stacks; returns what
 /// was written (path, stacks weight).
-pub fn write_defaults(flames: &Flames, dir: &std::path::Path) -> std::io::Result<Vec<(std::path::PathBuf, u64)>> {
+pub fn write_defaults(flames: &Flames, dir: &crate::output::OutDir) -> anyhow::Result<Vec<(std::path::PathBuf, u64)>> {
     let mut written = Vec::new();
     for kind in Kind::ALL {
         let f = flames.get(kind);
         if f.is_empty() {
             continue;
         }
-        let path = dir.join(format!("flame-{}.svg", kind.name()));
-        std::fs::write(&path, svg(&f, kind, &format!("probe: {} stacks", kind.name()))?)?;
-        std::fs::write(path.with_extension("folded"), folded_text(&f))?;
+        let path = dir.write(&format!("flame-{}.svg", kind.name()), &svg(&f, kind, &format!("probe: {} stacks", kind.name()))?)?;
+        dir.write(&format!("flame-{}.folded", kind.name()), folded_text(&f).as_bytes())?;
         written.push((path, f.values().sum()));
     }
     Ok(written)
