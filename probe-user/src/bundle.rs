@@ -1,12 +1,18 @@
 //! `probe bundle`: one .tar.gz to attach to an issue on the server's tracker: a GitHub-ready
 //! report.md (verdicts first), report.json, report.html (self-contained), the flamegraphs, the
 //! Perfetto timeline and the environment. Never the raw event log (it may hold payload with --capture-text), so no prompt
-//! or response text; `--mask` also hides directory names and IP addresses.
+//! or response text. Every file is scrubbed of secrets and raw kernel addresses (`redact`);
+//! `--mask` also hides directories, hosts, IP addresses, query strings and GPU UUIDs.
 use std::{fmt::Write as _, path::Path};
 
 use anyhow::Context as _;
 
-use crate::{flame, html, perfetto, recording::Recording, report::Report};
+use crate::{
+    flame, html, perfetto,
+    recording::Recording,
+    redact::{self, Masker},
+    report::Report,
+};
 
 /// The markdown report: verdicts, requests, files, block IO, losses.
 pub fn markdown(r: &Report) -> String {
@@ -136,32 +142,6 @@ fn environment(rec: &Recording) -> String {
     )
 }
 
-/// Replace directory names in absolute paths with `<dir>` and IPv4/IPv6 addresses with `<ip>`.
-pub fn mask(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for token in text.split_inclusive(|c: char| c.is_whitespace() || "\"'`(),;|[]{}<>=".contains(c)) {
-        let (word, sep) = match token.char_indices().last() {
-            Some((i, c)) if c.is_whitespace() || "\"'`(),;|[]{}<>=".contains(c) => (&token[..i], &token[i..]),
-            _ => (token, ""),
-        };
-        let masked = if word.starts_with('/') && word.matches('/').count() > 1 {
-            format!("<dir>/{}", word.rsplit('/').next().unwrap_or(""))
-        } else if let Some((_, port)) = word.rsplit_once(':').filter(|(h, p)| {
-            p.chars().all(|c| c.is_ascii_digit())
-                && (h.parse::<std::net::Ipv4Addr>().is_ok() || h.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok())
-        }) {
-            format!("<ip>:{port}")
-        } else if word.parse::<std::net::IpAddr>().is_ok() {
-            "<ip>".into()
-        } else {
-            word.to_string()
-        };
-        out.push_str(&masked);
-        out.push_str(sep);
-    }
-    out
-}
-
 /// Write the bundle; returns the list of files in it.
 pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, masked: bool, force: bool) -> anyhow::Result<Vec<String>> {
     let trace = perfetto::build(rec, report, &all.symbols.kernel);
@@ -171,18 +151,21 @@ pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, 
         ("environment.txt".into(), environment(rec).into_bytes()),
         ("timeline.json".into(), serde_json::to_vec(&trace)?),
     ];
-    // Text files are masked as a whole below. Flamegraphs and the page are drawn from masked
-    // data instead: masking their markup would open `<dir>` tags and cut into scripts and images.
+    // Every text is scrubbed of secrets (always) and masked with --mask, as a whole below.
+    // Flamegraphs and the page are drawn from cleaned data instead: masking their markup would
+    // open `<dir>` tags and cut into scripts and images.
+    let masker = masked.then(|| Masker::new(report.requests.iter().filter_map(|q| q.path.as_deref())));
+    let clean = |s: &str| match &masker {
+        Some(m) => m.mask(s),
+        None => redact::scrub(s),
+    };
     let mut flames = Vec::new();
     let mut drawn: Vec<(String, Vec<u8>)> = Vec::new();
     for kind in flame::Kind::ALL {
-        let mut f = all.get(kind);
-        if masked {
-            f = f.into_iter().fold(std::collections::BTreeMap::new(), |mut m, (k, w)| {
-                *m.entry(mask(&k)).or_default() += w;
-                m
-            });
-        }
+        let f = all.get(kind).into_iter().fold(std::collections::BTreeMap::new(), |mut m, (k, w)| {
+            *m.entry(clean(&k)).or_default() += w;
+            m
+        });
         if !f.is_empty() {
             let svg = flame::svg(&f, kind, &format!("probe: {} stacks", kind.name()))?;
             flames.push((kind.name().to_string(), String::from_utf8_lossy(&svg).into_owned()));
@@ -190,23 +173,19 @@ pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, 
             files.push((format!("flame-{}.folded", kind.name()), flame::folded_text(&f).into_bytes()));
         }
     }
-    let page = if masked {
-        let r: Report = serde_json::from_str(&mask(&serde_json::to_string(report)?)).context("masked report")?;
-        let t: serde_json::Value = serde_json::from_str(&mask(&serde_json::to_string(&trace)?)).context("masked timeline")?;
-        html::render(&r, &t, &flames)
-    } else {
-        html::render(report, &trace, &flames)
-    };
+    let r: Report = serde_json::from_str(&clean(&serde_json::to_string(report)?)).context("cleaned report")?;
+    let t: serde_json::Value = serde_json::from_str(&clean(&serde_json::to_string(&trace)?)).context("cleaned timeline")?;
+    let page = html::render(&r, &t, &flames);
     drawn.push((html::FILE_NAME.into(), page.into_bytes()));
     let file = crate::output::create_file(out, force)?;
     let mut tar = tar::Builder::new(flate2::write::GzEncoder::new(file, flate2::Compression::default()));
     let stem = out.file_name().and_then(|n| n.to_str()).unwrap_or("probe-bundle").trim_end_matches(".tar.gz").to_string();
     let mut names = Vec::new();
-    let files = files.into_iter().map(|(n, d)| (n, if masked { mask(&String::from_utf8_lossy(&d)).into_bytes() } else { d }));
+    let files = files.into_iter().map(|(n, d)| (n, clean(&String::from_utf8_lossy(&d)).into_bytes()));
     for (name, data) in files.chain(drawn) {
         let mut h = tar::Header::new_gnu();
         h.set_size(data.len() as u64);
-        h.set_mode(0o644);
+        h.set_mode(0o600);
         h.set_mtime(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0));
         h.set_cksum();
         tar.append_data(&mut h, format!("{stem}/{name}"), data.as_slice())?;
@@ -214,19 +193,4 @@ pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, 
     }
     tar.into_inner()?.finish()?;
     Ok(names)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn masks_dirs_and_addresses() {
-        assert_eq!(
-            mask("read /home/alice/models/m.gguf from 192.168.1.7:8080 and [::1]:80"),
-            "read <dir>/m.gguf from <ip>:8080 and [<ip>]:80"
-        );
-        assert_eq!(mask("`/usr/bin/llama-server` 10.0.0.1"), "`<dir>/llama-server` <ip>");
-        assert_eq!(mask("TTFT 241 ms; 93.8 MiB"), "TTFT 241 ms; 93.8 MiB");
-    }
 }

@@ -114,7 +114,14 @@ impl State {
         }
         // Stream bytes are parsed here and dropped unless the user asked to keep them; raw stacks
         // (which hold user memory) are unwound here and only their frames are kept.
-        if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_)) || (self.capture_text && matches!(ev, Event::Data(_))) {
+        if let (Event::Data(_), true) = (&ev, self.capture_text) {
+            // Kept text never keeps credentials: Authorization, Cookie, X-Api-Key values are
+            // overwritten (same length) before the bytes reach the file.
+            let mut copy = bytes.to_vec();
+            let head = bytes.len() - decode::data_payload(bytes).len();
+            crate::redact::credential_headers_in_place(&mut copy[head..]);
+            self.writer.kernel(&copy)?;
+        } else if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_)) {
             self.writer.kernel(bytes)?;
         }
         match ev {
@@ -324,7 +331,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
     let start_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     st.writer.json(&json!({
         "type": "meta", "format_version": recording::VERSION, "probe_version": env!("CARGO_PKG_VERSION"),
-        "pid": opts.pid, "comm": procfs::comm(opts.pid), "cmdline": procfs::cmdline(opts.pid),
+        "pid": opts.pid, "comm": procfs::comm(opts.pid), "cmdline": crate::redact::command_line(&procfs::cmdline_args(opts.pid)),
         "exe": std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
         "targets": attached.targets, "start_ns": start_ns, "capture_text": opts.capture_text, "start_unix_ms": start_unix_ms,
         "kernel": uname.trim(), "armed_ms": armed_ms, "probes": attached.status,

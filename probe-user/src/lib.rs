@@ -17,6 +17,7 @@ pub mod perfetto;
 pub mod probes;
 pub mod procfs;
 pub mod recording;
+pub mod redact;
 pub mod report;
 pub mod sampler;
 pub mod stats;

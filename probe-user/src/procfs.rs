@@ -59,9 +59,11 @@ pub fn comm(pid: u32) -> String {
     fs::read_to_string(format!("/proc/{pid}/comm")).map(|s| s.trim_end().to_string()).unwrap_or_default()
 }
 
-pub fn cmdline(pid: u32) -> String {
+/// The arguments of a process (`/proc/PID/cmdline`). They may hold secrets (`--api-key`):
+/// what is kept goes through `redact::command_line`.
+pub fn cmdline_args(pid: u32) -> Vec<String> {
     fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| b.split(|&c| c == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s)).collect::<Vec<_>>().join(" "))
+        .map(|b| b.split(|&c| c == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned()).collect())
         .unwrap_or_default()
 }
 

@@ -99,7 +99,11 @@ fn demo_bundle() {
     assert!(!names.iter().any(|n| n.contains("events")));
     let md = probe_user::bundle::markdown(&r);
     assert!(md.contains("| `/work/main/target/demo/cold-weights.bin` | 256 | 1.0 MiB |"), "{md}");
-    assert!(probe_user::bundle::mask(&md).contains("| `<dir>/cold-weights.bin` | 256 |"));
+    assert!(
+        probe_user::redact::Masker::new(r.requests.iter().filter_map(|q| q.path.as_deref()))
+            .mask(&md)
+            .contains("| `<dir>/cold-weights.bin` | 256 |")
+    );
     let _ = std::fs::remove_file(out);
 }
 

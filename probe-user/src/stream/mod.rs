@@ -394,7 +394,8 @@ impl Tracker {
                             let t0 = *t0;
                             let mut p = Self::new_pending(conn, id, role, false);
                             p.rec.method = Some(head.method.clone());
-                            p.rec.path = Some(head.path.clone());
+                            // A query string can carry a key (`?api_key=`): never kept.
+                            p.rec.path = Some(crate::redact::scrub(&head.path));
                             p.rec.probe_poll = head.probe_poll;
                             p.arrival_ns = Some(t0);
                             p.rec.arrival_ms = Some(t0.saturating_sub(start_ns) as f64 / 1e6);

@@ -1,0 +1,252 @@
+//! What may leave the machine. Secrets are removed from everything probe records or bundles,
+//! always: values of options and variables named like keys, tokens or passwords (`--api-key`,
+//! `HF_TOKEN=`), passwords in URLs, bearer tokens, secret query parameters, HTTP credential
+//! headers, raw kernel addresses (KASLR). `--mask` ([`Masker`]) also hides what names the
+//! machine and its user (directories, hosts, IP addresses, query strings, GPU UUIDs) while
+//! keeping what a maintainer needs: file base names and the server's API paths.
+use std::{collections::BTreeSet, sync::LazyLock};
+
+use regex::{Captures, Regex};
+
+/// What a removed secret reads as. Brackets, not angle brackets: safe inside SVG and HTML.
+pub const REDACTED: &str = "[redacted]";
+
+/// Whether an option or variable named `name` holds a secret: one of its words (split at `-`,
+/// `_`, `.`) is, or ends with, key / token / secret / password / auth / credential / cookie.
+/// `--max-tokens`, `--tokenizer` or `--n-keep` are not secrets.
+pub fn is_secret_name(name: &str) -> bool {
+    const WORDS: [&str; 11] =
+        ["key", "token", "secret", "password", "passwd", "pass", "auth", "credential", "credentials", "cookie", "apikey"];
+    name.trim_start_matches('-')
+        .split(['-', '_', '.'])
+        .map(str::to_ascii_lowercase)
+        .any(|w| WORDS.iter().any(|s| w == *s || (w.len() > s.len() && w.ends_with(s) && *s != "pass" && *s != "auth")))
+}
+
+/// A command line (arguments as the process got them) with secret values replaced: `--api-key
+/// X`, `--api-key=X`, `HF_TOKEN=X`, and whatever [`scrub`] removes from every argument.
+pub fn command_line(args: &[String]) -> String {
+    let mut out: Vec<String> = Vec::with_capacity(args.len());
+    let mut hide_next = false;
+    for a in args {
+        if hide_next && !a.starts_with('-') {
+            out.push(REDACTED.into());
+            hide_next = false;
+            continue;
+        }
+        hide_next = false;
+        match a.split_once('=') {
+            Some((name, _)) if is_secret_name(name) && !name.contains(['/', ' ']) => out.push(format!("{name}={REDACTED}")),
+            _ if a.starts_with('-') && a.len() > 1 && is_secret_name(a) => {
+                hide_next = true;
+                out.push(a.clone());
+            }
+            _ => out.push(scrub(a)),
+        }
+    }
+    out.join(" ")
+}
+
+static ENV_LIKE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\b([A-Za-z][A-Za-z0-9_.-]*)=([^\s&\x22'`,;]+)").expect("valid regex"));
+static URL_PASSWORD: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+):[^/\s@]+@").expect("valid regex"));
+static BEARER: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}").expect("valid regex"));
+static KERNEL_ADDR: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\b(0x)?ffff[0-9a-f]{12}\b").expect("valid regex"));
+
+/// Secrets removed from free text (a command line, a report, a timeline, a flamegraph):
+/// `name=value` where the name is a secret's ([`is_secret_name`]; also query parameters),
+/// URL passwords, bearer/basic credentials, and raw kernel addresses (`0xffff…`: with KASLR
+/// they tell where the kernel is).
+pub fn scrub(text: &str) -> String {
+    let t =
+        ENV_LIKE.replace_all(text, |c: &Captures| if is_secret_name(&c[1]) { format!("{}={REDACTED}", &c[1]) } else { c[0].to_string() });
+    let t = URL_PASSWORD.replace_all(&t, |c: &Captures| format!("{}:{REDACTED}@", &c[1]));
+    let t = BEARER.replace_all(&t, |c: &Captures| format!("{} {REDACTED}", &c[1]));
+    KERNEL_ADDR.replace_all(&t, "[kernel address]").into_owned()
+}
+
+/// HTTP headers whose values are credentials.
+const CREDENTIAL_HEADERS: [&[u8]; 5] = [b"authorization:", b"proxy-authorization:", b"cookie:", b"x-api-key:", b"api-key:"];
+
+/// Overwrite, in place, the values of credential headers (`Authorization`, `Cookie`,
+/// `X-Api-Key`, …) in raw HTTP bytes with `*`, keeping every length (the stream parser and
+/// the recording's byte counts stay right). A header cut across two reads is hidden from the
+/// cut on, in the next buffer too, only if the name was in this one.
+pub fn credential_headers_in_place(buf: &mut [u8]) {
+    let mut line_start = 0;
+    while line_start < buf.len() {
+        let end = buf[line_start..].iter().position(|&c| c == b'\n').map_or(buf.len(), |i| line_start + i);
+        let line = &buf[line_start..end];
+        if let Some(h) = CREDENTIAL_HEADERS.iter().find(|h| line.len() >= h.len() && line[..h.len()].eq_ignore_ascii_case(h)) {
+            let from = line_start + h.len();
+            for c in &mut buf[from..end] {
+                if *c != b'\r' && *c != b' ' {
+                    *c = b'*';
+                }
+            }
+        }
+        line_start = end + 1;
+    }
+}
+
+static GPU_UUID: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"\b(GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b").expect("valid regex")
+});
+static QUERY: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(/[A-Za-z0-9._~%/+-]*)\?[^\s\x22'`()<>|\[\]{}]+").expect("valid regex"));
+static URL_HOST: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"\b([a-zA-Z][a-zA-Z0-9+.-]*)://(?:[^/\s@]+@)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)").expect("valid regex"));
+
+/// `--mask`: hide directories, hosts, IP addresses, query strings and GPU UUIDs; keep file base
+/// names, ports, and the API paths the server was asked for (they are what a maintainer reads).
+#[derive(Debug, Default)]
+pub struct Masker {
+    /// Request paths seen (without query): `/v1/chat/completions` stays as it is.
+    api_paths: BTreeSet<String>,
+    /// This machine's names (hostname, FQDN): hidden wherever they appear.
+    hosts: Vec<String>,
+}
+
+impl Masker {
+    /// `api_paths`: the request paths of the report; the machine's own hostname is read here.
+    pub fn new<'a>(api_paths: impl IntoIterator<Item = &'a str>) -> Masker {
+        let mut hosts = Vec::new();
+        for f in ["/proc/sys/kernel/hostname", "/etc/hostname"] {
+            if let Ok(h) = std::fs::read_to_string(f) {
+                let h = h.trim().to_string();
+                if h.len() > 2 && h != "localhost" && !hosts.contains(&h) {
+                    hosts.push(h);
+                }
+            }
+        }
+        let api_paths = api_paths.into_iter().map(|p| p.split('?').next().unwrap_or(p).to_string()).filter(|p| p.len() > 1).collect();
+        Masker { api_paths, hosts }
+    }
+
+    /// `text` with secrets scrubbed and identifying names hidden.
+    pub fn mask(&self, text: &str) -> String {
+        let mut t = scrub(text);
+        for h in &self.hosts {
+            t = t.replace(h.as_str(), "<host>");
+        }
+        let t = GPU_UUID.replace_all(&t, "$1-<uuid>");
+        let t = URL_HOST.replace_all(&t, |c: &Captures| {
+            let host = &c[2];
+            if host == "localhost" { c[0].to_string() } else { format!("{}://<host>", &c[1]) }
+        });
+        // Query strings go first, whole (their `=` and `&` would split words below); a marker
+        // without separators stands in until the words are done.
+        let t = QUERY.replace_all(&t, "$1?\u{1}q");
+        self.words(&t).replace("?\u{1}q", "?<query>")
+    }
+
+    fn words(&self, text: &str) -> String {
+        const SEP: &str = "\"'`(),;|[]{}<>=";
+        let mut out = String::with_capacity(text.len());
+        for token in text.split_inclusive(|c: char| c.is_whitespace() || SEP.contains(c)) {
+            let (word, sep) = match token.char_indices().last() {
+                Some((i, c)) if c.is_whitespace() || SEP.contains(c) => (&token[..i], &token[i..]),
+                _ => (token, ""),
+            };
+            out.push_str(&self.word(word));
+            out.push_str(sep);
+        }
+        out
+    }
+
+    fn word(&self, word: &str) -> String {
+        let (path, query) = match word.split_once("?\u{1}q") {
+            Some((p, _)) => (p, true),
+            None => (word, false),
+        };
+        let with_query = |p: String| if query { format!("{p}?\u{1}q") } else { p };
+        if self.api_paths.contains(path) {
+            return with_query(path.to_string());
+        }
+        let base = || path.rsplit('/').next().unwrap_or("");
+        // Absolute (two or more components), home (~/…) and explicitly relative (./, ../) paths,
+        // and bare relative paths to a file with an extension (models/m.gguf): directories
+        // go. A unit like `tok/s` or `ms/s` has no extension and stays.
+        let relative_file = !path.starts_with('/')
+            && !path.contains("://")
+            && path.contains('/')
+            && base().contains('.')
+            && !base().ends_with('.')
+            && path.chars().next().is_some_and(|c| c.is_alphanumeric() || c == '_');
+        if (path.starts_with('/') && path.matches('/').count() > 1)
+            || path.starts_with("~/")
+            || path.starts_with("./")
+            || path.starts_with("../")
+            || relative_file
+        {
+            return with_query(format!("<dir>/{}", base()));
+        }
+        if query {
+            return with_query(path.to_string());
+        }
+        if let Some((_, port)) = word.rsplit_once(':').filter(|(h, p)| {
+            p.chars().all(|c| c.is_ascii_digit())
+                && (h.parse::<std::net::Ipv4Addr>().is_ok() || h.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok())
+        }) {
+            return format!("<ip>:{port}");
+        }
+        if word.parse::<std::net::IpAddr>().is_ok() {
+            return "<ip>".into();
+        }
+        word.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split(' ').map(String::from).collect()
+    }
+
+    #[test]
+    fn secret_options_and_variables_lose_their_values() {
+        let c = command_line(&args(
+            "llama-server -m /m/x.gguf --api-key sk-live-123 --hf-token=hf_abc --max-tokens 64 --tokenizer tok --n-keep 4 --no-auth --port 8080",
+        ));
+        assert_eq!(
+            c,
+            "llama-server -m /m/x.gguf --api-key [redacted] --hf-token=[redacted] --max-tokens 64 --tokenizer tok --n-keep 4 --no-auth --port 8080"
+        );
+        assert_eq!(command_line(&args("env OPENAI_API_KEY=sk-1 VLLM_PORT=8000 vllm")), "env OPENAI_API_KEY=[redacted] VLLM_PORT=8000 vllm");
+        assert!(!is_secret_name("--max-num-batched-tokens") && !is_secret_name("--keep") && !is_secret_name("--author"));
+        assert!(is_secret_name("--ssl-key-file") && is_secret_name("HUGGING_FACE_HUB_TOKEN") && is_secret_name("--password"));
+    }
+
+    #[test]
+    fn scrub_removes_urls_passwords_bearer_query_secrets_and_kernel_addresses() {
+        assert_eq!(
+            scrub("GET /v1/models?api_key=abc123&n=2 from https://bob:hunter2@example.com/x Authorization: Bearer abcdefghijkl"),
+            "GET /v1/models?api_key=[redacted]&n=2 from https://bob:[redacted]@example.com/x Authorization: Bearer [redacted]"
+        );
+        assert_eq!(scrub("0xffffffff81234567 [unknown] ffff888100a3b000"), "[kernel address] [unknown] [kernel address]");
+        assert_eq!(scrub("TTFT 241 ms; 93.8 MiB; n_ctx=4096"), "TTFT 241 ms; 93.8 MiB; n_ctx=4096");
+    }
+
+    #[test]
+    fn credential_headers_are_overwritten_in_place() {
+        let mut b = b"POST /v1/x HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer sk-9\r\nx-api-key:k1\r\n\r\n{}".to_vec();
+        let len = b.len();
+        credential_headers_in_place(&mut b);
+        assert_eq!(b.len(), len);
+        assert_eq!(String::from_utf8(b).unwrap(), "POST /v1/x HTTP/1.1\r\nHost: a\r\nAuthorization: ****** ****\r\nx-api-key:**\r\n\r\n{}");
+    }
+
+    #[test]
+    fn mask_hides_machine_names_but_keeps_api_paths_and_base_names() {
+        let m = Masker { api_paths: ["/v1/chat/completions".to_string()].into(), hosts: vec!["gpubox".into()] };
+        assert_eq!(
+            m.mask("read /home/alice/models/m.gguf from 192.168.1.7:8080 and [::1]:80"),
+            "read <dir>/m.gguf from <ip>:8080 and [<ip>]:80"
+        );
+        assert_eq!(m.mask("`POST /v1/chat/completions?user=alice` on gpubox"), "`POST /v1/chat/completions?<query>` on <host>");
+        assert_eq!(m.mask("~/m/x.gguf ./a/b.bin models/q4.gguf 12 tok/s"), "<dir>/x.gguf <dir>/b.bin <dir>/q4.gguf 12 tok/s");
+        assert_eq!(m.mask("GPU-8a1b2c3d-1111-2222-3333-444455556666 at http://ai.lan:11434/api"), "GPU-<uuid> at http://<host>:11434/api");
+        assert_eq!(m.mask("TTFT 241 ms; 93.8 MiB"), "TTFT 241 ms; 93.8 MiB");
+    }
+}
