@@ -6,6 +6,9 @@
 //!   probe-workload tcp ADDR close|wait-reset connect; close first, or wait for the peer's RST
 //!   probe-workload fork-mmap N LEN           a forked child does N mmap+munmap of LEN bytes
 //!   probe-workload mmap-loop SECONDS         mmap+munmap in a tight loop (event-rate benchmark)
+//!   probe-workload sse-server PORT          serve one streamed chat request on 127.0.0.1:PORT, as a
+//!                                            hostile server would: escape sequences in its process
+//!                                            name and in the JSON it sends
 //!   probe-workload hog CGROUP                join the memory cgroup (v1 dir), then allocate and touch
 //!                                            1 MiB at a time until the OOM killer ends it
 use std::{
@@ -164,6 +167,51 @@ fn hog(cgroup: &str) {
     }
 }
 
+/// Process name with an OSC title sequence and a bell: a terminal that gets it raw obeys it.
+const HOSTILE_NAME: &str = "sse\x1b]0;pwn\x07";
+
+fn sse_server(port: &str) {
+    let name = std::ffi::CString::new(HOSTILE_NAME).unwrap_or_else(|_| die("name".into()));
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes from a live CString.
+    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr()) };
+    let l = std::net::TcpListener::bind(format!("127.0.0.1:{port}")).unwrap_or_else(|e| die(format!("bind {port}: {e}")));
+    wait_for_go();
+    let (mut s, _) = l.accept().unwrap_or_else(|e| die(format!("accept: {e}")));
+    // The request: headers, then Content-Length bytes of body.
+    let mut req = Vec::new();
+    let mut b = [0u8; 4096];
+    loop {
+        let n = s.read(&mut b).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        req.extend_from_slice(&b[..n]);
+        let text = String::from_utf8_lossy(&req).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let len = text
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
+                .unwrap_or(0);
+            if req.len() >= end + 4 + len {
+                break;
+            }
+        }
+    }
+    let mut out = String::from("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n");
+    s.write_all(out.as_bytes()).ok();
+    for _ in 0..3 {
+        out = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"tok\"},\"finish_reason\":null}]}\n\n".into();
+        s.write_all(out.as_bytes()).ok();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A finish_reason that sets the terminal title, rings and clears the screen (JSON escapes).
+    let last =
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\\u001b]0;owned\\u0007\\u001b[2J\"}]}\n\ndata: [DONE]\n\n";
+    s.write_all(last.as_bytes()).ok();
+    drop(s);
+    println!("done served {} request bytes", req.len());
+}
+
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     let arg = |i: usize| a.get(i).cloned().unwrap_or_else(|| die(format!("missing argument {i}; see the file's doc comment")));
@@ -174,6 +222,7 @@ fn main() {
         "fork-mmap" => fork_mmap(num(2), num(3)),
         "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
         "hog" => hog(&arg(2)),
+        "sse-server" => sse_server(&arg(2)),
         other => die(format!("unknown workload {other}")),
     }
 }

@@ -12,18 +12,19 @@ use crate::{
     recording::Recording,
     redact::{self, Masker},
     report::Report,
+    text::{md_block, md_code, md_text},
 };
 
 /// The markdown report: verdicts, requests, files, block IO, losses.
 pub fn markdown(r: &Report) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "## probe report: `{}` (pid {})\n", r.target.comm, r.target.pid);
+    let _ = writeln!(o, "## probe report: {} (pid {})\n", md_code(&r.target.comm), r.target.pid);
     let _ = writeln!(
         o,
         "Traced {:.1} s, {} events{}.\n",
         r.duration_s,
         r.events,
-        r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default()
+        r.target.end_reason.as_ref().map(|e| format!(", stopped: {}", md_text(e))).unwrap_or_default()
     );
     if !r.requests.is_empty() {
         let _ =
@@ -32,25 +33,30 @@ pub fn markdown(r: &Report) -> String {
             let v = q.verdict.as_ref();
             let _ = writeln!(
                 o,
-                "| {} | `{} {}` | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} |",
                 q.id,
-                q.method.as_deref().unwrap_or("?"),
-                q.path.as_deref().unwrap_or("?"),
+                md_code(&format!("{} {}", q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"))),
                 q.status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
                 q.ttft_ms.map(|t| format!("{t:.0}")).unwrap_or_else(|| "-".into()),
                 v.map(|v| v.slow_cause.name()).unwrap_or("-"),
                 v.map(|v| v.stop_cause.words()).unwrap_or_else(|| "-".into()),
-                v.map(|v| v.evidence.join("; ").replace('|', "/")).unwrap_or_default()
+                v.map(|v| md_text(&v.evidence.join("; "))).unwrap_or_default()
             );
         }
         let _ = writeln!(o);
     }
     let system = crate::system::render(&r.system);
-    let _ = writeln!(o, "### System\n\n```\n{}\n```\n", system.trim_start_matches("\nSystem:\n").trim_end());
+    let _ = writeln!(o, "### System\n\n{}\n", md_block(system.trim_start_matches("\nSystem:\n")));
     let _ = writeln!(o, "### Files read\n\n| path | major faults | read | io time ms |\n|---|---|---|---|");
     for f in r.files.iter().take(20) {
-        let _ =
-            writeln!(o, "| `{}` | {} | {:.1} MiB | {:.1} |", f.path, f.major_faults, f.read_bytes as f64 / (1 << 20) as f64, f.io_time_ms);
+        let _ = writeln!(
+            o,
+            "| {} | {} | {:.1} MiB | {:.1} |",
+            md_code(&f.path),
+            f.major_faults,
+            f.read_bytes as f64 / (1 << 20) as f64,
+            f.io_time_ms
+        );
     }
     let _ = writeln!(
         o,
@@ -64,7 +70,7 @@ pub fn markdown(r: &Report) -> String {
         let _ = writeln!(o, "Stacks unwound to the end: {:.0}% of {}.", r.unwind.success_rate * 100.0, r.unwind.samples);
     }
     for p in &r.problems {
-        let _ = writeln!(o, "\n> note: {p}");
+        let _ = writeln!(o, "\n> note: {}", md_text(p));
     }
     let _ = writeln!(
         o,

@@ -115,11 +115,11 @@ impl State {
         // Stream bytes are parsed here and dropped unless the user asked to keep them; raw stacks
         // (which hold user memory) are unwound here and only their frames are kept.
         if let (Event::Data(_), true) = (&ev, self.capture_text) {
-            // Kept text never keeps credentials: Authorization, Cookie, X-Api-Key values are
-            // overwritten (same length) before the bytes reach the file.
+            // Kept text never keeps credentials: Authorization, Cookie, X-Api-Key values and secret
+            // query parameters are overwritten (same length) before the bytes reach the file.
             let mut copy = bytes.to_vec();
             let head = bytes.len() - decode::data_payload(bytes).len();
-            crate::redact::credential_headers_in_place(&mut copy[head..]);
+            crate::redact::http_credentials_in_place(&mut copy[head..]);
             self.writer.kernel(&copy)?;
         } else if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_)) {
             self.writer.kernel(bytes)?;
@@ -348,7 +348,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
     eprintln!(
         "probe: armed in {armed_ms:.0} ms: pid {} ({}), {} process(es); probes live: {}",
         opts.pid,
-        procfs::comm(opts.pid),
+        crate::text::terminal(&procfs::comm(opts.pid)),
         attached.targets.len(),
         live.join(", ")
     );

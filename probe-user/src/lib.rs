@@ -24,6 +24,7 @@ pub mod stats;
 pub mod stream;
 pub mod synth;
 pub mod system;
+pub mod text;
 pub mod tracefs;
 pub mod unwind;
 pub mod verdict;

@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{bench, bundle, collector, doctor, exit, flame, output, perfetto, recording, report};
+use probe_user::{bench, bundle, collector, doctor, exit, flame, output, perfetto, recording, report, text::terminal};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -165,7 +165,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&outcome.report)?);
             } else {
-                print!("{}", report::render(&outcome.report));
+                print!("{}", terminal(&report::render(&outcome.report)));
                 println!("\nrecording: {}  (report.json beside it; `probe report {}` prints this again)", out.display(), out.display());
             }
             Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
@@ -190,7 +190,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else if !html {
-                print!("{}", report::render(&r));
+                print!("{}", terminal(&report::render(&r)));
             }
             // A torn or corrupt recording is reported from what was whole, and says so (exit 1).
             Ok(if r.lost_events.values().any(|&n| n > 0) || !r.problems.is_empty() { exit::PARTIAL } else { exit::OK })
@@ -292,7 +292,7 @@ fn main() -> ExitCode {
     match run(cli, started) {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("probe: error: {e:#}");
+            eprintln!("probe: error: {}", terminal(&format!("{e:#}")));
             ExitCode::from(exit::ERROR as u8)
         }
     }

@@ -68,11 +68,11 @@ pub fn scrub(text: &str) -> String {
 /// HTTP headers whose values are credentials.
 const CREDENTIAL_HEADERS: [&[u8]; 5] = [b"authorization:", b"proxy-authorization:", b"cookie:", b"x-api-key:", b"api-key:"];
 
-/// Overwrite, in place, the values of credential headers (`Authorization`, `Cookie`,
-/// `X-Api-Key`, …) in raw HTTP bytes with `*`, keeping every length (the stream parser and
-/// the recording's byte counts stay right). A header cut across two reads is hidden from the
-/// cut on, in the next buffer too, only if the name was in this one.
-pub fn credential_headers_in_place(buf: &mut [u8]) {
+/// Overwrite, in place, the credentials in raw HTTP bytes with `*`, keeping every length (the
+/// stream parser and the recording's byte counts stay right): the values of credential headers
+/// (`Authorization`, `Cookie`, `X-Api-Key`, …) and of secret query parameters in a request line
+/// (`?api_key=`). A header cut across two reads is hidden only in the read that has its name.
+pub fn http_credentials_in_place(buf: &mut [u8]) {
     let mut line_start = 0;
     while line_start < buf.len() {
         let end = buf[line_start..].iter().position(|&c| c == b'\n').map_or(buf.len(), |i| line_start + i);
@@ -83,6 +83,21 @@ pub fn credential_headers_in_place(buf: &mut [u8]) {
                 if *c != b'\r' && *c != b' ' {
                     *c = b'*';
                 }
+            }
+        } else if let Some(q) = line.iter().position(|&c| c == b'?') {
+            // A request line: METHOD /path?query HTTP/1.1 (the query ends at a space).
+            let q_end = line[q..].iter().position(|&c| c == b' ' || c == b'\r').map_or(line.len(), |i| q + i);
+            let mut at = line_start + q + 1;
+            let stop = line_start + q_end;
+            while at < stop {
+                let next = buf[at..stop].iter().position(|&c| c == b'&').map_or(stop, |i| at + i);
+                if let Some(eq) = buf[at..next].iter().position(|&c| c == b'=') {
+                    let secret = std::str::from_utf8(&buf[at..at + eq]).is_ok_and(is_secret_name);
+                    if secret {
+                        buf[at + eq + 1..next].fill(b'*');
+                    }
+                }
+                at = next + 1;
             }
         }
         line_start = end + 1;
@@ -229,12 +244,17 @@ mod tests {
     }
 
     #[test]
-    fn credential_headers_are_overwritten_in_place() {
-        let mut b = b"POST /v1/x HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer sk-9\r\nx-api-key:k1\r\n\r\n{}".to_vec();
+    fn credentials_are_overwritten_in_place() {
+        let mut b =
+            b"POST /v1/x?n=1&api_key=sk-7 HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer sk-9\r\nx-api-key:k1\r\n\r\n{\"q\":\"why?\"}"
+                .to_vec();
         let len = b.len();
-        credential_headers_in_place(&mut b);
+        http_credentials_in_place(&mut b);
         assert_eq!(b.len(), len);
-        assert_eq!(String::from_utf8(b).unwrap(), "POST /v1/x HTTP/1.1\r\nHost: a\r\nAuthorization: ****** ****\r\nx-api-key:**\r\n\r\n{}");
+        assert_eq!(
+            String::from_utf8(b).unwrap(),
+            "POST /v1/x?n=1&api_key=**** HTTP/1.1\r\nHost: a\r\nAuthorization: ****** ****\r\nx-api-key:**\r\n\r\n{\"q\":\"why?\"}"
+        );
     }
 
     #[test]

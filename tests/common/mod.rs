@@ -1,5 +1,6 @@
 //! Helpers shared by the test binaries: where `probe` is, and starting a trace that is armed.
 #![allow(dead_code)]
+pub mod workload;
 use std::{
     io::{BufRead, BufReader},
     path::PathBuf,
@@ -106,6 +107,15 @@ pub fn shared_llama_server(args: &[&str]) -> (Child, std::net::SocketAddr) {
 pub fn assert_report_is_the_same_offline(dir: &std::path::Path) {
     let at_trace: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("report.json")).unwrap();
     let bin = probe_bin();
+    // The recording is private (0700, 0600): nobody reads a copy given to it, as a user reads
+    // the recording `sudo probe trace` made for them.
+    let theirs = dir.with_file_name(format!("{}-nobody", dir.file_name().unwrap().to_string_lossy()));
+    let _ = std::fs::remove_dir_all(&theirs);
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::copy(dir.join("events.bin"), theirs.join("events.bin")).unwrap();
+    for p in [&theirs, &theirs.join("events.bin")] {
+        std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
+    }
     let ways: [(&str, Vec<String>); 2] = [
         (
             "as nobody",
@@ -116,7 +126,7 @@ pub fn assert_report_is_the_same_offline(dir: &std::path::Path) {
                 "--clear-groups".into(),
                 bin.display().to_string(),
                 "report".into(),
-                dir.display().to_string(),
+                theirs.display().to_string(),
                 "--json".into(),
             ],
         ),

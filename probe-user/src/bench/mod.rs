@@ -337,11 +337,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     let files = output::write_all(&args.out, &results)?;
     run.progress.line(&format!("wrote {} in {}", files.join(", "), args.out.display()));
     for s in ["concurrency", "prompt", "idle"] {
-        print!("{}", output::table(&results.levels, s));
+        print!("{}", crate::text::terminal(&output::table(&results.levels, s)));
     }
     println!("\nconclusions:");
     for c in &results.conclusions {
-        println!("  - {c}");
+        println!("  - {}", crate::text::terminal(c));
     }
     println!("\n(definitions and notes in {})", args.out.join("summary.txt").display());
     result?;

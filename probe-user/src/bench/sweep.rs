@@ -153,7 +153,7 @@ impl Progress {
         if self.tty {
             eprint!("\r\x1b[2K");
         }
-        eprintln!("probe bench: {what}");
+        eprintln!("probe bench: {}", crate::text::terminal(what));
     }
 }
 
