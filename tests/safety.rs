@@ -274,3 +274,32 @@ fn escape_sequences_from_the_target_are_printed_escaped() {
     assert!(!md.contains('\x1b') && !md.contains('\x07'), "{md:?}");
     assert!(md.contains("sse\\x1b]0;pwn\\x07"), "{md}");
 }
+
+/// The README's recipe for running without full root: user `nobody` with exactly the listed
+/// capabilities traces a process and writes a private recording of its own.
+#[test]
+fn runs_as_a_user_with_the_documented_capabilities() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let d = scratch("caps");
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let target = Sleeper::start();
+    let caps = "+bpf,+perfmon,+dac_read_search,+sys_ptrace,+syslog,+checkpoint_restore";
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let documented = caps.replace('+', "cap_");
+    assert!(readme.contains(&documented), "README's setcap line lists {documented}");
+    let rec = d.join("rec");
+    let o = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", &format!("--inh-caps={caps}"), &format!("--ambient-caps={caps}")])
+        .arg(probe_bin())
+        .args(["trace", "--pid", &target.pid(), "--out", rec.to_str().unwrap(), "--duration", "1s", "--no-poll"])
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert!(o.status.code().is_some_and(|c| c <= 1), "probe as nobody with capabilities failed: {err}");
+    assert!(
+        err.contains("armed in") && err.contains("probes live: blockio, fault, filemap, mmap, sock, stream, cpu, offcpu, mem, proc"),
+        "{err}"
+    );
+    let m = std::fs::metadata(rec.join("events.bin")).unwrap();
+    assert_eq!((m.uid(), m.permissions().mode() & 0o777), (65534, 0o600));
+}
