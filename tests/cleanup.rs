@@ -45,8 +45,12 @@ fn loaded_programs() -> Vec<String> {
 }
 
 fn ours() -> usize {
-    // Names unique to probe's object (the kernel keeps 15 characters).
-    loaded_programs().iter().filter(|n| ["block_rq_issue", "fault_major", "filemap_add", "sock_connect"].contains(&n.as_str())).count()
+    // Names unique to probe's object (the kernel keeps 15 characters); the block issue program is
+    // the raw tracepoint (`block_rq_issue_raw`, kept as `block_rq_issue_`) or its classic twin.
+    loaded_programs()
+        .iter()
+        .filter(|n| ["fault_major", "filemap_add", "sock_connect"].contains(&n.as_str()) || n.starts_with("block_rq_issue"))
+        .count()
 }
 
 #[test]

@@ -57,14 +57,11 @@ pub struct TraceOutcome {
 }
 
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
-    // The output first: a refused --out costs nothing to attach.
+    let popts = probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes, sample_hz: opts.sample_hz };
+    // Then the output: a refused --out costs nothing to attach (or to detach).
+    probes::preflight(&popts)?;
     let out_dir = crate::output::OutDir::create_recording(&opts.out, opts.force)?;
-    let attached = match probes::attach(&probes::Options {
-        pid: opts.pid,
-        only: opts.only.clone(),
-        ring_bytes: opts.ring_bytes,
-        sample_hz: opts.sample_hz,
-    }) {
+    let attached = match probes::attach(&popts) {
         Ok(a) => a,
         Err(e) => {
             // Nothing was recorded: leave no empty directory behind (rmdir removes only an empty one).

@@ -169,9 +169,8 @@ fn raise_memlock() {
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) };
 }
 
-/// Check, load and attach everything for `opts.pid`. On error nothing stays loaded: the `Ebpf`
-/// owns every program, map and link and is dropped.
-pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
+/// What can be refused before anything is made or loaded: privileges, the pid, probe names.
+pub fn preflight(opts: &Options) -> anyhow::Result<()> {
     check_privileges()?;
     if !procfs::exists(opts.pid) {
         bail!("no process with pid {}: check the pid (e.g. `pgrep llama-server`)", opts.pid);
@@ -183,6 +182,13 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
             }
         }
     }
+    Ok(())
+}
+
+/// Check, load and attach everything for `opts.pid`. On error nothing stays loaded: the `Ebpf`
+/// owns every program, map and link and is dropped.
+pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
+    preflight(opts)?;
     let tracefs = tracefs::ensure_mounted().map_err(|e| anyhow!(e))?;
     raise_memlock();
 
