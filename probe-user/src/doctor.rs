@@ -88,8 +88,8 @@ fn samplers() {
         Some(d) => println!("memory cgroup {} (probe's own; the target's is read at trace time)", d.display()),
         None => println!("memory cgroup none found"),
     }
-    let exe = std::env::current_exe().ok().and_then(|p| p.to_str().map(String::from)).unwrap_or_default();
-    match residency::measure(&exe) {
+    let exe = std::fs::File::open("/proc/self/exe");
+    match exe.ok().and_then(|f| residency::measure(&f, "/proc/self/exe")) {
         Some(r) if r.evicted.is_some() => println!("page cache    cachestat(2) (residency and evictions)"),
         Some(_) => println!("page cache    mincore(2) (residency; this kernel has no cachestat)"),
         None => println!("page cache    cannot measure residency here"),

@@ -1,6 +1,7 @@
 //! probe: eBPF tracing for local LLM servers. The `probe` binary is a thin layer over this library:
 //! probes (load + attach table), collector (ring buffer → recording), recording (the on-disk
-//! format), report (analysis, pure), and the /proc and tracefs readers they need.
+//! format), report (analysis, pure), the /proc and tracefs readers they need, and target_file (how
+//! root opens a file the target names).
 
 pub mod bench;
 pub mod btf;
@@ -24,6 +25,7 @@ pub mod stats;
 pub mod stream;
 pub mod synth;
 pub mod system;
+pub mod target_file;
 pub mod text;
 pub mod tracefs;
 pub mod unwind;

@@ -15,7 +15,10 @@ use framehop::{
 };
 use object::{Object, ObjectSection, ObjectSegment};
 
-use crate::procfs::{self, Mapping};
+use crate::{
+    procfs::{self, Mapping},
+    target_file,
+};
 
 /// Frames kept per stack at most.
 pub const MAX_FRAMES: usize = 128;
@@ -30,9 +33,20 @@ struct Elf {
     got: Option<Range<u64>>,
 }
 
-fn load_elf(path: &str) -> Option<Elf> {
-    let data = std::fs::read(path).ok()?;
-    let file = object::File::parse(&*data).ok()?;
+/// The unwind sections of the file `m` maps in `pid`, opened through crate::target_file (the
+/// mapped file itself, regular, at most 4 GiB) and read on demand (object's ReadCache): only the
+/// headers and the sections kept here, never the whole file. Not mmapped: the target could truncate the file
+/// under the mapping, and the next read would kill probe with SIGBUS.
+fn load_elf(pid: u32, m: &Mapping) -> Option<Elf> {
+    let f = match target_file::open_mapping(Some(pid), m, target_file::MAX_ELF_BYTES) {
+        Ok(f) => f,
+        Err(e) => {
+            log::info!("unwinding without {}: {e}", m.path);
+            return None;
+        }
+    };
+    let cache = object::ReadCache::new(f.file);
+    let file = object::File::parse(&cache).ok()?;
     let section = |name: &str| {
         let s = file.section_by_name(name)?;
         let bytes = s.data().ok()?;
@@ -171,7 +185,7 @@ impl Unwinders {
     /// (samples already in the ring buffer may be read after it exited).
     pub fn update(&mut self, pid: u32, maps: &[Mapping]) {
         let l = std::time::Instant::now();
-        let p = self.build(maps.to_vec());
+        let p = self.build(pid, maps.to_vec());
         self.procs.insert(pid, p);
         self.load_nanos += l.elapsed().as_nanos() as u64;
     }
@@ -192,18 +206,18 @@ impl Unwinders {
 
     fn proc(&mut self, pid: u32) -> &mut Proc {
         if !self.procs.contains_key(&pid) {
-            let p = self.build(procfs::read_maps(pid).unwrap_or_default());
+            let p = self.build(pid, procfs::read_maps(pid).unwrap_or_default());
             self.procs.insert(pid, p);
         }
         self.procs.get_mut(&pid).expect("inserted above")
     }
 
-    fn build(&mut self, maps: Vec<Mapping>) -> Proc {
+    fn build(&mut self, pid: u32, maps: Vec<Mapping>) -> Proc {
         {
             let mut unwinder = UnwinderX86_64::new();
             let mut modules = Vec::new();
             for m in maps.iter().filter(|m| m.perms.contains('x')) {
-                let elf = self.elves.entry((m.path.clone(), m.inode)).or_insert_with(|| load_elf(&m.path).map(Arc::new)).clone();
+                let elf = self.elves.entry((m.path.clone(), m.inode)).or_insert_with(|| load_elf(pid, m).map(Arc::new)).clone();
                 let Some(elf) = elf else { continue };
                 // The load segment this mapping comes from gives the load bias.
                 let Some(&(vaddr, off, _)) = elf.segments.iter().find(|(_, off, size)| *off <= m.offset && m.offset < off + size.max(&1))

@@ -1,6 +1,11 @@
 //! What frames are called: user frames (module + file offset) by their ELF symbols (blazesym,
 //! demangled), kernel addresses by the names the recording carries (crate::ksyms). Resolved once
 //! per recording, for the distinct frames only.
+//!
+//! A module is read only as the file the target mapped (crate::target_file): through
+//! /proc/PID/map_files while the process lives, else by path with the device and inode the
+//! recording's `maps` records saw. A file that changed since, or is not a regular file, is not
+//! read: its frames keep `module+0xoffset` names.
 use std::collections::{BTreeMap, HashMap};
 
 use blazesym::symbolize::{
@@ -8,7 +13,11 @@ use blazesym::symbolize::{
     source::{Elf, Source},
 };
 
-use crate::recording::{Frame, ReadError, Reader, Recording, StackRecord, records::UserRecord};
+use crate::{
+    procfs::Mapping,
+    recording::{Frame, ReadError, Reader, Recording, StackRecord, records::UserRecord},
+    target_file::{self, TargetFile},
+};
 
 /// Names for (module, file offset) and kernel addresses, resolved once per recording.
 pub struct Symbols {
@@ -29,6 +38,8 @@ fn sym_name(s: &Symbolized<'_>) -> Option<String> {
 #[derive(Default)]
 struct Wanted {
     modules: HashMap<i64, String>,
+    /// Every distinct mapping seen per path, with its pid, in recording order.
+    mapped: HashMap<String, Vec<(u32, Mapping)>>,
     offsets: BTreeMap<i64, std::collections::BTreeSet<u64>>,
     names: crate::ksyms::NamesBuilder,
 }
@@ -38,6 +49,14 @@ impl Wanted {
         match r {
             UserRecord::Module(m) => {
                 self.modules.insert(m.id, m.path.clone());
+            }
+            UserRecord::Maps(m) => {
+                for map in &m.mappings {
+                    let seen = self.mapped.entry(map.path.clone()).or_default();
+                    if !seen.iter().any(|(p, s)| *p == m.pid && s.start == map.start && s.end == map.end && s.inode == map.inode) {
+                        seen.push((m.pid, map.clone()));
+                    }
+                }
             }
             UserRecord::Ksyms(k) => self.names.feed_ksyms(k),
             _ => {}
@@ -50,6 +69,22 @@ impl Wanted {
         }
         self.names.feed_stack(s);
     }
+}
+
+/// The file the target mapped at `path`: one of the mappings the recording saw there (latest
+/// first), or, for a recording without them, the regular file at `path`.
+fn open_module(path: &str, mapped: &[(u32, Mapping)]) -> Result<TargetFile, target_file::Refused> {
+    if mapped.is_empty() {
+        return target_file::open_path(None, path, None, target_file::MAX_ELF_BYTES);
+    }
+    let mut last = None;
+    for (pid, m) in mapped.iter().rev() {
+        match target_file::open_mapping(Some(*pid), m, target_file::MAX_ELF_BYTES) {
+            Ok(f) => return Ok(f),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or(target_file::Refused::Open { path: path.to_string(), err: std::io::ErrorKind::NotFound.into() }))
 }
 
 impl Symbols {
@@ -82,11 +117,28 @@ impl Symbols {
         let (modules, wanted) = (w.modules, w.offsets);
         let symbolizer = Symbolizer::new();
         let mut user = HashMap::new();
+        // Kept open until symbolization ends, so no /proc/self/fd/N names two files.
+        let mut opened: Vec<TargetFile> = Vec::new();
         for (id, offs) in wanted {
             let offs: Vec<u64> = offs.into_iter().collect();
             let Some(path) = modules.get(&id) else { continue };
             let base = path.rsplit('/').next().unwrap_or(path);
-            let names = symbolizer.symbolize(&Source::Elf(Elf::new(path)), Input::FileOffset(&offs)).unwrap_or_default();
+            let names = match open_module(path, w.mapped.get(path).map_or(&[][..], |v| v.as_slice())) {
+                Ok(f) => {
+                    use std::os::fd::AsRawFd as _;
+                    // blazesym opens by path: this one reopens exactly the verified file. Names
+                    // come from its own symbol tables (debug_syms off): a debug link would name
+                    // another file, chosen by whoever wrote this one.
+                    let mut elf = Elf::new(format!("/proc/self/fd/{}", f.file.as_raw_fd()));
+                    elf.debug_syms = false;
+                    opened.push(f);
+                    symbolizer.symbolize(&Source::Elf(elf), Input::FileOffset(&offs)).unwrap_or_default()
+                }
+                Err(e) => {
+                    log::info!("{path} left unsymbolized: {e}");
+                    Vec::new()
+                }
+            };
             for (i, off) in offs.iter().enumerate() {
                 let name = names.get(i).and_then(sym_name).unwrap_or_else(|| format!("{base}+{off:#x}"));
                 user.insert((id, *off), name);

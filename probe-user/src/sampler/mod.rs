@@ -129,7 +129,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
         info["cpufreq_absent"] = json!("no cpufreq in this kernel (VM or driver): CPU clocks not sampled");
     }
     let _ = tx.send(info);
-    let mut files: Vec<String> = Vec::new();
+    let mut files: Vec<residency::Watched> = Vec::new();
     let mut pids = targets(opts);
     let mut last_slow: Option<Instant> = None;
     let mut last_file_scan: Option<Instant> = None;
@@ -179,15 +179,12 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
             if last_file_scan.is_none_or(|t| t.elapsed() >= FILE_SCAN_EVERY) || stopping || on_demand {
                 last_file_scan = Some(Instant::now());
                 for &p in &pids {
-                    for f in residency::big_files(p, MODEL_FILE_MIN_BYTES) {
-                        if !files.contains(&f) {
-                            files.push(f);
-                        }
-                    }
+                    let known: Vec<_> = files.iter().map(|f| f.ident).collect();
+                    files.extend(residency::big_files(p, MODEL_FILE_MIN_BYTES, &known));
                 }
             }
             if !files.is_empty() {
-                let r: Vec<residency::Residency> = files.iter().filter_map(|f| residency::measure(f)).collect();
+                let r: Vec<residency::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
                 let why = if stopping {
                     "end"
                 } else if on_demand {

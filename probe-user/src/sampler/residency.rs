@@ -1,7 +1,13 @@
 //! How much of a file is in the page cache: `cachestat(2)` (Linux 6.5+, also counts pages evicted
 //! since the file was opened... by anyone) with a `mincore(2)` fallback over a read-only mapping
-//! that is never touched (so it faults nothing in and pins nothing).
+//! that is never touched (so it faults nothing in and pins nothing). A model file is opened once
+//! (crate::target_file: the file the target maps or holds open, verified) and measured through
+//! that descriptor: never re-opened by a path the target could point somewhere else.
+use std::{fs::File, os::fd::AsRawFd as _};
+
 use serde::{Deserialize, Serialize};
+
+use crate::target_file::{self, Ident};
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Residency {
@@ -37,9 +43,23 @@ struct Cachestat {
 
 const SYS_CACHESTAT: libc::c_long = 451;
 
-pub fn measure(path: &str) -> Option<Residency> {
-    use std::os::fd::AsRawFd as _;
-    let f = std::fs::File::open(path).ok()?;
+/// A model file watched for residency: opened and verified once, measured through `file`.
+#[derive(Debug)]
+pub struct Watched {
+    /// The path the target knew it by when it was found (the name in the records).
+    pub path: String,
+    pub ident: Ident,
+    file: File,
+}
+
+impl Watched {
+    pub fn measure(&self) -> Option<Residency> {
+        measure(&self.file, &self.path)
+    }
+}
+
+/// The residency of the open file `f` (named `path` in the result).
+pub fn measure(f: &File, path: &str) -> Option<Residency> {
     let bytes = f.metadata().ok()?.len();
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
@@ -74,17 +94,29 @@ pub fn measure(path: &str) -> Option<Residency> {
     Some(r)
 }
 
-/// Regular files of at least `min_bytes` that `pid` maps or has open: model weights.
-pub fn big_files(pid: u32, min_bytes: u64) -> Vec<String> {
-    let mut out: Vec<String> = Vec::new();
-    let mapped = crate::procfs::read_maps(pid).unwrap_or_default().into_iter().map(|m| m.path);
-    let open = crate::procfs::open_files(pid).into_iter().map(|f| f.path);
-    for p in mapped.chain(open) {
-        if !p.starts_with('/') || out.contains(&p) {
-            continue;
+/// Regular files of at least `min_bytes` that `pid` maps or has open (model weights), other than
+/// the `known` ones, opened and verified (a mapped file through /proc/PID/map_files, an open one
+/// below the target's root with the device and inode its descriptor has).
+pub fn big_files(pid: u32, min_bytes: u64, known: &[Ident]) -> Vec<Watched> {
+    let mut seen: Vec<Ident> = known.to_vec();
+    let mut out = Vec::new();
+    let mut keep = |path: &str, ident: Ident, opened: Result<target_file::TargetFile, target_file::Refused>| match opened {
+        Ok(t) if t.size >= min_bytes => out.push(Watched { path: path.to_string(), ident, file: t.file }),
+        Ok(_) => {}
+        Err(e) => log::debug!("residency: {e}"),
+    };
+    for m in crate::procfs::read_maps(pid).unwrap_or_default() {
+        let ident = Ident::of(&m);
+        if !seen.contains(&ident) {
+            seen.push(ident);
+            keep(&m.path, ident, target_file::open_mapping(Some(pid), &m, u64::MAX));
         }
-        if std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.len() >= min_bytes) {
-            out.push(p);
+    }
+    for f in crate::procfs::open_files(pid) {
+        let ident = Ident { major: f.major, minor: f.minor, inode: f.inode };
+        if f.path.starts_with('/') && !seen.contains(&ident) {
+            seen.push(ident);
+            keep(&f.path, ident, target_file::open_path(Some(pid), &f.path, Some(ident), u64::MAX));
         }
     }
     out
@@ -96,7 +128,8 @@ mod tests {
     fn a_file_just_written_is_resident() {
         let p = std::env::temp_dir().join(format!("probe-residency-{}", std::process::id()));
         std::fs::write(&p, vec![1u8; 1 << 20]).unwrap();
-        let r = super::measure(p.to_str().unwrap()).unwrap();
+        let f = std::fs::File::open(&p).unwrap();
+        let r = super::measure(&f, p.to_str().unwrap()).unwrap();
         std::fs::remove_file(&p).unwrap();
         assert_eq!(r.bytes, 1 << 20);
         assert!(r.share() > 0.9, "{r:?}");
