@@ -5,7 +5,7 @@
 use std::{
     io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, Command, Stdio},
+    process::{Child, Command, Stdio},
     sync::{OnceLock, mpsc},
     time::{Duration, Instant},
 };
@@ -13,7 +13,10 @@ use std::{
 use serde_json::Value;
 
 mod common;
-use common::probe_bin;
+use common::{
+    probe_bin,
+    workload::{Workload, scratch},
+};
 
 fn data(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/target_files").join(name)
@@ -37,59 +40,10 @@ fn built() -> &'static (PathBuf, PathBuf, PathBuf) {
     })
 }
 
-/// A scratch directory on a real disk (not tmpfs), so evicted pages really leave the cache.
-fn scratch(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("target-files-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// The workload, paused at `ready`; killed on drop.
-struct Workload {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-    pid: u32,
-}
-
-impl Workload {
-    fn start(args: &[&str]) -> Workload {
-        let mut child = Command::new(&built().0).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn workload");
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        let stdin = child.stdin.take();
-        let mut w = Workload { child, stdin, lines, pid: 0 };
-        w.pid = w.line("ready").split_whitespace().nth(1).unwrap().parse().unwrap();
-        w
-    }
-
-    fn line(&mut self, prefix: &str) -> String {
-        loop {
-            let l = self.lines.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| panic!("workload never printed `{prefix}`"));
-            if l.starts_with(prefix) {
-                return l;
-            }
-        }
-    }
-
-    /// Let it swap the file; returns once it has.
-    fn swap(&mut self) {
-        writeln!(self.stdin.take().unwrap(), "go").unwrap();
-        self.line("swapped");
-    }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Let the workload swap the file; returns once it has.
+fn swap(w: &mut Workload) {
+    writeln!(w.stdin.take().unwrap(), "go").unwrap();
+    w.wait_line("swapped");
 }
 
 /// `probe trace --pid` on the workload, armed; killed on drop (a probe that stalls must not
@@ -207,10 +161,10 @@ fn lib_in(dir: &Path, which: &Path, name: &str) -> PathBuf {
 fn a_fifo_at_a_mapped_elf_path_does_not_stall_probe() {
     let dir = scratch("fifo");
     let lib = lib_in(&dir, &built().1, "lib.so");
-    let mut w = Workload::start(&[lib.to_str().unwrap(), "fifo"]);
+    let mut w = Workload::start_program(&built().0, &[lib.to_str().unwrap(), "fifo"]);
     let t = Trace::start(w.pid, &dir.join("rec"));
     std::thread::sleep(Duration::from_millis(1000));
-    w.swap();
+    swap(&mut w);
     std::thread::sleep(Duration::from_millis(1000));
     let rec = t.interrupt();
     let folded = std::fs::read_to_string(rec.join("flame-cpu.folded")).unwrap();
@@ -228,10 +182,10 @@ fn a_different_elf_swapped_in_is_never_read() {
     let dir = scratch("elf");
     let lib = lib_in(&dir, &built().1, "lib.so");
     let other = lib_in(&dir, &built().2, "other.so");
-    let mut w = Workload::start(&[lib.to_str().unwrap(), "elf", other.to_str().unwrap()]);
+    let mut w = Workload::start_program(&built().0, &[lib.to_str().unwrap(), "elf", other.to_str().unwrap()]);
     let t = Trace::start(w.pid, &dir.join("rec"));
     std::thread::sleep(Duration::from_millis(1000));
-    w.swap();
+    swap(&mut w);
     std::thread::sleep(Duration::from_millis(1000));
     let rec = t.interrupt();
     let folded = std::fs::read_to_string(rec.join("flame-cpu.folded")).unwrap();
@@ -249,9 +203,9 @@ fn a_fifo_at_the_deleted_name_is_not_read_at_attach() {
     let dir = scratch("deleted");
     let lib = lib_in(&dir, &built().1, "lib.so");
     // /proc/PID/maps names the unlinked library "lib.so (deleted)": a FIFO waits at that path.
-    let mut w = Workload::start(&[lib.to_str().unwrap(), "deleted-fifo"]);
+    let mut w = Workload::start_program(&built().0, &[lib.to_str().unwrap(), "deleted-fifo"]);
     let t = Trace::start(w.pid, &dir.join("rec"));
-    w.swap();
+    swap(&mut w);
     std::thread::sleep(Duration::from_millis(1500));
     let rec = t.interrupt();
     let folded = std::fs::read_to_string(rec.join("flame-cpu.folded")).unwrap();
@@ -268,11 +222,11 @@ fn model_file<'a>(r: &'a Value, path: &Path) -> &'a Value {
 fn swapped_model_file(mode: &str) -> Value {
     let dir = scratch(mode);
     let data = dir.join("weights.bin");
-    let mut w = Workload::start(&[data.to_str().unwrap(), mode]);
+    let mut w = Workload::start_program(&built().0, &[data.to_str().unwrap(), mode]);
     let t = Trace::start(w.pid, &dir.join("rec"));
     // The sampler finds the file at its first scan, then measures it every second.
     std::thread::sleep(Duration::from_millis(1500));
-    w.swap();
+    swap(&mut w);
     std::thread::sleep(Duration::from_millis(2500));
     let rec = t.interrupt();
     let r = report(&rec);

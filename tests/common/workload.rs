@@ -29,9 +29,14 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// `probe-workload ARGS`.
     pub fn start(args: &[&str]) -> Self {
-        let mut child =
-            Command::new(workload_bin()).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn workload");
+        Self::start_program(workload_bin().as_ref(), args)
+    }
+
+    /// Another program that speaks the same protocol (`ready PID`, waits for a line on stdin).
+    pub fn start_program(program: &std::path::Path, args: &[&str]) -> Self {
+        let mut child = Command::new(program).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn workload");
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -61,5 +66,15 @@ impl Workload {
         let done = self.wait_line("done");
         assert!(self.child.wait().unwrap().success(), "workload failed");
         done
+    }
+}
+
+/// A workload never outlives its test (one that was waited for is not signalled twice).
+impl Drop for Workload {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
