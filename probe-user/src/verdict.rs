@@ -308,6 +308,12 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     if q.partial {
         v.data_quality.push("probe attached while this request was in flight: its start was not seen".into());
     }
+    if q.evicted {
+        v.data_quality.push(
+            "probe stopped following this request's connection before it ended (too many connections, bytes or pipelined requests at once): its end was not seen"
+                .into(),
+        );
+    }
     if w.lost_events > 0 {
         v.data_quality.push(format!("{} events were lost while this request was served (ring buffer full, or program runs the kernel skipped): shares are lower bounds", w.lost_events));
     }

@@ -29,13 +29,26 @@ pub struct Body {
     framing: Framing,
     left: u64,
     chunk: Chunk,
+    /// Trailer bytes after the last chunk (capped at [`MAX_TRAILERS`]).
+    trailer_bytes: u64,
     pub done: bool,
 }
+
+/// A chunk-size line longer than this is not chunked encoding.
+const MAX_CHUNK_LINE: usize = 1024;
+/// Trailers past this many bytes are not HTTP (servers cap them far lower: nginx 8 KiB heads).
+const MAX_TRAILERS: u64 = 64 << 10;
 
 impl Body {
     pub fn new(framing: Framing) -> Self {
         let left = if let Framing::Length(n) = framing { n } else { 0 };
-        Body { framing, left, chunk: Chunk::Size(Vec::new()), done: matches!(framing, Framing::None | Framing::Length(0)) }
+        Body {
+            framing,
+            left,
+            chunk: Chunk::Size(Vec::new()),
+            trailer_bytes: 0,
+            done: matches!(framing, Framing::None | Framing::Length(0)),
+        }
     }
 
     /// Decode from `input`, appending body bytes to `out`. Returns bytes consumed (input after
@@ -67,7 +80,7 @@ impl Body {
                             self.chunk = if size == 0 { Chunk::Trailer(Vec::new()) } else { Chunk::Data(size) };
                         } else {
                             line.push(b);
-                            if line.len() > 1024 {
+                            if line.len() > MAX_CHUNK_LINE {
                                 return None;
                             }
                         }
@@ -101,7 +114,17 @@ impl Body {
                             }
                             line.clear();
                         } else {
-                            line.push(b);
+                            // Only whether the line is empty matters: its bytes are not kept,
+                            // so an endless trailer line costs nothing but stays bounded.
+                            if line.len() < 2 {
+                                line.push(b);
+                            } else {
+                                line[1] = b;
+                            }
+                            self.trailer_bytes += 1;
+                            if self.trailer_bytes > MAX_TRAILERS {
+                                return None;
+                            }
                         }
                     }
                 },
@@ -138,6 +161,14 @@ impl Body {
                 _ => false,
             },
             _ => false,
+        }
+    }
+
+    /// Bytes this decoder holds (its line buffers).
+    pub fn held(&self) -> usize {
+        match &self.chunk {
+            Chunk::Size(l) | Chunk::Trailer(l) => l.capacity(),
+            _ => 0,
         }
     }
 
@@ -188,7 +219,15 @@ fn framing_of(headers: &[httparse::Header<'_>]) -> (bool, Option<u64>) {
     (chunked, length)
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Heads parsed by this thread (tests check that parsing stays linear).
+    pub static PARSES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 pub fn parse_request(buf: &[u8]) -> Parsed<RequestHead> {
+    #[cfg(test)]
+    PARSES.with(|n| n.set(n.get() + 1));
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(buf) {
@@ -211,6 +250,8 @@ pub fn parse_request(buf: &[u8]) -> Parsed<RequestHead> {
 }
 
 pub fn parse_response(buf: &[u8]) -> Parsed<ResponseHead> {
+    #[cfg(test)]
+    PARSES.with(|n| n.set(n.get() + 1));
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut resp = httparse::Response::new(&mut headers);
     match resp.parse(buf) {
@@ -296,6 +337,23 @@ mod tests {
         b.feed(b"a\r\n0123456789", &mut out).unwrap();
         assert!(!b.gap(5), "a gap over a chunk header loses sync");
         assert!(Body::new(Framing::Chunked).feed(b"zz\r\n", &mut out).is_none());
+    }
+
+    #[test]
+    fn trailers_are_bounded() {
+        let mut b = Body::new(Framing::Chunked);
+        let mut out = Vec::new();
+        assert!(b.feed(b"3\r\nabc\r\n0\r\nX-Checksum: 1\r\n", &mut out).is_some());
+        let endless = vec![b'a'; 4096];
+        let mut fed = 0;
+        while b.feed(&endless, &mut out).is_some() {
+            fed += endless.len();
+            assert!(fed <= 2 * MAX_TRAILERS as usize, "an endless trailer was accepted");
+            assert!(b.held() <= 16, "trailer bytes are kept: {}", b.held());
+        }
+        let mut b = Body::new(Framing::Chunked);
+        b.feed(b"0\r\nA: b\r\n\r\nGET", &mut out).unwrap();
+        assert!(b.done);
     }
 
     #[test]

@@ -26,6 +26,32 @@ use self::{
 const MAX_BODY: usize = 256 << 10;
 /// A request or response head longer than this is not HTTP.
 const MAX_HEAD: usize = 64 << 10;
+/// Connections followed at once; past it the least recently active ones are dropped.
+pub const MAX_CONNS: usize = 4096;
+/// Bytes held for all connections together (heads, request bodies, stream messages being
+/// collected); past it the least recently active connections are dropped.
+pub const MAX_HELD: usize = 64 << 20;
+/// Requests waiting for their response on one connection (HTTP/1.1 pipelining); more means the
+/// connection is not followed any further.
+pub const MAX_PENDING: usize = 64;
+/// A connection with no request in flight and no bytes for this long is forgotten (its next
+/// request starts a new one). Time of the events, ns.
+const IDLE_NS: u64 = 600_000_000_000;
+
+/// What the tracker had to give up to stay bounded: written in the recording's stats records
+/// and reported as data quality.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Limits {
+    /// Connections dropped while in use (table full, memory budget, too many pipelined requests).
+    pub conns_evicted: u64,
+    /// Requests in flight on those connections (written with `evicted: true`).
+    pub requests_evicted: u64,
+    /// Idle connections forgotten (nothing lost: no request was in flight).
+    pub conns_idle_dropped: u64,
+    /// The most connections followed at once, and the most bytes held for them.
+    pub conns_peak: u64,
+    pub held_peak: u64,
+}
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Gaps {
@@ -95,6 +121,11 @@ pub struct RequestRecord {
     /// When the first close (FIN) or reset of the connection was seen, ms after arrival.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub closed_ms: Option<f64>,
+    /// probe stopped following this request's connection before the request ended (too many
+    /// connections or bytes held at once, or too many pipelined requests): what came after was
+    /// not seen.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub evicted: bool,
 }
 
 impl RequestRecord {
@@ -193,6 +224,26 @@ struct Conn {
     reset: &'static str,
     /// The tail record expected for the last large call: (direction, bytes, its entry time).
     expect_tail: Option<(u8, u32, u64)>,
+    /// The last event of this connection (ns).
+    last_ts: u64,
+    /// Bytes held, as last counted in `Tracker::held`.
+    held: usize,
+    /// More pipelined requests than [`MAX_PENDING`]: to be dropped.
+    overflow: bool,
+}
+
+impl Conn {
+    /// Bytes this connection's parsers hold.
+    fn held(&self) -> usize {
+        let side = |s: &Side| match s {
+            Side::Head(b, _) => b.capacity(),
+            Side::Body(b) => b.held(),
+            Side::Lost => 0,
+        };
+        side(&self.req)
+            + side(&self.resp)
+            + self.pending.iter().map(|p| p.body.capacity() + p.splitter.as_ref().map_or(0, Splitter::held)).sum::<usize>()
+    }
 }
 
 /// Follows every connection and turns bytes into request records.
@@ -202,6 +253,11 @@ pub struct Tracker {
     conns: HashMap<u64, Conn>,
     next_id: u64,
     pub done: Vec<RequestRecord>,
+    /// Bytes held by all connections (the sum of their `held`).
+    held: usize,
+    /// When idle connections were last looked for (ns).
+    last_sweep: u64,
+    limits: Limits,
 }
 
 fn addr(family: u16, a: &[u8; 16], port: u16) -> String {
@@ -224,7 +280,26 @@ fn gaps(times: &[f64]) -> Option<Gaps> {
 
 impl Tracker {
     pub fn new(start_ns: u64, keep_text: bool) -> Self {
-        Tracker { start_ns, keep_text, conns: HashMap::new(), next_id: 1, done: Vec::new() }
+        Tracker {
+            start_ns,
+            keep_text,
+            conns: HashMap::new(),
+            next_id: 1,
+            done: Vec::new(),
+            held: 0,
+            last_sweep: start_ns,
+            limits: Limits::default(),
+        }
+    }
+
+    /// What was given up to stay bounded, so far.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Connections followed now, and the bytes their parsers hold.
+    pub fn usage(&self) -> (usize, usize) {
+        (self.conns.len(), self.held)
     }
 
     /// Requests not finished yet.
@@ -232,7 +307,83 @@ impl Tracker {
         self.conns.values().map(|c| c.pending.len()).sum()
     }
 
+    /// Bytes a traced socket call moved (its captured part).
     pub fn on_data(&mut self, ev: &DataEvent, payload: &[u8]) {
+        let ts = ev.hdr.ts_ns;
+        if !self.conns.contains_key(&ev.sk) && self.conns.len() >= MAX_CONNS {
+            // Make room for a sixteenth of the table at once: eviction stays amortized O(log n).
+            self.evict_least_recent(MAX_CONNS - MAX_CONNS / 16, usize::MAX);
+        }
+        self.data(ev, payload);
+        if let Some(conn) = self.conns.get_mut(&ev.sk) {
+            conn.last_ts = conn.last_ts.max(ts);
+            let now = conn.held();
+            self.held = self.held + now - conn.held;
+            conn.held = now;
+            if conn.overflow {
+                self.evict(ev.sk);
+            }
+        }
+        self.limits.conns_peak = self.limits.conns_peak.max(self.conns.len() as u64);
+        self.limits.held_peak = self.limits.held_peak.max(self.held as u64);
+        if self.held > MAX_HELD {
+            self.evict_least_recent(usize::MAX, MAX_HELD - MAX_HELD / 4);
+        }
+        if ts.saturating_sub(self.last_sweep) > IDLE_NS / 10 {
+            self.last_sweep = ts;
+            self.drop_idle(ts);
+        }
+    }
+
+    /// Forget connections idle for [`IDLE_NS`] with no request in flight.
+    fn drop_idle(&mut self, now: u64) {
+        let idle: Vec<u64> =
+            self.conns.iter().filter(|(_, c)| c.pending.is_empty() && now.saturating_sub(c.last_ts) > IDLE_NS).map(|(sk, _)| *sk).collect();
+        for sk in idle {
+            self.remove(sk);
+            self.limits.conns_idle_dropped += 1;
+        }
+    }
+
+    /// Drop the least recently active connections until at most `conns` are left and they hold
+    /// at most `bytes`.
+    fn evict_least_recent(&mut self, conns: usize, bytes: usize) {
+        let mut by_age: Vec<(u64, u64)> = self.conns.iter().map(|(sk, c)| (c.last_ts, *sk)).collect();
+        by_age.sort_unstable();
+        for (_, sk) in by_age {
+            if self.conns.len() <= conns && self.held <= bytes {
+                break;
+            }
+            self.evict(sk);
+        }
+    }
+
+    /// Stop following a connection in use: its requests in flight are written as they are,
+    /// marked `evicted`.
+    fn evict(&mut self, sk: u64) {
+        let Some(mut conn) = self.remove(sk) else { return };
+        self.limits.conns_evicted += 1;
+        let closer = conn.closer.unwrap_or("open");
+        while let Some(mut p) = conn.pending.pop_front() {
+            if let Some(s) = p.splitter.as_mut() {
+                let mut msgs = Vec::new();
+                s.finish(&mut msgs);
+                apply_msgs(&mut p, msgs, (0, 0), self.keep_text);
+            }
+            let mut rec = finalize(p, &conn, closer);
+            rec.evicted = true;
+            self.limits.requests_evicted += 1;
+            self.done.push(rec);
+        }
+    }
+
+    fn remove(&mut self, sk: u64) -> Option<Conn> {
+        let conn = self.conns.remove(&sk)?;
+        self.held -= conn.held;
+        Some(conn)
+    }
+
+    fn data(&mut self, ev: &DataEvent, payload: &[u8]) {
         let conn = self.conns.entry(ev.sk).or_insert_with(|| Conn {
             pid: ev.hdr.pid,
             local: addr(ev.family, &ev.saddr, ev.sport),
@@ -247,6 +398,9 @@ impl Tracker {
             peer_closed_at: None,
             reset: "none",
             expect_tail: None,
+            last_ts: 0,
+            held: 0,
+            overflow: false,
         });
         let ts = ev.hdr.ts_ns;
         if ev.syscall & DATA_TAIL != 0 {
@@ -389,7 +543,10 @@ impl Tracker {
                     }
                     let before = buf.len();
                     buf.extend_from_slice(data);
-                    match http::parse_request(buf) {
+                    // Parsed again only when a blank line arrived (and once at the start, to
+                    // refuse garbage early): heads cost linear time however they are split.
+                    let parsed = if before == 0 || head_ends(buf, before) { http::parse_request(buf) } else { Parsed::Partial };
+                    match parsed {
                         Parsed::Done(head, n) => {
                             let t0 = *t0;
                             let mut p = Self::new_pending(conn, id, role, false);
@@ -406,6 +563,11 @@ impl Tracker {
                             let body = Body::new(head.framing.unwrap_or(Framing::None));
                             let done = body.done;
                             conn.pending.push_back(p);
+                            if conn.pending.len() > MAX_PENDING {
+                                conn.overflow = true;
+                                conn.req = Side::Lost;
+                                return;
+                            }
                             conn.req = Side::Body(body);
                             if done {
                                 Self::request_done(conn);
@@ -522,7 +684,8 @@ impl Tracker {
                 Side::Head(buf, _) => {
                     let before = buf.len();
                     buf.extend_from_slice(data);
-                    match http::parse_response(buf) {
+                    let parsed = if before == 0 || head_ends(buf, before) { http::parse_response(buf) } else { Parsed::Partial };
+                    match parsed {
                         Parsed::Done(head, n) => {
                             data = &data[n - before..];
                             let method = p.rec.method.clone().unwrap_or_default();
@@ -639,7 +802,7 @@ impl Tracker {
                 }
                 if ev.newstate == TCP_CLOSE {
                     let ts = ev.hdr.ts_ns;
-                    if let Some(mut conn) = self.conns.remove(&ev.skaddr) {
+                    if let Some(mut conn) = self.remove(ev.skaddr) {
                         // A close with no FIN or reset seen first: the local end closed.
                         let closer = conn.closer.unwrap_or(local_word);
                         while let Some(mut p) = conn.pending.pop_front() {
@@ -675,6 +838,7 @@ impl Tracker {
             self.flush_tail(sk, 0);
         }
         let conns: Vec<Conn> = self.conns.drain().map(|(_, c)| c).collect();
+        self.held = 0;
         for mut conn in conns {
             let closer = conn.closer.unwrap_or("open");
             while let Some(mut p) = conn.pending.pop_front() {
@@ -692,6 +856,13 @@ impl Tracker {
     pub fn take_done(&mut self) -> Vec<RequestRecord> {
         std::mem::take(&mut self.done)
     }
+}
+
+/// Whether a head's blank line ("\n\n" or "\n\r\n") ends in `buf` past `before` (the bytes
+/// already looked at; a blank line may straddle them).
+fn head_ends(buf: &[u8], before: usize) -> bool {
+    let from = before.saturating_sub(2);
+    buf[from..].windows(2).enumerate().any(|(i, w)| w == b"\n\n" || (w == b"\r\n" && from + i >= 1 && buf[from + i - 1] == b'\n'))
 }
 
 /// `1a3\r\n` at the start of a write: a chunk-size line.
@@ -762,4 +933,104 @@ fn finalize(mut p: Pending, conn: &Conn, closed_by: &str) -> RequestRecord {
     p.rec.ttft_ms = p.rec.chunk_times_ms.first().copied();
     p.rec.chunk_gaps = gaps(&p.rec.chunk_times_ms);
     p.rec
+}
+
+#[cfg(test)]
+mod tests {
+    use probe_common::{EventHeader, EventKind, stream::DIR_SEND};
+
+    use super::*;
+
+    fn data(sk: u64, dir: u8, ts: u64, bytes: &[u8]) -> DataEvent {
+        DataEvent {
+            hdr: EventHeader { kind: EventKind::Data as u32, pid: 100, tid: 101, cpu: 0, ts_ns: ts },
+            sk,
+            enter_ns: ts,
+            len: bytes.len() as u32,
+            captured: bytes.len() as u32,
+            fd: 7,
+            dir,
+            family: 2,
+            sport: 8080,
+            dport: 40000,
+            ..Default::default()
+        }
+    }
+
+    fn feed(t: &mut Tracker, sk: u64, dir: u8, ts: u64, bytes: &[u8]) {
+        t.on_data(&data(sk, dir, ts, bytes), bytes);
+    }
+
+    #[test]
+    fn endless_heads_on_many_connections_stay_bounded() {
+        let mut t = Tracker::new(0, false);
+        let line = [b"GET / HTTP/1.1\r\nX-Pad: ".as_slice(), &[b'a'; 4000]].concat();
+        let more = [b'a'; 4000];
+        for sk in 0..10_000u64 {
+            feed(&mut t, sk, DIR_RECV, sk * 1000, &line);
+            for i in 0..14 {
+                feed(&mut t, sk, DIR_RECV, sk * 1000 + i, &more);
+            }
+            let (conns, held) = t.usage();
+            assert!(conns <= MAX_CONNS && held <= MAX_HELD + (128 << 10), "{conns} connections hold {held} bytes");
+        }
+        assert!(t.limits().conns_evicted > 0);
+        assert_eq!(t.limits().requests_evicted, 0, "no request had started");
+        // A real request after the flood is still followed.
+        feed(&mut t, 1 << 40, DIR_RECV, 1 << 34, b"GET /health HTTP/1.1\r\n\r\n");
+        feed(&mut t, 1 << 40, DIR_SEND, (1 << 34) + 5, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+        let done = t.take_done();
+        assert_eq!(done.last().and_then(|r| r.path.as_deref()), Some("/health"));
+        assert!(done.last().is_some_and(|r| r.transport_complete && !r.evicted));
+    }
+
+    #[test]
+    fn pipelined_requests_without_answers_are_capped_and_reported() {
+        let mut t = Tracker::new(0, false);
+        let req = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n".repeat(100);
+        for i in 0..1000 {
+            feed(&mut t, 7, DIR_RECV, i, &req);
+            assert!(t.in_flight() <= MAX_PENDING, "{} requests pending", t.in_flight());
+        }
+        let evicted = t.take_done();
+        assert!(!evicted.is_empty() && evicted.iter().all(|r| r.evicted && r.closed_by == "open"));
+        assert_eq!(t.limits().requests_evicted, evicted.len() as u64);
+    }
+
+    #[test]
+    fn heads_split_into_single_bytes_are_parsed_once() {
+        let mut t = Tracker::new(0, false);
+        let head = [b"POST /v1/completions HTTP/1.1\r\nX-Long: ".as_slice(), &[b'v'; 60_000], b"\r\nContent-Length: 2\r\n\r\n{}"].concat();
+        http::PARSES.with(|n| n.set(0));
+        // The first write starts the request (a method is how a request is told from other
+        // bytes); the rest arrives a byte at a time.
+        feed(&mut t, 9, DIR_RECV, 0, &head[..8]);
+        for (i, b) in head.iter().enumerate().skip(8) {
+            feed(&mut t, 9, DIR_RECV, i as u64, std::slice::from_ref(b));
+        }
+        let resp = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}";
+        feed(&mut t, 9, DIR_SEND, 100_000, &resp[..5]);
+        for (i, b) in resp.iter().enumerate().skip(5) {
+            feed(&mut t, 9, DIR_SEND, 100_000 + i as u64, std::slice::from_ref(b));
+        }
+        let parses = http::PARSES.with(|n| n.get());
+        assert!(parses <= 6, "{parses} head parses for two heads");
+        let done = t.take_done();
+        assert_eq!(done.len(), 1);
+        assert_eq!((done[0].path.as_deref(), done[0].status, done[0].transport_complete), (Some("/v1/completions"), Some(200), true));
+    }
+
+    #[test]
+    fn idle_connections_are_forgotten() {
+        let mut t = Tracker::new(0, false);
+        feed(&mut t, 1, DIR_RECV, 1, b"GET / HTTP/1.1\r\n\r\n");
+        feed(&mut t, 1, DIR_SEND, 2, b"HTTP/1.1 204 No Content\r\n\r\n");
+        feed(&mut t, 2, DIR_RECV, 3, b"GET /slow HTTP/1.1\r\n\r\n");
+        assert_eq!(t.usage().0, 2);
+        feed(&mut t, 3, DIR_RECV, IDLE_NS + 10, b"GET / HTTP/1.1\r\n");
+        // The idle keep-alive connection went; the one with a request in flight stays.
+        assert_eq!(t.usage().0, 2);
+        assert_eq!(t.limits().conns_idle_dropped, 1);
+        assert_eq!(t.in_flight(), 1);
+    }
 }

@@ -38,20 +38,29 @@ pub enum Msg {
     Partial(Value),
 }
 
-/// Splits body bytes into messages as they arrive.
+/// Splits body bytes into messages as they arrive, in time linear in the bytes: each byte is
+/// scanned for a message end once, and a message's bytes are dropped once it is read.
 #[derive(Debug)]
 pub struct Splitter {
     pub kind: Kind,
     buf: Vec<u8>,
+    /// Bytes of `buf` already searched for a message end.
+    scanned: usize,
     /// Bytes of the message being collected were not captured.
     holed: bool,
 }
 
-const MAX_MESSAGE: usize = 1 << 20;
+/// A message longer than this is not read (it is counted as unread).
+pub const MAX_MESSAGE: usize = 1 << 20;
 
 impl Splitter {
     pub fn new(kind: Kind) -> Self {
-        Splitter { kind, buf: Vec::new(), holed: false }
+        Splitter { kind, buf: Vec::new(), scanned: 0, holed: false }
+    }
+
+    /// Bytes held for the message being collected.
+    pub fn held(&self) -> usize {
+        self.buf.capacity()
     }
 
     pub fn push(&mut self, bytes: &[u8], out: &mut Vec<Msg>) {
@@ -64,48 +73,59 @@ impl Splitter {
         };
         if self.holed && starts_message {
             self.holed = false;
-            let held = std::mem::take(&mut self.buf);
-            out.push(salvaged(trim(&held)));
+            out.push(salvaged(trim(&self.buf)));
+            self.clear();
         }
         self.buf.extend_from_slice(bytes);
+        // Messages read from the front of `buf`; their bytes are dropped once, at the end.
+        let mut start = 0;
         match self.kind {
-            Kind::Json => {
-                if self.buf.len() > MAX_MESSAGE {
-                    self.buf.clear();
-                    out.push(Msg::Unparsed);
-                }
-            }
+            Kind::Json => {}
             Kind::Ndjson => {
-                while let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
-                    let line: Vec<u8> = self.buf.drain(..=i).collect();
-                    let line = trim(&line);
+                while let Some(i) = memchr(b'\n', &self.buf[self.scanned.max(start)..]) {
+                    let end = self.scanned.max(start) + i;
+                    let line = trim(&self.buf[start..end]);
                     if std::mem::take(&mut self.holed) {
                         out.push(salvaged(line));
                     } else if !line.is_empty() {
                         out.push(serde_json::from_slice(line).map(Msg::Json).unwrap_or(Msg::Unparsed));
                     }
+                    start = end + 1;
                 }
             }
             Kind::Sse => {
-                while let Some((end, sep)) = find_event_end(&self.buf) {
-                    let event: Vec<u8> = self.buf.drain(..end + sep).collect();
+                // A separator may straddle two pushes: look back over its first 3 bytes.
+                while let Some((end, sep)) = find_event_end(&self.buf, self.scanned.saturating_sub(3).max(start)) {
+                    let event = &self.buf[start..end];
                     if std::mem::take(&mut self.holed) {
-                        out.push(salvaged(&event[..end]));
+                        out.push(salvaged(event));
                     } else {
-                        sse_event(&event[..end], out);
+                        sse_event(event, out);
                     }
+                    start = end + sep;
                 }
             }
         }
+        self.buf.drain(..start);
+        self.scanned = self.buf.len();
         if self.buf.len() > MAX_MESSAGE {
-            self.buf.clear();
+            self.clear();
             out.push(Msg::Unparsed);
+        } else if self.buf.capacity() > 64 << 10 && self.buf.capacity() > 4 * self.buf.len() {
+            // A long message was read: give its memory back.
+            self.buf.shrink_to(2 * self.buf.len());
         }
+    }
+
+    fn clear(&mut self) {
+        self.buf = Vec::new();
+        self.scanned = 0;
     }
 
     /// The body ended: whatever is buffered is the last message.
     pub fn finish(&mut self, out: &mut Vec<Msg>) {
         let rest = std::mem::take(&mut self.buf);
+        self.scanned = 0;
         let rest = trim(&rest);
         if std::mem::take(&mut self.holed) {
             out.push(salvaged(rest));
@@ -229,17 +249,26 @@ fn trim(b: &[u8]) -> &[u8] {
     &b[s..e]
 }
 
-/// End of the first SSE event (a blank line) and the separator's length.
-fn find_event_end(b: &[u8]) -> Option<(usize, usize)> {
-    (0..b.len()).find_map(|i| {
-        if b[i..].starts_with(b"\r\n\r\n") {
-            Some((i, 4))
-        } else if b[i..].starts_with(b"\n\n") {
-            Some((i, 2))
-        } else {
-            None
+/// Position of the first `c` in `b`.
+fn memchr(c: u8, b: &[u8]) -> Option<usize> {
+    b.iter().position(|&x| x == c)
+}
+
+/// End of the first SSE event (a blank line) at or after `from`, and the separator's length.
+fn find_event_end(b: &[u8], from: usize) -> Option<(usize, usize)> {
+    let mut i = from;
+    while let Some(n) = memchr(b'\n', &b[i.min(b.len())..]) {
+        let nl = i + n;
+        // The blank line is "\n\n" or "\r\n\r\n" (the event ends before its first byte).
+        if b.get(nl + 1) == Some(&b'\n') {
+            return Some(if nl >= 1 && b[nl - 1] == b'\r' { (nl - 1, 3) } else { (nl, 2) });
         }
-    })
+        if b.get(nl + 1) == Some(&b'\r') && b.get(nl + 2) == Some(&b'\n') {
+            return Some(if nl >= 1 && b[nl - 1] == b'\r' { (nl - 1, 4) } else { (nl, 3) });
+        }
+        i = nl + 1;
+    }
+    None
 }
 
 fn sse_event(event: &[u8], out: &mut Vec<Msg>) {
@@ -465,6 +494,50 @@ mod salvage_tests {
         assert_eq!(stop.finish_reason.as_deref(), Some("length"));
         assert_eq!(stop.usage.unwrap()["completion_tokens"], 400);
         assert_eq!(salvage(b"just some text \"x\": 1"), None);
+    }
+
+    /// Any split of the same bytes gives the same messages; a message split into many small
+    /// pushes, or many messages in one push, cost linear time.
+    #[test]
+    fn splitting_is_linear_and_split_independent() {
+        let wire = b"data: {\"a\":1}\r\n\r\nevent: x\ndata: {\"b\":2}\n\ndata: [DONE]\n\r\n: c\n\n";
+        let whole = {
+            let mut s = Splitter::new(Kind::Sse);
+            let mut out = Vec::new();
+            s.push(wire, &mut out);
+            s.finish(&mut out);
+            out
+        };
+        assert_eq!(whole.len(), 3, "{whole:?}");
+        for cut in 0..wire.len() {
+            for cut2 in cut..wire.len() {
+                let mut s = Splitter::new(Kind::Sse);
+                let mut out = Vec::new();
+                for part in [&wire[..cut], &wire[cut..cut2], &wire[cut2..]] {
+                    s.push(part, &mut out);
+                }
+                s.finish(&mut out);
+                assert_eq!(out, whole, "cuts {cut} {cut2}");
+            }
+        }
+        let t = std::time::Instant::now();
+        // One message of almost MAX_MESSAGE bytes, 16 bytes a push.
+        let mut s = Splitter::new(Kind::Sse);
+        let mut out = Vec::new();
+        s.push(b"data: {\"content\":\"", &mut out);
+        for _ in 0..(MAX_MESSAGE - 64) / 16 {
+            s.push(b"abcdefghijklmnop", &mut out);
+        }
+        s.push(b"\"}\n\n", &mut out);
+        assert!(matches!(&out[..], [Msg::Json(_)]), "{}", out.len());
+        // 200 000 NDJSON lines in one push.
+        let mut s = Splitter::new(Kind::Ndjson);
+        let lines = b"{\"response\":\"x\",\"done\":false}\n".repeat(200_000);
+        let mut out = Vec::new();
+        s.push(&lines, &mut out);
+        assert_eq!(out.len(), 200_000);
+        assert!(s.held() < 1 << 20, "a read message's bytes are kept: {}", s.held());
+        assert!(t.elapsed() < std::time::Duration::from_secs(2), "splitting took {:?}", t.elapsed());
     }
 
     #[test]
