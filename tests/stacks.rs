@@ -24,7 +24,7 @@ fn workload() -> &'static Path {
     BIN.get_or_init(|| {
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("stacks-workload");
         let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/stacks/stacks.c");
-        let st = Command::new("cc").args(["-O2", "-fomit-frame-pointer", "-o"]).arg(&out).arg(&src).status().expect("cc");
+        let st = Command::new("cc").args(["-O2", "-fomit-frame-pointer", "-pthread", "-o"]).arg(&out).arg(&src).status().expect("cc");
         assert!(st.success(), "cannot compile {}", src.display());
         out
     })
@@ -94,4 +94,22 @@ fn major_faults_are_charged_to_the_touching_function() {
     let f = folded(&rec, "faults");
     let n: u64 = f.iter().filter(|(s, _)| s.ends_with("main;touch_cold") || s.contains(";touch_cold;")).map(|(_, n)| n).sum();
     assert_eq!(n, 40, "{f:?}");
+}
+
+/// 100 000 short-lived threads: each thread's last switch (as it exits) must not leave an entry
+/// in the kernel's off-CPU map (it would fill up, and later waits would go unmeasured).
+#[test]
+fn thread_churn_leaves_off_cpu_waits_measured() {
+    let (done, rec) = traced("churn", &["churn", "100000"]);
+    let slept_ns: f64 = done.split("slept_ns=").nth(1).unwrap().parse().unwrap();
+    let report = common::read_report(&rec);
+    assert_eq!(report["counters"]["map_full"], 0, "a kernel map filled up: {}", report["counters"]);
+    let f = folded(&rec, "offcpu");
+    let slept: u64 = f.iter().filter(|(s, _)| s.contains(";churn_sleep;")).map(|(_, n)| n).sum();
+    let slept_us = slept as f64;
+    assert!(
+        (slept_us * 1e3 - slept_ns).abs() <= slept_ns * 0.10,
+        "probe: {slept_us:.0} us blocked under churn_sleep after the churn, the workload slept {:.0} us",
+        slept_ns / 1e3
+    );
 }

@@ -5,7 +5,7 @@
 use aya_ebpf::{
     EbpfContext,
     macros::{map, raw_tracepoint, tracepoint},
-    maps::HashMap,
+    maps::LruHashMap,
     programs::{RawTracePointContext, TracePointContext},
 };
 use probe_common::{
@@ -13,15 +13,15 @@ use probe_common::{
     tracepoints::{block_io_start as st, block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
 };
 
-use crate::{current_target, emit, field, header, insert, now_ns};
+use crate::{current_target, emit, field, header, insert_lru, now_ns};
 
 /// Requests of the target that entered the IO scheduler and are not yet issued.
 #[map(name = "BLOCK_QUEUED")]
-static BLOCK_QUEUED: HashMap<BlockKey, BlockStart> = HashMap::with_max_entries(16384, 0);
+static BLOCK_QUEUED: LruHashMap<BlockKey, BlockStart> = LruHashMap::with_max_entries(16384, 0);
 
 /// Requests of the target that were issued and are not yet complete.
 #[map(name = "BLOCK_INFLIGHT")]
-static BLOCK_INFLIGHT: HashMap<BlockKey, BlockStart> = HashMap::with_max_entries(16384, 0);
+static BLOCK_INFLIGHT: LruHashMap<BlockKey, BlockStart> = LruHashMap::with_max_entries(16384, 0);
 
 #[inline(always)]
 fn key(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<BlockKey, i64> {
@@ -58,7 +58,7 @@ fn queued(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<
         return Ok(());
     }
     let start = BlockStart { pid, tid, cpu: crate::cpu(), bytes: 0, insert_ns: now_ns(), issue_ns: 0, rwbs: [0; 8] };
-    insert(&BLOCK_QUEUED, &k, &start);
+    insert_lru(&BLOCK_QUEUED, &k, &start);
     // The code path that made this IO (the target's own context).
     crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true);
     Ok(())
@@ -165,7 +165,7 @@ fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8]) {
     start.bytes = bytes;
     start.rwbs = rwbs;
     start.issue_ns = now_ns();
-    insert(&BLOCK_INFLIGHT, &k, &start);
+    insert_lru(&BLOCK_INFLIGHT, &k, &start);
 }
 
 /// block:block_rq_complete (dev @8, sector @16, error @28): usually in interrupt context.

@@ -17,7 +17,7 @@ mod task;
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns},
     macros::map,
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
 use probe_common::{Counter, EventHeader, MAX_KINDS, MAX_TARGETS, Record, WAKEUP_BACKLOG_BYTES};
@@ -116,6 +116,16 @@ fn field<T>(ctx: &TracePointContext, offset: usize) -> Result<T, i64> {
 /// Insert into a hash map, counting a full map.
 #[inline(always)]
 fn insert<K, V>(map: &HashMap<K, V>, k: &K, v: &V) {
+    if map.insert(k, v, 0).is_err() {
+        count(Counter::MapFull);
+    }
+}
+
+/// Insert into an LRU hash map: a full map forgets its least recently used entry (entries that
+/// wait for an event that may never come: a syscall's exit in a killed thread, a lost block
+/// completion); a failed insert is counted.
+#[inline(always)]
+fn insert_lru<K, V>(map: &LruHashMap<K, V>, k: &K, v: &V) {
     if map.insert(k, v, 0).is_err() {
         count(Counter::MapFull);
     }

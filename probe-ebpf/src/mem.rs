@@ -3,7 +3,7 @@
 //! CPU, so off-CPU stacks do not see it), and OOM kills of a target process.
 use aya_ebpf::{
     macros::{map, tracepoint},
-    maps::HashMap,
+    maps::LruHashMap,
     programs::TracePointContext,
 };
 use probe_common::{
@@ -11,16 +11,16 @@ use probe_common::{
     tracepoints::{mark_victim as ov, mm_compaction_end as ce, mm_vmscan_direct_reclaim_end as dre, mm_vmscan_memcg_reclaim_end as mre},
 };
 
-use crate::{TARGETS, current_target, emit, field, header, insert, now_ns};
+use crate::{TARGETS, current_target, emit, field, header, insert_lru, now_ns};
 
 /// Begin time of a reclaim or compaction in progress, by (tid << 8 | what).
 #[map(name = "MEM_SINCE")]
-static MEM_SINCE: HashMap<u64, u64> = HashMap::with_max_entries(16384, 0);
+static MEM_SINCE: LruHashMap<u64, u64> = LruHashMap::with_max_entries(16384, 0);
 
 #[inline(always)]
 fn begin(what: u32) {
     if let Some((_, tid)) = current_target() {
-        insert(&MEM_SINCE, &(((tid as u64) << 8) | what as u64), &now_ns());
+        insert_lru(&MEM_SINCE, &(((tid as u64) << 8) | what as u64), &now_ns());
     }
 }
 

@@ -3,7 +3,7 @@
 //! The file behind a mapping is resolved in userspace from /proc/PID/maps right after.
 use aya_ebpf::{
     macros::{map, tracepoint},
-    maps::HashMap,
+    maps::LruHashMap,
     programs::TracePointContext,
 };
 use probe_common::{
@@ -12,11 +12,11 @@ use probe_common::{
     tracepoints::{SYSCALL_ARG0, SYSCALL_RET},
 };
 
-use crate::{current_target, emit, field, header, insert, now_ns, task::file_of_fd};
+use crate::{current_target, emit, field, header, insert_lru, now_ns, task::file_of_fd};
 
 /// Arguments of a syscall in progress, by tid.
 #[map(name = "MMAP_ARGS")]
-static MMAP_ARGS: HashMap<u32, MmapArgs> = HashMap::with_max_entries(4096, 0);
+static MMAP_ARGS: LruHashMap<u32, MmapArgs> = LruHashMap::with_max_entries(4096, 0);
 
 #[inline(always)]
 fn enter(ctx: &TracePointContext, op: MmapOp, nargs: usize) -> Result<(), i64> {
@@ -52,7 +52,7 @@ fn enter(ctx: &TracePointContext, op: MmapOp, nargs: usize) -> Result<(), i64> {
             args.dev = dev;
         }
     }
-    insert(&MMAP_ARGS, &tid, &args);
+    insert_lru(&MMAP_ARGS, &tid, &args);
     Ok(())
 }
 

@@ -6,7 +6,7 @@ use aya_ebpf::{
     bindings::pt_regs,
     helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
     macros::{map, perf_event, tracepoint},
-    maps::{Array, HashMap},
+    maps::{Array, LruHashMap},
     programs::{PerfEventContext, TracePointContext},
 };
 use probe_common::{
@@ -15,7 +15,7 @@ use probe_common::{
     tracepoints::sched_switch as sw,
 };
 
-use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert, now_ns, ringbuf_flags};
+use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert_lru, now_ns, ringbuf_flags};
 
 const HDR: usize = core::mem::size_of::<StackEvent>();
 
@@ -27,7 +27,7 @@ static STACK_SCRATCH: Array<[u8; HDR + USTACK_MASK as usize + 1]> = Array::with_
 
 /// Target threads off the CPU since this time (ns), by tid.
 #[map(name = "OFFCPU_SINCE")]
-static OFFCPU_SINCE: HashMap<u32, u64> = HashMap::with_max_entries(16384, 0);
+static OFFCPU_SINCE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
 
 #[inline(always)]
 fn read_kernel<T>(p: *const T) -> T {
@@ -94,6 +94,10 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
     }
 }
 
+/// `prev_state` bits of a thread that is exiting (include/linux/sched.h).
+const EXIT_DEAD: i64 = 0x10;
+const EXIT_ZOMBIE: i64 = 0x20;
+
 /// perf software event CPU_CLOCK at 99 Hz, opened per thread of the target with inherit.
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
@@ -114,8 +118,12 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
     let now = now_ns();
     if let Some((pid, tid)) = current_target() {
         let state: i64 = field(ctx, sw::PREV_STATE)?;
-        if state & 0xff != 0 {
-            insert(&OFFCPU_SINCE, &tid, &now);
+        // A thread's last switch, as it exits, reports EXIT_DEAD or EXIT_ZOMBIE: it never runs
+        // again, so nothing would take its entry out (thread churn would fill the map).
+        if state & (EXIT_DEAD | EXIT_ZOMBIE) != 0 {
+            let _ = OFFCPU_SINCE.remove(&tid);
+        } else if state & 0xff != 0 {
+            insert_lru(&OFFCPU_SINCE, &tid, &now);
             capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false);
         }
     }

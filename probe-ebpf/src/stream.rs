@@ -4,7 +4,7 @@
 use aya_ebpf::{
     helpers::{bpf_probe_read_user, generated::bpf_probe_read_user as probe_read_user_raw},
     macros::{map, tracepoint},
-    maps::{HashMap, PerCpuArray},
+    maps::{LruHashMap, PerCpuArray},
     programs::TracePointContext,
 };
 use probe_common::{
@@ -15,7 +15,7 @@ use probe_common::{
 };
 
 use crate::{
-    EVENTS, LOST, add, current_target, field, header, insert, now_ns, ringbuf_flags,
+    EVENTS, LOST, add, current_target, field, header, insert_lru, now_ns, ringbuf_flags,
     sock::is_owned,
     task::{offsets, read, sock_of_fd},
 };
@@ -23,7 +23,7 @@ use crate::{
 const HDR: usize = core::mem::size_of::<DataEvent>();
 
 #[map(name = "DATA_ARGS")]
-static DATA_ARGS: HashMap<u32, DataArgs> = HashMap::with_max_entries(8192, 0);
+static DATA_ARGS: LruHashMap<u32, DataArgs> = LruHashMap::with_max_entries(8192, 0);
 
 /// Per-CPU record under construction: the fixed part, then up to DATA_CAP + 1 payload bytes.
 #[map(name = "DATA_SCRATCH")]
@@ -39,7 +39,7 @@ fn enter(ctx: &TracePointContext, sc: Syscall, flags_arg: Option<usize>) -> Resu
         None => 0,
     };
     let args = DataArgs { buf, enter_ns: now_ns(), fd: fd as i32, flags: flags as u32, syscall: sc as u8, _pad: [0; 7] };
-    insert(&DATA_ARGS, &tid, &args);
+    insert_lru(&DATA_ARGS, &tid, &args);
     Ok(())
 }
 

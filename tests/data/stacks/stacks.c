@@ -1,13 +1,14 @@
 /* Workloads with known call chains for probe's stack tests. Built by the tests with
  * `cc -O2 -fomit-frame-pointer`: no frame pointers, like real servers, so only .eh_frame
  * unwinding gives full stacks. Each mode prints "ready PID", waits for a line on stdin, works,
- * prints "done ...".
+ * prints "done ...". Modes: spin SECS, read-cold FILE MIB, touch-cold FILE PAGES, churn THREADS.
  *   stacks spin SECONDS          outer -> middle -> inner, spinning in inner
  *   stacks read-cold FILE MB     read_cold(): O_DIRECT reads of a file evicted from the cache
  *   stacks touch-cold FILE PAGES touch_cold(): touches PAGES pages of a cold file mapped MADV_RANDOM
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,6 +101,23 @@ __attribute__((noinline)) uint64_t touch_cold(const char *path, size_t pages) {
     return s;
 }
 
+/* A thread that blocks once (off the CPU), then exits. */
+static void *short_life(void *arg) {
+    struct timespec ts = {0, 100000};
+    nanosleep(&ts, NULL);
+    return arg;
+}
+
+/* Blocks n times for 100 ms; returns the wall time it slept. */
+__attribute__((noinline)) uint64_t churn_sleep(int n) {
+    uint64_t t0 = now_ns();
+    for (int i = 0; i < n; i++) {
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    return now_ns() - t0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) { fprintf(stderr, "usage: see the comment at the top\n"); return 2; }
     if (!strcmp(argv[1], "spin")) {
@@ -118,6 +136,19 @@ int main(int argc, char **argv) {
         wait_go();
         touch_cold(argv[2], pages);
         printf("done pages=%zu\n", pages);
+    } else if (!strcmp(argv[1], "churn")) {
+        /* Many short-lived threads, 64 at a time; then the main thread blocks. */
+        int n = atoi(argv[2]);
+        wait_go();
+        for (int i = 0; i < n; i += 64) {
+            pthread_t t[64];
+            int k = n - i < 64 ? n - i : 64;
+            for (int j = 0; j < k; j++)
+                if (pthread_create(&t[j], NULL, short_life, NULL)) { perror("pthread_create"); exit(2); }
+            for (int j = 0; j < k; j++) pthread_join(t[j], NULL);
+        }
+        uint64_t slept = churn_sleep(5);
+        printf("done threads=%d slept_ns=%llu\n", n, (unsigned long long)slept);
     } else {
         return 2;
     }
