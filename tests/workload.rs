@@ -9,6 +9,9 @@
 //!   probe-workload sse-server PORT          serve one streamed chat request on 127.0.0.1:PORT, as a
 //!                                            hostile server would: escape sequences in its process
 //!                                            name and in the JSON it sends
+//!   probe-workload sink-server PORT         accept every connection on 127.0.0.1:PORT and read what
+//!                                            it sends, 4000 bytes a call, never answering (runs until
+//!                                            killed; `done` is never printed)
 //!   probe-workload hog CGROUP                join the memory cgroup (v1 dir), then allocate and touch
 //!                                            1 MiB at a time until the OOM killer ends it
 use std::{
@@ -212,6 +215,71 @@ fn sse_server(port: &str) {
     println!("done served {} request bytes", req.len());
 }
 
+/// Raise the open-files limit to the hard limit (thousands of connections).
+pub fn raise_nofile() {
+    // SAFETY: getrlimit/setrlimit with a valid, owned struct.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+fn sink_server(port: &str) {
+    use std::{collections::HashMap, os::fd::AsRawFd as _};
+    raise_nofile();
+    let l = std::net::TcpListener::bind(format!("127.0.0.1:{port}")).unwrap_or_else(|e| die(format!("bind {port}: {e}")));
+    l.set_nonblocking(true).unwrap_or_else(|e| die(format!("nonblocking: {e}")));
+    // SAFETY: epoll_create1 has no preconditions.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        die(format!("epoll_create1: {}", std::io::Error::last_os_error()));
+    }
+    let add = |fd: i32| {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
+        // SAFETY: a live epoll fd, a live socket fd and a valid event.
+        unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) };
+    };
+    add(l.as_raw_fd());
+    wait_for_go();
+    let mut conns: HashMap<i32, TcpStream> = HashMap::new();
+    let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+    let mut buf = [0u8; 4000];
+    loop {
+        // SAFETY: `events` holds 256 entries.
+        let n = unsafe { libc::epoll_wait(ep, events.as_mut_ptr(), events.len() as i32, 1000) };
+        for ev in events.iter().take(n.max(0) as usize) {
+            let fd = ev.u64 as i32;
+            if fd == l.as_raw_fd() {
+                while let Ok((s, _)) = l.accept() {
+                    s.set_nonblocking(true).ok();
+                    add(s.as_raw_fd());
+                    conns.insert(s.as_raw_fd(), s);
+                }
+                continue;
+            }
+            let Some(s) = conns.get_mut(&fd) else { continue };
+            // A few reads per wakeup: every connection gets its turn.
+            for _ in 0..4 {
+                match s.read(&mut buf) {
+                    Ok(0) => {
+                        conns.remove(&fd);
+                        break;
+                    }
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        conns.remove(&fd);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     let arg = |i: usize| a.get(i).cloned().unwrap_or_else(|| die(format!("missing argument {i}; see the file's doc comment")));
@@ -223,6 +291,7 @@ fn main() {
         "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
         "hog" => hog(&arg(2)),
         "sse-server" => sse_server(&arg(2)),
+        "sink-server" => sink_server(&arg(2)),
         other => die(format!("unknown workload {other}")),
     }
 }

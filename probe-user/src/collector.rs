@@ -282,7 +282,7 @@ fn stats_json(lost: &[u64], counters: &[u64], st: &State, skipped: &std::collect
     let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
     let u = &st.unwinders;
     let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos, "load_ns": u.load_nanos});
-    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped})
+    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped, "streams": st.streams.limits()})
 }
 
 async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate::output::OutDir) -> anyhow::Result<TraceOutcome> {

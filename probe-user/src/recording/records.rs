@@ -112,6 +112,9 @@ pub struct Stats {
     /// Program runs the kernel skipped, per program.
     pub skipped_runs: BTreeMap<String, u64>,
     pub unwind: UnwindCounters,
+    /// What the request-stream tracker gave up to stay bounded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub streams: Option<crate::stream::Limits>,
 }
 
 impl Stats {

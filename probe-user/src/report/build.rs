@@ -244,6 +244,7 @@ impl Builder {
                 r.lost_events = s.lost.clone();
                 r.counters = s.counters.clone();
                 r.skipped_runs = s.skipped_runs.clone();
+                r.stream_limits = s.streams.clone();
                 self.stats.push(s);
             }
             UserRecord::End(e) => {
@@ -565,6 +566,16 @@ impl Builder {
         if lost > 0 {
             r.problems
                 .push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
+        }
+        if let Some(l) = r.stream_limits.as_ref().filter(|l| l.conns_evicted > 0) {
+            r.problems.push(format!(
+                "probe stopped following {} connections to stay bounded (more than {} at once, over {} MiB of buffered bytes, or over {} pipelined requests); {} requests in flight on them are marked evicted",
+                l.conns_evicted,
+                crate::stream::MAX_CONNS,
+                crate::stream::MAX_HELD >> 20,
+                crate::stream::MAX_PENDING,
+                l.requests_evicted
+            ));
         }
         let skipped: u64 = r.skipped_runs.values().sum();
         if skipped > 0 {

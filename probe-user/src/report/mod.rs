@@ -55,6 +55,9 @@ pub struct Report {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub skipped_runs: BTreeMap<String, u64>,
     pub counters: BTreeMap<String, u64>,
+    /// What the request-stream tracker gave up to stay bounded (connections dropped, peaks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_limits: Option<crate::stream::Limits>,
     pub probes: Value,
     pub problems: Vec<String>,
 }

@@ -42,12 +42,14 @@ const IDLE_NS: u64 = 600_000_000_000;
 /// and reported as data quality.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Limits {
-    /// Connections dropped while in use (table full, memory budget, too many pipelined requests).
+    /// Connections dropped while a request or bytes of one were held (table full, memory budget,
+    /// too many pipelined requests).
     pub conns_evicted: u64,
     /// Requests in flight on those connections (written with `evicted: true`).
     pub requests_evicted: u64,
-    /// Idle connections forgotten (nothing lost: no request was in flight).
-    pub conns_idle_dropped: u64,
+    /// Connections forgotten with nothing in flight (idle, or past bytes that were not HTTP):
+    /// nothing was lost.
+    pub conns_forgotten: u64,
     /// The most connections followed at once, and the most bytes held for them.
     pub conns_peak: u64,
     pub held_peak: u64,
@@ -341,7 +343,7 @@ impl Tracker {
             self.conns.iter().filter(|(_, c)| c.pending.is_empty() && now.saturating_sub(c.last_ts) > IDLE_NS).map(|(sk, _)| *sk).collect();
         for sk in idle {
             self.remove(sk);
-            self.limits.conns_idle_dropped += 1;
+            self.limits.conns_forgotten += 1;
         }
     }
 
@@ -362,6 +364,10 @@ impl Tracker {
     /// marked `evicted`.
     fn evict(&mut self, sk: u64) {
         let Some(mut conn) = self.remove(sk) else { return };
+        if conn.pending.is_empty() && conn.held == 0 {
+            self.limits.conns_forgotten += 1;
+            return;
+        }
         self.limits.conns_evicted += 1;
         let closer = conn.closer.unwrap_or("open");
         while let Some(mut p) = conn.pending.pop_front() {
@@ -1030,7 +1036,7 @@ mod tests {
         feed(&mut t, 3, DIR_RECV, IDLE_NS + 10, b"GET / HTTP/1.1\r\n");
         // The idle keep-alive connection went; the one with a request in flight stays.
         assert_eq!(t.usage().0, 2);
-        assert_eq!(t.limits().conns_idle_dropped, 1);
+        assert_eq!(t.limits().conns_forgotten, 1);
         assert_eq!(t.in_flight(), 1);
     }
 }
