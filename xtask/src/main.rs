@@ -11,6 +11,8 @@ use std::{
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
+mod soak;
+
 #[derive(Parser)]
 struct Cli {
     #[command(subcommand)]
@@ -33,6 +35,14 @@ enum Cmd {
     Demo,
     /// Measure: start-to-armed time (median of 10) and the drained event rate at a high event rate.
     Bench,
+    /// A real llama-server under concurrent streaming clients for minutes, every probe on: probe's
+    /// peak memory and its slope, events lost, recording size per minute, probe's CPU.
+    Soak {
+        #[arg(long, default_value_t = 10.0)]
+        minutes: f64,
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+    },
 }
 
 fn root() -> PathBuf {
@@ -525,5 +535,6 @@ fn main() -> anyhow::Result<()> {
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
         Cmd::Bench => bench(),
+        Cmd::Soak { minutes, clients } => soak::soak(minutes, clients),
     }
 }
