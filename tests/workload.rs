@@ -6,6 +6,10 @@
 //!   probe-workload tcp ADDR close|wait-reset connect; close first, or wait for the peer's RST
 //!   probe-workload fork-mmap N LEN           a forked child does N mmap+munmap of LEN bytes
 //!   probe-workload mmap-loop SECONDS         mmap+munmap in a tight loop (event-rate benchmark)
+//!   probe-workload mmap-threads N RATE SECS  N threads doing mmap+munmap at RATE syscalls/s in all
+//!                                            (0: flat out) for SECS (ring buffer stress)
+//!   probe-workload tcp-threads N SECS        N threads each sending 4000 bytes over their own loopback
+//!                                            connection and reading them back (4 KiB stream records)
 //!   probe-workload sse-server PORT          serve one streamed chat request on 127.0.0.1:PORT, as a
 //!                                            hostile server would: escape sequences in its process
 //!                                            name and in the JSON it sends
@@ -156,6 +160,72 @@ fn mmap_loop(secs: f64) {
     println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
 }
 
+/// `threads` threads doing mmap+munmap (2 syscalls) at `rate` syscalls per second in all (0: as
+/// fast as they can) for `secs`.
+fn mmap_threads(threads: usize, rate: f64, secs: f64) {
+    wait_for_go();
+    let start = Instant::now();
+    let per_thread = rate / 2.0 / threads.max(1) as f64;
+    let workers: Vec<_> = (0..threads.max(1))
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while start.elapsed() < Duration::from_secs_f64(secs) {
+                    for _ in 0..100 {
+                        map_unmap(PAGE);
+                    }
+                    n += 100;
+                    // Paced: ahead of the rate, sleep until on schedule.
+                    if per_thread > 0.0 {
+                        let due = Duration::from_secs_f64(n as f64 / per_thread);
+                        if let Some(ahead) = due.checked_sub(start.elapsed()) {
+                            std::thread::sleep(ahead);
+                        }
+                    }
+                }
+                n
+            })
+        })
+        .collect();
+    let n: u64 = workers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
+    println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
+}
+
+/// `threads` threads, each with its own loopback connection inside this process, sending 4000
+/// bytes and reading them back as fast as they can for `secs` (4 KiB stream records).
+fn tcp_threads(threads: usize, secs: f64) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| die(format!("bind: {e}")));
+    let addr = l.local_addr().unwrap_or_else(|e| die(format!("addr: {e}")));
+    wait_for_go();
+    // Connected after the tracer attached, as a server's clients are.
+    let pairs: Vec<(TcpStream, TcpStream)> = (0..threads.max(1))
+        .map(|_| {
+            let c = TcpStream::connect(addr).unwrap_or_else(|e| die(format!("connect: {e}")));
+            let (s, _) = l.accept().unwrap_or_else(|e| die(format!("accept: {e}")));
+            (c, s)
+        })
+        .collect();
+    let start = Instant::now();
+    let workers: Vec<_> = pairs
+        .into_iter()
+        .map(|(mut c, mut s)| {
+            std::thread::spawn(move || {
+                let (out, mut back) = ([b'x'; 4000], [0u8; 4000]);
+                let mut n = 0u64;
+                while start.elapsed() < Duration::from_secs_f64(secs) {
+                    if c.write_all(&out).is_err() || s.read_exact(&mut back).is_err() {
+                        break;
+                    }
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let n: u64 = workers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
+    println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
+}
+
 fn hog(cgroup: &str) {
     std::fs::write(format!("{cgroup}/cgroup.procs"), std::process::id().to_string())
         .unwrap_or_else(|e| die(format!("cannot join {cgroup}: {e}")));
@@ -289,6 +359,8 @@ fn main() {
         "tcp" => tcp(&arg(2), &arg(3)),
         "fork-mmap" => fork_mmap(num(2), num(3)),
         "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
+        "tcp-threads" => tcp_threads(num(2), arg(3).parse().unwrap_or(1.0)),
+        "mmap-threads" => mmap_threads(num(2), arg(3).parse().unwrap_or(0.0), arg(4).parse().unwrap_or(1.0)),
         "hog" => hog(&arg(2)),
         "sse-server" => sse_server(&arg(2)),
         "sink-server" => sink_server(&arg(2)),

@@ -43,6 +43,8 @@ enum Cmd {
         #[arg(long, default_value_t = 8)]
         clients: usize,
     },
+    /// Several producer threads against probe's ring buffer: drained events/s, where loss starts.
+    Stress,
 }
 
 fn root() -> PathBuf {
@@ -536,5 +538,6 @@ fn main() -> anyhow::Result<()> {
         Cmd::Demo => demo(),
         Cmd::Bench => bench(),
         Cmd::Soak { minutes, clients } => soak::soak(minutes, clients),
+        Cmd::Stress => soak::stress(),
     }
 }

@@ -159,3 +159,74 @@ pub fn soak(minutes: f64, clients: usize) -> anyhow::Result<()> {
     let _ = srv.wait();
     result
 }
+
+/// `cargo xtask stress`: several producer threads (the target's own) against probe's one ring
+/// buffer: what probe drains with no loss, and where losses start.
+pub fn stress() -> anyhow::Result<()> {
+    use std::io::Write as _;
+    require_root()?;
+    build()?;
+    let dir = root().join("target/stress");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let secs = 3.0;
+    // (syscalls/s the target made, events/s probe drained, events lost).
+    let run = |args: &[&str], probes: &str, ring_mb: u32| -> anyhow::Result<(f64, f64, u64)> {
+        let (mut w, pid, lines) = crate::start_workload(args)?;
+        let rec = dir.join(format!("{}-{ring_mb}", args.join("-")));
+        let mut probe = Command::new(bin("probe"))
+            .args(["trace", "--pid", &pid.to_string(), "--probes", probes, "--ring-mb", &ring_mb.to_string(), "--no-poll", "--out"])
+            .arg(&rec)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+        writeln!(w.stdin.take().context("stdin")?, "go")?;
+        let done = lines.iter().find(|l| l.starts_with("done")).unwrap_or_default();
+        w.wait()?;
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut probe.stderr.take().context("stderr")?, &mut err)?;
+        probe.wait()?;
+        // Records received, stream bytes included (they are parsed, not stored): "stopped: ...; N events".
+        let received = err
+            .lines()
+            .find_map(|l| l.strip_prefix("probe: stopped: "))
+            .and_then(|l| l.split("; ").nth(1)?.split(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        let kv = |k: &str| done.split_whitespace().find_map(|x| x.strip_prefix(k)).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        let ran = kv("secs=").max(1e-9);
+        let report: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
+        let lost = report["lost_events"].as_object().map_or(0, |o| o.values().filter_map(|v| v.as_u64()).sum());
+        let _ = std::fs::remove_dir_all(&rec);
+        Ok((kv("calls=") / ran, received / ran, lost))
+    };
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    println!("ring buffer stress: the target's own threads are the producers, probe drains one ring; {secs} s per run, {cores} cores");
+    let pct = |lost: u64, drained: f64| lost as f64 * 100.0 / (drained * secs + lost as f64).max(1.0);
+    println!("  small records (mmap probe, ~100 bytes a record), 16 MiB ring:");
+    for threads in [1, cores, 2 * cores, 4 * cores] {
+        let (calls, drained, lost) = run(&["mmap-threads", &threads.to_string(), "0", &secs.to_string()], "mmap", 16)?;
+        println!(
+            "    {threads:>2} threads: {calls:>9.0} syscalls/s, drained {drained:>9.0} events/s, lost {lost} ({:.2}%)",
+            pct(lost, drained)
+        );
+    }
+    println!("  4 KiB records (stream probe: loopback send + recv of 4000 bytes):");
+    let mut first_loss = None;
+    for (threads, ring) in [(1, 16), (cores, 16), (2 * cores, 16), (2 * cores, 4), (2 * cores, 1)] {
+        let (calls, drained, lost) = run(&["tcp-threads", &threads.to_string(), &secs.to_string()], "stream,sock", ring)?;
+        println!(
+            "    {threads:>2} threads, {ring:>2} MiB ring: {calls:>8.0} syscalls/s, drained {drained:>8.0} events/s ({:.0} MiB/s), lost {lost} ({:.2}%)",
+            drained * 4096.0 / (1 << 20) as f64,
+            pct(lost, drained)
+        );
+        if lost > 0 && first_loss.is_none() {
+            first_loss = Some((threads, ring, calls));
+        }
+    }
+    match first_loss {
+        Some((t, r, at)) => println!("  first loss: {t} threads, {r} MiB ring, at {at:.0} records/s"),
+        None => println!("  no loss in any run: the producers' own limit came first"),
+    }
+    Ok(())
+}
