@@ -106,7 +106,7 @@ pub fn soak(minutes: f64, clients: usize) -> anyhow::Result<()> {
             let size = std::fs::metadata(rec.join("events.bin")).map(|m| m.len()).unwrap_or(0);
             let t = start.elapsed().as_secs_f64() / 60.0;
             samples.push((t, status_kib(pid, "VmRSS:") as f64 / 1024.0, size as f64 / (1 << 20) as f64));
-            if samples.len() % 12 == 0 {
+            if samples.len().is_multiple_of(12) {
                 let (_, rss, size) = samples[samples.len() - 1];
                 println!(
                     "  {t:>5.1} min: probe RSS {rss:.1} MiB, recording {size:.1} MiB, {} requests served",
