@@ -8,7 +8,7 @@
 //! to its `struct sock`), or when its local port is one the target listens on (accepted sockets).
 use aya_ebpf::{
     macros::{map, raw_tracepoint, tracepoint},
-    maps::HashMap,
+    maps::{HashMap, LruHashMap},
     programs::{RawTracePointContext, TracePointContext},
 };
 use probe_common::{
@@ -20,12 +20,12 @@ use probe_common::{
 };
 
 use crate::{
-    current_target, emit, field, header, insert,
+    current_target, emit, field, header, insert, insert_lru,
     task::{offsets, read, sock_of_fd},
 };
 
 #[map(name = "OWNED_SOCKS")]
-static OWNED_SOCKS: HashMap<u64, u8> = HashMap::with_max_entries(65536, 0);
+static OWNED_SOCKS: LruHashMap<u64, u8> = LruHashMap::with_max_entries(65536, 0);
 
 #[map(name = "LISTEN_PORTS")]
 static LISTEN_PORTS: HashMap<u16, u8> = HashMap::with_max_entries(1024, 0);
@@ -103,7 +103,7 @@ fn state_changed(ev: &SockEvent) {
         insert(&LISTEN_PORTS, &sport, &1u8);
     } else {
         // Accepted sockets are owned through their listener's port until now.
-        insert(&OWNED_SOCKS, &skaddr, &1u8);
+        insert_lru(&OWNED_SOCKS, &skaddr, &1u8);
     }
 }
 
@@ -322,7 +322,7 @@ fn own(sk: u64) {
     }
     let k = offsets();
     match read::<u8>(sk, k.skc_state) {
-        Some(state) if state as i32 != TCP_CLOSE && k.valid != 0 => insert(&OWNED_SOCKS, &sk, &1u8),
+        Some(state) if state as i32 != TCP_CLOSE && k.valid != 0 => insert_lru(&OWNED_SOCKS, &sk, &1u8),
         _ => {}
     }
 }
