@@ -153,8 +153,12 @@ fn salvaged(bytes: &[u8]) -> Msg {
     salvage(bytes).map(Msg::Partial).unwrap_or(Msg::Unparsed)
 }
 
+/// Longest value [`salvage`] reads (a `timings`, `usage` or `error` object is a few hundred bytes).
+const MAX_VALUE: usize = 8 << 10;
+
 /// The value after each `"key":` in `text`, as raw text up to where a JSON value of that shape
-/// ends (strings honour escapes; objects are brace-balanced).
+/// ends (strings honour escapes; objects are brace-balanced); values longer than [`MAX_VALUE`]
+/// are cut there (and then do not parse).
 fn values_of<'a>(text: &'a str, key: &str) -> Vec<&'a str> {
     let pat = format!("\"{key}\"");
     let mut out = Vec::new();
@@ -164,6 +168,10 @@ fn values_of<'a>(text: &'a str, key: &str) -> Vec<&'a str> {
         from = at;
         let Some(rest) = text[at..].trim_start().strip_prefix(':') else { continue };
         let rest = rest.trim_start();
+        // A stop field's value is short: looking no further than MAX_VALUE keeps a message of
+        // many unclosed `"key":{` linear (every occurrence would scan to the end).
+        let cut = (0..=rest.len().min(MAX_VALUE)).rev().find(|&i| rest.is_char_boundary(i)).unwrap_or(0);
+        let rest = &rest[..cut];
         let end = match rest.as_bytes().first() {
             Some(b'"') => {
                 let mut esc = false;
@@ -494,6 +502,17 @@ mod salvage_tests {
         assert_eq!(stop.finish_reason.as_deref(), Some("length"));
         assert_eq!(stop.usage.unwrap()["completion_tokens"], 400);
         assert_eq!(salvage(b"just some text \"x\": 1"), None);
+    }
+
+    /// Found by fuzzing: thousands of unclosed `"timings":{` made salvage quadratic.
+    #[test]
+    fn salvage_is_linear_in_unclosed_values() {
+        let mut text = br#""stop":true,"stop_type":"eos","#.to_vec();
+        text.extend(br#""timings":{"#.repeat(90_000));
+        let t = std::time::Instant::now();
+        let v = salvage(&text).unwrap();
+        assert_eq!(v["stop_type"], "eos");
+        assert!(t.elapsed() < std::time::Duration::from_secs(3), "salvage took {:?}", t.elapsed());
     }
 
     /// Any split of the same bytes gives the same messages; a message split into many small
