@@ -3,7 +3,16 @@
 //! that neither wake a sleeping llama-server nor reset its idle timer are polled (`/metrics` and
 //! `/props` bypass sleep and do not count as activity; `/slots` would wake the model, so it is
 //! never polled). Every poll's local port is recorded so the report leaves these requests out.
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+/// One poll (every request to one port) ends by this deadline, however slowly the server
+/// answers: a `/metrics` trickled a byte at a time cannot hold the poller (and the trace's end).
+pub const POLL_DEADLINE: Duration = Duration::from_secs(2);
+/// The largest body read from an endpoint; a larger one is not parsed.
+pub const BODY_CAP: usize = 1 << 20;
 
 use serde_json::{Value, json};
 
@@ -62,15 +71,18 @@ pub struct Endpoint {
     no_metrics: Option<u16>,
     pub local_ports: Vec<u16>,
     timeout: Duration,
+    /// When the poll under way must end ([`POLL_DEADLINE`] after it started).
+    deadline: Option<Instant>,
 }
 
 impl Endpoint {
     pub fn new(addr: SocketAddr) -> Endpoint {
-        Endpoint { addr, kind: None, no_metrics: None, local_ports: Vec::new(), timeout: Duration::from_millis(800) }
+        Endpoint { addr, kind: None, no_metrics: None, local_ports: Vec::new(), timeout: Duration::from_millis(800), deadline: None }
     }
 
     fn fetch(&mut self, path: &str) -> Option<(u16, Vec<u8>)> {
-        match crate::httpc::request_from(&crate::httpc::Url::of(self.addr), "GET", path, None, self.timeout) {
+        let url = crate::httpc::Url::of(self.addr);
+        match crate::httpc::request_bounded(&url, "GET", path, None, self.timeout, self.deadline, BODY_CAP) {
             Ok((s, b, port)) => {
                 self.local_ports.push(port);
                 Some((s, b))
@@ -82,6 +94,7 @@ impl Endpoint {
     /// Poll once: a JSON record for the recording (None when the port does not answer HTTP).
     pub fn poll(&mut self) -> Option<Value> {
         self.local_ports.clear();
+        self.deadline = Some(Instant::now() + POLL_DEADLINE);
         let mut rec = json!({"type": "endpoint", "addr": self.addr.to_string()});
         let metrics = match self.no_metrics {
             Some(st) => Some((st, Vec::new())),
