@@ -148,6 +148,30 @@ struct State {
 // tracker, unwinders and kernel symbols bound their own tables.
 
 impl State {
+    fn new(writer: Writer, start_ns: u64, root: u32, targets: &[u32], capture_text: bool) -> State {
+        State {
+            writer,
+            capture_text,
+            streams: stream::Tracker::new(start_ns, capture_text),
+            unwinders: Unwinders::default(),
+            ksyms: crate::ksyms::Resolver::default(),
+            offcpu: HashMap::new(),
+            root,
+            root_exited: false,
+            targets: std::sync::Arc::new(std::sync::Mutex::new(targets.to_vec())),
+            events: 0,
+            per_kind: [0; probe_common::MAX_KINDS as usize],
+            dirty_maps: targets.iter().copied().collect(),
+            dirty_files: targets.iter().copied().collect(),
+            last_maps: HashMap::new(),
+            known_files: HashSet::new(),
+            last_file_scan: HashMap::new(),
+            threads_seen: HashMap::new(),
+            threads_new: vec![],
+            max_bytes: None,
+        }
+    }
+
     fn on_record(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.events += 1;
         let Ok(ev) = decode::decode(bytes) else {
@@ -402,27 +426,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         false => anyhow::Error::new(e).context(format!("cannot create the recording in {}", opts.out.display())),
     })?;
     let start_ns = monotonic_ns();
-    let mut st = State {
-        writer,
-        capture_text: opts.capture_text,
-        streams: stream::Tracker::new(start_ns, opts.capture_text),
-        unwinders: Unwinders::default(),
-        ksyms: crate::ksyms::Resolver::default(),
-        offcpu: HashMap::new(),
-        root: opts.pid,
-        root_exited: false,
-        targets: std::sync::Arc::new(std::sync::Mutex::new(attached.targets.clone())),
-        events: 0,
-        per_kind: [0; probe_common::MAX_KINDS as usize],
-        dirty_maps: attached.targets.iter().copied().collect(),
-        dirty_files: attached.targets.iter().copied().collect(),
-        last_maps: HashMap::new(),
-        known_files: HashSet::new(),
-        last_file_scan: HashMap::new(),
-        threads_seen: HashMap::new(),
-        threads_new: vec![],
-        max_bytes: opts.max_size.as_ref().map(|m| m.0),
-    };
+    let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
+    st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     // Every thread there at attach; later ones when they first show up in an event.
     for &pid in &attached.targets {
         for tid in procfs::tasks(pid) {
@@ -672,4 +677,47 @@ fn block_devices() -> serde_json::Map<String, serde_json::Value> {
             Some((dev.trim().to_string(), json!(e.file_name().to_string_lossy())))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use probe_common::{EventHeader, fault::FaultEvent, proc::ProcEvent};
+
+    use super::*;
+
+    fn hdr(kind: EventKind, pid: u32, tid: u32, ts_ns: u64) -> EventHeader {
+        EventHeader { kind: kind as u32, pid, tid, cpu: 0, ts_ns }
+    }
+
+    /// What the collector keeps per process goes when the process exits: a server that starts a
+    /// child per request does not grow the collector's tables for the whole trace.
+    #[test]
+    fn a_process_that_exits_is_forgotten() {
+        let dir = std::env::temp_dir().join(format!("probe-collector-forget-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (root, child) = (4_000_001, 4_000_002);
+        let mut st = State::new(Writer::create(&dir).unwrap(), 1, root, &[root], false);
+        for (pid, tid) in [(root, root), (child, child), (child, child + 1)] {
+            st.on_record(&decode::encode(&FaultEvent { hdr: hdr(EventKind::Fault, pid, tid, 10), ..Default::default() })).unwrap();
+        }
+        st.last_maps.insert(child, vec![]);
+        st.last_file_scan.insert(child, Instant::now());
+        st.dirty_maps.insert(child);
+        st.dirty_files.insert(child);
+        let pending = recording::StackRecord { pid: child, tid: child + 1, ts_ns: 20, ..Default::default() };
+        st.offcpu.insert(child + 1, pending);
+        assert_eq!(st.threads_seen.len(), 3);
+        let exit = ProcEvent { hdr: hdr(EventKind::Proc, child, child, 50), op: PROC_EXIT, child, group_dead: 1, ..Default::default() };
+        st.on_record(&decode::encode(&exit)).unwrap();
+        assert!(!st.last_maps.contains_key(&child) && !st.last_file_scan.contains_key(&child));
+        assert!(!st.dirty_maps.contains(&child) && !st.dirty_files.contains(&child));
+        assert_eq!(st.threads_seen.keys().copied().collect::<Vec<_>>(), vec![root]);
+        assert!(st.offcpu.is_empty(), "the exited thread's pending off-CPU stack is written, not kept");
+        assert!(!st.root_exited);
+        drop(st);
+        let rec = recording::read_dir(&dir).unwrap();
+        assert_eq!(rec.stacks.len(), 1);
+        assert_eq!(rec.stacks[0].blocked_ns, Some(30), "blocked until the exit");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
