@@ -10,6 +10,11 @@
 //!                                            (0: flat out) for SECS (ring buffer stress)
 //!   probe-workload tcp-threads N SECS        N threads each sending 4000 bytes over their own loopback
 //!                                            connection and reading them back (4 KiB stream records)
+//!   probe-workload flood THREADS SECONDS     mmap-loop on THREADS threads at once: more events than
+//!                                            one consumer drains (the drain-bound and disk-full tests)
+//!   probe-workload slow-metrics              listen on 127.0.0.1 (prints `port N`) and answer every
+//!                                            request (`GET /metrics`) with a 200 whose body trickles
+//!                                            one byte every 100 ms, forever; runs until killed
 //!   probe-workload sse-server PORT          serve one streamed chat request on 127.0.0.1:PORT, as a
 //!                                            hostile server would: escape sequences in its process
 //!                                            name and in the JSON it sends
@@ -158,6 +163,60 @@ fn mmap_loop(secs: f64) {
         n += 1000;
     }
     println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
+}
+
+fn flood(threads: usize, secs: f64) {
+    wait_for_go();
+    let start = Instant::now();
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while start.elapsed() < Duration::from_secs_f64(secs) {
+                    for _ in 0..1000 {
+                        map_unmap(PAGE);
+                    }
+                    n += 1000;
+                }
+                n
+            })
+        })
+        .collect();
+    let n: u64 = workers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
+    println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
+}
+
+fn slow_metrics() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| die(format!("bind: {e}")));
+    let port = l.local_addr().map(|a| a.port()).unwrap_or_else(|e| die(format!("local_addr: {e}")));
+    println!("port {port}");
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                println!("request {}", String::from_utf8_lossy(&req).lines().next().unwrap_or_default());
+                // No length and no chunking: the body ends only when the connection closes.
+                if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n").is_err() {
+                    return;
+                }
+                while s.write_all(b"#").is_ok() {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            });
+        }
+    });
+    wait_for_go();
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
 }
 
 /// `threads` threads doing mmap+munmap (2 syscalls) at `rate` syscalls per second in all (0: as
@@ -359,10 +418,12 @@ fn main() {
         "tcp" => tcp(&arg(2), &arg(3)),
         "fork-mmap" => fork_mmap(num(2), num(3)),
         "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
-        "tcp-threads" => tcp_threads(num(2), arg(3).parse().unwrap_or(1.0)),
-        "mmap-threads" => mmap_threads(num(2), arg(3).parse().unwrap_or(0.0), arg(4).parse().unwrap_or(1.0)),
         "hog" => hog(&arg(2)),
+        "flood" => flood(num(2), arg(3).parse().unwrap_or(1.0)),
+        "slow-metrics" => slow_metrics(),
         "sse-server" => sse_server(&arg(2)),
+        "mmap-threads" => mmap_threads(num(2), arg(3).parse().unwrap_or(0.0), arg(4).parse().unwrap_or(1.0)),
+        "tcp-threads" => tcp_threads(num(2), arg(3).parse().unwrap_or(1.0)),
         "sink-server" => sink_server(&arg(2)),
         other => die(format!("unknown workload {other}")),
     }

@@ -48,6 +48,9 @@ pub struct TraceOptions {
     pub poll: bool,
     /// When the process started: "armed in N ms" counts from here.
     pub started: Instant,
+    /// `--max-size`: end the trace once the recording holds this many bytes (and the text the
+    /// user gave, for the end reason).
+    pub max_size: Option<(u64, String)>,
 }
 
 pub struct TraceOutcome {
@@ -56,21 +59,59 @@ pub struct TraceOutcome {
     pub partial: bool,
 }
 
+/// The most records one turn of the drain loop takes from the ring buffer, and the most time it
+/// spends there: then the loop looks at signals, the clock and the samplers, and comes back at
+/// once (the ring stays marked readable). Unbounded, a producer faster than this consumer kept
+/// the loop draining, and Ctrl-C, SIGTERM and `--duration` were never seen.
+const DRAIN_RECORDS: usize = 4096;
+const DRAIN_TIME: Duration = Duration::from_millis(10);
+/// How long the samplers get to stop at the end; a thread still busy then (a server trickling
+/// its `/metrics`) is left behind, not waited for.
+const SAMPLER_STOP: Duration = Duration::from_secs(1);
+/// Kept free on the recording's disk from the start (`.reserve`) and given back when the disk
+/// fills (and at the end): room for the end record and report.json (a few hundred KiB; its
+/// long lists are capped, its requests are not).
+const RESERVE_BYTES: u64 = 1 << 20;
+
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
     let popts = probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes, sample_hz: opts.sample_hz };
     // Then the output: a refused --out costs nothing to attach (or to detach).
     probes::preflight(&popts)?;
     let out_dir = crate::output::OutDir::create_recording(&opts.out, opts.force)?;
-    let attached = match probes::attach(&popts) {
+    let attached = match out_dir.reserve(RESERVE_BYTES).map_err(|e| reserve_error(&opts.out, e)).and_then(|()| probes::attach(&popts)) {
         Ok(a) => a,
         Err(e) => {
             // Nothing was recorded: leave no empty directory behind (rmdir removes only an empty one).
+            out_dir.release_reserve();
             let _ = std::fs::remove_dir(&opts.out);
             return Err(e);
         }
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    rt.block_on(run(opts, attached, out_dir))
+    let r = rt.block_on(run(opts, attached, &out_dir));
+    out_dir.release_reserve();
+    r
+}
+
+fn reserve_error(out: &std::path::Path, e: std::io::Error) -> anyhow::Error {
+    if recording::is_disk_full(&e) {
+        anyhow::anyhow!(
+            "the disk holding {} has less than {} KiB free ({e}): free some space or give --out a directory on another disk",
+            out.display(),
+            RESERVE_BYTES >> 10
+        )
+    } else {
+        anyhow::Error::new(e).context(format!("cannot write in {}", out.display()))
+    }
+}
+
+/// A line on stderr. After a hangup (the terminal closed) stderr may be gone: that is no
+/// reason to stop before the recording is finished (`eprintln!` would panic).
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
 }
 
 struct State {
@@ -93,12 +134,44 @@ struct State {
     last_maps: HashMap<u32, Vec<procfs::Mapping>>,
     known_files: HashSet<(u32, u32, u64)>,
     last_file_scan: HashMap<u32, Instant>,
-    /// Threads seen (named in a `threads` record, or being named at the next refresh).
-    threads_seen: HashSet<u32>,
+    /// Threads seen (named in a `threads` record, or being named at the next refresh): tid →
+    /// pid, forgotten when the process exits.
+    threads_seen: HashMap<u32, u32>,
     threads_new: Vec<(u32, u32)>,
+    /// `--max-size` in bytes.
+    max_bytes: Option<u64>,
 }
+// What the collector keeps per process (`last_maps`, `last_file_scan`, `dirty_*`, the
+// threads and off-CPU stacks of its threads) goes when the process exits. What stays for the
+// whole trace: `known_files` (one entry per distinct file the targets map or open) and the
+// threads of a live process that come and go (bounded by the kernel's pid_max); the stream
+// tracker, unwinders and kernel symbols bound their own tables.
 
 impl State {
+    fn new(writer: Writer, start_ns: u64, root: u32, targets: &[u32], capture_text: bool) -> State {
+        State {
+            writer,
+            capture_text,
+            streams: stream::Tracker::new(start_ns, capture_text),
+            unwinders: Unwinders::default(),
+            ksyms: crate::ksyms::Resolver::default(),
+            offcpu: HashMap::new(),
+            root,
+            root_exited: false,
+            targets: std::sync::Arc::new(std::sync::Mutex::new(targets.to_vec())),
+            events: 0,
+            per_kind: [0; probe_common::MAX_KINDS as usize],
+            dirty_maps: targets.iter().copied().collect(),
+            dirty_files: targets.iter().copied().collect(),
+            last_maps: HashMap::new(),
+            known_files: HashSet::new(),
+            last_file_scan: HashMap::new(),
+            threads_seen: HashMap::new(),
+            threads_new: vec![],
+            max_bytes: None,
+        }
+    }
+
     fn on_record(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.events += 1;
         let Ok(ev) = decode::decode(bytes) else {
@@ -106,7 +179,7 @@ impl State {
         };
         self.per_kind[ev.kind() as usize] += 1;
         let h = ev.header();
-        if h.pid != 0 && self.threads_seen.insert(h.tid) {
+        if h.pid != 0 && self.threads_seen.insert(h.tid, h.pid).is_none() {
             self.threads_new.push((h.pid, h.tid));
         }
         // Stream bytes are parsed here and dropped unless the user asked to keep them; raw stacks
@@ -150,6 +223,7 @@ impl State {
                 if p.hdr.pid == self.root {
                     self.root_exited = true;
                 }
+                self.forget(p.hdr.pid, p.hdr.ts_ns)?;
             }
             Event::Filemap(f) if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) => {
                 self.dirty_files.insert(f.hdr.pid);
@@ -200,6 +274,29 @@ impl State {
         }
         v.kernel = kernel;
         self.writer.stack(&v)
+    }
+
+    /// The process `pid` exited: drop what was kept for it. Its threads' off-CPU stacks still
+    /// waiting are written, blocked until the exit.
+    fn forget(&mut self, pid: u32, ts_ns: u64) -> std::io::Result<()> {
+        self.last_maps.remove(&pid);
+        self.last_file_scan.remove(&pid);
+        self.dirty_maps.remove(&pid);
+        self.dirty_files.remove(&pid);
+        self.threads_seen.retain(|_, p| *p != pid);
+        let gone: Vec<u32> = self.offcpu.iter().filter(|(_, v)| v.pid == pid).map(|(&tid, _)| tid).collect();
+        for tid in gone {
+            if let Some(mut v) = self.offcpu.remove(&tid) {
+                v.blocked_ns = Some(ts_ns.saturating_sub(v.ts_ns));
+                self.writer.stack(&v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The drain should pause: the disk is full or the recording reached `--max-size`.
+    fn stop_writing(&self) -> bool {
+        self.writer.disk_full().is_some() || self.max_bytes.is_some_and(|m| self.writer.bytes >= m)
     }
 
     /// Write the requests that finished.
@@ -277,7 +374,14 @@ fn sum(map: &PerCpuArray<MapData, u64>) -> Vec<u64> {
 }
 
 fn stats_json(lost: &[u64], counters: &[u64], st: &State, skipped: &std::collections::BTreeMap<String, u64>) -> serde_json::Value {
-    let lost: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(lost[*k as usize]))).collect();
+    let mut lost: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(lost[*k as usize]))).collect();
+    // Records the writer did not write count as lost too (every report shows them).
+    let d = st.writer.dropped;
+    for (name, n) in [("oversized_record", d.oversized), ("disk_full", d.disk_full)] {
+        if n > 0 {
+            lost.insert(name.into(), json!(n));
+        }
+    }
     let counters: serde_json::Map<_, _> = Counter::ALL.iter().map(|c| (c.name().to_string(), json!(counters[*c as usize]))).collect();
     let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
     let u = &st.unwinders;
@@ -285,7 +389,30 @@ fn stats_json(lost: &[u64], counters: &[u64], st: &State, skipped: &std::collect
     json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped, "streams": st.streams.limits()})
 }
 
-async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
+/// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`], then the
+/// samplers' records and the /proc refresh. True when it stopped early (more may be waiting).
+fn drain_turn(ring: &mut RingBuf<MapData>, st: &mut State, sampler: &crate::sampler::Sampler) -> std::io::Result<bool> {
+    let t0 = Instant::now();
+    let mut n = 0usize;
+    let mut more = false;
+    while !st.stop_writing() {
+        let Some(item) = ring.next() else { break };
+        st.on_record(&item)?;
+        drop(item);
+        n += 1;
+        if n >= DRAIN_RECORDS || (n.is_multiple_of(64) && t0.elapsed() >= DRAIN_TIME) {
+            more = true;
+            break;
+        }
+    }
+    for v in sampler.drain() {
+        st.writer.json(&v)?;
+    }
+    st.refresh()?;
+    Ok(more)
+}
+
+async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
     let ring = RingBuf::try_from(attached.ebpf.take_map(maps::EVENTS).context("EVENTS map missing")?)?;
     let lost_map: PerCpuArray<MapData, u64> = PerCpuArray::try_from(attached.ebpf.take_map(maps::LOST).context("LOST map missing")?)?;
     let counter_map: PerCpuArray<MapData, u64> =
@@ -294,32 +421,17 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
     let mut ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
 
     let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
-    let writer = Writer::create_in(&out_dir).with_context(|| format!("cannot create the recording in {}", opts.out.display()))?;
+    let writer = Writer::create_in(out_dir).map_err(|e| match recording::is_disk_full(&e) {
+        true => reserve_error(&opts.out, e),
+        false => anyhow::Error::new(e).context(format!("cannot create the recording in {}", opts.out.display())),
+    })?;
     let start_ns = monotonic_ns();
-    let mut st = State {
-        writer,
-        capture_text: opts.capture_text,
-        streams: stream::Tracker::new(start_ns, opts.capture_text),
-        unwinders: Unwinders::default(),
-        ksyms: crate::ksyms::Resolver::default(),
-        offcpu: HashMap::new(),
-        root: opts.pid,
-        root_exited: false,
-        targets: std::sync::Arc::new(std::sync::Mutex::new(attached.targets.clone())),
-        events: 0,
-        per_kind: [0; probe_common::MAX_KINDS as usize],
-        dirty_maps: attached.targets.iter().copied().collect(),
-        dirty_files: attached.targets.iter().copied().collect(),
-        last_maps: HashMap::new(),
-        known_files: HashSet::new(),
-        last_file_scan: HashMap::new(),
-        threads_seen: HashSet::new(),
-        threads_new: vec![],
-    };
+    let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
+    st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     // Every thread there at attach; later ones when they first show up in an event.
     for &pid in &attached.targets {
         for tid in procfs::tasks(pid) {
-            if st.threads_seen.insert(tid) {
+            if st.threads_seen.insert(tid, pid).is_none() {
                 st.threads_new.push((pid, tid));
             }
         }
@@ -342,7 +454,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
     st.writer.flush()?;
 
     let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.as_str()).collect();
-    eprintln!(
+    say!(
         "probe: armed in {armed_ms:.0} ms: pid {} ({}), {} process(es); probes live: {}",
         opts.pid,
         crate::text::terminal(&procfs::comm(opts.pid)),
@@ -353,7 +465,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
     for s in &attached.status {
         if !s.live {
             partial = true;
-            eprintln!("probe: skipped {}: {}", s.name, s.skipped.join("; "));
+            say!("probe: skipped {}: {}", s.name, s.skipped.join("; "));
         } else if !s.skipped.is_empty() {
             log::info!("{}: optional programs not attached: {}", s.name, s.skipped.join("; "));
         }
@@ -364,42 +476,39 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
         hz: opts.host_hz,
         poll: opts.poll,
     });
-    eprintln!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
+    say!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
 
     let tty = std::io::stderr().is_terminal();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
     let mut sigusr1 = signal(SignalKind::user_defined1())?;
     let mut drain_tick = tokio::time::interval(Duration::from_millis(20));
     let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
     let started = Instant::now();
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut last_events = 0u64;
-    let drain = |ring: &mut RingBuf<aya::maps::MapData>, st: &mut State| -> std::io::Result<()> {
-        while let Some(item) = ring.next() {
-            st.on_record(&item)?;
-        }
-        for v in sampler.drain() {
-            st.writer.json(&v)?;
-        }
-        st.refresh()
-    };
-    let reason = loop {
+    let mut hung_up = false;
+    let reason: String = loop {
+        let mut more = false;
         tokio::select! {
             guard = ring.readable_mut() => {
                 let mut guard = guard?;
-                drain(guard.get_inner_mut(), &mut st)?;
-                guard.clear_ready();
+                more = drain_turn(guard.get_inner_mut(), &mut st, &sampler)?;
+                if !more {
+                    guard.clear_ready();
+                }
             }
-            _ = drain_tick.tick() => drain(ring.get_mut(), &mut st)?,
+            _ = drain_tick.tick() => more = drain_turn(ring.get_mut(), &mut st, &sampler)?,
             _ = sec_tick.tick() => {
-                drain(ring.get_mut(), &mut st)?;
+                more = drain_turn(ring.get_mut(), &mut st, &sampler)?;
                 let lost = sum(&lost_map);
                 st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &probes::skipped_runs(&attached.ebpf)))?;
                 st.writer.flush()?;
-                if tty {
+                if tty && !hung_up {
                     let rate = st.events - last_events;
-                    eprint!("\r  {:>6.1} s | {} events ({rate}/s) | {} requests in flight | lost {}    ", started.elapsed().as_secs_f64(), st.events, st.streams.in_flight(), lost.iter().sum::<u64>());
+                    use std::io::Write as _;
+                    let _ = write!(std::io::stderr(), "\r  {:>6.1} s | {} events ({rate}/s) | {} requests in flight | lost {}    ", started.elapsed().as_secs_f64(), st.events, st.streams.in_flight(), lost.iter().sum::<u64>());
                 }
                 last_events = st.events;
                 if !procfs::exists(opts.pid) {
@@ -407,21 +516,75 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
                 }
             }
             _ = sigusr1.recv() => sampler.snapshot_now(),
-            _ = sigint.recv() => break "interrupted (Ctrl-C)",
-            _ = sigterm.recv() => break "terminated (SIGTERM)",
-            _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached",
+            _ = sigint.recv() => break "interrupted (Ctrl-C)".to_string(),
+            _ = sigterm.recv() => break "terminated (SIGTERM)".to_string(),
+            _ = sighup.recv() => {
+                hung_up = true;
+                break "hangup (SIGHUP)".to_string();
+            }
+            _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached".to_string(),
         }
         if st.root_exited {
-            break "target exited";
+            break "target exited".to_string();
+        }
+        if st.writer.disk_full().is_some() {
+            break "disk full".to_string();
+        }
+        if let Some((max, text)) = &opts.max_size
+            && st.writer.bytes >= *max
+        {
+            break format!("size limit reached (--max-size {text})");
+        }
+        if more {
+            // Let the runtime look at signals and timers before the next turn.
+            tokio::task::yield_now().await;
         }
     };
-    if tty {
-        eprintln!();
+    if tty && !hung_up {
+        say!();
     }
-    drain(ring.get_mut(), &mut st)?;
-    for v in sampler.stop() {
+    // Stop in this order. The counters are read at the stop (the programs' run counts, the
+    // losses) and the programs are detached at once, on their own thread (the maps taken above
+    // stay): closing a classic tracepoint waits for RCU grace periods, one tracepoint after
+    // another in the kernel (about 2 s for 64 programs on a 2-CPU VM), so that runs while the
+    // ring is drained and the report is made, and probe exits once it is done. Then everything
+    // captured up to the stop is drained (records made after it are not part of the trace), then
+    // the samplers are stopped with a deadline.
+    let stopping = Instant::now();
+    let stop_ns = monotonic_ns();
+    let skipped = probes::skipped_runs(&attached.ebpf);
+    let (lost, counters) = (sum(&lost_map), sum(&counter_map));
+    let detaching = std::thread::Builder::new().name("probe-detach".into()).spawn(move || probes::detach(attached)).ok();
+    let mut after_stop = 0usize;
+    while let Some(item) = ring.get_mut().next() {
+        // The header's ts_ns (probe-common EventHeader: four u32, then the u64 timestamp).
+        let ts = item.get(16..24).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
+        if ts > stop_ns {
+            // The ring is in reservation order: once this many later records were seen, what
+            // came before the stop has been read.
+            after_stop += 1;
+            if after_stop >= DRAIN_RECORDS {
+                break;
+            }
+            continue;
+        }
+        st.on_record(&item)?;
+    }
+    log::info!("stop: ring drained at {:?}", stopping.elapsed());
+    let (rest, abandoned) = sampler.stop(SAMPLER_STOP);
+    log::info!("stop: samplers stopped at {:?}", stopping.elapsed());
+    for name in abandoned {
+        say!("probe: the {name} thread did not stop within {} ms; left behind", SAMPLER_STOP.as_millis());
+    }
+    // After a full disk: give back the reserve and write the end of the recording into it.
+    let full = st.writer.resume();
+    if full.is_some() {
+        out_dir.release_reserve();
+    }
+    for v in rest {
         st.writer.json(&v)?;
     }
+    st.refresh()?;
     st.streams.finish();
     st.write_requests()?;
     // Threads still blocked when the trace ended: blocked until now.
@@ -431,12 +594,10 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
         v.still_blocked = true;
         st.writer.stack(&v)?;
     }
-    let lost = sum(&lost_map);
-    let skipped = probes::skipped_runs(&attached.ebpf);
-    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &skipped))?;
+    st.writer.json(&stats_json(&lost, &counters, &st, &skipped))?;
     st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
     st.writer.flush()?;
-    drop(attached);
+    let full_again = st.writer.disk_full().is_some();
     let parsed = st.per_kind[EventKind::Data as usize];
     let kept = if st.capture_text { "kept with --capture-text" } else { "parsed in memory, not stored" };
     let skipped_total: u64 = skipped.values().sum();
@@ -445,31 +606,63 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: crate:
     } else {
         String::new()
     };
-    eprintln!(
-        "probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}",
-        st.events,
-        lost.iter().sum::<u64>()
-    );
+    // Room for the outputs: the reserve is not needed any more.
+    out_dir.release_reserve();
+    if full.is_none() {
+        say!(
+            "probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}",
+            st.events,
+            lost.iter().sum::<u64>()
+        );
+    }
 
     // One analysis (streamed from the file: memory does not grow with the trace's length) and
-    // one symbolization for every output.
+    // one symbolization for every output. report.json first: on a full disk it is what matters.
+    log::info!("stop: recording closed at {:?}", stopping.elapsed());
     let report = report::build_dir(&opts.out)?;
+    log::info!("stop: report built at {:?}", stopping.elapsed());
+    let report_written = out_dir.write("report.json", &serde_json::to_vec_pretty(&report)?);
+    if let Some(f) = &full {
+        let what = f.error.to_string();
+        let what = what.split(" (os error").next().unwrap_or_default();
+        let end = if full_again { "; the end record did not fit either" } else { "" };
+        let rep = match &report_written {
+            Ok(_) => "report written from it".to_string(),
+            Err(e) => format!("report.json not written ({e:#}): `probe report {}` reads it once there is room", opts.out.display()),
+        };
+        say!(
+            "probe: stopped: the disk holding {} is full ({}) after {} events; the recording holds everything up to that point{end}; {rep}",
+            opts.out.display(),
+            what,
+            f.events_written
+        );
+    } else {
+        report_written?;
+    }
+    drop(st);
     let rec = recording::read_dir(&opts.out)?;
+    log::info!("stop: recording read at {:?}", stopping.elapsed());
     let flames = crate::flame::Flames::of_dir(&opts.out, Default::default())?;
-    match crate::flame::write_defaults(&flames, &out_dir) {
+    log::info!("stop: flames folded at {:?}", stopping.elapsed());
+    match crate::html::write_for(&rec, &report, &flames, out_dir) {
+        Ok(page) => say!("probe: {}", page.display()),
+        Err(e) => say!("probe: report.html not written: {e:#}"),
+    }
+    match crate::flame::write_defaults(&flames, out_dir) {
         Ok(written) => {
             for (path, weight) in written {
-                eprintln!("probe: flamegraph {} (weight {weight})", path.display());
+                say!("probe: flamegraph {} (weight {weight})", path.display());
             }
         }
-        Err(e) => eprintln!("probe: flamegraphs not written: {e}"),
+        Err(e) => say!("probe: flamegraphs not written: {e}"),
     }
-    out_dir.write("report.json", &serde_json::to_vec_pretty(&report)?)?;
-    match crate::html::write_for(&rec, &report, &flames, &out_dir) {
-        Ok(page) => eprintln!("probe: {}", page.display()),
-        Err(e) => eprintln!("probe: report.html not written: {e:#}"),
+    log::info!("stop: outputs written at {:?}", stopping.elapsed());
+    // Exit only once nothing of probe's is left in the kernel.
+    if let Some(d) = detaching {
+        let _ = d.join();
     }
-    partial |= report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
+    log::info!("stop: detached at {:?}", stopping.elapsed());
+    partial |= full.is_some() || report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
     Ok(TraceOutcome { report, partial })
 }
 
@@ -484,4 +677,47 @@ fn block_devices() -> serde_json::Map<String, serde_json::Value> {
             Some((dev.trim().to_string(), json!(e.file_name().to_string_lossy())))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use probe_common::{EventHeader, fault::FaultEvent, proc::ProcEvent};
+
+    use super::*;
+
+    fn hdr(kind: EventKind, pid: u32, tid: u32, ts_ns: u64) -> EventHeader {
+        EventHeader { kind: kind as u32, pid, tid, cpu: 0, ts_ns }
+    }
+
+    /// What the collector keeps per process goes when the process exits: a server that starts a
+    /// child per request does not grow the collector's tables for the whole trace.
+    #[test]
+    fn a_process_that_exits_is_forgotten() {
+        let dir = std::env::temp_dir().join(format!("probe-collector-forget-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (root, child) = (4_000_001, 4_000_002);
+        let mut st = State::new(Writer::create(&dir).unwrap(), 1, root, &[root], false);
+        for (pid, tid) in [(root, root), (child, child), (child, child + 1)] {
+            st.on_record(&decode::encode(&FaultEvent { hdr: hdr(EventKind::Fault, pid, tid, 10), ..Default::default() })).unwrap();
+        }
+        st.last_maps.insert(child, vec![]);
+        st.last_file_scan.insert(child, Instant::now());
+        st.dirty_maps.insert(child);
+        st.dirty_files.insert(child);
+        let pending = recording::StackRecord { pid: child, tid: child + 1, ts_ns: 20, ..Default::default() };
+        st.offcpu.insert(child + 1, pending);
+        assert_eq!(st.threads_seen.len(), 3);
+        let exit = ProcEvent { hdr: hdr(EventKind::Proc, child, child, 50), op: PROC_EXIT, child, group_dead: 1, ..Default::default() };
+        st.on_record(&decode::encode(&exit)).unwrap();
+        assert!(!st.last_maps.contains_key(&child) && !st.last_file_scan.contains_key(&child));
+        assert!(!st.dirty_maps.contains(&child) && !st.dirty_files.contains(&child));
+        assert_eq!(st.threads_seen.keys().copied().collect::<Vec<_>>(), vec![root]);
+        assert!(st.offcpu.is_empty(), "the exited thread's pending off-CPU stack is written, not kept");
+        assert!(!st.root_exited);
+        drop(st);
+        let rec = recording::read_dir(&dir).unwrap();
+        assert_eq!(rec.stacks.len(), 1);
+        assert_eq!(rec.stacks[0].blocked_ns, Some(30), "blocked until the exit");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -4,7 +4,7 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream, ToSocketAddrs},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use crate::stream::http::{Body, Parsed, parse_response};
@@ -75,16 +75,37 @@ pub fn request(url: &Url, method: &str, path: &str, body: Option<&str>, timeout:
 
 /// [`request`], also giving the local port the request left from.
 pub fn request_from(url: &Url, method: &str, path: &str, body: Option<&str>, timeout: Duration) -> Result<(u16, Vec<u8>, u16), String> {
+    request_bounded(url, method, path, body, timeout, None, usize::MAX)
+}
+
+/// [`request_from`] that also gives up at `deadline` (however the server trickles its answer)
+/// and once the body passes `cap` bytes.
+pub fn request_bounded(
+    url: &Url,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    timeout: Duration,
+    deadline: Option<Instant>,
+    cap: usize,
+) -> Result<(u16, Vec<u8>, u16), String> {
     let addr = url.addr()?;
-    let mut s = TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+    // The time one read may wait: the per-read timeout, or what is left before the deadline.
+    let left = || -> Result<Duration, String> {
+        let Some(d) = deadline else { return Ok(timeout) };
+        let rest = d.saturating_duration_since(Instant::now());
+        if rest.is_zero() { Err(format!("{addr} took longer than its deadline to answer")) } else { Ok(rest.min(timeout)) }
+    };
+    let mut s = TcpStream::connect_timeout(&addr, left()?).map_err(|e| format!("cannot connect to {addr}: {e}"))?;
     let local = s.local_addr().map(|a| a.port()).unwrap_or(0);
-    let _ = s.set_read_timeout(Some(timeout));
-    let _ = s.set_write_timeout(Some(timeout));
+    let _ = s.set_read_timeout(Some(left()?));
+    let _ = s.set_write_timeout(Some(left()?));
     let _ = s.set_nodelay(true);
     s.write_all(head(url, method, path, body, POLL_AGENT).as_bytes()).map_err(|e| format!("cannot send to {addr}: {e}"))?;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16384];
     let (status, framing, start) = loop {
+        let _ = s.set_read_timeout(Some(left()?));
         let n = read_retry(&mut s, &mut chunk).map_err(|e| format!("no answer from {addr}: {e}"))?;
         if n == 0 {
             return Err(format!("{addr} closed the connection without an HTTP response"));
@@ -103,9 +124,13 @@ pub fn request_from(url: &Url, method: &str, path: &str, body: Option<&str>, tim
         if dec.feed(&rest, &mut out).is_none() {
             return Err(format!("{addr} sent a malformed HTTP body"));
         }
+        if out.len() > cap {
+            return Err(format!("{addr} sent a body over {cap} bytes"));
+        }
         if dec.done {
             break;
         }
+        let _ = s.set_read_timeout(Some(left()?));
         let n = read_retry(&mut s, &mut chunk).map_err(|e| format!("reading from {addr}: {e}"))?;
         if n == 0 {
             dec.close();

@@ -24,9 +24,14 @@ enum Command {
         /// The process to trace (e.g. `pgrep -o llama-server`).
         #[arg(long)]
         pid: u32,
-        /// Stop after this long (e.g. 30s, 2m, 500ms). Default: until Ctrl-C or the target exits.
-        #[arg(long, value_parser = parse_duration)]
+        /// Stop after this long (e.g. 30s, 2m, 500ms; also --max-duration). Default: until
+        /// Ctrl-C or the target exits.
+        #[arg(long, visible_alias = "max-duration", value_parser = parse_trace_duration)]
         duration: Option<Duration>,
+        /// Stop once the recording holds this much (e.g. 500M, 2G; K, M, G, T are powers of
+        /// 1024), as --duration does. It may pass it by what the ring buffer holds at that moment.
+        #[arg(long, value_parser = parse_size)]
+        max_size: Option<u64>,
         /// Recording directory, created new with mode 0700 (an existing one must be empty and
         /// yours). Default: probe-PID-UNIXTIME in the current directory.
         #[arg(long)]
@@ -39,21 +44,23 @@ enum Command {
         /// A named probe that cannot attach is an error; by default such probes are skipped.
         #[arg(long, value_delimiter = ',')]
         probes: Option<Vec<String>>,
-        /// Ring buffer size in MiB (a power of two).
-        #[arg(long, default_value_t = 16)]
+        /// Ring buffer size in MiB (a power of two, 1 to 1024).
+        #[arg(long, default_value_t = 16, value_parser = parse_ring_mb)]
         ring_mb: u32,
         /// Print report.json instead of the human summary at the end.
         #[arg(long)]
         json: bool,
-        /// On-CPU stack sampling frequency, per thread (Hz).
-        #[arg(long, default_value_t = 99)]
+        /// On-CPU stack sampling frequency, per thread (Hz, 1 to 10000; `--probes` without cpu
+        /// turns sampling off).
+        #[arg(long, default_value_t = 99, value_parser = clap::value_parser!(u64).range(1..=MAX_HZ))]
         hz: u64,
         /// Also store the bytes of request streams (prompts, answers) in the recording. Off by
         /// default: only request metadata (timing, sizes, stop reasons) is kept.
         #[arg(long)]
         capture_text: bool,
-        /// GPU (NVML), CPU-frequency and memory-pressure samples per second; 0 turns them off.
-        #[arg(long, default_value_t = 10.0)]
+        /// GPU (NVML), CPU-frequency and memory-pressure samples per second (up to 1000); 0
+        /// turns them off.
+        #[arg(long, default_value_t = 10.0, value_parser = parse_sample_hz)]
         sample_hz: f64,
         /// Do not poll the server's own endpoints (llama.cpp /metrics and /props, vLLM /metrics,
         /// Ollama /api/ps) on the ports it listens on.
@@ -139,12 +146,69 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     probe_user::parse_duration_or(s, Duration::from_secs(1))
 }
 
+/// `trace --duration`: a duration, not zero (a trace of nothing).
+fn parse_trace_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err("a trace of 0 seconds records nothing: give a duration such as 30s, or leave it out to trace until Ctrl-C".into());
+    }
+    Ok(d)
+}
+
+/// The highest `--hz`: perf refuses rates above its `perf_event_max_sample_rate`, and more than
+/// this per thread only measures probe itself.
+const MAX_HZ: u64 = 10_000;
+/// The largest ring buffer (`--ring-mb`); `ring_mb << 20` must fit the kernel's u32.
+const MAX_RING_MB: u32 = 1024;
+/// The smallest `--max-size`: the start of a recording (meta, maps) takes tens of KiB.
+const MIN_MAX_SIZE: u64 = 64 << 10;
+
+/// `--ring-mb`: a power of two from 1 to [`MAX_RING_MB`].
+fn parse_ring_mb(s: &str) -> Result<u32, String> {
+    let n: u32 = s.trim().parse().map_err(|_| format!("`{s}` is not a whole number of MiB"))?;
+    if n == 0 || n > MAX_RING_MB || !n.is_power_of_two() {
+        return Err(format!("must be a power of two from 1 to {MAX_RING_MB} (MiB), e.g. 16"));
+    }
+    Ok(n)
+}
+
+/// `--sample-hz`: a finite number from 0 (off) to 1000.
+fn parse_sample_hz(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if !v.is_finite() || !(0.0..=1000.0).contains(&v) {
+        return Err(format!("`{s}` is out of range: give 0 (off) to 1000 samples per second"));
+    }
+    Ok(v)
+}
+
+/// `--max-size`: bytes, or a number with K, M, G or T (powers of 1024; `B`/`iB` may follow).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("`{s}`: unknown unit `{c}`: use K, M, G or T (e.g. 500M)")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size: use e.g. 500M, 2G or a number of bytes"))?;
+    let bytes = n * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < MIN_MAX_SIZE as f64 || bytes > u64::MAX as f64 / 2.0 {
+        return Err(format!("`{s}` is out of range: give at least {} KiB, e.g. 100M", MIN_MAX_SIZE >> 10));
+    }
+    Ok(bytes as u64)
+}
+
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace { pid, duration, out, force, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll } => {
-            if !ring_mb.is_power_of_two() {
-                anyhow::bail!("--ring-mb must be a power of two (got {ring_mb})");
-            }
+        Command::Trace { pid, duration, max_size, out, force, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll } => {
             let out = out.unwrap_or_else(|| {
                 let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
                 PathBuf::from(format!("probe-{pid}-{now}"))
@@ -161,13 +225,23 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 host_hz: sample_hz.max(0.0),
                 poll: !no_poll,
                 started,
+                max_size: max_size.map(|m| (m, max_size_text(m))),
             })?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&outcome.report)?);
+            // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
+            use std::io::Write as _;
+            let mut stdout = std::io::stdout();
+            let _ = if json {
+                writeln!(stdout, "{}", serde_json::to_string_pretty(&outcome.report)?)
             } else {
-                print!("{}", terminal(&report::render(&outcome.report)));
-                println!("\nrecording: {}  (report.json beside it; `probe report {}` prints this again)", out.display(), out.display());
-            }
+                write!(stdout, "{}", terminal(&report::render(&outcome.report))).and_then(|()| {
+                    writeln!(
+                        stdout,
+                        "\nrecording: {}  (report.json beside it; `probe report {}` prints this again)",
+                        out.display(),
+                        out.display()
+                    )
+                })
+            };
             Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
         }
         Command::Report { dir, sizes: true, .. } => {
@@ -285,6 +359,16 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     }
 }
 
+/// The size the user gave, written back the same way (for the end reason).
+fn max_size_text(bytes: u64) -> String {
+    for (unit, shift) in [("T", 40), ("G", 30), ("M", 20), ("K", 10)] {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
 fn main() -> ExitCode {
     let started = Instant::now();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
@@ -292,8 +376,52 @@ fn main() -> ExitCode {
     match run(cli, started) {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("probe: error: {}", terminal(&format!("{e:#}")));
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "probe: error: {}", terminal(&format!("{e:#}")));
             ExitCode::from(exit::ERROR as u8)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units_and_bounds() {
+        assert_eq!(parse_size("100M"), Ok(100 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("512k"), Ok(512 << 10));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        for bad in ["", "abc", "10X", "1K", "-5M", "NaN", "inf", "99999999T"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+        assert_eq!(max_size_text(100 << 20), "100M");
+        assert_eq!(max_size_text(300_000), "300000");
+    }
+
+    #[test]
+    fn trace_options_are_bounded() {
+        assert_eq!(parse_ring_mb("16"), Ok(16));
+        assert_eq!(parse_ring_mb("1024"), Ok(1024));
+        for bad in ["0", "3", "2048", "4096", "-1", "x"] {
+            assert!(parse_ring_mb(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_sample_hz("0"), Ok(0.0));
+        assert_eq!(parse_sample_hz("2.5"), Ok(2.5));
+        for bad in ["NaN", "inf", "-1", "1e9", "x"] {
+            assert!(parse_sample_hz(bad).is_err(), "{bad}");
+        }
+        assert!(parse_trace_duration("0").is_err());
+        assert!(parse_trace_duration("0s").is_err());
+        assert_eq!(parse_trace_duration("2s"), Ok(Duration::from_secs(2)));
+        for (hz, ok) in [("0", false), ("1", true), ("10000", true), ("10001", false), ("18446744073709551615", false)] {
+            let r = Cli::try_parse_from(["probe", "trace", "--pid", "1", "--hz", hz]);
+            assert_eq!(r.is_ok(), ok, "--hz {hz}");
+        }
+        let r = Cli::try_parse_from(["probe", "trace", "--pid", "1", "--max-duration", "5s"]).unwrap();
+        assert!(matches!(r.command, Command::Trace { duration: Some(d), .. } if d == Duration::from_secs(5)));
     }
 }

@@ -24,9 +24,12 @@ use anyhow::{Context as _, bail};
 /// The event log of a recording (`recording::FILE_NAME`): what makes a directory a recording.
 pub const RECORDING_FILE: &str = "events.bin";
 
+/// Space a trace keeps free on the recording's disk while it runs (see [`OutDir::reserve`]).
+pub const RESERVE_FILE: &str = ".reserve";
+
 /// Names probe writes into a recording directory: what `--force` may replace, and nothing else.
 pub fn is_probe_output(name: &str) -> bool {
-    matches!(name, RECORDING_FILE | "report.json" | "report.html" | "timeline.json")
+    matches!(name, RECORDING_FILE | RESERVE_FILE | "report.json" | "report.html" | "timeline.json")
         || (name.starts_with("flame-") && (name.ends_with(".svg") || name.ends_with(".folded")))
 }
 
@@ -207,6 +210,35 @@ impl OutDir {
         let f = create_at(self.dir.as_raw_fd(), name)?;
         give_to_caller(&f);
         Ok(f)
+    }
+
+    /// Hold `bytes` of the disk in [`RESERVE_FILE`] (allocated, not sparse; 0600, the caller's):
+    /// given back with [`OutDir::release_reserve`] when the disk fills, so the end of the
+    /// recording and its report still fit.
+    pub fn reserve(&self, bytes: u64) -> io::Result<()> {
+        let f = self.create(RESERVE_FILE)?;
+        // SAFETY: fallocate on a descriptor owned by `f`, which lives for the call.
+        let rc = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+            drop(f);
+            self.release_reserve();
+            return Err(e);
+        }
+        // A filesystem without fallocate: write the zeros.
+        let r = (&f).write_all(&vec![0u8; bytes as usize]).and_then(|()| f.sync_all());
+        if r.is_err() {
+            self.release_reserve();
+        }
+        r
+    }
+
+    /// Give the reserved space back (nothing happens when there is none).
+    pub fn release_reserve(&self) {
+        let _ = self.unlink(RESERVE_FILE);
     }
 
     /// [`OutDir::create`] and write `bytes`; returns the file's path.

@@ -14,7 +14,7 @@
 //! frame and reports a torn tail or a corrupt frame instead of failing.
 use std::{
     fs::File,
-    io::{self, BufRead, BufReader, BufWriter, Write},
+    io::{self, BufRead, BufReader, Write},
     path::Path,
 };
 
@@ -384,14 +384,53 @@ fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
     Some(rec)
 }
 
+/// Why the writer stopped writing events: the disk refused more. Everything before it is on
+/// disk, ending on a whole frame; later records are counted ([`Writer::dropped`]), not written.
+#[derive(Debug)]
+pub struct DiskFull {
+    pub error: io::Error,
+    /// Events (kernel records and stack samples) written before the disk filled.
+    pub events_written: u64,
+}
+
+/// Is this write error the disk refusing more bytes (full, over quota, file too big)?
+pub fn is_disk_full(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG))
+}
+
+/// What the writer did not write, by cause (each a key of the stats record's `lost` map, so every
+/// report counts it).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Dropped {
+    /// Userspace records over [`MAX_FRAME`] (the reader would refuse the frame).
+    pub oversized: u64,
+    /// Records (kernel, stack, userspace) not written because the disk was full.
+    pub disk_full: u64,
+}
+
+/// Buffered frames are written once this many bytes wait (and at every [`Writer::flush`]).
+const BUFFER_BYTES: usize = 1 << 20;
+
 pub struct Writer {
-    out: BufWriter<File>,
+    file: File,
+    /// Whole frames not yet written to `file`.
+    buf: Vec<u8>,
+    /// Bytes of `file` (whole frames only).
+    on_disk: u64,
+    /// Bytes of the recording, written or buffered.
     pub bytes: u64,
     chain: Chain,
     prev_stack_ts: u64,
     /// Reused buffers: writing a record allocates nothing.
     scratch: Vec<u8>,
     head: Vec<u8>,
+    /// Kernel records and stack samples written or buffered.
+    events: u64,
+    full: Option<DiskFull>,
+    /// Set once the disk filled: no kernel record or stack sample is written after it (the
+    /// compact chains and the stack timestamps continue from frames that may have been cut).
+    events_closed: bool,
+    pub dropped: Dropped,
 }
 
 impl Writer {
@@ -403,33 +442,82 @@ impl Writer {
 
     /// A new recording file in `dir` (0600, the caller's).
     pub fn create_in(dir: &crate::output::OutDir) -> io::Result<Self> {
-        let mut out = BufWriter::with_capacity(1 << 20, dir.create(FILE_NAME)?);
-        out.write_all(MAGIC)?;
-        out.write_all(&VERSION.to_ne_bytes())?;
-        out.write_all(&0u32.to_ne_bytes())?;
-        Ok(Self {
-            out,
+        let mut buf = Vec::with_capacity(BUFFER_BYTES + (64 << 10));
+        buf.extend_from_slice(MAGIC);
+        buf.extend_from_slice(&VERSION.to_ne_bytes());
+        buf.extend_from_slice(&0u32.to_ne_bytes());
+        let mut w = Self {
+            file: dir.create(FILE_NAME)?,
+            buf,
+            on_disk: 0,
             bytes: 16,
             chain: Chain::default(),
             prev_stack_ts: 0,
             scratch: Vec::with_capacity(256),
             head: Vec::with_capacity(11),
-        })
+            events: 0,
+            full: None,
+            events_closed: false,
+            dropped: Dropped::default(),
+        };
+        w.flush()?;
+        if let Some(f) = w.full.take() {
+            return Err(f.error);
+        }
+        Ok(w)
+    }
+
+    /// The disk filled: no event is written any more (see [`Writer::resume`]).
+    pub fn disk_full(&self) -> Option<&DiskFull> {
+        self.full.as_ref()
+    }
+
+    /// Try writing again after room was made (the end record and final stats after a full disk).
+    /// The frame chains start again from a state the reader has (kernel records are not written
+    /// after this, so only userspace records follow).
+    pub fn resume(&mut self) -> Option<DiskFull> {
+        self.full.take()
+    }
+
+    /// Flush, and fail if anything was not written (a full disk): for copies that must be whole.
+    pub fn close(mut self) -> io::Result<()> {
+        self.flush()?;
+        match self.full.take() {
+            Some(f) => Err(f.error),
+            None => Ok(()),
+        }
+    }
+
+    /// Kernel records and stack samples written so far.
+    pub fn events(&self) -> u64 {
+        self.events
     }
 
     fn frame(&mut self, ty: u8, payload: &[u8]) -> io::Result<()> {
+        if self.full.is_some() {
+            self.dropped.disk_full += 1;
+            return Ok(());
+        }
         let mut head = std::mem::take(&mut self.head);
         head.clear();
         put_varint(&mut head, payload.len() as u64);
         head.push(ty);
-        let r = self.out.write_all(&head).and_then(|()| self.out.write_all(payload));
+        self.buf.extend_from_slice(&head);
+        self.buf.extend_from_slice(payload);
         self.bytes += (head.len() + payload.len()) as u64;
         self.head = head;
-        r
+        if ty != FRAME_JSON {
+            self.events += 1;
+        }
+        if self.buf.len() >= BUFFER_BYTES { self.flush() } else { Ok(()) }
     }
 
     /// One raw kernel record, as the ring buffer delivered it.
     pub fn kernel(&mut self, record: &[u8]) -> io::Result<()> {
+        if self.events_closed {
+            self.dropped.disk_full += 1;
+            return Ok(());
+        }
         let mut buf = std::mem::take(&mut self.scratch);
         buf.clear();
         compact(record, &mut self.chain, &mut buf).ok_or_else(|| io::Error::other("kernel record with a bad header or size"))?;
@@ -438,22 +526,20 @@ impl Writer {
         r
     }
 
-    /// One userspace record. A record over [`MAX_FRAME`] is refused (the reader would take it
-    /// for corruption and lose the rest of the file).
+    /// One userspace record. A record over [`MAX_FRAME`] is not written (the reader would take
+    /// it for corruption and lose the rest of the file): it is counted in
+    /// [`Dropped::oversized`] and the trace goes on.
     pub fn json(&mut self, value: &serde_json::Value) -> io::Result<()> {
         let bytes = serde_json::to_vec(value).map_err(io::Error::other)?;
-        if bytes.len() > MAX_FRAME as usize {
-            return Err(io::Error::other(format!(
-                "a {} record of {} bytes is over the {MAX_FRAME}-byte frame limit",
-                value["type"],
-                bytes.len()
-            )));
-        }
-        self.frame(FRAME_JSON, &bytes)
+        self.json_bytes(&bytes)
     }
 
     /// One unwound stack sample.
     pub fn stack(&mut self, s: &StackRecord) -> io::Result<()> {
+        if self.events_closed {
+            self.dropped.disk_full += 1;
+            return Ok(());
+        }
         let mut buf = std::mem::take(&mut self.scratch);
         buf.clear();
         s.encode(self.prev_stack_ts, &mut buf);
@@ -463,17 +549,85 @@ impl Writer {
         r
     }
 
-    /// One userspace record already serialized (copying a recording).
+    /// One userspace record already serialized (copying a recording); over [`MAX_FRAME`]:
+    /// counted, not written.
     pub fn json_bytes(&mut self, bytes: &[u8]) -> io::Result<()> {
         if bytes.len() > MAX_FRAME as usize {
-            return Err(io::Error::other(format!("a record of {} bytes is over the {MAX_FRAME}-byte frame limit", bytes.len())));
+            self.dropped.oversized += 1;
+            log::warn!("a record of {} bytes is over the {MAX_FRAME}-byte frame limit: not written (counted)", bytes.len());
+            return Ok(());
         }
         self.frame(FRAME_JSON, bytes)
     }
 
+    /// Write what is buffered. A full disk is not an error here: the file is cut back to its
+    /// last whole frame, what did not fit is counted in [`Dropped::disk_full`] and
+    /// [`Writer::disk_full`] says so; any other write error is returned.
     pub fn flush(&mut self) -> io::Result<()> {
-        self.out.flush()
+        let mut done = 0;
+        while done < self.buf.len() {
+            match self.file.write(&self.buf[done..]) {
+                Ok(0) => return self.stopped(done, io::Error::from_raw_os_error(libc::ENOSPC)),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if is_disk_full(&e) => return self.stopped(done, e),
+                Err(e) => return Err(e),
+            }
+        }
+        self.on_disk += done as u64;
+        self.buf.clear();
+        Ok(())
     }
+
+    /// The disk took `written` bytes of the buffer, then refused: keep the whole frames among
+    /// them, cut the file there, count the rest.
+    fn stopped(&mut self, written: usize, error: io::Error) -> io::Result<()> {
+        let (whole, frames, events) = whole_frames(&self.buf, written, self.on_disk == 0);
+        let (_, all_frames, all_events) = whole_frames(&self.buf, self.buf.len(), self.on_disk == 0);
+        self.on_disk += whole as u64;
+        self.file.set_len(self.on_disk)?;
+        use std::io::Seek as _;
+        self.file.seek(io::SeekFrom::Start(self.on_disk))?;
+        self.dropped.disk_full += (all_frames - frames) as u64;
+        self.events -= (all_events - events) as u64;
+        self.bytes = self.on_disk;
+        self.buf.clear();
+        self.full = Some(DiskFull { error, events_written: self.events });
+        self.events_closed = true;
+        Ok(())
+    }
+}
+
+/// What is buffered reaches the file when the writer goes (a recording cut short by an error
+/// keeps its last records).
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.flush();
+    }
+}
+
+/// Of `buf` (v2 frames, after the 16-byte file header when `header`), how many leading bytes
+/// up to `limit` are whole frames, how many frames that is, and how many of them are events
+/// (kernel records and stack samples).
+fn whole_frames(buf: &[u8], limit: usize, header: bool) -> (usize, usize, usize) {
+    let mut at = if header { 16 } else { 0 };
+    if at > limit {
+        return (0, 0, 0);
+    }
+    let (mut frames, mut events) = (0, 0);
+    while let Some((len, rest)) = take_varint(&buf[at..]) {
+        let head = buf.len() - at - rest.len() + 1;
+        let end = at + head + len as usize;
+        if end > limit || rest.is_empty() {
+            break;
+        }
+        frames += 1;
+        if rest[0] != FRAME_JSON {
+            events += 1;
+        }
+        at = end;
+    }
+    (at, frames, events)
 }
 
 /// One frame read back.
@@ -804,7 +958,7 @@ pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<String>, ReadError> {
         }
         .map_err(io)?;
     }
-    w.flush().map_err(io)?;
+    w.close().map_err(io)?;
     Ok(r.finish())
 }
 
@@ -881,6 +1035,42 @@ mod tests {
         }
         w.flush().unwrap();
         (std::fs::read(dir.join(FILE_NAME)).unwrap(), ends)
+    }
+
+    #[test]
+    fn an_oversized_record_is_dropped_and_counted_not_fatal() {
+        let dir = std::env::temp_dir().join(format!("probe-rec-oversized-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut w = Writer::create(&dir).unwrap();
+        w.json(&serde_json::json!({"type": "meta", "pid": 1})).unwrap();
+        let huge = "x".repeat(MAX_FRAME as usize + 1);
+        w.json(&serde_json::json!({"type": "maps", "pid": 1, "mappings": [huge]})).unwrap();
+        w.json_bytes(&vec![b' '; MAX_FRAME as usize + 1]).unwrap();
+        w.json(&serde_json::json!({"type": "end", "ts_ns": 2, "reason": "x"})).unwrap();
+        assert_eq!(w.dropped, Dropped { oversized: 2, disk_full: 0 });
+        w.close().unwrap();
+        let rec = read_dir(&dir).unwrap();
+        assert_eq!(rec.records.len(), 2);
+        assert!(rec.problems.is_empty(), "{:?}", rec.problems);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_cut_write_keeps_only_whole_frames() {
+        let dir = std::env::temp_dir().join(format!("probe-rec-cut-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (bytes, ends) = sample(&dir);
+        // The buffer as written after the header: one JSON frame then three kernel frames.
+        for cut in 16..=bytes.len() {
+            let (whole, frames, events) = whole_frames(&bytes, cut, true);
+            let expect = ends.iter().filter(|&&e| e <= cut).count();
+            assert_eq!(frames, expect, "cut at {cut}");
+            assert_eq!(whole, if expect == 0 { 16 } else { ends[expect - 1] }, "cut at {cut}");
+            assert_eq!(events, expect.saturating_sub(1), "cut at {cut}");
+        }
+        let (_, frames, _) = whole_frames(&bytes[16..], bytes.len() - 16, false);
+        assert_eq!(frames, 4);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

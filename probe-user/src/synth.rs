@@ -261,7 +261,7 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
         }
     }
     w.json(&json!({"type": "end", "ts_ns": t + 1, "reason": "synthetic"}))?;
-    w.flush()?;
     s.bytes = w.bytes;
+    w.close()?;
     Ok(s)
 }

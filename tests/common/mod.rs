@@ -1,5 +1,6 @@
 //! Helpers shared by the test binaries: where `probe` is, and starting a trace that is armed.
 #![allow(dead_code)]
+pub mod bpf;
 pub mod workload;
 use std::{
     io::{BufRead, BufReader},

@@ -3,7 +3,16 @@
 //! that neither wake a sleeping llama-server nor reset its idle timer are polled (`/metrics` and
 //! `/props` bypass sleep and do not count as activity; `/slots` would wake the model, so it is
 //! never polled). Every poll's local port is recorded so the report leaves these requests out.
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+/// One poll (every request to one port) ends by this deadline, however slowly the server
+/// answers: a `/metrics` trickled a byte at a time cannot hold the poller (and the trace's end).
+pub const POLL_DEADLINE: Duration = Duration::from_secs(2);
+/// The largest body read from an endpoint; a larger one is not parsed.
+pub const BODY_CAP: usize = 1 << 20;
 
 use serde_json::{Value, json};
 
@@ -62,15 +71,18 @@ pub struct Endpoint {
     no_metrics: Option<u16>,
     pub local_ports: Vec<u16>,
     timeout: Duration,
+    /// When the poll under way must end ([`POLL_DEADLINE`] after it started).
+    deadline: Option<Instant>,
 }
 
 impl Endpoint {
     pub fn new(addr: SocketAddr) -> Endpoint {
-        Endpoint { addr, kind: None, no_metrics: None, local_ports: Vec::new(), timeout: Duration::from_millis(800) }
+        Endpoint { addr, kind: None, no_metrics: None, local_ports: Vec::new(), timeout: Duration::from_millis(800), deadline: None }
     }
 
     fn fetch(&mut self, path: &str) -> Option<(u16, Vec<u8>)> {
-        match crate::httpc::request_from(&crate::httpc::Url::of(self.addr), "GET", path, None, self.timeout) {
+        let url = crate::httpc::Url::of(self.addr);
+        match crate::httpc::request_bounded(&url, "GET", path, None, self.timeout, self.deadline, BODY_CAP) {
             Ok((s, b, port)) => {
                 self.local_ports.push(port);
                 Some((s, b))
@@ -82,6 +94,7 @@ impl Endpoint {
     /// Poll once: a JSON record for the recording (None when the port does not answer HTTP).
     pub fn poll(&mut self) -> Option<Value> {
         self.local_ports.clear();
+        self.deadline = Some(Instant::now() + POLL_DEADLINE);
         let mut rec = json!({"type": "endpoint", "addr": self.addr.to_string()});
         let metrics = match self.no_metrics {
             Some(st) => Some((st, Vec::new())),
@@ -148,7 +161,57 @@ impl Endpoint {
 
 #[cfg(test)]
 mod tests {
+    use std::io::{Read as _, Write as _};
+
     use super::*;
+
+    /// A one-connection server on loopback that answers with `head` and then `body`, written
+    /// `step` bytes every `gap`.
+    fn server(head: &'static str, body: Vec<u8>, step: usize, gap: Duration) -> SocketAddr {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut req = [0u8; 4096];
+            let _ = s.read(&mut req);
+            let _ = s.write_all(head.as_bytes());
+            for c in body.chunks(step) {
+                if s.write_all(c).is_err() {
+                    return;
+                }
+                std::thread::sleep(gap);
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn a_trickled_answer_ends_at_the_deadline() {
+        // A byte every 50 ms, well inside the per-read timeout, for 10 s.
+        let addr = server("HTTP/1.1 200 OK\r\n\r\n", vec![b'#'; 200], 1, Duration::from_millis(50));
+        let t = Instant::now();
+        let deadline = Some(t + Duration::from_millis(400));
+        let r = crate::httpc::request_bounded(
+            &crate::httpc::Url::of(addr),
+            "GET",
+            "/metrics",
+            None,
+            Duration::from_millis(800),
+            deadline,
+            BODY_CAP,
+        );
+        assert!(r.is_err(), "{r:?}");
+        assert!(t.elapsed() < Duration::from_millis(900), "took {:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_body_over_the_cap_is_refused() {
+        let head = "HTTP/1.1 200 OK\r\nContent-Length: 3145728\r\n\r\n";
+        let addr = server(head, vec![b'x'; 3 << 20], 64 << 10, Duration::ZERO);
+        let url = crate::httpc::Url::of(addr);
+        let r = crate::httpc::request_bounded(&url, "GET", "/metrics", None, Duration::from_millis(800), None, 1 << 20);
+        assert!(r.as_ref().is_err_and(|e| e.contains("over 1048576 bytes")), "{:?}", r.map(|(s, b, _)| (s, b.len())));
+    }
 
     #[test]
     fn reads_prometheus_series() {

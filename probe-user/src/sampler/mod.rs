@@ -89,13 +89,24 @@ impl Sampler {
         self.snapshot.store(true, Ordering::Relaxed);
     }
 
-    /// Stop the threads (they take a last residency and memory reading) and return what is left.
-    pub fn stop(mut self) -> Vec<Value> {
+    /// Stop the threads (they take a last residency and memory reading) and return what is
+    /// left, waiting at most `within`: a thread still busy then (a read from a stuck server) is
+    /// left behind, named in the second list, and ends with the process.
+    pub fn stop(mut self, within: Duration) -> (Vec<Value>, Vec<String>) {
         self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+        let until = Instant::now() + within;
+        while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
         }
-        self.drain()
+        let mut abandoned = Vec::new();
+        for t in self.threads.drain(..) {
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                abandoned.push(t.thread().name().unwrap_or("sampler").to_string());
+            }
+        }
+        (self.drain(), abandoned)
     }
 }
 
