@@ -433,7 +433,9 @@ pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
         stop.done_marker = true;
         stop.done_reason = v.get("done_reason").and_then(s);
         let keys = ["total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration"];
-        let t: serde_json::Map<String, Value> = keys.iter().filter_map(|k| Some((k.to_string(), v.get(*k)?.clone()))).collect();
+        // Numbers only: a server (or a proxy) may put text anywhere.
+        let t: serde_json::Map<String, Value> =
+            keys.iter().filter_map(|k| Some((k.to_string(), v.get(*k).filter(|x| x.is_number())?.clone()))).collect();
         if !t.is_empty() {
             stop.server_timings = Some(Value::Object(t));
         }
@@ -502,6 +504,14 @@ mod salvage_tests {
         assert_eq!(stop.finish_reason.as_deref(), Some("length"));
         assert_eq!(stop.usage.unwrap()["completion_tokens"], 400);
         assert_eq!(salvage(b"just some text \"x\": 1"), None);
+    }
+
+    /// Found by fuzzing: Ollama's final message kept whatever its timing fields held.
+    #[test]
+    fn ollama_timings_keep_numbers_only() {
+        let mut stop = Stop::default();
+        apply(&serde_json::json!({"done": true, "total_duration": "secret prompt text", "eval_count": 12}), &mut stop, false);
+        assert_eq!(stop.server_timings, Some(serde_json::json!({"eval_count": 12})));
     }
 
     /// Found by fuzzing: thousands of unclosed `"timings":{` made salvage quadratic.
