@@ -324,7 +324,8 @@ impl Builder {
         let meta = self.meta.clone().unwrap_or_default();
         self.start = meta.start_ns;
         self.end_ts = self.end_ts.max(self.start);
-        self.page_size = meta.page_size;
+        // Meta::default() has no page size; a recording without meta has 4 KiB pages.
+        self.page_size = self.meta.as_ref().map_or(4096, |m| m.page_size);
         r.target.pid = meta.pid;
         r.target.comm = meta.comm.clone();
         r.target.cmdline = meta.cmdline.clone();
@@ -415,11 +416,12 @@ impl Builder {
             Event::Filemap(f) => {
                 let (ma, mi) = kdev(f.dev);
                 let key = (ma, mi, f.ino);
-                let (t, bytes) = (f.hdr.ts_ns, self.page_size << f.order);
-                self.file_of(key).read_bytes += bytes;
+                let (t, bytes) = (f.hdr.ts_ns, folio_bytes(self.page_size, f.order));
+                let file = self.file_of(key);
+                file.read_bytes = file.read_bytes.saturating_add(bytes);
                 for &i in self.ttft_windows.at(t) {
                     let e = self.windows[i].read.entry(key).or_insert((0, t));
-                    e.0 += bytes;
+                    e.0 = e.0.saturating_add(bytes);
                     e.1 = e.1.min(t);
                 }
                 let fills = self.fills_by_tid.entry(f.hdr.tid).or_default();
@@ -727,6 +729,15 @@ impl Reorder {
     }
 }
 
+/// Bytes in a folio of 2^order pages. The order comes from the recording (the kernel's is at most
+/// a few tens; a corrupt record's is anything): saturated, never a shift past 63 bits.
+fn folio_bytes(page_size: u64, order: u32) -> u64 {
+    match 1u64.checked_shl(order) {
+        Some(pages) if order < 64 => page_size.saturating_mul(pages),
+        _ => u64::MAX,
+    }
+}
+
 /// A userspace record typed, or its type and why it could not be.
 fn typed(v: Value) -> Result<UserRecord, (String, serde_json::Error)> {
     let ty = v["type"].as_str().unwrap_or_default().to_string();
@@ -762,10 +773,22 @@ pub fn build(rec: &Recording) -> Report {
 /// The report of a recording directory, streamed: two passes over `events.bin`, memory bounded
 /// by what the report holds (requests, files, threads, connections), not by the events.
 pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::ReadError> {
-    use crate::recording::{Frame, Reader};
+    build_frames(|| crate::recording::Reader::open(dir))
+}
+
+/// [`build_dir`] over the bytes of an `events.bin` in memory (tests, the fuzz targets).
+pub fn build_bytes(buf: &[u8]) -> Result<Report, crate::recording::ReadError> {
+    build_frames(|| crate::recording::Reader::new(buf, Some(buf.len() as u64), crate::recording::FILE_NAME))
+}
+
+/// The two streamed passes; `open` gives a reader from the start of the recording each time.
+fn build_frames<R: std::io::BufRead>(
+    open: impl Fn() -> Result<crate::recording::Reader<R>, crate::recording::ReadError>,
+) -> Result<Report, crate::recording::ReadError> {
+    use crate::recording::Frame;
     let mut b = Builder::new();
     let mut undecodable = 0u64;
-    let mut pass1 = Reader::open(dir)?;
+    let mut pass1 = open()?;
     while let Some(f) = pass1.next_frame() {
         match f {
             Frame::Kernel(Event::Mmap(m)) => b.mapping(&m),
@@ -780,7 +803,7 @@ pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::Read
     pass1.undecodable += undecodable;
     let problems = pass1.finish();
     b.prepare();
-    let mut pass2 = Reader::open(dir)?;
+    let mut pass2 = open()?;
     let mut order = Reorder::default();
     while let Some(f) = pass2.next_frame() {
         match f {
@@ -803,4 +826,29 @@ pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::Read
     }
     order.drain(&mut |e| b.kernel(e));
     Ok(b.finish(problems))
+}
+
+#[cfg(test)]
+mod tests {
+    use probe_common::{EventHeader, EventKind, filemap::FilemapEvent};
+
+    use super::*;
+
+    fn fill(order: u32) -> Event {
+        let hdr = EventHeader { kind: EventKind::Filemap as u32, pid: 1, tid: 1, cpu: 0, ts_ns: 1_000 };
+        Event::Filemap(FilemapEvent { hdr, ino: 5, index: 0, dev: 1, order })
+    }
+
+    #[test]
+    fn a_corrupt_folio_order_saturates_the_bytes_read() {
+        // Found by the recording_report fuzz target: `page_size << order` overflowed (a panic
+        // with overflow checks, a wrong count without).
+        let rec = Recording { events: vec![fill(64)], ..Default::default() };
+        assert_eq!(build(&rec).files[0].read_bytes, u64::MAX);
+        let rec = Recording { events: vec![fill(50); 4], ..Default::default() };
+        assert_eq!(build(&rec).files[0].read_bytes, u64::MAX, "4 × 2^62 bytes");
+        // Without a meta record pages are 4 KiB (Meta::default() said 0: every fill read 0 bytes).
+        let rec = Recording { events: vec![fill(0), fill(9)], ..Default::default() };
+        assert_eq!(build(&rec).files[0].read_bytes, 4096 + (4096 << 9));
+    }
 }
