@@ -202,7 +202,7 @@ impl Builder {
     }
 
     /// Pass 1: one userspace record, or why it could not be read.
-    fn user(&mut self, rec: Result<UserRecord, (String, serde_json::Error)>) {
+    fn user(&mut self, rec: Result<UserRecord, (String, String)>) {
         let rec = match rec {
             Ok(rec) => rec,
             Err((ty, _)) if ty == "stack" => {
@@ -739,9 +739,9 @@ fn folio_bytes(page_size: u64, order: u32) -> u64 {
 }
 
 /// A userspace record typed, or its type and why it could not be.
-fn typed(v: Value) -> Result<UserRecord, (String, serde_json::Error)> {
+fn typed(v: Value) -> Result<UserRecord, (String, String)> {
     let ty = v["type"].as_str().unwrap_or_default().to_string();
-    UserRecord::from_value(v).map_err(|e| (ty, e))
+    UserRecord::from_value(v).map_err(|e| (ty, e.to_string()))
 }
 
 /// The report of a recording already in memory.
@@ -749,6 +749,9 @@ pub fn build(rec: &Recording) -> Report {
     let mut b = Builder::new();
     for r in &rec.records {
         b.user(Ok(r.clone()));
+    }
+    for (ty, why) in &rec.unreadable {
+        b.user(Err((ty.clone(), why.clone())));
     }
     for s in &rec.stacks {
         b.stack_seen(s);
@@ -850,5 +853,25 @@ mod tests {
         // Without a meta record pages are 4 KiB (Meta::default() said 0: every fill read 0 bytes).
         let rec = Recording { events: vec![fill(0), fill(9)], ..Default::default() };
         assert_eq!(build(&rec).files[0].read_bytes, 4096 + (4096 << 9));
+    }
+
+    #[test]
+    fn a_record_of_the_wrong_shape_reads_the_same_in_memory_and_streamed() {
+        // Found by the recording_report fuzz target: in memory, a ksyms record with a float
+        // where an address goes was counted undecodable; streamed, it was named with its error.
+        let dir = std::env::temp_dir().join(format!("probe-build-shape-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut w = crate::recording::Writer::create(&dir).unwrap();
+        w.json(&serde_json::json!({"type": "meta", "pid": 1, "start_ns": 5})).unwrap();
+        w.json(&serde_json::json!({"type": "ksyms", "syms": [[1.5e19, "x"]]})).unwrap();
+        w.json(&serde_json::json!({"type": "stack", "ts_ns": "not a time"})).unwrap();
+        w.json_bytes(b"{not json").unwrap();
+        w.flush().unwrap();
+        let bytes = std::fs::read(dir.join(crate::recording::FILE_NAME)).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let streamed = build_bytes(&bytes).unwrap();
+        assert_eq!(build(&crate::recording::parse(&bytes, "x").unwrap()), streamed);
+        assert!(streamed.problems.iter().any(|p| p.starts_with("a ksyms record could not be read")), "{:?}", streamed.problems);
+        assert!(streamed.problems.iter().any(|p| p == "1 records could not be decoded and were skipped"), "{:?}", streamed.problems);
     }
 }
