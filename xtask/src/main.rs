@@ -612,7 +612,7 @@ fn fuzz(secs: u64) -> anyhow::Result<()> {
                 let artifact = text.lines().find_map(|l| l.split("Test unit written to ").nth(1)).unwrap_or("(none written)");
                 println!("fuzz: {name} failed; input: {artifact}; log: {}", log.display());
                 println!(
-                    "fuzz: reproduce with: cd fuzz && AYA_BUILD_SKIP=1 cargo +nightly fuzz run -O -a --target-dir ../target/fuzz {name} {artifact}"
+                    "fuzz: reproduce with: cd fuzz && AYA_BUILD_SKIP=1 cargo +nightly fuzz run -O -a -s none --target-dir ../target/fuzz {name} {artifact}"
                 );
                 failed.push(name);
             }
