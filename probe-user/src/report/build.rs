@@ -425,7 +425,7 @@ impl Builder {
                     e.1 = e.1.min(t);
                 }
                 let fills = self.fills_by_tid.entry(f.hdr.tid).or_default();
-                while fills.front().is_some_and(|(old, _)| old + FILL_MEMORY_NS < t) {
+                while fills.front().is_some_and(|(old, _)| old.saturating_add(FILL_MEMORY_NS) < t) {
                     fills.pop_front();
                 }
                 fills.push_back((t, key));
@@ -838,8 +838,35 @@ mod tests {
     use super::*;
 
     fn fill(order: u32) -> Event {
-        let hdr = EventHeader { kind: EventKind::Filemap as u32, pid: 1, tid: 1, cpu: 0, ts_ns: 1_000 };
-        Event::Filemap(FilemapEvent { hdr, ino: 5, index: 0, dev: 1, order })
+        fill_at(1_000, 5, order)
+    }
+
+    fn fill_at(ts_ns: u64, ino: u64, order: u32) -> Event {
+        let hdr = EventHeader { kind: EventKind::Filemap as u32, pid: 1, tid: 1, cpu: 0, ts_ns };
+        Event::Filemap(FilemapEvent { hdr, ino, index: 0, dev: 1, order })
+    }
+
+    #[test]
+    fn fills_near_the_end_of_the_clock_are_remembered() {
+        // Found by the recording_report fuzz target: `old + FILL_MEMORY_NS` overflowed for a
+        // timestamp near u64::MAX (a panic with overflow checks; without, the fill was forgotten
+        // and the block read that followed it named no file).
+        let end = u64::MAX - 100;
+        let hdr = EventHeader { kind: EventKind::BlockIo as u32, pid: 1, tid: 1, cpu: 0, ts_ns: end + 90 };
+        let read = BlockIoEvent {
+            hdr,
+            dev: 1,
+            bytes: 4096,
+            insert_ns: end + 10,
+            issue_ns: end + 20,
+            complete_ns: end + 90,
+            rwbs: *b"R\0\0\0\0\0\0\0",
+            ..Default::default()
+        };
+        let rec = Recording { events: vec![fill_at(end, 5, 0), fill_at(end + 50, 6, 0), Event::BlockIo(read)], ..Default::default() };
+        let r = build(&rec);
+        let file = r.files.iter().find(|f| f.inode == 5).unwrap();
+        assert_eq!(file.block_reads, 1, "{:?}", r.files);
     }
 
     #[test]
