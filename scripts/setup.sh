@@ -2,12 +2,14 @@
 # One idempotent setup step: installs what a fresh machine lacks to build probe's eBPF programs.
 #  - rust-src for the nightly toolchain (eBPF builds need -Z build-std=core)
 #  - bpf-linker 0.13.0 built against nightly's own libLLVM (no system LLVM needed)
+#  - cargo-fuzz 0.13.2 (`cargo xtask fuzz`; libFuzzer itself is built by the fuzz crate, with c++)
 # Everything lands under ${PROBE_CACHE:-~/.cache/probe}, outside the clone; a second run takes seconds.
 set -euo pipefail
 
 CACHE="${PROBE_CACHE:-$HOME/.cache/probe}"
 NIGHTLY="${PROBE_NIGHTLY:-nightly}"
 BPF_LINKER_VERSION=0.13.0
+CARGO_FUZZ_VERSION=0.13.2
 mkdir -p "$CACHE/bin"
 
 say() { printf 'setup: %s\n' "$*" >&2; }
@@ -24,12 +26,14 @@ if [ ! -d "$sysroot/lib/rustlib/src/rust/library/core" ]; then
   rustup component add rust-src --toolchain "$NIGHTLY" || die "cannot add rust-src to $NIGHTLY"
 fi
 
-# Test-only system packages: nginx (a real gateway for deadline scenarios) and chromium (renders the
-# HTML report headless). Debian packages; installed once.
+# Test-only system packages: nginx (a real gateway for deadline scenarios), chromium (renders the
+# HTML report headless) and a C++ compiler (libFuzzer, for the fuzz targets). Debian packages;
+# installed once.
 need=()
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v chromium >/dev/null || need+=(chromium)
 command -v curl >/dev/null || need+=(curl)
+command -v c++ >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     say "installing ${need[*]} (Debian packages, for the tests)"
@@ -70,4 +74,13 @@ if [ ! -x "$CACHE/bin/bpf-linker" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want
   echo "$want" > "$stamp"
 fi
 "$CACHE/bin/bpf-linker" --version >/dev/null 2>&1 || die "$CACHE/bin/bpf-linker does not run"
-say "ok: nightly $(rustc +"$NIGHTLY" --version | cut -d' ' -f2), $("$CACHE/bin/bpf-linker" --version)"
+
+# cargo-fuzz for the fuzz targets in fuzz/ (run with the nightly toolchain: `cargo +nightly fuzz`),
+# in its own root so that nothing else lands on PATH.
+fuzz_root="$CACHE/cargo-fuzz"
+if [ "$("$fuzz_root/bin/cargo-fuzz" --version 2>/dev/null)" != "cargo-fuzz $CARGO_FUZZ_VERSION" ]; then
+  say "building cargo-fuzz $CARGO_FUZZ_VERSION (about 2 minutes)"
+  cargo install cargo-fuzz --locked --version "$CARGO_FUZZ_VERSION" --root "$fuzz_root" --force \
+    || die "building cargo-fuzz failed (see above)"
+fi
+say "ok: nightly $(rustc +"$NIGHTLY" --version | cut -d' ' -f2), $("$CACHE/bin/bpf-linker" --version), $("$fuzz_root/bin/cargo-fuzz" --version)"

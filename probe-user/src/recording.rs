@@ -847,6 +847,9 @@ pub struct Recording {
     /// Human-readable problems: torn tail, corrupt frame, undecodable records (counted).
     pub problems: Vec<String>,
     pub undecodable: u64,
+    /// Userspace records that are JSON but not of their type's shape: (type, why), in file order.
+    /// The report says each (as the streamed report does), instead of counting it undecodable.
+    pub unreadable: Vec<(String, String)>,
     /// Kernel events and stack samples past [`KEEP_EVENTS`] / [`KEEP_STACKS`], not held.
     pub events_not_kept: u64,
     pub stacks_not_kept: u64,
@@ -876,9 +879,15 @@ impl Recording {
                     }
                     stacks.push_back(s);
                 }
-                Frame::Json(b) => match records::UserRecord::parse(&b) {
-                    Ok(records::UserRecord::Stack(s)) => stacks.push_back(*s),
-                    Ok(u) => rec.records.push(u),
+                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
+                    Ok(v) => {
+                        let ty = v["type"].as_str().unwrap_or_default().to_string();
+                        match records::UserRecord::from_value(v) {
+                            Ok(records::UserRecord::Stack(s)) => stacks.push_back(*s),
+                            Ok(u) => rec.records.push(u),
+                            Err(e) => rec.unreadable.push((ty, e.to_string())),
+                        }
+                    }
                     Err(_) => r.undecodable += 1,
                 },
             }

@@ -202,7 +202,7 @@ impl Builder {
     }
 
     /// Pass 1: one userspace record, or why it could not be read.
-    fn user(&mut self, rec: Result<UserRecord, (String, serde_json::Error)>) {
+    fn user(&mut self, rec: Result<UserRecord, (String, String)>) {
         let rec = match rec {
             Ok(rec) => rec,
             Err((ty, _)) if ty == "stack" => {
@@ -325,7 +325,8 @@ impl Builder {
         let meta = self.meta.clone().unwrap_or_default();
         self.start = meta.start_ns;
         self.end_ts = self.end_ts.max(self.start);
-        self.page_size = meta.page_size;
+        // Meta::default() has no page size; a recording without meta has 4 KiB pages.
+        self.page_size = self.meta.as_ref().map_or(4096, |m| m.page_size);
         r.target.pid = meta.pid;
         r.target.comm = meta.comm.clone();
         r.target.cmdline = meta.cmdline.clone();
@@ -416,15 +417,16 @@ impl Builder {
             Event::Filemap(f) => {
                 let (ma, mi) = kdev(f.dev);
                 let key = (ma, mi, f.ino);
-                let (t, bytes) = (f.hdr.ts_ns, self.page_size << f.order);
-                self.file_of(key).read_bytes += bytes;
+                let (t, bytes) = (f.hdr.ts_ns, folio_bytes(self.page_size, f.order));
+                let file = self.file_of(key);
+                file.read_bytes = file.read_bytes.saturating_add(bytes);
                 for &i in self.ttft_windows.at(t) {
                     let e = self.windows[i].read.entry(key).or_insert((0, t));
-                    e.0 += bytes;
+                    e.0 = e.0.saturating_add(bytes);
                     e.1 = e.1.min(t);
                 }
                 let fills = self.fills_by_tid.entry(f.hdr.tid).or_default();
-                while fills.front().is_some_and(|(old, _)| old + FILL_MEMORY_NS < t) {
+                while fills.front().is_some_and(|(old, _)| old.saturating_add(FILL_MEMORY_NS) < t) {
                     fills.pop_front();
                 }
                 fills.push_back((t, key));
@@ -738,10 +740,19 @@ impl Reorder {
     }
 }
 
+/// Bytes in a folio of 2^order pages. The order comes from the recording (the kernel's is at most
+/// a few tens; a corrupt record's is anything): saturated, never a shift past 63 bits.
+fn folio_bytes(page_size: u64, order: u32) -> u64 {
+    match 1u64.checked_shl(order) {
+        Some(pages) if order < 64 => page_size.saturating_mul(pages),
+        _ => u64::MAX,
+    }
+}
+
 /// A userspace record typed, or its type and why it could not be.
-fn typed(v: Value) -> Result<UserRecord, (String, serde_json::Error)> {
+fn typed(v: Value) -> Result<UserRecord, (String, String)> {
     let ty = v["type"].as_str().unwrap_or_default().to_string();
-    UserRecord::from_value(v).map_err(|e| (ty, e))
+    UserRecord::from_value(v).map_err(|e| (ty, e.to_string()))
 }
 
 /// The report of a recording already in memory.
@@ -749,6 +760,9 @@ pub fn build(rec: &Recording) -> Report {
     let mut b = Builder::new();
     for r in &rec.records {
         b.user(Ok(r.clone()));
+    }
+    for (ty, why) in &rec.unreadable {
+        b.user(Err((ty.clone(), why.clone())));
     }
     for s in &rec.stacks {
         b.stack_seen(s);
@@ -773,10 +787,22 @@ pub fn build(rec: &Recording) -> Report {
 /// The report of a recording directory, streamed: two passes over `events.bin`, memory bounded
 /// by what the report holds (requests, files, threads, connections), not by the events.
 pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::ReadError> {
-    use crate::recording::{Frame, Reader};
+    build_frames(|| crate::recording::Reader::open(dir))
+}
+
+/// [`build_dir`] over the bytes of an `events.bin` in memory (tests, the fuzz targets).
+pub fn build_bytes(buf: &[u8]) -> Result<Report, crate::recording::ReadError> {
+    build_frames(|| crate::recording::Reader::new(buf, Some(buf.len() as u64), crate::recording::FILE_NAME))
+}
+
+/// The two streamed passes; `open` gives a reader from the start of the recording each time.
+fn build_frames<R: std::io::BufRead>(
+    open: impl Fn() -> Result<crate::recording::Reader<R>, crate::recording::ReadError>,
+) -> Result<Report, crate::recording::ReadError> {
+    use crate::recording::Frame;
     let mut b = Builder::new();
     let mut undecodable = 0u64;
-    let mut pass1 = Reader::open(dir)?;
+    let mut pass1 = open()?;
     while let Some(f) = pass1.next_frame() {
         match f {
             Frame::Kernel(Event::Mmap(m)) => b.mapping(&m),
@@ -791,7 +817,7 @@ pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::Read
     pass1.undecodable += undecodable;
     let problems = pass1.finish();
     b.prepare();
-    let mut pass2 = Reader::open(dir)?;
+    let mut pass2 = open()?;
     let mut order = Reorder::default();
     while let Some(f) = pass2.next_frame() {
         match f {
@@ -814,4 +840,76 @@ pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::Read
     }
     order.drain(&mut |e| b.kernel(e));
     Ok(b.finish(problems))
+}
+
+#[cfg(test)]
+mod tests {
+    use probe_common::{EventHeader, EventKind, filemap::FilemapEvent};
+
+    use super::*;
+
+    fn fill(order: u32) -> Event {
+        fill_at(1_000, 5, order)
+    }
+
+    fn fill_at(ts_ns: u64, ino: u64, order: u32) -> Event {
+        let hdr = EventHeader { kind: EventKind::Filemap as u32, pid: 1, tid: 1, cpu: 0, ts_ns };
+        Event::Filemap(FilemapEvent { hdr, ino, index: 0, dev: 1, order })
+    }
+
+    #[test]
+    fn fills_near_the_end_of_the_clock_are_remembered() {
+        // Found by the recording_report fuzz target: `old + FILL_MEMORY_NS` overflowed for a
+        // timestamp near u64::MAX (a panic with overflow checks; without, the fill was forgotten
+        // and the block read that followed it named no file).
+        let end = u64::MAX - 100;
+        let hdr = EventHeader { kind: EventKind::BlockIo as u32, pid: 1, tid: 1, cpu: 0, ts_ns: end + 90 };
+        let read = BlockIoEvent {
+            hdr,
+            dev: 1,
+            bytes: 4096,
+            insert_ns: end + 10,
+            issue_ns: end + 20,
+            complete_ns: end + 90,
+            rwbs: *b"R\0\0\0\0\0\0\0",
+            ..Default::default()
+        };
+        let rec = Recording { events: vec![fill_at(end, 5, 0), fill_at(end + 50, 6, 0), Event::BlockIo(read)], ..Default::default() };
+        let r = build(&rec);
+        let file = r.files.iter().find(|f| f.inode == 5).unwrap();
+        assert_eq!(file.block_reads, 1, "{:?}", r.files);
+    }
+
+    #[test]
+    fn a_corrupt_folio_order_saturates_the_bytes_read() {
+        // Found by the recording_report fuzz target: `page_size << order` overflowed (a panic
+        // with overflow checks, a wrong count without).
+        let rec = Recording { events: vec![fill(64)], ..Default::default() };
+        assert_eq!(build(&rec).files[0].read_bytes, u64::MAX);
+        let rec = Recording { events: vec![fill(50); 4], ..Default::default() };
+        assert_eq!(build(&rec).files[0].read_bytes, u64::MAX, "4 × 2^62 bytes");
+        // Without a meta record pages are 4 KiB (Meta::default() said 0: every fill read 0 bytes).
+        let rec = Recording { events: vec![fill(0), fill(9)], ..Default::default() };
+        assert_eq!(build(&rec).files[0].read_bytes, 4096 + (4096 << 9));
+    }
+
+    #[test]
+    fn a_record_of_the_wrong_shape_reads_the_same_in_memory_and_streamed() {
+        // Found by the recording_report fuzz target: in memory, a ksyms record with a float
+        // where an address goes was counted undecodable; streamed, it was named with its error.
+        let dir = std::env::temp_dir().join(format!("probe-build-shape-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut w = crate::recording::Writer::create(&dir).unwrap();
+        w.json(&serde_json::json!({"type": "meta", "pid": 1, "start_ns": 5})).unwrap();
+        w.json(&serde_json::json!({"type": "ksyms", "syms": [[1.5e19, "x"]]})).unwrap();
+        w.json(&serde_json::json!({"type": "stack", "ts_ns": "not a time"})).unwrap();
+        w.json_bytes(b"{not json").unwrap();
+        w.flush().unwrap();
+        let bytes = std::fs::read(dir.join(crate::recording::FILE_NAME)).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let streamed = build_bytes(&bytes).unwrap();
+        assert_eq!(build(&crate::recording::parse(&bytes, "x").unwrap()), streamed);
+        assert!(streamed.problems.iter().any(|p| p.starts_with("a ksyms record could not be read")), "{:?}", streamed.problems);
+        assert!(streamed.problems.iter().any(|p| p == "1 records could not be decoded and were skipped"), "{:?}", streamed.problems);
+    }
 }

@@ -13,7 +13,7 @@ mod build;
 mod render;
 mod sock;
 
-pub use build::{build, build_dir};
+pub use build::{build, build_bytes, build_dir};
 pub use render::{bytes, render};
 pub use sock::state_name;
 
