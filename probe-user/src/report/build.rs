@@ -361,7 +361,8 @@ impl Builder {
         let before = r.requests.len();
         // A poll's head says so (User-Agent); its port is the only sign when the head was not seen.
         // Ports are reused: a client's request with a parsed head is never matched by port.
-        r.requests.retain(|q| !q.probe_poll && !(q.method.is_none() && ours(&q.peer, &q.local, &q.role)));
+        let poll = |q: &Request| q.probe_poll || (q.method.is_none() && ours(&q.peer, &q.local, &q.role));
+        r.requests.retain(|q| !poll(q));
         r.probe_polls = (before - r.requests.len()) as u64;
         r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
         let start = self.start;
