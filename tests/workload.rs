@@ -165,27 +165,6 @@ fn mmap_loop(secs: f64) {
     println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
 }
 
-fn flood(threads: usize, secs: f64) {
-    wait_for_go();
-    let start = Instant::now();
-    let workers: Vec<_> = (0..threads)
-        .map(|_| {
-            std::thread::spawn(move || {
-                let mut n = 0u64;
-                while start.elapsed() < Duration::from_secs_f64(secs) {
-                    for _ in 0..1000 {
-                        map_unmap(PAGE);
-                    }
-                    n += 1000;
-                }
-                n
-            })
-        })
-        .collect();
-    let n: u64 = workers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
-    println!("done calls={} secs={:.3}", n * 2, start.elapsed().as_secs_f64());
-}
-
 fn slow_metrics() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| die(format!("bind: {e}")));
     let port = l.local_addr().map(|a| a.port()).unwrap_or_else(|e| die(format!("local_addr: {e}")));
@@ -419,7 +398,7 @@ fn main() {
         "fork-mmap" => fork_mmap(num(2), num(3)),
         "mmap-loop" => mmap_loop(arg(2).parse().unwrap_or(1.0)),
         "hog" => hog(&arg(2)),
-        "flood" => flood(num(2), arg(3).parse().unwrap_or(1.0)),
+        "flood" => mmap_threads(num(2), 0.0, arg(3).parse().unwrap_or(1.0)),
         "slow-metrics" => slow_metrics(),
         "sse-server" => sse_server(&arg(2)),
         "mmap-threads" => mmap_threads(num(2), arg(3).parse().unwrap_or(0.0), arg(4).parse().unwrap_or(1.0)),

@@ -222,64 +222,93 @@ fn http(addr: &str, path: &str, body: &str, cut_after: Option<usize>) -> anyhow:
     Ok((text.lines().next().unwrap_or("").to_string(), buf.windows(6).filter(|w| w == b"data: ").count()))
 }
 
+/// A llama-server (SmolLM2-135M) on a free loopback port, answering /health; killed when dropped.
+struct Llama {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Llama {
+    /// Start it with `args` (beside the model and the address), its stderr to `log`, and wait up
+    /// to 60 s for /health.
+    fn start(args: &[&str], log: Option<&Path>) -> anyhow::Result<Llama> {
+        let (server, model) = llama()?;
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
+        let stderr = match log {
+            Some(p) => Stdio::from(std::fs::File::create(p)?),
+            None => Stdio::null(),
+        };
+        let child = Command::new(&server)
+            .args(["-m", &model])
+            .args(args)
+            .args(["--host", "127.0.0.1", "--port", &port])
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()?;
+        let srv = Llama { child, addr: format!("127.0.0.1:{port}") };
+        println!("llama-server on {} with {model}", srv.addr);
+        let t = Instant::now();
+        while !http_get_ok(&srv.addr, "/health") {
+            if t.elapsed() > Duration::from_secs(60) {
+                let see = log.map(|p| format!(" (see {})", p.display())).unwrap_or_default();
+                bail!("llama-server did not become healthy in 60 s{see}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(srv)
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+}
+
+impl Drop for Llama {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// The main job end to end: a real llama-server with SmolLM2-135M, traced by probe while it
 /// answers a few requests (one cut short by the client); probe prints the per-request table.
 fn demo() -> anyhow::Result<()> {
     require_root()?;
     build()?;
-    let (server, model) = llama()?;
     let dir = root().join("target/demo");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let addr = format!("127.0.0.1:{port}");
-    println!("demo: starting llama-server on {addr} with {model}");
-    let mut srv = Command::new(&server)
-        .args(["-m", &model, "-c", "2048", "-np", "2", "--metrics", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("llama-server.log"))?)
-        .spawn()?;
-    let result = (|| -> anyhow::Result<()> {
-        let t = Instant::now();
-        while std::net::TcpStream::connect(&addr).is_err() || !http_get_ok(&addr, "/health") {
-            if t.elapsed() > Duration::from_secs(60) {
-                bail!("llama-server did not become healthy in 60 s (see {})", dir.join("llama-server.log").display());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let rec = dir.join("recording");
-        let mut probe = Command::new(bin("probe")).args(["trace", "--pid", &srv.id().to_string(), "--out"]).arg(&rec).spawn()?;
-        wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
-        let chat = |n: u32, stream: bool| {
-            format!(
-                r#"{{"messages":[{{"role":"user","content":"Write a short story about a lighthouse."}}],"max_tokens":{n},"stream":{stream},"temperature":0}}"#
-            )
-        };
-        let steps: [(&str, String, Option<usize>, &str); 4] = [
-            ("/v1/chat/completions", chat(32, true), None, "streamed chat, max_tokens 32"),
-            (
-                "/completion",
-                r#"{"prompt":"The lighthouse keeper","n_predict":16,"stream":true}"#.to_string(),
-                None,
-                "native /completion, n_predict 16",
-            ),
-            ("/v1/chat/completions", chat(200, true), Some(5), "streamed chat, the client leaves after 5 events"),
-            ("/v1/chat/completions", chat(12, false), None, "non-streamed chat, max_tokens 12"),
-        ];
-        for (path, body, cut, what) in steps {
-            let (status, events) = http(&addr, path, &body, cut)?;
-            println!("demo: {what}: {status}, {events} SSE events read");
-        }
-        std::thread::sleep(Duration::from_millis(500));
-        // SIGINT, as Ctrl-C would: probe writes report.json and prints the summary.
-        Command::new("kill").args(["-INT", &probe.id().to_string()]).status()?;
-        let status = probe.wait()?;
-        println!("\ndemo: probe exited with {status}; recording and report.json in {}", rec.display());
-        Ok(())
-    })();
-    let _ = srv.kill();
-    let _ = srv.wait();
-    result
+    let srv = Llama::start(&["-c", "2048", "-np", "2", "--metrics"], Some(&dir.join("llama-server.log")))?;
+    let addr = srv.addr.clone();
+    let rec = dir.join("recording");
+    let mut probe = Command::new(bin("probe")).args(["trace", "--pid", &srv.pid(), "--out"]).arg(&rec).spawn()?;
+    wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+    let chat = |n: u32, stream: bool| {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":"Write a short story about a lighthouse."}}],"max_tokens":{n},"stream":{stream},"temperature":0}}"#
+        )
+    };
+    let steps: [(&str, String, Option<usize>, &str); 4] = [
+        ("/v1/chat/completions", chat(32, true), None, "streamed chat, max_tokens 32"),
+        (
+            "/completion",
+            r#"{"prompt":"The lighthouse keeper","n_predict":16,"stream":true}"#.to_string(),
+            None,
+            "native /completion, n_predict 16",
+        ),
+        ("/v1/chat/completions", chat(200, true), Some(5), "streamed chat, the client leaves after 5 events"),
+        ("/v1/chat/completions", chat(12, false), None, "non-streamed chat, max_tokens 12"),
+    ];
+    for (path, body, cut, what) in steps {
+        let (status, events) = http(&addr, path, &body, cut)?;
+        println!("demo: {what}: {status}, {events} SSE events read");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // SIGINT, as Ctrl-C would: probe writes report.json and prints the summary.
+    Command::new("kill").args(["-INT", &probe.id().to_string()]).status()?;
+    let status = probe.wait()?;
+    println!("\ndemo: probe exited with {status}; recording and report.json in {}", rec.display());
+    Ok(())
 }
 
 fn http_get_ok(addr: &str, path: &str) -> bool {
@@ -472,69 +501,51 @@ fn bench_report(dir: &Path) -> anyhow::Result<()> {
 /// Generation speed of a real llama-server untraced and traced (all probes, 99 Hz CPU stacks
 /// with unwinding), interleaved: the ratio, and the unwinding cost per sample.
 fn bench_llama(dir: &Path) -> anyhow::Result<()> {
-    let (server, model) = llama()?;
-    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut srv = Command::new(&server)
-        .args(["-m", &model, "-c", "2048", "-np", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let result = (|| -> anyhow::Result<()> {
-        let t = Instant::now();
-        while !http_get_ok(&addr, "/health") {
-            if t.elapsed() > Duration::from_secs(60) {
-                bail!("llama-server did not become healthy");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let body = r#"{"prompt":"Write a long story about a lighthouse keeper and the sea.","n_predict":256,"seed":7,"temperature":0,"cache_prompt":false,"ignore_eos":true}"#;
-        // tokens/s as the server measured it (timings.predicted_per_second).
-        let generate = || -> anyhow::Result<f64> {
-            let mut s = std::net::TcpStream::connect(&addr)?;
-            write!(s, "POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
-            let mut text = String::new();
-            s.read_to_string(&mut text)?;
-            let json = text.split("\r\n\r\n").nth(1).context("no body")?;
-            let v: serde_json::Value = serde_json::from_str(json)?;
-            v["timings"]["predicted_per_second"].as_f64().context("no timings")
-        };
-        generate()?; // warm up
-        let (mut plain, mut traced, mut unwind_us, mut load_ms, mut samples) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0u64);
-        for i in 0..8 {
-            plain.push(generate()?);
-            let rec = dir.join(format!("llama-{i}"));
-            let mut p = Command::new(bin("probe"))
-                .args(["trace", "--pid", &srv.id().to_string(), "--hz", "99", "--out"])
-                .arg(&rec)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?;
-            wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
-            traced.push(generate()?);
-            Command::new("kill").args(["-INT", &p.id().to_string()]).status()?;
-            p.wait()?;
-            let r: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
-            unwind_us.push(r["unwind"]["us_per_sample"].as_f64().unwrap_or(0.0));
-            load_ms.push(r["unwind"]["load_ms"].as_f64().unwrap_or(0.0));
-            samples += r["stacks"]["cpu"]["stacks"].as_u64().unwrap_or(0);
-        }
-        let (p, t) = (median(plain.clone()), median(traced.clone()));
-        let pairs: Vec<f64> = plain.iter().zip(&traced).map(|(a, b)| b / a).collect();
-        println!("llama-server generation (SmolLM2-135M, 256 tokens, 8 interleaved pairs):");
-        println!("  untraced: median {p:.1} tokens/s {plain:.1?}");
-        println!("  traced:   median {t:.1} tokens/s {traced:.1?}  (all probes, 99 Hz CPU stacks)");
-        println!("  ratio traced/untraced: {:.3} (medians), {:.3} (median of the 8 pairs {pairs:.3?})", t / p, median(pairs.clone()));
-        println!(
-            "  unwinding: median {:.1} us per stack ({samples} CPU samples); loading unwind tables: median {:.1} ms per trace",
-            median(unwind_us),
-            median(load_ms)
-        );
-        Ok(())
-    })();
-    let _ = srv.kill();
-    let _ = srv.wait();
-    result
+    let srv = Llama::start(&["-c", "2048", "-np", "1"], None)?;
+    let addr = srv.addr.clone();
+    let body = r#"{"prompt":"Write a long story about a lighthouse keeper and the sea.","n_predict":256,"seed":7,"temperature":0,"cache_prompt":false,"ignore_eos":true}"#;
+    // tokens/s as the server measured it (timings.predicted_per_second).
+    let generate = || -> anyhow::Result<f64> {
+        let mut s = std::net::TcpStream::connect(&addr)?;
+        write!(s, "POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        let json = text.split("\r\n\r\n").nth(1).context("no body")?;
+        let v: serde_json::Value = serde_json::from_str(json)?;
+        v["timings"]["predicted_per_second"].as_f64().context("no timings")
+    };
+    generate()?; // warm up
+    let (mut plain, mut traced, mut unwind_us, mut load_ms, mut samples) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0u64);
+    for i in 0..8 {
+        plain.push(generate()?);
+        let rec = dir.join(format!("llama-{i}"));
+        let mut p = Command::new(bin("probe"))
+            .args(["trace", "--pid", &srv.pid(), "--hz", "99", "--out"])
+            .arg(&rec)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+        traced.push(generate()?);
+        Command::new("kill").args(["-INT", &p.id().to_string()]).status()?;
+        p.wait()?;
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
+        unwind_us.push(r["unwind"]["us_per_sample"].as_f64().unwrap_or(0.0));
+        load_ms.push(r["unwind"]["load_ms"].as_f64().unwrap_or(0.0));
+        samples += r["stacks"]["cpu"]["stacks"].as_u64().unwrap_or(0);
+    }
+    let (p, t) = (median(plain.clone()), median(traced.clone()));
+    let pairs: Vec<f64> = plain.iter().zip(&traced).map(|(a, b)| b / a).collect();
+    println!("llama-server generation (SmolLM2-135M, 256 tokens, 8 interleaved pairs):");
+    println!("  untraced: median {p:.1} tokens/s {plain:.1?}");
+    println!("  traced:   median {t:.1} tokens/s {traced:.1?}  (all probes, 99 Hz CPU stacks)");
+    println!("  ratio traced/untraced: {:.3} (medians), {:.3} (median of the 8 pairs {pairs:.3?})", t / p, median(pairs.clone()));
+    println!(
+        "  unwinding: median {:.1} us per stack ({samples} CPU samples); loading unwind tables: median {:.1} ms per trace",
+        median(unwind_us),
+        median(load_ms)
+    );
+    Ok(())
 }
 
 /// Every fuzz target for `secs` seconds (two at a time on two cores), with overflow checks and

@@ -3,7 +3,6 @@
 //! recording size per minute and probe's own CPU. A benchmark: it prints figures, it asserts
 //! nothing.
 use std::{
-    net::TcpListener,
     process::{Command, Stdio},
     sync::{
         Arc,
@@ -12,9 +11,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 
-use crate::{bin, build, http, http_get_ok, llama, require_root, root, wait_for};
+use crate::{Llama, bin, build, http, require_root, root, wait_for};
 
 /// A field of /proc/PID/status, KiB.
 fn status_kib(pid: u32, key: &str) -> u64 {
@@ -51,113 +50,88 @@ fn slope(points: &[(f64, f64)]) -> f64 {
 pub fn soak(minutes: f64, clients: usize) -> anyhow::Result<()> {
     require_root()?;
     build()?;
-    let (server, model) = llama()?;
     let dir = root().join("target/soak");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let addr = format!("127.0.0.1:{port}");
     let ctx = (clients * 512).to_string();
-    let mut srv = Command::new(&server)
-        .args(["-m", &model, "-c", &ctx, "-np", &clients.to_string(), "--metrics", "--host", "127.0.0.1", "--port", &port.to_string()])
+    let srv = Llama::start(&["-c", &ctx, "-np", &clients.to_string(), "--metrics"], Some(&dir.join("llama-server.log")))?;
+    let addr = srv.addr.clone();
+    let rec = dir.join("rec");
+    let mut probe = Command::new(bin("probe"))
+        .args(["trace", "--pid", &srv.pid(), "--out"])
+        .arg(&rec)
         .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("llama-server.log"))?)
+        .stderr(std::fs::File::create(dir.join("probe.log"))?)
         .spawn()?;
-    let result = (|| -> anyhow::Result<()> {
-        let t = Instant::now();
-        while !http_get_ok(&addr, "/health") {
-            if t.elapsed() > Duration::from_secs(60) {
-                bail!("llama-server did not become healthy in 60 s (see {})", dir.join("llama-server.log").display());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let rec = dir.join("rec");
-        let mut probe = Command::new(bin("probe"))
-            .args(["trace", "--pid", &srv.id().to_string(), "--out"])
-            .arg(&rec)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("probe.log"))?)
-            .spawn()?;
-        wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
-        let pid = probe.id();
-        let (stop, served, failed) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let workers: Vec<_> = (0..clients)
-            .map(|i| {
-                let (stop, served, failed, addr) = (stop.clone(), served.clone(), failed.clone(), addr.clone());
-                std::thread::spawn(move || {
-                    let body = format!(
-                        r#"{{"messages":[{{"role":"user","content":"Tell story number {i} about a lighthouse."}}],"max_tokens":48,"stream":true,"seed":{i},"temperature":0.7}}"#
-                    );
-                    while !stop.load(Ordering::Relaxed) {
-                        match http(&addr, "/v1/chat/completions", &body, None) {
-                            Ok((status, _)) if status.contains(" 200") => served.fetch_add(1, Ordering::Relaxed),
-                            _ => failed.fetch_add(1, Ordering::Relaxed),
-                        };
-                    }
-                })
-            })
-            .collect();
-        let (start, cpu0) = (Instant::now(), cpu_secs(pid));
-        let total = Duration::from_secs_f64(minutes * 60.0);
-        // (minutes since start, RSS MiB, recording MiB), every 5 s.
-        let mut samples: Vec<(f64, f64, f64)> = Vec::new();
-        while start.elapsed() < total {
-            std::thread::sleep(Duration::from_secs(5).min(total.saturating_sub(start.elapsed())));
-            let size = std::fs::metadata(rec.join("events.bin")).map(|m| m.len()).unwrap_or(0);
-            let t = start.elapsed().as_secs_f64() / 60.0;
-            samples.push((t, status_kib(pid, "VmRSS:") as f64 / 1024.0, size as f64 / (1 << 20) as f64));
-            if samples.len().is_multiple_of(12) {
-                let (_, rss, size) = samples[samples.len() - 1];
-                println!(
-                    "  {t:>5.1} min: probe RSS {rss:.1} MiB, recording {size:.1} MiB, {} requests served",
-                    served.load(Ordering::Relaxed)
+    wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+    let pid = probe.id();
+    let (stop, served, failed) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let workers: Vec<_> = (0..clients)
+        .map(|i| {
+            let (stop, served, failed, addr) = (stop.clone(), served.clone(), failed.clone(), addr.clone());
+            std::thread::spawn(move || {
+                let body = format!(
+                    r#"{{"messages":[{{"role":"user","content":"Tell story number {i} about a lighthouse."}}],"max_tokens":48,"stream":true,"seed":{i},"temperature":0.7}}"#
                 );
-            }
+                while !stop.load(Ordering::Relaxed) {
+                    match http(&addr, "/v1/chat/completions", &body, None) {
+                        Ok((status, _)) if status.contains(" 200") => served.fetch_add(1, Ordering::Relaxed),
+                        _ => failed.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            })
+        })
+        .collect();
+    let (start, cpu0) = (Instant::now(), cpu_secs(pid));
+    let total = Duration::from_secs_f64(minutes * 60.0);
+    // (minutes since start, RSS MiB, recording MiB), every 5 s.
+    let mut samples: Vec<(f64, f64, f64)> = Vec::new();
+    while start.elapsed() < total {
+        std::thread::sleep(Duration::from_secs(5).min(total.saturating_sub(start.elapsed())));
+        let size = std::fs::metadata(rec.join("events.bin")).map(|m| m.len()).unwrap_or(0);
+        let t = start.elapsed().as_secs_f64() / 60.0;
+        samples.push((t, status_kib(pid, "VmRSS:") as f64 / 1024.0, size as f64 / (1 << 20) as f64));
+        if samples.len().is_multiple_of(12) {
+            let (_, rss, size) = samples[samples.len() - 1];
+            println!("  {t:>5.1} min: probe RSS {rss:.1} MiB, recording {size:.1} MiB, {} requests served", served.load(Ordering::Relaxed));
         }
-        let wall = start.elapsed().as_secs_f64();
-        let cpu = cpu_secs(pid) - cpu0;
-        let peak = status_kib(pid, "VmHWM:") as f64 / 1024.0;
-        stop.store(true, Ordering::Relaxed);
-        for w in workers {
-            let _ = w.join();
-        }
-        let t_int = Instant::now();
-        Command::new("kill").args(["-INT", &pid.to_string()]).status()?;
-        let status = probe.wait()?;
-        let stopped = t_int.elapsed().as_secs_f64();
-        let report: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(rec.join("report.json")).context("probe wrote no report.json (see target/soak/probe.log)")?,
-        )?;
-        let sum = |v: &serde_json::Value| v.as_object().map_or(0, |o| o.values().filter_map(|x| x.as_u64()).sum::<u64>());
-        let (lost, skipped) = (sum(&report["lost_events"]), sum(&report["skipped_runs"]));
-        let window = (minutes / 2.0).min(5.0);
-        let tail: Vec<(f64, f64)> = samples.iter().filter(|s| s.0 >= minutes - window).map(|s| (s.0, s.1)).collect();
-        let (first, last) = (tail.first().map_or(0.0, |s| s.1), tail.last().map_or(0.0, |s| s.1));
-        let size = samples.last().map_or(0.0, |s| s.2);
-        println!("soak: llama-server (SmolLM2-135M, -np {clients}) under {clients} streaming clients for {minutes:.1} min, every probe on");
-        println!(
-            "  requests: {} served to the clients ({} failed), {} in the recording",
-            served.load(Ordering::Relaxed),
-            failed.load(Ordering::Relaxed),
-            report["requests"].as_array().map_or(0, |a| a.len())
-        );
-        println!(
-            "  probe RSS: peak {peak:.1} MiB; over the last {window:.1} min {first:.1} → {last:.1} MiB, slope {:+.3} MiB/min",
-            slope(&tail)
-        );
-        println!(
-            "  events: {} recorded, {lost} lost, {skipped} program runs skipped by the kernel",
-            report["events"].as_u64().unwrap_or(0)
-        );
-        println!("  recording: {size:.1} MiB, {:.1} MiB per minute", size / minutes.max(1e-9));
-        println!("  probe CPU: {:.1}% of one core ({cpu:.1} s over {wall:.0} s)", cpu / wall * 100.0);
-        println!("  stream tracker: {}", report["stream_limits"]);
-        println!("  stop: SIGINT → exit ({status}) in {stopped:.2} s, report written");
-        Ok(())
-    })();
-    let _ = srv.kill();
-    let _ = srv.wait();
-    result
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let cpu = cpu_secs(pid) - cpu0;
+    let peak = status_kib(pid, "VmHWM:") as f64 / 1024.0;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        let _ = w.join();
+    }
+    let t_int = Instant::now();
+    Command::new("kill").args(["-INT", &pid.to_string()]).status()?;
+    let status = probe.wait()?;
+    let stopped = t_int.elapsed().as_secs_f64();
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(rec.join("report.json")).context("probe wrote no report.json (see target/soak/probe.log)")?)?;
+    let sum = |v: &serde_json::Value| v.as_object().map_or(0, |o| o.values().filter_map(|x| x.as_u64()).sum::<u64>());
+    let (lost, skipped) = (sum(&report["lost_events"]), sum(&report["skipped_runs"]));
+    let window = (minutes / 2.0).min(5.0);
+    let tail: Vec<(f64, f64)> = samples.iter().filter(|s| s.0 >= minutes - window).map(|s| (s.0, s.1)).collect();
+    let (first, last) = (tail.first().map_or(0.0, |s| s.1), tail.last().map_or(0.0, |s| s.1));
+    let size = samples.last().map_or(0.0, |s| s.2);
+    println!("soak: llama-server (SmolLM2-135M, -np {clients}) under {clients} streaming clients for {minutes:.1} min, every probe on");
+    println!(
+        "  requests: {} served to the clients ({} failed), {} in the recording",
+        served.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed),
+        report["requests"].as_array().map_or(0, |a| a.len())
+    );
+    println!(
+        "  probe RSS: peak {peak:.1} MiB; over the last {window:.1} min {first:.1} → {last:.1} MiB, slope {:+.3} MiB/min",
+        slope(&tail)
+    );
+    println!("  events: {} recorded, {lost} lost, {skipped} program runs skipped by the kernel", report["events"].as_u64().unwrap_or(0));
+    println!("  recording: {size:.1} MiB, {:.1} MiB per minute", size / minutes.max(1e-9));
+    println!("  probe CPU: {:.1}% of one core ({cpu:.1} s over {wall:.0} s)", cpu / wall * 100.0);
+    println!("  stream tracker: {}", report["stream_limits"]);
+    println!("  stop: SIGINT → exit ({status}) in {stopped:.2} s, report written");
+    Ok(())
 }
 
 /// `cargo xtask stress`: several producer threads (the target's own) against probe's one ring

@@ -369,6 +369,13 @@ impl Tracker {
             return;
         }
         self.limits.conns_evicted += 1;
+        self.limits.requests_evicted += conn.pending.len() as u64;
+        self.write_unfinished(&mut conn, true);
+    }
+
+    /// Write the requests still in flight on a connection no longer followed, as they are
+    /// (their buffered stream messages read for stop fields).
+    fn write_unfinished(&mut self, conn: &mut Conn, evicted: bool) {
         let closer = conn.closer.unwrap_or("open");
         while let Some(mut p) = conn.pending.pop_front() {
             if let Some(s) = p.splitter.as_mut() {
@@ -376,9 +383,8 @@ impl Tracker {
                 s.finish(&mut msgs);
                 apply_msgs(&mut p, msgs, (0, 0), self.keep_text);
             }
-            let mut rec = finalize(p, &conn, closer);
-            rec.evicted = true;
-            self.limits.requests_evicted += 1;
+            let mut rec = finalize(p, conn, closer);
+            rec.evicted = evicted;
             self.done.push(rec);
         }
     }
@@ -846,16 +852,7 @@ impl Tracker {
         let conns: Vec<Conn> = self.conns.drain().map(|(_, c)| c).collect();
         self.held = 0;
         for mut conn in conns {
-            let closer = conn.closer.unwrap_or("open");
-            while let Some(mut p) = conn.pending.pop_front() {
-                if let Some(s) = p.splitter.as_mut() {
-                    let mut msgs = Vec::new();
-                    s.finish(&mut msgs);
-                    apply_msgs(&mut p, msgs, (0, 0), self.keep_text);
-                }
-                let rec = finalize(p, &conn, closer);
-                self.done.push(rec);
-            }
+            self.write_unfinished(&mut conn, false);
         }
     }
 
