@@ -58,8 +58,23 @@ fn start_clients(cell: &Cell, url: &str) -> Vec<Child> {
     start_clients_ready(cell, url, None)
 }
 
-/// Same; each client creates `<ready>/<index>` when its first content event arrives.
+/// Same; each client creates `<ready>/<index>` when its first content event arrives. With
+/// `ready`, the clients load their libraries first and all send once every one has: a stream that
+/// ended before the slowest interpreter started (a fast server) would never be cut.
 fn start_clients_ready(cell: &Cell, url: &str, ready: Option<&Path>) -> Vec<Child> {
+    let kids = spawn_clients(cell, url, ready);
+    if let Some(d) = ready {
+        let t = Instant::now();
+        while (0..CLIENTS.len()).any(|i| !d.join(format!("armed-{i}")).exists()) {
+            assert!(t.elapsed() < Duration::from_secs(120), "not every client loaded within 120 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::write(d.join("go"), b"").unwrap();
+    }
+    kids
+}
+
+fn spawn_clients(cell: &Cell, url: &str, ready: Option<&Path>) -> Vec<Child> {
     CLIENTS
         .iter()
         .enumerate()
@@ -68,6 +83,8 @@ fn start_clients_ready(cell: &Cell, url: &str, ready: Option<&Path>) -> Vec<Chil
             cmd.arg(script()).args(["--client", c, "--url", url, "--api", cell.api, "--prompt", cell.prompt]);
             if let Some(d) = ready {
                 cmd.arg("--ready-file").arg(d.join(i.to_string()));
+                cmd.arg("--armed-file").arg(d.join(format!("armed-{i}")));
+                cmd.arg("--go-file").arg(d.join("go"));
             }
             cmd.args(["--max-tokens", &(cell.base + i as u64).to_string()]);
             if let Some(s) = cell.stop {

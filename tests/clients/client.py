@@ -18,6 +18,7 @@ Request text is fixed; nothing here is printed but counts and stop fields.
 """
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -306,7 +307,19 @@ def main():
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--leave-after", type=int, default=0)
     p.add_argument("--ready-file", help="created when the first content event arrives")
+    p.add_argument("--armed-file", help="created once the client library is loaded, before --go-file is awaited")
+    p.add_argument("--go-file", help="the request is sent only once this file exists")
     a = p.parse_args()
+    if a.go_file:
+        # Load the library first: every client of a cell then sends within milliseconds of the
+        # others, and no stream can end before the slowest interpreter has started.
+        __import__({"openai": "openai", "httpx": "httpx", "requests": "requests"}.get(a.client, "http.client"))
+        open(a.armed_file, "a").close()
+        waited = time.monotonic()
+        while not os.path.exists(a.go_file):
+            if time.monotonic() - waited > 120:
+                sys.exit("no go file within 120 s")
+            time.sleep(0.01)
     t = time.monotonic()
     try:
         res = RUN[a.client](a, a.max_tokens)
