@@ -74,6 +74,13 @@ fn cold_mapped_file_is_named_with_exact_major_faults() {
     );
     assert!(mmaps.iter().any(|m| m["op"] == "madvise"), "{mmaps:?}");
     assert!(r["lost_events"].as_object().unwrap().values().all(|v| n(v) == 0));
+    // What tracing cost: the kernel counted the fault program's runs and their time.
+    let cost = &r["cost"];
+    assert!(cost["bpf_unmeasured"].is_null(), "{cost}");
+    let prog = |name: &str| cost["programs"].as_array().unwrap().iter().find(|p| p["name"] == name).cloned();
+    let pf = prog("page_fault_user").unwrap_or_else(|| panic!("no cost for page_fault_user: {cost}"));
+    assert!(n(&pf["runs"]) >= PAGES && pf["ns_per_run"].as_f64().unwrap() > 0.0, "{pf}");
+    assert!(cost["probe_cpu_ms"].as_f64().unwrap() > 0.0 && cost["wall_s"].as_f64().unwrap() > 0.0, "{cost}");
 }
 
 /// A listener on loopback in the test process: the peer of the workload's connection.

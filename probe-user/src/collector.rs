@@ -65,6 +65,15 @@ pub struct TraceOutcome {
 /// the loop draining, and Ctrl-C, SIGTERM and `--duration` were never seen.
 const DRAIN_RECORDS: usize = 4096;
 const DRAIN_TIME: Duration = Duration::from_millis(10);
+/// How often the ring is drained while records flow, and after a turn that found none.
+const DRAIN_TICK: Duration = Duration::from_millis(20);
+const IDLE_DRAIN: Duration = Duration::from_millis(500);
+/// The cumulative `stats` record is written every second while records flow, this often while
+/// none do (and always at the stop).
+const IDLE_STATS: Duration = Duration::from_secs(5);
+/// Records a second from which the target counts as busy for the samplers (an idle
+/// llama-server makes about ten).
+const BUSY_EVENTS: u64 = 200;
 /// How long the samplers get to stop at the end; a thread still busy then (a server trickling
 /// its `/metrics`) is left behind, not waited for.
 const SAMPLER_STOP: Duration = Duration::from_secs(1);
@@ -373,7 +382,35 @@ fn sum(map: &PerCpuArray<MapData, u64>) -> Vec<u64> {
     (0..probe_common::MAX_KINDS).map(|i| map.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0)).collect()
 }
 
-fn stats_json(lost: &[u64], counters: &[u64], st: &State, skipped: &std::collections::BTreeMap<String, u64>) -> serde_json::Value {
+/// probe's own CPU time so far (user + system, every thread, ended ones included), ns.
+fn own_cpu_ns() -> u64 {
+    // SAFETY: an all-zero rusage is valid; getrusage fills it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a local.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// The `cost` of a stats record: probe's CPU and its programs' runs, cumulative.
+fn cost_json(runs: &std::collections::BTreeMap<String, probes::ProgRuns>, bpf_unmeasured: Option<&str>) -> recording::records::Cost {
+    recording::records::Cost {
+        cpu_ns: own_cpu_ns(),
+        bpf: runs.iter().map(|(k, r)| (k.clone(), recording::records::ProgCost { runs: r.runs, ns: r.run_ns })).collect(),
+        bpf_unmeasured: bpf_unmeasured.map(str::to_string),
+    }
+}
+
+fn stats_json(
+    lost: &[u64],
+    counters: &[u64],
+    st: &State,
+    runs: &std::collections::BTreeMap<String, probes::ProgRuns>,
+    bpf_unmeasured: Option<&str>,
+) -> serde_json::Value {
+    let skipped = probes::skipped_runs(runs);
     let mut lost: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(lost[*k as usize]))).collect();
     // Records the writer did not write count as lost too (every report shows them).
     let d = st.writer.dropped;
@@ -386,7 +423,7 @@ fn stats_json(lost: &[u64], counters: &[u64], st: &State, skipped: &std::collect
     let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
     let u = &st.unwinders;
     let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos, "load_ns": u.load_nanos});
-    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped, "streams": st.streams.limits()})
+    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped, "streams": st.streams.limits(), "cost": cost_json(runs, bpf_unmeasured)})
 }
 
 /// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`], then the
@@ -421,6 +458,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     let mut ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
 
     let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
+    let bpf_unmeasured = attached.run_time_stats.as_ref().err().cloned();
     let writer = Writer::create_in(out_dir).map_err(|e| match recording::is_disk_full(&e) {
         true => reserve_error(&opts.out, e),
         false => anyhow::Error::new(e).context(format!("cannot create the recording in {}", opts.out.display())),
@@ -451,6 +489,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     for &pid in &attached.targets {
         st.unwinders.prepare(pid);
     }
+    // The first cumulative counters: the report's tracing cost counts from here.
+    st.writer.json(&stats_json(&sum(&lost_map), &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
     st.writer.flush()?;
 
     let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.as_str()).collect();
@@ -483,8 +523,13 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sighup = signal(SignalKind::hangup())?;
     let mut sigusr1 = signal(SignalKind::user_defined1())?;
-    let mut drain_tick = tokio::time::interval(Duration::from_millis(20));
     let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
+    // Small records wait in the ring for this timer (the kernel wakes probe only for a backlog):
+    // every 20 ms while records flow, every IDLE_DRAIN after a quiet turn (an idle server then
+    // costs probe a few wake-ups a second, not fifty).
+    let mut tick = DRAIN_TICK;
+    let mut events_at_sec = 0u64;
+    let (mut last_stats, mut lost_at_stats): (Option<Instant>, u64) = (None, 0);
     let started = Instant::now();
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut last_events = 0u64;
@@ -499,11 +544,24 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                     guard.clear_ready();
                 }
             }
-            _ = drain_tick.tick() => more = drain_turn(ring.get_mut(), &mut st, &sampler)?,
+            _ = tokio::time::sleep(tick) => {
+                let before = st.events;
+                more = drain_turn(ring.get_mut(), &mut st, &sampler)?;
+                tick = if st.events > before { DRAIN_TICK } else { IDLE_DRAIN };
+            }
             _ = sec_tick.tick() => {
                 more = drain_turn(ring.get_mut(), &mut st, &sampler)?;
                 let lost = sum(&lost_map);
-                st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &probes::skipped_runs(&attached.ebpf)))?;
+                // Busy: a request in flight, or the target keeps the probes going.
+                let busy = st.streams.in_flight() > 0 || st.events.saturating_sub(events_at_sec) >= BUSY_EVENTS;
+                sampler.set_busy(busy);
+                // Every second while busy or losing events; every IDLE_STATS otherwise.
+                let lost_now: u64 = lost.iter().sum();
+                if busy || lost_now != lost_at_stats || last_stats.is_none_or(|t| t.elapsed() >= IDLE_STATS) {
+                    lost_at_stats = lost_now;
+                    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
+                    last_stats = Some(Instant::now());
+                }
                 st.writer.flush()?;
                 if tty && !hung_up {
                     let rate = st.events - last_events;
@@ -511,6 +569,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                     let _ = write!(std::io::stderr(), "\r  {:>6.1} s | {} events ({rate}/s) | {} requests in flight | lost {}    ", started.elapsed().as_secs_f64(), st.events, st.streams.in_flight(), lost.iter().sum::<u64>());
                 }
                 last_events = st.events;
+                events_at_sec = st.events;
                 if !procfs::exists(opts.pid) {
                     st.root_exited = true;
                 }
@@ -552,7 +611,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     // the samplers are stopped with a deadline.
     let stopping = Instant::now();
     let stop_ns = monotonic_ns();
-    let skipped = probes::skipped_runs(&attached.ebpf);
+    let runs = probes::prog_runs(&attached.ebpf);
+    let skipped = probes::skipped_runs(&runs);
     let (lost, counters) = (sum(&lost_map), sum(&counter_map));
     let detaching = std::thread::Builder::new().name("probe-detach".into()).spawn(move || probes::detach(attached)).ok();
     let mut after_stop = 0usize;
@@ -594,7 +654,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         v.still_blocked = true;
         st.writer.stack(&v)?;
     }
-    st.writer.json(&stats_json(&lost, &counters, &st, &skipped))?;
+    st.writer.json(&stats_json(&lost, &counters, &st, &runs, bpf_unmeasured.as_deref()))?;
     st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
     st.writer.flush()?;
     let full_again = st.writer.disk_full().is_some();

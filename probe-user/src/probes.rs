@@ -136,6 +136,8 @@ pub struct Attached {
     pub status: Vec<SubsystemStatus>,
     /// The processes traced from the start: the target and its live descendants.
     pub targets: Vec<u32>,
+    /// Keeps the kernel counting the programs' run time while it is open; why not, when not.
+    pub run_time_stats: Result<std::os::fd::OwnedFd, String>,
 }
 
 pub struct Options {
@@ -191,6 +193,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     preflight(opts)?;
     let tracefs = tracefs::ensure_mounted().map_err(|e| anyhow!(e))?;
     raise_memlock();
+    let run_time_stats = enable_run_time_stats();
 
     // Struct offsets for naming the file behind an fd; without BTF the mmap probe still runs
     // and files are named from /proc alone.
@@ -278,7 +281,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         let why: Vec<String> = status.iter().flat_map(|s| s.skipped.clone()).collect();
         bail!("no probe could attach: {}", why.join("; "));
     }
-    Ok(Attached { ebpf, status, targets })
+    Ok(Attached { ebpf, status, targets, run_time_stats })
 }
 
 fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
@@ -344,13 +347,24 @@ fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: Soft
     Ok(())
 }
 
-/// Runs of each loaded program that the kernel skipped because a BPF program was already running
-/// on that CPU (`bpf_prog_info.recursion_misses`, Linux 5.12+): events lost before they were
-/// made. Programs with none are left out; a kernel without the counter gives an empty map.
-pub fn skipped_runs(ebpf: &Ebpf) -> std::collections::BTreeMap<String, u64> {
+/// What the kernel counts for one loaded program (`struct bpf_prog_info`): runs and run time
+/// (counted only while bpf_stats is on: [`enable_run_time_stats`]), and runs it skipped.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProgRuns {
+    pub runs: u64,
+    pub run_ns: u64,
+    /// Runs skipped because a BPF program was already running on that CPU
+    /// (`recursion_misses`, Linux 5.12+): events lost before they were made.
+    pub skipped: u64,
+}
+
+/// [`ProgRuns`] of every loaded program, by name (cumulative since load).
+pub fn prog_runs(ebpf: &Ebpf) -> std::collections::BTreeMap<String, ProgRuns> {
     use std::os::fd::{AsFd as _, AsRawFd as _};
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    /// Offset of `recursion_misses` in `struct bpf_prog_info` (include/uapi/linux/bpf.h).
+    /// Offsets in `struct bpf_prog_info` (include/uapi/linux/bpf.h).
+    const RUN_TIME_NS: usize = 192;
+    const RUN_CNT: usize = 200;
     const RECURSION_MISSES: usize = 208;
     #[repr(C, align(8))]
     struct Info([u8; 256]);
@@ -368,15 +382,31 @@ pub fn skipped_runs(ebpf: &Ebpf) -> std::collections::BTreeMap<String, u64> {
         // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most info_len bytes into `info` and the
         // written length into attr.info_len; both live for the call.
         let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &mut attr as *mut Attr, std::mem::size_of::<Attr>()) };
-        if rc != 0 || (attr.info_len as usize) < RECURSION_MISSES + 8 {
+        if rc != 0 {
             continue;
         }
-        let n = u64::from_ne_bytes(info.0[RECURSION_MISSES..RECURSION_MISSES + 8].try_into().expect("8 bytes"));
-        if n > 0 {
-            out.insert(name.to_string(), n);
-        }
+        let len = attr.info_len as usize;
+        let at = |off: usize| -> u64 {
+            if len < off + 8 {
+                return 0;
+            }
+            u64::from_ne_bytes(info.0[off..off + 8].try_into().expect("8 bytes"))
+        };
+        out.insert(name.to_string(), ProgRuns { runs: at(RUN_CNT), run_ns: at(RUN_TIME_NS), skipped: at(RECURSION_MISSES) });
     }
     out
+}
+
+/// Runs each program skipped ([`ProgRuns::skipped`]); programs with none are left out.
+pub fn skipped_runs(runs: &std::collections::BTreeMap<String, ProgRuns>) -> std::collections::BTreeMap<String, u64> {
+    runs.iter().filter(|(_, r)| r.skipped > 0).map(|(k, r)| (k.clone(), r.skipped)).collect()
+}
+
+/// Turn on the kernel's per-program run-time counting (BPF_ENABLE_STATS, Linux 5.8+) for as long
+/// as the returned fd is open: what each program costs, for the report's `cost` section. It adds
+/// two clock reads to every program run (tens of ns), and ends with probe, whatever way it ends.
+pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd, String> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|e| format!("bpf_stats not enabled ({e})"))
 }
 
 /// Detach and unload every program, all at once: closing a classic tracepoint's last perf

@@ -115,6 +115,29 @@ pub struct Stats {
     /// What the request-stream tracker gave up to stay bounded.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub streams: Option<crate::stream::Limits>,
+    /// What tracing has cost so far (absent in recordings before it was measured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<Cost>,
+}
+
+/// What tracing has cost since attach: probe's own CPU time and its BPF programs' run time.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Cost {
+    /// probe's process CPU time, user + system, all its threads.
+    pub cpu_ns: u64,
+    /// Runs and run time per program (the kernel's bpf_stats).
+    pub bpf: BTreeMap<String, ProgCost>,
+    /// Why the programs' run time is not counted, when it is not (then `bpf` holds zeros).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bpf_unmeasured: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProgCost {
+    pub runs: u64,
+    pub ns: u64,
 }
 
 impl Stats {

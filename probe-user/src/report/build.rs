@@ -582,6 +582,10 @@ impl Builder {
                 l.requests_evicted
             ));
         }
+        let measured: Vec<&Stats> = self.stats.iter().filter(|s| s.cost.is_some()).collect();
+        if let (Some(a), Some(b)) = (measured.first(), measured.last()) {
+            r.cost = Cost::between(a.cost.as_ref().expect("filtered"), b.cost.as_ref().expect("filtered"), b.ts_ns.saturating_sub(a.ts_ns));
+        }
         let skipped: u64 = r.skipped_runs.values().sum();
         if skipped > 0 {
             let per: Vec<String> = r.skipped_runs.iter().map(|(k, n)| format!("{k} {n}")).collect();

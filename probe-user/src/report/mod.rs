@@ -58,6 +58,9 @@ pub struct Report {
     /// What the request-stream tracker gave up to stay bounded (connections dropped, peaks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_limits: Option<crate::stream::Limits>,
+    /// What tracing cost while it ran: probe's CPU and its BPF programs' run time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<Cost>,
     pub probes: Value,
     pub problems: Vec<String>,
 }
@@ -96,6 +99,74 @@ pub struct Unwind {
     pub us_per_sample: f64,
     /// Reading ELF files and building unwinders (once per process and mapping change), ms.
     pub load_ms: f64,
+}
+
+/// Tracing cost between the first and the last `stats` record (attach to stop; the analysis
+/// after the stop is not in it), as a share of one CPU core.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Cost {
+    pub wall_s: f64,
+    /// probe's process CPU time (user + system), ms.
+    pub probe_cpu_ms: f64,
+    /// Run time of probe's BPF programs (the kernel's bpf_stats), ms.
+    pub bpf_ms: f64,
+    /// (probe_cpu_ms + bpf_ms) per wall second, % of one core.
+    pub pct_of_core: f64,
+    pub probe_pct: f64,
+    pub bpf_pct: f64,
+    /// Programs that ran, most costly first.
+    pub programs: Vec<ProgramCost>,
+    /// Why BPF run time was not measured (the figures then count probe's process only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bpf_unmeasured: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ProgramCost {
+    pub name: String,
+    pub runs: u64,
+    pub runs_per_s: f64,
+    pub ns_per_run: f64,
+    pub pct_of_core: f64,
+}
+
+impl Cost {
+    /// From two cumulative measurements `wall_ns` apart.
+    pub fn between(a: &crate::recording::records::Cost, b: &crate::recording::records::Cost, wall_ns: u64) -> Option<Cost> {
+        if wall_ns == 0 {
+            return None;
+        }
+        let wall_s = wall_ns as f64 / 1e9;
+        let pct = |ns: u64| ns as f64 / wall_ns as f64 * 100.0;
+        let mut programs: Vec<ProgramCost> = b
+            .bpf
+            .iter()
+            .filter_map(|(name, e)| {
+                let s = a.bpf.get(name).copied().unwrap_or_default();
+                let (runs, ns) = (e.runs.saturating_sub(s.runs), e.ns.saturating_sub(s.ns));
+                (runs > 0).then(|| ProgramCost {
+                    name: name.clone(),
+                    runs,
+                    runs_per_s: runs as f64 / wall_s,
+                    ns_per_run: ns as f64 / runs as f64,
+                    pct_of_core: pct(ns),
+                })
+            })
+            .collect();
+        programs.sort_by(|x, y| y.pct_of_core.total_cmp(&x.pct_of_core).then_with(|| x.name.cmp(&y.name)));
+        let cpu = b.cpu_ns.saturating_sub(a.cpu_ns);
+        let bpf: u64 = b.bpf.iter().map(|(k, e)| e.ns.saturating_sub(a.bpf.get(k).map_or(0, |s| s.ns))).sum();
+        Some(Cost {
+            wall_s,
+            probe_cpu_ms: cpu as f64 / 1e6,
+            bpf_ms: bpf as f64 / 1e6,
+            pct_of_core: pct(cpu + bpf),
+            probe_pct: pct(cpu),
+            bpf_pct: pct(bpf),
+            programs,
+            bpf_unmeasured: b.bpf_unmeasured.clone(),
+        })
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

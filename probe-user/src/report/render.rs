@@ -110,6 +110,23 @@ pub fn render(r: &Report) -> String {
             r.unwind.us_per_sample
         );
     }
+    if let Some(c) = &r.cost {
+        let top: Vec<String> = c
+            .programs
+            .iter()
+            .take(3)
+            .map(|p| format!("{} {:.2}% ({:.0}/s × {:.1} us)", p.name, p.pct_of_core, p.runs_per_s, p.ns_per_run / 1e3))
+            .collect();
+        let bpf = match &c.bpf_unmeasured {
+            Some(why) => format!("BPF programs not measured: {why}"),
+            None => format!("BPF programs {:.2}%: {}", c.bpf_pct, if top.is_empty() { "none ran".into() } else { top.join(", ") }),
+        };
+        let _ = writeln!(
+            o,
+            "\nTracing cost: {:.2}% of one core over {:.1} s (probe's process {:.2}%, {bpf})",
+            c.pct_of_core, c.wall_s, c.probe_pct
+        );
+    }
     if !r.requests.is_empty() {
         let _ = writeln!(o, "\nRequests: {}", r.requests.len());
         let _ = writeln!(

@@ -5,7 +5,7 @@
 //! recording; a source the machine lacks is described once in the `samplers` record, never an error.
 use std::{
     sync::{
-        Arc, Mutex,
+        Arc, Condvar, Mutex,
         atomic::{AtomicBool, Ordering},
         mpsc,
     },
@@ -43,9 +43,59 @@ pub struct Options {
 
 pub struct Sampler {
     rx: mpsc::Receiver<Value>,
-    stop: Arc<AtomicBool>,
+    signal: Arc<Signal>,
     snapshot: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// While the target is idle, every sampler reading is taken this often (GPU, CPU frequency and
+/// memory at `hz` otherwise; residency and C-states every second otherwise): an idle server
+/// changes slowly, and a request makes the collector call [`Sampler::set_busy`], which wakes the
+/// samplers at once.
+pub const IDLE_PERIOD: Duration = Duration::from_secs(5);
+
+/// What the sampler threads sleep on: they wake at once when probe stops, when the target turns
+/// busy, or on SIGUSR1, never to look at a flag (no periodic wake-ups while nothing happens).
+#[derive(Default)]
+struct Signal {
+    /// (stopped, busy, pokes)
+    state: Mutex<(bool, bool, u64)>,
+    cv: Condvar,
+}
+
+impl Signal {
+    fn get(&self) -> std::sync::MutexGuard<'_, (bool, bool, u64)> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stopped(&self) -> bool {
+        self.get().0
+    }
+
+    fn busy(&self) -> bool {
+        self.get().1
+    }
+
+    fn update(&self, f: impl FnOnce(&mut (bool, bool, u64))) {
+        let mut g = self.get();
+        f(&mut g);
+        g.2 += 1;
+        self.cv.notify_all();
+    }
+
+    /// Sleep up to `d`; back early when stopped or poked meanwhile.
+    fn nap(&self, d: Duration) {
+        let until = Instant::now() + d;
+        let mut g = self.get();
+        let pokes = g.2;
+        while !g.0 && g.2 == pokes {
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            g = self.cv.wait_timeout(g, until - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
 }
 
 fn targets(opts: &Options) -> Vec<u32> {
@@ -58,25 +108,33 @@ const FILE_SCAN_EVERY: Duration = Duration::from_secs(5);
 impl Sampler {
     pub fn start(opts: Options) -> Sampler {
         let (tx, rx) = mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
+        let signal = Arc::new(Signal::default());
         let snapshot = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         {
-            let (tx, stop, snapshot, opts) = (tx.clone(), stop.clone(), snapshot.clone(), opts.clone());
+            let (tx, signal, snapshot, opts) = (tx.clone(), signal.clone(), snapshot.clone(), opts.clone());
             threads.push(
                 std::thread::Builder::new()
                     .name("probe-sample".into())
-                    .spawn(move || sample_loop(&opts, &tx, &stop, &snapshot))
+                    .spawn(move || sample_loop(&opts, &tx, &signal, &snapshot))
                     .expect("spawn sampler"),
             );
         }
         if opts.poll {
-            let stop = stop.clone();
+            let signal = signal.clone();
             threads.push(
-                std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(&opts, &tx, &stop)).expect("spawn poller"),
+                std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(&opts, &tx, &signal)).expect("spawn poller"),
             );
         }
-        Sampler { rx, stop, snapshot, threads }
+        Sampler { rx, signal, snapshot, threads }
+    }
+
+    /// The target is busy (a request in flight, events flowing) or idle again: busy, the samplers
+    /// run at their full rates, and a change to busy wakes them now.
+    pub fn set_busy(&self, busy: bool) {
+        if self.signal.busy() != busy {
+            self.signal.update(|s| s.1 = busy);
+        }
     }
 
     /// Records gathered since the last call.
@@ -87,13 +145,14 @@ impl Sampler {
     /// Measure residency now (SIGUSR1).
     pub fn snapshot_now(&self) {
         self.snapshot.store(true, Ordering::Relaxed);
+        self.signal.update(|_| {});
     }
 
     /// Stop the threads (they take a last residency and memory reading) and return what is
     /// left, waiting at most `within`: a thread still busy then (a read from a stuck server) is
     /// left behind, named in the second list, and ends with the process.
     pub fn stop(mut self, within: Duration) -> (Vec<Value>, Vec<String>) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.signal.update(|s| s.0 = true);
         let until = Instant::now() + within;
         while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
@@ -110,19 +169,7 @@ impl Sampler {
     }
 }
 
-/// Sleep up to `d` in small steps, returning early when stopped.
-fn nap(d: Duration, stop: &AtomicBool) {
-    let until = Instant::now() + d;
-    while !stop.load(Ordering::Relaxed) {
-        let now = Instant::now();
-        if now >= until {
-            break;
-        }
-        std::thread::sleep((until - now).min(Duration::from_millis(20)));
-    }
-}
-
-fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snapshot: &AtomicBool) {
+fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapshot: &AtomicBool) {
     let mut gpu = gpu::open();
     let freq = host::cpufreq();
     let cgroup = host::memory_cgroup(opts.pid);
@@ -145,14 +192,21 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
     let mut last_slow: Option<Instant> = None;
     let mut last_file_scan: Option<Instant> = None;
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
+    let mut last_fast: Option<Instant> = None;
     loop {
-        let stopping = stop.load(Ordering::Relaxed);
-        let slow_due = last_slow.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+        let stopping = signal.stopped();
+        let busy = signal.busy();
+        let slow_every = if busy { Duration::from_secs(1) } else { IDLE_PERIOD };
+        let slow_due = last_slow.is_none_or(|t| t.elapsed() >= slow_every);
         if slow_due || stopping {
             last_slow = Some(Instant::now());
             pids = targets(opts);
         }
-        if opts.hz > 0.0 || stopping {
+        let fast_every = if busy { period } else { IDLE_PERIOD };
+        // Back from idle: the first busy turn samples at once.
+        let fast_due = last_fast.is_none_or(|t| t.elapsed() >= fast_every.saturating_sub(Duration::from_millis(5)));
+        if (opts.hz > 0.0 && fast_due) || stopping {
+            last_fast = Some(Instant::now());
             if let Ok(g) = &mut gpu {
                 let s = g.sample(&pids);
                 if !s.is_empty() {
@@ -209,17 +263,23 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool, snap
         if stopping {
             break;
         }
-        nap(period, stop);
+        let next_slow = last_slow.map_or(Duration::ZERO, |t| slow_every.saturating_sub(t.elapsed()));
+        let next_fast = match (opts.hz > 0.0, last_fast) {
+            (true, Some(t)) => fast_every.saturating_sub(t.elapsed()),
+            (true, None) => Duration::ZERO,
+            (false, _) => next_slow,
+        };
+        signal.nap(next_slow.min(next_fast));
     }
 }
 
-fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool) {
+fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal) {
     let mut eps: Vec<endpoints::Endpoint> = Vec::new();
     let mut dead: Vec<std::net::SocketAddr> = Vec::new();
     // Reading /proc/net/tcp walks the kernel's whole TCP hash table (most of this thread's CPU
     // when done every poll): listeners are looked up when the target set changes, else every 30 s.
     let (mut scanned_for, mut scanned_at): (Vec<u32>, Option<Instant>) = (Vec::new(), None);
-    while !stop.load(Ordering::Relaxed) {
+    while !signal.stopped() {
         let pids = targets(opts);
         if pids != scanned_for || scanned_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(30)) {
             for &pid in &pids {
@@ -249,6 +309,10 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, stop: &AtomicBool) {
                 None => i += 1,
             }
         }
-        nap(POLL_EVERY, stop);
+        // Every POLL_EVERY, busy or not (a poke does not make a poll).
+        let until = Instant::now() + POLL_EVERY;
+        while !signal.stopped() && Instant::now() < until {
+            signal.nap(until.saturating_duration_since(Instant::now()));
+        }
     }
 }
