@@ -53,6 +53,26 @@ impl Default for StackEvent {
     }
 }
 
+/// Or'ed into `what` of an off-CPU record whose user stack was left out because it is the one the
+/// same thread sent last ([`SeenUstack`] matched): the collector reuses that one's frames.
+pub const STACK_SAME_USER: u32 = 0x100;
+/// After this many reuses in a row the user stack is sent again, so no reuse goes stale for long.
+pub const SAME_REFRESH: u32 = 32;
+
+/// What the kernel remembers of a thread's last off-CPU user stack (map `USTACK_SEEN`): the user
+/// registers it blocked with. The same instruction, stack depth and frame register in the same
+/// thread is the same call path (bytes on the stack are not compared: locals change between
+/// waits, and the measured matches fell from a third to none).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeenUstack {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    pub repeats: u32,
+    pub _pad: u32,
+}
+
 pub const STACK_CPU: u32 = 1;
 pub const STACK_OFFCPU: u32 = 2;
 pub const STACK_FAULT: u32 = 3;

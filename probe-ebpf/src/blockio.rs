@@ -60,7 +60,7 @@ fn queued(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<
     let start = BlockStart { pid, tid, cpu: crate::cpu(), bytes: 0, insert_ns: now_ns(), issue_ns: 0, rwbs: [0; 8] };
     insert_lru(&BLOCK_QUEUED, &k, &start);
     // The code path that made this IO (the target's own context).
-    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true);
+    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, false);
     Ok(())
 }
 
@@ -157,7 +157,7 @@ fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8]) {
             q
         }
         (None, Some((pid, tid))) => {
-            crate::stack::capture(ctx, probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true);
+            crate::stack::capture(ctx, probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, false);
             BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() }
         }
         (None, None) => return,

@@ -30,7 +30,7 @@ fn try_fault_major(ctx: &PerfEventContext) -> Result<(), i64> {
     let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
     let ev = FaultEvent { hdr: header::<FaultEvent>((pid_tgid >> 32) as u32, pid_tgid as u32), addr, ip, flags: FAULT_MAJOR, _pad: 0 };
     emit(&ev);
-    crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0, true);
+    crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0, true, false);
     Ok(())
 }
 

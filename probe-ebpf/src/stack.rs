@@ -11,7 +11,9 @@ use aya_ebpf::{
 };
 use probe_common::{
     Record,
-    stack::{KSTACK_DEPTH, STACK_CPU, STACK_OFFCPU, SchedEvent, StackEvent, USTACK_CAP, USTACK_MASK},
+    stack::{
+        KSTACK_DEPTH, SAME_REFRESH, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack, StackEvent, USTACK_CAP, USTACK_MASK,
+    },
     tracepoints::sched_switch as sw,
 };
 
@@ -24,6 +26,11 @@ const HDR: usize = core::mem::size_of::<StackEvent>();
 /// Userspace sizes it to the number of possible CPUs.
 #[map(name = "STACK_SCRATCH")]
 static STACK_SCRATCH: Array<[u8; HDR + USTACK_MASK as usize + 1]> = Array::with_max_entries(1, 0);
+
+/// Each target thread's last off-CPU user stack, by tid: a thread that blocks again at the same
+/// place (ggml's workers wait at one barrier hundreds of times a second) sends no user stack.
+#[map(name = "USTACK_SEEN")]
+static USTACK_SEEN: LruHashMap<u32, SeenUstack> = LruHashMap::with_max_entries(16384, 0);
 
 /// Target threads off the CPU since this time (ns), by tid.
 #[map(name = "OFFCPU_SINCE")]
@@ -41,9 +48,10 @@ fn read_kernel<T>(p: *const T) -> T {
 
 /// Capture the current task's kernel and user stack and send a StackEvent. `full` copies up
 /// to USTACK_CAP bytes of user stack; otherwise 16 KiB (off-CPU switches are frequent and
-/// block in shallow places: a libc wrapper under the caller that matters).
+/// block in shallow places: a libc wrapper under the caller that matters). `same_as_last`:
+/// leave the user stack out when it is the one this thread sent last ([`seen_before`]).
 #[inline(always)]
-pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool) {
+pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
     let Some(buf) = STACK_SCRATCH.get_ptr_mut(crate::cpu()) else { return };
     let ev = buf.cast::<StackEvent>();
     // SAFETY: `buf` is this CPU's scratch slot of HDR + USTACK_MASK + 1 bytes (programs do not
@@ -67,7 +75,9 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         (*ev).bp = bp;
         let dst = buf.cast::<u8>().add(HDR).cast();
         let mut n: u32 = 0;
-        if sp != 0 {
+        if same_as_last && sp != 0 && seen_before(tid, ip, sp, bp) {
+            (*ev).what = what | STACK_SAME_USER;
+        } else if sp != 0 {
             // Near the top of a stack a long read faults as a whole: try shorter ones.
             if full && bpf_probe_read_user(dst, USTACK_CAP as u32, sp as *const _) == 0 {
                 n = USTACK_CAP as u32;
@@ -90,8 +100,31 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         let bytes = core::slice::from_raw_parts(buf.cast::<u8>(), total);
         if EVENTS.output::<[u8]>(bytes, ringbuf_flags(total as u64)).is_err() {
             add(&LOST, StackEvent::KIND as u32, 1);
+            if same_as_last {
+                // The collector never got this stack: the next one must not refer to it.
+                let _ = USTACK_SEEN.remove(&tid);
+            }
         }
     }
+}
+
+/// True when `tid` blocks with the user registers it blocked with last time ([`SeenUstack`]),
+/// and its stack was not reused SAME_REFRESH times in a row already; otherwise they are
+/// remembered as its last and false is returned.
+#[inline(always)]
+fn seen_before(tid: u32, ip: u64, sp: u64, bp: u64) -> bool {
+    if let Some(seen) = USTACK_SEEN.get_ptr_mut(&tid) {
+        // SAFETY: a map value pointer, valid for this program run.
+        let seen = unsafe { &mut *seen };
+        if seen.ip == ip && seen.sp == sp && seen.bp == bp && seen.repeats < SAME_REFRESH {
+            seen.repeats += 1;
+            return true;
+        }
+        *seen = SeenUstack { ip, sp, bp, repeats: 0, _pad: 0 };
+        return false;
+    }
+    insert_lru(&USTACK_SEEN, &tid, &SeenUstack { ip, sp, bp, repeats: 0, _pad: 0 });
+    false
 }
 
 /// `prev_state` bits of a thread that is exiting (include/linux/sched.h).
@@ -102,7 +135,7 @@ const EXIT_ZOMBIE: i64 = 0x20;
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
-    capture(ctx.as_ptr(), STACK_CPU, (pid_tgid >> 32) as u32, pid_tgid as u32, 0, 0, true);
+    capture(ctx.as_ptr(), STACK_CPU, (pid_tgid >> 32) as u32, pid_tgid as u32, 0, 0, true, false);
     0
 }
 
@@ -122,9 +155,10 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
         // again, so nothing would take its entry out (thread churn would fill the map).
         if state & (EXIT_DEAD | EXIT_ZOMBIE) != 0 {
             let _ = OFFCPU_SINCE.remove(&tid);
+            let _ = USTACK_SEEN.remove(&tid);
         } else if state & 0xff != 0 {
             insert_lru(&OFFCPU_SINCE, &tid, &now);
-            capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false);
+            capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
         }
     }
     let next: i32 = field(ctx, sw::NEXT_PID)?;

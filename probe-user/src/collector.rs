@@ -65,6 +65,8 @@ pub struct TraceOutcome {
 /// the loop draining, and Ctrl-C, SIGTERM and `--duration` were never seen.
 const DRAIN_RECORDS: usize = 4096;
 const DRAIN_TIME: Duration = Duration::from_millis(10);
+/// Most threads whose last off-CPU user stack is kept (the kernel's USTACK_SEEN holds as many).
+const LAST_USER_STACKS: usize = 16384;
 /// How often the ring is drained while records flow, and after a turn that found none.
 const DRAIN_TICK: Duration = Duration::from_millis(20);
 const IDLE_DRAIN: Duration = Duration::from_millis(500);
@@ -132,6 +134,8 @@ struct State {
     ksyms: crate::ksyms::Resolver,
     /// Off-CPU stacks waiting for their thread to run again (by tid).
     offcpu: HashMap<u32, recording::StackRecord>,
+    /// Each thread's last unwound off-CPU user stack, for the records that refer to it.
+    last_offcpu_user: HashMap<u32, (u32, crate::unwind::Unwound)>,
     root: u32,
     root_exited: bool,
     /// The target set, shared with the samplers.
@@ -165,6 +169,7 @@ impl State {
             unwinders: Unwinders::default(),
             ksyms: crate::ksyms::Resolver::default(),
             offcpu: HashMap::new(),
+            last_offcpu_user: HashMap::new(),
             root,
             root_exited: false,
             targets: std::sync::Arc::new(std::sync::Mutex::new(targets.to_vec())),
@@ -244,7 +249,27 @@ impl State {
 
     /// Unwind a stack sample and write its frames (off-CPU ones once the thread runs again).
     fn on_stack(&mut self, s: &probe_common::stack::StackEvent, ustack: &[u8]) -> std::io::Result<()> {
-        let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
+        use probe_common::stack::STACK_SAME_USER;
+        let offcpu = s.what & !STACK_SAME_USER == probe_common::stack::STACK_OFFCPU;
+        // An off-CPU stack the kernel left out as the same as this thread's last: its frames.
+        let u = match self.last_offcpu_user.get(&s.hdr.tid) {
+            Some((pid, last)) if s.what & STACK_SAME_USER != 0 && *pid == s.hdr.pid => {
+                self.unwinders.reused += 1;
+                last.clone()
+            }
+            _ => {
+                let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
+                if offcpu {
+                    // Threads that exited leave entries until their process does: bounded like
+                    // the kernel's map (a thread forgotten here is unwound from its ip alone once).
+                    if self.last_offcpu_user.len() >= LAST_USER_STACKS && !self.last_offcpu_user.contains_key(&s.hdr.tid) {
+                        self.last_offcpu_user.clear();
+                    }
+                    self.last_offcpu_user.insert(s.hdr.tid, (s.hdr.pid, u.clone()));
+                }
+                u
+            }
+        };
         for (id, path) in self.unwinders.take_new_modules() {
             self.writer.json(&json!({"type": "module", "id": id, "path": path}))?;
         }
@@ -253,7 +278,7 @@ impl State {
         } else {
             Vec::new()
         };
-        let what = match s.what {
+        let what = match s.what & !STACK_SAME_USER {
             probe_common::stack::STACK_CPU => recording::StackKind::Cpu,
             probe_common::stack::STACK_OFFCPU => recording::StackKind::Offcpu,
             probe_common::stack::STACK_FAULT => recording::StackKind::Fault,
@@ -273,7 +298,7 @@ impl State {
             state: s.state,
             ..Default::default()
         };
-        if s.what == probe_common::stack::STACK_OFFCPU {
+        if offcpu {
             v.wait = Some(crate::ksyms::wait_class(&self.ksyms.names(&kernel)).into());
             v.kernel = kernel;
             if let Some(old) = self.offcpu.insert(s.hdr.tid, v) {
@@ -293,6 +318,7 @@ impl State {
         self.dirty_maps.remove(&pid);
         self.dirty_files.remove(&pid);
         self.threads_seen.retain(|_, p| *p != pid);
+        self.last_offcpu_user.retain(|_, (p, _)| *p != pid);
         let gone: Vec<u32> = self.offcpu.iter().filter(|(_, v)| v.pid == pid).map(|(&tid, _)| tid).collect();
         for tid in gone {
             if let Some(mut v) = self.offcpu.remove(&tid) {
@@ -422,7 +448,7 @@ fn stats_json(
     let counters: serde_json::Map<_, _> = Counter::ALL.iter().map(|c| (c.name().to_string(), json!(counters[*c as usize]))).collect();
     let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
     let u = &st.unwinders;
-    let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos, "load_ns": u.load_nanos});
+    let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos, "load_ns": u.load_nanos, "reused": u.reused});
     json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped, "streams": st.streams.limits(), "cost": cost_json(runs, bpf_unmeasured)})
 }
 

@@ -145,7 +145,7 @@ fn drap_rule(elf: &Elf, svma: u64) -> Option<DrapRule> {
 /// One frame: a module id and a file offset, or (-1, absolute address) outside any file.
 pub type Frame = (i64, u64);
 
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Unwound {
     /// Innermost first.
     pub frames: Vec<Frame>,
@@ -165,6 +165,9 @@ pub struct Unwinders {
     new_modules: Vec<(i64, String)>,
     pub samples: u64,
     pub complete: u64,
+    /// Off-CPU stacks whose user part the kernel left out as the thread's last one: its frames
+    /// were reused, nothing was unwound.
+    pub reused: u64,
     /// Time spent unwinding, ns (module loading excluded: see `load_nanos`).
     pub nanos: u64,
     /// Time spent reading ELF files and building unwinders, ns (once per process and mapping change).

@@ -97,6 +97,9 @@ pub struct UnwindCounters {
     pub complete: u64,
     pub ns: u64,
     pub load_ns: u64,
+    /// Off-CPU stacks that reused the thread's last unwound user stack (the kernel saw it
+    /// block at the same place and left the stack bytes out).
+    pub reused: u64,
 }
 
 /// Counters, cumulative since attach (every second and at the end).

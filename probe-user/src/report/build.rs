@@ -236,6 +236,7 @@ impl Builder {
                 let u = &s.unwind;
                 r.unwind.samples = u.samples;
                 r.unwind.complete = u.complete;
+                r.unwind.reused = u.reused;
                 if u.samples > 0 {
                     r.unwind.success_rate = u.complete as f64 / u.samples as f64;
                     r.unwind.us_per_sample = u.ns as f64 / 1e3 / u.samples as f64;

@@ -97,6 +97,9 @@ pub struct Unwind {
     /// Share of samples unwound to the end of the stack.
     pub success_rate: f64,
     pub us_per_sample: f64,
+    /// Off-CPU stacks that reused their thread's last unwound user stack instead of unwinding.
+    #[serde(default)]
+    pub reused: u64,
     /// Reading ELF files and building unwinders (once per process and mapping change), ms.
     pub load_ms: f64,
 }

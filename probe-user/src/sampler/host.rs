@@ -18,7 +18,7 @@ pub fn cpufreq() -> Option<CpuFreq> {
         if !std::path::Path::new(&dir).exists() {
             break;
         }
-        let read = |name: &str| std::fs::read_to_string(format!("{dir}/cpufreq/{name}")).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        let read = |name: &str| read_kept(&format!("{dir}/cpufreq/{name}")).and_then(|s| s.trim().parse::<u64>().ok());
         let (Some(cur), Some(max)) = (read("scaling_cur_freq"), read("cpuinfo_max_freq")) else { continue };
         f.cur_khz.push(cur);
         f.max_khz.push(max);
@@ -135,28 +135,66 @@ pub fn memory_cgroup(pid: u32) -> Option<std::path::PathBuf> {
     None
 }
 
+/// Most files [`read_kept`] keeps open.
+const KEPT_FILES: usize = 64;
+
+/// The text of a /proc or /sys file the sampler reads many times a second, from a descriptor kept
+/// open and read again from offset 0: the open and its path walk cost more than the read. A
+/// file that stops answering (a process that exited: ESRCH) is opened afresh once.
+fn read_kept(path: &str) -> Option<String> {
+    use std::{cell::RefCell, collections::HashMap, fs::File, os::unix::fs::FileExt as _};
+    thread_local! {
+        static KEPT: RefCell<HashMap<String, File>> = RefCell::new(HashMap::new());
+    }
+    KEPT.with(|kept| {
+        let mut kept = kept.borrow_mut();
+        for _ in 0..2 {
+            if !kept.contains_key(path) {
+                if kept.len() >= KEPT_FILES {
+                    kept.clear();
+                }
+                kept.insert(path.to_string(), File::open(path).ok()?);
+            }
+            let f = kept.get(path)?;
+            let (mut out, mut buf) = (Vec::new(), [0u8; 8192]);
+            let whole = loop {
+                match f.read_at(&mut buf, out.len() as u64) {
+                    Ok(0) => break true,
+                    Ok(n) => out.extend_from_slice(&buf[..n]),
+                    Err(_) => break false,
+                }
+            };
+            if whole {
+                return Some(String::from_utf8_lossy(&out).into_owned());
+            }
+            kept.remove(path);
+        }
+        None
+    })
+}
+
 pub fn mem(pid: u32, cgroup: Option<&std::path::Path>) -> Mem {
     let mut m = Mem::default();
-    if let Ok(t) = std::fs::read_to_string("/proc/pressure/memory") {
+    if let Some(t) = read_kept("/proc/pressure/memory") {
         m.psi_some_us = psi_total(&t, "some");
         m.psi_full_us = psi_total(&t, "full");
     }
-    if let Ok(t) = std::fs::read_to_string("/proc/pressure/io") {
+    if let Some(t) = read_kept("/proc/pressure/io") {
         m.psi_io_some_us = psi_total(&t, "some");
     }
-    if let Ok(t) = std::fs::read_to_string("/proc/vmstat") {
+    if let Some(t) = read_kept("/proc/vmstat") {
         vmstat(&t, &mut m);
     }
-    if let Ok(t) = std::fs::read_to_string("/proc/meminfo") {
+    if let Some(t) = read_kept("/proc/meminfo") {
         m.mem_available_kib = status_kib(&t, "MemAvailable:");
     }
-    if let Ok(t) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+    if let Some(t) = read_kept(&format!("/proc/{pid}/status")) {
         m.rss_kib = status_kib(&t, "VmRSS:");
         m.rss_file_kib = status_kib(&t, "RssFile:");
         m.rss_anon_kib = status_kib(&t, "RssAnon:");
     }
     if let Some(dir) = cgroup {
-        let num = |name: &str| std::fs::read_to_string(dir.join(name)).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        let num = |name: &str| read_kept(&dir.join(name).to_string_lossy()).and_then(|s| s.trim().parse::<u64>().ok());
         m.cgroup = Some(dir.display().to_string());
         if dir.join("memory.limit_in_bytes").exists() {
             m.cgroup_usage = num("memory.usage_in_bytes");
@@ -165,7 +203,7 @@ pub fn mem(pid: u32, cgroup: Option<&std::path::Path>) -> Mem {
         } else {
             m.cgroup_usage = num("memory.current");
             m.cgroup_limit = num("memory.max");
-            m.cgroup_limit_hits = std::fs::read_to_string(dir.join("memory.events")).ok().and_then(|t| status_kib(&t, "max "));
+            m.cgroup_limit_hits = read_kept(&dir.join("memory.events").to_string_lossy()).and_then(|t| status_kib(&t, "max "));
         }
     }
     m
@@ -184,6 +222,22 @@ mod tests {
         vmstat("pgscan_direct 10\nallocstall_normal 2\nallocstall_movable 3\noom_kill 1\npswpin 0\n", &mut m);
         assert_eq!((m.pgscan_direct, m.allocstall, m.oom_kill), (10, 5, 1));
         assert_eq!(status_kib("Name:\tx\nVmRSS:\t  1024 kB\n", "VmRSS:"), Some(1024));
+    }
+
+    /// A kept-open /proc file reads the current text every time, and a process's status file
+    /// stops answering once it exited (its kept descriptor is dropped, not read stale).
+    #[test]
+    fn kept_files_read_fresh_and_let_go_of_exited_processes() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let path = format!("/proc/{}/status", child.id());
+        assert!(read_kept(&path).unwrap().contains("State:"));
+        let a = read_kept("/proc/uptime").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let b = read_kept("/proc/uptime").unwrap();
+        assert_ne!(a, b, "the second read gave the first text again");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(read_kept(&path), None, "an exited process's status still read");
     }
 
     #[test]
