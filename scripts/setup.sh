@@ -45,6 +45,19 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 
+# Bench-only: bpftrace, the reference beside probe in `cargo xtask bench`'s tracing cost. Optional:
+# without it the bench measures probe alone, so a failed install only warns.
+if ! command -v bpftrace >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    say "installing bpftrace (Debian package, for the bench)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bpftrace >/dev/null \
+      || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bpftrace >/dev/null; } \
+      || say "warning: cannot install bpftrace with apt-get: the bench's tracing cost will measure probe alone"
+  else
+    say "warning: bpftrace missing and not installable here (need root and apt-get): the bench's tracing cost will measure probe alone"
+  fi
+fi
+
 # Test-only Python clients for the client matrix (tests/clients/client.py): the openai SDK, httpx
 # and requests, from PyPI through pip's configured index, in their own venv.
 clients="$CACHE/clients"

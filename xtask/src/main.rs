@@ -11,6 +11,7 @@ use std::{
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
+mod cost;
 mod soak;
 
 #[derive(Parser)]
@@ -33,8 +34,14 @@ enum Cmd {
     /// The main job end to end: trace a bundled workload that reads a cold file through mmap and
     /// talks TCP to a local server, and print probe's report.
     Demo,
-    /// Measure: start-to-armed time (median of 10) and the drained event rate at a high event rate.
-    Bench,
+    /// Measure: start-to-armed time (median of 10), the drained event rate at a high event rate,
+    /// reporting, llama-server's speed traced and untraced, and the cost of tracing it (probe
+    /// beside bpftrace).
+    Bench {
+        /// Only the tracing cost: probe and bpftrace on an idle and a generating llama-server.
+        #[arg(long)]
+        cost: bool,
+    },
     /// A real llama-server under concurrent streaming clients for minutes, every probe on: probe's
     /// peak memory and its slope, events lost, recording size per minute, probe's CPU.
     Soak {
@@ -412,7 +419,15 @@ fn bench() -> anyhow::Result<()> {
     let (secs, rss) = timed(Command::new(bin("probe")).args(["report", "--json"]).arg(dir.join("rate-true")))?;
     println!("  reporting it: {secs:.2} s, peak RSS {:.0} MB; on disk: {}", rss / 1e6, sizes(&dir.join("rate-true"), false)?);
     bench_report(&dir)?;
-    bench_llama(&dir)
+    bench_llama(&dir)?;
+    cost::bench_cost(&dir)
+}
+
+/// `cargo xtask bench --cost`: the tracing-cost section alone (its files in target/bench/cost).
+fn bench_cost_only() -> anyhow::Result<()> {
+    require_root()?;
+    build()?;
+    cost::bench_cost(&root().join("target/bench"))
 }
 
 /// Wall time and peak RSS (bytes) of a command run to the end, its output discarded.
@@ -498,22 +513,25 @@ fn bench_report(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One 256-token completion (ignore_eos, temperature 0, seed 7, no prompt cache) from a
+/// llama-server: tokens/s as the server measured it (timings.predicted_per_second).
+fn generate_256(addr: &str) -> anyhow::Result<f64> {
+    let body = r#"{"prompt":"Write a long story about a lighthouse keeper and the sea.","n_predict":256,"seed":7,"temperature":0,"cache_prompt":false,"ignore_eos":true}"#;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    write!(s, "POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let json = text.split("\r\n\r\n").nth(1).context("no body")?;
+    let v: serde_json::Value = serde_json::from_str(json)?;
+    v["timings"]["predicted_per_second"].as_f64().context("no timings")
+}
+
 /// Generation speed of a real llama-server untraced and traced (all probes, 99 Hz CPU stacks
 /// with unwinding), interleaved: the ratio, and the unwinding cost per sample.
 fn bench_llama(dir: &Path) -> anyhow::Result<()> {
     let srv = Llama::start(&["-c", "2048", "-np", "1"], None)?;
     let addr = srv.addr.clone();
-    let body = r#"{"prompt":"Write a long story about a lighthouse keeper and the sea.","n_predict":256,"seed":7,"temperature":0,"cache_prompt":false,"ignore_eos":true}"#;
-    // tokens/s as the server measured it (timings.predicted_per_second).
-    let generate = || -> anyhow::Result<f64> {
-        let mut s = std::net::TcpStream::connect(&addr)?;
-        write!(s, "POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        let json = text.split("\r\n\r\n").nth(1).context("no body")?;
-        let v: serde_json::Value = serde_json::from_str(json)?;
-        v["timings"]["predicted_per_second"].as_f64().context("no timings")
-    };
+    let generate = || generate_256(&addr);
     generate()?; // warm up
     let (mut plain, mut traced, mut unwind_us, mut load_ms, mut samples) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0u64);
     for i in 0..8 {
@@ -654,7 +672,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Build => build(),
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
-        Cmd::Bench => bench(),
+        Cmd::Bench { cost: false } => bench(),
+        Cmd::Bench { cost: true } => bench_cost_only(),
         Cmd::Soak { minutes, clients } => soak::soak(minutes, clients),
         Cmd::Stress => soak::stress(),
         Cmd::Fuzz { secs } => fuzz(secs),

@@ -24,7 +24,7 @@ fn status_kib(pid: u32, key: &str) -> u64 {
 }
 
 /// CPU seconds (user + system) a process has used.
-fn cpu_secs(pid: u32) -> f64 {
+pub(crate) fn cpu_secs(pid: u32) -> f64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
     // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);

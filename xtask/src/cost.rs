@@ -1,0 +1,431 @@
+//! `cargo xtask bench --cost`: what tracing a real llama-server costs, probe beside bpftrace running
+//! the equivalent script. Cost = the tool's process CPU time (utime + stime, every thread) plus the
+//! run time of its BPF programs (kernel.bpf_stats_enabled), per second of wall time, as a
+//! percentage of one core.
+use std::{
+    collections::{HashMap, HashSet},
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc::{Receiver, channel},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+
+use crate::{Llama, bin, generate_256, soak::cpu_secs, wait_for};
+
+/// Rounds of (probe, bpftrace), interleaved; each round measures both windows.
+const ROUNDS: usize = 3;
+const IDLE: Duration = Duration::from_secs(10);
+
+/// What probe traces with every probe on and `--hz 99`, in bpftrace: CPU stacks at 99 Hz, off-CPU
+/// stacks at each switch-out, and counts of page faults, block I/O and the syscalls probe follows.
+/// `$1` is the pid. Tracepoints this kernel lacks are dropped (see `bpftrace_script`).
+const BPFTRACE_PROBES: [(&str, &str); 9] = [
+    ("tracepoint:sched:sched_switch", "/pid == $1/ { @off[ustack, kstack] = count(); }"),
+    ("tracepoint:exceptions:page_fault_user", "/pid == $1/ { @pf = count(); }"),
+    ("tracepoint:block:block_rq_issue", "{ @bio = count(); }"),
+    ("tracepoint:block:block_rq_complete", "{ @bioc = count(); }"),
+    ("tracepoint:syscalls:sys_enter_mmap", "/pid == $1/ { @mmap = count(); }"),
+    ("tracepoint:syscalls:sys_enter_read", "/pid == $1/ { @r = count(); }"),
+    ("tracepoint:syscalls:sys_enter_write", "/pid == $1/ { @w = count(); }"),
+    ("tracepoint:syscalls:sys_enter_close", "/pid == $1/ { @c = count(); }"),
+    // Not a tracepoint: always there.
+    ("profile:hz:99", "/pid == $1/ { @cpu[ustack, kstack] = count(); }"),
+];
+
+/// The bpftrace program: a BEGIN line that says it is armed (see `start`), then the probes whose tracepoint exists here; also the names of those dropped.
+fn bpftrace_script() -> (String, Vec<&'static str>) {
+    let mut script = String::from("BEGIN { printf(\"armed\\n\"); }\n");
+    let mut dropped = Vec::new();
+    for (probe, body) in BPFTRACE_PROBES {
+        if let Some(tp) = probe.strip_prefix("tracepoint:") {
+            let rel = tp.replace(':', "/");
+            let exists =
+                ["/sys/kernel/tracing/events", "/sys/kernel/debug/tracing/events"].iter().any(|d| Path::new(d).join(&rel).exists());
+            if !exists {
+                dropped.push(probe);
+                continue;
+            }
+        }
+        script.push_str(&format!("{probe} {body}\n"));
+    }
+    (script, dropped)
+}
+
+/// Turns on kernel.bpf_stats_enabled (BPF programs' run_time_ns and run_cnt) while alive, and puts
+/// back the value it found when dropped, errors included.
+struct BpfStats {
+    prev: String,
+}
+
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+impl BpfStats {
+    fn enable() -> anyhow::Result<BpfStats> {
+        let prev = std::fs::read_to_string(BPF_STATS).with_context(|| format!("cannot read {BPF_STATS}"))?.trim().to_string();
+        std::fs::write(BPF_STATS, "1").with_context(|| format!("cannot write {BPF_STATS}"))?;
+        Ok(BpfStats { prev })
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(BPF_STATS, &self.prev) {
+            eprintln!("bench: could not restore {BPF_STATS} to {}: {e}", self.prev);
+        }
+    }
+}
+
+/// One BPF program's counters, from a tool's fdinfo.
+#[derive(Clone)]
+struct Prog {
+    tag: String,
+    run_ns: u64,
+    runs: u64,
+}
+
+/// A tool's process CPU time and its BPF programs' counters at one instant.
+struct Snap {
+    at: Instant,
+    cpu: f64,
+    progs: HashMap<u32, Prog>,
+}
+
+/// The BPF programs `pid` holds open (fds whose link is anon_inode:bpf-prog), by prog_id.
+fn bpf_progs(pid: u32) -> HashMap<u32, Prog> {
+    let mut progs = HashMap::new();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return progs };
+    for fd in fds.flatten() {
+        if std::fs::read_link(fd.path()).ok().is_none_or(|l| l.as_os_str() != "anon_inode:bpf-prog") {
+            continue;
+        }
+        let Ok(info) = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())) else { continue };
+        let field = |k: &str| info.lines().find_map(|l| l.strip_prefix(k)).map(str::trim);
+        let num = |k: &str| field(k).and_then(|v| v.parse::<u64>().ok());
+        if let (Some(id), Some(run_ns), Some(runs)) = (num("prog_id:"), num("run_time_ns:"), num("run_cnt:")) {
+            progs.insert(id as u32, Prog { tag: field("prog_tag:").unwrap_or("?").to_string(), run_ns, runs });
+        }
+    }
+    progs
+}
+
+fn snap(pid: u32) -> Snap {
+    Snap { at: Instant::now(), cpu: cpu_secs(pid), progs: bpf_progs(pid) }
+}
+
+/// One measured window.
+struct Window {
+    wall: f64,
+    /// CPU seconds of the tool's process.
+    proc: f64,
+    /// Seconds its BPF programs ran.
+    bpf: f64,
+    /// Per program (by id): (tag, runs, run ns) during the window.
+    progs: Vec<(u32, String, u64, u64)>,
+}
+
+impl Window {
+    fn between(a: &Snap, b: &Snap) -> Window {
+        let progs: Vec<_> = b
+            .progs
+            .iter()
+            .map(|(id, p)| {
+                let (runs0, ns0) = a.progs.get(id).map_or((0, 0), |q| (q.runs, q.run_ns));
+                (*id, p.tag.clone(), p.runs.saturating_sub(runs0), p.run_ns.saturating_sub(ns0))
+            })
+            .collect();
+        Window {
+            wall: b.at.duration_since(a.at).as_secs_f64(),
+            proc: b.cpu - a.cpu,
+            bpf: progs.iter().map(|p| p.3).sum::<u64>() as f64 / 1e9,
+            progs,
+        }
+    }
+
+    /// (total, process, BPF) in % of one core.
+    fn pct(&self) -> (f64, f64, f64) {
+        let w = self.wall.max(1e-9);
+        ((self.proc + self.bpf) / w * 100.0, self.proc / w * 100.0, self.bpf / w * 100.0)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Tool {
+    Probe,
+    Bpftrace,
+}
+
+impl Tool {
+    fn name(self) -> &'static str {
+        match self {
+            Tool::Probe => "probe",
+            Tool::Bpftrace => "bpftrace",
+        }
+    }
+}
+
+/// A tracing tool running against the server; killed if dropped before `stop`.
+struct Tracer {
+    child: Child,
+}
+
+impl Tracer {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Stop as Ctrl-C would (probe writes its report, bpftrace prints its maps) and wait.
+    fn stop(mut self) -> anyhow::Result<()> {
+        // SAFETY: signalling our own child, which has not been waited for yet.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("{status}");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Tracer {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Lines a child writes to a pipe, copied to `log` as they come.
+fn lines_to(out: impl std::io::Read + Send + 'static, log: &Path) -> anyhow::Result<Receiver<String>> {
+    let mut file = std::fs::File::create(log)?;
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = writeln!(file, "{l}");
+            let _ = tx.send(l);
+        }
+    });
+    Ok(rx)
+}
+
+/// Start `tool` on `pid` and return once it is armed: probe's recording exists and it said
+/// "armed"; bpftrace printed its BEGIN line.
+fn start(tool: Tool, pid: u32, dir: &Path, i: usize, script: &str) -> anyhow::Result<Tracer> {
+    let limit = Duration::from_secs(60);
+    match tool {
+        Tool::Probe => {
+            let rec = dir.join(format!("probe-{i}"));
+            let mut child = Command::new(bin("probe"))
+                .args(["trace", "--pid", &pid.to_string(), "--hz", "99", "--out"])
+                .arg(&rec)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()?;
+            let err = lines_to(child.stderr.take().context("probe stderr")?, &dir.join(format!("probe-{i}.log")))?;
+            let tracer = Tracer { child };
+            let t = Instant::now();
+            loop {
+                match err.recv_timeout(limit.saturating_sub(t.elapsed())) {
+                    Ok(l) if l.contains("armed in ") => break,
+                    Ok(_) => {}
+                    Err(_) => bail!("probe did not say \"armed\" within {limit:?} (see {})", dir.join(format!("probe-{i}.log")).display()),
+                }
+            }
+            wait_for(&rec.join("events.bin"), limit.saturating_sub(t.elapsed()))?;
+            Ok(tracer)
+        }
+        Tool::Bpftrace => {
+            let log = dir.join(format!("bpftrace-{i}.out"));
+            let mut child = Command::new("bpftrace")
+                .args(["-B", "none", "-e", script, &pid.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()?;
+            let out = lines_to(child.stdout.take().context("bpftrace stdout")?, &log)?;
+            // Its warnings (RLIMIT_MEMLOCK on kernels that no longer need it) beside the output.
+            let _err = lines_to(child.stderr.take().context("bpftrace stderr")?, &dir.join(format!("bpftrace-{i}.err")))?;
+            let mut tracer = Tracer { child };
+            let t = Instant::now();
+            // BEGIN runs before the other probes attach, but its printf reaches stdout through the
+            // perf buffer, which bpftrace polls only once every probe is attached.
+            loop {
+                match out.recv_timeout(Duration::from_millis(200)) {
+                    Ok(l) if l.trim() == "armed" => return Ok(tracer),
+                    Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                        let status = tracer.child.wait()?;
+                        let err = std::fs::read_to_string(dir.join(format!("bpftrace-{i}.err"))).unwrap_or_default();
+                        bail!("bpftrace exited ({status}) before it was armed: {}", err.trim());
+                    }
+                }
+                if t.elapsed() > limit {
+                    bail!("bpftrace was not armed within {limit:?} (see {})", log.display());
+                }
+            }
+        }
+    }
+}
+
+/// Program names by id from `bpftool -j prog show`, while the programs are loaded; None without bpftool.
+fn bpftool_names() -> Option<HashMap<u32, String>> {
+    let out = Command::new("bpftool").args(["-j", "prog", "show"]).stderr(Stdio::null()).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    Some(
+        v.as_array()?
+            .iter()
+            .filter_map(|p| Some((p["id"].as_u64()? as u32, p["name"].as_str().unwrap_or("(no name)").to_string())))
+            .collect(),
+    )
+}
+
+/// Per program over every generating window of one tool: label → (runs, run ns, ids seen).
+#[derive(Default)]
+struct Top {
+    wall: f64,
+    windows: usize,
+    progs: HashMap<String, (u64, u64, HashSet<u32>)>,
+}
+
+impl Top {
+    fn add(&mut self, w: &Window, names: Option<&HashMap<u32, String>>) {
+        self.wall += w.wall;
+        self.windows += 1;
+        for (id, tag, runs, ns) in &w.progs {
+            // Without names, the tag (a hash of the instructions) is the same program across runs.
+            let label = names.and_then(|n| n.get(id)).cloned().unwrap_or_else(|| format!("tag {tag}"));
+            let e = self.progs.entry(label).or_default();
+            e.0 += runs;
+            e.1 += ns;
+            e.2.insert(*id);
+        }
+    }
+
+    fn print(&self, tool: &str, named: bool) {
+        let mut rows: Vec<_> = self.progs.iter().collect();
+        rows.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(a.0.cmp(b.0)));
+        let what = if named { "name (bpftool)" } else { "no bpftool: prog_tag (last prog_id)" };
+        println!("  top BPF programs (generating, {tool}, {} windows): {what}  runs/s  ns/run  % core", self.windows);
+        let wall = self.wall.max(1e-9);
+        for (label, (runs, ns, ids)) in rows.iter().take(6) {
+            let label = if named { label.to_string() } else { format!("{label} (id {})", ids.iter().max().copied().unwrap_or(0)) };
+            // Programs sharing a label in one run (same name, or same instructions).
+            let per_run = ids.len().div_ceil(self.windows.max(1));
+            let label = if per_run > 1 { format!("{label} ×{per_run}") } else { label };
+            println!(
+                "    {label:<44} {:>9.1} {:>7.0} {:>7.3}%",
+                *runs as f64 / wall,
+                *ns as f64 / (*runs).max(1) as f64,
+                *ns as f64 / 1e9 / wall * 100.0
+            );
+        }
+    }
+}
+
+/// Median of the totals, with the split of the window that gave it, and the spread.
+fn summary(ws: &[Window]) -> String {
+    if ws.is_empty() {
+        return "-".to_string();
+    }
+    let mut p: Vec<(f64, f64, f64)> = ws.iter().map(Window::pct).collect();
+    p.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (t, pr, bpf) = p[p.len() / 2];
+    format!("{t:.2}% [{:.2}–{:.2}] (proc {pr:.2} + bpf {bpf:.2})", p[0].0, p[p.len() - 1].0)
+}
+
+/// The tracing-cost section of `cargo xtask bench`: probe and bpftrace (the equivalent script)
+/// on a real llama-server, idle for 10 s and generating 256 tokens, in interleaved rounds.
+pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
+    let dir: PathBuf = dir.join("cost");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    // Other work on the machine shows in the tokens/s (and in the spread) more than in the cost.
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split(' ').next().unwrap_or("?").to_string();
+    let mut tools = vec![Tool::Probe];
+    let have_bpftrace =
+        Command::new("bpftrace").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    let (script, dropped) = bpftrace_script();
+    if have_bpftrace {
+        tools.push(Tool::Bpftrace);
+        if !dropped.is_empty() {
+            println!("tracing cost: this kernel lacks {}: left out of the bpftrace script", dropped.join(", "));
+        }
+    } else {
+        println!("tracing cost: bpftrace is not installed (scripts/setup.sh installs it as root): probe only");
+    }
+    let srv = Llama::start(&["-c", "2048", "-np", "1"], None)?;
+    let pid: u32 = srv.pid().parse()?;
+    generate_256(&srv.addr)?; // warm up
+    let stats = BpfStats::enable()?;
+    // Per tool: idle windows, generating windows, tokens/s, top programs.
+    let mut idle: HashMap<&str, Vec<Window>> = HashMap::new();
+    let mut busy: HashMap<&str, Vec<Window>> = HashMap::new();
+    let mut tps: HashMap<&str, Vec<f64>> = HashMap::new();
+    let mut top: HashMap<&str, Top> = HashMap::new();
+    let mut named = true;
+    for round in 0..ROUNDS {
+        for &tool in &tools.clone() {
+            let tracer = match start(tool, pid, &dir, round, &script) {
+                Ok(t) => t,
+                Err(e) if tool == Tool::Bpftrace => {
+                    println!("tracing cost: bpftrace failed ({e:#}): its column is left out");
+                    tools.retain(|&t| t != Tool::Bpftrace);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let tp = tracer.pid();
+            let a = snap(tp);
+            std::thread::sleep(IDLE);
+            let b = snap(tp);
+            let t = generate_256(&srv.addr)?;
+            let c = snap(tp);
+            let names = bpftool_names();
+            named &= names.is_some();
+            let (wi, wg) = (Window::between(&a, &b), Window::between(&b, &c));
+            if wg.progs.iter().all(|p| p.2 == 0) {
+                println!("tracing cost: warning: {}'s BPF programs did not run while generating ({} open)", tool.name(), wg.progs.len());
+            }
+            top.entry(tool.name()).or_default().add(&wg, names.as_ref());
+            idle.entry(tool.name()).or_default().push(wi);
+            busy.entry(tool.name()).or_default().push(wg);
+            tps.entry(tool.name()).or_default().push(t);
+            tracer.stop().with_context(|| format!("{} did not exit cleanly", tool.name()))?;
+        }
+    }
+    drop(stats);
+    println!(
+        "tracing cost (llama-server SmolLM2-135M, % of one core = process CPU + BPF run time per wall second; median of {ROUNDS} [min–max]; load average {load} at the start on {} cores):",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!(
+        "  {:<10} {:<48} {:<48} traced generation (server's tokens/s; request time)",
+        "",
+        format!("idle {} s", IDLE.as_secs()),
+        "generating 256 tokens"
+    );
+    let empty = Vec::new();
+    for tool in &tools {
+        let n = tool.name();
+        let (i, g, t) = (idle.get(n).unwrap_or(&empty), busy.get(n).unwrap_or(&empty), tps.get(n).cloned().unwrap_or_default());
+        let speed = match (t.iter().cloned().reduce(f64::min), t.iter().cloned().reduce(f64::max)) {
+            (Some(lo), Some(hi)) => format!(
+                "{:.1} tok/s [{lo:.1}–{hi:.1}]; {:.1} s",
+                crate::median(t.clone()),
+                crate::median(g.iter().map(|w| w.wall).collect())
+            ),
+            _ => "-".to_string(),
+        };
+        println!("  {n:<10} {:<48} {:<48} {speed}", summary(i), summary(g));
+    }
+    for tool in &tools {
+        if let Some(t) = top.get(tool.name()) {
+            t.print(tool.name(), named);
+        }
+    }
+    Ok(())
+}
