@@ -168,7 +168,7 @@ pub enum UserRecord {
     Ksyms(Ksyms),
     Threads(Threads),
     Request(Box<RequestRecord>),
-    Stats(Stats),
+    Stats(Box<Stats>),
     End(End),
     /// A v1 stack sample (JSON then; binary frames since v2).
     Stack(Box<StackRecord>),
@@ -192,7 +192,7 @@ impl UserRecord {
                 RequestRecord::upgrade_legacy(&mut v);
                 UserRecord::Request(Box::new(from(v)?))
             }
-            "stats" => UserRecord::Stats(from(v)?),
+            "stats" => UserRecord::Stats(Box::new(from(v)?)),
             "end" => UserRecord::End(from(v)?),
             "stack" => UserRecord::Stack(Box::new(from(v)?)),
             _ => UserRecord::Sample(v),

@@ -246,7 +246,7 @@ impl Builder {
                 r.counters = s.counters.clone();
                 r.skipped_runs = s.skipped_runs.clone();
                 r.stream_limits = s.streams.clone();
-                self.stats.push(s);
+                self.stats.push(*s);
             }
             UserRecord::End(e) => {
                 self.has_end = true;
