@@ -22,6 +22,8 @@ pub mod maps {
     pub const EVENTS: &str = "EVENTS";
     /// `HashMap<u32 tgid, u8>`: the processes being traced (the target and its descendants).
     pub const TARGETS: &str = "TARGETS";
+    /// `LruHashMap<u32 tid, u32 bytes>`: how much user stack to copy for a thread (written by the collector).
+    pub const USTACK_NEED: &str = "USTACK_NEED";
     /// `PerCpuArray<u64>` indexed by [`crate::EventKind`]: ring buffer reserve failures.
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>` indexed by [`crate::Counter`]: in-kernel counters (not events).

@@ -32,6 +32,12 @@ static STACK_SCRATCH: Array<[u8; HDR + USTACK_MASK as usize + 1]> = Array::with_
 #[map(name = "USTACK_SEEN")]
 static USTACK_SEEN: LruHashMap<u32, SeenUstack> = LruHashMap::with_max_entries(16384, 0);
 
+/// How many user-stack bytes each target thread's stacks need, by tid (1024 to USTACK_CAP, a
+/// power of two): written by the collector from what unwinding them used, so a worker whose
+/// frames fit in 2 KiB is not copied 64 KiB a sample.
+#[map(name = "USTACK_NEED")]
+static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0);
+
 /// Target threads off the CPU since this time (ns), by tid.
 #[map(name = "OFFCPU_SINCE")]
 static OFFCPU_SINCE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
@@ -78,18 +84,25 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         if same_as_last && sp != 0 && seen_before(tid, ip, sp, bp) {
             (*ev).what = what | STACK_SAME_USER;
         } else if sp != 0 {
-            // Near the top of a stack a long read faults as a whole: try shorter ones.
-            if full && bpf_probe_read_user(dst, USTACK_CAP as u32, sp as *const _) == 0 {
+            // As many bytes as this thread's stacks took to unwind so far (the collector says,
+            // in USTACK_NEED); before it knows, up to USTACK_CAP (CPU, faults, IO) or 16 KiB
+            // (off-CPU). Near the top of a stack a long read faults as a whole: try shorter ones.
+            let cap = match USTACK_NEED.get(&tid) {
+                Some(&need) => need,
+                None if full => USTACK_CAP as u32,
+                None => 16384,
+            };
+            if cap >= USTACK_CAP as u32 && bpf_probe_read_user(dst, USTACK_CAP as u32, sp as *const _) == 0 {
                 n = USTACK_CAP as u32;
-            } else if full && bpf_probe_read_user(dst, 32768, sp as *const _) == 0 {
+            } else if cap >= 32768 && bpf_probe_read_user(dst, 32768, sp as *const _) == 0 {
                 n = 32768;
-            } else if bpf_probe_read_user(dst, 16384, sp as *const _) == 0 {
+            } else if cap >= 16384 && bpf_probe_read_user(dst, 16384, sp as *const _) == 0 {
                 n = 16384;
-            } else if bpf_probe_read_user(dst, 8192, sp as *const _) == 0 {
+            } else if cap >= 8192 && bpf_probe_read_user(dst, 8192, sp as *const _) == 0 {
                 n = 8192;
-            } else if bpf_probe_read_user(dst, 4096, sp as *const _) == 0 {
+            } else if cap >= 4096 && bpf_probe_read_user(dst, 4096, sp as *const _) == 0 {
                 n = 4096;
-            } else if bpf_probe_read_user(dst, 2048, sp as *const _) == 0 {
+            } else if cap >= 2048 && bpf_probe_read_user(dst, 2048, sp as *const _) == 0 {
                 n = 2048;
             } else if bpf_probe_read_user(dst, 1024, sp as *const _) == 0 {
                 n = 1024;
@@ -156,6 +169,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
         if state & (EXIT_DEAD | EXIT_ZOMBIE) != 0 {
             let _ = OFFCPU_SINCE.remove(&tid);
             let _ = USTACK_SEEN.remove(&tid);
+            let _ = USTACK_NEED.remove(&tid);
         } else if state & 0xff != 0 {
             insert_lru(&OFFCPU_SINCE, &tid, &now);
             capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);

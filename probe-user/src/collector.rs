@@ -134,6 +134,9 @@ struct State {
     ksyms: crate::ksyms::Resolver,
     /// Off-CPU stacks waiting for their thread to run again (by tid).
     offcpu: HashMap<u32, recording::StackRecord>,
+    /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
+    ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    need_told: HashMap<u32, u32>,
     /// Each thread's last unwound off-CPU user stack, for the records that refer to it.
     last_offcpu_user: HashMap<u32, (u32, crate::unwind::Unwound)>,
     root: u32,
@@ -170,6 +173,8 @@ impl State {
             ksyms: crate::ksyms::Resolver::default(),
             offcpu: HashMap::new(),
             last_offcpu_user: HashMap::new(),
+            ustack_need: None,
+            need_told: HashMap::new(),
             root,
             root_exited: false,
             targets: std::sync::Arc::new(std::sync::Mutex::new(targets.to_vec())),
@@ -259,6 +264,7 @@ impl State {
             }
             _ => {
                 let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
+                self.learn_need(s.hdr.tid, &u, ustack.len());
                 if offcpu {
                     // Threads that exited leave entries until their process does: bounded like
                     // the kernel's map (a thread forgotten here is unwound from its ip alone once).
@@ -308,6 +314,28 @@ impl State {
         }
         v.kernel = kernel;
         self.writer.stack(&v)
+    }
+
+    /// Tell the kernel how many user-stack bytes `tid`'s stacks need, from what unwinding this
+    /// one used: a quarter more, in powers of two from 1 KiB, only ever growing; double when the
+    /// unwinder ran out of bytes. The copy is most of a stack sample's cost in the kernel
+    /// (64 KiB for 18 us; llama-server's workers unwind in 2 KiB).
+    fn learn_need(&mut self, tid: u32, u: &crate::unwind::Unwound, given: usize) {
+        let Some(map) = self.ustack_need.as_mut() else { return };
+        let cap = probe_common::stack::USTACK_CAP as u64;
+        let class = |b: u64| b.next_power_of_two().clamp(1024, cap + 8).min(cap) as u32;
+        let told = self.need_told.get(&tid).copied().unwrap_or(0);
+        let want = if u.short { class(given as u64 * 2) } else { class(u.used_bytes + u.used_bytes / 4) };
+        if want <= told || (!u.short && u.used_bytes == 0) {
+            return;
+        }
+        if self.need_told.len() >= LAST_USER_STACKS && !self.need_told.contains_key(&tid) {
+            self.need_told.clear();
+        }
+        if map.insert(tid, want, 0).is_ok() {
+            log::debug!("thread {tid}: user stacks need {want} bytes (used {}, short {}, given {given})", u.used_bytes, u.short);
+            self.need_told.insert(tid, want);
+        }
     }
 
     /// The process `pid` exited: drop what was kept for it. Its threads' off-CPU stacks still
@@ -491,6 +519,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     })?;
     let start_ns = monotonic_ns();
     let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
+    st.ustack_need = attached.ebpf.take_map(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     // Every thread there at attach; later ones when they first show up in an event.
     for &pid in &attached.targets {

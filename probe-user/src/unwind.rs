@@ -142,6 +142,9 @@ fn drap_rule(elf: &Elf, svma: u64) -> Option<DrapRule> {
     Some(DrapRule { cfa, ra, rbp })
 }
 
+/// A read this far past the copied stack bytes or less counts as the copy being too short.
+const SHORT_REACH: usize = 16 << 10;
+
 /// One frame: a module id and a file offset, or (-1, absolute address) outside any file.
 pub type Frame = (i64, u64);
 
@@ -151,6 +154,10 @@ pub struct Unwound {
     pub frames: Vec<Frame>,
     /// The unwinder reached the end of the stack (not cut by missing unwind info or stack bytes).
     pub complete: bool,
+    /// Stack bytes (from sp) the unwinder read: what a copy of this thread's stack needs.
+    pub used_bytes: u64,
+    /// It stopped on a read past the bytes it was given (a larger copy would have gone further).
+    pub short: bool,
 }
 
 /// Unwinders for every traced process, and the table of modules (file paths) frames refer to.
@@ -251,7 +258,7 @@ impl Unwinders {
         let t = std::time::Instant::now();
         let load_before = self.load_nanos;
         let mut addrs = Vec::new();
-        let mut complete = false;
+        let (mut complete, mut used_bytes, mut short) = (false, 0u64, false);
         if ip != 0 {
             if !self.procs.contains_key(&pid) {
                 let l = std::time::Instant::now();
@@ -260,9 +267,18 @@ impl Unwinders {
             }
             let p = self.procs.get_mut(&pid).expect("built above");
             let drap = &mut self.drap;
+            let (used, short) = (&mut used_bytes, &mut short);
             let mut read_stack = |addr: u64| -> Result<u64, ()> {
                 let off = addr.checked_sub(sp).ok_or(())? as usize;
-                let b = stack.get(off..off + 8).ok_or(())?;
+                let Some(b) = stack.get(off..off + 8) else {
+                    // Just past the copy (within what one more frame takes): more bytes would
+                    // have answered it. Reads far beyond come from a wrong rule, not a short copy.
+                    if off < stack.len() + SHORT_REACH {
+                        *short = true;
+                    }
+                    return Err(());
+                };
+                *used = (*used).max(off as u64 + 8);
                 Ok(u64::from_le_bytes(b.try_into().map_err(|_| ())?))
             };
             let mut regs = UnwindRegsX86_64::new(ip, sp, bp);
@@ -298,7 +314,7 @@ impl Unwinders {
         self.samples += 1;
         self.complete += complete as u64;
         self.nanos += (t.elapsed().as_nanos() as u64).saturating_sub(self.load_nanos - load_before);
-        Unwound { frames, complete }
+        Unwound { frames, complete, used_bytes, short: short && !complete }
     }
 
     /// Absolute addresses → (module id, file offset) with the process's current mappings.

@@ -48,10 +48,9 @@ pub struct Sampler {
     threads: Vec<JoinHandle<()>>,
 }
 
-/// While the target is idle, every sampler reading is taken this often (GPU, CPU frequency and
-/// memory at `hz` otherwise; residency and C-states every second otherwise): an idle server
-/// changes slowly, and a request makes the collector call [`Sampler::set_busy`], which wakes the
-/// samplers at once.
+/// While the target is idle, GPU, CPU-frequency and memory readings are taken this often (at
+/// `hz` otherwise): an idle server changes slowly, and a request makes the collector call
+/// [`Sampler::set_busy`], which wakes the samplers at once.
 pub const IDLE_PERIOD: Duration = Duration::from_secs(5);
 
 /// What the sampler threads sleep on: they wake at once when probe stops, when the target turns
@@ -196,7 +195,9 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
     loop {
         let stopping = signal.stopped();
         let busy = signal.busy();
-        let slow_every = if busy { Duration::from_secs(1) } else { IDLE_PERIOD };
+        // Residency and C-states every second, busy or not: the model leaving the page cache while
+        // the server idles is what the slow morning request is about (a cachestat call is cheap).
+        let slow_every = Duration::from_secs(1);
         let slow_due = last_slow.is_none_or(|t| t.elapsed() >= slow_every);
         if slow_due || stopping {
             last_slow = Some(Instant::now());
