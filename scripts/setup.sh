@@ -45,16 +45,20 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 
-# Bench-only: bpftrace, the reference beside probe in `cargo xtask bench`'s tracing cost. Optional:
-# without it the bench measures probe alone, so a failed install only warns.
-if ! command -v bpftrace >/dev/null; then
+# Bench-only: bpftrace, the reference beside probe in `cargo xtask bench`'s tracing cost, and
+# bpftool, which names its BPF programs there. Optional: without them the bench measures probe
+# alone (or shows program tags), so a failed install only warns.
+bench_need=()
+command -v bpftrace >/dev/null || bench_need+=(bpftrace)
+command -v bpftool >/dev/null || bench_need+=(bpftool)
+if [ ${#bench_need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    say "installing bpftrace (Debian package, for the bench)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bpftrace >/dev/null \
-      || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bpftrace >/dev/null; } \
-      || say "warning: cannot install bpftrace with apt-get: the bench's tracing cost will measure probe alone"
+    say "installing ${bench_need[*]} (Debian packages, for the bench)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${bench_need[@]}" >/dev/null \
+      || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${bench_need[@]}" >/dev/null; } \
+      || say "warning: cannot install ${bench_need[*]} with apt-get: the bench's tracing cost will measure probe alone"
   else
-    say "warning: bpftrace missing and not installable here (need root and apt-get): the bench's tracing cost will measure probe alone"
+    say "warning: ${bench_need[*]} missing and not installable here (need root and apt-get): the bench's tracing cost will measure probe alone"
   fi
 fi
 

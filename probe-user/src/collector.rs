@@ -85,12 +85,20 @@ const SAMPLER_STOP: Duration = Duration::from_secs(1);
 const RESERVE_BYTES: u64 = 1 << 20;
 
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
+    let entered = Instant::now();
     let popts = probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes, sample_hz: opts.sample_hz };
     // Then the output: a refused --out costs nothing to attach (or to detach).
     probes::preflight(&popts)?;
     let out_dir = crate::output::OutDir::create_recording(&opts.out, opts.force)?;
+    let before = vec![
+        ("startup".to_string(), (entered - opts.started).as_secs_f64() * 1e3),
+        ("output".to_string(), entered.elapsed().as_secs_f64() * 1e3),
+    ];
     let attached = match out_dir.reserve(RESERVE_BYTES).map_err(|e| reserve_error(&opts.out, e)).and_then(|()| probes::attach(&popts)) {
-        Ok(a) => a,
+        Ok(mut a) => {
+            a.stages.splice(0..0, before);
+            a
+        }
         Err(e) => {
             // Nothing was recorded: leave no empty directory behind (rmdir removes only an empty one).
             out_dir.release_reserve();
@@ -512,6 +520,12 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     let mut ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
 
     let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
+    let mut arm_stages = std::mem::take(&mut attached.stages);
+    let counted: f64 = arm_stages.iter().filter(|(n, _)| !n.starts_with("program ")).map(|(_, ms)| ms).sum();
+    arm_stages.insert(
+        arm_stages.iter().position(|(n, _)| n.starts_with("program ")).unwrap_or(arm_stages.len()),
+        ("ring".into(), armed_ms - counted),
+    );
     let bpf_unmeasured = attached.run_time_stats.as_ref().err().cloned();
     let writer = Writer::create_in(out_dir).map_err(|e| match recording::is_disk_full(&e) {
         true => reserve_error(&opts.out, e),
@@ -536,7 +550,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         "pid": opts.pid, "comm": procfs::comm(opts.pid), "cmdline": crate::redact::command_line(&procfs::cmdline_args(opts.pid)),
         "exe": std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
         "targets": attached.targets, "start_ns": start_ns, "capture_text": opts.capture_text, "start_unix_ms": start_unix_ms,
-        "kernel": uname.trim(), "armed_ms": armed_ms, "probes": attached.status,
+        "kernel": uname.trim(), "armed_ms": armed_ms, "arm_stages": arm_stages, "probes": attached.status,
         // SAFETY: sysconf has no preconditions.
         "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
     }))?;

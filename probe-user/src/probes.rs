@@ -138,6 +138,22 @@ pub struct Attached {
     pub targets: Vec<u32>,
     /// Keeps the kernel counting the programs' run time while it is open; why not, when not.
     pub run_time_stats: Result<std::os::fd::OwnedFd, String>,
+    /// What attaching took, stage by stage (ms), the slowest programs last.
+    pub stages: Vec<(String, f64)>,
+}
+
+/// Times the stages of attaching.
+struct Laps {
+    at: std::time::Instant,
+    stages: Vec<(String, f64)>,
+}
+
+impl Laps {
+    fn lap(&mut self, name: &str) {
+        let now = std::time::Instant::now();
+        self.stages.push((name.to_string(), (now - self.at).as_secs_f64() * 1e3));
+        self.at = now;
+    }
 }
 
 pub struct Options {
@@ -190,36 +206,41 @@ pub fn preflight(opts: &Options) -> anyhow::Result<()> {
 /// Check, load and attach everything for `opts.pid`. On error nothing stays loaded: the `Ebpf`
 /// owns every program, map and link and is dropped.
 pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
+    let mut laps = Laps { at: std::time::Instant::now(), stages: Vec::new() };
     preflight(opts)?;
     let tracefs = tracefs::ensure_mounted().map_err(|e| anyhow!(e))?;
     raise_memlock();
     let run_time_stats = enable_run_time_stats();
+    laps.lap("preflight");
 
     // Struct offsets for naming the file behind an fd; without BTF the mmap probe still runs
-    // and files are named from /proc alone.
-    let (koff, koff_note) = match crate::btf::Btf::from_sys_fs() {
-        Ok(Ok(btf)) => match btf.kernel_offsets() {
-            Ok(k) => (k, None),
-            Err(e) => (Default::default(), Some(format!("kernel BTF lacks a needed field ({e})"))),
-        },
-        Ok(Err(e)) => (Default::default(), Some(format!("kernel BTF unreadable ({e})"))),
-        Err(e) => (Default::default(), Some(format!("no kernel BTF ({e})"))),
+    // and files are named from /proc alone. Read on a thread of its own while aya reads the same
+    // BTF for its loader (two parses of 5 MB at once on two cores).
+    let offsets = std::thread::Builder::new().name("probe-btf".into()).spawn(kernel_offsets);
+    let mut loader = EbpfLoader::new();
+    let (koff, koff_note) = match offsets {
+        Ok(h) => h.join().unwrap_or_else(|_| (Default::default(), Some("reading kernel BTF failed".into()))),
+        Err(_) => kernel_offsets(),
     };
-    let mut ebpf = EbpfLoader::new()
+    laps.lap("kernel_btf");
+    let mut ebpf = loader
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
         .map_max_entries("STACK_SCRATCH", aya::util::nr_cpus().map(|n| n as u32).unwrap_or(256))
         .override_global(probe_common::kernel::KOFF_SYMBOL, &koff, true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")?;
 
+    laps.lap("object_load");
     let mut targets = vec![opts.pid];
     targets.extend(procfs::descendants(opts.pid));
+    laps.lap("descendants");
     {
         let mut map: HashMap<_, u32, u8> = HashMap::try_from(ebpf.map_mut(probe_common::maps::TARGETS).context("TARGETS map missing")?)?;
         for &pid in &targets {
             map.insert(pid, 1, 0).with_context(|| format!("cannot add pid {pid} to the target set"))?;
         }
     }
+    laps.lap("target_map");
     {
         let mut ports: HashMap<_, u16, u8> =
             HashMap::try_from(ebpf.map_mut(probe_common::maps::LISTEN_PORTS).context("LISTEN_PORTS map missing")?)?;
@@ -230,27 +251,41 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         }
     }
 
+    laps.lap("listen_ports");
     let wanted = |sub: &str| opts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == sub));
     let mut status: Vec<SubsystemStatus> = SUBSYSTEMS
         .iter()
         .filter(|s| wanted(s))
         .map(|s| SubsystemStatus { name: s.to_string(), live: true, attached: vec![], skipped: vec![] })
         .collect();
-    for spec in TABLE.iter().filter(|s| wanted(s.subsystem)) {
-        // A classic tracepoint only when its raw twin (`NAME_raw`) could not attach.
-        let raw_twin = format!("{}_raw", spec.program);
-        if status.iter().any(|s| s.attached.contains(&raw_twin)) {
-            continue;
-        }
-        let offsets_known = match spec.program {
-            "block_rq_complete_raw" | "block_rq_issue_raw" => koff.blk_valid != 0,
-            _ => koff.valid != 0,
-        };
-        let result = if matches!(spec.how, How::Raw(_)) && !offsets_known {
-            Err(anyhow!("kernel BTF lacks the struct offsets it reads"))
-        } else {
-            attach_one(&mut ebpf, &tracefs, spec, &targets, opts.sample_hz)
-        };
+    // Verify and attach every program, a thread per core: the kernel verifies programs in the
+    // caller's thread, so on two cores this halves the longest stage of arming. A classic
+    // tracepoint with a raw twin (`NAME_raw`) comes in a second round, only when its twin failed.
+    let offsets_known = |spec: &Spec| match spec.program {
+        "block_rq_complete_raw" | "block_rq_issue_raw" => koff.blk_valid != 0,
+        _ => koff.valid != 0,
+    };
+    let has_raw_twin = |spec: &Spec| TABLE.iter().any(|t| t.program == format!("{}_raw", spec.program) && wanted(t.subsystem));
+    let mut results: Vec<(&Spec, anyhow::Result<()>, f64)> = Vec::new();
+    for round in 0..2 {
+        let specs: Vec<&Spec> = TABLE
+            .iter()
+            .filter(|s| wanted(s.subsystem))
+            .filter(|s| {
+                if round == 0 {
+                    return !has_raw_twin(s);
+                }
+                // Round two: the classic twins of raw programs that did not attach.
+                has_raw_twin(s) && !results.iter().any(|(r, ok, _)| r.program == format!("{}_raw", s.program) && ok.is_ok())
+            })
+            .collect();
+        results.extend(attach_all(&mut ebpf, &tracefs, &specs, &targets, opts.sample_hz, &offsets_known));
+    }
+    let mut per_program: Vec<(String, f64)> = Vec::new();
+    // In TABLE order, as before.
+    results.sort_by_key(|(spec, _, _)| TABLE.iter().position(|t| t.program == spec.program));
+    for (spec, result, ms) in results {
+        per_program.push((spec.program.to_string(), ms));
         let st = status.iter_mut().find(|s| s.name == spec.subsystem).expect("subsystem in table");
         match result {
             Ok(()) => st.attached.push(spec.program.to_string()),
@@ -281,11 +316,69 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         let why: Vec<String> = status.iter().flat_map(|s| s.skipped.clone()).collect();
         bail!("no probe could attach: {}", why.join("; "));
     }
-    Ok(Attached { ebpf, status, targets, run_time_stats })
+    laps.lap("programs");
+    // The three programs that took longest to verify and attach.
+    per_program.sort_by(|a, b| b.1.total_cmp(&a.1));
+    laps.stages.extend(per_program.into_iter().take(3).map(|(name, ms)| (format!("program {name}"), ms)));
+    Ok(Attached { ebpf, status, targets, run_time_stats, stages: laps.stages })
 }
 
-fn attach_one(ebpf: &mut Ebpf, tracefs: &Path, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
-    let program = ebpf.program_mut(spec.program).ok_or_else(|| anyhow!("program missing from the object"))?;
+/// The kernel's struct offsets from its BTF, or zeros and why not.
+fn kernel_offsets() -> (probe_common::kernel::KernelOffsets, Option<String>) {
+    match crate::btf::Btf::from_sys_fs() {
+        Ok(Ok(btf)) => match btf.kernel_offsets() {
+            Ok(k) => (k, None),
+            Err(e) => (Default::default(), Some(format!("kernel BTF lacks a needed field ({e})"))),
+        },
+        Ok(Err(e)) => (Default::default(), Some(format!("kernel BTF unreadable ({e})"))),
+        Err(e) => (Default::default(), Some(format!("no kernel BTF ({e})"))),
+    }
+}
+
+/// Verify and attach `specs` on as many threads as there are cores (each takes the next program
+/// from a shared queue; the calling thread too, so a thread that cannot be made costs nothing but
+/// time): (spec, result, ms) each.
+fn attach_all<'s>(
+    ebpf: &mut Ebpf,
+    tracefs: &Path,
+    specs: &[&'s Spec],
+    targets: &[u32],
+    sample_hz: u64,
+    offsets_known: &(dyn Fn(&Spec) -> bool + Sync),
+) -> Vec<(&'s Spec, anyhow::Result<()>, f64)> {
+    type Job<'s, 'p> = (&'s Spec, Option<&'p mut aya::programs::Program>);
+    let mut progs: std::collections::HashMap<&str, &mut aya::programs::Program> = ebpf.programs_mut().collect();
+    let jobs: Vec<Job<'s, '_>> = specs.iter().map(|spec| (*spec, progs.remove(spec.program))).collect();
+    let queue = std::sync::Mutex::new(jobs.into_iter());
+    let done = std::sync::Mutex::new(Vec::new());
+    let work = || {
+        loop {
+            let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+            let Some((spec, program)) = next else { break };
+            let t = std::time::Instant::now();
+            let result = match program {
+                None => Err(anyhow!("program missing from the object")),
+                Some(_) if matches!(spec.how, How::Raw(_)) && !offsets_known(spec) => {
+                    Err(anyhow!("kernel BTF lacks the struct offsets it reads"))
+                }
+                Some(p) => attach_one(p, tracefs, spec, targets, sample_hz),
+            };
+            done.lock().unwrap_or_else(|e| e.into_inner()).push((spec, result, t.elapsed().as_secs_f64() * 1e3));
+        }
+    };
+    let helpers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8) - 1;
+    std::thread::scope(|scope| {
+        for _ in 0..helpers {
+            if let Err(e) = std::thread::Builder::new().name("probe-attach".into()).spawn_scoped(scope, work) {
+                log::debug!("no thread to attach on ({e})");
+            }
+        }
+        work();
+    });
+    done.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+fn attach_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
     match spec.how {
         How::Tracepoint(layout) => {
             let fmt = tracefs::format(tracefs, layout.group, layout.name).map_err(|e| anyhow!(e))?;

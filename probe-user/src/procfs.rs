@@ -212,6 +212,20 @@ pub fn listen_addrs(pid: u32) -> Vec<std::net::SocketAddr> {
 /// TCP ports the process listens on.
 pub fn listen_ports(pid: u32) -> Vec<u16> {
     let inodes = socket_inodes(pid);
+    if inodes.is_empty() {
+        return Vec::new();
+    }
+    // In probe's own network namespace, ask the kernel for listening sockets only (sock_diag):
+    // /proc/PID/net/tcp walks every bucket of the established-connections hash table, 10 ms
+    // each for tcp and tcp6 on a 24 GiB machine, and was a seventh of the time to arm.
+    let same_netns = fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        == fs::metadata("/proc/self/ns/net").ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m));
+    if same_netns && let Some(listening) = tcp_listeners() {
+        let mut ports: Vec<u16> = listening.into_iter().filter(|(_, ino)| inodes.contains(ino)).map(|(port, _)| port).collect();
+        ports.sort_unstable();
+        ports.dedup();
+        return ports;
+    }
     let mut ports = Vec::new();
     for f in ["tcp", "tcp6"] {
         if let Ok(t) = fs::read_to_string(format!("/proc/{pid}/net/{f}")) {
@@ -223,9 +237,108 @@ pub fn listen_ports(pid: u32) -> Vec<u16> {
     ports
 }
 
+/// (local port, inode) of every TCP socket listening in this network namespace, IPv4 and IPv6,
+/// from the kernel's sock_diag netlink interface (linux/inet_diag.h). None when it cannot answer.
+pub fn tcp_listeners() -> Option<Vec<(u16, u64)>> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    const NETLINK_SOCK_DIAG: i32 = 4;
+    const SOCK_DIAG_BY_FAMILY: u16 = 20;
+    const NLM_F_REQUEST: u16 = 1;
+    const NLM_F_DUMP: u16 = 0x300;
+    const NLMSG_DONE: u16 = 3;
+    const NLMSG_ERROR: u16 = 2;
+    const TCP_LISTEN: u32 = 10;
+    // SAFETY: socket(2) with constant arguments; the fd is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: a fresh fd of ours.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
+    // SAFETY: a valid timeval for SO_RCVTIMEO: a kernel that never answers cannot hang probe.
+    unsafe {
+        libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const tv).cast(), size_of::<libc::timeval>() as u32)
+    };
+    let mut out = Vec::new();
+    for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+        // nlmsghdr (16 bytes) + inet_diag_req_v2 (56 bytes).
+        let mut req = [0u8; 72];
+        req[0..4].copy_from_slice(&72u32.to_ne_bytes());
+        req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        req[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+        req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+        req[16] = family;
+        req[17] = libc::IPPROTO_TCP as u8;
+        req[20..24].copy_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
+        // SAFETY: sending our own buffer on our own socket (to the kernel: address 0).
+        if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } != req.len() as isize {
+            return None;
+        }
+        let mut buf = vec![0u8; 32 << 10];
+        'dump: loop {
+            // SAFETY: receiving into our own buffer of that length.
+            let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n <= 0 {
+                return None;
+            }
+            let mut msgs = &buf[..n as usize];
+            while msgs.len() >= 16 {
+                let len = u32::from_ne_bytes(msgs[0..4].try_into().ok()?) as usize;
+                let ty = u16::from_ne_bytes(msgs[4..6].try_into().ok()?);
+                if len < 16 || len > msgs.len() {
+                    return None;
+                }
+                match ty {
+                    NLMSG_DONE => break 'dump,
+                    NLMSG_ERROR => return None,
+                    SOCK_DIAG_BY_FAMILY => {
+                        // inet_diag_msg: family, state, timer, retrans, then inet_diag_sockid
+                        // (sport and dport big-endian, ...), expires, rqueue, wqueue, uid, inode.
+                        let m = &msgs[16..len];
+                        if m.len() >= 72 {
+                            let port = u16::from_be_bytes([m[4], m[5]]);
+                            let inode = u32::from_ne_bytes(m[68..72].try_into().ok()?);
+                            out.push((port, u64::from(inode)));
+                        }
+                    }
+                    _ => {}
+                }
+                msgs = &msgs[(len + 3) & !3..];
+            }
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// sock_diag finds a listener of ours with its port and inode, and not a connected socket.
+    #[test]
+    fn netlink_finds_listening_sockets() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let l6 = std::net::TcpListener::bind("[::1]:0").ok();
+        let _c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let got = tcp_listeners().expect("sock_diag answers");
+        let inodes = socket_inodes(std::process::id());
+        assert!(got.iter().any(|&(p, ino)| p == port && inodes.contains(&ino)), "{port} not in {got:?}");
+        if let Some(l6) = l6 {
+            let p6 = l6.local_addr().unwrap().port();
+            assert!(got.iter().any(|&(p, _)| p == p6), "{p6} not in {got:?}");
+        }
+        // The same answer as /proc/net/tcp gives.
+        assert!(listen_ports(std::process::id()).contains(&port));
+        let mut from_proc = Vec::new();
+        for f in ["tcp", "tcp6"] {
+            from_proc.extend(parse_listen_ports(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
+        }
+        from_proc.sort_unstable();
+        from_proc.dedup();
+        assert_eq!(listen_ports(std::process::id()), from_proc);
+    }
 
     #[test]
     fn maps_keep_file_mappings_only() {

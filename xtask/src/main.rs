@@ -371,6 +371,33 @@ fn bench() -> anyhow::Result<()> {
         median(inner),
         wall.iter().cloned().fold(0.0, f64::max)
     );
+    // Stage by stage (report.json's `armed.stages`), medians over the runs.
+    let (mut stages, mut slowest): (Vec<(String, Vec<f64>)>, Vec<String>) = (Vec::new(), Vec::new());
+    for i in 0..10 {
+        let Ok(text) = std::fs::read(dir.join(format!("armed-{i}/report.json"))) else { continue };
+        let r: serde_json::Value = serde_json::from_slice(&text)?;
+        let mut slowest_seen = false;
+        for st in r["armed"]["stages"].as_array().into_iter().flatten() {
+            let (Some(name), Some(ms)) = (st[0].as_str(), st[1].as_f64()) else { continue };
+            let name = match name.strip_prefix("program ") {
+                Some(_) if slowest_seen => continue,
+                Some(p) => {
+                    slowest_seen = true;
+                    if !slowest.iter().any(|n| n == p) {
+                        slowest.push(p.to_string());
+                    }
+                    "slowest program".to_string()
+                }
+                None => name.to_string(),
+            };
+            match stages.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, v)) => v.push(ms),
+                None => stages.push((name, vec![ms])),
+            }
+        }
+    }
+    let parts: Vec<String> = stages.into_iter().map(|(n, v)| format!("{n} {:.1}", median(v))).collect();
+    println!("  stages (median ms): {}; the slowest program: {}", parts.join(", "), slowest.join(" or "));
 
     // 2. High event rate: mmap+munmap in a tight loop (2 records per iteration), untraced
     //    then traced, in this one invocation.

@@ -30,6 +30,9 @@ pub struct Meta {
     pub start_unix_ms: u64,
     pub kernel: String,
     pub armed_ms: f64,
+    /// What arming took, stage by stage: `[name, ms]` (the three slowest programs last).
+    #[serde(default)]
+    pub arm_stages: Vec<(String, f64)>,
     /// Per probe: `name`, `live`, `attached`, `skipped` with reasons.
     pub probes: Value,
     #[serde(default = "page_size")]

@@ -332,6 +332,9 @@ impl Builder {
         r.target.comm = meta.comm.clone();
         r.target.cmdline = meta.cmdline.clone();
         r.probes = meta.probes.clone();
+        if meta.armed_ms > 0.0 {
+            r.armed = Some(Armed { ms: meta.armed_ms, stages: meta.arm_stages.clone() });
+        }
         self.dev_names = meta.block_devices.clone().into_iter().collect();
         for &pid in &meta.targets {
             let comm = if pid == r.target.pid { r.target.comm.clone() } else { String::new() };

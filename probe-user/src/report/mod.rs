@@ -58,6 +58,9 @@ pub struct Report {
     /// What the request-stream tracker gave up to stay bounded (connections dropped, peaks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_limits: Option<crate::stream::Limits>,
+    /// From probe's start to its probes armed: ms, stage by stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub armed: Option<Armed>,
     /// What tracing cost while it ran: probe's CPU and its BPF programs' run time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<Cost>,
@@ -102,6 +105,15 @@ pub struct Unwind {
     pub reused: u64,
     /// Reading ELF files and building unwinders (once per process and mapping change), ms.
     pub load_ms: f64,
+}
+
+/// Start to armed: the process starting, the output directory, preflight checks, kernel BTF, the
+/// BPF object's load, the target set, every program's verification and attach, the ring; then
+/// the three slowest programs (`program NAME`, inside `programs`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Armed {
+    pub ms: f64,
+    pub stages: Vec<(String, f64)>,
 }
 
 /// Tracing cost between the first and the last `stats` record (attach to stop; the analysis
