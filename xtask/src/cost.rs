@@ -18,6 +18,10 @@ use crate::{Llama, bin, generate_256, soak::cpu_secs, wait_for};
 /// Rounds of (probe, bpftrace), interleaved; each round measures both windows.
 const ROUNDS: usize = 3;
 const IDLE: Duration = Duration::from_secs(10);
+/// Measured apart, after armed and before the idle window.
+const SETTLE: Duration = Duration::from_secs(3);
+/// 256-token requests, back to back, in the generating window (one is 2 s on this machine).
+const GENERATIONS: usize = 3;
 
 /// What probe traces with every probe on and `--hz 99`, in bpftrace: CPU stacks at 99 Hz, off-CPU
 /// stacks at each switch-out, and counts of page faults, block I/O and the syscalls probe follows.
@@ -112,7 +116,24 @@ fn bpf_progs(pid: u32) -> HashMap<u32, Prog> {
 }
 
 fn snap(pid: u32) -> Snap {
-    Snap { at: Instant::now(), cpu: cpu_secs(pid), progs: bpf_progs(pid) }
+    Snap { at: Instant::now(), cpu: run_secs(pid), progs: bpf_progs(pid) }
+}
+
+/// CPU seconds of `pid`'s live threads to the nanosecond (the first field of each thread's
+/// schedstat: time on a CPU), where /proc/PID/stat counts 10 ms ticks (0.5% of a core in a 2 s
+/// window). Falls back to those ticks where schedstat is absent.
+fn run_secs(pid: u32) -> f64 {
+    let mut ns = 0u64;
+    let mut any = false;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+        if let Some(v) =
+            std::fs::read_to_string(t.path().join("schedstat")).ok().and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        {
+            ns += v;
+            any = true;
+        }
+    }
+    if any { ns as f64 / 1e9 } else { cpu_secs(pid) }
 }
 
 /// One measured window.
@@ -365,6 +386,7 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
     let mut idle: HashMap<&str, Vec<Window>> = HashMap::new();
     let mut busy: HashMap<&str, Vec<Window>> = HashMap::new();
     let mut tps: HashMap<&str, Vec<f64>> = HashMap::new();
+    let mut settle: HashMap<&str, Vec<Window>> = HashMap::new();
     let mut top: HashMap<&str, Top> = HashMap::new();
     let mut named = true;
     for round in 0..ROUNDS {
@@ -379,10 +401,18 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
                 Err(e) => return Err(e),
             };
             let tp = tracer.pid();
+            // The first seconds after armed (unwind tables, the first /proc snapshots) are
+            // measured apart: what starting costs, once, not what staying on costs.
+            let s0 = snap(tp);
+            std::thread::sleep(SETTLE);
             let a = snap(tp);
+            settle.entry(tool.name()).or_default().push(Window::between(&s0, &a));
             std::thread::sleep(IDLE);
             let b = snap(tp);
-            let t = generate_256(&srv.addr)?;
+            let mut t = 0.0;
+            for _ in 0..GENERATIONS {
+                t += generate_256(&srv.addr)? / GENERATIONS as f64;
+            }
             let c = snap(tp);
             let names = bpftool_names();
             named &= names.is_some();
@@ -406,7 +436,7 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
         "  {:<10} {:<48} {:<48} traced generation (server's tokens/s; request time)",
         "",
         format!("idle {} s", IDLE.as_secs()),
-        "generating 256 tokens"
+        format!("generating {GENERATIONS} × 256 tokens")
     );
     let empty = Vec::new();
     for tool in &tools {
@@ -421,6 +451,19 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
             _ => "-".to_string(),
         };
         println!("  {n:<10} {:<48} {:<48} {speed}", summary(i), summary(g));
+    }
+    for tool in &tools {
+        let w = settle.get(tool.name()).unwrap_or(&empty);
+        let ms: Vec<f64> = w.iter().map(|w| (w.proc + w.bpf) * 1e3).collect();
+        if !ms.is_empty() {
+            println!(
+                "  {:<10} first {} s after armed (once per trace, not in the windows above): {:.0} ms of CPU, median of {}",
+                tool.name(),
+                SETTLE.as_secs(),
+                crate::median(ms.clone()),
+                ms.len()
+            );
+        }
     }
     for tool in &tools {
         if let Some(t) = top.get(tool.name()) {

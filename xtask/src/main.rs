@@ -328,6 +328,29 @@ fn http_get_ok(addr: &str, path: &str) -> bool {
     buf.starts_with("HTTP/1.1 200")
 }
 
+/// Interleaved untraced/traced runs of the generation bench.
+const PAIRS: usize = 12;
+
+/// Geometric mean of ratios and its 95% confidence interval (Student's t on the log ratios).
+fn ratio_interval(r: &[f64]) -> (f64, f64, f64) {
+    let n = r.len();
+    if n < 2 {
+        let m = r.first().copied().unwrap_or(f64::NAN);
+        return (m, f64::NAN, f64::NAN);
+    }
+    let logs: Vec<f64> = r.iter().map(|x| x.ln()).collect();
+    let mean = logs.iter().sum::<f64>() / n as f64;
+    let var = logs.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    // Two-sided 97.5% quantiles of Student's t for 1..=30 degrees of freedom, then normal.
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101,
+        2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+    ];
+    let t = T.get(n - 2).copied().unwrap_or(1.96);
+    let half = t * (var / n as f64).sqrt();
+    (mean.exp(), (mean - half).exp(), (mean + half).exp())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -561,7 +584,7 @@ fn bench_llama(dir: &Path) -> anyhow::Result<()> {
     let generate = || generate_256(&addr);
     generate()?; // warm up
     let (mut plain, mut traced, mut unwind_us, mut load_ms, mut samples) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0u64);
-    for i in 0..8 {
+    for i in 0..PAIRS {
         plain.push(generate()?);
         let rec = dir.join(format!("llama-{i}"));
         let mut p = Command::new(bin("probe"))
@@ -581,10 +604,15 @@ fn bench_llama(dir: &Path) -> anyhow::Result<()> {
     }
     let (p, t) = (median(plain.clone()), median(traced.clone()));
     let pairs: Vec<f64> = plain.iter().zip(&traced).map(|(a, b)| b / a).collect();
-    println!("llama-server generation (SmolLM2-135M, 256 tokens, 8 interleaved pairs):");
+    println!("llama-server generation (SmolLM2-135M, 256 tokens, {PAIRS} interleaved pairs):");
     println!("  untraced: median {p:.1} tokens/s {plain:.1?}");
     println!("  traced:   median {t:.1} tokens/s {traced:.1?}  (all probes, 99 Hz CPU stacks)");
-    println!("  ratio traced/untraced: {:.3} (medians), {:.3} (median of the 8 pairs {pairs:.3?})", t / p, median(pairs.clone()));
+    println!("  ratio traced/untraced: {:.3} (medians), {:.3} (median of the {PAIRS} pairs {pairs:.3?})", t / p, median(pairs.clone()));
+    let (mean, lo, hi) = ratio_interval(&pairs);
+    println!(
+        "  ratio with a 95% confidence interval (geometric mean of the pairs, t on log ratios): {mean:.3} [{lo:.3}, {hi:.3}], width {:.1}%",
+        (hi - lo) * 100.0
+    );
     println!(
         "  unwinding: median {:.1} us per stack ({samples} CPU samples); loading unwind tables: median {:.1} ms per trace",
         median(unwind_us),

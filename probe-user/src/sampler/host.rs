@@ -47,8 +47,8 @@ pub fn cpuidle() -> Option<CpuIdle> {
         let mut any = false;
         for st in 0.. {
             let sd = format!("{dir}/cpuidle/state{st}");
-            let Ok(name) = std::fs::read_to_string(format!("{sd}/name")) else { break };
-            let num = |f: &str| std::fs::read_to_string(format!("{sd}/{f}")).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+            let Some(name) = read_kept(&format!("{sd}/name")) else { break };
+            let num = |f: &str| read_kept(&format!("{sd}/{f}")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
             if c.names.len() <= st {
                 c.names.push(name.trim().to_string());
                 c.latency_us.push(num("latency"));
@@ -135,8 +135,9 @@ pub fn memory_cgroup(pid: u32) -> Option<std::path::PathBuf> {
     None
 }
 
-/// Most files [`read_kept`] keeps open.
-const KEPT_FILES: usize = 64;
+/// Most files [`read_kept`] keeps open (a machine with more C-state files than this reopens them
+/// each time, as it would without keeping them).
+const KEPT_FILES: usize = 256;
 
 /// The text of a /proc or /sys file the sampler reads many times a second, from a descriptor kept
 /// open and read again from offset 0: the open and its path walk cost more than the read. A

@@ -25,6 +25,9 @@ pub mod residency;
 /// How often the server's endpoints are polled (each poll is 2-3 small HTTP requests the server
 /// answers between decode steps; its counters change slowly).
 pub const POLL_EVERY: Duration = Duration::from_secs(2);
+/// How often they are polled while the target is idle (a sleeping server's state changes after
+/// minutes of idling; a request wakes the poller at once).
+pub const IDLE_POLL_EVERY: Duration = Duration::from_secs(10);
 
 /// Files at least this big that the target maps or opens are watched for residency (weights).
 pub const MODEL_FILE_MIN_BYTES: u64 = 16 << 20;
@@ -310,10 +313,16 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal) {
                 None => i += 1,
             }
         }
-        // Every POLL_EVERY, busy or not (a poke does not make a poll).
-        let until = Instant::now() + POLL_EVERY;
-        while !signal.stopped() && Instant::now() < until {
-            signal.nap(until.saturating_duration_since(Instant::now()));
+        // Every POLL_EVERY while the target is busy, every IDLE_POLL_EVERY while it idles (a
+        // change to busy wakes this and shortens the wait).
+        let polled = Instant::now();
+        loop {
+            let every = if signal.busy() { POLL_EVERY } else { IDLE_POLL_EVERY };
+            let left = every.saturating_sub(polled.elapsed());
+            if signal.stopped() || left.is_zero() {
+                break;
+            }
+            signal.nap(left);
         }
     }
 }
