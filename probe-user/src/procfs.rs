@@ -162,6 +162,18 @@ pub fn parse_listen_ports(text: &str, inodes: &HashSet<u64>) -> Vec<u16> {
 
 /// Where to reach each LISTEN socket in /proc/net/tcp{,6} text whose inode is in `inodes`: its
 /// address, with a wildcard (0.0.0.0, ::) replaced by the loopback address of its family.
+/// The address to connect to for a listener bound to `ip`: loopback for an unspecified
+/// address, IPv4 for a v4-mapped one.
+fn reachable(ip: std::net::IpAddr) -> std::net::IpAddr {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    match ip {
+        IpAddr::V4(a) if a.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(a) if a.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        IpAddr::V6(a) => a.to_ipv4_mapped().map_or(IpAddr::V6(a), IpAddr::V4),
+        a => a,
+    }
+}
+
 pub fn parse_listen_addrs(text: &str, inodes: &HashSet<u64>) -> Vec<std::net::SocketAddr> {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
     text.lines()
@@ -182,12 +194,7 @@ pub fn parse_listen_addrs(text: &str, inodes: &HashSet<u64>) -> Vec<std::net::So
                 16 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(bytes.as_slice()).ok()?)),
                 _ => return None,
             };
-            let ip = match ip {
-                IpAddr::V4(a) if a.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                IpAddr::V6(a) if a.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-                IpAddr::V6(a) => a.to_ipv4_mapped().map_or(IpAddr::V6(a), IpAddr::V4),
-                a => a,
-            };
+            let ip = reachable(ip);
             Some(std::net::SocketAddr::new(ip, port))
         })
         .collect()
@@ -197,6 +204,18 @@ pub fn parse_listen_addrs(text: &str, inodes: &HashSet<u64>) -> Vec<std::net::So
 pub fn listen_addrs(pid: u32) -> Vec<std::net::SocketAddr> {
     let inodes = socket_inodes(pid);
     let mut out = Vec::new();
+    if inodes.is_empty() {
+        return out;
+    }
+    if let Some(listening) = listeners_here(pid) {
+        for (a, ino) in listening {
+            let a = std::net::SocketAddr::new(reachable(a.ip()), a.port());
+            if inodes.contains(&ino) && !out.contains(&a) {
+                out.push(a);
+            }
+        }
+        return out;
+    }
     for f in ["tcp", "tcp6"] {
         if let Ok(t) = fs::read_to_string(format!("/proc/{pid}/net/{f}")) {
             for a in parse_listen_addrs(&t, &inodes) {
@@ -215,13 +234,8 @@ pub fn listen_ports(pid: u32) -> Vec<u16> {
     if inodes.is_empty() {
         return Vec::new();
     }
-    // In probe's own network namespace, ask the kernel for listening sockets only (sock_diag):
-    // /proc/PID/net/tcp walks every bucket of the established-connections hash table, 10 ms
-    // each for tcp and tcp6 on a 24 GiB machine, and was a seventh of the time to arm.
-    let same_netns = fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-        == fs::metadata("/proc/self/ns/net").ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m));
-    if same_netns && let Some(listening) = tcp_listeners() {
-        let mut ports: Vec<u16> = listening.into_iter().filter(|(_, ino)| inodes.contains(ino)).map(|(port, _)| port).collect();
+    if let Some(listening) = listeners_here(pid) {
+        let mut ports: Vec<u16> = listening.into_iter().filter(|(_, ino)| inodes.contains(ino)).map(|(a, _)| a.port()).collect();
         ports.sort_unstable();
         ports.dedup();
         return ports;
@@ -237,9 +251,23 @@ pub fn listen_ports(pid: u32) -> Vec<u16> {
     ports
 }
 
-/// (local port, inode) of every TCP socket listening in this network namespace, IPv4 and IPv6,
-/// from the kernel's sock_diag netlink interface (linux/inet_diag.h). None when it cannot answer.
-pub fn tcp_listeners() -> Option<Vec<(u16, u64)>> {
+/// [`tcp_listeners`] when `pid` shares probe's network namespace, else None (read its
+/// /proc/PID/net/tcp then). sock_diag walks the listening sockets only; /proc/PID/net/tcp walks
+/// every bucket of the established-connections hash table, 10 ms each for tcp and tcp6 on a 24 GiB
+/// machine: a seventh of the time to arm, and 5% of probe's CPU while it polled the server.
+fn listeners_here(pid: u32) -> Option<Vec<(std::net::SocketAddr, u64)>> {
+    let ns = |p: &str| fs::metadata(p).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m));
+    let ours = ns("/proc/self/ns/net")?;
+    if ns(&format!("/proc/{pid}/ns/net")) != Some(ours) {
+        return None;
+    }
+    tcp_listeners()
+}
+
+/// (local address, inode) of every TCP socket listening in this network namespace, IPv4 and
+/// IPv6, from the kernel's sock_diag netlink interface (linux/inet_diag.h). None when it cannot
+/// answer.
+pub fn tcp_listeners() -> Option<Vec<(std::net::SocketAddr, u64)>> {
     use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
     const NETLINK_SOCK_DIAG: i32 = 4;
     const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -298,8 +326,13 @@ pub fn tcp_listeners() -> Option<Vec<(u16, u64)>> {
                         let m = &msgs[16..len];
                         if m.len() >= 72 {
                             let port = u16::from_be_bytes([m[4], m[5]]);
+                            let ip: std::net::IpAddr = if m[0] == libc::AF_INET as u8 {
+                                std::net::Ipv4Addr::from(<[u8; 4]>::try_from(&m[8..12]).ok()?).into()
+                            } else {
+                                std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&m[8..24]).ok()?).into()
+                            };
                             let inode = u32::from_ne_bytes(m[68..72].try_into().ok()?);
-                            out.push((port, u64::from(inode)));
+                            out.push((std::net::SocketAddr::new(ip, port), u64::from(inode)));
                         }
                     }
                     _ => {}
@@ -324,11 +357,20 @@ mod tests {
         let _c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let got = tcp_listeners().expect("sock_diag answers");
         let inodes = socket_inodes(std::process::id());
-        assert!(got.iter().any(|&(p, ino)| p == port && inodes.contains(&ino)), "{port} not in {got:?}");
-        if let Some(l6) = l6 {
-            let p6 = l6.local_addr().unwrap().port();
-            assert!(got.iter().any(|&(p, _)| p == p6), "{p6} not in {got:?}");
+        assert!(got.iter().any(|&(a, ino)| a == l.local_addr().unwrap() && inodes.contains(&ino)), "{port} not in {got:?}");
+        if let Some(l6) = &l6 {
+            assert!(got.iter().any(|&(a, _)| a == l6.local_addr().unwrap()), "{l6:?} not in {got:?}");
         }
+        // Addresses too, as /proc/net/tcp{,6} gives them.
+        let mut from_proc_addrs = Vec::new();
+        for f in ["tcp", "tcp6"] {
+            from_proc_addrs.extend(parse_listen_addrs(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
+        }
+        let mut ours = listen_addrs(std::process::id());
+        ours.sort();
+        from_proc_addrs.sort();
+        from_proc_addrs.dedup();
+        assert_eq!(ours, from_proc_addrs);
         // The same answer as /proc/net/tcp gives.
         assert!(listen_ports(std::process::id()).contains(&port));
         let mut from_proc = Vec::new();

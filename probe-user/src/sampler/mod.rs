@@ -193,6 +193,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
     let mut pids = targets(opts);
     let mut last_slow: Option<Instant> = None;
     let mut last_file_scan: Option<Instant> = None;
+    let (mut last_residency, mut all_resident): (Option<Instant>, bool) = (None, false);
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
     let mut last_fast: Option<Instant> = None;
     loop {
@@ -245,6 +246,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
             let _ = tx.send(v);
         }
         if slow_due || stopping || on_demand {
+            let before = files.len();
             if last_file_scan.is_none_or(|t| t.elapsed() >= FILE_SCAN_EVERY) || stopping || on_demand {
                 last_file_scan = Some(Instant::now());
                 for &p in &pids {
@@ -252,8 +254,18 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
                     files.extend(residency::big_files(p, MODEL_FILE_MIN_BYTES, &known));
                 }
             }
-            if !files.is_empty() {
+            // Files wholly in the page cache are measured every FILE_SCAN_EVERY (cachestat walks
+            // the file's page tree: a tenth of probe's CPU at 1 Hz on a 100 MB model); once one is
+            // not, every second: a model leaving the cache or loading back is followed closely.
+            let due = stopping
+                || on_demand
+                || files.len() != before
+                || !all_resident
+                || last_residency.is_none_or(|t: Instant| t.elapsed() >= FILE_SCAN_EVERY);
+            if !files.is_empty() && due {
+                last_residency = Some(Instant::now());
                 let r: Vec<residency::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
+                all_resident = r.len() == files.len() && r.iter().all(|x| x.resident >= x.pages);
                 let why = if stopping {
                     "end"
                 } else if on_demand {
