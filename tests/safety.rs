@@ -148,7 +148,15 @@ fn recording_files_are_private_and_belong_to_the_sudo_caller() {
 /// A streamed chat request with `headers`, read to its end.
 fn chat(addr: SocketAddr, path: &str, headers: &str) -> String {
     let body = r#"{"messages":[{"role":"user","content":"Say hi"}],"max_tokens":8,"stream":true,"seed":1}"#;
-    let mut s = TcpStream::connect(addr).unwrap();
+    // A server just told to start may not listen yet: connect again for up to 10 s.
+    let t = std::time::Instant::now();
+    let mut s = loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(_) if t.elapsed() < Duration::from_secs(10) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("cannot connect to {addr}: {e}"),
+        }
+    };
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     write!(
         s,

@@ -6,26 +6,18 @@ use aya_ebpf::{
     bindings::pt_regs,
     helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
     macros::{map, perf_event, tracepoint},
-    maps::{Array, LruHashMap},
+    maps::LruHashMap,
     programs::{PerfEventContext, TracePointContext},
 };
 use probe_common::{
     Record,
-    stack::{
-        KSTACK_DEPTH, SAME_REFRESH, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack, StackEvent, USTACK_CAP, USTACK_MASK,
-    },
+    stack::{KSTACK_DEPTH, SAME_REFRESH, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack, StackEvent, USTACK_CAP},
     tracepoints::sched_switch as sw,
 };
 
 use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert_lru, now_ns, ringbuf_flags};
 
 const HDR: usize = core::mem::size_of::<StackEvent>();
-
-/// One record under construction per CPU (indexed by CPU id; per-CPU maps cap values at
-/// 32 KiB); USTACK_MASK + 1 bytes after the header, so the masked size is always in bounds.
-/// Userspace sizes it to the number of possible CPUs.
-#[map(name = "STACK_SCRATCH")]
-static STACK_SCRATCH: Array<[u8; HDR + USTACK_MASK as usize + 1]> = Array::with_max_entries(1, 0);
 
 /// Each target thread's last off-CPU user stack, by tid: a thread that blocks again at the same
 /// place (ggml's workers wait at one barrier hundreds of times a second) sends no user stack.
@@ -58,65 +50,119 @@ fn read_kernel<T>(p: *const T) -> T {
 /// leave the user stack out when it is the one this thread sent last ([`seen_before`]).
 #[inline(always)]
 pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
-    let Some(buf) = STACK_SCRATCH.get_ptr_mut(crate::cpu()) else { return };
-    let ev = buf.cast::<StackEvent>();
-    // SAFETY: `buf` is this CPU's scratch slot of HDR + USTACK_MASK + 1 bytes (programs do not
-    // migrate while running, so no other program uses it meanwhile); every write below
-    // stays inside it (user copy sizes are constants ≤ USTACK_CAP at offset HDR).
-    unsafe {
-        (*ev).hdr = header::<StackEvent>(pid, tid);
-        (*ev).what = what;
-        (*ev).state = state;
-        (*ev).addr = addr;
-        (*ev).kstack_bytes = bpf_get_stack(ctx, (&raw mut (*ev).kstack).cast(), (KSTACK_DEPTH * 8) as u32, 0) as i32;
-        // The user registers at the task's last kernel entry (interrupt, fault or syscall).
-        let regs = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const pt_regs;
-        let (ip, sp, bp) = if regs.is_null() {
-            (0, 0, 0)
-        } else {
-            (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp))
+    // The user registers at the task's last kernel entry (interrupt, fault or syscall).
+    // SAFETY: helpers without preconditions; the pointer is only read through probe reads.
+    let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
+    let (ip, sp, bp) = if regs.is_null() {
+        (0, 0, 0)
+    } else {
+        // SAFETY: probe reads of the task's saved registers.
+        unsafe { (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp)) }
+    };
+    let c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp };
+    if sp == 0 {
+        c.send::<0>(same_as_last);
+        return;
+    }
+    if same_as_last && seen_before(tid, ip, sp, bp) {
+        c.send_same();
+        return;
+    }
+    // As many bytes as this thread's stacks took to unwind so far (the collector says, in
+    // USTACK_NEED); before it knows, up to USTACK_CAP (CPU, faults, IO) or 16 KiB (off-CPU).
+    // The stack is read straight into the ring record (no copy through a scratch buffer); near
+    // the top of a stack a long read faults as a whole: shorter ones are tried.
+    // SAFETY: the value is copied out at once.
+    let cap = match unsafe { USTACK_NEED.get(&tid) } {
+        Some(&need) => need,
+        None if full => USTACK_CAP as u32,
+        None => 16384,
+    };
+    let done = (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(same_as_last))
+        || (cap >= 32768 && c.send::<32768>(same_as_last))
+        || (cap >= 16384 && c.send::<16384>(same_as_last))
+        || (cap >= 8192 && c.send::<8192>(same_as_last))
+        || (cap >= 4096 && c.send::<4096>(same_as_last))
+        || (cap >= 2048 && c.send::<2048>(same_as_last))
+        || c.send::<1024>(same_as_last);
+    if !done {
+        c.send::<0>(same_as_last);
+    }
+}
+
+/// One stack record being made.
+struct Capture {
+    ctx: *mut core::ffi::c_void,
+    what: u32,
+    pid: u32,
+    tid: u32,
+    addr: u64,
+    state: u32,
+    ip: u64,
+    sp: u64,
+    bp: u64,
+}
+
+impl Capture {
+    /// Reserve a record with N bytes of user stack and fill it: false (and nothing sent) when
+    /// the stack read of N bytes faulted; true once sent or counted lost.
+    #[inline(always)]
+    fn send<const N: usize>(&self, same_as_last: bool) -> bool {
+        let flags = ringbuf_flags((HDR + N) as u64);
+        let Some(mut rec) = EVENTS.reserve_bytes(HDR + N, 0) else {
+            self.lost(same_as_last);
+            return true;
         };
-        (*ev).ip = ip;
-        (*ev).sp = sp;
-        (*ev).bp = bp;
-        let dst = buf.cast::<u8>().add(HDR).cast();
-        let mut n: u32 = 0;
-        if same_as_last && sp != 0 && seen_before(tid, ip, sp, bp) {
-            (*ev).what = what | STACK_SAME_USER;
-        } else if sp != 0 {
-            // As many bytes as this thread's stacks took to unwind so far (the collector says,
-            // in USTACK_NEED); before it knows, up to USTACK_CAP (CPU, faults, IO) or 16 KiB
-            // (off-CPU). Near the top of a stack a long read faults as a whole: try shorter ones.
-            let cap = match USTACK_NEED.get(&tid) {
-                Some(&need) => need,
-                None if full => USTACK_CAP as u32,
-                None => 16384,
-            };
-            if cap >= USTACK_CAP as u32 && bpf_probe_read_user(dst, USTACK_CAP as u32, sp as *const _) == 0 {
-                n = USTACK_CAP as u32;
-            } else if cap >= 32768 && bpf_probe_read_user(dst, 32768, sp as *const _) == 0 {
-                n = 32768;
-            } else if cap >= 16384 && bpf_probe_read_user(dst, 16384, sp as *const _) == 0 {
-                n = 16384;
-            } else if cap >= 8192 && bpf_probe_read_user(dst, 8192, sp as *const _) == 0 {
-                n = 8192;
-            } else if cap >= 4096 && bpf_probe_read_user(dst, 4096, sp as *const _) == 0 {
-                n = 4096;
-            } else if cap >= 2048 && bpf_probe_read_user(dst, 2048, sp as *const _) == 0 {
-                n = 2048;
-            } else if bpf_probe_read_user(dst, 1024, sp as *const _) == 0 {
-                n = 1024;
+        let base = rec.as_mut_ptr();
+        // SAFETY: `base` is the reserved record of HDR + N bytes; the user read writes N bytes
+        // at offset HDR, the header fills the first HDR.
+        unsafe {
+            if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), N as u32, self.sp as *const _) != 0 {
+                rec.discard(0);
+                return false;
             }
+            self.header(base.cast(), self.what, N as u32);
         }
-        (*ev).ustack_bytes = n;
-        let total = HDR + (core::ptr::read_volatile(&raw const (*ev).ustack_bytes) & USTACK_MASK) as usize;
-        let bytes = core::slice::from_raw_parts(buf.cast::<u8>(), total);
-        if EVENTS.output::<[u8]>(bytes, ringbuf_flags(total as u64)).is_err() {
-            add(&LOST, StackEvent::KIND as u32, 1);
-            if same_as_last {
-                // The collector never got this stack: the next one must not refer to it.
-                let _ = USTACK_SEEN.remove(&tid);
-            }
+        rec.submit(flags);
+        true
+    }
+
+    /// A record without user-stack bytes that says they are this thread's last ones.
+    #[inline(always)]
+    fn send_same(&self) {
+        let flags = ringbuf_flags(HDR as u64);
+        let Some(mut rec) = EVENTS.reserve::<StackEvent>(0) else {
+            self.lost(true);
+            return;
+        };
+        // SAFETY: a reserved record of exactly one StackEvent.
+        unsafe { self.header(rec.as_mut_ptr(), self.what | STACK_SAME_USER, 0) };
+        rec.submit(flags);
+    }
+
+    /// Fill the fixed part at `ev` (the kernel stack straight into the record).
+    #[inline(always)]
+    unsafe fn header(&self, ev: *mut StackEvent, what: u32, ustack_bytes: u32) {
+        // SAFETY: `ev` points to a reserved record at least a StackEvent long.
+        unsafe {
+            (*ev).hdr = header::<StackEvent>(self.pid, self.tid);
+            (*ev).what = what;
+            (*ev).state = self.state;
+            (*ev).addr = self.addr;
+            (*ev).ip = self.ip;
+            (*ev).sp = self.sp;
+            (*ev).bp = self.bp;
+            (*ev).ustack_bytes = ustack_bytes;
+            (*ev).kstack_bytes = bpf_get_stack(self.ctx, (&raw mut (*ev).kstack).cast(), (KSTACK_DEPTH * 8) as u32, 0) as i32;
+        }
+    }
+
+    #[inline(always)]
+    fn lost(&self, same_as_last: bool) {
+        add(&LOST, StackEvent::KIND as u32, 1);
+        if same_as_last {
+            // The collector never got this stack: the next one must not refer to it.
+            let _ = USTACK_SEEN.remove(&self.tid);
         }
     }
 }

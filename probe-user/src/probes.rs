@@ -225,7 +225,6 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     laps.lap("kernel_btf");
     let mut ebpf = loader
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
-        .map_max_entries("STACK_SCRATCH", aya::util::nr_cpus().map(|n| n as u32).unwrap_or(256))
         .override_global(probe_common::kernel::KOFF_SYMBOL, &koff, true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")?;

@@ -68,6 +68,6 @@ pub fn probe_programs() -> usize {
 pub fn probe_maps() -> usize {
     loaded_maps()
         .iter()
-        .filter(|n| ["OWNED_SOCKS", "LISTEN_PORTS", "STACK_SCRATCH", "OFFCPU_SINCE", "MMAP_ARGS"].contains(&n.as_str()))
+        .filter(|n| ["OWNED_SOCKS", "LISTEN_PORTS", "USTACK_NEED", "OFFCPU_SINCE", "MMAP_ARGS"].contains(&n.as_str()))
         .count()
 }
