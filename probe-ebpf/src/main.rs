@@ -92,11 +92,12 @@ fn emit<T: Record + 'static>(ev: &T) {
 }
 
 /// Submit flags for a record of `size` bytes: wake the consumer only when this record makes the
-/// backlog cross `WAKEUP_BACKLOG_BYTES`.
+/// backlog cross a multiple of `WAKEUP_BACKLOG_BYTES` (one wake-up per 256 KiB of records; a
+/// crossing missed in a race between CPUs is caught at the next one, not left to the timer).
 #[inline(always)]
 fn ringbuf_flags(size: u64) -> u64 {
     let before = EVENTS.query(BPF_RB_AVAIL_DATA);
-    if before < WAKEUP_BACKLOG_BYTES && before + size + 8 >= WAKEUP_BACKLOG_BYTES { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP }
+    if before / WAKEUP_BACKLOG_BYTES != (before + size + 8) / WAKEUP_BACKLOG_BYTES { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP }
 }
 
 /// Read a tracepoint field; a failed read is counted and turned into `Err`.

@@ -118,7 +118,9 @@ impl Capture {
         // at offset HDR, the header fills the first HDR.
         unsafe {
             if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), N as u32, self.sp as *const _) != 0 {
-                rec.discard(0);
+                // With the same wake-up flag: when this record crossed the backlog threshold,
+                // the collector must still be woken (the next records will not force it).
+                rec.discard(flags);
                 return false;
             }
             self.header(base.cast(), self.what, N as u32);

@@ -69,7 +69,7 @@ const DRAIN_TIME: Duration = Duration::from_millis(10);
 const LAST_USER_STACKS: usize = 16384;
 /// How often the ring is drained while records flow, and after a turn that found none.
 const DRAIN_TICK: Duration = Duration::from_millis(20);
-const IDLE_DRAIN: Duration = Duration::from_millis(500);
+const IDLE_DRAIN: Duration = Duration::from_millis(200);
 /// The cumulative `stats` record is written every second while records flow, this often while
 /// none do (and always at the stop).
 const IDLE_STATS: Duration = Duration::from_secs(5);
