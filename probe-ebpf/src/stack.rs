@@ -108,6 +108,17 @@ impl Capture {
     /// the stack read of N bytes faulted; true once sent or counted lost.
     #[inline(always)]
     fn send<const N: usize>(&self, same_as_last: bool) -> bool {
+        // The stack is one mapping: when its N-th byte reads, all N do. Probe that first, so a
+        // size that would fault never reserves ring space (a discarded record holds its room
+        // until the collector passes it: new threads near the top of their stacks made thread
+        // churn lose events that way).
+        if N > 0 {
+            let mut last = 0u64;
+            // SAFETY: a probe read of 8 bytes into a local.
+            if unsafe { bpf_probe_read_user((&raw mut last).cast(), 8, (self.sp + N as u64 - 8) as *const _) } != 0 {
+                return false;
+            }
+        }
         let flags = ringbuf_flags((HDR + N) as u64);
         let Some(mut rec) = EVENTS.reserve_bytes(HDR + N, 0) else {
             self.lost(same_as_last);
