@@ -287,27 +287,16 @@ fn sse_server(port: &str) {
     unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr()) };
     let l = std::net::TcpListener::bind(format!("127.0.0.1:{port}")).unwrap_or_else(|e| die(format!("bind {port}: {e}")));
     wait_for_go();
-    let (mut s, _) = l.accept().unwrap_or_else(|e| die(format!("accept: {e}")));
-    // The request: headers, then Content-Length bytes of body.
-    let mut req = Vec::new();
-    let mut b = [0u8; 4096];
-    loop {
-        let n = s.read(&mut b).unwrap_or(0);
-        if n == 0 {
-            break;
+    // probe polls the ports its target listens on (GET /metrics, /props, ...): those get a 404
+    // and the server goes on waiting for the one POST it streams to.
+    let (mut s, req) = loop {
+        let (mut s, _) = l.accept().unwrap_or_else(|e| die(format!("accept: {e}")));
+        let req = read_request(&mut s);
+        if req.starts_with(b"POST ") {
+            break (s, req);
         }
-        req.extend_from_slice(&b[..n]);
-        let text = String::from_utf8_lossy(&req).to_string();
-        if let Some(end) = text.find("\r\n\r\n") {
-            let len = text
-                .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
-                .unwrap_or(0);
-            if req.len() >= end + 4 + len {
-                break;
-            }
-        }
-    }
+        s.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").ok();
+    };
     let mut out = String::from("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n");
     s.write_all(out.as_bytes()).ok();
     for _ in 0..3 {
@@ -321,6 +310,29 @@ fn sse_server(port: &str) {
     s.write_all(last.as_bytes()).ok();
     drop(s);
     println!("done served {} request bytes", req.len());
+}
+
+/// One request from `s`: headers, then Content-Length bytes of body (less if the peer closes).
+fn read_request(s: &mut std::net::TcpStream) -> Vec<u8> {
+    let mut req = Vec::new();
+    let mut b = [0u8; 4096];
+    loop {
+        let n = s.read(&mut b).unwrap_or(0);
+        if n == 0 {
+            return req;
+        }
+        req.extend_from_slice(&b[..n]);
+        let text = String::from_utf8_lossy(&req).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let len = text
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
+                .unwrap_or(0);
+            if req.len() >= end + 4 + len {
+                return req;
+            }
+        }
+    }
 }
 
 /// Raise the open-files limit to the hard limit (thousands of connections).
