@@ -27,12 +27,13 @@ if [ ! -d "$sysroot/lib/rustlib/src/rust/library/core" ]; then
 fi
 
 # Test-only system packages: nginx (a real gateway for deadline scenarios), chromium (renders the
-# HTML report headless) and a C++ compiler (libFuzzer, for the fuzz targets). Debian packages;
-# installed once.
+# HTML report headless), prometheus (scrapes `probe watch` in its metrics test) and a C++
+# compiler (libFuzzer, for the fuzz targets). Debian packages; installed once.
 need=()
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v chromium >/dev/null || need+=(chromium)
 command -v curl >/dev/null || need+=(curl)
+command -v prometheus >/dev/null || need+=(prometheus)
 command -v c++ >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -51,12 +51,19 @@ pub struct TraceOptions {
     /// `--max-size`: end the trace once the recording holds this many bytes (and the text the
     /// user gave, for the end reason).
     pub max_size: Option<(u64, String)>,
+    /// `probe watch`: the recording is a window of segment files, requests and segments go to
+    /// the watcher as they complete, and no report is made at the end.
+    pub watch: Option<std::sync::Arc<crate::watch::Link>>,
 }
 
 pub struct TraceOutcome {
     pub report: Report,
     /// Probes were skipped or events were lost: the recording is usable but incomplete.
     pub partial: bool,
+    /// Why the trace ended ("target exited", "interrupted (Ctrl-C)", ...).
+    pub reason: String,
+    /// The target exited (rather than probe being stopped).
+    pub target_exited: bool,
 }
 
 /// The most records one turn of the drain loop takes from the ring buffer, and the most time it
@@ -164,6 +171,7 @@ struct State {
     threads_new: Vec<(u32, u32)>,
     /// `--max-size` in bytes.
     max_bytes: Option<u64>,
+    watch: Option<std::sync::Arc<crate::watch::Link>>,
 }
 // What the collector keeps per process (`last_maps`, `last_file_scan`, `dirty_*`, the
 // threads and off-CPU stacks of its threads) goes when the process exits. What stays for the
@@ -196,6 +204,7 @@ impl State {
             threads_seen: HashMap::new(),
             threads_new: vec![],
             max_bytes: None,
+            watch: None,
         }
     }
 
@@ -376,6 +385,9 @@ impl State {
             let mut v = serde_json::to_value(&r).map_err(std::io::Error::other)?;
             v["type"] = json!("request");
             self.writer.json(&v)?;
+            if let Some(w) = &self.watch {
+                w.send(crate::watch::Msg::Request(Box::new(r)));
+            }
         }
         Ok(())
     }
@@ -506,6 +518,11 @@ fn drain_turn(ring: &mut RingBuf<MapData>, st: &mut State, sampler: &crate::samp
     }
     for v in sampler.drain() {
         st.writer.json(&v)?;
+        if let Some(w) = &st.watch
+            && matches!(v["type"].as_str(), Some("residency" | "endpoint"))
+        {
+            w.send(crate::watch::Msg::Sample(v));
+        }
     }
     st.refresh()?;
     Ok(more)
@@ -527,7 +544,11 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         ("ring".into(), armed_ms - counted),
     );
     let bpf_unmeasured = attached.run_time_stats.as_ref().err().cloned();
-    let writer = Writer::create_in(out_dir).map_err(|e| match recording::is_disk_full(&e) {
+    let writer = match &opts.watch {
+        Some(_) => out_dir.create(&crate::watch::segment_name(0)).and_then(|f| Writer::create_file(f)),
+        None => Writer::create_in(out_dir),
+    }
+    .map_err(|e| match recording::is_disk_full(&e) {
         true => reserve_error(&opts.out, e),
         false => anyhow::Error::new(e).context(format!("cannot create the recording in {}", opts.out.display())),
     })?;
@@ -535,6 +556,11 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
     st.ustack_need = attached.ebpf.take_map(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
+    if opts.watch.is_some() {
+        st.writer.keep_context();
+        st.watch = opts.watch.clone();
+    }
+    let mut segment = (0u64, start_ns, Instant::now());
     // Every thread there at attach; later ones when they first show up in an event.
     for &pid in &attached.targets {
         for tid in procfs::tasks(pid) {
@@ -587,7 +613,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     });
     say!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
 
-    let tty = std::io::stderr().is_terminal();
+    // A daemon's log (journald) gets lines, never the `\r` status line.
+    let tty = std::io::stderr().is_terminal() && opts.watch.is_none();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sighup = signal(SignalKind::hangup())?;
@@ -628,10 +655,28 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                 let lost_now: u64 = lost.iter().sum();
                 if busy || lost_now != lost_at_stats || last_stats.is_none_or(|t| t.elapsed() >= IDLE_STATS) {
                     lost_at_stats = lost_now;
-                    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
+                    let runs = probes::prog_runs(&attached.ebpf);
+                    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &runs, bpf_unmeasured.as_deref()))?;
                     last_stats = Some(Instant::now());
+                    if let Some(w) = &st.watch {
+                        w.set_cost(lost_now, &runs);
+                    }
                 }
                 st.writer.flush()?;
+                if let Some(w) = st.watch.clone() {
+                    if w.rotate_due(segment.2.elapsed(), st.writer.bytes) {
+                        let next = out_dir.create(&crate::watch::segment_name(segment.0 + 1))?;
+                        let now = monotonic_ns();
+                        let bytes = st.writer.rotate(next)?;
+                        w.send(crate::watch::Msg::Segment(crate::watch::Segment {
+                            path: opts.out.join(crate::watch::segment_name(segment.0)),
+                            from_ms: (segment.1 - start_ns) as f64 / 1e6,
+                            to_ms: (now - start_ns) as f64 / 1e6,
+                            bytes,
+                        }));
+                        segment = (segment.0 + 1, now, Instant::now());
+                    }
+                }
                 if tty && !hung_up {
                     let rate = st.events - last_events;
                     use std::io::Write as _;
@@ -727,6 +772,25 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
     st.writer.flush()?;
     let full_again = st.writer.disk_full().is_some();
+    let target_exited = st.root_exited;
+    if let Some(w) = st.watch.take() {
+        // The last segment goes to the watcher; the window is its to analyse, not a report's.
+        let bytes = st.writer.bytes;
+        drop(st);
+        out_dir.release_reserve();
+        let now = monotonic_ns();
+        w.send(crate::watch::Msg::Segment(crate::watch::Segment {
+            path: opts.out.join(crate::watch::segment_name(segment.0)),
+            from_ms: (segment.1 - start_ns) as f64 / 1e6,
+            to_ms: (now - start_ns) as f64 / 1e6,
+            bytes,
+        }));
+        w.send(crate::watch::Msg::Ended { reason: reason.clone(), target_exited, lost: lost.iter().sum() });
+        if let Some(d) = detaching {
+            let _ = d.join();
+        }
+        return Ok(TraceOutcome { report: Report::default(), partial: false, reason, target_exited });
+    }
     let parsed = st.per_kind[EventKind::Data as usize];
     let kept = if st.capture_text { "kept with --capture-text" } else { "parsed in memory, not stored" };
     let skipped_total: u64 = skipped.values().sum();
@@ -792,7 +856,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     }
     log::info!("stop: detached at {:?}", stopping.elapsed());
     partial |= full.is_some() || report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
-    Ok(TraceOutcome { report, partial })
+    Ok(TraceOutcome { report, partial, reason, target_exited })
 }
 
 /// "major:minor" → name of every block device (/sys/class/block/*/dev), to name devices in reports.

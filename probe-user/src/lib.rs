@@ -30,6 +30,7 @@ pub mod text;
 pub mod tracefs;
 pub mod unwind;
 pub mod verdict;
+pub mod watch;
 
 /// Exit codes of the `probe` binary (documented in README.md).
 pub mod exit {

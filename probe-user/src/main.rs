@@ -67,6 +67,59 @@ enum Command {
         #[arg(long)]
         no_poll: bool,
     },
+    /// Stay on: follow a server (across restarts), keep a window of recent events, save an
+    /// incident directory for every slow or abnormal request and for a server exit, and serve
+    /// Prometheus metrics. Runs until SIGINT/SIGTERM (see scripts/probe-watch.service).
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "port", "exe"])))]
+    Watch {
+        /// Follow this process (then whoever listens on its ports, or runs its executable, after
+        /// it exits).
+        #[arg(long)]
+        pid: Option<u32>,
+        /// Follow whoever listens on this TCP port.
+        #[arg(long)]
+        port: Option<u16>,
+        /// Follow a process with this name or executable file name (e.g. llama-server, ollama).
+        #[arg(long)]
+        exe: Option<String>,
+        /// Where incidents (DIR/incidents/TIME-CAUSE/) and the live window go.
+        #[arg(long, default_value = "/var/lib/probe")]
+        dir: PathBuf,
+        /// How much recent history an incident holds before its request arrived.
+        #[arg(long, default_value = "2m", value_parser = parse_window)]
+        window: Duration,
+        /// The most disk the live window uses (K, M, G).
+        #[arg(long, default_value = "256M", value_parser = parse_size)]
+        window_size: u64,
+        /// A request whose first token took longer is an incident: a time (2s, 800ms) or a
+        /// multiple of the recent median (4x; 2s until 10 requests were seen).
+        #[arg(long, default_value = "2s", value_parser = probe_user::watch::SlowTtft::parse)]
+        slow_ttft: probe_user::watch::SlowTtft,
+        /// The most disk incidents use; the oldest are removed first (K, M, G).
+        #[arg(long, default_value = "2G", value_parser = parse_size)]
+        keep: u64,
+        /// At most one incident of a cause this often (the rest are counted in the metrics).
+        #[arg(long, default_value = "60s", value_parser = parse_duration)]
+        incident_gap: Duration,
+        /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464); off by default.
+        #[arg(long)]
+        metrics_addr: Option<std::net::SocketAddr>,
+        /// Segment length of the live window: a window is kept in whole segments.
+        #[arg(long, default_value = "30s", value_parser = parse_window, hide = true)]
+        segment: Duration,
+        /// On-CPU stack sampling frequency per thread (lower than trace's 99: the cost of staying on).
+        #[arg(long, default_value_t = 19, value_parser = clap::value_parser!(u64).range(1..=MAX_HZ))]
+        hz: u64,
+        /// GPU, CPU-frequency and memory samples per second while the server is busy (0: off).
+        #[arg(long, default_value_t = 2.0, value_parser = parse_sample_hz)]
+        sample_hz: f64,
+        /// Ring buffer size in MiB (a power of two, 1 to 1024).
+        #[arg(long, default_value_t = 16, value_parser = parse_ring_mb)]
+        ring_mb: u32,
+        /// Do not poll the server's own endpoints.
+        #[arg(long)]
+        no_poll: bool,
+    },
     /// Read a recording directory again and print its summary (or its JSON).
     Report {
         dir: PathBuf,
@@ -155,6 +208,15 @@ fn parse_trace_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// `watch --window`/`--segment`: a duration of at least a second.
+fn parse_window(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_secs(1) {
+        return Err(format!("`{s}` is under a second: give e.g. 2m"));
+    }
+    Ok(d)
+}
+
 /// The highest `--hz`: perf refuses rates above its `perf_event_max_sample_rate`, and more than
 /// this per thread only measures probe itself.
 const MAX_HZ: u64 = 10_000;
@@ -226,6 +288,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 poll: !no_poll,
                 started,
                 max_size: max_size.map(|m| (m, max_size_text(m))),
+                watch: None,
             })?;
             // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
             use std::io::Write as _;
@@ -243,6 +306,47 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 })
             };
             Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
+        }
+        Command::Watch {
+            pid,
+            port,
+            exe,
+            dir,
+            window,
+            window_size,
+            slow_ttft,
+            keep,
+            incident_gap,
+            metrics_addr,
+            segment,
+            hz,
+            sample_hz,
+            ring_mb,
+            no_poll,
+        } => {
+            use probe_user::watch::{self, target::Select};
+            let select = match (pid, port, exe) {
+                (Some(p), _, _) => Select::Pid(p),
+                (_, Some(p), _) => Select::Port(p),
+                (_, _, Some(e)) => Select::Exe(e),
+                _ => anyhow::bail!("give --pid, --port or --exe"),
+            };
+            watch::run(watch::Options {
+                select,
+                dir,
+                window,
+                window_bytes: window_size,
+                slow_ttft,
+                keep,
+                incident_gap,
+                metrics_addr,
+                segment: segment.min(window),
+                hz,
+                host_hz: sample_hz,
+                ring_bytes: ring_mb << 20,
+                poll: !no_poll,
+                started,
+            })
         }
         Command::Report { dir, sizes: true, .. } => {
             let s = recording::sizes(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;

@@ -384,6 +384,20 @@ fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
     Some(rec)
 }
 
+/// A recording of one userspace record (header and frame): appended to joined segments, it
+/// reads as their last record (the `end` of an incident).
+pub fn standalone_json(value: &serde_json::Value) -> Vec<u8> {
+    let body = serde_json::to_vec(value).unwrap_or_default();
+    let mut out = Vec::with_capacity(body.len() + 32);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_ne_bytes());
+    out.extend_from_slice(&0u32.to_ne_bytes());
+    put_varint(&mut out, body.len() as u64);
+    out.push(FRAME_JSON);
+    out.extend_from_slice(&body);
+    out
+}
+
 /// Why the writer stopped writing events: the disk refused more. Everything before it is on
 /// disk, ending on a whole frame; later records are counted ([`Writer::dropped`]), not written.
 #[derive(Debug)]
@@ -431,6 +445,57 @@ pub struct Writer {
     /// compact chains and the stack timestamps continue from frames that may have been cut).
     events_closed: bool,
     pub dropped: Dropped,
+    /// The records a segment starts with (`probe watch`), when kept: see [`Writer::rotate`].
+    context: Option<Context>,
+}
+
+/// The most bytes of growing context ([`Context::grown`]: files, kernel names, thread names)
+/// kept for the segments to come; past it the oldest go.
+const CONTEXT_GROWN: usize = 16 << 20;
+
+/// What a reader needs before a segment's first event to read it alone: the meta record, each
+/// process's latest mappings, every module, the files, kernel names and thread names written so
+/// far, and each sampler's latest record (the state the window starts in).
+#[derive(Default)]
+struct Context {
+    meta: Option<Vec<u8>>,
+    /// (type, key) → the latest record: maps by pid, module by id, samples and stats by type.
+    latest: std::collections::BTreeMap<(String, String), Vec<u8>>,
+    grown: std::collections::VecDeque<Vec<u8>>,
+    grown_bytes: usize,
+}
+
+impl Context {
+    fn note(&mut self, v: &serde_json::Value, bytes: &[u8]) {
+        let ty = v.get("type").and_then(serde_json::Value::as_str).unwrap_or_default();
+        let key = |k: &str| v.get(k).map(ToString::to_string).unwrap_or_default();
+        match ty {
+            "meta" => self.meta = Some(bytes.to_vec()),
+            "maps" => _ = self.latest.insert((ty.into(), key("pid")), bytes.to_vec()),
+            "module" => _ = self.latest.insert((ty.into(), key("id")), bytes.to_vec()),
+            "files" | "ksyms" | "threads" => {
+                self.grown_bytes += bytes.len();
+                self.grown.push_back(bytes.to_vec());
+                while self.grown_bytes > CONTEXT_GROWN {
+                    let Some(old) = self.grown.pop_front() else { break };
+                    self.grown_bytes -= old.len();
+                }
+            }
+            "request" | "end" | "" => {}
+            _ => _ = self.latest.insert((ty.into(), String::new()), bytes.to_vec()),
+        }
+    }
+
+    /// The records in the order a reader wants them: meta, modules and mappings, the rest.
+    fn records(&self) -> impl Iterator<Item = &Vec<u8>> {
+        let first = |t: &'static str| self.latest.iter().filter(move |((ty, _), _)| ty == t).map(|(_, b)| b);
+        self.meta
+            .iter()
+            .chain(first("module"))
+            .chain(first("maps"))
+            .chain(self.grown.iter())
+            .chain(self.latest.iter().filter(|((ty, _), _)| ty != "module" && ty != "maps").map(|(_, b)| b))
+    }
 }
 
 impl Writer {
@@ -442,12 +507,17 @@ impl Writer {
 
     /// A new recording file in `dir` (0600, the caller's).
     pub fn create_in(dir: &crate::output::OutDir) -> io::Result<Self> {
+        Self::create_file(dir.create(FILE_NAME)?)
+    }
+
+    /// A new recording in `file` (made new and empty by the caller).
+    pub fn create_file(file: File) -> io::Result<Self> {
         let mut buf = Vec::with_capacity(BUFFER_BYTES + (64 << 10));
         buf.extend_from_slice(MAGIC);
         buf.extend_from_slice(&VERSION.to_ne_bytes());
         buf.extend_from_slice(&0u32.to_ne_bytes());
         let mut w = Self {
-            file: dir.create(FILE_NAME)?,
+            file,
             buf,
             on_disk: 0,
             bytes: 16,
@@ -459,12 +529,47 @@ impl Writer {
             full: None,
             events_closed: false,
             dropped: Dropped::default(),
+            context: None,
         };
         w.flush()?;
         if let Some(f) = w.full.take() {
             return Err(f.error);
         }
         Ok(w)
+    }
+
+    /// A writer of segments (`probe watch`): it keeps what a segment must start with, and
+    /// [`Writer::rotate`] goes on in a new file.
+    pub fn keep_context(&mut self) {
+        self.context.get_or_insert_with(Context::default);
+    }
+
+    /// Close the current file and go on in `file`, which starts with the file header and the
+    /// context (see [`Context`]): each segment reads alone, and segments joined end to end
+    /// read as one recording. Returns the bytes the closed file holds.
+    pub fn rotate(&mut self, file: File) -> io::Result<u64> {
+        self.flush()?;
+        if let Some(f) = self.full.take() {
+            return Err(f.error);
+        }
+        let closed = self.on_disk;
+        self.file = file;
+        self.buf.clear();
+        self.buf.extend_from_slice(MAGIC);
+        self.buf.extend_from_slice(&VERSION.to_ne_bytes());
+        self.buf.extend_from_slice(&0u32.to_ne_bytes());
+        self.on_disk = 0;
+        self.bytes = 16;
+        self.chain = Chain::default();
+        self.prev_stack_ts = 0;
+        if let Some(c) = self.context.take() {
+            for r in c.records() {
+                self.frame(FRAME_JSON, r)?;
+            }
+            self.context = Some(c);
+        }
+        self.flush()?;
+        Ok(closed)
     }
 
     /// The disk filled: no event is written any more (see [`Writer::resume`]).
@@ -531,6 +636,11 @@ impl Writer {
     /// [`Dropped::oversized`] and the trace goes on.
     pub fn json(&mut self, value: &serde_json::Value) -> io::Result<()> {
         let bytes = serde_json::to_vec(value).map_err(io::Error::other)?;
+        if let Some(c) = self.context.as_mut()
+            && bytes.len() <= MAX_FRAME as usize
+        {
+            c.note(value, &bytes);
+        }
         self.json_bytes(&bytes)
     }
 
@@ -770,6 +880,24 @@ impl<R: BufRead> Reader<R> {
         if self.inp.read_exact(&mut ty).is_err() {
             self.torn(at);
             return None;
+        }
+        // Recordings joined end to end (`probe watch` keeps its window as segment files and
+        // an incident is the segments joined): another file header starts a new chain.
+        if i == 1 && [len as u8, ty[0]] == MAGIC[..2] {
+            let mut rest = [0u8; 14];
+            if self.inp.read_exact(&mut rest).is_err() {
+                self.torn(at);
+                return None;
+            }
+            let version = u32::from_ne_bytes(rest[6..10].try_into().unwrap_or_default());
+            if rest[..6] != MAGIC[2..] || version != self.version {
+                self.corrupt(at, u32::from(ty[0]), len);
+                return None;
+            }
+            self.pos += 16;
+            self.chain = Chain::default();
+            self.prev_stack_ts = 0;
+            return self.head();
         }
         if len > u64::from(MAX_FRAME) || !matches!(ty[0], FRAME_KERNEL | FRAME_JSON | FRAME_STACK) {
             self.corrupt(at, u32::from(ty[0]), len);
@@ -1044,6 +1172,71 @@ mod tests {
         }
         w.flush().unwrap();
         (std::fs::read(dir.join(FILE_NAME)).unwrap(), ends)
+    }
+
+    /// `probe watch`'s segments: each starts with the context (meta, latest maps, modules) and
+    /// reads alone; joined end to end they read as one recording, chains restarting at each
+    /// header, every event kept.
+    #[test]
+    fn rotated_segments_read_alone_and_joined() {
+        let dir = std::env::temp_dir().join(format!("probe-segments-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = crate::output::OutDir::create_recording(&dir, false).unwrap();
+        let mut w = Writer::create_file(out.create("a.bin").unwrap()).unwrap();
+        w.keep_context();
+        w.json(&serde_json::json!({"type": "meta", "pid": 1, "start_ns": 5})).unwrap();
+        w.json(&serde_json::json!({"type": "maps", "pid": 1, "mappings": [], "ts_ns": 1})).unwrap();
+        w.json(&serde_json::json!({"type": "maps", "pid": 1, "mappings": [], "ts_ns": 2})).unwrap();
+        w.json(&serde_json::json!({"type": "module", "id": 3, "path": "/x"})).unwrap();
+        let fault = |i: u64| {
+            decode::encode(&FaultEvent {
+                hdr: EventHeader { kind: EventKind::Fault as u32, pid: 1, tid: 1, cpu: 0, ts_ns: 1_000_000 + i * 5000 },
+                addr: 0x7f00_0000_1000 * (i + 1),
+                ..Default::default()
+            })
+        };
+        for i in 0..3 {
+            w.kernel(&fault(i)).unwrap();
+        }
+        w.stack(&StackRecord { what: StackKind::Cpu, pid: 1, tid: 1, ts_ns: 2_000_000, user: vec![(3, 0x10)], ..Default::default() })
+            .unwrap();
+        w.json(&serde_json::json!({"type": "request", "id": 1})).unwrap();
+        w.rotate(out.create("b.bin").unwrap()).unwrap();
+        for i in 3..6 {
+            w.kernel(&fault(i)).unwrap();
+        }
+        w.stack(&StackRecord { what: StackKind::Cpu, pid: 1, tid: 1, ts_ns: 3_000_000, user: vec![(3, 0x20)], ..Default::default() })
+            .unwrap();
+        drop(w);
+        let read = |b: &[u8]| {
+            let mut r = Reader::new(b, Some(b.len() as u64), "x").unwrap();
+            let mut types = vec![];
+            let mut faults = vec![];
+            while let Some(f) = r.next_frame() {
+                match f {
+                    Frame::Json(j) => {
+                        types.push(serde_json::from_slice::<serde_json::Value>(&j).unwrap()["type"].as_str().unwrap().to_string())
+                    }
+                    Frame::Kernel(decode::Event::Fault(f)) => faults.push(f.addr),
+                    Frame::Kernel(_) => {}
+                    Frame::Stack(s) => types.push(format!("stack@{}", s.ts_ns)),
+                }
+            }
+            assert!(r.finish().is_empty());
+            (types, faults)
+        };
+        let b = std::fs::read(dir.join("b.bin")).unwrap();
+        let (types, faults) = read(&b);
+        assert_eq!(types, ["meta", "module", "maps", "stack@3000000"], "the second segment starts with the context, once");
+        assert_eq!(faults, (3..6).map(|i| 0x7f00_0000_1000 * (i + 1)).collect::<Vec<u64>>());
+        let mut joined = std::fs::read(dir.join("a.bin")).unwrap();
+        joined.extend_from_slice(&b);
+        joined.extend_from_slice(&standalone_json(&serde_json::json!({"type": "end", "reason": "x"})));
+        let (types, faults) = read(&joined);
+        assert_eq!(faults.len(), 6);
+        assert_eq!(types.iter().filter(|t| t.starts_with("stack@")).count(), 2);
+        assert_eq!(types.last().map(String::as_str), Some("end"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -191,7 +191,7 @@ pub fn idle_before_close_ms(q: &RequestRecord) -> Option<f64> {
 }
 
 /// Tokens the server produced: its usage or timings, else the content chunks seen.
-fn produced(q: &RequestRecord) -> u64 {
+pub fn produced(q: &RequestRecord) -> u64 {
     let s = &q.stop;
     s.usage
         .as_ref()

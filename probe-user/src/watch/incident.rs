@@ -1,0 +1,290 @@
+//! The watcher of one trace session: it counts finished requests in the metrics, keeps the
+//! window of segment files, analyses requests once their segment is closed (the verdict and its
+//! TTFT split), and writes an incident directory for a request that was slow or stopped
+//! abnormally, or for the server's exit.
+use std::{
+    collections::{HashMap, VecDeque},
+    path::{Path, PathBuf},
+    sync::{Arc, mpsc},
+    time::{Duration, Instant},
+};
+
+use super::{Link, Msg, Segment, SlowTtft, log_line, metrics::Metrics};
+use crate::{
+    stream::RequestRecord,
+    verdict::{self, StopCause},
+};
+
+/// Recent TTFTs kept for the `Nx` rule's median.
+const MEDIAN_OF: usize = 100;
+/// Before a request that is only counted (not an incident), this much of the window is read
+/// for its verdict: its own events are inside its arrival..end.
+const VERDICT_LEAD_MS: f64 = 1000.0;
+
+/// The stops that make an incident: not the server's normal end of an answer.
+fn abnormal(stop: StopCause) -> bool {
+    use StopCause::*;
+    matches!(stop, ServerLimit | ClientDisconnect | Deadline | Oom | Crash | ServerError)
+}
+
+/// A request waiting for its segment to close.
+struct Pending {
+    q: Box<RequestRecord>,
+    /// The incident cause, when it makes one.
+    incident: Option<&'static str>,
+}
+
+pub struct Watcher {
+    pid: u32,
+    dir: PathBuf,
+    metrics: Arc<Metrics>,
+    link: Arc<Link>,
+    window_ms: f64,
+    window_bytes: u64,
+    slow: SlowTtft,
+    keep: u64,
+    gap: Duration,
+    segments: VecDeque<Segment>,
+    pending: Vec<Pending>,
+    ttfts: VecDeque<f64>,
+    last_incident: HashMap<&'static str, Instant>,
+}
+
+impl Watcher {
+    pub fn new(o: &super::Options, pid: u32, dir: PathBuf, metrics: Arc<Metrics>, link: Arc<Link>) -> Watcher {
+        Watcher {
+            pid,
+            dir,
+            metrics,
+            link,
+            window_ms: o.window.as_secs_f64() * 1e3,
+            window_bytes: o.window_bytes,
+            slow: o.slow_ttft,
+            keep: o.keep,
+            gap: o.incident_gap,
+            segments: VecDeque::new(),
+            pending: Vec::new(),
+            ttfts: VecDeque::new(),
+            last_incident: HashMap::new(),
+        }
+    }
+
+    /// Take the session's messages until it ends (the channel closes).
+    pub fn run(mut self, rx: mpsc::Receiver<Msg>) {
+        // The session's last message is `Ended` (the main thread sends one when a session fails).
+        while let Ok(m) = rx.recv() {
+            match m {
+                Msg::Request(q) => self.request(q),
+                Msg::Sample(v) => self.metrics.sample(&v),
+                Msg::Segment(s) => {
+                    self.segments.push_back(s);
+                    self.analyse();
+                    self.prune();
+                }
+                Msg::Ended { reason, target_exited, lost } => {
+                    self.analyse();
+                    if target_exited {
+                        let what = format!("pid {} exited ({reason}); {lost} events lost in the session", self.pid);
+                        self.incident("server_exit", None, &what);
+                    }
+                    self.metrics.session_ended();
+                    break;
+                }
+            }
+        }
+    }
+
+    fn median_ms(&self) -> Option<f64> {
+        if self.ttfts.len() < super::MEDIAN_MIN {
+            return None;
+        }
+        let mut v: Vec<f64> = self.ttfts.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    }
+
+    fn request(&mut self, q: Box<RequestRecord>) {
+        // probe's own endpoint polls, and requests the target sent (a gateway's upstream, an
+        // Ollama server to its runner) are not the server's answers.
+        if q.probe_poll || q.role != "server" {
+            return;
+        }
+        let (stop, _) = verdict::stop_cause(&q);
+        let tokens = verdict::produced(&q);
+        self.metrics.request(stop, q.path.as_deref(), q.ttft_ms.map(|t| t / 1e3), tokens);
+        let slow_at = self.slow.threshold_ms(self.median_ms());
+        let incident = if q.ttft_ms.is_some_and(|t| t > slow_at) {
+            Some("slow_ttft")
+        } else if abnormal(stop) {
+            Some(stop.name())
+        } else {
+            None
+        };
+        if let Some(t) = q.ttft_ms {
+            if self.ttfts.len() >= MEDIAN_OF {
+                self.ttfts.pop_front();
+            }
+            self.ttfts.push_back(t);
+        }
+        if incident.is_some() {
+            // Its events are in the segment being written: close it now.
+            self.link.rotate_soon();
+        }
+        self.pending.push(Pending { q, incident });
+    }
+
+    /// The closed segments joined, those that reach past `from_ms`.
+    fn joined(&self, from_ms: f64) -> Vec<u8> {
+        let mut buf = Vec::new();
+        for s in self.segments.iter().filter(|s| s.to_ms >= from_ms) {
+            match read_segment(&s.path) {
+                Ok(b) => buf.extend_from_slice(&b),
+                Err(e) => log::warn!("segment {}: {e}", s.path.display()),
+            }
+        }
+        buf
+    }
+
+    /// Verdicts for the requests whose segments are closed; incidents for those that make one.
+    fn analyse(&mut self) {
+        if self.pending.is_empty() || self.segments.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let from = pending.iter().filter_map(|p| p.q.arrival_ms).fold(f64::INFINITY, f64::min);
+        let from = if from.is_finite() { from - VERDICT_LEAD_MS } else { 0.0 };
+        let report = match crate::report::build_bytes(&self.joined(from)) {
+            Ok(r) => r,
+            Err(e) => {
+                log_line!("probe watch: cannot analyse the window: {e}");
+                return;
+            }
+        };
+        for p in pending {
+            let v = report.requests.iter().find(|r| r.id == p.q.id && r.pid == p.q.pid).and_then(|r| r.verdict.clone());
+            if let Some(v) = &v {
+                self.metrics.verdict(v);
+            }
+            if let Some(cause) = p.incident {
+                let slow = v.as_ref().map(|v| v.slow_cause.name()).unwrap_or("unknown");
+                let what = format!(
+                    "request {} {} {}: ttft {}, stop {}, slow cause {slow}{}",
+                    p.q.id,
+                    p.q.method.as_deref().unwrap_or("?"),
+                    crate::redact::scrub(p.q.path.as_deref().unwrap_or("?")),
+                    p.q.ttft_ms.map_or("none".into(), |t| format!("{t:.0} ms")),
+                    verdict::stop_cause(&p.q).0,
+                    v.as_ref().and_then(|v| v.evidence.first()).map(|e| format!(": {e}")).unwrap_or_default(),
+                );
+                self.incident(cause, Some(&p.q), &what);
+            }
+        }
+    }
+
+    /// Save an incident (unless one of the same cause was saved within the gap).
+    fn incident(&mut self, cause: &'static str, q: Option<&RequestRecord>, what: &str) {
+        if self.last_incident.get(cause).is_some_and(|t| t.elapsed() < self.gap) {
+            self.metrics.incident(cause, false);
+            log_line!(
+                "probe watch: incident {cause} not saved (another within {} s; --incident-gap): {}",
+                self.gap.as_secs(),
+                crate::text::terminal(what)
+            );
+            return;
+        }
+        self.last_incident.insert(cause, Instant::now());
+        let from = q.and_then(|q| q.arrival_ms).map_or(f64::NEG_INFINITY, |a| a - self.window_ms);
+        let mut bytes = self.joined(from);
+        if bytes.is_empty() {
+            return;
+        }
+        bytes.extend_from_slice(&crate::recording::standalone_json(&serde_json::json!({
+            "type": "end", "ts_ns": crate::monotonic_ns(), "reason": format!("incident: {cause}"),
+        })));
+        match write_incident(&self.dir, cause, q.map(|q| q.id), &bytes) {
+            Ok(dir) => {
+                self.metrics.incident(cause, true);
+                log_line!("probe watch: incident {cause}: {}; saved {}", crate::text::terminal(what), dir.display());
+                self.rotate_incidents(&dir);
+            }
+            Err(e) => log_line!("probe watch: incident {cause} not saved: {e:#}"),
+        }
+    }
+
+    /// Keep the incidents within `--keep` bytes: the oldest go first, never the newest.
+    fn rotate_incidents(&self, newest: &Path) {
+        let mut all: Vec<(PathBuf, u64)> = std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| (e.path(), dir_bytes(&e.path())))
+            .collect();
+        all.sort();
+        let mut total: u64 = all.iter().map(|(_, b)| b).sum();
+        for (p, b) in all {
+            if total <= self.keep || p == newest {
+                break;
+            }
+            if std::fs::remove_dir_all(&p).is_ok() {
+                total -= b;
+                log_line!("probe watch: removed the oldest incident {} (--keep {} MiB)", p.display(), self.keep >> 20);
+            }
+        }
+    }
+
+    /// Drop the segments older than the window, and the oldest past the window's bytes.
+    fn prune(&mut self) {
+        let Some(last) = self.segments.back().map(|s| s.to_ms) else { return };
+        let mut bytes: u64 = self.segments.iter().map(|s| s.bytes).sum();
+        while self.segments.len() > 1 {
+            let s = &self.segments[0];
+            if s.to_ms >= last - self.window_ms && bytes <= self.window_bytes {
+                break;
+            }
+            bytes -= s.bytes;
+            let _ = std::fs::remove_file(&s.path);
+            self.segments.pop_front();
+        }
+    }
+}
+
+/// A segment file's bytes (never through a link, never a FIFO).
+fn read_segment(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let mut f = crate::output::open_recording_file(path)?;
+    let mut b = Vec::new();
+    f.read_to_end(&mut b)?;
+    Ok(b)
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    std::fs::read_dir(p).into_iter().flatten().flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+}
+
+/// `20261201T070212Z`: UTC, sortable, no characters a shell or a file manager minds.
+pub fn stamp(t: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string().replace(['-', ':'], "")
+}
+
+/// Write `DIR/TIME-CAUSE[-reqID]/`: events.bin, report.json, report.html, the flamegraphs and
+/// a ready bundle.tar.gz (what a bug report attaches).
+fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8]) -> anyhow::Result<PathBuf> {
+    let base = format!("{}-{cause}{}", stamp(std::time::SystemTime::now()), id.map(|i| format!("-req{i}")).unwrap_or_default());
+    let mut path = dir.join(&base);
+    let mut n = 1;
+    while path.exists() {
+        n += 1;
+        path = dir.join(format!("{base}-{n}"));
+    }
+    let out = crate::output::OutDir::create_recording(&path, false)?;
+    out.write(crate::recording::FILE_NAME, bytes)?;
+    let report = crate::report::build_dir(&path)?;
+    out.write("report.json", &serde_json::to_vec_pretty(&report)?)?;
+    let rec = crate::recording::read_dir(&path)?;
+    let flames = crate::flame::Flames::of_dir(&path, Default::default())?;
+    crate::html::write_for(&rec, &report, &flames, &out)?;
+    crate::flame::write_defaults(&flames, &out)?;
+    crate::bundle::write(&rec, &report, &flames, &path.join("bundle.tar.gz"), false, false)?;
+    Ok(path)
+}

@@ -1,0 +1,296 @@
+//! `probe watch --metrics-addr`: Prometheus text exposition (format 0.0.4) of what the watcher
+//! saw. Names and units follow Prometheus conventions (`_seconds`, `_total`, `_ratio`); every
+//! label value comes from a closed set (stop causes, slow causes, incident causes, a fixed list
+//! of API paths and "other"), so a scrape stays small whatever the clients send.
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use crate::verdict::{SlowCause, StopCause};
+
+/// TTFT histogram bucket bounds, seconds.
+pub const TTFT_BUCKETS: [f64; 12] = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+/// API paths shown as themselves; any other is "other" (query strings never reach a label).
+const PATHS: [&str; 14] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/chat/completions",
+    "/completions",
+    "/completion",
+    "/infill",
+    "/embedding",
+    "/api/generate",
+    "/api/chat",
+    "/api/embed",
+    "/api/embeddings",
+];
+
+/// The path label of a request path.
+pub fn path_label(path: Option<&str>) -> &'static str {
+    let p = path.unwrap_or_default();
+    let p = p.split(['?', '#']).next().unwrap_or_default();
+    PATHS.iter().copied().find(|k| *k == p).unwrap_or("other")
+}
+
+/// The TTFT causes of the split (verdict::Split's fields).
+pub const TTFT_CAUSES: [&str; 7] = ["queue", "disk", "memory", "power", "load", "compute", "unexplained"];
+
+#[derive(Default)]
+struct State {
+    requests: BTreeMap<(&'static str, &'static str), u64>,
+    ttft_buckets: [u64; TTFT_BUCKETS.len()],
+    ttft_count: u64,
+    ttft_sum: f64,
+    ttft_cause: BTreeMap<&'static str, f64>,
+    slow: BTreeMap<&'static str, u64>,
+    analysed: u64,
+    output_tokens: u64,
+    incidents: BTreeMap<&'static str, u64>,
+    suppressed: BTreeMap<&'static str, u64>,
+    lost: u64,
+    lost_before: u64,
+    bpf_ns: u64,
+    bpf_before: u64,
+    residency: Option<f64>,
+    sleeping: Option<bool>,
+    target: Option<u32>,
+    restarts: u64,
+}
+
+/// The counters, shared by the watcher (writes) and the metrics thread (reads).
+#[derive(Default)]
+pub struct Metrics {
+    s: Mutex<State>,
+}
+
+impl Metrics {
+    fn with(&self, f: impl FnOnce(&mut State)) {
+        if let Ok(mut s) = self.s.lock() {
+            f(&mut s);
+        }
+    }
+
+    /// A finished request: its stop cause, path, TTFT and output tokens.
+    pub fn request(&self, stop: StopCause, path: Option<&str>, ttft_s: Option<f64>, tokens: u64) {
+        self.with(|s| {
+            *s.requests.entry((stop.name(), path_label(path))).or_default() += 1;
+            if let Some(t) = ttft_s.filter(|t| t.is_finite() && *t >= 0.0) {
+                for (i, b) in TTFT_BUCKETS.iter().enumerate() {
+                    if t <= *b {
+                        s.ttft_buckets[i] += 1;
+                    }
+                }
+                s.ttft_count += 1;
+                s.ttft_sum += t;
+            }
+            s.output_tokens += tokens;
+        });
+    }
+
+    /// A request's verdict: its TTFT split (ms) by cause, and what made it slow.
+    pub fn verdict(&self, v: &crate::verdict::Verdict) {
+        self.with(|s| {
+            s.analysed += 1;
+            *s.slow.entry(v.slow_cause.name()).or_default() += 1;
+            if let Some(t) = &v.ttft_ms {
+                for (k, ms) in TTFT_CAUSES.iter().zip([t.queue, t.disk, t.memory, t.power, t.load, t.compute, t.unexplained]) {
+                    *s.ttft_cause.entry(k).or_default() += ms.max(0.0) / 1e3;
+                }
+            }
+        });
+    }
+
+    pub fn incident(&self, cause: &'static str, written: bool) {
+        self.with(|s| *(if written { &mut s.incidents } else { &mut s.suppressed }).entry(cause).or_default() += 1);
+    }
+
+    /// Cumulative figures of the current session (each session starts from zero).
+    pub fn set_cost(&self, lost: u64, bpf_ns: u64) {
+        self.with(|s| {
+            s.lost = lost;
+            s.bpf_ns = bpf_ns;
+        });
+    }
+
+    /// A session ended: its figures become part of the totals.
+    pub fn session_ended(&self) {
+        self.with(|s| {
+            s.lost_before += std::mem::take(&mut s.lost);
+            s.bpf_before += std::mem::take(&mut s.bpf_ns);
+        });
+    }
+
+    pub fn sample(&self, v: &serde_json::Value) {
+        self.with(|s| match v["type"].as_str() {
+            Some("residency") => {
+                // The largest file the server maps or has open: its model.
+                let files = v["files"].as_array();
+                if let Some(f) = files.and_then(|f| f.iter().max_by_key(|f| f["bytes"].as_u64().unwrap_or(0))) {
+                    let (r, p) = (f["resident"].as_u64().unwrap_or(0), f["pages"].as_u64().unwrap_or(0));
+                    if p > 0 {
+                        s.residency = Some(r as f64 / p as f64);
+                    }
+                }
+            }
+            Some("endpoint") => {
+                if let Some(b) = v["props"]["is_sleeping"].as_bool() {
+                    s.sleeping = Some(b);
+                }
+            }
+            _ => {}
+        });
+    }
+
+    pub fn set_target(&self, pid: Option<u32>) {
+        self.with(|s| {
+            s.target = pid;
+            if pid.is_none() {
+                s.sleeping = None;
+            }
+        });
+    }
+
+    pub fn restarted(&self) {
+        self.with(|s| s.restarts += 1);
+    }
+
+    /// The exposition text.
+    pub fn render(&self) -> String {
+        let Ok(s) = self.s.lock() else { return String::new() };
+        let mut o = String::new();
+        let head = |o: &mut String, name: &str, ty: &str, help: &str| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {ty}");
+        };
+        head(&mut o, "probe_requests_total", "counter", "Requests the watched server finished, by stop cause and API path.");
+        for ((stop, path), n) in &s.requests {
+            let _ = writeln!(o, "probe_requests_total{{stop_cause=\"{stop}\",path=\"{path}\"}} {n}");
+        }
+        head(&mut o, "probe_ttft_seconds", "histogram", "Time to first token of finished requests, seconds.");
+        for (b, n) in TTFT_BUCKETS.iter().zip(s.ttft_buckets) {
+            let _ = writeln!(o, "probe_ttft_seconds_bucket{{le=\"{b}\"}} {n}");
+        }
+        let _ = writeln!(o, "probe_ttft_seconds_bucket{{le=\"+Inf\"}} {}", s.ttft_count);
+        let _ = writeln!(o, "probe_ttft_seconds_sum {}\nprobe_ttft_seconds_count {}", s.ttft_sum, s.ttft_count);
+        head(&mut o, "probe_ttft_cause_seconds_total", "counter", "Time to first token of analysed requests, split by cause, seconds.");
+        for c in TTFT_CAUSES {
+            let _ = writeln!(o, "probe_ttft_cause_seconds_total{{cause=\"{c}\"}} {}", s.ttft_cause.get(c).copied().unwrap_or(0.0));
+        }
+        head(&mut o, "probe_analysed_requests_total", "counter", "Analysed requests, by what made the first token slow (none: not slow).");
+        for c in SlowCause::ALL {
+            let _ =
+                writeln!(o, "probe_analysed_requests_total{{slow_cause=\"{}\"}} {}", c.name(), s.slow.get(c.name()).copied().unwrap_or(0));
+        }
+        head(&mut o, "probe_output_tokens_total", "counter", "Tokens the server produced in finished requests.");
+        let _ = writeln!(o, "probe_output_tokens_total {}", s.output_tokens);
+        head(&mut o, "probe_incidents_total", "counter", "Incident directories written, by cause.");
+        for (c, n) in &s.incidents {
+            let _ = writeln!(o, "probe_incidents_total{{cause=\"{c}\"}} {n}");
+        }
+        head(&mut o, "probe_incidents_suppressed_total", "counter", "Incidents not written because of the rate limit, by cause.");
+        for (c, n) in &s.suppressed {
+            let _ = writeln!(o, "probe_incidents_suppressed_total{{cause=\"{c}\"}} {n}");
+        }
+        head(&mut o, "probe_events_lost_total", "counter", "Kernel events lost (ring buffer full and other drops).");
+        let _ = writeln!(o, "probe_events_lost_total {}", s.lost_before + s.lost);
+        head(&mut o, "probe_cpu_seconds_total", "counter", "CPU time of the probe process (user and system), seconds.");
+        let _ = writeln!(o, "probe_cpu_seconds_total {}", own_cpu_s());
+        head(&mut o, "probe_bpf_run_seconds_total", "counter", "Run time of probe's BPF programs in the kernel, seconds.");
+        let _ = writeln!(o, "probe_bpf_run_seconds_total {}", (s.bpf_before + s.bpf_ns) as f64 / 1e9);
+        if let Some(r) = s.residency {
+            head(&mut o, "probe_model_page_cache_ratio", "gauge", "Share of the model file's pages in the page cache (0 to 1).");
+            let _ = writeln!(o, "probe_model_page_cache_ratio {r}");
+        }
+        if let Some(b) = s.sleeping {
+            head(&mut o, "probe_server_sleeping", "gauge", "1 while the server says it sleeps (llama.cpp /props is_sleeping).");
+            let _ = writeln!(o, "probe_server_sleeping {}", u8::from(b));
+        }
+        head(&mut o, "probe_target_up", "gauge", "1 while probe follows a live target process.");
+        let _ = writeln!(o, "probe_target_up {}", u8::from(s.target.is_some()));
+        head(&mut o, "probe_target_restarts_total", "counter", "Times probe went on with a new target process (restarts).");
+        let _ = writeln!(o, "probe_target_restarts_total {}", s.restarts);
+        o
+    }
+}
+
+fn own_cpu_s() -> f64 {
+    // SAFETY: getrusage fills a zeroed struct we own.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// The most bytes of a scrape's request read; a slower or longer one is answered or dropped.
+const REQUEST_CAP: usize = 8 << 10;
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Serve `GET /metrics` on `addr` from a thread; returns the address bound (port 0 picks one).
+pub fn serve(addr: SocketAddr, m: Arc<Metrics>) -> std::io::Result<SocketAddr> {
+    let l = TcpListener::bind(addr)?;
+    let bound = l.local_addr()?;
+    std::thread::Builder::new().name("probe-metrics".into()).spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            let _ = s.set_read_timeout(Some(SCRAPE_TIMEOUT));
+            let _ = s.set_write_timeout(Some(SCRAPE_TIMEOUT));
+            let mut req = Vec::new();
+            let mut b = [0u8; 1024];
+            while req.len() < REQUEST_CAP && !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut b) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&b[..n]),
+                }
+            }
+            let line = req.split(|&c| c == b'\n').next().unwrap_or_default();
+            let target = line.split(|&c| c == b' ').nth(1).unwrap_or_default();
+            let path = target.split(|&c| c == b'?').next().unwrap_or_default();
+            let (status, ty, body) = match (line.starts_with(b"GET "), path) {
+                (true, b"/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", m.render()),
+                (true, b"/") => ("200 OK", "text/plain; charset=utf-8", "probe watch: metrics at /metrics\n".into()),
+                _ => ("404 Not Found", "text/plain; charset=utf-8", "not found: probe serves /metrics\n".into()),
+            };
+            let _ =
+                write!(s, "HTTP/1.1 {status}\r\nContent-Type: {ty}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+        }
+    })?;
+    Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_closed_and_the_histogram_is_cumulative() {
+        assert_eq!(path_label(Some("/v1/chat/completions?api_key=x")), "/v1/chat/completions");
+        assert_eq!(path_label(Some("/secret/user/123")), "other");
+        assert_eq!(path_label(None), "other");
+        let m = Metrics::default();
+        m.request(StopCause::Eos, Some("/completion"), Some(0.3), 5);
+        m.request(StopCause::ClientDisconnect, Some("/x"), Some(3.0), 2);
+        let t = m.render();
+        assert!(t.contains("probe_requests_total{stop_cause=\"eos\",path=\"/completion\"} 1"), "{t}");
+        assert!(t.contains("probe_requests_total{stop_cause=\"client_disconnect\",path=\"other\"} 1"), "{t}");
+        assert!(t.contains("probe_ttft_seconds_bucket{le=\"0.25\"} 0\n"), "{t}");
+        assert!(t.contains("probe_ttft_seconds_bucket{le=\"0.5\"} 1\n"), "{t}");
+        assert!(t.contains("probe_ttft_seconds_bucket{le=\"5\"} 2\n"), "{t}");
+        assert!(t.contains("probe_ttft_seconds_bucket{le=\"+Inf\"} 2\n"), "{t}");
+        assert!(t.contains("probe_output_tokens_total 7\n"), "{t}");
+        // Every sample line is `name{labels} value` with a finite number.
+        for l in t.lines().filter(|l| !l.starts_with('#')) {
+            let v = l.rsplit(' ').next().unwrap();
+            assert!(v.parse::<f64>().is_ok_and(f64::is_finite), "{l}");
+        }
+    }
+}

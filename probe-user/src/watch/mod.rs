@@ -1,0 +1,274 @@
+//! `probe watch`: the flight recorder left on. It finds its target (by pid, listening port or
+//! executable name), traces it with the collector writing a window of segment files, follows
+//! the server across restarts, analyses requests as they complete, saves an incident directory
+//! (recording, report.json, report.html, bundle) for a slow or abnormal request or a server
+//! exit, and serves Prometheus metrics.
+//!
+//! Threads: the main thread runs one trace session after another (`collector::trace`, which
+//! owns the probes and signals); the [`incident::Watcher`] thread takes what a session sends
+//! through its [`Link`] (finished requests, closed segments, the end) and does the analysis and
+//! the writing; the metrics thread answers scrapes from [`metrics::Metrics`].
+pub mod incident;
+pub mod metrics;
+pub mod target;
+
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+
+use crate::stream::RequestRecord;
+
+/// A segment file of the live window: `segment-000042.bin`.
+pub fn segment_name(n: u64) -> String {
+    format!("segment-{n:06}.bin")
+}
+
+/// A closed segment: its file and the time it covers (ms after the session's start).
+#[derive(Clone, Debug)]
+pub struct Segment {
+    pub path: PathBuf,
+    pub from_ms: f64,
+    pub to_ms: f64,
+    pub bytes: u64,
+}
+
+/// What a trace session tells the watcher.
+pub enum Msg {
+    /// A request finished (its record was written to the current segment).
+    Request(Box<RequestRecord>),
+    /// A sampler's record the metrics show (model-file residency, the server's own endpoints).
+    Sample(serde_json::Value),
+    /// A segment was closed: it is whole on disk, and the watcher owns it now.
+    Segment(Segment),
+    /// The session ended (after its last segment).
+    Ended { reason: String, target_exited: bool, lost: u64 },
+}
+
+/// When a segment is closed: this old, this big, or at once when the watcher asks (an incident
+/// waits for the segment that holds its request's end).
+pub struct Rotation {
+    pub every: Duration,
+    pub max_bytes: u64,
+}
+
+/// The session's side of the watcher: a channel, the rotation rule and the cost figures.
+pub struct Link {
+    tx: Mutex<mpsc::Sender<Msg>>,
+    rotate_now: AtomicBool,
+    rotation: Rotation,
+    metrics: Arc<metrics::Metrics>,
+}
+
+impl Link {
+    pub fn send(&self, m: Msg) {
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(m);
+        }
+    }
+
+    /// Close the current segment at the next chance.
+    pub fn rotate_soon(&self) {
+        self.rotate_now.store(true, Ordering::Relaxed);
+    }
+
+    pub fn rotate_due(&self, age: Duration, bytes: u64) -> bool {
+        self.rotate_now.swap(false, Ordering::Relaxed) || age >= self.rotation.every || bytes >= self.rotation.max_bytes
+    }
+
+    /// The cumulative events lost and BPF run time, for the metrics.
+    pub fn set_cost(&self, lost: u64, runs: &std::collections::BTreeMap<String, crate::probes::ProgRuns>) {
+        self.metrics.set_cost(lost, runs.values().map(|r| r.run_ns).sum());
+    }
+}
+
+/// `probe watch`'s options (see main.rs for their flags).
+pub struct Options {
+    pub select: target::Select,
+    /// Where incidents and the live window go (0700, the caller's).
+    pub dir: PathBuf,
+    pub window: Duration,
+    /// The most bytes the live window keeps on disk.
+    pub window_bytes: u64,
+    pub slow_ttft: SlowTtft,
+    /// The most bytes incident directories keep; the oldest go first.
+    pub keep: u64,
+    /// The least time between two incidents of the same cause.
+    pub incident_gap: Duration,
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    pub segment: Duration,
+    /// Per-thread on-CPU stack rate (lower than `trace`'s: the cost of staying on).
+    pub hz: u64,
+    pub host_hz: f64,
+    pub ring_bytes: u32,
+    pub poll: bool,
+    pub started: Instant,
+}
+
+/// `--slow-ttft`: an absolute time, or a multiple of the recent median.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SlowTtft {
+    Over(Duration),
+    TimesMedian(f64),
+}
+
+/// Until this many requests were seen, a `Nx` rule uses [`FALLBACK_SLOW`].
+pub const MEDIAN_MIN: usize = 10;
+pub const FALLBACK_SLOW: Duration = Duration::from_secs(2);
+
+impl SlowTtft {
+    pub fn parse(s: &str) -> Result<SlowTtft, String> {
+        let t = s.trim();
+        if let Some(n) = t.strip_suffix('x').or_else(|| t.strip_suffix('X')) {
+            let n: f64 = n.trim().parse().map_err(|_| format!("`{s}`: give a time (2s, 500ms) or a multiple of the median (4x)"))?;
+            if !n.is_finite() || n <= 1.0 || n > 1000.0 {
+                return Err(format!("`{s}`: a multiple of the median must be above 1 and at most 1000 (e.g. 4x)"));
+            }
+            return Ok(SlowTtft::TimesMedian(n));
+        }
+        let d = crate::parse_duration_or(t, Duration::from_secs(1))?;
+        if d.is_zero() {
+            return Err("a slow-TTFT threshold of 0 makes every request an incident: give e.g. 2s or 4x".into());
+        }
+        Ok(SlowTtft::Over(d))
+    }
+
+    /// The threshold in ms, given the recent TTFTs' median (None while fewer than [`MEDIAN_MIN`]).
+    pub fn threshold_ms(self, median_ms: Option<f64>) -> f64 {
+        match (self, median_ms) {
+            (SlowTtft::Over(d), _) => d.as_secs_f64() * 1e3,
+            (SlowTtft::TimesMedian(n), Some(m)) => n * m,
+            (SlowTtft::TimesMedian(_), None) => FALLBACK_SLOW.as_secs_f64() * 1e3,
+        }
+    }
+}
+
+/// A line in the log: one per event, no status line (journald keeps them as they are).
+macro_rules! log_line {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+pub(crate) use log_line;
+
+/// Wait this long between looks for a target that is not there (yet, or again).
+const FIND_EVERY: Duration = Duration::from_secs(1);
+
+/// Run until SIGINT/SIGTERM. Returns the exit code.
+pub fn run(o: Options) -> anyhow::Result<i32> {
+    let state = crate::output::OutDir::create_or_open(&o.dir)?;
+    drop(state);
+    let incidents = o.dir.join("incidents");
+    crate::output::OutDir::create_or_open(&incidents)?;
+    let metrics = Arc::new(metrics::Metrics::default());
+    if let Some(addr) = o.metrics_addr {
+        let bound = metrics::serve(addr, metrics.clone()).with_context(|| format!("cannot serve metrics on {addr}"))?;
+        log_line!("probe watch: metrics on http://{bound}/metrics");
+    }
+    // Ctrl-C and SIGTERM while no session runs (a session sees them itself and ends with
+    // them). Listening from the start also keeps the default action (death) away for good.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (mut sigint, mut sigterm) = rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
+    })?;
+    let mut stopped = |d: Duration| {
+        rt.block_on(async {
+            tokio::select! {
+                _ = sigint.recv() => true,
+                _ = sigterm.recv() => true,
+                _ = tokio::time::sleep(d) => false,
+            }
+        })
+    };
+    let mut follow = target::Following::new(o.select.clone());
+    let mut waiting_said = false;
+    let mut sessions = 0u64;
+    loop {
+        let Some(pid) = follow.find() else {
+            if !waiting_said {
+                log_line!("probe watch: waiting for {}", follow.describe());
+                waiting_said = true;
+            }
+            metrics.set_target(None);
+            if stopped(FIND_EVERY) {
+                log_line!("probe watch: stopped while waiting");
+                break;
+            }
+            continue;
+        };
+        waiting_said = false;
+        if sessions > 0 {
+            metrics.restarted();
+        }
+        sessions += 1;
+        metrics.set_target(Some(pid));
+        let live = o.dir.join(format!("live-{pid}"));
+        remove_live(&live);
+        let (tx, rx) = mpsc::channel();
+        let link = Arc::new(Link {
+            tx: Mutex::new(tx),
+            rotate_now: AtomicBool::new(false),
+            rotation: Rotation { every: o.segment, max_bytes: (o.window_bytes / 4).max(1 << 20) },
+            metrics: metrics.clone(),
+        });
+        let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone());
+        let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || watcher.run(rx))?;
+        log_line!("probe watch: following pid {pid} ({})", crate::text::terminal(&crate::procfs::comm(pid)));
+        let outcome = crate::collector::trace(crate::collector::TraceOptions {
+            pid,
+            duration: None,
+            out: live.clone(),
+            force: false,
+            only: None,
+            ring_bytes: o.ring_bytes,
+            capture_text: false,
+            sample_hz: o.hz,
+            host_hz: o.host_hz,
+            poll: o.poll,
+            started: if sessions == 1 { o.started } else { Instant::now() },
+            max_size: None,
+            watch: Some(link.clone()),
+        });
+        let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
+        link.send(Msg::Ended { reason, target_exited: false, lost: 0 });
+        drop(link);
+        let _ = worker.join();
+        remove_live(&live);
+        match outcome {
+            Ok(out) if out.target_exited => {
+                log_line!("probe watch: pid {pid} exited; looking for its successor");
+                follow.exited(pid);
+            }
+            Ok(out) => {
+                log_line!("probe watch: stopped: {}", out.reason);
+                break;
+            }
+            Err(e) => {
+                // The target went away while probe attached, or it cannot be traced: say so
+                // and look again (a crash loop is slowed by FIND_EVERY).
+                log_line!("probe watch: cannot trace pid {pid}: {}", crate::text::terminal(&format!("{e:#}")));
+                follow.exited(pid);
+                if stopped(FIND_EVERY) {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(crate::exit::OK)
+}
+
+/// Remove a live window directory (ours: made 0700 by this process in its own state directory).
+fn remove_live(live: &std::path::Path) {
+    if std::fs::symlink_metadata(live).is_ok_and(|m| m.is_dir()) {
+        let _ = std::fs::remove_dir_all(live);
+    }
+}

@@ -1,0 +1,131 @@
+//! Which process `probe watch` follows, and its successor after it exits: the process that
+//! listens on the same port (a restarted server, an upgrade), else one of the same executable.
+use std::collections::HashSet;
+
+/// How the user named the target.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Select {
+    Pid(u32),
+    /// Whoever listens on this TCP port (in probe's network namespace).
+    Port(u16),
+    /// A process whose name (comm) or executable's file name is this.
+    Exe(String),
+}
+
+/// The target across restarts.
+pub struct Following {
+    select: Select,
+    /// What the last target was, to find its successor: its listening ports and executable.
+    ports: Vec<u16>,
+    exe: Option<String>,
+    /// A pid that exited is not taken again (a zombie, or /proc still showing it).
+    gone: HashSet<u32>,
+}
+
+impl Following {
+    pub fn new(select: Select) -> Following {
+        Following { select, ports: vec![], exe: None, gone: HashSet::new() }
+    }
+
+    pub fn describe(&self) -> String {
+        let what = match &self.select {
+            Select::Pid(p) if self.ports.is_empty() && self.exe.is_none() => return format!("pid {p}"),
+            Select::Pid(p) => format!("a successor of pid {p}"),
+            Select::Port(p) => return format!("a process listening on port {p}"),
+            Select::Exe(e) => return format!("a process named {}", crate::text::terminal(e)),
+        };
+        let mut by = Vec::new();
+        if !self.ports.is_empty() {
+            by.push(format!("listening on port {}", self.ports.iter().map(u16::to_string).collect::<Vec<_>>().join(", ")));
+        }
+        if let Some(e) = &self.exe {
+            by.push(format!("running {}", crate::text::terminal(e)));
+        }
+        format!("{what} ({})", by.join(" or "))
+    }
+
+    /// The process to follow now, if there is one.
+    pub fn find(&mut self) -> Option<u32> {
+        let pid = match &self.select {
+            Select::Pid(p) if self.ports.is_empty() && self.exe.is_none() => Some(*p).filter(|&p| crate::procfs::exists(p)),
+            Select::Pid(_) => self.ports.iter().find_map(|&port| listener(port)).or_else(|| self.exe.as_deref().and_then(by_exe)),
+            Select::Port(port) => listener(*port),
+            Select::Exe(name) => by_exe(name),
+        }?;
+        if self.gone.contains(&pid) || !crate::procfs::exists(pid) {
+            return None;
+        }
+        // What to look for when it exits (a --pid target's successor).
+        let ports = crate::procfs::listen_ports(pid);
+        if !ports.is_empty() {
+            self.ports = ports;
+        }
+        if let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) {
+            self.exe = exe.file_name().map(|n| n.to_string_lossy().trim_end_matches(" (deleted)").to_string());
+        }
+        Some(pid)
+    }
+
+    pub fn exited(&mut self, pid: u32) {
+        if self.gone.len() > 4096 {
+            self.gone.clear();
+        }
+        self.gone.insert(pid);
+    }
+}
+
+/// Live pids, from /proc.
+fn pids() -> Vec<u32> {
+    std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect()
+}
+
+/// Of several matching processes, the one whose parent does not match too (a server, not the
+/// worker or runner it forked; probe follows those as its children).
+fn topmost(found: &[u32]) -> Option<u32> {
+    let set: HashSet<u32> = found.iter().copied().collect();
+    let parent = |p: u32| std::fs::read_to_string(format!("/proc/{p}/stat")).ok().and_then(|s| crate::procfs::parse_ppid(&s));
+    found.iter().copied().filter(|&p| !parent(p).is_some_and(|pp| set.contains(&pp))).min().or_else(|| found.iter().copied().min())
+}
+
+/// The process listening on TCP `port` (any address of this network namespace).
+pub fn listener(port: u16) -> Option<u32> {
+    let inodes: HashSet<u64> = crate::procfs::tcp_listeners()?.into_iter().filter(|(a, _)| a.port() == port).map(|(_, i)| i).collect();
+    if inodes.is_empty() {
+        return None;
+    }
+    let me = std::process::id();
+    let found: Vec<u32> = pids().into_iter().filter(|&p| p != me && !crate::procfs::socket_inodes(p).is_disjoint(&inodes)).collect();
+    topmost(&found)
+}
+
+/// A process whose comm (first 15 bytes of its name) or executable's file name is `name`.
+pub fn by_exe(name: &str) -> Option<u32> {
+    let me = std::process::id();
+    let short: String = name.chars().take(15).collect();
+    let found: Vec<u32> = pids()
+        .into_iter()
+        .filter(|&p| p != me)
+        .filter(|&p| {
+            let exe = std::fs::read_link(format!("/proc/{p}/exe")).ok();
+            let exe_name = exe.as_ref().and_then(|e| e.file_name()).map(|n| n.to_string_lossy().trim_end_matches(" (deleted)").to_string());
+            exe_name.as_deref() == Some(name) || (exe.is_some() && crate::procfs::comm(p) == short)
+        })
+        .collect();
+    topmost(&found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_this_process_by_port_and_not_a_gone_pid() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        // probe never follows itself: a listener of this test process is not found.
+        assert_eq!(listener(port), None);
+        let mut f = Following::new(Select::Pid(1));
+        f.exited(1);
+        assert_eq!(f.find(), None, "an exited pid is not taken again");
+    }
+}
