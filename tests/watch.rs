@@ -1,0 +1,399 @@
+//! `probe watch` against real servers: a real Prometheus scrapes it, a real llama-server sleeps,
+//! loses its model from the page cache and is asked again (the morning case), is killed and
+//! restarted on its port; a tiny `--keep` rotates incidents while watch goes on.
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+
+mod common;
+use common::{env_path, probe_bin, workload::scratch};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One HTTP/1.1 request with `Connection: close`: (status, body).
+fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)?;
+    let end = out.windows(4).position(|w| w == b"\r\n\r\n").map_or(out.len(), |i| i + 4);
+    let status = String::from_utf8_lossy(&out[..end]).split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    Ok((status, out[end..].to_vec()))
+}
+
+/// A llama-server on `port` (its own process, killed by the test).
+fn llama(model: &Path, port: u16, extra: &[&str]) -> Child {
+    let srv = Command::new(env_path("LLAMA_SERVER"))
+        .arg("-m")
+        .arg(model)
+        .args(["-c", "1024", "-np", "1", "--no-repack"])
+        .args(extra)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let t = Instant::now();
+    while !matches!(http(addr, "GET", "/health", None), Ok((200, _))) {
+        assert!(t.elapsed() < Duration::from_secs(60), "llama-server not healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    srv
+}
+
+fn completion(addr: SocketAddr, prompt: &str) {
+    let (st, body) = http(addr, "POST", "/completion", Some(&json!({"prompt": prompt, "n_predict": 4, "seed": 1}))).unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+}
+
+/// A running `probe watch`: its log lines, its directory, its metrics address.
+struct Watch {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: Vec<String>,
+    dir: PathBuf,
+    metrics: SocketAddr,
+}
+
+impl Watch {
+    fn start(dir: &Path, args: &[&str]) -> Watch {
+        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut child = Command::new(probe_bin())
+            .arg("watch")
+            .arg("--dir")
+            .arg(dir)
+            .args(["--metrics-addr", &metrics.to_string()])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let err = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        let mut w = Watch { child, lines, log: vec![], dir: dir.to_path_buf(), metrics };
+        w.wait_log("armed in", Duration::from_secs(60));
+        w
+    }
+
+    /// Wait for a log line containing `what`; returns it.
+    fn wait_log(&mut self, what: &str, limit: Duration) -> String {
+        if let Some(l) = self.log.iter().find(|l| l.contains(what)) {
+            return l.clone();
+        }
+        let t = Instant::now();
+        loop {
+            let left = limit.checked_sub(t.elapsed()).unwrap_or_else(|| panic!("no `{what}` in probe watch's log: {:#?}", self.log));
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.log.push(l.clone());
+                    if l.contains(what) {
+                        return l;
+                    }
+                }
+                Err(_) => panic!("no `{what}` in probe watch's log: {:#?}", self.log),
+            }
+        }
+    }
+
+    /// Wait until `n` sessions have armed (one per target followed).
+    fn wait_armed(&mut self, n: usize, limit: Duration) {
+        let t = Instant::now();
+        while self.log.iter().filter(|l| l.contains("armed in")).count() < n {
+            assert!(t.elapsed() < limit, "session {n} did not arm: {:#?}", self.log);
+            if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(100)) {
+                self.log.push(l);
+            }
+        }
+    }
+
+    fn drain_log(&mut self) {
+        while let Ok(l) = self.lines.try_recv() {
+            self.log.push(l);
+        }
+    }
+
+    fn metrics(&self) -> String {
+        let (st, body) = http(self.metrics, "GET", "/metrics", None).expect("probe watch serves its metrics");
+        assert_eq!(st, 200);
+        String::from_utf8(body).unwrap()
+    }
+
+    /// The sum of every sample of metric `name` (any labels).
+    fn metric(&self, name: &str) -> f64 {
+        sum_of(&self.metrics(), name)
+    }
+
+    /// Wait until `metric(name)` reaches `at_least`.
+    fn wait_metric(&self, name: &str, at_least: f64, limit: Duration) -> f64 {
+        let t = Instant::now();
+        loop {
+            let v = self.metric(name);
+            if v >= at_least {
+                return v;
+            }
+            assert!(t.elapsed() < limit, "{name} stayed at {v} (wanted {at_least}):\n{}", self.metrics());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn incidents(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(self.dir.join("incidents")).unwrap().map(|e| e.unwrap().path()).collect();
+        v.sort();
+        v
+    }
+
+    fn stop(mut self) -> Vec<String> {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t = Instant::now();
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(t.elapsed() < Duration::from_secs(20), "probe watch did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(self.child.wait().unwrap().success());
+        self.drain_log();
+        // The live window goes with watch; the incidents stay.
+        let left: Vec<_> = std::fs::read_dir(&self.dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, ["incidents"], "{:?}", self.log);
+        std::mem::take(&mut self.log)
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn sum_of(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(' ') || r.starts_with('{')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn kill(mut c: Child) {
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+/// A URL query value, percent-encoded.
+fn encode(s: &str) -> String {
+    s.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+}
+
+#[test]
+fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
+    let d = scratch("watch-prom");
+    let port = free_port();
+    let srv = llama(&env_path("LLAMA_MODEL"), port, &[]);
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let w = Watch::start(&d.join("state"), &["--port", &port.to_string()]);
+    // A real Prometheus, scraping probe every second.
+    let prom_port = free_port();
+    std::fs::write(
+        d.join("prometheus.yml"),
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: probe\n    static_configs:\n      - targets: ['{}']\n",
+            w.metrics
+        ),
+    )
+    .unwrap();
+    let prom = Command::new("prometheus")
+        .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("prometheus (Debian package `prometheus`, installed by scripts/setup.sh)");
+    let prom_addr: SocketAddr = format!("127.0.0.1:{prom_port}").parse().unwrap();
+    for i in 0..3 {
+        completion(addr, &format!("Count to {i}"));
+    }
+    let query = |q: &str| -> Option<f64> {
+        let (st, body) = http(prom_addr, "GET", &format!("/api/v1/query?query={}", encode(q)), None).ok()?;
+        let v: Value = serde_json::from_slice(&body).ok()?;
+        (st == 200).then_some(())?;
+        v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+    };
+    let t = Instant::now();
+    let (mut requests, mut ttft_count, mut in_buckets) = (None, None, None);
+    while t.elapsed() < Duration::from_secs(90) {
+        requests = query("sum(probe_requests_total{job=\"probe\",path=\"/completion\"})");
+        ttft_count = query("sum(probe_ttft_seconds_count{job=\"probe\"})");
+        in_buckets = query("sum(probe_ttft_seconds_bucket{job=\"probe\",le=\"+Inf\"})");
+        if requests.is_some_and(|n| n >= 3.0) && ttft_count.is_some_and(|n| n >= 3.0) && in_buckets.is_some_and(|n| n >= 3.0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(requests, Some(3.0), "Prometheus did not see the 3 requests:\n{}", w.metrics());
+    assert_eq!(ttft_count, Some(3.0));
+    assert_eq!(in_buckets, Some(3.0));
+    // The histogram is one Prometheus understands: a median between the smallest and largest
+    // bucket, and the up series says the scrapes succeed.
+    let median = query("histogram_quantile(0.5, sum by (le) (probe_ttft_seconds_bucket{job=\"probe\"}))").expect("a TTFT median");
+    assert!(median > 0.0 && median <= 120.0, "median TTFT {median}");
+    assert_eq!(query("up{job=\"probe\"}"), Some(1.0));
+    assert!(query("probe_cpu_seconds_total{job=\"probe\"}").is_some_and(|c| c > 0.0));
+    kill(prom);
+    w.stop();
+    kill(srv);
+}
+
+/// The slow morning request: llama-server sleeps (model unmapped), its model leaves the page
+/// cache, and the next request reloads it from disk. `probe watch`, started first, saves an
+/// incident by itself whose verdict names the reload; the warm request after it makes none.
+#[test]
+fn the_morning_request_makes_an_incident_and_a_warm_one_does_not() {
+    let d = scratch("watch-morning");
+    // A copy of the model no other server maps (a mapped file cannot be evicted).
+    let model = d.join("model.gguf");
+    std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let srv = llama(&model, port, &["--sleep-idle-seconds", "1"]);
+    let mut w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--slow-ttft", "300ms", "--segment", "2s"]);
+    // Asleep: /props says so (probe polls it too; it neither wakes the server nor counts).
+    let t = Instant::now();
+    loop {
+        let (_, body) = http(addr, "GET", "/props", None).unwrap();
+        if serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["is_sleeping"].as_bool()) == Some(true) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not go to sleep");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let f = std::fs::File::open(&model).unwrap();
+    // SAFETY: valid fd; DONTNEED on a file nobody maps evicts its clean pages.
+    unsafe {
+        use std::os::fd::AsRawFd;
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let cold = Instant::now();
+    completion(addr, "Good morning");
+    let cold_ms = cold.elapsed().as_secs_f64() * 1e3;
+    let line = w.wait_log("incident slow_ttft", Duration::from_secs(60));
+    let incidents = w.incidents();
+    assert_eq!(incidents.len(), 1, "{incidents:?}");
+    let inc = &incidents[0];
+    let name = inc.file_name().unwrap().to_string_lossy().to_string();
+    assert!(name.contains("-slow_ttft-req"), "named by time and cause: {name}");
+    for f in ["events.bin", "report.json", "report.html", "bundle.tar.gz"] {
+        assert!(inc.join(f).is_file(), "{f} missing in {name}");
+    }
+    let r: Value = serde_json::from_slice(&std::fs::read(inc.join("report.json")).unwrap()).unwrap();
+    let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("the request in the incident's report");
+    let slow = q["verdict"]["slow_cause"].as_str().unwrap();
+    assert!(slow == "load" || slow == "disk", "slow cause {slow} (client saw {cold_ms:.0} ms): {q:#}\n{line}");
+    let evidence = q["verdict"]["evidence"].to_string();
+    assert!(evidence.contains("model.gguf"), "the verdict names the model file: {evidence}");
+    assert!(line.contains(slow), "{line}");
+    // The warm control: answered from memory, analysed, and no incident.
+    let analysed = w.metric("probe_analysed_requests_total");
+    completion(addr, "Good morning");
+    w.wait_metric("probe_analysed_requests_total", analysed + 1.0, Duration::from_secs(30));
+    assert_eq!(w.incidents().len(), 1, "a warm request made an incident: {:#?}", w.log);
+    assert_eq!(w.metric("probe_incidents_total"), 1.0);
+    w.stop();
+    kill(srv);
+}
+
+#[test]
+fn follows_a_server_killed_and_restarted_on_its_port() {
+    let d = scratch("watch-restart");
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let model = env_path("LLAMA_MODEL");
+    let first = llama(&model, port, &[]);
+    let first_pid = first.id();
+    let mut w = Watch::start(&d.join("state"), &["--port", &port.to_string()]);
+    assert!(w.wait_log("following pid", Duration::from_secs(5)).contains(&format!("pid {first_pid}")));
+    completion(addr, "One");
+    w.wait_metric("probe_requests_total", 1.0, Duration::from_secs(30));
+    kill(first);
+    w.wait_log(&format!("pid {first_pid} exited"), Duration::from_secs(30));
+    let second = llama(&model, port, &[]);
+    w.wait_log(&format!("following pid {}", second.id()), Duration::from_secs(30));
+    w.wait_armed(2, Duration::from_secs(30));
+    completion(addr, "Two");
+    w.wait_metric("probe_requests_total", 2.0, Duration::from_secs(30));
+    assert_eq!(w.metric("probe_target_restarts_total"), 1.0);
+    assert_eq!(w.metric("probe_target_up"), 1.0);
+    // The exit is an incident of its own.
+    let exits: Vec<_> = w.incidents().into_iter().filter(|p| p.to_string_lossy().contains("server_exit")).collect();
+    assert_eq!(exits.len(), 1, "{:#?}", w.log);
+    let r: Value = serde_json::from_slice(&std::fs::read(exits[0].join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["target"]["pid"], first_pid, "{}", r["target"]);
+    w.stop();
+    kill(second);
+}
+
+/// A tiny --keep: every incident is bigger than it, so each new one removes the older ones;
+/// watch goes on following the next server.
+#[test]
+fn a_tiny_keep_rotates_old_incidents_and_watch_goes_on() {
+    let d = scratch("watch-keep");
+    let port = free_port();
+    let serve = || {
+        let c = Command::new("python3")
+            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+            .arg(&d)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let t = Instant::now();
+        while !matches!(http(addr, "GET", "/", None), Ok((200, _))) {
+            assert!(t.elapsed() < Duration::from_secs(20), "python http.server did not answer");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        c
+    };
+    let mut srv = serve();
+    let mut w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--keep", "64K", "--incident-gap", "0s"]);
+    for round in 1..=3 {
+        let pid = srv.id();
+        kill(srv);
+        w.wait_log(&format!("pid {pid} exited"), Duration::from_secs(30));
+        srv = serve();
+        w.wait_log(&format!("following pid {}", srv.id()), Duration::from_secs(30));
+        w.wait_armed(round + 1, Duration::from_secs(30));
+        assert_eq!(w.incidents().len(), 1, "round {round}: {:?}", w.incidents());
+    }
+    w.drain_log();
+    assert_eq!(w.log.iter().filter(|l| l.contains("removed the oldest incident")).count(), 2, "{:#?}", w.log);
+    assert_eq!(w.metric("probe_incidents_total"), 3.0);
+    assert_eq!(w.metric("probe_target_up"), 1.0);
+    let last = &w.incidents()[0];
+    assert!(last.join("bundle.tar.gz").is_file());
+    w.stop();
+    kill(srv);
+}
