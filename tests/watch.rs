@@ -202,7 +202,9 @@ fn kill(mut c: Child) {
 
 /// A URL query value, percent-encoded.
 fn encode(s: &str) -> String {
-    s.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+    s.bytes()
+        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
 }
 
 #[test]
@@ -278,7 +280,7 @@ fn the_morning_request_makes_an_incident_and_a_warm_one_does_not() {
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let srv = llama(&model, port, &["--sleep-idle-seconds", "1"]);
-    let mut w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--slow-ttft", "300ms", "--segment", "2s"]);
+    let mut w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--slow-ttft", "150ms", "--segment", "2s"]);
     // Asleep: /props says so (probe polls it too; it neither wakes the server nor counts).
     let t = Instant::now();
     loop {
@@ -299,7 +301,15 @@ fn the_morning_request_makes_an_incident_and_a_warm_one_does_not() {
     let cold = Instant::now();
     completion(addr, "Good morning");
     let cold_ms = cold.elapsed().as_secs_f64() * 1e3;
-    let line = w.wait_log("incident slow_ttft", Duration::from_secs(60));
+    let t = Instant::now();
+    while !w.log.iter().any(|l| l.contains("incident slow_ttft")) {
+        assert!(t.elapsed() < Duration::from_secs(60), "no incident (client saw {cold_ms:.0} ms): {:#?}\n{}", w.log, w.metrics());
+        w.wait_armed(1, Duration::from_secs(1));
+        if let Ok(l) = w.lines.recv_timeout(Duration::from_millis(200)) {
+            w.log.push(l);
+        }
+    }
+    let line = w.wait_log("incident slow_ttft", Duration::from_secs(1));
     let incidents = w.incidents();
     assert_eq!(incidents.len(), 1, "{incidents:?}");
     let inc = &incidents[0];

@@ -175,6 +175,8 @@ impl Window {
 #[derive(Clone, Copy, PartialEq)]
 enum Tool {
     Probe,
+    /// `probe watch` with its defaults (stacks at 19 Hz, samplers at 2 Hz, the window on disk).
+    Watch,
     Bpftrace,
 }
 
@@ -182,6 +184,7 @@ impl Tool {
     fn name(self) -> &'static str {
         match self {
             Tool::Probe => "probe",
+            Tool::Watch => "watch",
             Tool::Bpftrace => "bpftrace",
         }
     }
@@ -236,25 +239,35 @@ fn lines_to(out: impl std::io::Read + Send + 'static, log: &Path) -> anyhow::Res
 fn start(tool: Tool, pid: u32, dir: &Path, i: usize, script: &str) -> anyhow::Result<Tracer> {
     let limit = Duration::from_secs(60);
     match tool {
-        Tool::Probe => {
-            let rec = dir.join(format!("probe-{i}"));
+        Tool::Probe | Tool::Watch => {
+            let rec = dir.join(format!("{}-{i}", tool.name()));
+            let args: &[&str] = match tool {
+                Tool::Probe => &["trace", "--hz", "99", "--out"],
+                _ => &["watch", "--dir"],
+            };
             let mut child = Command::new(bin("probe"))
-                .args(["trace", "--pid", &pid.to_string(), "--hz", "99", "--out"])
+                .args(args)
                 .arg(&rec)
+                .args(["--pid", &pid.to_string()])
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()?;
-            let err = lines_to(child.stderr.take().context("probe stderr")?, &dir.join(format!("probe-{i}.log")))?;
+            let err = lines_to(child.stderr.take().context("probe stderr")?, &dir.join(format!("{}-{i}.log", tool.name())))?;
             let tracer = Tracer { child };
             let t = Instant::now();
             loop {
                 match err.recv_timeout(limit.saturating_sub(t.elapsed())) {
                     Ok(l) if l.contains("armed in ") => break,
                     Ok(_) => {}
-                    Err(_) => bail!("probe did not say \"armed\" within {limit:?} (see {})", dir.join(format!("probe-{i}.log")).display()),
+                    Err(_) => bail!(
+                        "probe did not say \"armed\" within {limit:?} (see {})",
+                        dir.join(format!("{}-{i}.log", tool.name())).display()
+                    ),
                 }
             }
-            wait_for(&rec.join("events.bin"), limit.saturating_sub(t.elapsed()))?;
+            if tool == Tool::Probe {
+                wait_for(&rec.join("events.bin"), limit.saturating_sub(t.elapsed()))?;
+            }
             Ok(tracer)
         }
         Tool::Bpftrace => {
@@ -366,7 +379,7 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     // Other work on the machine shows in the tokens/s (and in the spread) more than in the cost.
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split(' ').next().unwrap_or("?").to_string();
-    let mut tools = vec![Tool::Probe];
+    let mut tools = vec![Tool::Probe, Tool::Watch];
     let have_bpftrace =
         Command::new("bpftrace").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
     let (script, dropped) = bpftrace_script();

@@ -287,10 +287,23 @@ impl ResponseHead {
     }
 }
 
+const METHODS: [&[u8]; 7] = [b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"OPTIONS ", b"PATCH "];
+
 /// Whether bytes look like the start of an HTTP request (for resynchronising mid-stream).
 pub fn looks_like_request(b: &[u8]) -> bool {
-    const METHODS: [&[u8]; 7] = [b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"OPTIONS ", b"PATCH "];
     METHODS.iter().any(|m| b.starts_with(m))
+}
+
+/// Whether bytes may begin a request whose head arrives in pieces: a whole method and its
+/// space, or the first bytes of one (a client that writes `POST` and the rest separately, as
+/// formatted writes do, is read by the server in several calls).
+pub fn may_start_request(b: &[u8]) -> bool {
+    looks_like_request(b) || (!b.is_empty() && METHODS.iter().any(|m| m.starts_with(b)))
+}
+
+/// Bytes that begin a request and cannot begin a response (`H` may be either).
+pub fn only_a_request_start(b: &[u8]) -> bool {
+    may_start_request(b) && !b"HTTP/".starts_with(&b[..b.len().min(5)])
 }
 
 #[cfg(test)]

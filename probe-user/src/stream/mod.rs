@@ -455,7 +455,7 @@ impl Tracker {
         conn.seen_any = true;
         // Which way do requests flow? The first bytes that parse as a request head decide.
         if conn.req_dir.is_none() {
-            if http::looks_like_request(payload) {
+            if http::looks_like_request(payload) || http::only_a_request_start(payload) {
                 conn.req_dir = Some(ev.dir);
             } else if payload.starts_with(b"HTTP/") {
                 conn.req_dir = Some(ev.dir ^ 1);
@@ -540,7 +540,7 @@ impl Tracker {
         while !data.is_empty() {
             match &mut conn.req {
                 Side::Lost => {
-                    if !http::looks_like_request(data) {
+                    if !http::may_start_request(data) {
                         return;
                     }
                     conn.req = Side::Head(Vec::new(), ts);
@@ -548,7 +548,7 @@ impl Tracker {
                 Side::Head(buf, t0) => {
                     if buf.is_empty() {
                         *t0 = ts;
-                        if !http::looks_like_request(data) {
+                        if !http::may_start_request(data) {
                             conn.req = Side::Lost;
                             return;
                         }
@@ -962,6 +962,30 @@ mod tests {
 
     fn feed(t: &mut Tracker, sk: u64, dir: u8, ts: u64, bytes: &[u8]) {
         t.on_data(&data(sk, dir, ts, bytes), bytes);
+    }
+
+    /// A client that writes its request in pieces (a method, a space, the path, ...: what
+    /// formatted writes do): the server reads each piece in its own call, and the request is
+    /// still read from its first byte, on both sides of the connection.
+    #[test]
+    fn a_request_head_written_in_pieces_is_read_whole() {
+        let body = br#"{"prompt":"x","n_predict":4}"#;
+        let len = body.len().to_string();
+        let pieces: [&[u8]; 7] = [b"POST", b" ", b"/completion", b" HTTP/1.1\r\nContent-Length: ", len.as_bytes(), b"\r\n\r\n", body];
+        for (sk, dir) in [(1u64, DIR_RECV), (2, DIR_SEND)] {
+            let mut t = Tracker::new(0, false);
+            for (i, p) in pieces.iter().enumerate() {
+                feed(&mut t, sk, dir, 10 + i as u64, p);
+            }
+            feed(&mut t, sk, dir ^ 1, 1_000_000, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+            let done = t.take_done();
+            let q = done.last().expect("a request");
+            assert_eq!((q.method.as_deref(), q.path.as_deref(), q.partial), (Some("POST"), Some("/completion"), false), "{q:?}");
+            assert_eq!(q.arrival_ms, Some(10.0 / 1e6));
+            assert_eq!(q.max_tokens, Some(4));
+            assert_eq!(q.request_bytes, pieces.iter().map(|p| p.len() as u64).sum::<u64>());
+        }
+        assert!(http::may_start_request(b"PO") && !http::may_start_request(b"XPOST") && !http::only_a_request_start(b"H"));
     }
 
     #[test]
