@@ -106,7 +106,9 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
 /// Build the trace. `kernel` classifies off-CPU waits (see crate::ksyms).
 pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) -> Value {
     let start = rec.meta().map_or(0, |m| m.start_ns);
-    let us = |ns: u64| ns.saturating_sub(start) as f64 / 1e3;
+    // A window of a longer trace (a `probe watch` incident) is drawn from its own start.
+    let origin = rec.meta().and_then(|m| m.window_start_ns).unwrap_or(start).max(start);
+    let us = |ns: u64| ns.saturating_sub(origin) as f64 / 1e3;
     let mut ev: Vec<Value> = vec![
         meta(REQUESTS_PID, None, "requests"),
         meta(BLOCKIO_PID, None, "block IO"),
@@ -118,7 +120,7 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
         let name = format!("#{} {} {}", q.id, q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
         ev.push(meta(REQUESTS_PID, Some(q.id), &name));
         let Some(a) = q.arrival_ms else { continue };
-        let at = a * 1e3;
+        let at = a * 1e3 - (origin - start) as f64 / 1e3;
         let v = q.verdict.as_ref();
         ev.push(json!({"ph": "X", "name": name, "pid": REQUESTS_PID, "tid": q.id, "ts": at, "dur": q.end_ms.unwrap_or(0.0) * 1e3,
             "args": {"status": q.status, "chunks": q.chunks, "stop_cause": v.map(|v| v.stop_cause), "slow_cause": v.map(|v| v.slow_cause), "closed_by": q.closed_by}}));

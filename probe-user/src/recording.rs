@@ -398,6 +398,28 @@ pub fn standalone_json(value: &serde_json::Value) -> Vec<u8> {
     out
 }
 
+/// `joined` (a recording, or segments joined) with its first record, a JSON one (the meta
+/// record of a segment), changed by `f`. None when it does not start with a JSON record.
+pub fn with_first_json(joined: &[u8], f: impl FnOnce(&mut serde_json::Value)) -> Option<Vec<u8>> {
+    let frames = joined.get(16..)?;
+    let (len, rest) = take_varint(frames)?;
+    let (&ty, rest) = rest.split_first()?;
+    let body = rest.get(..len as usize)?;
+    if ty != FRAME_JSON || joined[..8] != MAGIC[..] {
+        return None;
+    }
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    f(&mut v);
+    let body2 = serde_json::to_vec(&v).ok()?;
+    let mut out = Vec::with_capacity(joined.len() + 32);
+    out.extend_from_slice(&joined[..16]);
+    put_varint(&mut out, body2.len() as u64);
+    out.push(FRAME_JSON);
+    out.extend_from_slice(&body2);
+    out.extend_from_slice(&rest[len as usize..]);
+    Some(out)
+}
+
 /// Why the writer stopped writing events: the disk refused more. Everything before it is on
 /// disk, ending on a whole frame; later records are counted ([`Writer::dropped`]), not written.
 #[derive(Debug)]
@@ -1236,6 +1258,11 @@ mod tests {
         assert_eq!(faults.len(), 6);
         assert_eq!(types.iter().filter(|t| t.starts_with("stack@")).count(), 2);
         assert_eq!(types.last().map(String::as_str), Some("end"));
+        // The window's start goes into its first (meta) record; the rest reads the same.
+        let patched = with_first_json(&joined, |m| m["window_start_ns"] = serde_json::json!(7)).unwrap();
+        assert_eq!(read(&patched).1, faults);
+        let rec = parse(&patched, "x").unwrap();
+        assert_eq!(rec.meta().and_then(|m| m.window_start_ns), Some(7));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -27,6 +27,11 @@ pub struct Meta {
     pub targets: Vec<u32>,
     /// CLOCK_MONOTONIC at the start; every `ts_ns` is on this clock.
     pub start_ns: u64,
+    /// Where the events begin when this recording is a window of a longer trace (an incident
+    /// of `probe watch`): the duration and the timeline count from here. Times such as a
+    /// request's `arrival_ms` still count from `start_ns`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_start_ns: Option<u64>,
     pub start_unix_ms: u64,
     pub kernel: String,
     pub armed_ms: f64,

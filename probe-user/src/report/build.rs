@@ -549,7 +549,8 @@ impl Builder {
         let mut r = std::mem::take(&mut self.r);
         r.schema_version = SCHEMA_VERSION;
         r.problems.splice(0..0, problems);
-        r.duration_s = self.end_ts.saturating_sub(self.start) as f64 / 1e9;
+        let from = self.meta.as_ref().and_then(|m| m.window_start_ns).unwrap_or(self.start).max(self.start);
+        r.duration_s = self.end_ts.saturating_sub(from) as f64 / 1e9;
         r.system = crate::system::build(&self.json, &self.mem_events.iter().collect::<Vec<_>>(), self.start);
         r.blockio.devices = std::mem::take(&mut self.devs)
             .into_values()

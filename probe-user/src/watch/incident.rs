@@ -133,16 +133,24 @@ impl Watcher {
         self.pending.push(Pending { q, incident });
     }
 
-    /// The closed segments joined, those that reach past `from_ms`.
+    /// The closed segments joined, those that reach past `from_ms`; the meta record says
+    /// where the window begins.
     fn joined(&self, from_ms: f64) -> Vec<u8> {
         let mut buf = Vec::new();
+        let mut first = None;
         for s in self.segments.iter().filter(|s| s.to_ms >= from_ms) {
+            first.get_or_insert(s.from_ms);
             match read_segment(&s.path) {
                 Ok(b) => buf.extend_from_slice(&b),
                 Err(e) => log::warn!("segment {}: {e}", s.path.display()),
             }
         }
-        buf
+        let window = |m: &mut serde_json::Value| {
+            if let (Some(start), Some(from)) = (m["start_ns"].as_u64(), first.filter(|f| *f > 0.0)) {
+                m["window_start_ns"] = serde_json::json!(start + (from * 1e6) as u64);
+            }
+        };
+        crate::recording::with_first_json(&buf, window).unwrap_or(buf)
     }
 
     /// Verdicts for the requests whose segments are closed; incidents for those that make one.
