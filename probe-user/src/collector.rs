@@ -545,7 +545,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     );
     let bpf_unmeasured = attached.run_time_stats.as_ref().err().cloned();
     let writer = match &opts.watch {
-        Some(_) => out_dir.create(&crate::watch::segment_name(0)).and_then(|f| Writer::create_file(f)),
+        Some(_) => out_dir.create(&crate::watch::segment_name(0)).and_then(Writer::create_file),
         None => Writer::create_in(out_dir),
     }
     .map_err(|e| match recording::is_disk_full(&e) {
@@ -663,19 +663,19 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                     }
                 }
                 st.writer.flush()?;
-                if let Some(w) = st.watch.clone() {
-                    if w.rotate_due(segment.2.elapsed(), st.writer.bytes) {
-                        let next = out_dir.create(&crate::watch::segment_name(segment.0 + 1))?;
-                        let now = monotonic_ns();
-                        let bytes = st.writer.rotate(next)?;
-                        w.send(crate::watch::Msg::Segment(crate::watch::Segment {
-                            path: opts.out.join(crate::watch::segment_name(segment.0)),
-                            from_ms: (segment.1 - start_ns) as f64 / 1e6,
-                            to_ms: (now - start_ns) as f64 / 1e6,
-                            bytes,
-                        }));
-                        segment = (segment.0 + 1, now, Instant::now());
-                    }
+                if let Some(w) = st.watch.clone()
+                    && w.rotate_due(segment.2.elapsed(), st.writer.bytes)
+                {
+                    let next = out_dir.create(&crate::watch::segment_name(segment.0 + 1))?;
+                    let now = monotonic_ns();
+                    let bytes = st.writer.rotate(next)?;
+                    w.send(crate::watch::Msg::Segment(crate::watch::Segment {
+                        path: opts.out.join(crate::watch::segment_name(segment.0)),
+                        from_ms: (segment.1 - start_ns) as f64 / 1e6,
+                        to_ms: (now - start_ns) as f64 / 1e6,
+                        bytes,
+                    }));
+                    segment = (segment.0 + 1, now, Instant::now());
                 }
                 if tty && !hung_up {
                     let rate = st.events - last_events;

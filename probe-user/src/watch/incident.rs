@@ -182,7 +182,7 @@ impl Watcher {
                     crate::redact::scrub(p.q.path.as_deref().unwrap_or("?")),
                     p.q.ttft_ms.map_or("none".into(), |t| format!("{t:.0} ms")),
                     verdict::stop_cause(&p.q).0,
-                    v.as_ref().and_then(|v| v.evidence.first()).map(|e| format!(": {e}")).unwrap_or_default(),
+                    v.as_ref().map(|v| evidence(&v.evidence)).unwrap_or_default(),
                 );
                 self.incident(cause, Some(&p.q), &what);
             }
@@ -255,6 +255,20 @@ impl Watcher {
             self.segments.pop_front();
         }
     }
+}
+
+/// The verdict's evidence for one log line: the facts about the first token first, at most
+/// 600 characters.
+fn evidence(lines: &[String]) -> String {
+    let (stop, slow): (Vec<&String>, Vec<&String>) =
+        lines.iter().partition(|l| l.starts_with("the server stopped") || l.starts_with("the client"));
+    let mut s: String = slow.into_iter().chain(stop).map(String::as_str).collect::<Vec<_>>().join("; ");
+    if s.len() > 600 {
+        let cut = (0..=600).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+        s.truncate(cut);
+        s.push('…');
+    }
+    if s.is_empty() { s } else { format!(": {s}") }
 }
 
 /// A segment file's bytes (never through a link, never a FIFO).
