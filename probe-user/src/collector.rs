@@ -53,7 +53,7 @@ pub struct TraceOptions {
     pub max_size: Option<(u64, String)>,
     /// `probe watch`: the recording is a window of segment files, requests and segments go to
     /// the watcher as they complete, and no report is made at the end.
-    pub watch: Option<std::sync::Arc<crate::watch::Link>>,
+    pub watch: Option<std::sync::Arc<crate::segments::Link>>,
 }
 
 pub struct TraceOutcome {
@@ -171,7 +171,7 @@ struct State {
     threads_new: Vec<(u32, u32)>,
     /// `--max-size` in bytes.
     max_bytes: Option<u64>,
-    watch: Option<std::sync::Arc<crate::watch::Link>>,
+    watch: Option<std::sync::Arc<crate::segments::Link>>,
 }
 // What the collector keeps per process (`last_maps`, `last_file_scan`, `dirty_*`, the
 // threads and off-CPU stacks of its threads) goes when the process exits. What stays for the
@@ -386,7 +386,7 @@ impl State {
             v["type"] = json!("request");
             self.writer.json(&v)?;
             if let Some(w) = &self.watch {
-                w.send(crate::watch::Msg::Request(Box::new(r)));
+                w.send(crate::segments::Msg::Request(Box::new(r)));
             }
         }
         Ok(())
@@ -521,7 +521,7 @@ fn drain_turn(ring: &mut RingBuf<MapData>, st: &mut State, sampler: &crate::samp
         if let Some(w) = &st.watch
             && matches!(v["type"].as_str(), Some("residency" | "endpoint"))
         {
-            w.send(crate::watch::Msg::Sample(v));
+            w.send(crate::segments::Msg::Sample(v));
         }
     }
     st.refresh()?;
@@ -545,7 +545,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     );
     let bpf_unmeasured = attached.run_time_stats.as_ref().err().cloned();
     let writer = match &opts.watch {
-        Some(_) => out_dir.create(&crate::watch::segment_name(0)).and_then(Writer::create_file),
+        Some(_) => out_dir.create(&crate::segments::segment_name(0)).and_then(Writer::create_file),
         None => Writer::create_in(out_dir),
     }
     .map_err(|e| match recording::is_disk_full(&e) {
@@ -666,11 +666,11 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                 if let Some(w) = st.watch.clone()
                     && w.rotate_due(segment.2.elapsed(), st.writer.bytes)
                 {
-                    let next = out_dir.create(&crate::watch::segment_name(segment.0 + 1))?;
+                    let next = out_dir.create(&crate::segments::segment_name(segment.0 + 1))?;
                     let now = monotonic_ns();
                     let bytes = st.writer.rotate(next)?;
-                    w.send(crate::watch::Msg::Segment(crate::watch::Segment {
-                        path: opts.out.join(crate::watch::segment_name(segment.0)),
+                    w.send(crate::segments::Msg::Segment(crate::segments::Segment {
+                        path: opts.out.join(crate::segments::segment_name(segment.0)),
                         from_ms: (segment.1 - start_ns) as f64 / 1e6,
                         to_ms: (now - start_ns) as f64 / 1e6,
                         bytes,
@@ -779,13 +779,13 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         drop(st);
         out_dir.release_reserve();
         let now = monotonic_ns();
-        w.send(crate::watch::Msg::Segment(crate::watch::Segment {
-            path: opts.out.join(crate::watch::segment_name(segment.0)),
+        w.send(crate::segments::Msg::Segment(crate::segments::Segment {
+            path: opts.out.join(crate::segments::segment_name(segment.0)),
             from_ms: (segment.1 - start_ns) as f64 / 1e6,
             to_ms: (now - start_ns) as f64 / 1e6,
             bytes,
         }));
-        w.send(crate::watch::Msg::Ended { reason: reason.clone(), target_exited, lost: lost.iter().sum() });
+        w.send(crate::segments::Msg::Ended { reason: reason.clone(), target_exited, lost: lost.iter().sum() });
         if let Some(d) = detaching {
             let _ = d.join();
         }

@@ -21,6 +21,7 @@ pub mod recording;
 pub mod redact;
 pub mod report;
 pub mod sampler;
+pub mod segments;
 pub mod stats;
 pub mod stream;
 pub mod synth;

@@ -14,80 +14,13 @@ pub mod target;
 
 use std::{
     path::PathBuf,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-        mpsc,
-    },
+    sync::{Arc, mpsc},
     time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
 
-use crate::stream::RequestRecord;
-
-/// A segment file of the live window: `segment-000042.bin`.
-pub fn segment_name(n: u64) -> String {
-    format!("segment-{n:06}.bin")
-}
-
-/// A closed segment: its file and the time it covers (ms after the session's start).
-#[derive(Clone, Debug)]
-pub struct Segment {
-    pub path: PathBuf,
-    pub from_ms: f64,
-    pub to_ms: f64,
-    pub bytes: u64,
-}
-
-/// What a trace session tells the watcher.
-pub enum Msg {
-    /// A request finished (its record was written to the current segment).
-    Request(Box<RequestRecord>),
-    /// A sampler's record the metrics show (model-file residency, the server's own endpoints).
-    Sample(serde_json::Value),
-    /// A segment was closed: it is whole on disk, and the watcher owns it now.
-    Segment(Segment),
-    /// The session ended (after its last segment).
-    Ended { reason: String, target_exited: bool, lost: u64 },
-}
-
-/// When a segment is closed: this old, this big, or at once when the watcher asks (an incident
-/// waits for the segment that holds its request's end).
-pub struct Rotation {
-    pub every: Duration,
-    pub max_bytes: u64,
-}
-
-/// The session's side of the watcher: a channel, the rotation rule and the cost figures.
-pub struct Link {
-    tx: Mutex<mpsc::Sender<Msg>>,
-    rotate_now: AtomicBool,
-    rotation: Rotation,
-    metrics: Arc<metrics::Metrics>,
-}
-
-impl Link {
-    pub fn send(&self, m: Msg) {
-        if let Ok(tx) = self.tx.lock() {
-            let _ = tx.send(m);
-        }
-    }
-
-    /// Close the current segment at the next chance.
-    pub fn rotate_soon(&self) {
-        self.rotate_now.store(true, Ordering::Relaxed);
-    }
-
-    pub fn rotate_due(&self, age: Duration, bytes: u64) -> bool {
-        self.rotate_now.swap(false, Ordering::Relaxed) || age >= self.rotation.every || bytes >= self.rotation.max_bytes
-    }
-
-    /// The cumulative events lost and BPF run time, for the metrics.
-    pub fn set_cost(&self, lost: u64, runs: &std::collections::BTreeMap<String, crate::probes::ProgRuns>) {
-        self.metrics.set_cost(lost, runs.values().map(|r| r.run_ns).sum());
-    }
-}
+pub use crate::segments::{Link, Msg, Rotation, Segment, segment_name};
 
 /// `probe watch`'s options (see main.rs for their flags).
 pub struct Options {
@@ -214,12 +147,12 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         let live = o.dir.join(format!("live-{pid}"));
         remove_live(&live);
         let (tx, rx) = mpsc::channel();
-        let link = Arc::new(Link {
-            tx: Mutex::new(tx),
-            rotate_now: AtomicBool::new(false),
-            rotation: Rotation { every: o.segment, max_bytes: (o.window_bytes / 4).max(1 << 20) },
-            metrics: metrics.clone(),
-        });
+        let m = metrics.clone();
+        let link = Arc::new(Link::new(
+            tx,
+            Rotation { every: o.segment, max_bytes: (o.window_bytes / 4).max(1 << 20) },
+            Box::new(move |lost, bpf_ns| m.set_cost(lost, bpf_ns)),
+        ));
         let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone());
         let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || watcher.run(rx))?;
         log_line!("probe watch: following pid {pid} ({})", crate::text::terminal(&crate::procfs::comm(pid)));
