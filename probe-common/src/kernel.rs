@@ -64,6 +64,9 @@ pub const NO_BIT: u32 = 0xff;
 
 /// Name of the global in probe-ebpf that holds [`KernelOffsets`].
 pub const KOFF_SYMBOL: &str = "KOFF";
+/// The global that limits off-CPU stacks to uninterruptible waits (u32, 1 = on): set by
+/// userspace before load (`probe watch`).
+pub const OFFCPU_D_ONLY_SYMBOL: &str = "OFFCPU_D_ONLY";
 
 /// Bytes of a file's base name carried in records.
 pub const NAME_LEN: usize = 48;

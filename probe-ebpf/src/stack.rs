@@ -27,6 +27,22 @@ static USTACK_SEEN: LruHashMap<u32, SeenUstack> = LruHashMap::with_max_entries(1
 /// How many user-stack bytes each target thread's stacks need, by tid (1024 to USTACK_CAP, a
 /// power of two): written by the collector from what unwinding them used, so a worker whose
 /// frames fit in 2 KiB is not copied 64 KiB a sample.
+/// 1: off-CPU stacks only for uninterruptible waits (TASK_UNINTERRUPTIBLE: disk IO, page faults,
+/// reclaim; what the disk and memory verdicts rest on), not for the frequent interruptible
+/// sleeps of thread pools and event loops (`probe watch`'s cost). 0: every block. Set by
+/// userspace before load.
+#[unsafe(no_mangle)]
+static OFFCPU_D_ONLY: u32 = 0;
+
+#[inline(always)]
+fn d_only() -> bool {
+    // SAFETY: a read of a global the loader set; volatile so the compiler keeps the load.
+    unsafe { core::ptr::read_volatile(&raw const OFFCPU_D_ONLY) != 0 }
+}
+
+/// TASK_UNINTERRUPTIBLE in a task's state.
+const TASK_UNINTERRUPTIBLE: i64 = 0x2;
+
 #[map(name = "USTACK_NEED")]
 static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0);
 
@@ -229,7 +245,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = OFFCPU_SINCE.remove(&tid);
             let _ = USTACK_SEEN.remove(&tid);
             let _ = USTACK_NEED.remove(&tid);
-        } else if state & 0xff != 0 {
+        } else if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
             insert_lru(&OFFCPU_SINCE, &tid, &now);
             capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
         }

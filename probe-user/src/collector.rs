@@ -54,6 +54,8 @@ pub struct TraceOptions {
     /// `probe watch`: the recording is a window of segment files, requests and segments go to
     /// the watcher as they complete, and no report is made at the end.
     pub watch: Option<std::sync::Arc<crate::segments::Link>>,
+    /// Off-CPU stacks only for uninterruptible waits (see probes::Options).
+    pub offcpu_d_only: bool,
 }
 
 pub struct TraceOutcome {
@@ -93,7 +95,13 @@ const RESERVE_BYTES: u64 = 1 << 20;
 
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
     let entered = Instant::now();
-    let popts = probes::Options { pid: opts.pid, only: opts.only.clone(), ring_bytes: opts.ring_bytes, sample_hz: opts.sample_hz };
+    let popts = probes::Options {
+        pid: opts.pid,
+        only: opts.only.clone(),
+        ring_bytes: opts.ring_bytes,
+        sample_hz: opts.sample_hz,
+        offcpu_d_only: opts.offcpu_d_only,
+    };
     // Then the output: a refused --out costs nothing to attach (or to detach).
     probes::preflight(&popts)?;
     let out_dir = crate::output::OutDir::create_recording(&opts.out, opts.force)?;
@@ -579,6 +587,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         "kernel": uname.trim(), "armed_ms": armed_ms, "arm_stages": arm_stages, "probes": attached.status,
         // SAFETY: sysconf has no preconditions.
         "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
+        "offcpu_waits": if opts.offcpu_d_only { "uninterruptible" } else { "all" },
     }))?;
     st.refresh()?;
     for &pid in &attached.targets {

@@ -119,6 +119,11 @@ enum Command {
         /// Do not poll the server's own endpoints.
         #[arg(long)]
         no_poll: bool,
+        /// Off-CPU stacks for every block, as `trace` takes them (default: only uninterruptible
+        /// waits, disk IO, page faults and reclaim, which the verdicts rest on; thread pools'
+        /// frequent sleeps cost the most to record).
+        #[arg(long)]
+        offcpu_all: bool,
     },
     /// Read a recording directory again and print its summary (or its JSON).
     Report {
@@ -289,6 +294,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 started,
                 max_size: max_size.map(|m| (m, max_size_text(m))),
                 watch: None,
+                offcpu_d_only: false,
             })?;
             // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
             use std::io::Write as _;
@@ -323,6 +329,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             sample_hz,
             ring_mb,
             no_poll,
+            offcpu_all,
         } => {
             use probe_user::watch::{self, target::Select};
             let select = match (pid, port, exe) {
@@ -345,6 +352,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 host_hz: sample_hz,
                 ring_bytes: ring_mb << 20,
                 poll: !no_poll,
+                offcpu_d_only: !offcpu_all,
                 started,
             })
         }

@@ -163,6 +163,8 @@ pub struct Options {
     pub ring_bytes: u32,
     /// On-CPU sampling frequency (Hz).
     pub sample_hz: u64,
+    /// Off-CPU stacks only for uninterruptible waits (disk, faults, reclaim): `probe watch`.
+    pub offcpu_d_only: bool,
 }
 
 /// Fails unless we are root or hold CAP_BPF + CAP_PERFMON (+ CAP_SYS_ADMIN for tracefs mounts).
@@ -226,6 +228,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     let mut ebpf = loader
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
         .override_global(probe_common::kernel::KOFF_SYMBOL, &koff, true)
+        .override_global(probe_common::kernel::OFFCPU_D_ONLY_SYMBOL, &u32::from(opts.offcpu_d_only), true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")?;
 

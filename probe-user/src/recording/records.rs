@@ -32,6 +32,10 @@ pub struct Meta {
     /// request's `arrival_ms` still count from `start_ns`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_start_ns: Option<u64>,
+    /// Which blocks have off-CPU stacks: "all", or "uninterruptible" (disk, faults, reclaim
+    /// only: `probe watch`). Absent in older recordings: all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offcpu_waits: Option<String>,
     pub start_unix_ms: u64,
     pub kernel: String,
     pub armed_ms: f64,

@@ -42,6 +42,7 @@ pub struct Options {
     pub host_hz: f64,
     pub ring_bytes: u32,
     pub poll: bool,
+    pub offcpu_d_only: bool,
     pub started: Instant,
 }
 
@@ -170,6 +171,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             started: if sessions == 1 { o.started } else { Instant::now() },
             max_size: None,
             watch: Some(link.clone()),
+            offcpu_d_only: o.offcpu_d_only,
         });
         let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
         link.send(Msg::Ended { reason, target_exited: false, lost: 0 });
