@@ -407,3 +407,32 @@ fn a_tiny_keep_rotates_old_incidents_and_watch_goes_on() {
     w.stop();
     kill(srv);
 }
+
+/// `--exe NAME`: the process running that executable (here the test workload, whatever it
+/// calls itself), and the next one after it exits.
+#[test]
+fn follows_an_executable_by_name() {
+    use common::workload::Workload;
+    let d = scratch("watch-exe");
+    let port = free_port();
+    let mut first = Workload::start(&["sse-server", &port.to_string()]);
+    let mut w = Watch::start(&d.join("state"), &["--exe", "probe-workload"]);
+    assert!(w.wait_log("following pid", Duration::from_secs(5)).contains(&format!("pid {}", first.pid)), "{:#?}", w.log);
+    writeln!(first.stdin.take().unwrap(), "go").unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let (st, _) = http(addr, "POST", "/v1/chat/completions", Some(&body)).unwrap();
+    assert_eq!(st, 200);
+    first.wait_line("done");
+    assert!(first.child.wait().unwrap().success());
+    w.wait_log(&format!("pid {} exited", first.pid), Duration::from_secs(30));
+    let chat =
+        w.metrics().lines().filter(|l| l.starts_with("probe_requests_total{") && l.contains("path=\"/v1/chat/completions\"")).count();
+    assert_eq!(chat, 1, "{}", w.metrics());
+    let second = Workload::start(&["sse-server", &free_port().to_string()]);
+    w.wait_log(&format!("following pid {}", second.pid), Duration::from_secs(30));
+    w.wait_armed(2, Duration::from_secs(30));
+    assert_eq!(w.metric("probe_target_restarts_total"), 1.0);
+    w.stop();
+    drop(second);
+}
