@@ -98,6 +98,8 @@ const FIND_EVERY: Duration = Duration::from_secs(1);
 
 /// Run until SIGINT/SIGTERM. Returns the exit code.
 pub fn run(o: Options) -> anyhow::Result<i32> {
+    // Said once, now, rather than at every attempt to attach.
+    crate::probes::check_privileges()?;
     let state = crate::output::OutDir::create_or_open(&o.dir)?;
     drop(state);
     let incidents = o.dir.join("incidents");
