@@ -190,6 +190,21 @@ pub fn idle_before_close_ms(q: &RequestRecord) -> Option<f64> {
     (idle >= 1000.0 && idle >= 3.0 * median).then_some(idle)
 }
 
+/// When the first token was ready, ms after arrival: the TTFT of a streamed answer; for an
+/// answer sent whole (`"stream": false`, or one message) its TTFT is the whole answer, so the generation time
+/// the server reports (llama.cpp `predicted_ms`, Ollama `eval_duration`) is taken off.
+pub fn first_token_ms(q: &RequestRecord) -> Option<f64> {
+    let ttft = q.ttft_ms?;
+    // Not asked for (`/completion` sends the whole answer unless told otherwise): one message.
+    let whole = q.stream == Some(false) || (q.stream.is_none() && q.chunks <= 1);
+    if !whole {
+        return Some(ttft);
+    }
+    let t = q.stop.server_timings.as_ref();
+    let generated = t.and_then(|t| t["predicted_ms"].as_f64().or_else(|| t["eval_duration"].as_f64().map(|ns| ns / 1e6)));
+    Some((ttft - generated.unwrap_or(0.0)).max(0.0))
+}
+
 /// Tokens the server produced: its usage or timings, else the content chunks seen.
 pub fn produced(q: &RequestRecord) -> u64 {
     let s = &q.stop;

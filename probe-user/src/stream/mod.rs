@@ -905,22 +905,31 @@ fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, at: (u64, u64), keep_text: bool) 
         match m {
             Msg::Json(v) => {
                 if payload::apply(&v, &mut p.rec.stop, keep_text) {
-                    p.rec.chunks += 1;
-                    if let Some(a) = p.arrival_ns.filter(|_| ts != 0) {
-                        p.rec.chunk_times_ms.push(ts.saturating_sub(a) as f64 / 1e6);
-                    }
+                    content_at(p, ts);
                 }
             }
             Msg::Done => p.rec.stop.done_marker = true,
             Msg::Unparsed => p.rec.messages_unread += 1,
             Msg::Partial(v) => {
-                payload::apply(&v, &mut p.rec.stop, keep_text);
+                // A message with a hole (a non-streamed answer over the capture size): its
+                // content still counts, so such an answer has a first token too.
+                if payload::apply(&v, &mut p.rec.stop, keep_text) {
+                    content_at(p, ts);
+                }
                 p.rec.messages_partly_read += 1;
             }
         }
         if p.final_at.is_none() && p.rec.stop.is_final() && ts != 0 {
             p.final_at = Some(sent);
         }
+    }
+}
+
+/// A message with content completed at `ts`.
+fn content_at(p: &mut Pending, ts: u64) {
+    p.rec.chunks += 1;
+    if let Some(a) = p.arrival_ns.filter(|_| ts != 0) {
+        p.rec.chunk_times_ms.push(ts.saturating_sub(a) as f64 / 1e6);
     }
 }
 

@@ -111,16 +111,17 @@ impl Watcher {
         }
         let (stop, _) = verdict::stop_cause(&q);
         let tokens = verdict::produced(&q);
-        self.metrics.request(stop, q.path.as_deref(), q.ttft_ms.map(|t| t / 1e3), tokens);
+        let first = verdict::first_token_ms(&q);
+        self.metrics.request(stop, q.path.as_deref(), first.map(|t| t / 1e3), tokens);
         let slow_at = self.slow.threshold_ms(self.median_ms());
-        let incident = if q.ttft_ms.is_some_and(|t| t > slow_at) {
+        let incident = if first.is_some_and(|t| t > slow_at) {
             Some("slow_ttft")
         } else if abnormal(stop) {
             Some(stop.name())
         } else {
             None
         };
-        if let Some(t) = q.ttft_ms {
+        if let Some(t) = first {
             if self.ttfts.len() >= MEDIAN_OF {
                 self.ttfts.pop_front();
             }
