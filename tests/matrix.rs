@@ -489,7 +489,10 @@ fn vllm_second_server_same_clients() {
     // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
     // length when the context is full.
     let limit = Cell { cause: "server_limit", api: "chat", prompt: "long", base: 110, stop: None, ignore_eos: true, leave_after: 0 };
-    let seen_limit = finish_clients(start_clients(&limit, &url));
+    // All six send at once (each loads its libraries first): six streams of ~120 tokens need
+    // more than 8 KV blocks only together; started one by one they finished before the last
+    // began and vLLM never had to preempt.
+    let seen_limit = finish_clients(start_clients_ready(&limit, &url, Some(&ready_dir("vllm-limit"))));
     let preempted = v.preemptions() - before;
     std::thread::sleep(Duration::from_millis(2500));
     let r = t.stop();

@@ -326,10 +326,13 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal) {
             }
         }
         // Every POLL_EVERY while the target is busy, every IDLE_POLL_EVERY while it idles (a
-        // change to busy wakes this and shortens the wait).
+        // change to busy wakes this and shortens the wait). A poll made while busy is followed
+        // by one more at the busy rate: the counters at the end of a burst (vLLM's preemptions,
+        // queue lengths) are read within seconds of its last request, not ten.
         let polled = Instant::now();
+        let busy_then = signal.busy();
         loop {
-            let every = if signal.busy() { POLL_EVERY } else { IDLE_POLL_EVERY };
+            let every = if signal.busy() || busy_then { POLL_EVERY } else { IDLE_POLL_EVERY };
             let left = every.saturating_sub(polled.elapsed());
             if signal.stopped() || left.is_zero() {
                 break;
