@@ -36,8 +36,24 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std
     Ok((status, out[end..].to_vec()))
 }
 
-/// A llama-server on `port` (its own process, killed by the test).
-fn llama(model: &Path, port: u16, extra: &[&str]) -> Child {
+/// A child process killed when dropped: a failing test leaves no server behind.
+struct Killed(Child);
+
+impl Killed {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A llama-server on `port` (its own process, killed when dropped).
+fn llama(model: &Path, port: u16, extra: &[&str]) -> Killed {
     let srv = Command::new(env_path("LLAMA_SERVER"))
         .arg("-m")
         .arg(model)
@@ -48,6 +64,7 @@ fn llama(model: &Path, port: u16, extra: &[&str]) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let srv = Killed(srv);
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let t = Instant::now();
     while !matches!(http(addr, "GET", "/health", None), Ok((200, _))) {
@@ -195,9 +212,14 @@ fn sum_of(text: &str, name: &str) -> f64 {
         .sum()
 }
 
-fn kill(mut c: Child) {
-    let _ = c.kill();
-    let _ = c.wait();
+fn kill(c: impl Into<Killed>) {
+    drop(c.into());
+}
+
+impl From<Child> for Killed {
+    fn from(c: Child) -> Killed {
+        Killed(c)
+    }
 }
 
 /// A URL query value, percent-encoded.
@@ -224,14 +246,16 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
         ),
     )
     .unwrap();
-    let prom = Command::new("prometheus")
-        .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
-        .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
-        .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("prometheus (Debian package `prometheus`, installed by scripts/setup.sh)");
+    let prom = Killed(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
+            .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian package `prometheus`, installed by scripts/setup.sh)"),
+    );
     let prom_addr: SocketAddr = format!("127.0.0.1:{prom_port}").parse().unwrap();
     for i in 0..3 {
         completion(addr, &format!("Count to {i}"));
@@ -379,6 +403,7 @@ fn a_tiny_keep_rotates_old_incidents_and_watch_goes_on() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        let c = Killed(c);
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let t = Instant::now();
         while !matches!(http(addr, "GET", "/", None), Ok((200, _))) {
