@@ -418,23 +418,8 @@ fn cold_model_reload_is_named_in_the_report() {
     let (mut srv, addr) = own_server(&model, &["-c", "1024", "-np", "1", "--no-repack", "--sleep-idle-seconds", "1"]);
     let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Hello", "n_predict": 2}))).unwrap();
     assert_eq!(st, 200);
-    // Let it fall asleep (model unmapped; /props says so without waking it), then drop the file
-    // from the page cache.
-    let t = Instant::now();
-    loop {
-        let (_, body) = request_once(addr, "GET", "/props", None).unwrap();
-        if serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["is_sleeping"].as_bool()) == Some(true) {
-            break;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not go to sleep");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let f = std::fs::File::open(&model).unwrap();
-    // SAFETY: valid fd; DONTNEED on a file nobody maps evicts its clean pages.
-    unsafe {
-        use std::os::fd::AsRawFd;
-        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-    }
+    // Let it fall asleep, then drop the model from the page cache.
+    common::sleep_then_evict(addr, &model);
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-cold-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let mut p = Command::new(probe_bin())

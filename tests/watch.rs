@@ -52,26 +52,24 @@ impl Drop for Killed {
     }
 }
 
-/// A llama-server on `port` (its own process, killed when dropped).
-fn llama(model: &Path, port: u16, extra: &[&str]) -> Killed {
-    let srv = Command::new(env_path("LLAMA_SERVER"))
-        .arg("-m")
-        .arg(model)
-        .args(["-c", "1024", "-np", "1", "--no-repack"])
-        .args(extra)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let srv = Killed(srv);
+/// `cmd` started (output dropped, killed when dropped), returned once `GET path` on `port`
+/// answers 200.
+fn serve(cmd: &mut Command, port: u16, path: &str) -> Killed {
+    let srv = Killed(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let t = Instant::now();
-    while !matches!(http(addr, "GET", "/health", None), Ok((200, _))) {
-        assert!(t.elapsed() < Duration::from_secs(60), "llama-server not healthy");
-        std::thread::sleep(Duration::from_millis(100));
+    while !matches!(http(addr, "GET", path, None), Ok((200, _))) {
+        assert!(t.elapsed() < Duration::from_secs(60), "{cmd:?} did not answer on port {port}");
+        std::thread::sleep(Duration::from_millis(50));
     }
     srv
+}
+
+/// A llama-server on `port` (its own process, killed when dropped).
+fn llama(model: &Path, port: u16, extra: &[&str]) -> Killed {
+    let mut cmd = Command::new(env_path("LLAMA_SERVER"));
+    cmd.arg("-m").arg(model).args(["-c", "1024", "-np", "1", "--no-repack"]).args(extra);
+    serve(cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]), port, "/health")
 }
 
 fn completion(addr: SocketAddr, prompt: &str) {
@@ -305,22 +303,8 @@ fn the_morning_request_makes_an_incident_and_a_warm_one_does_not() {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let srv = llama(&model, port, &["--sleep-idle-seconds", "1"]);
     let mut w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--slow-ttft", "150ms", "--segment", "2s"]);
-    // Asleep: /props says so (probe polls it too; it neither wakes the server nor counts).
-    let t = Instant::now();
-    loop {
-        let (_, body) = http(addr, "GET", "/props", None).unwrap();
-        if serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["is_sleeping"].as_bool()) == Some(true) {
-            break;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not go to sleep");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let f = std::fs::File::open(&model).unwrap();
-    // SAFETY: valid fd; DONTNEED on a file nobody maps evicts its clean pages.
-    unsafe {
-        use std::os::fd::AsRawFd;
-        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-    }
+    // Asleep (probe polls /props too; it neither wakes the server nor counts), model evicted.
+    common::sleep_then_evict(addr, &model);
     std::thread::sleep(Duration::from_millis(300));
     let cold = Instant::now();
     completion(addr, "Good morning");
@@ -395,30 +379,20 @@ fn follows_a_server_killed_and_restarted_on_its_port() {
 fn a_tiny_keep_rotates_old_incidents_and_watch_goes_on() {
     let d = scratch("watch-keep");
     let port = free_port();
-    let serve = || {
-        let c = Command::new("python3")
-            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
-            .arg(&d)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let c = Killed(c);
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let t = Instant::now();
-        while !matches!(http(addr, "GET", "/", None), Ok((200, _))) {
-            assert!(t.elapsed() < Duration::from_secs(20), "python http.server did not answer");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        c
+    let http_server = || {
+        serve(
+            Command::new("python3").args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"]).arg(&d),
+            port,
+            "/",
+        )
     };
-    let mut srv = serve();
+    let mut srv = http_server();
     let mut w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--keep", "64K", "--incident-gap", "0s"]);
     for round in 1..=3 {
         let pid = srv.id();
         kill(srv);
         w.wait_log(&format!("pid {pid} exited"), Duration::from_secs(30));
-        srv = serve();
+        srv = http_server();
         w.wait_log(&format!("following pid {}", srv.id()), Duration::from_secs(30));
         w.wait_armed(round + 1, Duration::from_secs(30));
         assert_eq!(w.incidents().len(), 1, "round {round}: {:?}", w.incidents());

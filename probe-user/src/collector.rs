@@ -465,7 +465,7 @@ fn sum(map: &PerCpuArray<MapData, u64>) -> Vec<u64> {
 }
 
 /// probe's own CPU time so far (user + system, every thread, ended ones included), ns.
-fn own_cpu_ns() -> u64 {
+pub fn own_cpu_ns() -> u64 {
     // SAFETY: an all-zero rusage is valid; getrusage fills it.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: a valid pointer to a local.

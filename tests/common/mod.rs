@@ -64,6 +64,32 @@ pub fn healthy(addr: std::net::SocketAddr) -> bool {
     b.starts_with("HTTP/1.1 200")
 }
 
+/// The slow morning's setup: wait until llama-server (`--sleep-idle-seconds`) says it sleeps
+/// (/props answers without waking it; the model is unmapped), then drop `model` from the page
+/// cache (DONTNEED evicts the clean pages of a file nobody maps).
+pub fn sleep_then_evict(addr: std::net::SocketAddr, model: &std::path::Path) {
+    use std::io::{Read, Write};
+    let t = std::time::Instant::now();
+    loop {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET /props HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut b = String::new();
+        let _ = s.read_to_string(&mut b);
+        let body = b.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+        if serde_json::from_str::<serde_json::Value>(body).ok().and_then(|v| v["is_sleeping"].as_bool()) == Some(true) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not go to sleep");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let f = std::fs::File::open(model).unwrap();
+    // SAFETY: valid fd for the call; posix_fadvise only advises the kernel.
+    unsafe {
+        use std::os::fd::AsRawFd;
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
 pub fn wait_healthy(addr: std::net::SocketAddr) {
     let t = std::time::Instant::now();
     while !healthy(addr) {

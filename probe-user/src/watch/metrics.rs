@@ -202,7 +202,7 @@ impl Metrics {
         head(&mut o, "probe_events_lost_total", "counter", "Kernel events lost (ring buffer full and other drops).");
         let _ = writeln!(o, "probe_events_lost_total {}", s.lost_before + s.lost);
         head(&mut o, "probe_cpu_seconds_total", "counter", "CPU time of the probe process (user and system), seconds.");
-        let _ = writeln!(o, "probe_cpu_seconds_total {}", own_cpu_s());
+        let _ = writeln!(o, "probe_cpu_seconds_total {}", crate::collector::own_cpu_ns() as f64 / 1e9);
         head(&mut o, "probe_bpf_run_seconds_total", "counter", "Run time of probe's BPF programs in the kernel, seconds.");
         let _ = writeln!(o, "probe_bpf_run_seconds_total {}", (s.bpf_before + s.bpf_ns) as f64 / 1e9);
         if let Some(r) = s.residency {
@@ -219,16 +219,6 @@ impl Metrics {
         let _ = writeln!(o, "probe_target_restarts_total {}", s.restarts);
         o
     }
-}
-
-fn own_cpu_s() -> f64 {
-    // SAFETY: getrusage fills a zeroed struct we own.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return 0.0;
-    }
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 /// The most bytes of a scrape's request read; a slower or longer one is answered or dropped.
