@@ -435,14 +435,32 @@ impl Vllm {
         v
     }
 
-    /// `vllm:num_preemptions_total`, summed over its labels.
-    fn preemptions(&self) -> f64 {
+    /// A metric from `/metrics`, summed over its labels.
+    fn metric(&self, name: &str) -> f64 {
         let mut s = std::net::TcpStream::connect(self.addr).unwrap();
         use std::io::{Read, Write};
         s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
-        text.lines().filter(|l| l.starts_with("vllm:num_preemptions_total")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+        text.lines()
+            .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(['{', ' '])))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    fn preemptions(&self) -> f64 {
+        self.metric("vllm:num_preemptions_total")
+    }
+
+    /// Wait until vLLM runs and queues nothing. The streams of clients that left keep their KV
+    /// blocks until vLLM notices; the next cell's streams would queue behind them and start one
+    /// by one (a first stream could end before the last one's first token).
+    fn wait_idle(&self) {
+        let t = Instant::now();
+        while self.metric("vllm:num_requests_running") + self.metric("vllm:num_requests_waiting") > 0.0 {
+            assert!(t.elapsed() < Duration::from_secs(120), "vLLM still busy 120 s after the clients finished");
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
 
@@ -485,10 +503,13 @@ fn vllm_second_server_same_clients() {
     ];
     let mut seen = Vec::new();
     for cell in &cells {
+        v.wait_idle();
         seen.push(finish_clients(start_clients(cell, &url)));
     }
+    v.wait_idle();
     let deadline = Cell { cause: "deadline", api: "chat", prompt: "long", base: 90, stop: None, ignore_eos: true, leave_after: 0 };
     let seen_deadline = gateway_deadline(&deadline, v.addr, pid, "vllm", 6);
+    v.wait_idle();
     let before = v.preemptions();
     // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
     // length when the context is full.
