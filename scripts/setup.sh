@@ -27,13 +27,16 @@ if [ ! -d "$sysroot/lib/rustlib/src/rust/library/core" ]; then
 fi
 
 # Test-only system packages: nginx (a real gateway for deadline scenarios), chromium (renders the
-# HTML report headless), prometheus (scrapes `probe watch` in its metrics test) and a C++
+# HTML report headless), prometheus (scrapes `probe watch` in its metrics test), golang-go (`go tool
+# pprof` reads the pprof exports), iproute2 (network namespaces for the container tests) and a C++
 # compiler (libFuzzer, for the fuzz targets). Debian packages; installed once.
 need=()
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v chromium >/dev/null || need+=(chromium)
 command -v curl >/dev/null || need+=(curl)
 command -v prometheus >/dev/null || need+=(prometheus)
+[ -x /usr/bin/go ] || need+=(golang-go)
+command -v ip >/dev/null || need+=(iproute2)
 command -v c++ >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -64,9 +67,10 @@ if [ ${#bench_need[@]} -gt 0 ]; then
 fi
 
 # Test-only Python clients for the client matrix (tests/clients/client.py): the openai SDK, httpx
-# and requests, from PyPI through pip's configured index, in their own venv.
+# and requests, and opentelemetry-proto (decodes OTLP exports in tests/fit.rs), from PyPI through
+# pip's configured index, in their own venv.
 clients="$CACHE/clients"
-want_clients="openai==3.57.0 httpx==0.28.1 requests==2.34.2"
+want_clients="openai==3.57.0 httpx==0.28.1 requests==2.34.2 opentelemetry-proto==1.45.2"
 if [ "$(cat "$clients/.stamp" 2>/dev/null)" != "$want_clients" ]; then
   say "installing the test clients ($want_clients) into $clients"
   python3 -m venv "$clients" || die "cannot create a Python venv in $clients"

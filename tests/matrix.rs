@@ -41,12 +41,7 @@ struct Cell {
 }
 
 fn python() -> PathBuf {
-    let p = std::env::var_os("PROBE_CLIENTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/probe/clients"))
-        .join("bin/python");
-    assert!(p.exists(), "{} not found: scripts/setup.sh installs the test clients", p.display());
-    p
+    common::clients_python()
 }
 
 fn script() -> PathBuf {

@@ -56,6 +56,8 @@ pub struct TraceOptions {
     pub watch: Option<std::sync::Arc<crate::segments::Link>>,
     /// Off-CPU stacks only for uninterruptible waits (see probes::Options).
     pub offcpu_d_only: bool,
+    /// Send the requests as OpenTelemetry spans here at the end (`--otlp`).
+    pub otlp: Option<crate::export::otlp::Endpoint>,
 }
 
 pub struct TraceOutcome {
@@ -588,6 +590,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         // SAFETY: sysconf has no preconditions.
         "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
         "offcpu_waits": if opts.offcpu_d_only { "uninterruptible" } else { "all" },
+        "cpu_hz": if attached.status.iter().any(|p| p.name == "cpu" && p.live) { opts.sample_hz } else { 0 },
     }))?;
     st.refresh()?;
     for &pid in &attached.targets {
@@ -857,6 +860,13 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
             }
         }
         Err(e) => say!("probe: flamegraphs not written: {e}"),
+    }
+    if let (Some(ep), Some(meta)) = (&opts.otlp, rec.meta()) {
+        let spans = crate::export::otlp::from_report(&report, meta, None);
+        match ep.send(&spans) {
+            Ok(_) => say!("probe: sent {} request spans to the OTLP collector", spans.spans.len()),
+            Err(e) => say!("probe: request spans not sent to the OTLP collector: {e} (`probe export --otlp URL` sends them later)"),
+        }
     }
     log::info!("stop: outputs written at {:?}", stopping.elapsed());
     // Exit only once nothing of probe's is left in the kernel.

@@ -4,6 +4,7 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream, ToSocketAddrs},
+    sync::OnceLock,
     time::{Duration, Instant},
 };
 
@@ -162,10 +163,95 @@ pub fn head(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str
         url.prefix,
         url.host_header()
     );
+    for (name, value) in HEADERS.get().map(Vec::as_slice).unwrap_or_default() {
+        h.push_str(&format!("{name}: {value}\r\n"));
+    }
     if let Some(b) = body {
         h.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()));
     } else {
         h.push_str("\r\n");
     }
     h
+}
+
+/// Headers every request to the server carries (`--api-key`, `--header`), set once at start: the
+/// poller and the benchmark talk to the one server the command was given.
+static HEADERS: OnceLock<Vec<(String, String)>> = OnceLock::new();
+
+/// How probe authenticates to a server started with `--api-key` (llama-server, vLLM) or behind a
+/// gateway that wants a header. The values go on the wire and nowhere else: not in a recording,
+/// a report, a bundle, a log line or `--help`.
+#[derive(clap::Args, Clone, Default)]
+pub struct ServerAuth {
+    /// The server's API key, sent as `Authorization: Bearer KEY` by the endpoint poller and the
+    /// benchmark. Prefer the environment variable: a command line is visible to every user.
+    #[arg(long, env = "PROBE_API_KEY", hide_env_values = true, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Another header on every request probe sends to the server (repeat for more), e.g.
+    /// `--header 'X-Api-Key: KEY'`.
+    /// PROBE_HEADERS holds more, one a line.
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = parse_header, env = "PROBE_HEADERS", hide_env_values = true, value_delimiter = '\n')]
+    pub headers: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for ServerAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.headers.iter().map(|(n, _)| n.as_str()).collect();
+        f.debug_struct("ServerAuth").field("api_key", &self.api_key.as_ref().map(|_| "[redacted]")).field("headers", &names).finish()
+    }
+}
+
+impl ServerAuth {
+    /// Send these headers from now on (the first call wins: one server per command).
+    pub fn install(&self) {
+        let mut h = self.headers.clone();
+        if let Some(k) = &self.api_key {
+            h.push(("Authorization".into(), format!("Bearer {}", k.trim())));
+        }
+        let _ = HEADERS.set(h);
+    }
+}
+
+/// Give a child probe (`probe bench --trace` runs `probe trace`) the headers this one sends,
+/// through its environment rather than its command line (which every user can read).
+pub fn pass_headers(cmd: &mut std::process::Command) {
+    if let Some(h) = HEADERS.get().filter(|h| !h.is_empty()) {
+        cmd.env("PROBE_HEADERS", h.iter().map(|(n, v)| format!("{n}: {v}")).collect::<Vec<_>>().join("\n"));
+        cmd.env_remove("PROBE_API_KEY");
+    }
+}
+
+/// `Name: value`, a header that cannot smuggle another (no CR/LF, a token for a name).
+pub fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (name, value) = s.split_once(':').ok_or("a header is `Name: value`, e.g. `X-Api-Key: KEY`")?;
+    let name = name.trim();
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if name.is_empty() || !name.chars().all(token) {
+        return Err(format!("`{name}` is not a header name (letters, digits and -)"));
+    }
+    let value = value.trim();
+    if value.chars().any(|c| c == '\r' || c == '\n' || c == '\0') {
+        return Err(format!("the value of {name} has a line break"));
+    }
+    if ["host", "content-length", "transfer-encoding", "connection"].contains(&name.to_ascii_lowercase().as_str()) {
+        return Err(format!("{name} is set by probe itself"));
+    }
+    Ok((name.to_string(), value.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_checked() {
+        assert_eq!(parse_header("X-Api-Key:  k1 ").unwrap(), ("X-Api-Key".into(), "k1".into()));
+        assert!(parse_header("no colon").is_err());
+        assert!(parse_header("Bad Name: v").is_err());
+        assert!(parse_header("X: a\r\nEvil: b").is_err());
+        assert!(parse_header("Content-Length: 5").is_err());
+        let a = ServerAuth { api_key: Some("sk-secret".into()), headers: vec![("X-K".into(), "hidden".into())] };
+        let dbg = format!("{a:?}");
+        assert!(!dbg.contains("sk-secret") && !dbg.contains("hidden"), "{dbg}");
+    }
 }

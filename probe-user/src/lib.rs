@@ -9,6 +9,7 @@ pub mod bundle;
 pub mod collector;
 pub mod decode;
 pub mod doctor;
+pub mod export;
 pub mod flame;
 pub mod html;
 pub mod httpc;

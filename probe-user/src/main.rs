@@ -66,6 +66,12 @@ enum Command {
         /// Ollama /api/ps) on the ports it listens on.
         #[arg(long)]
         no_poll: bool,
+        #[command(flatten)]
+        auth: probe_user::httpc::ServerAuth,
+        /// Send the requests as OpenTelemetry spans (with their verdicts) to this OTLP/HTTP
+        /// collector, e.g. http://127.0.0.1:4318 (Jaeger, Tempo, the OpenTelemetry Collector).
+        #[arg(long, value_parser = probe_user::export::otlp::Endpoint::parse)]
+        otlp: Option<probe_user::export::otlp::Endpoint>,
     },
     /// Stay on: follow a server (across restarts), keep a window of recent events, save an
     /// incident directory for every slow or abnormal request and for a server exit, and serve
@@ -124,6 +130,12 @@ enum Command {
         /// frequent sleeps cost the most to record).
         #[arg(long)]
         offcpu_all: bool,
+        #[command(flatten)]
+        auth: probe_user::httpc::ServerAuth,
+        /// Send the requests as OpenTelemetry spans (with their verdicts) to this OTLP/HTTP
+        /// collector, e.g. http://127.0.0.1:4318 (Jaeger, Tempo, the OpenTelemetry Collector).
+        #[arg(long, value_parser = probe_user::export::otlp::Endpoint::parse)]
+        otlp: Option<probe_user::export::otlp::Endpoint>,
     },
     /// Read a recording directory again and print its summary (or its JSON).
     Report {
@@ -169,6 +181,25 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Export a recording for other tools: its stacks as pprof profiles (`go tool pprof`,
+    /// Pyroscope, Grafana, Parca, speedscope), its requests as OpenTelemetry spans (OTLP/JSON, or
+    /// sent to a collector with --otlp).
+    Export {
+        dir: PathBuf,
+        /// pprof: DIR/pprof-KIND.pb.gz per kind of stack (cpu, offcpu, faults, io);
+        /// otlp-json: DIR/otlp.json (one OTLP ExportTraceServiceRequest).
+        #[arg(long, value_enum)]
+        format: ExportFormat,
+        /// Where to write: a directory for pprof, a file for otlp-json (default: DIR).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Replace existing output files (never through a symbolic link).
+        #[arg(long)]
+        force: bool,
+        /// Also send the spans to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318).
+        #[arg(long, value_parser = probe_user::export::otlp::Endpoint::parse)]
+        otlp: Option<probe_user::export::otlp::Endpoint>,
+    },
     /// Pack a recording's report, flamegraphs, timeline and environment into one .tar.gz for an
     /// issue (never the raw event log, so no prompt or response text).
     Bundle {
@@ -197,6 +228,12 @@ enum Command {
     /// Drive a running server with controlled experiments (concurrency, prompt length, idle
     /// time) and explain every change in length or latency with stop reasons and verdicts.
     Bench(Box<bench::BenchArgs>),
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum ExportFormat {
+    Pprof,
+    OtlpJson,
 }
 
 /// `--duration`: `30s`, `2m`, `500ms`, `1h 30m` (humantime); a bare number is seconds.
@@ -275,7 +312,8 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace { pid, duration, max_size, out, force, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll } => {
+        Command::Trace { pid, duration, max_size, out, force, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll, auth, otlp } => {
+            auth.install();
             let out = out.unwrap_or_else(|| {
                 let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
                 PathBuf::from(format!("probe-{pid}-{now}"))
@@ -295,6 +333,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 max_size: max_size.map(|m| (m, max_size_text(m))),
                 watch: None,
                 offcpu_d_only: false,
+                otlp,
             })?;
             // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
             use std::io::Write as _;
@@ -330,7 +369,10 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             ring_mb,
             no_poll,
             offcpu_all,
+            auth,
+            otlp,
         } => {
+            auth.install();
             use probe_user::watch::{self, target::Select};
             let select = match (pid, port, exe) {
                 (Some(p), _, _) => Select::Pid(p),
@@ -354,6 +396,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 poll: !no_poll,
                 offcpu_d_only: !offcpu_all,
                 started,
+                otlp,
             })
         }
         Command::Report { dir, sizes: true, .. } => {
@@ -436,6 +479,45 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 None => output::OutDir::open(&dir)?.write("timeline.json", &bytes)?,
             };
             println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
+            Ok(exit::OK)
+        }
+        Command::Export { dir, format, output, force, otlp } => {
+            let read = || format!("cannot read the recording in {}", dir.display());
+            let r = report::build_dir(&dir).with_context(read)?;
+            let meta = recording::read_meta(&dir).with_context(read)?.unwrap_or_default();
+            match format {
+                ExportFormat::Pprof => {
+                    let profiles = probe_user::export::pprof::profiles(&dir, &r).with_context(read)?;
+                    if profiles.is_empty() {
+                        anyhow::bail!("{} has no stacks to export (was it traced with --probes without cpu/offcpu?)", dir.display());
+                    }
+                    let out = match &output {
+                        Some(o) => output::OutDir::create_or_open(o)?,
+                        None => output::OutDir::open(&dir)?,
+                    };
+                    for (kind, bytes) in profiles {
+                        let p = out.write(&format!("pprof-{}.pb.gz", kind.name()), &bytes)?;
+                        println!("{}  (go tool pprof -http=: {})", p.display(), p.display());
+                    }
+                }
+                ExportFormat::OtlpJson => {
+                    let e = probe_user::export::otlp::from_report(&r, &meta, None);
+                    let bytes = serde_json::to_vec(&e.to_json())?;
+                    let p = match output {
+                        Some(o) => {
+                            output::write_file(&o, &bytes, force)?;
+                            o
+                        }
+                        None => output::OutDir::open(&dir)?.write("otlp.json", &bytes)?,
+                    };
+                    println!("{} ({} spans)", p.display(), e.spans.len());
+                }
+            }
+            if let Some(ep) = otlp {
+                let e = probe_user::export::otlp::from_report(&r, &meta, None);
+                let st = ep.send(&e).map_err(anyhow::Error::msg).context("cannot send the spans")?;
+                println!("sent {} spans (collector answered {st})", e.spans.len());
+            }
             Ok(exit::OK)
         }
         Command::Bundle { dir, output, mask, force } => {

@@ -31,6 +31,8 @@ pub const RESERVE_FILE: &str = ".reserve";
 pub fn is_probe_output(name: &str) -> bool {
     matches!(name, RECORDING_FILE | RESERVE_FILE | "report.json" | "report.html" | "timeline.json")
         || (name.starts_with("flame-") && (name.ends_with(".svg") || name.ends_with(".folded")))
+        || (name.starts_with("pprof-") && name.ends_with(".pb.gz"))
+        || name == "otlp.json"
 }
 
 /// (uid, gid) of the user who ran sudo, if probe runs under sudo.

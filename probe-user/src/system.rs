@@ -538,7 +538,9 @@ pub fn render(s: &System) -> String {
         if e.sleeping_polls > 0 {
             facts.push(format!("sleeping in {} of {} polls", e.sleeping_polls, e.polls));
         }
-        if e.metrics_status.is_some() && e.kind == "llama.cpp" {
+        if let Some(st @ (401 | 403)) = e.metrics_status {
+            facts.push(format!("/metrics answered {st}: the server wants a key (give probe --api-key or PROBE_API_KEY)"));
+        } else if e.metrics_status.is_some() && e.kind == "llama.cpp" {
             facts.push("no /metrics (start it with --metrics for queue depth)".into());
         }
         for m in &e.loaded_models {

@@ -24,8 +24,20 @@ pub fn probe_bin() -> PathBuf {
 // The child is returned to the caller, who waits for it.
 #[allow(clippy::zombie_processes)]
 pub fn start_trace(args: &[&str]) -> (Child, mpsc::Receiver<String>, String) {
-    let mut child =
-        Command::new(probe_bin()).arg("trace").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn probe");
+    start_trace_env(args, &[])
+}
+
+/// [`start_trace`] with variables added to probe's environment.
+#[allow(clippy::zombie_processes)]
+pub fn start_trace_env(args: &[&str], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>, String) {
+    let mut child = Command::new(probe_bin())
+        .arg("trace")
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn probe");
     let err = child.stderr.take().expect("stderr");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -40,6 +52,17 @@ pub fn start_trace(args: &[&str]) -> (Child, mpsc::Receiver<String>, String) {
             return (child, rx, l);
         }
     }
+}
+
+/// The Python of the test clients' venv (openai, httpx, requests, opentelemetry-proto), which
+/// scripts/setup.sh installs: $PROBE_CLIENTS/bin/python or ~/.cache/probe/clients/bin/python.
+pub fn clients_python() -> PathBuf {
+    let p = std::env::var_os("PROBE_CLIENTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/probe/clients"))
+        .join("bin/python");
+    assert!(p.exists(), "{} not found: scripts/setup.sh installs the test clients", p.display());
+    p
 }
 
 /// A path from the environment (`cargo xtask test` sets LLAMA_SERVER and LLAMA_MODEL).

@@ -55,6 +55,8 @@ pub struct BenchArgs {
     /// The server, plain HTTP only: http://HOST:PORT (e.g. http://127.0.0.1:8080).
     #[arg(long)]
     pub url: String,
+    #[command(flatten)]
+    pub auth: crate::httpc::ServerAuth,
     /// Request format: openai (/v1/completions), chat (/v1/chat/completions), llamacpp
     /// (/completion), ollama (/api/generate).
     #[arg(long, value_enum, default_value = "openai")]

@@ -193,6 +193,7 @@ fn shell(cmd: &str, what: &str) -> anyhow::Result<()> {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    args.auth.install();
     let url = Url::parse(&args.url).map_err(anyhow::Error::msg)?;
     if args.trace_pid.is_some() && args.trace {
         bail!("--trace-pid and --trace: choose one (--trace finds the pid by the URL's port)");

@@ -155,6 +155,7 @@ pub fn start(pid: u32, out: &Path) -> anyhow::Result<Segment> {
         // Its own process group: a terminal's Ctrl-C reaches probe bench, which lets requests
         // in flight finish and then stops the trace itself, so the trace sees their ends.
         .process_group(0);
+    crate::httpc::pass_headers(&mut cmd);
     // SAFETY: prctl in the child before exec. If probe bench dies, the trace stops as on Ctrl-C
     // (and writes its report) instead of tracing on.
     unsafe {

@@ -22,6 +22,8 @@ use crate::{
 /// Names for (module, file offset) and kernel addresses, resolved once per recording.
 pub struct Symbols {
     user: HashMap<(i64, u64), String>,
+    /// GNU build IDs (hex) of the modules that were read.
+    build_ids: HashMap<i64, String>,
     /// Kernel names and wait classes come from the recording (see crate::ksyms).
     pub kernel: crate::ksyms::Names,
 }
@@ -87,6 +89,15 @@ fn open_module(path: &str, mapped: &[(u32, Mapping)]) -> Result<TargetFile, targ
     Err(last.unwrap_or(target_file::Refused::Open { path: path.to_string(), err: std::io::ErrorKind::NotFound.into() }))
 }
 
+/// The GNU build ID note of an ELF file, read lazily (headers and the note only).
+fn build_id(file: &std::fs::File) -> Option<String> {
+    use object::Object as _;
+    let cache = object::read::ReadCache::new(file.try_clone().ok()?);
+    let elf = object::File::parse(&cache).ok()?;
+    let id = elf.build_id().ok()??;
+    Some(id.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 impl Symbols {
     pub fn resolve(rec: &Recording) -> Symbols {
         let mut w = Wanted::default();
@@ -117,6 +128,7 @@ impl Symbols {
         let (modules, wanted) = (w.modules, w.offsets);
         let symbolizer = Symbolizer::new();
         let mut user = HashMap::new();
+        let mut build_ids = HashMap::new();
         // Kept open until symbolization ends, so no /proc/self/fd/N names two files.
         let mut opened: Vec<TargetFile> = Vec::new();
         for (id, offs) in wanted {
@@ -129,6 +141,9 @@ impl Symbols {
                     // blazesym opens by path: this one reopens exactly the verified file. Names
                     // come from its own symbol tables (debug_syms off): a debug link would name
                     // another file, chosen by whoever wrote this one.
+                    if let Some(b) = build_id(&f.file) {
+                        build_ids.insert(id, b);
+                    }
                     let mut elf = Elf::new(format!("/proc/self/fd/{}", f.file.as_raw_fd()));
                     elf.debug_syms = false;
                     opened.push(f);
@@ -144,10 +159,15 @@ impl Symbols {
                 user.insert((id, *off), name);
             }
         }
-        Symbols { user, kernel: w.names.finish() }
+        Symbols { user, build_ids, kernel: w.names.finish() }
     }
 
-    pub(super) fn user(&self, id: i64, off: u64) -> String {
+    /// The GNU build ID of module `id`, in hex, when its file was read and has one.
+    pub fn build_id(&self, id: i64) -> Option<String> {
+        self.build_ids.get(&id).cloned()
+    }
+
+    pub fn user(&self, id: i64, off: u64) -> String {
         self.user
             .get(&(id, off))
             .cloned()

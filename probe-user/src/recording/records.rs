@@ -9,6 +9,10 @@ use serde_json::Value;
 use super::StackRecord;
 use crate::{procfs::Mapping, stream::RequestRecord};
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 fn page_size() -> u64 {
     4096
 }
@@ -37,6 +41,9 @@ pub struct Meta {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offcpu_waits: Option<String>,
     pub start_unix_ms: u64,
+    /// On-CPU stack samples per second per thread (0: no CPU sampling, or an older recording).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cpu_hz: u64,
     pub kernel: String,
     pub armed_ms: f64,
     /// What arming took, stage by stage: `[name, ms]` (the three slowest programs last).

@@ -48,10 +48,18 @@ pub struct Watcher {
     pending: Vec<Pending>,
     ttfts: VecDeque<f64>,
     last_incident: HashMap<&'static str, Instant>,
+    otlp: Option<Arc<crate::export::otlp::Sender>>,
 }
 
 impl Watcher {
-    pub fn new(o: &super::Options, pid: u32, dir: PathBuf, metrics: Arc<Metrics>, link: Arc<Link>) -> Watcher {
+    pub fn new(
+        o: &super::Options,
+        pid: u32,
+        dir: PathBuf,
+        metrics: Arc<Metrics>,
+        link: Arc<Link>,
+        otlp: Option<Arc<crate::export::otlp::Sender>>,
+    ) -> Watcher {
         Watcher {
             pid,
             dir,
@@ -66,6 +74,7 @@ impl Watcher {
             pending: Vec::new(),
             ttfts: VecDeque::new(),
             last_incident: HashMap::new(),
+            otlp,
         }
     }
 
@@ -162,13 +171,22 @@ impl Watcher {
         let pending = std::mem::take(&mut self.pending);
         let from = pending.iter().filter_map(|p| p.q.arrival_ms).fold(f64::INFINITY, f64::min);
         let from = if from.is_finite() { from - VERDICT_LEAD_MS } else { 0.0 };
-        let report = match crate::report::build_bytes(&self.joined(from)) {
+        let joined = self.joined(from);
+        let report = match crate::report::build_bytes(&joined) {
             Ok(r) => r,
             Err(e) => {
                 log_line!("probe watch: cannot analyse the window: {e}");
                 return;
             }
         };
+        if let Some(otlp) = &self.otlp {
+            let mut meta = None;
+            let _ = crate::recording::with_first_json(&joined, |m| meta = serde_json::from_value(m.clone()).ok());
+            if let Some(meta) = meta {
+                let ids: Vec<u64> = pending.iter().map(|p| p.q.id).collect();
+                otlp.send(crate::export::otlp::from_report(&report, &meta, Some(&ids)));
+            }
+        }
         for p in pending {
             let v = report.requests.iter().find(|r| r.id == p.q.id && r.pid == p.q.pid).and_then(|r| r.verdict.clone());
             if let Some(v) = &v {

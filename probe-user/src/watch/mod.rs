@@ -44,6 +44,8 @@ pub struct Options {
     pub poll: bool,
     pub offcpu_d_only: bool,
     pub started: Instant,
+    /// Send each analysed request as an OpenTelemetry span here (`--otlp`).
+    pub otlp: Option<crate::export::otlp::Endpoint>,
 }
 
 /// `--slow-ttft`: an absolute time, or a multiple of the recent median.
@@ -125,6 +127,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             }
         })
     };
+    let otlp = o.otlp.clone().map(|e| Arc::new(crate::export::otlp::Sender::start(e)));
     let mut follow = target::Following::new(o.select.clone());
     let mut waiting_said = false;
     let mut sessions = 0u64;
@@ -156,7 +159,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             Rotation { every: o.segment, max_bytes: (o.window_bytes / 4).max(1 << 20) },
             Box::new(move |lost, bpf_ns| m.set_cost(lost, bpf_ns)),
         ));
-        let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone());
+        let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone(), otlp.clone());
         let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || watcher.run(rx))?;
         log_line!("probe watch: following pid {pid} ({})", crate::text::terminal(&crate::procfs::comm(pid)));
         let outcome = crate::collector::trace(crate::collector::TraceOptions {
@@ -174,6 +177,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             max_size: None,
             watch: Some(link.clone()),
             offcpu_d_only: o.offcpu_d_only,
+            otlp: None,
         });
         let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
         link.send(Msg::Ended { reason, target_exited: false, lost: 0 });

@@ -1,0 +1,467 @@
+//! Requests → OpenTelemetry traces: one SERVER span per request the target served (arrival →
+//! last byte), with an event at the first token and one at the stop, and the verdict as
+//! attributes. Names follow the OpenTelemetry semantic conventions where they have one
+//! (`gen_ai.operation.name`, `gen_ai.usage.output_tokens`, `gen_ai.response.finish_reasons`,
+//! `gen_ai.server.time_to_first_token`, `http.*`, `server.*`, `client.*`); probe's own facts are
+//! under `probe.*`. Written as OTLP/JSON (`probe export --format otlp-json`, the OTLP file
+//! exporter's layout) or sent as OTLP/HTTP protobuf to a collector (`--otlp URL`).
+//!
+//! Span and trace ids are derived from the recording's start, the process and the request id,
+//! so exporting the same recording twice gives the same ids (a collector sees duplicates, not
+//! new traces). No prompt or response text is in a span: the report has none.
+use std::{
+    hash::{Hash, Hasher},
+    io::{Read, Write},
+    net::TcpStream,
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+
+use super::proto::Msg;
+use crate::{recording::records::Meta, report::Report, verdict};
+
+/// An attribute value (the subset of OTLP's AnyValue probe uses).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Val {
+    S(String),
+    B(bool),
+    I(i64),
+    D(f64),
+    A(Vec<Val>),
+}
+
+pub type Attrs = Vec<(String, Val)>;
+
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub time_ns: u64,
+    pub name: String,
+    pub attrs: Attrs,
+}
+
+#[derive(Clone, Debug)]
+pub struct Span {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub name: String,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub attrs: Attrs,
+    pub events: Vec<Event>,
+    /// OTLP status code: 0 unset, 2 error.
+    pub status: u32,
+    pub status_message: String,
+}
+
+/// One export: the traced process as the resource, its requests as spans.
+#[derive(Clone, Debug)]
+pub struct Export {
+    pub resource: Attrs,
+    pub spans: Vec<Span>,
+}
+
+/// SpanKind SERVER.
+const KIND_SERVER: u64 = 2;
+
+fn id_bytes<const N: usize>(parts: &[&dyn std::fmt::Debug]) -> [u8; N] {
+    let mut out = [0u8; N];
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (i as u64).hash(&mut h);
+        for p in parts {
+            format!("{p:?}").hash(&mut h);
+        }
+        let v = h.finish().to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    out
+}
+
+/// The GenAI operation a path names (None: not an inference route).
+fn operation(path: &str) -> Option<&'static str> {
+    let p = path.split('?').next().unwrap_or(path);
+    Some(match p.rsplit('/').next().unwrap_or("") {
+        _ if p.ends_with("/chat/completions") || p.ends_with("/api/chat") => "chat",
+        "completions" | "completion" | "infill" => "text_completion",
+        "generate" => "generate_content",
+        "embeddings" | "embedding" | "embed" => "embeddings",
+        _ => return None,
+    })
+}
+
+fn s(v: impl Into<String>) -> Val {
+    Val::S(v.into())
+}
+
+/// The spans of a report's requests (the server's, not probe's polls), optionally only `ids`.
+pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export {
+    let start_unix_ns = meta.start_unix_ms.saturating_mul(1_000_000);
+    let at = |ms: f64| start_unix_ns.saturating_add((ms.max(0.0) * 1e6) as u64);
+    let mut resource = vec![
+        ("service.name".to_string(), s(if meta.comm.is_empty() { "llm-server" } else { meta.comm.as_str() })),
+        ("process.pid".to_string(), Val::I(i64::from(meta.pid))),
+        ("telemetry.sdk.name".to_string(), s("probe")),
+        ("telemetry.sdk.version".to_string(), s(meta.probe_version.clone())),
+    ];
+    if let Some(name) = meta.exe.rsplit('/').next().filter(|n| !n.is_empty()) {
+        resource.push(("process.executable.name".into(), s(name)));
+    }
+    if let Ok(h) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
+        resource.push(("host.name".into(), s(h.trim())));
+    }
+    let mut spans = Vec::new();
+    for q in &report.requests {
+        if q.probe_poll || q.role != "server" || ids.is_some_and(|ids| !ids.contains(&q.id)) {
+            continue;
+        }
+        let Some(arrival) = q.arrival_ms else { continue };
+        let path = crate::redact::scrub(q.path.as_deref().unwrap_or(""));
+        let path = path.split('?').next().unwrap_or("").to_string();
+        let op = operation(&path);
+        let method = q.method.clone().unwrap_or_else(|| "POST".into());
+        let name = match op {
+            Some(op) => op.to_string(),
+            None => format!("{method} {path}"),
+        };
+        let end_rel = q.end_ms.or(q.closed_ms).or(q.ttft_ms).unwrap_or(0.0);
+        let (stop, stop_detail) = verdict::stop_cause(q);
+        let mut a: Attrs = Vec::new();
+        let mut put = |k: &str, v: Val| a.push((k.to_string(), v));
+        if let Some(op) = op {
+            put("gen_ai.operation.name", s(op));
+        }
+        put("http.request.method", s(method));
+        put("url.path", s(path.clone()));
+        if let Some(st) = q.status {
+            put("http.response.status_code", Val::I(i64::from(st)));
+        }
+        let addr = |a: &str| a.rsplit_once(':').map(|(h, p)| (h.trim_matches(['[', ']']).to_string(), p.parse::<i64>().unwrap_or(0)));
+        if let Some((h, p)) = addr(&q.local) {
+            put("server.address", s(h));
+            put("server.port", Val::I(p));
+        }
+        if let Some((h, p)) = addr(&q.peer) {
+            put("client.address", s(h));
+            put("client.port", Val::I(p));
+        }
+        let reason = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.stopped.clone());
+        if let Some(r) = reason {
+            put("gen_ai.response.finish_reasons", Val::A(vec![s(r)]));
+        }
+        if let Some(m) = q.max_tokens {
+            put("gen_ai.request.max_tokens", Val::I(m));
+        }
+        put("gen_ai.usage.output_tokens", Val::I(verdict::produced(q) as i64));
+        let input = q
+            .stop
+            .usage
+            .as_ref()
+            .and_then(|u| u["prompt_tokens"].as_i64())
+            .or_else(|| q.stop.server_timings.as_ref().and_then(|t| t["prompt_n"].as_i64().or(t["prompt_eval_count"].as_i64())));
+        if let Some(n) = input {
+            put("gen_ai.usage.input_tokens", Val::I(n));
+        }
+        let first = verdict::first_token_ms(q);
+        if let Some(t) = first {
+            put("gen_ai.server.time_to_first_token", Val::D(t / 1e3));
+        }
+        if let Some(st) = q.stream {
+            put("probe.stream", Val::B(st));
+        }
+        put("probe.request.id", Val::I(q.id as i64));
+        put("probe.stop_cause", s(stop.name()));
+        if let Some(d) = &stop_detail {
+            put("probe.stop_detail", s(d.clone()));
+        }
+        put("probe.closed_by", s(q.closed_by.clone()));
+        put("probe.content_complete", Val::B(q.content_complete));
+        put("probe.transport_complete", Val::B(q.transport_complete));
+        put("probe.chunks", Val::I(q.chunks as i64));
+        if q.partial {
+            put("probe.partial", Val::B(true));
+        }
+        if let Some(v) = &q.verdict {
+            put("probe.slow_cause", s(v.slow_cause.name()));
+            if let Some(t) = &v.ttft_ms {
+                for (k, ms) in [
+                    ("queue", t.queue),
+                    ("disk", t.disk),
+                    ("memory", t.memory),
+                    ("power", t.power),
+                    ("load", t.load),
+                    ("compute", t.compute),
+                    ("unexplained", t.unexplained),
+                ] {
+                    put(&format!("probe.ttft.{k}_ms"), Val::D(ms));
+                }
+            }
+            put("probe.evidence", Val::A(v.evidence.iter().map(|e| s(e.clone())).collect()));
+            if !v.data_quality.is_empty() {
+                put("probe.data_quality", Val::A(v.data_quality.iter().map(|e| s(e.clone())).collect()));
+            }
+        }
+        let mut events = Vec::new();
+        if let Some(t) = q.ttft_ms {
+            events.push(Event { time_ns: at(arrival + t), name: "gen_ai.first_token".into(), attrs: vec![] });
+        }
+        events.push(Event {
+            time_ns: at(arrival + q.final_ms.unwrap_or(end_rel)),
+            name: "probe.stop".into(),
+            attrs: vec![("probe.stop_cause".into(), s(stop.name()))],
+        });
+        let error = matches!(stop.name(), "server_error" | "crash" | "oom" | "deadline") || q.status.is_some_and(|s| s >= 500);
+        let key: [&dyn std::fmt::Debug; 3] = [&meta.start_unix_ms, &q.pid, &q.id];
+        spans.push(Span {
+            trace_id: id_bytes::<16>(&key),
+            span_id: id_bytes::<8>(&[&meta.start_ns, &q.pid, &q.id]),
+            name,
+            start_ns: at(arrival),
+            end_ns: at(arrival + end_rel),
+            attrs: a,
+            events,
+            status: if error { 2 } else { 0 },
+            status_message: if error { stop.words() } else { String::new() },
+        });
+    }
+    Export { resource, spans }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn val_json(v: &Val) -> Value {
+    match v {
+        Val::S(x) => json!({"stringValue": x}),
+        Val::B(x) => json!({"boolValue": x}),
+        // OTLP/JSON writes 64-bit integers as strings.
+        Val::I(x) => json!({"intValue": x.to_string()}),
+        Val::D(x) => json!({"doubleValue": x}),
+        Val::A(xs) => json!({"arrayValue": {"values": xs.iter().map(val_json).collect::<Vec<_>>()}}),
+    }
+}
+
+fn attrs_json(a: &Attrs) -> Value {
+    Value::Array(a.iter().map(|(k, v)| json!({"key": k, "value": val_json(v)})).collect())
+}
+
+fn scope() -> (&'static str, &'static str) {
+    ("probe", env!("CARGO_PKG_VERSION"))
+}
+
+impl Export {
+    /// OTLP/JSON: an ExportTraceServiceRequest, as the OTLP file exporter writes one a line.
+    pub fn to_json(&self) -> Value {
+        let spans: Vec<Value> = self
+            .spans
+            .iter()
+            .map(|sp| {
+                json!({
+                    "traceId": hex(&sp.trace_id), "spanId": hex(&sp.span_id), "name": sp.name, "kind": KIND_SERVER,
+                    "startTimeUnixNano": sp.start_ns.to_string(), "endTimeUnixNano": sp.end_ns.to_string(),
+                    "attributes": attrs_json(&sp.attrs),
+                    "events": sp.events.iter().map(|e| json!({"timeUnixNano": e.time_ns.to_string(), "name": e.name, "attributes": attrs_json(&e.attrs)})).collect::<Vec<_>>(),
+                    "status": if sp.status == 0 { json!({}) } else { json!({"code": sp.status, "message": sp.status_message}) },
+                })
+            })
+            .collect();
+        let (name, version) = scope();
+        json!({"resourceSpans": [{
+            "resource": {"attributes": attrs_json(&self.resource)},
+            "scopeSpans": [{"scope": {"name": name, "version": version}, "spans": spans}],
+        }]})
+    }
+
+    /// OTLP protobuf: an ExportTraceServiceRequest.
+    pub fn to_protobuf(&self) -> Vec<u8> {
+        let mut scope_spans = Msg::new();
+        let (name, version) = scope();
+        let mut sc = Msg::new();
+        sc.str(1, name).str(2, version);
+        scope_spans.msg(1, &sc);
+        for sp in &self.spans {
+            let mut m = Msg::new();
+            m.bytes(1, &sp.trace_id).bytes(2, &sp.span_id).str(5, &sp.name).uint(6, KIND_SERVER);
+            m.fixed64(7, sp.start_ns).fixed64(8, sp.end_ns);
+            for kv in attrs_pb(&sp.attrs) {
+                m.msg(9, &kv);
+            }
+            for e in &sp.events {
+                let mut em = Msg::new();
+                em.fixed64(1, e.time_ns).str(2, &e.name);
+                for kv in attrs_pb(&e.attrs) {
+                    em.msg(3, &kv);
+                }
+                m.msg(11, &em);
+            }
+            let mut st = Msg::new();
+            if sp.status != 0 {
+                st.str(2, &sp.status_message).uint(3, u64::from(sp.status));
+            }
+            m.msg(15, &st);
+            scope_spans.msg(2, &m);
+        }
+        let mut res = Msg::new();
+        for kv in attrs_pb(&self.resource) {
+            res.msg(1, &kv);
+        }
+        let mut rs = Msg::new();
+        rs.msg(1, &res).msg(2, &scope_spans);
+        let mut req = Msg::new();
+        req.msg(1, &rs);
+        req.into_bytes()
+    }
+}
+
+fn val_pb(v: &Val) -> Msg {
+    let mut m = Msg::new();
+    match v {
+        Val::S(x) => m.str(1, x),
+        // Written even when false or zero: the oneof must say which value it holds.
+        Val::B(x) => m.uint_always(2, u64::from(*x)),
+        Val::I(x) => m.uint_always(3, *x as u64),
+        Val::D(x) => m.double(4, *x),
+        Val::A(xs) => {
+            let mut arr = Msg::new();
+            xs.iter().for_each(|x| {
+                arr.msg(1, &val_pb(x));
+            });
+            m.msg(5, &arr)
+        }
+    };
+    m
+}
+
+fn attrs_pb(a: &Attrs) -> Vec<Msg> {
+    a.iter()
+        .map(|(k, v)| {
+            let mut kv = Msg::new();
+            kv.str(1, k).msg(2, &val_pb(v));
+            kv
+        })
+        .collect()
+}
+
+/// Where OTLP/HTTP traces go: `http://host:4318` (the path `/v1/traces` is added unless the URL
+/// has a path of its own).
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    url: crate::httpc::Url,
+    path: String,
+}
+
+impl Endpoint {
+    pub fn parse(s: &str) -> Result<Endpoint, String> {
+        let url = crate::httpc::Url::parse(s)?;
+        let path = if url.prefix.is_empty() { "/v1/traces".to_string() } else { url.prefix.clone() };
+        Ok(Endpoint { url: crate::httpc::Url { prefix: String::new(), ..url }, path })
+    }
+
+    /// POST one export as protobuf; Ok with the collector's status when it answered 2xx.
+    /// Plain HTTP, no credentials of the LLM server (those go to the server only).
+    pub fn send(&self, e: &Export) -> Result<u16, String> {
+        let body = e.to_protobuf();
+        let addr = self.url.addr()?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+        let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let head = format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: probe/{}\r\nContent-Type: application/x-protobuf\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            self.path,
+            self.url.host_header(),
+            env!("CARGO_PKG_VERSION"),
+            body.len()
+        );
+        s.write_all(head.as_bytes()).and_then(|()| s.write_all(&body)).map_err(|e| format!("cannot send to {addr}: {e}"))?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !buf.windows(2).any(|w| w == b"\r\n") && buf.len() < 4096 && Instant::now() < deadline {
+            let n = s.read(&mut chunk).map_err(|e| format!("no answer from {addr}: {e}"))?;
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let line = String::from_utf8_lossy(&buf);
+        let status: u16 = line.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("{addr} did not answer in HTTP"))?;
+        if (200..300).contains(&status) { Ok(status) } else { Err(format!("{addr}{} answered {status}", self.path)) }
+    }
+}
+
+/// Sends exports from a thread of its own, so a slow or absent collector never holds up the
+/// caller (`probe watch`'s analysis): at most [`QUEUE`] exports wait; more are dropped and counted.
+pub struct Sender {
+    tx: std::sync::mpsc::SyncSender<Export>,
+    pub dropped: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+const QUEUE: usize = 16;
+
+impl Sender {
+    pub fn start(ep: Endpoint) -> Sender {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Export>(QUEUE);
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let lost = dropped.clone();
+        std::thread::Builder::new()
+            .name("probe-otlp".into())
+            .spawn(move || {
+                let mut failing = false;
+                for e in rx {
+                    match ep.send(&e) {
+                        Ok(_) => failing = false,
+                        Err(err) => {
+                            lost.fetch_add(e.spans.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                            // One line when sending starts failing, not one per export.
+                            if !failing {
+                                log::warn!("OTLP: {} spans not sent: {err}", e.spans.len());
+                            }
+                            failing = true;
+                        }
+                    }
+                }
+            })
+            .expect("spawn the OTLP sender");
+        Sender { tx, dropped }
+    }
+
+    pub fn send(&self, e: Export) {
+        if e.spans.is_empty() {
+            return;
+        }
+        let n = e.spans.len() as u64;
+        if self.tx.try_send(e).is_err() {
+            self.dropped.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operations_from_paths() {
+        assert_eq!(operation("/v1/chat/completions"), Some("chat"));
+        assert_eq!(operation("/api/chat"), Some("chat"));
+        assert_eq!(operation("/v1/completions?x=1"), Some("text_completion"));
+        assert_eq!(operation("/completion"), Some("text_completion"));
+        assert_eq!(operation("/api/generate"), Some("generate_content"));
+        assert_eq!(operation("/health"), None);
+    }
+
+    #[test]
+    fn ids_are_stable_and_distinct() {
+        let a: [u8; 16] = id_bytes(&[&1u64, &2u32, &3u64]);
+        assert_eq!(a, id_bytes::<16>(&[&1u64, &2u32, &3u64]));
+        assert_ne!(a, id_bytes::<16>(&[&1u64, &2u32, &4u64]));
+        assert_ne!(&a[..8], &a[8..]);
+    }
+
+    #[test]
+    fn endpoint_adds_the_traces_path() {
+        assert_eq!(Endpoint::parse("http://127.0.0.1:4318").unwrap().path, "/v1/traces");
+        assert_eq!(Endpoint::parse("http://c:4318/otlp/v1/traces").unwrap().path, "/otlp/v1/traces");
+    }
+}

@@ -1,0 +1,349 @@
+//! probe's outputs in the tools people already run, read by readers nobody here wrote: pprof
+//! profiles by Go's own `go tool pprof`, OTLP traces by the OpenTelemetry project's message
+//! definitions (`opentelemetry-proto`, tests/clients/otlp.py); and a llama-server that wants an
+//! API key, polled and benchmarked with it, the key in no artifact.
+use std::{
+    collections::BTreeMap,
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+
+mod common;
+use common::{clients_python, probe_bin, start_trace};
+
+/// One HTTP/1.1 request with `Connection: close` and extra `headers`: (status, body).
+fn http(addr: SocketAddr, path: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let body = body.to_string();
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, text.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
+}
+
+fn chat(max_tokens: u64, stream: bool) -> Value {
+    json!({"messages": [{"role": "user", "content": "Write one sentence about rivers."}], "stream": stream,
+           "max_tokens": max_tokens, "seed": 1, "temperature": 0})
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("fit-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Stop a trace with SIGINT; its report.json.
+fn stop(mut child: Child, out: &Path) -> Value {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let st = child.wait().unwrap();
+    assert!(st.code().is_some_and(|c| c <= 1), "probe trace exit {st:?}");
+    common::read_report(out)
+}
+
+fn probe(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let o = Command::new(probe_bin()).args(args).envs(env.iter().copied()).output().expect("run probe");
+    (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+}
+
+/// The requests the server answered (probe's own polls are not in `requests`).
+fn served(r: &Value) -> Vec<&Value> {
+    r["requests"].as_array().unwrap().iter().filter(|q| q["role"] == "server").collect()
+}
+
+/// A receiver of OTLP/HTTP made of the opentelemetry-proto package, killed when dropped.
+struct Receiver {
+    child: Child,
+    port: u16,
+    out: PathBuf,
+}
+
+impl Receiver {
+    fn start(dir: &Path) -> Receiver {
+        std::fs::create_dir_all(dir).unwrap();
+        let (port_file, out) = (dir.join("port"), dir.join("received.jsonl"));
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("clients/otlp.py");
+        let child = Command::new(clients_python())
+            .arg(script)
+            .args(["receive", "--port-file", port_file.to_str().unwrap(), "--out", out.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        let port = loop {
+            if let Some(p) = std::fs::read_to_string(&port_file).ok().and_then(|s| s.trim().parse().ok()) {
+                break p;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "the OTLP receiver did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        Receiver { child, port, out }
+    }
+
+    /// Every span received, as OTLP/JSON objects.
+    fn spans(&self) -> Vec<Value> {
+        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        let mut spans = Vec::new();
+        for l in text.lines() {
+            let v: Value = serde_json::from_str(l).unwrap();
+            assert!(v.get("error").is_none(), "the receiver could not decode an export: {v}");
+            spans.extend(all_spans(&v));
+        }
+        spans
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn all_spans(export: &Value) -> Vec<Value> {
+    let mut out = Vec::new();
+    for rs in export["resourceSpans"].as_array().into_iter().flatten() {
+        for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
+            out.extend(ss["spans"].as_array().into_iter().flatten().cloned());
+        }
+    }
+    out
+}
+
+/// A span's attributes: key → the value as OTLP/JSON gives it (`{"stringValue": ..}`, ...).
+fn attrs(span: &Value) -> BTreeMap<String, Value> {
+    span["attributes"].as_array().unwrap().iter().map(|a| (a["key"].as_str().unwrap().to_string(), a["value"].clone())).collect()
+}
+
+fn int(v: &Value) -> i64 {
+    v["intValue"].as_str().and_then(|s| s.parse().ok()).or(v["intValue"].as_i64()).unwrap_or_else(|| panic!("not an int: {v}"))
+}
+
+/// Each span says what report.json says of its request.
+fn assert_spans_match(spans: &[Value], r: &Value, what: &str) {
+    let reqs = served(r);
+    assert_eq!(spans.len(), reqs.len(), "{what}: {} spans for {} requests", spans.len(), reqs.len());
+    for sp in spans {
+        let a = attrs(sp);
+        let id = int(&a["probe.request.id"]);
+        let q = reqs.iter().find(|q| q["id"] == id).unwrap_or_else(|| panic!("{what}: span of no request: {sp}"));
+        let v = &q["verdict"];
+        assert_eq!(a["probe.stop_cause"]["stringValue"], v["stop_cause"], "{what}: {sp}");
+        assert_eq!(a["probe.slow_cause"]["stringValue"], v["slow_cause"], "{what}: {sp}");
+        assert_eq!(int(&a["http.response.status_code"]), q["status"].as_i64().unwrap(), "{what}");
+        assert_eq!(a["url.path"]["stringValue"], q["path"], "{what}");
+        assert_eq!(a["gen_ai.operation.name"]["stringValue"], "chat", "{what}");
+        assert_eq!(int(&a["gen_ai.request.max_tokens"]), q["max_tokens"].as_i64().unwrap(), "{what}");
+        let produced = q["usage"]["completion_tokens"].as_i64().or(q["server_timings"]["predicted_n"].as_i64()).unwrap();
+        assert_eq!(int(&a["gen_ai.usage.output_tokens"]), produced, "{what}");
+        let evidence: Vec<&Value> =
+            a["probe.evidence"]["arrayValue"]["values"].as_array().unwrap().iter().map(|e| &e["stringValue"]).collect();
+        assert_eq!(evidence, v["evidence"].as_array().unwrap().iter().collect::<Vec<_>>(), "{what}");
+        let ttft_s = a["gen_ai.server.time_to_first_token"]["doubleValue"].as_f64().unwrap();
+        if q["stream"] == true {
+            assert!((ttft_s * 1e3 - q["ttft_ms"].as_f64().unwrap()).abs() < 0.01, "{what}: ttft {ttft_s} s vs {q}");
+        }
+        let ns = |k: &str| sp[k].as_str().unwrap().parse::<u64>().unwrap();
+        let dur_ms = (ns("endTimeUnixNano") - ns("startTimeUnixNano")) as f64 / 1e6;
+        assert!((dur_ms - q["end_ms"].as_f64().unwrap()).abs() < 0.01, "{what}: span {dur_ms} ms vs end_ms {}", q["end_ms"]);
+        let events: Vec<&str> = sp["events"].as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
+        assert!(events.contains(&"gen_ai.first_token") && events.contains(&"probe.stop"), "{what}: {events:?}");
+        assert_eq!(sp["kind"], "SPAN_KIND_SERVER", "{what}");
+    }
+}
+
+/// `go tool pprof -top`: (flat, function) rows, heaviest first, and the total.
+fn pprof_top(profile: &Path, sample_index: &str) -> (Vec<(f64, String)>, String) {
+    let go = ["/usr/bin/go", "/usr/lib/go/bin/go"].into_iter().map(PathBuf::from).find(|p| p.exists());
+    let go = go.expect("go not found: scripts/setup.sh installs Debian's golang-go (go tool pprof reads the exports)");
+    let o = Command::new(go)
+        .args(["tool", "pprof", "-top", "-nodecount=40", &format!("-sample_index={sample_index}")])
+        .arg(profile)
+        .env("HOME", std::env::temp_dir())
+        .env("PPROF_BINARY_PATH", "/nonexistent")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "go tool pprof failed: {text}{}", String::from_utf8_lossy(&o.stderr));
+    let mut rows = Vec::new();
+    let mut in_table = false;
+    for l in text.lines() {
+        if l.trim_start().starts_with("flat") {
+            in_table = true;
+            continue;
+        }
+        if in_table {
+            // flat flat% sum% cum cum% name...
+            let mut it = l.split_whitespace();
+            let flat = it.next().unwrap_or("0");
+            let name: Vec<&str> = it.skip(4).collect();
+            let flat: f64 = flat.trim_end_matches(|c: char| c.is_alphabetic()).parse().unwrap_or(0.0);
+            rows.push((flat, name.join(" ")));
+        }
+    }
+    (rows, text)
+}
+
+/// The folded flamegraph's weight per leaf function (kernel frames without their `_[k]`).
+fn folded_leaves(folded: &Path) -> Vec<(u64, String)> {
+    let mut by: BTreeMap<String, u64> = BTreeMap::new();
+    for l in std::fs::read_to_string(folded).unwrap().lines() {
+        let (stack, n) = l.rsplit_once(' ').unwrap();
+        let leaf = stack.rsplit(';').next().unwrap().trim_end_matches("_[k]").to_string();
+        *by.entry(leaf).or_default() += n.parse::<u64>().unwrap();
+    }
+    let mut v: Vec<(u64, String)> = by.into_iter().map(|(k, n)| (n, k)).collect();
+    v.sort_by(|a, b| b.cmp(a));
+    v
+}
+
+/// A real llama-server traced while it answers streamed and whole chats, with `--otlp` sending
+/// the spans to a receiver made of opentelemetry-proto; then `probe export` to pprof (read by
+/// `go tool pprof`) and to OTLP/JSON (parsed strictly by opentelemetry-proto).
+#[test]
+fn pprof_and_otlp_exports_are_read_by_the_common_tools() {
+    let (_srv, addr) = common::shared_llama_server(&["-c", "2048", "-np", "2", "-t", "2"]);
+    let out = out_dir("export");
+    let rx = Receiver::start(&out.with_extension("otlp"));
+    let pid = _srv.id().to_string();
+    let otlp = format!("http://127.0.0.1:{}", rx.port);
+    let (child, _, _) = start_trace(&["--pid", &pid, "--out", out.to_str().unwrap(), "--otlp", &otlp]);
+    for (max, stream) in [(24, true), (12, false), (16, true)] {
+        let (st, _) = http(addr, "/v1/chat/completions", &chat(max, stream), &[]);
+        assert_eq!(st, 200);
+    }
+    let r = stop(child, &out);
+    assert_eq!(served(&r).len(), 3, "{}", r["requests"]);
+
+    // OTLP sent live: the receiver decoded every span, and each says what the report says.
+    assert_spans_match(&rx.spans(), &r, "--otlp");
+
+    // OTLP/JSON written by export, parsed strictly by the reference definitions.
+    let (ok, text) = probe(&["export", out.to_str().unwrap(), "--format", "otlp-json"], &[]);
+    assert!(ok, "{text}");
+    let parsed = Command::new(clients_python())
+        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("clients/otlp.py"))
+        .arg("parse")
+        .arg(out.join("otlp.json"))
+        .output()
+        .unwrap();
+    assert!(parsed.status.success(), "opentelemetry-proto refused otlp.json: {}", String::from_utf8_lossy(&parsed.stderr));
+    let back: Value = serde_json::from_slice(&parsed.stdout).unwrap();
+    assert_spans_match(&all_spans(&back), &r, "otlp.json");
+
+    // pprof: Go's reader finds the flamegraph's leaves with the same weights, the sample types,
+    // and the request-id labels of the requests in flight.
+    let (ok, text) = probe(&["export", out.to_str().unwrap(), "--format", "pprof"], &[]);
+    assert!(ok, "{text}");
+    let cpu = out.join("pprof-cpu.pb.gz");
+    let (top, raw) = pprof_top(&cpu, "samples");
+    let leaves = folded_leaves(&out.join("flame-cpu.folded"));
+    let total: u64 = leaves.iter().map(|l| l.0).sum();
+    assert!(raw.contains(&format!("Total samples = {total}")), "pprof total differs from the folded total {total}:\n{raw}");
+    for (flat, name) in top.iter().take(5).filter(|(f, _)| *f >= 3.0) {
+        let folded = leaves.iter().find(|l| &l.1 == name).unwrap_or_else(|| panic!("{name} is not a leaf of the flamegraph:\n{raw}"));
+        assert_eq!(*flat, folded.0 as f64, "{name}: pprof {flat} vs folded {}", folded.0);
+    }
+    assert_eq!(top[0].1, leaves[0].1, "the heaviest function differs:\n{raw}");
+    let (_, cpu_ns) = pprof_top(&cpu, "cpu");
+    assert!(cpu_ns.contains("Type: cpu"), "{cpu_ns}");
+    let tags = Command::new("/usr/bin/go").args(["tool", "pprof", "-tags"]).arg(&cpu).env("HOME", std::env::temp_dir()).output().unwrap();
+    let tags = String::from_utf8_lossy(&tags.stdout).to_string();
+    let ids: Vec<String> = served(&r).iter().map(|q| q["id"].to_string()).collect();
+    assert!(tags.contains(" request: "), "no request labels:\n{tags}");
+    assert!(ids.iter().any(|id| tags.lines().any(|l| l.trim().ends_with(&format!(": {id}")))), "no request id {ids:?} in:\n{tags}");
+    assert!(tags.contains(" tid: ") && tags.contains(" comm: "), "{tags}");
+    let off = out.join("pprof-offcpu.pb.gz");
+    let (_, offcpu) = pprof_top(&off, "off_cpu");
+    assert!(offcpu.contains("Type: off_cpu"), "{offcpu}");
+}
+
+/// A llama-server started with `--api-key`: without the key probe's poller gets 401 and says
+/// so; with it (from PROBE_API_KEY, or --api-key for bench) the poller reads /metrics and bench
+/// gets its answers; the key is in no file probe wrote, nor in its output.
+#[test]
+fn a_server_with_an_api_key() {
+    const KEY: &str = "sk-probe-test-7f3a9c21e";
+    let (srv, addr) = common::shared_llama_server(&["-c", "1024", "-np", "1", "-t", "2", "--metrics", "--api-key", KEY]);
+    let pid = srv.id().to_string();
+    let bearer = format!("Bearer {KEY}");
+    let auth = [("Authorization", bearer.as_str())];
+    assert_eq!(http(addr, "/v1/chat/completions", &chat(4, false), &[]).0, 401, "the server does not want a key");
+
+    let trace = |name: &str, env: &[(&str, &str)]| -> (Value, PathBuf, String) {
+        let out = out_dir(name);
+        let (mut child, err, _) = common::start_trace_env(&["--pid", &pid, "--out", out.to_str().unwrap()], env);
+        assert_eq!(http(addr, "/v1/chat/completions", &chat(8, true), &auth).0, 200);
+        // Polls every 2 s while busy: one more after the request.
+        std::thread::sleep(Duration::from_millis(2500));
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let mut text = String::new();
+        child.stdout.take().unwrap().read_to_string(&mut text).unwrap();
+        let st = child.wait().unwrap();
+        text.extend(err.try_iter().map(|l| l + "\n"));
+        assert!(st.code().is_some_and(|c| c <= 1), "{text}");
+        (common::read_report(&out), out, text)
+    };
+    let (without, _, text) = trace("nokey", &[]);
+    let ep = &without["system"]["server"][0];
+    assert_eq!(ep["metrics_status"], 401, "{ep}");
+    assert!(text.contains("wants a key"), "the summary does not say why /metrics failed:\n{text}");
+
+    let (with, out, text) = trace("key", &[("PROBE_API_KEY", KEY)]);
+    let ep = &with["system"]["server"][0];
+    assert_eq!(ep["kind"], "llama.cpp", "{ep}");
+    assert!(
+        ep["metrics_status"].is_null() && ep["series"].as_object().is_some_and(|s| s.keys().any(|k| k.starts_with("llamacpp:"))),
+        "{ep}"
+    );
+    assert_eq!(served(&with).len(), 1, "{}", with["requests"]);
+    assert!(!text.contains(KEY), "the key is in probe's output");
+
+    let bench_out = out_dir("bench-key");
+    let args =
+        ["bench", "--url", &format!("http://{addr}"), "--api", "chat", "--levels", "1", "--requests-per-level", "1", "--max-tokens", "8"];
+    let (ok, text) = probe(&[&args[..], &["--api-key", KEY, "--out", bench_out.to_str().unwrap()]].concat(), &[]);
+    assert!(ok, "probe bench with the key failed: {text}");
+    let v: Value = serde_json::from_slice(&std::fs::read(bench_out.join("results.json")).unwrap()).unwrap();
+    assert!(v["rows"].as_array().unwrap().iter().all(|r| r["status"] == 200), "{}", v["rows"]);
+    assert!(!text.contains(KEY));
+
+    // The bundle too: nothing probe wrote holds the key.
+    let bundle = out.with_extension("tar.gz");
+    let (ok, text) = probe(&["bundle", out.to_str().unwrap(), "-o", bundle.to_str().unwrap()], &[]);
+    assert!(ok, "{text}");
+    let unpacked = out.with_extension("unpacked");
+    std::fs::create_dir_all(&unpacked).unwrap();
+    let st = Command::new("tar").arg("xzf").arg(&bundle).arg("-C").arg(&unpacked).status().unwrap();
+    assert!(st.success());
+    for dir in [&out, &bench_out, &unpacked] {
+        for f in walk(dir) {
+            let bytes = std::fs::read(&f).unwrap();
+            assert!(!bytes.windows(KEY.len()).any(|w| w == KEY.as_bytes()), "the key is in {}", f.display());
+        }
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() { out.extend(walk(&p)) } else { out.push(p) }
+    }
+    out
+}
