@@ -347,3 +347,72 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// The benchmark's `results-vllm.jsonl` beside a result of vLLM's own `vllm bench serve` (its
+/// code, from the vLLM install the matrix uses), run against the same llama-server with the same
+/// shape: every key vLLM writes is there with a value of the same type, and the counts agree.
+#[test]
+fn bench_results_line_up_with_vllm_bench_serve() {
+    let (_srv, addr) = common::shared_llama_server(&["-c", "2048", "-np", "2", "-t", "2"]);
+    let url = format!("http://{addr}");
+    let dir = out_dir("vllm-bench");
+    std::fs::create_dir_all(&dir).unwrap();
+    let vllm_dir = dir.join("vllm");
+    let o = Command::new(common::env_path("VLLM_PYTHON"))
+        .args(["-c", "import argparse, sys\nfrom vllm.benchmarks import serve\np = argparse.ArgumentParser()\nserve.add_cli_args(p)\nserve.main(p.parse_args(sys.argv[1:]))"])
+        .args(["--backend", "openai-chat", "--base-url", &url, "--endpoint", "/v1/chat/completions", "--model", "smollm2"])
+        .arg("--tokenizer")
+        .arg(common::env_path("VLLM_MODEL"))
+        .args(["--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos"])
+        .args(["--num-prompts", "4", "--max-concurrency", "2", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result"])
+        .arg("--result-dir")
+        .arg(&vllm_dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "vllm bench serve failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let file = std::fs::read_dir(&vllm_dir).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|x| x == "json"));
+    let theirs: Value = serde_json::from_slice(&std::fs::read(file.expect("vLLM wrote no result")).unwrap()).unwrap();
+
+    let ours_dir = dir.join("probe");
+    let args = ["bench", "--url", &url, "--api", "chat", "--levels", "2", "--requests-per-level", "4", "--max-tokens", "8", "--ignore-eos"];
+    let (ok, text) = probe(&[&args[..], &["--out", ours_dir.to_str().unwrap()]].concat(), &[]);
+    assert!(ok, "probe bench failed: {text}");
+    let lines = std::fs::read_to_string(ours_dir.join("results-vllm.jsonl")).unwrap();
+    let ours: Vec<Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(ours.len(), 1, "one level, one line: {lines}");
+    let ours = &ours[0];
+
+    let kind = |v: &Value| match v {
+        Value::Null => "null",
+        Value::Bool(_) => "bool",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    };
+    for (k, v) in theirs.as_object().unwrap() {
+        // Per-request lists (latencies, queue_times): vLLM keeps some without --save-detailed.
+        if v.is_array() {
+            continue;
+        }
+        let o = ours.get(k).unwrap_or_else(|| panic!("vLLM writes `{k}` ({v}); results-vllm.jsonl has not: {ours}"));
+        // The tokenizer and goodput are null where the run had none.
+        if !(v.is_null() || o.is_null()) {
+            assert_eq!(kind(o), kind(v), "`{k}`: ours {o}, vLLM's {v}");
+        }
+    }
+    for k in ["completed", "failed", "num_prompts", "max_concurrency", "total_output_tokens", "request_rate", "backend"] {
+        assert_eq!(ours[k], theirs[k], "`{k}` differs: ours {ours}\nvLLM's {theirs}");
+    }
+    // The statistics are those of the level's rows in results.json.
+    let results: Value = serde_json::from_slice(&std::fs::read(ours_dir.join("results.json")).unwrap()).unwrap();
+    let ttft: Vec<f64> = results["rows"].as_array().unwrap().iter().map(|r| r["ttft_ms"].as_f64().unwrap()).collect();
+    let mean = ttft.iter().sum::<f64>() / ttft.len() as f64;
+    assert!((ours["mean_ttft_ms"].as_f64().unwrap() - mean).abs() < 1e-6, "mean_ttft_ms {} vs rows {mean}", ours["mean_ttft_ms"]);
+    for stat in ["mean", "median", "std", "p99"] {
+        for m in ["ttft", "tpot", "itl", "e2el"] {
+            let v = ours[format!("{stat}_{m}_ms")].as_f64().unwrap();
+            assert!(v.is_finite() && v >= 0.0, "{stat}_{m}_ms = {v}");
+        }
+    }
+}

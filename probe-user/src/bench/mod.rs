@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod output;
 pub mod sweep;
 pub mod trace;
+pub mod vllm;
 
 use std::{
     path::PathBuf,

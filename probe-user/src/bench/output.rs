@@ -1,5 +1,5 @@
 //! What a benchmark leaves behind: a table per sweep for the terminal, results.json,
-//! results.csv, summary.txt (definitions, tables, conclusions) and hand-written SVG bar charts:
+//! results.csv, results-vllm.jsonl (bench::vllm), summary.txt (definitions, tables, conclusions) and hand-written SVG bar charts:
 //! TTFT and output tokens by level, the stop-reason mix by level, prompt and output tokens/s by
 //! bucket, TTFT by idle interval split into its causes.
 use std::{collections::BTreeMap, fmt::Write as _, path::Path};
@@ -375,6 +375,8 @@ pub fn write_all(dir: &Path, r: &Results) -> anyhow::Result<Vec<String>> {
     d.write("results.json", &serde_json::to_vec_pretty(r)?)?;
     d.write("results.csv", csv(&r.rows).as_bytes())?;
     d.write("summary.txt", summary(r).as_bytes())?;
+    d.write("results-vllm.jsonl", super::vllm::jsonl(r).as_bytes())?;
+    files.push("results-vllm.jsonl".into());
     for (name, text) in charts(&r.levels, &r.rows) {
         d.write(&name, text.as_bytes())?;
         files.push(name);
