@@ -416,3 +416,209 @@ fn bench_results_line_up_with_vllm_bench_serve() {
         }
     }
 }
+
+/// A llama-server in a container made by hand, the way Docker makes one: a cgroup of its own
+/// named `docker-ID.scope`, its own network namespace (reached from the host through a veth
+/// pair), its own PID and mount namespaces (`unshare --pid --mount --fork --mount-proc`: it is
+/// pid 1's child in there and has a /proc of its own).
+struct Container {
+    id: String,
+    cgroup: PathBuf,
+    parent: PathBuf,
+    netns: String,
+    host_if: String,
+    addr: SocketAddr,
+    launcher: Option<Child>,
+}
+
+/// The cgroup v2 hierarchy: /sys/fs/cgroup itself, or /sys/fs/cgroup/unified on a hybrid host.
+fn cgroup2_root() -> PathBuf {
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.join("cgroup.controllers").exists())
+        .expect("no cgroup v2 hierarchy mounted")
+}
+
+fn run(cmd: &str, args: &[&str]) {
+    let o = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e} (scripts/setup.sh installs iproute2)"));
+    assert!(o.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+impl Container {
+    fn start() -> Container {
+        let me = std::process::id();
+        let id: String = (0..4).map(|i| format!("{:016x}", 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(u64::from(me) * 4 + i + 1))).collect();
+        let parent = cgroup2_root().join(format!("probe-fit-{me}"));
+        let cgroup = parent.join(format!("docker-{id}.scope"));
+        std::fs::create_dir_all(&cgroup).unwrap();
+        let (netns, host_if, peer_if) = (format!("probe-fit-{me}"), format!("pf{}h", me % 100_000), format!("pf{}c", me % 100_000));
+        let net = 16 + me % 200;
+        let _ = Command::new("ip").args(["netns", "del", &netns]).output();
+        run("ip", &["netns", "add", &netns]);
+        run("ip", &["link", "add", &host_if, "type", "veth", "peer", "name", &peer_if]);
+        run("ip", &["link", "set", &peer_if, "netns", &netns]);
+        run("ip", &["addr", "add", &format!("10.231.{net}.1/30"), "dev", &host_if]);
+        run("ip", &["link", "set", &host_if, "up"]);
+        for args in [
+            vec!["addr", "add", &format!("10.231.{net}.2/30"), "dev", &peer_if][..].to_vec(),
+            vec!["link", "set", &peer_if, "up"],
+            vec!["link", "set", "lo", "up"],
+        ] {
+            let mut a = vec!["netns", "exec", &netns, "ip"];
+            a.extend(args);
+            run("ip", &a);
+        }
+        let mut c = Container {
+            id,
+            cgroup: cgroup.clone(),
+            parent,
+            netns: netns.clone(),
+            host_if,
+            addr: format!("10.231.{net}.2:8080").parse().unwrap(),
+            launcher: None,
+        };
+        // The shell joins the cgroup, then becomes the namespaces' launcher; llama-server is
+        // the child `unshare --fork` makes, pid 1 of its PID namespace.
+        let script = format!(
+            "echo $$ > {}/cgroup.procs && exec ip netns exec {netns} unshare --pid --mount --fork --mount-proc {} -m {} --host 0.0.0.0 --port 8080 -c 1024 -np 2 -t 2 --metrics",
+            cgroup.display(),
+            common::env_path("LLAMA_SERVER").display(),
+            common::env_path("LLAMA_MODEL").display()
+        );
+        c.launcher = Some(Command::new("sh").args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+        common::wait_healthy(c.addr);
+        c
+    }
+
+    fn server_pid(&self) -> u32 {
+        cgroup_procs(&self.cgroup).into_iter().find(|&p| read_comm(p) == "llama-server").expect("no llama-server in the container")
+    }
+}
+
+fn cgroup_procs(cg: &Path) -> Vec<u32> {
+    std::fs::read_to_string(cg.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.parse().ok()).collect()
+}
+
+fn read_comm(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_string()
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.cgroup.join("cgroup.kill"), "1");
+        for p in cgroup_procs(&self.cgroup) {
+            // SAFETY: killing the processes of the cgroup this test made.
+            unsafe { libc::kill(p as i32, libc::SIGKILL) };
+        }
+        let t = Instant::now();
+        while !cgroup_procs(&self.cgroup).is_empty() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Some(mut l) = self.launcher.take() {
+            let _ = l.kill();
+            let _ = l.wait();
+        }
+        let _ = std::fs::remove_dir(&self.cgroup);
+        let _ = std::fs::remove_dir(&self.parent);
+        let _ = Command::new("ip").args(["netns", "del", &self.netns]).output();
+        let _ = std::fs::remove_file(format!("/run/netns/{}", self.netns));
+        let _ = Command::new("ip").args(["link", "del", &self.host_if]).output();
+    }
+}
+
+/// What a trace of the container must show: the requests with verdicts, the model file named,
+/// a symbolized flamegraph, and the server's /metrics polled from inside its namespace.
+fn assert_traced_the_container(r: &Value, out: &Path, requests: usize, what: &str) {
+    let reqs = served(r);
+    assert_eq!(reqs.len(), requests, "{what}: {}", r["requests"]);
+    for q in &reqs {
+        assert_eq!(q["status"], 200, "{what}: {q}");
+        assert!(q["verdict"]["stop_cause"].is_string(), "{what}: {q}");
+    }
+    let model = common::env_path("LLAMA_MODEL").display().to_string();
+    assert!(
+        r["system"]["model_files"].as_array().unwrap().iter().any(|f| f["path"] == model),
+        "{what}: model file not named: {}",
+        r["system"]["model_files"]
+    );
+    let ep = &r["system"]["server"][0];
+    assert_eq!(ep["kind"], "llama.cpp", "{what}: the poller did not reach the server in its namespace: {}", r["system"]["server"]);
+    assert!(ep["series"].as_object().is_some_and(|s| s.contains_key("llamacpp:requests_processing")), "{what}: {ep}");
+    let folded = std::fs::read_to_string(out.join("flame-cpu.folded")).unwrap_or_default();
+    assert!(folded.contains("ggml_"), "{what}: the CPU flamegraph is not symbolized:\n{folded:.2000}");
+}
+
+/// A server in its own cgroup and mount, PID and network namespaces, traced from the host by
+/// `--cgroup` (a process that joins the cgroup mid-trace is traced too), by `--container` (its id
+/// found through the cgroup), by its host pid, and by probe itself run in a PID namespace of its
+/// own with the host's /proc.
+#[test]
+fn a_server_in_a_container() {
+    let c = Container::start();
+    let server = c.server_pid();
+    let ask = |n: usize| {
+        for i in 0..n {
+            assert_eq!(http(c.addr, "/v1/chat/completions", &chat(12 + i as u64, true), &[]).0, 200);
+        }
+    };
+
+    // --cgroup, relative to /sys/fs/cgroup.
+    let out = out_dir("cgroup");
+    let rel = c.cgroup.strip_prefix("/sys/fs/cgroup").unwrap().display().to_string();
+    let (child, _, armed) = start_trace(&["--cgroup", &rel, "--out", out.to_str().unwrap()]);
+    assert!(armed.contains(&format!("pid {server} ")), "the server is not the cgroup's main process: {armed}");
+    // A process joins the cgroup without a target forking it (as `docker exec` does).
+    let mut joined =
+        Command::new("sh").args(["-c", &format!("echo $$ > {}/cgroup.procs && exec sleep 2.5", c.cgroup.display())]).spawn().unwrap();
+    let joined_pid = joined.id();
+    ask(2);
+    std::thread::sleep(Duration::from_millis(3000));
+    let _ = joined.wait();
+    let r = stop(child, &out);
+    assert_traced_the_container(&r, &out, 2, "--cgroup");
+    let procs = r["target"]["processes"].as_array().unwrap();
+    assert!(
+        procs.iter().any(|p| p["pid"] == joined_pid && p["exited_ms"].is_number()),
+        "the process that joined the cgroup ({joined_pid}) was not traced: {procs:?}"
+    );
+
+    // --container with 12 characters of the id, as `docker ps` shows it.
+    let out = out_dir("container");
+    let (child, _, armed) = start_trace(&["--container", &c.id[..12], "--out", out.to_str().unwrap()]);
+    assert!(armed.contains(&format!("pid {server} ")), "{armed}");
+    ask(1);
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_traced_the_container(&stop(child, &out), &out, 1, "--container");
+
+    // The host pid.
+    let out = out_dir("hostpid");
+    let (child, _, _) = start_trace(&["--pid", &server.to_string(), "--out", out.to_str().unwrap()]);
+    ask(1);
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_traced_the_container(&stop(child, &out), &out, 1, "--pid");
+
+    // probe in a PID namespace of its own, the host's /proc mounted (unshare without
+    // --mount-proc keeps it): the pid it is given is the host's; perf cannot name the host's
+    // threads from there, so CPU stacks come from per-CPU sampling filtered to the targets.
+    let out = out_dir("probe-in-pidns");
+    let o = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            Command::new("unshare")
+                .args(["--pid", "--fork"])
+                .arg(probe_bin())
+                .args(["trace", "--pid", &server.to_string(), "--duration", "8s", "--out", out.to_str().unwrap()])
+                .output()
+                .unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(2500));
+        ask(1);
+        h.join().unwrap()
+    });
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.code().is_some_and(|c| c <= 1), "probe in a PID namespace: {text}");
+    let r = common::read_report(&out);
+    assert_eq!(r["target"]["pid"], server, "{text}");
+    assert_traced_the_container(&r, &out, 1, "probe in a PID namespace");
+    assert!(r["stacks"]["cpu"]["stacks"].as_u64().unwrap_or(0) > 0, "no CPU stacks: {}", r["stacks"]);
+}

@@ -27,8 +27,9 @@ fn try_fault_major(ctx: &PerfEventContext) -> Result<(), i64> {
     // SAFETY: the kernel passes a valid bpf_perf_event_data to perf_event programs; direct
     // context reads of `addr` and `regs` are allowed by the verifier for this program type.
     let (addr, ip) = unsafe { ((*data).addr, (*data).regs.rip) };
-    let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
-    let ev = FaultEvent { hdr: header::<FaultEvent>((pid_tgid >> 32) as u32, pid_tgid as u32), addr, ip, flags: FAULT_MAJOR, _pad: 0 };
+    // Per target thread, or per CPU (see cpu_sample): only the targets' faults.
+    let (pid, tid) = crate::current_target().ok_or(0i64)?;
+    let ev = FaultEvent { hdr: header::<FaultEvent>(pid, tid), addr, ip, flags: FAULT_MAJOR, _pad: 0 };
     emit(&ev);
     crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0, true, false);
     Ok(())

@@ -41,7 +41,7 @@ const BPF_RB_AVAIL_DATA: u64 = 0;
 
 /// The current task as (tgid, tid) when its process is being traced.
 #[inline(always)]
-fn current_target() -> Option<(u32, u32)> {
+pub(crate) fn current_target() -> Option<(u32, u32)> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: the value is a u8 copied out immediately; no reference outlives the lookup.

@@ -222,8 +222,10 @@ const EXIT_ZOMBIE: i64 = 0x20;
 /// perf software event CPU_CLOCK at 99 Hz, opened per thread of the target with inherit.
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
-    let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
-    capture(ctx.as_ptr(), STACK_CPU, (pid_tgid >> 32) as u32, pid_tgid as u32, 0, 0, true, false);
+    // Attached per target thread this always holds; attached per CPU (probe in a PID namespace
+    // of its own cannot name the target's threads to perf) it picks the targets' samples.
+    let Some((pid, tid)) = crate::current_target() else { return 0 };
+    capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, true, false);
     0
 }
 

@@ -58,6 +58,9 @@ pub struct TraceOptions {
     pub offcpu_d_only: bool,
     /// Send the requests as OpenTelemetry spans here at the end (`--otlp`).
     pub otlp: Option<crate::export::otlp::Endpoint>,
+    /// Trace every process of this cgroup (`--cgroup`, `--container`), as they join it; the
+    /// trace ends when the cgroup has none left rather than when `pid` exits.
+    pub cgroup: Option<PathBuf>,
 }
 
 pub struct TraceOutcome {
@@ -103,6 +106,7 @@ pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
         ring_bytes: opts.ring_bytes,
         sample_hz: opts.sample_hz,
         offcpu_d_only: opts.offcpu_d_only,
+        more: opts.cgroup.as_deref().map(crate::cgroup::procs).unwrap_or_default().into_iter().filter(|&p| p != opts.pid).collect(),
     };
     // Then the output: a refused --out costs nothing to attach (or to detach).
     probes::preflight(&popts)?;
@@ -166,6 +170,8 @@ struct State {
     last_offcpu_user: HashMap<u32, (u32, crate::unwind::Unwound)>,
     root: u32,
     root_exited: bool,
+    /// A cgroup is traced: the root's exit does not end the trace, an empty cgroup does.
+    follow_cgroup: bool,
     /// The target set, shared with the samplers.
     targets: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
     events: u64,
@@ -190,6 +196,16 @@ struct State {
 // tracker, unwinders and kernel symbols bound their own tables.
 
 impl State {
+    /// A process joined the trace (see [`probes::add_target`]): its maps, files and unwinder.
+    fn add_target(&mut self, pid: u32) {
+        if let Ok(mut t) = self.targets.lock() {
+            t.push(pid);
+        }
+        self.dirty_maps.insert(pid);
+        self.dirty_files.insert(pid);
+        self.unwinders.prepare(pid);
+    }
+
     fn new(writer: Writer, start_ns: u64, root: u32, targets: &[u32], capture_text: bool) -> State {
         State {
             writer,
@@ -203,6 +219,7 @@ impl State {
             need_told: HashMap::new(),
             root,
             root_exited: false,
+            follow_cgroup: false,
             targets: std::sync::Arc::new(std::sync::Mutex::new(targets.to_vec())),
             events: 0,
             per_kind: [0; probe_common::MAX_KINDS as usize],
@@ -266,7 +283,7 @@ impl State {
                 if let Ok(mut t) = self.targets.lock() {
                     t.retain(|&x| x != p.hdr.pid);
                 }
-                if p.hdr.pid == self.root {
+                if p.hdr.pid == self.root && !self.follow_cgroup {
                     self.root_exited = true;
                 }
                 self.forget(p.hdr.pid, p.hdr.ts_ns)?;
@@ -564,6 +581,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     })?;
     let start_ns = monotonic_ns();
     let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
+    st.follow_cgroup = opts.cgroup.is_some();
     st.ustack_need = attached.ebpf.take_map(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     if opts.watch.is_some() {
@@ -590,6 +608,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         // SAFETY: sysconf has no preconditions.
         "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
         "offcpu_waits": if opts.offcpu_d_only { "uninterruptible" } else { "all" },
+        "cgroup": opts.cgroup.as_ref().map(|c| c.display().to_string()),
         "cpu_hz": if attached.status.iter().any(|p| p.name == "cpu" && p.live) { opts.sample_hz } else { 0 },
     }))?;
     st.refresh()?;
@@ -696,7 +715,19 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                 }
                 last_events = st.events;
                 events_at_sec = st.events;
-                if !procfs::exists(opts.pid) {
+                if let Some(cg) = &opts.cgroup {
+                    let now = crate::cgroup::procs(cg);
+                    let known: HashSet<u32> = st.targets.lock().map(|t| t.iter().copied().collect()).unwrap_or_default();
+                    for pid in now.iter().copied().filter(|p| !known.contains(p)) {
+                        // A process that joined the cgroup without a target forking it.
+                        if let Err(e) = probes::add_target(&mut attached.ebpf, pid, opts.sample_hz) {
+                            log::warn!("pid {pid} joined {} but cannot be traced: {e:#}", cg.display());
+                            continue;
+                        }
+                        st.add_target(pid);
+                    }
+                    st.root_exited = now.is_empty();
+                } else if !procfs::exists(opts.pid) {
                     st.root_exited = true;
                 }
             }

@@ -29,7 +29,8 @@ pub fn run() -> i32 {
     );
     let kprobes = Path::new("/sys/kernel/tracing/kprobe_events").exists();
     println!("kprobes       {}", if kprobes { "present (probe does not need them)" } else { "absent (probe does not need them)" });
-    let opts = probes::Options { pid: std::process::id(), only: None, ring_bytes: 1 << 20, sample_hz: 99, offcpu_d_only: false };
+    let opts =
+        probes::Options { pid: std::process::id(), only: None, ring_bytes: 1 << 20, sample_hz: 99, offcpu_d_only: false, more: Vec::new() };
     match probes::attach(&opts) {
         Ok(a) => {
             println!("BPF object    loaded (ring buffer, hash and per-CPU maps work)");

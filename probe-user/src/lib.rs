@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod btf;
 pub mod bundle;
+pub mod cgroup;
 pub mod collector;
 pub mod decode;
 pub mod doctor;

@@ -20,10 +20,19 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Trace a running process (and processes it starts) until Ctrl-C, the duration, or its exit.
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "cgroup", "container"])))]
     Trace {
-        /// The process to trace (e.g. `pgrep -o llama-server`).
+        /// The process to trace (e.g. `pgrep -o llama-server`), as the host's /proc numbers it.
         #[arg(long)]
-        pid: u32,
+        pid: Option<u32>,
+        /// Every process of this cgroup (v2; relative to /sys/fs/cgroup or absolute), followed as
+        /// processes join and leave it; the trace ends when it is empty.
+        #[arg(long)]
+        cgroup: Option<String>,
+        /// Every process of this container (Docker, Podman, containerd, CRI-O): its name, or at
+        /// least 4 characters of its id; found through its cgroup.
+        #[arg(long)]
+        container: Option<String>,
         /// Stop after this long (e.g. 30s, 2m, 500ms; also --max-duration). Default: until
         /// Ctrl-C or the target exits.
         #[arg(long, visible_alias = "max-duration", value_parser = parse_trace_duration)]
@@ -312,8 +321,36 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace { pid, duration, max_size, out, force, probes, ring_mb, json, hz, capture_text, sample_hz, no_poll, auth, otlp } => {
+        Command::Trace {
+            pid,
+            cgroup,
+            container,
+            duration,
+            max_size,
+            out,
+            force,
+            probes,
+            ring_mb,
+            json,
+            hz,
+            capture_text,
+            sample_hz,
+            no_poll,
+            auth,
+            otlp,
+        } => {
             auth.install();
+            let cgroup = match (&cgroup, &container) {
+                (Some(c), _) => Some(probe_user::cgroup::resolve(c)?),
+                (_, Some(c)) => Some(probe_user::cgroup::find_container(c)?),
+                _ => None,
+            };
+            let pid = match (pid, &cgroup) {
+                (Some(p), _) => p,
+                (None, Some(cg)) => probe_user::cgroup::main_pid(&probe_user::cgroup::procs(cg))
+                    .with_context(|| format!("{} has no processes to trace", cg.display()))?,
+                (None, None) => anyhow::bail!("give --pid, --cgroup or --container"),
+            };
             let out = out.unwrap_or_else(|| {
                 let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
                 PathBuf::from(format!("probe-{pid}-{now}"))
@@ -334,6 +371,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 watch: None,
                 offcpu_d_only: false,
                 otlp,
+                cgroup,
             })?;
             // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
             use std::io::Write as _;

@@ -165,6 +165,8 @@ pub struct Options {
     pub sample_hz: u64,
     /// Off-CPU stacks only for uninterruptible waits (disk, faults, reclaim): `probe watch`.
     pub offcpu_d_only: bool,
+    /// More processes traced from the start with their descendants (a cgroup's other members).
+    pub more: Vec<u32>,
 }
 
 /// Fails unless we are root or hold CAP_BPF + CAP_PERFMON (+ CAP_SYS_ADMIN for tracefs mounts).
@@ -235,6 +237,13 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     laps.lap("object_load");
     let mut targets = vec![opts.pid];
     targets.extend(procfs::descendants(opts.pid));
+    for &pid in &opts.more {
+        for p in std::iter::once(pid).chain(procfs::descendants(pid)) {
+            if !targets.contains(&p) {
+                targets.push(p);
+            }
+        }
+    }
     laps.lap("descendants");
     {
         let mut map: HashMap<_, u32, u8> = HashMap::try_from(ebpf.map_mut(probe_common::maps::TARGETS).context("TARGETS map missing")?)?;
@@ -418,6 +427,40 @@ fn attach_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec,
     Ok(())
 }
 
+/// Add a process to a running trace (one that joined the traced cgroup without being forked by
+/// a target: `docker exec`, a restarted server): the target set, the ports it listens on, and the
+/// perf events of its threads for the perf programs that are attached. Its children are then
+/// followed as every target's are.
+pub fn add_target(ebpf: &mut Ebpf, pid: u32, sample_hz: u64) -> anyhow::Result<()> {
+    {
+        let mut map: HashMap<_, u32, u8> = HashMap::try_from(ebpf.map_mut(probe_common::maps::TARGETS).context("TARGETS map missing")?)?;
+        map.insert(pid, 1, 0).with_context(|| format!("cannot add pid {pid} to the target set"))?;
+    }
+    if let Some(m) = ebpf.map_mut(probe_common::maps::LISTEN_PORTS) {
+        let mut ports: HashMap<_, u16, u8> = HashMap::try_from(m)?;
+        for port in procfs::listen_ports(pid) {
+            let _ = ports.insert(port, 1, 0);
+        }
+    }
+    for spec in TABLE {
+        let (event, policy) = match spec.how {
+            How::PerfMajorFaults => (SoftwareEvent::PageFaultsMaj, SamplePolicy::Period(1)),
+            How::PerfCpuClock => (SoftwareEvent::CpuClock, SamplePolicy::Frequency(sample_hz)),
+            _ => continue,
+        };
+        let Some(program) = ebpf.program_mut(spec.program) else { continue };
+        let Ok(p) = <&mut PerfEvent>::try_from(program) else { continue };
+        // Only programs attached at the start (loaded): a skipped probe stays skipped.
+        if p.fd().is_err() {
+            continue;
+        }
+        for tid in procfs::tasks(pid) {
+            let _ = p.attach(PerfEventConfig::Software(event), PerfEventScope::OneProcess { pid: tid, cpu: None }, policy, true);
+        }
+    }
+    Ok(())
+}
+
 /// Attach a perf_event program to every thread of every target process, inherited by threads
 /// and children created later (perf follows them from the thread that creates them).
 fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: SoftwareEvent, policy: SamplePolicy) -> anyhow::Result<()> {
@@ -433,6 +476,19 @@ fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: Soft
             }
         }
     }
+    if n == 0 && crate::procfs::self_pid() != std::process::id() {
+        // probe runs in a PID namespace of its own (a container) with the host's /proc: perf
+        // cannot name the host's threads from there. Watch every CPU instead; the program keeps
+        // the targets' samples only.
+        let cpus = online_cpus();
+        for cpu in &cpus {
+            match p.attach(PerfEventConfig::Software(event), PerfEventScope::AllProcessesOneCpu { cpu: *cpu }, policy, true) {
+                Ok(_) => n += 1,
+                Err(e) => last_err = Some(e),
+            }
+        }
+        log::info!("perf {event:?}: attached on {n} of {} CPUs (probe is in a PID namespace of its own)", cpus.len());
+    }
     if n == 0 {
         return match last_err {
             Some(e) => Err(anyhow::Error::new(e).context(format!("perf_event_open({event:?}) failed"))),
@@ -440,6 +496,23 @@ fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: Soft
         };
     }
     Ok(())
+}
+
+/// The online CPUs (/sys/devices/system/cpu/online: `0-3,5`).
+fn online_cpus() -> Vec<u32> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default();
+    let mut out = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) {
+                    out.extend(a..=b.min(a + 4096));
+                }
+            }
+            None => out.extend(part.parse::<u32>().ok()),
+        }
+    }
+    out
 }
 
 /// What the kernel counts for one loaded program (`struct bpf_prog_info`): runs and run time

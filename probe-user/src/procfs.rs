@@ -146,6 +146,45 @@ pub fn socket_inodes(pid: u32) -> HashSet<u64> {
         .collect()
 }
 
+/// Inodes of the LISTEN sockets on `port` in /proc/net/tcp{,6} text.
+pub fn parse_listen_inodes(text: &str, port: u16) -> HashSet<u64> {
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let p = u16::from_str_radix(f.get(1)?.rsplit_once(':')?.1, 16).ok()?;
+            (*f.get(3)? == "0A" && p == port).then(|| f.get(9)?.parse().ok())?
+        })
+        .collect()
+}
+
+/// The inode of a process's network namespace (None once it is gone).
+pub fn netns(pid: u32) -> Option<u64> {
+    fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+}
+
+/// The calling thread's network namespace becomes the one `ns` refers to (an open
+/// /proc/PID/ns/net): sockets it makes from then on live there. Other threads are not moved.
+pub fn enter_netns(ns: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
+    // SAFETY: setns on a valid descriptor; it changes only this thread's namespace.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// probe's own pid as the /proc it reads numbers processes: the kernel's, when probe runs in a
+/// PID namespace of its own with the host's /proc mounted (`std::process::id()` would give the
+/// namespace's number, which names another process there).
+pub fn self_pid() -> u32 {
+    fs::read_link("/proc/self").ok().and_then(|p| p.to_str()?.parse().ok()).unwrap_or_else(std::process::id)
+}
+
+/// Every pid in /proc.
+pub fn all_pids() -> Vec<u32> {
+    fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect()
+}
+
 /// Local ports of LISTEN sockets in /proc/net/tcp{,6} text whose inode is in `inodes`.
 pub fn parse_listen_ports(text: &str, inodes: &HashSet<u64>) -> Vec<u16> {
     text.lines()

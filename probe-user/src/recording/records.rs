@@ -41,6 +41,9 @@ pub struct Meta {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offcpu_waits: Option<String>,
     pub start_unix_ms: u64,
+    /// The cgroup traced (`--cgroup`, `--container`): every process in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
     /// On-CPU stack samples per second per thread (0: no CPU sampling, or an older recording).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cpu_hz: u64,

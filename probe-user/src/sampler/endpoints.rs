@@ -71,13 +71,23 @@ pub struct Endpoint {
     no_metrics: Option<u16>,
     pub local_ports: Vec<u16>,
     timeout: Duration,
+    /// The server's network namespace when it is not probe's (/proc/PID/ns/net, held open).
+    pub netns: Option<std::sync::Arc<std::fs::File>>,
     /// When the poll under way must end ([`POLL_DEADLINE`] after it started).
     deadline: Option<Instant>,
 }
 
 impl Endpoint {
     pub fn new(addr: SocketAddr) -> Endpoint {
-        Endpoint { addr, kind: None, no_metrics: None, local_ports: Vec::new(), timeout: Duration::from_millis(800), deadline: None }
+        Endpoint {
+            addr,
+            kind: None,
+            no_metrics: None,
+            local_ports: Vec::new(),
+            timeout: Duration::from_millis(800),
+            netns: None,
+            deadline: None,
+        }
     }
 
     fn fetch(&mut self, path: &str) -> Option<(u16, Vec<u8>)> {

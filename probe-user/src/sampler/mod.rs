@@ -295,14 +295,23 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal) {
     // Reading /proc/net/tcp walks the kernel's whole TCP hash table (most of this thread's CPU
     // when done every poll): listeners are looked up when the target set changes, else every 30 s.
     let (mut scanned_for, mut scanned_at): (Vec<u32>, Option<Instant>) = (Vec::new(), None);
+    // A server in a network namespace of its own (a container) is polled from inside it: this
+    // thread enters the namespace for the poll and comes back (its loopback is not ours).
+    let home = std::fs::File::open("/proc/thread-self/ns/net").ok();
+    let our_ns = procfs::netns(procfs::self_pid());
     while !signal.stopped() {
         let pids = targets(opts);
         if pids != scanned_for || scanned_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(30)) {
             for &pid in &pids {
+                let ns = procfs::netns(pid).filter(|ns| Some(*ns) != our_ns);
                 for addr in procfs::listen_addrs(pid) {
                     // One endpoint per port (a dual-stack server lists two addresses).
                     if !eps.iter().any(|e| e.addr.port() == addr.port()) && !dead.contains(&addr) {
-                        eps.push(endpoints::Endpoint::new(addr));
+                        let mut e = endpoints::Endpoint::new(addr);
+                        if ns.is_some() {
+                            e.netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok().map(std::sync::Arc::new);
+                        }
+                        eps.push(e);
                     }
                 }
             }
@@ -311,7 +320,15 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal) {
         let mut i = 0;
         while i < eps.len() {
             let t = monotonic_ns();
-            match eps[i].poll() {
+            let entered = match (&eps[i].netns, &home) {
+                (Some(ns), Some(_)) => procfs::enter_netns(ns.as_ref()).is_ok(),
+                _ => false,
+            };
+            let polled = eps[i].poll();
+            if entered && let Some(h) = &home {
+                let _ = procfs::enter_netns(h);
+            }
+            match polled {
                 Some(mut rec) => {
                     rec["ts_ns"] = json!(t);
                     let _ = tx.send(rec);

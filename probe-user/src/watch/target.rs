@@ -74,10 +74,7 @@ impl Following {
     }
 }
 
-/// Live pids, from /proc.
-fn pids() -> Vec<u32> {
-    std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect()
-}
+use crate::procfs::all_pids as pids;
 
 /// Of several matching processes, the one whose parent does not match too (a server, not the
 /// worker or runner it forked; probe follows those as its children).
@@ -87,20 +84,42 @@ fn topmost(found: &[u32]) -> Option<u32> {
     found.iter().copied().filter(|&p| !parent(p).is_some_and(|pp| set.contains(&pp))).min().or_else(|| found.iter().copied().min())
 }
 
-/// The process listening on TCP `port` (any address of this network namespace).
+/// The process listening on TCP `port`: in probe's network namespace first, else in another one
+/// (a server in a container of its own, whose port is the container's, not the host's).
 pub fn listener(port: u16) -> Option<u32> {
-    let inodes: HashSet<u64> = crate::procfs::tcp_listeners()?.into_iter().filter(|(a, _)| a.port() == port).map(|(_, i)| i).collect();
-    if inodes.is_empty() {
-        return None;
+    let me = crate::procfs::self_pid();
+    let all: Vec<u32> = pids().into_iter().filter(|&p| p != me).collect();
+    let owners = |inodes: &HashSet<u64>, among: &[u32]| -> Option<u32> {
+        let found: Vec<u32> = among.iter().copied().filter(|&p| !crate::procfs::socket_inodes(p).is_disjoint(inodes)).collect();
+        topmost(&found)
+    };
+    let here: HashSet<u64> =
+        crate::procfs::tcp_listeners().unwrap_or_default().into_iter().filter(|(a, _)| a.port() == port).map(|(_, i)| i).collect();
+    if !here.is_empty() {
+        return owners(&here, &all);
     }
-    let me = std::process::id();
-    let found: Vec<u32> = pids().into_iter().filter(|&p| p != me && !crate::procfs::socket_inodes(p).is_disjoint(&inodes)).collect();
-    topmost(&found)
+    // Other namespaces: one read of /proc/PID/net/tcp{,6} per namespace, then its processes.
+    let ours = crate::procfs::netns(me);
+    let mut by_ns: std::collections::BTreeMap<u64, Vec<u32>> = std::collections::BTreeMap::new();
+    for &p in &all {
+        if let Some(ns) = crate::procfs::netns(p).filter(|ns| Some(*ns) != ours) {
+            by_ns.entry(ns).or_default().push(p);
+        }
+    }
+    for members in by_ns.values() {
+        let text: String =
+            ["tcp", "tcp6"].iter().filter_map(|f| std::fs::read_to_string(format!("/proc/{}/net/{f}", members[0])).ok()).collect();
+        let inodes = crate::procfs::parse_listen_inodes(&text, port);
+        if !inodes.is_empty() {
+            return owners(&inodes, members);
+        }
+    }
+    None
 }
 
 /// A process whose comm (first 15 bytes of its name) or executable's file name is `name`.
 pub fn by_exe(name: &str) -> Option<u32> {
-    let me = std::process::id();
+    let me = crate::procfs::self_pid();
     let short: String = name.chars().take(15).collect();
     let found: Vec<u32> = pids()
         .into_iter()
