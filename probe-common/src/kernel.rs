@@ -67,6 +67,10 @@ pub const KOFF_SYMBOL: &str = "KOFF";
 /// The global that limits off-CPU stacks to uninterruptible waits (u32, 1 = on): set by
 /// userspace before load (`probe watch`).
 pub const OFFCPU_D_ONLY_SYMBOL: &str = "OFFCPU_D_ONLY";
+/// The global that says the perf programs (CPU samples, major faults) are attached per CPU, not
+/// per target thread, and must keep the targets' events only (u32, 1 = per CPU): set by
+/// userspace before load when probe runs in a PID namespace of its own.
+pub const PERF_PER_CPU_SYMBOL: &str = "PERF_PER_CPU";
 
 /// Bytes of a file's base name carried in records.
 pub const NAME_LEN: usize = 48;

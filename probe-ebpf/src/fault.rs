@@ -27,8 +27,8 @@ fn try_fault_major(ctx: &PerfEventContext) -> Result<(), i64> {
     // SAFETY: the kernel passes a valid bpf_perf_event_data to perf_event programs; direct
     // context reads of `addr` and `regs` are allowed by the verifier for this program type.
     let (addr, ip) = unsafe { ((*data).addr, (*data).regs.rip) };
-    // Per target thread, or per CPU (see cpu_sample): only the targets' faults.
-    let (pid, tid) = crate::current_target().ok_or(0i64)?;
+    // Per target thread, or per CPU (see stack::perf_target): only the targets' faults.
+    let (pid, tid) = crate::stack::perf_target().ok_or(0i64)?;
     let ev = FaultEvent { hdr: header::<FaultEvent>(pid, tid), addr, ip, flags: FAULT_MAJOR, _pad: 0 };
     emit(&ev);
     crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0, true, false);

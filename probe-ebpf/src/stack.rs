@@ -34,6 +34,23 @@ static USTACK_SEEN: LruHashMap<u32, SeenUstack> = LruHashMap::with_max_entries(1
 #[unsafe(no_mangle)]
 static OFFCPU_D_ONLY: u32 = 0;
 
+/// 1: the perf programs are attached per CPU (probe in a PID namespace of its own cannot name
+/// the target's threads to perf): they keep the targets' events only. 0: per target thread,
+/// inherited by its children, every event is a target's. Set by userspace before load.
+#[unsafe(no_mangle)]
+static PERF_PER_CPU: u32 = 0;
+
+/// The (pid, tid) a perf program's event belongs to, None when it is not a target's.
+#[inline(always)]
+pub(crate) fn perf_target() -> Option<(u32, u32)> {
+    // SAFETY: a read of a global the loader set; volatile so the compiler keeps the load.
+    if unsafe { core::ptr::read_volatile(&raw const PERF_PER_CPU) } != 0 {
+        return crate::current_target();
+    }
+    let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
+    Some(((pid_tgid >> 32) as u32, pid_tgid as u32))
+}
+
 #[inline(always)]
 fn d_only() -> bool {
     // SAFETY: a read of a global the loader set; volatile so the compiler keeps the load.
@@ -222,9 +239,7 @@ const EXIT_ZOMBIE: i64 = 0x20;
 /// perf software event CPU_CLOCK at 99 Hz, opened per thread of the target with inherit.
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
-    // Attached per target thread this always holds; attached per CPU (probe in a PID namespace
-    // of its own cannot name the target's threads to perf) it picks the targets' samples.
-    let Some((pid, tid)) = crate::current_target() else { return 0 };
+    let Some((pid, tid)) = perf_target() else { return 0 };
     capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, true, false);
     0
 }

@@ -231,6 +231,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
         .override_global(probe_common::kernel::KOFF_SYMBOL, &koff, true)
         .override_global(probe_common::kernel::OFFCPU_D_ONLY_SYMBOL, &u32::from(opts.offcpu_d_only), true)
+        .override_global(probe_common::kernel::PERF_PER_CPU_SYMBOL, &u32::from(in_own_pid_namespace()), true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")?;
 
@@ -476,7 +477,7 @@ fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: Soft
             }
         }
     }
-    if n == 0 && crate::procfs::self_pid() != std::process::id() {
+    if n == 0 && in_own_pid_namespace() {
         // probe runs in a PID namespace of its own (a container) with the host's /proc: perf
         // cannot name the host's threads from there. Watch every CPU instead; the program keeps
         // the targets' samples only.
@@ -496,6 +497,12 @@ fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: Soft
         };
     }
     Ok(())
+}
+
+/// probe runs in a PID namespace of its own while reading the host's /proc (a container
+/// started without `--pid=host`): the pids it reads are not the ones perf takes.
+fn in_own_pid_namespace() -> bool {
+    crate::procfs::self_pid() != std::process::id()
 }
 
 /// The online CPUs (/sys/devices/system/cpu/online: `0-3,5`).
