@@ -13,6 +13,10 @@ CARGO_FUZZ_VERSION=0.13.2
 mkdir -p "$CACHE/bin"
 
 say() { printf 'setup: %s\n' "$*" >&2; }
+# Debian packages need root: directly as root, through sudo for a normal user (the README's
+# commands run as the user; sudo asks for the password once).
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+can_install() { command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; }; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 
 command -v rustup >/dev/null || die "rustup not found: install Rust with rustup first"
@@ -39,13 +43,13 @@ command -v prometheus >/dev/null || need+=(prometheus)
 command -v ip >/dev/null || need+=(iproute2)
 command -v c++ >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
-  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  if can_install; then
     say "installing ${need[*]} (Debian packages, for the tests)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null \
-      || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; } \
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null \
+      || { as_root apt-get update >/dev/null && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; } \
       || die "cannot install ${need[*]} with apt-get"
   else
-    say "warning: ${need[*]} missing and not installable here (need root and apt-get): the gateway and HTML tests will fail"
+    say "warning: ${need[*]} missing and not installable here (need apt-get, and root or sudo): the gateway and HTML tests will fail"
   fi
 fi
 
@@ -56,13 +60,13 @@ bench_need=()
 command -v bpftrace >/dev/null || bench_need+=(bpftrace)
 command -v bpftool >/dev/null || bench_need+=(bpftool)
 if [ ${#bench_need[@]} -gt 0 ]; then
-  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  if can_install; then
     say "installing ${bench_need[*]} (Debian packages, for the bench)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${bench_need[@]}" >/dev/null \
-      || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${bench_need[@]}" >/dev/null; } \
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${bench_need[@]}" >/dev/null \
+      || { as_root apt-get update >/dev/null && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${bench_need[@]}" >/dev/null; } \
       || say "warning: cannot install ${bench_need[*]} with apt-get: the bench's tracing cost will measure probe alone"
   else
-    say "warning: ${bench_need[*]} missing and not installable here (need root and apt-get): the bench's tracing cost will measure probe alone"
+    say "warning: ${bench_need[*]} missing and not installable here (need apt-get, and root or sudo): the bench's tracing cost will measure probe alone"
   fi
 fi
 

@@ -87,12 +87,68 @@ fn bin(name: &str) -> PathBuf {
     root().join("target/release").join(name)
 }
 
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
 fn require_root() -> anyhow::Result<()> {
-    let uid = Command::new("id").arg("-u").output()?.stdout;
-    if String::from_utf8_lossy(&uid).trim() != "0" {
-        bail!("this needs root: the kernel tests load BPF programs (run it with sudo)");
+    if !is_root() {
+        bail!("this needs root: it loads BPF programs (run it with sudo)");
     }
     Ok(())
+}
+
+/// Whether what loads BPF programs goes through sudo. The README's commands run as a normal
+/// user: cargo lives in the user's ~/.cargo/bin (outside sudo's PATH), and building as root
+/// would leave root-owned files in target/ and ~/.cache/probe. So xtask builds as the user and
+/// elevates only the processes that need root (probe, the test binaries). PROBE_SUDO=1 takes
+/// that path as root too.
+fn via_sudo() -> bool {
+    !is_root() || std::env::var("PROBE_SUDO").is_ok_and(|v| v == "1")
+}
+
+/// Ask for the password once, up front (sudo remembers it for the run), when [`via_sudo`].
+fn sudo_ready() -> anyhow::Result<()> {
+    if !via_sudo() {
+        return Ok(());
+    }
+    let found = Command::new("sudo").arg("--version").stdout(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !found {
+        bail!("this loads BPF programs: run it as root, or install sudo (xtask builds as you and runs only probe and the tests as root)");
+    }
+    run(Command::new("sudo").arg("-v")).context("sudo refused")
+}
+
+/// `program` as root: itself when xtask is root, else `sudo -E program` (the environment kept:
+/// the tests' paths and PROBE_* settings).
+fn elevated(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    if via_sudo() {
+        let mut c = Command::new("sudo");
+        c.arg("-E").arg("--").arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+/// After a run through sudo: what root made in target/ and in the cache (recordings, test
+/// scratch, vLLM's caches) goes back to the user.
+fn give_back_files() {
+    if !via_sudo() || is_root() {
+        return;
+    }
+    let id = |flag: &str| Command::new("id").arg(flag).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    let owner = format!("{}:{}", id("-u"), id("-g"));
+    let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
+    let mut cmd = Command::new("sudo");
+    cmd.args(["find"]).arg(root().join("target")).arg(home.join(".cache")).args(["-xdev", "-user", "0", "-exec", "chown", "-h", &owner, "{}", "+"]);
+    let _ = cmd.stderr(Stdio::null()).status();
+}
+
+/// The host's target triple (cargo's runner variable is named after it).
+fn host_triple() -> anyhow::Result<String> {
+    let out = Command::new("rustc").arg("-vV").output().context("cannot run rustc -vV")?;
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| l.strip_prefix("host: ").map(str::to_string)).context("rustc -vV printed no host")
 }
 
 /// Run a setup script that prints `KEY=value` lines; returns the values of `keys`.
@@ -125,12 +181,21 @@ fn vllm(gguf: &str) -> anyhow::Result<(String, String)> {
 }
 
 fn test(args: &[String]) -> anyhow::Result<()> {
-    require_root()?;
+    sudo_ready()?;
     build()?;
     let (server, model) = llama()?;
     let (vllm_python, vllm_model) = vllm(&model)?;
     // Pass cargo's output through and close with one total line over every test binary.
-    let mut child = Command::new("cargo")
+    let mut cargo = Command::new("cargo");
+    if via_sudo() {
+        // cargo builds as the user and runs each test binary through sudo (the kernel tests load
+        // BPF programs): the aya template's `runner = "sudo -E"`, for this run only.
+        let var = format!("CARGO_TARGET_{}_RUNNER", host_triple()?.to_uppercase().replace(['-', '.'], "_"));
+        cargo.env(var, "sudo -E");
+        let clients = PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/probe/clients");
+        cargo.env("PROBE_CLIENTS", std::env::var_os("PROBE_CLIENTS").map_or(clients, PathBuf::from));
+    }
+    let mut child = cargo
         .current_dir(root())
         .env("PROBE_BIN", bin("probe"))
         .env("LLAMA_SERVER", server)
@@ -158,6 +223,7 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         }
     }
     let status = child.wait()?;
+    give_back_files();
     println!("\ntests: {passed} passed, {failed} failed, {ignored} skipped");
     if !status.success() || failed > 0 {
         bail!("tests failed ({status})");
@@ -280,7 +346,7 @@ impl Drop for Llama {
 /// The main job end to end: a real llama-server with SmolLM2-135M, traced by probe while it
 /// answers a few requests (one cut short by the client); probe prints the per-request table.
 fn demo() -> anyhow::Result<()> {
-    require_root()?;
+    sudo_ready()?;
     build()?;
     let dir = root().join("target/demo");
     let _ = std::fs::remove_dir_all(&dir);
@@ -288,7 +354,8 @@ fn demo() -> anyhow::Result<()> {
     let srv = Llama::start(&["-c", "2048", "-np", "2", "--metrics"], Some(&dir.join("llama-server.log")))?;
     let addr = srv.addr.clone();
     let rec = dir.join("recording");
-    let mut probe = Command::new(bin("probe")).args(["trace", "--pid", &srv.pid(), "--out"]).arg(&rec).spawn()?;
+    // Only probe runs as root (through sudo for a normal user); the recording is yours.
+    let mut probe = elevated(bin("probe")).args(["trace", "--pid", &srv.pid(), "--out"]).arg(&rec).spawn()?;
     wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
     let chat = |n: u32, stream: bool| {
         format!(
@@ -312,8 +379,10 @@ fn demo() -> anyhow::Result<()> {
     }
     std::thread::sleep(Duration::from_millis(500));
     // SIGINT, as Ctrl-C would: probe writes report.json and prints the summary.
-    Command::new("kill").args(["-INT", &probe.id().to_string()]).status()?;
+    // Through sudo as well: a user may not signal the root-owned sudo (it relays the signal).
+    elevated("kill").args(["-INT", &probe.id().to_string()]).status()?;
     let status = probe.wait()?;
+    give_back_files();
     println!("\ndemo: probe exited with {status}; recording and report.json in {}", rec.display());
     Ok(())
 }
