@@ -137,18 +137,26 @@ fn give_back_files() {
     if !via_sudo() || is_root() {
         return;
     }
-    let id = |flag: &str| Command::new("id").arg(flag).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    let id = |flag: &str| {
+        Command::new("id").arg(flag).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+    };
     let owner = format!("{}:{}", id("-u"), id("-g"));
     let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
     let mut cmd = Command::new("sudo");
-    cmd.args(["find"]).arg(root().join("target")).arg(home.join(".cache")).args(["-xdev", "-user", "0", "-exec", "chown", "-h", &owner, "{}", "+"]);
+    cmd.args(["find"])
+        .arg(root().join("target"))
+        .arg(home.join(".cache"))
+        .args(["-xdev", "-user", "0", "-exec", "chown", "-h", &owner, "{}", "+"]);
     let _ = cmd.stderr(Stdio::null()).status();
 }
 
 /// The host's target triple (cargo's runner variable is named after it).
 fn host_triple() -> anyhow::Result<String> {
     let out = Command::new("rustc").arg("-vV").output().context("cannot run rustc -vV")?;
-    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| l.strip_prefix("host: ").map(str::to_string)).context("rustc -vV printed no host")
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_string))
+        .context("rustc -vV printed no host")
 }
 
 /// Run a setup script that prints `KEY=value` lines; returns the values of `keys`.

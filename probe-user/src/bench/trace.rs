@@ -1,4 +1,4 @@
-//! Tracing a benchmark: the server's pid from the port it listens on (/proc/net/tcp{,6} →
+//! Tracing a benchmark: the server's pid from the port it listens on (sock_diag or /proc/PID/net/tcp →
 //! socket inode → /proc/PID/fd), a real `probe trace` per segment (one per server process: a
 //! restart starts a new segment), and each request joined to its traced record by the client's
 //! local port (the traced record's `peer`), taking the record's verdict. Also the /proc facts the
@@ -17,39 +17,10 @@ use serde_json::Value;
 
 use super::metrics::{Row, RowVerdict};
 
-/// Socket inodes listening on `port` (state 0A) in /proc/net/tcp and tcp6.
-fn listening_inodes(port: u16) -> Vec<u64> {
-    let mut out = Vec::new();
-    for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let Ok(text) = std::fs::read_to_string(f) else { continue };
-        for l in text.lines().skip(1) {
-            let c: Vec<&str> = l.split_whitespace().collect();
-            if c.len() < 10 || c[3] != "0A" {
-                continue;
-            }
-            let p = c[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
-            if p == Some(port) {
-                out.extend(c[9].parse::<u64>().ok());
-            }
-        }
-    }
-    out
-}
-
-/// The process listening on `port` (the lowest pid holding the socket).
+/// The process listening on `port`, in this network namespace or a container's (see
+/// [`crate::watch::target::listener`]).
 pub fn pid_listening(port: u16) -> Option<u32> {
-    let inodes = listening_inodes(port);
-    if inodes.is_empty() {
-        return None;
-    }
-    let want: Vec<String> = inodes.iter().map(|i| format!("socket:[{i}]")).collect();
-    let mut pids: Vec<u32> = std::fs::read_dir("/proc").ok()?.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect();
-    pids.sort_unstable();
-    pids.into_iter().find(|pid| {
-        std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|d| {
-            d.filter_map(Result::ok).any(|e| std::fs::read_link(e.path()).is_ok_and(|l| want.iter().any(|w| l.as_os_str() == w.as_str())))
-        })
-    })
+    crate::watch::target::listener(port)
 }
 
 /// Seconds since the process started, and its resident memory (MiB).
