@@ -14,7 +14,11 @@ use std::{
 use serde_json::{Value, json};
 
 mod common;
-use common::{clients_python, probe_bin, start_trace};
+use common::{
+    clients_python,
+    otlp::{Receiver, all_spans, attrs},
+    probe_bin, start_trace,
+};
 
 /// One HTTP/1.1 request with `Connection: close` and extra `headers`: (status, body).
 fn http(addr: SocketAddr, path: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
@@ -63,70 +67,6 @@ fn probe(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
 /// The requests the server answered (probe's own polls are not in `requests`).
 fn served(r: &Value) -> Vec<&Value> {
     r["requests"].as_array().unwrap().iter().filter(|q| q["role"] == "server").collect()
-}
-
-/// A receiver of OTLP/HTTP made of the opentelemetry-proto package, killed when dropped.
-struct Receiver {
-    child: Child,
-    port: u16,
-    out: PathBuf,
-}
-
-impl Receiver {
-    fn start(dir: &Path) -> Receiver {
-        std::fs::create_dir_all(dir).unwrap();
-        let (port_file, out) = (dir.join("port"), dir.join("received.jsonl"));
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("clients/otlp.py");
-        let child = Command::new(clients_python())
-            .arg(script)
-            .args(["receive", "--port-file", port_file.to_str().unwrap(), "--out", out.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t = Instant::now();
-        let port = loop {
-            if let Some(p) = std::fs::read_to_string(&port_file).ok().and_then(|s| s.trim().parse().ok()) {
-                break p;
-            }
-            assert!(t.elapsed() < Duration::from_secs(30), "the OTLP receiver did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        Receiver { child, port, out }
-    }
-
-    /// Every span received, as OTLP/JSON objects.
-    fn spans(&self) -> Vec<Value> {
-        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
-        let mut spans = Vec::new();
-        for l in text.lines() {
-            let v: Value = serde_json::from_str(l).unwrap();
-            assert!(v.get("error").is_none(), "the receiver could not decode an export: {v}");
-            spans.extend(all_spans(&v));
-        }
-        spans
-    }
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn all_spans(export: &Value) -> Vec<Value> {
-    let mut out = Vec::new();
-    for rs in export["resourceSpans"].as_array().into_iter().flatten() {
-        for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
-            out.extend(ss["spans"].as_array().into_iter().flatten().cloned());
-        }
-    }
-    out
-}
-
-/// A span's attributes: key → the value as OTLP/JSON gives it (`{"stringValue": ..}`, ...).
-fn attrs(span: &Value) -> BTreeMap<String, Value> {
-    span["attributes"].as_array().unwrap().iter().map(|a| (a["key"].as_str().unwrap().to_string(), a["value"].clone())).collect()
 }
 
 fn int(v: &Value) -> i64 {
@@ -267,6 +207,18 @@ fn pprof_and_otlp_exports_are_read_by_the_common_tools() {
     assert!(tags.contains(" request: "), "no request labels:\n{tags}");
     assert!(ids.iter().any(|id| tags.lines().any(|l| l.trim().ends_with(&format!(": {id}")))), "no request id {ids:?} in:\n{tags}");
     assert!(tags.contains(" tid: ") && tags.contains(" comm: "), "{tags}");
+    // One request's samples, the way a user asks for them.
+    let focused = ids.iter().any(|id| {
+        let o = Command::new("/usr/bin/go")
+            .args(["tool", "pprof", "-top", &format!("-tagfocus=request={id}")])
+            .arg(&cpu)
+            .env("HOME", std::env::temp_dir())
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        o.status.success() && !text.contains("matched no samples") && text.contains("Showing nodes accounting for")
+    });
+    assert!(focused, "-tagfocus request=ID matched no samples for any of {ids:?}");
     let off = out.join("pprof-offcpu.pb.gz");
     let (_, offcpu) = pprof_top(&off, "off_cpu");
     assert!(offcpu.contains("Type: off_cpu"), "{offcpu}");
@@ -544,6 +496,7 @@ fn assert_traced_the_container(r: &Value, out: &Path, requests: usize, what: &st
     );
     let ep = &r["system"]["server"][0];
     assert_eq!(ep["kind"], "llama.cpp", "{what}: the poller did not reach the server in its namespace: {}", r["system"]["server"]);
+    assert_eq!(ep["netns"], true, "{what}: {ep}");
     assert!(ep["series"].as_object().is_some_and(|s| s.contains_key("llamacpp:requests_processing")), "{what}: {ep}");
     let folded = std::fs::read_to_string(out.join("flame-cpu.folded")).unwrap_or_default();
     assert!(folded.contains("ggml_"), "{what}: the CPU flamegraph is not symbolized:\n{folded:.2000}");

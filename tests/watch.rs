@@ -233,7 +233,9 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
     let port = free_port();
     let srv = llama(&env_path("LLAMA_MODEL"), port, &[]);
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let w = Watch::start(&d.join("state"), &["--port", &port.to_string()]);
+    // And an OTLP receiver made of opentelemetry-proto: each request's span once analysed.
+    let otlp = common::otlp::Receiver::start(&d.join("otlp"));
+    let w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--otlp", &format!("http://127.0.0.1:{}", otlp.port)]);
     // A real Prometheus, scraping probe every second.
     let prom_port = free_port();
     std::fs::write(
@@ -285,7 +287,17 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
     assert_eq!(query("up{job=\"probe\"}"), Some(1.0));
     assert!(query("probe_cpu_seconds_total{job=\"probe\"}").is_some_and(|c| c > 0.0));
     kill(prom);
+    // Stopping analyses what is left and sends it before watch exits.
     w.stop();
+    let spans = otlp.spans();
+    assert_eq!(spans.len(), 3, "{spans:?}");
+    for sp in &spans {
+        let a = common::otlp::attrs(sp);
+        assert_eq!(a["url.path"]["stringValue"], "/completion", "{sp}");
+        assert_eq!(a["gen_ai.operation.name"]["stringValue"], "text_completion", "{sp}");
+        assert!(a["probe.stop_cause"]["stringValue"].is_string() && a["probe.slow_cause"]["stringValue"].is_string(), "no verdict: {sp}");
+        assert!(a["gen_ai.server.time_to_first_token"]["doubleValue"].as_f64().is_some_and(|t| t >= 0.0), "{sp}");
+    }
     kill(srv);
 }
 

@@ -398,9 +398,9 @@ pub fn standalone_json(value: &serde_json::Value) -> Vec<u8> {
     out
 }
 
-/// `joined` (a recording, or segments joined) with its first record, a JSON one (the meta
-/// record of a segment), changed by `f`. None when it does not start with a JSON record.
-pub fn with_first_json(joined: &[u8], f: impl FnOnce(&mut serde_json::Value)) -> Option<Vec<u8>> {
+/// The first record of `joined` when it is a JSON one (a recording's meta record), and the
+/// bytes after it.
+fn first_frame(joined: &[u8]) -> Option<(serde_json::Value, &[u8])> {
     let frames = joined.get(16..)?;
     let (len, rest) = take_varint(frames)?;
     let (&ty, rest) = rest.split_first()?;
@@ -408,7 +408,18 @@ pub fn with_first_json(joined: &[u8], f: impl FnOnce(&mut serde_json::Value)) ->
     if ty != FRAME_JSON || joined[..8] != MAGIC[..] {
         return None;
     }
-    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Some((serde_json::from_slice(body).ok()?, &rest[len as usize..]))
+}
+
+/// The meta record at the start of a recording in memory (a window of `probe watch`).
+pub fn first_meta(joined: &[u8]) -> Option<records::Meta> {
+    serde_json::from_value(first_frame(joined)?.0).ok()
+}
+
+/// `joined` (a recording, or segments joined) with its first record, a JSON one (the meta
+/// record of a segment), changed by `f`. None when it does not start with a JSON record.
+pub fn with_first_json(joined: &[u8], f: impl FnOnce(&mut serde_json::Value)) -> Option<Vec<u8>> {
+    let (mut v, after) = first_frame(joined)?;
     f(&mut v);
     let body2 = serde_json::to_vec(&v).ok()?;
     let mut out = Vec::with_capacity(joined.len() + 32);
@@ -416,7 +427,7 @@ pub fn with_first_json(joined: &[u8], f: impl FnOnce(&mut serde_json::Value)) ->
     put_varint(&mut out, body2.len() as u64);
     out.push(FRAME_JSON);
     out.extend_from_slice(&body2);
-    out.extend_from_slice(&rest[len as usize..]);
+    out.extend_from_slice(after);
     Some(out)
 }
 

@@ -141,6 +141,9 @@ pub struct Endpoint {
     /// llama.cpp: polls that found the server sleeping (model unloaded).
     pub sleeping_polls: u64,
     pub metrics_status: Option<u64>,
+    /// The address is in the target's network namespace (a container's), not probe's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub netns: bool,
     /// Prometheus series: first, last and highest value while tracing.
     pub series: BTreeMap<String, Series>,
     /// Ollama: models loaded at the last poll (name, size_vram, expires_at).
@@ -271,6 +274,7 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
                 e.kind = v["kind"].as_str().unwrap_or("other").to_string();
                 e.polls += 1;
                 e.metrics_status = u(v, "metrics_status");
+                e.netns |= v["netns"] == true;
                 let p = &v["props"];
                 if p.is_object() {
                     e.build_info = p["build_info"].as_str().map(String::from).or(e.build_info.take());
@@ -548,9 +552,10 @@ pub fn render(s: &System) -> String {
         }
         let _ = writeln!(
             o,
-            "  Server {} at {}: {}",
+            "  Server {} at {}{}: {}",
             e.kind,
             e.addr,
+            if e.netns { " (in its own network namespace)" } else { "" },
             if facts.is_empty() { format!("{} polls", e.polls) } else { facts.join(", ") }
         );
     }

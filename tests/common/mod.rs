@@ -1,6 +1,7 @@
 //! Helpers shared by the test binaries: where `probe` is, and starting a trace that is armed.
 #![allow(dead_code)]
 pub mod bpf;
+pub mod otlp;
 pub mod workload;
 use std::{
     io::{BufRead, BufReader},

@@ -218,9 +218,21 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         .spawn()
         .context("cannot run cargo test")?;
     let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    // Each failing test's name and the first lines of its panic, repeated after the total.
+    let (mut failures, mut in_failure): (Vec<String>, usize) = (Vec::new(), 0);
     for line in BufReader::new(child.stdout.take().context("cargo test stdout")?).lines() {
         let line = line?;
         println!("{line}");
+        if line.starts_with("---- ") && line.ends_with(" stdout ----") {
+            failures.push(line.clone());
+            in_failure = 0;
+        } else if line.starts_with("thread '") && line.contains("panicked at") {
+            failures.push(line.clone());
+            in_failure = 6;
+        } else if in_failure > 0 {
+            in_failure -= 1;
+            failures.push(format!("    {}", line.chars().take(600).collect::<String>()));
+        }
         if let Some(rest) = line.strip_prefix("test result: ") {
             let count = |what: &str| -> u64 {
                 rest.split(';').find_map(|p| p.trim().strip_suffix(what)?.trim().rsplit(' ').next()?.parse().ok()).unwrap_or(0)
@@ -232,6 +244,9 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     }
     let status = child.wait()?;
     give_back_files();
+    if !failures.is_empty() {
+        println!("\nfailures:\n{}", failures.join("\n"));
+    }
     println!("\ntests: {passed} passed, {failed} failed, {ignored} skipped");
     if !status.success() || failed > 0 {
         bail!("tests failed ({status})");
@@ -798,8 +813,20 @@ fn fuzz(secs: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().cmd {
+fn main() -> std::process::ExitCode {
+    // One line per cause, no backtrace (RUST_BACKTRACE may be set): what failed stays at the end
+    // of a CI log.
+    match run_cmd(Cli::parse().cmd) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
+    match cmd {
         Cmd::Setup => setup(),
         Cmd::Build => build(),
         Cmd::Test { args } => test(&args),

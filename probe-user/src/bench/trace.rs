@@ -231,7 +231,30 @@ mod tests {
     fn own_process_facts_and_listening_socket() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
-        assert_eq!(pid_listening(port), Some(std::process::id()));
+        // probe never takes itself for the server: the listener is found in a child that
+        // inherited the socket.
+        assert_eq!(pid_listening(port), None);
+        let fd = l.as_raw_fd();
+        let mut cmd = std::process::Command::new("sleep");
+        cmd.arg("30");
+        // SAFETY: in the forked child before exec, clearing FD_CLOEXEC on the inherited socket
+        // (only this child keeps it; fcntl is async-signal-safe).
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::fcntl(fd, libc::F_SETFD, 0);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().unwrap();
+        let t = std::time::Instant::now();
+        let mut found = None;
+        while found.is_none() && t.elapsed() < std::time::Duration::from_secs(5) {
+            found = pid_listening(port);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(found, Some(child.id()));
         let (age, rss) = process_facts(std::process::id());
         assert!(age.unwrap() >= 0.0 && rss.unwrap() > 0.0);
         let exe = std::env::current_exe().unwrap();

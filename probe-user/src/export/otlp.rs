@@ -393,7 +393,8 @@ impl Endpoint {
 /// Sends exports from a thread of its own, so a slow or absent collector never holds up the
 /// caller (`probe watch`'s analysis): at most [`QUEUE`] exports wait; more are dropped and counted.
 pub struct Sender {
-    tx: std::sync::mpsc::SyncSender<Export>,
+    tx: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<Export>>>,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
     pub dropped: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -404,7 +405,7 @@ impl Sender {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Export>(QUEUE);
         let dropped = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let lost = dropped.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("probe-otlp".into())
             .spawn(move || {
                 let mut failing = false;
@@ -423,7 +424,7 @@ impl Sender {
                 }
             })
             .expect("spawn the OTLP sender");
-        Sender { tx, dropped }
+        Sender { tx: std::sync::Mutex::new(Some(tx)), thread: std::sync::Mutex::new(Some(thread)), dropped }
     }
 
     pub fn send(&self, e: Export) {
@@ -431,9 +432,26 @@ impl Sender {
             return;
         }
         let n = e.spans.len() as u64;
-        if self.tx.try_send(e).is_err() {
+        let sent = self.tx.lock().ok().and_then(|tx| tx.as_ref().map(|tx| tx.try_send(e).is_ok())).unwrap_or(false);
+        if !sent {
             self.dropped.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+
+    /// Send what is queued, for at most `limit` (a collector that does not answer does not
+    /// hold up the exit); later sends are counted as dropped. Returns the spans dropped in all.
+    pub fn finish(&self, limit: std::time::Duration) -> u64 {
+        drop(self.tx.lock().ok().and_then(|mut tx| tx.take()));
+        let t = Instant::now();
+        if let Some(h) = self.thread.lock().ok().and_then(|mut h| h.take()) {
+            while !h.is_finished() && t.elapsed() < limit {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
+        }
+        self.dropped.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -9,7 +9,7 @@
 //! | io.pb.gz        | block_requests/count                           |
 //!
 //! Labels per sample: `pid`, `tid` (numbers), `comm` (the process), `wait` (off-CPU: the wait
-//! class) and `request` (the ids of the requests in flight at the sample, as in report.json).
+//! class) and `request`, once per request in flight at the sample (its id in report.json).
 //! Frames keep what the recording has: user frames are (module, file offset), so each module is
 //! a mapping with its path and GNU build ID at a base of its own (address = base + file offset),
 //! and functions carry the names the flamegraphs use. Kernel frames sit in a `[kernel.kallsyms]`
@@ -115,7 +115,7 @@ struct Key {
     pid: u32,
     tid: u32,
     wait: &'static str,
-    request: String,
+    requests: Vec<u64>,
     user: Vec<(i64, u64)>,
     kernel: Vec<u64>,
 }
@@ -133,14 +133,12 @@ fn request_windows(report: &Report, start_ns: u64) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// The ids of the requests in flight at `ts` (at most 8, then `+N`).
-fn in_flight(windows: &[(u64, u64, u64)], ts: u64) -> String {
-    let ids: Vec<u64> = windows.iter().filter(|(a, e, _)| *a <= ts && ts <= *e).map(|w| w.2).collect();
-    let mut s: Vec<String> = ids.iter().take(8).map(u64::to_string).collect();
-    if ids.len() > 8 {
-        s.push(format!("+{}", ids.len() - 8));
-    }
-    s.join(",")
+/// The most `request` labels on one sample (requests in flight at once beyond it are left out).
+const MAX_REQUEST_LABELS: usize = 64;
+
+/// The ids of the requests in flight at `ts`.
+fn in_flight(windows: &[(u64, u64, u64)], ts: u64) -> Vec<u64> {
+    windows.iter().filter(|(a, e, _)| *a <= ts && ts <= *e).map(|w| w.2).take(MAX_REQUEST_LABELS).collect()
 }
 
 /// Every kind's profile of the recording in `dir` (kinds without stacks are left out), gzipped.
@@ -168,7 +166,7 @@ pub fn profiles(dir: &std::path::Path, report: &Report) -> Result<Vec<(Kind, Vec
             pid: s.pid,
             tid: s.tid,
             wait: if kind == Kind::Offcpu { syms.kernel.wait_of_stack(s) } else { "" },
-            request: in_flight(w, s.ts_ns),
+            requests: in_flight(w, s.ts_ns),
             user: s.user.clone(),
             kernel: s.kernel.clone(),
         };
@@ -239,6 +237,7 @@ fn encode(
         .collect();
     let (k_pid, k_tid, k_comm, k_wait, k_req) = (b.s("pid"), b.s("tid"), b.s("comm"), b.s("wait"), b.s("request"));
     let comm = b.s(&meta.comm);
+    let k_id_unit = b.s("count");
     // Heaviest first: readers that stop early see what matters.
     let mut samples: Vec<(Key, (u64, u64))> = samples.into_iter().collect();
     samples.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(b.1.0.cmp(&a.1.0)));
@@ -253,6 +252,12 @@ fn encode(
             l.uint(1, key).uint(2, s).uint(3, num);
             l
         };
+        // A request id is a plain number (without a unit pprof would print it as bytes).
+        let request_label = |num: u64| {
+            let mut l = Msg::new();
+            l.uint(1, k_req).uint(3, num).uint(4, k_id_unit);
+            l
+        };
         m.msg(3, &label(k_pid, 0, u64::from(key.pid))).msg(3, &label(k_tid, 0, u64::from(key.tid)));
         if key.pid == meta.pid {
             m.msg(3, &label(k_comm, comm, 0));
@@ -261,9 +266,11 @@ fn encode(
             let w = b.s(key.wait);
             m.msg(3, &label(k_wait, w, 0));
         }
-        if !key.request.is_empty() {
-            let r = b.s(&key.request);
-            m.msg(3, &label(k_req, r, 0));
+        // One numeric label per request in flight: pprof keeps several values of a key, so
+        // `-tagfocus request=3` (a numeric range to pprof) picks every sample taken while
+        // request 3 was in flight.
+        for &id in &key.requests {
+            m.msg(3, &request_label(id));
         }
         sample_msgs.push(m);
     }

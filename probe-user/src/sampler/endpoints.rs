@@ -106,6 +106,9 @@ impl Endpoint {
         self.local_ports.clear();
         self.deadline = Some(Instant::now() + POLL_DEADLINE);
         let mut rec = json!({"type": "endpoint", "addr": self.addr.to_string()});
+        if self.netns.is_some() {
+            rec["netns"] = json!(true);
+        }
         let metrics = match self.no_metrics {
             Some(st) => Some((st, Vec::new())),
             None => self.fetch("/metrics"),

@@ -179,13 +179,11 @@ impl Watcher {
                 return;
             }
         };
-        if let Some(otlp) = &self.otlp {
-            let mut meta = None;
-            let _ = crate::recording::with_first_json(&joined, |m| meta = serde_json::from_value(m.clone()).ok());
-            if let Some(meta) = meta {
-                let ids: Vec<u64> = pending.iter().map(|p| p.q.id).collect();
-                otlp.send(crate::export::otlp::from_report(&report, &meta, Some(&ids)));
-            }
+        if let Some(otlp) = &self.otlp
+            && let Some(meta) = crate::recording::first_meta(&joined)
+        {
+            let ids: Vec<u64> = pending.iter().map(|p| p.q.id).collect();
+            otlp.send(crate::export::otlp::from_report(&report, &meta, Some(&ids)));
         }
         for p in pending {
             let v = report.requests.iter().find(|r| r.id == p.q.id && r.pid == p.q.pid).and_then(|r| r.verdict.clone());

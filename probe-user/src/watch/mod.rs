@@ -205,6 +205,12 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             }
         }
     }
+    if let Some(otlp) = &otlp {
+        let dropped = otlp.finish(Duration::from_secs(5));
+        if dropped > 0 {
+            log_line!("probe watch: {dropped} request spans were not sent to the OTLP collector");
+        }
+    }
     Ok(crate::exit::OK)
 }
 
