@@ -198,7 +198,9 @@ fn pprof_and_otlp_exports_are_read_by_the_common_tools() {
         let folded = leaves.iter().find(|l| &l.1 == name).unwrap_or_else(|| panic!("{name} is not a leaf of the flamegraph:\n{raw}"));
         assert_eq!(*flat, folded.0 as f64, "{name}: pprof {flat} vs folded {}", folded.0);
     }
-    assert_eq!(top[0].1, leaves[0].1, "the heaviest function differs:\n{raw}");
+    // The heaviest function (of those as heavy, when two weigh the same).
+    assert_eq!(top[0].0, leaves[0].0 as f64, "the heaviest weight differs:\n{raw}");
+    assert!(leaves.iter().any(|l| l.0 == leaves[0].0 && l.1 == top[0].1), "the heaviest function differs:\n{raw}");
     let (_, cpu_ns) = pprof_top(&cpu, "cpu");
     assert!(cpu_ns.contains("Type: cpu"), "{cpu_ns}");
     let tags = Command::new("/usr/bin/go").args(["tool", "pprof", "-tags"]).arg(&cpu).env("HOME", std::env::temp_dir()).output().unwrap();
@@ -399,13 +401,18 @@ fn run(cmd: &str, args: &[&str]) {
 
 impl Container {
     fn start() -> Container {
+        // Two containers of this test process (tests run in parallel) differ by `n`.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let me = std::process::id();
-        let id: String = (0..4).map(|i| format!("{:016x}", 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(u64::from(me) * 4 + i + 1))).collect();
-        let parent = cgroup2_root().join(format!("probe-fit-{me}"));
+        let seed = u64::from(me) * 64 + u64::from(n) * 4;
+        let id: String = (0..4).map(|i| format!("{:016x}", 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(seed + i + 1))).collect();
+        let parent = cgroup2_root().join(format!("probe-fit-{me}-{n}"));
         let cgroup = parent.join(format!("docker-{id}.scope"));
         std::fs::create_dir_all(&cgroup).unwrap();
-        let (netns, host_if, peer_if) = (format!("probe-fit-{me}"), format!("pf{}h", me % 100_000), format!("pf{}c", me % 100_000));
-        let net = 16 + me % 200;
+        let (netns, host_if, peer_if) =
+            (format!("probe-fit-{me}-{n}"), format!("pf{}{n}h", me % 100_000), format!("pf{}{n}c", me % 100_000));
+        let net = 16 + (me * 8 + n) % 200;
         let _ = Command::new("ip").args(["netns", "del", &netns]).output();
         run("ip", &["netns", "add", &netns]);
         run("ip", &["link", "add", &host_if, "type", "veth", "peer", "name", &peer_if]);
@@ -430,17 +437,41 @@ impl Container {
             addr: format!("10.231.{net}.2:8080").parse().unwrap(),
             launcher: None,
         };
+        c.launch();
+        c
+    }
+
+    /// Start the server in the container (again, after [`Container::stop`]).
+    fn launch(&mut self) {
         // The shell joins the cgroup, then becomes the namespaces' launcher; llama-server is
         // the child `unshare --fork` makes, pid 1 of its PID namespace.
         let script = format!(
-            "echo $$ > {}/cgroup.procs && exec ip netns exec {netns} unshare --pid --mount --fork --mount-proc {} -m {} --host 0.0.0.0 --port 8080 -c 1024 -np 2 -t 2 --metrics",
-            cgroup.display(),
+            "echo $$ > {}/cgroup.procs && exec ip netns exec {} unshare --pid --mount --fork --mount-proc {} -m {} --host 0.0.0.0 --port 8080 -c 1024 -np 2 -t 2 --metrics",
+            self.cgroup.display(),
+            self.netns,
             common::env_path("LLAMA_SERVER").display(),
             common::env_path("LLAMA_MODEL").display()
         );
-        c.launcher = Some(Command::new("sh").args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
-        common::wait_healthy(c.addr);
-        c
+        self.launcher = Some(Command::new("sh").args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+        common::wait_healthy(self.addr);
+    }
+
+    /// Kill every process of the container (as `docker stop` ends in SIGKILL), wait until the
+    /// cgroup is empty.
+    fn stop(&mut self) {
+        let _ = std::fs::write(self.cgroup.join("cgroup.kill"), "1");
+        for p in cgroup_procs(&self.cgroup) {
+            // SAFETY: killing the processes of the cgroup this test made.
+            unsafe { libc::kill(p as i32, libc::SIGKILL) };
+        }
+        if let Some(mut l) = self.launcher.take() {
+            let _ = l.kill();
+            let _ = l.wait();
+        }
+        let t = Instant::now();
+        while !cgroup_procs(&self.cgroup).is_empty() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn server_pid(&self) -> u32 {
@@ -458,19 +489,7 @@ fn read_comm(pid: u32) -> String {
 
 impl Drop for Container {
     fn drop(&mut self) {
-        let _ = std::fs::write(self.cgroup.join("cgroup.kill"), "1");
-        for p in cgroup_procs(&self.cgroup) {
-            // SAFETY: killing the processes of the cgroup this test made.
-            unsafe { libc::kill(p as i32, libc::SIGKILL) };
-        }
-        let t = Instant::now();
-        while !cgroup_procs(&self.cgroup).is_empty() && t.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if let Some(mut l) = self.launcher.take() {
-            let _ = l.kill();
-            let _ = l.wait();
-        }
+        self.stop();
         let _ = std::fs::remove_dir(&self.cgroup);
         let _ = std::fs::remove_dir(&self.parent);
         let _ = Command::new("ip").args(["netns", "del", &self.netns]).output();
@@ -574,4 +593,85 @@ fn a_server_in_a_container() {
     assert_eq!(r["target"]["pid"], server, "{text}");
     assert_traced_the_container(&r, &out, 1, "probe in a PID namespace");
     assert!(r["stacks"]["cpu"]["stacks"].as_u64().unwrap_or(0) > 0, "no CPU stacks: {}", r["stacks"]);
+}
+
+/// `probe watch --container`: it follows the server in the container, counts its requests, and
+/// when the container's processes are killed and started again (a restart), it follows the new
+/// server without a restart of its own.
+#[test]
+fn watch_follows_a_container_across_a_restart() {
+    let mut c = Container::start();
+    let first = c.server_pid();
+    let dir = out_dir("watch-container");
+    let metrics: SocketAddr =
+        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).parse().unwrap();
+    let mut w = Command::new(probe_bin())
+        .args(["watch", "--container", &c.id[..12], "--dir", dir.to_str().unwrap(), "--metrics-addr", &metrics.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = w.stderr.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let mut log = Vec::new();
+    let wait_for = |want: &str, log: &mut Vec<String>| {
+        let t = Instant::now();
+        while !log.iter().any(|l: &String| l.contains(want)) {
+            assert!(t.elapsed() < Duration::from_secs(60), "watch did not log `{want}`: {log:#?}");
+            if let Ok(l) = lines.recv_timeout(Duration::from_millis(200)) {
+                log.push(l);
+            }
+        }
+    };
+    let metric = |name: &str| -> f64 {
+        let mut s = TcpStream::connect(metrics).unwrap();
+        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.lines()
+            .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(['{', ' '])))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let until = |name: &str, at_least: f64| {
+        let t = Instant::now();
+        while metric(name) < at_least {
+            assert!(t.elapsed() < Duration::from_secs(60), "{name} stayed below {at_least}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    wait_for(&format!("following pid {first} "), &mut log);
+    for i in 0..2 {
+        assert_eq!(http(c.addr, "/v1/chat/completions", &chat(8 + i, true), &[]).0, 200);
+    }
+    until("probe_requests_total", 2.0);
+
+    // The container restarts: every process killed, a new server started in the same cgroup.
+    c.stop();
+    wait_for("exited", &mut log);
+    c.launch();
+    assert_ne!(first, c.server_pid());
+    // The cgroup stands for the target: watch takes it up again as soon as a process is in
+    // it (the launcher or the server; the whole cgroup is traced either way).
+    let t = Instant::now();
+    while log.iter().filter(|l| l.contains("following pid ")).count() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(60), "watch did not follow the restarted container: {log:#?}");
+        if let Ok(l) = lines.recv_timeout(Duration::from_millis(200)) {
+            log.push(l);
+        }
+    }
+    assert_eq!(http(c.addr, "/v1/chat/completions", &chat(8, true), &[]).0, 200);
+    until("probe_requests_total", 3.0);
+    assert!(metric("probe_target_restarts_total") >= 1.0);
+
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(w.id() as i32, libc::SIGTERM) };
+    let st = w.wait().unwrap();
+    assert!(st.success(), "probe watch exit {st:?}: {log:#?}");
 }

@@ -85,7 +85,7 @@ enum Command {
     /// Stay on: follow a server (across restarts), keep a window of recent events, save an
     /// incident directory for every slow or abnormal request and for a server exit, and serve
     /// Prometheus metrics. Runs until SIGINT/SIGTERM (see scripts/probe-watch.service).
-    #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "port", "exe"])))]
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "port", "exe", "cgroup", "container"])))]
     Watch {
         /// Follow this process (then whoever listens on its ports, or runs its executable, after
         /// it exits).
@@ -97,6 +97,14 @@ enum Command {
         /// Follow a process with this name or executable file name (e.g. llama-server, ollama).
         #[arg(long)]
         exe: Option<String>,
+        /// Follow every process of this cgroup (relative to /sys/fs/cgroup or absolute), as
+        /// processes join it and as it empties and fills again.
+        #[arg(long)]
+        cgroup: Option<String>,
+        /// Follow every process of this container (name, or at least 4 characters of its id),
+        /// across restarts of the container.
+        #[arg(long)]
+        container: Option<String>,
         /// Where incidents (DIR/incidents/TIME-CAUSE/) and the live window go.
         #[arg(long, default_value = "/var/lib/probe")]
         dir: PathBuf,
@@ -394,6 +402,8 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             pid,
             port,
             exe,
+            cgroup,
+            container,
             dir,
             window,
             window_size,
@@ -412,11 +422,13 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         } => {
             auth.install();
             use probe_user::watch::{self, target::Select};
-            let select = match (pid, port, exe) {
-                (Some(p), _, _) => Select::Pid(p),
-                (_, Some(p), _) => Select::Port(p),
-                (_, _, Some(e)) => Select::Exe(e),
-                _ => anyhow::bail!("give --pid, --port or --exe"),
+            let select = match (pid, port, exe, cgroup, container) {
+                (Some(p), ..) => Select::Pid(p),
+                (_, Some(p), ..) => Select::Port(p),
+                (_, _, Some(e), ..) => Select::Exe(e),
+                (_, _, _, Some(c), _) => Select::Cgroup(probe_user::cgroup::resolve(&c)?),
+                (.., Some(c)) => Select::Cgroup(probe_user::cgroup::find_container(&c)?),
+                _ => anyhow::bail!("give --pid, --port, --exe, --cgroup or --container"),
             };
             watch::run(watch::Options {
                 select,

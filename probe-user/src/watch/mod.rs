@@ -178,7 +178,10 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             watch: Some(link.clone()),
             offcpu_d_only: o.offcpu_d_only,
             otlp: None,
-            cgroup: None,
+            cgroup: match &o.select {
+                target::Select::Cgroup(c) => Some(c.clone()),
+                _ => None,
+            },
         });
         let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
         link.send(Msg::Ended { reason, target_exited: false, lost: 0 });

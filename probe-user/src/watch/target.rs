@@ -10,6 +10,9 @@ pub enum Select {
     Port(u16),
     /// A process whose name (comm) or executable's file name is this.
     Exe(String),
+    /// The processes of this cgroup (`--cgroup`, `--container`): all of them are traced; the
+    /// one listening on a port stands for them.
+    Cgroup(std::path::PathBuf),
 }
 
 /// The target across restarts.
@@ -33,6 +36,7 @@ impl Following {
             Select::Pid(p) => format!("a successor of pid {p}"),
             Select::Port(p) => return format!("a process listening on port {p}"),
             Select::Exe(e) => return format!("a process named {}", crate::text::terminal(e)),
+            Select::Cgroup(c) => return format!("a process in cgroup {}", crate::text::terminal(&c.display().to_string())),
         };
         let mut by = Vec::new();
         if !self.ports.is_empty() {
@@ -51,6 +55,11 @@ impl Following {
             Select::Pid(_) => self.ports.iter().find_map(|&port| listener(port)).or_else(|| self.exe.as_deref().and_then(by_exe)),
             Select::Port(port) => listener(*port),
             Select::Exe(name) => by_exe(name),
+            Select::Cgroup(c) => {
+                let gone = &self.gone;
+                let live: Vec<u32> = crate::cgroup::procs(c).into_iter().filter(|p| !gone.contains(p)).collect();
+                crate::cgroup::main_pid(&live)
+            }
         }?;
         if self.gone.contains(&pid) || !crate::procfs::exists(pid) {
             return None;
