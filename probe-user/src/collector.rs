@@ -719,12 +719,13 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                     let now = crate::cgroup::procs(cg);
                     let known: HashSet<u32> = st.targets.lock().map(|t| t.iter().copied().collect()).unwrap_or_default();
                     for pid in now.iter().copied().filter(|p| !known.contains(p)) {
-                        // A process that joined the cgroup without a target forking it.
-                        if let Err(e) = probes::add_target(&mut attached.ebpf, pid, opts.sample_hz) {
-                            log::warn!("pid {pid} joined {} but cannot be traced: {e:#}", cg.display());
-                            continue;
+                        // A process that joined the cgroup without a target forking it (a
+                        // target's new child is already followed; its fork event is on its way).
+                        match probes::add_target(&mut attached.ebpf, pid, opts.sample_hz) {
+                            Ok(true) => st.add_target(pid),
+                            Ok(false) => {}
+                            Err(e) => log::warn!("pid {pid} joined {} but cannot be traced: {e:#}", cg.display()),
                         }
-                        st.add_target(pid);
                     }
                     st.root_exited = now.is_empty();
                 } else if !procfs::exists(opts.pid) {

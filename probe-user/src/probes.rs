@@ -432,9 +432,14 @@ fn attach_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec,
 /// a target: `docker exec`, a restarted server): the target set, the ports it listens on, and the
 /// perf events of its threads for the perf programs that are attached. Its children are then
 /// followed as every target's are.
-pub fn add_target(ebpf: &mut Ebpf, pid: u32, sample_hz: u64) -> anyhow::Result<()> {
+/// Returns false, attaching nothing, for a pid the kernel already follows (a target's child:
+/// the perf events its parent's threads inherit cover it; attaching again would count twice).
+pub fn add_target(ebpf: &mut Ebpf, pid: u32, sample_hz: u64) -> anyhow::Result<bool> {
     {
         let mut map: HashMap<_, u32, u8> = HashMap::try_from(ebpf.map_mut(probe_common::maps::TARGETS).context("TARGETS map missing")?)?;
+        if map.get(&pid, 0).is_ok() {
+            return Ok(false);
+        }
         map.insert(pid, 1, 0).with_context(|| format!("cannot add pid {pid} to the target set"))?;
     }
     if let Some(m) = ebpf.map_mut(probe_common::maps::LISTEN_PORTS) {
@@ -459,7 +464,7 @@ pub fn add_target(ebpf: &mut Ebpf, pid: u32, sample_hz: u64) -> anyhow::Result<(
             let _ = p.attach(PerfEventConfig::Software(event), PerfEventScope::OneProcess { pid: tid, cpu: None }, policy, true);
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Attach a perf_event program to every thread of every target process, inherited by threads
