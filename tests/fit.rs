@@ -4,8 +4,8 @@
 //! API key, polled and benchmarked with it, the key in no artifact.
 use std::{
     collections::BTreeMap,
-    io::{Read, Write},
-    net::{SocketAddr, TcpStream},
+    io::Read,
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -20,23 +20,9 @@ use common::{
     probe_bin, start_trace,
 };
 
-/// One HTTP/1.1 request with `Connection: close` and extra `headers`: (status, body).
-fn http(addr: SocketAddr, path: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let body = body.to_string();
-    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: localhost\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out).to_string();
-    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, text.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
+/// POST a chat to the server (with more `headers`): its status (0 when it could not be sent).
+fn ask(addr: SocketAddr, body: &Value, headers: &[(&str, &str)]) -> u16 {
+    common::http(addr, "POST", "/v1/chat/completions", Some(body), headers).map_or(0, |r| r.0)
 }
 
 fn chat(max_tokens: u64, stream: bool) -> Value {
@@ -163,7 +149,7 @@ fn pprof_and_otlp_exports_are_read_by_the_common_tools() {
     let otlp = format!("http://127.0.0.1:{}", rx.port);
     let (child, _, _) = start_trace(&["--pid", &pid, "--out", out.to_str().unwrap(), "--otlp", &otlp]);
     for (max, stream) in [(24, true), (12, false), (16, true)] {
-        let (st, _) = http(addr, "/v1/chat/completions", &chat(max, stream), &[]);
+        let st = ask(addr, &chat(max, stream), &[]);
         assert_eq!(st, 200);
     }
     let r = stop(child, &out);
@@ -236,12 +222,12 @@ fn a_server_with_an_api_key() {
     let pid = srv.id().to_string();
     let bearer = format!("Bearer {KEY}");
     let auth = [("Authorization", bearer.as_str())];
-    assert_eq!(http(addr, "/v1/chat/completions", &chat(4, false), &[]).0, 401, "the server does not want a key");
+    assert_eq!(ask(addr, &chat(4, false), &[]), 401, "the server does not want a key");
 
     let trace = |name: &str, env: &[(&str, &str)]| -> (Value, PathBuf, String) {
         let out = out_dir(name);
         let (mut child, err, _) = common::start_trace_env(&["--pid", &pid, "--out", out.to_str().unwrap()], env);
-        assert_eq!(http(addr, "/v1/chat/completions", &chat(8, true), &auth).0, 200);
+        assert_eq!(ask(addr, &chat(8, true), &auth), 200);
         // Polls every 2 s while busy: one more after the request.
         std::thread::sleep(Duration::from_millis(2500));
         // SAFETY: signalling our own child.
@@ -286,20 +272,10 @@ fn a_server_with_an_api_key() {
     let st = Command::new("tar").arg("xzf").arg(&bundle).arg("-C").arg(&unpacked).status().unwrap();
     assert!(st.success());
     for dir in [&out, &bench_out, &unpacked] {
-        for f in walk(dir) {
-            let bytes = std::fs::read(&f).unwrap();
-            assert!(!bytes.windows(KEY.len()).any(|w| w == KEY.as_bytes()), "the key is in {}", f.display());
+        for (f, bytes) in common::all_files(dir) {
+            assert!(!bytes.windows(KEY.len()).any(|w| w == KEY.as_bytes()), "the key is in {f}");
         }
     }
-}
-
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap().flatten() {
-        let p = e.path();
-        if p.is_dir() { out.extend(walk(&p)) } else { out.push(p) }
-    }
-    out
 }
 
 /// The benchmark's `results-vllm.jsonl` beside a result of vLLM's own `vllm bench serve` (its
@@ -529,9 +505,9 @@ fn assert_traced_the_container(r: &Value, out: &Path, requests: usize, what: &st
 fn a_server_in_a_container() {
     let c = Container::start();
     let server = c.server_pid();
-    let ask = |n: usize| {
+    let send = |n: usize| {
         for i in 0..n {
-            assert_eq!(http(c.addr, "/v1/chat/completions", &chat(12 + i as u64, true), &[]).0, 200);
+            assert_eq!(ask(c.addr, &chat(12 + i as u64, true), &[]), 200);
         }
     };
 
@@ -544,7 +520,7 @@ fn a_server_in_a_container() {
     let mut joined =
         Command::new("sh").args(["-c", &format!("echo $$ > {}/cgroup.procs && exec sleep 2.5", c.cgroup.display())]).spawn().unwrap();
     let joined_pid = joined.id();
-    ask(2);
+    send(2);
     std::thread::sleep(Duration::from_millis(3000));
     let _ = joined.wait();
     let r = stop(child, &out);
@@ -559,14 +535,14 @@ fn a_server_in_a_container() {
     let out = out_dir("container");
     let (child, _, armed) = start_trace(&["--container", &c.id[..12], "--out", out.to_str().unwrap()]);
     assert!(armed.contains(&format!("pid {server} ")), "{armed}");
-    ask(1);
+    send(1);
     std::thread::sleep(Duration::from_millis(2500));
     assert_traced_the_container(&stop(child, &out), &out, 1, "--container");
 
     // The host pid.
     let out = out_dir("hostpid");
     let (child, _, _) = start_trace(&["--pid", &server.to_string(), "--out", out.to_str().unwrap()]);
-    ask(1);
+    send(1);
     std::thread::sleep(Duration::from_millis(2500));
     assert_traced_the_container(&stop(child, &out), &out, 1, "--pid");
 
@@ -584,7 +560,7 @@ fn a_server_in_a_container() {
                 .unwrap()
         });
         std::thread::sleep(Duration::from_millis(2500));
-        ask(1);
+        send(1);
         h.join().unwrap()
     });
     let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
@@ -630,14 +606,8 @@ fn watch_follows_a_container_across_a_restart() {
         }
     };
     let metric = |name: &str| -> f64 {
-        let mut s = TcpStream::connect(metrics).unwrap();
-        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        text.lines()
-            .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(['{', ' '])))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        let (_, text) = common::http(metrics, "GET", "/metrics", None, &[]).unwrap();
+        common::prometheus_sum(&String::from_utf8_lossy(&text), name)
     };
     let until = |name: &str, at_least: f64| {
         let t = Instant::now();
@@ -648,7 +618,7 @@ fn watch_follows_a_container_across_a_restart() {
     };
     wait_for(&format!("following pid {first} "), &mut log);
     for i in 0..2 {
-        assert_eq!(http(c.addr, "/v1/chat/completions", &chat(8 + i, true), &[]).0, 200);
+        assert_eq!(ask(c.addr, &chat(8 + i, true), &[]), 200);
     }
     until("probe_requests_total", 2.0);
 
@@ -666,7 +636,7 @@ fn watch_follows_a_container_across_a_restart() {
             log.push(l);
         }
     }
-    assert_eq!(http(c.addr, "/v1/chat/completions", &chat(8, true), &[]).0, 200);
+    assert_eq!(ask(c.addr, &chat(8, true), &[]), 200);
     until("probe_requests_total", 3.0);
     assert!(metric("probe_target_restarts_total") >= 1.0);
 

@@ -437,10 +437,7 @@ impl Vllm {
         s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
-        text.lines()
-            .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(['{', ' '])))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        common::prometheus_sum(&text, name)
     }
 
     fn preemptions(&self) -> f64 {

@@ -169,20 +169,6 @@ fn chat(addr: SocketAddr, path: &str, headers: &str) -> String {
     out
 }
 
-/// Every file under `dir` (recursively): path and bytes.
-fn all_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            out.extend(all_files(&p));
-        } else {
-            out.push((p.display().to_string(), std::fs::read(&p).unwrap()));
-        }
-    }
-    out
-}
-
 #[test]
 fn an_api_key_reaches_no_artifact() {
     let d = scratch("apikey");
@@ -223,13 +209,13 @@ fn an_api_key_reaches_no_artifact() {
         let st = Command::new("tar").arg("xzf").arg(&out).arg("-C").arg(&unpacked).status().unwrap();
         assert!(st.success());
     }
-    let files: Vec<(String, Vec<u8>)> = all_files(&rec).into_iter().chain(all_files(&unpacked)).collect();
+    let files: Vec<(String, Vec<u8>)> = common::all_files(&rec).into_iter().chain(common::all_files(&unpacked)).collect();
     assert!(files.len() > 10, "{:?}", files.iter().map(|f| &f.0).collect::<Vec<_>>());
     for (path, bytes) in &files {
         assert!(!bytes.windows(key.len()).any(|w| w == key.as_bytes()), "the API key is in {path}");
     }
     // The bundle holds no raw kernel address either.
-    for (path, bytes) in all_files(&unpacked) {
+    for (path, bytes) in common::all_files(&unpacked) {
         assert!(!kernel_address_in(&bytes), "a raw kernel address in {path}");
     }
 }
@@ -277,7 +263,7 @@ fn escape_sequences_from_the_target_are_printed_escaped() {
     let unpacked = d.join("unpacked");
     std::fs::create_dir(&unpacked).unwrap();
     assert!(Command::new("tar").arg("xzf").arg(&bundle).arg("-C").arg(&unpacked).status().unwrap().success());
-    let (_, md) = all_files(&unpacked).into_iter().find(|(p, _)| p.ends_with("report.md")).expect("report.md");
+    let (_, md) = common::all_files(&unpacked).into_iter().find(|(p, _)| p.ends_with("report.md")).expect("report.md");
     let md = text(&md);
     assert!(!md.contains('\x1b') && !md.contains('\x07'), "{md:?}");
     assert!(md.contains("sse\\x1b]0;pwn\\x07"), "{md}");

@@ -2,8 +2,8 @@
 //! loses its model from the page cache and is asked again (the morning case), is killed and
 //! restarted on its port; a tiny `--keep` rotates incidents while watch goes on.
 use std::{
-    io::{BufRead, BufReader, Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpListener},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc,
@@ -19,21 +19,9 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// One HTTP/1.1 request with `Connection: close`: (status, body).
+/// One HTTP/1.1 request (common::http without more headers).
 fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(120)))?;
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out)?;
-    let end = out.windows(4).position(|w| w == b"\r\n\r\n").map_or(out.len(), |i| i + 4);
-    let status = String::from_utf8_lossy(&out[..end]).split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    Ok((status, out[end..].to_vec()))
+    common::http(addr, method, path, body, &[])
 }
 
 /// A child process killed when dropped: a failing test leaves no server behind.
@@ -156,7 +144,7 @@ impl Watch {
 
     /// The sum of every sample of metric `name` (any labels).
     fn metric(&self, name: &str) -> f64 {
-        sum_of(&self.metrics(), name)
+        common::prometheus_sum(&self.metrics(), name)
     }
 
     /// Wait until `metric(name)` reaches `at_least`.
@@ -200,14 +188,6 @@ impl Drop for Watch {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn sum_of(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(' ') || r.starts_with('{')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 fn kill(c: impl Into<Killed>) {

@@ -42,14 +42,8 @@ pub fn procs(cg: &Path) -> Vec<u32> {
 /// The process that stands for the cgroup in reports: the topmost one listening on a TCP port
 /// (the server), else the topmost one (the container's first process).
 pub fn main_pid(pids: &[u32]) -> Option<u32> {
-    let set: std::collections::HashSet<u32> = pids.iter().copied().collect();
-    let parent = |p: u32| std::fs::read_to_string(format!("/proc/{p}/stat")).ok().and_then(|s| crate::procfs::parse_ppid(&s));
-    let topmost = |c: &[u32]| -> Option<u32> {
-        let inner: std::collections::HashSet<u32> = c.iter().copied().collect();
-        c.iter().copied().filter(|&p| !parent(p).is_some_and(|pp| inner.contains(&pp))).min()
-    };
     let listening: Vec<u32> = pids.iter().copied().filter(|&p| !crate::procfs::listen_ports(p).is_empty()).collect();
-    topmost(&listening).or_else(|| topmost(pids)).filter(|p| set.contains(p))
+    crate::procfs::topmost(&listening).or_else(|| crate::procfs::topmost(pids))
 }
 
 /// The id a container's cgroup directory names, if it names one: `docker-ID.scope`,

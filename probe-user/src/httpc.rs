@@ -90,6 +90,33 @@ pub fn request_bounded(
     deadline: Option<Instant>,
     cap: usize,
 ) -> Result<(u16, Vec<u8>, u16), String> {
+    exchange(url, method, head(url, method, path, body, POLL_AGENT).as_bytes(), timeout, deadline, cap)
+}
+
+/// A POST of `body` to a service other than the LLM server (an OTLP collector): its own
+/// content type, and none of the server's `--api-key`/`--header` headers.
+pub fn post_elsewhere(url: &Url, path: &str, content_type: &str, body: &[u8], timeout: Duration) -> Result<(u16, Vec<u8>), String> {
+    let mut msg = format!(
+        "POST {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: probe/{}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        url.prefix,
+        url.host_header(),
+        env!("CARGO_PKG_VERSION"),
+        body.len()
+    )
+    .into_bytes();
+    msg.extend_from_slice(body);
+    exchange(url, "POST", &msg, timeout, Some(Instant::now() + 2 * timeout), 1 << 20).map(|(s, b, _)| (s, b))
+}
+
+/// Send `msg` (head and body) and read the response: (status, body, local port).
+fn exchange(
+    url: &Url,
+    method: &str,
+    msg: &[u8],
+    timeout: Duration,
+    deadline: Option<Instant>,
+    cap: usize,
+) -> Result<(u16, Vec<u8>, u16), String> {
     let addr = url.addr()?;
     // The time one read may wait: the per-read timeout, or what is left before the deadline.
     let left = || -> Result<Duration, String> {
@@ -102,7 +129,7 @@ pub fn request_bounded(
     let _ = s.set_read_timeout(Some(left()?));
     let _ = s.set_write_timeout(Some(left()?));
     let _ = s.set_nodelay(true);
-    s.write_all(head(url, method, path, body, POLL_AGENT).as_bytes()).map_err(|e| format!("cannot send to {addr}: {e}"))?;
+    s.write_all(msg).map_err(|e| format!("cannot send to {addr}: {e}"))?;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16384];
     let (status, framing, start) = loop {

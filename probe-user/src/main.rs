@@ -210,7 +210,8 @@ enum Command {
         /// Where to write: a directory for pprof, a file for otlp-json (default: DIR).
         #[arg(short, long)]
         output: Option<PathBuf>,
-        /// Replace existing output files (never through a symbolic link).
+        /// Replace the --output file of otlp-json if it exists (never through a symbolic link;
+        /// files written into a recording or an --output directory are always replaced).
         #[arg(long)]
         force: bool,
         /// Also send the spans to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318).

@@ -180,6 +180,14 @@ pub fn self_pid() -> u32 {
     fs::read_link("/proc/self").ok().and_then(|p| p.to_str()?.parse().ok()).unwrap_or_else(std::process::id)
 }
 
+/// Of several processes, the one whose parent is not among them (a server, not the worker or
+/// runner it forked), lowest pid first; None for none.
+pub fn topmost(found: &[u32]) -> Option<u32> {
+    let set: HashSet<u32> = found.iter().copied().collect();
+    let parent = |p: u32| fs::read_to_string(format!("/proc/{p}/stat")).ok().and_then(|s| parse_ppid(&s));
+    found.iter().copied().filter(|&p| !parent(p).is_some_and(|pp| set.contains(&pp))).min().or_else(|| found.iter().copied().min())
+}
+
 /// Every pid in /proc.
 pub fn all_pids() -> Vec<u32> {
     fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect()

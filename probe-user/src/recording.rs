@@ -411,6 +411,25 @@ fn first_frame(joined: &[u8]) -> Option<(serde_json::Value, &[u8])> {
     Some((serde_json::from_slice(body).ok()?, &rest[len as usize..]))
 }
 
+/// Stream the stack samples of the recording in `dir` to `f`, with the meta record read before
+/// them (None in a recording without one): memory does not grow with the samples.
+pub fn for_each_stack(dir: &std::path::Path, mut f: impl FnMut(Option<&records::Meta>, &StackRecord)) -> Result<(), ReadError> {
+    let mut r = Reader::open(dir)?;
+    let mut meta = None;
+    while let Some(frame) = r.next_frame() {
+        match frame {
+            Frame::Stack(s) => f(meta.as_ref(), &s),
+            Frame::Json(b) => match records::UserRecord::parse(&b) {
+                Ok(records::UserRecord::Meta(m)) if meta.is_none() => meta = Some(*m),
+                Ok(records::UserRecord::Stack(s)) => f(meta.as_ref(), &s),
+                _ => {}
+            },
+            Frame::Kernel(_) => {}
+        }
+    }
+    Ok(())
+}
+
 /// The meta record at the start of a recording in memory (a window of `probe watch`).
 pub fn first_meta(joined: &[u8]) -> Option<records::Meta> {
     serde_json::from_value(first_frame(joined)?.0).ok()

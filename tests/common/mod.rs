@@ -286,3 +286,51 @@ pub fn read_report(dir: &std::path::Path) -> serde_json::Value {
     assert_eq!(streamed, written, "{}: the streamed report differs from the one probe trace wrote", dir.display());
     written
 }
+
+/// One HTTP/1.1 request with `Connection: close` (a JSON body, more headers): (status, body).
+pub fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&serde_json::Value>,
+    headers: &[(&str, &str)],
+) -> std::io::Result<(u16, Vec<u8>)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)?;
+    let end = out.windows(4).position(|w| w == b"\r\n\r\n").map_or(out.len(), |i| i + 4);
+    let status = String::from_utf8_lossy(&out[..end]).split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    Ok((status, out[end..].to_vec()))
+}
+
+/// Every file under `dir` (recursively): path and bytes.
+pub fn all_files(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(all_files(&p));
+        } else {
+            out.push((p.display().to_string(), std::fs::read(&p).unwrap()));
+        }
+    }
+    out
+}
+
+/// The sum of a Prometheus metric's series in exposition text (every label set).
+pub fn prometheus_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(' ') || r.starts_with('{')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -26,18 +26,9 @@ fn backend(api: Api) -> &'static str {
 
 /// `YYYYMMDD-HHMMSS` (UTC) of a Unix time, as vLLM dates its results.
 fn date(unix_s: u64) -> String {
-    let (days, secs) = (unix_s / 86_400, unix_s % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", secs / 3600, secs / 60 % 60, secs % 60)
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix_s);
+    // 2026-12-01T12:56:14Z → 20261201-125614
+    humantime::format_rfc3339_seconds(t).to_string().replace(['-', ':', 'Z'], "").replace('T', "-")
 }
 
 /// mean, median, std and p99 of `v` (ms) under vLLM's names; zeros for no values, as numpy's

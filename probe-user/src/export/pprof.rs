@@ -19,10 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::proto::Msg;
 use crate::{
     flame::{Kind, Symbols},
-    recording::{
-        Frame, ReadError, Reader, StackRecord,
-        records::{Meta, UserRecord},
-    },
+    recording::{ReadError, records::Meta},
     report::Report,
 };
 
@@ -85,7 +82,7 @@ impl Builder {
 
     /// The location of a user frame (module `id`, file offset) or, with `id == i64::MIN`, of a
     /// kernel address.
-    fn location(&mut self, syms: &Symbols, modules: &HashMap<i64, String>, id: i64, off: u64) -> u64 {
+    fn location(&mut self, syms: &Symbols, id: i64, off: u64) -> u64 {
         if let Some(&l) = self.locations.get(&(id, off)) {
             return l;
         }
@@ -96,7 +93,7 @@ impl Builder {
             let n = self.mappings.len() as u64 + 2;
             let mapping = if id >= 0 { *self.mappings.entry(id).or_insert(n) } else { 0 };
             let address = if id >= 0 { base(id) + off } else { off };
-            (mapping, address, syms.user(id, off), modules.get(&id).cloned().unwrap_or_default())
+            (mapping, address, syms.user(id, off), syms.module(id).unwrap_or_default().to_string())
         };
         let f = self.function(&name, &file);
         let mut line = Msg::new();
@@ -144,15 +141,12 @@ fn in_flight(windows: &[(u64, u64, u64)], ts: u64) -> Vec<u64> {
 /// Every kind's profile of the recording in `dir` (kinds without stacks are left out), gzipped.
 pub fn profiles(dir: &std::path::Path, report: &Report) -> Result<Vec<(Kind, Vec<u8>)>, ReadError> {
     let syms = Symbols::resolve_dir(dir)?;
-    let mut meta: Option<Meta> = None;
-    let mut modules: HashMap<i64, String> = HashMap::new();
+    let meta = crate::recording::read_meta(dir)?.unwrap_or_default();
+    let windows = request_windows(report, meta.start_ns);
     let mut raw: BTreeMap<Kind, HashMap<Key, (u64, u64)>> = BTreeMap::new();
-    let mut windows: Option<Vec<(u64, u64, u64)>> = None;
     let (mut first_ns, mut last_ns) = (u64::MAX, 0u64);
-    let mut r = Reader::open(dir)?;
-    let mut add = |s: &StackRecord, meta: &Option<Meta>, windows: &mut Option<Vec<(u64, u64, u64)>>| {
+    crate::recording::for_each_stack(dir, |_, s| {
         let Some(kind) = Kind::ALL.into_iter().find(|k| k.what() == s.what) else { return };
-        let w = windows.get_or_insert_with(|| request_windows(report, meta.as_ref().map_or(0, |m| m.start_ns)));
         let value = match kind {
             Kind::Offcpu => s.blocked_ns.unwrap_or(0),
             _ => 1,
@@ -166,35 +160,15 @@ pub fn profiles(dir: &std::path::Path, report: &Report) -> Result<Vec<(Kind, Vec
             pid: s.pid,
             tid: s.tid,
             wait: if kind == Kind::Offcpu { syms.kernel.wait_of_stack(s) } else { "" },
-            requests: in_flight(w, s.ts_ns),
+            requests: in_flight(&windows, s.ts_ns),
             user: s.user.clone(),
             kernel: s.kernel.clone(),
         };
         let e = raw.entry(kind).or_default().entry(key).or_default();
         e.0 += 1;
         e.1 += value;
-    };
-    while let Some(f) = r.next_frame() {
-        match f {
-            Frame::Stack(s) => add(&s, &meta, &mut windows),
-            Frame::Json(b) => match UserRecord::parse(&b) {
-                Ok(UserRecord::Meta(m)) if meta.is_none() => meta = Some(*m),
-                Ok(UserRecord::Module(m)) => {
-                    modules.insert(m.id, m.path);
-                }
-                Ok(UserRecord::Stack(s)) => add(&s, &meta, &mut windows),
-                _ => {}
-            },
-            Frame::Kernel(_) => {}
-        }
-    }
-    let meta = meta.unwrap_or_default();
-    let mut out = Vec::new();
-    for (kind, samples) in raw {
-        let bytes = encode(kind, samples, &syms, &modules, &meta, (first_ns, last_ns));
-        out.push((kind, gzip(&bytes)));
-    }
-    Ok(out)
+    })?;
+    Ok(raw.into_iter().map(|(kind, samples)| (kind, gzip(&encode(kind, samples, &syms, &meta, (first_ns, last_ns))))).collect())
 }
 
 /// The sample types of a kind's profile: (type, unit).
@@ -217,14 +191,7 @@ fn values(kind: Kind, cpu_hz: u64, n: u64, sum: u64) -> Vec<u64> {
     }
 }
 
-fn encode(
-    kind: Kind,
-    samples: HashMap<Key, (u64, u64)>,
-    syms: &Symbols,
-    modules: &HashMap<i64, String>,
-    meta: &Meta,
-    (first_ns, last_ns): (u64, u64),
-) -> Vec<u8> {
+fn encode(kind: Kind, samples: HashMap<Key, (u64, u64)>, syms: &Symbols, meta: &Meta, (first_ns, last_ns): (u64, u64)) -> Vec<u8> {
     let mut b = Builder::new();
     let types = sample_types(kind, meta.cpu_hz);
     let type_msgs: Vec<Msg> = types
@@ -243,8 +210,8 @@ fn encode(
     samples.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(b.1.0.cmp(&a.1.0)));
     let mut sample_msgs = Vec::with_capacity(samples.len());
     for (key, (n, sum)) in samples {
-        let mut locs: Vec<u64> = key.kernel.iter().map(|&a| b.location(syms, modules, i64::MIN, a)).collect();
-        locs.extend(key.user.iter().map(|&(id, off)| b.location(syms, modules, id, off)));
+        let mut locs: Vec<u64> = key.kernel.iter().map(|&a| b.location(syms, i64::MIN, a)).collect();
+        locs.extend(key.user.iter().map(|&(id, off)| b.location(syms, id, off)));
         let mut m = Msg::new();
         m.packed(1, &locs).packed(2, &values(kind, meta.cpu_hz, n, sum));
         let label = |key: u64, s: u64, num: u64| {
@@ -284,9 +251,9 @@ fn encode(
     // Mappings: the target's executable first (pprof names a profile after its first mapping),
     // the other modules (path and build ID; names are already given), the kernel last.
     let mut mappings: Vec<(i64, u64)> = b.mappings.iter().map(|(&k, &v)| (k, v)).collect();
-    mappings.sort_by_key(|(id, _)| modules.get(id) != Some(&meta.exe));
+    mappings.sort_by_key(|(id, _)| syms.module(*id) != Some(meta.exe.as_str()));
     for (id, mid) in mappings {
-        let path = modules.get(&id).cloned().unwrap_or_default();
+        let path = syms.module(id).unwrap_or_default().to_string();
         let build_id = syms.build_id(id).unwrap_or_default();
         let mut m = Msg::new();
         m.uint(1, mid).uint(2, base(id)).uint(3, base(id) + (1 << 40)).uint(4, 0).uint(5, b.s(&path)).uint(6, b.s(&build_id)).uint(7, 1);

@@ -3,10 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::{Kind, Symbols, Window};
-use crate::recording::{
-    Frame, ReadError, Reader, Recording, StackRecord,
-    records::{Meta, UserRecord},
-};
+use crate::recording::{ReadError, Recording, StackRecord, records::Meta};
 
 /// Folded stacks: `comm;outer;...;inner;kernel_[k]` → weight, per kind, sorted by stack.
 pub type Folded = BTreeMap<String, u64>;
@@ -74,29 +71,15 @@ impl Flames {
     /// memory grows with distinct stacks, not with samples.
     pub fn of_dir(dir: &std::path::Path, window: Window) -> Result<Flames, ReadError> {
         let symbols = Symbols::resolve_dir(dir)?;
-        let mut r = Reader::open(dir)?;
-        let mut meta = None;
         let mut folder: Option<Folder> = None;
-        while let Some(f) = r.next_frame() {
-            let s = match f {
-                Frame::Stack(s) => s,
-                Frame::Json(b) => match UserRecord::parse(&b) {
-                    Ok(UserRecord::Meta(m)) if meta.is_none() => {
-                        meta = Some(*m);
-                        continue;
-                    }
-                    Ok(UserRecord::Stack(s)) => *s,
-                    _ => continue,
-                },
-                Frame::Kernel(_) => continue,
-            };
+        crate::recording::for_each_stack(dir, |meta, s| {
             folder
                 .get_or_insert_with(|| {
-                    let (root_pid, root_comm) = root(meta.as_ref());
+                    let (root_pid, root_comm) = root(meta);
                     Folder { syms: &symbols, root_pid, root_comm, window, raw: HashMap::new() }
                 })
-                .add(&s);
-        }
+                .add(s);
+        })?;
         let by_kind = folder.map(Folder::finish).unwrap_or_default();
         Ok(Flames { symbols, by_kind })
     }

@@ -22,6 +22,8 @@ use crate::{
 /// Names for (module, file offset) and kernel addresses, resolved once per recording.
 pub struct Symbols {
     user: HashMap<(i64, u64), String>,
+    /// Module id → the path frames name.
+    modules: HashMap<i64, String>,
     /// GNU build IDs (hex) of the modules that were read.
     build_ids: HashMap<i64, String>,
     /// Kernel names and wait classes come from the recording (see crate::ksyms).
@@ -159,7 +161,12 @@ impl Symbols {
                 user.insert((id, *off), name);
             }
         }
-        Symbols { user, build_ids, kernel: w.names.finish() }
+        Symbols { user, modules, build_ids, kernel: w.names.finish() }
+    }
+
+    /// The path of module `id`.
+    pub fn module(&self, id: i64) -> Option<&str> {
+        self.modules.get(&id).map(String::as_str)
     }
 
     /// The GNU build ID of module `id`, in hex, when its file was read and has one.

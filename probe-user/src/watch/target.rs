@@ -2,6 +2,8 @@
 //! listens on the same port (a restarted server, an upgrade), else one of the same executable.
 use std::collections::HashSet;
 
+use crate::procfs::{all_pids as pids, topmost};
+
 /// How the user named the target.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Select {
@@ -81,16 +83,6 @@ impl Following {
         }
         self.gone.insert(pid);
     }
-}
-
-use crate::procfs::all_pids as pids;
-
-/// Of several matching processes, the one whose parent does not match too (a server, not the
-/// worker or runner it forked; probe follows those as its children).
-fn topmost(found: &[u32]) -> Option<u32> {
-    let set: HashSet<u32> = found.iter().copied().collect();
-    let parent = |p: u32| std::fs::read_to_string(format!("/proc/{p}/stat")).ok().and_then(|s| crate::procfs::parse_ppid(&s));
-    found.iter().copied().filter(|&p| !parent(p).is_some_and(|pp| set.contains(&pp))).min().or_else(|| found.iter().copied().min())
 }
 
 /// The process listening on TCP `port`: in probe's network namespace first, else in another one
