@@ -14,7 +14,7 @@ use std::{
 use serde_json::{Value, json};
 
 mod common;
-use common::{env_path, probe_bin, shared_llama_server, start_trace};
+use common::{env_path, probe_bin, shared_llama_server};
 
 struct Server {
     child: Child,
@@ -34,27 +34,40 @@ fn server() -> &'static Server {
 struct Trace {
     child: Child,
     out: PathBuf,
+    /// probe's stderr after "armed in".
+    lines: std::sync::mpsc::Receiver<String>,
 }
 
 impl Trace {
     fn start(name: &str, extra: &[&str]) -> Trace {
+        Trace::start_env(name, extra, &[])
+    }
+
+    fn start_env(name: &str, extra: &[&str], env: &[(&str, &str)]) -> Trace {
         let s = server();
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
         let pid = s.child.id().to_string();
         let mut args = vec!["--pid", &pid, "--duration", "120s", "--out", out.to_str().unwrap()];
         args.extend_from_slice(extra);
-        let (child, _, armed) = start_trace(&args);
+        let (child, lines, armed) = common::start_trace_env(&args, env);
         assert!(armed.contains("stream"), "the stream probe is not live: {armed}");
-        Trace { child, out }
+        Trace { child, out, lines }
     }
 
-    fn stop(mut self) -> Value {
+    fn stop(self) -> Value {
+        self.stop_with_stderr().0
+    }
+
+    /// The report, and what probe printed to stderr after it armed.
+    fn stop_with_stderr(mut self) -> (Value, String) {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
         let st = self.child.wait().unwrap();
         assert_eq!(st.code(), Some(0), "probe exit");
-        common::read_report(&self.out)
+        // The reader thread ends with probe's stderr.
+        let stderr: Vec<String> = self.lines.iter().collect();
+        (common::read_report(&self.out), stderr.join("\n"))
     }
 }
 
@@ -478,9 +491,18 @@ fn cold_model_reload_is_named_in_the_report() {
 /// The CPU flamegraph of a generating llama-server (release build, no frame pointers) names
 /// llama.cpp/ggml functions, and the decoding thread's stacks are deep (unwound through DRAP
 /// frames); a flamegraph can be cut to one request.
+/// What `PROBE_COUNT_PASSES=1` makes probe print at exit: its whole passes over events.bin.
+fn passes(stderr: &str) -> u64 {
+    let line = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("probe: passes over events.bin: "))
+        .unwrap_or_else(|| panic!("no pass count in {stderr}"));
+    line.trim().parse().unwrap()
+}
+
 #[test]
 fn generation_flamegraph_names_ggml_functions() {
-    let t = Trace::start("flame", &[]);
+    let t = Trace::start_env("flame", &[], &[("PROBE_COUNT_PASSES", "1")]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
     send_request(
@@ -493,7 +515,10 @@ fn generation_flamegraph_names_ggml_functions() {
     assert_eq!(resp.status, 200);
     drop(s);
     let out = t.out.clone();
-    let r = t.stop();
+    let (r, stderr) = t.stop_with_stderr();
+    // One analysis for every output of the trace (report.json, report.html, flamegraphs): two
+    // passes over the recording, not five.
+    assert_eq!(passes(&stderr), 2, "{stderr}");
     let text = std::fs::read_to_string(out.join("flame-cpu.folded")).expect("cpu flamegraph");
     let stacks: Vec<(Vec<&str>, u64)> = text
         .lines()
@@ -518,15 +543,33 @@ fn generation_flamegraph_names_ggml_functions() {
     let id = find(&r, client)[0]["id"].as_u64().unwrap();
     let svg = out.join("request.svg");
     let st = Command::new(probe_bin())
+        .env("PROBE_COUNT_PASSES", "1")
         .args(["flamegraph", "--kind", "cpu", "--request", &id.to_string(), "-o"])
         .arg(&svg)
         .arg(&out)
         .output()
         .unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    assert!(passes(&String::from_utf8_lossy(&st.stderr)) <= 2, "{}", String::from_utf8_lossy(&st.stderr));
     let folded = std::fs::read_to_string(svg.with_extension("folded")).unwrap();
     assert!(folded.contains("ggml"), "{folded}");
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    // Every command that reads a recording reads it at most twice.
+    let bundle = out.with_extension("tar.gz");
+    for args in [
+        vec!["report", "--html"],
+        vec!["report", "--json"],
+        vec!["bundle", "--force", "-o", bundle.to_str().unwrap()],
+        vec!["export", "--format", "pprof"],
+        vec!["export", "--format", "otlp-json", "--force"],
+        vec!["timeline"],
+    ] {
+        let st = Command::new(probe_bin()).env("PROBE_COUNT_PASSES", "1").args(&args).arg(&out).output().unwrap();
+        let err = String::from_utf8_lossy(&st.stderr);
+        assert!(st.status.code().is_some_and(|c| c <= 1), "probe {args:?}: {err}");
+        assert!(passes(&err) <= 2, "probe {args:?} read the recording {} times", passes(&err));
+    }
+    let _ = std::fs::remove_file(&bundle);
     // The timeline has this request's track with its first token and tokens.
     let st = Command::new(probe_bin()).arg("timeline").arg(&out).output().unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));

@@ -13,7 +13,7 @@ use probe_user::{
 fuzz_target!(|data: &[u8]| {
     let Ok(mut rec) = recording::parse(data, "events.bin") else { return };
     let r = report::build(&rec);
-    let streamed = report::build_bytes(data).expect("the streamed reader refuses what the whole reader read");
+    let streamed = probe_user::analysis::Analysis::report_bytes(data).expect("the streamed reader refuses what the whole reader read");
     // `probe trace` reports from memory, `probe report` streams: the same recording, the same report.
     if rec.events_not_kept == 0 && rec.stacks_not_kept == 0 {
         assert_eq!(r, streamed, "the streamed report differs from the one built in memory");

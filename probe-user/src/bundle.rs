@@ -8,7 +8,8 @@ use std::{fmt::Write as _, path::Path};
 use anyhow::Context as _;
 
 use crate::{
-    flame, html, perfetto,
+    analysis::Analysis,
+    flame, html,
     recording::Recording,
     redact::{self, Masker},
     report::Report,
@@ -21,9 +22,9 @@ pub fn markdown(r: &Report) -> String {
     let _ = writeln!(o, "## probe report: {} (pid {})\n", md_code(&r.target.comm), r.target.pid);
     let _ = writeln!(
         o,
-        "Traced {:.1} s, {} events{}.\n",
+        "Traced {:.1} s, {}{}.\n",
         r.duration_s,
-        r.events,
+        r.events_phrase(),
         r.target.end_reason.as_ref().map(|e| format!(", stopped: {}", md_text(e))).unwrap_or_default()
     );
     if !r.requests.is_empty() {
@@ -149,8 +150,9 @@ fn environment(rec: &Recording) -> String {
 }
 
 /// Write the bundle; returns the list of files in it.
-pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, masked: bool, force: bool) -> anyhow::Result<Vec<String>> {
-    let trace = perfetto::build(rec, report, &all.symbols.kernel);
+pub fn write(a: &Analysis, out: &Path, masked: bool, force: bool) -> anyhow::Result<Vec<String>> {
+    let (rec, report) = (&a.recording, &a.report);
+    let trace = a.timeline();
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("report.md".into(), markdown(report).into_bytes()),
         ("report.json".into(), serde_json::to_vec_pretty(report)?),
@@ -168,7 +170,7 @@ pub fn write(rec: &Recording, report: &Report, all: &flame::Flames, out: &Path, 
     let mut flames = Vec::new();
     let mut drawn: Vec<(String, Vec<u8>)> = Vec::new();
     for kind in flame::Kind::ALL {
-        let f = all.get(kind).into_iter().fold(std::collections::BTreeMap::new(), |mut m, (k, w)| {
+        let f = a.folded(kind).into_iter().fold(std::collections::BTreeMap::new(), |mut m, (k, w)| {
             *m.entry(clean(&k)).or_default() += w;
             m
         });

@@ -24,7 +24,7 @@ use crate::{
     decode::{self, Event},
     monotonic_ns, probes, procfs,
     recording::{self, Writer},
-    report::{self, Report},
+    report::Report,
     stream,
     unwind::Unwinders,
 };
@@ -847,8 +847,9 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     out_dir.release_reserve();
     if full.is_none() {
         say!(
-            "probe: stopped: {reason}; {} events ({parsed} stream records {kept}), {} lost{skipped_note}",
-            st.events,
+            "probe: stopped: {reason}; {} events received ({parsed} stream records {kept}), {} lost{skipped_note}",
+            // What the last stats record counts, and so report.json's `events_received`.
+            st.per_kind.iter().sum::<u64>(),
             lost.iter().sum::<u64>()
         );
     }
@@ -856,8 +857,9 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     // One analysis (streamed from the file: memory does not grow with the trace's length) and
     // one symbolization for every output. report.json first: on a full disk it is what matters.
     log::info!("stop: recording closed at {:?}", stopping.elapsed());
-    let report = report::build_dir(&opts.out)?;
-    log::info!("stop: report built at {:?}", stopping.elapsed());
+    let analysis = crate::analysis::Analysis::of_dir(&opts.out, crate::analysis::Needs::ALL)?;
+    let report = &analysis.report;
+    log::info!("stop: recording analysed at {:?}", stopping.elapsed());
     let report_written = out_dir.write("report.json", &serde_json::to_vec_pretty(&report)?);
     if let Some(f) = &full {
         let what = f.error.to_string();
@@ -877,15 +879,11 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         report_written?;
     }
     drop(st);
-    let rec = recording::read_dir(&opts.out)?;
-    log::info!("stop: recording read at {:?}", stopping.elapsed());
-    let flames = crate::flame::Flames::of_dir(&opts.out, Default::default())?;
-    log::info!("stop: flames folded at {:?}", stopping.elapsed());
-    match crate::html::write_for(&rec, &report, &flames, out_dir) {
+    match crate::html::write_for(&analysis, out_dir) {
         Ok(page) => say!("probe: {}", page.display()),
         Err(e) => say!("probe: report.html not written: {e:#}"),
     }
-    match crate::flame::write_defaults(&flames, out_dir) {
+    match crate::flame::write_defaults(&analysis.flames, out_dir) {
         Ok(written) => {
             for (path, weight) in written {
                 say!("probe: flamegraph {} (weight {weight})", path.display());
@@ -893,8 +891,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         }
         Err(e) => say!("probe: flamegraphs not written: {e}"),
     }
-    if let (Some(ep), Some(meta)) = (&opts.otlp, rec.meta()) {
-        let spans = crate::export::otlp::from_report(&report, meta, None);
+    if let Some(ep) = &opts.otlp {
+        let spans = crate::export::otlp::from_report(report, &analysis.meta, None);
         match ep.send(&spans) {
             Ok(_) => say!("probe: sent {} request spans to the OTLP collector", spans.spans.len()),
             Err(e) => say!("probe: request spans not sent to the OTLP collector: {e} (`probe export --otlp URL` sends them later)"),
@@ -907,7 +905,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     }
     log::info!("stop: detached at {:?}", stopping.elapsed());
     partial |= full.is_some() || report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
-    Ok(TraceOutcome { report, partial, reason, target_exited })
+    Ok(TraceOutcome { report: analysis.report, partial, reason, target_exited })
 }
 
 /// "major:minor" → name of every block device (/sys/class/block/*/dev), to name devices in reports.

@@ -13,7 +13,6 @@ use serde_json::Value;
 
 use crate::{
     flame,
-    recording::Recording,
     report::{Report, bytes},
     verdict::Split,
 };
@@ -185,7 +184,7 @@ fn header(o: &mut String, r: &Report) {
     };
     row(o, "command line", format!("<code>{}</code>", escape(&t.cmdline)));
     let stopped = t.end_reason.as_ref().map(|e| format!(", stopped: {}", escape(e))).unwrap_or_default();
-    row(o, "traced", format!("{:.1} s, {} events{stopped}", r.duration_s, r.events));
+    row(o, "traced", format!("{:.1} s, {}{stopped}", r.duration_s, r.events_phrase()));
     let others: Vec<String> = t.processes.iter().filter(|p| p.pid != t.pid).map(|p| format!("{} ({})", p.pid, escape(&p.comm))).collect();
     if !others.is_empty() {
         row(o, "also traced", others.join(", "));
@@ -365,8 +364,9 @@ fn tables(o: &mut String, r: &Report) {
                 .as_ref()
                 .map(|_| "error".into()));
             let ended = q.ended();
-            let gaps = serde_json::to_value(&q.chunk_gaps).unwrap_or(Value::Null);
-            let g = |k: &str| gaps[k].as_f64().map(ms).unwrap_or_else(|| "–".into());
+            // Typed, as report.json has them (a lookup by key name once missed them all).
+            let gaps =
+                q.chunk_gaps.as_ref().map_or_else(|| "–".into(), |g| format!("{} / {} / {}", ms(g.p50_ms), ms(g.p99_ms), ms(g.max_ms)));
             let _ = writeln!(
                 o,
                 "<tr><td>{}</td><td><code>{} {}</code></td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
@@ -379,7 +379,7 @@ fn tables(o: &mut String, r: &Report) {
                 q.ttft_ms.map(ms).unwrap_or_else(|| "–".into()),
                 q.end_ms.map(ms).unwrap_or_else(|| "–".into()),
                 q.chunks,
-                if gaps.is_null() { "–".into() } else { format!("{} / {} / {}", g("p50"), g("p99"), g("max")) },
+                gaps,
                 opt(q.max_tokens),
                 opt(finish),
                 escape(&ended),
@@ -491,21 +491,18 @@ pub fn flamegraphs(flames: &flame::Flames, dir: Option<&Path>) -> Vec<(String, S
     out
 }
 
-/// Write `dir/report.html` for a recording already read and analysed (what `probe trace` has
-/// at its end); returns its path.
-pub fn write_for(rec: &Recording, report: &Report, flames: &flame::Flames, dir: &crate::output::OutDir) -> anyhow::Result<PathBuf> {
-    let trace = crate::perfetto::build(rec, report, &flames.symbols.kernel);
-    let page = render(report, &trace, &flamegraphs(flames, Some(dir.path())));
+/// Write `dir/report.html` for a recording already analysed; returns its path.
+pub fn write_for(a: &crate::analysis::Analysis, dir: &crate::output::OutDir) -> anyhow::Result<PathBuf> {
+    let page = render(&a.report, &a.timeline(), &flamegraphs(&a.flames, Some(dir.path())));
     dir.write(FILE_NAME, page.as_bytes())
 }
 
-/// Read the recording in `dir` and write `dir/report.html`; returns its path and the report.
+/// Read the recording in `dir` (two passes) and write `dir/report.html`; returns its path and the report.
 pub fn write(dir: &Path) -> anyhow::Result<(PathBuf, Report)> {
-    let report = crate::report::build_dir(dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-    let rec = crate::recording::read_dir(dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-    let flames = flame::Flames::of_dir(dir, flame::Window::default())?;
+    let a = crate::analysis::Analysis::of_dir(dir, crate::analysis::Needs::ALL)
+        .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
     let out = crate::output::OutDir::open(dir)?;
-    Ok((write_for(&rec, &report, &flames, &out)?, report))
+    Ok((write_for(&a, &out)?, a.report))
 }
 
 #[cfg(test)]

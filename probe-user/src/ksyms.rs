@@ -94,7 +94,7 @@ impl Resolver {
 }
 
 /// The kernel names a recording carries.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Names {
     by_addr: HashMap<u64, String>,
     /// A recording from before `ksyms` records: waits are classified with this machine's

@@ -3,6 +3,7 @@
 //! format), report (analysis, pure), the /proc and tracefs readers they need, and target_file (how
 //! root opens a file the target names).
 
+pub mod analysis;
 pub mod bench;
 pub mod btf;
 pub mod bundle;

@@ -8,7 +8,11 @@ use std::{
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use probe_user::{bench, bundle, collector, doctor, exit, flame, output, perfetto, recording, report, text::terminal};
+use probe_user::{
+    analysis::{Analysis, Needs, Scope},
+    bench, bundle, collector, doctor, exit, flame, output, recording, report,
+    text::terminal,
+};
 
 #[derive(Parser)]
 #[command(name = "probe", version, about = "eBPF tracing for local LLM servers: why was the first token slow?")]
@@ -465,7 +469,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 r
             } else {
                 // Streamed: memory does not grow with the recording.
-                report::build_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?
+                Analysis::report_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?
             };
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
@@ -480,21 +484,18 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             let meta = recording::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let start = meta.map_or(0, |m| m.start_ns);
             let secs = |s: f64| start + (s * 1e9) as u64;
-            let mut window = flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) };
-            if let Some(id) = request {
-                let r = report::build_dir(&dir)?;
-                let q = r
-                    .requests
-                    .iter()
-                    .find(|q| q.id == id)
-                    .with_context(|| format!("no request {id} in this recording (see `probe report {}`)", dir.display()))?;
-                let arrival =
-                    q.arrival_ms.with_context(|| format!("request {id} was already in flight when probe attached: use --from/--to"))?;
-                window.from_ns = Some(start + (arrival * 1e6) as u64);
-                window.to_ns = Some(start + ((arrival + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
+            let scope = match request {
+                Some(id) => Scope::Request(id),
+                None => Scope::Window(flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) }),
+            };
+            // Streamed: every stack of the recording, however long (two passes: the request's
+            // window is known only once its record was read).
+            let a = Analysis::of_dir(&dir, Needs { flames: true, scope, ..Needs::REPORT })
+                .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            if let Some(e) = &a.scope_error {
+                anyhow::bail!("{e} (see `probe report {}`)", dir.display());
             }
-            // Streamed: every stack of the recording, however long.
-            let folded = flame::Flames::of_dir(&dir, window)?.get(kind);
+            let folded = a.folded(kind);
             if folded.is_empty() {
                 anyhow::bail!("no {} stacks in {} for this window", kind.name(), dir.display());
             }
@@ -519,8 +520,9 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             Ok(exit::OK)
         }
         Command::Timeline { dir, output, force } => {
-            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let trace = perfetto::build(&rec, &report::build_dir(&dir)?, &probe_user::ksyms::Names::of(&rec));
+            let a = Analysis::of_dir(&dir, Needs { recording: true, ..Needs::REPORT })
+                .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let trace = a.timeline();
             let bytes = serde_json::to_vec(&trace)?;
             let out = match output {
                 Some(out) => {
@@ -534,11 +536,13 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Export { dir, format, output, force, otlp } => {
             let read = || format!("cannot read the recording in {}", dir.display());
-            let r = report::build_dir(&dir).with_context(read)?;
-            let meta = recording::read_meta(&dir).with_context(read)?.unwrap_or_default();
+            let pprof = matches!(format, ExportFormat::Pprof);
+            let a = Analysis::of_dir(&dir, Needs { flames: pprof, pprof, ..Needs::REPORT }).with_context(read)?;
+            let (r, meta) = (&a.report, &a.meta);
             match format {
                 ExportFormat::Pprof => {
-                    let profiles = probe_user::export::pprof::profiles(&dir, &r).with_context(read)?;
+                    let profiles =
+                        a.samples.as_ref().map(|s| probe_user::export::pprof::profiles(s, &a.flames.symbols, meta)).unwrap_or_default();
                     if profiles.is_empty() {
                         anyhow::bail!("{} has no stacks to export (was it traced with --probes without cpu/offcpu?)", dir.display());
                     }
@@ -552,7 +556,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                     }
                 }
                 ExportFormat::OtlpJson => {
-                    let e = probe_user::export::otlp::from_report(&r, &meta, None);
+                    let e = probe_user::export::otlp::from_report(r, meta, None);
                     let bytes = serde_json::to_vec(&e.to_json())?;
                     let p = match output {
                         Some(o) => {
@@ -565,23 +569,21 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
                 }
             }
             if let Some(ep) = otlp {
-                let e = probe_user::export::otlp::from_report(&r, &meta, None);
+                let e = probe_user::export::otlp::from_report(r, meta, None);
                 let st = ep.send(&e).map_err(anyhow::Error::msg).context("cannot send the spans")?;
                 println!("sent {} spans (collector answered {st})", e.spans.len());
             }
             Ok(exit::OK)
         }
         Command::Bundle { dir, output, mask, force } => {
-            let r = report::build_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let rec = recording::read_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let a = Analysis::of_dir(&dir, Needs::ALL).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             let name = dir
                 .canonicalize()
                 .ok()
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .unwrap_or_else(|| "probe".into());
             let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));
-            let flames = flame::Flames::of_dir(&dir, flame::Window::default())?;
-            let files = bundle::write(&rec, &r, &flames, &out, mask, force)?;
+            let files = bundle::write(&a, &out, mask, force)?;
             println!("{} ({})", out.display(), files.join(", "));
             Ok(exit::OK)
         }
@@ -618,7 +620,12 @@ fn main() -> ExitCode {
     let started = Instant::now();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
-    match run(cli, started) {
+    let result = run(cli, started);
+    // For the test that holds every command to two passes over events.bin (crate::analysis).
+    if std::env::var_os("PROBE_COUNT_PASSES").is_some() {
+        eprintln!("probe: passes over events.bin: {}", recording::PASSES.load(std::sync::atomic::Ordering::Relaxed));
+    }
+    match result {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
             use std::io::Write as _;

@@ -28,6 +28,10 @@ pub const FILE_NAME: &str = crate::output::RECORDING_FILE;
 pub const MAGIC: &[u8; 8] = b"PROBEREC";
 /// The format this probe writes.
 pub const VERSION: u32 = 2;
+/// Whole passes over a recording made by this process: readers that reached the end. Every
+/// command reads `events.bin` at most twice (crate::analysis); `PROBE_COUNT_PASSES=1` makes the
+/// binary print this count at exit, for the test that holds it to that.
+pub static PASSES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// The oldest format this probe reads.
 pub const OLDEST: u32 = 1;
 pub const FRAME_KERNEL: u8 = 1;
@@ -813,6 +817,8 @@ pub enum ReadError {
 /// Frames of a recording, one at a time.
 pub struct Reader<R> {
     inp: R,
+    /// This reader's pass was counted in [`PASSES`].
+    counted: bool,
     pub version: u32,
     /// Bytes consumed so far (frame positions in problems).
     pos: u64,
@@ -857,6 +863,7 @@ impl<R: BufRead> Reader<R> {
         }
         Ok(Reader {
             inp,
+            counted: false,
             version,
             pos: 16,
             len,
@@ -962,6 +969,15 @@ impl<R: BufRead> Reader<R> {
     /// The next whole frame, or None at the end of what can be read (see [`Reader::problems`]).
     /// Kernel records that do not decode are counted in `undecodable` and skipped.
     pub fn next_frame(&mut self) -> Option<Frame> {
+        let f = self.frame();
+        if f.is_none() && !self.counted {
+            self.counted = true;
+            PASSES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        f
+    }
+
+    fn frame(&mut self) -> Option<Frame> {
         while !self.done {
             let at = self.pos;
             let (ty, len) = self.head()?;
@@ -1035,51 +1051,54 @@ pub struct Recording {
     pub stacks_not_kept: u64,
 }
 
-impl Recording {
-    fn collect<R: BufRead>(r: Reader<R>) -> Recording {
-        Recording::collect_keeping(r, KEEP_EVENTS, KEEP_STACKS)
+/// Builds a [`Recording`] frame by frame: every userspace record, the last [`KEEP_EVENTS`]
+/// kernel events and [`KEEP_STACKS`] stack samples (crate::analysis feeds it during its first
+/// pass; [`read_dir`] alone for tools and tests).
+pub struct Keeper {
+    rec: Recording,
+    events: std::collections::VecDeque<Event>,
+    stacks: std::collections::VecDeque<StackRecord>,
+    keep_events: u64,
+    keep_stacks: u64,
+}
+
+impl Keeper {
+    pub fn new(keep_events: u64, keep_stacks: u64) -> Keeper {
+        Keeper { rec: Recording::default(), events: Default::default(), stacks: Default::default(), keep_events, keep_stacks }
     }
 
-    fn collect_keeping<R: BufRead>(mut r: Reader<R>, keep_events: u64, keep_stacks: u64) -> Recording {
-        let mut rec = Recording::default();
-        let (mut events, mut stacks) = (std::collections::VecDeque::new(), std::collections::VecDeque::new());
-        while let Some(f) = r.next_frame() {
-            match f {
-                Frame::Kernel(ev) => {
-                    if events.len() as u64 >= keep_events {
-                        events.pop_front();
-                        rec.events_not_kept += 1;
-                    }
-                    events.push_back(ev);
-                }
-                Frame::Stack(s) => {
-                    if stacks.len() as u64 >= keep_stacks {
-                        stacks.pop_front();
-                        rec.stacks_not_kept += 1;
-                    }
-                    stacks.push_back(s);
-                }
-                Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
-                    Ok(v) => {
-                        let ty = v["type"].as_str().unwrap_or_default().to_string();
-                        match records::UserRecord::from_value(v) {
-                            Ok(records::UserRecord::Stack(s)) => stacks.push_back(*s),
-                            Ok(u) => rec.records.push(u),
-                            Err(e) => rec.unreadable.push((ty, e.to_string())),
-                        }
-                    }
-                    Err(_) => r.undecodable += 1,
-                },
-            }
+    pub fn kernel(&mut self, ev: Event) {
+        if self.events.len() as u64 >= self.keep_events {
+            self.events.pop_front();
+            self.rec.events_not_kept += 1;
         }
-        while stacks.len() as u64 > keep_stacks {
-            stacks.pop_front();
-            rec.stacks_not_kept += 1;
+        self.events.push_back(ev);
+    }
+
+    pub fn stack(&mut self, s: StackRecord) {
+        if self.stacks.len() as u64 >= self.keep_stacks {
+            self.stacks.pop_front();
+            self.rec.stacks_not_kept += 1;
         }
-        rec.events = events.into();
-        rec.stacks.extend(stacks);
-        rec.undecodable = r.undecodable;
-        rec.problems = r.finish();
+        self.stacks.push_back(s);
+    }
+
+    /// A userspace record, typed, or its type and why it is not of its type's shape.
+    pub fn record(&mut self, r: Result<records::UserRecord, (String, String)>) {
+        match r {
+            Ok(records::UserRecord::Stack(s)) => self.stack(*s),
+            Ok(u) => self.rec.records.push(u),
+            Err(e) => self.rec.unreadable.push(e),
+        }
+    }
+
+    /// The recording, with the reader's problems and undecodable count.
+    pub fn finish(mut self, problems: Vec<String>, undecodable: u64) -> Recording {
+        let mut rec = std::mem::take(&mut self.rec);
+        rec.events = self.events.into();
+        rec.stacks.extend(self.stacks);
+        rec.undecodable = undecodable;
+        rec.problems = problems;
         if rec.events_not_kept + rec.stacks_not_kept > 0 {
             rec.problems.push(format!(
                 "a long recording: its timeline shows the last {} kernel events and {} stack samples ({} and {} before them are in the report's counts and the flamegraphs)",
@@ -1090,6 +1109,36 @@ impl Recording {
             ));
         }
         rec
+    }
+}
+
+/// A userspace record from its JSON text: typed; its type and why, when it is JSON of the wrong
+/// shape; None when it is not JSON at all (undecodable).
+pub fn user_record(bytes: &[u8]) -> Option<Result<records::UserRecord, (String, String)>> {
+    let v = serde_json::from_slice::<serde_json::Value>(bytes).ok()?;
+    let ty = v["type"].as_str().unwrap_or_default().to_string();
+    Some(records::UserRecord::from_value(v).map_err(|e| (ty, e.to_string())))
+}
+
+impl Recording {
+    fn collect<R: BufRead>(r: Reader<R>) -> Recording {
+        Recording::collect_keeping(r, KEEP_EVENTS, KEEP_STACKS)
+    }
+
+    fn collect_keeping<R: BufRead>(mut r: Reader<R>, keep_events: u64, keep_stacks: u64) -> Recording {
+        let mut k = Keeper::new(keep_events, keep_stacks);
+        while let Some(f) = r.next_frame() {
+            match f {
+                Frame::Kernel(ev) => k.kernel(ev),
+                Frame::Stack(s) => k.stack(s),
+                Frame::Json(b) => match user_record(&b) {
+                    Some(u) => k.record(u),
+                    None => r.undecodable += 1,
+                },
+            }
+        }
+        let undecodable = r.undecodable;
+        k.finish(r.finish(), undecodable)
     }
 
     /// A recording of userspace records (tests, tools).

@@ -2,7 +2,10 @@
 //! beside them. `UPDATE_GOLDEN=1 cargo test -p probe-user --test golden` rewrites the expected files.
 use std::path::PathBuf;
 
-use probe_user::{recording, report};
+use probe_user::{
+    analysis::{Analysis, Needs},
+    recording, report,
+};
 
 fn data() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/report")
@@ -14,7 +17,7 @@ fn check(name: &str) {
     let r = report::build(&rec);
     // The streamed analysis (two passes over the file) says exactly what the one in memory says,
     // and so does the recording rewritten in the compact format.
-    assert_eq!(report::build_dir(&dir).unwrap(), r, "{name}: streamed report differs");
+    assert_eq!(Analysis::report_dir(&dir).unwrap(), r, "{name}: streamed report differs");
     let v2 = std::env::temp_dir().join(format!("probe-golden-v2-{name}-{}", std::process::id()));
     assert!(recording::rewrite(&dir, &v2).unwrap().is_empty());
     // Kernel records take at most 48 bytes each on average (v1: 56 to 160).
@@ -26,7 +29,7 @@ fn check(name: &str) {
         std::fs::metadata(dir.join("events.bin")).unwrap().len(),
         std::fs::metadata(v2.join("events.bin")).unwrap().len()
     );
-    assert_eq!(report::build_dir(&v2).unwrap(), r, "{name}: the rewritten recording's report differs");
+    assert_eq!(Analysis::report_dir(&v2).unwrap(), r, "{name}: the rewritten recording's report differs");
     std::fs::remove_dir_all(&v2).ok();
     let json = serde_json::to_string_pretty(&r).unwrap() + "\n";
     let text = report::render(&r);
@@ -89,15 +92,15 @@ fn demo_timeline() {
 #[test]
 fn demo_bundle() {
     let dir = data().join("demo");
-    let rec = recording::read_dir(&dir).unwrap();
-    let r = report::build(&rec);
+    let a = Analysis::of_recording(recording::read_dir(&dir).unwrap());
+    let r = &a.report;
     let out = std::env::temp_dir().join(format!("probe-bundle-{}.tar.gz", std::process::id()));
-    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, false, true).unwrap();
+    let names = probe_user::bundle::write(&a, &out, false, true).unwrap();
     for want in ["report.md", "report.json", "report.html", "environment.txt", "timeline.json"] {
         assert!(names.iter().any(|n| n == want), "{names:?}");
     }
     assert!(!names.iter().any(|n| n.contains("events")));
-    let md = probe_user::bundle::markdown(&r);
+    let md = probe_user::bundle::markdown(r);
     assert!(md.contains("| `/work/main/target/demo/cold-weights.bin` | 256 | 1.0 MiB |"), "{md}");
     assert!(
         probe_user::redact::Masker::new(r.requests.iter().filter_map(|q| q.path.as_deref()))
@@ -116,13 +119,14 @@ fn llama_recording_streams_and_rewrites_the_same() {
     let rec = recording::read_dir(&dir).unwrap();
     assert!(rec.stacks.len() > 100, "{} stacks", rec.stacks.len());
     let mem = probe_user::flame::Flames::of(&rec, Default::default());
-    let streamed = probe_user::flame::Flames::of_dir(&dir, Default::default()).unwrap();
-    assert_eq!(mem.by_kind, streamed.by_kind);
+    let streamed = Analysis::of_dir(&dir, Needs::ALL).unwrap();
+    assert_eq!(mem.by_kind, streamed.flames.by_kind);
+    assert_eq!(streamed.report, report::build(&rec), "one read gives the report the in-memory build gives");
     assert!(!mem.by_kind.is_empty());
     let v2 = std::env::temp_dir().join(format!("probe-golden-v2-llama-{}", std::process::id()));
     assert!(recording::rewrite(&dir, &v2).unwrap().is_empty());
-    assert_eq!(report::build_dir(&v2).unwrap(), report::build(&rec));
-    assert_eq!(probe_user::flame::Flames::of_dir(&v2, Default::default()).unwrap().by_kind, mem.by_kind);
+    assert_eq!(Analysis::report_dir(&v2).unwrap(), report::build(&rec));
+    assert_eq!(Analysis::of_dir(&v2, Needs::ALL).unwrap().flames.by_kind, mem.by_kind);
     let (old, new) = (std::fs::metadata(dir.join("events.bin")).unwrap().len(), std::fs::metadata(v2.join("events.bin")).unwrap().len());
     assert!(new * 2 < old, "v2 {new} bytes, v1 {old}");
     eprintln!("llama-demo: v1 {old} bytes, v2 {new} bytes; v2 by kind: {:?}", recording::sizes(&v2).unwrap());

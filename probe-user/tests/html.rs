@@ -146,10 +146,9 @@ fn kernel_demo_recording_renders() {
 #[test]
 fn masked_bundle_page_renders() {
     let dir = scratch("bundle", &data("html/llama-demo"));
-    let rec = probe_user::recording::read_dir(&dir).unwrap();
-    let r = probe_user::report::build(&rec);
+    let a = probe_user::analysis::Analysis::of_recording(probe_user::recording::read_dir(&dir).unwrap());
     let out = dir.join("bundle.tar.gz");
-    let names = probe_user::bundle::write(&rec, &r, &probe_user::flame::Flames::of(&rec, Default::default()), &out, true, true).unwrap();
+    let names = probe_user::bundle::write(&a, &out, true, true).unwrap();
     assert!(names.iter().any(|n| n == "report.html"), "{names:?}");
     let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(std::fs::File::open(&out).unwrap()));
     let mut page = String::new();

@@ -157,8 +157,9 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
         if let Some(n) = input {
             put("gen_ai.usage.input_tokens", Val::I(n));
         }
-        let first = verdict::first_token_ms(q);
-        if let Some(t) = first {
+        // The report's TTFT (arrival to the first byte of content, as the client saw it): the
+        // span's first-token event, the summary and watch's metrics say the same number.
+        if let Some(t) = q.ttft_ms {
             put("gen_ai.server.time_to_first_token", Val::D(t / 1e3));
         }
         if let Some(st) = q.stream {

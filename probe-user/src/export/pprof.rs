@@ -19,8 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::proto::Msg;
 use crate::{
     flame::{Kind, Symbols},
-    recording::{ReadError, records::Meta},
-    report::Report,
+    recording::{StackRecord, records::Meta},
 };
 
 /// A mapping's base for module `id`: modules never overlap (1 TiB apart).
@@ -118,9 +117,8 @@ struct Key {
 }
 
 /// The request windows of a report on the recording's clock: (from_ns, to_ns, id).
-fn request_windows(report: &Report, start_ns: u64) -> Vec<(u64, u64, u64)> {
-    report
-        .requests
+fn request_windows(requests: &[crate::report::Request], start_ns: u64) -> Vec<(u64, u64, u64)> {
+    requests
         .iter()
         .filter_map(|q| {
             let a = start_ns + (q.arrival_ms? * 1e6) as u64;
@@ -138,14 +136,24 @@ fn in_flight(windows: &[(u64, u64, u64)], ts: u64) -> Vec<u64> {
     windows.iter().filter(|(a, e, _)| *a <= ts && ts <= *e).map(|w| w.2).take(MAX_REQUEST_LABELS).collect()
 }
 
-/// Every kind's profile of the recording in `dir` (kinds without stacks are left out), gzipped.
-pub fn profiles(dir: &std::path::Path, report: &Report) -> Result<Vec<(Kind, Vec<u8>)>, ReadError> {
-    let syms = Symbols::resolve_dir(dir)?;
-    let meta = crate::recording::read_meta(dir)?.unwrap_or_default();
-    let windows = request_windows(report, meta.start_ns);
-    let mut raw: BTreeMap<Kind, HashMap<Key, (u64, u64)>> = BTreeMap::new();
-    let (mut first_ns, mut last_ns) = (u64::MAX, 0u64);
-    crate::recording::for_each_stack(dir, |_, s| {
+/// The distinct samples of a recording per kind, with their labels, gathered while the stacks
+/// stream past (crate::analysis's second pass): memory grows with distinct stacks and label
+/// sets, not with samples.
+#[derive(Default)]
+pub struct Samples {
+    windows: Vec<(u64, u64, u64)>,
+    raw: BTreeMap<Kind, HashMap<Key, (u64, u64)>>,
+    first_ns: u64,
+    last_ns: u64,
+}
+
+impl Samples {
+    /// For a recording whose requests (report.json's) are `requests`, on the clock from `start_ns`.
+    pub fn new(requests: &[crate::report::Request], start_ns: u64) -> Samples {
+        Samples { windows: request_windows(requests, start_ns), raw: BTreeMap::new(), first_ns: u64::MAX, last_ns: 0 }
+    }
+
+    pub fn add(&mut self, s: &StackRecord, names: &crate::ksyms::Names) {
         let Some(kind) = Kind::ALL.into_iter().find(|k| k.what() == s.what) else { return };
         let value = match kind {
             Kind::Offcpu => s.blocked_ns.unwrap_or(0),
@@ -154,21 +162,31 @@ pub fn profiles(dir: &std::path::Path, report: &Report) -> Result<Vec<(Kind, Vec
         if value == 0 {
             return;
         }
-        first_ns = first_ns.min(s.ts_ns);
-        last_ns = last_ns.max(s.ts_ns);
+        self.first_ns = self.first_ns.min(s.ts_ns);
+        self.last_ns = self.last_ns.max(s.ts_ns);
         let key = Key {
             pid: s.pid,
             tid: s.tid,
-            wait: if kind == Kind::Offcpu { syms.kernel.wait_of_stack(s) } else { "" },
-            requests: in_flight(&windows, s.ts_ns),
+            wait: if kind == Kind::Offcpu { names.wait_of_stack(s) } else { "" },
+            requests: in_flight(&self.windows, s.ts_ns),
             user: s.user.clone(),
             kernel: s.kernel.clone(),
         };
-        let e = raw.entry(kind).or_default().entry(key).or_default();
+        let e = self.raw.entry(kind).or_default().entry(key).or_default();
         e.0 += 1;
         e.1 += value;
-    })?;
-    Ok(raw.into_iter().map(|(kind, samples)| (kind, gzip(&encode(kind, samples, &syms, &meta, (first_ns, last_ns))))).collect())
+    }
+
+    /// Kinds that have samples.
+    pub fn is_empty(&self) -> bool {
+        self.raw.is_empty()
+    }
+}
+
+/// Every kind's profile (kinds without stacks are left out), gzipped.
+pub fn profiles(samples: &Samples, syms: &Symbols, meta: &Meta) -> Vec<(Kind, Vec<u8>)> {
+    let span = (samples.first_ns, samples.last_ns);
+    samples.raw.iter().map(|(kind, raw)| (*kind, gzip(&encode(*kind, raw, syms, meta, span)))).collect()
 }
 
 /// The sample types of a kind's profile: (type, unit).
@@ -191,7 +209,7 @@ fn values(kind: Kind, cpu_hz: u64, n: u64, sum: u64) -> Vec<u64> {
     }
 }
 
-fn encode(kind: Kind, samples: HashMap<Key, (u64, u64)>, syms: &Symbols, meta: &Meta, (first_ns, last_ns): (u64, u64)) -> Vec<u8> {
+fn encode(kind: Kind, samples: &HashMap<Key, (u64, u64)>, syms: &Symbols, meta: &Meta, (first_ns, last_ns): (u64, u64)) -> Vec<u8> {
     let mut b = Builder::new();
     let types = sample_types(kind, meta.cpu_hz);
     let type_msgs: Vec<Msg> = types
@@ -206,10 +224,10 @@ fn encode(kind: Kind, samples: HashMap<Key, (u64, u64)>, syms: &Symbols, meta: &
     let comm = b.s(&meta.comm);
     let k_id_unit = b.s("count");
     // Heaviest first: readers that stop early see what matters.
-    let mut samples: Vec<(Key, (u64, u64))> = samples.into_iter().collect();
+    let mut samples: Vec<(&Key, &(u64, u64))> = samples.iter().collect();
     samples.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(b.1.0.cmp(&a.1.0)));
     let mut sample_msgs = Vec::with_capacity(samples.len());
-    for (key, (n, sum)) in samples {
+    for (key, &(n, sum)) in samples {
         let mut locs: Vec<u64> = key.kernel.iter().map(|&a| b.location(syms, i64::MIN, a)).collect();
         locs.extend(key.user.iter().map(|&(id, off)| b.location(syms, id, off)));
         let mut m = Msg::new();

@@ -3,12 +3,13 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::{Kind, Symbols, Window};
-use crate::recording::{ReadError, Recording, StackRecord, records::Meta};
+use crate::recording::{Recording, StackRecord, records::Meta};
 
 /// Folded stacks: `comm;outer;...;inner;kernel_[k]` → weight, per kind, sorted by stack.
 pub type Folded = BTreeMap<String, u64>;
 
 /// Every kind's folded stacks of a recording, with the symbols they were named with.
+#[derive(Default)]
 pub struct Flames {
     pub symbols: Symbols,
     pub by_kind: BTreeMap<Kind, Folded>,
@@ -19,7 +20,7 @@ type RawStack = (Kind, u32, &'static str, Vec<(i64, u64)>, Vec<u64>);
 
 /// Folds stack samples one at a time: weights are summed per distinct raw stack, and each
 /// distinct stack is named once at the end.
-struct Folder<'a> {
+pub(crate) struct Folder<'a> {
     syms: &'a Symbols,
     root_pid: u32,
     root_comm: String,
@@ -27,8 +28,14 @@ struct Folder<'a> {
     raw: HashMap<RawStack, u64>,
 }
 
-impl Folder<'_> {
-    fn add(&mut self, s: &StackRecord) {
+impl<'a> Folder<'a> {
+    /// Folds the stacks of the recording whose meta record is `meta`, inside `window`.
+    pub(crate) fn new(syms: &'a Symbols, meta: Option<&Meta>, window: Window) -> Folder<'a> {
+        let (root_pid, root_comm) = root(meta);
+        Folder { syms, root_pid, root_comm, window, raw: HashMap::new() }
+    }
+
+    pub(crate) fn add(&mut self, s: &StackRecord) {
         let Some(kind) = Kind::ALL.into_iter().find(|k| k.what() == s.what) else { return };
         if self.window.from_ns.is_some_and(|f| s.ts_ns < f) || self.window.to_ns.is_some_and(|t| s.ts_ns > t) {
             return;
@@ -44,7 +51,7 @@ impl Folder<'_> {
         *self.raw.entry((kind, s.pid, wait, s.user.clone(), s.kernel.clone())).or_default() += weight;
     }
 
-    fn finish(self) -> BTreeMap<Kind, Folded> {
+    pub(crate) fn finish(self) -> BTreeMap<Kind, Folded> {
         let syms = self.syms;
         let mut out: BTreeMap<Kind, Folded> = BTreeMap::new();
         for ((kind, pid, wait, user, kernel), weight) in self.raw {
@@ -67,28 +74,10 @@ fn root(meta: Option<&Meta>) -> (u32, String) {
 }
 
 impl Flames {
-    /// The flamegraphs of the recording in `dir`, streamed in two passes (symbols, then folding):
-    /// memory grows with distinct stacks, not with samples.
-    pub fn of_dir(dir: &std::path::Path, window: Window) -> Result<Flames, ReadError> {
-        let symbols = Symbols::resolve_dir(dir)?;
-        let mut folder: Option<Folder> = None;
-        crate::recording::for_each_stack(dir, |meta, s| {
-            folder
-                .get_or_insert_with(|| {
-                    let (root_pid, root_comm) = root(meta);
-                    Folder { syms: &symbols, root_pid, root_comm, window, raw: HashMap::new() }
-                })
-                .add(s);
-        })?;
-        let by_kind = folder.map(Folder::finish).unwrap_or_default();
-        Ok(Flames { symbols, by_kind })
-    }
-
     /// Those of a recording in memory.
     pub fn of(rec: &Recording, window: Window) -> Flames {
         let symbols = Symbols::resolve(rec);
-        let (root_pid, root_comm) = root(rec.meta());
-        let mut f = Folder { syms: &symbols, root_pid, root_comm, window, raw: HashMap::new() };
+        let mut f = Folder::new(&symbols, rec.meta(), window);
         rec.stacks.iter().for_each(|s| f.add(s));
         let by_kind = f.finish();
         Flames { symbols, by_kind }
@@ -102,8 +91,7 @@ impl Flames {
 
 /// Folded stacks of one kind in a recording in memory.
 pub fn folded(rec: &Recording, syms: &Symbols, kind: Kind, window: Window) -> Folded {
-    let (root_pid, root_comm) = root(rec.meta());
-    let mut f = Folder { syms, root_pid, root_comm, window, raw: HashMap::new() };
+    let mut f = Folder::new(syms, rec.meta(), window);
     rec.stacks.iter().filter(|s| s.what == kind.what()).for_each(|s| f.add(s));
     f.finish().remove(&kind).unwrap_or_default()
 }

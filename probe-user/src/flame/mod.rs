@@ -9,8 +9,10 @@ mod fold;
 mod symbols;
 
 pub use draw::{folded_text, svg};
+pub(crate) use fold::Folder;
 pub use fold::{Flames, Folded, folded};
 pub use symbols::Symbols;
+pub(crate) use symbols::Wanted;
 
 use crate::recording::StackKind;
 

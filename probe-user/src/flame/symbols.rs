@@ -15,11 +15,12 @@ use blazesym::symbolize::{
 
 use crate::{
     procfs::Mapping,
-    recording::{Frame, ReadError, Reader, Recording, StackRecord, records::UserRecord},
+    recording::{Recording, StackRecord, records::UserRecord},
     target_file::{self, TargetFile},
 };
 
 /// Names for (module, file offset) and kernel addresses, resolved once per recording.
+#[derive(Default)]
 pub struct Symbols {
     user: HashMap<(i64, u64), String>,
     /// Module id → the path frames name.
@@ -40,16 +41,15 @@ fn sym_name(s: &Symbolized<'_>) -> Option<String> {
 /// What symbolization needs from a recording: its module table, the user frames its stacks
 /// use (each once) and its kernel names. Grows with distinct frames, not with samples.
 #[derive(Default)]
-struct Wanted {
+pub(crate) struct Wanted {
     modules: HashMap<i64, String>,
     /// Every distinct mapping seen per path, with its pid, in recording order.
     mapped: HashMap<String, Vec<(u32, Mapping)>>,
     offsets: BTreeMap<i64, std::collections::BTreeSet<u64>>,
-    names: crate::ksyms::NamesBuilder,
 }
 
 impl Wanted {
-    fn record(&mut self, r: &UserRecord) {
+    pub(crate) fn record(&mut self, r: &UserRecord) {
         match r {
             UserRecord::Module(m) => {
                 self.modules.insert(m.id, m.path.clone());
@@ -62,16 +62,14 @@ impl Wanted {
                     }
                 }
             }
-            UserRecord::Ksyms(k) => self.names.feed_ksyms(k),
             _ => {}
         }
     }
 
-    fn stack(&mut self, s: &StackRecord) {
+    pub(crate) fn stack(&mut self, s: &StackRecord) {
         for &(id, off) in &s.user {
             self.offsets.entry(id).or_default().insert(off);
         }
-        self.names.feed_stack(s);
     }
 }
 
@@ -101,32 +99,16 @@ fn build_id(file: &std::fs::File) -> Option<String> {
 }
 
 impl Symbols {
+    /// The symbols of a recording in memory (tests, tools).
     pub fn resolve(rec: &Recording) -> Symbols {
         let mut w = Wanted::default();
         rec.records.iter().for_each(|r| w.record(r));
         rec.stacks.iter().for_each(|s| w.stack(s));
-        Symbols::of(w)
+        Symbols::of(w, crate::ksyms::Names::of(rec))
     }
 
-    /// Symbols for every stack of the recording in `dir`, streamed.
-    pub fn resolve_dir(dir: &std::path::Path) -> Result<Symbols, ReadError> {
-        let mut w = Wanted::default();
-        let mut r = Reader::open(dir)?;
-        while let Some(f) = r.next_frame() {
-            match f {
-                Frame::Stack(s) => w.stack(&s),
-                Frame::Json(b) => match UserRecord::parse(&b) {
-                    Ok(UserRecord::Stack(s)) => w.stack(&s),
-                    Ok(u) => w.record(&u),
-                    Err(_) => {}
-                },
-                Frame::Kernel(_) => {}
-            }
-        }
-        Ok(Symbols::of(w))
-    }
-
-    fn of(w: Wanted) -> Symbols {
+    /// Resolve what a recording's frames want; `kernel` is the recording's kernel names.
+    pub(crate) fn of(w: Wanted, kernel: crate::ksyms::Names) -> Symbols {
         let (modules, wanted) = (w.modules, w.offsets);
         let symbolizer = Symbolizer::new();
         let mut user = HashMap::new();
@@ -161,7 +143,7 @@ impl Symbols {
                 user.insert((id, *off), name);
             }
         }
-        Symbols { user, modules, build_ids, kernel: w.names.finish() }
+        Symbols { user, modules, build_ids, kernel }
     }
 
     /// The path of module `id`.

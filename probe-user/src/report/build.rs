@@ -9,7 +9,6 @@ use probe_common::{
     mmap::MmapOp,
     proc::{PROC_EXEC, PROC_EXIT, PROC_FORK},
 };
-use serde::Deserialize;
 use serde_json::Value;
 
 use super::*;
@@ -123,7 +122,7 @@ struct WindowData {
 /// The analysis, built in two passes over a recording so that memory grows with requests,
 /// files, threads and connections, not with events. Pass 1 reads the userspace records (and the
 /// file mappings); pass 2 reads the kernel records in time order.
-struct Builder {
+pub(crate) struct Builder {
     r: Report,
     meta: Option<Meta>,
     /// The `stats` records, one a second.
@@ -165,7 +164,7 @@ struct Builder {
 }
 
 impl Builder {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Builder {
             r: Report::default(),
             meta: None,
@@ -202,7 +201,7 @@ impl Builder {
     }
 
     /// Pass 1: one userspace record, or why it could not be read.
-    fn user(&mut self, rec: Result<UserRecord, (String, String)>) {
+    pub(crate) fn user(&mut self, rec: Result<UserRecord, (String, String)>) {
         let rec = match rec {
             Ok(rec) => rec,
             Err((ty, _)) if ty == "stack" => {
@@ -243,6 +242,7 @@ impl Builder {
                 }
                 r.unwind.load_ms = u.load_ns as f64 / 1e6;
                 r.lost_events = s.lost.clone();
+                r.events_received = s.events.values().sum();
                 r.counters = s.counters.clone();
                 r.skipped_runs = s.skipped_runs.clone();
                 r.stream_limits = s.streams.clone();
@@ -258,7 +258,7 @@ impl Builder {
     }
 
     /// Pass 1: a stack record: counts and depths per kind.
-    fn stack_seen(&mut self, s: &StackRecord) {
+    pub(crate) fn stack_seen(&mut self, s: &StackRecord) {
         self.end_ts = self.end_ts.max(s.ts_ns);
         self.names.feed_stack(s);
         let e = self.depths.entry(s.what.name().to_string()).or_default();
@@ -269,7 +269,7 @@ impl Builder {
 
     /// Pass 1: a kernel record, for the file mappings (in file order, which is time order but
     /// for records from different CPUs a few microseconds apart).
-    fn mapping(&mut self, m: &probe_common::mmap::MmapEvent) {
+    pub(crate) fn mapping(&mut self, m: &probe_common::mmap::MmapEvent) {
         match MmapOp::try_from(m.op) {
             Ok(MmapOp::Mmap) if m.ino != 0 && !(-4095..0).contains(&m.ret) => {
                 let (ma, mi) = kdev(m.dev);
@@ -315,7 +315,7 @@ impl Builder {
     }
 
     /// Between the passes: the target, the requests and their windows.
-    fn prepare(&mut self) {
+    pub(crate) fn prepare(&mut self) {
         for (k, n) in std::mem::take(&mut self.mmap_names) {
             self.file_names.entry(k).or_insert(n);
         }
@@ -380,7 +380,7 @@ impl Builder {
     }
 
     /// Pass 2: a stack record (for the windows it falls in, and off-CPU waits).
-    fn stack(&mut self, s: &StackRecord) {
+    pub(crate) fn stack(&mut self, s: &StackRecord) {
         let ts = s.ts_ns;
         for &i in self.served_windows.at(ts) {
             self.windows[i].stacks += 1;
@@ -396,6 +396,21 @@ impl Builder {
         }
     }
 
+    /// The kernel's names (after [`Builder::prepare`]): one table for the report and the flamegraphs.
+    pub(crate) fn kernel_names(&self) -> &crate::ksyms::Names {
+        &self.knames
+    }
+
+    /// The report's requests (after [`Builder::prepare`]: probe's polls left out, in arrival order).
+    pub(crate) fn requests(&self) -> &[Request] {
+        &self.r.requests
+    }
+
+    /// The recording's meta record, when it has one.
+    pub(crate) fn meta(&self) -> Option<&Meta> {
+        self.meta.as_ref()
+    }
+
     fn file_of(&mut self, key: FileKey) -> &mut FileStat {
         let names = &self.file_names;
         self.files.entry(key).or_insert_with(|| FileStat {
@@ -407,7 +422,7 @@ impl Builder {
     }
 
     /// Pass 2: one kernel record, in time order.
-    fn kernel(&mut self, ev: &Event) {
+    pub(crate) fn kernel(&mut self, ev: &Event) {
         let start = self.start;
         let ms = |ts: u64| (ts.saturating_sub(start)) as f64 / 1e6;
         self.r.events += 1;
@@ -545,12 +560,20 @@ impl Builder {
         }
     }
 
-    fn finish(mut self, problems: Vec<String>) -> Report {
+    pub(crate) fn finish(mut self, problems: Vec<String>) -> Report {
         let mut r = std::mem::take(&mut self.r);
         r.schema_version = SCHEMA_VERSION;
         r.problems.splice(0..0, problems);
         let from = self.meta.as_ref().and_then(|m| m.window_start_ns).unwrap_or(self.start).max(self.start);
         r.duration_s = self.end_ts.saturating_sub(from) as f64 / 1e9;
+        // The unwinder's counters run from attach: a window of a longer trace (an incident)
+        // counts its own stack records instead, as does a recording whose counters never came.
+        let windowed = self.meta.as_ref().is_some_and(|m| m.window_start_ns.is_some());
+        if windowed || (r.unwind.samples == 0 && !r.stacks.is_empty()) {
+            r.unwind.samples = r.stacks.values().map(|s| s.stacks).sum();
+            r.unwind.complete = r.stacks.values().map(|s| s.complete).sum();
+            r.unwind.success_rate = if r.unwind.samples > 0 { r.unwind.complete as f64 / r.unwind.samples as f64 } else { 0.0 };
+        }
         r.system = crate::system::build(&self.json, &self.mem_events.iter().collect::<Vec<_>>(), self.start);
         r.blockio.devices = std::mem::take(&mut self.devs)
             .into_values()
@@ -571,6 +594,7 @@ impl Builder {
             .filter(|c| !port_of(&c.peer).is_some_and(|p| polls.contains(&p)))
             .collect();
         r.target.processes = std::mem::take(&mut self.procs).into_values().collect();
+        closes_after_the_response(&mut r);
         self.verdicts(&mut r);
         let lost: u64 = r.lost_events.values().sum();
         if lost > 0 {
@@ -714,6 +738,43 @@ impl Builder {
     }
 }
 
+/// A request record says "none" (kept open) when its response ended before any close was seen:
+/// the tracker finalizes it at its last byte. When the connection table shows the connection
+/// closed afterwards with no other request on it (`Connection: close`, a client that leaves after
+/// one answer), the request says who closed it, as the table does.
+fn closes_after_the_response(r: &mut Report) {
+    for i in 0..r.requests.len() {
+        let q = &r.requests[i];
+        let (Some(a), Some(e)) = (q.arrival_ms, q.end_ms) else { continue };
+        if q.closed_by != "none" {
+            continue;
+        }
+        let same = |c_local: &str, c_peer: &str| c_local == q.local && c_peer == q.peer;
+        let Some(c) = r.connections.iter().find(|c| {
+            same(&c.local, &c.peer)
+                && c.pid.is_none_or(|p| p == q.pid)
+                && c.opened_ms.is_none_or(|o| o <= a)
+                && c.closed_ms.is_some_and(|t| t >= a + e)
+        }) else {
+            continue;
+        };
+        let closed = c.closed_ms.unwrap_or(f64::MAX);
+        let later =
+            r.requests.iter().any(|o| o.local == q.local && o.peer == q.peer && o.arrival_ms.is_some_and(|oa| oa > a && oa <= closed));
+        let by_peer = match c.closed_by.as_str() {
+            "peer" => true,
+            "local" => false,
+            _ => continue,
+        };
+        if later {
+            continue;
+        }
+        // The table's "peer" is the other end: for a server that is the client.
+        let server_side = q.role == "server";
+        r.requests[i].record.closed_by = if by_peer == server_side { "client" } else { "server" }.into();
+    }
+}
+
 /// A request's time to first token: arrival to the first token (or to its end).
 fn ttft_window(start: u64, arrival_ms: f64, q: &RequestRecord) -> (u64, u64) {
     let from = start + (arrival_ms * 1e6) as u64;
@@ -729,12 +790,12 @@ fn served_until(start: u64, arrival_ms: f64, q: &RequestRecord) -> u64 {
 /// sorts them (nearly sorted runs sort in about linear time) and lets the earlier half go. Exact
 /// while no record arrives more than [`REORDER`] records late.
 #[derive(Default)]
-struct Reorder {
+pub(crate) struct Reorder {
     buf: Vec<Event>,
 }
 
 impl Reorder {
-    fn push(&mut self, ev: Event, out: &mut impl FnMut(&Event)) {
+    pub(crate) fn push(&mut self, ev: Event, out: &mut impl FnMut(&Event)) {
         self.buf.push(ev);
         if self.buf.len() >= 2 * REORDER {
             self.buf.sort_by_key(|e| e.header().ts_ns);
@@ -744,7 +805,7 @@ impl Reorder {
         }
     }
 
-    fn drain(&mut self, out: &mut impl FnMut(&Event)) {
+    pub(crate) fn drain(&mut self, out: &mut impl FnMut(&Event)) {
         self.buf.sort_by_key(|e| e.header().ts_ns);
         for e in self.buf.drain(..) {
             out(&e);
@@ -759,12 +820,6 @@ fn folio_bytes(page_size: u64, order: u32) -> u64 {
         Some(pages) if order < 64 => page_size.saturating_mul(pages),
         _ => u64::MAX,
     }
-}
-
-/// A userspace record typed, or its type and why it could not be.
-fn typed(v: Value) -> Result<UserRecord, (String, String)> {
-    let ty = v["type"].as_str().unwrap_or_default().to_string();
-    UserRecord::from_value(v).map_err(|e| (ty, e.to_string()))
 }
 
 /// The report of a recording already in memory.
@@ -794,64 +849,6 @@ pub fn build(rec: &Recording) -> Report {
         b.stack(s);
     }
     b.finish(rec.problems.clone())
-}
-
-/// The report of a recording directory, streamed: two passes over `events.bin`, memory bounded
-/// by what the report holds (requests, files, threads, connections), not by the events.
-pub fn build_dir(dir: &std::path::Path) -> Result<Report, crate::recording::ReadError> {
-    build_frames(|| crate::recording::Reader::open(dir))
-}
-
-/// [`build_dir`] over the bytes of an `events.bin` in memory (tests, the fuzz targets).
-pub fn build_bytes(buf: &[u8]) -> Result<Report, crate::recording::ReadError> {
-    build_frames(|| crate::recording::Reader::new(buf, Some(buf.len() as u64), crate::recording::FILE_NAME))
-}
-
-/// The two streamed passes; `open` gives a reader from the start of the recording each time.
-fn build_frames<R: std::io::BufRead>(
-    open: impl Fn() -> Result<crate::recording::Reader<R>, crate::recording::ReadError>,
-) -> Result<Report, crate::recording::ReadError> {
-    use crate::recording::Frame;
-    let mut b = Builder::new();
-    let mut undecodable = 0u64;
-    let mut pass1 = open()?;
-    while let Some(f) = pass1.next_frame() {
-        match f {
-            Frame::Kernel(Event::Mmap(m)) => b.mapping(&m),
-            Frame::Kernel(_) => {}
-            Frame::Stack(s) => b.stack_seen(&s),
-            Frame::Json(bytes) => match serde_json::from_slice::<Value>(&bytes) {
-                Ok(v) => b.user(typed(v)),
-                Err(_) => undecodable += 1,
-            },
-        }
-    }
-    pass1.undecodable += undecodable;
-    let problems = pass1.finish();
-    b.prepare();
-    let mut pass2 = open()?;
-    let mut order = Reorder::default();
-    while let Some(f) = pass2.next_frame() {
-        match f {
-            Frame::Kernel(ev) => order.push(ev, &mut |e| b.kernel(e)),
-            Frame::Stack(s) => b.stack(&s),
-            Frame::Json(bytes) => {
-                // Only stack records matter in this pass: peek at the type before parsing all.
-                #[derive(Deserialize)]
-                struct Peek<'a> {
-                    #[serde(rename = "type", borrow)]
-                    ty: Option<std::borrow::Cow<'a, str>>,
-                }
-                if serde_json::from_slice::<Peek>(&bytes).is_ok_and(|p| p.ty.as_deref() == Some("stack"))
-                    && let Ok(s) = serde_json::from_slice::<StackRecord>(&bytes)
-                {
-                    b.stack(&s);
-                }
-            }
-        }
-    }
-    order.drain(&mut |e| b.kernel(e));
-    Ok(b.finish(problems))
 }
 
 #[cfg(test)]
@@ -919,7 +916,7 @@ mod tests {
         w.flush().unwrap();
         let bytes = std::fs::read(dir.join(crate::recording::FILE_NAME)).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
-        let streamed = build_bytes(&bytes).unwrap();
+        let streamed = crate::analysis::Analysis::report_bytes(&bytes).unwrap();
         assert_eq!(build(&crate::recording::parse(&bytes, "x").unwrap()), streamed);
         assert!(streamed.problems.iter().any(|p| p.starts_with("a ksyms record could not be read")), "{:?}", streamed.problems);
         assert!(streamed.problems.iter().any(|p| p == "1 records could not be decoded and were skipped"), "{:?}", streamed.problems);

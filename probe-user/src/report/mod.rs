@@ -13,7 +13,8 @@ mod build;
 mod render;
 mod sock;
 
-pub use build::{build, build_bytes, build_dir};
+pub use build::build;
+pub(crate) use build::{Builder, Reorder};
 pub use render::{bytes, render};
 pub use sock::state_name;
 
@@ -29,7 +30,13 @@ pub struct Report {
     pub schema_version: u32,
     pub target: Target,
     pub duration_s: f64,
+    /// Kernel records in the recording (the ones analysed here).
     pub events: u64,
+    /// Records the collector received from the kernel, all kinds: kernel records, and the stack
+    /// samples and stream bytes it turned into stack and request records (the last `stats`
+    /// record's count; `probe trace` says the same number when it stops).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub events_received: u64,
     pub files: Vec<FileStat>,
     pub blockio: BlockIo,
     pub faults: Faults,
@@ -83,6 +90,21 @@ impl std::ops::Deref for Request {
     type Target = RequestRecord;
     fn deref(&self) -> &RequestRecord {
         &self.record
+    }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Report {
+    /// How many events, in the words every output uses (text, HTML, Markdown).
+    pub fn events_phrase(&self) -> String {
+        if self.events_received > 0 && self.events_received != self.events {
+            format!("{} events received, {} kept as kernel records", self.events_received, self.events)
+        } else {
+            format!("{} events", self.events)
+        }
     }
 }
 

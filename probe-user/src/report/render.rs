@@ -19,11 +19,11 @@ pub fn render(r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "probe report: pid {} ({}), {:.1} s, {} events{}",
+        "probe report: pid {} ({}), {:.1} s, {}{}",
         r.target.pid,
         r.target.comm,
         r.duration_s,
-        r.events,
+        r.events_phrase(),
         r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default()
     );
     if !r.requests.is_empty() {

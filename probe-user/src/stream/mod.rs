@@ -62,6 +62,26 @@ pub struct Gaps {
     pub max_ms: f64,
 }
 
+/// Request ids: the target's requests number 1, 2, 3… in the order their heads arrive; probe's
+/// own endpoint polls (known by their User-Agent once the head is parsed) number from
+/// [`POLL_IDS`], apart, so a user's `--request 3` is the third request the server was sent.
+#[derive(Debug)]
+struct Ids {
+    next: u64,
+    next_poll: u64,
+}
+
+/// Where probe's own polls' ids start.
+pub const POLL_IDS: u64 = 1 << 40;
+
+impl Ids {
+    fn take(&mut self, poll: bool) -> u64 {
+        let n = if poll { &mut self.next_poll } else { &mut self.next };
+        *n += 1;
+        *n - 1
+    }
+}
+
 /// One request as seen on the wire. Times in ms; `arrival_ms` from the start of the trace,
 /// the others from the request's arrival (its first byte read by the server).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -253,7 +273,7 @@ pub struct Tracker {
     start_ns: u64,
     keep_text: bool,
     conns: HashMap<u64, Conn>,
-    next_id: u64,
+    next_id: Ids,
     pub done: Vec<RequestRecord>,
     /// Bytes held by all connections (the sum of their `held`).
     held: usize,
@@ -286,7 +306,7 @@ impl Tracker {
             start_ns,
             keep_text,
             conns: HashMap::new(),
-            next_id: 1,
+            next_id: Ids { next: 1, next_poll: POLL_IDS },
             done: Vec::new(),
             held: 0,
             last_sweep: start_ns,
@@ -481,7 +501,7 @@ impl Tracker {
         payload: &[u8],
         missing: u64,
         at: (u64, u64),
-        next_id: &mut u64,
+        next_id: &mut Ids,
         start_ns: u64,
         keep_text: bool,
         done: &mut Vec<RequestRecord>,
@@ -508,9 +528,9 @@ impl Tracker {
         }
     }
 
-    fn new_pending(conn: &Conn, id: &mut u64, role: &str, partial: bool) -> Pending {
+    fn new_pending(conn: &Conn, id: &mut Ids, role: &str, partial: bool, poll: bool) -> Pending {
         let rec = RequestRecord {
-            id: *id,
+            id: id.take(poll),
             pid: conn.pid,
             local: conn.local.clone(),
             peer: conn.peer.clone(),
@@ -519,7 +539,6 @@ impl Tracker {
             reset: "none".into(),
             ..Default::default()
         };
-        *id += 1;
         Pending {
             rec,
             arrival_ns: None,
@@ -532,7 +551,7 @@ impl Tracker {
         }
     }
 
-    fn request_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut u64, start_ns: u64) {
+    fn request_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut Ids, start_ns: u64) {
         if let Some(p) = conn.pending.back_mut().filter(|_| matches!(conn.req, Side::Body(_))) {
             p.rec.request_bytes += data.len() as u64 + missing;
             p.rec.bytes_not_captured += missing;
@@ -561,7 +580,7 @@ impl Tracker {
                     match parsed {
                         Parsed::Done(head, n) => {
                             let t0 = *t0;
-                            let mut p = Self::new_pending(conn, id, role, false);
+                            let mut p = Self::new_pending(conn, id, role, false, head.probe_poll);
                             p.rec.method = Some(head.method.clone());
                             // A query string can carry a key (`?api_key=`): never kept.
                             p.rec.path = Some(crate::redact::scrub(&head.path));
@@ -660,7 +679,7 @@ impl Tracker {
         missing: u64,
         at: (u64, u64),
         role: &str,
-        id: &mut u64,
+        id: &mut Ids,
         keep_text: bool,
     ) -> Vec<Pending> {
         let (ts, sent) = at;
@@ -670,7 +689,7 @@ impl Tracker {
             if data.is_empty() && missing == 0 {
                 return finished;
             }
-            let mut p = Self::new_pending(conn, id, role, true);
+            let mut p = Self::new_pending(conn, id, role, true, false);
             if !data.starts_with(b"HTTP/") {
                 // Attached mid-response. Servers that stream write one chunk per call, so a
                 // write that starts with a chunk-size line means chunked framing.

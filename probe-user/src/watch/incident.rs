@@ -172,7 +172,7 @@ impl Watcher {
         let from = pending.iter().filter_map(|p| p.q.arrival_ms).fold(f64::INFINITY, f64::min);
         let from = if from.is_finite() { from - VERDICT_LEAD_MS } else { 0.0 };
         let joined = self.joined(from);
-        let report = match crate::report::build_bytes(&joined) {
+        let report = match crate::analysis::Analysis::report_bytes(&joined) {
             Ok(r) => r,
             Err(e) => {
                 log_line!("probe watch: cannot analyse the window: {e}");
@@ -318,12 +318,10 @@ fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8]) -> any
     }
     let out = crate::output::OutDir::create_recording(&path, false)?;
     out.write(crate::recording::FILE_NAME, bytes)?;
-    let report = crate::report::build_dir(&path)?;
-    out.write("report.json", &serde_json::to_vec_pretty(&report)?)?;
-    let rec = crate::recording::read_dir(&path)?;
-    let flames = crate::flame::Flames::of_dir(&path, Default::default())?;
-    crate::html::write_for(&rec, &report, &flames, &out)?;
-    crate::flame::write_defaults(&flames, &out)?;
-    crate::bundle::write(&rec, &report, &flames, &path.join("bundle.tar.gz"), false, false)?;
+    let a = crate::analysis::Analysis::of_dir(&path, crate::analysis::Needs::ALL)?;
+    out.write("report.json", &serde_json::to_vec_pretty(&a.report)?)?;
+    crate::html::write_for(&a, &out)?;
+    crate::flame::write_defaults(&a.flames, &out)?;
+    crate::bundle::write(&a, &path.join("bundle.tar.gz"), false, false)?;
     Ok(path)
 }

@@ -1,0 +1,240 @@
+//! One read of a recording, one model every output draws from. The data path is
+//! `events.bin → recording::Reader (typed frames) → Analysis (this file) → renderers` (text,
+//! HTML, Markdown, Perfetto, pprof, OTLP, bundle, watch's incidents), each a function of
+//! `&Analysis` or of its `Report`.
+//!
+//! Two passes over `events.bin`, never more, and each for a reason it cannot do without:
+//! - pass 1 reads the userspace records (the target, the requests and their windows, the file
+//!   mappings, the module table, the kernel names) and the stack samples' frames (what to
+//!   symbolize);
+//! - pass 2 reads the kernel records in time order and the stack samples again, now that each
+//!   sample can be charged to the requests whose window holds it and named with the symbols of
+//!   every module: both are known only at the end of pass 1 (a request's record is written when
+//!   it ends, after the events inside it).
+//!
+//! Memory grows with requests, files, threads, connections and distinct stacks, not with the
+//! recording's length: the timeline's events are the recording's last [`recording::KEEP_EVENTS`].
+use std::path::Path;
+
+use crate::{
+    decode::Event,
+    export::pprof,
+    flame::{self, Flames, Folder, Symbols, Wanted, Window},
+    ksyms::Names,
+    recording::{self, Frame, ReadError, Reader, Recording, records::Meta},
+    report::{Builder, Reorder, Report},
+};
+
+/// Which stacks the flamegraphs fold.
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Scope {
+    /// Every stack.
+    #[default]
+    All,
+    /// Those in a time window (CLOCK_MONOTONIC ns).
+    Window(Window),
+    /// Those of one request: arrival to last byte (its id in report.json).
+    Request(u64),
+}
+
+/// What the outputs of a command need besides the report: the rest is not built.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Needs {
+    /// The userspace records and the recording's last events and stacks (timeline, bundle).
+    pub recording: bool,
+    /// Symbolized, folded stacks (flamegraphs, report.html, bundle).
+    pub flames: bool,
+    /// Distinct samples with their labels (pprof).
+    pub pprof: bool,
+    /// Which stacks the flamegraphs fold.
+    pub scope: Scope,
+}
+
+impl Needs {
+    /// The report alone (`probe report`, `--json`, watch's verdicts).
+    pub const REPORT: Needs = Needs { recording: false, flames: false, pprof: false, scope: Scope::All };
+    /// Every output of a trace: report.json, report.html, flamegraphs, timeline, bundle.
+    pub const ALL: Needs = Needs { recording: true, flames: true, pprof: false, scope: Scope::All };
+}
+
+/// Why a scope could not be folded.
+#[derive(Debug, thiserror::Error)]
+pub enum ScopeError {
+    #[error("no request {0} in this recording")]
+    NoRequest(u64),
+    #[error("request {0} was already in flight when probe attached: use --from/--to")]
+    InFlightAtAttach(u64),
+}
+
+/// The analysis of one recording.
+pub struct Analysis {
+    pub report: Report,
+    /// The recording's meta record (a default one when it has none: the report says so).
+    pub meta: Meta,
+    /// The userspace records and the last events and stacks ([`Needs::recording`]; else empty).
+    pub recording: Recording,
+    /// The kernel's names, one table for the report, the flamegraphs and the timeline.
+    pub names: Names,
+    /// [`Needs::flames`] (empty when not asked for).
+    pub flames: Flames,
+    /// [`Needs::pprof`].
+    pub samples: Option<pprof::Samples>,
+    /// The window the flamegraphs folded, when [`Scope`] was not `All` (CLOCK_MONOTONIC ns).
+    pub window: Window,
+    /// The scope could not be folded: why (the report is still whole).
+    pub scope_error: Option<ScopeError>,
+}
+
+impl Analysis {
+    /// The recording in `dir`, in two streamed passes.
+    pub fn of_dir(dir: &Path, needs: Needs) -> Result<Analysis, ReadError> {
+        Analysis::of_frames(|| Reader::open(dir), needs)
+    }
+
+    /// The bytes of an `events.bin` in memory (watch's window, tests, the fuzz targets).
+    pub fn of_bytes(buf: &[u8], needs: Needs) -> Result<Analysis, ReadError> {
+        Analysis::of_frames(|| Reader::new(buf, Some(buf.len() as u64), recording::FILE_NAME), needs)
+    }
+
+    /// The report of the recording in `dir` alone.
+    pub fn report_dir(dir: &Path) -> Result<Report, ReadError> {
+        Ok(Analysis::of_dir(dir, Needs::REPORT)?.report)
+    }
+
+    /// The report of an `events.bin` in memory alone.
+    pub fn report_bytes(buf: &[u8]) -> Result<Report, ReadError> {
+        Ok(Analysis::of_bytes(buf, Needs::REPORT)?.report)
+    }
+
+    /// A recording already in memory (tests, the fuzz targets): its report, names and flames.
+    pub fn of_recording(recording: Recording) -> Analysis {
+        let report = crate::report::build(&recording);
+        let names = Names::of(&recording);
+        let flames = Flames::of(&recording, Window::default());
+        let meta = recording.meta().cloned().unwrap_or_default();
+        Analysis { report, meta, recording, names, flames, samples: None, window: Window::default(), scope_error: None }
+    }
+
+    /// The Perfetto timeline (crate::perfetto) of what the recording kept.
+    pub fn timeline(&self) -> serde_json::Value {
+        crate::perfetto::build(&self.recording, &self.report, &self.names)
+    }
+
+    /// The two passes; `open` gives a reader from the start of the recording each time.
+    fn of_frames<R: std::io::BufRead>(open: impl Fn() -> Result<Reader<R>, ReadError>, needs: Needs) -> Result<Analysis, ReadError> {
+        let mut b = Builder::new();
+        let mut wanted = Wanted::default();
+        let mut keep = needs.recording.then(|| recording::Keeper::new(recording::KEEP_EVENTS, recording::KEEP_STACKS));
+        // Pass 1: the userspace records, the file mappings, the stacks' frames.
+        let mut pass1 = open()?;
+        let mut undecodable = 0u64;
+        while let Some(f) = pass1.next_frame() {
+            match f {
+                Frame::Kernel(ev) => {
+                    if let Event::Mmap(m) = &ev {
+                        b.mapping(m);
+                    }
+                    if let Some(k) = keep.as_mut() {
+                        k.kernel(ev);
+                    }
+                }
+                Frame::Stack(s) => {
+                    b.stack_seen(&s);
+                    if needs.flames {
+                        wanted.stack(&s);
+                    }
+                    if let Some(k) = keep.as_mut() {
+                        k.stack(s);
+                    }
+                }
+                Frame::Json(bytes) => match recording::user_record(&bytes) {
+                    Some(rec) => {
+                        if let Ok(r) = &rec {
+                            if needs.flames {
+                                match r {
+                                    recording::records::UserRecord::Stack(s) => wanted.stack(s),
+                                    r => wanted.record(r),
+                                }
+                            }
+                        }
+                        if let Some(k) = keep.as_mut() {
+                            k.record(rec.clone());
+                        }
+                        b.user(rec);
+                    }
+                    None => undecodable += 1,
+                },
+            }
+        }
+        pass1.undecodable += undecodable;
+        let undecodable = pass1.undecodable;
+        let problems = pass1.finish();
+        let recording = keep.map(|k| k.finish(problems.clone(), undecodable)).unwrap_or_default();
+        b.prepare();
+        let meta = b.meta().cloned().unwrap_or_default();
+        let names = b.kernel_names().clone();
+        // Between the passes: what pass 2 charges stacks to.
+        let (window, scope_error) = match needs.scope {
+            Scope::All => (Window::default(), None),
+            Scope::Window(w) => (w, None),
+            Scope::Request(id) => match b.requests().iter().find(|q| q.id == id) {
+                None => (Window::default(), Some(ScopeError::NoRequest(id))),
+                Some(q) => match q.arrival_ms {
+                    None => (Window::default(), Some(ScopeError::InFlightAtAttach(id))),
+                    Some(a) => {
+                        let from = meta.start_ns + (a * 1e6) as u64;
+                        (Window { from_ns: Some(from), to_ns: Some(meta.start_ns + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64) }, None)
+                    }
+                },
+            },
+        };
+        let symbols = needs.flames.then(|| Symbols::of(wanted, names.clone()));
+        let mut folder = symbols.as_ref().filter(|_| scope_error.is_none()).map(|s| Folder::new(s, Some(&meta), window));
+        let mut samples = needs.pprof.then(|| pprof::Samples::new(b.requests(), meta.start_ns));
+        // Pass 2: the kernel records in time order, the stacks charged and folded.
+        let mut pass2 = open()?;
+        let mut order = Reorder::default();
+        let mut stack = |b: &mut Builder, s: &recording::StackRecord| {
+            b.stack(s);
+            if let Some(f) = folder.as_mut() {
+                f.add(s);
+            }
+            if let Some(p) = samples.as_mut() {
+                p.add(s, &names);
+            }
+        };
+        while let Some(f) = pass2.next_frame() {
+            match f {
+                Frame::Kernel(ev) => order.push(ev, &mut |e| b.kernel(e)),
+                Frame::Stack(s) => stack(&mut b, &s),
+                // v1 recordings kept stacks as JSON records; nothing else matters in this pass.
+                Frame::Json(bytes) => {
+                    if is_v1_stack(&bytes)
+                        && let Ok(s) = serde_json::from_slice::<recording::StackRecord>(&bytes)
+                    {
+                        stack(&mut b, &s);
+                    }
+                }
+            }
+        }
+        order.drain(&mut |e| b.kernel(e));
+        let by_kind = folder.map(Folder::finish);
+        let flames = symbols.map(|symbols| Flames { symbols, by_kind: by_kind.unwrap_or_default() }).unwrap_or_default();
+        Ok(Analysis { report: b.finish(problems), meta, recording, names, flames, samples, window, scope_error })
+    }
+
+    /// One kind's folded stacks (empty when there are none or flames were not asked for).
+    pub fn folded(&self, kind: flame::Kind) -> flame::Folded {
+        self.flames.get(kind)
+    }
+}
+
+/// A JSON frame that holds a v1 stack record (peeks at the type before parsing the rest).
+fn is_v1_stack(bytes: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Peek<'a> {
+        #[serde(rename = "type", borrow)]
+        ty: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_slice::<Peek>(bytes).is_ok_and(|p| p.ty.as_deref() == Some("stack"))
+}
