@@ -215,7 +215,10 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     // And an OTLP receiver made of opentelemetry-proto: each request's span once analysed.
     let otlp = common::otlp::Receiver::start(&d.join("otlp"));
-    let w = Watch::start(&d.join("state"), &["--port", &port.to_string(), "--otlp", &format!("http://127.0.0.1:{}", otlp.port)]);
+    let w = Watch::start(
+        &d.join("state"),
+        &["--port", &port.to_string(), "--otlp", &format!("http://127.0.0.1:{}", otlp.port), "--segment", "2s"],
+    );
     // A real Prometheus, scraping probe every second.
     let prom_port = free_port();
     std::fs::write(
@@ -267,10 +270,24 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
     assert_eq!(query("up{job=\"probe\"}"), Some(1.0));
     assert!(query("probe_cpu_seconds_total{job=\"probe\"}").is_some_and(|c| c > 0.0));
     kill(prom);
+    // Every output states the same TTFT: the histogram's sum, the split of the analysed requests
+    // (whose parts add up to each TTFT) and, below, the spans.
+    let t = Instant::now();
+    while w.metric("probe_analysed_requests_total") < 3.0 && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let text = w.metrics();
+    let ttft_sum = common::prometheus_sum(&text, "probe_ttft_seconds_sum");
+    let split_sum = common::prometheus_sum(&text, "probe_ttft_cause_seconds_total");
+    assert_eq!(common::prometheus_sum(&text, "probe_analysed_requests_total"), 3.0, "{text}");
+    assert!((ttft_sum - split_sum).abs() < 1e-6, "histogram sum {ttft_sum} s, TTFT split {split_sum} s:\n{text}");
     // Stopping analyses what is left and sends it before watch exits.
     w.stop();
     let spans = otlp.spans();
     assert_eq!(spans.len(), 3, "{spans:?}");
+    let span_sum: f64 =
+        spans.iter().map(|sp| common::otlp::attrs(sp)["gen_ai.server.time_to_first_token"]["doubleValue"].as_f64().unwrap_or(0.0)).sum();
+    assert!((span_sum - ttft_sum).abs() < 1e-6, "spans' TTFT {span_sum} s, histogram {ttft_sum} s");
     for sp in &spans {
         let a = common::otlp::attrs(sp);
         assert_eq!(a["url.path"]["stringValue"], "/completion", "{sp}");

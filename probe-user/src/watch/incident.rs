@@ -120,8 +120,10 @@ impl Watcher {
         }
         let (stop, _) = verdict::stop_cause(&q);
         let tokens = verdict::produced(&q);
+        // The TTFT every output states (the report's, the span's, the log's); only the slow rule
+        // discounts a whole answer's generation time, so a long non-streamed answer is not slow.
+        self.metrics.request(stop, q.path.as_deref(), q.ttft_ms.map(|t| t / 1e3), tokens);
         let first = verdict::first_token_ms(&q);
-        self.metrics.request(stop, q.path.as_deref(), first.map(|t| t / 1e3), tokens);
         let slow_at = self.slow.threshold_ms(self.median_ms());
         let incident = if first.is_some_and(|t| t > slow_at) {
             Some("slow_ttft")
