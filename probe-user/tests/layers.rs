@@ -86,3 +86,89 @@ fn modules_do_not_import_each_other_in_a_cycle() {
     }
     assert!(cycles.is_empty(), "modules in an import cycle: {cycles:?}\n{deps:#?}");
 }
+
+/// The submodules of one module, as nodes: `(file, name)`; `mod.rs` and the parent's own file
+/// are left out (a parent declares and re-exports its children; a child using an item its
+/// parent defines is not a cycle between siblings).
+fn submodules(src: &std::path::Path) -> BTreeMap<String, Vec<(std::path::PathBuf, String)>> {
+    let mut out: BTreeMap<String, Vec<(std::path::PathBuf, String)>> = BTreeMap::new();
+    for e in std::fs::read_dir(src).unwrap().flatten() {
+        let dir = e.path();
+        if !dir.is_dir() {
+            continue;
+        }
+        let parent = dir.file_name().unwrap().to_string_lossy().to_string();
+        let mut files = vec![];
+        sources(&dir, &mut files);
+        for f in files {
+            let rel = f.strip_prefix(&dir).unwrap();
+            let name = rel.components().next().unwrap().as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
+            if name != "mod" {
+                out.entry(parent.clone()).or_default().push((f, name));
+            }
+        }
+    }
+    out
+}
+
+/// Sibling names a submodule's code takes: `super::NAME`, `crate::PARENT::NAME`, and the names
+/// in `super::{...}` groups.
+fn siblings_used(code: &str, parent: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for prefix in ["super::".to_string(), format!("crate::{parent}::")] {
+        for (i, _) in code.match_indices(&prefix) {
+            // `crate::bench::` inside `crate::other_bench::` is not this prefix.
+            if code[..i].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            // This path alone: up to the end of its statement, and before any other path.
+            let rest = &code[i + prefix.len()..];
+            let end = [rest.find(';'), rest.find("crate::"), rest.find("super::")].into_iter().flatten().min().unwrap_or(rest.len());
+            names.extend(used(&format!("crate::{}", &rest[..end])));
+        }
+    }
+    names
+}
+
+/// No cycles between the files of one module either (bench::output ↔ bench::vllm was one):
+/// imports through `super::` and `crate::PARENT::` are followed.
+#[test]
+fn submodules_do_not_import_each_other_in_a_cycle() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut all_cycles = vec![];
+    let mut edges = 0;
+    for (parent, files) in submodules(&src) {
+        let names: BTreeSet<String> = files.iter().map(|(_, n)| n.clone()).collect();
+        let mut deps: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (f, name) in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let code: String = text
+                .split("#[cfg(test)]")
+                .next()
+                .unwrap()
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let mut used = siblings_used(&code, &parent);
+            used.retain(|n| names.contains(n) && n != name);
+            edges += used.len();
+            deps.entry(name.clone()).or_default().extend(used);
+        }
+        for m in &names {
+            let (mut seen, mut todo): (BTreeSet<&str>, Vec<&str>) =
+                (BTreeSet::new(), deps.get(m).into_iter().flatten().map(String::as_str).collect());
+            while let Some(n) = todo.pop() {
+                if n == m {
+                    all_cycles.push(format!("{parent}::{m}: {:?}", deps));
+                    break;
+                }
+                if seen.insert(n) {
+                    todo.extend(deps.get(n).into_iter().flatten().map(String::as_str));
+                }
+            }
+        }
+    }
+    assert!(edges > 10, "the scan found {edges} sibling imports: it reads nothing");
+    assert!(all_cycles.is_empty(), "submodules in an import cycle:\n{}", all_cycles.join("\n"));
+}

@@ -14,6 +14,7 @@ pub mod client;
 pub mod conclude;
 pub mod metrics;
 pub mod output;
+pub mod results;
 pub mod sweep;
 pub mod trace;
 pub mod vllm;
@@ -34,7 +35,7 @@ use self::{
     args::label,
     client::Url,
     metrics::{Level, Row, Slo},
-    output::Results,
+    results::Results,
     sweep::{Ctx, Progress},
 };
 

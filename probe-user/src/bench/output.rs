@@ -2,32 +2,12 @@
 //! results.csv, results-vllm.jsonl (bench::vllm), summary.txt (definitions, tables, conclusions) and hand-written SVG bar charts:
 //! TTFT and output tokens by level, the stop-reason mix by level, prompt and output tokens/s by
 //! bucket, TTFT by idle interval split into its causes.
-use std::{collections::BTreeMap, fmt::Write as _, path::Path};
-
-use serde::Serialize;
+use std::{fmt::Write as _, path::Path};
 
 use super::{
-    api::ServerInfo,
     metrics::{DEFINITIONS, Level, Row, csv},
+    results::Results,
 };
-
-#[derive(Serialize)]
-pub struct Results {
-    pub tool: String,
-    pub url: String,
-    pub api: super::api::Api,
-    pub started_unix_s: u64,
-    pub config: serde_json::Value,
-    pub definitions: BTreeMap<String, String>,
-    pub server: ServerInfo,
-    /// Ctrl-C stopped the run: what was gathered until then.
-    pub interrupted: bool,
-    pub rows: Vec<Row>,
-    pub levels: Vec<Level>,
-    pub conclusions: Vec<String>,
-    pub notes: Vec<String>,
-    pub traces: Vec<String>,
-}
 
 fn f(v: Option<f64>, prec: usize) -> String {
     v.map(|x| format!("{x:.prec$}")).unwrap_or_else(|| "-".into())

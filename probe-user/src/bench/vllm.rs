@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use super::{
     api::Api,
     metrics::{Level, Row},
-    output::Results,
+    results::Results,
 };
 use crate::stats::percentile;
 
