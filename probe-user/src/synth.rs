@@ -223,7 +223,7 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
                 pid: PID,
                 local: "127.0.0.1:8080".into(),
                 peer: format!("127.0.0.1:{port}"),
-                role: "server".into(),
+                role: crate::stream::Role::Server,
                 method: Some("POST".into()),
                 path: Some("/v1/chat/completions".into()),
                 status: Some(200),
@@ -238,8 +238,8 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
                     done_marker: true,
                     ..Default::default()
                 },
-                closed_by: "client".into(),
-                reset: "none".into(),
+                closed_by: crate::stream::ClosedBy::Client,
+                reset: crate::stream::Reset::None,
                 content_complete: true,
                 transport_complete: true,
                 ..Default::default()

@@ -9,7 +9,7 @@
 //! was being served; the rest is unexplained.
 use serde::{Deserialize, Serialize};
 
-use crate::stream::RequestRecord;
+use crate::stream::{ClosedBy, RequestRecord};
 
 /// Facts about one request's window (CLOCK_MONOTONIC ns). Trace-wide series are borrowed: the
 /// report builds them once and every request's window points into them.
@@ -111,9 +111,10 @@ macro_rules! closed_set {
                 f.write_str(self.name())
             }
         }
-        impl PartialEq<&str> for $name {
-            fn eq(&self, o: &&str) -> bool {
-                self.name() == *o
+        impl std::str::FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                $name::ALL.iter().copied().find(|c| c.name() == s).ok_or_else(|| format!("`{s}` is not a {}", stringify!($name)))
             }
         }
     };
@@ -250,9 +251,9 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
         ServerError
     } else if q.content_complete {
         server_stop(q).unwrap_or(Unknown)
-    } else if q.closed_by == "client" {
+    } else if q.closed_by == ClosedBy::Client {
         if idle_before_close_ms(q).is_some() { Deadline } else { ClientDisconnect }
-    } else if q.closed_by == "server" {
+    } else if q.closed_by == ClosedBy::Server {
         Crash
     } else {
         Unknown
@@ -284,8 +285,8 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
         _ => None,
     };
     // The transport fact, when it differs from the server's word.
-    if q.content_complete && !q.transport_complete && q.closed_by != "open" {
-        let who = if q.closed_by == "client" { "the client" } else { "the server" };
+    if q.content_complete && !q.transport_complete && q.closed_by != ClosedBy::Open {
+        let who = if q.closed_by == ClosedBy::Client { "the client" } else { "the server" };
         let line =
             format!("{who} then closed before the end of the HTTP response, which is harmless: the server's final message had been sent");
         why = Some(match why {
@@ -308,7 +309,7 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     let (mut stop, mut why) = stop_cause(q);
     if let Some(arrival) = q.arrival_ms.map(|_| w.arrival_ns) {
         let end = arrival + (q.end_ms.unwrap_or(0.0) * 1e6) as u64 + 2_000_000_000;
-        if !q.content_complete && w.oom_kills.iter().any(|&t| t >= arrival && (q.closed_by == "open" || t <= end)) {
+        if !q.content_complete && w.oom_kills.iter().any(|&t| t >= arrival && (q.closed_by == ClosedBy::Open || t <= end)) {
             stop = StopCause::Oom;
             why = Some("the kernel's OOM killer killed the server process while it served this request".into());
         }
@@ -465,7 +466,7 @@ mod tests {
             ttft_ms: Some(ttft),
             content_complete: true,
             transport_complete: true,
-            closed_by: "none".into(),
+            closed_by: ClosedBy::None,
             status: Some(200),
             ..Default::default()
         }
@@ -494,7 +495,7 @@ mod tests {
         let s = v.ttft_ms.clone().unwrap();
         assert_eq!(s.disk, 1200.0);
         assert_eq!(s.load, 280.0); // from the first read (20 ms after arrival) to the token, less disk
-        assert_eq!(v.slow_cause, "disk");
+        assert_eq!(v.slow_cause.name(), "disk");
         assert!(v.evidence.iter().any(|e| e.contains("/models/m.gguf (98.0 MiB)")), "{:?}", v.evidence);
     }
 
@@ -505,7 +506,7 @@ mod tests {
         q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 40.0}));
         let w = Window { arrival_ns: 0, others: vec![(0, 850 * ms)], offcpu_probe: true, ..Default::default() };
         let v = attribute(&q, &w);
-        assert_eq!(v.slow_cause, "queue");
+        assert_eq!(v.slow_cause.name(), "queue");
         let s = v.ttft_ms.unwrap();
         assert_eq!((s.queue, s.compute, s.unexplained), (850.0, 40.0, 10.0));
     }
@@ -524,7 +525,7 @@ mod tests {
         let s = v.ttft_ms.clone().unwrap();
         assert_eq!(s.power, 150.0);
         assert_eq!(s.compute, 250.0);
-        assert_eq!(v.slow_cause, "power");
+        assert_eq!(v.slow_cause.name(), "power");
         assert!(v.evidence.iter().any(|e| e.contains("GPU 0 SM clock at 20%") && e.contains("P8")), "{:?}", v.evidence);
         // Clocks already up at arrival: no power share.
         let w = Window { arrival_ns: 300 * ms, gpu_clocks: &gpu, offcpu_probe: true, ..Default::default() };
@@ -538,12 +539,12 @@ mod tests {
         q.arrival_ms = Some(0.0);
         q.content_complete = false;
         q.transport_complete = false;
-        q.closed_by = "server".into();
+        q.closed_by = ClosedBy::Server;
         q.end_ms = Some(500.0);
         let w = Window { arrival_ns: 1_000_000_000, oom_kills: &[1_400_000_000], ..Default::default() };
-        assert_eq!(attribute(&q, &w).stop_cause, "oom");
+        assert_eq!(attribute(&q, &w).stop_cause.name(), "oom");
         let w = Window { arrival_ns: 1_000_000_000, oom_kills: &[900_000_000], ..Default::default() };
-        assert_eq!(attribute(&q, &w).stop_cause, "crash");
+        assert_eq!(attribute(&q, &w).stop_cause.name(), "crash");
     }
 
     #[test]
@@ -551,14 +552,14 @@ mod tests {
         let mut q = req(10.0);
         q.content_complete = false;
         q.transport_complete = false;
-        q.closed_by = "client".into();
+        q.closed_by = ClosedBy::Client;
         q.chunks = 4;
         q.chunk_times_ms = vec![10.0, 20.0, 30.0, 40.0];
         q.closed_ms = Some(2040.0);
-        assert_eq!(stop_cause(&q).0, "deadline");
+        assert_eq!(stop_cause(&q).0.name(), "deadline");
         assert!(stop_cause(&q).1.unwrap().contains("2.0 s"));
         q.closed_ms = Some(45.0); // the reader left while tokens flowed
-        assert_eq!(stop_cause(&q).0, "client_disconnect");
+        assert_eq!(stop_cause(&q).0.name(), "client_disconnect");
     }
 
     #[test]
@@ -567,23 +568,23 @@ mod tests {
         q.max_tokens = Some(8);
         q.chunks = 8;
         q.stop = Stop { finish_reason: Some("length".into()), ..Default::default() };
-        assert_eq!(stop_cause(&q).0, "requested_limit");
+        assert_eq!(stop_cause(&q).0.name(), "requested_limit");
         q.max_tokens = Some(4000);
         q.stop.usage = Some(serde_json::json!({"completion_tokens": 990}));
-        assert_eq!(stop_cause(&q).0, "server_limit");
+        assert_eq!(stop_cause(&q).0.name(), "server_limit");
         q.stop = Stop { finish_reason: Some("stop".into()), ..Default::default() };
-        assert_eq!(stop_cause(&q).0, "eos");
+        assert_eq!(stop_cause(&q).0.name(), "eos");
         let mut c = req(10.0);
         c.content_complete = false;
         c.transport_complete = false;
-        c.closed_by = "client".into();
-        assert_eq!(stop_cause(&c).0, "client_disconnect");
+        c.closed_by = ClosedBy::Client;
+        assert_eq!(stop_cause(&c).0.name(), "client_disconnect");
         c.chunk_times_ms = vec![10.0];
         c.end_ms = Some(30_010.0);
-        assert_eq!(stop_cause(&c).0, "deadline");
+        assert_eq!(stop_cause(&c).0.name(), "deadline");
         let mut e = req(10.0);
         e.status = Some(400);
-        assert_eq!(stop_cause(&e).0, "server_error");
+        assert_eq!(stop_cause(&e).0.name(), "server_error");
     }
 
     /// A reader that closes right after the server's final message (before `[DONE]` or the
@@ -601,11 +602,11 @@ mod tests {
             let mut q = req(10.0);
             q.stop = stop;
             q.transport_complete = false;
-            q.closed_by = "client".into();
-            q.reset = "by_client".into();
+            q.closed_by = ClosedBy::Client;
+            q.reset = crate::stream::Reset::ByClient;
             q.chunks = 11;
             let (cause, why) = stop_cause(&q);
-            assert_eq!(cause, want, "{:?}", q.stop);
+            assert_eq!(cause.name(), want, "{:?}", q.stop);
             let why = why.unwrap();
             assert!(why.contains("the client then closed before the end of the HTTP response, which is harmless"), "{why}");
         }
@@ -615,10 +616,10 @@ mod tests {
         q.stop = Stop { finish_reason: Some("stop".into()), ..Default::default() };
         q.content_complete = false;
         q.transport_complete = false;
-        q.closed_by = "client".into();
+        q.closed_by = ClosedBy::Client;
         q.chunk_times_ms = vec![5.0, 6.0, 7.0];
         q.closed_ms = Some(7.5);
-        assert_eq!(stop_cause(&q).0, "client_disconnect");
+        assert_eq!(stop_cause(&q).0.name(), "client_disconnect");
     }
 
     #[test]
@@ -627,30 +628,30 @@ mod tests {
         let mut q = req(10.0);
         q.stop.error = Some(serde_json::json!({"code": 500}));
         q.content_complete = false;
-        q.closed_by = "client".into();
-        assert_eq!(stop_cause(&q).0, "server_error");
+        q.closed_by = ClosedBy::Client;
+        assert_eq!(stop_cause(&q).0.name(), "server_error");
         // The server's word (content complete) outranks the peer's close and the server's own close.
         let mut q = req(10.0);
         q.stop.finish_reason = Some("length".into());
         q.max_tokens = Some(16);
         q.chunks = 16;
         q.transport_complete = false;
-        q.closed_by = "server".into();
-        assert_eq!(stop_cause(&q).0, "requested_limit");
+        q.closed_by = ClosedBy::Server;
+        assert_eq!(stop_cause(&q).0.name(), "requested_limit");
         // Without it: the peer's close...
         q.content_complete = false;
-        q.closed_by = "client".into();
-        assert_eq!(stop_cause(&q).0, "client_disconnect");
+        q.closed_by = ClosedBy::Client;
+        assert_eq!(stop_cause(&q).0.name(), "client_disconnect");
         // ...or the server's own close before its final message...
-        q.closed_by = "server".into();
-        assert_eq!(stop_cause(&q).0, "crash");
+        q.closed_by = ClosedBy::Server;
+        assert_eq!(stop_cause(&q).0.name(), "crash");
         // ...then the transport: still open at the end of the trace says nothing.
-        q.closed_by = "open".into();
-        assert_eq!(stop_cause(&q).0, "unknown");
+        q.closed_by = ClosedBy::Open;
+        assert_eq!(stop_cause(&q).0.name(), "unknown");
         // A response whose framing ended without stop fields (not a generation) is not blamed.
         let mut g = req(1.0);
         g.stop = Stop::default();
-        assert_eq!(stop_cause(&g).0, "unknown");
+        assert_eq!(stop_cause(&g).0.name(), "unknown");
         // A whole response, transport complete: the evidence has no transport remark.
         let mut e = req(1.0);
         e.stop.finish_reason = Some("stop".into());
@@ -663,10 +664,10 @@ mod tests {
         let mut q = req(10.0);
         q.content_complete = false;
         q.transport_complete = false;
-        q.closed_by = "client".into();
+        q.closed_by = ClosedBy::Client;
         q.chunk_times_ms = vec![10.0, 20.0, 2600.0];
         q.closed_ms = Some(2030.0);
-        assert_eq!(stop_cause(&q).0, "deadline");
+        assert_eq!(stop_cause(&q).0.name(), "deadline");
     }
 
     #[test]
@@ -675,7 +676,7 @@ mod tests {
         q.stop.finish_reason = Some("stop".into());
         let w = Window { server_preemptions: Some(3.0), offcpu_probe: true, ..Default::default() };
         let v = attribute(&q, &w);
-        assert_eq!(v.stop_cause, "eos");
+        assert_eq!(v.stop_cause.name(), "eos");
         assert!(v.evidence.iter().any(|e| e.contains("preempted 3 request(s)")), "{:?}", v.evidence);
     }
 
@@ -686,9 +687,9 @@ mod tests {
         q.chunks = 86;
         q.stop.error = Some(serde_json::json!({"code": 500, "type": "server_error", "reason": "context_exceeded"}));
         let (cause, why) = stop_cause(&q);
-        assert_eq!(cause, "server_limit");
+        assert_eq!(cause.name(), "server_limit");
         assert!(why.unwrap().contains("after 86 tokens"));
         q.stop.error = Some(serde_json::json!({"code": 500, "type": "server_error"}));
-        assert_eq!(stop_cause(&q).0, "server_error");
+        assert_eq!(stop_cause(&q).0.name(), "server_error");
     }
 }

@@ -84,7 +84,7 @@ fn ollama_generate_ndjson_stops_at_length() {
     assert_eq!(q.stop.done_reason.as_deref(), Some("length"));
     assert_eq!(q.stop.server_timings.as_ref().unwrap()["load_duration"], 2900000000u64);
     assert_eq!(q.ttft_ms, Some(3200.0));
-    assert!(q.content_complete && q.transport_complete && q.closed_by == "none", "{q:?}");
+    assert!(q.content_complete && q.transport_complete && q.closed_by.name() == "none", "{q:?}");
 }
 
 #[test]
@@ -93,8 +93,8 @@ fn ollama_chat_client_gone_mid_stream() {
     let q = &r[0];
     assert_eq!(q.chunks, 2);
     assert!(!q.content_complete && !q.transport_complete);
-    assert_eq!(q.closed_by, "client");
-    assert_eq!(probe_user::verdict::stop_cause(q).0, "client_disconnect");
+    assert_eq!(q.closed_by.name(), "client");
+    assert_eq!(probe_user::verdict::stop_cause(q).0.name(), "client_disconnect");
     assert_eq!(q.stop.done_reason, None);
 }
 
@@ -130,10 +130,10 @@ fn reader_that_leaves_at_the_final_event_keeps_the_servers_stop() {
     let r = run("llama-chat-reader-leaves-at-final");
     let q = &r[0];
     assert!(q.content_complete && !q.transport_complete, "{q:?}");
-    assert_eq!((q.closed_by.as_str(), q.reset.as_str()), ("client", "by_client"));
+    assert_eq!((q.closed_by.name(), q.reset.name()), ("client", "by_client"));
     assert_eq!(q.stop.finish_reason.as_deref(), Some("stop"));
     let (cause, why) = probe_user::verdict::stop_cause(q);
-    assert_eq!(cause, "eos");
+    assert_eq!(cause.name(), "eos");
     assert!(why.unwrap().contains("harmless"));
 }
 
@@ -145,5 +145,5 @@ fn a_final_message_after_the_peer_left_is_a_deadline() {
     let q = &r[0];
     assert!(!q.content_complete, "{q:?}");
     assert_eq!(q.stop.finish_reason.as_deref(), Some("stop"), "the stop fields are kept as seen");
-    assert_eq!(probe_user::verdict::stop_cause(q).0, "deadline");
+    assert_eq!(probe_user::verdict::stop_cause(q).0.name(), "deadline");
 }

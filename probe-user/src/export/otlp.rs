@@ -107,7 +107,7 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
     }
     let mut spans = Vec::new();
     for q in &report.requests {
-        if q.probe_poll || q.role != "server" || ids.is_some_and(|ids| !ids.contains(&q.id)) {
+        if q.probe_poll || q.role != crate::stream::Role::Server || ids.is_some_and(|ids| !ids.contains(&q.id)) {
             continue;
         }
         let Some(arrival) = q.arrival_ms else { continue };
@@ -170,7 +170,7 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
         if let Some(d) = &stop_detail {
             put("probe.stop_detail", s(d.clone()));
         }
-        put("probe.closed_by", s(q.closed_by.clone()));
+        put("probe.closed_by", s(q.closed_by.name()));
         put("probe.content_complete", Val::B(q.content_complete));
         put("probe.transport_complete", Val::B(q.transport_complete));
         put("probe.chunks", Val::I(q.chunks as i64));

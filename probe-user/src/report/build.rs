@@ -19,7 +19,7 @@ use crate::{
         Recording, StackKind, StackRecord,
         records::{Meta, Stats, UserRecord},
     },
-    stream::RequestRecord,
+    stream::{ClosedBy, RequestRecord, Role},
 };
 
 /// A block read is charged to the file its thread last added to the page cache this recently.
@@ -358,14 +358,14 @@ impl Builder {
         // probe's own polls of the server's endpoints are not the server's traffic.
         let polls = crate::system::poll_ports(&self.json);
         let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
-        let ours = |peer: &str, local: &str, role: &str| {
-            let p = if role == "client" { port_of(local) } else { port_of(peer) };
+        let ours = |peer: &str, local: &str, role: Role| {
+            let p = if role == Role::Client { port_of(local) } else { port_of(peer) };
             p.is_some_and(|p| polls.contains(&p))
         };
         let before = r.requests.len();
         // A poll's head says so (User-Agent); its port is the only sign when the head was not seen.
         // Ports are reused: a client's request with a parsed head is never matched by port.
-        let poll = |q: &Request| q.probe_poll || (q.method.is_none() && ours(&q.peer, &q.local, &q.role));
+        let poll = |q: &Request| q.probe_poll || (q.method.is_none() && ours(&q.peer, &q.local, q.role));
         r.requests.retain(|q| !poll(q));
         r.probe_polls = (before - r.requests.len()) as u64;
         r.requests.sort_by(|a, b| a.arrival_ms.unwrap_or(f64::MIN).total_cmp(&b.arrival_ms.unwrap_or(f64::MIN)).then(a.id.cmp(&b.id)));
@@ -746,7 +746,7 @@ fn closes_after_the_response(r: &mut Report) {
     for i in 0..r.requests.len() {
         let q = &r.requests[i];
         let (Some(a), Some(e)) = (q.arrival_ms, q.end_ms) else { continue };
-        if q.closed_by != "none" {
+        if q.closed_by != ClosedBy::None {
             continue;
         }
         let same = |c_local: &str, c_peer: &str| c_local == q.local && c_peer == q.peer;
@@ -770,8 +770,8 @@ fn closes_after_the_response(r: &mut Report) {
             continue;
         }
         // The table's "peer" is the other end: for a server that is the client.
-        let server_side = q.role == "server";
-        r.requests[i].record.closed_by = if by_peer == server_side { "client" } else { "server" }.into();
+        let server_side = q.role == Role::Server;
+        r.requests[i].record.closed_by = if by_peer == server_side { ClosedBy::Client } else { ClosedBy::Server };
     }
 }
 
@@ -931,7 +931,7 @@ mod tests {
                 id,
                 local: "127.0.0.1:8080".into(),
                 peer: "127.0.0.1:40000".into(),
-                role: "server".into(),
+                role: Role::Server,
                 method: method.map(String::from),
                 path: method.map(|_| "/v1/chat/completions".into()),
                 probe_poll: poll,

@@ -82,6 +82,59 @@ impl Ids {
     }
 }
 
+/// Which end of the request the target was: it received it (it serves it), or sent it (a
+/// gateway to its upstream, a front to its runner).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    #[default]
+    Server,
+    Client,
+}
+
+/// Who closed the connection while a request was its current one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClosedBy {
+    /// The client (whichever end sent the first FIN or reset).
+    Client,
+    Server,
+    /// The response ended and the connection stayed open (keep-alive).
+    #[default]
+    None,
+    /// In flight when the trace ended.
+    Open,
+}
+
+/// A reset on the connection, and which end sent it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reset {
+    #[default]
+    None,
+    ByClient,
+    ByServer,
+}
+
+macro_rules! names {
+    ($t:ty { $($v:ident => $n:literal),* $(,)? }) => {
+        impl $t {
+            /// Its word in recordings and report.json.
+            pub fn name(self) -> &'static str {
+                match self { $(Self::$v => $n),* }
+            }
+        }
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+names!(Role { Server => "server", Client => "client" });
+names!(ClosedBy { Client => "client", Server => "server", None => "none", Open => "open" });
+names!(Reset { None => "none", ByClient => "by_client", ByServer => "by_server" });
+
 /// One request as seen on the wire. Times in ms; `arrival_ms` from the start of the trace,
 /// the others from the request's arrival (its first byte read by the server).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -90,8 +143,7 @@ pub struct RequestRecord {
     pub pid: u32,
     pub local: String,
     pub peer: String,
-    /// "server" when the target received the request (it serves it), "client" when it sent it.
-    pub role: String,
+    pub role: Role,
     pub method: Option<String>,
     pub path: Option<String>,
     pub status: Option<u16>,
@@ -110,11 +162,8 @@ pub struct RequestRecord {
     #[serde(flatten)]
     pub stop: Stop,
     /// The transport fact: who closed the connection while this request was its current one.
-    /// "client" or "server" (whichever end sent the first FIN or reset), "none" (the response
-    /// ended and the connection stayed open: keep-alive), "open" (in flight when the trace ended).
-    pub closed_by: String,
-    /// "none", "by_client" or "by_server".
-    pub reset: String,
+    pub closed_by: ClosedBy,
+    pub reset: Reset,
     /// The server sent its final message (a stop reason, `[DONE]`, `"stop"/"done": true`, an
     /// error, or a body without stream messages that ended) before its peer closed.
     #[serde(default)]
@@ -153,14 +202,17 @@ pub struct RequestRecord {
 impl RequestRecord {
     /// How the connection ended for this request, in words: who closed, and a reset if there was one.
     pub fn ended(&self) -> String {
-        let who = match self.closed_by.as_str() {
-            "client" => "client closed",
-            "server" => "server closed",
-            "none" => "kept open",
-            "open" => "open at end",
-            other => other,
+        let who = match self.closed_by {
+            ClosedBy::Client => "client closed",
+            ClosedBy::Server => "server closed",
+            ClosedBy::None => "kept open",
+            ClosedBy::Open => "open at end",
         };
-        if self.reset == "none" { who.to_string() } else { format!("{who} ({})", self.reset.replace('_', " ")) }
+        match self.reset {
+            Reset::None => who.to_string(),
+            Reset::ByClient => format!("{who} (reset by client)"),
+            Reset::ByServer => format!("{who} (reset by server)"),
+        }
     }
 
     /// The two completeness facts in one word: "yes" (both), "content" (the server's final
@@ -238,12 +290,12 @@ struct Conn {
     pending: VecDeque<Pending>,
     seen_any: bool,
     /// Who closed first ("client" / "server_abort") and resets.
-    closer: Option<&'static str>,
+    closer: Option<ClosedBy>,
     /// When the first close or reset was seen (ns).
     closed_at: Option<u64>,
     /// When the peer's FIN or reset was first seen (ns).
     peer_closed_at: Option<u64>,
-    reset: &'static str,
+    reset: Reset,
     /// The tail record expected for the last large call: (direction, bytes, its entry time).
     expect_tail: Option<(u8, u32, u64)>,
     /// The last event of this connection (ns).
@@ -396,7 +448,7 @@ impl Tracker {
     /// Write the requests still in flight on a connection no longer followed, as they are
     /// (their buffered stream messages read for stop fields).
     fn write_unfinished(&mut self, conn: &mut Conn, evicted: bool) {
-        let closer = conn.closer.unwrap_or("open");
+        let closer = conn.closer.unwrap_or(ClosedBy::Open);
         while let Some(mut p) = conn.pending.pop_front() {
             if let Some(s) = p.splitter.as_mut() {
                 let mut msgs = Vec::new();
@@ -428,7 +480,7 @@ impl Tracker {
             closer: None,
             closed_at: None,
             peer_closed_at: None,
-            reset: "none",
+            reset: Reset::None,
             expect_tail: None,
             last_ts: 0,
             held: 0,
@@ -507,14 +559,14 @@ impl Tracker {
         done: &mut Vec<RequestRecord>,
     ) {
         let Some(req_dir) = conn.req_dir else { return };
-        let role = if req_dir == DIR_RECV { "server" } else { "client" };
+        let role = if req_dir == DIR_RECV { Role::Server } else { Role::Client };
         if dir == req_dir {
             Self::request_bytes(conn, payload, missing, at.0, role, next_id, start_ns);
         } else {
             let finished = Self::response_bytes(conn, payload, missing, at, role, next_id, keep_text);
             for p in finished {
                 // The response ended while the connection stayed open (unless a close was seen).
-                let closer = conn.closer.unwrap_or("none");
+                let closer = conn.closer.unwrap_or(ClosedBy::None);
                 done.push(finalize(p, conn, closer));
             }
         }
@@ -528,15 +580,15 @@ impl Tracker {
         }
     }
 
-    fn new_pending(conn: &Conn, id: &mut Ids, role: &str, partial: bool, poll: bool) -> Pending {
+    fn new_pending(conn: &Conn, id: &mut Ids, role: Role, partial: bool, poll: bool) -> Pending {
         let rec = RequestRecord {
             id: id.take(poll),
             pid: conn.pid,
             local: conn.local.clone(),
             peer: conn.peer.clone(),
-            role: role.into(),
+            role,
             partial,
-            reset: "none".into(),
+            reset: Reset::None,
             ..Default::default()
         };
         Pending {
@@ -551,7 +603,7 @@ impl Tracker {
         }
     }
 
-    fn request_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: &str, id: &mut Ids, start_ns: u64) {
+    fn request_bytes(conn: &mut Conn, mut data: &[u8], missing: u64, ts: u64, role: Role, id: &mut Ids, start_ns: u64) {
         if let Some(p) = conn.pending.back_mut().filter(|_| matches!(conn.req, Side::Body(_))) {
             p.rec.request_bytes += data.len() as u64 + missing;
             p.rec.bytes_not_captured += missing;
@@ -678,7 +730,7 @@ impl Tracker {
         mut data: &[u8],
         missing: u64,
         at: (u64, u64),
-        role: &str,
+        role: Role,
         id: &mut Ids,
         keep_text: bool,
     ) -> Vec<Pending> {
@@ -797,7 +849,7 @@ impl Tracker {
         let Some(conn) = self.conns.get_mut(&ev.skaddr) else { return };
         let client_side = conn.req_dir == Some(DIR_RECV);
         // "peer" is the other end; for a server that is the client.
-        let (peer_word, local_word) = if client_side { ("client", "server") } else { ("server", "client") };
+        let (peer_word, local_word) = if client_side { (ClosedBy::Client, ClosedBy::Server) } else { (ClosedBy::Server, ClosedBy::Client) };
         let closing = matches!(ev.what, SOCK_RESET_RECEIVED | SOCK_RESET_SENT)
             || (ev.what == SOCK_STATE && matches!(ev.newstate, TCP_CLOSE_WAIT | TCP_FIN_WAIT1 | TCP_CLOSE));
         if closing {
@@ -811,14 +863,14 @@ impl Tracker {
         match ev.what {
             SOCK_RESET_RECEIVED => {
                 conn.closer.get_or_insert(peer_word);
-                if conn.reset == "none" {
-                    conn.reset = if client_side { "by_client" } else { "by_server" };
+                if conn.reset == Reset::None {
+                    conn.reset = if client_side { Reset::ByClient } else { Reset::ByServer };
                 }
             }
             SOCK_RESET_SENT => {
                 conn.closer.get_or_insert(local_word);
-                if conn.reset == "none" {
-                    conn.reset = if client_side { "by_server" } else { "by_client" };
+                if conn.reset == Reset::None {
+                    conn.reset = if client_side { Reset::ByServer } else { Reset::ByClient };
                 }
             }
             SOCK_STATE => {
@@ -952,15 +1004,15 @@ fn content_at(p: &mut Pending, ts: u64) {
     }
 }
 
-fn finalize(mut p: Pending, conn: &Conn, closed_by: &str) -> RequestRecord {
+fn finalize(mut p: Pending, conn: &Conn, closed_by: ClosedBy) -> RequestRecord {
     let since = |t: u64| p.arrival_ns.map(|a| t.saturating_sub(a) as f64 / 1e6);
     p.rec.closed_ms = conn.closed_at.and_then(since);
     p.rec.final_ms = p.final_at.and_then(since);
     // The server's word counts when it was sent before the peer left: a peer that closed first
     // (a reader that went away, a gateway's deadline) never got it, whatever was sent after.
     p.rec.content_complete = p.final_at.is_some_and(|t| conn.peer_closed_at.is_none_or(|c| t <= c));
-    p.rec.closed_by = closed_by.into();
-    p.rec.reset = conn.reset.into();
+    p.rec.closed_by = closed_by;
+    p.rec.reset = conn.reset;
     p.rec.ttft_ms = p.rec.chunk_times_ms.first().copied();
     p.rec.chunk_gaps = gaps(&p.rec.chunk_times_ms);
     p.rec
@@ -1048,7 +1100,7 @@ mod tests {
             assert!(t.in_flight() <= MAX_PENDING, "{} requests pending", t.in_flight());
         }
         let evicted = t.take_done();
-        assert!(!evicted.is_empty() && evicted.iter().all(|r| r.evicted && r.closed_by == "open"));
+        assert!(!evicted.is_empty() && evicted.iter().all(|r| r.evicted && r.closed_by == ClosedBy::Open));
         assert_eq!(t.limits().requests_evicted, evicted.len() as u64);
     }
 

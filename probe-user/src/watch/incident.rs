@@ -115,7 +115,7 @@ impl Watcher {
     fn request(&mut self, q: Box<RequestRecord>) {
         // probe's own endpoint polls, and requests the target sent (a gateway's upstream, an
         // Ollama server to its runner) are not the server's answers.
-        if q.probe_poll || q.role != "server" {
+        if q.probe_poll || q.role != crate::stream::Role::Server {
             return;
         }
         let (stop, _) = verdict::stop_cause(&q);
