@@ -218,11 +218,18 @@ pub fn produced(q: &RequestRecord) -> u64 {
 
 /// The stop the server itself reported, from any server's stop fields.
 fn server_stop(q: &RequestRecord) -> Option<StopCause> {
-    let s = &q.stop;
+    server_word(&q.stop, produced(q), q.max_tokens.and_then(|m| u64::try_from(m).ok()))
+}
+
+/// The stop a server's own fields say (llama.cpp, OpenAI, Ollama, vLLM words), given how many
+/// tokens it produced and the limit asked for: a length below the requested limit (one token
+/// of slack: servers count the last token differently) is a limit the server imposed. The one
+/// classifier of the servers' words: verdicts and `probe bench` both use it.
+pub fn server_word(s: &crate::stream::payload::Stop, produced: u64, max_tokens: Option<u64>) -> Option<StopCause> {
     let is = |v: &Option<String>, w: &str| v.as_deref() == Some(w);
     if is(&s.finish_reason, "length") || is(&s.stop_type, "limit") || is(&s.done_reason, "length") || is(&s.stopped, "limit") {
-        return Some(match q.max_tokens {
-            Some(m) if m > 0 && produced(q) + 1 < m as u64 => StopCause::ServerLimit,
+        return Some(match max_tokens {
+            Some(m) if m > 0 && produced + 1 < m => StopCause::ServerLimit,
             _ => StopCause::RequestedLimit,
         });
     }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::client::Exchange;
-use crate::verdict::Split;
+use crate::verdict::{Split, StopCause};
 
 /// The definitions every output states.
 pub const DEFINITIONS: &[(&str, &str)] = &[
@@ -143,32 +143,15 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
     if s.truncated == Some(true) {
         return ("server_limit", format!("server-imposed limit{ctx}: truncated after {output} of {max_tokens} tokens (context ran out)"));
     }
-    let length = s.finish_reason.as_deref() == Some("length")
-        || s.stop_type.as_deref() == Some("limit")
-        || s.done_reason.as_deref() == Some("length")
-        || s.stopped.as_deref() == Some("limit");
-    if length {
-        // One token of slack: some servers count the last token differently.
-        return if max_tokens > 0 && output + 1 < max_tokens {
+    match crate::verdict::server_word(s, output, Some(max_tokens)) {
+        Some(StopCause::ServerLimit) => {
             ("server_limit", format!("server-imposed limit{ctx}: length after {output} of {max_tokens} requested tokens"))
-        } else {
-            ("requested_limit", format!("the requested limit ({max_tokens} tokens)"))
-        };
+        }
+        Some(StopCause::RequestedLimit) => ("requested_limit", format!("the requested limit ({max_tokens} tokens)")),
+        Some(StopCause::StopWord) => ("stop_word", format!("a stop word after {output} tokens")),
+        Some(StopCause::Eos) => ("eos", format!("end of sequence after {output} tokens")),
+        _ => ("unknown", format!("no stop information after {output} tokens")),
     }
-    if s.stop_type.as_deref() == Some("word")
-        || s.stopped.as_deref() == Some("word")
-        || s.stop_reason.as_ref().is_some_and(|r| r.is_string())
-    {
-        return ("stop_word", format!("a stop word after {output} tokens"));
-    }
-    if s.finish_reason.as_deref() == Some("stop")
-        || s.stop_type.as_deref() == Some("eos")
-        || s.done_reason.as_deref() == Some("stop")
-        || s.stopped.as_deref() == Some("eos")
-    {
-        return ("eos", format!("end of sequence after {output} tokens"));
-    }
-    ("unknown", format!("no stop information after {output} tokens"))
 }
 
 /// Which server limit stopped a response: the slot's own context when prompt + output filled at
