@@ -59,6 +59,111 @@ fn int(v: &Value) -> i64 {
     v["intValue"].as_str().and_then(|s| s.parse().ok()).or(v["intValue"].as_i64()).unwrap_or_else(|| panic!("not an int: {v}"))
 }
 
+/// The way probe's HTML writes a time: 1 decimal under 100 ms.
+fn html_ms(v: f64) -> String {
+    if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") }
+}
+
+/// How report.json's closed_by and reset read in words.
+fn ended_words(q: &Value) -> String {
+    let who = match q["closed_by"].as_str().unwrap() {
+        "client" => "client closed",
+        "server" => "server closed",
+        "none" => "kept open",
+        "open" => "open at end",
+        other => panic!("closed_by {other}"),
+    };
+    match q["reset"].as_str().unwrap() {
+        "none" => who.to_string(),
+        "by_client" => format!("{who} (reset by client)"),
+        "by_server" => format!("{who} (reset by server)"),
+        other => panic!("reset {other}"),
+    }
+}
+
+/// Every output of one recording says the same of each request and of the trace: the text
+/// summary, report.html (verdicts and the requests table), the bundle's report.md, and the TCP
+/// table of report.json itself (who closed each request's connection).
+fn assert_outputs_agree(out: &Path, r: &Value) {
+    let (ok, text) = probe(&["report", out.to_str().unwrap()], &[]);
+    assert!(ok || text.contains("probe report:"), "{text}");
+    let html = std::fs::read_to_string(out.join("report.html")).expect("report.html");
+    let bundle = out.with_extension("agree.tar.gz");
+    let (ok, said) = probe(&["bundle", out.to_str().unwrap(), "-o", bundle.to_str().unwrap(), "--force"], &[]);
+    assert!(ok, "{said}");
+    let md = Command::new("tar").arg("xzOf").arg(&bundle).args(["--wildcards", "*/report.md"]).output().unwrap();
+    let md = String::from_utf8_lossy(&md.stdout).to_string();
+    let _ = std::fs::remove_file(&bundle);
+    assert!(!md.is_empty(), "no report.md in the bundle");
+    // The event counts, in the same words everywhere.
+    let (events, received) = (r["events"].as_u64().unwrap(), r["events_received"].as_u64().unwrap_or(0));
+    let phrase = if received > 0 && received != events {
+        format!("{received} events received, {events} kept as kernel records")
+    } else {
+        format!("{events} events")
+    };
+    let head = text.lines().find(|l| l.starts_with("probe report:")).unwrap();
+    assert!(head.contains(&phrase), "summary header {head:?} lacks {phrase:?}");
+    assert!(html.contains(&phrase), "report.html lacks {phrase:?}");
+    assert!(md.contains(&format!(", {phrase}")), "report.md lacks {phrase:?}:\n{md}");
+    // The stack counts.
+    for (kind, st) in r["stacks"].as_object().unwrap() {
+        let s = format!("{} {kind} (median depth {})", st["stacks"], st["median_depth"]);
+        assert!(text.contains(&s) && html.contains(&s), "stack counts {s:?} differ between the summary and report.html");
+    }
+    let conns = r["connections"].as_array().unwrap();
+    for q in served(r) {
+        let id = q["id"].as_u64().unwrap();
+        let v = &q["verdict"];
+        let (slow, stop) = (v["slow_cause"].as_str().unwrap(), v["stop_cause"].as_str().unwrap().replace('_', " "));
+        let ttft = q["ttft_ms"].as_f64().expect("a TTFT");
+        // The summary.
+        let line = text.lines().find(|l| l.trim_start().starts_with(&format!("#{id} "))).unwrap_or_else(|| panic!("no #{id} in:\n{text}"));
+        assert!(line.contains(&format!("TTFT {ttft:.0} ms")), "summary {line:?} vs ttft {ttft}");
+        assert!(line.ends_with(&format!("stopped: {stop}")), "summary {line:?} vs stop {stop}");
+        assert_eq!(line.contains(&format!("slow: {slow}")), slow != "none", "summary {line:?} vs slow {slow}");
+        // report.html: the verdict row and the requests table row.
+        let row = |start: &str| -> String {
+            let i = html.find(start).unwrap_or_else(|| panic!("no {start} in report.html"));
+            html[i..i + html[i..].find("</tr>").unwrap()].to_string()
+        };
+        let verdict = row(&format!("<tr id=\"request-{id}\">"));
+        assert!(verdict.contains(&format!("<td class=\"n\">{}</td>", html_ms(ttft))), "{verdict}");
+        assert!(verdict.contains(&format!("\">{slow}</td>")) && verdict.contains(&format!("<td>{stop}</td>")), "{verdict}");
+        let req = row(&format!("<tr><td>{id}</td>"));
+        let cells: Vec<&str> = req.split("<td").skip(1).map(|c| c.split_once('>').unwrap().1.trim_end_matches("</td>")).collect();
+        assert_eq!(cells[5], html_ms(ttft), "TTFT cell: {req}");
+        assert_eq!(cells[7], q["chunks"].to_string(), "chunks cell: {req}");
+        let g = &q["chunk_gaps"];
+        let gaps = if g.is_null() {
+            "–".to_string()
+        } else {
+            format!(
+                "{} / {} / {}",
+                html_ms(g["p50_ms"].as_f64().unwrap()),
+                html_ms(g["p99_ms"].as_f64().unwrap()),
+                html_ms(g["max_ms"].as_f64().unwrap())
+            )
+        };
+        assert_eq!(cells[8], gaps, "token gap cell: {req}");
+        assert_eq!(cells[11], ended_words(q), "ended cell: {req}");
+        // report.md.
+        let mdrow = md.lines().find(|l| l.starts_with(&format!("| {id} | "))).unwrap_or_else(|| panic!("no request {id} in report.md"));
+        assert!(mdrow.contains(&format!("| {ttft:.0} | {slow} | {stop} |")), "report.md {mdrow:?}");
+        // The TCP table: a request that says who closed its connection agrees with the table.
+        let c = conns.iter().find(|c| c["peer"] == q["peer"] && c["local"] == q["local"]).expect("its connection in the TCP table");
+        let table = match (c["closed_by"].as_str().unwrap(), q["role"].as_str().unwrap()) {
+            ("peer", "server") | ("local", "client") => "client",
+            ("local", "server") | ("peer", "client") => "server",
+            _ => "none",
+        };
+        let later = served(r).iter().any(|o| o["peer"] == q["peer"] && o["id"].as_u64().unwrap() > id);
+        if !later {
+            assert_eq!(q["closed_by"].as_str().unwrap(), table, "request {id} vs its connection {c}");
+        }
+    }
+}
+
 /// Each span says what report.json says of its request.
 fn assert_spans_match(spans: &[Value], r: &Value, what: &str) {
     let reqs = served(r);
@@ -156,6 +261,8 @@ fn pprof_and_otlp_exports_are_read_by_the_common_tools() {
 
     // OTLP sent live: the receiver decoded every span, and each says what the report says.
     assert_spans_match(&rx.spans(), &r, "--otlp");
+    // And the text summary, report.html and the bundle's report.md say it too.
+    assert_outputs_agree(&out, &r);
 
     // OTLP/JSON written by export, parsed strictly by the reference definitions.
     let (ok, text) = probe(&["export", out.to_str().unwrap(), "--format", "otlp-json"], &[]);
