@@ -125,9 +125,14 @@ impl Analysis {
         let mut b = Builder::new();
         let mut wanted = Wanted::default();
         let mut keep = needs.recording.then(|| recording::Keeper::new(recording::KEEP_EVENTS, recording::KEEP_STACKS));
-        // Pass 1: the userspace records, the file mappings, the stacks' frames.
+        // Pass 1: the userspace records, the file mappings, the stacks' frames. Without the
+        // recording's tail to keep, the only kernel records it needs are the mappings: the others
+        // are checked and skipped, not decoded (pass 2 decodes them, and counts what does not).
         let mut pass1 = open()?;
-        let mut undecodable = 0u64;
+        if !needs.recording {
+            pass1.kinds = 1 << probe_common::EventKind::Mmap as u32;
+        }
+        let mut json_undecodable = 0u64;
         while let Some(f) = pass1.next_frame() {
             match f {
                 Frame::Kernel(ev) => {
@@ -162,14 +167,23 @@ impl Analysis {
                         }
                         b.user(rec);
                     }
-                    None => undecodable += 1,
+                    None => json_undecodable += 1,
                 },
             }
         }
-        pass1.undecodable += undecodable;
-        let undecodable = pass1.undecodable;
-        let problems = pass1.finish();
-        let recording = keep.map(|k| k.finish(problems.clone(), undecodable)).unwrap_or_default();
+        // Torn tails and corrupt frames are the same in both passes; what did not decode is
+        // counted where it was decoded (JSON records here, kernel records and stacks in pass 2).
+        let frame_problems = std::mem::take(&mut pass1.problems);
+        let recording = keep
+            .map(|k| {
+                let n = pass1.undecodable + json_undecodable;
+                let mut p = frame_problems.clone();
+                if n > 0 {
+                    p.push(format!("{n} records could not be decoded and were skipped"));
+                }
+                k.finish(p, n)
+            })
+            .unwrap_or_default();
         b.prepare();
         let meta = b.meta().cloned().unwrap_or_default();
         let names = b.kernel_names().clone();
@@ -218,6 +232,9 @@ impl Analysis {
             }
         }
         order.drain(&mut |e| b.kernel(e));
+        pass2.undecodable += json_undecodable;
+        let problems = pass2.finish();
+        debug_assert!(problems.starts_with(&frame_problems), "{problems:?} vs {frame_problems:?}");
         let by_kind = folder.map(Folder::finish);
         let flames = symbols.map(|symbols| Flames { symbols, by_kind: by_kind.unwrap_or_default() }).unwrap_or_default();
         Ok(Analysis { report: b.finish(problems), meta, recording, names, flames, samples, window, scope_error })

@@ -342,27 +342,21 @@ pub fn compact(record: &[u8], chain: &mut Chain, out: &mut Vec<u8>) -> Option<()
     Some(())
 }
 
-/// The raw record back from its compact form; the chain moves on.
-fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
+/// A compact record's header fields (kind, time delta, pid, tid, cpu) and its body.
+type Compact<'a> = (EventKind, u64, u64, u64, u64, &'a [u8]);
+
+fn compact_header(b: &[u8]) -> Option<Compact<'_>> {
     let (&kind, b) = b.split_first()?;
     let kind = EventKind::try_from(u32::from(kind)).ok()?;
     let (dts, b) = take_varint(b)?;
     let (pid, b) = take_varint(b)?;
     let (dtid, b) = take_varint(b)?;
-    let (cpu, mut body) = take_varint(b)?;
-    let ts = chain.ts.wrapping_add(unzigzag(dts) as u64);
-    let tid = u32::try_from(pid as i64 + unzigzag(dtid)).ok()?;
-    let mut rec = Vec::with_capacity(kind.record_size().max(HEADER + body.len()));
-    rec.extend_from_slice(&(kind as u32).to_ne_bytes());
-    rec.extend_from_slice(&u32::try_from(pid).ok()?.to_ne_bytes());
-    rec.extend_from_slice(&tid.to_ne_bytes());
-    rec.extend_from_slice(&u32::try_from(cpu).ok()?.to_ne_bytes());
-    rec.extend_from_slice(&ts.to_ne_bytes());
-    if !chained(kind) {
-        rec.extend_from_slice(body);
-        chain.ts = ts;
-        return Some(rec);
-    }
+    let (cpu, body) = take_varint(b)?;
+    Some((kind, dts, pid, dtid, cpu, body))
+}
+
+/// A chained body's XOR words (how many, and their values); None when it is not one.
+fn compact_words(kind: EventKind, mut body: &[u8]) -> Option<(usize, [u64; MAX_WORDS])> {
     let size = kind.record_size() - HEADER;
     let (n, rest) = take_varint(body)?;
     let n = usize::try_from(n).ok().filter(|&n| n <= size.div_ceil(8))?;
@@ -373,9 +367,36 @@ fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
         *w = v;
         body = rest;
     }
-    if !body.is_empty() {
-        return None;
+    body.is_empty().then_some((n, words))
+}
+
+/// The raw record back from its compact form; the chain moves on.
+#[cfg(test)]
+fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
+    let mut rec = Vec::new();
+    expand_into(b, chain, &mut rec).then_some(rec)
+}
+
+/// [`expand`] into `rec` (cleared first): false when the record is not whole.
+fn expand_into(b: &[u8], chain: &mut Chain, rec: &mut Vec<u8>) -> bool {
+    let Some((kind, dts, pid, dtid, cpu, body)) = compact_header(b) else { return false };
+    let ts = chain.ts.wrapping_add(unzigzag(dts) as u64);
+    let (Ok(tid), Ok(pid32), Ok(cpu)) = (u32::try_from(pid as i64 + unzigzag(dtid)), u32::try_from(pid), u32::try_from(cpu)) else {
+        return false;
+    };
+    rec.clear();
+    rec.extend_from_slice(&(kind as u32).to_ne_bytes());
+    rec.extend_from_slice(&pid32.to_ne_bytes());
+    rec.extend_from_slice(&tid.to_ne_bytes());
+    rec.extend_from_slice(&cpu.to_ne_bytes());
+    rec.extend_from_slice(&ts.to_ne_bytes());
+    if !chained(kind) {
+        rec.extend_from_slice(body);
+        chain.ts = ts;
+        return true;
     }
+    let Some((_, words)) = compact_words(kind, body) else { return false };
+    let size = kind.record_size() - HEADER;
     chain.ts = ts;
     let prev = chain.prev(kind);
     for (i, x) in words[..size.div_ceil(8)].iter().enumerate() {
@@ -385,7 +406,20 @@ fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
         prev[at..at + len].copy_from_slice(&w[..len]);
     }
     rec.extend_from_slice(prev);
-    Some(rec)
+    true
+}
+
+/// A compact record of a kind the reader skips: checked as [`expand`] checks it, the time chain
+/// moved on, nothing built. Its kind's XOR chain is left behind: no record of that kind is
+/// expanded by this reader. The kind, when the record is whole.
+fn skip_compact(b: &[u8], chain: &mut Chain) -> Option<EventKind> {
+    let (kind, dts, pid, dtid, cpu, body) = compact_header(b)?;
+    let ok = u32::try_from(pid as i64 + unzigzag(dtid)).is_ok() && u32::try_from(pid).is_ok() && u32::try_from(cpu).is_ok();
+    if !ok || (chained(kind) && compact_words(kind, body).is_none()) {
+        return None;
+    }
+    chain.ts = chain.ts.wrapping_add(unzigzag(dts) as u64);
+    Some(kind)
 }
 
 /// A recording of one userspace record (header and frame): appended to joined segments, it
@@ -817,6 +851,11 @@ pub enum ReadError {
 /// Frames of a recording, one at a time.
 pub struct Reader<R> {
     inp: R,
+    /// Kernel kinds to decode (a bit per `EventKind`); the others are checked and skipped
+    /// (v2 recordings). All by default.
+    pub kinds: u64,
+    /// The expanded record, reused.
+    raw: Vec<u8>,
     /// This reader's pass was counted in [`PASSES`].
     counted: bool,
     pub version: u32,
@@ -863,6 +902,8 @@ impl<R: BufRead> Reader<R> {
         }
         Ok(Reader {
             inp,
+            kinds: u64::MAX,
+            raw: Vec::new(),
             counted: false,
             version,
             pos: 16,
@@ -1004,8 +1045,15 @@ impl<R: BufRead> Reader<R> {
             }
             let decoded = if self.version == 1 {
                 decode::decode(&self.buf).ok()
+            } else if self.kinds != u64::MAX && self.buf.first().is_some_and(|&k| k >= 64 || self.kinds & (1 << k) == 0) {
+                match skip_compact(&self.buf, &mut self.chain) {
+                    Some(_) => continue,
+                    None => None,
+                }
+            } else if expand_into(&self.buf, &mut self.chain, &mut self.raw) {
+                decode::decode(&self.raw).ok()
             } else {
-                expand(&self.buf, &mut self.chain).and_then(|raw| decode::decode(&raw).ok())
+                None
             };
             match decoded {
                 Some(ev) => return Some(Frame::Kernel(ev)),
