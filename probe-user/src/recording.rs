@@ -958,6 +958,20 @@ impl<R: BufRead> Reader<R> {
             self.pos += 8;
             return Some((ty as u8, u64::from(len)));
         }
+        // The common case: the length and type are in the buffer already (a frame's head is at
+        // most 6 bytes): read them there, without a read call per byte.
+        if let Ok(b) = self.inp.fill_buf()
+            && b.len() >= 6
+            && let Some((len, rest)) = take_varint(&b[..5])
+            && len <= u64::from(MAX_FRAME)
+            && matches!(rest.first(), Some(&(FRAME_KERNEL | FRAME_JSON | FRAME_STACK)))
+            && !(b[0] == MAGIC[0] && b[1] == MAGIC[1])
+        {
+            let (ty, used) = (rest[0], 5 - rest.len() + 1);
+            self.inp.consume(used);
+            self.pos += used as u64;
+            return Some((ty, len));
+        }
         let mut len = 0u64;
         let mut i = 0;
         loop {
