@@ -627,6 +627,29 @@ fn bench_report(dir: &Path) -> anyhow::Result<()> {
     println!("  on disk: {}", sizes(&night, true)?);
     let (secs, rss) = timed(Command::new(bin("probe")).args(["report", "--json"]).arg(&night))?;
     println!("  probe report: {secs:.2} s, peak RSS {:.0} MB (goals: 10 s, 400 MB)", rss / 1e6);
+    // Against an earlier probe on the same recording, in the same run (PROBE_BASELINE=path of its
+    // binary, e.g. one built from the last release): both are timed twice, alternately, best of two.
+    if let Some(base) = std::env::var_os("PROBE_BASELINE").map(PathBuf::from) {
+        let best = |b: &Path| -> anyhow::Result<(f64, f64)> {
+            let mut t = (f64::MAX, 0.0f64);
+            for _ in 0..2 {
+                let (s, r) = timed(Command::new(b).args(["report", "--json"]).arg(&night))?;
+                t = (t.0.min(s), t.1.max(r));
+            }
+            Ok(t)
+        };
+        let (old, new) = (best(&base)?, best(&bin("probe"))?);
+        println!(
+            "  against {}: {:.2} s and {:.0} MB before, {:.2} s and {:.0} MB now: {:.2}× as fast, {:.2}× the memory",
+            base.display(),
+            old.0,
+            old.1 / 1e6,
+            new.0,
+            new.1 / 1e6,
+            old.0 / new.0.max(1e-9),
+            new.1 / old.1.max(1.0)
+        );
+    }
     // The reference: perf's own report over as many samples (page faults, one sample each; no
     // call chains) of a process writing 40 GB a page at a time.
     let data = dir.join("perf.data");
