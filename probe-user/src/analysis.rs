@@ -154,12 +154,12 @@ impl Analysis {
                 }
                 Frame::Json(bytes) => match recording::user_record(&bytes) {
                     Some(rec) => {
-                        if let Ok(r) = &rec {
-                            if needs.flames {
-                                match r {
-                                    recording::records::UserRecord::Stack(s) => wanted.stack(s),
-                                    r => wanted.record(r),
-                                }
+                        if let Ok(r) = &rec
+                            && needs.flames
+                        {
+                            match r {
+                                recording::records::UserRecord::Stack(s) => wanted.stack(s),
+                                r => wanted.record(r),
                             }
                         }
                         if let Some(k) = keep.as_mut() {

@@ -145,7 +145,7 @@ fn environment(rec: &Recording) -> String {
         meta.exe,
         if server.is_empty() { "its endpoints did not answer (or polling was off)".to_string() } else { server.join("; ") },
         meta.cmdline,
-        meta.probes
+        serde_json::to_string(&meta.probes).unwrap_or_default()
     )
 }
 

@@ -194,14 +194,11 @@ fn header(o: &mut String, r: &Report) {
     row(o, "lost events", if lost == 0 { "none".into() } else { format!("<b class=\"bad\">{lost}</b> ({})", per.join(", ")) });
     let skipped: Vec<String> = r
         .probes
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|p| p["live"] == false)
-        .map(|p| format!("{}: {}", escape(p["name"].as_str().unwrap_or("?")), escape(&p["skipped"].to_string())))
+        .iter()
+        .filter(|p| !p.live)
+        .map(|p| format!("{}: {}", escape(&p.name), escape(&serde_json::to_string(&p.skipped).unwrap_or_default())))
         .collect();
-    let live: Vec<String> =
-        r.probes.as_array().into_iter().flatten().filter(|p| p["live"] == true).filter_map(|p| p["name"].as_str().map(escape)).collect();
+    let live: Vec<String> = r.probes.iter().filter(|p| p.live).map(|p| escape(&p.name)).collect();
     row(
         o,
         "probes",

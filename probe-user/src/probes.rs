@@ -121,15 +121,7 @@ const TABLE: &[Spec] = &[
     s("stream", "sendmsg_exit", How::Syscall("sys_exit_sendmsg"), false),
 ];
 
-/// What happened to one subsystem at attach time.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct SubsystemStatus {
-    pub name: String,
-    pub live: bool,
-    pub attached: Vec<String>,
-    /// "program: reason" for each program that did not attach.
-    pub skipped: Vec<String>,
-}
+pub use crate::recording::records::SubsystemStatus;
 
 pub struct Attached {
     pub ebpf: Ebpf,

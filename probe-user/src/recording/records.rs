@@ -17,6 +17,23 @@ fn page_size() -> u64 {
     4096
 }
 
+/// What happened to one subsystem (probe) at attach time: written by the collector in `meta`,
+/// shown by every report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SubsystemStatus {
+    pub name: String,
+    pub live: bool,
+    pub attached: Vec<String>,
+    /// "program: reason" for each program that did not attach.
+    pub skipped: Vec<String>,
+}
+
+/// `null` (as recordings before typed probe lists could hold) reads as the empty default.
+fn null_as_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
 /// The first frame: what was traced, when, with which probes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -53,7 +70,8 @@ pub struct Meta {
     #[serde(default)]
     pub arm_stages: Vec<(String, f64)>,
     /// Per probe: `name`, `live`, `attached`, `skipped` with reasons.
-    pub probes: Value,
+    #[serde(deserialize_with = "null_as_default")]
+    pub probes: Vec<SubsystemStatus>,
     #[serde(default = "page_size")]
     pub page_size: u64,
     pub capture_text: bool,

@@ -632,7 +632,7 @@ impl Builder {
             return;
         }
         let (start, json) = (self.start, &self.json);
-        let offcpu_probe = r.probes.as_array().into_iter().flatten().any(|p| p["name"] == "offcpu" && p["live"] == true);
+        let offcpu_probe = r.probes.iter().any(|p| p.name == "offcpu" && p.live);
         let oom_kills: Vec<u64> =
             self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
         let (gpu_clocks, cpu_clocks) = crate::system::clock_series(json);

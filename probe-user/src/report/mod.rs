@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 use crate::stream::RequestRecord;
 
@@ -71,7 +70,8 @@ pub struct Report {
     /// What tracing cost while it ran: probe's CPU and its BPF programs' run time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<Cost>,
-    pub probes: Value,
+    #[serde(default)]
+    pub probes: Vec<crate::recording::records::SubsystemStatus>,
     pub problems: Vec<String>,
 }
 

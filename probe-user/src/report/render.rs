@@ -174,10 +174,8 @@ pub fn render(r: &Report) -> String {
         let per: Vec<String> = r.lost_events.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
         let _ = writeln!(o, "\nLost events: {lost} ({})", per.join(", "));
     }
-    for p in r.probes.as_array().into_iter().flatten() {
-        if p["live"] == false {
-            let _ = writeln!(o, "Skipped probe {}: {}", p["name"].as_str().unwrap_or("?"), p["skipped"]);
-        }
+    for p in r.probes.iter().filter(|p| !p.live) {
+        let _ = writeln!(o, "Skipped probe {}: {}", p.name, serde_json::to_string(&p.skipped).unwrap_or_default());
     }
     for p in &r.problems {
         let _ = writeln!(o, "Note: {p}");
