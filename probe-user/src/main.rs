@@ -334,126 +334,8 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Trace {
-            pid,
-            cgroup,
-            container,
-            duration,
-            max_size,
-            out,
-            force,
-            probes,
-            ring_mb,
-            json,
-            hz,
-            capture_text,
-            sample_hz,
-            no_poll,
-            auth,
-            otlp,
-        } => {
-            auth.install();
-            let cgroup = match (&cgroup, &container) {
-                (Some(c), _) => Some(probe_user::cgroup::resolve(c)?),
-                (_, Some(c)) => Some(probe_user::cgroup::find_container(c)?),
-                _ => None,
-            };
-            let pid = match (pid, &cgroup) {
-                (Some(p), _) => p,
-                (None, Some(cg)) => probe_user::cgroup::main_pid(&probe_user::cgroup::procs(cg))
-                    .with_context(|| format!("{} has no processes to trace", cg.display()))?,
-                (None, None) => anyhow::bail!("give --pid, --cgroup or --container"),
-            };
-            let out = out.unwrap_or_else(|| {
-                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-                PathBuf::from(format!("probe-{pid}-{now}"))
-            });
-            let outcome = collector::trace(collector::TraceOptions {
-                pid,
-                duration,
-                out: out.clone(),
-                force,
-                only: probes,
-                ring_bytes: ring_mb << 20,
-                capture_text,
-                sample_hz: hz,
-                host_hz: sample_hz.max(0.0),
-                poll: !no_poll,
-                started,
-                max_size: max_size.map(|m| (m, max_size_text(m))),
-                watch: None,
-                offcpu_d_only: false,
-                otlp,
-                cgroup,
-            })?;
-            // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
-            use std::io::Write as _;
-            let mut stdout = std::io::stdout();
-            let _ = if json {
-                writeln!(stdout, "{}", serde_json::to_string_pretty(&outcome.report)?)
-            } else {
-                write!(stdout, "{}", terminal(&report::render(&outcome.report))).and_then(|()| {
-                    writeln!(
-                        stdout,
-                        "\nrecording: {}  (report.json beside it; `probe report {}` prints this again)",
-                        out.display(),
-                        out.display()
-                    )
-                })
-            };
-            Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
-        }
-        Command::Watch {
-            pid,
-            port,
-            exe,
-            cgroup,
-            container,
-            dir,
-            window,
-            window_size,
-            slow_ttft,
-            keep,
-            incident_gap,
-            metrics_addr,
-            segment,
-            hz,
-            sample_hz,
-            ring_mb,
-            no_poll,
-            offcpu_all,
-            auth,
-            otlp,
-        } => {
-            auth.install();
-            use probe_user::watch::{self, target::Select};
-            let select = match (pid, port, exe, cgroup, container) {
-                (Some(p), ..) => Select::Pid(p),
-                (_, Some(p), ..) => Select::Port(p),
-                (_, _, Some(e), ..) => Select::Exe(e),
-                (_, _, _, Some(c), _) => Select::Cgroup(probe_user::cgroup::resolve(&c)?),
-                (.., Some(c)) => Select::Cgroup(probe_user::cgroup::find_container(&c)?),
-                _ => anyhow::bail!("give --pid, --port, --exe, --cgroup or --container"),
-            };
-            watch::run(watch::Options {
-                select,
-                dir,
-                window,
-                window_bytes: window_size,
-                slow_ttft,
-                keep,
-                incident_gap,
-                metrics_addr,
-                segment: segment.min(window),
-                hz,
-                host_hz: sample_hz,
-                ring_bytes: ring_mb << 20,
-                poll: !no_poll,
-                offcpu_d_only: !offcpu_all,
-                started,
-                otlp,
-            })
-        }
+        command @ Command::Trace { .. } => trace_cmd(command, started),
+        command @ Command::Watch { .. } => watch_cmd(command, started),
         Command::Report { dir, sizes: true, .. } => {
             let s = recording::sizes(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             println!("{:<16} {:>12} {:>14} {:>10}", "kind", "records", "bytes", "per record");
@@ -462,131 +344,11 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
             }
             Ok(exit::OK)
         }
-        Command::Report { dir, json, html, .. } => {
-            let r = if html {
-                let (page, r) = probe_user::html::write(&dir)?;
-                println!("{}", page.display());
-                r
-            } else {
-                // Streamed: memory does not grow with the recording.
-                Analysis::report_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?
-            };
-            if json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
-            } else if !html {
-                print!("{}", terminal(&report::render(&r)));
-            }
-            // A torn or corrupt recording is reported from what was whole, and says so (exit 1).
-            Ok(if r.lost_events.values().any(|&n| n > 0) || !r.problems.is_empty() { exit::PARTIAL } else { exit::OK })
-        }
-        Command::Flamegraph { dir, kind, request, from, to, output, force } => {
-            let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
-            let meta = recording::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let start = meta.map_or(0, |m| m.start_ns);
-            let secs = |s: f64| start + (s * 1e9) as u64;
-            let scope = match request {
-                Some(id) => Scope::Request(id),
-                None => Scope::Window(flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) }),
-            };
-            // Streamed: every stack of the recording, however long (two passes: the request's
-            // window is known only once its record was read).
-            let a = Analysis::of_dir(&dir, Needs { flames: true, scope, ..Needs::REPORT })
-                .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            if let Some(e) = &a.scope_error {
-                anyhow::bail!("{e} (see `probe report {}`)", dir.display());
-            }
-            let folded = a.folded(kind);
-            if folded.is_empty() {
-                anyhow::bail!("no {} stacks in {} for this window", kind.name(), dir.display());
-            }
-            let title = match request {
-                Some(id) => format!("probe: {} stacks of request {id}", kind.name()),
-                None => format!("probe: {} stacks", kind.name()),
-            };
-            let (svg, text) = (flame::svg(&folded, kind, &title)?, flame::folded_text(&folded));
-            let out = match output {
-                Some(out) => {
-                    output::write_file(&out, &svg, force)?;
-                    output::write_file(&out.with_extension("folded"), text.as_bytes(), force)?;
-                    out
-                }
-                None => {
-                    let d = output::OutDir::open(&dir)?;
-                    d.write(&format!("flame-{}.folded", kind.name()), text.as_bytes())?;
-                    d.write(&format!("flame-{}.svg", kind.name()), &svg)?
-                }
-            };
-            println!("{} ({} stacks, weight {})", out.display(), folded.len(), folded.values().sum::<u64>());
-            Ok(exit::OK)
-        }
-        Command::Timeline { dir, output, force } => {
-            let a = Analysis::of_dir(&dir, Needs { recording: true, ..Needs::REPORT })
-                .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let trace = a.timeline();
-            let bytes = serde_json::to_vec(&trace)?;
-            let out = match output {
-                Some(out) => {
-                    output::write_file(&out, &bytes, force)?;
-                    out
-                }
-                None => output::OutDir::open(&dir)?.write("timeline.json", &bytes)?,
-            };
-            println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
-            Ok(exit::OK)
-        }
-        Command::Export { dir, format, output, force, otlp } => {
-            let read = || format!("cannot read the recording in {}", dir.display());
-            let pprof = matches!(format, ExportFormat::Pprof);
-            let a = Analysis::of_dir(&dir, Needs { flames: pprof, pprof, ..Needs::REPORT }).with_context(read)?;
-            let (r, meta) = (&a.report, &a.meta);
-            match format {
-                ExportFormat::Pprof => {
-                    let profiles =
-                        a.samples.as_ref().map(|s| probe_user::export::pprof::profiles(s, &a.flames.symbols, meta)).unwrap_or_default();
-                    if profiles.is_empty() {
-                        anyhow::bail!("{} has no stacks to export (was it traced with --probes without cpu/offcpu?)", dir.display());
-                    }
-                    let out = match &output {
-                        Some(o) => output::OutDir::create_or_open(o)?,
-                        None => output::OutDir::open(&dir)?,
-                    };
-                    for (kind, bytes) in profiles {
-                        let p = out.write(&format!("pprof-{}.pb.gz", kind.name()), &bytes)?;
-                        println!("{}  (go tool pprof -http=: {})", p.display(), p.display());
-                    }
-                }
-                ExportFormat::OtlpJson => {
-                    let e = probe_user::export::otlp::from_report(r, meta, None);
-                    let bytes = serde_json::to_vec(&e.to_json())?;
-                    let p = match output {
-                        Some(o) => {
-                            output::write_file(&o, &bytes, force)?;
-                            o
-                        }
-                        None => output::OutDir::open(&dir)?.write("otlp.json", &bytes)?,
-                    };
-                    println!("{} ({} spans)", p.display(), e.spans.len());
-                }
-            }
-            if let Some(ep) = otlp {
-                let e = probe_user::export::otlp::from_report(r, meta, None);
-                let st = ep.send(&e).map_err(anyhow::Error::msg).context("cannot send the spans")?;
-                println!("sent {} spans (collector answered {st})", e.spans.len());
-            }
-            Ok(exit::OK)
-        }
-        Command::Bundle { dir, output, mask, force } => {
-            let a = Analysis::of_dir(&dir, Needs::ALL).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-            let name = dir
-                .canonicalize()
-                .ok()
-                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_else(|| "probe".into());
-            let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));
-            let files = bundle::write(&a, &out, mask, force)?;
-            println!("{} ({})", out.display(), files.join(", "));
-            Ok(exit::OK)
-        }
+        Command::Report { dir, json, html, .. } => report_cmd(dir, json, html),
+        Command::Flamegraph { dir, kind, request, from, to, output, force } => flamegraph_cmd(dir, kind, request, from, to, output, force),
+        Command::Timeline { dir, output, force } => timeline_cmd(dir, output, force),
+        Command::Export { dir, format, output, force, otlp } => export_cmd(dir, format, output, force, otlp),
+        Command::Bundle { dir, output, mask, force } => bundle_cmd(dir, output, mask, force),
         Command::Doctor => Ok(doctor::run()),
         Command::Synth { events, out } => {
             let s = probe_user::synth::write(&out, events)?;
@@ -604,6 +366,278 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Bench(args) => bench::run(*args),
     }
+}
+
+/// `probe trace`: attach, record, stop, write every output.
+fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
+    let Command::Trace {
+        pid,
+        cgroup,
+        container,
+        duration,
+        max_size,
+        out,
+        force,
+        probes,
+        ring_mb,
+        json,
+        hz,
+        capture_text,
+        sample_hz,
+        no_poll,
+        auth,
+        otlp,
+    } = command
+    else {
+        unreachable!("trace_cmd takes its own command")
+    };
+    auth.install();
+    let cgroup = match (&cgroup, &container) {
+        (Some(c), _) => Some(probe_user::cgroup::resolve(c)?),
+        (_, Some(c)) => Some(probe_user::cgroup::find_container(c)?),
+        _ => None,
+    };
+    let pid = match (pid, &cgroup) {
+        (Some(p), _) => p,
+        (None, Some(cg)) => probe_user::cgroup::main_pid(&probe_user::cgroup::procs(cg))
+            .with_context(|| format!("{} has no processes to trace", cg.display()))?,
+        (None, None) => anyhow::bail!("give --pid, --cgroup or --container"),
+    };
+    let out = out.unwrap_or_else(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        PathBuf::from(format!("probe-{pid}-{now}"))
+    });
+    let outcome = collector::trace(collector::TraceOptions {
+        pid,
+        duration,
+        out: out.clone(),
+        force,
+        only: probes,
+        ring_bytes: ring_mb << 20,
+        capture_text,
+        sample_hz: hz,
+        host_hz: sample_hz.max(0.0),
+        poll: !no_poll,
+        started,
+        max_size: max_size.map(|m| (m, max_size_text(m))),
+        watch: None,
+        offcpu_d_only: false,
+        otlp,
+        cgroup,
+    })?;
+    // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout();
+    let _ = if json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&outcome.report)?)
+    } else {
+        write!(stdout, "{}", terminal(&report::render(&outcome.report))).and_then(|()| {
+            writeln!(stdout, "\nrecording: {}  (report.json beside it; `probe report {}` prints this again)", out.display(), out.display())
+        })
+    };
+    Ok(if outcome.partial { exit::PARTIAL } else { exit::OK })
+}
+
+/// `probe watch`: the flight recorder left on.
+fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
+    let Command::Watch {
+        pid,
+        port,
+        exe,
+        cgroup,
+        container,
+        dir,
+        window,
+        window_size,
+        slow_ttft,
+        keep,
+        incident_gap,
+        metrics_addr,
+        segment,
+        hz,
+        sample_hz,
+        ring_mb,
+        no_poll,
+        offcpu_all,
+        auth,
+        otlp,
+    } = command
+    else {
+        unreachable!("watch_cmd takes its own command")
+    };
+    auth.install();
+    use probe_user::watch::{self, target::Select};
+    let select = match (pid, port, exe, cgroup, container) {
+        (Some(p), ..) => Select::Pid(p),
+        (_, Some(p), ..) => Select::Port(p),
+        (_, _, Some(e), ..) => Select::Exe(e),
+        (_, _, _, Some(c), _) => Select::Cgroup(probe_user::cgroup::resolve(&c)?),
+        (.., Some(c)) => Select::Cgroup(probe_user::cgroup::find_container(&c)?),
+        _ => anyhow::bail!("give --pid, --port, --exe, --cgroup or --container"),
+    };
+    watch::run(watch::Options {
+        select,
+        dir,
+        window,
+        window_bytes: window_size,
+        slow_ttft,
+        keep,
+        incident_gap,
+        metrics_addr,
+        segment: segment.min(window),
+        hz,
+        host_hz: sample_hz,
+        ring_bytes: ring_mb << 20,
+        poll: !no_poll,
+        offcpu_d_only: !offcpu_all,
+        started,
+        otlp,
+    })
+}
+
+/// `probe report DIR [--json|--html]`.
+fn report_cmd(dir: PathBuf, json: bool, html: bool) -> anyhow::Result<i32> {
+    let r = if html {
+        let (page, r) = probe_user::html::write(&dir)?;
+        println!("{}", page.display());
+        r
+    } else {
+        // Streamed: memory does not grow with the recording.
+        Analysis::report_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else if !html {
+        print!("{}", terminal(&report::render(&r)));
+    }
+    // A torn or corrupt recording is reported from what was whole, and says so (exit 1).
+    Ok(if r.lost_events.values().any(|&n| n > 0) || !r.problems.is_empty() { exit::PARTIAL } else { exit::OK })
+}
+
+/// `probe flamegraph DIR`: one kind's stacks, of the whole recording, a time window or a request.
+fn flamegraph_cmd(
+    dir: PathBuf,
+    kind: String,
+    request: Option<u64>,
+    from: Option<f64>,
+    to: Option<f64>,
+    output: Option<PathBuf>,
+    force: bool,
+) -> anyhow::Result<i32> {
+    let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
+    let meta = recording::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let start = meta.map_or(0, |m| m.start_ns);
+    let secs = |s: f64| start + (s * 1e9) as u64;
+    let scope = match request {
+        Some(id) => Scope::Request(id),
+        None => Scope::Window(flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) }),
+    };
+    // Streamed: every stack of the recording, however long (two passes: the request's
+    // window is known only once its record was read).
+    let a = Analysis::of_dir(&dir, Needs { flames: true, scope, ..Needs::REPORT })
+        .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    if let Some(e) = &a.scope_error {
+        anyhow::bail!("{e} (see `probe report {}`)", dir.display());
+    }
+    let folded = a.folded(kind);
+    if folded.is_empty() {
+        anyhow::bail!("no {} stacks in {} for this window", kind.name(), dir.display());
+    }
+    let title = match request {
+        Some(id) => format!("probe: {} stacks of request {id}", kind.name()),
+        None => format!("probe: {} stacks", kind.name()),
+    };
+    let (svg, text) = (flame::svg(&folded, kind, &title)?, flame::folded_text(&folded));
+    let out = match output {
+        Some(out) => {
+            output::write_file(&out, &svg, force)?;
+            output::write_file(&out.with_extension("folded"), text.as_bytes(), force)?;
+            out
+        }
+        None => {
+            let d = output::OutDir::open(&dir)?;
+            d.write(&format!("flame-{}.folded", kind.name()), text.as_bytes())?;
+            d.write(&format!("flame-{}.svg", kind.name()), &svg)?
+        }
+    };
+    println!("{} ({} stacks, weight {})", out.display(), folded.len(), folded.values().sum::<u64>());
+    Ok(exit::OK)
+}
+
+/// `probe timeline DIR`: timeline.json for the Perfetto UI.
+fn timeline_cmd(dir: PathBuf, output: Option<PathBuf>, force: bool) -> anyhow::Result<i32> {
+    let a = Analysis::of_dir(&dir, Needs { recording: true, ..Needs::REPORT })
+        .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let trace = a.timeline();
+    let bytes = serde_json::to_vec(&trace)?;
+    let out = match output {
+        Some(out) => {
+            output::write_file(&out, &bytes, force)?;
+            out
+        }
+        None => output::OutDir::open(&dir)?.write("timeline.json", &bytes)?,
+    };
+    println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
+    Ok(exit::OK)
+}
+
+/// `probe export DIR`: pprof profiles, OTLP/JSON, OTLP/HTTP.
+fn export_cmd(
+    dir: PathBuf,
+    format: ExportFormat,
+    output: Option<PathBuf>,
+    force: bool,
+    otlp: Option<probe_user::export::otlp::Endpoint>,
+) -> anyhow::Result<i32> {
+    let read = || format!("cannot read the recording in {}", dir.display());
+    let pprof = matches!(format, ExportFormat::Pprof);
+    let a = Analysis::of_dir(&dir, Needs { flames: pprof, pprof, ..Needs::REPORT }).with_context(read)?;
+    let (r, meta) = (&a.report, &a.meta);
+    match format {
+        ExportFormat::Pprof => {
+            let profiles = a.samples.as_ref().map(|s| probe_user::export::pprof::profiles(s, &a.flames.symbols, meta)).unwrap_or_default();
+            if profiles.is_empty() {
+                anyhow::bail!("{} has no stacks to export (was it traced with --probes without cpu/offcpu?)", dir.display());
+            }
+            let out = match &output {
+                Some(o) => output::OutDir::create_or_open(o)?,
+                None => output::OutDir::open(&dir)?,
+            };
+            for (kind, bytes) in profiles {
+                let p = out.write(&format!("pprof-{}.pb.gz", kind.name()), &bytes)?;
+                println!("{}  (go tool pprof -http=: {})", p.display(), p.display());
+            }
+        }
+        ExportFormat::OtlpJson => {
+            let e = probe_user::export::otlp::from_report(r, meta, None);
+            let bytes = serde_json::to_vec(&e.to_json())?;
+            let p = match output {
+                Some(o) => {
+                    output::write_file(&o, &bytes, force)?;
+                    o
+                }
+                None => output::OutDir::open(&dir)?.write("otlp.json", &bytes)?,
+            };
+            println!("{} ({} spans)", p.display(), e.spans.len());
+        }
+    }
+    if let Some(ep) = otlp {
+        let e = probe_user::export::otlp::from_report(r, meta, None);
+        let st = ep.send(&e).map_err(anyhow::Error::msg).context("cannot send the spans")?;
+        println!("sent {} spans (collector answered {st})", e.spans.len());
+    }
+    Ok(exit::OK)
+}
+
+/// `probe bundle DIR`: the tarball to attach to an issue.
+fn bundle_cmd(dir: PathBuf, output: Option<PathBuf>, mask: bool, force: bool) -> anyhow::Result<i32> {
+    let a = Analysis::of_dir(&dir, Needs::ALL).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let name =
+        dir.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "probe".into());
+    let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));
+    let files = bundle::write(&a, &out, mask, force)?;
+    println!("{} ({})", out.display(), files.join(", "));
+    Ok(exit::OK)
 }
 
 /// The size the user gave, written back the same way (for the end reason).
