@@ -302,6 +302,9 @@ fn concurrent_streams_and_keep_alive_requests_are_kept_apart() {
         let v: Value = serde_json::from_slice(&resp.body).unwrap();
         usage.push(v["usage"]["completion_tokens"].clone());
     }
+    // Who closed first, as the client saw it (see streamed_chat_matches_the_server_and_the_client).
+    s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let server_closed = matches!(reader.read(&mut [0u8; 1]), Ok(0));
     drop(reader);
     drop(s);
     let r = t.stop();
@@ -314,6 +317,10 @@ fn concurrent_streams_and_keep_alive_requests_are_kept_apart() {
     let q = find(&r, ka);
     assert_eq!(q.len(), 2, "two requests on one connection");
     assert_eq!((q[0]["max_tokens"].clone(), q[1]["max_tokens"].clone()), (json!(3), json!(7)));
+    // The control: the client sent its second request on the connection the first answer left
+    // open, so the first is "kept open"; the close belongs to the last request alone.
+    assert_eq!(q[0]["closed_by"], "none", "{}", q[0]);
+    assert_eq!(q[1]["closed_by"], if server_closed { "server" } else { "client" }, "{}", q[1]);
     for (q, u) in q.iter().zip(&usage) {
         assert_eq!(q["stream"], false);
         assert_eq!(q["status"], 200);
