@@ -723,6 +723,9 @@ fn watch_follows_a_container_across_a_restart() {
         }
     };
     wait_for(&format!("following pid {first} "), &mut log);
+    // "following" is said before the probes attach: ask only once they are armed (a request
+    // answered before that is not seen, and the count below waited for it in vain).
+    wait_for("armed in", &mut log);
     for i in 0..2 {
         assert_eq!(ask(c.addr, &chat(8 + i, true), &[]), 200);
     }
@@ -736,7 +739,7 @@ fn watch_follows_a_container_across_a_restart() {
     // The cgroup stands for the target: watch takes it up again as soon as a process is in
     // it (the launcher or the server; the whole cgroup is traced either way).
     let t = Instant::now();
-    while log.iter().filter(|l| l.contains("following pid ")).count() < 2 {
+    while log.iter().filter(|l| l.contains("following pid ")).count() < 2 || log.iter().filter(|l| l.contains("armed in")).count() < 2 {
         assert!(t.elapsed() < Duration::from_secs(60), "watch did not follow the restarted container: {log:#?}");
         if let Ok(l) = lines.recv_timeout(Duration::from_millis(200)) {
             log.push(l);
