@@ -7,10 +7,15 @@ use std::{fmt::Write as _, path::Path};
 
 use anyhow::Context as _;
 
+/// A value as JSON text: absent values read `null`, strings quoted, as in the recording.
+fn js<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_default()
+}
+
 use crate::{
     analysis::Analysis,
     flame, html,
-    recording::Recording,
+    recording::{Recording, samples::Sample},
     redact::{self, Masker},
     report::Report,
     text::{md_block, md_code, md_text},
@@ -90,25 +95,25 @@ fn environment(rec: &Recording) -> String {
         .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
         .unwrap_or_default();
     let mem = read("/proc/meminfo").lines().next().unwrap_or_default().to_string();
-    let samplers = rec.samples().find(|v| v["type"] == "samplers").cloned().unwrap_or_default();
-    let mut gpu: Vec<String> = samplers["gpus"]
-        .as_array()
+    let sources = rec.samples().find_map(|v| if let Sample::Samplers(s) = v { Some(s) } else { None });
+    let mut gpu: Vec<String> = sources
+        .and_then(|s| s.gpus.as_ref())
         .into_iter()
         .flatten()
         .map(|g| {
             format!(
                 "GPU {}: {} ({}), driver {}, max SM {} MHz, power limit {} W",
-                g["index"],
-                g["name"].as_str().unwrap_or("?"),
-                g["uuid"].as_str().unwrap_or("?"),
-                g["driver"].as_str().unwrap_or("?"),
-                g["max_sm_mhz"],
-                g["power_limit_w"]
+                g.index,
+                g.name,
+                g.uuid,
+                g.driver,
+                js(&g.max_sm_mhz),
+                js(&g.power_limit_w)
             )
         })
         .collect();
     if gpu.is_empty() {
-        gpu.push(samplers["gpu_absent"].as_str().map(String::from).unwrap_or_else(|| {
+        gpu.push(sources.and_then(|s| s.gpu_absent.clone()).unwrap_or_else(|| {
             if Path::new("/proc/driver/nvidia/version").exists() {
                 read("/proc/driver/nvidia/version")
             } else {
@@ -120,17 +125,19 @@ fn environment(rec: &Recording) -> String {
     // The server's own account of itself (llama.cpp /props, first poll that answered).
     let server: Vec<String> = rec
         .samples()
-        .filter(|v| v["type"] == "endpoint" && v["kind"] != "none")
+        .filter_map(|v| if let Sample::Endpoint(e) = v { Some(e) } else { None })
+        .filter(|e| e.answered())
         .take(1)
         .map(|v| {
+            let p = v.props.clone().unwrap_or_default();
             format!(
                 "{} at {}: build {}, model {}, {} slots x {} tokens",
-                v["kind"].as_str().unwrap_or("?"),
-                v["addr"].as_str().unwrap_or("?"),
-                v["props"]["build_info"],
-                v["props"]["model_path"],
-                v["props"]["total_slots"],
-                v["props"]["n_ctx_slot"]
+                v.kind.name(),
+                v.addr,
+                js(&p.build_info),
+                js(&p.model_path),
+                js(&p.total_slots),
+                js(&p.n_ctx_slot)
             )
         })
         .collect();

@@ -14,7 +14,6 @@ use probe_common::{
     mmap::MmapOp,
     proc::{PROC_EXIT, PROC_FORK},
 };
-use serde_json::json;
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -23,7 +22,11 @@ use tokio::{
 use crate::{
     decode::{self, Event},
     monotonic_ns, probes, procfs,
-    recording::{self, Writer},
+    recording::{
+        self, Writer,
+        records::{self, UserRecord},
+        samples::Sample,
+    },
     report::Report,
     stream,
     unwind::Unwinders,
@@ -321,7 +324,7 @@ impl State {
             }
         };
         for (id, path) in self.unwinders.take_new_modules() {
-            self.writer.json(&json!({"type": "module", "id": id, "path": path}))?;
+            self.writer.record(&UserRecord::Module(records::Module { id, path }))?;
         }
         let kernel: Vec<u64> = if s.kstack_bytes > 0 {
             s.kstack.iter().take(s.kstack_bytes as usize / 8).copied().take_while(|&a| a != 0).collect()
@@ -335,7 +338,7 @@ impl State {
             _ => recording::StackKind::Io,
         };
         if let Some(names) = self.ksyms.learn(&kernel) {
-            self.writer.json(&names)?;
+            self.writer.record(&UserRecord::Ksyms(names))?;
         }
         let mut v = recording::StackRecord {
             what,
@@ -409,11 +412,12 @@ impl State {
     /// Write the requests that finished.
     fn write_requests(&mut self) -> std::io::Result<()> {
         for r in self.streams.take_done() {
-            let mut v = serde_json::to_value(&r).map_err(std::io::Error::other)?;
-            v["type"] = json!("request");
-            self.writer.json(&v)?;
-            if let Some(w) = &self.watch {
-                w.send(crate::segments::Msg::Request(Box::new(r)));
+            let r = UserRecord::Request(Box::new(r));
+            self.writer.record(&r)?;
+            if let Some(w) = &self.watch
+                && let UserRecord::Request(r) = r
+            {
+                w.send(crate::segments::Msg::Request(r));
             }
         }
         Ok(())
@@ -446,14 +450,14 @@ impl State {
         if self.threads_new.is_empty() {
             return Ok(());
         }
-        let named: Vec<serde_json::Value> = std::mem::take(&mut self.threads_new)
+        let threads: Vec<(u32, u32, String)> = std::mem::take(&mut self.threads_new)
             .into_iter()
-            .filter_map(|(pid, tid)| Some(json!([pid, tid, procfs::thread_comm(pid, tid)?])))
+            .filter_map(|(pid, tid)| Some((pid, tid, procfs::thread_comm(pid, tid)?)))
             .collect();
-        if named.is_empty() {
+        if threads.is_empty() {
             return Ok(());
         }
-        self.writer.json(&json!({"type": "threads", "ts_ns": monotonic_ns(), "threads": named}))
+        self.writer.record(&UserRecord::Threads(records::Threads { ts_ns: monotonic_ns(), threads }))
     }
 
     fn snapshot_maps(&mut self, pid: u32) -> std::io::Result<()> {
@@ -465,15 +469,18 @@ impl State {
         for m in &maps {
             self.known_files.insert((m.major, m.minor, m.inode));
         }
-        self.writer.json(&json!({"type": "maps", "pid": pid, "ts_ns": monotonic_ns(), "mappings": maps}))?;
-        self.last_maps.insert(pid, maps);
+        let r = UserRecord::Maps(records::Maps { pid, ts_ns: monotonic_ns(), mappings: maps });
+        self.writer.record(&r)?;
+        if let UserRecord::Maps(m) = r {
+            self.last_maps.insert(pid, m.mappings);
+        }
         Ok(())
     }
 
     fn snapshot_files(&mut self, pid: u32) -> std::io::Result<()> {
         let files: Vec<_> = procfs::open_files(pid).into_iter().filter(|f| self.known_files.insert((f.major, f.minor, f.inode))).collect();
         if !files.is_empty() {
-            self.writer.json(&json!({"type": "files", "pid": pid, "ts_ns": monotonic_ns(), "files": files}))?;
+            self.writer.record(&UserRecord::Files(records::Files { pid, ts_ns: monotonic_ns(), files }))?;
         }
         Ok(())
     }
@@ -496,7 +503,7 @@ pub fn own_cpu_ns() -> u64 {
 }
 
 /// The `cost` of a stats record: probe's CPU and its programs' runs, cumulative.
-fn cost_json(runs: &std::collections::BTreeMap<String, probes::ProgRuns>, bpf_unmeasured: Option<&str>) -> recording::records::Cost {
+fn cost(runs: &std::collections::BTreeMap<String, probes::ProgRuns>, bpf_unmeasured: Option<&str>) -> recording::records::Cost {
     recording::records::Cost {
         cpu_ns: own_cpu_ns(),
         bpf: runs.iter().map(|(k, r)| (k.clone(), recording::records::ProgCost { runs: r.runs, ns: r.run_ns })).collect(),
@@ -504,27 +511,33 @@ fn cost_json(runs: &std::collections::BTreeMap<String, probes::ProgRuns>, bpf_un
     }
 }
 
-fn stats_json(
+fn stats(
     lost: &[u64],
     counters: &[u64],
     st: &State,
     runs: &std::collections::BTreeMap<String, probes::ProgRuns>,
     bpf_unmeasured: Option<&str>,
-) -> serde_json::Value {
-    let skipped = probes::skipped_runs(runs);
-    let mut lost: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(lost[*k as usize]))).collect();
+) -> UserRecord {
+    let by_kind = |n: &[u64]| EventKind::ALL.iter().map(|k| (k.name().to_string(), n[*k as usize])).collect();
+    let mut lost: std::collections::BTreeMap<String, u64> = by_kind(lost);
     // Records the writer did not write count as lost too (every report shows them).
     let d = st.writer.dropped;
     for (name, n) in [("oversized_record", d.oversized), ("disk_full", d.disk_full)] {
         if n > 0 {
-            lost.insert(name.into(), json!(n));
+            lost.insert(name.into(), n);
         }
     }
-    let counters: serde_json::Map<_, _> = Counter::ALL.iter().map(|c| (c.name().to_string(), json!(counters[*c as usize]))).collect();
-    let events: serde_json::Map<_, _> = EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(st.per_kind[*k as usize]))).collect();
     let u = &st.unwinders;
-    let unwind = json!({"samples": u.samples, "complete": u.complete, "ns": u.nanos, "load_ns": u.load_nanos, "reused": u.reused});
-    json!({"type": "stats", "ts_ns": monotonic_ns(), "lost": lost, "counters": counters, "events": events, "unwind": unwind, "skipped_runs": skipped, "streams": st.streams.limits(), "cost": cost_json(runs, bpf_unmeasured)})
+    UserRecord::Stats(Box::new(records::Stats {
+        ts_ns: monotonic_ns(),
+        lost,
+        counters: Counter::ALL.iter().map(|c| (c.name().to_string(), counters[*c as usize])).collect(),
+        events: by_kind(&st.per_kind),
+        skipped_runs: probes::skipped_runs(runs),
+        unwind: records::UnwindCounters { samples: u.samples, complete: u.complete, ns: u.nanos, load_ns: u.load_nanos, reused: u.reused },
+        streams: Some(st.streams.limits().clone()),
+        cost: Some(cost(runs, bpf_unmeasured)),
+    }))
 }
 
 /// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`], then the
@@ -544,11 +557,11 @@ fn drain_turn(ring: &mut RingBuf<MapData>, st: &mut State, sampler: &crate::samp
         }
     }
     for v in sampler.drain() {
-        st.writer.json(&v)?;
+        st.writer.sample(&v)?;
         if let Some(w) = &st.watch
-            && matches!(v["type"].as_str(), Some("residency" | "endpoint"))
+            && matches!(v, Sample::Residency(_) | Sample::Endpoint(_))
         {
-            w.send(crate::segments::Msg::Sample(v));
+            w.send(crate::segments::Msg::Sample(Box::new(v)));
         }
     }
     st.refresh()?;
@@ -599,24 +612,35 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
     }
     let uname = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let start_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-    st.writer.json(&json!({
-        "type": "meta", "format_version": recording::VERSION, "probe_version": env!("CARGO_PKG_VERSION"),
-        "pid": opts.pid, "comm": procfs::comm(opts.pid), "cmdline": crate::redact::command_line(&procfs::cmdline_args(opts.pid)),
-        "exe": std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
-        "targets": attached.targets, "start_ns": start_ns, "capture_text": opts.capture_text, "start_unix_ms": start_unix_ms,
-        "kernel": uname.trim(), "armed_ms": armed_ms, "arm_stages": arm_stages, "probes": attached.status,
+    st.writer.record(&UserRecord::Meta(Box::new(records::Meta {
+        format_version: recording::VERSION,
+        probe_version: env!("CARGO_PKG_VERSION").into(),
+        pid: opts.pid,
+        comm: procfs::comm(opts.pid),
+        cmdline: crate::redact::command_line(&procfs::cmdline_args(opts.pid)),
+        exe: std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
+        targets: attached.targets.clone(),
+        start_ns,
+        window_start_ns: None,
+        offcpu_waits: Some(if opts.offcpu_d_only { "uninterruptible" } else { "all" }.into()),
+        start_unix_ms,
+        cgroup: opts.cgroup.as_ref().map(|c| c.display().to_string()),
+        cpu_hz: if attached.status.iter().any(|p| p.name == "cpu" && p.live) { opts.sample_hz } else { 0 },
+        kernel: uname.trim().into(),
+        armed_ms,
+        arm_stages,
+        probes: attached.status.clone(),
         // SAFETY: sysconf has no preconditions.
-        "page_size": unsafe { libc::sysconf(libc::_SC_PAGESIZE) }, "block_devices": block_devices(),
-        "offcpu_waits": if opts.offcpu_d_only { "uninterruptible" } else { "all" },
-        "cgroup": opts.cgroup.as_ref().map(|c| c.display().to_string()),
-        "cpu_hz": if attached.status.iter().any(|p| p.name == "cpu" && p.live) { opts.sample_hz } else { 0 },
-    }))?;
+        page_size: unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64,
+        capture_text: opts.capture_text,
+        block_devices: block_devices(),
+    })))?;
     st.refresh()?;
     for &pid in &attached.targets {
         st.unwinders.prepare(pid);
     }
     // The first cumulative counters: the report's tracing cost counts from here.
-    st.writer.json(&stats_json(&sum(&lost_map), &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
+    st.writer.record(&stats(&sum(&lost_map), &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
     st.writer.flush()?;
 
     let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.as_str()).collect();
@@ -687,7 +711,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
                 if busy || lost_now != lost_at_stats || last_stats.is_none_or(|t| t.elapsed() >= IDLE_STATS) {
                     lost_at_stats = lost_now;
                     let runs = probes::prog_runs(&attached.ebpf);
-                    st.writer.json(&stats_json(&lost, &sum(&counter_map), &st, &runs, bpf_unmeasured.as_deref()))?;
+                    st.writer.record(&stats(&lost, &sum(&counter_map), &st, &runs, bpf_unmeasured.as_deref()))?;
                     last_stats = Some(Instant::now());
                     if let Some(w) = &st.watch {
                         w.set_cost(lost_now, &runs);
@@ -800,7 +824,7 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         out_dir.release_reserve();
     }
     for v in rest {
-        st.writer.json(&v)?;
+        st.writer.sample(&v)?;
     }
     st.refresh()?;
     st.streams.finish();
@@ -812,8 +836,8 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
         v.still_blocked = true;
         st.writer.stack(&v)?;
     }
-    st.writer.json(&stats_json(&lost, &counters, &st, &runs, bpf_unmeasured.as_deref()))?;
-    st.writer.json(&json!({"type": "end", "ts_ns": monotonic_ns(), "reason": reason}))?;
+    st.writer.record(&stats(&lost, &counters, &st, &runs, bpf_unmeasured.as_deref()))?;
+    st.writer.record(&UserRecord::End(records::End { ts_ns: monotonic_ns(), reason: reason.clone() }))?;
     st.writer.flush()?;
     let full_again = st.writer.disk_full().is_some();
     let target_exited = st.root_exited;
@@ -909,14 +933,14 @@ async fn run(opts: TraceOptions, mut attached: probes::Attached, out_dir: &crate
 }
 
 /// "major:minor" → name of every block device (/sys/class/block/*/dev), to name devices in reports.
-fn block_devices() -> serde_json::Map<String, serde_json::Value> {
+fn block_devices() -> std::collections::BTreeMap<String, String> {
     std::fs::read_dir("/sys/class/block")
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| {
             let dev = std::fs::read_to_string(e.path().join("dev")).ok()?;
-            Some((dev.trim().to_string(), json!(e.file_name().to_string_lossy())))
+            Some((dev.trim().to_string(), e.file_name().to_string_lossy().into_owned()))
         })
         .collect()
 }

@@ -12,7 +12,6 @@ use blazesym::symbolize::{
     Input, Symbolized, Symbolizer,
     source::{Kernel, Source},
 };
-use serde_json::{Value, json};
 
 use crate::recording::Recording;
 
@@ -68,7 +67,7 @@ impl Default for Resolver {
 impl Resolver {
     /// Resolve the addresses not seen before; returns them as a `ksyms` record to write (None when
     /// all were known). An address kallsyms cannot name is remembered as unnamed.
-    pub fn learn(&mut self, addrs: &[u64]) -> Option<Value> {
+    pub fn learn(&mut self, addrs: &[u64]) -> Option<crate::recording::records::Ksyms> {
         let mut fresh: Vec<u64> = addrs.iter().copied().filter(|a| !self.known.contains_key(a)).collect();
         if fresh.is_empty() {
             return None;
@@ -80,11 +79,11 @@ impl Resolver {
         for (i, a) in fresh.iter().enumerate() {
             let name = names.get(i).and_then(sym_name);
             if let Some(n) = &name {
-                syms.push(json!([a, n]));
+                syms.push((*a, n.clone()));
             }
             self.known.insert(*a, name);
         }
-        (!syms.is_empty()).then(|| json!({"type": "ksyms", "syms": syms}))
+        (!syms.is_empty()).then_some(crate::recording::records::Ksyms { syms })
     }
 
     /// The names of `addrs` (innermost first), for the ones that have one.
@@ -173,6 +172,8 @@ impl Names {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]

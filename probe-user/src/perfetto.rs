@@ -7,7 +7,11 @@ use std::collections::BTreeMap;
 use probe_common::{fault::FAULT_MAJOR, mmap::MmapOp, sock::SOCK_STATE};
 use serde_json::{Value, json};
 
-use crate::{decode::Event, recording::Recording, report};
+use crate::{
+    decode::Event,
+    recording::{Recording, samples::Sample},
+    report,
+};
 
 const REQUESTS_PID: u64 = 1;
 const BLOCKIO_PID: u64 = 2;
@@ -26,79 +30,82 @@ fn meta(pid: u64, tid: Option<u64>, name: &str) -> Value {
 fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
     let c = |name: String, ts: f64, args: Value| json!({"ph": "C", "name": name, "pid": SYSTEM_PID, "tid": 0, "ts": ts, "args": args});
     let mut last_psi: Option<(u64, u64, u64)> = None;
-    let mut last_idle: Option<(u64, Vec<u64>)> = None;
+    let mut last_idle: Option<(u64, &[u64])> = None;
     for v in rec.samples() {
-        let Some(t) = v["ts_ns"].as_u64() else { continue };
+        let t = v.ts_ns();
         let ts = us(t);
-        match v["type"].as_str() {
-            Some("gpu") => {
-                for g in v["gpus"].as_array().into_iter().flatten() {
-                    let i = g["index"].as_u64().unwrap_or(0);
-                    ev.push(c(format!("GPU {i} clock MHz"), ts, json!({"sm": g["sm_mhz"], "mem": g["mem_mhz"]})));
-                    ev.push(c(format!("GPU {i} P-state"), ts, json!({"P": g["pstate"]})));
-                    ev.push(c(format!("GPU {i} power W"), ts, json!({"W": g["power_w"]})));
+        match v {
+            Sample::Gpu(v) => {
+                for g in &v.gpus {
+                    let i = g.index;
+                    ev.push(c(format!("GPU {i} clock MHz"), ts, json!({"sm": g.sm_mhz, "mem": g.mem_mhz})));
+                    ev.push(c(format!("GPU {i} P-state"), ts, json!({"P": g.pstate})));
+                    ev.push(c(format!("GPU {i} power W"), ts, json!({"W": g.power_w})));
                     ev.push(c(
                         format!("GPU {i} VRAM MiB"),
                         ts,
-                        json!({"used": g["vram_used"].as_u64().map(|b| b >> 20), "target": g["target_vram"].as_u64().map(|b| b >> 20)}),
+                        json!({"used": g.vram_used.map(|b| b >> 20), "target": g.target_vram.map(|b| b >> 20)}),
                     ));
                 }
             }
-            Some("cpufreq") => {
-                let khz: Vec<f64> = v["cur_khz"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
+            Sample::Cpufreq(v) => {
+                let khz = &v.cur_khz;
                 if !khz.is_empty() {
-                    ev.push(c("CPU MHz (mean)".into(), ts, json!({"MHz": khz.iter().sum::<f64>() / khz.len() as f64 / 1e3})));
+                    ev.push(c(
+                        "CPU MHz (mean)".into(),
+                        ts,
+                        json!({"MHz": khz.iter().map(|&k| k as f64).sum::<f64>() / khz.len() as f64 / 1e3}),
+                    ));
                 }
             }
-            Some("cpuidle") => {
-                let time: Vec<u64> = v["time_us"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
-                if let Some((t0, prev)) = &last_idle {
-                    let wall = (t.saturating_sub(*t0) as f64 / 1e3 * v["cpus"].as_f64().unwrap_or(1.0)).max(1.0);
+            Sample::Cpuidle(v) => {
+                let time = &v.idle.time_us;
+                if let Some((t0, prev)) = last_idle {
+                    let wall = (t.saturating_sub(t0) as f64 / 1e3 * f64::from(v.idle.cpus)).max(1.0);
                     let mut args = serde_json::Map::new();
-                    for (i, name) in v["names"].as_array().into_iter().flatten().enumerate() {
+                    for (i, name) in v.idle.names.iter().enumerate() {
                         let d = time.get(i).zip(prev.get(i)).map_or(0, |(a, b)| a.saturating_sub(*b));
-                        args.insert(name.as_str().unwrap_or("?").to_string(), json!((d as f64 / wall * 100.0).min(100.0)));
+                        args.insert(name.clone(), json!((d as f64 / wall * 100.0).min(100.0)));
                     }
                     ev.push(c("CPU idle % by state".into(), ts, Value::Object(args)));
                 }
                 last_idle = Some((t, time));
             }
-            Some("mem") => {
-                if let (Some(some), Some(full)) = (v["psi_some_us"].as_u64(), v["psi_full_us"].as_u64()) {
+            Sample::Mem(v) => {
+                let v = &v.mem;
+                if let (Some(some), Some(full)) = (v.psi_some_us, v.psi_full_us) {
                     if let Some((t0, s0, f0)) = last_psi {
                         let secs = (t.saturating_sub(t0) as f64 / 1e9).max(1e-3);
                         ev.push(c("memory stall ms/s (PSI)".into(), ts, json!({"some": some.saturating_sub(s0) as f64 / 1e3 / secs, "full": full.saturating_sub(f0) as f64 / 1e3 / secs})));
                     }
                     last_psi = Some((t, some, full));
                 }
-                if let Some(rss) = v["rss_kib"].as_u64() {
-                    ev.push(c("target RSS MiB".into(), ts, json!({"all": rss >> 10, "file": v["rss_file_kib"].as_u64().map(|k| k >> 10)})));
+                if let Some(rss) = v.rss_kib {
+                    ev.push(c("target RSS MiB".into(), ts, json!({"all": rss >> 10, "file": v.rss_file_kib.map(|k| k >> 10)})));
                 }
             }
-            Some("residency") => {
-                for f in v["files"].as_array().into_iter().flatten() {
-                    let (res, pages) = (f["resident"].as_f64().unwrap_or(0.0), f["pages"].as_f64().unwrap_or(0.0).max(1.0));
-                    let name = f["path"].as_str().unwrap_or("?").rsplit('/').next().unwrap_or("?").to_string();
-                    ev.push(c(format!("{name} in page cache %"), ts, json!({"%": res / pages * 100.0})));
+            Sample::Residency(v) => {
+                for f in &v.files {
+                    let name = f.path.rsplit('/').next().unwrap_or("?").to_string();
+                    ev.push(c(format!("{name} in page cache %"), ts, json!({"%": f.resident as f64 / (f.pages as f64).max(1.0) * 100.0})));
                 }
             }
-            Some("endpoint") => {
-                let m = &v["metrics"];
+            Sample::Endpoint(v) => {
                 for (k, label) in [
                     ("llamacpp:requests_processing", "processing"),
                     ("llamacpp:requests_deferred", "deferred"),
                     ("vllm:num_requests_running", "running"),
                     ("vllm:num_requests_waiting", "waiting"),
                 ] {
-                    if let Some(x) = m[k].as_f64() {
+                    if let Some(x) = v.metric(k) {
                         ev.push(c(format!("server {label}"), ts, json!({label: x})));
                     }
                 }
-                if v["props"]["is_sleeping"].is_boolean() {
-                    ev.push(c("server sleeping".into(), ts, json!({"sleeping": u8::from(v["props"]["is_sleeping"] == true)})));
+                if let Some(sleeping) = v.sleeping() {
+                    ev.push(c("server sleeping".into(), ts, json!({"sleeping": u8::from(sleeping)})));
                 }
             }
-            _ => {}
+            Sample::Samplers(_) => {}
         }
     }
 }

@@ -109,7 +109,8 @@ pub fn descendants(root: u32) -> Vec<u32> {
 }
 
 /// A file a process has open, identified the way the kernel's page cache sees it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct OpenFile {
     pub major: u32,
     pub minor: u32,

@@ -23,6 +23,7 @@ use probe_common::{EventHeader, EventKind};
 use crate::decode::{self, Event};
 
 pub mod records;
+pub mod samples;
 
 pub const FILE_NAME: &str = crate::output::RECORDING_FILE;
 pub const MAGIC: &[u8; 8] = b"PROBEREC";
@@ -550,41 +551,46 @@ const CONTEXT_GROWN: usize = 16 << 20;
 struct Context {
     meta: Option<Vec<u8>>,
     /// (type, key) → the latest record: maps by pid, module by id, samples and stats by type.
-    latest: std::collections::BTreeMap<(String, String), Vec<u8>>,
+    latest: std::collections::BTreeMap<(&'static str, i64), Vec<u8>>,
     grown: std::collections::VecDeque<Vec<u8>>,
     grown_bytes: usize,
 }
 
 impl Context {
-    fn note(&mut self, v: &serde_json::Value, bytes: &[u8]) {
-        let ty = v.get("type").and_then(serde_json::Value::as_str).unwrap_or_default();
-        let key = |k: &str| v.get(k).map(ToString::to_string).unwrap_or_default();
-        match ty {
-            "meta" => self.meta = Some(bytes.to_vec()),
-            "maps" => _ = self.latest.insert((ty.into(), key("pid")), bytes.to_vec()),
-            "module" => _ = self.latest.insert((ty.into(), key("id")), bytes.to_vec()),
-            "files" | "ksyms" | "threads" => {
+    fn note(&mut self, r: &records::UserRecord, bytes: &[u8]) {
+        use records::UserRecord as U;
+        let (ty, key) = match r {
+            U::Meta(_) => {
+                self.meta = Some(bytes.to_vec());
+                return;
+            }
+            U::Maps(m) => ("maps", i64::from(m.pid)),
+            U::Module(m) => ("module", m.id),
+            U::Files(_) | U::Ksyms(_) | U::Threads(_) => {
                 self.grown_bytes += bytes.len();
                 self.grown.push_back(bytes.to_vec());
                 while self.grown_bytes > CONTEXT_GROWN {
                     let Some(old) = self.grown.pop_front() else { break };
                     self.grown_bytes -= old.len();
                 }
+                return;
             }
-            "request" | "end" | "" => {}
-            _ => _ = self.latest.insert((ty.into(), String::new()), bytes.to_vec()),
-        }
+            U::Stats(_) => ("stats", 0),
+            U::Sample(s) => (s.kind(), 0),
+            U::Request(_) | U::End(_) | U::Stack(_) | U::Other(_) => return,
+        };
+        self.latest.insert((ty, key), bytes.to_vec());
     }
 
     /// The records in the order a reader wants them: meta, modules and mappings, the rest.
     fn records(&self) -> impl Iterator<Item = &Vec<u8>> {
-        let first = |t: &'static str| self.latest.iter().filter(move |((ty, _), _)| ty == t).map(|(_, b)| b);
+        let first = |t: &'static str| self.latest.iter().filter(move |((ty, _), _)| *ty == t).map(|(_, b)| b);
         self.meta
             .iter()
             .chain(first("module"))
             .chain(first("maps"))
             .chain(self.grown.iter())
-            .chain(self.latest.iter().filter(|((ty, _), _)| ty != "module" && ty != "maps").map(|(_, b)| b))
+            .chain(self.latest.iter().filter(|((ty, _), _)| !matches!(*ty, "module" | "maps")).map(|(_, b)| b))
     }
 }
 
@@ -724,12 +730,36 @@ impl Writer {
     /// One userspace record. A record over [`MAX_FRAME`] is not written (the reader would take
     /// it for corruption and lose the rest of the file): it is counted in
     /// [`Dropped::oversized`] and the trace goes on.
+    pub fn record(&mut self, r: &records::UserRecord) -> io::Result<()> {
+        let bytes = serde_json::to_vec(&r.to_value().map_err(io::Error::other)?).map_err(io::Error::other)?;
+        if let Some(c) = self.context.as_mut()
+            && bytes.len() <= MAX_FRAME as usize
+        {
+            c.note(r, &bytes);
+        }
+        self.json_bytes(&bytes)
+    }
+
+    /// A sampler's record.
+    pub fn sample(&mut self, s: &samples::Sample) -> io::Result<()> {
+        let bytes = serde_json::to_vec(s).map_err(io::Error::other)?;
+        if let Some(c) = self.context.as_mut()
+            && bytes.len() <= MAX_FRAME as usize
+        {
+            c.latest.insert((s.kind(), 0), bytes.clone());
+        }
+        self.json_bytes(&bytes)
+    }
+
+    /// A record given as JSON (tests, `probe synth`): written as given; a record of a known
+    /// kind joins the context.
     pub fn json(&mut self, value: &serde_json::Value) -> io::Result<()> {
         let bytes = serde_json::to_vec(value).map_err(io::Error::other)?;
         if let Some(c) = self.context.as_mut()
             && bytes.len() <= MAX_FRAME as usize
+            && let Ok(r) = records::UserRecord::from_value(value.clone())
         {
-            c.note(value, &bytes);
+            c.note(&r, &bytes);
         }
         self.json_bytes(&bytes)
     }
@@ -1227,8 +1257,8 @@ impl Recording {
     }
 
     /// The samplers' records (`gpu`, `mem`, `endpoint`...), as written.
-    pub fn samples(&self) -> impl Iterator<Item = &serde_json::Value> {
-        self.records.iter().filter_map(|r| if let records::UserRecord::Sample(v) = r { Some(v) } else { None })
+    pub fn samples(&self) -> impl Iterator<Item = &samples::Sample> {
+        self.records.iter().filter_map(|r| if let records::UserRecord::Sample(s) = r { Some(&**s) } else { None })
     }
 
     /// The `meta` record, if any.

@@ -32,7 +32,7 @@ pub enum Msg {
     /// A request finished (its record was written to the current segment).
     Request(Box<RequestRecord>),
     /// A sampler's record the metrics show (model-file residency, the server's own endpoints).
-    Sample(serde_json::Value),
+    Sample(Box<crate::recording::samples::Sample>),
     /// A segment was closed: it is whole on disk, and the watcher owns it now.
     Segment(Segment),
     /// The session ended (after its last segment).

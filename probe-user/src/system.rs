@@ -4,11 +4,15 @@
 //! Pure: records in, summary out.
 use std::collections::{BTreeMap, HashSet};
 
+use crate::{
+    recording::samples::{CpuFreqReading, CpuIdleReading, EndpointPoll, LoadedModel, Sample},
+    sampler::{
+        gpu::{GpuDevice, GpuSample},
+        host::Mem,
+    },
+};
 use probe_common::mem::{MEM_COMPACTION, MEM_DIRECT_RECLAIM, MEM_MEMCG_RECLAIM, MEM_OOM_VICTIM, MemEvent};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
-
-use crate::sampler::{gpu::GpuDevice, residency::Residency};
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct System {
@@ -147,110 +151,165 @@ pub struct Endpoint {
     /// Prometheus series: first, last and highest value while tracing.
     pub series: BTreeMap<String, Series>,
     /// Ollama: models loaded at the last poll (name, size_vram, expires_at).
-    pub loaded_models: Vec<Value>,
-}
-
-fn u(v: &Value, k: &str) -> Option<u64> {
-    v.get(k).and_then(Value::as_u64)
+    pub loaded_models: Vec<LoadedModel>,
 }
 
 /// Local ports of probe's own endpoint polls: requests from them are not the server's traffic.
-pub fn poll_ports(json: &[Value]) -> HashSet<u16> {
-    json.iter()
-        .filter(|v| v["type"] == "endpoint")
-        .flat_map(|v| v["local_ports"].as_array().cloned().unwrap_or_default())
-        .filter_map(|p| p.as_u64().map(|p| p as u16))
+pub fn poll_ports(samples: &[Sample]) -> HashSet<u16> {
+    samples.iter().filter_map(|s| if let Sample::Endpoint(e) = s { Some(&e.local_ports) } else { None }).flatten().copied().collect()
+}
+
+fn max_in<T: PartialOrd + Copy>(out: &mut Option<T>, x: Option<T>) {
+    if let Some(x) = x {
+        *out = Some(match *out {
+            Some(o) if o >= x => o,
+            _ => x,
+        });
+    }
+}
+
+fn gpu_stats(st: &mut GpuStats, g: &GpuSample) {
+    if let Some(c) = g.sm_mhz {
+        st.sm_mhz_min = Some(st.sm_mhz_min.map_or(c, |m| m.min(c)));
+        st.sm_mhz_max = Some(st.sm_mhz_max.map_or(c, |m| m.max(c)));
+    }
+    if let Some(p) = g.pstate
+        && !st.pstates.contains(&p)
+    {
+        st.pstates.push(p);
+        st.pstates.sort_unstable();
+    }
+    max_in(&mut st.power_w_max, g.power_w);
+    max_in(&mut st.util_gpu_max, g.util_gpu);
+    max_in(&mut st.vram_used_max, g.vram_used);
+    max_in(&mut st.target_vram_max, g.target_vram);
+    for r in &g.reasons {
+        *st.reasons.entry(r.clone()).or_default() += 1;
+    }
+}
+
+fn endpoint(eps: &mut BTreeMap<String, Endpoint>, v: &EndpointPoll) {
+    let e = eps.entry(v.addr.clone()).or_insert_with(|| Endpoint { addr: v.addr.clone(), ..Default::default() });
+    e.kind = v.kind.name().to_string();
+    e.polls += 1;
+    e.metrics_status = v.metrics_status.map(u64::from);
+    e.netns |= v.netns;
+    if let Some(p) = &v.props {
+        e.build_info = p.build_info.clone().or(e.build_info.take());
+        e.model_path = p.model_path.clone().or(e.model_path.take());
+        e.total_slots = p.total_slots.or(e.total_slots);
+        e.n_ctx_slot = p.n_ctx_slot.or(e.n_ctx_slot);
+        e.sleeping_polls += u64::from(p.is_sleeping == Some(true));
+    }
+    for (k, &x) in v.metrics.iter().flatten() {
+        let sr = e.series.entry(k.clone()).or_insert(Series { first: x, last: x, max: x });
+        sr.last = x;
+        sr.max = sr.max.max(x);
+    }
+    if let Some(ps) = &v.ps {
+        e.loaded_models = ps.clone();
+    }
+}
+
+fn idle_states(a: &CpuIdleReading, b: &CpuIdleReading) -> Vec<IdleState> {
+    let wall_us = b.ts_ns.saturating_sub(a.ts_ns) as f64 / 1e3 * f64::from(b.idle.cpus.max(1));
+    let (x, y) = (&a.idle, &b.idle);
+    y.names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let dt = y.time_us.get(i).zip(x.time_us.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x));
+            IdleState {
+                name: name.clone(),
+                latency_us: y.latency_us.get(i).copied().unwrap_or(0),
+                share: if wall_us > 0.0 { (dt as f64 / wall_us).min(1.0) } else { 0.0 },
+                entries: y.usage.get(i).zip(x.usage.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x)),
+            }
+        })
         .collect()
 }
 
-pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
+fn memory_deltas(m: &mut Memory, a: &Mem, b: &Mem) {
+    let dms = |x: Option<u64>, y: Option<u64>| Some(y?.saturating_sub(x?) as f64 / 1e3);
+    m.psi_some_ms = dms(a.psi_some_us, b.psi_some_us);
+    m.psi_full_ms = dms(a.psi_full_us, b.psi_full_us);
+    m.psi_io_some_ms = dms(a.psi_io_some_us, b.psi_io_some_us);
+    m.pgscan_direct = b.pgscan_direct.saturating_sub(a.pgscan_direct);
+    m.allocstall = b.allocstall.saturating_sub(a.allocstall);
+    m.compact_stall = b.compact_stall.saturating_sub(a.compact_stall);
+    m.pswpin = b.pswpin.saturating_sub(a.pswpin);
+    m.oom_kill_events = b.oom_kill.saturating_sub(a.oom_kill);
+    m.rss_kib_start = a.rss_kib;
+    m.rss_kib_end = b.rss_kib;
+    m.cgroup_limit_hits = match (a.cgroup_limit_hits, b.cgroup_limit_hits) {
+        (Some(x), Some(y)) => Some(y.saturating_sub(x)),
+        _ => None,
+    };
+}
+
+pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System {
     let ms = |ts: u64| ts.saturating_sub(start) as f64 / 1e6;
     let mut s = System::default();
-    let mut first_mem: Option<&Value> = None;
-    let mut last_mem: Option<&Value> = None;
+    let mut first_mem: Option<&Mem> = None;
+    let mut last_mem: Option<&Mem> = None;
+    let (mut first_idle, mut last_idle): (Option<&CpuIdleReading>, Option<&CpuIdleReading>) = (None, None);
     let mut files: BTreeMap<String, ModelFile> = BTreeMap::new();
     let mut first_evicted: BTreeMap<String, u64> = BTreeMap::new();
     let mut eps: BTreeMap<String, Endpoint> = BTreeMap::new();
-    let cpu_maxes = cpu_max(json);
-    for v in json {
-        match v["type"].as_str() {
-            Some("samplers") => {
-                s.gpu.absent = v["gpu_absent"].as_str().map(String::from);
-                s.gpu.devices = serde_json::from_value(v["gpus"].clone()).unwrap_or_default();
-                s.cpu_freq.absent = v["cpufreq_absent"].as_str().map(String::from);
-                if let Some(m) = v["cpufreq_max_khz"].as_array() {
+    let cpu_maxes = cpu_max(samples);
+    for v in samples {
+        match v {
+            Sample::Samplers(v) => {
+                s.gpu.absent = v.gpu_absent.clone();
+                s.gpu.devices = v.gpus.clone().unwrap_or_default();
+                s.cpu_freq.absent = v.cpufreq_absent.clone();
+                if let Some(m) = &v.cpufreq_max_khz {
                     s.cpu_freq.max_mhz =
-                        m.iter().filter_map(Value::as_f64).fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b)))).map(|k| k / 1e3);
+                        m.iter().map(|&k| k as f64).fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b)))).map(|k| k / 1e3);
                 }
-                s.memory.cgroup = v["memory_cgroup"].as_str().map(String::from);
+                s.memory.cgroup = v.memory_cgroup.clone();
             }
-            Some("gpu") => {
+            Sample::Gpu(v) => {
                 s.gpu.samples += 1;
-                for g in v["gpus"].as_array().into_iter().flatten() {
-                    let i = u(g, "index").unwrap_or(0) as u32;
-                    let st = match s.gpu.per_device.iter().position(|d| d.index == i) {
+                for g in &v.gpus {
+                    let st = match s.gpu.per_device.iter().position(|d| d.index == g.index) {
                         Some(p) => &mut s.gpu.per_device[p],
                         None => {
-                            s.gpu.per_device.push(GpuStats { index: i, ..Default::default() });
+                            s.gpu.per_device.push(GpuStats { index: g.index, ..Default::default() });
                             s.gpu.per_device.last_mut().expect("just pushed")
                         }
                     };
-                    if let Some(c) = u(g, "sm_mhz").map(|c| c as u32) {
-                        st.sm_mhz_min = Some(st.sm_mhz_min.map_or(c, |m| m.min(c)));
-                        st.sm_mhz_max = Some(st.sm_mhz_max.map_or(c, |m| m.max(c)));
-                    }
-                    if let Some(p) = u(g, "pstate").map(|p| p as u32)
-                        && !st.pstates.contains(&p)
-                    {
-                        st.pstates.push(p);
-                        st.pstates.sort_unstable();
-                    }
-                    if let Some(w) = g["power_w"].as_f64() {
-                        st.power_w_max = Some(st.power_w_max.map_or(w, |m| m.max(w)));
-                    }
-                    for (k, out) in [("util_gpu", &mut st.util_gpu_max)] {
-                        if let Some(x) = u(g, k).map(|x| x as u32) {
-                            *out = Some(out.map_or(x, |m| m.max(x)));
-                        }
-                    }
-                    for (k, out) in [("vram_used", &mut st.vram_used_max), ("target_vram", &mut st.target_vram_max)] {
-                        if let Some(x) = u(g, k) {
-                            *out = Some(out.map_or(x, |m| m.max(x)));
-                        }
-                    }
-                    for r in g["reasons"].as_array().into_iter().flatten().filter_map(Value::as_str) {
-                        *st.reasons.entry(r.to_string()).or_default() += 1;
-                    }
+                    gpu_stats(st, g);
                 }
             }
-            Some("cpufreq") => {
+            Sample::Cpufreq(v) => {
                 s.cpu_freq.samples += 1;
                 if let Some(share) = cpu_share(v, &cpu_maxes) {
                     s.cpu_freq.share_min = Some(s.cpu_freq.share_min.map_or(share, |m| m.min(share)));
                     s.cpu_freq.share_max = Some(s.cpu_freq.share_max.map_or(share, |m| m.max(share)));
                 }
             }
-            Some("mem") => {
+            Sample::Mem(v) => {
+                let v = &v.mem;
                 first_mem.get_or_insert(v);
                 last_mem = Some(v);
                 let m = &mut s.memory;
-                for (k, out) in
-                    [("rss_kib", &mut m.rss_kib_max), ("rss_file_kib", &mut m.rss_file_kib_max), ("cgroup_usage", &mut m.cgroup_usage_max)]
-                {
-                    if let Some(x) = u(v, k) {
-                        *out = Some(out.map_or(x, |o| o.max(x)));
-                    }
-                }
-                if let Some(x) = u(v, "mem_available_kib") {
+                max_in(&mut m.rss_kib_max, v.rss_kib);
+                max_in(&mut m.rss_file_kib_max, v.rss_file_kib);
+                max_in(&mut m.cgroup_usage_max, v.cgroup_usage);
+                if let Some(x) = v.mem_available_kib {
                     m.mem_available_min_kib = Some(m.mem_available_min_kib.map_or(x, |o| o.min(x)));
                 }
-                if let Some(l) = u(v, "cgroup_limit") {
+                if let Some(l) = v.cgroup_limit {
                     m.cgroup_limit = Some(l);
                 }
             }
-            Some("residency") => {
-                for r in v["files"].as_array().into_iter().flatten() {
-                    let Ok(r) = serde_json::from_value::<Residency>(r.clone()) else { continue };
+            Sample::Cpuidle(v) => {
+                first_idle.get_or_insert(v);
+                last_idle = Some(v);
+            }
+            Sample::Residency(v) => {
+                for r in &v.files {
                     let share = r.share();
                     let f = files.entry(r.path.clone()).or_insert_with(|| ModelFile {
                         path: r.path.clone(),
@@ -268,68 +327,15 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
                     }
                 }
             }
-            Some("endpoint") if v["kind"] != "none" => {
-                let addr = v["addr"].as_str().unwrap_or("?").to_string();
-                let e = eps.entry(addr.clone()).or_insert_with(|| Endpoint { addr, ..Default::default() });
-                e.kind = v["kind"].as_str().unwrap_or("other").to_string();
-                e.polls += 1;
-                e.metrics_status = u(v, "metrics_status");
-                e.netns |= v["netns"] == true;
-                let p = &v["props"];
-                if p.is_object() {
-                    e.build_info = p["build_info"].as_str().map(String::from).or(e.build_info.take());
-                    e.model_path = p["model_path"].as_str().map(String::from).or(e.model_path.take());
-                    e.total_slots = u(p, "total_slots").or(e.total_slots);
-                    e.n_ctx_slot = u(p, "n_ctx_slot").or(e.n_ctx_slot);
-                    e.sleeping_polls += u64::from(p["is_sleeping"] == true);
-                }
-                for (k, x) in v["metrics"].as_object().into_iter().flatten() {
-                    let Some(x) = x.as_f64() else { continue };
-                    let sr = e.series.entry(k.clone()).or_insert(Series { first: x, last: x, max: x });
-                    sr.last = x;
-                    sr.max = sr.max.max(x);
-                }
-                if let Some(ps) = v["ps"].as_array() {
-                    e.loaded_models = ps.clone();
-                }
-            }
-            _ => {}
+            Sample::Endpoint(v) if v.answered() => endpoint(&mut eps, v),
+            Sample::Endpoint(_) => {}
         }
     }
-    let idle: Vec<&Value> = json.iter().filter(|v| v["type"] == "cpuidle").collect();
-    if let (Some(a), Some(b)) = (idle.first(), idle.last()) {
-        let wall_us = u(b, "ts_ns").unwrap_or(0).saturating_sub(u(a, "ts_ns").unwrap_or(0)) as f64 / 1e3 * u(b, "cpus").unwrap_or(1) as f64;
-        let arr =
-            |v: &Value, k: &str| -> Vec<u64> { v[k].as_array().map(|x| x.iter().filter_map(Value::as_u64).collect()).unwrap_or_default() };
-        let (ta, tb, ua, ub) = (arr(a, "time_us"), arr(b, "time_us"), arr(a, "usage"), arr(b, "usage"));
-        for (i, name) in b["names"].as_array().into_iter().flatten().enumerate() {
-            let dt = tb.get(i).zip(ta.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x));
-            s.cpu_freq.idle.push(IdleState {
-                name: name.as_str().unwrap_or("?").to_string(),
-                latency_us: arr(b, "latency_us").get(i).copied().unwrap_or(0),
-                share: if wall_us > 0.0 { (dt as f64 / wall_us).min(1.0) } else { 0.0 },
-                entries: ub.get(i).zip(ua.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x)),
-            });
-        }
+    if let (Some(a), Some(b)) = (first_idle, last_idle) {
+        s.cpu_freq.idle = idle_states(a, b);
     }
     if let (Some(a), Some(b)) = (first_mem, last_mem) {
-        let d = |k: &str| u(b, k).unwrap_or(0).saturating_sub(u(a, k).unwrap_or(0));
-        let dms = |k: &str| Some(u(b, k)?.saturating_sub(u(a, k)?) as f64 / 1e3);
-        let m = &mut s.memory;
-        m.psi_some_ms = dms("psi_some_us");
-        m.psi_full_ms = dms("psi_full_us");
-        m.psi_io_some_ms = dms("psi_io_some_us");
-        m.pgscan_direct = d("pgscan_direct");
-        m.allocstall = d("allocstall");
-        m.compact_stall = d("compact_stall");
-        m.pswpin = d("pswpin");
-        m.oom_kill_events = d("oom_kill");
-        m.rss_kib_start = u(a, "rss_kib");
-        m.rss_kib_end = u(b, "rss_kib");
-        m.cgroup_limit_hits = match (u(a, "cgroup_limit_hits"), u(b, "cgroup_limit_hits")) {
-            (Some(x), Some(y)) => Some(y.saturating_sub(x)),
-            _ => None,
-        };
+        memory_deltas(&mut s.memory, a, b);
     }
     for e in mem_events {
         let dur = e.hdr.ts_ns.saturating_sub(e.begin_ns) as f64 / 1e6;
@@ -356,21 +362,21 @@ pub fn build(json: &[Value], mem_events: &[&MemEvent], start: u64) -> System {
     s
 }
 
-fn cpu_max(json: &[Value]) -> Vec<f64> {
-    json.iter()
-        .find(|v| v["type"] == "samplers")
-        .and_then(|v| v["cpufreq_max_khz"].as_array())
-        .map(|m| m.iter().filter_map(Value::as_f64).collect())
+fn cpu_max(samples: &[Sample]) -> Vec<f64> {
+    samples
+        .iter()
+        .find_map(|v| if let Sample::Samplers(s) = v { s.cpufreq_max_khz.as_ref() } else { None })
+        .map(|m| m.iter().map(|&k| k as f64).collect())
         .unwrap_or_default()
 }
 
 /// Mean over CPUs of cur/max for one cpufreq record.
-fn cpu_share(v: &Value, max: &[f64]) -> Option<f64> {
-    let cur: Vec<f64> = v["cur_khz"].as_array()?.iter().filter_map(Value::as_f64).collect();
+fn cpu_share(v: &CpuFreqReading, max: &[f64]) -> Option<f64> {
+    let cur = &v.cur_khz;
     if cur.is_empty() || cur.len() != max.len() {
         return None;
     }
-    Some(cur.iter().zip(max).map(|(c, m)| if *m > 0.0 { c / m } else { 1.0 }).sum::<f64>() / cur.len() as f64)
+    Some(cur.iter().zip(max).map(|(&c, m)| if *m > 0.0 { c as f64 / m } else { 1.0 }).sum::<f64>() / cur.len() as f64)
 }
 
 /// (time, device, SM clock as a share of its working clock, P-state).
@@ -378,30 +384,27 @@ pub type GpuClock = (u64, u32, f64, Option<u32>);
 
 /// Clock readings over time for the verdicts: (ts, share of the device's working clock).
 /// GPU: SM clock / highest SM clock seen in the trace (or the device maximum); CPU: mean cur/max.
-pub fn clock_series(json: &[Value]) -> (Vec<GpuClock>, Vec<(u64, f64)>) {
+pub fn clock_series(samples: &[Sample]) -> (Vec<GpuClock>, Vec<(u64, f64)>) {
+    let gpu_readings = || samples.iter().filter_map(|v| if let Sample::Gpu(g) = v { Some(g) } else { None });
     let mut gpu_max: BTreeMap<u32, f64> = BTreeMap::new();
-    for v in json.iter().filter(|v| v["type"] == "gpu") {
-        for g in v["gpus"].as_array().into_iter().flatten() {
-            if let Some(c) = g["sm_mhz"].as_f64() {
-                let e = gpu_max.entry(u(g, "index").unwrap_or(0) as u32).or_insert(0.0);
-                *e = e.max(c);
-            }
+    for g in gpu_readings().flat_map(|v| &v.gpus) {
+        if let Some(c) = g.sm_mhz {
+            let e = gpu_max.entry(g.index).or_insert(0.0);
+            *e = e.max(f64::from(c));
         }
     }
     let mut gpu = Vec::new();
-    for v in json.iter().filter(|v| v["type"] == "gpu") {
-        let ts = u(v, "ts_ns").unwrap_or(0);
-        for g in v["gpus"].as_array().into_iter().flatten() {
-            let i = u(g, "index").unwrap_or(0) as u32;
-            if let (Some(c), Some(m)) = (g["sm_mhz"].as_f64(), gpu_max.get(&i))
+    for v in gpu_readings() {
+        for g in &v.gpus {
+            if let (Some(c), Some(m)) = (g.sm_mhz, gpu_max.get(&g.index))
                 && *m > 0.0
             {
-                gpu.push((ts, i, c / m, u(g, "pstate").map(|p| p as u32)));
+                gpu.push((v.ts_ns, g.index, f64::from(c) / m, g.pstate));
             }
         }
     }
-    let max = cpu_max(json);
-    let cpu = json.iter().filter(|v| v["type"] == "cpufreq").filter_map(|v| Some((u(v, "ts_ns")?, cpu_share(v, &max)?))).collect();
+    let max = cpu_max(samples);
+    let cpu = samples.iter().filter_map(|v| if let Sample::Cpufreq(c) = v { Some((c.ts_ns, cpu_share(c, &max)?)) } else { None }).collect();
     (gpu, cpu)
 }
 
@@ -548,7 +551,7 @@ pub fn render(s: &System) -> String {
             facts.push("no /metrics (start it with --metrics for queue depth)".into());
         }
         for m in &e.loaded_models {
-            facts.push(format!("loaded {} until {}", m["name"].as_str().unwrap_or("?"), m["expires_at"].as_str().unwrap_or("?")));
+            facts.push(format!("loaded {} until {}", m.name.as_deref().unwrap_or("?"), m.expires_at.as_deref().unwrap_or("?")));
         }
         let _ = writeln!(
             o,

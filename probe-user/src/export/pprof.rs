@@ -106,7 +106,7 @@ impl Builder {
 }
 
 /// A distinct sample: its stack (leaf first: kernel frames, then user frames) and labels.
-#[derive(Hash, PartialEq, Eq)]
+#[derive(Hash, PartialEq, Eq, PartialOrd, Ord)]
 struct Key {
     pid: u32,
     tid: u32,
@@ -223,9 +223,10 @@ fn encode(kind: Kind, samples: &HashMap<Key, (u64, u64)>, syms: &Symbols, meta: 
     let (k_pid, k_tid, k_comm, k_wait, k_req) = (b.s("pid"), b.s("tid"), b.s("comm"), b.s("wait"), b.s("request"));
     let comm = b.s(&meta.comm);
     let k_id_unit = b.s("count");
-    // Heaviest first: readers that stop early see what matters.
+    // Heaviest first: readers that stop early see what matters. Ties in key order, so the same
+    // recording gives the same bytes every time.
     let mut samples: Vec<(&Key, &(u64, u64))> = samples.iter().collect();
-    samples.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(b.1.0.cmp(&a.1.0)));
+    samples.sort_by(|a, b| b.1.1.cmp(&a.1.1).then(b.1.0.cmp(&a.1.0)).then_with(|| a.0.cmp(b.0)));
     let mut sample_msgs = Vec::with_capacity(samples.len());
     for (key, &(n, sum)) in samples {
         let mut locs: Vec<u64> = key.kernel.iter().map(|&a| b.location(syms, i64::MIN, a)).collect();

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::StackRecord;
+use super::{StackRecord, samples::Sample};
+pub use crate::procfs::OpenFile;
 use crate::{procfs::Mapping, stream::RequestRecord};
 
 fn is_zero(n: &u64) -> bool {
@@ -86,16 +87,6 @@ pub struct Maps {
     pub pid: u32,
     pub ts_ns: u64,
     pub mappings: Vec<Mapping>,
-}
-
-/// An open regular file.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct OpenFile {
-    pub major: u32,
-    pub minor: u32,
-    pub inode: u64,
-    pub path: String,
 }
 
 /// Open files not named before.
@@ -213,7 +204,10 @@ pub enum UserRecord {
     /// A v1 stack sample (JSON then; binary frames since v2).
     Stack(Box<StackRecord>),
     /// A sampler's record, for `crate::system`.
-    Sample(Value),
+    Sample(Box<Sample>),
+    /// A record of a kind this version does not know (a later probe's): its `type`, kept so the
+    /// reader can count it; nothing reads it.
+    Other(String),
 }
 
 impl UserRecord {
@@ -235,7 +229,8 @@ impl UserRecord {
             "stats" => UserRecord::Stats(Box::new(from(v)?)),
             "end" => UserRecord::End(from(v)?),
             "stack" => UserRecord::Stack(Box::new(from(v)?)),
-            _ => UserRecord::Sample(v),
+            k if super::samples::KINDS.contains(&k) => UserRecord::Sample(Box::new(from(v)?)),
+            _ => UserRecord::Other(ty),
         })
     }
 
@@ -257,7 +252,8 @@ impl UserRecord {
             UserRecord::Stats(s) => ("stats", serde_json::to_value(s)?),
             UserRecord::End(e) => ("end", serde_json::to_value(e)?),
             UserRecord::Stack(s) => ("stack", serde_json::to_value(s)?),
-            UserRecord::Sample(v) => return Ok(v.clone()),
+            UserRecord::Sample(s) => return serde_json::to_value(s),
+            UserRecord::Other(ty) => return Ok(serde_json::json!({ "type": ty })),
         };
         v["type"] = ty.into();
         Ok(v)
@@ -272,7 +268,7 @@ impl UserRecord {
             UserRecord::Stats(s) => Some(s.ts_ns),
             UserRecord::End(e) => Some(e.ts_ns),
             UserRecord::Stack(s) => Some(s.ts_ns),
-            UserRecord::Sample(v) => v.get("ts_ns").and_then(Value::as_u64),
+            UserRecord::Sample(s) => Some(s.ts_ns()),
             _ => None,
         }
     }
@@ -340,6 +336,8 @@ mod tests {
                 kernel: vec![1],
                 ..Default::default()
             })),
+            UserRecord::Sample(Box::new(Sample::Cpufreq(super::super::samples::CpuFreqReading { ts_ns: 17, cur_khz: vec![1] }))),
+            UserRecord::Other("later".into()),
         ];
         for r in all {
             let v = r.to_value().unwrap();
@@ -364,6 +362,7 @@ mod tests {
         let UserRecord::Meta(m) = UserRecord::from_value(v).unwrap() else { panic!() };
         assert_eq!((m.pid, m.start_ns, m.page_size), (7, 9, 4096));
         assert!(matches!(UserRecord::from_value(serde_json::json!({"type": "gpu", "ts_ns": 3})).unwrap(), UserRecord::Sample(_)));
+        assert_eq!(UserRecord::from_value(serde_json::json!({"type": "later", "x": 1})).unwrap(), UserRecord::Other("later".into()));
         assert!(UserRecord::from_value(serde_json::json!({"type": "maps", "pid": "not a pid"})).is_err());
     }
 }

@@ -3,14 +3,6 @@
 //! need, not the events.
 use std::collections::{BTreeMap, HashMap};
 
-use probe_common::{
-    blockio::BlockIoEvent,
-    fault::FAULT_MAJOR,
-    mmap::MmapOp,
-    proc::{PROC_EXEC, PROC_EXIT, PROC_FORK},
-};
-use serde_json::Value;
-
 use super::*;
 use crate::{
     decode::Event,
@@ -18,8 +10,15 @@ use crate::{
     recording::{
         Recording, StackKind, StackRecord,
         records::{Meta, Stats, UserRecord},
+        samples::{EndpointPoll, Sample},
     },
     stream::{ClosedBy, RequestRecord, Role},
+};
+use probe_common::{
+    blockio::BlockIoEvent,
+    fault::FAULT_MAJOR,
+    mmap::MmapOp,
+    proc::{PROC_EXEC, PROC_EXIT, PROC_FORK},
 };
 
 /// A block read is charged to the file its thread last added to the page cache this recently.
@@ -68,10 +67,6 @@ impl MapHistory {
         }
         snaps[..split].iter().rev().find_map(|s| hit(s, addr)).or_else(|| snaps[split..].iter().find_map(|s| hit(s, addr)))
     }
-}
-
-fn json_u64(v: &Value, k: &str) -> u64 {
-    v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
 /// Fills older than this (by the time of the event being read) cannot be the cause of a block
@@ -133,7 +128,7 @@ pub(crate) struct Builder {
     dev_names: HashMap<String, String>,
     /// Userspace records the system section and verdicts read (samples, polls, stats, meta);
     /// stack records are not kept (counted here, revisited in pass 2).
-    json: Vec<Value>,
+    samples: Vec<Sample>,
     maps: MapHistory,
     depths: BTreeMap<String, (u64, u64, BTreeMap<u64, u64>)>,
     file_names: HashMap<FileKey, String>,
@@ -173,7 +168,7 @@ impl Builder {
             page_size: 4096,
             end_ts: 0,
             dev_names: HashMap::new(),
-            json: vec![],
+            samples: vec![],
             maps: MapHistory::default(),
             depths: BTreeMap::new(),
             file_names: HashMap::new(),
@@ -253,7 +248,8 @@ impl Builder {
                 r.target.end_reason = Some(e.reason);
             }
             UserRecord::Request(q) => r.requests.push(Request { record: *q, verdict: None }),
-            UserRecord::Sample(v) => self.json.push(v),
+            UserRecord::Sample(v) => self.samples.push(*v),
+            UserRecord::Other(_) => {}
         }
     }
 
@@ -356,7 +352,7 @@ impl Builder {
                 .push("the recording has no end record: probe did not stop cleanly (killed?); the report covers what was written".into());
         }
         // probe's own polls of the server's endpoints are not the server's traffic.
-        let polls = crate::system::poll_ports(&self.json);
+        let polls = crate::system::poll_ports(&self.samples);
         let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
         let ours = |peer: &str, local: &str, role: Role| {
             let p = if role == Role::Client { port_of(local) } else { port_of(peer) };
@@ -574,7 +570,7 @@ impl Builder {
             r.unwind.complete = r.stacks.values().map(|s| s.complete).sum();
             r.unwind.success_rate = if r.unwind.samples > 0 { r.unwind.complete as f64 / r.unwind.samples as f64 } else { 0.0 };
         }
-        r.system = crate::system::build(&self.json, &self.mem_events.iter().collect::<Vec<_>>(), self.start);
+        r.system = crate::system::build(&self.samples, &self.mem_events.iter().collect::<Vec<_>>(), self.start);
         r.blockio.devices = std::mem::take(&mut self.devs)
             .into_values()
             .map(|(mut d, lat, q)| {
@@ -586,7 +582,7 @@ impl Builder {
         r.files = std::mem::take(&mut self.files).into_values().collect();
         r.files.sort_by(|a, b| b.read_bytes.cmp(&a.read_bytes).then(b.major_faults.cmp(&a.major_faults)).then(a.path.cmp(&b.path)));
         r.faults.minor = r.counters.get("user_faults").map(|&all| all.saturating_sub(r.faults.major));
-        let polls = crate::system::poll_ports(&self.json);
+        let polls = crate::system::poll_ports(&self.samples);
         let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
         r.connections = std::mem::take(&mut self.conns)
             .into_iter()
@@ -631,11 +627,11 @@ impl Builder {
         if r.requests.is_empty() {
             return;
         }
-        let (start, json) = (self.start, &self.json);
+        let (start, samples) = (self.start, &self.samples);
         let offcpu_probe = r.probes.iter().any(|p| p.name == "offcpu" && p.live);
         let oom_kills: Vec<u64> =
             self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
-        let (gpu_clocks, cpu_clocks) = crate::system::clock_series(json);
+        let (gpu_clocks, cpu_clocks) = crate::system::clock_series(samples);
         // Losses are counted per second (stats records, cumulative): a window's losses are the
         // growth between the last count before it and the first after it.
         let lost_at: Vec<(u64, u64)> = self.stats.iter().map(|s| (s.ts_ns, s.lost_total())).collect();
@@ -650,27 +646,27 @@ impl Builder {
             let cpu = sys.cpu_freq.absent.clone().unwrap_or_else(|| "CPU frequency not sampled".into());
             format!("{gpu}; {cpu}")
         });
-        let polls: Vec<&Value> = json.iter().filter(|v| v["type"] == "endpoint" && v["kind"] != "none").collect();
-        let sleeping_before =
-            |t: u64| polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= t).is_some_and(|v| v["props"]["is_sleeping"] == true);
+        let polls: Vec<&EndpointPoll> =
+            samples.iter().filter_map(|v| if let Sample::Endpoint(e) = v { Some(e) } else { None }).filter(|e| e.answered()).collect();
+        let sleeping_before = |t: u64| polls.iter().rev().find(|v| v.ts_ns <= t).is_some_and(|v| v.sleeping() == Some(true));
         let deferred_in = |from: u64, to: u64| {
             polls
                 .iter()
-                .filter(|v| (from..=to + 1_000_000_000).contains(&json_u64(v, "ts_ns")))
-                .filter_map(|v| v["metrics"]["llamacpp:requests_deferred"].as_f64().or(v["metrics"]["vllm:num_requests_waiting"].as_f64()))
+                .filter(|v| (from..=to + 1_000_000_000).contains(&v.ts_ns))
+                .filter_map(|v| v.metric("llamacpp:requests_deferred").or(v.metric("vllm:num_requests_waiting")))
                 .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
         };
         // vLLM preemptions (cumulative counter, summed over its labels): the growth from the last
         // poll before `from` to the first poll after `until`.
-        let preemptions_at = |v: &Value| -> Option<f64> {
-            let m = v["metrics"].as_object()?;
-            let mut it = m.iter().filter(|(k, _)| k.starts_with("vllm:num_preemptions_total")).filter_map(|(_, x)| x.as_f64()).peekable();
+        let preemptions_at = |v: &EndpointPoll| -> Option<f64> {
+            let mut it =
+                v.metrics.as_ref()?.iter().filter(|(k, _)| k.starts_with("vllm:num_preemptions_total")).map(|(_, x)| *x).peekable();
             it.peek()?;
             Some(it.sum())
         };
         let preempted_in = |from: u64, until: u64| {
-            let before = polls.iter().rev().find(|v| json_u64(v, "ts_ns") <= from).and_then(|v| preemptions_at(v))?;
-            let after = polls.iter().find(|v| json_u64(v, "ts_ns") >= until).and_then(|v| preemptions_at(v))?;
+            let before = polls.iter().rev().find(|v| v.ts_ns <= from).and_then(|v| preemptions_at(v))?;
+            let after = polls.iter().find(|v| v.ts_ns >= until).and_then(|v| preemptions_at(v))?;
             Some((after - before).max(0.0))
         };
         let lost: u64 = r.lost_events.values().sum();

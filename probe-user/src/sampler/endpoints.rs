@@ -14,7 +14,11 @@ pub const POLL_DEADLINE: Duration = Duration::from_secs(2);
 /// The largest body read from an endpoint; a larger one is not parsed.
 pub const BODY_CAP: usize = 1 << 20;
 
-use serde_json::{Value, json};
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::recording::samples::{EndpointPoll, LlamaProps, LoadedModel};
 
 /// The samples of Prometheus text: (metric name, series `name{labels}`, value); comments,
 /// blank lines and non-finite values left out. Label values may hold spaces.
@@ -34,22 +38,30 @@ pub fn prometheus_samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)>
 }
 
 /// Prometheus text → {"name{labels}": value}, histogram buckets left out, at most `max` series.
-pub fn parse_prometheus(text: &str, max: usize) -> serde_json::Map<String, Value> {
+pub fn parse_prometheus(text: &str, max: usize) -> BTreeMap<String, f64> {
     prometheus_samples(text)
         .filter(|(name, _, _)| !name.ends_with("_bucket") && !name.ends_with("_created"))
         .take(max)
-        .map(|(_, series, v)| (series.to_string(), json!(v)))
+        .map(|(_, series, v)| (series.to_string(), v))
         .collect()
 }
 
 /// What a port answers as.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Kind {
+    #[serde(rename = "llama.cpp")]
     LlamaCpp,
+    #[serde(rename = "vllm")]
     Vllm,
+    #[serde(rename = "ollama")]
     Ollama,
     /// Answers HTTP but none of the known endpoints.
+    #[default]
+    #[serde(rename = "other")]
     Other,
+    /// Does not answer HTTP (or not on loopback): asked once, then left alone.
+    #[serde(rename = "none")]
+    NotHttp,
 }
 
 impl Kind {
@@ -59,6 +71,7 @@ impl Kind {
             Kind::Vllm => "vllm",
             Kind::Ollama => "ollama",
             Kind::Other => "other",
+            Kind::NotHttp => "none",
         }
     }
 }
@@ -101,14 +114,12 @@ impl Endpoint {
         }
     }
 
-    /// Poll once: a JSON record for the recording (None when the port does not answer HTTP).
-    pub fn poll(&mut self) -> Option<Value> {
+    /// Poll once: a record for the recording (None when the port does not answer HTTP).
+    /// `ts_ns` is left for the caller, who knows when the poll began.
+    pub fn poll(&mut self) -> Option<EndpointPoll> {
         self.local_ports.clear();
         self.deadline = Some(Instant::now() + POLL_DEADLINE);
-        let mut rec = json!({"type": "endpoint", "addr": self.addr.to_string()});
-        if self.netns.is_some() {
-            rec["netns"] = json!(true);
-        }
+        let mut rec = EndpointPoll { addr: self.addr.to_string(), netns: self.netns.is_some(), ..Default::default() };
         let metrics = match self.no_metrics {
             Some(st) => Some((st, Vec::new())),
             None => self.fetch("/metrics"),
@@ -134,40 +145,46 @@ impl Endpoint {
                 },
             });
         }
-        let kind = self.kind.unwrap_or(Kind::Other);
-        rec["kind"] = json!(kind.name());
+        rec.kind = self.kind.unwrap_or(Kind::Other);
         match &metrics {
-            Some((200, _)) => rec["metrics"] = Value::Object(parse_prometheus(metrics_text.as_deref().unwrap_or(""), 200)),
-            Some((s, _)) => rec["metrics_status"] = json!(s),
+            Some((200, _)) => rec.metrics = Some(parse_prometheus(metrics_text.as_deref().unwrap_or(""), 200)),
+            Some((s, _)) => rec.metrics_status = Some(*s),
             None => {}
         }
-        match kind {
+        match rec.kind {
             Kind::LlamaCpp => {
                 if let Some((200, b)) = self.fetch("/props") {
                     let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
                     let g = &v["default_generation_settings"];
-                    rec["props"] = json!({
-                        "is_sleeping": v.get("is_sleeping"), "total_slots": v.get("total_slots"),
-                        "n_ctx_slot": g.get("n_ctx"), "model_path": v.get("model_path"),
-                        "build_info": v.get("build_info"),
+                    rec.props = Some(LlamaProps {
+                        is_sleeping: v["is_sleeping"].as_bool(),
+                        total_slots: v["total_slots"].as_u64(),
+                        n_ctx_slot: g["n_ctx"].as_u64(),
+                        model_path: v["model_path"].as_str().map(String::from),
+                        build_info: v["build_info"].as_str().map(String::from),
                     });
                 }
             }
             Kind::Ollama => {
                 if let Some((200, b)) = self.fetch("/api/ps") {
                     let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
-                    let models: Vec<Value> = v["models"]
+                    let models = v["models"]
                         .as_array()
                         .into_iter()
                         .flatten()
-                        .map(|m| json!({"name": m.get("name"), "size": m.get("size"), "size_vram": m.get("size_vram"), "expires_at": m.get("expires_at")}))
+                        .map(|m| LoadedModel {
+                            name: m["name"].as_str().map(String::from),
+                            size: m["size"].as_u64(),
+                            size_vram: m["size_vram"].as_u64(),
+                            expires_at: m["expires_at"].as_str().map(String::from),
+                        })
                         .collect();
-                    rec["ps"] = json!(models);
+                    rec.ps = Some(models);
                 }
             }
             _ => {}
         }
-        rec["local_ports"] = json!(self.local_ports);
+        rec.local_ports = self.local_ports.clone();
         Some(rec)
     }
 }
@@ -230,8 +247,8 @@ mod tests {
     fn reads_prometheus_series() {
         let t = "# HELP x\nllamacpp:requests_processing 2\nllamacpp:requests_deferred 0\nvllm:num_preemptions_total{model_name=\"m\"} 3.0\nvllm:e2e_bucket{le=\"1\"} 4\nbad line\n";
         let m = parse_prometheus(t, 10);
-        assert_eq!(m["llamacpp:requests_processing"], json!(2.0));
-        assert_eq!(m["vllm:num_preemptions_total{model_name=\"m\"}"], json!(3.0));
+        assert_eq!(m["llamacpp:requests_processing"], 2.0);
+        assert_eq!(m["vllm:num_preemptions_total{model_name=\"m\"}"], 3.0);
         assert!(!m.keys().any(|k| k.contains("_bucket")));
         assert_eq!(m.len(), 3);
     }

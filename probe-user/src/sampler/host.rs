@@ -29,6 +29,7 @@ pub fn cpufreq() -> Option<CpuFreq> {
 /// CPU idle states (cpuidle sysfs), summed over CPUs: per state its name, exit latency (µs), time
 /// spent in it (µs) and entries, cumulative.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct CpuIdle {
     pub cpus: u32,
     pub names: Vec<String>,
@@ -66,6 +67,7 @@ pub fn cpuidle() -> Option<CpuIdle> {
 
 /// Memory pressure, system-wide and for the target.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Mem {
     /// PSI memory "some" and "full" stall totals, µs since boot.
     pub psi_some_us: Option<u64>,

@@ -13,9 +13,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde_json::{Value, json};
-
-use crate::{monotonic_ns, procfs};
+use crate::{
+    monotonic_ns, procfs,
+    recording::samples::{
+        CpuFreqReading, CpuIdleReading, EndpointPoll, GpuReading, MemReading, ResidencyReading, ResidencyWhy, Sample, Sources,
+    },
+};
 
 pub mod endpoints;
 pub mod gpu;
@@ -45,7 +48,7 @@ pub struct Options {
 }
 
 pub struct Sampler {
-    rx: mpsc::Receiver<Value>,
+    rx: mpsc::Receiver<Sample>,
     signal: Arc<Signal>,
     snapshot: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -140,7 +143,7 @@ impl Sampler {
     }
 
     /// Records gathered since the last call.
-    pub fn drain(&self) -> Vec<Value> {
+    pub fn drain(&self) -> Vec<Sample> {
         self.rx.try_iter().collect()
     }
 
@@ -153,7 +156,7 @@ impl Sampler {
     /// Stop the threads (they take a last residency and memory reading) and return what is
     /// left, waiting at most `within`: a thread still busy then (a read from a stuck server) is
     /// left behind, named in the second list, and ends with the process.
-    pub fn stop(mut self, within: Duration) -> (Vec<Value>, Vec<String>) {
+    pub fn stop(mut self, within: Duration) -> (Vec<Sample>, Vec<String>) {
         self.signal.update(|s| s.0 = true);
         let until = Instant::now() + within;
         while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < until {
@@ -171,24 +174,26 @@ impl Sampler {
     }
 }
 
-fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapshot: &AtomicBool) {
+fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snapshot: &AtomicBool) {
     let mut gpu = gpu::open();
     let freq = host::cpufreq();
     let cgroup = host::memory_cgroup(opts.pid);
-    let mut info = json!({
-        "type": "samplers", "ts_ns": monotonic_ns(), "hz": opts.hz,
-        "cpufreq_max_khz": freq.as_ref().map(|f| f.max_khz.clone()),
-        "psi": std::path::Path::new("/proc/pressure/memory").exists(),
-        "memory_cgroup": cgroup.as_ref().map(|c| c.display().to_string()),
-    });
+    let mut info = Sources {
+        ts_ns: monotonic_ns(),
+        hz: opts.hz,
+        cpufreq_max_khz: freq.as_ref().map(|f| f.max_khz.clone()),
+        psi: std::path::Path::new("/proc/pressure/memory").exists(),
+        memory_cgroup: cgroup.as_ref().map(|c| c.display().to_string()),
+        ..Default::default()
+    };
     match &mut gpu {
-        Ok(g) => info["gpus"] = json!(g.devices()),
-        Err(why) => info["gpu_absent"] = json!(why),
+        Ok(g) => info.gpus = Some(g.devices()),
+        Err(why) => info.gpu_absent = Some(why.to_string()),
     }
     if freq.is_none() {
-        info["cpufreq_absent"] = json!("no cpufreq in this kernel (VM or driver): CPU clocks not sampled");
+        info.cpufreq_absent = Some("no cpufreq in this kernel (VM or driver): CPU clocks not sampled".into());
     }
-    let _ = tx.send(info);
+    let _ = tx.send(Sample::Samplers(info));
     let mut files: Vec<residency::Watched> = Vec::new();
     let mut pids = targets(opts);
     let mut last_slow: Option<Instant> = None;
@@ -215,13 +220,13 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
             if let Ok(g) = &mut gpu {
                 let s = g.sample(&pids);
                 if !s.is_empty() {
-                    let _ = tx.send(json!({"type": "gpu", "ts_ns": monotonic_ns(), "gpus": s}));
+                    let _ = tx.send(Sample::Gpu(GpuReading { ts_ns: monotonic_ns(), gpus: s }));
                 }
             }
             if freq.is_some()
                 && let Some(f) = host::cpufreq()
             {
-                let _ = tx.send(json!({"type": "cpufreq", "ts_ns": monotonic_ns(), "cur_khz": f.cur_khz}));
+                let _ = tx.send(Sample::Cpufreq(CpuFreqReading { ts_ns: monotonic_ns(), cur_khz: f.cur_khz }));
             }
             let mut m = host::mem(opts.pid, cgroup.as_deref());
             // Children (Ollama's runner) count towards the target's memory.
@@ -231,19 +236,13 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
                     *a = Some(a.unwrap_or(0) + b.unwrap_or(0));
                 }
             }
-            let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
-            v["type"] = json!("mem");
-            v["ts_ns"] = json!(monotonic_ns());
-            let _ = tx.send(v);
+            let _ = tx.send(Sample::Mem(MemReading { ts_ns: monotonic_ns(), mem: m }));
         }
         let on_demand = snapshot.swap(false, Ordering::Relaxed);
         if (slow_due || stopping)
             && let Some(c) = host::cpuidle()
         {
-            let mut v = serde_json::to_value(&c).unwrap_or(Value::Null);
-            v["type"] = json!("cpuidle");
-            v["ts_ns"] = json!(monotonic_ns());
-            let _ = tx.send(v);
+            let _ = tx.send(Sample::Cpuidle(CpuIdleReading { ts_ns: monotonic_ns(), idle: c }));
         }
         if slow_due || stopping || on_demand {
             let before = files.len();
@@ -267,13 +266,13 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
                 let r: Vec<residency::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
                 all_resident = r.len() == files.len() && r.iter().all(|x| x.resident >= x.pages);
                 let why = if stopping {
-                    "end"
+                    ResidencyWhy::End
                 } else if on_demand {
-                    "on_demand"
+                    ResidencyWhy::OnDemand
                 } else {
-                    "periodic"
+                    ResidencyWhy::Periodic
                 };
-                let _ = tx.send(json!({"type": "residency", "ts_ns": monotonic_ns(), "why": why, "files": r}));
+                let _ = tx.send(Sample::Residency(ResidencyReading { ts_ns: monotonic_ns(), why, files: r }));
             }
         }
         if stopping {
@@ -289,7 +288,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal, snapsh
     }
 }
 
-fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal) {
+fn poll_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal) {
     let mut eps: Vec<endpoints::Endpoint> = Vec::new();
     let mut dead: Vec<std::net::SocketAddr> = Vec::new();
     // Reading /proc/net/tcp walks the kernel's whole TCP hash table (most of this thread's CPU
@@ -330,13 +329,19 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Value>, signal: &Signal) {
             }
             match polled {
                 Some(mut rec) => {
-                    rec["ts_ns"] = json!(t);
-                    let _ = tx.send(rec);
+                    rec.ts_ns = t;
+                    let _ = tx.send(Sample::Endpoint(rec));
                     i += 1;
                 }
                 None if eps[i].kind.is_none() => {
                     // Not HTTP (or not on loopback): stop asking.
-                    let _ = tx.send(json!({"type": "endpoint", "ts_ns": t, "addr": eps[i].addr.to_string(), "kind": "none", "local_ports": eps[i].local_ports}));
+                    let _ = tx.send(Sample::Endpoint(EndpointPoll {
+                        ts_ns: t,
+                        addr: eps[i].addr.to_string(),
+                        kind: endpoints::Kind::NotHttp,
+                        local_ports: eps[i].local_ports.clone(),
+                        ..Default::default()
+                    }));
                     dead.push(eps.remove(i).addr);
                 }
                 None => i += 1,

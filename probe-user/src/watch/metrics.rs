@@ -11,7 +11,10 @@ use std::{
     time::Duration,
 };
 
-use crate::verdict::{SlowCause, StopCause};
+use crate::{
+    recording::samples::Sample,
+    verdict::{SlowCause, StopCause},
+};
 
 /// TTFT histogram bucket bounds, seconds.
 pub const TTFT_BUCKETS: [f64; 12] = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
@@ -129,20 +132,18 @@ impl Metrics {
         });
     }
 
-    pub fn sample(&self, v: &serde_json::Value) {
-        self.with(|s| match v["type"].as_str() {
-            Some("residency") => {
+    pub fn sample(&self, v: &Sample) {
+        self.with(|s| match v {
+            Sample::Residency(v) => {
                 // The largest file the server maps or has open: its model.
-                let files = v["files"].as_array();
-                if let Some(f) = files.and_then(|f| f.iter().max_by_key(|f| f["bytes"].as_u64().unwrap_or(0))) {
-                    let (r, p) = (f["resident"].as_u64().unwrap_or(0), f["pages"].as_u64().unwrap_or(0));
-                    if p > 0 {
-                        s.residency = Some(r as f64 / p as f64);
-                    }
+                if let Some(f) = v.files.iter().max_by_key(|f| f.bytes)
+                    && f.pages > 0
+                {
+                    s.residency = Some(f.resident as f64 / f.pages as f64);
                 }
             }
-            Some("endpoint") => {
-                if let Some(b) = v["props"]["is_sleeping"].as_bool() {
+            Sample::Endpoint(v) => {
+                if let Some(b) = v.sleeping() {
                     s.sleeping = Some(b);
                 }
             }

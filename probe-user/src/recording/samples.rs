@@ -1,0 +1,237 @@
+//! The samplers' records, typed: what `crate::sampler` writes (a frame each, `type` naming the
+//! variant) and `crate::system`, the timeline, the bundle and watch's gauges read back.
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampler::{
+    endpoints::Kind,
+    gpu::{GpuDevice, GpuSample},
+    host::{CpuIdle, Mem},
+    residency::Residency,
+};
+
+/// One sampler record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Sample {
+    /// Which sources this machine has, once at the start.
+    Samplers(Sources),
+    Gpu(GpuReading),
+    Cpufreq(CpuFreqReading),
+    Mem(MemReading),
+    Cpuidle(CpuIdleReading),
+    Residency(ResidencyReading),
+    Endpoint(EndpointPoll),
+}
+
+/// The `type` names of [`Sample`]'s variants, as their frames hold them.
+pub const KINDS: [&str; 7] = ["samplers", "gpu", "cpufreq", "mem", "cpuidle", "residency", "endpoint"];
+
+impl Sample {
+    /// Its `type`, as its frame holds it.
+    pub fn kind(&self) -> &'static str {
+        KINDS[match self {
+            Sample::Samplers(_) => 0,
+            Sample::Gpu(_) => 1,
+            Sample::Cpufreq(_) => 2,
+            Sample::Mem(_) => 3,
+            Sample::Cpuidle(_) => 4,
+            Sample::Residency(_) => 5,
+            Sample::Endpoint(_) => 6,
+        }]
+    }
+
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Sample::Samplers(s) => s.ts_ns,
+            Sample::Gpu(s) => s.ts_ns,
+            Sample::Cpufreq(s) => s.ts_ns,
+            Sample::Mem(s) => s.ts_ns,
+            Sample::Cpuidle(s) => s.ts_ns,
+            Sample::Residency(s) => s.ts_ns,
+            Sample::Endpoint(s) => s.ts_ns,
+        }
+    }
+}
+
+/// The sources the samplers found, and why each missing one is missing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Sources {
+    pub ts_ns: u64,
+    pub hz: f64,
+    /// Each CPU's highest frequency (None: no cpufreq).
+    pub cpufreq_max_khz: Option<Vec<u64>>,
+    /// /proc/pressure/memory exists.
+    pub psi: bool,
+    pub memory_cgroup: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<Vec<GpuDevice>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_absent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpufreq_absent: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GpuReading {
+    pub ts_ns: u64,
+    pub gpus: Vec<GpuSample>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CpuFreqReading {
+    pub ts_ns: u64,
+    pub cur_khz: Vec<u64>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemReading {
+    #[serde(default)]
+    pub ts_ns: u64,
+    #[serde(flatten)]
+    pub mem: Mem,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CpuIdleReading {
+    #[serde(default)]
+    pub ts_ns: u64,
+    #[serde(flatten)]
+    pub idle: CpuIdle,
+}
+
+/// Why a residency reading was taken.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResidencyWhy {
+    #[default]
+    Periodic,
+    /// At the end of the trace.
+    End,
+    /// On SIGUSR1.
+    OnDemand,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ResidencyReading {
+    pub ts_ns: u64,
+    pub why: ResidencyWhy,
+    pub files: Vec<Residency>,
+}
+
+/// One poll of one of the server's ports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EndpointPoll {
+    pub ts_ns: u64,
+    pub addr: String,
+    /// Polled inside the target's network namespace.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub netns: bool,
+    pub kind: Kind,
+    /// Prometheus series `name{labels}` → value (histogram buckets left out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<BTreeMap<String, f64>>,
+    /// The HTTP status of /metrics when it was not 200.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub props: Option<LlamaProps>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ps: Option<Vec<LoadedModel>>,
+    /// probe's own local ports for this poll: the report leaves requests from them out.
+    pub local_ports: Vec<u16>,
+}
+
+impl EndpointPoll {
+    /// The poll found a server (not a port that does not answer HTTP).
+    pub fn answered(&self) -> bool {
+        self.kind != Kind::NotHttp
+    }
+
+    pub fn sleeping(&self) -> Option<bool> {
+        self.props.as_ref().and_then(|p| p.is_sleeping)
+    }
+
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        self.metrics.as_ref()?.get(series).copied()
+    }
+}
+
+/// llama.cpp's /props, the fields probe keeps.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LlamaProps {
+    pub is_sleeping: Option<bool>,
+    pub total_slots: Option<u64>,
+    pub n_ctx_slot: Option<u64>,
+    pub model_path: Option<String>,
+    pub build_info: Option<String>,
+}
+
+/// An Ollama model loaded at the poll (/api/ps).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoadedModel {
+    pub name: Option<String>,
+    pub size: Option<u64>,
+    pub size_vram: Option<u64>,
+    pub expires_at: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_round_trips_and_carries_its_type() {
+        let all = [
+            Sample::Samplers(Sources {
+                ts_ns: 1,
+                hz: 10.0,
+                cpufreq_max_khz: Some(vec![3_000_000]),
+                gpu_absent: Some("no".into()),
+                ..Default::default()
+            }),
+            Sample::Gpu(GpuReading {
+                ts_ns: 2,
+                gpus: vec![GpuSample { index: 0, sm_mhz: Some(1500), reasons: vec!["gpu_idle".into()], ..Default::default() }],
+            }),
+            Sample::Cpufreq(CpuFreqReading { ts_ns: 3, cur_khz: vec![1, 2] }),
+            Sample::Mem(MemReading { ts_ns: 4, mem: Mem { rss_kib: Some(5), pswpin: 7, ..Default::default() } }),
+            Sample::Cpuidle(CpuIdleReading {
+                ts_ns: 5,
+                idle: CpuIdle { cpus: 2, names: vec!["C1".into()], latency_us: vec![2], time_us: vec![9], usage: vec![3] },
+            }),
+            Sample::Residency(ResidencyReading {
+                ts_ns: 6,
+                why: ResidencyWhy::OnDemand,
+                files: vec![Residency { path: "/m".into(), bytes: 8, pages: 2, resident: 1, evicted: None }],
+            }),
+            Sample::Endpoint(EndpointPoll {
+                ts_ns: 7,
+                addr: "127.0.0.1:8080".into(),
+                kind: Kind::LlamaCpp,
+                metrics: Some([("llamacpp:requests_deferred".to_string(), 1.0)].into()),
+                props: Some(LlamaProps { is_sleeping: Some(true), ..Default::default() }),
+                local_ports: vec![40000],
+                ..Default::default()
+            }),
+        ];
+        for (s, kind) in all.iter().zip(KINDS) {
+            let v = serde_json::to_value(s).unwrap();
+            assert_eq!((v["type"].as_str(), s.kind()), (Some(kind), kind));
+            assert_eq!(&serde_json::from_value::<Sample>(v).unwrap(), s);
+        }
+        // Older or sparser frames read with defaults.
+        let s: Sample = serde_json::from_str(r#"{"type":"mem","ts_ns":9,"rss_kib":3}"#).unwrap();
+        assert!(matches!(s, Sample::Mem(m) if m.mem.rss_kib == Some(3) && m.ts_ns == 9));
+        let s: Sample = serde_json::from_str(r#"{"type":"endpoint","ts_ns":1,"kind":"none","local_ports":[5]}"#).unwrap();
+        assert!(matches!(s, Sample::Endpoint(e) if !e.answered() && e.local_ports == [5]));
+    }
+}
