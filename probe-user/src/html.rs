@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::{
     flame,
-    report::{Report, bytes},
+    report::{Closer, Report, bytes},
     verdict::Split,
 };
 
@@ -320,7 +320,7 @@ fn tables(o: &mut String, r: &Report) {
                 "<tr><td class=\"n\">{:.3}</td><td class=\"n\">{}</td><td>{}</td><td class=\"n\">{}</td><td><code>{}</code></td></tr>",
                 m.t_ms / 1e3,
                 m.pid,
-                escape(&m.op),
+                escape(&m.op.name()),
                 bytes(m.len),
                 escape(m.path.as_deref().unwrap_or(""))
             );
@@ -341,8 +341,8 @@ fn tables(o: &mut String, r: &Report) {
                 escape(&c.peer),
                 c.opened_ms.map(ms).unwrap_or_else(|| "–".into()),
                 c.closed_ms.map(ms).unwrap_or_else(|| "–".into()),
-                if c.closed_by == "none" { "still open".into() } else { escape(&c.closed_by) },
-                escape(&c.reset),
+                if c.closed_by == Closer::None { "still open".into() } else { escape(c.closed_by.name()) },
+                escape(c.reset.name()),
                 escape(&c.states.join(" → "))
             );
         }

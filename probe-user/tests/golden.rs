@@ -52,7 +52,7 @@ fn demo_recording() {
     let r = report::build(&recording::read_dir(&data().join("demo")).unwrap());
     assert_eq!(r.faults.major, 256);
     assert_eq!(r.files[0].major_faults, 256);
-    let closers: Vec<&str> = r.connections.iter().map(|c| c.closed_by.as_str()).collect();
+    let closers: Vec<&str> = r.connections.iter().map(|c| c.closed_by.name()).collect();
     assert_eq!(closers, ["peer", "local"]);
 }
 

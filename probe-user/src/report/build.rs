@@ -451,8 +451,8 @@ impl Builder {
             }
             Event::BlockIo(b) => self.block(b),
             Event::Mmap(m) => {
-                let op = MmapOp::try_from(m.op).map(|o| o.name().to_string()).unwrap_or_else(|n| format!("op{n}"));
-                *self.r.mmap_counts.entry(op.clone()).or_default() += 1;
+                let op = MmapCall(m.op);
+                *self.r.mmap_counts.entry(op.name().into_owned()).or_default() += 1;
                 if self.r.mmaps.len() >= MAX_MMAP_ROWS {
                     self.r.mmaps_not_listed += 1;
                     return;
@@ -773,10 +773,10 @@ fn closes_after_the_response(r: &mut Report) {
         if after.first().is_some_and(|&x| x <= closed) {
             continue;
         }
-        let by_peer = match c.closed_by.as_str() {
-            "peer" => true,
-            "local" => false,
-            _ => continue,
+        let by_peer = match c.closed_by {
+            Closer::Peer => true,
+            Closer::Local => false,
+            Closer::None => continue,
         };
         // The table's "peer" is the other end: for a server that is the client.
         let server_side = q.role == Role::Server;
@@ -972,12 +972,12 @@ mod tests {
             },
             verdict: None,
         };
-        let c = |peer: &str, opened: f64, closed: f64, by: &str| Connection {
+        let c = |peer: &str, opened: f64, closed: f64, by: Closer| Connection {
             local: "127.0.0.1:8080".into(),
             peer: peer.into(),
             opened_ms: Some(opened),
             closed_ms: Some(closed),
-            closed_by: by.into(),
+            closed_by: by,
             ..Default::default()
         };
         let mut r = Report {
@@ -990,9 +990,9 @@ mod tests {
                 q(4, "127.0.0.1:40001", 200.0),
             ],
             connections: vec![
-                c("127.0.0.1:40000", 0.0, 30.1, "local"),
-                c("127.0.0.1:40001", 99.0, 150.0, "peer"),
-                c("127.0.0.1:40001", 199.0, 250.0, "local"),
+                c("127.0.0.1:40000", 0.0, 30.1, Closer::Local),
+                c("127.0.0.1:40001", 99.0, 150.0, Closer::Peer),
+                c("127.0.0.1:40001", 199.0, 250.0, Closer::Local),
             ],
             ..Default::default()
         };

@@ -283,7 +283,7 @@ pub struct MmapRow {
     pub t_ms: f64,
     pub pid: u32,
     pub tid: u32,
-    pub op: String,
+    pub op: MmapCall,
     pub addr: String,
     pub len: u64,
     pub path: Option<String>,
@@ -299,9 +299,80 @@ pub struct Connection {
     pub pid: Option<u32>,
     pub opened_ms: Option<f64>,
     pub closed_ms: Option<f64>,
-    /// "local", "peer", or "none" (still open when the trace ended).
-    pub closed_by: String,
-    /// "none", "sent" or "received".
-    pub reset: String,
+    pub closed_by: Closer,
+    pub reset: ResetSeen,
     pub states: Vec<String>,
+}
+
+/// Which end of a connection closed it first (a FIN or a reset), as the target's socket saw it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Closer {
+    Local,
+    Peer,
+    /// Still open when the trace ended.
+    #[default]
+    None,
+}
+
+/// A reset on a connection, from the target's side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResetSeen {
+    #[default]
+    None,
+    Sent,
+    Received,
+}
+
+impl Closer {
+    pub fn name(self) -> &'static str {
+        match self {
+            Closer::Local => "local",
+            Closer::Peer => "peer",
+            Closer::None => "none",
+        }
+    }
+}
+
+impl ResetSeen {
+    pub fn name(self) -> &'static str {
+        match self {
+            ResetSeen::None => "none",
+            ResetSeen::Sent => "sent",
+            ResetSeen::Received => "received",
+        }
+    }
+}
+
+/// A memory-map call: its op as the kernel side numbers it (probe-common `MmapOp`), written by
+/// name ("mmap", "munmap"...; "opN" for an op this version does not know).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MmapCall(pub u32);
+
+impl MmapCall {
+    pub fn op(self) -> Option<probe_common::mmap::MmapOp> {
+        probe_common::mmap::MmapOp::try_from(self.0).ok()
+    }
+
+    pub fn name(self) -> std::borrow::Cow<'static, str> {
+        match self.op() {
+            Some(o) => o.name().into(),
+            None => format!("op{}", self.0).into(),
+        }
+    }
+}
+
+impl Serialize for MmapCall {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for MmapCall {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        let known = (1..=8).map(MmapCall).find(|c| c.name() == name.as_str());
+        Ok(known.or_else(|| name.strip_prefix("op").and_then(|n| n.parse().ok()).map(MmapCall)).unwrap_or_default())
+    }
 }

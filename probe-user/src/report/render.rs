@@ -1,5 +1,5 @@
 //! The human summary printed by `probe trace` and `probe report`.
-use super::Report;
+use super::{Closer, Report, ResetSeen};
 
 /// A byte count for people: B, KiB, MiB...
 pub fn bytes(n: u64) -> String {
@@ -84,15 +84,15 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(o, "\nPage faults: {} major ({} outside file mappings), {minor} minor", r.faults.major, r.faults.major_unresolved);
     let counts: Vec<String> = r.mmap_counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
     let _ = writeln!(o, "\nMemory maps: {}", if counts.is_empty() { "none".into() } else { counts.join(", ") });
-    for m in r.mmaps.iter().filter(|m| m.path.is_some() && m.op == "mmap").take(10) {
+    for m in r.mmaps.iter().filter(|m| m.path.is_some() && m.op.op() == Some(probe_common::mmap::MmapOp::Mmap)).take(10) {
         let _ = writeln!(o, "  +{:.3} s pid {} mmap {} {}", m.t_ms / 1e3, m.pid, bytes(m.len), m.path.as_deref().unwrap_or(""));
     }
     let _ = writeln!(o, "\nTCP connections: {}", r.connections.len());
     for c in r.connections.iter().take(30) {
-        let how = match (c.closed_by.as_str(), c.reset.as_str()) {
-            ("none", _) => "still open".to_string(),
-            (by, "none") => format!("closed by {by}"),
-            (by, rst) => format!("closed by {by} (reset {rst})"),
+        let how = match (c.closed_by, c.reset) {
+            (Closer::None, _) => "still open".to_string(),
+            (by, ResetSeen::None) => format!("closed by {}", by.name()),
+            (by, rst) => format!("closed by {} (reset {})", by.name(), rst.name()),
         };
         let _ = writeln!(o, "  {} <-> {}  {how}", c.local, c.peer);
     }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use probe_common::sock::*;
 
-use super::Connection;
+use super::{Closer, Connection, ResetSeen};
 
 pub fn state_name(s: i32) -> &'static str {
     match s {
@@ -49,8 +49,8 @@ pub(super) fn sock_event(
                 Connection {
                     local: addr_str(s.family, &s.saddr, s.sport),
                     peer: addr_str(s.family, &s.daddr, s.dport),
-                    closed_by: "none".into(),
-                    reset: "none".into(),
+                    closed_by: Closer::None,
+                    reset: ResetSeen::None,
                     ..Default::default()
                 },
                 true,
@@ -69,22 +69,22 @@ pub(super) fn sock_event(
         c.pid = Some(s.hdr.pid);
     }
     let t = ms(s.hdr.ts_ns);
-    let mut set_closer = |who: &str| {
-        if c.closed_by == "none" {
-            c.closed_by = who.into();
+    let mut set_closer = |who: Closer| {
+        if c.closed_by == Closer::None {
+            c.closed_by = who;
         }
     };
     match s.what {
         SOCK_RESET_RECEIVED => {
-            set_closer("peer");
-            if c.reset == "none" {
-                c.reset = "received".into();
+            set_closer(Closer::Peer);
+            if c.reset == ResetSeen::None {
+                c.reset = ResetSeen::Received;
             }
         }
         SOCK_RESET_SENT => {
-            set_closer("local");
-            if c.reset == "none" {
-                c.reset = "sent".into();
+            set_closer(Closer::Local);
+            if c.reset == ResetSeen::None {
+                c.reset = ResetSeen::Sent;
             }
         }
         _ => {
@@ -96,9 +96,9 @@ pub(super) fn sock_event(
                 c.opened_ms = Some(t);
             }
             match (s.oldstate, s.newstate) {
-                (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_FIN_WAIT1) => set_closer("local"),
-                (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_CLOSE_WAIT) => set_closer("peer"),
-                (_, TCP_CLOSE) => set_closer(if s.in_target != 0 { "local" } else { "peer" }),
+                (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_FIN_WAIT1) => set_closer(Closer::Local),
+                (TCP_ESTABLISHED | TCP_SYN_RECV, TCP_CLOSE_WAIT) => set_closer(Closer::Peer),
+                (_, TCP_CLOSE) => set_closer(if s.in_target != 0 { Closer::Local } else { Closer::Peer }),
                 _ => {}
             }
             if s.newstate == TCP_CLOSE {

@@ -1,0 +1,517 @@
+//! One trace session in named stages: [`arm`] (the maps, the recording, its first records),
+//! [`follow`] (drain the ring and keep up with the target until a stop), [`stop`] (drain what was
+//! captured up to the stop, stop the samplers, close the recording), then either hand the last
+//! segment to `probe watch` or [`write_outputs`] (one analysis, every output from it).
+use std::{
+    collections::{BTreeMap, HashSet},
+    io::IsTerminal as _,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use probe_common::{EventKind, maps};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+};
+
+use super::{
+    BUSY_EVENTS, DRAIN_RECORDS, DRAIN_TICK, IDLE_DRAIN, IDLE_STATS, SAMPLER_STOP, State, TraceOptions, TraceOutcome, drain_turn,
+    reserve_error, stats, sum,
+};
+use crate::{
+    monotonic_ns, probes, procfs,
+    recording::{
+        self, Writer,
+        records::{self, UserRecord},
+    },
+    report::Report,
+    sampler::Sampler,
+    segments,
+};
+
+/// What the session holds besides the collector's state: the kernel side and the segment open.
+struct Session {
+    ring: AsyncFd<RingBuf<MapData>>,
+    lost_map: PerCpuArray<MapData, u64>,
+    counter_map: PerCpuArray<MapData, u64>,
+    attached: probes::Attached,
+    /// Why the programs' run time is not counted, when it is not.
+    bpf_unmeasured: Option<String>,
+    start_ns: u64,
+    /// The open segment (`probe watch`): its number, when it began, and since when it is open.
+    segment: (u64, u64, Instant),
+    /// A probe did not attach: the trace is partial.
+    partial: bool,
+}
+
+/// The session after [`stop`]: the counters read at the stop, and what is still under way.
+struct Stopped {
+    lost: Vec<u64>,
+    skipped: BTreeMap<String, u64>,
+    /// The disk filled while tracing (then the recording ends where it filled).
+    full: Option<recording::DiskFull>,
+    /// The end record did not fit either.
+    full_again: bool,
+    /// The programs being detached, on their own thread.
+    detaching: Option<std::thread::JoinHandle<()>>,
+}
+
+pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
+    let (mut st, mut se) = arm(&opts, attached, out_dir)?;
+    let sampler = Sampler::start(crate::sampler::Options { pid: opts.pid, targets: st.targets.clone(), hz: opts.host_hz, poll: opts.poll });
+    say!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
+    // A daemon's log (journald) gets lines, never the `\r` status line.
+    let tty = std::io::stderr().is_terminal() && opts.watch.is_none();
+    let (reason, hung_up) = follow(&opts, &mut st, &mut se, &sampler, out_dir, tty).await?;
+    if tty && !hung_up {
+        say!();
+    }
+    let stopping = Instant::now();
+    let (partial, start_ns, segment) = (se.partial, se.start_ns, se.segment);
+    let stopped = stop(&mut st, se, sampler, &reason, out_dir, stopping)?;
+    let target_exited = st.root_exited;
+    if let Some(w) = st.watch.take() {
+        // The last segment goes to the watcher; the window is its to analyse, not a report's.
+        let bytes = st.writer.bytes;
+        drop(st);
+        out_dir.release_reserve();
+        let now = monotonic_ns();
+        w.send(segments::Msg::Segment(segments::Segment {
+            path: opts.out.join(segments::segment_name(segment.0)),
+            from_ms: (segment.1 - start_ns) as f64 / 1e6,
+            to_ms: (now - start_ns) as f64 / 1e6,
+            bytes,
+        }));
+        w.send(segments::Msg::Ended { reason: reason.clone(), target_exited, lost: stopped.lost.iter().sum() });
+        if let Some(d) = stopped.detaching {
+            let _ = d.join();
+        }
+        return Ok(TraceOutcome { report: Report::default(), partial: false, reason, target_exited });
+    }
+    let report = write_outputs(&opts, st, &stopped, &reason, out_dir, stopping)?;
+    // Exit only once nothing of probe's is left in the kernel.
+    if let Some(d) = stopped.detaching {
+        let _ = d.join();
+    }
+    log::info!("stop: detached at {:?}", stopping.elapsed());
+    let partial = partial || stopped.full.is_some() || report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
+    Ok(TraceOutcome { report, partial, reason, target_exited })
+}
+
+/// Take the maps, open the recording, write its meta and first counters, and say what is live.
+fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<(State, Session)> {
+    let ring = RingBuf::try_from(attached.ebpf.take_map(maps::EVENTS).context("EVENTS map missing")?)?;
+    let lost_map: PerCpuArray<MapData, u64> = PerCpuArray::try_from(attached.ebpf.take_map(maps::LOST).context("LOST map missing")?)?;
+    let counter_map: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(attached.ebpf.take_map(maps::COUNTERS).context("COUNTERS map missing")?)?;
+    // SAFETY: the RingBuf owns its map fd and keeps it open, unchanged, for as long as the AsyncFd lives.
+    let ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
+
+    let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
+    let mut arm_stages = std::mem::take(&mut attached.stages);
+    let counted: f64 = arm_stages.iter().filter(|(n, _)| !n.starts_with("program ")).map(|(_, ms)| ms).sum();
+    arm_stages.insert(
+        arm_stages.iter().position(|(n, _)| n.starts_with("program ")).unwrap_or(arm_stages.len()),
+        ("ring".into(), armed_ms - counted),
+    );
+    let bpf_unmeasured = attached.run_time_stats.as_ref().err().cloned();
+    let writer = match &opts.watch {
+        Some(_) => out_dir.create(&segments::segment_name(0)).and_then(Writer::create_file),
+        None => Writer::create_in(out_dir),
+    }
+    .map_err(|e| match recording::is_disk_full(&e) {
+        true => reserve_error(&opts.out, e),
+        false => anyhow::Error::new(e).context(format!("cannot create the recording in {}", opts.out.display())),
+    })?;
+    let start_ns = monotonic_ns();
+    let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
+    st.follow_cgroup = opts.cgroup.is_some();
+    st.ustack_need = attached.ebpf.take_map(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+    st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
+    if opts.watch.is_some() {
+        st.writer.keep_context();
+        st.watch = opts.watch.clone();
+    }
+    // Every thread there at attach; later ones when they first show up in an event.
+    for &pid in &attached.targets {
+        for tid in procfs::tasks(pid) {
+            if st.threads_seen.insert(tid, pid).is_none() {
+                st.threads_new.push((pid, tid));
+            }
+        }
+    }
+    st.writer.record(&UserRecord::Meta(Box::new(meta(opts, &attached, start_ns, armed_ms, arm_stages))))?;
+    st.refresh()?;
+    for &pid in &attached.targets {
+        st.unwinders.prepare(pid);
+    }
+    // The first cumulative counters: the report's tracing cost counts from here.
+    st.writer.record(&stats(&sum(&lost_map), &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
+    st.writer.flush()?;
+
+    let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.as_str()).collect();
+    say!(
+        "probe: armed in {armed_ms:.0} ms: pid {} ({}), {} process(es); probes live: {}",
+        opts.pid,
+        crate::text::terminal(&procfs::comm(opts.pid)),
+        attached.targets.len(),
+        live.join(", ")
+    );
+    let mut partial = false;
+    for s in &attached.status {
+        if !s.live {
+            partial = true;
+            say!("probe: skipped {}: {}", s.name, s.skipped.join("; "));
+        } else if !s.skipped.is_empty() {
+            log::info!("{}: optional programs not attached: {}", s.name, s.skipped.join("; "));
+        }
+    }
+    let segment = (0, start_ns, Instant::now());
+    Ok((st, Session { ring, lost_map, counter_map, attached, bpf_unmeasured, start_ns, segment, partial }))
+}
+
+/// The recording's first record: what is traced, with which probes, since when.
+fn meta(opts: &TraceOptions, attached: &probes::Attached, start_ns: u64, armed_ms: f64, arm_stages: Vec<(String, f64)>) -> records::Meta {
+    let uname = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    records::Meta {
+        format_version: recording::VERSION,
+        probe_version: env!("CARGO_PKG_VERSION").into(),
+        pid: opts.pid,
+        comm: procfs::comm(opts.pid),
+        cmdline: crate::redact::command_line(&procfs::cmdline_args(opts.pid)),
+        exe: std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
+        targets: attached.targets.clone(),
+        start_ns,
+        window_start_ns: None,
+        offcpu_waits: Some(if opts.offcpu_d_only { "uninterruptible" } else { "all" }.into()),
+        start_unix_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+        cgroup: opts.cgroup.as_ref().map(|c| c.display().to_string()),
+        cpu_hz: if attached.status.iter().any(|p| p.name == "cpu" && p.live) { opts.sample_hz } else { 0 },
+        kernel: uname.trim().into(),
+        armed_ms,
+        arm_stages,
+        probes: attached.status.clone(),
+        // SAFETY: sysconf has no preconditions.
+        page_size: unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64,
+        capture_text: opts.capture_text,
+        block_devices: block_devices(),
+    }
+}
+
+/// "major:minor" → name of every block device (/sys/class/block/*/dev), to name devices in reports.
+fn block_devices() -> BTreeMap<String, String> {
+    std::fs::read_dir("/sys/class/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let dev = std::fs::read_to_string(e.path().join("dev")).ok()?;
+            Some((dev.trim().to_string(), e.file_name().to_string_lossy().into_owned()))
+        })
+        .collect()
+}
+
+/// Drain the ring as records arrive and keep up with the target, until a signal, the duration,
+/// the target's exit, a full disk or the size limit. Returns why it stopped, and whether by SIGHUP.
+async fn follow(
+    opts: &TraceOptions,
+    st: &mut State,
+    se: &mut Session,
+    sampler: &Sampler,
+    out_dir: &crate::output::OutDir,
+    tty: bool,
+) -> anyhow::Result<(String, bool)> {
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
+    let mut sigusr1 = signal(SignalKind::user_defined1())?;
+    let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
+    // Small records wait in the ring for this timer (the kernel wakes probe only for a backlog):
+    // every 20 ms while records flow, every IDLE_DRAIN after a quiet turn (an idle server then
+    // costs probe a few wake-ups a second, not fifty).
+    let mut tick = DRAIN_TICK;
+    let mut second = Second { started: Some(Instant::now()), ..Default::default() };
+    let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
+    let mut hung_up = false;
+    let reason: String = loop {
+        let mut more = false;
+        tokio::select! {
+            guard = se.ring.readable_mut() => {
+                let mut guard = guard?;
+                more = drain_turn(guard.get_inner_mut(), st, sampler)?;
+                if !more {
+                    guard.clear_ready();
+                }
+            }
+            _ = tokio::time::sleep(tick) => {
+                let before = st.events;
+                more = drain_turn(se.ring.get_mut(), st, sampler)?;
+                tick = if st.events > before { DRAIN_TICK } else { IDLE_DRAIN };
+            }
+            _ = sec_tick.tick() => {
+                more = drain_turn(se.ring.get_mut(), st, sampler)?;
+                second.turn(opts, st, se, sampler, out_dir, tty && !hung_up)?;
+            }
+            _ = sigusr1.recv() => sampler.snapshot_now(),
+            _ = sigint.recv() => break "interrupted (Ctrl-C)".to_string(),
+            _ = sigterm.recv() => break "terminated (SIGTERM)".to_string(),
+            _ = sighup.recv() => {
+                hung_up = true;
+                break "hangup (SIGHUP)".to_string();
+            }
+            _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached".to_string(),
+        }
+        if st.root_exited {
+            break "target exited".to_string();
+        }
+        if st.writer.disk_full().is_some() {
+            break "disk full".to_string();
+        }
+        if let Some((max, text)) = &opts.max_size
+            && st.writer.bytes >= *max
+        {
+            break format!("size limit reached (--max-size {text})");
+        }
+        if more {
+            // Let the runtime look at signals and timers before the next turn.
+            tokio::task::yield_now().await;
+        }
+    };
+    Ok((reason, hung_up))
+}
+
+/// What the once-a-second turn keeps between turns.
+#[derive(Default)]
+struct Second {
+    started: Option<Instant>,
+    events_at_sec: u64,
+    last_events: u64,
+    last_stats: Option<Instant>,
+    lost_at_stats: u64,
+}
+
+impl Second {
+    /// Once a second: counters into the recording, the samplers' pace, the next segment, the
+    /// status line, and processes joining the cgroup or the target's exit.
+    fn turn(
+        &mut self,
+        opts: &TraceOptions,
+        st: &mut State,
+        se: &mut Session,
+        sampler: &Sampler,
+        out_dir: &crate::output::OutDir,
+        status_line: bool,
+    ) -> anyhow::Result<()> {
+        let lost = sum(&se.lost_map);
+        // Busy: a request in flight, or the target keeps the probes going.
+        let busy = st.streams.in_flight() > 0 || st.events.saturating_sub(self.events_at_sec) >= BUSY_EVENTS;
+        sampler.set_busy(busy);
+        // Every second while busy or losing events; every IDLE_STATS otherwise.
+        let lost_now: u64 = lost.iter().sum();
+        if busy || lost_now != self.lost_at_stats || self.last_stats.is_none_or(|t| t.elapsed() >= IDLE_STATS) {
+            self.lost_at_stats = lost_now;
+            let runs = probes::prog_runs(&se.attached.ebpf);
+            st.writer.record(&stats(&lost, &sum(&se.counter_map), st, &runs, se.bpf_unmeasured.as_deref()))?;
+            self.last_stats = Some(Instant::now());
+            if let Some(w) = &st.watch {
+                w.set_cost(lost_now, &runs);
+            }
+        }
+        st.writer.flush()?;
+        rotate(opts, st, se, out_dir)?;
+        if status_line {
+            let rate = st.events - self.last_events;
+            use std::io::Write as _;
+            let _ = write!(
+                std::io::stderr(),
+                "\r  {:>6.1} s | {} events ({rate}/s) | {} requests in flight | lost {}    ",
+                self.started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+                st.events,
+                st.streams.in_flight(),
+                lost_now
+            );
+        }
+        self.last_events = st.events;
+        self.events_at_sec = st.events;
+        match &opts.cgroup {
+            Some(cg) => {
+                let now = crate::cgroup::procs(cg);
+                let known: HashSet<u32> = st.targets.lock().map(|t| t.iter().copied().collect()).unwrap_or_default();
+                for pid in now.iter().copied().filter(|p| !known.contains(p)) {
+                    // A process that joined the cgroup without a target forking it (a target's
+                    // new child is already followed; its fork event is on its way).
+                    match probes::add_target(&mut se.attached.ebpf, pid, opts.sample_hz) {
+                        Ok(true) => st.add_target(pid),
+                        Ok(false) => {}
+                        Err(e) => log::warn!("pid {pid} joined {} but cannot be traced: {e:#}", cg.display()),
+                    }
+                }
+                st.root_exited = now.is_empty();
+            }
+            None if !procfs::exists(opts.pid) => st.root_exited = true,
+            None => {}
+        }
+        Ok(())
+    }
+}
+
+/// `probe watch`: close the segment when it is due and hand it over; the next one goes on.
+fn rotate(opts: &TraceOptions, st: &mut State, se: &mut Session, out_dir: &crate::output::OutDir) -> anyhow::Result<()> {
+    let Some(w) = st.watch.clone() else { return Ok(()) };
+    if !w.rotate_due(se.segment.2.elapsed(), st.writer.bytes) {
+        return Ok(());
+    }
+    let next = out_dir.create(&segments::segment_name(se.segment.0 + 1))?;
+    let now = monotonic_ns();
+    let bytes = st.writer.rotate(next)?;
+    w.send(segments::Msg::Segment(segments::Segment {
+        path: opts.out.join(segments::segment_name(se.segment.0)),
+        from_ms: (se.segment.1 - se.start_ns) as f64 / 1e6,
+        to_ms: (now - se.start_ns) as f64 / 1e6,
+        bytes,
+    }));
+    se.segment = (se.segment.0 + 1, now, Instant::now());
+    Ok(())
+}
+
+/// Stop in this order. The counters are read at the stop (the programs' run counts, the losses)
+/// and the programs are detached at once, on their own thread (the maps taken at arming stay):
+/// closing a classic tracepoint waits for RCU grace periods, one tracepoint after another in the
+/// kernel (about 2 s for 64 programs on a 2-CPU VM), so that runs while the ring is drained and
+/// the report is made. Then everything captured up to the stop is drained (records made after it
+/// are not part of the trace), the samplers are stopped with a deadline, and the recording ends.
+fn stop(
+    st: &mut State,
+    se: Session,
+    sampler: Sampler,
+    reason: &str,
+    out_dir: &crate::output::OutDir,
+    stopping: Instant,
+) -> anyhow::Result<Stopped> {
+    let Session { mut ring, lost_map, counter_map, attached, bpf_unmeasured, .. } = se;
+    let stop_ns = monotonic_ns();
+    let runs = probes::prog_runs(&attached.ebpf);
+    let skipped = probes::skipped_runs(&runs);
+    let (lost, counters) = (sum(&lost_map), sum(&counter_map));
+    let detaching = std::thread::Builder::new().name("probe-detach".into()).spawn(move || probes::detach(attached)).ok();
+    let mut after_stop = 0usize;
+    while let Some(item) = ring.get_mut().next() {
+        // The header's ts_ns (probe-common EventHeader: four u32, then the u64 timestamp).
+        let ts = item.get(16..24).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
+        if ts > stop_ns {
+            // The ring is in reservation order: once this many later records were seen, what
+            // came before the stop has been read.
+            after_stop += 1;
+            if after_stop >= DRAIN_RECORDS {
+                break;
+            }
+            continue;
+        }
+        st.on_record(&item)?;
+    }
+    log::info!("stop: ring drained at {:?}", stopping.elapsed());
+    let (rest, abandoned) = sampler.stop(SAMPLER_STOP);
+    log::info!("stop: samplers stopped at {:?}", stopping.elapsed());
+    for name in abandoned {
+        say!("probe: the {name} thread did not stop within {} ms; left behind", SAMPLER_STOP.as_millis());
+    }
+    // After a full disk: give back the reserve and write the end of the recording into it.
+    let full = st.writer.resume();
+    if full.is_some() {
+        out_dir.release_reserve();
+    }
+    for v in rest {
+        st.writer.sample(&v)?;
+    }
+    st.refresh()?;
+    st.streams.finish();
+    st.write_requests()?;
+    // Threads still blocked when the trace ended: blocked until now.
+    let now = monotonic_ns();
+    for (_, mut v) in std::mem::take(&mut st.offcpu) {
+        v.blocked_ns = Some(now.saturating_sub(v.ts_ns));
+        v.still_blocked = true;
+        st.writer.stack(&v)?;
+    }
+    st.writer.record(&stats(&lost, &counters, st, &runs, bpf_unmeasured.as_deref()))?;
+    st.writer.record(&UserRecord::End(records::End { ts_ns: monotonic_ns(), reason: reason.to_string() }))?;
+    st.writer.flush()?;
+    let full_again = st.writer.disk_full().is_some();
+    Ok(Stopped { lost, skipped, full, full_again, detaching })
+}
+
+/// One analysis (streamed from the file: memory does not grow with the trace's length) and one
+/// symbolization for every output. report.json first: on a full disk it is what matters.
+fn write_outputs(
+    opts: &TraceOptions,
+    st: State,
+    stopped: &Stopped,
+    reason: &str,
+    out_dir: &crate::output::OutDir,
+    stopping: Instant,
+) -> anyhow::Result<Report> {
+    let parsed = st.per_kind[EventKind::Data as usize];
+    let kept = if st.capture_text { "kept with --capture-text" } else { "parsed in memory, not stored" };
+    let skipped_total: u64 = stopped.skipped.values().sum();
+    let skipped_note = if skipped_total > 0 {
+        format!(", {skipped_total} program runs skipped by the kernel (another BPF program was running on that CPU)")
+    } else {
+        String::new()
+    };
+    // Room for the outputs: the reserve is not needed any more.
+    out_dir.release_reserve();
+    if stopped.full.is_none() {
+        say!(
+            "probe: stopped: {reason}; {} events received ({parsed} stream records {kept}), {} lost{skipped_note}",
+            // What the last stats record counts, and so report.json's `events_received`.
+            st.per_kind.iter().sum::<u64>(),
+            stopped.lost.iter().sum::<u64>()
+        );
+    }
+    log::info!("stop: recording closed at {:?}", stopping.elapsed());
+    let analysis = crate::analysis::Analysis::of_dir(&opts.out, crate::analysis::Needs::ALL)?;
+    let report = &analysis.report;
+    log::info!("stop: recording analysed at {:?}", stopping.elapsed());
+    let report_written = out_dir.write("report.json", &serde_json::to_vec_pretty(&report)?);
+    if let Some(f) = &stopped.full {
+        let what = f.error.to_string();
+        let what = what.split(" (os error").next().unwrap_or_default();
+        let end = if stopped.full_again { "; the end record did not fit either" } else { "" };
+        let rep = match &report_written {
+            Ok(_) => "report written from it".to_string(),
+            Err(e) => format!("report.json not written ({e:#}): `probe report {}` reads it once there is room", opts.out.display()),
+        };
+        say!(
+            "probe: stopped: the disk holding {} is full ({}) after {} events; the recording holds everything up to that point{end}; {rep}",
+            opts.out.display(),
+            what,
+            f.events_written
+        );
+    } else {
+        report_written?;
+    }
+    drop(st);
+    match crate::html::write_for(&analysis, out_dir) {
+        Ok(page) => say!("probe: {}", page.display()),
+        Err(e) => say!("probe: report.html not written: {e:#}"),
+    }
+    match crate::flame::write_defaults(&analysis.flames, out_dir) {
+        Ok(written) => {
+            for (path, weight) in written {
+                say!("probe: flamegraph {} (weight {weight})", path.display());
+            }
+        }
+        Err(e) => say!("probe: flamegraphs not written: {e}"),
+    }
+    if let Some(ep) = &opts.otlp {
+        let spans = crate::export::otlp::from_report(report, &analysis.meta, None);
+        match ep.send(&spans) {
+            Ok(_) => say!("probe: sent {} request spans to the OTLP collector", spans.spans.len()),
+            Err(e) => say!("probe: request spans not sent to the OTLP collector: {e} (`probe export --otlp URL` sends them later)"),
+        }
+    }
+    log::info!("stop: outputs written at {:?}", stopping.elapsed());
+    Ok(analysis.report)
+}
