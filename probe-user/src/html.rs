@@ -165,7 +165,7 @@ fn verdicts(o: &mut String, r: &Report) {
             escape(q.path.as_deref().unwrap_or("?")),
             opt(q.status),
             q.ttft_ms.map(ms).unwrap_or_else(|| "–".into()),
-            if slow == "none" || slow == "–" { "" } else { "slow" },
+            if v.is_none_or(|v| v.slow_cause == crate::verdict::SlowCause::None) { "" } else { "slow" },
             escape(slow),
             escape(&v.map(|v| v.stop_cause.words()).unwrap_or_else(|| "–".into())),
             v.map(|v| list(&v.evidence)).unwrap_or_default(),
@@ -196,9 +196,9 @@ fn header(o: &mut String, r: &Report) {
         .probes
         .iter()
         .filter(|p| !p.live)
-        .map(|p| format!("{}: {}", escape(&p.name), escape(&serde_json::to_string(&p.skipped).unwrap_or_default())))
+        .map(|p| format!("{}: {}", escape(p.name.name()), escape(&serde_json::to_string(&p.skipped).unwrap_or_default())))
         .collect();
-    let live: Vec<String> = r.probes.iter().filter(|p| p.live).map(|p| escape(&p.name)).collect();
+    let live: Vec<String> = r.probes.iter().filter(|p| p.live).map(|p| escape(p.name.name())).collect();
     row(
         o,
         "probes",

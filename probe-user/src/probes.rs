@@ -21,7 +21,7 @@ use crate::{procfs, tracefs};
 /// The compiled kernel object, built by build.rs from probe-ebpf.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/probe"));
 
-pub const SUBSYSTEMS: [&str; 10] = ["blockio", "fault", "filemap", "mmap", "sock", "stream", "cpu", "offcpu", "mem", "proc"];
+pub const SUBSYSTEMS: [Subsystem; 10] = Subsystem::ALL;
 
 #[derive(Clone, Copy, Debug)]
 enum How {
@@ -41,7 +41,7 @@ enum How {
 
 #[derive(Clone, Copy, Debug)]
 struct Spec {
-    subsystem: &'static str,
+    subsystem: Subsystem,
     program: &'static str,
     how: How,
     /// When false the subsystem still counts as live without it (e.g. insert: not every
@@ -49,79 +49,79 @@ struct Spec {
     required: bool,
 }
 
-const fn s(subsystem: &'static str, program: &'static str, how: How, required: bool) -> Spec {
+const fn s(subsystem: Subsystem, program: &'static str, how: How, required: bool) -> Spec {
     Spec { subsystem, program, how, required }
 }
 
 /// The attach table.
 const TABLE: &[Spec] = &[
-    s("proc", "task_newtask", How::Tracepoint(&tp::task_newtask::LAYOUT), true),
-    s("proc", "sched_process_exec", How::Plain("sched", "sched_process_exec"), false),
-    s("proc", "sched_process_exit", How::Tracepoint(&tp::sched_process_exit::LAYOUT), true),
-    s("blockio", "block_io_start", How::Tracepoint(&tp::block_io_start::LAYOUT), false),
-    s("blockio", "block_rq_insert", How::Tracepoint(&tp::block_rq_insert::LAYOUT), false),
-    s("blockio", "block_rq_issue_raw", How::Raw("block_rq_issue"), false),
-    s("blockio", "block_rq_issue", How::Tracepoint(&tp::block_rq_issue::LAYOUT), true),
-    s("blockio", "block_rq_complete_raw", How::Raw("block_rq_complete"), false),
-    s("blockio", "block_rq_complete", How::Tracepoint(&tp::block_rq_complete::LAYOUT), true),
-    s("fault", "fault_major", How::PerfMajorFaults, true),
-    s("fault", "page_fault_user", How::Tracepoint(&tp::page_fault_user::LAYOUT), false),
-    s("filemap", "filemap_add", How::Tracepoint(&tp::mm_filemap_add_to_page_cache::LAYOUT), true),
-    s("mmap", "mmap_enter", How::Syscall("sys_enter_mmap"), true),
-    s("mmap", "mmap_exit", How::Syscall("sys_exit_mmap"), true),
-    s("mmap", "munmap_enter", How::Syscall("sys_enter_munmap"), true),
-    s("mmap", "munmap_exit", How::Syscall("sys_exit_munmap"), true),
-    s("mmap", "mremap_enter", How::Syscall("sys_enter_mremap"), false),
-    s("mmap", "mremap_exit", How::Syscall("sys_exit_mremap"), false),
-    s("mmap", "madvise_enter", How::Syscall("sys_enter_madvise"), false),
-    s("mmap", "madvise_exit", How::Syscall("sys_exit_madvise"), false),
-    s("mmap", "mlock_enter", How::Syscall("sys_enter_mlock"), false),
-    s("mmap", "mlock_exit", How::Syscall("sys_exit_mlock"), false),
-    s("mmap", "munlock_enter", How::Syscall("sys_enter_munlock"), false),
-    s("mmap", "munlock_exit", How::Syscall("sys_exit_munlock"), false),
-    s("mmap", "mlock2_enter", How::Syscall("sys_enter_mlock2"), false),
-    s("mmap", "mlock2_exit", How::Syscall("sys_exit_mlock2"), false),
-    s("mmap", "mprotect_enter", How::Syscall("sys_enter_mprotect"), false),
-    s("mmap", "mprotect_exit", How::Syscall("sys_exit_mprotect"), false),
-    s("sock", "inet_sock_set_state_raw", How::Raw("inet_sock_set_state"), false),
-    s("sock", "inet_sock_set_state", How::Tracepoint(&tp::inet_sock_set_state::LAYOUT), true),
-    s("sock", "tcp_receive_reset_raw", How::Raw("tcp_receive_reset"), false),
-    s("sock", "tcp_receive_reset", How::Tracepoint(&tp::tcp_receive_reset::LAYOUT), true),
-    s("sock", "tcp_send_reset_raw", How::Raw("tcp_send_reset"), false),
-    s("sock", "tcp_send_reset", How::Tracepoint(&tp::tcp_send_reset::LAYOUT), true),
-    s("sock", "sock_send_length", How::Tracepoint(&tp::sock_send_length::LAYOUT), false),
-    s("sock", "sock_recv_length", How::Tracepoint(&tp::sock_recv_length::LAYOUT), false),
-    s("sock", "sock_connect", How::Syscall("sys_enter_connect"), true),
-    s("sock", "sock_listen", How::Syscall("sys_enter_listen"), false),
-    s("sock", "sock_close", How::Syscall("sys_enter_close"), false),
-    s("cpu", "cpu_sample", How::PerfCpuClock, true),
-    s("offcpu", "sched_switch", How::Tracepoint(&tp::sched_switch::LAYOUT), true),
-    s("mem", "direct_reclaim_begin", How::Plain("vmscan", "mm_vmscan_direct_reclaim_begin"), true),
-    s("mem", "direct_reclaim_end", How::Tracepoint(&tp::mm_vmscan_direct_reclaim_end::LAYOUT), true),
-    s("mem", "memcg_reclaim_begin", How::Plain("vmscan", "mm_vmscan_memcg_reclaim_begin"), false),
-    s("mem", "memcg_reclaim_end", How::Tracepoint(&tp::mm_vmscan_memcg_reclaim_end::LAYOUT), false),
-    s("mem", "compaction_begin", How::Plain("compaction", "mm_compaction_begin"), false),
-    s("mem", "compaction_end", How::Tracepoint(&tp::mm_compaction_end::LAYOUT), false),
-    s("mem", "oom_mark_victim", How::Tracepoint(&tp::mark_victim::LAYOUT), false),
-    s("stream", "read_enter", How::Syscall("sys_enter_read"), true),
-    s("stream", "read_exit", How::Syscall("sys_exit_read"), true),
-    s("stream", "write_enter", How::Syscall("sys_enter_write"), true),
-    s("stream", "write_exit", How::Syscall("sys_exit_write"), true),
-    s("stream", "recvfrom_enter", How::Syscall("sys_enter_recvfrom"), true),
-    s("stream", "recvfrom_exit", How::Syscall("sys_exit_recvfrom"), true),
-    s("stream", "sendto_enter", How::Syscall("sys_enter_sendto"), true),
-    s("stream", "sendto_exit", How::Syscall("sys_exit_sendto"), true),
-    s("stream", "readv_enter", How::Syscall("sys_enter_readv"), false),
-    s("stream", "readv_exit", How::Syscall("sys_exit_readv"), false),
-    s("stream", "writev_enter", How::Syscall("sys_enter_writev"), false),
-    s("stream", "writev_exit", How::Syscall("sys_exit_writev"), false),
-    s("stream", "recvmsg_enter", How::Syscall("sys_enter_recvmsg"), false),
-    s("stream", "recvmsg_exit", How::Syscall("sys_exit_recvmsg"), false),
-    s("stream", "sendmsg_enter", How::Syscall("sys_enter_sendmsg"), false),
-    s("stream", "sendmsg_exit", How::Syscall("sys_exit_sendmsg"), false),
+    s(Subsystem::Proc, "task_newtask", How::Tracepoint(&tp::task_newtask::LAYOUT), true),
+    s(Subsystem::Proc, "sched_process_exec", How::Plain("sched", "sched_process_exec"), false),
+    s(Subsystem::Proc, "sched_process_exit", How::Tracepoint(&tp::sched_process_exit::LAYOUT), true),
+    s(Subsystem::Blockio, "block_io_start", How::Tracepoint(&tp::block_io_start::LAYOUT), false),
+    s(Subsystem::Blockio, "block_rq_insert", How::Tracepoint(&tp::block_rq_insert::LAYOUT), false),
+    s(Subsystem::Blockio, "block_rq_issue_raw", How::Raw("block_rq_issue"), false),
+    s(Subsystem::Blockio, "block_rq_issue", How::Tracepoint(&tp::block_rq_issue::LAYOUT), true),
+    s(Subsystem::Blockio, "block_rq_complete_raw", How::Raw("block_rq_complete"), false),
+    s(Subsystem::Blockio, "block_rq_complete", How::Tracepoint(&tp::block_rq_complete::LAYOUT), true),
+    s(Subsystem::Fault, "fault_major", How::PerfMajorFaults, true),
+    s(Subsystem::Fault, "page_fault_user", How::Tracepoint(&tp::page_fault_user::LAYOUT), false),
+    s(Subsystem::Filemap, "filemap_add", How::Tracepoint(&tp::mm_filemap_add_to_page_cache::LAYOUT), true),
+    s(Subsystem::Mmap, "mmap_enter", How::Syscall("sys_enter_mmap"), true),
+    s(Subsystem::Mmap, "mmap_exit", How::Syscall("sys_exit_mmap"), true),
+    s(Subsystem::Mmap, "munmap_enter", How::Syscall("sys_enter_munmap"), true),
+    s(Subsystem::Mmap, "munmap_exit", How::Syscall("sys_exit_munmap"), true),
+    s(Subsystem::Mmap, "mremap_enter", How::Syscall("sys_enter_mremap"), false),
+    s(Subsystem::Mmap, "mremap_exit", How::Syscall("sys_exit_mremap"), false),
+    s(Subsystem::Mmap, "madvise_enter", How::Syscall("sys_enter_madvise"), false),
+    s(Subsystem::Mmap, "madvise_exit", How::Syscall("sys_exit_madvise"), false),
+    s(Subsystem::Mmap, "mlock_enter", How::Syscall("sys_enter_mlock"), false),
+    s(Subsystem::Mmap, "mlock_exit", How::Syscall("sys_exit_mlock"), false),
+    s(Subsystem::Mmap, "munlock_enter", How::Syscall("sys_enter_munlock"), false),
+    s(Subsystem::Mmap, "munlock_exit", How::Syscall("sys_exit_munlock"), false),
+    s(Subsystem::Mmap, "mlock2_enter", How::Syscall("sys_enter_mlock2"), false),
+    s(Subsystem::Mmap, "mlock2_exit", How::Syscall("sys_exit_mlock2"), false),
+    s(Subsystem::Mmap, "mprotect_enter", How::Syscall("sys_enter_mprotect"), false),
+    s(Subsystem::Mmap, "mprotect_exit", How::Syscall("sys_exit_mprotect"), false),
+    s(Subsystem::Sock, "inet_sock_set_state_raw", How::Raw("inet_sock_set_state"), false),
+    s(Subsystem::Sock, "inet_sock_set_state", How::Tracepoint(&tp::inet_sock_set_state::LAYOUT), true),
+    s(Subsystem::Sock, "tcp_receive_reset_raw", How::Raw("tcp_receive_reset"), false),
+    s(Subsystem::Sock, "tcp_receive_reset", How::Tracepoint(&tp::tcp_receive_reset::LAYOUT), true),
+    s(Subsystem::Sock, "tcp_send_reset_raw", How::Raw("tcp_send_reset"), false),
+    s(Subsystem::Sock, "tcp_send_reset", How::Tracepoint(&tp::tcp_send_reset::LAYOUT), true),
+    s(Subsystem::Sock, "sock_send_length", How::Tracepoint(&tp::sock_send_length::LAYOUT), false),
+    s(Subsystem::Sock, "sock_recv_length", How::Tracepoint(&tp::sock_recv_length::LAYOUT), false),
+    s(Subsystem::Sock, "sock_connect", How::Syscall("sys_enter_connect"), true),
+    s(Subsystem::Sock, "sock_listen", How::Syscall("sys_enter_listen"), false),
+    s(Subsystem::Sock, "sock_close", How::Syscall("sys_enter_close"), false),
+    s(Subsystem::Cpu, "cpu_sample", How::PerfCpuClock, true),
+    s(Subsystem::Offcpu, "sched_switch", How::Tracepoint(&tp::sched_switch::LAYOUT), true),
+    s(Subsystem::Mem, "direct_reclaim_begin", How::Plain("vmscan", "mm_vmscan_direct_reclaim_begin"), true),
+    s(Subsystem::Mem, "direct_reclaim_end", How::Tracepoint(&tp::mm_vmscan_direct_reclaim_end::LAYOUT), true),
+    s(Subsystem::Mem, "memcg_reclaim_begin", How::Plain("vmscan", "mm_vmscan_memcg_reclaim_begin"), false),
+    s(Subsystem::Mem, "memcg_reclaim_end", How::Tracepoint(&tp::mm_vmscan_memcg_reclaim_end::LAYOUT), false),
+    s(Subsystem::Mem, "compaction_begin", How::Plain("compaction", "mm_compaction_begin"), false),
+    s(Subsystem::Mem, "compaction_end", How::Tracepoint(&tp::mm_compaction_end::LAYOUT), false),
+    s(Subsystem::Mem, "oom_mark_victim", How::Tracepoint(&tp::mark_victim::LAYOUT), false),
+    s(Subsystem::Stream, "read_enter", How::Syscall("sys_enter_read"), true),
+    s(Subsystem::Stream, "read_exit", How::Syscall("sys_exit_read"), true),
+    s(Subsystem::Stream, "write_enter", How::Syscall("sys_enter_write"), true),
+    s(Subsystem::Stream, "write_exit", How::Syscall("sys_exit_write"), true),
+    s(Subsystem::Stream, "recvfrom_enter", How::Syscall("sys_enter_recvfrom"), true),
+    s(Subsystem::Stream, "recvfrom_exit", How::Syscall("sys_exit_recvfrom"), true),
+    s(Subsystem::Stream, "sendto_enter", How::Syscall("sys_enter_sendto"), true),
+    s(Subsystem::Stream, "sendto_exit", How::Syscall("sys_exit_sendto"), true),
+    s(Subsystem::Stream, "readv_enter", How::Syscall("sys_enter_readv"), false),
+    s(Subsystem::Stream, "readv_exit", How::Syscall("sys_exit_readv"), false),
+    s(Subsystem::Stream, "writev_enter", How::Syscall("sys_enter_writev"), false),
+    s(Subsystem::Stream, "writev_exit", How::Syscall("sys_exit_writev"), false),
+    s(Subsystem::Stream, "recvmsg_enter", How::Syscall("sys_enter_recvmsg"), false),
+    s(Subsystem::Stream, "recvmsg_exit", How::Syscall("sys_exit_recvmsg"), false),
+    s(Subsystem::Stream, "sendmsg_enter", How::Syscall("sys_enter_sendmsg"), false),
+    s(Subsystem::Stream, "sendmsg_exit", How::Syscall("sys_exit_sendmsg"), false),
 ];
 
-pub use crate::recording::records::SubsystemStatus;
+pub use crate::recording::records::{Subsystem, SubsystemStatus};
 
 pub struct Attached {
     pub ebpf: Ebpf,
@@ -191,8 +191,8 @@ pub fn preflight(opts: &Options) -> anyhow::Result<()> {
     }
     if let Some(only) = &opts.only {
         for name in only {
-            if !SUBSYSTEMS.contains(&name.as_str()) {
-                bail!("unknown probe `{name}`: choose from {}", SUBSYSTEMS.join(", "));
+            if let Err(e) = name.parse::<Subsystem>() {
+                bail!("{e}");
             }
         }
     }
@@ -256,11 +256,11 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     }
 
     laps.lap("listen_ports");
-    let wanted = |sub: &str| opts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == sub));
+    let wanted = |sub: Subsystem| opts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == sub.name()));
     let mut status: Vec<SubsystemStatus> = SUBSYSTEMS
         .iter()
-        .filter(|s| wanted(s))
-        .map(|s| SubsystemStatus { name: s.to_string(), live: true, attached: vec![], skipped: vec![] })
+        .filter(|s| wanted(**s))
+        .map(|s| SubsystemStatus { name: *s, live: true, attached: vec![], skipped: vec![] })
         .collect();
     // Verify and attach every program, a thread per core: the kernel verifies programs in the
     // caller's thread, so on two cores this halves the longest stage of arming. A classic
@@ -302,11 +302,11 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         }
     }
     if let Some(note) = koff_note {
-        if let Some(st) = status.iter_mut().find(|s| s.name == "mmap") {
+        if let Some(st) = status.iter_mut().find(|s| s.name == Subsystem::Mmap) {
             st.skipped.push(format!("file names in the kernel: {note}; files are named from /proc only"));
         }
         // Without the fd → socket walk there is no way to tell socket bytes from file bytes.
-        if let Some(st) = status.iter_mut().find(|s| s.name == "stream") {
+        if let Some(st) = status.iter_mut().find(|s| s.name == Subsystem::Stream) {
             st.live = false;
             st.skipped.push(format!("needs struct offsets from kernel BTF: {note}"));
         }

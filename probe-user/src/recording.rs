@@ -23,7 +23,7 @@ use probe_common::{EventHeader, EventKind};
 use crate::decode::{self, Event};
 
 pub mod records;
-pub mod samples;
+pub use crate::sampler::records as samples;
 
 pub const FILE_NAME: &str = crate::output::RECORDING_FILE;
 pub const MAGIC: &[u8; 8] = b"PROBEREC";

@@ -135,7 +135,7 @@ pub struct Series {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Endpoint {
     pub addr: String,
-    pub kind: String,
+    pub kind: crate::sampler::endpoints::Kind,
     pub polls: u64,
     pub build_info: Option<String>,
     pub model_path: Option<String>,
@@ -190,7 +190,7 @@ fn gpu_stats(st: &mut GpuStats, g: &GpuSample) {
 
 fn endpoint(eps: &mut BTreeMap<String, Endpoint>, v: &EndpointPoll) {
     let e = eps.entry(v.addr.clone()).or_insert_with(|| Endpoint { addr: v.addr.clone(), ..Default::default() });
-    e.kind = v.kind.name().to_string();
+    e.kind = v.kind;
     e.polls += 1;
     e.metrics_status = v.metrics_status.map(u64::from);
     e.netns |= v.netns;
@@ -547,7 +547,7 @@ pub fn render(s: &System) -> String {
         }
         if let Some(st @ (401 | 403)) = e.metrics_status {
             facts.push(format!("/metrics answered {st}: the server wants a key (give probe --api-key or PROBE_API_KEY)"));
-        } else if e.metrics_status.is_some() && e.kind == "llama.cpp" {
+        } else if e.metrics_status.is_some() && e.kind == crate::sampler::endpoints::Kind::LlamaCpp {
             facts.push("no /metrics (start it with --metrics for queue depth)".into());
         }
         for m in &e.loaded_models {
@@ -556,7 +556,7 @@ pub fn render(s: &System) -> String {
         let _ = writeln!(
             o,
             "  Server {} at {}{}: {}",
-            e.kind,
+            e.kind.name(),
             e.addr,
             if e.netns { " (in its own network namespace)" } else { "" },
             if facts.is_empty() { format!("{} polls", e.polls) } else { facts.join(", ") }

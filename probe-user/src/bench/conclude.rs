@@ -302,7 +302,7 @@ mod tests {
             sweep: "idle".into(),
             level: "5s".into(),
             seq: 1,
-            verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: "disk".into(), ..Default::default() }),
+            verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: crate::verdict::SlowCause::Disk, ..Default::default() }),
             ..Default::default()
         }];
         let c = conclude(&[warm, cold], &rows, None);

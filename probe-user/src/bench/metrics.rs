@@ -6,7 +6,49 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::client::Exchange;
-use crate::verdict::{Split, StopCause};
+use crate::verdict::{SlowCause, Split, StopCause};
+
+/// How a benchmark response ended: the verdict's stop causes (one classifier, `crate::verdict`),
+/// and `rejected`, a 4xx answer before any token, which only the client sees as such.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RowStop {
+    Cause(StopCause),
+    Rejected,
+}
+
+impl Default for RowStop {
+    fn default() -> Self {
+        RowStop::Cause(StopCause::Unknown)
+    }
+}
+
+impl RowStop {
+    pub fn name(self) -> &'static str {
+        match self {
+            RowStop::Cause(c) => c.name(),
+            RowStop::Rejected => "rejected",
+        }
+    }
+}
+
+impl std::fmt::Display for RowStop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for RowStop {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "rejected" { Ok(RowStop::Rejected) } else { s.parse().map(RowStop::Cause) }
+    }
+}
+
+impl Serialize for RowStop {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
 
 /// The definitions every output states.
 pub const DEFINITIONS: &[(&str, &str)] = &[
@@ -38,8 +80,8 @@ pub struct RowVerdict {
     /// The trace directory and the request's id in its report.json.
     pub trace: String,
     pub request_id: u64,
-    pub slow_cause: String,
-    pub stop_cause: String,
+    pub slow_cause: SlowCause,
+    pub stop_cause: StopCause,
     pub ttft_ms: Option<Split>,
     pub evidence: Vec<String>,
 }
@@ -67,7 +109,7 @@ pub struct Row {
     pub finish_reason: Option<String>,
     pub truncated: Option<bool>,
     /// eos | requested_limit | server_limit | stop_word | client_disconnect | deadline | server_error | rejected | unknown
-    pub stop: String,
+    pub stop: RowStop,
     pub stop_detail: String,
     /// For server_limit: which limit, by the tokens in the slot: "slot_context" (prompt + output
     /// reached the slot's context) or "kv_pool" (they stopped well below it: a KV pool shared by
@@ -106,51 +148,51 @@ pub struct Row {
 pub use crate::stream::payload::context_exceeded;
 
 /// Normalize the stop: what ended this response, and a sentence with the numbers behind it.
-pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Option<u64>) -> (&'static str, String) {
+pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Option<u64>) -> (RowStop, String) {
+    use StopCause::*;
+    let c = RowStop::Cause;
     let s = &x.stop;
     let ctx = slot_ctx.map(|n| format!(" ({n}-token slot context)")).unwrap_or_default();
     let err = x.error_message.clone().or_else(|| s.error.as_ref().map(|e| e.to_string())).unwrap_or_default();
     if x.deadline_hit {
-        return ("deadline", format!("the client deadline passed after {output} tokens"));
+        return (c(Deadline), format!("the client deadline passed after {output} tokens"));
     }
     if x.aborted {
-        return ("client_disconnect", format!("the client left (Ctrl-C) after {output} tokens"));
+        return (c(ClientDisconnect), format!("the client left (Ctrl-C) after {output} tokens"));
     }
     if let Some(st) = x.status.filter(|&c| c >= 400) {
         return if (400..500).contains(&st) {
-            ("rejected", format!("rejected by the server: HTTP {st} {err}").trim_end().to_string())
+            (RowStop::Rejected, format!("rejected by the server: HTTP {st} {err}").trim_end().to_string())
         } else if context_exceeded(&err) {
-            ("server_limit", format!("HTTP {st} before any token: {err}{ctx}"))
+            (c(ServerLimit), format!("HTTP {st} before any token: {err}{ctx}"))
         } else {
-            ("server_error", format!("HTTP {st} {err}").trim_end().to_string())
+            (c(ServerError), format!("HTTP {st} {err}").trim_end().to_string())
         };
     }
     if let Some(e) = &x.transport_error
         && x.status.is_none()
     {
-        return ("server_error", e.clone());
+        return (c(ServerError), e.clone());
     }
     if !err.is_empty() {
         return if context_exceeded(&err) {
-            ("server_limit", format!("server-imposed limit{ctx}: stopped with \"{err}\" after {output} of {max_tokens} tokens"))
+            (c(ServerLimit), format!("server-imposed limit{ctx}: stopped with \"{err}\" after {output} of {max_tokens} tokens"))
         } else {
-            ("server_error", format!("mid-stream error after {output} tokens: {err}"))
+            (c(ServerError), format!("mid-stream error after {output} tokens: {err}"))
         };
     }
     if x.disconnected && !x.complete {
-        return ("server_error", format!("the server closed the connection after {output} tokens, before the response ended"));
+        return (c(ServerError), format!("the server closed the connection after {output} tokens, before the response ended"));
     }
     if s.truncated == Some(true) {
-        return ("server_limit", format!("server-imposed limit{ctx}: truncated after {output} of {max_tokens} tokens (context ran out)"));
+        return (c(ServerLimit), format!("server-imposed limit{ctx}: truncated after {output} of {max_tokens} tokens (context ran out)"));
     }
     match crate::verdict::server_word(s, output, Some(max_tokens)) {
-        Some(StopCause::ServerLimit) => {
-            ("server_limit", format!("server-imposed limit{ctx}: length after {output} of {max_tokens} requested tokens"))
-        }
-        Some(StopCause::RequestedLimit) => ("requested_limit", format!("the requested limit ({max_tokens} tokens)")),
-        Some(StopCause::StopWord) => ("stop_word", format!("a stop word after {output} tokens")),
-        Some(StopCause::Eos) => ("eos", format!("end of sequence after {output} tokens")),
-        _ => ("unknown", format!("no stop information after {output} tokens")),
+        Some(ServerLimit) => (c(ServerLimit), format!("server-imposed limit{ctx}: length after {output} of {max_tokens} requested tokens")),
+        Some(RequestedLimit) => (c(RequestedLimit), format!("the requested limit ({max_tokens} tokens)")),
+        Some(StopWord) => (c(StopWord), format!("a stop word after {output} tokens")),
+        Some(Eos) => (c(Eos), format!("end of sequence after {output} tokens")),
+        _ => (c(Unknown), format!("no stop information after {output} tokens")),
     }
 }
 
@@ -240,7 +282,7 @@ pub fn tally_verdicts(levels: &mut [Level], rows: &[Row]) {
         l.slow_causes.clear();
         for r in rows.iter().filter(|r| r.seq == l.seq) {
             if let Some(v) = &r.verdict {
-                *l.slow_causes.entry(v.slow_cause.clone()).or_insert(0) += 1;
+                *l.slow_causes.entry(v.slow_cause.name().to_string()).or_insert(0) += 1;
             }
         }
     }
@@ -263,7 +305,7 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
                 && r.error.is_none()
                 && !r.deadline_hit
                 && !r.disconnected
-                && r.stop != "client_disconnect"
+                && r.stop != RowStop::Cause(StopCause::ClientDisconnect)
         })
         .collect();
     let f = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> { rows.iter().filter_map(|r| g(r)).collect() };
@@ -278,9 +320,9 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
         if let Some(l) = &r.server_limit {
             *limits.entry(l.clone()).or_insert(0) += 1;
         }
-        *stops.entry(r.stop.clone()).or_insert(0) += 1;
+        *stops.entry(r.stop.name().to_string()).or_insert(0) += 1;
         if let Some(v) = &r.verdict {
-            *slow.entry(v.slow_cause.clone()).or_insert(0) += 1;
+            *slow.entry(v.slow_cause.name().to_string()).or_insert(0) += 1;
         }
     }
     let good = ok
@@ -298,8 +340,8 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
         idle_s: first.idle_s,
         requests: rows.len() as u64,
         ok: ok.len() as u64,
-        rejected: rows.iter().filter(|r| r.stop == "rejected").count() as u64,
-        errors: rows.iter().filter(|r| r.stop == "server_error").count() as u64,
+        rejected: rows.iter().filter(|r| r.stop == RowStop::Rejected).count() as u64,
+        errors: rows.iter().filter(|r| r.stop == RowStop::Cause(StopCause::ServerError)).count() as u64,
         deadline_hits: rows.iter().filter(|r| r.deadline_hit).count() as u64,
         disconnects: rows.iter().filter(|r| r.disconnected).count() as u64,
         prompt_tokens_mean: mean(&f(&|r| r.prompt_tokens.map(|n| n as f64))),
@@ -392,7 +434,7 @@ pub fn csv(rows: &[Row]) -> String {
             r.output_tokens_source.clone(),
             r.finish_reason.clone().unwrap_or_default(),
             r.truncated.map(|t| t.to_string()).unwrap_or_default(),
-            r.stop.clone(),
+            r.stop.name().to_string(),
             r.server_limit.clone().unwrap_or_default(),
             n(r.status.map(u64::from)),
             r.error.clone().unwrap_or_default(),
@@ -411,8 +453,8 @@ pub fn csv(rows: &[Row]) -> String {
             n(r.local_port.map(u64::from)),
             n(r.server_pid.map(u64::from)),
             o(r.model_resident_pct),
-            r.verdict.as_ref().map(|v| v.slow_cause.clone()).unwrap_or_default(),
-            r.verdict.as_ref().map(|v| v.stop_cause.clone()).unwrap_or_default(),
+            r.verdict.as_ref().map(|v| v.slow_cause.name().to_string()).unwrap_or_default(),
+            r.verdict.as_ref().map(|v| v.stop_cause.name().to_string()).unwrap_or_default(),
             o(split.as_ref().map(|s| s.disk)),
             o(split.as_ref().map(|s| s.load)),
             o(split.as_ref().map(|s| s.queue)),
@@ -440,39 +482,42 @@ mod tests {
     #[test]
     fn stops_are_normalized() {
         let length = Stop { finish_reason: Some("length".into()), ..Default::default() };
-        assert_eq!(normalize_stop(&x(length.clone()), 64, 64, None).0, "requested_limit");
+        assert_eq!(normalize_stop(&x(length.clone()), 64, 64, None).0.name(), "requested_limit");
         let (s, d) = normalize_stop(&x(length), 200, 400, Some(256));
-        assert_eq!(s, "server_limit");
+        assert_eq!(s.name(), "server_limit");
         assert!(d.contains("256-token slot context") && d.contains("200 of 400"), "{d}");
         let limit = Stop { stop_type: Some("limit".into()), truncated: Some(true), ..Default::default() };
-        assert_eq!(normalize_stop(&x(limit), 10, 10, None).0, "server_limit");
-        assert_eq!(normalize_stop(&x(Stop { stop_type: Some("eos".into()), ..Default::default() }), 5, 64, None).0, "eos");
-        assert_eq!(normalize_stop(&x(Stop { done_reason: Some("stop".into()), ..Default::default() }), 5, 64, None).0, "eos");
-        assert_eq!(normalize_stop(&x(Stop { stop_type: Some("word".into()), ..Default::default() }), 5, 64, None).0, "stop_word");
-        assert_eq!(normalize_stop(&x(Stop::default()), 5, 64, None).0, "unknown");
+        assert_eq!(normalize_stop(&x(limit), 10, 10, None).0.name(), "server_limit");
+        assert_eq!(normalize_stop(&x(Stop { stop_type: Some("eos".into()), ..Default::default() }), 5, 64, None).0.name(), "eos");
+        assert_eq!(normalize_stop(&x(Stop { done_reason: Some("stop".into()), ..Default::default() }), 5, 64, None).0.name(), "eos");
+        assert_eq!(normalize_stop(&x(Stop { stop_type: Some("word".into()), ..Default::default() }), 5, 64, None).0.name(), "stop_word");
+        assert_eq!(normalize_stop(&x(Stop::default()), 5, 64, None).0.name(), "unknown");
         let mut mid = x(Stop::default());
         mid.error_message = Some("Context size has been exceeded.".into());
-        assert_eq!(normalize_stop(&mid, 248, 300, Some(1024)).0, "server_limit");
+        assert_eq!(normalize_stop(&mid, 248, 300, Some(1024)).0.name(), "server_limit");
         mid.error_message = Some("boom".into());
-        assert_eq!(normalize_stop(&mid, 3, 300, None).0, "server_error");
+        assert_eq!(normalize_stop(&mid, 3, 300, None).0.name(), "server_error");
         let mut rej = x(Stop::default());
         rej.status = Some(400);
         rej.error_message = Some("the request exceeds the available context size".into());
         let (s, d) = normalize_stop(&rej, 0, 16, None);
-        assert_eq!(s, "rejected");
+        assert_eq!(s.name(), "rejected");
         assert!(d.contains("HTTP 400"), "{d}");
         rej.status = Some(503);
         rej.error_message = Some("Loading model".into());
-        assert_eq!(normalize_stop(&rej, 0, 16, None).0, "server_error");
+        assert_eq!(normalize_stop(&rej, 0, 16, None).0.name(), "server_error");
         let mut dl = x(Stop::default());
         dl.deadline_hit = true;
-        assert_eq!(normalize_stop(&dl, 3, 16, None).0, "deadline");
+        assert_eq!(normalize_stop(&dl, 3, 16, None).0.name(), "deadline");
         let mut cut = x(Stop::default());
         cut.complete = false;
         cut.disconnected = true;
-        assert_eq!(normalize_stop(&cut, 3, 16, None).0, "server_error");
+        assert_eq!(normalize_stop(&cut, 3, 16, None).0.name(), "server_error");
         let refused = Exchange { transport_error: Some("cannot connect to 127.0.0.1:9: Connection refused".into()), ..Default::default() };
-        assert_eq!(normalize_stop(&refused, 0, 16, None), ("server_error", "cannot connect to 127.0.0.1:9: Connection refused".into()));
+        assert_eq!(
+            normalize_stop(&refused, 0, 16, None),
+            (RowStop::Cause(StopCause::ServerError), "cannot connect to 127.0.0.1:9: Connection refused".into())
+        );
         assert_eq!(which_limit(Some(9), 248, Some(1024)), Some("kv_pool"));
         assert_eq!(which_limit(Some(30), 226, Some(256)), Some("slot_context"));
         assert_eq!(which_limit(None, 226, Some(256)), None);
@@ -502,7 +547,7 @@ mod tests {
             level: "2".into(),
             concurrency: 2,
             status: Some(200),
-            stop: stop.into(),
+            stop: stop.parse().unwrap(),
             ttft_ms: Some(ttft),
             tpot_ms: Some(10.0),
             output_tokens: 8,

@@ -202,7 +202,7 @@ pub fn one(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling)
         output_tokens_source: source.into(),
         finish_reason: x.stop.finish_reason.clone().or(x.stop.stop_type.clone()).or(x.stop.done_reason.clone()).or(x.stop.stopped.clone()),
         truncated: x.stop.truncated,
-        stop: stop.into(),
+        stop,
         stop_detail: detail,
         status: x.status,
         error: x.error_message.clone().or(x.transport_error.clone()),
@@ -213,7 +213,7 @@ pub fn one(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling)
         local_port: x.local_port,
         ..template.clone()
     };
-    if row.stop == "server_limit"
+    if row.stop == super::metrics::RowStop::Cause(crate::verdict::StopCause::ServerLimit)
         && let Some(kind) = super::metrics::which_limit(row.prompt_tokens, output, ctx.slot_ctx)
     {
         let used = row.prompt_tokens.unwrap_or(0) + output;

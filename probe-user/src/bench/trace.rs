@@ -13,9 +13,9 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use serde_json::Value;
 
 use super::metrics::{Row, RowVerdict};
+use crate::{report::Report, stream::Role};
 
 /// The process listening on `port`, in this network namespace or a container's (see
 /// [`crate::watch::target::listener`]).
@@ -161,41 +161,38 @@ pub fn start(pid: u32, out: &Path) -> anyhow::Result<Segment> {
 }
 
 /// Stop the trace (SIGINT, as Ctrl-C) and read its report.json.
-pub fn stop(mut seg: Segment) -> anyhow::Result<(Segment, Value)> {
+pub fn stop(mut seg: Segment) -> anyhow::Result<(Segment, Report)> {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(seg.child.id() as i32, libc::SIGINT) };
     let st = seg.child.wait()?;
     let path = seg.out.join("report.json");
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(&path).with_context(|| format!("probe trace ({st}) wrote no {}", path.display()))?)?;
+    let bytes = std::fs::read(&path).with_context(|| format!("probe trace ({st}) wrote no {}", path.display()))?;
+    let report: Report = serde_json::from_slice(&bytes).with_context(|| format!("{} is not a probe report", path.display()))?;
     Ok((seg, report))
 }
 
 /// Attach each row's traced verdict: the report's request whose peer port is the row's local port.
 /// Returns how many rows found their request.
-pub fn join(rows: &mut [Row], idx: &[usize], report: &Value, trace: &str) -> usize {
-    let reqs = report["requests"].as_array().cloned().unwrap_or_default();
+pub fn join(rows: &mut [Row], idx: &[usize], report: &Report, trace: &str) -> usize {
+    let reqs = &report.requests;
     let mut used = vec![false; reqs.len()];
     let mut found = 0;
     for &i in idx {
         let Some(port) = rows[i].local_port else { continue };
         let suffix = format!(":{port}");
-        let Some(j) = (0..reqs.len())
-            .find(|&j| !used[j] && reqs[j]["role"] == "server" && reqs[j]["peer"].as_str().is_some_and(|p| p.ends_with(&suffix)))
-        else {
+        let Some(j) = (0..reqs.len()).find(|&j| !used[j] && reqs[j].role == Role::Server && reqs[j].peer.ends_with(&suffix)) else {
             continue;
         };
         used[j] = true;
         let q = &reqs[j];
-        let v = &q["verdict"];
-        let split = serde_json::from_value(v["ttft_ms"].clone()).ok();
+        let v = q.verdict.clone().unwrap_or_default();
         let verdict = RowVerdict {
             trace: trace.to_string(),
-            request_id: q["id"].as_u64().unwrap_or(0),
-            slow_cause: v["slow_cause"].as_str().unwrap_or("none").to_string(),
-            stop_cause: v["stop_cause"].as_str().unwrap_or("unknown").to_string(),
-            ttft_ms: split,
-            evidence: v["evidence"].as_array().map(|e| e.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default(),
+            request_id: q.id,
+            slow_cause: v.slow_cause,
+            stop_cause: v.stop_cause,
+            ttft_ms: v.ttft_ms,
+            evidence: v.evidence,
         };
         rows[i].queue_ms = verdict.ttft_ms.as_ref().map(|s| s.queue);
         rows[i].verdict = Some(verdict);
@@ -210,18 +207,43 @@ mod tests {
 
     #[test]
     fn rows_join_traced_requests_by_port() {
-        let report = serde_json::json!({"requests": [
-            {"id": 1, "role": "server", "peer": "127.0.0.1:40000", "verdict": {"slow_cause": "queue", "stop_cause": "eos", "evidence": ["x"],
-             "ttft_ms": {"queue": 5.0, "disk": 0.0, "memory": 0.0, "power": 0.0, "load": 0.0, "compute": 1.0, "unexplained": 0.0}}},
-            {"id": 2, "role": "server", "peer": "127.0.0.1:40001", "verdict": {"slow_cause": "disk", "stop_cause": "requested_limit", "ttft_ms": null}}
-        ]});
+        use crate::{
+            report::Request,
+            stream::RequestRecord,
+            verdict::{SlowCause, Split, StopCause, Verdict},
+        };
+        let q = |id: u64, peer: &str, verdict: Verdict| Request {
+            record: RequestRecord { id, role: Role::Server, peer: peer.into(), ..Default::default() },
+            verdict: Some(verdict),
+        };
+        let report = Report {
+            requests: vec![
+                q(
+                    1,
+                    "127.0.0.1:40000",
+                    Verdict {
+                        slow_cause: SlowCause::Queue,
+                        stop_cause: StopCause::Eos,
+                        evidence: vec!["x".into()],
+                        ttft_ms: Some(Split { queue: 5.0, compute: 1.0, ..Default::default() }),
+                        ..Default::default()
+                    },
+                ),
+                q(
+                    2,
+                    "127.0.0.1:40001",
+                    Verdict { slow_cause: SlowCause::Disk, stop_cause: StopCause::RequestedLimit, ..Default::default() },
+                ),
+            ],
+            ..Default::default()
+        };
         let mut rows = vec![
             Row { local_port: Some(40001), ..Default::default() },
             Row { local_port: Some(40000), ..Default::default() },
             Row { local_port: Some(9), ..Default::default() },
         ];
         assert_eq!(join(&mut rows, &[0, 1, 2], &report, "trace-1"), 2);
-        assert_eq!(rows[0].verdict.as_ref().unwrap().slow_cause, "disk");
+        assert_eq!(rows[0].verdict.as_ref().unwrap().slow_cause, SlowCause::Disk);
         assert_eq!(rows[1].verdict.as_ref().unwrap().request_id, 1);
         assert_eq!(rows[1].queue_ms, Some(5.0));
         assert!(rows[2].verdict.is_none());

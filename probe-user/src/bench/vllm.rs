@@ -49,7 +49,7 @@ fn completed(r: &Row) -> bool {
         && r.error.is_none()
         && !r.deadline_hit
         && !r.disconnected
-        && r.stop != "client_disconnect"
+        && r.stop != super::metrics::RowStop::Cause(crate::verdict::StopCause::ClientDisconnect)
 }
 
 /// One level as a vLLM result object.

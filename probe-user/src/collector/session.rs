@@ -151,7 +151,7 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
     st.writer.record(&stats(&sum(&lost_map), &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
     st.writer.flush()?;
 
-    let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.as_str()).collect();
+    let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.name()).collect();
     say!(
         "probe: armed in {armed_ms:.0} ms: pid {} ({}), {} process(es); probes live: {}",
         opts.pid,
@@ -188,7 +188,7 @@ fn meta(opts: &TraceOptions, attached: &probes::Attached, start_ns: u64, armed_m
         offcpu_waits: Some(if opts.offcpu_d_only { "uninterruptible" } else { "all" }.into()),
         start_unix_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
         cgroup: opts.cgroup.as_ref().map(|c| c.display().to_string()),
-        cpu_hz: if attached.status.iter().any(|p| p.name == "cpu" && p.live) { opts.sample_hz } else { 0 },
+        cpu_hz: if attached.status.iter().any(|p| p.name == records::Subsystem::Cpu && p.live) { opts.sample_hz } else { 0 },
         kernel: uname.trim().into(),
         armed_ms,
         arm_stages,

@@ -18,12 +18,80 @@ fn page_size() -> u64 {
     4096
 }
 
+/// A probe (a group of kernel programs), as `--probes` and every report name it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Subsystem {
+    Blockio,
+    Fault,
+    Filemap,
+    Mmap,
+    Sock,
+    Stream,
+    Cpu,
+    Offcpu,
+    Mem,
+    Proc,
+    /// A probe this version does not know (a later recording's).
+    #[default]
+    #[serde(other)]
+    Unknown,
+}
+
+impl Subsystem {
+    /// Every probe, in the order they are listed.
+    pub const ALL: [Subsystem; 10] = [
+        Subsystem::Blockio,
+        Subsystem::Fault,
+        Subsystem::Filemap,
+        Subsystem::Mmap,
+        Subsystem::Sock,
+        Subsystem::Stream,
+        Subsystem::Cpu,
+        Subsystem::Offcpu,
+        Subsystem::Mem,
+        Subsystem::Proc,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Subsystem::Blockio => "blockio",
+            Subsystem::Fault => "fault",
+            Subsystem::Filemap => "filemap",
+            Subsystem::Mmap => "mmap",
+            Subsystem::Sock => "sock",
+            Subsystem::Stream => "stream",
+            Subsystem::Cpu => "cpu",
+            Subsystem::Offcpu => "offcpu",
+            Subsystem::Mem => "mem",
+            Subsystem::Proc => "proc",
+            Subsystem::Unknown => "unknown",
+        }
+    }
+}
+
+impl std::fmt::Display for Subsystem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Subsystem {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Subsystem::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Subsystem::ALL.iter().map(|x| x.name()).collect();
+            format!("unknown probe `{s}`: choose from {}", names.join(", "))
+        })
+    }
+}
+
 /// What happened to one subsystem (probe) at attach time: written by the collector in `meta`,
 /// shown by every report.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SubsystemStatus {
-    pub name: String,
+    pub name: Subsystem,
     pub live: bool,
     pub attached: Vec<String>,
     /// "program: reason" for each program that did not attach.
@@ -292,7 +360,7 @@ mod tests {
                 start_ns: 9,
                 window_start_ns: Some(10),
                 cpu_hz: 99,
-                probes: vec![SubsystemStatus { name: "cpu".into(), live: true, attached: vec!["cpu_sample".into()], skipped: vec![] }],
+                probes: vec![SubsystemStatus { name: Subsystem::Cpu, live: true, attached: vec!["cpu_sample".into()], skipped: vec![] }],
                 block_devices: [("254:0".to_string(), "vda".to_string())].into(),
                 page_size: 4096,
                 ..Default::default()

@@ -628,7 +628,7 @@ impl Builder {
             return;
         }
         let (start, samples) = (self.start, &self.samples);
-        let offcpu_probe = r.probes.iter().any(|p| p.name == "offcpu" && p.live);
+        let offcpu_probe = r.probes.iter().any(|p| p.name == crate::recording::records::Subsystem::Offcpu && p.live);
         let oom_kills: Vec<u64> =
             self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
         let (gpu_clocks, cpu_clocks) = crate::system::clock_series(samples);

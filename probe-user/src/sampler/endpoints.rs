@@ -18,7 +18,8 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::recording::samples::{EndpointPoll, LlamaProps, LoadedModel};
+pub use crate::sampler::records::Kind;
+use crate::sampler::records::{EndpointPoll, LlamaProps, LoadedModel};
 
 /// The samples of Prometheus text: (metric name, series `name{labels}`, value); comments,
 /// blank lines and non-finite values left out. Label values may hold spaces.
@@ -44,36 +45,6 @@ pub fn parse_prometheus(text: &str, max: usize) -> BTreeMap<String, f64> {
         .take(max)
         .map(|(_, series, v)| (series.to_string(), v))
         .collect()
-}
-
-/// What a port answers as.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Kind {
-    #[serde(rename = "llama.cpp")]
-    LlamaCpp,
-    #[serde(rename = "vllm")]
-    Vllm,
-    #[serde(rename = "ollama")]
-    Ollama,
-    /// Answers HTTP but none of the known endpoints.
-    #[default]
-    #[serde(rename = "other")]
-    Other,
-    /// Does not answer HTTP (or not on loopback): asked once, then left alone.
-    #[serde(rename = "none")]
-    NotHttp,
-}
-
-impl Kind {
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::LlamaCpp => "llama.cpp",
-            Kind::Vllm => "vllm",
-            Kind::Ollama => "ollama",
-            Kind::Other => "other",
-            Kind::NotHttp => "none",
-        }
-    }
 }
 
 /// One port being polled.

@@ -15,7 +15,7 @@ use std::{
 
 use crate::{
     monotonic_ns, procfs,
-    recording::samples::{
+    sampler::records::{
         CpuFreqReading, CpuIdleReading, EndpointPoll, GpuReading, MemReading, ResidencyReading, ResidencyWhy, Sample, Sources,
     },
 };
@@ -23,6 +23,7 @@ use crate::{
 pub mod endpoints;
 pub mod gpu;
 pub mod host;
+pub mod records;
 pub mod residency;
 
 /// How often the server's endpoints are polled (each poll is 2-3 small HTTP requests the server

@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::sampler::{
-    endpoints::Kind,
     gpu::{GpuDevice, GpuSample},
     host::{CpuIdle, Mem},
     residency::Residency,
@@ -122,6 +121,36 @@ pub struct ResidencyReading {
     pub ts_ns: u64,
     pub why: ResidencyWhy,
     pub files: Vec<Residency>,
+}
+
+/// What a port answers as.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Kind {
+    #[serde(rename = "llama.cpp")]
+    LlamaCpp,
+    #[serde(rename = "vllm")]
+    Vllm,
+    #[serde(rename = "ollama")]
+    Ollama,
+    /// Answers HTTP but none of the known endpoints.
+    #[default]
+    #[serde(rename = "other")]
+    Other,
+    /// Does not answer HTTP (or not on loopback): asked once, then left alone.
+    #[serde(rename = "none")]
+    NotHttp,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::LlamaCpp => "llama.cpp",
+            Kind::Vllm => "vllm",
+            Kind::Ollama => "ollama",
+            Kind::Other => "other",
+            Kind::NotHttp => "none",
+        }
+    }
 }
 
 /// One poll of one of the server's ports.
