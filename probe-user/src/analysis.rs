@@ -116,7 +116,7 @@ impl Analysis {
     }
 
     /// The Perfetto timeline (crate::perfetto) of what the recording kept.
-    pub fn timeline(&self) -> serde_json::Value {
+    pub fn timeline(&self) -> crate::perfetto::Trace {
         crate::perfetto::build(&self.recording, &self.report, &self.names)
     }
 

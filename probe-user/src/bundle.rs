@@ -189,7 +189,7 @@ pub fn write(a: &Analysis, out: &Path, masked: bool, force: bool) -> anyhow::Res
         }
     }
     let r: Report = serde_json::from_str(&clean(&serde_json::to_string(report)?)).context("cleaned report")?;
-    let t: serde_json::Value = serde_json::from_str(&clean(&serde_json::to_string(&trace)?)).context("cleaned timeline")?;
+    let t: crate::perfetto::Trace = serde_json::from_str(&clean(&serde_json::to_string(&trace)?)).context("cleaned timeline")?;
     let page = html::render(&r, &t, &flames);
     drawn.push((html::FILE_NAME.into(), page.into_bytes()));
     let file = crate::output::create_file(out, force)?;

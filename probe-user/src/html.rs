@@ -9,7 +9,6 @@ use std::{
 };
 
 use anyhow::Context as _;
-use serde_json::Value;
 
 use crate::{
     flame,
@@ -428,9 +427,9 @@ var ce=console.error;console.error=function(){note(Array.prototype.join.call(arg
 window.addEventListener('load',function(){var imgs=document.images;for(var i=0;i<imgs.length;i++){if(!imgs[i].complete||!imgs[i].naturalWidth){note('image not drawn: '+imgs[i].alt);}}
 document.body.setAttribute('data-rendered',errs.length?'errors':'ok');});})();";
 
-/// The page. `timeline` is Chrome trace-event JSON (crate::perfetto::build); `flames` are
-/// (kind, SVG text) pairs.
-pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) -> String {
+/// The page. `timeline` is the trace crate::perfetto::build makes (its events drawn as they are,
+/// never re-read from JSON); `flames` are (kind, SVG text) pairs.
+pub fn render(r: &Report, timeline: &crate::perfetto::Trace, flamegraphs: &[(String, String)]) -> String {
     let mut o = String::with_capacity(64 * 1024);
     let _ = writeln!(o, "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">");
     // Nothing may be fetched: the page works offline and cannot leak anything when opened.
@@ -450,7 +449,7 @@ pub fn render(r: &Report, timeline: &Value, flamegraphs: &[(String, String)]) ->
     verdicts(&mut o, r);
     let system = crate::system::render(&r.system);
     let _ = writeln!(o, "<h2 id=\"system\">System</h2>\n<pre>{}</pre>", escape(system.trim_start_matches("\nSystem:\n").trim_end()));
-    let chart = chart::svg(timeline);
+    let chart = chart::svg(&timeline.events);
     let _ = writeln!(o, "<h2 id=\"timeline\">Timeline</h2>");
     let _ = writeln!(
         o,
@@ -504,6 +503,12 @@ pub fn write(dir: &Path) -> anyhow::Result<(PathBuf, Report)> {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::Value;
+
+    /// Events as their JSON reads.
+    fn events(ev: Vec<Value>) -> Vec<crate::perfetto::TraceEvent> {
+        serde_json::from_value(Value::Array(ev)).unwrap()
+    }
     use super::*;
     use serde_json::json;
 
@@ -556,7 +561,7 @@ mod tests {
         for i in 0..100_000u64 {
             ev.push(json!({"ph": "C", "name": "gpu clock", "pid": 9, "tid": 0, "ts": i * 20, "args": {"MHz": (i % 17) * 100}}));
         }
-        let chart = chart::svg(&json!({ "traceEvents": ev }));
+        let chart = chart::svg(&events(ev));
         assert!(chart.elements <= chart::MAX_ELEMENTS);
         assert!(chart.svg.len() < 400_000, "{} bytes", chart.svg.len());
         assert!(chart.svg.contains(" × [lock wait]"), "merged runs say how many slices they hold");
@@ -571,7 +576,7 @@ mod tests {
             ev.push(json!({"ph": "X", "name": format!("#{i} POST /v1/chat/completions"), "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 1_500_000}));
             ev.push(json!({"ph": "X", "name": "until first token", "pid": 1, "tid": i, "ts": i * 2_000_000, "dur": 300_000}));
         }
-        let chart = chart::svg(&json!({ "traceEvents": ev }));
+        let chart = chart::svg(&events(ev));
         assert!(chart.svg.contains(">#0 POST /v1/chat/compl +149</text>"), "two rows of 150");
         assert!(chart.notes.is_empty(), "{:?}", chart.notes);
         assert!(chart.svg.contains("#299 POST /v1/chat/completions: 1500 ms at 598000 ms"));
@@ -580,7 +585,7 @@ mod tests {
         let ev: Vec<Value> = (0..20_000u64)
             .map(|i| json!({"ph": "X", "name": format!("n{i}"), "pid": 1, "tid": i % 10, "ts": i * 1000, "dur": 10}))
             .collect();
-        let chart = chart::svg(&json!({ "traceEvents": ev }));
+        let chart = chart::svg(&events(ev));
         assert_eq!(chart.elements, chart::MAX_ELEMENTS);
         assert!(chart.notes.iter().any(|n| n.contains("more elements not drawn")), "{:?}", chart.notes);
     }
@@ -592,6 +597,7 @@ mod tests {
         r.target.cmdline = "llama-server -m \"/m/<x>.gguf\" --alias 'a&b'".into();
         r.problems.push("<img src=x onerror=alert(1)>".into());
         let tl = json!({"traceEvents": [{"ph": "X", "name": "<script>", "pid": 1, "tid": 1, "ts": 0, "dur": 5}]});
+        let tl: crate::perfetto::Trace = serde_json::from_value(tl).unwrap();
         let page = render(&r, &tl, &[("cpu".into(), "<svg xmlns=\"http://www.w3.org/2000/svg\"/>".into())]);
         assert!(!page.contains("<b>srv") && !page.contains("<img src=x") && !page.contains("<script>\""));
         assert!(page.contains("&lt;b&gt;srv&lt;/b&gt;") && page.contains("&quot;/m/&lt;x&gt;.gguf&quot;") && page.contains("a&amp;b"));

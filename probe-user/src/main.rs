@@ -577,7 +577,7 @@ fn timeline_cmd(dir: PathBuf, output: Option<PathBuf>, force: bool) -> anyhow::R
         }
         None => output::OutDir::open(&dir)?.write("timeline.json", &bytes)?,
     };
-    println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace["traceEvents"].as_array().map_or(0, Vec::len));
+    println!("{} ({} events; open it in the Perfetto UI)", out.display(), trace.events.len());
     Ok(exit::OK)
 }
 

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use probe_common::{fault::FAULT_MAJOR, mmap::MmapOp, sock::SOCK_STATE};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::{
@@ -18,17 +19,93 @@ const BLOCKIO_PID: u64 = 2;
 const TCP_PID: u64 = 3;
 const SYSTEM_PID: u64 = 4;
 
-fn meta(pid: u64, tid: Option<u64>, name: &str) -> Value {
-    match tid {
-        None => json!({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}),
-        Some(t) => json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": name}}),
+/// What an event is, in the trace-event format's letters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    /// A slice with a duration.
+    #[serde(rename = "X")]
+    Complete,
+    /// A point in time.
+    #[serde(rename = "i", alias = "I")]
+    Instant,
+    /// A counter's values at a time.
+    #[serde(rename = "C")]
+    Counter,
+    /// A process or thread name.
+    #[serde(rename = "M")]
+    Meta,
+}
+
+/// One trace event. The fields are in the order timeline.json has always written them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceEvent {
+    /// Details: a name for `M`, values for `C`, anything for a slice or instant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Value>,
+    /// µs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dur: Option<f64>,
+    pub name: String,
+    pub ph: Phase,
+    pub pid: u64,
+    /// An instant's scope: "t" (thread) or "g" (global).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s: Option<String>,
+    pub tid: u64,
+    /// µs from the start of the trace (or of its window).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ts: Option<f64>,
+}
+
+impl TraceEvent {
+    fn slice(name: impl Into<String>, pid: impl Into<u64>, tid: impl Into<u64>, ts: f64, dur: f64, args: Option<Value>) -> Self {
+        TraceEvent { args, dur: Some(dur), name: name.into(), ph: Phase::Complete, pid: pid.into(), s: None, tid: tid.into(), ts: Some(ts) }
     }
+
+    fn instant(name: impl Into<String>, pid: impl Into<u64>, tid: impl Into<u64>, ts: f64, global: bool, args: Option<Value>) -> Self {
+        let s = Some(if global { "g" } else { "t" }.to_string());
+        TraceEvent { args, dur: None, name: name.into(), ph: Phase::Instant, pid: pid.into(), s, tid: tid.into(), ts: Some(ts) }
+    }
+}
+
+/// The timeline: Chrome trace-event JSON as the Perfetto UI and chrome://tracing open it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Trace {
+    #[serde(rename = "displayTimeUnit", default)]
+    pub display_time_unit: String,
+    #[serde(rename = "otherData", default)]
+    pub other: OtherData,
+    #[serde(rename = "traceEvents")]
+    pub events: Vec<TraceEvent>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OtherData {
+    pub probe: String,
+    pub target_pid: u32,
+}
+
+fn meta(pid: u64, tid: Option<u64>, name: &str) -> TraceEvent {
+    let (kind, tid) = match tid {
+        None => ("process_name", 0),
+        Some(t) => ("thread_name", t),
+    };
+    TraceEvent { args: Some(json!({ "name": name })), dur: None, name: kind.into(), ph: Phase::Meta, pid, s: None, tid, ts: None }
 }
 
 /// Counter tracks from the sampler records: GPU clocks, power and VRAM, CPU frequency, memory
 /// pressure (PSI stall ms per second, RSS), the model files' residency, the server's queue.
-fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
-    let c = |name: String, ts: f64, args: Value| json!({"ph": "C", "name": name, "pid": SYSTEM_PID, "tid": 0, "ts": ts, "args": args});
+fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) {
+    let c = |name: String, ts: f64, args: Value| TraceEvent {
+        args: Some(args),
+        dur: None,
+        name,
+        ph: Phase::Counter,
+        pid: SYSTEM_PID,
+        s: None,
+        tid: 0,
+        ts: Some(ts),
+    };
     let mut last_psi: Option<(u64, u64, u64)> = None;
     let mut last_idle: Option<(u64, &[u64])> = None;
     for v in rec.samples() {
@@ -111,12 +188,12 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<Value>) {
 }
 
 /// Build the trace. `kernel` classifies off-CPU waits (see crate::ksyms).
-pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) -> Value {
+pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) -> Trace {
     let start = rec.meta().map_or(0, |m| m.start_ns);
     // A window of a longer trace (a `probe watch` incident) is drawn from its own start.
     let origin = rec.meta().and_then(|m| m.window_start_ns).unwrap_or(start).max(start);
     let us = |ns: u64| ns.saturating_sub(origin) as f64 / 1e3;
-    let mut ev: Vec<Value> = vec![
+    let mut ev: Vec<TraceEvent> = vec![
         meta(REQUESTS_PID, None, "requests"),
         meta(BLOCKIO_PID, None, "block IO"),
         meta(TCP_PID, None, "TCP"),
@@ -129,15 +206,15 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
         let Some(a) = q.arrival_ms else { continue };
         let at = a * 1e3 - (origin - start) as f64 / 1e3;
         let v = q.verdict.as_ref();
-        ev.push(json!({"ph": "X", "name": name, "pid": REQUESTS_PID, "tid": q.id, "ts": at, "dur": q.end_ms.unwrap_or(0.0) * 1e3,
-            "args": {"status": q.status, "chunks": q.chunks, "stop_cause": v.map(|v| v.stop_cause), "slow_cause": v.map(|v| v.slow_cause), "closed_by": q.closed_by}}));
+        let args = json!({"status": q.status, "chunks": q.chunks, "stop_cause": v.map(|v| v.stop_cause), "slow_cause": v.map(|v| v.slow_cause), "closed_by": q.closed_by});
+        ev.push(TraceEvent::slice(name, REQUESTS_PID, q.id, at, q.end_ms.unwrap_or(0.0) * 1e3, Some(args)));
         if let Some(t) = q.ttft_ms {
-            ev.push(json!({"ph": "X", "name": "until first token", "pid": REQUESTS_PID, "tid": q.id, "ts": at, "dur": t * 1e3,
-                "args": {"ttft_ms": v.and_then(|v| v.ttft_ms.clone())}}));
-            ev.push(json!({"ph": "i", "s": "t", "name": "first token", "pid": REQUESTS_PID, "tid": q.id, "ts": at + t * 1e3}));
+            let args = json!({ "ttft_ms": v.and_then(|v| v.ttft_ms.clone()) });
+            ev.push(TraceEvent::slice("until first token", REQUESTS_PID, q.id, at, t * 1e3, Some(args)));
+            ev.push(TraceEvent::instant("first token", REQUESTS_PID, q.id, at + t * 1e3, false, None));
         }
         for c in q.chunk_times_ms.iter().skip(1) {
-            ev.push(json!({"ph": "i", "s": "t", "name": "token", "pid": REQUESTS_PID, "tid": q.id, "ts": at + c * 1e3}));
+            ev.push(TraceEvent::instant("token", REQUESTS_PID, q.id, at + c * 1e3, false, None));
         }
     }
     // Off-CPU time of each target thread, named by what it waited for.
@@ -145,7 +222,7 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
     for s in rec.stacks.iter().filter(|s| s.what == crate::recording::StackKind::Offcpu) {
         let Some(b) = s.blocked_ns else { continue };
         threads.insert((u64::from(s.pid), u64::from(s.tid)), ());
-        ev.push(json!({"ph": "X", "name": kernel.wait_of_stack(s), "pid": s.pid, "tid": s.tid, "ts": us(s.ts_ns), "dur": b as f64 / 1e3}));
+        ev.push(TraceEvent::slice(kernel.wait_of_stack(s), s.pid, s.tid, us(s.ts_ns), b as f64 / 1e3, None));
     }
     let mut devices: BTreeMap<u32, u64> = BTreeMap::new();
     for e in &rec.events {
@@ -155,24 +232,30 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
                 let tid = *devices.entry(b.dev).or_insert(n);
                 let begin = if b.insert_ns != 0 { b.insert_ns } else { b.issue_ns };
                 let rwbs = String::from_utf8_lossy(b.rwbs.split(|&c| c == 0).next().unwrap_or_default()).to_string();
-                ev.push(json!({"ph": "X", "name": format!("{rwbs} {} KiB", b.bytes / 1024), "pid": BLOCKIO_PID, "tid": tid, "ts": us(begin), "dur": b.complete_ns.saturating_sub(begin) as f64 / 1e3,
-                    "args": {"sector": b.sector, "bytes": b.bytes, "issuer_tid": b.hdr.tid, "queue_us": if b.insert_ns != 0 { b.issue_ns.saturating_sub(b.insert_ns) as f64 / 1e3 } else { 0.0 }}}));
+                let queue_us = if b.insert_ns != 0 { b.issue_ns.saturating_sub(b.insert_ns) as f64 / 1e3 } else { 0.0 };
+                let args = json!({"sector": b.sector, "bytes": b.bytes, "issuer_tid": b.hdr.tid, "queue_us": queue_us});
+                let dur = b.complete_ns.saturating_sub(begin) as f64 / 1e3;
+                ev.push(TraceEvent::slice(format!("{rwbs} {} KiB", b.bytes / 1024), BLOCKIO_PID, tid, us(begin), dur, Some(args)));
             }
             Event::Fault(f) if f.flags & FAULT_MAJOR != 0 => {
                 threads.insert((f.hdr.pid as u64, f.hdr.tid as u64), ());
-                ev.push(json!({"ph": "i", "s": "t", "name": "major fault", "pid": f.hdr.pid, "tid": f.hdr.tid, "ts": us(f.hdr.ts_ns), "args": {"addr": format!("{:#x}", f.addr)}}));
+                let args = json!({ "addr": format!("{:#x}", f.addr) });
+                ev.push(TraceEvent::instant("major fault", f.hdr.pid, f.hdr.tid, us(f.hdr.ts_ns), false, Some(args)));
             }
             Event::Mmap(m) => {
                 threads.insert((m.hdr.pid as u64, m.hdr.tid as u64), ());
                 let op = MmapOp::try_from(m.op).map(|o| o.name()).unwrap_or("mmap?");
-                ev.push(json!({"ph": "X", "name": op, "pid": m.hdr.pid, "tid": m.hdr.tid, "ts": us(m.enter_ns), "dur": m.hdr.ts_ns.saturating_sub(m.enter_ns) as f64 / 1e3, "args": {"len": m.len}}));
+                let dur = m.hdr.ts_ns.saturating_sub(m.enter_ns) as f64 / 1e3;
+                ev.push(TraceEvent::slice(op, m.hdr.pid, m.hdr.tid, us(m.enter_ns), dur, Some(json!({ "len": m.len }))));
             }
             Event::Mem(m) if m.what == probe_common::mem::MEM_OOM_VICTIM => {
-                ev.push(json!({"ph": "i", "s": "g", "name": format!("OOM kill of pid {}", m.victim), "pid": SYSTEM_PID, "tid": 0, "ts": us(m.hdr.ts_ns)}));
+                ev.push(TraceEvent::instant(format!("OOM kill of pid {}", m.victim), SYSTEM_PID, 0u64, us(m.hdr.ts_ns), true, None));
             }
             Event::Mem(m) => {
                 threads.insert((m.hdr.pid as u64, m.hdr.tid as u64), ());
-                ev.push(json!({"ph": "X", "name": probe_common::mem::mem_name(m.what), "pid": m.hdr.pid, "tid": m.hdr.tid, "ts": us(m.begin_ns), "dur": m.hdr.ts_ns.saturating_sub(m.begin_ns) as f64 / 1e3, "args": {"pages_or_status": m.nr}}));
+                let dur = m.hdr.ts_ns.saturating_sub(m.begin_ns) as f64 / 1e3;
+                let args = json!({ "pages_or_status": m.nr });
+                ev.push(TraceEvent::slice(probe_common::mem::mem_name(m.what), m.hdr.pid, m.hdr.tid, us(m.begin_ns), dur, Some(args)));
             }
             Event::Sock(s) => {
                 let name = if s.what == SOCK_STATE {
@@ -182,7 +265,7 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
                 } else {
                     "reset sent".to_string()
                 };
-                ev.push(json!({"ph": "i", "s": "t", "name": name, "pid": TCP_PID, "tid": s.sport, "ts": us(s.hdr.ts_ns), "args": {"dport": s.dport}}));
+                ev.push(TraceEvent::instant(name, TCP_PID, s.sport, us(s.hdr.ts_ns), false, Some(json!({ "dport": s.dport }))));
             }
             _ => {}
         }
@@ -199,5 +282,9 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
         };
         ev.push(meta(*pid, Some(*tid), &name));
     }
-    json!({"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"probe": env!("CARGO_PKG_VERSION"), "target_pid": r.target.pid}})
+    Trace {
+        display_time_unit: "ms".into(),
+        other: OtherData { probe: env!("CARGO_PKG_VERSION").into(), target_pid: r.target.pid },
+        events: ev,
+    }
 }

@@ -74,7 +74,7 @@ fn truncated_recording() {
 #[test]
 fn demo_timeline() {
     let rec = recording::read_dir(&data().join("demo")).unwrap();
-    let t = probe_user::perfetto::build(&rec, &probe_user::report::build(&rec), &Default::default());
+    let t = serde_json::to_value(probe_user::perfetto::build(&rec, &probe_user::report::build(&rec), &Default::default())).unwrap();
     let ev = t["traceEvents"].as_array().unwrap();
     let count = |f: &dyn Fn(&serde_json::Value) -> bool| ev.iter().filter(|e| f(e)).count();
     assert_eq!(count(&|e| e["ph"] == "i" && e["name"] == "major fault"), 256);

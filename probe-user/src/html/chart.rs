@@ -8,6 +8,8 @@ use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde_json::Value;
 
+use crate::perfetto::{Phase, TraceEvent};
+
 use super::escape;
 
 /// Width of the plot area and of the lane labels, px.
@@ -50,14 +52,6 @@ struct Process {
     lanes: BTreeMap<u64, Lane>,
     /// (counter name, series key) → (ts, value) samples.
     counters: BTreeMap<(String, String), Vec<(f64, f64)>>,
-}
-
-fn num(v: &Value) -> Option<f64> {
-    v.as_f64().or_else(|| v.as_str().and_then(|s| s.parse().ok()))
-}
-
-fn id(v: &Value) -> u64 {
-    v.as_u64().or_else(|| v.as_f64().map(|f| f as u64)).or_else(|| v.as_str().and_then(|s| s.parse().ok())).unwrap_or(0)
 }
 
 const PALETTE: [&str; 10] = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
@@ -121,19 +115,16 @@ fn rank(name: Option<&str>) -> u8 {
     }
 }
 
-fn parse(trace: &Value, skipped: &mut BTreeMap<String, u64>) -> (BTreeMap<u64, Process>, f64) {
-    let events = trace["traceEvents"].as_array().or(trace.as_array()).map(Vec::as_slice).unwrap_or_default();
+fn parse(events: &[TraceEvent]) -> (BTreeMap<u64, Process>, f64) {
     let mut procs: BTreeMap<u64, Process> = BTreeMap::new();
     let mut end = 0f64;
     for e in events {
-        let ph = e["ph"].as_str().unwrap_or("");
-        let (pid, tid) = (id(&e["pid"]), id(&e["tid"]));
-        let name = e["name"].as_str().unwrap_or("").to_string();
-        let ts = num(&e["ts"]).unwrap_or(0.0).max(0.0);
+        let (pid, tid, name) = (e.pid, e.tid, e.name.clone());
+        let ts = e.ts.unwrap_or(0.0).max(0.0);
         let p = procs.entry(pid).or_default();
-        match ph {
-            "M" => {
-                let label = e["args"]["name"].as_str().map(String::from);
+        match e.ph {
+            Phase::Meta => {
+                let label = e.args.as_ref().and_then(|a| a["name"].as_str()).map(String::from);
                 match (name.as_str(), label) {
                     ("process_name", Some(l)) => p.name = Some(l),
                     ("thread_name", Some(l)) => {
@@ -142,24 +133,23 @@ fn parse(trace: &Value, skipped: &mut BTreeMap<String, u64>) -> (BTreeMap<u64, P
                     _ => {}
                 }
             }
-            "X" => {
-                let dur = num(&e["dur"]).unwrap_or(0.0).max(0.0);
+            Phase::Complete => {
+                let dur = e.dur.unwrap_or(0.0).max(0.0);
                 end = end.max(ts + dur);
-                p.lanes.entry(tid).or_default().slices.push(Slice { ts, dur, name, args: e["args"].clone(), depth: 0 });
+                p.lanes.entry(tid).or_default().slices.push(Slice { ts, dur, name, args: e.args.clone().unwrap_or(Value::Null), depth: 0 });
             }
-            "i" | "I" => {
+            Phase::Instant => {
                 end = end.max(ts);
                 p.lanes.entry(tid).or_default().instants.push((ts, name));
             }
-            "C" => {
+            Phase::Counter => {
                 end = end.max(ts);
-                for (key, v) in e["args"].as_object().into_iter().flatten() {
-                    if let Some(v) = num(v).filter(|v| v.is_finite()) {
+                for (key, v) in e.args.as_ref().and_then(Value::as_object).into_iter().flatten() {
+                    if let Some(v) = v.as_f64().filter(|v| v.is_finite()) {
                         p.counters.entry((name.clone(), key.clone())).or_default().push((ts, v));
                     }
                 }
             }
-            other => *skipped.entry(format!("\"ph\":\"{other}\" events (not drawn)")).or_default() += 1,
         }
     }
     for p in procs.values_mut() {
@@ -422,9 +412,8 @@ fn draw_counter(o: &mut Out, label: &str, pts: &[(f64, f64)], y: f64, scale: f64
 }
 
 /// Draw the trace. Never fails: an empty or foreign document gives an empty chart and a note.
-pub fn svg(trace: &Value) -> Chart {
-    let mut notes_skipped: BTreeMap<String, u64> = BTreeMap::new();
-    let (procs, end) = parse(trace, &mut notes_skipped);
+pub fn svg(events: &[TraceEvent]) -> Chart {
+    let (procs, end) = parse(events);
     let mut o = Out { body: String::new(), elements: 0, dropped: 0 };
     let mut notes = Vec::new();
     if procs.is_empty() || end <= 0.0 {
@@ -557,9 +546,6 @@ pub fn svg(trace: &Value) -> Chart {
     }
     if lanes_left > 0 {
         notes.push(format!("{lanes_left} more lanes not drawn (at most {MAX_LANES})"));
-    }
-    for (what, n) in notes_skipped {
-        notes.push(format!("{n} {what}"));
     }
     let legend: Vec<String> =
         used.iter().map(|(name, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(name))).collect();
