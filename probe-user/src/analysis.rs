@@ -132,6 +132,10 @@ impl Analysis {
         if !needs.recording {
             pass1.kinds = 1 << probe_common::EventKind::Mmap as u32;
         }
+        // The report needs the stacks' user frames counted, not read: flame graphs, pprof and
+        // the recording's tail read them.
+        let user_frames = needs.flames || needs.pprof || needs.recording;
+        pass1.user_frames = user_frames;
         let mut json_undecodable = 0u64;
         while let Some(f) = pass1.next_frame() {
             match f {
@@ -207,6 +211,7 @@ impl Analysis {
         let mut samples = needs.pprof.then(|| pprof::Samples::new(b.requests(), meta.start_ns));
         // Pass 2: the kernel records in time order, the stacks charged and folded.
         let mut pass2 = open()?;
+        pass2.user_frames = user_frames;
         let mut order = Reorder::default();
         let mut stack = |b: &mut Builder, s: &recording::StackRecord| {
             b.stack(s);

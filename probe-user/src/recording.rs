@@ -127,6 +127,17 @@ pub struct StackRecord {
     /// Still off the CPU when the trace ended (blocked_ns runs to the end).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub still_blocked: bool,
+    /// User frames the reader counted and left undecoded (its `user_frames` off: a report
+    /// needs their number, never their addresses); `user` is empty then.
+    #[serde(skip)]
+    pub user_not_read: u32,
+}
+
+impl StackRecord {
+    /// How many user frames the stack has, read or not.
+    pub fn user_depth(&self) -> usize {
+        self.user.len() + self.user_not_read as usize
+    }
 }
 
 /// What a stack sample is of (serialized as today's words).
@@ -200,6 +211,11 @@ impl StackRecord {
     }
 
     fn decode(b: &[u8], prev_ts: u64) -> Option<StackRecord> {
+        Self::decode_with(b, prev_ts, true)
+    }
+
+    /// `user`: decode the user frames (else count them in `user_not_read`).
+    fn decode_with(b: &[u8], prev_ts: u64, user: bool) -> Option<StackRecord> {
         fn string(b: &[u8]) -> Option<(String, &[u8])> {
             let (n, b) = take_varint(b)?;
             let n = usize::try_from(n).ok().filter(|&n| n <= b.len())?;
@@ -237,13 +253,19 @@ impl StackRecord {
         if n > b.len() as u64 {
             return None;
         }
-        s.user.reserve_exact(n as usize);
+        if user {
+            s.user.reserve_exact(n as usize);
+        } else {
+            s.user_not_read = u32::try_from(n).ok()?;
+        }
         let mut prev = 0i64;
         for _ in 0..n {
             let (dm, rest) = take_varint(b)?;
             let (off, rest) = take_varint(rest)?;
-            prev = prev.wrapping_add(unzigzag(dm));
-            s.user.push((prev, off));
+            if user {
+                prev = prev.wrapping_add(unzigzag(dm));
+                s.user.push((prev, off));
+            }
             b = rest;
         }
         let (n, mut b) = take_varint(b)?;
@@ -884,6 +906,8 @@ pub struct Reader<R> {
     /// Kernel kinds to decode (a bit per `EventKind`); the others are checked and skipped
     /// (v2 recordings). All by default.
     pub kinds: u64,
+    /// Decode the stacks' user frames (on by default); off, they are counted, not kept.
+    pub user_frames: bool,
     /// The expanded record, reused.
     raw: Vec<u8>,
     /// This reader's pass was counted in [`PASSES`].
@@ -933,6 +957,7 @@ impl<R: BufRead> Reader<R> {
         Ok(Reader {
             inp,
             kinds: u64::MAX,
+            user_frames: true,
             raw: Vec::new(),
             counted: false,
             version,
@@ -1076,7 +1101,7 @@ impl<R: BufRead> Reader<R> {
                 return Some(Frame::Json(std::mem::take(&mut self.buf)));
             }
             if ty == FRAME_STACK {
-                match StackRecord::decode(&self.buf, self.prev_stack_ts) {
+                match StackRecord::decode_with(&self.buf, self.prev_stack_ts, self.user_frames) {
                     Some(s) => {
                         self.prev_stack_ts = s.ts_ns;
                         return Some(Frame::Stack(s));
@@ -1590,10 +1615,15 @@ mod tests {
             wait: Some("[io wait]".into()),
             blocked_ns: Some(12345),
             still_blocked: true,
+            user_not_read: 0,
         };
         let mut out = vec![];
         s.encode(999_000, &mut out);
         assert_eq!(StackRecord::decode(&out, 999_000), Some(s.clone()));
+        // Counted, not read: the same record without its user frames' addresses.
+        let counted = StackRecord::decode_with(&out, 999_000, false).unwrap();
+        assert_eq!((counted.user.len(), counted.user_depth()), (0, 3));
+        assert_eq!(StackRecord { user: s.user.clone(), user_not_read: 0, ..counted }, s);
         assert!(out.len() < 60, "{} bytes", out.len());
         // Cut anywhere: never a panic, never a wrong record.
         for cut in 0..out.len() {

@@ -260,7 +260,7 @@ impl Builder {
         let e = self.depths.entry(s.what.name().to_string()).or_default();
         e.0 += 1;
         e.1 += u64::from(s.complete);
-        *e.2.entry((s.user.len() + s.kernel.len()) as u64).or_default() += 1;
+        *e.2.entry((s.user_depth() + s.kernel.len()) as u64).or_default() += 1;
     }
 
     /// Pass 1: a kernel record, for the file mappings (in file order, which is time order but
