@@ -159,21 +159,23 @@ fn environment(rec: &Recording) -> String {
 /// Write the bundle; returns the list of files in it.
 pub fn write(a: &Analysis, out: &Path, masked: bool, force: bool) -> anyhow::Result<Vec<String>> {
     let (rec, report) = (&a.recording, &a.report);
-    let trace = a.timeline();
-    let mut files: Vec<(String, Vec<u8>)> = vec![
-        ("report.md".into(), markdown(report).into_bytes()),
-        ("report.json".into(), serde_json::to_vec_pretty(report)?),
-        ("environment.txt".into(), environment(rec).into_bytes()),
-        ("timeline.json".into(), serde_json::to_vec(&trace)?),
-    ];
-    // Every text is scrubbed of secrets (always) and masked with --mask, as a whole below.
-    // Flamegraphs and the page are drawn from cleaned data instead: masking their markup would
-    // open `<dir>` tags and cut into scripts and images.
+    // Secrets are scrubbed (always) and paths and hosts masked with --mask: the report and the
+    // timeline value by value (their JSON stays whole), the free texts as a whole. Flamegraphs
+    // and the page are drawn from cleaned data: masking their markup would open `<dir>` tags
+    // and cut into scripts and images.
     let masker = masked.then(|| Masker::new(report.requests.iter().filter_map(|q| q.path.as_deref())));
     let clean = |s: &str| match &masker {
         Some(m) => m.mask(s),
         None => redact::scrub(s),
     };
+    let r: Report = redact::clean_values(report, &clean).context("cleaned report")?;
+    let t = redact::clean_values(&a.timeline(), &clean).context("cleaned timeline")?;
+    let mut files: Vec<(String, Vec<u8>)> = vec![
+        ("report.md".into(), clean(&markdown(&r)).into_bytes()),
+        ("report.json".into(), serde_json::to_vec_pretty(&r)?),
+        ("environment.txt".into(), clean(&environment(rec)).into_bytes()),
+        ("timeline.json".into(), serde_json::to_vec(&t)?),
+    ];
     let mut flames = Vec::new();
     let mut drawn: Vec<(String, Vec<u8>)> = Vec::new();
     for kind in flame::Kind::ALL {
@@ -188,16 +190,13 @@ pub fn write(a: &Analysis, out: &Path, masked: bool, force: bool) -> anyhow::Res
             files.push((format!("flame-{}.folded", kind.name()), flame::folded_text(&f).into_bytes()));
         }
     }
-    let r: Report = serde_json::from_str(&clean(&serde_json::to_string(report)?)).context("cleaned report")?;
-    let t: crate::perfetto::Trace = serde_json::from_str(&clean(&serde_json::to_string(&trace)?)).context("cleaned timeline")?;
     let page = html::render(&r, &t, &flames);
     drawn.push((html::FILE_NAME.into(), page.into_bytes()));
     let file = crate::output::create_file(out, force)?;
     let mut tar = tar::Builder::new(flate2::write::GzEncoder::new(file, flate2::Compression::default()));
     let stem = out.file_name().and_then(|n| n.to_str()).unwrap_or("probe-bundle").trim_end_matches(".tar.gz").to_string();
     let mut names = Vec::new();
-    let files = files.into_iter().map(|(n, d)| (n, clean(&String::from_utf8_lossy(&d)).into_bytes()));
-    for (name, data) in files.chain(drawn) {
+    for (name, data) in files.into_iter().chain(drawn) {
         let mut h = tar::Header::new_gnu();
         h.set_size(data.len() as u64);
         h.set_mode(0o600);

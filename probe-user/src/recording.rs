@@ -210,6 +210,7 @@ impl StackRecord {
         }
     }
 
+    #[cfg(test)]
     fn decode(b: &[u8], prev_ts: u64) -> Option<StackRecord> {
         Self::decode_with(b, prev_ts, true)
     }

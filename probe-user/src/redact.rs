@@ -111,6 +111,22 @@ static QUERY: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(/[A-Za-z0-9._~%/+
 static URL_HOST: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"\b([a-zA-Z][a-zA-Z0-9+.-]*)://(?:[^/\s@]+@)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)").expect("valid regex"));
 
+/// `v` with `clean` applied to each of its strings, map keys included: every string is cleaned
+/// on its own, so no pattern can reach across a field or into the JSON around it, and what comes
+/// back is the same type, whole.
+pub fn clean_values<T: serde::Serialize + serde::de::DeserializeOwned>(v: &T, clean: &dyn Fn(&str) -> String) -> serde_json::Result<T> {
+    fn walk(v: serde_json::Value, clean: &dyn Fn(&str) -> String) -> serde_json::Value {
+        use serde_json::Value;
+        match v {
+            Value::String(s) => Value::String(clean(&s)),
+            Value::Array(a) => Value::Array(a.into_iter().map(|x| walk(x, clean)).collect()),
+            Value::Object(o) => Value::Object(o.into_iter().map(|(k, x)| (clean(&k), walk(x, clean))).collect()),
+            other => other,
+        }
+    }
+    serde_json::from_value(walk(serde_json::to_value(v)?, clean))
+}
+
 /// `--mask`: hide directories, hosts, IP addresses, query strings and GPU UUIDs; keep file base
 /// names, ports, and the API paths the server was asked for (they are what a maintainer reads).
 #[derive(Debug, Default)]
@@ -217,6 +233,20 @@ mod tests {
 
     fn args(s: &str) -> Vec<String> {
         s.split(' ').map(String::from).collect()
+    }
+
+    /// Values are cleaned one by one, keys too: a string's neighbours in the text (a colon after
+    /// an address, a quote) cannot hide it, and the JSON stays whole.
+    #[test]
+    fn values_are_cleaned_one_by_one() {
+        let m = Masker { api_paths: BTreeSet::new(), hosts: vec![] };
+        let v: std::collections::BTreeMap<String, Vec<String>> =
+            [("/home/u/models/m.gguf".to_string(), vec!["127.0.0.1:37443".to_string(), "HF_TOKEN=hf_abc\"x".to_string()])].into();
+        let c = clean_values(&v, &|s: &str| m.mask(s)).unwrap();
+        let (k, vals) = c.iter().next().unwrap();
+        assert_eq!(k, "<dir>/m.gguf");
+        assert_eq!(vals[0], "<ip>:37443");
+        assert!(!vals[1].contains("hf_abc"), "{}", vals[1]);
     }
 
     #[test]
