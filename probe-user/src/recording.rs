@@ -448,8 +448,8 @@ fn skip_compact(b: &[u8], chain: &mut Chain) -> Option<EventKind> {
 
 /// A recording of one userspace record (header and frame): appended to joined segments, it
 /// reads as their last record (the `end` of an incident).
-pub fn standalone_json(value: &serde_json::Value) -> Vec<u8> {
-    let body = serde_json::to_vec(value).unwrap_or_default();
+pub fn standalone(r: &records::UserRecord) -> Vec<u8> {
+    let body = r.to_value().and_then(|v| serde_json::to_vec(&v)).unwrap_or_default();
     let mut out = Vec::with_capacity(body.len() + 32);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_ne_bytes());
@@ -462,7 +462,7 @@ pub fn standalone_json(value: &serde_json::Value) -> Vec<u8> {
 
 /// The first record of `joined` when it is a JSON one (a recording's meta record), and the
 /// bytes after it.
-fn first_frame(joined: &[u8]) -> Option<(serde_json::Value, &[u8])> {
+fn first_frame(joined: &[u8]) -> Option<(records::Meta, &[u8])> {
     let frames = joined.get(16..)?;
     let (len, rest) = take_varint(frames)?;
     let (&ty, rest) = rest.split_first()?;
@@ -470,7 +470,10 @@ fn first_frame(joined: &[u8]) -> Option<(serde_json::Value, &[u8])> {
     if ty != FRAME_JSON || joined[..8] != MAGIC[..] {
         return None;
     }
-    Some((serde_json::from_slice(body).ok()?, &rest[len as usize..]))
+    match records::UserRecord::parse(body).ok()? {
+        records::UserRecord::Meta(m) => Some((*m, &rest[len as usize..])),
+        _ => None,
+    }
 }
 
 /// Stream the stack samples of the recording in `dir` to `f`, with the meta record read before
@@ -494,15 +497,15 @@ pub fn for_each_stack(dir: &std::path::Path, mut f: impl FnMut(Option<&records::
 
 /// The meta record at the start of a recording in memory (a window of `probe watch`).
 pub fn first_meta(joined: &[u8]) -> Option<records::Meta> {
-    serde_json::from_value(first_frame(joined)?.0).ok()
+    Some(first_frame(joined)?.0)
 }
 
 /// `joined` (a recording, or segments joined) with its first record, a JSON one (the meta
 /// record of a segment), changed by `f`. None when it does not start with a JSON record.
-pub fn with_first_json(joined: &[u8], f: impl FnOnce(&mut serde_json::Value)) -> Option<Vec<u8>> {
-    let (mut v, after) = first_frame(joined)?;
-    f(&mut v);
-    let body2 = serde_json::to_vec(&v).ok()?;
+pub fn with_meta(joined: &[u8], f: impl FnOnce(&mut records::Meta)) -> Option<Vec<u8>> {
+    let (mut m, after) = first_frame(joined)?;
+    f(&mut m);
+    let body2 = serde_json::to_vec(&records::UserRecord::Meta(Box::new(m)).to_value().ok()?).ok()?;
     let mut out = Vec::with_capacity(joined.len() + 32);
     out.extend_from_slice(&joined[..16]);
     put_varint(&mut out, body2.len() as u64);
@@ -1450,13 +1453,13 @@ mod tests {
         assert_eq!(faults, (3..6).map(|i| 0x7f00_0000_1000 * (i + 1)).collect::<Vec<u64>>());
         let mut joined = std::fs::read(dir.join("a.bin")).unwrap();
         joined.extend_from_slice(&b);
-        joined.extend_from_slice(&standalone_json(&serde_json::json!({"type": "end", "reason": "x"})));
+        joined.extend_from_slice(&standalone(&records::UserRecord::End(records::End { ts_ns: 0, reason: "x".into() })));
         let (types, faults) = read(&joined);
         assert_eq!(faults.len(), 6);
         assert_eq!(types.iter().filter(|t| t.starts_with("stack@")).count(), 2);
         assert_eq!(types.last().map(String::as_str), Some("end"));
         // The window's start goes into its first (meta) record; the rest reads the same.
-        let patched = with_first_json(&joined, |m| m["window_start_ns"] = serde_json::json!(7)).unwrap();
+        let patched = with_meta(&joined, |m| m.window_start_ns = Some(7)).unwrap();
         assert_eq!(read(&patched).1, faults);
         let rec = parse(&patched, "x").unwrap();
         assert_eq!(rec.meta().and_then(|m| m.window_start_ns), Some(7));

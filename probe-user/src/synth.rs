@@ -7,6 +7,19 @@
 //! given event count.
 use std::{io, path::Path};
 
+use crate::{
+    decode::encode,
+    procfs::Mapping,
+    recording::{
+        StackKind, StackRecord, Writer,
+        records::{End, Ksyms, Maps, Meta, Module, Stats, Subsystem, SubsystemStatus, UnwindCounters, UserRecord},
+    },
+    sampler::{
+        host::Mem,
+        records::{EndpointPoll, Kind, LlamaProps, MemReading, Sample},
+    },
+    stream::{RequestRecord, payload::Stop},
+};
 use probe_common::{
     EventHeader, EventKind, Record,
     blockio::BlockIoEvent,
@@ -15,13 +28,6 @@ use probe_common::{
     mem::{MEM_MEMCG_RECLAIM, MemEvent},
     mmap::MmapEvent,
     sock::{AF_INET, SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_LAST_ACK, TCP_SYN_RECV},
-};
-use serde_json::json;
-
-use crate::{
-    decode::encode,
-    recording::{StackKind, StackRecord, Writer},
-    stream::{RequestRecord, payload::Stop},
 };
 
 /// What was written.
@@ -70,34 +76,49 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
     let secs = (events / RATE).max(1);
     s.seconds = secs as f64;
     let requests = (secs / 2).clamp(1, 400);
-    w.json(&json!({
-        "type": "meta", "format_version": crate::recording::VERSION, "pid": PID, "comm": "llama-server",
-        "cmdline": "llama-server -m /models/model.gguf", "start_ns": START, "page_size": 4096, "targets": [PID],
-        "block_devices": {"254:1": "vda1"}, "probes": [{"name": "offcpu", "live": true}],
-    }))?;
-    w.json(&json!({"type": "maps", "pid": PID, "ts_ns": START, "mappings": [
-        {"start": MODEL_BASE, "end": MODEL_BASE + MODEL_LEN, "perms": "r--s", "offset": 0, "major": 254, "minor": 1, "inode": MODEL_INO, "path": "/models/model.gguf"},
-    ]}))?;
-    w.json(&json!({"type": "module", "id": 0, "path": "/usr/bin/llama-server"}))?;
+    w.record(&UserRecord::Meta(Box::new(Meta {
+        format_version: crate::recording::VERSION,
+        pid: PID,
+        comm: "llama-server".into(),
+        cmdline: "llama-server -m /models/model.gguf".into(),
+        start_ns: START,
+        page_size: 4096,
+        targets: vec![PID],
+        block_devices: [("254:1".to_string(), "vda1".to_string())].into(),
+        probes: vec![SubsystemStatus { name: Subsystem::Offcpu, live: true, ..Default::default() }],
+        ..Default::default()
+    })))?;
+    let model = Mapping {
+        start: MODEL_BASE,
+        end: MODEL_BASE + MODEL_LEN,
+        perms: "r--s".into(),
+        offset: 0,
+        major: 254,
+        minor: 1,
+        inode: MODEL_INO,
+        path: "/models/model.gguf".into(),
+    };
+    w.record(&UserRecord::Maps(Maps { pid: PID, ts_ns: START, mappings: vec![model] }))?;
+    w.record(&UserRecord::Module(Module { id: 0, path: "/usr/bin/llama-server".into() }))?;
     // 64 distinct user stacks, 8 kernel ones.
     let kstacks: Vec<Vec<u64>> = (0..8).map(|k| (0..12).map(|i| 0xffff_ffff_8100_0000 + k * 0x1000 + i * 0x40).collect()).collect();
     let ustacks: Vec<Vec<(i64, u64)>> = (0..64).map(|k| (0..20).map(|i| (0, 0x1000 + k * 0x100 + i * 0x10)).collect()).collect();
     let mut ksyms = vec![];
     for (k, st) in kstacks.iter().enumerate() {
         for (i, a) in st.iter().enumerate() {
-            ksyms.push(json!([
-                a,
+            ksyms.push((
+                *a,
                 if i == 0 {
                     "__schedule".to_string()
                 } else if k % 2 == 0 {
                     format!("io_fn_{k}_{i}")
                 } else {
                     format!("fn_{k}_{i}")
-                }
-            ]));
+                },
+            ));
         }
     }
-    w.json(&json!({"type": "ksyms", "syms": ksyms}))?;
+    w.record(&UserRecord::Ksyms(Ksyms { syms: ksyms }))?;
 
     let total_ns = secs * 1_000_000_000;
     let per_ns = total_ns / events.max(1);
@@ -244,23 +265,46 @@ pub fn write(dir: &Path, events: u64) -> io::Result<Summary> {
                 transport_complete: true,
                 ..Default::default()
             };
-            let mut v = serde_json::to_value(&q).map_err(io::Error::other)?;
-            v["type"] = json!("request");
-            w.json(&v)?;
+            w.record(&UserRecord::Request(Box::new(q)))?;
             s.requests += 1;
             s.other_records += 1;
         }
         if t >= next_second {
             next_second += 1_000_000_000;
-            let kinds: serde_json::Map<String, serde_json::Value> =
-                EventKind::ALL.iter().map(|k| (k.name().to_string(), json!(0))).collect();
-            w.json(&json!({"type": "stats", "ts_ns": t, "lost": kinds, "counters": {"user_faults": i / 2}, "skipped_runs": {}, "unwind": {"samples": s.stack_records, "complete": s.stack_records * 9 / 10, "ns": s.stack_records * 9000, "load_ns": 30_000_000}}))?;
-            w.json(&json!({"type": "mem", "ts_ns": t, "rss_kib": 900_000, "mem_available_kib": 20_000_000, "pgmajfault": i / 10, "psi_some_us": i, "psi_full_us": i / 2}))?;
-            w.json(&json!({"type": "endpoint", "ts_ns": t, "kind": "llama.cpp", "addr": "127.0.0.1:8080", "props": {"is_sleeping": false, "total_slots": 4}, "metrics": {"llamacpp:requests_deferred": 0.0}}))?;
+            w.record(&UserRecord::Stats(Box::new(Stats {
+                ts_ns: t,
+                lost: EventKind::ALL.iter().map(|k| (k.name().to_string(), 0)).collect(),
+                counters: [("user_faults".to_string(), i / 2)].into(),
+                unwind: UnwindCounters {
+                    samples: s.stack_records,
+                    complete: s.stack_records * 9 / 10,
+                    ns: s.stack_records * 9000,
+                    load_ns: 30_000_000,
+                    ..Default::default()
+                },
+                ..Default::default()
+            })))?;
+            let mem = Mem {
+                rss_kib: Some(900_000),
+                mem_available_kib: Some(20_000_000),
+                pgmajfault: i / 10,
+                psi_some_us: Some(i),
+                psi_full_us: Some(i / 2),
+                ..Default::default()
+            };
+            w.sample(&Sample::Mem(MemReading { ts_ns: t, mem }))?;
+            w.sample(&Sample::Endpoint(EndpointPoll {
+                ts_ns: t,
+                kind: Kind::LlamaCpp,
+                addr: "127.0.0.1:8080".into(),
+                props: Some(LlamaProps { is_sleeping: Some(false), total_slots: Some(4), ..Default::default() }),
+                metrics: Some([("llamacpp:requests_deferred".to_string(), 0.0)].into()),
+                ..Default::default()
+            }))?;
             s.other_records += 3;
         }
     }
-    w.json(&json!({"type": "end", "ts_ns": t + 1, "reason": "synthetic"}))?;
+    w.record(&UserRecord::End(End { ts_ns: t + 1, reason: "synthetic".into() }))?;
     s.bytes = w.bytes;
     w.close()?;
     Ok(s)

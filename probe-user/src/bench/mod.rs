@@ -27,7 +27,6 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use serde_json::json;
 
 pub use self::args::{BenchArgs, Sweep};
 use self::{
@@ -319,15 +318,30 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         url: args.url.clone(),
         api: args.api,
         started_unix_s,
-        config: json!({
-            "sweeps": sweeps, "levels": args.levels, "requests_per_level": args.requests_per_level, "max_tokens": args.max_tokens,
-            "buckets": args.buckets, "prompt_levels": args.prompt_levels, "bucket_max_tokens": args.bucket_max_tokens,
-            "idle_s": args.idle.iter().map(|d| d.as_secs_f64()).collect::<Vec<_>>(), "idle_max_tokens": args.idle_max_tokens,
-            "restart_cmd": args.restart_cmd.is_some(), "stop_cmd": args.stop_cmd.is_some(), "drop_cache": args.drop_cache, "keep_warm": args.keep_warm,
-            "keep_warm_every_s": args.keep_warm_every.as_secs_f64(), "seed": args.seed, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-            "timeout_s": args.timeout.as_secs_f64(), "goodput_ttft_ms": args.goodput_ttft_ms, "goodput_tpot_ms": args.goodput_tpot_ms,
-            "trace": tracing, "model": run.info.model,
-        }),
+        config: results::Config {
+            sweeps,
+            levels: args.levels.clone(),
+            requests_per_level: args.requests_per_level,
+            max_tokens: args.max_tokens,
+            buckets: args.buckets.clone(),
+            prompt_levels: args.prompt_levels.clone(),
+            bucket_max_tokens: args.bucket_max_tokens,
+            idle_s: args.idle.iter().map(|d| d.as_secs_f64()).collect(),
+            idle_max_tokens: args.idle_max_tokens,
+            restart_cmd: args.restart_cmd.is_some(),
+            stop_cmd: args.stop_cmd.is_some(),
+            drop_cache: args.drop_cache,
+            keep_warm: args.keep_warm,
+            keep_warm_every_s: args.keep_warm_every.as_secs_f64(),
+            seed: args.seed,
+            temperature: args.temperature,
+            ignore_eos: args.ignore_eos,
+            timeout_s: args.timeout.as_secs_f64(),
+            goodput_ttft_ms: args.goodput_ttft_ms,
+            goodput_tpot_ms: args.goodput_tpot_ms,
+            trace: tracing,
+            model: run.info.model.clone(),
+        },
         definitions: metrics::DEFINITIONS.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         server: run.info.clone(),
         interrupted,

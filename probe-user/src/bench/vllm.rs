@@ -81,7 +81,7 @@ pub fn level(r: &Results, l: &Level, rows: &[&Row]) -> Value {
     put("total_output_tokens", json!(output));
     put("request_throughput", json!(ok.len() as f64 / dur));
     // As vLLM: null unless goodput targets were given (--goodput-ttft-ms / --goodput-tpot-ms).
-    let slo = ["goodput_ttft_ms", "goodput_tpot_ms"].iter().any(|k| !r.config[*k].is_null());
+    let slo = r.config.goodput_ttft_ms.is_some() || r.config.goodput_tpot_ms.is_some();
     put("request_goodput", l.goodput_rps.filter(|_| slo).map_or(Value::Null, |g| json!(g)));
     put("output_throughput", json!(output as f64 / dur));
     put("total_token_throughput", json!((input + output) as f64 / dur));

@@ -157,12 +157,12 @@ impl Watcher {
                 Err(e) => log::warn!("segment {}: {e}", s.path.display()),
             }
         }
-        let window = |m: &mut serde_json::Value| {
-            if let (Some(start), Some(from)) = (m["start_ns"].as_u64(), first.filter(|f| *f > 0.0)) {
-                m["window_start_ns"] = serde_json::json!(start + (from * 1e6) as u64);
+        let window = |m: &mut crate::recording::records::Meta| {
+            if let Some(from) = first.filter(|f| *f > 0.0) {
+                m.window_start_ns = Some(m.start_ns + (from * 1e6) as u64);
             }
         };
-        crate::recording::with_first_json(&buf, window).unwrap_or(buf)
+        crate::recording::with_meta(&buf, window).unwrap_or(buf)
     }
 
     /// Verdicts for the requests whose segments are closed; incidents for those that make one.
@@ -225,9 +225,8 @@ impl Watcher {
         if bytes.is_empty() {
             return;
         }
-        bytes.extend_from_slice(&crate::recording::standalone_json(&serde_json::json!({
-            "type": "end", "ts_ns": crate::monotonic_ns(), "reason": format!("incident: {cause}"),
-        })));
+        let end = crate::recording::records::End { ts_ns: crate::monotonic_ns(), reason: format!("incident: {cause}") };
+        bytes.extend_from_slice(&crate::recording::standalone(&crate::recording::records::UserRecord::End(end)));
         match write_incident(&self.dir, cause, q.map(|q| q.id), &bytes) {
             Ok(dir) => {
                 self.metrics.incident(cause, true);
