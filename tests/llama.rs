@@ -896,3 +896,82 @@ fn long_prompt_keeps_its_stop_reason() {
         assert!(q["response_bytes"].as_u64().unwrap() > 4095, "{q}");
     }
 }
+
+/// (tid, time waiting on a run queue, time running) of every thread of `pid`, ns
+/// (/proc/PID/task/TID/schedstat: the kernel's own count, the truth here).
+fn schedstat(pid: u32) -> Vec<(u32, u64, u64)> {
+    let mut v = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let Ok(tid) = t.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) else { continue };
+        let f: Vec<u64> = s.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+        if f.len() >= 2 {
+            v.push((tid, f[1], f[0]));
+        }
+    }
+    v
+}
+
+/// Another job holds both CPUs while a request is served: its first token waits for a CPU.
+/// The verdict says `cpu_contention`, its time agrees with the run-queue wait the kernel counted
+/// for the thread doing the work (schedstat, within 15% or 50 ms), and the competitors are named
+/// by their command. The same server, traced the same way, without the job: no contention.
+#[test]
+fn a_cpu_hog_is_cpu_contention_and_named() {
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "-t", "1"]);
+    let pid = srv.id();
+    let body = json!({
+        "messages": [{"role": "user", "content": "Tell me a long story about a cat and a dog. ".repeat(25)}],
+        "max_tokens": 4, "cache_prompt": false, "stream": false,
+    });
+    let ask = || {
+        let s = TcpStream::connect(addr).unwrap();
+        let client = s.local_addr().unwrap();
+        send_request(&s, "POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+        client
+    };
+    ask(); // warm: the model is loaded and paged in
+    let (p, out) = trace_pid(pid, "cpuhog", &[]);
+    let calm = ask();
+    // The job: three busy loops under a name of their own (comm is the name they were run by).
+    let hog = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cpuhog");
+    let _ = std::fs::remove_file(&hog);
+    std::os::unix::fs::symlink("/bin/sh", &hog).unwrap();
+    let mut hogs: Vec<Child> = (0..3).map(|_| Command::new(&hog).args(["-c", "while :; do :; done"]).spawn().unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = schedstat(pid);
+    let busy = ask();
+    let after = schedstat(pid);
+    for h in &mut hogs {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
+    let r = stop_trace(p, &out);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    // Truth: the thread that ran the most while the request was served is the one doing its
+    // work; its run-queue time grew by this much.
+    let (tid, runq_ns, _) = after
+        .iter()
+        .filter_map(|&(t, q, run)| before.iter().find(|b| b.0 == t).map(|b| (t, q - b.1, run - b.2)))
+        .max_by_key(|x| x.2)
+        .unwrap();
+    let truth = runq_ns as f64 / 1e6;
+    let q = find(&r, busy)[0];
+    let v = &q["verdict"];
+    let cpu = v["ttft_ms"]["cpu_contention"].as_f64().unwrap();
+    eprintln!("cpu_contention {cpu:.0} ms, schedstat run-queue wait of tid {tid}: {truth:.0} ms; TTFT {:.0} ms", q["ttft_ms"]);
+    assert_eq!(v["slow_cause"], "cpu_contention", "{v}");
+    assert!((cpu - truth).abs() <= (0.15 * truth).max(50.0), "cpu_contention {cpu:.0} ms vs schedstat {truth:.0} ms (tid {tid}): {v}");
+    let said = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("waiting for a CPU")).unwrap();
+    assert!(hogs.iter().any(|h| said.contains(&format!("cpuhog (pid {}", h.id()))), "the competitors are not named: {said}");
+    // The control: same server, same request, nobody else on the CPUs.
+    let q = find(&r, calm)[0];
+    let v = &q["verdict"];
+    let ttft = q["ttft_ms"].as_f64().unwrap();
+    let split = &v["ttft_ms"];
+    assert!(["none", "compute"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
+    assert!(split["cpu_contention"].as_f64().unwrap() < 0.1 * ttft, "{v}");
+    assert!(split["unexplained"].as_f64().unwrap() < 0.1 * ttft, "{v}");
+}

@@ -78,14 +78,21 @@ pub const STACK_OFFCPU: u32 = 2;
 pub const STACK_FAULT: u32 = 3;
 pub const STACK_IO: u32 = 4;
 
-/// A target thread came back on a CPU after blocking; pairs with its STACK_OFFCPU record.
+/// `SchedEvent::flags`: the thread was switched out still runnable (preempted, or it yielded)
+/// and `blocked_ns` is all run-queue wait: it wanted a CPU the whole time. The header's task is
+/// the one it replaced on this CPU: what ran instead.
+pub const SCHED_PREEMPTED: u32 = 1;
+
+/// A target thread came back on a CPU after blocking (pairs with its STACK_OFFCPU record) or
+/// after waiting for a CPU ([`SCHED_PREEMPTED`]: no stack was taken).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SchedEvent {
     pub hdr: EventHeader,
     /// The thread that switched in (the header's tid is the task it replaced).
     pub tid: u32,
-    pub _pad: u32,
+    /// [`SCHED_PREEMPTED`] or 0.
+    pub flags: u32,
     /// How long it was off the CPU, ns.
     pub blocked_ns: u64,
 }

@@ -11,7 +11,10 @@ use aya_ebpf::{
 };
 use probe_common::{
     Record,
-    stack::{KSTACK_DEPTH, SAME_REFRESH, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack, StackEvent, USTACK_CAP},
+    stack::{
+        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack, StackEvent,
+        USTACK_CAP,
+    },
     tracepoints::sched_switch as sw,
 };
 
@@ -263,8 +266,13 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = USTACK_SEEN.remove(&tid);
             let _ = USTACK_NEED.remove(&tid);
         } else if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
-            insert_lru(&OFFCPU_SINCE, &tid, &now);
+            insert_lru(&OFFCPU_SINCE, &tid, &(now & !1));
             capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
+        } else if state & 0xff == 0 {
+            // Preempted (or it yielded): still runnable, so until it runs again it waits for a
+            // CPU. No stack (where it was is where it will resume); the low bit of the time marks
+            // the wait as run-queue time.
+            insert_lru(&OFFCPU_SINCE, &tid, &(now | 1));
         }
     }
     let next: i32 = field(ctx, sw::NEXT_PID)?;
@@ -276,8 +284,8 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
         let ev = SchedEvent {
             hdr: header::<SchedEvent>((pid_tgid >> 32) as u32, pid_tgid as u32),
             tid: next,
-            _pad: 0,
-            blocked_ns: now.saturating_sub(since),
+            flags: if since & 1 != 0 { SCHED_PREEMPTED } else { 0 },
+            blocked_ns: now.saturating_sub(since & !1),
         };
         emit(&ev);
     }

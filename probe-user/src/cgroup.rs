@@ -21,6 +21,12 @@ pub fn resolve(spec: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// Every pid in the cgroup and its descendant cgroups.
+/// The cgroup (v2) a process is in, as /proc/PID/cgroup names it ("/user.slice/...").
+pub fn of_pid(pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines().find_map(|l| l.strip_prefix("0::")).map(|p| p.trim().to_string())
+}
+
 pub fn procs(cg: &Path) -> Vec<u32> {
     let mut out = Vec::new();
     let mut stack = vec![cg.to_path_buf()];

@@ -78,6 +78,8 @@ const DRAIN_RECORDS: usize = 4096;
 const DRAIN_TIME: Duration = Duration::from_millis(10);
 /// Most threads whose last off-CPU user stack is kept (the kernel's USTACK_SEEN holds as many).
 const LAST_USER_STACKS: usize = 16384;
+/// At most this many other processes are named (the competitors for a CPU on a busy box).
+const MAX_OTHERS: usize = 4096;
 /// How often the ring is drained while records flow, and after a turn that found none.
 const DRAIN_TICK: Duration = Duration::from_millis(20);
 const IDLE_DRAIN: Duration = Duration::from_millis(200);
@@ -184,6 +186,9 @@ struct State {
     /// pid, forgotten when the process exits.
     threads_seen: HashMap<u32, u32>,
     threads_new: Vec<(u32, u32)>,
+    /// Processes seen running while a target thread waited for a CPU: named once each.
+    others_seen: HashSet<u32>,
+    others_new: Vec<u32>,
     /// `--max-size` in bytes.
     max_bytes: Option<u64>,
     watch: Option<std::sync::Arc<crate::segments::Link>>,
@@ -229,6 +234,8 @@ impl State {
             last_file_scan: HashMap::new(),
             threads_seen: HashMap::new(),
             threads_new: vec![],
+            others_seen: HashSet::new(),
+            others_new: vec![],
             max_bytes: None,
             watch: None,
         }
@@ -258,6 +265,14 @@ impl State {
         }
         match ev {
             Event::Stack(s) => self.on_stack(&s, decode::data_payload(bytes))?,
+            Event::Sched(e) if e.flags & probe_common::stack::SCHED_PREEMPTED != 0 => {
+                // Run-queue wait: kept as it is, with what ran instead named once.
+                self.writer.kernel(bytes)?;
+                let other = e.hdr.pid;
+                if other != 0 && self.others_seen.len() < MAX_OTHERS && self.others_seen.insert(other) {
+                    self.others_new.push(other);
+                }
+            }
             Event::Sched(e) => {
                 if let Some(mut v) = self.offcpu.remove(&e.tid) {
                     v.blocked_ns = Some(e.blocked_ns);
@@ -423,6 +438,7 @@ impl State {
     fn refresh(&mut self) -> std::io::Result<()> {
         self.write_requests()?;
         self.name_threads()?;
+        self.name_others()?;
         for pid in std::mem::take(&mut self.dirty_maps) {
             self.snapshot_maps(pid)?;
         }
@@ -439,6 +455,23 @@ impl State {
             self.snapshot_files(pid)?;
         }
         Ok(())
+    }
+
+    /// Name the processes that ran while a target thread waited for a CPU (comm and cgroup, as
+    /// /proc has them now; one that already exited stays a pid).
+    fn name_others(&mut self) -> std::io::Result<()> {
+        if self.others_new.is_empty() {
+            return Ok(());
+        }
+        let procs: Vec<records::OtherProc> = std::mem::take(&mut self.others_new)
+            .into_iter()
+            .filter(|&pid| procfs::exists(pid))
+            .map(|pid| records::OtherProc { pid, comm: procfs::comm(pid), cgroup: crate::cgroup::of_pid(pid) })
+            .collect();
+        if procs.is_empty() {
+            return Ok(());
+        }
+        self.writer.record(&UserRecord::Procs(records::Procs { ts_ns: monotonic_ns(), procs }))
     }
 
     /// Name the threads seen since the last refresh (a thread that already exited stays unnamed).

@@ -56,10 +56,11 @@ pub fn base64(data: &[u8]) -> String {
 }
 
 /// The causes of a TTFT split, in bar order, with their colours.
-pub const CAUSES: [(&str, &str); 7] = [
+pub const CAUSES: [(&str, &str); 8] = [
     ("queue", "#9467bd"),
     ("disk", "#d62728"),
     ("memory", "#ff7f0e"),
+    ("cpu_contention", "#17becf"),
     ("power", "#e6c700"),
     ("load", "#8c564b"),
     ("compute", "#2ca02c"),
@@ -68,21 +69,21 @@ pub const CAUSES: [(&str, &str); 7] = [
 
 /// The split as ms per cause (in [`CAUSES`] order) adding up to the TTFT exactly: each cause
 /// is clipped to what is left of the TTFT, and what the split leaves uncovered is unexplained.
-pub fn segments(split: &Split, ttft: f64) -> [f64; 7] {
-    let vals = [split.queue, split.disk, split.memory, split.power, split.load, split.compute, split.unexplained];
+pub fn segments(split: &Split, ttft: f64) -> [f64; 8] {
+    let vals = split.parts();
     let mut left = if ttft.is_finite() { ttft.max(0.0) } else { 0.0 };
-    let mut out = [0.0; 7];
+    let mut out = [0.0; 8];
     for (o, v) in out.iter_mut().zip(vals) {
         let v = if v.is_finite() { v.clamp(0.0, left) } else { 0.0 };
         *o = v;
         left -= v;
     }
-    out[6] += left;
+    out[7] += left;
     out
 }
 
 /// Pixel widths of the stacked bar: the longest TTFT in the table gets `full` px.
-pub fn bar_widths(segs: &[f64; 7], ttft: f64, longest: f64, full: f64) -> [f64; 7] {
+pub fn bar_widths(segs: &[f64; 8], ttft: f64, longest: f64, full: f64) -> [f64; 8] {
     let bar = if longest > 0.0 { full * ttft / longest } else { 0.0 };
     segs.map(|ms| if ttft > 0.0 { bar * ms / ttft } else { 0.0 })
 }
@@ -533,7 +534,7 @@ mod tests {
 
     #[test]
     fn split_bar_adds_up_to_the_ttft() {
-        let split = Split { queue: 10.0, disk: 50.0, memory: 0.0, power: 0.0, load: 20.0, compute: 15.0, unexplained: 5.0 };
+        let split = Split { queue: 10.0, disk: 50.0, load: 20.0, compute: 15.0, unexplained: 5.0, ..Default::default() };
         let segs = segments(&split, 100.0);
         assert_eq!(segs.iter().sum::<f64>(), 100.0);
         let w = bar_widths(&segs, 100.0, 400.0, BAR);
@@ -542,10 +543,10 @@ mod tests {
         // Overlapping causes are clipped; a split short of the TTFT leaves the rest unexplained.
         let over = Split { disk: 80.0, memory: 80.0, ..Default::default() };
         let segs = segments(&over, 100.0);
-        assert_eq!(segs, [0.0, 80.0, 20.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(segs, [0.0, 80.0, 20.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
         let short = Split { compute: 30.0, ..Default::default() };
         let segs = segments(&short, 100.0);
-        assert_eq!((segs[5], segs[6]), (30.0, 70.0));
+        assert_eq!((segs[6], segs[7]), (30.0, 70.0));
         let w = bar_widths(&segs, 100.0, 100.0, BAR);
         assert!((w.iter().sum::<f64>() - BAR).abs() < 1e-9);
         assert_eq!(segments(&split, f64::NAN).iter().sum::<f64>(), 0.0);

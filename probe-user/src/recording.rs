@@ -592,7 +592,7 @@ impl Context {
             }
             U::Maps(m) => ("maps", i64::from(m.pid)),
             U::Module(m) => ("module", m.id),
-            U::Files(_) | U::Ksyms(_) | U::Threads(_) => {
+            U::Files(_) | U::Ksyms(_) | U::Threads(_) | U::Procs(_) => {
                 self.grown_bytes += bytes.len();
                 self.grown.push_back(bytes.to_vec());
                 while self.grown_bytes > CONTEXT_GROWN {

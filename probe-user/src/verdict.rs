@@ -1,15 +1,30 @@
 //! Verdicts: why a request's first token was slow, and why its response stopped, from what the
 //! trace saw in the request's window. Pure: built from a [`Window`] of facts, golden-tested.
 //!
-//! TTFT is split into queue, disk, memory, power, load, compute and an explicit unexplained
-//! remainder. Disk and memory are the union of the target's off-CPU intervals that the kernel
-//! stack classifies as IO / page-fault wait or reclaim, clipped to [arrival, first token].
-//! Load is a file mapped in the window and read from disk (a model (re)load), less its disk
-//! time. Compute is the server's own prompt time. Queue is what is left while another request
-//! was being served; the rest is unexplained.
+//! TTFT is split into queue, disk, memory, cpu_contention, power, load, compute and an explicit
+//! unexplained remainder. Disk and memory are the union of the target's off-CPU intervals that the
+//! kernel stack classifies as IO / page-fault wait or reclaim, clipped to [arrival, first token].
+//! cpu_contention is the union of the intervals in which a target thread was runnable but not
+//! running (switched out still runnable, until the scheduler ran it again: sched_switch), so
+//! many threads waiting at once count once. Load is a file mapped in the window and read from
+//! disk (a model (re)load), less its disk time. Compute is the request's own work: the server's
+//! prompt time, less what the stalls above explain (the server's clock counts them as its own).
+//! Queue is what is left while another request was being served; the rest is unexplained.
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::stream::{ClosedBy, RequestRecord};
+
+/// A target thread waiting for a CPU: runnable from `from` until the scheduler ran it at `to`,
+/// replacing `other` (the process that had the CPU).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CpuWait {
+    pub from: u64,
+    pub to: u64,
+    pub tid: u32,
+    pub other: u32,
+}
 
 /// Facts about one request's window (CLOCK_MONOTONIC ns). Trace-wide series are borrowed: the
 /// report builds them once and every request's window points into them.
@@ -20,6 +35,12 @@ pub struct Window<'a> {
     pub io_waits: &'a [(u64, u64)],
     /// Off-CPU intervals in memory reclaim or compaction.
     pub mem_waits: &'a [(u64, u64)],
+    /// Run-queue waits of the target's threads, in time order of their end.
+    pub cpu_waits: &'a [CpuWait],
+    /// Other processes by pid: (comm, cgroup).
+    pub other_names: Option<&'a HashMap<u32, (String, Option<String>)>>,
+    /// The target's own pids (a wait for a CPU behind its own threads is not another process's).
+    pub target_pids: &'a [u32],
     /// Files read from disk in the window: (path, bytes, time of the first read).
     pub files_read: Vec<(String, u64, u64)>,
     /// Files mapped in the window: (time, path).
@@ -70,10 +91,23 @@ pub struct Split {
     pub queue: f64,
     pub disk: f64,
     pub memory: f64,
+    /// Runnable but not running: other processes (or a CPU quota) held the CPUs.
+    #[serde(default)]
+    pub cpu_contention: f64,
     pub power: f64,
     pub load: f64,
     pub compute: f64,
     pub unexplained: f64,
+}
+
+impl Split {
+    /// The parts' names, in the order every output lists them.
+    pub const NAMES: [&'static str; 8] = ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained"];
+
+    /// The parts in [`Split::NAMES`] order, ms.
+    pub fn parts(&self) -> [f64; 8] {
+        [self.queue, self.disk, self.memory, self.cpu_contention, self.power, self.load, self.compute, self.unexplained]
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -145,6 +179,7 @@ closed_set! {
         Power = "power",
         Queue = "queue",
         Load = "load",
+        CpuContention = "cpu_contention",
         Compute = "compute",
         #[default]
         None = "none",
@@ -311,6 +346,38 @@ fn around<T>(v: &[T], ts: impl Fn(&T) -> u64, from: u64, until: u64) -> &[T] {
     &v[lo..hi]
 }
 
+/// "N ms waiting for a CPU ...; the CPUs went to: who (pid, cgroup) M ms, ...": what ran on the
+/// CPU a waiting thread got back, charged with that wait (clipped to the window).
+fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64) -> String {
+    let mut by: HashMap<u32, u64> = HashMap::new();
+    for c in w.cpu_waits {
+        let (a, b) = (c.from.max(from), c.to.min(to));
+        if a < b && c.other != 0 {
+            *by.entry(c.other).or_default() += b - a;
+        }
+    }
+    let mut top: Vec<(u32, u64)> = by.into_iter().collect();
+    top.sort_by_key(|&(pid, ns)| (std::cmp::Reverse(ns), pid));
+    let names: Vec<String> = top
+        .iter()
+        .take(3)
+        .map(|&(pid, ns)| {
+            let who = if w.target_pids.contains(&pid) {
+                format!("the server's own threads (pid {pid})")
+            } else {
+                match w.other_names.and_then(|n| n.get(&pid)) {
+                    Some((comm, Some(cg))) => format!("{comm} (pid {pid}, cgroup {cg})"),
+                    Some((comm, None)) => format!("{comm} (pid {pid})"),
+                    None => format!("pid {pid}"),
+                }
+            };
+            format!("{who} {:.0} ms", ns as f64 / 1e6)
+        })
+        .collect();
+    let went = if names.is_empty() { String::new() } else { format!("; the CPU went to: {}", names.join(", ")) };
+    format!("{cpu:.0} ms waiting for a CPU (runnable, not running: other processes held the CPUs){went}")
+}
+
 pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     let mut v = Verdict::default();
     let (mut stop, mut why) = stop_cause(q);
@@ -402,13 +469,17 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     {
         ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
     }
-    let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - load).max(0.0)));
-    let compute = (prompt + generated).min((ttft - disk - memory - load - power).max(0.0));
-    let known = disk + memory + load + power + compute;
+    // Waiting for a CPU: the union over the target's threads (the request waits when any of the
+    // threads working for it waits), less what disk and memory already explain.
+    let runq: Vec<(u64, u64)> = w.cpu_waits.iter().map(|c| (c.from, c.to)).collect();
+    let cpu = union_ms(&runq, from, to).min((ttft - disk - memory).max(0.0));
+    let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - cpu - load).max(0.0)));
+    let compute = (prompt + generated).min((ttft - disk - memory - cpu - load - power).max(0.0));
+    let known = disk + memory + cpu + load + power + compute;
     let left = (ttft - known).max(0.0);
     let busy = union_ms(&w.others, from, to);
     let queue = left.min(busy);
-    let split = Split { queue, disk, memory, power, load, compute, unexplained: (left - queue).max(0.0) };
+    let split = Split { queue, disk, memory, cpu_contention: cpu, power, load, compute, unexplained: (left - queue).max(0.0) };
     if let Some((_, e)) = &ramp {
         v.evidence.push(e.clone());
     }
@@ -434,19 +505,27 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     if memory > 0.0 {
         v.evidence.push(format!("{memory:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)"));
     }
+    if cpu >= 1.0 {
+        v.evidence.push(cpu_evidence(cpu, w, from, to));
+    }
     if queue >= 1.0 {
         v.evidence.push(format!("{queue:.0} ms waiting while other requests were served"));
     }
     if compute >= 1.0 {
-        v.evidence.push(format!(
-            "{compute:.0} ms of prompt processing{} (server's timings)",
-            if generated > 0.0 { " and generation" } else { "" }
-        ));
+        let what = if generated > 0.0 { "prompt processing and generation" } else { "prompt processing" };
+        let timed = prompt + generated;
+        v.evidence.push(if timed - compute >= 1.0 && timed - compute >= 0.05 * timed {
+            // The server's clock runs through the stalls: the waits above are part of its time.
+            format!("{compute:.0} ms of {what}, its own work (the server timed {timed:.0} ms: the rest is the waits above)")
+        } else {
+            format!("{compute:.0} ms of {what} (server's timings)")
+        });
     }
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
     let candidates = [
         (SlowCause::Disk, disk),
         (SlowCause::Memory, memory),
+        (SlowCause::CpuContention, cpu),
         (SlowCause::Load, load),
         (SlowCause::Power, power),
         (SlowCause::Queue, queue),
@@ -504,6 +583,34 @@ mod tests {
         assert_eq!(s.load, 280.0); // from the first read (20 ms after arrival) to the token, less disk
         assert_eq!(v.slow_cause.name(), "disk");
         assert!(v.evidence.iter().any(|e| e.contains("/models/m.gguf (98.0 MiB)")), "{:?}", v.evidence);
+    }
+
+    /// Two threads wait for a CPU, overlapping: the request waits once. The server's prompt time
+    /// ran through the waits: compute is what is left, and the competitors are named.
+    #[test]
+    fn waiting_for_a_cpu_is_contention_and_names_who_ran() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let waits = [
+            CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 42 },
+            CpuWait { from: 300 * ms, to: 700 * ms, tid: 8, other: 43 },
+            // Outside the window: not this request's.
+            CpuWait { from: 1500 * ms, to: 1600 * ms, tid: 7, other: 42 },
+        ];
+        let names: HashMap<u32, (String, Option<String>)> =
+            [(42, ("cc1plus".to_string(), Some("/user.slice".to_string()))), (43, ("stress".to_string(), None))].into();
+        let w = Window { arrival_ns: 0, cpu_waits: &waits, other_names: Some(&names), offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.cpu_contention, s.compute, s.unexplained), (600.0, 400.0, 0.0));
+        assert_eq!(v.slow_cause, SlowCause::CpuContention);
+        let e = v.evidence.iter().find(|e| e.contains("waiting for a CPU")).unwrap();
+        assert!(e.contains("cc1plus (pid 42, cgroup /user.slice) 400 ms") && e.contains("stress (pid 43) 400 ms"), "{e}");
+        assert!(v.evidence.iter().any(|e| e.contains("the server timed 1000 ms")), "{:?}", v.evidence);
+        // A control: no waits, the same request is compute.
+        let calm = attribute(&q, &Window { arrival_ns: 0, offcpu_probe: true, ..Default::default() });
+        assert_eq!((calm.slow_cause, calm.ttft_ms.unwrap().cpu_contention), (SlowCause::Compute, 0.0));
     }
 
     #[test]

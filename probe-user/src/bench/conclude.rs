@@ -183,6 +183,7 @@ fn split_words(rows: &[Row], l: &Level) -> Option<String> {
         ("disk", avg(&|s| s.disk)),
         ("load", avg(&|s| s.load)),
         ("memory", avg(&|s| s.memory)),
+        ("cpu_contention", avg(&|s| s.cpu_contention)),
         ("queue", avg(&|s| s.queue)),
         ("compute", avg(&|s| s.compute)),
         ("unexplained", avg(&|s| s.unexplained)),

@@ -298,7 +298,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
     }
     let i = of("idle");
     if !i.is_empty() {
-        let names = ["queue", "disk", "memory", "load", "compute", "unexplained"];
+        let names = ["queue", "disk", "memory", "cpu_contention", "load", "compute", "unexplained"];
         let traced = rows.iter().any(|r| r.sweep == "idle" && r.verdict.is_some());
         let series: Vec<(String, Vec<f64>)> = if traced {
             names
@@ -315,6 +315,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
                                         "queue" => s.queue,
                                         "disk" => s.disk,
                                         "memory" => s.memory,
+                                        "cpu_contention" => s.cpu_contention,
                                         "load" => s.load,
                                         "compute" => s.compute,
                                         _ => s.unexplained + s.power,

@@ -180,15 +180,7 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
         if let Some(v) = &q.verdict {
             put("probe.slow_cause", s(v.slow_cause.name()));
             if let Some(t) = &v.ttft_ms {
-                for (k, ms) in [
-                    ("queue", t.queue),
-                    ("disk", t.disk),
-                    ("memory", t.memory),
-                    ("power", t.power),
-                    ("load", t.load),
-                    ("compute", t.compute),
-                    ("unexplained", t.unexplained),
-                ] {
+                for (k, ms) in crate::verdict::Split::NAMES.into_iter().zip(t.parts()) {
                     put(&format!("probe.ttft.{k}_ms"), Val::D(ms));
                 }
             }

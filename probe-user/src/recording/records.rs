@@ -188,6 +188,24 @@ pub struct Threads {
     pub threads: Vec<(u32, u32, String)>,
 }
 
+/// A process that is not traced but ran while a target thread waited for a CPU.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OtherProc {
+    pub pid: u32,
+    pub comm: String,
+    /// Its cgroup (v2 path), when /proc had one.
+    pub cgroup: Option<String>,
+}
+
+/// Other processes named since the last such record.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Procs {
+    pub ts_ns: u64,
+    pub procs: Vec<OtherProc>,
+}
+
 /// Unwinding while tracing: samples, how many reached the end, time spent.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -266,6 +284,7 @@ pub enum UserRecord {
     Module(Module),
     Ksyms(Ksyms),
     Threads(Threads),
+    Procs(Procs),
     Request(Box<RequestRecord>),
     Stats(Box<Stats>),
     End(End),
@@ -290,6 +309,7 @@ impl UserRecord {
             "module" => UserRecord::Module(from(v)?),
             "ksyms" => UserRecord::Ksyms(from(v)?),
             "threads" => UserRecord::Threads(from(v)?),
+            "procs" => UserRecord::Procs(from(v)?),
             "request" => {
                 RequestRecord::upgrade_legacy(&mut v);
                 UserRecord::Request(Box::new(from(v)?))
@@ -316,6 +336,7 @@ impl UserRecord {
             UserRecord::Module(m) => ("module", serde_json::to_value(m)?),
             UserRecord::Ksyms(k) => ("ksyms", serde_json::to_value(k)?),
             UserRecord::Threads(t) => ("threads", serde_json::to_value(t)?),
+            UserRecord::Procs(p) => ("procs", serde_json::to_value(p)?),
             UserRecord::Request(q) => ("request", serde_json::to_value(q)?),
             UserRecord::Stats(s) => ("stats", serde_json::to_value(s)?),
             UserRecord::End(e) => ("end", serde_json::to_value(e)?),
@@ -333,6 +354,7 @@ impl UserRecord {
             UserRecord::Maps(m) => Some(m.ts_ns),
             UserRecord::Files(f) => Some(f.ts_ns),
             UserRecord::Threads(t) => Some(t.ts_ns),
+            UserRecord::Procs(p) => Some(p.ts_ns),
             UserRecord::Stats(s) => Some(s.ts_ns),
             UserRecord::End(e) => Some(e.ts_ns),
             UserRecord::Stack(s) => Some(s.ts_ns),

@@ -153,6 +153,10 @@ pub(crate) struct Builder {
     devs: BTreeMap<u32, (Device, Vec<f64>, Vec<f64>)>,
     io_waits: Vec<(u64, u64)>,
     mem_waits: Vec<(u64, u64)>,
+    /// Run-queue waits of target threads (preempted, runnable): (from, to, what ran instead).
+    cpu_waits: Vec<crate::verdict::CpuWait>,
+    /// Other processes by pid: (comm, cgroup), from the `procs` records.
+    other_names: HashMap<u32, (String, Option<String>)>,
     ttft_windows: WindowIndex,
     served_windows: WindowIndex,
     windows: Vec<WindowData>,
@@ -189,6 +193,8 @@ impl Builder {
             devs: BTreeMap::new(),
             io_waits: vec![],
             mem_waits: vec![],
+            cpu_waits: vec![],
+            other_names: HashMap::new(),
             ttft_windows: WindowIndex::new(&[]),
             served_windows: WindowIndex::new(&[]),
             windows: vec![],
@@ -213,6 +219,11 @@ impl Builder {
         match rec {
             UserRecord::Meta(m) if self.meta.is_none() => self.meta = Some(*m),
             UserRecord::Meta(_) | UserRecord::Module(_) | UserRecord::Threads(_) => {}
+            UserRecord::Procs(p) => {
+                for o in p.procs {
+                    self.other_names.entry(o.pid).or_insert((o.comm, o.cgroup));
+                }
+            }
             UserRecord::Maps(m) => {
                 for f in &m.mappings {
                     self.file_names.entry((f.major, f.minor, f.inode)).or_insert_with(|| f.path.clone());
@@ -507,6 +518,10 @@ impl Builder {
             Event::Sock(s) => sock::sock_event(s, &mut self.conns, &mut self.conn_index, &ms),
             // Stream bytes (present only with --capture-text) are summarised in request records;
             // stacks are unwound while tracing and kept as stack records.
+            Event::Sched(e) if e.flags & probe_common::stack::SCHED_PREEMPTED != 0 => {
+                let to = e.hdr.ts_ns;
+                self.cpu_waits.push(crate::verdict::CpuWait { from: to.saturating_sub(e.blocked_ns), to, tid: e.tid, other: e.hdr.pid });
+            }
             Event::Data(_) | Event::Stack(_) | Event::Sched(_) => {}
             Event::Mem(m) => {
                 if m.what != probe_common::mem::MEM_OOM_VICTIM {
@@ -629,6 +644,9 @@ impl Builder {
         }
         let (start, samples) = (self.start, &self.samples);
         let offcpu_probe = r.probes.iter().any(|p| p.name == crate::recording::records::Subsystem::Offcpu && p.live);
+        let mut target_pids: Vec<u32> = self.meta.as_ref().map(|m| m.targets.clone()).unwrap_or_default();
+        target_pids.extend(self.procs.keys().copied());
+        target_pids.push(r.target.pid);
         let oom_kills: Vec<u64> =
             self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
         let (gpu_clocks, cpu_clocks) = crate::system::clock_series(samples);
@@ -714,6 +732,9 @@ impl Builder {
                 arrival_ns: from,
                 io_waits: &self.io_waits,
                 mem_waits: &self.mem_waits,
+                cpu_waits: &self.cpu_waits,
+                other_names: Some(&self.other_names),
+                target_pids: &target_pids,
                 files_read,
                 mapped: self.file_maps.iter().filter(|m| m.t >= from && m.t <= to).map(|m| (m.t, name(&m.key))).collect(),
                 others: spans.iter().filter(|(id, _)| *id != q.id).filter_map(|(_, s)| *s).collect(),

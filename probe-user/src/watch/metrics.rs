@@ -45,7 +45,7 @@ pub fn path_label(path: Option<&str>) -> &'static str {
 }
 
 /// The TTFT causes of the split (verdict::Split's fields).
-pub const TTFT_CAUSES: [&str; 7] = ["queue", "disk", "memory", "power", "load", "compute", "unexplained"];
+pub const TTFT_CAUSES: [&str; 8] = crate::verdict::Split::NAMES;
 
 #[derive(Default)]
 struct State {
@@ -105,7 +105,7 @@ impl Metrics {
             s.analysed += 1;
             *s.slow.entry(v.slow_cause.name()).or_default() += 1;
             if let Some(t) = &v.ttft_ms {
-                for (k, ms) in TTFT_CAUSES.iter().zip([t.queue, t.disk, t.memory, t.power, t.load, t.compute, t.unexplained]) {
+                for (k, ms) in TTFT_CAUSES.iter().zip(t.parts()) {
                     *s.ttft_cause.entry(k).or_default() += ms.max(0.0) / 1e3;
                 }
             }
