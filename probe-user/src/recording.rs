@@ -40,13 +40,14 @@ pub const FRAME_JSON: u8 = 2;
 /// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
 /// test checks the page against this list, and every real trace in the test suite checks that
 /// its recording holds no other.
-pub const USER_RECORD_TYPES: [&str; 16] = [
+pub const USER_RECORD_TYPES: [&str; 17] = [
     "meta",
     "maps",
     "files",
     "module",
     "ksyms",
     "threads",
+    "procs",
     "request",
     "stats",
     "samplers",
