@@ -16,6 +16,14 @@ use serde_json::{Value, json};
 mod common;
 use common::{env_path, probe_bin, shared_llama_server};
 
+/// One test at a time: the verdicts now see the CPUs (cpu_contention), and a control request
+/// asserts a quiet box, so no other test's server, client or busy loop may run beside it.
+static CPUS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn shared_cpus() -> std::sync::MutexGuard<'static, ()> {
+    CPUS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 struct Server {
     child: Child,
     addr: SocketAddr,
@@ -173,6 +181,7 @@ fn chat(max_tokens: u64, prompt: &str) -> Value {
 
 #[test]
 fn streamed_chat_matches_the_server_and_the_client() {
+    let _cpus = shared_cpus();
     let t = Trace::start("chat", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
@@ -211,6 +220,7 @@ fn streamed_chat_matches_the_server_and_the_client() {
 
 #[test]
 fn max_tokens_8_stops_at_length_after_8_chunks() {
+    let _cpus = shared_cpus();
     let t = Trace::start("len8", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
@@ -229,6 +239,7 @@ fn max_tokens_8_stops_at_length_after_8_chunks() {
 
 #[test]
 fn client_disconnect_after_5_chunks_is_closed_by_client() {
+    let _cpus = shared_cpus();
     let t = Trace::start("cut", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
@@ -248,6 +259,7 @@ fn client_disconnect_after_5_chunks_is_closed_by_client() {
 
 #[test]
 fn native_completion_with_n_predict_stops_at_limit() {
+    let _cpus = shared_cpus();
     let t = Trace::start("native", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
@@ -270,6 +282,7 @@ fn native_completion_with_n_predict_stops_at_limit() {
 
 #[test]
 fn concurrent_streams_and_keep_alive_requests_are_kept_apart() {
+    let _cpus = shared_cpus();
     let t = Trace::start("apart", &[]);
     // Two concurrent streams with different lengths.
     let handles: Vec<_> = [5u64, 11]
@@ -341,6 +354,7 @@ fn concurrent_streams_and_keep_alive_requests_are_kept_apart() {
 
 #[test]
 fn non_streamed_and_rejected_requests_keep_their_status() {
+    let _cpus = shared_cpus();
     let t = Trace::start("status", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let ok_client = s.local_addr().unwrap();
@@ -368,6 +382,7 @@ fn non_streamed_and_rejected_requests_keep_their_status() {
 
 #[test]
 fn prompt_text_stays_out_of_the_recording() {
+    let _cpus = shared_cpus();
     let secret = "zebra-quartz-4711-lighthouse";
     let t = Trace::start("privacy", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
@@ -395,6 +410,7 @@ fn prompt_text_stays_out_of_the_recording() {
 
 #[test]
 fn attaching_mid_stream_marks_the_request_partly_seen() {
+    let _cpus = shared_cpus();
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
     send_request(&s, "POST", "/v1/chat/completions", Some(&chat(60, "Write a long story about a dragon who learns to cook.")));
@@ -444,6 +460,7 @@ fn own_server(model: &std::path::Path, args: &[&str]) -> (Child, SocketAddr) {
 /// The report must name the model file, with the bytes read, and show the model mapped again.
 #[test]
 fn cold_model_reload_is_named_in_the_report() {
+    let _cpus = shared_cpus();
     // A copy of the model that no other server maps (a mapped file cannot be evicted).
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cold-model-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -525,6 +542,7 @@ fn passes(stderr: &str) -> u64 {
 
 #[test]
 fn generation_flamegraph_names_ggml_functions() {
+    let _cpus = shared_cpus();
     let t = Trace::start_env("flame", &[], &[("PROBE_COUNT_PASSES", "1")]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
@@ -616,6 +634,7 @@ fn generation_flamegraph_names_ggml_functions() {
 /// limit the server imposed, below the one requested.
 #[test]
 fn slot_context_limit_is_a_server_limit() {
+    let _cpus = shared_cpus();
     let t = Trace::start("slotlimit", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
@@ -637,6 +656,7 @@ fn slot_context_limit_is_a_server_limit() {
 /// `-np 1` and four requests at once: the later ones wait in the server's queue.
 #[test]
 fn waiting_for_the_only_slot_is_queueing() {
+    let _cpus = shared_cpus();
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1"]);
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-queue-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
@@ -709,6 +729,7 @@ fn stop_trace(mut p: Child, out: &std::path::Path) -> Value {
 /// (PROBE_FAKE_GPU); everything else (server, request, probes, report) is real.
 #[test]
 fn low_gpu_clock_at_arrival_is_power() {
+    let _cpus = shared_cpus();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let script = dir.join(format!("fake-gpu-{}.json", std::process::id()));
     let low = json!({"index": 0, "sm_mhz": 210, "mem_mhz": 405, "pstate": 8, "power_w": 30.0, "util_gpu": 0, "reasons": ["gpu_idle"]});
@@ -767,6 +788,7 @@ fn low_gpu_clock_at_arrival_is_power() {
 /// gateway gives up after 2 s without a byte: the verdict says deadline, with the idle time.
 #[test]
 fn gateway_timeout_is_a_deadline() {
+    let _cpus = shared_cpus();
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1", "-t", "1"]);
     let gw = common::Nginx::start(addr, 2);
     let gw_addr = gw.addr;
@@ -813,6 +835,7 @@ fn gateway_timeout_is_a_deadline() {
 /// major faults on the model file.
 #[test]
 fn memory_cgroup_squeeze_is_disk_and_memory() {
+    let _cpus = shared_cpus();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("memcg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("model.gguf");
@@ -873,6 +896,7 @@ fn memory_cgroup_squeeze_is_disk_and_memory() {
 /// so the stop reason and the server's timings are still read, streamed or not.
 #[test]
 fn long_prompt_keeps_its_stop_reason() {
+    let _cpus = shared_cpus();
     let t = Trace::start("longprompt", &[]);
     let prompt = "the quick brown fox jumps over the lazy dog ".repeat(80);
     let mut clients = Vec::new();
@@ -918,6 +942,7 @@ fn schedstat(pid: u32) -> Vec<(u32, u64, u64)> {
 /// by their command. The same server, traced the same way, without the job: no contention.
 #[test]
 fn a_cpu_hog_is_cpu_contention_and_named() {
+    let _cpus = shared_cpus();
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "-t", "1"]);
     let pid = srv.id();
     let body = json!({
@@ -974,4 +999,54 @@ fn a_cpu_hog_is_cpu_contention_and_named() {
     assert!(["none", "compute"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
     assert!(split["cpu_contention"].as_f64().unwrap() < 0.1 * ttft, "{v}");
     assert!(split["unexplained"].as_f64().unwrap() < 0.1 * ttft, "{v}");
+}
+
+/// Bytes the process made the kernel read from storage (/proc/PID/io `read_bytes`, the truth).
+fn read_bytes(pid: u32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+    io.lines().find_map(|l| l.strip_prefix("read_bytes:")).unwrap().trim().parse().unwrap()
+}
+
+/// Woken from `--sleep-idle-seconds` with the model still in the page cache: the verdict says
+/// `load`, not `none`. Nothing came from disk (the server's own /proc/PID/io), and the load is
+/// most of what the morning request took over the warm one (the client's own clock).
+#[test]
+fn waking_from_sleep_with_the_model_cached_is_load() {
+    let _cpus = shared_cpus();
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1", "--sleep-idle-seconds", "1"]);
+    let pid = srv.id();
+    let ask = || {
+        let t = Instant::now();
+        let s = TcpStream::connect(addr).unwrap();
+        let client = s.local_addr().unwrap();
+        send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Good morning", "n_predict": 2, "stream": false})));
+        assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+        (client, t.elapsed().as_secs_f64() * 1e3)
+    };
+    ask();
+    common::wait_asleep(addr);
+    let (p, out) = trace_pid(pid, "wake", &[]);
+    // The endpoint poller's first look at the server (asleep) lands before the request.
+    std::thread::sleep(Duration::from_millis(1000));
+    let io = read_bytes(pid);
+    let (cold, cold_ms) = ask();
+    let from_disk = read_bytes(pid) - io;
+    let (warm, warm_ms) = ask();
+    let r = stop_trace(p, &out);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let q = find(&r, cold)[0];
+    let v = &q["verdict"];
+    let split = &v["ttft_ms"];
+    let (load, disk) = (split["load"].as_f64().unwrap(), split["disk"].as_f64().unwrap());
+    eprintln!("morning {cold_ms:.0} ms, warm {warm_ms:.0} ms (client); load {load:.0} ms; {from_disk} bytes read from storage");
+    assert!(from_disk < 1 << 20, "the model was read from disk ({from_disk} bytes): not the case this test is about");
+    assert_eq!(v["slow_cause"], "load", "{v}");
+    assert!(load >= 0.5 * (cold_ms - warm_ms), "load {load:.0} ms of {cold_ms:.0} - {warm_ms:.0} ms: {v}");
+    assert!(disk < 0.1 * q["ttft_ms"].as_f64().unwrap(), "{v}");
+    let said: Vec<&str> = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(said.iter().any(|e| e.contains("from the page cache")), "{said:?}");
+    let w = &find(&r, warm)[0]["verdict"];
+    assert_eq!(w["ttft_ms"]["load"], 0.0, "{w}");
+    assert!(["none", "compute"].contains(&w["slow_cause"].as_str().unwrap()), "{w}");
 }

@@ -324,6 +324,9 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
         )),
         Crash => Some("the server closed the connection before its final message".into()),
         ServerError => Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default())),
+        Unknown if q.closed_by == ClosedBy::Open => {
+            Some(format!("in flight at the end of the trace, after {n} tokens: its end was not seen"))
+        }
         _ => None,
     };
     // The transport fact, when it differs from the server's word.
@@ -352,7 +355,7 @@ fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64) -> String {
     let mut by: HashMap<u32, u64> = HashMap::new();
     for c in w.cpu_waits {
         let (a, b) = (c.from.max(from), c.to.min(to));
-        if a < b && c.other != 0 {
+        if a < b && c.other != 0 && !w.target_pids.contains(&c.other) {
             *by.entry(c.other).or_default() += b - a;
         }
     }
@@ -362,14 +365,10 @@ fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64) -> String {
         .iter()
         .take(3)
         .map(|&(pid, ns)| {
-            let who = if w.target_pids.contains(&pid) {
-                format!("the server's own threads (pid {pid})")
-            } else {
-                match w.other_names.and_then(|n| n.get(&pid)) {
-                    Some((comm, Some(cg))) => format!("{comm} (pid {pid}, cgroup {cg})"),
-                    Some((comm, None)) => format!("{comm} (pid {pid})"),
-                    None => format!("pid {pid}"),
-                }
+            let who = match w.other_names.and_then(|n| n.get(&pid)) {
+                Some((comm, Some(cg))) => format!("{comm} (pid {pid}, cgroup {cg})"),
+                Some((comm, None)) => format!("{comm} (pid {pid})"),
+                None => format!("pid {pid}"),
             };
             format!("{who} {:.0} ms", ns as f64 / 1e6)
         })
@@ -445,6 +444,11 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     let timings = q.stop.server_timings.as_ref();
     let prompt = timings.and_then(|t| t["prompt_ms"].as_f64()).unwrap_or(0.0);
     let generated = if q.stream == Some(false) { timings.and_then(|t| t["predicted_ms"].as_f64()).unwrap_or(0.0) } else { 0.0 };
+    // A reload from the page cache: the server said it was asleep (model unloaded) before this
+    // request and mapped files again in the window, none read from disk. What it did before its
+    // prompt processing began (mapping the model, runtime init) is the load; without the
+    // server's timings, until its last mapping.
+    let reloaded: Vec<&(u64, String)> = if loaded.is_empty() && w.server_sleeping { w.mapped.iter().collect() } else { vec![] };
     // Power: a GPU or the CPUs were below their working clock at arrival; the ramp is the time
     // until they reached it, less what disk, memory and load already explain.
     let until = from + (q.end_ms.unwrap_or(ttft).max(ttft) * 1e6) as u64;
@@ -469,10 +473,21 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     {
         ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
     }
-    // Waiting for a CPU: the union over the target's threads (the request waits when any of the
-    // threads working for it waits), less what disk and memory already explain.
-    let runq: Vec<(u64, u64)> = w.cpu_waits.iter().map(|c| (c.from, c.to)).collect();
-    let cpu = union_ms(&runq, from, to).min((ttft - disk - memory).max(0.0));
+    // Waiting for a CPU another process held: the union over the target's threads (the request
+    // waits when any of the threads working for it waits), less what disk and memory already
+    // explain. Waits behind the server's own threads are its own work sharing the CPUs; waits
+    // before its own prompt processing began (behind other requests, by the server's timings)
+    // are queue, whatever slowed the others.
+    let served_from = if timings.is_some() { to.saturating_sub(((prompt + generated) * 1e6) as u64).max(from) } else { from };
+    let runq: Vec<(u64, u64)> = w.cpu_waits.iter().filter(|c| !w.target_pids.contains(&c.other)).map(|c| (c.from, c.to)).collect();
+    let cpu = union_ms(&runq, served_from, to).min((ttft - disk - memory).max(0.0));
+    let load = match reloaded.last() {
+        Some((t, _)) => {
+            let before_work = if timings.is_some() { ttft - prompt - generated } else { t.saturating_sub(from) as f64 / 1e6 };
+            (before_work - disk - memory - cpu).clamp(0.0, ttft)
+        }
+        None => load,
+    };
     let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - cpu - load).max(0.0)));
     let compute = (prompt + generated).min((ttft - disk - memory - cpu - load - power).max(0.0));
     let known = disk + memory + cpu + load + power + compute;
@@ -489,12 +504,24 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     if let Some(n) = w.server_deferred.filter(|&n| n >= 1.0) {
         v.evidence.push(format!("the server reported up to {n:.0} deferred request(s) (no free slot) meanwhile"));
     }
-    if disk > 0.0 || read > 0 {
-        let mut files: Vec<String> = w.files_read.iter().take(3).map(|(p, b, _)| format!("{p} ({})", mib(*b))).collect();
-        if files.is_empty() {
-            files.push("no file named".into());
-        }
-        v.evidence.push(format!("{disk:.0} ms blocked on disk before the first token; {} read: {}", mib(read), files.join(", ")));
+    // Said only when it explains something: a millisecond blocked, or a MiB read.
+    if disk >= 1.0 || read >= 1 << 20 {
+        let files: Vec<String> = w.files_read.iter().filter(|f| f.1 > 0).take(3).map(|(p, b, _)| format!("{p} ({})", mib(*b))).collect();
+        let what = if files.is_empty() {
+            "no file read in the window: the waits were page faults on anonymous memory (swap) or on file pages read before it".to_string()
+        } else {
+            format!("{} read: {}", mib(read), files.join(", "))
+        };
+        v.evidence.push(format!("{disk:.0} ms blocked on disk before the first token; {what}"));
+    }
+    if let Some((t, _)) = reloaded.last() {
+        let files: Vec<&str> = reloaded.iter().take(2).map(|(_, p)| p.as_str()).collect();
+        v.evidence.push(format!(
+            "{load:.0} ms loading the model again after sleep: {} mapped {:.0} ms after arrival, from the page cache ({} read from disk)",
+            files.join(", "),
+            t.saturating_sub(from) as f64 / 1e6,
+            mib(read)
+        ));
     }
     for (t, p) in &loaded {
         v.evidence.push(format!(
@@ -506,7 +533,7 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
         v.evidence.push(format!("{memory:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)"));
     }
     if cpu >= 1.0 {
-        v.evidence.push(cpu_evidence(cpu, w, from, to));
+        v.evidence.push(cpu_evidence(cpu, w, served_from, to));
     }
     if queue >= 1.0 {
         v.evidence.push(format!("{queue:.0} ms waiting while other requests were served"));
@@ -597,10 +624,19 @@ mod tests {
             CpuWait { from: 300 * ms, to: 700 * ms, tid: 8, other: 43 },
             // Outside the window: not this request's.
             CpuWait { from: 1500 * ms, to: 1600 * ms, tid: 7, other: 42 },
+            // Behind the server's own thread: its own work sharing the CPUs, not contention.
+            CpuWait { from: 800 * ms, to: 900 * ms, tid: 7, other: 9 },
         ];
         let names: HashMap<u32, (String, Option<String>)> =
             [(42, ("cc1plus".to_string(), Some("/user.slice".to_string()))), (43, ("stress".to_string(), None))].into();
-        let w = Window { arrival_ns: 0, cpu_waits: &waits, other_names: Some(&names), offcpu_probe: true, ..Default::default() };
+        let w = Window {
+            arrival_ns: 0,
+            cpu_waits: &waits,
+            other_names: Some(&names),
+            target_pids: &[9],
+            offcpu_probe: true,
+            ..Default::default()
+        };
         let v = attribute(&q, &w);
         let s = v.ttft_ms.clone().unwrap();
         assert_eq!((s.cpu_contention, s.compute, s.unexplained), (600.0, 400.0, 0.0));
@@ -611,6 +647,36 @@ mod tests {
         // A control: no waits, the same request is compute.
         let calm = attribute(&q, &Window { arrival_ns: 0, offcpu_probe: true, ..Default::default() });
         assert_eq!((calm.slow_cause, calm.ttft_ms.unwrap().cpu_contention), (SlowCause::Compute, 0.0));
+    }
+
+    /// Woken from sleep with the model still in the page cache: nothing read from disk, the model
+    /// mapped again, and the time before the server's prompt processing is the load.
+    #[test]
+    fn a_reload_from_the_page_cache_is_load() {
+        let ms = 1_000_000u64;
+        let mut q = req(900.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 200.0}));
+        let asleep = Window {
+            arrival_ns: 0,
+            mapped: vec![(400 * ms, "/models/m.gguf".into())],
+            server_sleeping: true,
+            offcpu_probe: true,
+            ..Default::default()
+        };
+        let v = attribute(&q, &asleep);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.load, s.compute, s.disk, s.unexplained), (700.0, 200.0, 0.0, 0.0));
+        assert_eq!(v.slow_cause, SlowCause::Load);
+        assert!(
+            v.evidence
+                .iter()
+                .any(|e| e.contains("/models/m.gguf mapped 400 ms after arrival, from the page cache (0.0 MiB read from disk)")),
+            "{:?}",
+            v.evidence
+        );
+        // Awake, the same mapping is not a reload.
+        let awake = attribute(&q, &Window { server_sleeping: false, ..asleep });
+        assert_eq!(awake.ttft_ms.unwrap().load, 0.0);
     }
 
     #[test]

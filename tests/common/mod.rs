@@ -92,6 +92,17 @@ pub fn healthy(addr: std::net::SocketAddr) -> bool {
 /// (/props answers without waking it; the model is unmapped), then drop `model` from the page
 /// cache (DONTNEED evicts the clean pages of a file nobody maps).
 pub fn sleep_then_evict(addr: std::net::SocketAddr, model: &std::path::Path) {
+    wait_asleep(addr);
+    let f = std::fs::File::open(model).unwrap();
+    // SAFETY: valid fd for the call; posix_fadvise only advises the kernel.
+    unsafe {
+        use std::os::fd::AsRawFd;
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
+/// Wait until llama-server says it is sleeping (`--sleep-idle-seconds`: model unloaded).
+pub fn wait_asleep(addr: std::net::SocketAddr) {
     use std::io::{Read, Write};
     let t = std::time::Instant::now();
     loop {
@@ -105,12 +116,6 @@ pub fn sleep_then_evict(addr: std::net::SocketAddr, model: &std::path::Path) {
         }
         assert!(t.elapsed() < Duration::from_secs(60), "llama-server did not go to sleep");
         std::thread::sleep(Duration::from_millis(100));
-    }
-    let f = std::fs::File::open(model).unwrap();
-    // SAFETY: valid fd for the call; posix_fadvise only advises the kernel.
-    unsafe {
-        use std::os::fd::AsRawFd;
-        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
     }
 }
 
