@@ -916,6 +916,9 @@ fn long_prompt_keeps_its_stop_reason() {
         assert_eq!(q["stop_type"], "limit", "stream={stream}: {q}");
         let t = &q["server_timings"];
         assert!(t["prompt_n"].as_u64().unwrap() + t["cache_n"].as_u64().unwrap() > 300, "stream={stream}: {q}");
+        // The prompt cache as the server counted it, in the verdict's words.
+        let cache = format!("{} prompt tokens computed, {} reused from the server's prompt cache", t["prompt_n"], t["cache_n"]);
+        assert!(q["verdict"]["evidence"].as_array().unwrap().iter().any(|e| e == &Value::String(cache.clone())), "{cache}: {q}");
         assert_eq!(q["verdict"]["stop_cause"], "requested_limit", "stream={stream}: {q}");
         assert!(q["response_bytes"].as_u64().unwrap() > 4095, "{q}");
     }

@@ -379,6 +379,37 @@ fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64) -> String {
 
 pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     let mut v = Verdict::default();
+    stop_and_quality(q, w, &mut v);
+    let Some(ttft) = q.ttft_ms else {
+        v.slow_cause = SlowCause::None;
+        return v;
+    };
+    let b = breakdown(q, w, ttft);
+    evidence(&b, w, &mut v);
+    let s = &b.split;
+    // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
+    let candidates = [
+        (SlowCause::Disk, s.disk),
+        (SlowCause::Memory, s.memory),
+        (SlowCause::CpuContention, s.cpu_contention),
+        (SlowCause::Load, s.load),
+        (SlowCause::Power, s.power),
+        (SlowCause::Queue, s.queue),
+    ];
+    let (cause, ms) = candidates.iter().copied().fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
+        cause
+    } else if s.compute >= 0.5 * ttft && ttft >= 200.0 {
+        SlowCause::Compute
+    } else {
+        SlowCause::None
+    };
+    v.ttft_ms = Some(b.split);
+    v
+}
+
+/// The stop cause (an OOM kill in the window outranks the wire) and what limits the verdict.
+fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
     let (mut stop, mut why) = stop_cause(q);
     if let Some(arrival) = q.arrival_ms.map(|_| w.arrival_ns) {
         let end = arrival + (q.end_ms.unwrap_or(0.0) * 1e6) as u64 + 2_000_000_000;
@@ -421,10 +452,31 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     if let Some(why) = &w.power_absent {
         v.data_quality.push(format!("no power data: {why}"));
     }
-    let Some(ttft) = q.ttft_ms else {
-        v.slow_cause = SlowCause::None;
-        return v;
-    };
+}
+
+/// A request's TTFT split, with what its evidence quotes.
+struct Breakdown<'w> {
+    split: Split,
+    from: u64,
+    /// Where the request's own prompt processing began (by the server's timings; else arrival).
+    served_from: u64,
+    to: u64,
+    /// Bytes read from disk in the window.
+    read: u64,
+    /// Files mapped and read from disk in the window (a model (re)load), and mapped again from
+    /// the page cache after the server slept.
+    loaded: Vec<&'w (u64, String)>,
+    reloaded: Vec<&'w (u64, String)>,
+    /// The slowest clock ramp and its sentence.
+    ramp: Option<(f64, String)>,
+    /// The server's own times: prompt, and generation when the first token is the whole answer.
+    prompt: f64,
+    generated: f64,
+    /// (prompt tokens computed, reused from the prompt cache), when the server says.
+    cache: Option<(u64, u64)>,
+}
+
+fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'w> {
     let from = w.arrival_ns;
     let to = from + (ttft * 1e6) as u64;
     let disk = union_ms(w.io_waits, from, to);
@@ -433,24 +485,47 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     // A model (re)load: a file mapped in the window that was also read from disk in it.
     // It starts at the first read of that file (a loader reads the header before mapping).
     let loaded: Vec<&(u64, String)> = w.mapped.iter().filter(|(_, p)| w.files_read.iter().any(|(f, b, _)| f == p && *b > 0)).collect();
-    let load = match loaded.first() {
-        Some((t, p)) => {
-            let first = w.files_read.iter().filter(|(f, _, _)| f == p).map(|f| f.2).min().unwrap_or(*t).min(*t).max(from);
-            ((to.saturating_sub(first)) as f64 / 1e6 - disk - memory).clamp(0.0, ttft)
-        }
-        None => 0.0,
-    };
-    // A non-streamed response's "first token" is the whole answer: generation is compute too.
-    let timings = q.stop.server_timings.as_ref();
-    let prompt = timings.and_then(|t| t["prompt_ms"].as_f64()).unwrap_or(0.0);
-    let generated = if q.stream == Some(false) { timings.and_then(|t| t["predicted_ms"].as_f64()).unwrap_or(0.0) } else { 0.0 };
     // A reload from the page cache: the server said it was asleep (model unloaded) before this
     // request and mapped files again in the window, none read from disk. What it did before its
     // prompt processing began (mapping the model, runtime init) is the load; without the
     // server's timings, until its last mapping.
     let reloaded: Vec<&(u64, String)> = if loaded.is_empty() && w.server_sleeping { w.mapped.iter().collect() } else { vec![] };
-    // Power: a GPU or the CPUs were below their working clock at arrival; the ramp is the time
-    // until they reached it, less what disk, memory and load already explain.
+    // A non-streamed response's "first token" is the whole answer: generation is compute too.
+    let timings = q.stop.server_timings.as_ref();
+    let prompt = timings.and_then(|t| t["prompt_ms"].as_f64()).unwrap_or(0.0);
+    let generated = if q.stream == Some(false) { timings.and_then(|t| t["predicted_ms"].as_f64()).unwrap_or(0.0) } else { 0.0 };
+    // Waiting for a CPU another process held: the union over the target's threads (the request
+    // waits when any of the threads working for it waits), less what disk and memory already
+    // explain. Waits behind the server's own threads are its own work sharing the CPUs; waits
+    // before its own prompt processing began (behind other requests, by the server's timings)
+    // are queue, whatever slowed the others.
+    let served_from = if timings.is_some() { to.saturating_sub(((prompt + generated) * 1e6) as u64).max(from) } else { from };
+    let runq: Vec<(u64, u64)> = w.cpu_waits.iter().filter(|c| !w.target_pids.contains(&c.other)).map(|c| (c.from, c.to)).collect();
+    let cpu = union_ms(&runq, served_from, to).min((ttft - disk - memory).max(0.0));
+    let load = match (loaded.first(), reloaded.last()) {
+        (Some((t, p)), _) => {
+            let first = w.files_read.iter().filter(|(f, _, _)| f == p).map(|f| f.2).min().unwrap_or(*t).min(*t).max(from);
+            ((to.saturating_sub(first)) as f64 / 1e6 - disk - memory).clamp(0.0, ttft)
+        }
+        (None, Some((t, _))) => {
+            let before_work = if timings.is_some() { ttft - prompt - generated } else { t.saturating_sub(from) as f64 / 1e6 };
+            (before_work - disk - memory - cpu).clamp(0.0, ttft)
+        }
+        (None, None) => 0.0,
+    };
+    let ramp = ramp(q, w, from, ttft);
+    let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - cpu - load).max(0.0)));
+    let compute = (prompt + generated).min((ttft - disk - memory - cpu - load - power).max(0.0));
+    let left = (ttft - (disk + memory + cpu + load + power + compute)).max(0.0);
+    let queue = left.min(union_ms(&w.others, from, to));
+    let split = Split { queue, disk, memory, cpu_contention: cpu, power, load, compute, unexplained: (left - queue).max(0.0) };
+    let cache = timings.and_then(|t| Some((t["prompt_n"].as_u64()?, t["cache_n"].as_u64()?)));
+    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache }
+}
+
+/// Power: the slowest of the GPUs and the CPUs to reach its working clock when it was below it
+/// at arrival (ms, and the sentence that says so).
+fn ramp(q: &RequestRecord, w: &Window<'_>, from: u64, ttft: f64) -> Option<(f64, String)> {
     let until = from + (q.end_ms.unwrap_or(ttft).max(ttft) * 1e6) as u64;
     let mut ramp: Option<(f64, String)> = None;
     // Readings are in time order: look only at the request's span (and 10 s before it).
@@ -473,29 +548,14 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     {
         ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
     }
-    // Waiting for a CPU another process held: the union over the target's threads (the request
-    // waits when any of the threads working for it waits), less what disk and memory already
-    // explain. Waits behind the server's own threads are its own work sharing the CPUs; waits
-    // before its own prompt processing began (behind other requests, by the server's timings)
-    // are queue, whatever slowed the others.
-    let served_from = if timings.is_some() { to.saturating_sub(((prompt + generated) * 1e6) as u64).max(from) } else { from };
-    let runq: Vec<(u64, u64)> = w.cpu_waits.iter().filter(|c| !w.target_pids.contains(&c.other)).map(|c| (c.from, c.to)).collect();
-    let cpu = union_ms(&runq, served_from, to).min((ttft - disk - memory).max(0.0));
-    let load = match reloaded.last() {
-        Some((t, _)) => {
-            let before_work = if timings.is_some() { ttft - prompt - generated } else { t.saturating_sub(from) as f64 / 1e6 };
-            (before_work - disk - memory - cpu).clamp(0.0, ttft)
-        }
-        None => load,
-    };
-    let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - cpu - load).max(0.0)));
-    let compute = (prompt + generated).min((ttft - disk - memory - cpu - load - power).max(0.0));
-    let known = disk + memory + cpu + load + power + compute;
-    let left = (ttft - known).max(0.0);
-    let busy = union_ms(&w.others, from, to);
-    let queue = left.min(busy);
-    let split = Split { queue, disk, memory, cpu_contention: cpu, power, load, compute, unexplained: (left - queue).max(0.0) };
-    if let Some((_, e)) = &ramp {
+    ramp
+}
+
+/// The sentences behind the split, each said only when it explains something.
+fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
+    let s = &b.split;
+    let (from, read) = (b.from, b.read);
+    if let Some((_, e)) = &b.ramp {
         v.evidence.push(e.clone());
     }
     if w.server_sleeping {
@@ -504,43 +564,49 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     if let Some(n) = w.server_deferred.filter(|&n| n >= 1.0) {
         v.evidence.push(format!("the server reported up to {n:.0} deferred request(s) (no free slot) meanwhile"));
     }
-    // Said only when it explains something: a millisecond blocked, or a MiB read.
-    if disk >= 1.0 || read >= 1 << 20 {
+    // A millisecond blocked, or a MiB read.
+    if s.disk >= 1.0 || read >= 1 << 20 {
         let files: Vec<String> = w.files_read.iter().filter(|f| f.1 > 0).take(3).map(|(p, b, _)| format!("{p} ({})", mib(*b))).collect();
         let what = if files.is_empty() {
             "no file read in the window: the waits were page faults on anonymous memory (swap) or on file pages read before it".to_string()
         } else {
             format!("{} read: {}", mib(read), files.join(", "))
         };
-        v.evidence.push(format!("{disk:.0} ms blocked on disk before the first token; {what}"));
+        v.evidence.push(format!("{:.0} ms blocked on disk before the first token; {what}", s.disk));
     }
-    if let Some((t, _)) = reloaded.last() {
-        let files: Vec<&str> = reloaded.iter().take(2).map(|(_, p)| p.as_str()).collect();
+    if let Some((t, _)) = b.reloaded.last() {
+        let files: Vec<&str> = b.reloaded.iter().take(2).map(|(_, p)| p.as_str()).collect();
         v.evidence.push(format!(
-            "{load:.0} ms loading the model again after sleep: {} mapped {:.0} ms after arrival, from the page cache ({} read from disk)",
+            "{:.0} ms loading the model again after sleep: {} mapped {:.0} ms after arrival, from the page cache ({} read from disk)",
+            s.load,
             files.join(", "),
             t.saturating_sub(from) as f64 / 1e6,
             mib(read)
         ));
     }
-    for (t, p) in &loaded {
+    for (t, p) in &b.loaded {
         v.evidence.push(format!(
             "{p} was mapped {:.0} ms after arrival and read from disk: a model (re)load",
             t.saturating_sub(from) as f64 / 1e6
         ));
     }
-    if memory > 0.0 {
-        v.evidence.push(format!("{memory:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)"));
+    if s.memory > 0.0 {
+        v.evidence
+            .push(format!("{:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)", s.memory));
     }
-    if cpu >= 1.0 {
-        v.evidence.push(cpu_evidence(cpu, w, served_from, to));
+    if s.cpu_contention >= 1.0 {
+        v.evidence.push(cpu_evidence(s.cpu_contention, w, b.served_from, b.to));
     }
-    if queue >= 1.0 {
-        v.evidence.push(format!("{queue:.0} ms waiting while other requests were served"));
+    if s.queue >= 1.0 {
+        v.evidence.push(format!("{:.0} ms waiting while other requests were served", s.queue));
     }
-    if compute >= 1.0 {
-        let what = if generated > 0.0 { "prompt processing and generation" } else { "prompt processing" };
-        let timed = prompt + generated;
+    // The prompt cache, as the server counts it (llama.cpp: prompt_n computed, cache_n reused).
+    if let Some((n, cached)) = b.cache {
+        v.evidence.push(format!("{n} prompt tokens computed, {cached} reused from the server's prompt cache"));
+    }
+    if s.compute >= 1.0 {
+        let what = if b.generated > 0.0 { "prompt processing and generation" } else { "prompt processing" };
+        let (timed, compute) = (b.prompt + b.generated, s.compute);
         v.evidence.push(if timed - compute >= 1.0 && timed - compute >= 0.05 * timed {
             // The server's clock runs through the stalls: the waits above are part of its time.
             format!("{compute:.0} ms of {what}, its own work (the server timed {timed:.0} ms: the rest is the waits above)")
@@ -548,25 +614,6 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
             format!("{compute:.0} ms of {what} (server's timings)")
         });
     }
-    // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
-    let candidates = [
-        (SlowCause::Disk, disk),
-        (SlowCause::Memory, memory),
-        (SlowCause::CpuContention, cpu),
-        (SlowCause::Load, load),
-        (SlowCause::Power, power),
-        (SlowCause::Queue, queue),
-    ];
-    let (cause, ms) = candidates.iter().copied().fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a });
-    v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
-        cause
-    } else if compute >= 0.5 * ttft && ttft >= 200.0 {
-        SlowCause::Compute
-    } else {
-        SlowCause::None
-    };
-    v.ttft_ms = Some(split);
-    v
 }
 
 #[cfg(test)]
