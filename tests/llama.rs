@@ -961,7 +961,9 @@ fn a_cpu_hog_is_cpu_contention_and_named() {
     };
     ask(); // warm: the model is loaded and paged in
     let (p, out) = trace_pid(pid, "cpuhog", &[]);
+    let t = Instant::now();
     let calm = ask();
+    let calm_ms = t.elapsed().as_secs_f64() * 1e3;
     // The job: three busy loops under a name of their own (comm is the name they were run by).
     let hog = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cpuhog");
     let _ = std::fs::remove_file(&hog);
@@ -969,7 +971,9 @@ fn a_cpu_hog_is_cpu_contention_and_named() {
     let mut hogs: Vec<Child> = (0..3).map(|_| Command::new(&hog).args(["-c", "while :; do :; done"]).spawn().unwrap()).collect();
     std::thread::sleep(Duration::from_millis(300));
     let before = schedstat(pid);
+    let t = Instant::now();
     let busy = ask();
+    let busy_ms = t.elapsed().as_secs_f64() * 1e3;
     let after = schedstat(pid);
     for h in &mut hogs {
         let _ = h.kill();
@@ -994,6 +998,12 @@ fn a_cpu_hog_is_cpu_contention_and_named() {
     assert!((cpu - truth).abs() <= (0.15 * truth).max(50.0), "cpu_contention {cpu:.0} ms vs schedstat {truth:.0} ms (tid {tid}): {v}");
     let said = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("waiting for a CPU")).unwrap();
     assert!(hogs.iter().any(|h| said.contains(&format!("cpuhog (pid {}", h.id()))), "the competitors are not named: {said}");
+    // Against the warm request of the same trace: the ratio the client's own clock saw.
+    let warm =
+        v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("× this server's warm TTFT")).unwrap();
+    let ratio: f64 = warm.split('×').next().unwrap().parse().unwrap();
+    let clock = busy_ms / calm_ms;
+    assert!((ratio - clock).abs() <= 0.15 * clock, "{warm} vs the client's {busy_ms:.0} / {calm_ms:.0} ms");
     // The control: same server, same request, nobody else on the CPUs.
     let q = find(&r, calm)[0];
     let v = &q["verdict"];

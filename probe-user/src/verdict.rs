@@ -482,9 +482,11 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     let disk = union_ms(w.io_waits, from, to);
     let memory = union_ms(w.mem_waits, from, to);
     let read: u64 = w.files_read.iter().map(|f| f.1).sum();
-    // A model (re)load: a file mapped in the window that was also read from disk in it.
-    // It starts at the first read of that file (a loader reads the header before mapping).
-    let loaded: Vec<&(u64, String)> = w.mapped.iter().filter(|(_, p)| w.files_read.iter().any(|(f, b, _)| f == p && *b > 0)).collect();
+    // A model (re)load: a file mapped in the window that was also read from disk in it (a MiB
+    // or more: a few pages read back is a reload from the page cache, below). It starts at the
+    // first read of that file (a loader reads the header before mapping).
+    let loaded: Vec<&(u64, String)> =
+        w.mapped.iter().filter(|(_, p)| w.files_read.iter().any(|(f, b, _)| f == p && *b >= 1 << 20)).collect();
     // A reload from the page cache: the server said it was asleep (model unloaded) before this
     // request and mapped files again in the window, none read from disk. What it did before its
     // prompt processing began (mapping the model, runtime init) is the load; without the

@@ -13,6 +13,7 @@ use crate::{
         samples::{EndpointPoll, Sample},
     },
     stream::{ClosedBy, RequestRecord, Role},
+    verdict::SlowCause,
 };
 use probe_common::{
     blockio::BlockIoEvent,
@@ -752,6 +753,64 @@ impl Builder {
             };
             q.verdict = Some(crate::verdict::attribute(q, &w));
         }
+        against_warm(&mut r.requests);
+    }
+}
+
+/// A request's prompt size for the warm baseline: the server's prompt tokens (computed and from
+/// its cache) when it says, else the request's bytes (a server that reports no tokens).
+fn prompt_size(q: &RequestRecord) -> (u64, &'static str) {
+    let t = q.stop.server_timings.as_ref();
+    match t.and_then(|t| Some(t["prompt_n"].as_u64()? + t["cache_n"].as_u64().unwrap_or(0))) {
+        Some(n) => (n, "token"),
+        None => (q.request_bytes, "byte"),
+    }
+}
+
+/// Against this server's own warm requests in the trace: a request of a similar prompt size
+/// (within 2×) whose verdict found nothing but its own work. Each other request with a verdict
+/// gets "N× this server's warm TTFT for a P-token prompt" when it took at least 1.5× their
+/// median, or, when it has a slow cause and there is no such request, "no warm baseline in this
+/// trace" (the absolute rules stand alone). More than 20% of a TTFT unexplained is a
+/// data-quality line.
+pub(crate) fn against_warm(requests: &mut [Request]) {
+    let warm: Vec<(u64, u64, f64)> = requests
+        .iter()
+        .filter_map(|q| {
+            let v = q.verdict.as_ref().filter(|_| !q.record.probe_poll)?;
+            let ttft = q.record.ttft_ms.filter(|_| matches!(v.slow_cause, SlowCause::None | SlowCause::Compute))?;
+            Some((q.record.id, prompt_size(&q.record).0, ttft))
+        })
+        .collect();
+    for q in requests.iter_mut() {
+        let (Some(ttft), Some(v)) = (q.record.ttft_ms.filter(|_| !q.record.probe_poll), q.verdict.as_mut()) else { continue };
+        if let Some(s) = &v.ttft_ms
+            && ttft > 0.0
+            && s.unexplained > 0.2 * ttft
+        {
+            v.data_quality.push(format!("{:.0}% of the TTFT is unexplained ({:.0} ms)", s.unexplained * 100.0 / ttft, s.unexplained));
+        }
+        let (size, unit) = prompt_size(&q.record);
+        let mut peers: Vec<f64> =
+            warm.iter().filter(|(id, n, _)| *id != q.record.id && *n <= size.max(1) * 2 && size <= n.max(&1) * 2).map(|w| w.2).collect();
+        if peers.is_empty() {
+            if !matches!(v.slow_cause, SlowCause::None | SlowCause::Compute) {
+                v.evidence.push(
+                    "no warm baseline in this trace (no fast request of a similar prompt size): the cause rests on the absolute rules"
+                        .into(),
+                );
+            }
+            continue;
+        }
+        peers.sort_by(f64::total_cmp);
+        let median = peers[peers.len() / 2];
+        if median > 0.0 && ttft >= 1.5 * median {
+            v.evidence.push(format!(
+                "{:.1}× this server's warm TTFT for a {size}-{unit} prompt ({median:.0} ms, the median of {} warm request(s) in this trace)",
+                ttft / median,
+                peers.len()
+            ));
+        }
     }
 }
 
@@ -911,6 +970,39 @@ mod tests {
     use probe_common::{EventHeader, EventKind, filemap::FilemapEvent};
 
     use super::*;
+
+    /// A slow request is set against the same server's warm requests of a similar prompt size;
+    /// with none, it says so.
+    #[test]
+    fn slow_requests_are_measured_against_the_warm_ones() {
+        use crate::{
+            stream::payload::Stop,
+            verdict::{Split, Verdict},
+        };
+        let mk = |id: u64, ttft: f64, prompt_n: u64, cause: SlowCause, unexplained: f64| Request {
+            record: RequestRecord {
+                id,
+                ttft_ms: Some(ttft),
+                stop: Stop { server_timings: Some(serde_json::json!({"prompt_n": prompt_n, "cache_n": 0})), ..Default::default() },
+                ..Default::default()
+            },
+            verdict: Some(Verdict { slow_cause: cause, ttft_ms: Some(Split { unexplained, ..Default::default() }), ..Default::default() }),
+        };
+        let mut rs = vec![
+            mk(1, 100.0, 250, SlowCause::None, 0.0),
+            mk(2, 120.0, 240, SlowCause::Compute, 0.0),
+            mk(3, 340.0, 250, SlowCause::CpuContention, 0.0),
+            // Ten times the prompt: no peer.
+            mk(4, 900.0, 2500, SlowCause::Disk, 300.0),
+        ];
+        against_warm(&mut rs);
+        let said = |i: usize| rs[i].verdict.as_ref().unwrap().evidence.clone();
+        assert!(said(2).iter().any(|e| e == "2.8× this server's warm TTFT for a 250-token prompt (120 ms, the median of 2 warm request(s) in this trace)"), "{:?}", said(2));
+        assert!(said(3).iter().any(|e| e.starts_with("no warm baseline in this trace")), "{:?}", said(3));
+        assert!(rs[3].verdict.as_ref().unwrap().data_quality.iter().any(|d| d == "33% of the TTFT is unexplained (300 ms)"));
+        // The warm ones are near their own baseline: nothing said.
+        assert!(said(0).is_empty() && said(1).is_empty(), "{:?} {:?}", said(0), said(1));
+    }
 
     fn fill(order: u32) -> Event {
         fill_at(1_000, 5, order)
