@@ -59,7 +59,26 @@ pub fn monotonic_ns() -> u64 {
 pub fn parse_duration_or(s: &str, default_unit: std::time::Duration) -> Result<std::time::Duration, String> {
     let s = s.trim();
     if let Ok(n) = s.parse::<f64>() {
-        return if n.is_finite() && n >= 0.0 { Ok(default_unit.mul_f64(n)) } else { Err(format!("`{s}` is not a duration")) };
+        return if n.is_finite() && n >= 0.0 {
+            Ok(default_unit.mul_f64(n))
+        } else {
+            Err(format!("`{s}` is not a duration: give a number and a unit, e.g. 500ms, 30s, 10m, 1h"))
+        };
     }
-    humantime::parse_duration(s).map_err(|e| format!("`{s}` is not a duration ({e}): use e.g. 500ms, 30s, 10m, 1h"))
+    humantime::parse_duration(s).map_err(|_| format!("`{s}` is not a duration: give a number and a unit, e.g. 500ms, 30s, 10m, 1h"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    /// A bad duration says which forms are accepted, not the parser's internals.
+    #[test]
+    fn a_bad_duration_names_the_accepted_forms() {
+        assert_eq!(super::parse_duration_or("2.5", Duration::from_secs(1)).unwrap(), Duration::from_millis(2500));
+        assert_eq!(super::parse_duration_or("500ms", Duration::from_secs(1)).unwrap(), Duration::from_millis(500));
+        let e = super::parse_duration_or("abc", Duration::from_secs(1)).unwrap_err();
+        assert_eq!(e, "`abc` is not a duration: give a number and a unit, e.g. 500ms, 30s, 10m, 1h");
+        assert!(super::parse_duration_or("-1", Duration::from_secs(1)).unwrap_err().contains("e.g. 500ms"));
+    }
 }

@@ -897,8 +897,10 @@ pub enum Frame {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
-    #[error("cannot read {path}: {source}")]
-    Io { path: String, source: io::Error },
+    /// The OS reason is part of this error's own message, not a source of its own: printed with
+    /// its causes (`{:#}`), it is said once.
+    #[error("cannot read {path}: {err}")]
+    Io { path: String, err: io::Error },
     #[error("{path} is not a probe recording (bad magic); expected a directory written by `probe trace`")]
     BadMagic { path: String },
     #[error("{path} is recording format v{found}, written by a newer probe; this probe (v{}) reads formats v{OLDEST} to v{VERSION}: use a newer probe", env!("CARGO_PKG_VERSION"))]
@@ -937,7 +939,7 @@ impl Reader<BufReader<File>> {
     /// Open `DIR/events.bin`.
     pub fn open(dir: &Path) -> Result<Self, ReadError> {
         let path = dir.join(FILE_NAME);
-        let io = |source| ReadError::Io { path: path.display().to_string(), source };
+        let io = |err| ReadError::Io { path: path.display().to_string(), err };
         let f = crate::output::open_recording_file(&path).map_err(io)?;
         let len = f.metadata().map_err(io)?.len();
         Reader::new(BufReader::with_capacity(1 << 20, f), Some(len), &path.display().to_string())
@@ -950,7 +952,7 @@ impl<R: BufRead> Reader<R> {
         match inp.read_exact(&mut head) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(ReadError::BadMagic { path: path.into() }),
-            Err(source) => return Err(ReadError::Io { path: path.into(), source }),
+            Err(err) => return Err(ReadError::Io { path: path.into(), err }),
         }
         if &head[..8] != MAGIC {
             return Err(ReadError::BadMagic { path: path.into() });
@@ -1301,7 +1303,7 @@ impl Recording {
 /// (an older recording rewritten; tests). Returns the problems the reader met.
 pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<String>, ReadError> {
     let mut r = Reader::open(from)?;
-    let io = |source| ReadError::Io { path: to.display().to_string(), source };
+    let io = |err| ReadError::Io { path: to.display().to_string(), err };
     let mut w = Writer::create(to).map_err(|e| io(std::io::Error::other(format!("{e:#}"))))?;
     while let Some(f) = r.next_frame() {
         match f {
@@ -1603,6 +1605,16 @@ mod tests {
         assert_eq!((rec.events_not_kept, rec.stacks_not_kept), (6, 7));
         assert!(rec.problems[0].contains("last 4 kernel events and 3 stack samples"), "{:?}", rec.problems);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The OS reason is said once, with the path, however the error is printed.
+    #[test]
+    fn a_missing_recording_says_why_once() {
+        let e = anyhow::Error::new(read_dir(std::path::Path::new("/nonexistent-probe-recording")).unwrap_err())
+            .context("cannot read the recording");
+        let text = format!("{e:#}");
+        assert_eq!(text.matches("No such file or directory").count(), 1, "{text}");
+        assert!(text.contains("/nonexistent-probe-recording/events.bin"), "{text}");
     }
 
     #[test]

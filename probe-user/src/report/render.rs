@@ -14,6 +14,19 @@ pub fn bytes(n: u64) -> String {
 }
 
 /// The human summary printed by `probe trace` and `probe report`.
+/// Why a trace has no requests to give verdicts on, in the words a person can act on.
+pub fn no_requests(r: &Report) -> String {
+    let served: Vec<&str> = r.system.server.iter().map(|e| e.addr.as_str()).collect();
+    if served.is_empty() {
+        format!(
+            "No requests: pid {} answered no HTTP on any TCP port probe could poll while tracing. Check that it is the server's pid (`ss -ltnp`), or trace a server in a container with --container",
+            r.target.pid
+        )
+    } else {
+        format!("No requests: none arrived at {} while tracing (only probe's own polls, which are not counted)", served.join(", "))
+    }
+}
+
 pub fn render(r: &Report) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();
@@ -38,6 +51,8 @@ pub fn render(r: &Report) -> String {
                 let _ = writeln!(o, "      {e}");
             }
         }
+    } else {
+        let _ = writeln!(o, "\n{}", no_requests(r));
     }
     o.push_str(&crate::system::render(&r.system));
     let forked: Vec<String> =

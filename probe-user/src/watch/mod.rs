@@ -69,7 +69,8 @@ impl SlowTtft {
             }
             return Ok(SlowTtft::TimesMedian(n));
         }
-        let d = crate::parse_duration_or(t, Duration::from_secs(1))?;
+        let d = crate::parse_duration_or(t, Duration::from_secs(1))
+            .map_err(|_| format!("`{s}` is not a slow-TTFT threshold: give a time (2s, 500ms) or a multiple of the median (4x)"))?;
         if d.is_zero() {
             return Err("a slow-TTFT threshold of 0 makes every request an incident: give e.g. 2s or 4x".into());
         }
