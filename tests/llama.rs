@@ -436,17 +436,25 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
 
 /// A llama-server of the test's own (not the shared one), healthy, on a free loopback port.
 fn own_server(model: &std::path::Path, args: &[&str]) -> (Child, SocketAddr) {
+    own_server_in(None, model, args)
+}
+
+/// A llama-server of its own, started inside the cgroup directory `cgroup` when given (it is
+/// charged there from its first page).
+fn own_server_in(cgroup: Option<&std::path::Path>, model: &std::path::Path, args: &[&str]) -> (Child, SocketAddr) {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let srv = Command::new(env_path("LLAMA_SERVER"))
-        .arg("-m")
-        .arg(model)
-        .args(args)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut cmd = match cgroup {
+        // The shell joins the group, then becomes the server (same pid).
+        Some(cg) => {
+            let mut c = Command::new("sh");
+            c.args(["-c", "echo $$ > \"$0\" && exec \"$@\""]).arg(cg.join("cgroup.procs")).arg(env_path("LLAMA_SERVER"));
+            c
+        }
+        None => Command::new(env_path("LLAMA_SERVER")),
+    };
+    cmd.arg("-m").arg(model).args(args).args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+    let srv = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     let t = Instant::now();
     while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
         assert!(t.elapsed() < Duration::from_secs(60), "server not healthy");
@@ -1062,4 +1070,256 @@ fn waking_from_sleep_with_the_model_cached_is_load() {
     let w = &find(&r, warm)[0]["verdict"];
     assert_eq!(w["ttft_ms"]["load"], 0.0, "{w}");
     assert!(["none", "compute"].contains(&w["slow_cause"].as_str().unwrap()), "{w}");
+}
+
+/// A CFS bandwidth limit on a cgroup (v1 `cpu` controller): `cpu.cfs_quota_us` of every
+/// `cpu.cfs_period_us`. The group goes away (its processes back to the root) when dropped.
+struct CpuQuota {
+    dir: PathBuf,
+}
+
+impl CpuQuota {
+    fn new(pid: u32) -> CpuQuota {
+        let root = PathBuf::from("/sys/fs/cgroup/cpu");
+        assert!(root.join("cpu.cfs_quota_us").exists(), "no cgroup v1 cpu controller with CFS bandwidth at {}", root.display());
+        let dir = root.join(format!("probe-quota-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // cgroup.procs moves every thread of the process.
+        std::fs::write(dir.join("cgroup.procs"), pid.to_string()).unwrap();
+        CpuQuota { dir }
+    }
+
+    fn limit(&self, quota_us: i64) {
+        std::fs::write(self.dir.join("cpu.cfs_quota_us"), quota_us.to_string()).unwrap();
+    }
+}
+
+impl Drop for CpuQuota {
+    fn drop(&mut self) {
+        let root = self.dir.parent().unwrap().join("cgroup.procs");
+        for p in std::fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default().lines() {
+            let _ = std::fs::write(&root, p);
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// The server's cgroup gets a CPU quota of a quarter of a CPU: its first token waits for a CPU
+/// with nobody else running. The verdict says `cpu_contention`, its time agrees with the
+/// kernel's run-queue wait of the working thread (schedstat, 15% or 50 ms), and the quota is
+/// said with its cpu.stat. The control, before the quota, in the same trace: none of it.
+#[test]
+fn a_cpu_quota_is_cpu_contention_and_said() {
+    let _cpus = shared_cpus();
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "-t", "1"]);
+    let pid = srv.id();
+    let body = json!({
+        "messages": [{"role": "user", "content": "Tell me a long story about a cat and a dog. ".repeat(25)}],
+        "max_tokens": 4, "cache_prompt": false, "stream": false,
+    });
+    let ask = || {
+        let s = TcpStream::connect(addr).unwrap();
+        let client = s.local_addr().unwrap();
+        send_request(&s, "POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+        client
+    };
+    ask();
+    let quota = CpuQuota::new(pid);
+    let (p, out) = trace_pid(pid, "quota", &[]);
+    let calm = ask();
+    quota.limit(25_000);
+    std::thread::sleep(Duration::from_millis(300));
+    let before = schedstat(pid);
+    let busy = ask();
+    let after = schedstat(pid);
+    quota.limit(-1);
+    // The sampler's reading after the request.
+    std::thread::sleep(Duration::from_millis(300));
+    let r = stop_trace(p, &out);
+    drop(quota);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let (tid, runq_ns, _) = after
+        .iter()
+        .filter_map(|&(t, q, run)| before.iter().find(|b| b.0 == t).map(|b| (t, q - b.1, run - b.2)))
+        .max_by_key(|x| x.2)
+        .unwrap();
+    let truth = runq_ns as f64 / 1e6;
+    let q = find(&r, busy)[0];
+    let v = &q["verdict"];
+    let cpu = v["ttft_ms"]["cpu_contention"].as_f64().unwrap();
+    eprintln!("cpu_contention {cpu:.0} ms, schedstat run-queue wait of tid {tid}: {truth:.0} ms; TTFT {:.0} ms", q["ttft_ms"]);
+    assert_eq!(v["slow_cause"], "cpu_contention", "{v}");
+    assert!((cpu - truth).abs() <= (0.15 * truth).max(50.0), "cpu_contention {cpu:.0} ms vs schedstat {truth:.0} ms (tid {tid}): {v}");
+    let said: Vec<&str> = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(said.iter().any(|e| e.contains("its CPU quota ran out")), "{said:?}");
+    assert!(said.iter().any(|e| e.contains("CPU quota throttled it") && e.contains("0.25 CPU, 25000 of every 100000 µs")), "{said:?}");
+    let v = &find(&r, calm)[0]["verdict"];
+    assert!(["none", "compute"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
+    assert!(!v["evidence"].to_string().contains("quota"), "{v}");
+}
+
+/// A swap file, on for the life of the value (swapoff and removed when dropped).
+struct SwapFile {
+    path: PathBuf,
+}
+
+impl SwapFile {
+    fn on(mib: u64) -> SwapFile {
+        let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("swapfile-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let run = |cmd: &mut Command| assert!(cmd.status().unwrap().success(), "{cmd:?}");
+        run(Command::new("fallocate").args(["-l", &format!("{mib}M")]).arg(&path));
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        run(Command::new("mkswap").arg(&path).stdout(Stdio::null()));
+        run(Command::new("swapon").arg(&path));
+        SwapFile { path }
+    }
+}
+
+impl Drop for SwapFile {
+    fn drop(&mut self) {
+        let _ = Command::new("swapoff").arg(&self.path).status();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The server's own memory in swap (weights loaded into anonymous memory with `--load-mode none`,
+/// then its memory cgroup squeezed with a swap file on): the next request faults it back in. The
+/// verdict says `memory`, names the swap file, and the MiB it says came back agree with the
+/// server's VmSwap (10%). The next request, with nothing left in swap, is the control.
+#[test]
+fn swapped_out_memory_is_memory_and_names_the_swap_file() {
+    let _cpus = shared_cpus();
+    let swap = SwapFile::on(512);
+    // A memory cgroup that prefers swap, the server charged to it from the start.
+    let cg = PathBuf::from(format!("/sys/fs/cgroup/memory/probe-swap-{}", std::process::id()));
+    std::fs::create_dir_all(&cg).unwrap();
+    std::fs::write(cg.join("memory.swappiness"), "100").unwrap();
+    let (mut srv, addr) = own_server_in(Some(&cg), &env_path("LLAMA_MODEL"), &["-c", "512", "-np", "1", "-t", "1", "--load-mode", "none"]);
+    let pid = srv.id();
+    let ask = || {
+        let s = TcpStream::connect(addr).unwrap();
+        let client = s.local_addr().unwrap();
+        send_request(&s, "POST", "/completion", Some(&json!({"prompt": "Hello there", "n_predict": 4, "stream": false})));
+        assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+        client
+    };
+    ask();
+    let vm_swap = || {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        s.lines().find_map(|l| l.strip_prefix("VmSwap:")).unwrap().trim().trim_end_matches(" kB").trim().parse::<u64>().unwrap()
+    };
+    // Squeeze: the limit lowered below the server's use, then lifted (the pages stay in swap
+    // until touched).
+    let _ = std::fs::write(cg.join("memory.limit_in_bytes"), (24u64 << 20).to_string());
+    std::fs::write(cg.join("memory.limit_in_bytes"), "-1").unwrap();
+    let swapped = vm_swap();
+    assert!(swapped >= 32 << 10, "only {swapped} KiB went to swap: not the case this test is about");
+    let (p, out) = trace_pid(pid, "swap", &[]);
+    std::thread::sleep(Duration::from_millis(1200));
+    let before = vm_swap();
+    let cold = ask();
+    let back_kib = before.saturating_sub(vm_swap());
+    let warm = ask();
+    std::thread::sleep(Duration::from_millis(300));
+    let r = stop_trace(p, &out);
+    let _ = std::fs::write("/sys/fs/cgroup/memory/cgroup.procs", pid.to_string());
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let _ = std::fs::remove_dir(&cg);
+    drop(swap);
+    let q = find(&r, cold)[0];
+    let v = &q["verdict"];
+    eprintln!("{} KiB back from swap by VmSwap; verdict {v}", back_kib);
+    assert_eq!(v["slow_cause"], "memory", "{v}");
+    let said = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("back in from swap")).unwrap();
+    assert!(said.contains("swapfile-"), "the swap file is not named: {said}");
+    let mib: f64 = said.split(": ").nth(1).unwrap().split(" MiB").next().unwrap().parse().unwrap();
+    let truth = back_kib as f64 / 1024.0;
+    assert!((mib - truth).abs() <= 0.1 * truth, "{mib} MiB said, {truth:.1} MiB by VmSwap: {said}");
+    assert!(!v["evidence"].to_string().contains("no file"), "{v}");
+    let v = &find(&r, warm)[0]["verdict"];
+    assert!(["none", "compute"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
+    assert!(v["ttft_ms"]["memory"].as_f64().unwrap() < 0.1 * find(&r, warm)[0]["ttft_ms"].as_f64().unwrap(), "{v}");
+}
+
+/// One request, not streamed: the client's address and the server's answer (JSON).
+fn ask_json(addr: SocketAddr, path: &str, body: &Value) -> (SocketAddr, Value) {
+    let s = TcpStream::connect(addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", path, Some(body));
+    let resp = read_response(&mut BufReader::new(&s), None);
+    assert_eq!(resp.status, 200, "{}", String::from_utf8_lossy(&resp.body));
+    (client, serde_json::from_slice(&resp.body).unwrap())
+}
+
+/// `-np 1` without the host-memory prompt cache: a prompt asked again after another prompt took
+/// the only slot is computed again. The verdict says its prompt cache was lost, naming the earlier
+/// request and the tokens computed and reused exactly as the server's answer to the client gave
+/// them (its `timings`), on the native and the OpenAI chat endpoint; the same prompt asked once
+/// more, from the cache, is the control.
+#[test]
+fn a_lost_prompt_cache_names_the_recomputed_tokens() {
+    let _cpus = shared_cpus();
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "--cache-ram", "0"]);
+    let (p, out) = trace_pid(srv.id(), "promptcache", &[]);
+    let story = |what: &str| {
+        format!("{} Please summarise the story in one line.", format!("Once upon a time a {what} lived by the sea. ").repeat(20))
+    };
+    let native = |what: &str| json!({"prompt": story(what), "n_predict": 2, "cache_prompt": true, "stream": false});
+    let chat = |what: &str| json!({"messages": [{"role": "user", "content": story(what)}], "max_tokens": 2, "cache_prompt": true, "stream": false});
+    let mut cases = Vec::new();
+    for (path, body) in [("/completion", &native as &dyn Fn(&str) -> Value), ("/v1/chat/completions", &chat)] {
+        let (first, _) = ask_json(addr, path, &body("cat"));
+        ask_json(addr, path, &body("dog")); // takes the slot
+        let (lost, t) = ask_json(addr, path, &body("cat"));
+        let (kept, k) = ask_json(addr, path, &body("cat"));
+        cases.push((path, first, lost, t["timings"].clone(), kept, k["timings"].clone()));
+    }
+    let r = stop_trace(p, &out);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    for (path, first, lost, t, kept, k) in cases {
+        let id = find(&r, first)[0]["id"].as_u64().unwrap();
+        let v = &find(&r, lost)[0]["verdict"];
+        let said = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("prompt cache was lost"));
+        let said = said.unwrap_or_else(|| panic!("{path}: no lost cache said: {v}"));
+        let (n, c) = (t["prompt_n"].as_u64().unwrap(), t["cache_n"].as_u64().unwrap());
+        eprintln!("{path}: server timings prompt_n {n} cache_n {c}; {said}");
+        assert!(n > 4 * c, "{path}: the server reused its cache ({t}): not the case this test is about");
+        assert!(said.contains(&format!("request #{id} (")), "{path}: {said}");
+        assert!(said.contains(&format!("{n} tokens were computed again and {c} reused")), "{path}: {said} vs the server's {t}");
+        assert_eq!(v["slow_cause"], "prompt_cache", "{path}: {v}");
+        let v = &find(&r, kept)[0]["verdict"];
+        assert!(k["cache_n"].as_u64().unwrap() > k["prompt_n"].as_u64().unwrap(), "{path}: the control missed the cache: {k}");
+        assert!(!v["evidence"].to_string().contains("was lost"), "{path}: {v}");
+        assert_ne!(v["slow_cause"], "prompt_cache", "{path}: {v}");
+    }
+}
+
+/// A prompt that fills a small context with context shift on: llama.cpp drops part of it to keep
+/// generating and says `truncated: true` to the client. The verdict and the summary say the prompt
+/// was cut; a short prompt on the same server is not.
+#[test]
+fn a_prompt_cut_by_the_context_is_said() {
+    let _cpus = shared_cpus();
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "256", "-np", "1", "--context-shift"]);
+    let (p, out) = trace_pid(srv.id(), "promptcut", &[]);
+    let long = json!({"prompt": "The cat sat on the mat. ".repeat(30), "n_predict": 120, "stream": false, "ignore_eos": true});
+    let (cut, answer) = ask_json(addr, "/completion", &long);
+    let (whole, short) = ask_json(addr, "/completion", &json!({"prompt": "Hello", "n_predict": 4, "stream": false}));
+    let r = stop_trace(p, &out);
+    let _ = srv.kill();
+    let _ = srv.wait();
+    assert_eq!(answer["truncated"], true, "the server did not cut it: {answer}");
+    assert_eq!(short["truncated"], false, "{short}");
+    let q = find(&r, cut)[0];
+    assert_eq!(q["verdict"]["prompt_cut"], true, "{}", q["verdict"]);
+    assert!(q["verdict"]["evidence"][0].as_str().unwrap().starts_with("prompt cut:"), "{}", q["verdict"]);
+    let summary = Command::new(probe_bin()).arg("report").arg(&out).output().unwrap();
+    let summary = String::from_utf8_lossy(&summary.stdout);
+    assert!(summary.contains(&format!("#{} POST /completion", q["id"])) && summary.contains("prompt cut by the server"), "{summary}");
+    assert!(find(&r, whole)[0]["verdict"].get("prompt_cut").is_none(), "{}", find(&r, whole)[0]["verdict"]);
 }

@@ -126,15 +126,22 @@ pub enum Counter {
     MapFull = 1,
     /// A `bpf_probe_read_*` of a tracepoint field failed inside a program.
     ReadErrors = 2,
+    /// Run-queue waits of target threads shorter than [`stack::SHORT_WAIT_NS`]: counted here, not
+    /// sent one by one (a busy box preempts for a few µs many times a second).
+    ShortWaits = 3,
+    /// Their total, ns.
+    ShortWaitNs = 4,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 3] = [Self::UserFaults, Self::MapFull, Self::ReadErrors];
+    pub const ALL: [Counter; 5] = [Self::UserFaults, Self::MapFull, Self::ReadErrors, Self::ShortWaits, Self::ShortWaitNs];
     pub const fn name(self) -> &'static str {
         match self {
             Self::UserFaults => "user_faults",
             Self::MapFull => "map_full",
             Self::ReadErrors => "read_errors",
+            Self::ShortWaits => "short_cpu_waits",
+            Self::ShortWaitNs => "short_cpu_wait_ns",
         }
     }
 }

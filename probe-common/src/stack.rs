@@ -83,6 +83,10 @@ pub const STACK_IO: u32 = 4;
 /// the one it replaced on this CPU: what ran instead.
 pub const SCHED_PREEMPTED: u32 = 1;
 
+/// A run-queue wait shorter than this is only counted (`Counter::ShortWaits`, `ShortWaitNs`), not
+/// sent: at 20 µs a wait is below any scheduler slice, and such waits come by the thousand.
+pub const SHORT_WAIT_NS: u64 = 20_000;
+
 /// A target thread came back on a CPU after blocking (pairs with its STACK_OFFCPU record) or
 /// after waiting for a CPU ([`SCHED_PREEMPTED`]: no stack was taken).
 #[repr(C)]

@@ -10,10 +10,10 @@ use aya_ebpf::{
     programs::{PerfEventContext, TracePointContext},
 };
 use probe_common::{
-    Record,
+    Counter, Record,
     stack::{
-        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack, StackEvent,
-        USTACK_CAP,
+        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack,
+        StackEvent, USTACK_CAP,
     },
     tracepoints::sched_switch as sw,
 };
@@ -280,12 +280,18 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
     // SAFETY: the value is copied out before the remove.
     if let Some(since) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
         let _ = OFFCPU_SINCE.remove(&next);
+        let blocked_ns = now.saturating_sub(since & !1);
+        if since & 1 != 0 && blocked_ns < SHORT_WAIT_NS {
+            crate::add(&crate::COUNTERS, Counter::ShortWaits as u32, 1);
+            crate::add(&crate::COUNTERS, Counter::ShortWaitNs as u32, blocked_ns);
+            return Ok(());
+        }
         let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
         let ev = SchedEvent {
             hdr: header::<SchedEvent>((pid_tgid >> 32) as u32, pid_tgid as u32),
             tid: next,
             flags: if since & 1 != 0 { SCHED_PREEMPTED } else { 0 },
-            blocked_ns: now.saturating_sub(since & !1),
+            blocked_ns,
         };
         emit(&ev);
     }

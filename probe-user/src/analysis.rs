@@ -201,7 +201,8 @@ impl Analysis {
                     None => (Window::default(), Some(ScopeError::InFlightAtAttach(id))),
                     Some(a) => {
                         let from = meta.start_ns + (a * 1e6) as u64;
-                        (Window { from_ns: Some(from), to_ns: Some(meta.start_ns + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64) }, None)
+                        let to = meta.start_ns + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64;
+                        (Window { from_ns: Some(from), to_ns: Some(to), request: true }, None)
                     }
                 },
             },

@@ -16,13 +16,22 @@ use blazesym::symbolize::{
 use crate::recording::Recording;
 
 /// What an off-CPU wait was, from the kernel stack at the switch. The closed set of classes.
-pub const WAITS: [&str; 8] =
-    ["[memory wait]", "[page-fault wait]", "[io wait]", "[lock wait]", "[sleep]", "[poll wait]", "[network wait]", "[other wait]"];
+pub const WAITS: [&str; 9] = [
+    "[memory wait]",
+    "[swap wait]",
+    "[page-fault wait]",
+    "[io wait]",
+    "[lock wait]",
+    "[sleep]",
+    "[poll wait]",
+    "[network wait]",
+    "[other wait]",
+];
 
 /// Classify a wait by its kernel frames (names, innermost first).
 pub fn wait_class<S: AsRef<str>>(kernel: &[S]) -> &'static str {
     let has = |s: &str| kernel.iter().any(|f| f.as_ref().contains(s));
-    if has("try_to_free_pages")
+    if has("try_to_free_")
         || has("shrink_")
         || has("compact_zone")
         || has("__alloc_pages_slowpath")
@@ -30,6 +39,10 @@ pub fn wait_class<S: AsRef<str>>(kernel: &[S]) -> &'static str {
         || has("reclaim")
     {
         "[memory wait]"
+    } else if has("do_swap_page") || has("swapin_readahead") || has("swap_read_folio") || has("swap_readpage") {
+        // Faulting anonymous memory back in from swap (or zswap): a memory stall, whatever
+        // device the swap area is on.
+        "[swap wait]"
     } else if has("io_schedule") || has("folio_wait") || has("blk_") || has("bio_") || has("wait_on_page") {
         if has("page_fault") || has("filemap_fault") || has("handle_mm_fault") { "[page-fault wait]" } else { "[io wait]" }
     } else if has("futex") {
@@ -175,6 +188,20 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    /// Kernel stacks as this kernel (6.18) leaves them at the switch, innermost first.
+    #[test]
+    fn waits_are_classed_by_their_frames() {
+        let swap_in = ["__schedule", "io_schedule", "folio_wait_bit_common", "do_swap_page", "__handle_mm_fault", "exc_page_fault"];
+        assert_eq!(wait_class(&swap_in), "[swap wait]");
+        let file = ["__schedule", "io_schedule", "folio_wait_bit_common", "filemap_fault", "__do_fault", "handle_mm_fault"];
+        assert_eq!(wait_class(&file), "[page-fault wait]");
+        // Reclaim on the way to a swap-in (a full cgroup) is reclaim.
+        let charge = ["__schedule", "try_to_free_mem_cgroup_pages", "try_charge_memcg", "do_swap_page"];
+        assert_eq!(wait_class(&charge), "[memory wait]");
+        assert_eq!(wait_class(&["__schedule", "io_schedule", "blk_mq_submit_bio", "ext4_file_read_iter"]), "[io wait]");
+        assert!(WAITS.contains(&wait_class(&swap_in)));
+    }
 
     #[test]
     fn recorded_names_and_waits_win_over_the_live_machine() {

@@ -530,7 +530,7 @@ fn flamegraph_cmd(
     let secs = |s: f64| start + (s * 1e9) as u64;
     let scope = match request {
         Some(id) => Scope::Request(id),
-        None => Scope::Window(flame::Window { from_ns: from.map(secs), to_ns: to.map(secs) }),
+        None => Scope::Window(flame::Window { from_ns: from.map(secs), to_ns: to.map(secs), request: false }),
     };
     // Streamed: every stack of the recording, however long (two passes: the request's
     // window is known only once its record was read).

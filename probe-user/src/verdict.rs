@@ -26,6 +26,41 @@ pub struct CpuWait {
     pub other: u32,
 }
 
+/// One sampler reading of the target's swap use and its CPU cgroup's quota (cumulative counts).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pressure {
+    pub ts_ns: u64,
+    pub swap_kib: Option<u64>,
+    pub cpu_cgroup: Option<String>,
+    pub quota_us: Option<u64>,
+    pub period_us: Option<u64>,
+    pub nr_throttled: Option<u64>,
+    pub throttled_ns: Option<u64>,
+}
+
+impl Pressure {
+    pub fn of(m: &crate::sampler::records::MemReading) -> Pressure {
+        let m0 = &m.mem;
+        Pressure {
+            ts_ns: m.ts_ns,
+            swap_kib: m0.swap_kib,
+            cpu_cgroup: m0.cpu_cgroup.clone(),
+            quota_us: m0.cpu_quota_us,
+            period_us: m0.cpu_period_us,
+            nr_throttled: m0.nr_throttled,
+            throttled_ns: m0.throttled_ns,
+        }
+    }
+}
+
+/// The last reading at or before `from` and the first at or after `to` (else the last one):
+/// what a cumulative count grew by across a window.
+fn across(p: &[Pressure], from: u64, to: u64) -> Option<(&Pressure, &Pressure)> {
+    let before = p[..p.partition_point(|r| r.ts_ns <= from)].last()?;
+    let after = p[p.partition_point(|r| r.ts_ns < to)..].first().or(p.last())?;
+    Some((before, after))
+}
+
 /// Facts about one request's window (CLOCK_MONOTONIC ns). Trace-wide series are borrowed: the
 /// report builds them once and every request's window points into them.
 #[derive(Clone, Debug, Default)]
@@ -35,6 +70,12 @@ pub struct Window<'a> {
     pub io_waits: &'a [(u64, u64)],
     /// Off-CPU intervals in memory reclaim or compaction.
     pub mem_waits: &'a [(u64, u64)],
+    /// Off-CPU intervals faulting anonymous memory back in from swap (memory too).
+    pub swap_waits: &'a [(u64, u64)],
+    /// The sampler's readings of the target's swap and CPU quota, in time order.
+    pub pressure: &'a [Pressure],
+    /// The swap areas (/proc/swaps).
+    pub swaps: &'a [String],
     /// Run-queue waits of the target's threads, in time order of their end.
     pub cpu_waits: &'a [CpuWait],
     /// Other processes by pid: (comm, cgroup).
@@ -119,6 +160,9 @@ pub struct Verdict {
     /// One line per fact the verdict rests on, with numbers and names.
     pub evidence: Vec<String>,
     pub data_quality: Vec<String>,
+    /// The server kept fewer prompt tokens than the client sent (see report::prompt).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prompt_cut: bool,
 }
 
 /// A closed set of values serialized as the documented snake_case words: `name()` gives the
@@ -180,6 +224,8 @@ closed_set! {
         Queue = "queue",
         Load = "load",
         CpuContention = "cpu_contention",
+        /// A prefix an earlier request computed was computed again (the server lost its cache).
+        PromptCache = "prompt_cache",
         Compute = "compute",
         #[default]
         None = "none",
@@ -351,7 +397,7 @@ fn around<T>(v: &[T], ts: impl Fn(&T) -> u64, from: u64, until: u64) -> &[T] {
 
 /// "N ms waiting for a CPU ...; the CPUs went to: who (pid, cgroup) M ms, ...": what ran on the
 /// CPU a waiting thread got back, charged with that wait (clipped to the window).
-fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64) -> String {
+fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64, throttled: bool) -> String {
     let mut by: HashMap<u32, u64> = HashMap::new();
     for c in w.cpu_waits {
         let (a, b) = (c.from.max(from), c.to.min(to));
@@ -374,7 +420,52 @@ fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64) -> String {
         })
         .collect();
     let went = if names.is_empty() { String::new() } else { format!("; the CPU went to: {}", names.join(", ")) };
-    format!("{cpu:.0} ms waiting for a CPU (runnable, not running: other processes held the CPUs){went}")
+    // Throttled, with others holding under half the wait: the CPUs were mostly idle meanwhile.
+    let others_ms = top.iter().map(|t| t.1).sum::<u64>() as f64 / 1e6;
+    let why = if throttled && others_ms < 0.5 * cpu {
+        "its CPU quota ran out, while the CPUs were mostly idle"
+    } else if throttled {
+        "other processes held the CPUs, and its CPU quota ran out"
+    } else {
+        "other processes held the CPUs"
+    };
+    format!("{cpu:.0} ms waiting for a CPU (runnable, not running: {why}){went}")
+}
+
+/// "N ms faulting memory back in from swap (/swapfile): M MiB swapped back in (the server's
+/// VmSwap fell from A to B MiB)".
+fn swap_evidence(ms: f64, w: &Window<'_>, from: u64, to: u64) -> String {
+    let area = if w.swaps.is_empty() { String::new() } else { format!(" ({})", w.swaps.join(", ")) };
+    let back = across(w.pressure, from, to)
+        .and_then(|(a, b)| Some((a.swap_kib?, b.swap_kib?)))
+        .map(|(a, b)| {
+            format!(
+                ": {} swapped back in (the server's VmSwap went from {} to {})",
+                mib(a.saturating_sub(b) << 10),
+                mib(a << 10),
+                mib(b << 10)
+            )
+        })
+        .unwrap_or_default();
+    format!("{ms:.0} ms faulting the server's memory back in from swap{area}{back}")
+}
+
+/// "the server's CPU quota (cgroup /x: 0.20 CPU, 20000 of every 100000 µs) throttled it N
+/// times, M ms (cpu.stat)", when the cgroup was throttled across the window.
+fn quota_evidence(w: &Window<'_>, from: u64, to: u64) -> Option<String> {
+    let (a, b) = across(w.pressure, from, to)?;
+    let ns = b.throttled_ns?.checked_sub(a.throttled_ns?).filter(|&ns| ns > 0)?;
+    let times = b.nr_throttled.unwrap_or(0).saturating_sub(a.nr_throttled.unwrap_or(0));
+    // The quota in force during the window (it may have been lifted since).
+    let lo = w.pressure.partition_point(|r| r.ts_ns < from);
+    let hi = w.pressure.partition_point(|r| r.ts_ns <= to);
+    let set = w.pressure[lo..hi].iter().rev().chain([b, a]).find(|r| r.quota_us.is_some()).unwrap_or(b);
+    let limit = match (set.quota_us, set.period_us) {
+        (Some(q), Some(p)) if p > 0 => format!(": {:.2} CPU, {q} of every {p} µs", q as f64 / p as f64),
+        _ => String::new(),
+    };
+    let cg = b.cpu_cgroup.as_deref().unwrap_or("?");
+    Some(format!("the server's CPU quota throttled it {times} times, {:.0} ms (cgroup {cg}{limit}; its cpu.stat)", ns as f64 / 1e6))
 }
 
 pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
@@ -480,7 +571,8 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     let from = w.arrival_ns;
     let to = from + (ttft * 1e6) as u64;
     let disk = union_ms(w.io_waits, from, to);
-    let memory = union_ms(w.mem_waits, from, to);
+    let stalls: Vec<(u64, u64)> = w.mem_waits.iter().chain(w.swap_waits).copied().collect();
+    let memory = union_ms(&stalls, from, to);
     let read: u64 = w.files_read.iter().map(|f| f.1).sum();
     // A model (re)load: a file mapped in the window that was also read from disk in it (a MiB
     // or more: a few pages read back is a reload from the page cache, below). It starts at the
@@ -592,12 +684,17 @@ fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
             t.saturating_sub(from) as f64 / 1e6
         ));
     }
-    if s.memory > 0.0 {
-        v.evidence
-            .push(format!("{:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)", s.memory));
+    let (reclaim, swap) = (union_ms(w.mem_waits, b.from, b.to), union_ms(w.swap_waits, b.from, b.to));
+    if swap >= 1.0 {
+        v.evidence.push(swap_evidence(swap, w, b.from, b.to));
+    }
+    if reclaim >= 1.0 || (s.memory > 0.0 && swap < 1.0) {
+        v.evidence.push(format!("{reclaim:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)"));
     }
     if s.cpu_contention >= 1.0 {
-        v.evidence.push(cpu_evidence(s.cpu_contention, w, b.served_from, b.to));
+        let quota = quota_evidence(w, b.served_from, b.to);
+        v.evidence.push(cpu_evidence(s.cpu_contention, w, b.served_from, b.to, quota.is_some()));
+        v.evidence.extend(quota);
     }
     if s.queue >= 1.0 {
         v.evidence.push(format!("{:.0} ms waiting while other requests were served", s.queue));
@@ -659,6 +756,68 @@ mod tests {
         assert_eq!(s.load, 280.0); // from the first read (20 ms after arrival) to the token, less disk
         assert_eq!(v.slow_cause.name(), "disk");
         assert!(v.evidence.iter().any(|e| e.contains("/models/m.gguf (98.0 MiB)")), "{:?}", v.evidence);
+    }
+
+    /// Faulting memory back in from swap is memory (not disk, not compute), with the MiB the
+    /// server's VmSwap fell by and the swap area named.
+    #[test]
+    fn swapping_back_in_is_memory_and_names_the_swap_area() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 950.0}));
+        let pressure = [
+            Pressure { ts_ns: 0, swap_kib: Some(100 << 10), ..Default::default() },
+            Pressure { ts_ns: 1200 * ms, swap_kib: Some(4 << 10), ..Default::default() },
+        ];
+        let w = Window {
+            arrival_ns: 0,
+            swap_waits: &[(100 * ms, 400 * ms), (300 * ms, 700 * ms)],
+            pressure: &pressure,
+            swaps: &["/swapfile".to_string()],
+            offcpu_probe: true,
+            ..Default::default()
+        };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.memory, s.disk, s.compute), (600.0, 0.0, 400.0));
+        assert_eq!(v.slow_cause, SlowCause::Memory);
+        assert!(
+            v.evidence
+                .iter()
+                .any(|e| e.contains("600 ms faulting the server's memory back in from swap (/swapfile): 96.0 MiB swapped back in")),
+            "{:?}",
+            v.evidence
+        );
+        assert!(!v.evidence.iter().any(|e| e.contains("reclaim") || e.contains("no file")), "{:?}", v.evidence);
+    }
+
+    /// Throttled by its CPU quota: the waits behind an idle CPU are cpu_contention, and the
+    /// quota and its cpu.stat growth are said.
+    #[test]
+    fn a_cpu_quota_is_contention_and_says_the_quota() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let waits = [CpuWait { from: 100 * ms, to: 900 * ms, tid: 7, other: 0 }];
+        let at = |ts_ns, n, t| Pressure {
+            ts_ns,
+            cpu_cgroup: Some("/slow".into()),
+            quota_us: Some(20_000),
+            period_us: Some(100_000),
+            nr_throttled: Some(n),
+            throttled_ns: Some(t),
+            ..Default::default()
+        };
+        let pressure = [at(0, 3, 5 * ms), at(1100 * ms, 11, 805 * ms)];
+        let w = Window { arrival_ns: 0, cpu_waits: &waits, pressure: &pressure, offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        assert_eq!((v.slow_cause, v.ttft_ms.as_ref().unwrap().cpu_contention), (SlowCause::CpuContention, 800.0));
+        assert!(v.evidence.iter().any(|e| e.contains("its CPU quota ran out")), "{:?}", v.evidence);
+        assert!(
+            v.evidence.iter().any(|e| e.contains("throttled it 8 times, 800 ms (cgroup /slow: 0.20 CPU, 20000 of every 100000 µs")),
+            "{:?}",
+            v.evidence
+        );
     }
 
     /// Two threads wait for a CPU, overlapping: the request waits once. The server's prompt time

@@ -38,8 +38,38 @@ fn folds_root_first_with_weights() {
     let off = flame::folded(&rec, &syms, Kind::Offcpu, Window::default());
     assert_eq!(off.get("server;[other wait];libc.so.6+0x5;llama-server+0x50"), Some(&2500));
     // A window keeps only the stacks inside it.
-    let late = flame::folded(&rec, &syms, Kind::Cpu, Window { from_ns: Some(4000), to_ns: None });
+    let late = flame::folded(&rec, &syms, Kind::Cpu, Window { from_ns: Some(4000), to_ns: None, request: false });
     assert_eq!(late.values().sum::<u64>(), 1);
+}
+
+/// A request's off-CPU flamegraph keeps the waits that ended inside it, for their part inside
+/// it: a thread still waiting when the request ended (an idle worker) is not on its path.
+#[test]
+fn a_request_keeps_the_waits_on_its_path() {
+    let rec = Recording::from_json(
+        [
+            // Ends inside [10 ms, 20 ms], began before it: 4 ms of it count.
+            (6_000_000u64, 8_000_000u64, 0x50u64),
+            // Inside, whole: 2 ms.
+            (12_000_000, 2_000_000, 0x60),
+            // Began inside, still waiting when the request ended: an idle worker.
+            (15_000_000, 30_000_000, 0x70),
+        ]
+        .iter()
+        .map(|&(ts, blocked, ip)| {
+            serde_json::json!({"type": "stack", "what": "offcpu", "pid": 1, "tid": 1, "ts_ns": ts, "blocked_ns": blocked, "user": [[0, ip]], "kernel": []})
+        })
+        .collect(),
+    );
+    let syms = flame::Symbols::resolve(&rec);
+    let w = Window { from_ns: Some(10_000_000), to_ns: Some(20_000_000), request: true };
+    let off = flame::folded(&rec, &syms, Kind::Offcpu, w);
+    let mut weights: Vec<u64> = off.values().copied().collect();
+    weights.sort_unstable();
+    assert_eq!(weights, [2000, 4000], "{off:?}");
+    // The same span as a plain window: the stacks taken in it, whole.
+    let plain = flame::folded(&rec, &syms, Kind::Offcpu, Window { request: false, ..w });
+    assert_eq!(plain.values().sum::<u64>(), 32_000, "{plain:?}");
 }
 
 #[test]

@@ -175,6 +175,9 @@ impl Window {
 #[derive(Clone, Copy, PartialEq)]
 enum Tool {
     Probe,
+    /// Another probe binary (`PROBE_COST_BASELINE`, e.g. the last release) traced the same way:
+    /// the before of a before-and-after, in the same rounds.
+    Baseline,
     /// `probe watch` with its defaults (stacks at 19 Hz, samplers at 2 Hz, the window on disk).
     Watch,
     Bpftrace,
@@ -184,10 +187,16 @@ impl Tool {
     fn name(self) -> &'static str {
         match self {
             Tool::Probe => "probe",
+            Tool::Baseline => "baseline",
             Tool::Watch => "watch",
             Tool::Bpftrace => "bpftrace",
         }
     }
+}
+
+/// The probe binary to compare with (`PROBE_COST_BASELINE`), when set and present.
+fn baseline() -> Option<PathBuf> {
+    std::env::var_os("PROBE_COST_BASELINE").map(PathBuf::from).filter(|p| p.is_file())
 }
 
 /// A tracing tool running against the server; killed if dropped before `stop`.
@@ -239,13 +248,17 @@ fn lines_to(out: impl std::io::Read + Send + 'static, log: &Path) -> anyhow::Res
 fn start(tool: Tool, pid: u32, dir: &Path, i: usize, script: &str) -> anyhow::Result<Tracer> {
     let limit = Duration::from_secs(60);
     match tool {
-        Tool::Probe | Tool::Watch => {
+        Tool::Probe | Tool::Watch | Tool::Baseline => {
             let rec = dir.join(format!("{}-{i}", tool.name()));
             let args: &[&str] = match tool {
-                Tool::Probe => &["trace", "--hz", "99", "--out"],
-                _ => &["watch", "--dir"],
+                Tool::Watch => &["watch", "--dir"],
+                _ => &["trace", "--hz", "99", "--out"],
             };
-            let mut child = Command::new(bin("probe"))
+            let exe = match tool {
+                Tool::Baseline => baseline().context("PROBE_COST_BASELINE is not set")?,
+                _ => bin("probe"),
+            };
+            let mut child = Command::new(exe)
                 .args(args)
                 .arg(&rec)
                 .args(["--pid", &pid.to_string()])
@@ -265,7 +278,7 @@ fn start(tool: Tool, pid: u32, dir: &Path, i: usize, script: &str) -> anyhow::Re
                     ),
                 }
             }
-            if tool == Tool::Probe {
+            if tool != Tool::Watch {
                 wait_for(&rec.join("events.bin"), limit.saturating_sub(t.elapsed()))?;
             }
             Ok(tracer)
@@ -380,6 +393,10 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
     // Other work on the machine shows in the tokens/s (and in the spread) more than in the cost.
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split(' ').next().unwrap_or("?").to_string();
     let mut tools = vec![Tool::Probe, Tool::Watch];
+    if let Some(b) = baseline() {
+        println!("tracing cost: baseline is {} (PROBE_COST_BASELINE)", b.display());
+        tools.insert(0, Tool::Baseline);
+    }
     let have_bpftrace =
         Command::new("bpftrace").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
     let (script, dropped) = bpftrace_script();

@@ -37,12 +37,23 @@ impl<'a> Folder<'a> {
 
     pub(crate) fn add(&mut self, s: &StackRecord) {
         let Some(kind) = Kind::ALL.into_iter().find(|k| k.what() == s.what) else { return };
-        if self.window.from_ns.is_some_and(|f| s.ts_ns < f) || self.window.to_ns.is_some_and(|t| s.ts_ns > t) {
-            return;
-        }
-        let weight = match kind {
-            Kind::Offcpu => s.blocked_ns.unwrap_or(0) / 1000,
-            _ => 1,
+        let w = self.window;
+        let weight = if kind == Kind::Offcpu && w.request {
+            // The part of the wait inside the request, if it ended inside it (µs).
+            let (from, to) = (w.from_ns.unwrap_or(0), w.to_ns.unwrap_or(u64::MAX));
+            let end = s.ts_ns + s.blocked_ns.unwrap_or(0);
+            if end < from || end > to {
+                return;
+            }
+            (end - s.ts_ns.max(from)) / 1000
+        } else {
+            if w.from_ns.is_some_and(|f| s.ts_ns < f) || w.to_ns.is_some_and(|t| s.ts_ns > t) {
+                return;
+            }
+            match kind {
+                Kind::Offcpu => s.blocked_ns.unwrap_or(0) / 1000,
+                _ => 1,
+            }
         };
         if weight == 0 {
             return;

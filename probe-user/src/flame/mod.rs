@@ -68,6 +68,10 @@ impl Kind {
 pub struct Window {
     pub from_ns: Option<u64>,
     pub to_ns: Option<u64>,
+    /// The window is one request's: an off-CPU wait counts only for its part inside the window,
+    /// and only when it ended inside it. A thread still waiting when the request ended (an idle
+    /// pool worker, an accept loop) was not on the request's path.
+    pub request: bool,
 }
 
 /// Write `<dir>/flame-<kind>.svg` and `.folded` for every kind that has stacks; returns what

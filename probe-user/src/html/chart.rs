@@ -65,6 +65,7 @@ pub fn color(name: &str) -> &'static str {
         "[io wait]" => "#d62728",
         "[page-fault wait]" => "#ff7f0e",
         "[memory wait]" => "#9467bd",
+        "[swap wait]" => "#c5b0d5",
         "[lock wait]" => "#8c8c8c",
         "[sleep]" => "#bcbd22",
         "[poll wait]" => "#17becf",

@@ -154,6 +154,8 @@ pub(crate) struct Builder {
     devs: BTreeMap<u32, (Device, Vec<f64>, Vec<f64>)>,
     io_waits: Vec<(u64, u64)>,
     mem_waits: Vec<(u64, u64)>,
+    /// Off-CPU intervals faulting memory back in from swap.
+    swap_waits: Vec<(u64, u64)>,
     /// Run-queue waits of target threads (preempted, runnable): (from, to, what ran instead).
     cpu_waits: Vec<crate::verdict::CpuWait>,
     /// Other processes by pid: (comm, cgroup), from the `procs` records.
@@ -194,6 +196,7 @@ impl Builder {
             devs: BTreeMap::new(),
             io_waits: vec![],
             mem_waits: vec![],
+            swap_waits: vec![],
             cpu_waits: vec![],
             other_names: HashMap::new(),
             ttft_windows: WindowIndex::new(&[]),
@@ -399,6 +402,7 @@ impl Builder {
             match self.knames.wait_of_stack(s) {
                 "[io wait]" | "[page-fault wait]" => self.io_waits.push((ts, ts + b)),
                 "[memory wait]" => self.mem_waits.push((ts, ts + b)),
+                "[swap wait]" => self.swap_waits.push((ts, ts + b)),
                 _ => {}
             }
         }
@@ -667,6 +671,11 @@ impl Builder {
         });
         let polls: Vec<&EndpointPoll> =
             samples.iter().filter_map(|v| if let Sample::Endpoint(e) = v { Some(e) } else { None }).filter(|e| e.answered()).collect();
+        let mut pressure: Vec<crate::verdict::Pressure> =
+            samples.iter().filter_map(|v| if let Sample::Mem(m) = v { Some(crate::verdict::Pressure::of(m)) } else { None }).collect();
+        pressure.sort_by_key(|p| p.ts_ns);
+        let swaps: Vec<String> =
+            samples.iter().find_map(|v| if let Sample::Samplers(s) = v { Some(s.swaps.clone()) } else { None }).unwrap_or_default();
         let sleeping_before = |t: u64| polls.iter().rev().find(|v| v.ts_ns <= t).is_some_and(|v| v.sleeping() == Some(true));
         let deferred_in = |from: u64, to: u64| {
             polls
@@ -733,6 +742,9 @@ impl Builder {
                 arrival_ns: from,
                 io_waits: &self.io_waits,
                 mem_waits: &self.mem_waits,
+                swap_waits: &self.swap_waits,
+                pressure: &pressure,
+                swaps: &swaps,
                 cpu_waits: &self.cpu_waits,
                 other_names: Some(&self.other_names),
                 target_pids: &target_pids,
@@ -753,6 +765,7 @@ impl Builder {
             };
             q.verdict = Some(crate::verdict::attribute(q, &w));
         }
+        super::prompt::prompts(&mut r.requests);
         against_warm(&mut r.requests);
     }
 }

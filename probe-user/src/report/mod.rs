@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::stream::RequestRecord;
 
 mod build;
+mod prompt;
 mod render;
 mod sock;
 

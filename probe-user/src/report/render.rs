@@ -46,7 +46,8 @@ pub fn render(r: &Report) -> String {
             let req = format!("{} {}", q.method.as_deref().unwrap_or("?"), q.path.as_deref().unwrap_or("?"));
             let ttft = q.ttft_ms.map(|t| format!("TTFT {t:.0} ms")).unwrap_or_else(|| "no first token seen".into());
             let slow = if v.slow_cause == crate::verdict::SlowCause::None { String::new() } else { format!(", slow: {}", v.slow_cause) };
-            let _ = writeln!(o, "  #{} {req}: {ttft}{slow}; stopped: {}", q.id, v.stop_cause.words());
+            let cut = if v.prompt_cut { "; prompt cut by the server" } else { "" };
+            let _ = writeln!(o, "  #{} {req}: {ttft}{slow}; stopped: {}{cut}", q.id, v.stop_cause.words());
             for e in v.evidence.iter().take(4) {
                 let _ = writeln!(o, "      {e}");
             }

@@ -91,6 +91,15 @@ pub struct Mem {
     pub cgroup_usage: Option<u64>,
     pub cgroup_limit: Option<u64>,
     pub cgroup_limit_hits: Option<u64>,
+    /// The target's memory in swap (VmSwap, KiB): it falls as pages are faulted back in.
+    pub swap_kib: Option<u64>,
+    /// The target's CPU cgroup and its CFS bandwidth limit: quota and period (µs; no quota: None),
+    /// and how often and how long (ns) it was throttled, cumulative (cpu.stat).
+    pub cpu_cgroup: Option<String>,
+    pub cpu_quota_us: Option<u64>,
+    pub cpu_period_us: Option<u64>,
+    pub nr_throttled: Option<u64>,
+    pub throttled_ns: Option<u64>,
 }
 
 fn psi_total(text: &str, kind: &str) -> Option<u64> {
@@ -137,6 +146,56 @@ pub fn memory_cgroup(pid: u32) -> Option<std::path::PathBuf> {
     None
 }
 
+/// The swap areas in use (/proc/swaps: the file or device of each).
+pub fn swaps() -> Vec<String> {
+    let text = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
+    text.lines().skip(1).filter_map(|l| l.split_whitespace().next().map(str::to_string)).collect()
+}
+
+/// The CPU cgroup directory of `pid` (v1 `cpu` controller, else the v2 unified one with cpu.max).
+pub fn cpu_cgroup(pid: u32) -> Option<std::path::PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    for l in text.lines() {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if ctrl.split(',').any(|c| c == "cpu") {
+            // Mounted as "cpu" or "cpu,cpuacct" (a link named cpu points at the latter).
+            return ["cpu", "cpu,cpuacct"]
+                .iter()
+                .map(|m| std::path::PathBuf::from(format!("/sys/fs/cgroup/{m}{path}")))
+                .find(|d| d.join("cpu.cfs_quota_us").exists());
+        }
+    }
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .iter()
+        .map(|root| std::path::PathBuf::from(format!("{root}{path}")))
+        .find(|d| d.join("cpu.stat").exists())
+}
+
+/// CFS bandwidth of a CPU cgroup into `m`: v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us` and
+/// cpu.stat `throttled_time` (ns); v2 `cpu.max` ("max 100000" or "50000 100000") and cpu.stat
+/// `throttled_usec`.
+fn cpu_bandwidth(dir: &std::path::Path, m: &mut Mem) {
+    let read = |name: &str| read_kept(&dir.join(name).to_string_lossy());
+    m.cpu_cgroup = Some(dir.display().to_string());
+    let stat = read("cpu.stat").unwrap_or_default();
+    let field = |k: &str| stat.lines().find_map(|l| l.strip_prefix(k)?.strip_prefix(' ')?.trim().parse::<u64>().ok());
+    m.nr_throttled = field("nr_throttled");
+    if let Some(q) = read("cpu.cfs_quota_us") {
+        m.cpu_quota_us = q.trim().parse::<i64>().ok().and_then(|q| u64::try_from(q).ok());
+        m.cpu_period_us = read("cpu.cfs_period_us").and_then(|p| p.trim().parse().ok());
+        m.throttled_ns = field("throttled_time");
+    } else {
+        if let Some(max) = read("cpu.max") {
+            let mut it = max.split_whitespace();
+            m.cpu_quota_us = it.next().and_then(|q| q.parse().ok());
+            m.cpu_period_us = it.next().and_then(|p| p.parse().ok());
+        }
+        m.throttled_ns = field("throttled_usec").map(|us| us * 1000);
+    }
+}
+
 /// Most files [`read_kept`] keeps open (a machine with more C-state files than this reopens them
 /// each time, as it would without keeping them).
 const KEPT_FILES: usize = 256;
@@ -176,7 +235,8 @@ fn read_kept(path: &str) -> Option<String> {
     })
 }
 
-pub fn mem(pid: u32, cgroup: Option<&std::path::Path>) -> Mem {
+/// The memory (and CPU bandwidth) readings of `pid` and its cgroups.
+pub fn mem(pid: u32, cgroup: Option<&std::path::Path>, cpu: Option<&std::path::Path>) -> Mem {
     let mut m = Mem::default();
     if let Some(t) = read_kept("/proc/pressure/memory") {
         m.psi_some_us = psi_total(&t, "some");
@@ -195,6 +255,10 @@ pub fn mem(pid: u32, cgroup: Option<&std::path::Path>) -> Mem {
         m.rss_kib = status_kib(&t, "VmRSS:");
         m.rss_file_kib = status_kib(&t, "RssFile:");
         m.rss_anon_kib = status_kib(&t, "RssAnon:");
+        m.swap_kib = status_kib(&t, "VmSwap:");
+    }
+    if let Some(dir) = cpu {
+        cpu_bandwidth(dir, &mut m);
     }
     if let Some(dir) = cgroup {
         let num = |name: &str| read_kept(&dir.join(name).to_string_lossy()).and_then(|s| s.trim().parse::<u64>().ok());
@@ -257,7 +321,9 @@ mod tests {
     #[test]
     fn reads_this_process() {
         let me = std::process::id();
-        let m = mem(me, memory_cgroup(me).as_deref());
-        assert!(m.rss_kib.unwrap_or(0) > 0, "{m:?}");
+        let m = mem(me, memory_cgroup(me).as_deref(), cpu_cgroup(me).as_deref());
+        assert!(m.rss_kib.unwrap_or(0) > 0 && m.swap_kib.is_some(), "{m:?}");
+        // Every kernel with CFS bandwidth control has a cpu.stat with nr_throttled (0 at the root).
+        assert!(m.cpu_cgroup.is_some() && m.nr_throttled.is_some() && m.throttled_ns.is_some(), "{m:?}");
     }
 }

@@ -179,12 +179,14 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     let mut gpu = gpu::open();
     let freq = host::cpufreq();
     let cgroup = host::memory_cgroup(opts.pid);
+    let cpu_cgroup = host::cpu_cgroup(opts.pid);
     let mut info = Sources {
         ts_ns: monotonic_ns(),
         hz: opts.hz,
         cpufreq_max_khz: freq.as_ref().map(|f| f.max_khz.clone()),
         psi: std::path::Path::new("/proc/pressure/memory").exists(),
         memory_cgroup: cgroup.as_ref().map(|c| c.display().to_string()),
+        swaps: host::swaps(),
         ..Default::default()
     };
     match &mut gpu {
@@ -229,11 +231,16 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             {
                 let _ = tx.send(Sample::Cpufreq(CpuFreqReading { ts_ns: monotonic_ns(), cur_khz: f.cur_khz }));
             }
-            let mut m = host::mem(opts.pid, cgroup.as_deref());
+            let mut m = host::mem(opts.pid, cgroup.as_deref(), cpu_cgroup.as_deref());
             // Children (Ollama's runner) count towards the target's memory.
             for &p in pids.iter().filter(|&&p| p != opts.pid) {
-                let c = host::mem(p, None);
-                for (a, b) in [(&mut m.rss_kib, c.rss_kib), (&mut m.rss_file_kib, c.rss_file_kib), (&mut m.rss_anon_kib, c.rss_anon_kib)] {
+                let c = host::mem(p, None, None);
+                for (a, b) in [
+                    (&mut m.rss_kib, c.rss_kib),
+                    (&mut m.rss_file_kib, c.rss_file_kib),
+                    (&mut m.rss_anon_kib, c.rss_anon_kib),
+                    (&mut m.swap_kib, c.swap_kib),
+                ] {
                     *a = Some(a.unwrap_or(0) + b.unwrap_or(0));
                 }
             }

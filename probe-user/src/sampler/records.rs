@@ -65,6 +65,9 @@ pub struct Sources {
     /// /proc/pressure/memory exists.
     pub psi: bool,
     pub memory_cgroup: Option<String>,
+    /// The swap areas (/proc/swaps: file or device), at the start.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub swaps: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpus: Option<Vec<GpuDevice>>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -149,6 +149,15 @@ pub struct RequestRecord {
     pub status: Option<u16>,
     pub stream: Option<bool>,
     pub max_tokens: Option<i64>,
+    /// The prompt's size (bytes of its text, or of its token ids), and fingerprints of its
+    /// prefixes (see [`payload::prompt_prefixes`]; no text).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt_prefix: Vec<(u32, u64)>,
+    /// The client's word on the server's prompt cache (llama.cpp `cache_prompt`), when it gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_prompt: Option<bool>,
     pub arrival_ms: Option<f64>,
     /// First response byte.
     pub ttfb_ms: Option<f64>,
@@ -711,6 +720,11 @@ impl Tracker {
             Ok(v) if !p.body_cut => {
                 p.rec.max_tokens = payload::max_tokens(&v);
                 p.rec.stream = v.get("stream").and_then(Value::as_bool);
+                p.rec.cache_prompt = v.get("cache_prompt").and_then(Value::as_bool);
+                if let Some((n, prefixes)) = payload::prompt_prefixes(&v) {
+                    p.rec.prompt_bytes = Some(n);
+                    p.rec.prompt_prefix = prefixes;
+                }
             }
             _ => {
                 let (max, stream) = payload::scan_fields(&body);
@@ -1013,7 +1027,13 @@ fn finalize(mut p: Pending, conn: &Conn, closed_by: ClosedBy) -> RequestRecord {
     p.rec.content_complete = p.final_at.is_some_and(|t| conn.peer_closed_at.is_none_or(|c| t <= c));
     p.rec.closed_by = closed_by;
     p.rec.reset = conn.reset;
-    p.rec.ttft_ms = p.rec.chunk_times_ms.first().copied();
+    // An answer sent whole that held no text (EOS at once) was still ready when it was sent.
+    let whole = p.rec.stream != Some(true)
+        && p.rec.chunk_times_ms.is_empty()
+        && p.rec.content_complete
+        && p.rec.status.is_some_and(|s| s < 400)
+        && p.rec.stop.error.is_none();
+    p.rec.ttft_ms = if whole { p.rec.final_ms } else { p.rec.chunk_times_ms.first().copied() };
     p.rec.chunk_gaps = gaps(&p.rec.chunk_times_ms);
     p.rec
 }

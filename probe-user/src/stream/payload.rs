@@ -449,6 +449,56 @@ pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
     content
 }
 
+/// The prompt of a request body as one byte string: llama.cpp / OpenAI / Ollama `prompt` (text,
+/// or token ids), else the chat `messages` (role and content of each, text parts of a list).
+fn prompt_bytes(body: &Value) -> Option<Vec<u8>> {
+    fn text(v: &Value, out: &mut Vec<u8>) {
+        match v {
+            Value::String(s) => out.extend_from_slice(s.as_bytes()),
+            Value::Number(n) => {
+                out.extend_from_slice(n.to_string().as_bytes());
+                out.push(b' ');
+            }
+            Value::Array(a) => a.iter().for_each(|x| text(x, out)),
+            Value::Object(o) => {
+                for k in ["role", "content", "text"] {
+                    if let Some(x) = o.get(k) {
+                        text(x, out);
+                        out.push(0);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let v = body.get("prompt").or_else(|| body.get("messages")).filter(|v| !v.is_null())?;
+    let mut out = Vec::new();
+    text(v, &mut out);
+    (!out.is_empty()).then_some(out)
+}
+
+/// The shortest prefix fingerprinted (bytes); then twice as long each time.
+pub const PREFIX_MIN: usize = 64;
+
+/// Fingerprints of the prompt's prefixes, to tell whether two requests of one trace began the
+/// same way without keeping any text: (length, keyed hash) of its first 64, 128, 256, ... bytes
+/// and of the whole. The key is random per process, so the hashes mean nothing outside the trace
+/// that made them (a short prompt cannot be guessed from its hash). With the prompt's size.
+pub fn prompt_prefixes(body: &Value) -> Option<(u64, Vec<(u32, u64)>)> {
+    use std::hash::BuildHasher as _;
+    static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+    let key = KEY.get_or_init(std::collections::hash_map::RandomState::new);
+    let p = prompt_bytes(body)?;
+    let mut lens: Vec<usize> = std::iter::successors(Some(PREFIX_MIN), |l| l.checked_mul(2)).take_while(|&l| l < p.len()).collect();
+    lens.push(p.len());
+    Some((p.len() as u64, lens.into_iter().map(|l| (l as u32, key.hash_one(&p[..l]))).collect()))
+}
+
+/// How many bytes two fingerprinted prompts share at their start, at the fingerprints' grain.
+pub fn shared_prefix(a: &[(u32, u64)], b: &[(u32, u64)]) -> u64 {
+    a.iter().filter(|x| b.contains(x)).map(|x| u64::from(x.0)).max().unwrap_or(0)
+}
+
 /// Requested output limit from a request body: OpenAI `max_tokens` / `max_completion_tokens`,
 /// llama.cpp `n_predict`, Ollama `options.num_predict`.
 pub fn max_tokens(body: &Value) -> Option<i64> {
