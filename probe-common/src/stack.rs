@@ -83,6 +83,16 @@ pub const STACK_IO: u32 = 4;
 /// the one it replaced on this CPU: what ran instead.
 pub const SCHED_PREEMPTED: u32 = 1;
 
+/// `SchedEvent::flags`: the thread had blocked, was woken (sched_wakeup) and `blocked_ns` is the
+/// run-queue wait from the wake-up until it ran; the header's task is what ran on this CPU
+/// meanwhile. Its blocked part before the wake-up comes in its own record (flags 0), just before.
+pub const SCHED_WOKEN: u32 = 2;
+
+/// Whether a [`SchedEvent`] is a wait for a CPU (after a preemption or a wake-up).
+pub const fn is_cpu_wait(flags: u32) -> bool {
+    flags & (SCHED_PREEMPTED | SCHED_WOKEN) != 0
+}
+
 /// A run-queue wait shorter than this is only counted (`Counter::ShortWaits`, `ShortWaitNs`), not
 /// sent: at 20 µs a wait is below any scheduler slice, and such waits come by the thousand.
 pub const SHORT_WAIT_NS: u64 = 20_000;

@@ -12,10 +12,10 @@ use aya_ebpf::{
 use probe_common::{
     Counter, Record,
     stack::{
-        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent, SeenUstack,
-        StackEvent, USTACK_CAP,
+        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent,
+        SeenUstack, StackEvent, USTACK_CAP,
     },
-    tracepoints::sched_switch as sw,
+    tracepoints::{sched_switch as sw, sched_wakeup as wk},
 };
 
 use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert_lru, now_ns, ringbuf_flags};
@@ -69,6 +69,11 @@ static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0
 /// Target threads off the CPU since this time (ns), by tid.
 #[map(name = "OFFCPU_SINCE")]
 static OFFCPU_SINCE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
+
+/// When a blocked target thread (one in OFFCPU_SINCE) was woken: from then until it runs, it
+/// waits for a CPU.
+#[map(name = "WOKEN_AT")]
+static WOKEN_AT: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
 
 #[inline(always)]
 fn read_kernel<T>(p: *const T) -> T {
@@ -280,20 +285,52 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
     // SAFETY: the value is copied out before the remove.
     if let Some(since) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
         let _ = OFFCPU_SINCE.remove(&next);
-        let blocked_ns = now.saturating_sub(since & !1);
-        if since & 1 != 0 && blocked_ns < SHORT_WAIT_NS {
-            crate::add(&crate::COUNTERS, Counter::ShortWaits as u32, 1);
-            crate::add(&crate::COUNTERS, Counter::ShortWaitNs as u32, blocked_ns);
-            return Ok(());
-        }
         let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
-        let ev = SchedEvent {
+        let sched = |flags: u32, blocked_ns: u64| SchedEvent {
             hdr: header::<SchedEvent>((pid_tgid >> 32) as u32, pid_tgid as u32),
             tid: next,
-            flags: if since & 1 != 0 { SCHED_PREEMPTED } else { 0 },
+            flags,
             blocked_ns,
         };
-        emit(&ev);
+        if since & 1 != 0 {
+            run_queue_wait(now.saturating_sub(since & !1), SCHED_PREEMPTED, &sched);
+            return Ok(());
+        }
+        // Blocked, then woken: blocked until the wake-up, then waiting for a CPU until now.
+        // SAFETY: the value is copied out before the remove.
+        let woken = unsafe { WOKEN_AT.get(&next) }.copied().filter(|&w| w >= since && w <= now);
+        if woken.is_some() {
+            let _ = WOKEN_AT.remove(&next);
+        }
+        let woken = woken.unwrap_or(now);
+        emit(&sched(0, woken - since));
+        run_queue_wait(now - woken, SCHED_WOKEN, &sched);
     }
     Ok(())
+}
+
+/// A wait for a CPU: sent when it is at least SHORT_WAIT_NS, else only counted.
+#[inline(always)]
+fn run_queue_wait(ns: u64, flags: u32, sched: &impl Fn(u32, u64) -> SchedEvent) {
+    if ns < SHORT_WAIT_NS {
+        if ns > 0 {
+            crate::add(&crate::COUNTERS, Counter::ShortWaits as u32, 1);
+            crate::add(&crate::COUNTERS, Counter::ShortWaitNs as u32, ns);
+        }
+        return;
+    }
+    emit(&sched(flags, ns));
+}
+
+/// sched:sched_wakeup (pid @24): runs in the waker, for any task. A target thread that blocked
+/// (it is in OFFCPU_SINCE as blocked) is runnable from here on.
+#[tracepoint(category = "sched", name = "sched_wakeup")]
+pub fn sched_wakeup(ctx: TracePointContext) -> u32 {
+    let Ok(tid) = field::<i32>(&ctx, wk::PID) else { return 0 };
+    let tid = tid as u32;
+    // SAFETY: the value is copied out at once.
+    if unsafe { OFFCPU_SINCE.get(&tid) }.is_some_and(|&since| since & 1 == 0) {
+        insert_lru(&WOKEN_AT, &tid, &now_ns());
+    }
+    0
 }

@@ -265,7 +265,7 @@ impl State {
         }
         match ev {
             Event::Stack(s) => self.on_stack(&s, decode::data_payload(bytes))?,
-            Event::Sched(e) if e.flags & probe_common::stack::SCHED_PREEMPTED != 0 => {
+            Event::Sched(e) if probe_common::stack::is_cpu_wait(e.flags) => {
                 // Run-queue wait: kept as it is, with what ran instead named once.
                 self.writer.kernel(bytes)?;
                 let other = e.hdr.pid;

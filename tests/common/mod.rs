@@ -217,6 +217,11 @@ pub struct Nginx {
 }
 
 impl Nginx {
+    /// Its one process (no master): what a test traces to see the gateway's side.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn start(upstream: std::net::SocketAddr, timeout_s: u32) -> Nginx {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("nginx-{}-{port}", std::process::id()));

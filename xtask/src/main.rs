@@ -31,8 +31,9 @@ enum Cmd {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
         args: Vec<String>,
     },
-    /// The main job end to end: trace a bundled workload that reads a cold file through mmap and
-    /// talks TCP to a local server, and print probe's report.
+    /// The main job end to end: trace a real llama-server through a slow morning request (asleep,
+    /// its model out of the page cache), a few ordinary ones, and one under a CPU hog; print the
+    /// verdicts.
     Demo,
     /// Measure: start-to-armed time (median of 10), the drained event rate at a high event rate,
     /// reporting, llama-server's speed traced and untraced, and the cost of tracing it (probe
@@ -367,19 +368,28 @@ impl Drop for Llama {
 }
 
 /// The main job end to end: a real llama-server with SmolLM2-135M, traced by probe while it
-/// answers a few requests (one cut short by the client); probe prints the per-request table.
+/// answers a morning request (asleep, the model evicted: load and disk, the model file named), a
+/// few ordinary requests (one cut short by the client), the same request warm, and under three
+/// busy loops (cpu_contention, naming them); probe prints the verdicts.
 fn demo() -> anyhow::Result<()> {
     sudo_ready()?;
     build()?;
     let dir = root().join("target/demo");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    let srv = Llama::start(&["-c", "2048", "-np", "2", "--metrics"], Some(&dir.join("llama-server.log")))?;
+    // The server sleeps (unloads its model) after 2 s idle: the slow morning scene.
+    let srv = Llama::start(&["-c", "2048", "-np", "2", "--metrics", "--sleep-idle-seconds", "2"], Some(&dir.join("llama-server.log")))?;
     let addr = srv.addr.clone();
     let rec = dir.join("recording");
+    // The slow morning: asleep, and the model file gone from the page cache (before probe
+    // attaches, so that the demo's own polls are not in the recording).
+    asleep_and_evicted(&addr, &llama()?.1)?;
     // Only probe runs as root (through sudo for a normal user); the recording is yours.
     let mut probe = elevated(bin("probe")).args(["trace", "--pid", &srv.pid(), "--out"]).arg(&rec).spawn()?;
     wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+    let t = Instant::now();
+    let (status, _) = http(&addr, "/v1/chat/completions", &morning_body(), None)?;
+    println!("demo: the morning request (server asleep, model not in the page cache): {status}, {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     let chat = |n: u32, stream: bool| {
         format!(
             r#"{{"messages":[{{"role":"user","content":"Write a short story about a lighthouse."}}],"max_tokens":{n},"stream":{stream},"temperature":0}}"#
@@ -400,6 +410,16 @@ fn demo() -> anyhow::Result<()> {
         let (status, events) = http(&addr, path, &body, cut)?;
         println!("demo: {what}: {status}, {events} SSE events read");
     }
+    // The same request as the morning one, warm: the baseline the verdicts compare with.
+    let t = Instant::now();
+    let (status, _) = http(&addr, "/v1/chat/completions", &morning_body(), None)?;
+    println!("demo: the same request, warm: {status}, {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+    // A request under a CPU hog: busy loops under a name of their own hold both CPUs.
+    let hogs = CpuHogs::start(3)?;
+    let t = Instant::now();
+    let (status, _) = http(&addr, "/v1/chat/completions", &morning_body(), None)?;
+    println!("demo: the same request under 3 busy loops (cpuhog): {status}, {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+    drop(hogs);
     std::thread::sleep(Duration::from_millis(500));
     // SIGINT, as Ctrl-C would: probe writes report.json and prints the summary.
     // Through sudo as well: a user may not signal the root-owned sudo (it relays the signal).
@@ -408,6 +428,67 @@ fn demo() -> anyhow::Result<()> {
     give_back_files();
     println!("\ndemo: probe exited with {status}; recording and report.json in {}", rec.display());
     Ok(())
+}
+
+/// The demo's morning request: a prompt of a few hundred tokens, a short answer, not streamed.
+fn morning_body() -> String {
+    let prompt = "The lighthouse keeper wrote in his log every night. ".repeat(20);
+    serde_json::json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0, "stream": false}).to_string()
+}
+
+/// Wait until llama-server says it sleeps (`--sleep-idle-seconds`: its model unmapped), then drop
+/// the model file from the page cache (DONTNEED evicts the clean pages of a file nobody maps):
+/// the machine the morning after.
+fn asleep_and_evicted(addr: &str, model: &str) -> anyhow::Result<()> {
+    let t = Instant::now();
+    loop {
+        let props = http_get(addr, "/props").and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok());
+        if props.is_some_and(|p| p["is_sleeping"] == true) {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            bail!("llama-server did not go to sleep within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let f = std::fs::File::open(model).with_context(|| format!("cannot open {model}"))?;
+    // SAFETY: a valid descriptor for the call; posix_fadvise only advises the kernel.
+    unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    Ok(())
+}
+
+/// Busy loops named `cpuhog` (a link to /bin/sh: a process is named by what it was run as);
+/// killed when dropped.
+struct CpuHogs(Vec<std::process::Child>);
+
+impl CpuHogs {
+    fn start(n: usize) -> anyhow::Result<CpuHogs> {
+        let link = root().join("target/demo/cpuhog");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink("/bin/sh", &link)?;
+        let kids = (0..n).map(|_| Command::new(&link).args(["-c", "while :; do :; done"]).spawn()).collect::<Result<_, _>>()?;
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(CpuHogs(kids))
+    }
+}
+
+impl Drop for CpuHogs {
+    fn drop(&mut self) {
+        for k in &mut self.0 {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+}
+
+/// The body of a GET answered 200, when it was.
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    let _ = s.read_to_string(&mut buf);
+    let (head, body) = buf.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
 }
 
 fn http_get_ok(addr: &str, path: &str) -> bool {

@@ -523,7 +523,7 @@ impl Builder {
             Event::Sock(s) => sock::sock_event(s, &mut self.conns, &mut self.conn_index, &ms),
             // Stream bytes (present only with --capture-text) are summarised in request records;
             // stacks are unwound while tracing and kept as stack records.
-            Event::Sched(e) if e.flags & probe_common::stack::SCHED_PREEMPTED != 0 => {
+            Event::Sched(e) if probe_common::stack::is_cpu_wait(e.flags) => {
                 let to = e.hdr.ts_ns;
                 self.cpu_waits.push(crate::verdict::CpuWait { from: to.saturating_sub(e.blocked_ns), to, tid: e.tid, other: e.hdr.pid });
             }
@@ -787,12 +787,12 @@ fn prompt_size(q: &RequestRecord) -> (u64, &'static str) {
 /// trace" (the absolute rules stand alone). More than 20% of a TTFT unexplained is a
 /// data-quality line.
 pub(crate) fn against_warm(requests: &mut [Request]) {
-    let warm: Vec<(u64, u64, f64)> = requests
+    let warm: Vec<(u64, (u64, &str), f64)> = requests
         .iter()
         .filter_map(|q| {
             let v = q.verdict.as_ref().filter(|_| !q.record.probe_poll)?;
             let ttft = q.record.ttft_ms.filter(|_| matches!(v.slow_cause, SlowCause::None | SlowCause::Compute))?;
-            Some((q.record.id, prompt_size(&q.record).0, ttft))
+            Some((q.record.id, prompt_size(&q.record), ttft))
         })
         .collect();
     for q in requests.iter_mut() {
@@ -804,8 +804,12 @@ pub(crate) fn against_warm(requests: &mut [Request]) {
             v.data_quality.push(format!("{:.0}% of the TTFT is unexplained ({:.0} ms)", s.unexplained * 100.0 / ttft, s.unexplained));
         }
         let (size, unit) = prompt_size(&q.record);
-        let mut peers: Vec<f64> =
-            warm.iter().filter(|(id, n, _)| *id != q.record.id && *n <= size.max(1) * 2 && size <= n.max(&1) * 2).map(|w| w.2).collect();
+        // Sizes in the same unit only (tokens with tokens, bytes with bytes).
+        let mut peers: Vec<f64> = warm
+            .iter()
+            .filter(|(id, (n, u), _)| *id != q.record.id && *u == unit && *n <= size.max(1) * 2 && size <= n.max(&1) * 2)
+            .map(|w| w.2)
+            .collect();
         if peers.is_empty() {
             if !matches!(v.slow_cause, SlowCause::None | SlowCause::Compute) {
                 v.evidence.push(

@@ -1024,7 +1024,11 @@ fn finalize(mut p: Pending, conn: &Conn, closed_by: ClosedBy) -> RequestRecord {
     p.rec.final_ms = p.final_at.and_then(since);
     // The server's word counts when it was sent before the peer left: a peer that closed first
     // (a reader that went away, a gateway's deadline) never got it, whatever was sent after.
-    p.rec.content_complete = p.final_at.is_some_and(|t| conn.peer_closed_at.is_none_or(|c| t <= c));
+    // The target as a client (a front talking to its runner): whatever it read, the server sent
+    // before it closed (data comes before FIN on the wire), so a server that closes after its
+    // final message is normal even when its FIN is seen before the target read that message.
+    let target_is_client = conn.req_dir.is_some_and(|d| d != DIR_RECV);
+    p.rec.content_complete = p.final_at.is_some_and(|t| target_is_client || conn.peer_closed_at.is_none_or(|c| t <= c));
     p.rec.closed_by = closed_by;
     p.rec.reset = conn.reset;
     // An answer sent whole that held no text (EOS at once) was still ready when it was sent.
