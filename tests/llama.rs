@@ -603,6 +603,39 @@ fn generation_flamegraph_names_ggml_functions() {
     let folded = std::fs::read_to_string(svg.with_extension("folded")).unwrap();
     assert!(folded.contains("ggml"), "{folded}");
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    // Its off-CPU graph keeps the threads on its path. The whole trace's graph is dominated by
+    // the accept loop and the idle pool workers (waiting for work past any request's end); the
+    // request's keeps only their waits that ended inside it (the accept of a poll's connection).
+    let share = |folded: &str| {
+        let (mut all, mut accept, mut idle) = (0u64, 0u64, 0u64);
+        for l in folded.lines() {
+            let Some(n) = l.rsplit_once(' ').and_then(|(_, n)| n.parse::<u64>().ok()) else { continue };
+            all += n;
+            accept += if l.contains("accept4") { n } else { 0 };
+            idle += if l.contains("ThreadPool::worker") && !l.contains("process_and_close_socket") { n } else { 0 };
+        }
+        (accept as f64 / all.max(1) as f64, idle as f64 / all.max(1) as f64)
+    };
+    let whole = std::fs::read_to_string(out.join("flame-offcpu.folded")).expect("offcpu flamegraph");
+    let (accept, idle) = share(&whole);
+    assert!(accept + idle >= 0.2, "the trace's off-CPU graph is not the idle threads' ({accept:.2}, {idle:.2}): not the case checked");
+    let off = out.join("request-offcpu.svg");
+    let st = Command::new(probe_bin())
+        .args(["flamegraph", "--kind", "offcpu", "--request", &id.to_string(), "-o"])
+        .arg(&off)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let folded = std::fs::read_to_string(off.with_extension("folded")).unwrap();
+    let (accept, idle) = share(&folded);
+    assert!(accept < 0.02 && idle < 0.02, "idle threads in the request's off-CPU graph: accept {accept:.3}, idle workers {idle:.3}");
+    // No thread waits longer than the request lasted.
+    let q = find(&r, client)[0];
+    let span_us = q["end_ms"].as_f64().unwrap() * 1e3;
+    let threads = std::fs::read_dir(format!("/proc/{}/task", server().child.id())).unwrap().count() as f64;
+    let weight: u64 = folded.lines().filter_map(|l| l.rsplit_once(' ')?.1.parse::<u64>().ok()).sum();
+    assert!((weight as f64) <= threads * span_us * 1.01, "{weight} µs of waits in a {span_us:.0} µs request");
     // Every command that reads a recording reads it at most twice.
     let bundle = out.with_extension("tar.gz");
     for args in [

@@ -511,9 +511,27 @@ fn vllm_second_server_same_clients() {
     // began and vLLM never had to preempt.
     let seen_limit = finish_clients(start_clients_ready(&limit, &url, Some(&ready_dir("vllm-limit"))));
     let preempted = v.preemptions() - before;
+    // The prefix cache, by vLLM's own counters: one prompt twice, a poll (every 2 s) between.
+    let story = "Once upon a time a lighthouse keeper wrote in his log every night. ".repeat(4);
+    let ask = |max_tokens: u64| {
+        v.wait_idle();
+        let body = serde_json::json!({"messages": [{"role": "user", "content": story}], "max_tokens": max_tokens, "temperature": 0});
+        assert_eq!(common::http(v.addr, "POST", "/v1/chat/completions", Some(&body), &[]).unwrap().0, 200);
+    };
+    let counters = || (v.metric("vllm:prefix_cache_hits_total"), v.metric("vllm:prefix_cache_queries_total"));
+    ask(30);
+    std::thread::sleep(Duration::from_millis(2500));
+    let (h0, q0) = counters();
+    std::thread::sleep(Duration::from_millis(2500));
+    ask(31);
+    let (h1, q1) = counters();
     std::thread::sleep(Duration::from_millis(2500));
     let r = t.stop();
     drop(v);
+    let q = &by_max_tokens(&r, "/v1/chat/completions")[&31];
+    let said = format!("{:.0} of {:.0} prompt tokens hit the server's prefix cache", h1 - h0, q1 - q0);
+    assert!(h1 - h0 >= 32.0, "vLLM's prefix cache did not hit ({h0}→{h1} of {q0}→{q1}): not the case checked here");
+    assert!(q["verdict"]["evidence"].to_string().contains(&said), "{said} (vLLM's /metrics) not in {}", q["verdict"]);
     for (cell, saw) in cells.iter().zip(&seen).chain([(&deadline, &seen_deadline)]) {
         assert_client_saw(cell, saw);
         check(cell, &r, saw, |_| cell.cause);

@@ -57,6 +57,8 @@ pub struct KernelOffsets {
     /// Bit numbers of REQ_PREFLUSH, REQ_FUA, REQ_RAHEAD, REQ_SYNC, REQ_META in cmd_flags, from the
     /// kernel's `enum req_flag_bits` (they move between versions); [`NO_BIT`] when absent.
     pub req_bits: [u32; 5],
+    /// task_struct.pid (the thread id): a raw sched_wakeup reads the woken task's.
+    pub task_pid: u32,
 }
 
 /// A flag bit the running kernel does not have.

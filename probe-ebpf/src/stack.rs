@@ -5,9 +5,9 @@ use aya_ebpf::{
     EbpfContext,
     bindings::pt_regs,
     helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
-    macros::{map, perf_event, tracepoint},
+    macros::{map, perf_event, raw_tracepoint, tracepoint},
     maps::LruHashMap,
-    programs::{PerfEventContext, TracePointContext},
+    programs::{PerfEventContext, RawTracePointContext, TracePointContext},
 };
 use probe_common::{
     Counter, Record,
@@ -67,13 +67,11 @@ const TASK_UNINTERRUPTIBLE: i64 = 0x2;
 static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0);
 
 /// Target threads off the CPU since this time (ns), by tid.
+/// Per target thread off the CPU: [when it left (low bit set: still runnable, preempted), when
+/// it was woken (0: not yet)]. sched_wakeup writes the second in place (no insert: it runs for
+/// every wake-up on the machine).
 #[map(name = "OFFCPU_SINCE")]
-static OFFCPU_SINCE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
-
-/// When a blocked target thread (one in OFFCPU_SINCE) was woken: from then until it runs, it
-/// waits for a CPU.
-#[map(name = "WOKEN_AT")]
-static WOKEN_AT: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
+static OFFCPU_SINCE: LruHashMap<u32, [u64; 2]> = LruHashMap::with_max_entries(16384, 0);
 
 #[inline(always)]
 fn read_kernel<T>(p: *const T) -> T {
@@ -271,19 +269,19 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = USTACK_SEEN.remove(&tid);
             let _ = USTACK_NEED.remove(&tid);
         } else if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
-            insert_lru(&OFFCPU_SINCE, &tid, &(now & !1));
+            insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0]);
             capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
         } else if state & 0xff == 0 {
             // Preempted (or it yielded): still runnable, so until it runs again it waits for a
             // CPU. No stack (where it was is where it will resume); the low bit of the time marks
             // the wait as run-queue time.
-            insert_lru(&OFFCPU_SINCE, &tid, &(now | 1));
+            insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0]);
         }
     }
     let next: i32 = field(ctx, sw::NEXT_PID)?;
     let next = next as u32;
     // SAFETY: the value is copied out before the remove.
-    if let Some(since) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
+    if let Some([since, woken]) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
         let _ = OFFCPU_SINCE.remove(&next);
         let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
         let sched = |flags: u32, blocked_ns: u64| SchedEvent {
@@ -297,12 +295,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             return Ok(());
         }
         // Blocked, then woken: blocked until the wake-up, then waiting for a CPU until now.
-        // SAFETY: the value is copied out before the remove.
-        let woken = unsafe { WOKEN_AT.get(&next) }.copied().filter(|&w| w >= since && w <= now);
-        if woken.is_some() {
-            let _ = WOKEN_AT.remove(&next);
-        }
-        let woken = woken.unwrap_or(now);
+        let woken = if woken >= since && woken <= now { woken } else { now };
         emit(&sched(0, woken - since));
         run_queue_wait(now - woken, SCHED_WOKEN, &sched);
     }
@@ -322,15 +315,35 @@ fn run_queue_wait(ns: u64, flags: u32, sched: &impl Fn(u32, u64) -> SchedEvent) 
     emit(&sched(flags, ns));
 }
 
-/// sched:sched_wakeup (pid @24): runs in the waker, for any task. A target thread that blocked
-/// (it is in OFFCPU_SINCE as blocked) is runnable from here on.
+/// A target thread that blocked (it is in OFFCPU_SINCE as blocked) is runnable from now on.
+#[inline(always)]
+fn woken(tid: u32) {
+    let Some(v) = OFFCPU_SINCE.get_ptr_mut(&tid) else { return };
+    // SAFETY: a map value pointer, valid for this program run; a racing switch-in reads either
+    // value, both times of this wake-up or none.
+    let v = unsafe { &mut *v };
+    if v[0] & 1 == 0 && v[1] == 0 {
+        v[1] = now_ns();
+    }
+}
+
+/// sched_wakeup as a raw tracepoint (arg 0: the woken `struct task_struct *`, its pid read at the
+/// BTF offset). It runs for every wake-up on the machine, often in interrupts on top of other
+/// programs: a classic tracepoint would be skipped there (one global guard), a raw one is not.
+#[raw_tracepoint(tracepoint = "sched_wakeup")]
+pub fn sched_wakeup_raw(ctx: RawTracePointContext) -> i32 {
+    let task: u64 = ctx.arg(0);
+    if let Some(tid) = crate::task::read::<i32>(task, crate::task::offsets().task_pid) {
+        woken(tid as u32);
+    }
+    0
+}
+
+/// sched:sched_wakeup (pid @24), where the raw tracepoint cannot attach.
 #[tracepoint(category = "sched", name = "sched_wakeup")]
 pub fn sched_wakeup(ctx: TracePointContext) -> u32 {
-    let Ok(tid) = field::<i32>(&ctx, wk::PID) else { return 0 };
-    let tid = tid as u32;
-    // SAFETY: the value is copied out at once.
-    if unsafe { OFFCPU_SINCE.get(&tid) }.is_some_and(|&since| since & 1 == 0) {
-        insert_lru(&WOKEN_AT, &tid, &now_ns());
+    if let Ok(tid) = field::<i32>(&ctx, wk::PID) {
+        woken(tid as u32);
     }
     0
 }

@@ -37,6 +37,7 @@ static KOFF: KernelOffsets = KernelOffsets {
     rq_data_len: 0,
     rq_cmd_flags: 0,
     req_bits: [probe_common::kernel::NO_BIT; 5],
+    task_pid: 0,
 };
 
 #[inline(always)]

@@ -197,6 +197,7 @@ impl Btf {
             rq_data_len,
             rq_cmd_flags,
             req_bits,
+            task_pid: self.offset("task_struct", "pid")?,
         })
     }
 

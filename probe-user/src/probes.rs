@@ -96,6 +96,7 @@ const TABLE: &[Spec] = &[
     s(Subsystem::Sock, "sock_close", How::Syscall("sys_enter_close"), false),
     s(Subsystem::Cpu, "cpu_sample", How::PerfCpuClock, true),
     s(Subsystem::Offcpu, "sched_switch", How::Tracepoint(&tp::sched_switch::LAYOUT), true),
+    s(Subsystem::Offcpu, "sched_wakeup_raw", How::Raw("sched_wakeup"), false),
     s(Subsystem::Offcpu, "sched_wakeup", How::Tracepoint(&tp::sched_wakeup::LAYOUT), false),
     s(Subsystem::Mem, "direct_reclaim_begin", How::Plain("vmscan", "mm_vmscan_direct_reclaim_begin"), true),
     s(Subsystem::Mem, "direct_reclaim_end", How::Tracepoint(&tp::mm_vmscan_direct_reclaim_end::LAYOUT), true),

@@ -108,6 +108,9 @@ pub struct Window<'a> {
     pub server_deferred: Option<f64>,
     /// Requests the server preempted while this one was served (vLLM `num_preemptions_total`).
     pub server_preemptions: Option<f64>,
+    /// Prompt tokens that hit the server's prefix cache, of those looked up, while this request
+    /// was served (vLLM `prefix_cache_hits_total` / `prefix_cache_queries_total`).
+    pub server_prefix_cache: Option<(f64, f64)>,
 }
 
 /// A clock below this share of its working level at arrival is a low power state...
@@ -699,9 +702,14 @@ fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
     if s.queue >= 1.0 {
         v.evidence.push(format!("{:.0} ms waiting while other requests were served", s.queue));
     }
-    // The prompt cache, as the server counts it (llama.cpp: prompt_n computed, cache_n reused).
+    // The prompt cache, as the server counts it (llama.cpp: prompt_n computed, cache_n reused;
+    // vLLM: its prefix-cache counters across the request, shared with requests in flight).
     if let Some((n, cached)) = b.cache {
         v.evidence.push(format!("{n} prompt tokens computed, {cached} reused from the server's prompt cache"));
+    } else if let Some((hits, queries)) = w.server_prefix_cache.filter(|p| p.1 >= 1.0) {
+        v.evidence.push(format!(
+            "{hits:.0} of {queries:.0} prompt tokens hit the server's prefix cache while this request was served (vllm:prefix_cache_hits/queries; requests in flight meanwhile share the count)"
+        ));
     }
     if s.compute >= 1.0 {
         let what = if b.generated > 0.0 { "prompt processing and generation" } else { "prompt processing" };

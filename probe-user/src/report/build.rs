@@ -684,19 +684,22 @@ impl Builder {
                 .filter_map(|v| v.metric("llamacpp:requests_deferred").or(v.metric("vllm:num_requests_waiting")))
                 .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
         };
-        // vLLM preemptions (cumulative counter, summed over its labels): the growth from the last
-        // poll before `from` to the first poll after `until`.
-        let preemptions_at = |v: &EndpointPoll| -> Option<f64> {
-            let mut it =
-                v.metrics.as_ref()?.iter().filter(|(k, _)| k.starts_with("vllm:num_preemptions_total")).map(|(_, x)| *x).peekable();
+        // vLLM's cumulative counters (summed over their labels): what one grew by from the last
+        // poll at or before `from` to the first at or after `until`. Preemptions while a request
+        // was served; its prefix cache's hits and queries (tokens).
+        let counter_at = |v: &EndpointPoll, name: &str| -> Option<f64> {
+            let mut it = v.metrics.as_ref()?.iter().filter(|(k, _)| k.starts_with(name)).map(|(_, x)| *x).peekable();
             it.peek()?;
             Some(it.sum())
         };
-        let preempted_in = |from: u64, until: u64| {
-            let before = polls.iter().rev().find(|v| v.ts_ns <= from).and_then(|v| preemptions_at(v))?;
-            let after = polls.iter().find(|v| v.ts_ns >= until).and_then(|v| preemptions_at(v))?;
+        let grew = |name: &str, from: u64, until: u64| {
+            let before = polls.iter().rev().find(|v| v.ts_ns <= from).and_then(|v| counter_at(v, name))?;
+            let after = polls.iter().find(|v| v.ts_ns >= until).and_then(|v| counter_at(v, name))?;
             Some((after - before).max(0.0))
         };
+        let preempted_in = |from: u64, until: u64| grew("vllm:num_preemptions_total", from, until);
+        let prefix_cache_in =
+            |from: u64, until: u64| Some((grew("vllm:prefix_cache_hits", from, until)?, grew("vllm:prefix_cache_queries", from, until)?));
         let lost: u64 = r.lost_events.values().sum();
         let names = &self.file_names;
         let name = |k: &FileKey| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
@@ -762,6 +765,7 @@ impl Builder {
                 server_sleeping: sleeping_before(from),
                 server_deferred: deferred_in(from, to),
                 server_preemptions: preempted_in(from, until),
+                server_prefix_cache: prefix_cache_in(from, until),
             };
             q.verdict = Some(crate::verdict::attribute(q, &w));
         }
@@ -827,7 +831,37 @@ pub(crate) fn against_warm(requests: &mut [Request]) {
                 ttft / median,
                 peers.len()
             ));
+            if v.slow_cause == SlowCause::None {
+                beyond_warm(v, ttft - median);
+            }
         }
+    }
+}
+
+/// A request well over its warm baseline is not `none`: the part that explains at least half of
+/// the excess is its cause (its own work, when that grew), else a data-quality line says that
+/// nothing probe saw explains it.
+fn beyond_warm(v: &mut crate::verdict::Verdict, excess: f64) {
+    let Some(s) = &v.ttft_ms else { return };
+    let parts = [
+        (SlowCause::Disk, s.disk),
+        (SlowCause::Memory, s.memory),
+        (SlowCause::CpuContention, s.cpu_contention),
+        (SlowCause::Load, s.load),
+        (SlowCause::Power, s.power),
+        (SlowCause::Queue, s.queue),
+        (SlowCause::Compute, s.compute),
+    ];
+    let (cause, ms) = parts.iter().copied().fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    if ms >= 0.5 * excess && cause != SlowCause::Compute {
+        v.slow_cause = cause;
+    } else if s.compute >= 0.5 * excess && s.unexplained < 0.5 * excess {
+        v.slow_cause = SlowCause::Compute;
+    } else {
+        v.data_quality.push(format!(
+            "{excess:.0} ms slower than this server's warm requests, and what probe saw explains under half of it ({:.0} ms unexplained)",
+            s.unexplained
+        ));
     }
 }
 
@@ -1019,6 +1053,22 @@ mod tests {
         assert!(rs[3].verdict.as_ref().unwrap().data_quality.iter().any(|d| d == "33% of the TTFT is unexplained (300 ms)"));
         // The warm ones are near their own baseline: nothing said.
         assert!(said(0).is_empty() && said(1).is_empty(), "{:?} {:?}", said(0), said(1));
+        // Far over it with no cause by the absolute rules: not none. Queue explains the excess
+        // in one; nothing does in the other.
+        let mut queued = mk(5, 400.0, 250, SlowCause::None, 0.0);
+        let split = queued.verdict.as_mut().unwrap().ttft_ms.as_mut().unwrap();
+        (split.queue, split.compute) = (200.0, 110.0);
+        let mut rs2 = vec![
+            mk(1, 100.0, 250, SlowCause::None, 0.0),
+            mk(2, 120.0, 240, SlowCause::Compute, 0.0),
+            queued,
+            mk(6, 500.0, 250, SlowCause::None, 350.0),
+        ];
+        against_warm(&mut rs2);
+        assert_eq!(rs2[2].verdict.as_ref().unwrap().slow_cause, SlowCause::Queue);
+        let v = rs2[3].verdict.as_ref().unwrap();
+        assert_eq!(v.slow_cause, SlowCause::None);
+        assert!(v.data_quality.iter().any(|d| d.contains("380 ms slower than this server's warm requests")), "{:?}", v.data_quality);
     }
 
     fn fill(order: u32) -> Event {
