@@ -181,6 +181,14 @@ fn same_seed_twice_gives_identical_output_lengths() {
     assert_eq!(ca.iter().map(|c| &c.0).collect::<std::collections::BTreeSet<_>>().len(), 6);
     let text = std::fs::read_to_string(dir_a.join("results.json")).unwrap() + &std::fs::read_to_string(dir_a.join("results.csv")).unwrap();
     assert!(!text.contains("two plus two") && !text.contains("greeting"), "prompt text leaked into the outputs");
+    // The same --out again: refused, the earlier results untouched (like `trace --out`).
+    let o = Command::new(probe_bin()).arg("bench").args(args).arg("--out").arg(&dir_a).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("holds an earlier run's results") && err.contains("--force"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(dir_a.join("results.json")).unwrap() + &std::fs::read_to_string(dir_a.join("results.csv")).unwrap(),
+        text
+    );
 }
 
 /// Prompt buckets that fit the context report TTFT and prompt tokens/s; one longer than the

@@ -630,6 +630,12 @@ fn generation_flamegraph_names_ggml_functions() {
     let folded = std::fs::read_to_string(off.with_extension("folded")).unwrap();
     let (accept, idle) = share(&folded);
     assert!(accept < 0.02 && idle < 0.02, "idle threads in the request's off-CPU graph: accept {accept:.3}, idle workers {idle:.3}");
+    // Without -o, a request's graph gets its own name: the trace's whole graph stays as written.
+    let whole_svg = std::fs::read(out.join("flame-offcpu.svg")).unwrap();
+    let st = Command::new(probe_bin()).args(["flamegraph", "--kind", "offcpu", "--request", &id.to_string()]).arg(&out).output().unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    assert!(out.join(format!("flame-offcpu-req{id}.svg")).is_file() && out.join(format!("flame-offcpu-req{id}.folded")).is_file());
+    assert!(std::fs::read(out.join("flame-offcpu.svg")).unwrap() == whole_svg, "the trace's flame-offcpu.svg was replaced");
     // No thread waits longer than the request lasted.
     let q = find(&r, client)[0];
     let span_us = q["end_ms"].as_f64().unwrap() * 1e3;
@@ -1413,4 +1419,41 @@ fn a_front_records_its_runners_complete_answers() {
         assert_eq!(v["stop_cause"], want, "the client saw finish_reason {finish}: {q}");
         assert!(!v["evidence"].to_string().contains("closed the connection before its final message"), "{v}");
     }
+}
+
+/// probe killed (SIGKILL) while a request streams: the recording is torn, and the report made from
+/// it afterwards still lists the request, marked cut where the recording ended, never dropped.
+#[test]
+fn a_torn_recording_keeps_the_request_in_flight() {
+    let _cpus = shared_cpus();
+    let mut t = Trace::start("torn", &[]);
+    let s = TcpStream::connect(server().addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(
+        &s,
+        "POST",
+        "/completion",
+        Some(&json!({"prompt": "Write a long story about a sailor.", "n_predict": 400, "stream": true})),
+    );
+    let mut r = BufReader::new(&s);
+    let mut resp = Response { status: 200, events: Vec::new(), body: Vec::new(), pending: Vec::new() };
+    let mut line = String::new();
+    while r.read_line(&mut line).unwrap() > 2 {
+        line.clear();
+    }
+    read_chunks(&mut r, &mut resp, Some(3));
+    // Past the snapshot age, and a flush.
+    std::thread::sleep(Duration::from_millis(1600));
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    drop(r);
+    drop(s);
+    let out = Command::new(probe_bin()).args(["report", "--json"]).arg(&t.out).output().unwrap();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let q = find(&report, client);
+    assert_eq!(q.len(), 1, "the request in flight is not in the torn recording's report: {}", report["requests"]);
+    let v = &q[0]["verdict"];
+    assert_eq!(v["stop_cause"], "unknown", "{v}");
+    assert!(v["evidence"][0].as_str().unwrap().starts_with("cut: the recording ended while it was in flight"), "{v}");
+    assert!(report["problems"].to_string().contains("no end record"), "{}", report["problems"]);
 }

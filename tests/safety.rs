@@ -178,12 +178,18 @@ fn an_api_key_reaches_no_artifact() {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |e| e.subsec_nanos())
     );
     let (mut server, addr) = common::shared_llama_server(&["--api-key", &key, "-c", "512", "-np", "1"]);
+    let ids = cgroup_ids(server.id());
     let rec = d.join("rec");
     // --capture-text: even the kept request bytes must not keep the key.
     let (mut trace, _stderr, _) =
         start_trace(&["--pid", &server.id().to_string(), "--out", rec.to_str().unwrap(), "--capture-text", "--duration", "60s"]);
     let answer = chat(addr, &format!("/v1/chat/completions?api_key={key}"), &format!("Authorization: Bearer {key}\r\n"));
     assert!(answer.starts_with("HTTP/1.1 200"), "the server refused the request: {answer}");
+    // The header split over two and three sends, with pauses: the server reads each part apart.
+    for cuts in [vec![22usize], vec![9, 23]] {
+        let answer = chat_in_parts(addr, &key, &cuts);
+        assert!(answer.starts_with("HTTP/1.1 200"), "the server refused the split request: {answer}");
+    }
     let refused = chat(addr, "/v1/chat/completions", "");
     assert!(refused.starts_with("HTTP/1.1 401"), "a request without the key should be refused: {refused}");
     // SAFETY: kill(2) on the trace's own pid.
@@ -218,6 +224,53 @@ fn an_api_key_reaches_no_artifact() {
     for (path, bytes) in common::all_files(&unpacked) {
         assert!(!kernel_address_in(&bytes), "a raw kernel address in {path}");
     }
+    // The masked one holds none of what --mask hides, in any of its files: the server's address,
+    // this machine's name, the model's directory, and the ids in the server's cgroup paths.
+    let mut hidden = vec!["127.0.0.1".to_string(), common::env_path("LLAMA_MODEL").parent().unwrap().display().to_string()];
+    hidden.extend(std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()).filter(|h| h.len() > 2));
+    hidden.extend(ids);
+    let masked: Vec<(String, Vec<u8>)> = common::all_files(&unpacked).into_iter().filter(|(p, _)| p.contains("/masked/")).collect();
+    assert!(masked.iter().any(|(p, _)| p.ends_with("environment.txt")) && masked.iter().any(|(p, _)| p.ends_with("report.md")));
+    for (path, bytes) in &masked {
+        for h in &hidden {
+            assert!(!bytes.windows(h.len()).any(|w| w == h.as_bytes()), "--mask left {h} in {path}");
+        }
+    }
+}
+
+/// The long hexadecimal ids (container, cgroup scope) in a process's cgroup paths.
+fn cgroup_ids(pid: u32) -> Vec<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let mut ids: Vec<String> = text
+        .split(|c: char| !c.is_ascii_hexdigit())
+        .filter(|w| w.len() >= 12 && w.chars().all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)))
+        .map(String::from)
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// A chat request whose `Authorization: Bearer KEY` line is sent in parts, cut at `cuts` (offsets
+/// into that line), 150 ms apart (TCP_NODELAY: each part is its own segment and read).
+fn chat_in_parts(addr: SocketAddr, key: &str, cuts: &[usize]) -> String {
+    let body = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2}"#;
+    let line = format!("Authorization: Bearer {key}\r\n");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n").unwrap();
+    let mut from = 0;
+    for &cut in cuts.iter().chain([&line.len()]) {
+        std::thread::sleep(Duration::from_millis(150));
+        s.write_all(&line.as_bytes()[from..cut]).unwrap();
+        from = cut;
+    }
+    std::thread::sleep(Duration::from_millis(150));
+    write!(s, "Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
 }
 
 /// `0xffff` followed by 12 hex digits (a kernel address as text).

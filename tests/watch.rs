@@ -444,3 +444,37 @@ fn follows_an_executable_by_name() {
     w.stop();
     drop(second);
 }
+
+/// One incident per (kind, cause) per gap, not per kind: with every request slow (`--slow-ttft
+/// 1ms`) and a long gap, a second slow request of the same cause is not saved, but a client that
+/// hangs up mid-stream is an incident of its own kind (and slow too), and it is saved.
+#[test]
+fn a_different_cause_is_another_incident() {
+    let d = scratch("watch-causes");
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let srv = llama(&env_path("LLAMA_MODEL"), port, &[]);
+    let mut w =
+        Watch::start(&d.join("state"), &["--port", &port.to_string(), "--slow-ttft", "1ms", "--incident-gap", "600s", "--segment", "2s"]);
+    w.wait_armed(1, Duration::from_secs(30));
+    completion(addr, "One");
+    w.wait_log("incident slow_ttft", Duration::from_secs(60));
+    completion(addr, "Two");
+    w.wait_log("not saved (another within 600 s", Duration::from_secs(60));
+    // A reader that leaves after the first bytes of a long stream.
+    {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let body = json!({"prompt": "Tell me a long story.", "n_predict": 400, "stream": true, "ignore_eos": true}).to_string();
+        write!(s, "POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let mut buf = [0u8; 512];
+        let _ = s.read(&mut buf).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    w.wait_log("incident client_disconnect", Duration::from_secs(60));
+    let incidents = w.incidents();
+    let named = |what: &str| incidents.iter().filter(|p| p.to_string_lossy().contains(what)).count();
+    assert_eq!((named("-slow_ttft-"), named("-client_disconnect-")), (1, 1), "{incidents:?}\n{:#?}", w.log);
+    w.stop();
+    kill(srv);
+}

@@ -129,16 +129,20 @@ fn environment(rec: &Recording) -> String {
         .filter(|e| e.answered())
         .take(1)
         .map(|v| {
+            // What it says of itself; a server that says nothing is named by its kind alone.
             let p = v.props.clone().unwrap_or_default();
-            format!(
-                "{} at {}: build {}, model {}, {} slots x {} tokens",
-                v.kind.name(),
-                v.addr,
-                js(&p.build_info),
-                js(&p.model_path),
-                js(&p.total_slots),
-                js(&p.n_ctx_slot)
-            )
+            let mut said = Vec::new();
+            if let Some(b) = &p.build_info {
+                said.push(format!("build {b}"));
+            }
+            if let Some(m) = &p.model_path {
+                said.push(format!("model {m}"));
+            }
+            if let (Some(n), Some(c)) = (p.total_slots, p.n_ctx_slot) {
+                said.push(format!("{n} slots x {c} tokens"));
+            }
+            let said = if said.is_empty() { String::new() } else { format!(" ({})", said.join(", ")) };
+            format!("{} at {}{said}", v.kind.name(), v.addr)
         })
         .collect();
     format!(

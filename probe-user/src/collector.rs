@@ -80,6 +80,10 @@ const DRAIN_TIME: Duration = Duration::from_millis(10);
 const LAST_USER_STACKS: usize = 16384;
 /// At most this many other processes are named (the competitors for a CPU on a busy box).
 const MAX_OTHERS: usize = 4096;
+/// Connections whose credential-masking state is kept at once (as many as the stream tracker).
+const MAX_CREDENTIAL_STREAMS: usize = crate::stream::MAX_CONNS * 2;
+/// A request in flight this long gets a snapshot record (see `StreamTracker::snapshots`).
+const SNAPSHOT_AGE_NS: u64 = 500_000_000;
 /// How often the ring is drained while records flow, and after a turn that found none.
 const DRAIN_TICK: Duration = Duration::from_millis(20);
 const IDLE_DRAIN: Duration = Duration::from_millis(200);
@@ -158,6 +162,8 @@ mod session;
 struct State {
     writer: Writer,
     capture_text: bool,
+    /// With --capture-text: credential masking carried across reads, per (socket, direction).
+    credentials: HashMap<(u64, u8), crate::redact::CredentialStream>,
     streams: stream::Tracker,
     unwinders: Unwinders,
     /// Kernel addresses named while they mean something (see crate::ksyms).
@@ -214,6 +220,7 @@ impl State {
         State {
             writer,
             capture_text,
+            credentials: HashMap::new(),
             streams: stream::Tracker::new(start_ns, capture_text),
             unwinders: Unwinders::default(),
             ksyms: crate::ksyms::Resolver::default(),
@@ -253,12 +260,16 @@ impl State {
         }
         // Stream bytes are parsed here and dropped unless the user asked to keep them; raw stacks
         // (which hold user memory) are unwound here and only their frames are kept.
-        if let (Event::Data(_), true) = (&ev, self.capture_text) {
+        if let (Event::Data(d), true) = (&ev, self.capture_text) {
             // Kept text never keeps credentials: Authorization, Cookie, X-Api-Key values and secret
-            // query parameters are overwritten (same length) before the bytes reach the file.
+            // query parameters are overwritten (same length) before the bytes reach the file,
+            // however the reads split them (state per connection and direction).
             let mut copy = bytes.to_vec();
             let head = bytes.len() - decode::data_payload(bytes).len();
-            crate::redact::http_credentials_in_place(&mut copy[head..]);
+            if self.credentials.len() >= MAX_CREDENTIAL_STREAMS {
+                self.credentials.clear();
+            }
+            self.credentials.entry((d.sk, d.dir)).or_default().mask(&mut copy[head..]);
             self.writer.kernel(&copy)?;
         } else if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_)) {
             self.writer.kernel(bytes)?;
@@ -420,8 +431,12 @@ impl State {
         self.writer.disk_full().is_some() || self.max_bytes.is_some_and(|m| self.writer.bytes >= m)
     }
 
-    /// Write the requests that finished.
+    /// Write the requests that finished, and a snapshot of each one in flight for half a second
+    /// (kept if the recording is torn before it ends).
     fn write_requests(&mut self) -> std::io::Result<()> {
+        for r in self.streams.snapshots(crate::monotonic_ns(), SNAPSHOT_AGE_NS) {
+            self.writer.record(&UserRecord::Request(Box::new(r)))?;
+        }
         for r in self.streams.take_done() {
             let r = UserRecord::Request(Box::new(r));
             self.writer.record(&r)?;

@@ -555,9 +555,16 @@ fn flamegraph_cmd(
             out
         }
         None => {
+            // A request's or a window's graph gets a name of its own: the trace's whole-recording
+            // flame-<kind>.svg stays as it was written.
+            let name = match (request, from, to) {
+                (Some(id), ..) => format!("flame-{}-req{id}", kind.name()),
+                (None, None, None) => format!("flame-{}", kind.name()),
+                (None, f, t) => format!("flame-{}-{}s-{}s", kind.name(), f.unwrap_or(0.0), t.map_or("end".into(), |t| t.to_string())),
+            };
             let d = output::OutDir::open(&dir)?;
-            d.write(&format!("flame-{}.folded", kind.name()), text.as_bytes())?;
-            d.write(&format!("flame-{}.svg", kind.name()), &svg)?
+            d.write(&format!("{name}.folded"), text.as_bytes())?;
+            d.write(&format!("{name}.svg"), &svg)?
         }
     };
     println!("{} ({} stacks, weight {})", out.display(), folded.len(), folded.values().sum::<u64>());

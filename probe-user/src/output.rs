@@ -183,7 +183,7 @@ impl OutDir {
     }
 
     /// Entry names in the directory (not "." or "..").
-    fn names(&self) -> io::Result<Vec<String>> {
+    pub(crate) fn names(&self) -> io::Result<Vec<String>> {
         // Through /proc/self/fd: the directory this value holds, whatever its path is now.
         let listed = std::fs::read_dir(format!("/proc/self/fd/{}", self.dir.as_raw_fd()))?;
         Ok(listed.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())

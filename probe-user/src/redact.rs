@@ -71,7 +71,7 @@ const CREDENTIAL_HEADERS: [&[u8]; 5] = [b"authorization:", b"proxy-authorization
 /// Overwrite, in place, the credentials in raw HTTP bytes with `*`, keeping every length (the
 /// stream parser and the recording's byte counts stay right): the values of credential headers
 /// (`Authorization`, `Cookie`, `X-Api-Key`, …) and of secret query parameters in a request line
-/// (`?api_key=`). A header cut across two reads is hidden only in the read that has its name.
+/// (`?api_key=`), within one buffer ([`CredentialStream`] carries headers across reads).
 pub fn http_credentials_in_place(buf: &mut [u8]) {
     let mut line_start = 0;
     while line_start < buf.len() {
@@ -104,9 +104,55 @@ pub fn http_credentials_in_place(buf: &mut [u8]) {
     }
 }
 
+/// Credential headers masked across reads: the state of one direction of one connection,
+/// carried from one read (or write) to the next, so a header whose name, value or both are split
+/// over several reads is still hidden (`Author` | `ization: Bea` | `rer sk-…`).
+#[derive(Clone, Debug, Default)]
+pub struct CredentialStream {
+    /// The start of the current line, while it may still be a header name (up to its `:`).
+    name: Vec<u8>,
+    /// Past the start of the line (a name too long, or a `:` already seen): not a name.
+    mid_line: bool,
+    /// Inside a credential header's value, until the end of its line.
+    in_value: bool,
+}
+
+/// Longest header name looked for, with its colon.
+const NAME_MAX: usize = 24;
+
+impl CredentialStream {
+    /// Mask `buf` in place, the next bytes of this stream: a credential header's value becomes
+    /// `*` (spaces and line ends kept, so every length stays), wherever the read boundaries fall.
+    /// Secret query parameters are masked per read, as [`http_credentials_in_place`] does.
+    pub fn mask(&mut self, buf: &mut [u8]) {
+        for c in buf.iter_mut() {
+            if *c == b'\n' {
+                self.name.clear();
+                (self.mid_line, self.in_value) = (false, false);
+            } else if self.in_value {
+                if *c != b'\r' && *c != b' ' {
+                    *c = b'*';
+                }
+            } else if !self.mid_line {
+                self.name.push(*c);
+                if *c == b':' {
+                    self.in_value = CREDENTIAL_HEADERS.iter().any(|h| self.name.eq_ignore_ascii_case(h));
+                    self.mid_line = true;
+                } else if self.name.len() >= NAME_MAX {
+                    self.mid_line = true;
+                }
+            }
+        }
+        http_credentials_in_place(buf);
+    }
+}
+
 static GPU_UUID: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"\b(GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b").expect("valid regex")
 });
+/// A long hexadecimal id (a container's, a cgroup scope's, a machine's): 12 digits or more, not
+/// an address (`0x…` has no word boundary before its digits).
+static HEX_ID: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\b[0-9a-f]{12,}\b").expect("valid regex"));
 static QUERY: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(/[A-Za-z0-9._~%/+-]*)\?[^\s\x22'`()<>|\[\]{}]+").expect("valid regex"));
 static URL_HOST: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"\b([a-zA-Z][a-zA-Z0-9+.-]*)://(?:[^/\s@]+@)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)").expect("valid regex"));
@@ -160,6 +206,7 @@ impl Masker {
             t = t.replace(h.as_str(), "<host>");
         }
         let t = GPU_UUID.replace_all(&t, "$1-<uuid>");
+        let t = HEX_ID.replace_all(&t, "<id>");
         let t = URL_HOST.replace_all(&t, |c: &Captures| {
             let host = &c[2];
             if host == "localhost" { c[0].to_string() } else { format!("{}://<host>", &c[1]) }
@@ -185,6 +232,11 @@ impl Masker {
     }
 
     fn word(&self, word: &str) -> String {
+        // A word ending a clause (`127.0.0.1:8080:`, `/a/b.`) is the word without its stop.
+        if let Some(w) = word.strip_suffix([':', '.']).filter(|w| !w.is_empty()) {
+            let stop = &word[w.len()..];
+            return format!("{}{stop}", self.word(w));
+        }
         let (path, query) = match word.split_once("?\u{1}q") {
             Some((p, _)) => (p, true),
             None => (word, false),
@@ -287,6 +339,26 @@ mod tests {
         );
     }
 
+    /// `Authorization: Bearer …` split over two and three reads at every point: the value is
+    /// hidden whole, lengths kept, the other headers untouched.
+    #[test]
+    fn credentials_split_across_reads_are_masked() {
+        let raw = b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-123\r\nX-Other: keep\r\n\r\n{}";
+        let want = b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nAuthorization: ****** *************\r\nX-Other: keep\r\n\r\n{}";
+        for a in 0..raw.len() {
+            for b in a..raw.len() {
+                let mut bytes = raw.to_vec();
+                let mut st = CredentialStream::default();
+                let (x, rest) = bytes.split_at_mut(a);
+                let (y, z) = rest.split_at_mut(b - a);
+                for part in [x, y, z] {
+                    st.mask(part);
+                }
+                assert_eq!(String::from_utf8_lossy(&bytes), String::from_utf8_lossy(want), "split at {a} and {b}");
+            }
+        }
+    }
+
     #[test]
     fn mask_hides_machine_names_but_keeps_api_paths_and_base_names() {
         let m = Masker { api_paths: ["/v1/chat/completions".to_string()].into(), hosts: vec!["gpubox".into()] };
@@ -298,5 +370,15 @@ mod tests {
         assert_eq!(m.mask("~/m/x.gguf ./a/b.bin models/q4.gguf 12 tok/s"), "<dir>/x.gguf <dir>/b.bin <dir>/q4.gguf 12 tok/s");
         assert_eq!(m.mask("GPU-8a1b2c3d-1111-2222-3333-444455556666 at http://ai.lan:11434/api"), "GPU-<uuid> at http://<host>:11434/api");
         assert_eq!(m.mask("TTFT 241 ms; 93.8 MiB"), "TTFT 241 ms; 93.8 MiB");
+        // Container and cgroup ids, whole or in a scope's name; an address stays.
+        assert_eq!(
+            m.mask("cgroup /system.slice/docker-3f2a9c8b7d6e5f40a1b2c3d4e5f6a7b8c9d0e1f2a3b4c5d6e7f8a9b0c1d2e3f4.scope, memcg /process_api/9621df7e4ef7ecbdc164fae23ee28635"),
+            "cgroup <dir>/docker-<id>.scope, memcg <dir>/<id>"
+        );
+        assert_eq!(m.mask("llama-server+0x55b8a4569df0"), "llama-server+0x55b8a4569df0");
+        assert_eq!(
+            m.mask("server: other at 127.0.0.1:36705: build b1, read /srv/m/x.gguf."),
+            "server: other at <ip>:36705: build b1, read <dir>/x.gguf."
+        );
     }
 }

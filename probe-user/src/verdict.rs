@@ -373,6 +373,10 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
         )),
         Crash => Some("the server closed the connection before its final message".into()),
         ServerError => Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default())),
+        Unknown if q.in_flight => Some(
+            "cut: the recording ended while it was in flight (probe did not finish the recording: killed, or the disk filled); its end was not seen"
+                .into(),
+        ),
         Unknown if q.closed_by == ClosedBy::Open => {
             Some(format!("in flight at the end of the trace, after {n} tokens: its end was not seen"))
         }

@@ -146,6 +146,9 @@ pub struct BenchArgs {
     /// Output directory: results.json, results.csv, summary.txt, *.svg, trace-N/.
     #[arg(long, default_value = "probe-bench")]
     pub out: PathBuf,
+    /// Replace an earlier run's results in --out (it is refused otherwise, like `trace --out`).
+    #[arg(long)]
+    pub force: bool,
     /// How long to wait for the server's health endpoint (start and after each restart).
     #[arg(long, value_parser = parse_secs, default_value = "120s")]
     pub health_timeout: Duration,

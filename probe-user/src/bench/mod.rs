@@ -221,7 +221,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         Ok(_) => {}
         Err(e) => bail!("cannot reach the server at {}: {e}", args.url),
     }
-    crate::output::OutDir::create_or_open(&args.out)?;
+    let out = crate::output::OutDir::create_or_open(&args.out)?;
+    // One rule for existing outputs: an earlier run's results are replaced only when asked.
+    if out.names()?.iter().any(|n| n == "results.json") && !args.force {
+        bail!("{} holds an earlier run's results (results.json); choose a new --out, or add --force to replace them", args.out.display());
+    }
     // SAFETY: installing an async-signal-safe handler (atomics only).
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
     let own_prompts: Vec<String> = match &args.prompts {

@@ -262,6 +262,7 @@ impl Builder {
                 self.has_end = true;
                 r.target.end_reason = Some(e.reason);
             }
+            // A snapshot taken in flight is replaced by the request's later record (see prepare).
             UserRecord::Request(q) => r.requests.push(Request { record: *q, verdict: None }),
             UserRecord::Sample(v) => self.samples.push(*v),
             UserRecord::Other(_) => {}
@@ -373,6 +374,14 @@ impl Builder {
             let p = if role == Role::Client { port_of(local) } else { port_of(peer) };
             p.is_some_and(|p| polls.contains(&p))
         };
+        // A snapshot taken while a request was in flight gives way to its later record; one
+        // without a later record stays: the recording was cut while it was in flight.
+        let last: HashMap<(u32, u64), usize> = r.requests.iter().enumerate().map(|(i, q)| ((q.pid, q.id), i)).collect();
+        let mut i = 0;
+        r.requests.retain(|q| {
+            i += 1;
+            last.get(&(q.pid, q.id)) == Some(&(i - 1))
+        });
         let before = r.requests.len();
         // A poll's head says so (User-Agent); its port is the only sign when the head was not seen.
         // Ports are reused: a client's request with a parsed head is never matched by port.

@@ -206,6 +206,10 @@ pub struct RequestRecord {
     /// not seen.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub evicted: bool,
+    /// A snapshot written while the request was in flight (see [`StreamTracker::snapshots`]): the
+    /// request's later record replaces it. One left at the end of a recording was cut there.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_flight: bool,
 }
 
 impl RequestRecord {
@@ -285,6 +289,8 @@ struct Pending {
     /// When the server began sending its final message (syscall entry, ns): a peer that closed
     /// after this left after the server had stopped.
     final_at: Option<u64>,
+    /// A snapshot of it was taken (once per request).
+    snapshot: bool,
 }
 
 #[derive(Debug)]
@@ -383,6 +389,20 @@ impl Tracker {
     /// Connections followed now, and the bytes their parsers hold.
     pub fn usage(&self) -> (usize, usize) {
         (self.conns.len(), self.held)
+    }
+
+    /// Requests in flight for at least `age_ns` (at `now_ns`) and not snapshotted yet, as records
+    /// marked `in_flight`: written at once, they keep a request that a torn recording (probe
+    /// killed, the disk full) would otherwise lose. Its final record replaces the snapshot.
+    pub fn snapshots(&mut self, now_ns: u64, age_ns: u64) -> Vec<RequestRecord> {
+        let mut out = Vec::new();
+        for conn in self.conns.values_mut() {
+            for p in conn.pending.iter_mut().filter(|p| !p.snapshot && p.arrival_ns.is_some_and(|a| a + age_ns <= now_ns)) {
+                p.snapshot = true;
+                out.push(RequestRecord { in_flight: true, closed_by: ClosedBy::Open, ..p.rec.clone() });
+            }
+        }
+        out
     }
 
     /// Requests not finished yet.
@@ -609,6 +629,7 @@ impl Tracker {
             content_type: String::new(),
             response_started: false,
             final_at: None,
+            snapshot: false,
         }
     }
 

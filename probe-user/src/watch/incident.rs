@@ -30,8 +30,8 @@ fn abnormal(stop: StopCause) -> bool {
 /// A request waiting for its segment to close.
 struct Pending {
     q: Box<RequestRecord>,
-    /// The incident cause, when it makes one.
-    incident: Option<&'static str>,
+    /// The incidents it makes (kinds: `slow_ttft`, an abnormal stop's name), none for most.
+    incidents: Vec<&'static str>,
 }
 
 pub struct Watcher {
@@ -47,7 +47,8 @@ pub struct Watcher {
     segments: VecDeque<Segment>,
     pending: Vec<Pending>,
     ttfts: VecDeque<f64>,
-    last_incident: HashMap<&'static str, Instant>,
+    /// When an incident of each (kind, cause) was last saved: one per pair per `--incident-gap`.
+    last_incident: HashMap<(&'static str, String), Instant>,
     otlp: Option<Arc<crate::export::otlp::Sender>>,
 }
 
@@ -94,7 +95,7 @@ impl Watcher {
                     self.analyse();
                     if target_exited {
                         let what = format!("pid {} exited ({reason}); {lost} events lost in the session", self.pid);
-                        self.incident("server_exit", None, &what);
+                        self.incident("server_exit", "server_exit", None, &what);
                     }
                     self.metrics.session_ended();
                     break;
@@ -125,24 +126,25 @@ impl Watcher {
         self.metrics.request(stop, q.path.as_deref(), q.ttft_ms.map(|t| t / 1e3), tokens);
         let first = verdict::first_token_ms(&q);
         let slow_at = self.slow.threshold_ms(self.median_ms());
-        let incident = if first.is_some_and(|t| t > slow_at) {
-            Some("slow_ttft")
-        } else if abnormal(stop) {
-            Some(stop.name())
-        } else {
-            None
-        };
+        // Slow and stopped abnormally: an incident of each kind.
+        let mut incidents = Vec::new();
+        if first.is_some_and(|t| t > slow_at) {
+            incidents.push("slow_ttft");
+        }
+        if abnormal(stop) {
+            incidents.push(stop.name());
+        }
         if let Some(t) = first {
             if self.ttfts.len() >= MEDIAN_OF {
                 self.ttfts.pop_front();
             }
             self.ttfts.push_back(t);
         }
-        if incident.is_some() {
+        if !incidents.is_empty() {
             // Its events are in the segment being written: close it now.
             self.link.rotate_soon();
         }
-        self.pending.push(Pending { q, incident });
+        self.pending.push(Pending { q, incidents });
     }
 
     /// The closed segments joined, those that reach past `from_ms`; the meta record says
@@ -192,7 +194,7 @@ impl Watcher {
             if let Some(v) = &v {
                 self.metrics.verdict(v);
             }
-            if let Some(cause) = p.incident {
+            for &kind in &p.incidents {
                 let slow = v.as_ref().map(|v| v.slow_cause.name()).unwrap_or("unknown");
                 let what = format!(
                     "request {} {} {}: ttft {}, stop {}, slow cause {slow}{}",
@@ -203,37 +205,41 @@ impl Watcher {
                     verdict::stop_cause(&p.q).0,
                     v.as_ref().map(|v| evidence(&v.evidence)).unwrap_or_default(),
                 );
-                self.incident(cause, Some(&p.q), &what);
+                // A slow request's cause is its slow cause; a stop's, the stop itself.
+                let cause = if kind == "slow_ttft" { slow } else { kind };
+                self.incident(kind, cause, Some(&p.q), &what);
             }
         }
     }
 
-    /// Save an incident (unless one of the same cause was saved within the gap).
-    fn incident(&mut self, cause: &'static str, q: Option<&RequestRecord>, what: &str) {
-        if self.last_incident.get(cause).is_some_and(|t| t.elapsed() < self.gap) {
-            self.metrics.incident(cause, false);
+    /// Save an incident of `kind` (unless one of the same kind and cause was saved within the
+    /// gap: a different cause is another incident).
+    fn incident(&mut self, kind: &'static str, cause: &str, q: Option<&RequestRecord>, what: &str) {
+        let key = (kind, cause.to_string());
+        if self.last_incident.get(&key).is_some_and(|t| t.elapsed() < self.gap) {
+            self.metrics.incident(kind, false);
             log_line!(
-                "probe watch: incident {cause} not saved (another within {} s; --incident-gap): {}",
+                "probe watch: incident {kind} ({cause}) not saved (another within {} s; --incident-gap): {}",
                 self.gap.as_secs(),
                 crate::text::terminal(what)
             );
             return;
         }
-        self.last_incident.insert(cause, Instant::now());
+        self.last_incident.insert(key, Instant::now());
         let from = q.and_then(|q| q.arrival_ms).map_or(f64::NEG_INFINITY, |a| a - self.window_ms);
         let mut bytes = self.joined(from);
         if bytes.is_empty() {
             return;
         }
-        let end = crate::recording::records::End { ts_ns: crate::monotonic_ns(), reason: format!("incident: {cause}") };
+        let end = crate::recording::records::End { ts_ns: crate::monotonic_ns(), reason: format!("incident: {kind}") };
         bytes.extend_from_slice(&crate::recording::standalone(&crate::recording::records::UserRecord::End(end)));
-        match write_incident(&self.dir, cause, q.map(|q| q.id), &bytes) {
+        match write_incident(&self.dir, kind, q.map(|q| q.id), &bytes) {
             Ok(dir) => {
-                self.metrics.incident(cause, true);
-                log_line!("probe watch: incident {cause}: {}; saved {}", crate::text::terminal(what), dir.display());
+                self.metrics.incident(kind, true);
+                log_line!("probe watch: incident {kind}: {}; saved {}", crate::text::terminal(what), dir.display());
                 self.rotate_incidents(&dir);
             }
-            Err(e) => log_line!("probe watch: incident {cause} not saved: {e:#}"),
+            Err(e) => log_line!("probe watch: incident {kind} not saved: {e:#}"),
         }
     }
 
