@@ -587,6 +587,64 @@ pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd, String> {
 /// event waits for the kernel's RCU grace periods (30 ms idle, 500 ms under load, one
 /// tracepoint after another), which made a stop take seconds (4.2 s for 64 programs on an idle
 /// 2-CPU VM; 138 ms in parallel). Maps taken out of the `Ebpf` before stay.
+/// The off switch, thrown the moment the trace stops: the target set is emptied, so every program
+/// that asks whether the current task is traced (all but the socket and wake-up ones, which look
+/// up maps of the target's own sockets and threads) returns at once and produces nothing more.
+pub fn switch_off(ebpf: &mut Ebpf) {
+    let Some(m) = ebpf.map_mut(probe_common::maps::TARGETS) else { return };
+    let Ok(mut map) = HashMap::<_, u32, u8>::try_from(m) else { return };
+    let pids: Vec<u32> = map.keys().filter_map(Result::ok).collect();
+    for pid in pids {
+        let _ = map.remove(&pid);
+    }
+}
+
+/// Hand the programs to a child process that lets them go once probe has exited: closing a
+/// classic tracepoint waits for an RCU grace period, one after another (about 2 s for 66
+/// programs on a 2-CPU VM), and the process that closes the last descriptor of each pays for it.
+/// The child holds the same descriptors and waits for probe's end (a pipe only probe holds open),
+/// then exits, and the kernel detaches everything. probe itself exits at once; kill -9 of either
+/// still leaves nothing attached. Without a child (fork refused), they are detached here.
+pub fn hand_off(attached: Attached) {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 writes two descriptors into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return detach(attached);
+    }
+    // SAFETY: the child calls only async-signal-safe functions (close, read, _exit).
+    match unsafe { libc::fork() } {
+        0 => {
+            // The child: let go of the terminal and of probe's output pipes (whoever reads them
+            // sees their end with probe's), wait for probe to exit (the pipe's write end closes),
+            // then exit.
+            // SAFETY: plain descriptor calls on descriptors this process owns.
+            unsafe {
+                for fd in [0, 1, 2, fds[1]] {
+                    libc::close(fd);
+                }
+                let mut b = 0u8;
+                while libc::read(fds[0], (&raw mut b).cast(), 1) != 0 {}
+                libc::_exit(0);
+            }
+        }
+        -1 => {
+            // SAFETY: closing the pipe this function made.
+            unsafe {
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+            }
+            detach(attached)
+        }
+        child => {
+            log::info!("programs handed to pid {child}, detached when probe exits");
+            // SAFETY: the read end is the child's.
+            unsafe { libc::close(fds[0]) };
+            // Our descriptors close with the process; the child's are the last ones.
+            std::mem::forget(attached);
+        }
+    }
+}
+
 pub fn detach(attached: Attached) {
     let Attached { mut ebpf, .. } = attached;
     let t = std::time::Instant::now();

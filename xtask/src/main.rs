@@ -42,6 +42,9 @@ enum Cmd {
         /// Only the tracing cost: probe and bpftrace on an idle and a generating llama-server.
         #[arg(long)]
         cost: bool,
+        /// Only Ctrl-C to exit: on an idle process and under an mmap/munmap flood.
+        #[arg(long)]
+        stop: bool,
     },
     /// A real llama-server under concurrent streaming clients for minutes, every probe on: probe's
     /// peak memory and its slope, events lost, recording size per minute, probe's CPU.
@@ -641,9 +644,53 @@ fn bench() -> anyhow::Result<()> {
     println!("  probe drained {events} events ({:.0} events/s while the loop ran {ran:.1} s), lost {lost}", events as f64 / ran.max(1e-9));
     let (secs, rss) = timed(Command::new(bin("probe")).args(["report", "--json"]).arg(dir.join("rate-true")))?;
     println!("  reporting it: {secs:.2} s, peak RSS {:.0} MB; on disk: {}", rss / 1e6, sizes(&dir.join("rate-true"), false)?);
+    bench_stop(&dir)?;
     bench_report(&dir)?;
     bench_llama(&dir)?;
     cost::bench_cost(&dir)
+}
+
+/// Ctrl-C to exit: SIGINT to `probe trace` (every probe) until it exited with its report written,
+/// on an idle process and under an mmap/munmap flood; medians of 5 and of 3.
+fn bench_stop(dir: &Path) -> anyhow::Result<()> {
+    let stop = |pid: u32, rec: &Path| -> anyhow::Result<f64> {
+        let mut p = Command::new(bin("probe"))
+            .args(["trace", "--pid", &pid.to_string(), "--out"])
+            .arg(rec)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
+        std::thread::sleep(Duration::from_millis(1500));
+        let t = Instant::now();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+        p.wait()?;
+        let secs = t.elapsed().as_secs_f64();
+        if !rec.join("report.json").is_file() {
+            bail!("probe exited without its report in {}", rec.display());
+        }
+        Ok(secs)
+    };
+    let mut sleeper = Command::new("sleep").arg("600").spawn()?;
+    let idle = (0..5).map(|i| stop(sleeper.id(), &dir.join(format!("stop-idle-{i}")))).collect::<anyhow::Result<Vec<f64>>>()?;
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    let mut flood = Vec::new();
+    for i in 0..3 {
+        let (mut w, pid, _lines) = start_workload(&["mmap-loop", "10"])?;
+        writeln!(w.stdin.take().context("stdin")?, "go")?;
+        flood.push(stop(pid, &dir.join(format!("stop-flood-{i}")))?);
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    let ms = |v: &[f64]| format!("median {:.0} ms, max {:.0} ms", median(v.to_vec()) * 1e3, v.iter().cloned().fold(0.0, f64::max) * 1e3);
+    println!(
+        "Ctrl-C to exit (SIGINT to probe's exit, report written; every probe): idle process {}; under an mmap/munmap flood {}",
+        ms(&idle),
+        ms(&flood)
+    );
+    Ok(())
 }
 
 /// `cargo xtask bench --cost`: the tracing-cost section alone (its files in target/bench/cost).
@@ -935,8 +982,16 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Build => build(),
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
-        Cmd::Bench { cost: false } => bench(),
-        Cmd::Bench { cost: true } => bench_cost_only(),
+        Cmd::Bench { cost: true, .. } => bench_cost_only(),
+        Cmd::Bench { stop: true, .. } => {
+            require_root()?;
+            build()?;
+            let dir = root().join("target/bench/stop");
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir)?;
+            bench_stop(&dir)
+        }
+        Cmd::Bench { .. } => bench(),
         Cmd::Soak { minutes, clients } => soak::soak(minutes, clients),
         Cmd::Stress => soak::stress(),
         Cmd::Fuzz { secs } => fuzz(secs),

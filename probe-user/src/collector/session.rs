@@ -54,8 +54,14 @@ struct Stopped {
     full: Option<recording::DiskFull>,
     /// The end record did not fit either.
     full_again: bool,
-    /// The programs being detached, on their own thread.
-    detaching: Option<std::thread::JoinHandle<()>>,
+    /// The programs, switched off: detached on their own thread (`probe watch`, which goes on) or
+    /// handed off at exit (`probe trace`).
+    programs: Programs,
+}
+
+enum Programs {
+    Detaching(Option<std::thread::JoinHandle<()>>),
+    Attached(Box<probes::Attached>),
 }
 
 pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
@@ -85,17 +91,20 @@ pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir:
             bytes,
         }));
         w.send(segments::Msg::Ended { reason: reason.clone(), target_exited, lost: stopped.lost.iter().sum() });
-        if let Some(d) = stopped.detaching {
+        if let Programs::Detaching(Some(d)) = stopped.programs {
             let _ = d.join();
         }
         return Ok(TraceOutcome { report: Report::default(), partial: false, reason, target_exited });
     }
     let report = write_outputs(&opts, st, &stopped, &reason, out_dir, stopping)?;
-    // Exit only once nothing of probe's is left in the kernel.
-    if let Some(d) = stopped.detaching {
-        let _ = d.join();
+    match stopped.programs {
+        Programs::Detaching(Some(d)) => {
+            let _ = d.join();
+        }
+        Programs::Detaching(None) => {}
+        Programs::Attached(a) => probes::hand_off(*a),
     }
-    log::info!("stop: detached at {:?}", stopping.elapsed());
+    log::info!("stop: programs let go at {:?}", stopping.elapsed());
     let partial = partial || stopped.full.is_some() || report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
     Ok(TraceOutcome { report, partial, reason, target_exited })
 }
@@ -390,12 +399,19 @@ fn stop(
     out_dir: &crate::output::OutDir,
     stopping: Instant,
 ) -> anyhow::Result<Stopped> {
-    let Session { mut ring, lost_map, counter_map, attached, bpf_unmeasured, .. } = se;
+    let Session { mut ring, lost_map, counter_map, mut attached, bpf_unmeasured, .. } = se;
     let stop_ns = monotonic_ns();
+    probes::switch_off(&mut attached.ebpf);
     let runs = probes::prog_runs(&attached.ebpf);
     let skipped = probes::skipped_runs(&runs);
     let (lost, counters) = (sum(&lost_map), sum(&counter_map));
-    let detaching = std::thread::Builder::new().name("probe-detach".into()).spawn(move || probes::detach(attached)).ok();
+    // probe watch goes on to its next session: detach meanwhile, on a thread. probe trace exits
+    // once its outputs are written, and hands the programs off then (see probes::hand_off).
+    let programs = if st.watch.is_some() {
+        Programs::Detaching(std::thread::Builder::new().name("probe-detach".into()).spawn(move || probes::detach(attached)).ok())
+    } else {
+        Programs::Attached(Box::new(attached))
+    };
     let mut after_stop = 0usize;
     while let Some(item) = ring.get_mut().next() {
         // The header's ts_ns (probe-common EventHeader: four u32, then the u64 timestamp).
@@ -439,7 +455,7 @@ fn stop(
     st.writer.record(&UserRecord::End(records::End { ts_ns: monotonic_ns(), reason: reason.to_string() }))?;
     st.writer.flush()?;
     let full_again = st.writer.disk_full().is_some();
-    Ok(Stopped { lost, skipped, full, full_again, detaching })
+    Ok(Stopped { lost, skipped, full, full_again, programs })
 }
 
 /// One analysis (streamed from the file: memory does not grow with the trace's length) and one
