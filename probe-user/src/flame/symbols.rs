@@ -89,6 +89,34 @@ fn open_module(path: &str, mapped: &[(u32, Mapping)]) -> Result<TargetFile, targ
     Err(last.unwrap_or(target_file::Refused::Open { path: path.to_string(), err: std::io::ErrorKind::NotFound.into() }))
 }
 
+/// Largest module copied into memory before symbolization; a larger one is read in place.
+const COPY_CAP: u64 = 512 << 20;
+
+/// A private, sealed copy of `file` (an anonymous memfd, at most [`COPY_CAP`] bytes) for
+/// blazesym, which maps what it reads: the target owns the original and could truncate it while
+/// it is mapped (a SIGBUS in probe, which is root). The copy is read with plain reads (a file cut
+/// meanwhile only ends early), and nobody else can change it. None: read the original in place.
+fn sealed_copy(file: &std::fs::File, size: u64) -> Option<std::fs::File> {
+    use std::os::fd::FromRawFd as _;
+    if size > COPY_CAP {
+        return None;
+    }
+    // SAFETY: memfd_create with a static name; the descriptor is owned by the File made from it.
+    let fd = unsafe { libc::memfd_create(c"probe-module".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let mut copy = unsafe { std::fs::File::from_raw_fd(fd) };
+    let mut src = file.try_clone().ok()?;
+    std::io::Seek::seek(&mut src, std::io::SeekFrom::Start(0)).ok()?;
+    std::io::copy(&mut std::io::Read::take(src, size), &mut copy).ok()?;
+    // SAFETY: fcntl on our own descriptor.
+    let sealed =
+        unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL) };
+    (sealed == 0).then_some(copy)
+}
+
 /// The GNU build ID note of an ELF file, read lazily (headers and the note only).
 fn build_id(file: &std::fs::File) -> Option<String> {
     use object::Object as _;
@@ -115,6 +143,7 @@ impl Symbols {
         let mut build_ids = HashMap::new();
         // Kept open until symbolization ends, so no /proc/self/fd/N names two files.
         let mut opened: Vec<TargetFile> = Vec::new();
+        let mut copies: Vec<std::fs::File> = Vec::new();
         for (id, offs) in wanted {
             let offs: Vec<u64> = offs.into_iter().collect();
             let Some(path) = modules.get(&id) else { continue };
@@ -128,9 +157,12 @@ impl Symbols {
                     if let Some(b) = build_id(&f.file) {
                         build_ids.insert(id, b);
                     }
-                    let mut elf = Elf::new(format!("/proc/self/fd/{}", f.file.as_raw_fd()));
+                    let copy = sealed_copy(&f.file, f.size);
+                    let fd = copy.as_ref().unwrap_or(&f.file).as_raw_fd();
+                    let mut elf = Elf::new(format!("/proc/self/fd/{fd}"));
                     elf.debug_syms = false;
                     opened.push(f);
+                    copies.extend(copy);
                     symbolizer.symbolize(&Source::Elf(elf), Input::FileOffset(&offs)).unwrap_or_default()
                 }
                 Err(e) => {
@@ -161,5 +193,30 @@ impl Symbols {
             .get(&(id, off))
             .cloned()
             .unwrap_or_else(|| if id < 0 { format!("[unknown] {off:#x}") } else { format!("[module {id}]+{off:#x}") })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The copy symbolization reads is the module as it was opened: the target truncating its
+    /// file afterwards changes nothing in it, and nobody can change the copy itself.
+    #[test]
+    fn a_module_truncated_after_opening_is_read_from_its_sealed_copy() {
+        let dir = std::env::temp_dir().join(format!("probe-symcopy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("libtarget.so");
+        std::fs::copy("/bin/sh", &path).unwrap();
+        let f = open_module(path.to_str().unwrap(), &[]).unwrap();
+        let id = build_id(&f.file);
+        assert!(id.is_some(), "/bin/sh has no build id: pick another ELF");
+        let copy = sealed_copy(&f.file, f.size).expect("a sealed copy");
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
+        assert_eq!(build_id(&f.file), None, "the original is cut");
+        assert_eq!(build_id(&copy), id, "the copy kept the module");
+        assert_eq!(copy.metadata().unwrap().len(), f.size);
+        assert!(copy.set_len(0).is_err(), "the copy can be truncated");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
