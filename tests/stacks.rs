@@ -70,6 +70,9 @@ fn cpu_stacks_unwind_without_frame_pointers() {
     assert!(chain * 10 >= total * 9, "outer;middle;inner in {chain} of {total} samples: {f:?}");
 }
 
+/// The off-CPU graph weighs a wait by the time the thread was blocked, until its wake-up (the
+/// wait for a CPU after it is cpu_contention, not IO): the workload's own count is its wall time
+/// less its CPU time and its run-queue time (schedstat).
 #[test]
 fn blocked_read_shows_io_wait_with_its_time() {
     let (done, rec) = traced("offcpu", &["read-cold", "cold.bin", "48"]);

@@ -457,9 +457,16 @@ fn a_different_cause_is_another_incident() {
     let mut w =
         Watch::start(&d.join("state"), &["--port", &port.to_string(), "--slow-ttft", "1ms", "--incident-gap", "600s", "--segment", "2s"]);
     w.wait_armed(1, Duration::from_secs(30));
-    completion(addr, "One");
+    // Prompts of some 60 tokens, nothing cached: every first token takes well over 1 ms (and
+    // under the 200 ms past which prompt work would be a cause of its own).
+    let ask = |what: &str| {
+        let body = json!({"prompt": format!("{what}: ").repeat(20), "n_predict": 4, "cache_prompt": false});
+        let (st, body) = http(addr, "POST", "/completion", Some(&body)).unwrap();
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    };
+    ask("One");
     w.wait_log("incident slow_ttft", Duration::from_secs(60));
-    completion(addr, "Two");
+    ask("Two");
     w.wait_log("not saved (another within 600 s", Duration::from_secs(60));
     // A reader that leaves after the first bytes of a long stream.
     {

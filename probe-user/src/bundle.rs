@@ -53,7 +53,11 @@ pub fn markdown(r: &Report) -> String {
     }
     let system = crate::system::render(&r.system);
     let _ = writeln!(o, "### System\n\n{}\n", md_block(system.trim_start_matches("\nSystem:\n")));
-    let _ = writeln!(o, "### Files read\n\n| path | major faults | read | io time ms |\n|---|---|---|---|");
+    if r.files.is_empty() {
+        let _ = writeln!(o, "### Files read\n\nNone: nothing was read from storage through the page cache.");
+    } else {
+        let _ = writeln!(o, "### Files read\n\n| path | major faults | read | io time ms |\n|---|---|---|---|");
+    }
     for f in r.files.iter().take(20) {
         let _ = writeln!(
             o,
@@ -66,8 +70,8 @@ pub fn markdown(r: &Report) -> String {
     }
     let _ = writeln!(
         o,
-        "\nBlock IO: {} requests, {:.1} MiB read. Major faults: {}. Lost events: {}.",
-        r.blockio.requests,
+        "\nBlock IO: {}, {:.1} MiB read. Major faults: {}. Lost events: {}.",
+        crate::text::count(r.blockio.requests, "request"),
         r.blockio.read_bytes as f64 / (1 << 20) as f64,
         r.faults.major,
         r.lost_events.values().sum::<u64>()

@@ -36,7 +36,7 @@ pub fn run() -> i32 {
             println!("BPF object    loaded (ring buffer, hash and per-CPU maps work)");
             for s in &a.status {
                 if s.live && s.skipped.is_empty() {
-                    println!("probe {:<8} live ({} programs)", s.name, s.attached.len());
+                    println!("probe {:<8} live ({})", s.name, crate::text::count(s.attached.len() as u64, "program"));
                 } else if s.live {
                     println!("probe {:<8} live, without: {}", s.name, s.skipped.join("; "));
                 } else {

@@ -210,8 +210,9 @@ static HEADERS: OnceLock<Vec<(String, String)>> = OnceLock::new();
 /// a report, a bundle, a log line or `--help`.
 #[derive(clap::Args, Clone, Default)]
 pub struct ServerAuth {
-    /// The server's API key, sent as `Authorization: Bearer KEY` by the endpoint poller and the
-    /// benchmark. Prefer the environment variable: a command line is visible to every user.
+    /// The server's API key, sent as `Authorization: Bearer KEY` on every request probe makes to
+    /// the server (its endpoint polls; `probe bench`'s requests). Prefer the environment
+    /// variable: a command line is visible to every user.
     #[arg(long, env = "PROBE_API_KEY", hide_env_values = true, value_name = "KEY")]
     pub api_key: Option<String>,
     /// Another header on every request probe sends to the server (repeat for more), e.g.

@@ -160,7 +160,9 @@ enum Command {
     },
     /// Read a recording directory again and print its summary (or its JSON).
     Report {
+        /// The recording directory (what `probe trace --out` wrote).
         dir: PathBuf,
+        /// Print report.json to stdout instead of the summary.
         #[arg(long)]
         json: bool,
         /// Write DIR/report.html (self-contained: verdicts, timeline, flamegraphs) and print its path.
@@ -172,6 +174,7 @@ enum Command {
     },
     /// Draw a flamegraph (SVG, plus the folded stacks beside it) from a recording.
     Flamegraph {
+        /// The recording directory (what `probe trace --out` wrote).
         dir: PathBuf,
         /// cpu (on-CPU samples), offcpu (blocked time, µs), faults (major faults), io (block requests).
         #[arg(long, default_value = "cpu")]
@@ -194,6 +197,7 @@ enum Command {
     },
     /// Write the recording as a Chrome trace-event JSON timeline (opens in the Perfetto UI).
     Timeline {
+        /// The recording directory (what `probe trace --out` wrote).
         dir: PathBuf,
         /// Output file (default DIR/timeline.json).
         #[arg(short, long)]
@@ -206,11 +210,12 @@ enum Command {
     /// Pyroscope, Grafana, Parca, speedscope), its requests as OpenTelemetry spans (OTLP/JSON, or
     /// sent to a collector with --otlp).
     Export {
+        /// The recording directory (what `probe trace --out` wrote).
         dir: PathBuf,
         /// pprof: DIR/pprof-KIND.pb.gz per kind of stack (cpu, offcpu, faults, io);
-        /// otlp-json: DIR/otlp.json (one OTLP ExportTraceServiceRequest).
-        #[arg(long, value_enum)]
-        format: ExportFormat,
+        /// otlp-json: DIR/otlp.json (one OTLP ExportTraceServiceRequest). With --otlp alone, otlp-json.
+        #[arg(long, value_enum, required_unless_present = "otlp")]
+        format: Option<ExportFormat>,
         /// Where to write: a directory for pprof, a file for otlp-json (default: DIR).
         #[arg(short, long)]
         output: Option<PathBuf>,
@@ -225,6 +230,7 @@ enum Command {
     /// Pack a recording's report, flamegraphs, timeline and environment into one .tar.gz for an
     /// issue (never the raw event log, so no prompt or response text).
     Bundle {
+        /// The recording directory (what `probe trace --out` wrote).
         dir: PathBuf,
         /// Output file (default DIR.tar.gz beside the recording). Created new, mode 0600.
         #[arg(short, long)]
@@ -244,6 +250,7 @@ enum Command {
         /// Kernel events and stack records to write.
         #[arg(long)]
         events: u64,
+        /// The recording directory to write.
         #[arg(long)]
         out: PathBuf,
     },
@@ -347,7 +354,10 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         Command::Report { dir, json, html, .. } => report_cmd(dir, json, html),
         Command::Flamegraph { dir, kind, request, from, to, output, force } => flamegraph_cmd(dir, kind, request, from, to, output, force),
         Command::Timeline { dir, output, force } => timeline_cmd(dir, output, force),
-        Command::Export { dir, format, output, force, otlp } => export_cmd(dir, format, output, force, otlp),
+        Command::Export { dir, format, output, force, otlp } => {
+            // clap asks for --format unless --otlp is given: sending spans is exporting them as OTLP.
+            export_cmd(dir, format.unwrap_or(ExportFormat::OtlpJson), output, force, otlp)
+        }
         Command::Bundle { dir, output, mask, force } => bundle_cmd(dir, output, mask, force),
         Command::Doctor => Ok(doctor::run()),
         Command::Synth { events, out } => {
@@ -679,6 +689,39 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every subcommand, option and argument says what it is for in `--help` (issue 24).
+    /// The README's `probe export DIR --otlp URL` parses as written; without either, --format
+    /// is asked for.
+    #[test]
+    fn export_with_otlp_alone_is_otlp_json() {
+        let r = Cli::try_parse_from(["probe", "export", "d", "--otlp", "http://127.0.0.1:4318"]).unwrap();
+        assert!(matches!(r.command, Command::Export { format: None, otlp: Some(_), .. }));
+        let e = Cli::try_parse_from(["probe", "export", "d"]).err().unwrap().to_string();
+        assert!(e.contains("--format"), "{e}");
+    }
+
+    #[test]
+    fn every_option_and_argument_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+                let id = a.get_id().as_str();
+                if id != "help" && id != "version" && a.get_help().is_none() && a.get_long_help().is_none() {
+                    missing.push(format!("{path} {id}"));
+                }
+            }
+            for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+                let p = format!("{path} {}", sub.get_name());
+                if sub.get_about().is_none() && sub.get_long_about().is_none() {
+                    missing.push(p.clone());
+                }
+                walk(sub, &p, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&<Cli as clap::CommandFactory>::command(), "probe", &mut missing);
+        assert!(missing.is_empty(), "without help: {missing:#?}");
+    }
 
     #[test]
     fn sizes_parse_with_binary_units_and_bounds() {

@@ -12,6 +12,19 @@ fn unsafe_for_terminal(c: char) -> bool {
     (c.is_control() && c != '\n' && c != '\t') || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
 }
 
+/// `n` and the noun, in the plural unless n is 1: "1 request", "3 requests", "1 process",
+/// "2 processes".
+pub fn count(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    if n == 1 {
+        format!("1 {noun}")
+    } else if noun.ends_with('s') || noun.ends_with("sh") || noun.ends_with("ch") || noun.ends_with('x') {
+        format!("{n} {noun}es")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 /// `s` safe to print on a terminal: every control character shown escaped (`\x1b`, `\u{202e}`).
 pub fn terminal(s: &str) -> Cow<'_, str> {
     if !s.chars().any(unsafe_for_terminal) {
@@ -71,6 +84,12 @@ pub fn md_block(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_say_their_plural() {
+        assert_eq!((count(1u64, "request"), count(3u64, "request")), ("1 request".to_string(), "3 requests".to_string()));
+        assert_eq!((count(1u32, "process"), count(0u32, "process")), ("1 process".to_string(), "0 processes".to_string()));
+    }
 
     #[test]
     fn terminal_escapes_controls_and_bidi_but_keeps_lines() {

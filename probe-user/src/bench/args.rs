@@ -117,11 +117,13 @@ pub struct BenchArgs {
     /// Idle layer "pinned worker": a 1-token request every --keep-warm-every during the idle wait.
     #[arg(long)]
     pub keep_warm: bool,
+    /// How often --keep-warm sends its 1-token request during an idle wait (e.g. 5s, 1m).
     #[arg(long, value_parser = parse_secs, default_value = "5s")]
     pub keep_warm_every: Duration,
     /// Sampling seed (fixed across every request).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Sampling temperature sent with every request (0: greedy, the same output for a prompt).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
     /// Ask the server to ignore end-of-sequence (llama.cpp, vLLM) for generations of fixed length.

@@ -109,10 +109,10 @@ impl Run {
             r.seq = level.seq;
         }
         self.progress.line(&format!(
-            "{} {}: {} requests, output {} tokens, TTFT p50 {}, stops: {}",
+            "{} {}: {}, output {} tokens, TTFT p50 {}, stops: {}",
             level.sweep,
             level.level,
-            level.requests,
+            crate::text::count(level.requests, "request"),
             level.output_tokens_mean.map_or("-".into(), |x| format!("{x:.0}")),
             level.ttft_ms_p50.map_or("-".into(), |x| format!("{x:.0} ms")),
             conclude::mix(&level)

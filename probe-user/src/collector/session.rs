@@ -67,7 +67,12 @@ enum Programs {
 pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
     let (mut st, mut se) = arm(&opts, attached, out_dir)?;
     let sampler = Sampler::start(crate::sampler::Options { pid: opts.pid, targets: st.targets.clone(), hz: opts.host_hz, poll: opts.poll });
-    say!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
+    if opts.watch.is_some() {
+        // A service: it stops with the watch (SIGTERM from systemd, or Ctrl-C in a terminal).
+        say!("probe: recording the window to {} (SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
+    } else {
+        say!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
+    }
     // A daemon's log (journald) gets lines, never the `\r` status line.
     let tty = std::io::stderr().is_terminal() && opts.watch.is_none();
     let (reason, hung_up) = follow(&opts, &mut st, &mut se, &sampler, out_dir, tty).await?;
@@ -162,10 +167,10 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
 
     let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.name()).collect();
     say!(
-        "probe: armed in {armed_ms:.0} ms: pid {} ({}), {} process(es); probes live: {}",
+        "probe: armed in {armed_ms:.0} ms: pid {} ({}), {}; probes live: {}",
         opts.pid,
         crate::text::terminal(&procfs::comm(opts.pid)),
-        attached.targets.len(),
+        crate::text::count(attached.targets.len() as u64, "process"),
         live.join(", ")
     );
     let mut partial = false;

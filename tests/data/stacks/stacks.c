@@ -71,20 +71,30 @@ static uint64_t thread_cpu_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
 }
 
-/* Returns the time the thread spent off the CPU while reading: wall time minus its CPU time. */
+/* The thread's time waiting in a run queue, ns (/proc/thread-self/schedstat, second field). */
+static uint64_t thread_runq_ns(void) {
+    unsigned long long run = 0, wait = 0;
+    FILE *f = fopen("/proc/thread-self/schedstat", "r");
+    if (!f || fscanf(f, "%llu %llu", &run, &wait) != 2) { perror("schedstat"); exit(2); }
+    fclose(f);
+    return wait;
+}
+
+/* Returns the time the thread spent blocked while reading: wall time minus its CPU time and minus
+ * its wait for a CPU after each wake-up (the kernel's run-queue count). */
 __attribute__((noinline)) uint64_t read_cold(const char *path, size_t bytes) {
     int fd = open(path, O_RDONLY | O_DIRECT);
     if (fd < 0) { perror("open O_DIRECT"); exit(2); }
     void *buf;
     if (posix_memalign(&buf, 4096, 1 << 20)) exit(2);
-    uint64_t t0 = now_ns(), c0 = thread_cpu_ns();
+    uint64_t t0 = now_ns(), c0 = thread_cpu_ns(), q0 = thread_runq_ns();
     for (size_t off = 0; off < bytes; off += 1 << 20)
         if (pread(fd, buf, 1 << 20, off) < 0) { perror("pread"); exit(2); }
-    uint64_t wall = now_ns() - t0, cpu = thread_cpu_ns() - c0;
+    uint64_t wall = now_ns() - t0, cpu = thread_cpu_ns() - c0, runq = thread_runq_ns() - q0;
     close(fd);
     free(buf);
     sink = wall;
-    return wall - cpu;
+    return wall - cpu - runq;
 }
 
 __attribute__((noinline)) uint64_t touch_cold(const char *path, size_t pages) {
