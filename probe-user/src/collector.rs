@@ -369,6 +369,7 @@ impl State {
             ts_ns: s.hdr.ts_ns,
             user: u.frames,
             complete: u.complete,
+            cut: u.cut,
             addr: s.addr,
             state: s.state,
             ..Default::default()

@@ -128,6 +128,9 @@ pub struct StackRecord {
     /// Still off the CPU when the trace ended (blocked_ns runs to the end).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub still_blocked: bool,
+    /// Why the user stack stops short of its end, when it does (recordings before this: None).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<Cut>,
     /// User frames the reader counted and left undecoded (its `user_frames` off: a report
     /// needs their number, never their addresses); `user` is empty then.
     #[serde(skip)]
@@ -168,6 +171,44 @@ impl StackKind {
     }
 }
 
+/// Why unwinding stopped before the end of a user stack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cut {
+    /// The copied stack bytes ran out (a larger copy would have gone further).
+    Bytes,
+    /// No unwind information (CFI) for a frame.
+    Cfi,
+    /// A read of the stack failed (an address below the stack pointer or far past the copy).
+    Read,
+}
+
+impl Cut {
+    pub const ALL: [Cut; 3] = [Cut::Bytes, Cut::Cfi, Cut::Read];
+
+    /// The words for people.
+    pub fn words(self) -> &'static str {
+        match self {
+            Cut::Bytes => "the copied stack ran out",
+            Cut::Cfi => "no unwind info for a frame",
+            Cut::Read => "a stack read failed",
+        }
+    }
+
+    fn bits(c: Option<Cut>) -> u8 {
+        match c {
+            None => 0,
+            Some(Cut::Bytes) => 1,
+            Some(Cut::Cfi) => 2,
+            Some(Cut::Read) => 3,
+        }
+    }
+
+    fn from_bits(b: u8) -> Option<Cut> {
+        [None, Some(Cut::Bytes), Some(Cut::Cfi), Some(Cut::Read)][usize::from(b & 3)]
+    }
+}
+
 impl StackRecord {
     /// As the JSON record v1 recordings held (and the renderers read).
     pub fn to_value(&self) -> serde_json::Value {
@@ -182,7 +223,8 @@ impl StackRecord {
         let flags = u8::from(self.complete)
             | u8::from(self.wait.is_some()) << 1
             | u8::from(self.blocked_ns.is_some()) << 2
-            | u8::from(self.still_blocked) << 3;
+            | u8::from(self.still_blocked) << 3
+            | Cut::bits(self.cut) << 4;
         out.extend_from_slice(&[kind, flags]);
         put_varint(out, zigzag(self.ts_ns.wrapping_sub(prev_ts) as i64));
         put_varint(out, u64::from(self.pid));
@@ -237,6 +279,7 @@ impl StackRecord {
             state: u32::try_from(state).ok()?,
             complete: flags & 1 != 0,
             still_blocked: flags & 8 != 0,
+            cut: Cut::from_bits(flags >> 4),
             ..Default::default()
         };
         s.what = *StackKind::ALL.get(usize::from(kind).checked_sub(1)?)?;
@@ -1632,11 +1675,19 @@ mod tests {
             wait: Some("[io wait]".into()),
             blocked_ns: Some(12345),
             still_blocked: true,
+            cut: None,
             user_not_read: 0,
         };
         let mut out = vec![];
         s.encode(999_000, &mut out);
         assert_eq!(StackRecord::decode(&out, 999_000), Some(s.clone()));
+        // Each reason a stack was cut comes back.
+        for cut in Cut::ALL {
+            let c = StackRecord { complete: false, cut: Some(cut), ..s.clone() };
+            let mut b = vec![];
+            c.encode(999_000, &mut b);
+            assert_eq!(StackRecord::decode(&b, 999_000), Some(c));
+        }
         // Counted, not read: the same record without its user frames' addresses.
         let counted = StackRecord::decode_with(&out, 999_000, false).unwrap();
         assert_eq!((counted.user.len(), counted.user_depth()), (0, 3));

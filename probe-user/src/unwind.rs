@@ -158,6 +158,8 @@ pub struct Unwound {
     pub used_bytes: u64,
     /// It stopped on a read past the bytes it was given (a larger copy would have gone further).
     pub short: bool,
+    /// Why it stopped short of the end of the stack (None: complete).
+    pub cut: Option<crate::recording::Cut>,
 }
 
 /// Unwinders for every traced process, and the table of modules (file paths) frames refer to.
@@ -258,7 +260,7 @@ impl Unwinders {
         let t = std::time::Instant::now();
         let load_before = self.load_nanos;
         let mut addrs = Vec::new();
-        let (mut complete, mut used_bytes, mut short) = (false, 0u64, false);
+        let (mut complete, mut used_bytes, mut short, mut bad_read) = (false, 0u64, false, false);
         if ip != 0 {
             if !self.procs.contains_key(&pid) {
                 let l = std::time::Instant::now();
@@ -267,14 +269,19 @@ impl Unwinders {
             }
             let p = self.procs.get_mut(&pid).expect("built above");
             let drap = &mut self.drap;
-            let (used, short) = (&mut used_bytes, &mut short);
+            let (used, short, bad_read) = (&mut used_bytes, &mut short, &mut bad_read);
             let mut read_stack = |addr: u64| -> Result<u64, ()> {
-                let off = addr.checked_sub(sp).ok_or(())? as usize;
+                let Some(off) = addr.checked_sub(sp).map(|o| o as usize) else {
+                    *bad_read = true;
+                    return Err(());
+                };
                 let Some(b) = stack.get(off..off + 8) else {
                     // Just past the copy (within what one more frame takes): more bytes would
                     // have answered it. Reads far beyond come from a wrong rule, not a short copy.
                     if off < stack.len() + SHORT_REACH {
                         *short = true;
+                    } else {
+                        *bad_read = true;
                     }
                     return Err(());
                 };
@@ -314,7 +321,16 @@ impl Unwinders {
         self.samples += 1;
         self.complete += complete as u64;
         self.nanos += (t.elapsed().as_nanos() as u64).saturating_sub(self.load_nanos - load_before);
-        Unwound { frames, complete, used_bytes, short: short && !complete }
+        let cut = match (complete, short, bad_read) {
+            // No user stack (a kernel-only sample): nothing was cut.
+            _ if ip == 0 => None,
+            (true, ..) => None,
+            (false, true, _) => Some(crate::recording::Cut::Bytes),
+            (false, false, true) => Some(crate::recording::Cut::Read),
+            // No read failed: the unwinder had no rule (CFI) for the frame.
+            (false, false, false) => Some(crate::recording::Cut::Cfi),
+        };
+        Unwound { frames, complete, used_bytes, short: short && !complete, cut }
     }
 
     /// Absolute addresses → (module id, file offset) with the process's current mappings.

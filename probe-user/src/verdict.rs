@@ -94,6 +94,10 @@ pub struct Window<'a> {
     /// Stack records in this request's window, and how many were not unwound to the end.
     pub stacks: u64,
     pub stacks_cut: u64,
+    /// Of those, the ones cut within [`DEEP_ENOUGH`] user frames of where they were taken, and
+    /// why the cut ones stopped (by `recording::Cut::ALL`).
+    pub stacks_cut_shallow: u64,
+    pub cut_reasons: [u64; 3],
     /// OOM kills of a target process (time).
     pub oom_kills: &'a [u64],
     /// GPU readings: (time, device, SM clock as a share of its working clock, P-state).
@@ -112,6 +116,10 @@ pub struct Window<'a> {
     /// was served (vLLM `prefix_cache_hits_total` / `prefix_cache_queries_total`).
     pub server_prefix_cache: Option<(f64, f64)>,
 }
+
+/// A user stack cut at this depth or deeper still shows the functions a request's work ran in:
+/// what is missing are callers near the thread's entry.
+pub const DEEP_ENOUGH: usize = 8;
 
 /// A clock below this share of its working level at arrival is a low power state...
 const LOW_CLOCK: f64 = 0.7;
@@ -536,11 +544,21 @@ fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
         v.data_quality.push(format!("{} events were lost while this request was served (ring buffer full, or program runs the kernel skipped): shares are lower bounds", w.lost_events));
     }
     // A few stacks cut short are normal (deep frames past the copied stack); say so past 10%.
-    if w.stacks_cut * 10 > w.stacks {
+    // A stack cut deep (under the thread's main loop, its entry) still names the functions the
+    // request's work ran in: only its outermost callers are missing, as they are in perf's
+    // DWARF unwinding of the same server. Warn only past 10% cut shallow, saying why they stop.
+    if w.stacks_cut_shallow * 10 > w.stacks {
+        let reasons: Vec<String> = crate::recording::Cut::ALL
+            .iter()
+            .zip(w.cut_reasons)
+            .filter(|(_, n)| *n > 0)
+            .map(|(c, n)| format!("{}: {n}", c.words()))
+            .collect();
+        let why = if reasons.is_empty() { String::new() } else { format!(" ({})", reasons.join(", ")) };
         v.data_quality.push(format!(
-            "{:.0}% of the stacks in this request's window ({} of {}) were not unwound to the end: frames near the root are missing from its flamegraph",
-            w.stacks_cut as f64 * 100.0 / w.stacks as f64,
-            w.stacks_cut,
+            "{:.0}% of the stacks in this request's window ({} of {}) stop within {DEEP_ENOUGH} frames of where they were taken{why}: the flamegraph cannot say which function they ran under",
+            w.stacks_cut_shallow as f64 * 100.0 / w.stacks as f64,
+            w.stacks_cut_shallow,
             w.stacks
         ));
     }
@@ -768,6 +786,29 @@ mod tests {
         assert_eq!(s.load, 280.0); // from the first read (20 ms after arrival) to the token, less disk
         assert_eq!(v.slow_cause.name(), "disk");
         assert!(v.evidence.iter().any(|e| e.contains("/models/m.gguf (98.0 MiB)")), "{:?}", v.evidence);
+    }
+
+    /// Stacks cut deep (under the thread's entry) are no data-quality warning; cut shallow, they
+    /// are, with why they stop.
+    #[test]
+    fn only_shallow_cut_stacks_are_a_warning() {
+        let q = req(100.0);
+        let deep = Window {
+            offcpu_probe: true,
+            stacks: 100,
+            stacks_cut: 45,
+            stacks_cut_shallow: 3,
+            cut_reasons: [40, 5, 0],
+            ..Default::default()
+        };
+        assert!(!attribute(&q, &deep).data_quality.iter().any(|d| d.contains("stacks")), "{:?}", attribute(&q, &deep).data_quality);
+        let shallow = Window { stacks_cut_shallow: 30, ..deep };
+        let v = attribute(&q, &shallow);
+        let line = v.data_quality.iter().find(|d| d.contains("stacks")).unwrap();
+        assert!(
+            line.contains("30% of the stacks") && line.contains("the copied stack ran out: 40, no unwind info for a frame: 5"),
+            "{line}"
+        );
     }
 
     /// Faulting memory back in from swap is memory (not disk, not compute), with the MiB the

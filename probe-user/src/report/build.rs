@@ -113,6 +113,10 @@ struct WindowData {
     read: BTreeMap<FileKey, (u64, u64)>,
     stacks: u64,
     stacks_cut: u64,
+    /// Of those cut, the ones cut within `verdict::DEEP_ENOUGH` user frames, and why each cut
+    /// stack stopped (by `Cut::ALL`).
+    stacks_cut_shallow: u64,
+    cut_reasons: [u64; 3],
 }
 
 /// The analysis, built in two passes over a recording so that memory grows with requests,
@@ -132,6 +136,8 @@ pub(crate) struct Builder {
     samples: Vec<Sample>,
     maps: MapHistory,
     depths: BTreeMap<String, (u64, u64, BTreeMap<u64, u64>)>,
+    /// Per kind of stack: why the cut ones stopped.
+    cuts: BTreeMap<String, BTreeMap<crate::recording::Cut, u64>>,
     file_names: HashMap<FileKey, String>,
     mmap_names: HashMap<FileKey, String>,
     names: crate::ksyms::NamesBuilder,
@@ -178,6 +184,7 @@ impl Builder {
             samples: vec![],
             maps: MapHistory::default(),
             depths: BTreeMap::new(),
+            cuts: BTreeMap::new(),
             file_names: HashMap::new(),
             mmap_names: HashMap::new(),
             names: Default::default(),
@@ -277,6 +284,9 @@ impl Builder {
         e.0 += 1;
         e.1 += u64::from(s.complete);
         *e.2.entry((s.user_depth() + s.kernel.len()) as u64).or_default() += 1;
+        if let Some(c) = s.cut {
+            *self.cuts.entry(s.what.name().to_string()).or_default().entry(c).or_default() += 1;
+        }
     }
 
     /// Pass 1: a kernel record, for the file mappings (in file order, which is time order but
@@ -355,7 +365,8 @@ impl Builder {
         for (what, (n, complete, hist)) in std::mem::take(&mut self.depths) {
             let depths: Vec<f64> = hist.iter().flat_map(|(&d, &k)| std::iter::repeat_n(d as f64, k as usize)).collect();
             let median = crate::stats::percentile(&depths, 50.0).unwrap_or(0.0).round() as u64;
-            r.stacks.insert(what, StackStats { stacks: n, complete, median_depth: median });
+            let cut = self.cuts.remove(&what).unwrap_or_default();
+            r.stacks.insert(what, StackStats { stacks: n, complete, median_depth: median, cut });
         }
         for snaps in self.maps.by_pid.values_mut() {
             snaps.sort_by_key(|(t, _)| *t);
@@ -404,7 +415,12 @@ impl Builder {
         let ts = s.ts_ns;
         for &i in self.served_windows.at(ts) {
             self.windows[i].stacks += 1;
-            self.windows[i].stacks_cut += u64::from(!s.complete);
+            let w = &mut self.windows[i];
+            w.stacks_cut += u64::from(!s.complete);
+            w.stacks_cut_shallow += u64::from(!s.complete && s.user_depth() < crate::verdict::DEEP_ENOUGH);
+            if let Some(c) = s.cut {
+                w.cut_reasons[crate::recording::Cut::ALL.iter().position(|&x| x == c).unwrap_or(0)] += 1;
+            }
         }
         if s.what == StackKind::Offcpu {
             let Some(b) = s.blocked_ns else { return };
@@ -767,6 +783,8 @@ impl Builder {
                 offcpu_probe,
                 stacks: data.stacks,
                 stacks_cut: data.stacks_cut,
+                stacks_cut_shallow: data.stacks_cut_shallow,
+                cut_reasons: data.cut_reasons,
                 oom_kills: &oom_kills,
                 gpu_clocks: &gpu_clocks,
                 cpu_clocks: &cpu_clocks,

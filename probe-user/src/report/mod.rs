@@ -114,6 +114,9 @@ pub struct StackStats {
     pub stacks: u64,
     pub complete: u64,
     pub median_depth: u64,
+    /// Why the user stacks that stop short of their end stopped (none in older recordings).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub cut: BTreeMap<crate::recording::Cut, u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

@@ -125,6 +125,15 @@ pub fn render(r: &Report) -> String {
             r.unwind.samples,
             r.unwind.us_per_sample
         );
+        // Why the others stop, over every kind.
+        let mut cut: std::collections::BTreeMap<crate::recording::Cut, u64> = Default::default();
+        for (c, n) in r.stacks.values().flat_map(|s| s.cut.iter()) {
+            *cut.entry(*c).or_default() += n;
+        }
+        if !cut.is_empty() {
+            let why: Vec<String> = cut.iter().map(|(c, n)| format!("{} ({n})", c.words())).collect();
+            let _ = writeln!(o, "  the others stop because {}", why.join(", "));
+        }
     }
     if let Some(c) = &r.cost {
         let top: Vec<String> = c

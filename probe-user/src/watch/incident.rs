@@ -205,8 +205,13 @@ impl Watcher {
                     verdict::stop_cause(&p.q).0,
                     v.as_ref().map(|v| evidence(&v.evidence)).unwrap_or_default(),
                 );
-                // A slow request's cause is its slow cause; a stop's, the stop itself.
-                let cause = if kind == "slow_ttft" { slow } else { kind };
+                // A slow request's cause is its slow cause (none and compute are both its own work,
+                // one cause: the threshold between them is not a new problem); a stop's, the stop.
+                let cause = match (kind, slow) {
+                    ("slow_ttft", "none" | "compute") => "own work",
+                    ("slow_ttft", slow) => slow,
+                    (kind, _) => kind,
+                };
                 self.incident(kind, cause, Some(&p.q), &what);
             }
         }
