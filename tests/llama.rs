@@ -1004,21 +1004,25 @@ fn a_cpu_hog_with_two_worker_threads_counts_their_wakeups() {
     cpu_hog_case(2);
 }
 
-fn cpu_hog_case(threads: u32) {
-    let _cpus = shared_cpus();
-    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "-t", &threads.to_string()]);
-    let pid = srv.id();
+/// A 250-token chat prompt, computed in full (no prompt cache), 4 tokens out, not streamed: a
+/// request whose first token is mostly prompt work. The client's address.
+fn story_request(addr: SocketAddr) -> SocketAddr {
     let body = json!({
         "messages": [{"role": "user", "content": "Tell me a long story about a cat and a dog. ".repeat(25)}],
         "max_tokens": 4, "cache_prompt": false, "stream": false,
     });
-    let ask = || {
-        let s = TcpStream::connect(addr).unwrap();
-        let client = s.local_addr().unwrap();
-        send_request(&s, "POST", "/v1/chat/completions", Some(&body));
-        assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
-        client
-    };
+    let s = TcpStream::connect(addr).unwrap();
+    let client = s.local_addr().unwrap();
+    send_request(&s, "POST", "/v1/chat/completions", Some(&body));
+    assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+    client
+}
+
+fn cpu_hog_case(threads: u32) {
+    let _cpus = shared_cpus();
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "-t", &threads.to_string()]);
+    let pid = srv.id();
+    let ask = || story_request(addr);
     ask(); // warm: the model is loaded and paged in
     let (p, out) = trace_pid(pid, &format!("cpuhog-{threads}"), &[]);
     let t = Instant::now();
@@ -1172,17 +1176,7 @@ fn a_cpu_quota_is_cpu_contention_and_said() {
     let _cpus = shared_cpus();
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "-t", "1"]);
     let pid = srv.id();
-    let body = json!({
-        "messages": [{"role": "user", "content": "Tell me a long story about a cat and a dog. ".repeat(25)}],
-        "max_tokens": 4, "cache_prompt": false, "stream": false,
-    });
-    let ask = || {
-        let s = TcpStream::connect(addr).unwrap();
-        let client = s.local_addr().unwrap();
-        send_request(&s, "POST", "/v1/chat/completions", Some(&body));
-        assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
-        client
-    };
+    let ask = || story_request(addr);
     ask();
     let quota = CpuQuota::new(pid);
     let (p, out) = trace_pid(pid, "quota", &[]);

@@ -84,6 +84,8 @@ const MAX_OTHERS: usize = 4096;
 const MAX_CREDENTIAL_STREAMS: usize = crate::stream::MAX_CONNS * 2;
 /// A request in flight this long gets a snapshot record (see `StreamTracker::snapshots`).
 const SNAPSHOT_AGE_NS: u64 = 500_000_000;
+/// How often the requests in flight are looked at for snapshots.
+const SNAPSHOT_EVERY: Duration = Duration::from_millis(250);
 /// How often the ring is drained while records flow, and after a turn that found none.
 const DRAIN_TICK: Duration = Duration::from_millis(20);
 const IDLE_DRAIN: Duration = Duration::from_millis(200);
@@ -164,6 +166,8 @@ struct State {
     capture_text: bool,
     /// With --capture-text: credential masking carried across reads, per (socket, direction).
     credentials: HashMap<(u64, u8), crate::redact::CredentialStream>,
+    /// When the requests in flight were last looked at for snapshots.
+    last_snapshot: Instant,
     streams: stream::Tracker,
     unwinders: Unwinders,
     /// Kernel addresses named while they mean something (see crate::ksyms).
@@ -221,6 +225,7 @@ impl State {
             writer,
             capture_text,
             credentials: HashMap::new(),
+            last_snapshot: Instant::now(),
             streams: stream::Tracker::new(start_ns, capture_text),
             unwinders: Unwinders::default(),
             ksyms: crate::ksyms::Resolver::default(),
@@ -435,8 +440,12 @@ impl State {
     /// Write the requests that finished, and a snapshot of each one in flight for half a second
     /// (kept if the recording is torn before it ends).
     fn write_requests(&mut self) -> std::io::Result<()> {
-        for r in self.streams.snapshots(crate::monotonic_ns(), SNAPSHOT_AGE_NS) {
-            self.writer.record(&UserRecord::Request(Box::new(r)))?;
+        // Not every drain turn (20 ms while busy): the scan walks every pending request.
+        if self.last_snapshot.elapsed() >= SNAPSHOT_EVERY {
+            self.last_snapshot = Instant::now();
+            for r in self.streams.snapshots(crate::monotonic_ns(), SNAPSHOT_AGE_NS) {
+                self.writer.record(&UserRecord::Request(Box::new(r)))?;
+            }
         }
         for r in self.streams.take_done() {
             let r = UserRecord::Request(Box::new(r));

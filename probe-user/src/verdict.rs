@@ -156,6 +156,21 @@ impl Split {
     /// The parts' names, in the order every output lists them.
     pub const NAMES: [&'static str; 8] = ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained"];
 
+    /// The largest part that is not the request's own work (disk, memory, cpu_contention, load,
+    /// power, queue) and its ms; (None, 0) when all are 0.
+    pub fn largest_stall(&self) -> (SlowCause, f64) {
+        [
+            (SlowCause::Disk, self.disk),
+            (SlowCause::Memory, self.memory),
+            (SlowCause::CpuContention, self.cpu_contention),
+            (SlowCause::Load, self.load),
+            (SlowCause::Power, self.power),
+            (SlowCause::Queue, self.queue),
+        ]
+        .into_iter()
+        .fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a })
+    }
+
     /// The parts in [`Split::NAMES`] order, ms.
     pub fn parts(&self) -> [f64; 8] {
         [self.queue, self.disk, self.memory, self.cpu_contention, self.power, self.load, self.compute, self.unexplained]
@@ -494,15 +509,7 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     evidence(&b, w, &mut v);
     let s = &b.split;
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
-    let candidates = [
-        (SlowCause::Disk, s.disk),
-        (SlowCause::Memory, s.memory),
-        (SlowCause::CpuContention, s.cpu_contention),
-        (SlowCause::Load, s.load),
-        (SlowCause::Power, s.power),
-        (SlowCause::Queue, s.queue),
-    ];
-    let (cause, ms) = candidates.iter().copied().fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    let (cause, ms) = s.largest_stall();
     v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
         cause
     } else if s.compute >= 0.5 * ttft && ttft >= 200.0 {

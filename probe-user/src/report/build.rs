@@ -870,17 +870,8 @@ pub(crate) fn against_warm(requests: &mut [Request]) {
 /// nothing probe saw explains it.
 fn beyond_warm(v: &mut crate::verdict::Verdict, excess: f64) {
     let Some(s) = &v.ttft_ms else { return };
-    let parts = [
-        (SlowCause::Disk, s.disk),
-        (SlowCause::Memory, s.memory),
-        (SlowCause::CpuContention, s.cpu_contention),
-        (SlowCause::Load, s.load),
-        (SlowCause::Power, s.power),
-        (SlowCause::Queue, s.queue),
-        (SlowCause::Compute, s.compute),
-    ];
-    let (cause, ms) = parts.iter().copied().fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a });
-    if ms >= 0.5 * excess && cause != SlowCause::Compute {
+    let (cause, ms) = s.largest_stall();
+    if ms >= 0.5 * excess && ms >= s.compute {
         v.slow_cause = cause;
     } else if s.compute >= 0.5 * excess && s.unexplained < 0.5 * excess {
         v.slow_cause = SlowCause::Compute;
