@@ -5,7 +5,7 @@
 use std::{
     net::{SocketAddr, TcpListener},
     path::{Path, PathBuf},
-    process::{Child, Command},
+    process::{Child, Command, Stdio},
     sync::{Mutex, MutexGuard, OnceLock},
     time::Instant,
 };
@@ -119,6 +119,25 @@ fn shorter_answers_at_concurrency_4_are_a_server_limit() {
     for f in ["results.csv", "summary.txt", "concurrency-ttft-output.svg", "concurrency-stops.svg"] {
         assert!(out.join(f).exists(), "{f} missing");
     }
+    // The stop-reason chart counts requests: its axis ticks are whole numbers, and both axes say
+    // what they are. Chromium draws it (a screenshot is left beside it, for people to look at).
+    let stops = std::fs::read_to_string(out.join("concurrency-stops.svg")).unwrap();
+    let ticks: Vec<&str> = stops.split("text-anchor=\"end\">").skip(1).map(|t| t.split('<').next().unwrap()).collect();
+    assert!(ticks.len() >= 2 && ticks.iter().all(|t| t.parse::<u64>().is_ok()), "count ticks {ticks:?}");
+    assert!(stops.contains(">requests<") && stops.contains(">concurrency<"), "axis labels missing");
+    let shot = out.join("concurrency-stops.png");
+    let st = Command::new("chromium")
+        .args(["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--window-size=440,320", "--hide-scrollbars"])
+        .arg(format!("--user-data-dir={}", out.join("chromium").display()))
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(format!("file://{}", out.join("concurrency-stops.svg").display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success() && std::fs::metadata(&shot).map_or(0, |m| m.len()) > 2_000, "chromium did not draw the chart");
+    let summary = std::fs::read_to_string(out.join("summary.txt")).unwrap();
+    assert!(summary.contains("(--api llamacpp: /completion)") && !summary.contains("slow (traced)"), "{summary}");
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + 7);
     assert!(std::fs::read_to_string(out.join("summary.txt")).unwrap().contains("TPOT: "));
@@ -354,8 +373,289 @@ fn idle_restart_with_a_dropped_cache_is_disk_bound_and_without_it_is_not() {
         let (disk, _, total) = split(r);
         assert!(disk < 0.1 * total, "disk {disk} of {total} ms without the layer: {r}");
     }
+    // The engine's steps (llama.cpp, by uprobe) joined to each traced row: one request at a time
+    // (the client's own sequencing) decodes alone, a step a token but the first (the client's
+    // own count of output tokens); the level and the summary carry them.
+    for r in warm_rows {
+        let e = &r["verdict"]["engine"];
+        assert_eq!(e["mean_batch_seqs"].as_f64(), Some(1.0), "{r}");
+        let (steps, out) = (e["decode_steps"].as_i64().unwrap(), r["output_tokens"].as_i64().unwrap());
+        assert!((steps - out).abs() <= 1, "{steps} decode steps for {out} output tokens: {r}");
+    }
+    assert!(warm["levels"].as_array().unwrap().iter().all(|l| l["engine_batch_seqs"].as_f64() == Some(1.0)), "{}", warm["levels"]);
+    let summary = std::fs::read_to_string(dir.join("without-layer/summary.txt")).unwrap();
+    assert!(summary.contains("step ms") && summary.contains("batch"), "{summary}");
     let read = model_read("without-layer", &warm_rows[0]);
     assert!(read < size / 10, "without the layer the trace saw {read} of {size} model bytes read from disk");
     assert!(dir.join("with-layer/idle-ttft.svg").exists());
     drop(srv);
+}
+
+/// Busy loops on every CPU, killed on drop: a CPU-bound neighbour of the server.
+struct Hog(Vec<Child>);
+
+impl Hog {
+    fn start() -> Hog {
+        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Hog((0..n).map(|_| Command::new("sh").arg("-c").arg("while :; do :; done").spawn().expect("start a busy loop")).collect())
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `--repeat 3` twice on an idle server: every figure of every level gets an interval, the
+/// second run against the first (`--baseline`) changes nothing beyond them. The same sweep with
+/// a CPU-bound job beside the server is called different (its TTFT and TPOT beyond the
+/// intervals, for the worse), and its levels are flagged as contended, naming the job's pids.
+#[test]
+fn repeated_sweeps_agree_on_an_idle_server_and_a_cpu_hog_is_called_different() {
+    let _t = turn();
+    let args = [
+        "--url",
+        &server().url,
+        "--sweep",
+        "concurrency",
+        "--levels",
+        "1,2",
+        "--requests-per-level",
+        "2",
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+        "--repeat",
+        "3",
+    ];
+    let a_dir = out_dir("repeat-a");
+    let a = bench(&a_dir, &args);
+    let levels = a["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 2, "{levels:?}");
+    assert_eq!(a["runs"].as_array().unwrap().len(), 6, "2 levels x 3 runs");
+    for l in levels {
+        assert_eq!(l["runs"], 3);
+        assert_eq!(l["requests"], 6, "{l}");
+        for f in ["ttft_ms_p50", "tpot_ms_mean", "output_tokens_mean", "throughput_output_tps"] {
+            let i = &l["intervals"][f];
+            let (lo, hi, mean) = (i["lo"].as_f64().unwrap(), i["hi"].as_f64().unwrap(), i["mean"].as_f64().unwrap());
+            assert!(lo <= mean && mean <= hi && i["n"] == 3, "{f}: {i}");
+        }
+        assert_eq!(l["contended"], false, "an idle box flagged as contended: {}", l["machine"]);
+    }
+    // The run order was shuffled across levels, and every row says which run it came from.
+    let order: Vec<String> = a["runs"].as_array().unwrap().iter().map(|r| r["level"].as_str().unwrap().to_string()).collect();
+    assert_ne!(order, ["1", "2", "1", "2", "1", "2"], "runs in plan order: not shuffled");
+    let runs_seen: std::collections::BTreeSet<u64> = a["rows"].as_array().unwrap().iter().map(|r| r["repeat"].as_u64().unwrap()).collect();
+    assert_eq!(runs_seen.len(), 3);
+    let summary = std::fs::read_to_string(a_dir.join("summary.txt")).unwrap();
+    assert!(summary.contains("± half the 95% interval over 3 runs"), "{summary}");
+
+    let a_path = a_dir.join("results.json");
+    let mut with_base = args.to_vec();
+    with_base.extend(["--baseline", a_path.to_str().unwrap()]);
+    let b = bench(&out_dir("repeat-b"), &with_base);
+    let figures = b["baseline"]["figures"].as_array().unwrap();
+    assert!(figures.len() >= 12, "{}", b["baseline"]);
+    let beyond: Vec<&Value> = figures.iter().filter(|f| f["beyond_intervals"] == true).collect();
+    assert!(beyond.is_empty(), "identical sweeps on an idle server called different: {beyond:?}");
+    assert!(b["conclusions"].as_array().unwrap().iter().any(|c| c.as_str().unwrap().contains("no figure changed beyond its interval")));
+
+    let hog = Hog::start();
+    let pids: Vec<u32> = hog.0.iter().map(|c| c.id()).collect();
+    let c = bench(&out_dir("repeat-c"), &with_base);
+    drop(hog);
+    let changed: Vec<&Value> = c["baseline"]["figures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["beyond_intervals"] == true && f["worse"] == true)
+        .filter(|f| ["ttft_ms_p50", "ttft_ms_mean", "tpot_ms_mean", "e2e_ms_mean"].contains(&f["figure"].as_str().unwrap()))
+        .collect();
+    assert!(!changed.is_empty(), "a CPU hog beside the server changed nothing: {}", c["baseline"]);
+    for l in c["levels"].as_array().unwrap() {
+        assert_eq!(l["contended"], true, "{}", l["machine"]);
+        let named: Vec<u64> = l["machine"]["competitors"].as_array().unwrap().iter().map(|x| x["pid"].as_u64().unwrap()).collect();
+        assert!(pids.iter().any(|p| named.contains(&u64::from(*p))), "the hog {pids:?} is not named: {}", l["machine"]);
+    }
+    let words = c["conclusions"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect::<Vec<_>>().join("\n");
+    assert!(words.contains("changed beyond their intervals") && words.contains("ran under contention"), "{words}");
+}
+
+/// Goodput against an SLO: every request meets a loose bound; a TPOT bound at the median the
+/// client measured leaves fewer; the old flag is the same bound under its alias.
+#[test]
+fn goodput_falls_as_the_slo_tightens() {
+    let _t = turn();
+    let base = ["--url", &server().url, "--levels", "1,2", "--requests-per-level", "4", "--max-tokens", "16", "--ignore-eos"];
+    let run = |name: &str, extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend(extra);
+        bench(&out_dir(name), &a)
+    };
+    let loose = run("slo-loose", &["--slo", "ttft=60s,tpot=10s,e2e=120s"]);
+    let good = |v: &Value| -> f64 {
+        v["levels"].as_array().unwrap().iter().map(|l| l["goodput_rps"].as_f64().unwrap() * l["duration_s"].as_f64().unwrap()).sum()
+    };
+    assert!(loose["levels"].as_array().unwrap().iter().all(|l| l["goodput_pct"] == 100.0), "{}", loose["levels"]);
+    let mut tpot: Vec<f64> = loose["rows"].as_array().unwrap().iter().filter_map(|r| r["tpot_ms"].as_f64()).collect();
+    tpot.sort_by(f64::total_cmp);
+    let median = tpot[tpot.len() / 2];
+    let bound = format!("tpot={median:.3}ms");
+    let tight = run("slo-tight", &["--slo", &bound]);
+    // The rows' own TPOT (the client's clock) against the bound decides each request.
+    for r in tight["rows"].as_array().unwrap() {
+        assert_eq!(r["met_slo"].as_bool(), Some(r["tpot_ms"].as_f64().unwrap() <= (median * 1000.0).round() / 1000.0), "{r}");
+    }
+    assert!(good(&tight) < good(&loose), "goodput {} (tight) against {} (loose)", good(&tight), good(&loose));
+    let words = tight["conclusions"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect::<Vec<_>>().join("\n");
+    assert!(words.contains("goodput (tpot="), "{words}");
+    let alias = run("slo-alias", &["--goodput-tpot-ms", "0.001"]);
+    assert!(alias["levels"].as_array().unwrap().iter().all(|l| l["goodput_pct"] == 0.0), "{}", alias["levels"]);
+    assert_eq!(alias["config"]["slo"]["tpot_ms"], 0.001);
+}
+
+/// Kolmogorov-Smirnov distance between the gaps and an exponential law of `rate` per second.
+fn ks_exponential(gaps_ms: &[f64], rate: f64) -> f64 {
+    let mut g = gaps_ms.to_vec();
+    g.sort_by(f64::total_cmp);
+    let n = g.len() as f64;
+    g.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let f = 1.0 - (-rate * x / 1e3).exp();
+            (f - i as f64 / n).abs().max(((i + 1) as f64 / n - f).abs())
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Poisson arrivals: the times the requests were sent (the client's clock) have exponential
+/// gaps at the rate asked for (a KS test at 5%), and not at twice that rate.
+#[test]
+fn poisson_arrivals_fit_their_rate() {
+    let _t = turn();
+    let dir = out_dir("rate");
+    let v = bench(
+        &dir,
+        &["--url", &server().url, "--sweep", "rate", "--rate", "5", "--requests-per-level", "60", "--max-tokens", "4", "--ignore-eos"],
+    );
+    let mut sent: Vec<f64> = v["rows"].as_array().unwrap().iter().map(|r| r["sent_ms"].as_f64().unwrap()).collect();
+    assert_eq!(sent.len(), 60);
+    sent.sort_by(f64::total_cmp);
+    let gaps: Vec<f64> = sent.windows(2).map(|w| w[1] - w[0]).collect();
+    let critical = 1.36 / (gaps.len() as f64).sqrt();
+    let d = ks_exponential(&gaps, 5.0);
+    assert!(d < critical, "KS distance {d:.3} >= {critical:.3}: the gaps {gaps:?} are not exponential at 5/s");
+    let wrong = ks_exponential(&gaps, 10.0);
+    assert!(wrong > critical, "the test cannot tell 5/s from 10/s ({wrong:.3})");
+    let l = &v["levels"][0];
+    assert_eq!((l["sweep"].as_str(), l["rate_rps"].as_f64()), (Some("rate"), Some(5.0)));
+    assert!(l["ok"] == 60, "{l}");
+    assert!(std::fs::read_to_string(dir.join("summary.txt")).unwrap().contains("rate sweep"));
+    assert!(dir.join("rate-latency.svg").exists());
+}
+
+/// The shared-prefix workload: after the first request, the server reports the shared system
+/// prompt as cached tokens (its own counts); the multi-turn workload's prompts grow turn by turn
+/// and later turns reuse the conversation so far.
+#[test]
+fn shared_prefix_and_multi_turn_reuse_the_prompt_cache() {
+    let _t = turn();
+    let url = &server().url;
+    let pdir = out_dir("prefix");
+    let p = bench(
+        &pdir,
+        &["--url", url, "--sweep", "prefix", "--levels", "1", "--prefix-tokens", "300", "--prefix-requests", "4", "--max-tokens", "8"],
+    );
+    let rows = p["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    let first = rows.iter().find(|r| r["index"] == 0).unwrap();
+    assert!(first["cached_tokens"].as_u64().unwrap_or(0) < 100, "the first request found the prefix cached: {first}");
+    for r in rows.iter().filter(|r| r["index"] != 0) {
+        let (cached, prompt) = (r["cached_tokens"].as_u64().unwrap(), r["prompt_tokens"].as_u64().unwrap());
+        assert!(cached >= 250 && cached < prompt, "{cached} of {prompt} prompt tokens cached: {r}");
+    }
+    assert!(p["levels"][0]["reuse_pct"].as_f64().unwrap() > 70.0, "{}", p["levels"][0]);
+    assert!(pdir.join("prefix-cache.svg").exists());
+
+    let mdir = out_dir("multiturn");
+    let m = bench(&mdir, &["--url", url, "--api", "chat", "--sweep", "multiturn", "--levels", "1", "--turns", "3", "--max-tokens", "24"]);
+    let mut turns: Vec<(u64, u64, u64)> = m["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["turn"].as_u64().unwrap(), r["prompt_tokens"].as_u64().unwrap(), r["cached_tokens"].as_u64().unwrap_or(0)))
+        .collect();
+    turns.sort();
+    assert_eq!(turns.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(turns[1].1 > turns[0].1 && turns[2].1 > turns[1].1, "prompts do not grow: {turns:?}");
+    assert!(turns[1].2 >= turns[0].1 / 2 && turns[2].2 >= turns[1].1 / 2, "later turns did not reuse the conversation: {turns:?}");
+    assert!(mdir.join("multiturn-turns.svg").exists());
+}
+
+/// `--compare-with aiperf`: AIPerf's own CLI (from PyPI, `AIPERF`) on the same server, prompts
+/// and output length at concurrency 1, niced and lean. Both tools' TTFT and output tokens/s
+/// agree within 10%, or the gap is the server itself running slower while AIPerf ran: checked
+/// against the server's own per-token time (`timings` of a request sent after each tool).
+#[test]
+fn side_by_side_with_aiperf_agrees() {
+    let _t = turn();
+    let aiperf = env_path("AIPERF");
+    let tokenizer = env_path("VLLM_MODEL");
+    let dir = out_dir("aiperf");
+    let v = bench(
+        &dir,
+        &[
+            "--url",
+            &server().url,
+            "--levels",
+            "1",
+            "--requests-per-level",
+            "6",
+            "--max-tokens",
+            "48",
+            "--ignore-eos",
+            "--compare-with",
+            "aiperf",
+            "--aiperf",
+            aiperf.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+        ],
+    );
+    let p = &v["compared_with"]["levels"][0];
+    assert!(p.is_object(), "no side-by-side figures: {}", v["notes"]);
+    let within = |a: &str, b: &str, tol: f64| {
+        let (x, y) = (p[a].as_f64().unwrap(), p[b].as_f64().unwrap());
+        ((y - x) / x).abs() <= tol
+    };
+    assert!(within("probe_output_tokens_mean", "aiperf_output_tokens_mean", 0.02), "the tools counted different outputs: {p}");
+    // TTFT within 10%, or the gap is the server's own: its prompt time (timings.prompt_ms, read
+    // from each tool's answers) differs by about as much, and what is left agrees.
+    if !within("probe_ttft_ms_mean", "aiperf_ttft_ms_mean", 0.10) {
+        let why = p["explained"].as_str().unwrap_or_else(|| panic!("TTFT mean differs by more than 10%, unexplained: {p}"));
+        let (sa, sb) = (p["probe_server_prompt_ms"].as_f64().unwrap(), p["aiperf_server_prompt_ms"].as_f64().unwrap());
+        let (ta, tb) = (p["probe_ttft_ms_mean"].as_f64().unwrap(), p["aiperf_ttft_ms_mean"].as_f64().unwrap());
+        assert!((sb - sa).signum() == (tb - ta).signum(), "{why}: {p}");
+        assert!(((tb - sb) - (ta - sa)).abs() <= (0.1 * ta).max(20.0), "{why}: {p}");
+    }
+    // Each tool's ITL against the server's own time per token (timings.predicted_per_token_ms
+    // of the answers it got): both measure the server, within 10%.
+    assert!(within("probe_server_tpot_ms", "probe_itl_ms_mean", 0.10), "probe's ITL is not the server's per-token time: {p}");
+    assert!(within("aiperf_server_tpot_ms", "aiperf_itl_ms_mean", 0.10), "AIPerf's ITL is not the server's per-token time: {p}");
+    // Between the tools: within 10%, or the server itself ran at another speed (said, with numbers).
+    for (a, b) in [("probe_itl_ms_mean", "aiperf_itl_ms_mean"), ("probe_output_tps", "aiperf_output_tps")] {
+        assert!(within(a, b, 0.10) || p["explained_itl"].is_string(), "{a} and {b} differ by more than 10%, unexplained: {p}");
+    }
+    // AIPerf's own files are there; the prompts it was given are not kept.
+    let export = std::path::PathBuf::from(p["export"].as_str().unwrap());
+    assert!(export.exists(), "{}", export.display());
+    assert!(!dir.join("aiperf-1/prompts.jsonl").exists() && !dir.join("aiperf-1/inputs.json").exists());
+    assert!(!dir.join("aiperf-1/profile_export_raw.jsonl").exists(), "the answers' text was kept");
+    let summary = std::fs::read_to_string(dir.join("summary.txt")).unwrap();
+    assert!(summary.contains("probe bench beside aiperf"), "{summary}");
 }

@@ -754,3 +754,94 @@ fn watch_follows_a_container_across_a_restart() {
     let st = w.wait().unwrap();
     assert!(st.success(), "probe watch exit {st:?}: {log:#?}");
 }
+
+/// The README's Usage and Exports commands, run as written against a real llama-server, with
+/// their placeholders filled in (the pid, the port, the recording `slow-morning`, the OTLP
+/// collector). Each must succeed. A short variant where the README's would not end: a trace
+/// without `--duration` gets `--duration 3s`. Checked to parse only (every README command is, in
+/// probe's unit tests): `watch` (runs until stopped; tests/watch.rs runs it), `bench` (minutes of
+/// experiments; tests/bench.rs runs it) and `--container` (no container runtime in this test).
+#[test]
+fn the_readmes_usage_runs_as_written() {
+    let (srv, addr) = common::shared_llama_server(&["-c", "2048", "-np", "2", "-t", "2"]);
+    let work = out_dir("readme");
+    std::fs::create_dir_all(&work).unwrap();
+    let rec = work.join("slow-morning");
+    let rx = Receiver::start(&work.join("otlp"));
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let section = |title: &str| -> String {
+        let from = readme.find(title).unwrap_or_else(|| panic!("README has no {title}"));
+        let rest = &readme[from..];
+        let block = &rest[rest.find("```sh\n").unwrap() + 6..];
+        block[..block.find("```").unwrap()].to_string()
+    };
+    let mut lines: Vec<String> = Vec::new();
+    for block in [section("## Usage"), section("### Exports")] {
+        for l in block.replace("\\\n", " ").lines() {
+            let l = l.split(" # ").next().unwrap().trim();
+            let l = l.strip_prefix("sudo ").unwrap_or(l);
+            let Some(rest) = l.strip_prefix("probe ") else { continue };
+            lines.push(rest.split(" && ").next().unwrap().to_string());
+        }
+    }
+    assert!(lines.len() >= 14, "{lines:?}");
+    let pid = srv.id().to_string();
+    let fill = |l: &str| {
+        l.replace("$(pgrep -o llama-server)", &pid)
+            .replace("--pid 1234", &format!("--pid {pid}"))
+            .replace("slow-morning", rec.to_str().unwrap())
+            .replace(" DIR ", &format!(" {} ", rec.display()))
+            .replace("127.0.0.1:8080", &addr.to_string())
+            .replace("http://127.0.0.1:4318", &format!("http://127.0.0.1:{}", rx.port))
+    };
+    // The recording the others read comes first, with requests during it (3 of them: the README
+    // draws request 3's flamegraph).
+    let first = lines.iter().position(|l| l.contains("--out slow-morning")).expect("the README's trace --out slow-morning");
+    let traced = fill(&lines[first]).replace("--duration 30s", "--duration 4s");
+    let asker = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1200));
+        for max in [8, 12, 16] {
+            assert_eq!(ask(addr, &chat(max, true), &[]), 200);
+        }
+    });
+    let (ok, text) = probe(&traced.split_whitespace().collect::<Vec<_>>(), &[]);
+    asker.join().unwrap();
+    assert!(ok, "`probe {traced}`: {text}");
+    let mut ran = vec![traced];
+    let mut parsed_only = vec![];
+    for (i, l) in lines.iter().enumerate() {
+        if i == first {
+            continue;
+        }
+        let l = fill(l);
+        if l.starts_with("watch") || l.starts_with("bench") || l.contains("--container") {
+            parsed_only.push(l);
+            continue;
+        }
+        let mut l = if l.starts_with("trace") && !l.contains("--duration") { format!("{l} --duration 3s") } else { l };
+        // `[--flag]`: with and without it; an output made by the one before is removed first.
+        let variants: Vec<String> = if l.contains('[') {
+            let without = format!("{}{}", l.split('[').next().unwrap(), l.split(']').nth(1).unwrap());
+            vec![without, l.replace(['[', ']'], "")]
+        } else {
+            vec![std::mem::take(&mut l)]
+        };
+        for v in variants {
+            if v.starts_with("bundle") {
+                let _ = std::fs::remove_file(rec.with_extension("tar.gz"));
+            }
+            let args: Vec<&str> = v.split_whitespace().collect();
+            let o = Command::new(probe_bin()).args(&args).current_dir(&work).output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+            assert!(o.status.success(), "`probe {v}` failed as the README writes it:\n{text}");
+            ran.push(v);
+        }
+    }
+    // What they said they would make is there.
+    for f in ["report.html", "timeline.json", "pprof-cpu.pb.gz", "otlp.json", "flame-offcpu-req3.svg"] {
+        assert!(rec.join(f).exists(), "{f} missing after {ran:#?}");
+    }
+    assert!(rec.with_extension("tar.gz").exists());
+    assert!(!rx.spans().is_empty(), "the OTLP collector got no span");
+    eprintln!("ran {} README commands; checked {} to parse only: {parsed_only:#?}", ran.len(), parsed_only.len());
+}

@@ -217,16 +217,40 @@ fn bad_input_gets_one_clear_line_and_exit_2() {
 
 #[test]
 fn doctor_finds_every_probe_live() {
+    let t = std::time::Instant::now();
     let out = Command::new(probe_bin()).arg("doctor").output().unwrap();
+    let took = t.elapsed();
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
     for p in ["blockio", "fault", "filemap", "mmap", "sock", "stream", "cpu", "offcpu", "mem", "proc"] {
-        assert!(text.lines().any(|l| l.starts_with(&format!("probe {p}")) && l.contains("live")), "{p}: {text}");
+        assert!(text.lines().any(|l| l.starts_with(&format!("probe {p} ")) && l.contains("ok: live")), "{p}: {text}");
+    }
+    // One row per capability, each ok as root.
+    for cap in ["CAP_BPF", "CAP_PERFMON", "CAP_DAC_READ_SEARCH", "CAP_SYS_PTRACE", "CAP_SYSLOG", "CAP_CHECKPOINT_RESTORE"] {
+        assert!(text.lines().any(|l| l.starts_with(cap) && l.contains(" ok: ")), "{cap}: {text}");
     }
     // The samplers' findings: this machine has PSI and a 6.18 kernel (cachestat), no NVIDIA GPU.
-    assert!(text.contains("PSI           present"), "{text}");
-    assert!(text.contains("page cache    cachestat(2)"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("PSI") && l.contains("ok: memory and io stall time")), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("page cache") && l.contains("cachestat(2)")), "{text}");
     assert!(text.lines().any(|l| l.starts_with("GPU")), "{text}");
+    // The programs are detached after doctor exits, not while the user waits (a gross bound).
+    assert!(took < std::time::Duration::from_secs(3), "doctor took {took:?}");
+    // As a user without privileges: the checklist still comes, with what is missing, and exit 2.
+    let dir = std::env::temp_dir().join(format!("probe-doctor-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    let bin = dir.join("probe");
+    std::fs::copy(probe_bin(), &bin).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new("setpriv").args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(&bin).arg("doctor").output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("CAP_BPF") && l.contains("missing")), "{text}");
+    assert!(text.contains("run `sudo probe doctor`"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("PSI")), "the checks that need no privilege are made: {text}");
 }
 
 /// A process that allocates without end inside a memory cgroup (v1, 48 MiB): the cgroup reclaims
@@ -253,4 +277,125 @@ fn oom_kill_in_a_memory_cgroup_is_reported() {
     assert!(n(&kills[0]["rss_kib"]) >= 30 << 10, "the victim's RSS at the kill: {m}");
     assert!(n(&m["memcg_reclaim"]["count"]) > 0, "no cgroup reclaim seen before the kill: {m}");
     assert_eq!(m["cgroup_limit"], 48u64 << 20, "{m}");
+}
+
+/// scripts/install.sh (what `cargo xtask install` runs as root) into a scratch prefix: the
+/// binary with the README's mode, group and capabilities, man pages and completions. From a fresh
+/// shell `probe doctor` runs by name; a member of the group, not root, gets every probe live
+/// through the file capabilities. `--uninstall` leaves nothing of it.
+#[test]
+fn install_puts_probe_on_path_with_its_capabilities_and_uninstall_removes_it() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let prefix = std::env::temp_dir().join(format!("probe-install-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&prefix);
+    std::fs::create_dir(&prefix).unwrap();
+    std::fs::set_permissions(&prefix, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/install.sh");
+    let out = Command::new("bash").arg(&script).arg("--prefix").arg(&prefix).arg(probe_bin()).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{said}");
+    let bin = prefix.join("bin/probe");
+    let meta = std::fs::metadata(&bin).unwrap();
+    assert_eq!(meta.mode() & 0o7777, 0o750, "{said}");
+    let group = Command::new("getent").args(["group", "probe"]).output().unwrap();
+    let gid: u32 = String::from_utf8_lossy(&group.stdout).split(':').nth(2).unwrap().trim().parse().unwrap();
+    assert_eq!(meta.gid(), gid);
+    // Run by name from a fresh shell.
+    let path = format!("{}:/usr/sbin:/usr/bin:/sbin:/bin", prefix.join("bin").display());
+    let fresh = Command::new("env").args(["-i", &format!("PATH={path}"), "sh", "-c", "probe doctor"]).output().unwrap();
+    let text = String::from_utf8_lossy(&fresh.stdout);
+    assert_eq!(fresh.status.code(), Some(0), "{text}");
+    // The capabilities: a member of the group, not root, traces without sudo.
+    let caps = Command::new("getcap").arg(&bin).output().map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+    assert!(caps.contains("cap_bpf") && caps.contains("cap_perfmon"), "no capabilities on {}: {caps} ({said})", bin.display());
+    let member = Command::new("setpriv")
+        .args(["--reuid=65534", &format!("--regid={gid}"), "--clear-groups"])
+        .arg(&bin)
+        .arg("doctor")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&member.stdout);
+    assert_eq!(member.status.code(), Some(0), "as a member of the group: {text}");
+    assert!(text.lines().any(|l| l.starts_with("probe offcpu") && l.contains("ok: live")), "{text}");
+    // Man pages for every command, and completions.
+    let man1 = prefix.join("share/man/man1");
+    let pages: std::collections::BTreeSet<String> =
+        std::fs::read_dir(&man1).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
+    for p in ["probe.1", "probe-trace.1", "probe-watch.1", "probe-doctor.1"] {
+        assert!(pages.contains(p), "{pages:?}");
+    }
+    assert!(std::fs::read_to_string(prefix.join("share/bash-completion/completions/probe")).unwrap().contains("_probe"));
+    // Uninstall: nothing of it is left (every page it wrote is one it removes).
+    let out = Command::new("bash").arg(&script).arg("--prefix").arg(&prefix).arg("--uninstall").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let left: Vec<PathBuf> = walk(&prefix).into_iter().filter(|p| p.is_file()).collect();
+    let _ = std::fs::remove_dir_all(&prefix);
+    assert!(left.is_empty(), "left after --uninstall: {left:?}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut all = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            all.extend(walk(&p));
+        }
+        all.push(p);
+    }
+    all
+}
+
+/// The .deb `cargo xtask deb` builds (PROBE_DEB; `cargo xtask test` builds it first), installed
+/// with apt as a user would and removed again: probe on PATH with its group and capabilities, its
+/// man pages, completions and the watch unit; nothing of it left after `apt-get purge`.
+#[test]
+fn the_deb_installs_and_removes_cleanly() {
+    use std::os::unix::fs::MetadataExt as _;
+    let deb = PathBuf::from(
+        std::env::var_os("PROBE_DEB").expect("PROBE_DEB is not set: run the tests with `cargo xtask test`, which builds the .deb"),
+    );
+    assert!(deb.exists(), "{} does not exist", deb.display());
+    assert!(!std::path::Path::new("/usr/bin/probe").exists(), "/usr/bin/probe is there before the test: not the case this test is about");
+    let apt = |args: &[&str]| {
+        let o = Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive").output().unwrap();
+        assert!(o.status.success(), "apt-get {args:?}: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    };
+    apt(&["install", "-y", deb.to_str().unwrap()]);
+    let installed = (|| {
+        let meta = std::fs::metadata("/usr/bin/probe").map_err(|e| format!("/usr/bin/probe: {e}"))?;
+        if meta.mode() & 0o7777 != 0o750 {
+            return Err(format!("mode {:o}", meta.mode() & 0o7777));
+        }
+        let caps = Command::new("getcap").arg("/usr/bin/probe").output().map_err(|e| e.to_string())?;
+        if !String::from_utf8_lossy(&caps.stdout).contains("cap_bpf") {
+            return Err(format!("no capabilities: {}", String::from_utf8_lossy(&caps.stdout)));
+        }
+        let doctor = Command::new("env")
+            .args(["-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "sh", "-c", "probe doctor"])
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !doctor.status.success() {
+            return Err(format!("probe doctor: {}", String::from_utf8_lossy(&doctor.stdout)));
+        }
+        for f in [
+            "/usr/share/man/man1/probe-trace.1.gz",
+            "/usr/share/bash-completion/completions/probe",
+            "/lib/systemd/system/probe-watch.service",
+        ] {
+            if !std::path::Path::new(f).exists() {
+                return Err(format!("{f} missing"));
+            }
+        }
+        let unit = std::fs::read_to_string("/lib/systemd/system/probe-watch.service").unwrap_or_default();
+        if !unit.contains("ExecStart=/usr/bin/probe watch") {
+            return Err("the watch unit does not start /usr/bin/probe".into());
+        }
+        Ok(())
+    })();
+    // Removed whatever happened above: the machine is left as it was.
+    apt(&["purge", "-y", "probe"]);
+    installed.unwrap();
+    for f in ["/usr/bin/probe", "/usr/share/man/man1/probe-trace.1.gz", "/lib/systemd/system/probe-watch.service"] {
+        assert!(!std::path::Path::new(f).exists(), "{f} left after purge");
+    }
 }

@@ -15,6 +15,14 @@ use serde_json::{Value, json};
 mod common;
 use common::{env_path, probe_bin, workload::scratch};
 
+/// One watch test at a time: each runs its own llama-server, and several verdicts they check
+/// (a cause per incident, warm requests for the baseline) assume nobody else holds the CPUs.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -178,7 +186,7 @@ impl Watch {
         self.drain_log();
         // The live window goes with watch; the incidents stay.
         let left: Vec<_> = std::fs::read_dir(&self.dir).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert_eq!(left, ["incidents"], "{:?}", self.log);
+        assert!(left.iter().all(|f| f == "incidents" || f == "warm-baseline.json"), "{left:?}: {:?}", self.log);
         std::mem::take(&mut self.log)
     }
 }
@@ -209,6 +217,7 @@ fn encode(s: &str) -> String {
 
 #[test]
 fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
+    let _serial = serial();
     let d = scratch("watch-prom");
     let port = free_port();
     let srv = llama(&env_path("LLAMA_MODEL"), port, &[]);
@@ -303,6 +312,7 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
 /// incident by itself whose verdict names the reload; the warm request after it makes none.
 #[test]
 fn the_morning_request_makes_an_incident_and_a_warm_one_does_not() {
+    let _serial = serial();
     let d = scratch("watch-morning");
     // A copy of the model no other server maps (a mapped file cannot be evicted).
     let model = d.join("model.gguf");
@@ -354,6 +364,7 @@ fn the_morning_request_makes_an_incident_and_a_warm_one_does_not() {
 
 #[test]
 fn follows_a_server_killed_and_restarted_on_its_port() {
+    let _serial = serial();
     let d = scratch("watch-restart");
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -386,6 +397,7 @@ fn follows_a_server_killed_and_restarted_on_its_port() {
 /// watch goes on following the next server.
 #[test]
 fn a_tiny_keep_rotates_old_incidents_and_watch_goes_on() {
+    let _serial = serial();
     let d = scratch("watch-keep");
     let port = free_port();
     let http_server = || {
@@ -420,6 +432,7 @@ fn a_tiny_keep_rotates_old_incidents_and_watch_goes_on() {
 /// calls itself), and the next one after it exits.
 #[test]
 fn follows_an_executable_by_name() {
+    let _serial = serial();
     use common::workload::Workload;
     let d = scratch("watch-exe");
     let port = free_port();
@@ -450,6 +463,7 @@ fn follows_an_executable_by_name() {
 /// hangs up mid-stream is an incident of its own kind (and slow too), and it is saved.
 #[test]
 fn a_different_cause_is_another_incident() {
+    let _serial = serial();
     let d = scratch("watch-causes");
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -482,6 +496,70 @@ fn a_different_cause_is_another_incident() {
     let incidents = w.incidents();
     let named = |what: &str| incidents.iter().filter(|p| p.to_string_lossy().contains(what)).count();
     assert_eq!((named("-slow_ttft-"), named("-client_disconnect-")), (1, 1), "{incidents:?}\n{:#?}", w.log);
+    w.stop();
+    kill(srv);
+}
+
+/// The warm baseline outlives watch: requests served warm in one session are what a request in
+/// the next session (watch restarted) is compared with. Truth: the client's own clock for the
+/// warm requests, and for the slow one.
+#[test]
+fn a_restarted_watch_keeps_its_warm_baseline() {
+    let _serial = serial();
+    let d = scratch("watch-baseline");
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let srv = llama(&env_path("LLAMA_MODEL"), port, &[]);
+    let state = d.join("state");
+    let prompt = "The lighthouse keeper wrote in his log every night. ".repeat(6);
+    let ask = |cache: bool| {
+        let body = json!({"prompt": prompt, "n_predict": 2, "cache_prompt": cache, "seed": 1});
+        let t = Instant::now();
+        let (st, body) = http(addr, "POST", "/completion", Some(&body)).unwrap();
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    ask(true); // the prompt is in the server's cache from now on
+    let mut w = Watch::start(&state, &["--port", &port.to_string(), "--segment", "1s"]);
+    w.wait_armed(1, Duration::from_secs(30));
+    let mut warm: Vec<f64> = (0..8).map(|_| ask(true)).collect();
+    warm.sort_by(f64::total_cmp);
+    let file = state.join("warm-baseline.json");
+    let kept = || -> usize {
+        std::fs::read(&file)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .map_or(0, |v| v["warm"].as_array().map_or(0, Vec::len))
+    };
+    let t = Instant::now();
+    while kept() < 8 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the warm baseline holds {} of 8 requests: {:#?}", kept(), w.log);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    w.stop();
+    // A new watch, nothing warm in its own trace: the kept baseline is what "warm" means.
+    let mut w = Watch::start(&state, &["--port", &port.to_string(), "--segment", "1s", "--slow-ttft", "1ms"]);
+    w.wait_log("warm baseline of", Duration::from_secs(10));
+    w.wait_armed(1, Duration::from_secs(30));
+    let slow = ask(false);
+    w.wait_log("incident slow_ttft", Duration::from_secs(60));
+    let dir = w.incidents().into_iter().find(|p| p.to_string_lossy().contains("-slow_ttft-")).unwrap();
+    let r: Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let said = r["requests"][0]["verdict"]["evidence"].to_string();
+    eprintln!("warm (client) {warm:?} ms; slow {slow:.0} ms; {said}");
+    let line = r["requests"][0]["verdict"]["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .find(|e| e.contains("probe watch kept from earlier sessions"))
+        .unwrap_or_else(|| panic!("the kept baseline is not used: {said}"));
+    let median: f64 = line.split('(').nth(1).unwrap().split(" ms").next().unwrap().parse().unwrap();
+    let client_median = warm[warm.len() / 2];
+    assert!(
+        median <= client_median * 1.5 + 5.0 && median >= client_median * 0.3,
+        "{line}: the client saw a median of {client_median:.1} ms"
+    );
     w.stop();
     kill(srv);
 }

@@ -3,6 +3,7 @@
 #![no_std]
 
 pub mod blockio;
+pub mod engine;
 pub mod fault;
 pub mod filemap;
 pub mod kernel;
@@ -57,11 +58,23 @@ pub enum EventKind {
     Stack = 8,
     Sched = 9,
     Mem = 10,
+    Engine = 11,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 10] =
-        [Self::BlockIo, Self::Fault, Self::Mmap, Self::Sock, Self::Proc, Self::Filemap, Self::Data, Self::Stack, Self::Sched, Self::Mem];
+    pub const ALL: [EventKind; 11] = [
+        Self::BlockIo,
+        Self::Fault,
+        Self::Mmap,
+        Self::Sock,
+        Self::Proc,
+        Self::Filemap,
+        Self::Data,
+        Self::Stack,
+        Self::Sched,
+        Self::Mem,
+        Self::Engine,
+    ];
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -75,6 +88,7 @@ impl EventKind {
             Self::Stack => "stack",
             Self::Sched => "sched",
             Self::Mem => "mem",
+            Self::Engine => "engine",
         }
     }
 
@@ -93,6 +107,7 @@ impl EventKind {
             Self::Stack => size_of::<stack::StackEvent>(),
             Self::Sched => size_of::<stack::SchedEvent>(),
             Self::Mem => size_of::<mem::MemEvent>(),
+            Self::Engine => size_of::<engine::EngineEvent>(),
         }
     }
 }
@@ -111,6 +126,7 @@ impl TryFrom<u32> for EventKind {
             8 => Self::Stack,
             9 => Self::Sched,
             10 => Self::Mem,
+            11 => Self::Engine,
             other => return Err(other),
         })
     }
@@ -180,4 +196,6 @@ mod pod {
     unsafe impl aya::Pod for crate::stack::StackEvent {}
     unsafe impl aya::Pod for crate::stack::SchedEvent {}
     unsafe impl aya::Pod for crate::mem::MemEvent {}
+    unsafe impl aya::Pod for crate::engine::EngineEvent {}
+    unsafe impl aya::Pod for crate::engine::BatchFill {}
 }

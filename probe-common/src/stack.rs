@@ -83,7 +83,7 @@ pub const STACK_IO: u32 = 4;
 /// the one it replaced on this CPU: what ran instead.
 pub const SCHED_PREEMPTED: u32 = 1;
 
-/// `SchedEvent::flags`: the thread had blocked, was woken (sched_wakeup) and `blocked_ns` is the
+/// `SchedEvent::flags`: the thread had blocked, was woken (sched_waking) and `blocked_ns` is the
 /// run-queue wait from the wake-up until it ran; the header's task is what ran on this CPU
 /// meanwhile. Its blocked part before the wake-up comes in its own record (flags 0), just before.
 pub const SCHED_WOKEN: u32 = 2;
@@ -91,6 +91,13 @@ pub const SCHED_WOKEN: u32 = 2;
 /// Whether a [`SchedEvent`] is a wait for a CPU (after a preemption or a wake-up).
 pub const fn is_cpu_wait(flags: u32) -> bool {
     flags & (SCHED_PREEMPTED | SCHED_WOKEN) != 0
+}
+
+/// The target thread that woke a blocked thread, from a blocked record's flags (bits 8..32; a
+/// tid fits: PID_MAX_LIMIT is 2^22); None when the waker was no target thread (another process,
+/// an interrupt over one, a timer) or the kernel did not say.
+pub const fn waker_of(flags: u32) -> Option<u32> {
+    if is_cpu_wait(flags) || flags >> 8 == 0 { None } else { Some(flags >> 8) }
 }
 
 /// A run-queue wait shorter than this is only counted (`Counter::ShortWaits`, `ShortWaitNs`), not
@@ -105,7 +112,8 @@ pub struct SchedEvent {
     pub hdr: EventHeader,
     /// The thread that switched in (the header's tid is the task it replaced).
     pub tid: u32,
-    /// [`SCHED_PREEMPTED`] or 0.
+    /// [`SCHED_PREEMPTED`], [`SCHED_WOKEN`], or for a blocked record 0 with the waking target
+    /// thread in bits 8..32 ([`waker_of`]).
     pub flags: u32,
     /// How long it was off the CPU, ns.
     pub blocked_ns: u64,

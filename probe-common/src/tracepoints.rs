@@ -74,7 +74,7 @@ layout!(sock_recv_length, "sock", "sock_recv_length", {
 layout!(sched_switch, "sched", "sched_switch", {
     PREV_PID: "prev_pid" @ 24, 4; PREV_STATE: "prev_state" @ 32, 8; NEXT_PID: "next_pid" @ 56, 4;
 });
-layout!(sched_wakeup, "sched", "sched_wakeup", { PID: "pid" @ 24, 4; });
+layout!(sched_waking, "sched", "sched_waking", { PID: "pid" @ 24, 4; });
 // vmscan / compaction / oom: memory pressure (the begin events are only timed, no field read).
 layout!(mm_vmscan_direct_reclaim_end, "vmscan", "mm_vmscan_direct_reclaim_end", { NR_RECLAIMED: "nr_reclaimed" @ 8, 8; });
 layout!(mm_vmscan_memcg_reclaim_end, "vmscan", "mm_vmscan_memcg_reclaim_end", { NR_RECLAIMED: "nr_reclaimed" @ 8, 8; });

@@ -4,6 +4,7 @@
 #![no_main]
 
 mod blockio;
+mod engine;
 mod fault;
 mod filemap;
 mod mem;

@@ -10,12 +10,12 @@ use aya_ebpf::{
     programs::{PerfEventContext, RawTracePointContext, TracePointContext},
 };
 use probe_common::{
-    Counter, Record,
+    Counter, EventHeader, Record,
     stack::{
         KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent,
         SeenUstack, StackEvent, USTACK_CAP,
     },
-    tracepoints::{sched_switch as sw, sched_wakeup as wk},
+    tracepoints::{sched_switch as sw, sched_waking as wk},
 };
 
 use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert_lru, now_ns, ringbuf_flags};
@@ -68,10 +68,10 @@ static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0
 
 /// Target threads off the CPU since this time (ns), by tid.
 /// Per target thread off the CPU: [when it left (low bit set: still runnable, preempted), when
-/// it was woken (0: not yet)]. sched_wakeup writes the second in place (no insert: it runs for
-/// every wake-up on the machine).
+/// it was woken (0: not yet), the target thread that woke it (0: none, or another process)].
+/// sched_waking writes the last two in place (no insert: it runs for every wake-up on the machine).
 #[map(name = "OFFCPU_SINCE")]
-static OFFCPU_SINCE: LruHashMap<u32, [u64; 2]> = LruHashMap::with_max_entries(16384, 0);
+static OFFCPU_SINCE: LruHashMap<u32, [u64; 3]> = LruHashMap::with_max_entries(16384, 0);
 
 #[inline(always)]
 fn read_kernel<T>(p: *const T) -> T {
@@ -173,6 +173,18 @@ impl Capture {
                 rec.discard(flags);
                 return false;
             }
+            // Inside a call the engine probe times (engine.rs), the kernel's uretprobe
+            // trampoline stands where the call's return address was: put the address back in
+            // the copy, so the unwind goes on into the caller.
+            if N >= 8
+                && let Some(call) = crate::engine::ENGINE_CALL.get(&self.tid)
+                && call.ret_slot != 0
+            {
+                let off = call.ret_slot.wrapping_sub(self.sp);
+                if off <= (N - 8) as u64 {
+                    core::ptr::write_unaligned(base.add(HDR + off as usize).cast::<u64>(), call.ret_addr);
+                }
+            }
             self.header(base.cast(), self.what, N as u32);
         }
         rec.submit(flags);
@@ -269,23 +281,24 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = USTACK_SEEN.remove(&tid);
             let _ = USTACK_NEED.remove(&tid);
         } else if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
-            insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0]);
+            insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
             capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
         } else if state & 0xff == 0 {
             // Preempted (or it yielded): still runnable, so until it runs again it waits for a
             // CPU. No stack (where it was is where it will resume); the low bit of the time marks
             // the wait as run-queue time.
-            insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0]);
+            insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0, 0]);
         }
     }
     let next: i32 = field(ctx, sw::NEXT_PID)?;
     let next = next as u32;
     // SAFETY: the value is copied out before the remove.
-    if let Some([since, woken]) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
+    if let Some([since, woken, waker]) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
         let _ = OFFCPU_SINCE.remove(&next);
         let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
+        // One clock reading for the switch: a wait's end is exactly when the thread ran.
         let sched = |flags: u32, blocked_ns: u64| SchedEvent {
-            hdr: header::<SchedEvent>((pid_tgid >> 32) as u32, pid_tgid as u32),
+            hdr: EventHeader { ts_ns: now, ..header::<SchedEvent>((pid_tgid >> 32) as u32, pid_tgid as u32) },
             tid: next,
             flags,
             blocked_ns,
@@ -294,9 +307,10 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             run_queue_wait(now.saturating_sub(since & !1), SCHED_PREEMPTED, &sched);
             return Ok(());
         }
-        // Blocked, then woken: blocked until the wake-up, then waiting for a CPU until now.
-        let woken = if woken >= since && woken <= now { woken } else { now };
-        emit(&sched(0, woken - since));
+        // Blocked, then woken: blocked until the wake-up (by which target thread, in the
+        // flags' high bits), then waiting for a CPU until now.
+        let (woken, waker) = if woken >= since && woken <= now { (woken, waker) } else { (now, 0) };
+        emit(&sched(waker_flags(waker as u32), woken - since));
         run_queue_wait(now - woken, SCHED_WOKEN, &sched);
     }
     Ok(())
@@ -315,7 +329,14 @@ fn run_queue_wait(ns: u64, flags: u32, sched: &impl Fn(u32, u64) -> SchedEvent) 
     emit(&sched(flags, ns));
 }
 
-/// A target thread that blocked (it is in OFFCPU_SINCE as blocked) is runnable from now on.
+/// The blocked record's flags: the waking target thread in bits 8..32 ([`waker_of`]).
+#[inline(always)]
+fn waker_flags(waker: u32) -> u32 {
+    if waker < 1 << 24 { waker << 8 } else { 0 }
+}
+
+/// A target thread that blocked (it is in OFFCPU_SINCE as blocked) is runnable from now on. The
+/// current task is the waker (sched_waking runs in its context): kept when it is a target thread.
 #[inline(always)]
 fn woken(tid: u32) {
     let Some(v) = OFFCPU_SINCE.get_ptr_mut(&tid) else { return };
@@ -323,15 +344,20 @@ fn woken(tid: u32) {
     // value, both times of this wake-up or none.
     let v = unsafe { &mut *v };
     if v[0] & 1 == 0 && v[1] == 0 {
+        v[2] = match current_target() {
+            Some((_, t)) => u64::from(t),
+            None => 0,
+        };
         v[1] = now_ns();
     }
 }
 
-/// sched_wakeup as a raw tracepoint (arg 0: the woken `struct task_struct *`, its pid read at the
-/// BTF offset). It runs for every wake-up on the machine, often in interrupts on top of other
-/// programs: a classic tracepoint would be skipped there (one global guard), a raw one is not.
-#[raw_tracepoint(tracepoint = "sched_wakeup")]
-pub fn sched_wakeup_raw(ctx: RawTracePointContext) -> i32 {
+/// sched_waking as a raw tracepoint (arg 0: the woken `struct task_struct *`, its pid read at the
+/// BTF offset). It runs for every wake-up on the machine, in the waker's context (sched_wakeup
+/// may run on the woken task's CPU instead), often in interrupts on top of other programs: a
+/// classic tracepoint would be skipped there (one global guard), a raw one is not.
+#[raw_tracepoint(tracepoint = "sched_waking")]
+pub fn sched_waking_raw(ctx: RawTracePointContext) -> i32 {
     let task: u64 = ctx.arg(0);
     if let Some(tid) = crate::task::read::<i32>(task, crate::task::offsets().task_pid) {
         woken(tid as u32);
@@ -339,9 +365,9 @@ pub fn sched_wakeup_raw(ctx: RawTracePointContext) -> i32 {
     0
 }
 
-/// sched:sched_wakeup (pid @24), where the raw tracepoint cannot attach.
-#[tracepoint(category = "sched", name = "sched_wakeup")]
-pub fn sched_wakeup(ctx: TracePointContext) -> u32 {
+/// sched:sched_waking (pid @24), where the raw tracepoint cannot attach.
+#[tracepoint(category = "sched", name = "sched_waking")]
+pub fn sched_waking(ctx: TracePointContext) -> u32 {
     if let Ok(tid) = field::<i32>(&ctx, wk::PID) {
         woken(tid as u32);
     }

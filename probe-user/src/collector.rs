@@ -26,6 +26,12 @@ use crate::{
     unwind::Unwinders,
 };
 
+/// Distinct (kind, outermost frame) pairs of cut stacks counted; those named per kind; the
+/// largest module read to name them.
+const MAX_CUT_TOPS: usize = 4096;
+const CUT_FRAMES_PER_KIND: usize = 3;
+const CUT_MODULE_MAX: u64 = 64 << 20;
+
 pub struct TraceOptions {
     pub pid: u32,
     pub duration: Option<Duration>,
@@ -177,6 +183,9 @@ struct State {
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
     need_told: HashMap<u32, u32>,
+    /// Cut user stacks by (kind, outermost frame), and the modules' paths: named at the end.
+    cut_tops: HashMap<(recording::StackKind, (i64, u64)), u64>,
+    module_paths: HashMap<i64, String>,
     /// Each thread's last unwound off-CPU user stack, for the records that refer to it.
     last_offcpu_user: HashMap<u32, (u32, crate::unwind::Unwound)>,
     root: u32,
@@ -191,6 +200,10 @@ struct State {
     dirty_files: HashSet<u32>,
     last_maps: HashMap<u32, Vec<procfs::Mapping>>,
     known_files: HashSet<(u32, u32, u64)>,
+    /// Executable files the engine probe searched, and mappings of new ones to search (by the
+    /// once-a-second turn, which holds the programs).
+    engine_seen: HashSet<crate::target_file::Ident>,
+    engine_new: Vec<(u32, procfs::Mapping)>,
     last_file_scan: HashMap<u32, Instant>,
     /// Threads seen (named in a `threads` record, or being named at the next refresh): tid →
     /// pid, forgotten when the process exits.
@@ -231,6 +244,8 @@ impl State {
             ksyms: crate::ksyms::Resolver::default(),
             offcpu: HashMap::new(),
             last_offcpu_user: HashMap::new(),
+            cut_tops: HashMap::new(),
+            module_paths: HashMap::new(),
             ustack_need: None,
             need_told: HashMap::new(),
             root,
@@ -243,6 +258,8 @@ impl State {
             dirty_files: targets.iter().copied().collect(),
             last_maps: HashMap::new(),
             known_files: HashSet::new(),
+            engine_seen: HashSet::new(),
+            engine_new: Vec::new(),
             last_file_scan: HashMap::new(),
             threads_seen: HashMap::new(),
             threads_new: vec![],
@@ -292,6 +309,7 @@ impl State {
             Event::Sched(e) => {
                 if let Some(mut v) = self.offcpu.remove(&e.tid) {
                     v.blocked_ns = Some(e.blocked_ns);
+                    v.waker = probe_common::stack::waker_of(e.flags).filter(|&w| w != e.tid);
                     self.writer.stack(&v)?;
                 }
             }
@@ -351,6 +369,7 @@ impl State {
             }
         };
         for (id, path) in self.unwinders.take_new_modules() {
+            self.module_paths.insert(id, path.clone());
             self.writer.record(&UserRecord::Module(records::Module { id, path }))?;
         }
         let kernel: Vec<u64> = if s.kstack_bytes > 0 {
@@ -366,6 +385,12 @@ impl State {
         };
         if let Some(names) = self.ksyms.learn(&kernel) {
             self.writer.record(&UserRecord::Ksyms(names))?;
+        }
+        if !u.complete
+            && let Some(&top) = u.frames.last()
+            && (self.cut_tops.len() < MAX_CUT_TOPS || self.cut_tops.contains_key(&(what, top)))
+        {
+            *self.cut_tops.entry((what, top)).or_default() += 1;
         }
         let mut v = recording::StackRecord {
             what,
@@ -389,6 +414,40 @@ impl State {
         }
         v.kernel = kernel;
         self.writer.stack(&v)
+    }
+
+    /// The record naming where cut user stacks stop: the most common outermost frames of each
+    /// kind, symbolized now from their modules (up to [`CUT_MODULE_MAX`] bytes each: this runs
+    /// as the trace stops).
+    pub(crate) fn cut_frames(&self) -> Option<UserRecord> {
+        if self.cut_tops.is_empty() {
+            return None;
+        }
+        type Top = ((recording::StackKind, (i64, u64)), u64);
+        let mut tops: Vec<Top> = self.cut_tops.iter().map(|(k, n)| (*k, *n)).collect();
+        tops.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut chosen: Vec<Top> = Vec::new();
+        for kind in recording::StackKind::ALL {
+            chosen.extend(tops.iter().filter(|t| t.0.0 == kind).take(CUT_FRAMES_PER_KIND).copied());
+        }
+        let small = |id: &i64| self.module_paths.get(id).and_then(|p| std::fs::metadata(p).ok()).is_some_and(|m| m.len() <= CUT_MODULE_MAX);
+        let modules: HashMap<i64, String> = self.module_paths.iter().filter(|(id, _)| small(id)).map(|(i, p)| (*i, p.clone())).collect();
+        let wanted = crate::flame::symbols::Wanted::frames(modules, chosen.iter().map(|c| c.0.1));
+        let symbols = crate::flame::symbols::Symbols::of(wanted, Default::default());
+        let frames = chosen
+            .into_iter()
+            .map(|((kind, (module, offset)), stacks)| {
+                let name = match self.module_paths.get(&module).filter(|_| small(&module)) {
+                    Some(_) => symbols.user(module, offset),
+                    None => {
+                        let base = self.module_paths.get(&module).map_or("[unknown]", |p| p.rsplit('/').next().unwrap_or(p));
+                        format!("{base}+{offset:#x}")
+                    }
+                };
+                records::CutFrame { kind: kind.name().into(), module, offset, name, stacks }
+            })
+            .collect();
+        Some(UserRecord::CutFrames(records::CutFrames { frames }))
     }
 
     /// Tell the kernel how many user-stack bytes `tid`'s stacks need, from what unwinding this
@@ -522,6 +581,9 @@ impl State {
         self.unwinders.update(pid, &maps);
         for m in &maps {
             self.known_files.insert((m.major, m.minor, m.inode));
+            if m.perms.contains('x') && self.engine_seen.insert(crate::target_file::Ident::of(m)) {
+                self.engine_new.push((pid, m.clone()));
+            }
         }
         let r = UserRecord::Maps(records::Maps { pid, ts_ns: monotonic_ns(), mappings: maps });
         self.writer.record(&r)?;

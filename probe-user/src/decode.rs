@@ -2,6 +2,7 @@
 use probe_common::{
     EventHeader, EventKind,
     blockio::BlockIoEvent,
+    engine::EngineEvent,
     fault::FaultEvent,
     filemap::FilemapEvent,
     mem::MemEvent,
@@ -31,6 +32,8 @@ pub enum Event {
     Stack(Box<StackEvent>),
     Sched(SchedEvent),
     Mem(MemEvent),
+    /// Boxed: 272 bytes, one per decode step.
+    Engine(Box<EngineEvent>),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -56,6 +59,7 @@ impl Event {
             Event::Stack(e) => &e.hdr,
             Event::Sched(e) => &e.hdr,
             Event::Mem(e) => &e.hdr,
+            Event::Engine(e) => &e.hdr,
         }
     }
     pub fn kind(&self) -> EventKind {
@@ -70,6 +74,7 @@ impl Event {
             Event::Stack(_) => EventKind::Stack,
             Event::Sched(_) => EventKind::Sched,
             Event::Mem(_) => EventKind::Mem,
+            Event::Engine(_) => EventKind::Engine,
         }
     }
 }
@@ -118,6 +123,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Stack => Event::Stack(Box::new(read_var(bytes, kind, |e: &StackEvent| e.ustack_bytes)?)),
         EventKind::Sched => Event::Sched(read(bytes, kind)?),
         EventKind::Mem => Event::Mem(read(bytes, kind)?),
+        EventKind::Engine => Event::Engine(Box::new(read(bytes, kind)?)),
     })
 }
 
@@ -144,6 +150,7 @@ pub fn encode_event(ev: &Event) -> Vec<u8> {
         Event::Stack(e) => encode(&StackEvent { ustack_bytes: 0, ..**e }),
         Event::Sched(e) => encode(e),
         Event::Mem(e) => encode(e),
+        Event::Engine(e) => encode(&**e),
     }
 }
 

@@ -168,7 +168,8 @@ fn verdicts(o: &mut String, r: &Report) {
             if v.is_none_or(|v| v.slow_cause == crate::verdict::SlowCause::None) { "" } else { "slow" },
             escape(slow),
             escape(&v.map(|v| v.stop_cause.words()).unwrap_or_else(|| "–".into())),
-            v.map(|v| list(&v.evidence)).unwrap_or_default(),
+            v.map(|v| list(&v.evidence.iter().cloned().chain(q.engine.as_ref().map(|e| e.words())).collect::<Vec<_>>()))
+                .unwrap_or_default(),
             v.map(|v| list(&v.data_quality)).unwrap_or_default()
         );
     }
@@ -426,6 +427,7 @@ window.addEventListener('unhandledrejection',function(e){note('unhandled rejecti
 document.addEventListener('securitypolicyviolation',function(e){note('blocked by the page policy: '+e.blockedURI);});
 var ce=console.error;console.error=function(){note(Array.prototype.join.call(arguments,' '));return ce.apply(console,arguments);};
 window.addEventListener('load',function(){var imgs=document.images;for(var i=0;i<imgs.length;i++){if(!imgs[i].complete||!imgs[i].naturalWidth){note('image not drawn: '+imgs[i].alt);}}
+var tl=document.querySelector('svg.timeline');var lw=tl?Number(tl.getAttribute('data-label-width')):0;var lbls=tl?tl.querySelectorAll('text.lbl[x=\"8\"]'):[];for(var j=0;j<lbls.length;j++){var l=lbls[j];if(8+l.getComputedTextLength()>lw){note('label overflows its lane: '+l.textContent);}}
 document.body.setAttribute('data-rendered',errs.length?'errors':'ok');});})();";
 
 /// The page. `timeline` is the trace crate::perfetto::build makes (its events drawn as they are,

@@ -47,13 +47,13 @@ enum Command {
         max_size: Option<u64>,
         /// Recording directory, created new with mode 0700 (an existing one must be empty and
         /// yours). Default: probe-PID-UNIXTIME in the current directory.
-        #[arg(long)]
+        #[arg(short, long, visible_alias = "output")]
         out: Option<PathBuf>,
         /// Replace the recording already in --out (one of yours; other files there are kept).
         #[arg(long)]
         force: bool,
         /// Only these probes (comma separated): blockio, fault, filemap, mmap, sock, stream, cpu,
-        /// offcpu, mem, proc.
+        /// offcpu, mem, proc, engine (llama.cpp's decode steps, by uprobe).
         /// A named probe that cannot attach is an error; by default such probes are skipped.
         #[arg(long, value_delimiter = ',')]
         probes: Option<Vec<String>>,
@@ -189,9 +189,9 @@ enum Command {
         #[arg(long)]
         to: Option<f64>,
         /// Output SVG (default DIR/flame-KIND.svg); the folded text goes beside it (.folded).
-        #[arg(short, long)]
+        #[arg(short, long = "out", visible_alias = "output")]
         output: Option<PathBuf>,
-        /// Replace --output if it exists (never through a symbolic link).
+        /// Replace --out if it exists (never through a symbolic link).
         #[arg(long)]
         force: bool,
     },
@@ -200,9 +200,9 @@ enum Command {
         /// The recording directory (what `probe trace --out` wrote).
         dir: PathBuf,
         /// Output file (default DIR/timeline.json).
-        #[arg(short, long)]
+        #[arg(short, long = "out", visible_alias = "output")]
         output: Option<PathBuf>,
-        /// Replace --output if it exists (never through a symbolic link).
+        /// Replace --out if it exists (never through a symbolic link).
         #[arg(long)]
         force: bool,
     },
@@ -217,10 +217,10 @@ enum Command {
         #[arg(long, value_enum, required_unless_present = "otlp")]
         format: Option<ExportFormat>,
         /// Where to write: a directory for pprof, a file for otlp-json (default: DIR).
-        #[arg(short, long)]
+        #[arg(short, long = "out", visible_alias = "output")]
         output: Option<PathBuf>,
-        /// Replace the --output file of otlp-json if it exists (never through a symbolic link;
-        /// files written into a recording or an --output directory are always replaced).
+        /// Replace the --out file of otlp-json if it exists (never through a symbolic link;
+        /// files written into a recording or an --out directory are always replaced).
         #[arg(long)]
         force: bool,
         /// Also send the spans to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318).
@@ -233,7 +233,7 @@ enum Command {
         /// The recording directory (what `probe trace --out` wrote).
         dir: PathBuf,
         /// Output file (default DIR.tar.gz beside the recording). Created new, mode 0600.
-        #[arg(short, long)]
+        #[arg(short, long = "out", visible_alias = "output")]
         output: Option<PathBuf>,
         /// Replace the output file if it exists (never through a symbolic link).
         #[arg(long)]
@@ -244,6 +244,17 @@ enum Command {
     },
     /// Say which kernel features are present and what probe can do here.
     Doctor,
+    /// Print the shell completion script for probe (e.g. `probe completions bash | sudo tee
+    /// /usr/share/bash-completion/completions/probe`).
+    Completions {
+        /// The shell: bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write probe's man pages (probe.1 and one per command, probe-trace.1, ...) into a directory.
+    Man {
+        /// The directory to write them into (e.g. /usr/local/share/man/man1); created if missing.
+        dir: PathBuf,
+    },
     /// Write a synthetic recording with a real trace's mix of records (the report benchmark).
     #[command(hide = true)]
     Synth {
@@ -360,6 +371,14 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Bundle { dir, output, mask, force } => bundle_cmd(dir, output, mask, force),
         Command::Doctor => Ok(doctor::run()),
+        Command::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "probe", &mut script);
+            // A reader that stops early (`| head`) is not an error.
+            let _ = std::io::Write::write_all(&mut std::io::stdout().lock(), &script);
+            Ok(exit::OK)
+        }
+        Command::Man { dir } => man_cmd(&dir),
         Command::Synth { events, out } => {
             let s = probe_user::synth::write(&out, events)?;
             println!(
@@ -667,6 +686,27 @@ fn max_size_text(bytes: u64) -> String {
     bytes.to_string()
 }
 
+/// probe.1 and probe-CMD.1 for every command that is not hidden, into `dir`.
+fn man_cmd(dir: &std::path::Path) -> anyhow::Result<i32> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let out = probe_user::output::OutDir::open(dir)?;
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let mut pages = vec![("probe".to_string(), cmd.clone())];
+    for sub in cmd.get_subcommands().filter(|c| !c.is_hide_set() && c.get_name() != "help") {
+        // The page's NAME is `probe-CMD` (a man page's name; leaked once, for the process's life).
+        let title: &'static str = Box::leak(format!("probe-{}", sub.get_name()).into_boxed_str());
+        pages.push((title.to_string(), sub.clone().name(title).bin_name(format!("probe {}", sub.get_name()))));
+    }
+    for (title, page) in pages {
+        let name = format!("{title}.1");
+        let mut roff = Vec::new();
+        clap_mangen::Man::new(page).title(title).render(&mut roff)?;
+        let path = out.write(&name, &roff)?;
+        let _ = std::io::Write::write_all(&mut std::io::stdout().lock(), format!("{}\n", path.display()).as_bytes());
+    }
+    Ok(exit::OK)
+}
+
 fn main() -> ExitCode {
     let started = Instant::now();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
@@ -689,6 +729,63 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every `probe …` command in the README's shell blocks, as a user would type it, parses:
+    /// `sudo` and comments left out, continuation lines joined, an optional `[--flag]` taken both
+    /// with and without it, `$(…)` given a pid. (tests/fit.rs runs the quick ones for real.)
+    #[test]
+    fn every_readme_command_parses() {
+        let readme = include_str!("../../README.md");
+        let mut n = 0;
+        for block in readme.split("```sh\n").skip(1) {
+            let block = block.split("```").next().unwrap_or_default();
+            let joined = block.replace("\\\n", " ");
+            for line in joined.lines() {
+                let line = line.split(" # ").next().unwrap_or_default().trim();
+                let line = line.strip_prefix("sudo ").unwrap_or(line);
+                let Some(rest) = line.strip_prefix("probe ") else { continue };
+                let rest = rest.split(" && ").next().unwrap_or_default();
+                let rest = rest.replace("$(pgrep -o llama-server)", "1234");
+                let variants: Vec<String> = if rest.contains('[') {
+                    let bare: String = rest.replace(['[', ']'], "");
+                    let without = rest.split('[').next().unwrap_or_default().to_string() + rest.split(']').nth(1).unwrap_or_default();
+                    vec![bare, without]
+                } else {
+                    vec![rest.clone()]
+                };
+                for v in variants {
+                    let args: Vec<String> = std::iter::once("probe".to_string()).chain(shell_words(&v)).collect();
+                    if let Err(e) = Cli::try_parse_from(&args) {
+                        panic!("README: `{}` does not parse: {e}", args.join(" "));
+                    }
+                    n += 1;
+                }
+            }
+        }
+        assert!(n >= 20, "only {n} README commands found");
+    }
+
+    /// Words as a shell splits them (single and double quotes; no expansion).
+    fn shell_words(s: &str) -> Vec<String> {
+        let (mut words, mut cur, mut quote, mut any) = (Vec::new(), String::new(), None, false);
+        for c in s.chars() {
+            match (quote, c) {
+                (None, '\'' | '"') => (quote, any) = (Some(c), true),
+                (Some(q), c) if c == q => quote = None,
+                (None, c) if c.is_whitespace() => {
+                    if any || !cur.is_empty() {
+                        words.push(std::mem::take(&mut cur));
+                    }
+                    any = false;
+                }
+                (_, c) => cur.push(c),
+            }
+        }
+        if any || !cur.is_empty() {
+            words.push(cur);
+        }
+        words
+    }
 
     /// Every subcommand, option and argument says what it is for in `--help` (issue 24).
     /// The README's `probe export DIR --otlp URL` parses as written; without either, --format

@@ -18,6 +18,8 @@ const REQUESTS_PID: u64 = 1;
 const BLOCKIO_PID: u64 = 2;
 const TCP_PID: u64 = 3;
 const SYSTEM_PID: u64 = 4;
+/// The engine's decode steps (llama.cpp, by uprobe): one track per context.
+const ENGINE_PID: u64 = 5;
 
 /// What an event is, in the trace-event format's letters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -175,11 +177,11 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) 
                     ("vllm:num_requests_waiting", "waiting"),
                 ] {
                     if let Some(x) = v.metric(k) {
-                        ev.push(c(format!("server {label}"), ts, json!({label: x})));
+                        ev.push(c(format!("server requests {label}"), ts, json!({label: x})));
                     }
                 }
                 if let Some(sleeping) = v.sleeping() {
-                    ev.push(c("server sleeping".into(), ts, json!({"sleeping": u8::from(sleeping)})));
+                    ev.push(c("server sleeping (1 = asleep)".into(), ts, json!({"sleeping": u8::from(sleeping)})));
                 }
             }
             Sample::Samplers(_) => {}
@@ -222,9 +224,11 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
     for s in rec.stacks.iter().filter(|s| s.what == crate::recording::StackKind::Offcpu) {
         let Some(b) = s.blocked_ns else { continue };
         threads.insert((u64::from(s.pid), u64::from(s.tid)), ());
-        ev.push(TraceEvent::slice(kernel.wait_of_stack(s), s.pid, s.tid, us(s.ts_ns), b as f64 / 1e3, None));
+        let args = s.waker.map(|w| json!({"woken_by_tid": w}));
+        ev.push(TraceEvent::slice(kernel.wait_of_stack(s), s.pid, s.tid, us(s.ts_ns), b as f64 / 1e3, args));
     }
     let mut devices: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut engine_tracks: BTreeMap<u64, u64> = BTreeMap::new();
     for e in &rec.events {
         match e {
             Event::BlockIo(b) => {
@@ -248,6 +252,7 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
                 let dur = m.hdr.ts_ns.saturating_sub(m.enter_ns) as f64 / 1e3;
                 ev.push(TraceEvent::slice(op, m.hdr.pid, m.hdr.tid, us(m.enter_ns), dur, Some(json!({ "len": m.len }))));
             }
+            Event::Engine(e) => engine_event(e, &us, &mut ev, &mut engine_tracks),
             Event::Mem(m) if m.what == probe_common::mem::MEM_OOM_VICTIM => {
                 ev.push(TraceEvent::instant(format!("OOM kill of pid {}", m.victim), SYSTEM_PID, 0u64, us(m.hdr.ts_ns), true, None));
             }
@@ -274,6 +279,12 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
     for (dev, tid) in &devices {
         ev.push(meta(BLOCKIO_PID, Some(*tid), &format!("dev {}:{}", dev >> 20, dev & 0xfffff)));
     }
+    if !engine_tracks.is_empty() {
+        ev.push(meta(ENGINE_PID, None, "engine (llama.cpp decode steps)"));
+        for (ctx, tid) in &engine_tracks {
+            ev.push(meta(ENGINE_PID, Some(*tid), &format!("context {ctx:#x}")));
+        }
+    }
     let names = rec.thread_names();
     for (pid, tid) in threads.keys() {
         let name = match names.get(&(*tid as u32)) {
@@ -286,5 +297,33 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::ksyms::Names) 
         display_time_unit: "ms".into(),
         other: OtherData { probe: env!("CARGO_PKG_VERSION").into(), target_pid: r.target.pid },
         events: ev,
+    }
+}
+
+/// An engine record on the engine track: a step as a slice carrying its batch (tokens per
+/// sequence), cache drops and runtime init as instants and slices.
+fn engine_event(
+    e: &probe_common::engine::EngineEvent,
+    us: &impl Fn(u64) -> f64,
+    ev: &mut Vec<TraceEvent>,
+    tracks: &mut BTreeMap<u64, u64>,
+) {
+    use probe_common::engine::{ENGINE_CLEAR, ENGINE_SEQ_RM, SEQS, what_name};
+    let n = tracks.len() as u64 + 1;
+    let track = if e.what == ENGINE_SEQ_RM || e.what == ENGINE_CLEAR || e.ctx == 0 { 0 } else { *tracks.entry(e.ctx).or_insert(n) };
+    let dur = e.hdr.ts_ns.saturating_sub(e.begin_ns) as f64 / 1e3;
+    match e.what {
+        ENGINE_SEQ_RM => {
+            let args = json!({"seq": e.seq, "p0": e.p0, "p1": e.p1});
+            ev.push(TraceEvent::instant("cache: sequence removed", ENGINE_PID, track, us(e.begin_ns), false, Some(args)));
+        }
+        ENGINE_CLEAR => ev.push(TraceEvent::instant("cache cleared", ENGINE_PID, track, us(e.begin_ns), false, None)),
+        _ => {
+            let seqs: serde_json::Map<String, serde_json::Value> =
+                (0..SEQS).filter(|&s| e.seq_tokens[s] > 0).map(|s| (format!("seq {s}"), json!(e.seq_tokens[s]))).collect();
+            let args = json!({"tokens": e.n_tokens, "sequences": seqs, "ret": e.ret as i32});
+            let name = format!("{} {} tok", what_name(e.what), e.n_tokens);
+            ev.push(TraceEvent::slice(name, ENGINE_PID, track, us(e.begin_ns), dur, Some(args)));
+        }
     }
 }

@@ -21,7 +21,7 @@ use crate::{procfs, tracefs};
 /// The compiled kernel object, built by build.rs from probe-ebpf.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/probe"));
 
-pub const SUBSYSTEMS: [Subsystem; 10] = Subsystem::ALL;
+pub const SUBSYSTEMS: [Subsystem; 11] = Subsystem::ALL;
 
 #[derive(Clone, Copy, Debug)]
 enum How {
@@ -96,8 +96,8 @@ const TABLE: &[Spec] = &[
     s(Subsystem::Sock, "sock_close", How::Syscall("sys_enter_close"), false),
     s(Subsystem::Cpu, "cpu_sample", How::PerfCpuClock, true),
     s(Subsystem::Offcpu, "sched_switch", How::Tracepoint(&tp::sched_switch::LAYOUT), true),
-    s(Subsystem::Offcpu, "sched_wakeup_raw", How::Raw("sched_wakeup"), false),
-    s(Subsystem::Offcpu, "sched_wakeup", How::Tracepoint(&tp::sched_wakeup::LAYOUT), false),
+    s(Subsystem::Offcpu, "sched_waking_raw", How::Raw("sched_waking"), false),
+    s(Subsystem::Offcpu, "sched_waking", How::Tracepoint(&tp::sched_waking::LAYOUT), false),
     s(Subsystem::Mem, "direct_reclaim_begin", How::Plain("vmscan", "mm_vmscan_direct_reclaim_begin"), true),
     s(Subsystem::Mem, "direct_reclaim_end", How::Tracepoint(&tp::mm_vmscan_direct_reclaim_end::LAYOUT), true),
     s(Subsystem::Mem, "memcg_reclaim_begin", How::Plain("vmscan", "mm_vmscan_memcg_reclaim_begin"), false),
@@ -134,6 +134,9 @@ pub struct Attached {
     pub run_time_stats: Result<std::os::fd::OwnedFd, String>,
     /// What attaching took, stage by stage (ms), the slowest programs last.
     pub stages: Vec<(String, f64)>,
+    /// Executable files the engine probe already searched (a later mapping of another is searched
+    /// as it appears: a runner started after attach, a library loaded later).
+    pub engine_seen: Vec<crate::target_file::Ident>,
 }
 
 /// Times the stages of attaching.
@@ -164,13 +167,18 @@ pub struct Options {
 }
 
 /// Fails unless we are root or hold CAP_BPF + CAP_PERFMON (+ CAP_SYS_ADMIN for tracefs mounts).
+/// This process's effective capabilities (`CapEff` of /proc/self/status), one bit each.
+pub fn effective_caps() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0)
+}
+
 pub fn check_privileges() -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         return Ok(());
     }
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0);
+    let eff = effective_caps();
     const CAP_PERFMON: u64 = 38;
     const CAP_BPF: u64 = 39;
     if eff & (1 << CAP_BPF) != 0 && eff & (1 << CAP_PERFMON) != 0 {
@@ -210,6 +218,13 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     raise_memlock();
     let run_time_stats = enable_run_time_stats();
     laps.lap("preflight");
+    // The engine probe's search reads the target's objects (/proc, ELF string tables): on a
+    // thread of its own while the kernel programs load and verify.
+    let want_engine = opts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == Subsystem::Engine.name()));
+    let engine_search = want_engine.then(|| {
+        let pids: Vec<u32> = std::iter::once(opts.pid).chain(procfs::descendants(opts.pid)).chain(opts.more.iter().copied()).collect();
+        std::thread::Builder::new().name("probe-engine".into()).spawn(move || crate::engine::search(&pids))
+    });
 
     // Struct offsets for naming the file behind an fd; without BTF the mmap probe still runs
     // and files are named from /proc alone. Read on a thread of its own while aya reads the same
@@ -273,6 +288,8 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     };
     let has_raw_twin = |spec: &Spec| TABLE.iter().any(|t| t.program == format!("{}_raw", spec.program) && wanted(t.subsystem));
     let mut results: Vec<(&Spec, anyhow::Result<()>, f64)> = Vec::new();
+    let mut results_ms_engine = None;
+    let mut engine_seen = Vec::new();
     for round in 0..2 {
         let specs: Vec<&Spec> = TABLE
             .iter()
@@ -287,7 +304,25 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
             .collect();
         results.extend(attach_all(&mut ebpf, &tracefs, &specs, &targets, opts.sample_hz, &offsets_known));
     }
+    if let Some(search) = engine_search {
+        let t = std::time::Instant::now();
+        let found = match search {
+            Ok(h) => h.join().unwrap_or_default(),
+            Err(_) => crate::engine::search(&targets),
+        };
+        let a = crate::engine::attach(&mut ebpf, &found);
+        engine_seen = found.seen;
+        if let Some(st) = status.iter_mut().find(|s| s.name == Subsystem::Engine) {
+            st.live = a.live;
+            st.attached = a.attached;
+            st.skipped = a.skipped;
+        }
+        results_ms_engine = Some(t.elapsed().as_secs_f64() * 1e3);
+    }
     let mut per_program: Vec<(String, f64)> = Vec::new();
+    if let Some(ms) = results_ms_engine {
+        per_program.push(("engine uprobes".to_string(), ms));
+    }
     // In TABLE order, as before.
     results.sort_by_key(|(spec, _, _)| TABLE.iter().position(|t| t.program == spec.program));
     for (spec, result, ms) in results {
@@ -326,7 +361,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     // The three programs that took longest to verify and attach.
     per_program.sort_by(|a, b| b.1.total_cmp(&a.1));
     laps.stages.extend(per_program.into_iter().take(3).map(|(name, ms)| (format!("program {name}"), ms)));
-    Ok(Attached { ebpf, status, targets, run_time_stats, stages: laps.stages })
+    Ok(Attached { ebpf, status, targets, run_time_stats, stages: laps.stages, engine_seen })
 }
 
 /// The kernel's struct offsets from its BTF, or zeros and why not.

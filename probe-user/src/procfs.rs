@@ -93,11 +93,16 @@ pub fn descendants(root: u32) -> Vec<u32> {
             parent.push((pid, pp));
         }
     }
+    descendants_in(&parent, root)
+}
+
+/// The processes below `root` among (pid, ppid) pairs (one /proc scan, taken once).
+pub fn descendants_in(parent: &[(u32, u32)], root: u32) -> Vec<u32> {
     let mut set: HashSet<u32> = HashSet::from([root]);
     let mut out = Vec::new();
     loop {
         let before = out.len();
-        for &(pid, pp) in &parent {
+        for &(pid, pp) in parent {
             if set.contains(&pp) && set.insert(pid) {
                 out.push(pid);
             }

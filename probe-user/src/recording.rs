@@ -40,7 +40,7 @@ pub const FRAME_JSON: u8 = 2;
 /// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
 /// test checks the page against this list, and every real trace in the test suite checks that
 /// its recording holds no other.
-pub const USER_RECORD_TYPES: [&str; 17] = [
+pub const USER_RECORD_TYPES: [&str; 19] = [
     "meta",
     "maps",
     "files",
@@ -58,6 +58,8 @@ pub const USER_RECORD_TYPES: [&str; 17] = [
     "residency",
     "endpoint",
     "end",
+    "cut_frames",
+    "warm_baseline",
 ];
 /// v2: one unwound stack sample ([`StackRecord`]), binary.
 pub const FRAME_STACK: u8 = 3;
@@ -128,6 +130,9 @@ pub struct StackRecord {
     /// Still off the CPU when the trace ended (blocked_ns runs to the end).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub still_blocked: bool,
+    /// Off-CPU stacks: the target thread that woke it (tid), when one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waker: Option<u32>,
     /// Why the user stack stops short of its end, when it does (recordings before this: None).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut: Option<Cut>,
@@ -224,7 +229,8 @@ impl StackRecord {
             | u8::from(self.wait.is_some()) << 1
             | u8::from(self.blocked_ns.is_some()) << 2
             | u8::from(self.still_blocked) << 3
-            | Cut::bits(self.cut) << 4;
+            | Cut::bits(self.cut) << 4
+            | u8::from(self.waker.is_some()) << 6;
         out.extend_from_slice(&[kind, flags]);
         put_varint(out, zigzag(self.ts_ns.wrapping_sub(prev_ts) as i64));
         put_varint(out, u64::from(self.pid));
@@ -237,6 +243,9 @@ impl StackRecord {
         }
         if let Some(b) = self.blocked_ns {
             put_varint(out, b);
+        }
+        if let Some(w) = self.waker {
+            put_varint(out, u64::from(w));
         }
         put_varint(out, self.user.len() as u64);
         let mut prev = 0i64;
@@ -293,6 +302,11 @@ impl StackRecord {
             s.blocked_ns = Some(v);
             b = rest;
         }
+        if flags & 64 != 0 {
+            let (v, rest) = take_varint(b)?;
+            s.waker = Some(u32::try_from(v).ok()?);
+            b = rest;
+        }
         let (n, mut b) = take_varint(b)?;
         // Every frame takes at least two bytes: a count beyond that is corruption.
         if n > b.len() as u64 {
@@ -330,9 +344,10 @@ impl StackRecord {
 }
 
 /// Fixed-size records are stored word by word, XOR the previous record of their kind; the
-/// variable-length ones (a fixed part then a tail whose length the fixed part gives) whole.
+/// variable-length ones (a fixed part then a tail whose length the fixed part gives) whole, and
+/// the engine's steps (272 bytes, mostly per-sequence arrays, one per decode step) whole too.
 fn chained(kind: EventKind) -> bool {
-    !matches!(kind, EventKind::Data | EventKind::Stack)
+    !matches!(kind, EventKind::Data | EventKind::Stack | EventKind::Engine)
 }
 
 /// What a compact record is relative to: the previous kernel record's time, and per kind the
@@ -361,7 +376,7 @@ const _: () = {
     let mut i = 0;
     while i < EventKind::ALL.len() {
         let k = EventKind::ALL[i];
-        assert!(matches!(k, EventKind::Data | EventKind::Stack) || k.record_size() - HEADER <= MAX_WORDS * 8);
+        assert!(matches!(k, EventKind::Data | EventKind::Stack | EventKind::Engine) || k.record_size() - HEADER <= MAX_WORDS * 8);
         i += 1;
     }
 };
@@ -647,7 +662,7 @@ impl Context {
             }
             U::Stats(_) => ("stats", 0),
             U::Sample(s) => (s.kind(), 0),
-            U::Request(_) | U::End(_) | U::Stack(_) | U::Other(_) => return,
+            U::Request(_) | U::End(_) | U::Stack(_) | U::WarmBaseline(_) | U::CutFrames(_) | U::Other(_) => return,
         };
         self.latest.insert((ty, key), bytes.to_vec());
     }
@@ -1675,6 +1690,7 @@ mod tests {
             wait: Some("[io wait]".into()),
             blocked_ns: Some(12345),
             still_blocked: true,
+            waker: Some(4_194_303),
             cut: None,
             user_not_read: 0,
         };

@@ -115,6 +115,14 @@ pub struct Window<'a> {
     /// Prompt tokens that hit the server's prefix cache, of those looked up, while this request
     /// was served (vLLM `prefix_cache_hits_total` / `prefix_cache_queries_total`).
     pub server_prefix_cache: Option<(f64, f64)>,
+    /// The critical path from arrival to the first response bytes (crate::critical).
+    pub path: Option<crate::critical::Path>,
+    /// Thread names by tid (the recording's `threads` records).
+    pub thread_names: Option<&'a HashMap<u32, String>>,
+    /// The frame most cut user stacks of the trace stop under (named at trace time).
+    pub cut_under: Option<&'a str>,
+    /// The engine's own view of this request (llama.cpp's steps by uprobe), when it was matched.
+    pub engine: Option<&'a crate::steps::RequestEngine>,
 }
 
 /// A user stack cut at this depth or deeper still shows the functions a request's work ran in:
@@ -189,6 +197,10 @@ pub struct Verdict {
     /// The server kept fewer prompt tokens than the client sent (see report::prompt).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prompt_cut: bool,
+    /// The scheduler's view of the wait: the critical path from arrival to the first response
+    /// bytes through the server's threads (see crate::critical), when the offcpu probe saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critical_path: Option<crate::critical::Path>,
 }
 
 /// A closed set of values serialized as the documented snake_case words: `name()` gives the
@@ -486,10 +498,12 @@ fn quota_evidence(w: &Window<'_>, from: u64, to: u64) -> Option<String> {
     let (a, b) = across(w.pressure, from, to)?;
     let ns = b.throttled_ns?.checked_sub(a.throttled_ns?).filter(|&ns| ns > 0)?;
     let times = b.nr_throttled.unwrap_or(0).saturating_sub(a.nr_throttled.unwrap_or(0));
-    // The quota in force during the window (it may have been lifted since).
+    // The quota in force during the window (it may have been lifted since), read at or before
+    // its end: a quota set after the request ended throttles what came after, not it (the
+    // reading after the window counts throttling up to that reading).
     let lo = w.pressure.partition_point(|r| r.ts_ns < from);
     let hi = w.pressure.partition_point(|r| r.ts_ns <= to);
-    let set = w.pressure[lo..hi].iter().rev().chain([b, a]).find(|r| r.quota_us.is_some()).unwrap_or(b);
+    let set = w.pressure[lo..hi].iter().rev().chain([a]).find(|r| r.quota_us.is_some())?;
     let limit = match (set.quota_us, set.period_us) {
         (Some(q), Some(p)) if p > 0 => format!(": {:.2} CPU, {q} of every {p} µs", q as f64 / p as f64),
         _ => String::new(),
@@ -507,6 +521,7 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     };
     let b = breakdown(q, w, ttft);
     evidence(&b, w, &mut v);
+    path_evidence(w, ttft, &mut v);
     let s = &b.split;
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
     let (cause, ms) = s.largest_stall();
@@ -562,8 +577,9 @@ fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
             .map(|(c, n)| format!("{}: {n}", c.words()))
             .collect();
         let why = if reasons.is_empty() { String::new() } else { format!(" ({})", reasons.join(", ")) };
+        let under = w.cut_under.map(|f| format!("; most of the trace's cut stacks stop under {f}")).unwrap_or_default();
         v.data_quality.push(format!(
-            "{:.0}% of the stacks in this request's window ({} of {}) stop within {DEEP_ENOUGH} frames of where they were taken{why}: the flamegraph cannot say which function they ran under",
+            "{:.0}% of the stacks in this request's window ({} of {}) stop within {DEEP_ENOUGH} frames of where they were taken{why}{under}: the flamegraph cannot say which function they ran under",
             w.stacks_cut_shallow as f64 * 100.0 / w.stacks as f64,
             w.stacks_cut_shallow,
             w.stacks
@@ -577,9 +593,39 @@ fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
     }
 }
 
+/// The server threads the request waited on (the critical path through other threads than the
+/// one that sent the response), each with what it did meanwhile: said when that thread stalled
+/// (did anything but run) for at least 1 ms and 5% of the TTFT. A wait on a thread that ran the
+/// whole time is the server's own work.
+fn path_evidence(w: &Window<'_>, ttft: f64, v: &mut Verdict) {
+    let Some(p) = &w.path else { return };
+    let stalled = |t: &&crate::critical::OnPath| {
+        let s = &t.states;
+        let stall = s.cpu_wait + s.disk + s.memory + s.idle;
+        t.tid != p.writer && stall >= 1.0 && stall >= 0.05 * ttft
+    };
+    let name = |tid: u32| match w.thread_names.and_then(|n| n.get(&tid)) {
+        Some(n) => format!("{tid} ({n})"),
+        None => tid.to_string(),
+    };
+    for t in p.threads.iter().filter(stalled).take(2) {
+        v.evidence.push(format!(
+            "the request waited {:.0} ms on server thread {} (the thread that sent the response, {}, waited on it through a futex), which meanwhile was {}",
+            t.ms,
+            name(t.tid),
+            name(p.writer),
+            t.states.words()
+        ));
+    }
+    v.critical_path = w.path.clone();
+}
+
 /// A request's TTFT split, with what its evidence quotes.
 struct Breakdown<'w> {
     split: Split,
+    /// The queue estimated from the time other requests were served (the fallback when the
+    /// engine did not say).
+    idle_queue: f64,
     from: u64,
     /// Where the request's own prompt processing began (by the server's timings; else arrival).
     served_from: u64,
@@ -618,7 +664,8 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     let reloaded: Vec<&(u64, String)> = if loaded.is_empty() && w.server_sleeping { w.mapped.iter().collect() } else { vec![] };
     // A non-streamed response's "first token" is the whole answer: generation is compute too.
     let timings = q.stop.server_timings.as_ref();
-    let prompt = timings.and_then(|t| t["prompt_ms"].as_f64()).unwrap_or(0.0);
+    // The server's word for its prompt time; else the engine's own (its prompt batches).
+    let prompt = timings.and_then(|t| t["prompt_ms"].as_f64()).or(w.engine.map(|e| e.prompt_ms)).unwrap_or(0.0);
     let generated = if q.stream == Some(false) { timings.and_then(|t| t["predicted_ms"].as_f64()).unwrap_or(0.0) } else { 0.0 };
     // Waiting for a CPU another process held: the union over the target's threads (the request
     // waits when any of the threads working for it waits), less what disk and memory already
@@ -643,10 +690,13 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - cpu - load).max(0.0)));
     let compute = (prompt + generated).min((ttft - disk - memory - cpu - load - power).max(0.0));
     let left = (ttft - (disk + memory + cpu + load + power + compute)).max(0.0);
-    let queue = left.min(union_ms(&w.others, from, to));
+    // Queue: arrival to the engine's first prompt batch for this request where the engine probe
+    // saw it; else the time other requests were being served.
+    let idle_queue = left.min(union_ms(&w.others, from, to));
+    let queue = w.engine.map_or(idle_queue, |e| left.min(e.queue_ms));
     let split = Split { queue, disk, memory, cpu_contention: cpu, power, load, compute, unexplained: (left - queue).max(0.0) };
     let cache = timings.and_then(|t| Some((t["prompt_n"].as_u64()?, t["cache_n"].as_u64()?)));
-    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache }
+    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue }
 }
 
 /// Power: the slowest of the GPUs and the CPUs to reach its working clock when it was below it
@@ -729,7 +779,18 @@ fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
         v.evidence.extend(quota);
     }
     if s.queue >= 1.0 {
-        v.evidence.push(format!("{:.0} ms waiting while other requests were served", s.queue));
+        match w.engine {
+            Some(_) => v.evidence.push(format!("{:.0} ms queued before the engine began its prompt (llama.cpp's steps)", s.queue)),
+            None => v.evidence.push(format!("{:.0} ms waiting while other requests were served", s.queue)),
+        }
+    }
+    // The two measures of the queue, when they disagree by more than 10% (and 10 ms: parsing and
+    // tokenizing a request take a few).
+    if w.engine.is_some() && (s.queue - b.idle_queue).abs() > 0.1 * s.queue.max(b.idle_queue) && (s.queue - b.idle_queue).abs() >= 10.0 {
+        v.evidence.push(format!(
+            "the engine's queue ({:.0} ms, arrival to its first prompt batch) and the time other requests were served ({:.0} ms) disagree by more than 10%",
+            s.queue, b.idle_queue
+        ));
     }
     // The prompt cache, as the server counts it (llama.cpp: prompt_n computed, cache_n reused;
     // vLLM: its prefix-cache counters across the request, shared with requests in flight).

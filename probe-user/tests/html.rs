@@ -173,3 +173,35 @@ fn masked_bundle_page_renders() {
     browse(&path);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The page checks its own lane labels in the browser: one longer than the label column is an
+/// error (the load marker says so). A real page, with one lane label made too long, fails; the
+/// page as written passes (llama_server_recording_renders). A screenshot of the real page is
+/// left beside it (report.png) for people to look at.
+#[test]
+fn a_lane_label_that_overflows_is_caught_in_the_browser() {
+    let dir = scratch("overflow", &data("html/llama-demo"));
+    let (path, _) = html::write(&dir).unwrap();
+    let page = std::fs::read_to_string(&path).unwrap();
+    let shot = dir.join("report.png");
+    let st = Command::new(chromium())
+        .args(["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--window-size=1400,2400", "--hide-scrollbars"])
+        .arg(format!("--user-data-dir={}", dir.join("chromium-shot").display()))
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(format!("file://{}", path.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success() && std::fs::metadata(&shot).unwrap().len() > 10_000, "no screenshot of report.html");
+    eprintln!("screenshot: {}", shot.display());
+    let label = "\">port 46233</text>";
+    assert!(page.contains(label), "the demo page has no lane `port 46233`");
+    let long = page.replacen(label, &format!("\">{}</text>", "W".repeat(40)), 1);
+    let bad = dir.join("long-label.html");
+    std::fs::write(&bad, long).unwrap();
+    let caught = std::panic::catch_unwind(|| browse(&bad))
+        .err()
+        .map(|e| e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default());
+    assert!(caught.as_deref().is_some_and(|m| m.contains("label overflows its lane")), "{caught:?}");
+}

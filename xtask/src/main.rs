@@ -56,6 +56,21 @@ enum Cmd {
     },
     /// Several producer threads against probe's ring buffer: drained events/s, where loss starts.
     Stress,
+    /// Build probe and install it as the README's Security section says: /usr/local/bin/probe
+    /// (or --prefix), mode 0750, group `probe`, its capabilities, man pages and completions
+    /// (scripts/install.sh; sudo is asked for once). `--uninstall` removes them.
+    Install {
+        #[arg(long, default_value = "/usr/local")]
+        prefix: String,
+        /// The group that may run it.
+        #[arg(long, default_value = "probe")]
+        group: String,
+        #[arg(long)]
+        uninstall: bool,
+    },
+    /// Build probe and its .deb (target/debian/probe_VERSION_ARCH.deb; cargo-deb, built once into
+    /// ~/.cache/probe): `sudo apt install ./target/debian/probe_*.deb` installs it.
+    Deb,
     /// Setup, build the fuzz targets in fuzz/ (cargo-fuzz, nightly), run each for `--secs` on a
     /// scratch copy of its committed corpus; fails with the crashing input's path.
     Fuzz {
@@ -85,6 +100,17 @@ fn setup() -> anyhow::Result<()> {
 fn build() -> anyhow::Result<()> {
     setup()?;
     run(Command::new("cargo").current_dir(root()).args(["build", "--release", "-p", "probe-user", "-p", "probe-tests"]))
+}
+
+/// Build the .deb (scripts/deb.sh: cargo-deb, cached) from the built probe; its path.
+fn deb() -> anyhow::Result<PathBuf> {
+    let out =
+        Command::new("bash").arg(root().join("scripts/deb.sh")).stderr(Stdio::inherit()).output().context("cannot run scripts/deb.sh")?;
+    if !out.status.success() {
+        bail!("scripts/deb.sh failed: {}", out.status);
+    }
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    Ok(root().join(path))
 }
 
 fn bin(name: &str) -> PathBuf {
@@ -192,11 +218,27 @@ fn vllm(gguf: &str) -> anyhow::Result<(String, String)> {
     Ok((v[0].clone(), v[1].clone()))
 }
 
+/// Install (or find cached) llama-cpp-python's server, built here: its venv's python.
+fn llama_python() -> anyhow::Result<String> {
+    let v = script_vars("scripts/llama-python.sh", &[], &["LLAMA_PYTHON"])?;
+    Ok(v[0].clone())
+}
+
+/// AIPerf (PyPI) for the side-by-side bench test.
+fn aiperf() -> anyhow::Result<String> {
+    let v = script_vars("scripts/aiperf.sh", &[], &["AIPERF"])?;
+    Ok(v[0].clone())
+}
+
 fn test(args: &[String]) -> anyhow::Result<()> {
     sudo_ready()?;
     build()?;
+    // The .deb the packaging test installs (tests/kernel.rs).
+    let deb = deb()?;
     let (server, model) = llama()?;
     let (vllm_python, vllm_model) = vllm(&model)?;
+    let llama_python = llama_python()?;
+    let aiperf = aiperf()?;
     // Pass cargo's output through and close with one total line over every test binary.
     let mut cargo = Command::new("cargo");
     if via_sudo() {
@@ -210,10 +252,13 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     let mut child = cargo
         .current_dir(root())
         .env("PROBE_BIN", bin("probe"))
+        .env("PROBE_DEB", deb)
         .env("LLAMA_SERVER", server)
         .env("LLAMA_MODEL", model)
         .env("VLLM_PYTHON", vllm_python)
         .env("VLLM_MODEL", vllm_model)
+        .env("LLAMA_PYTHON", llama_python)
+        .env("AIPERF", aiperf)
         // A failing test's message, not a backtrace of the test harness, is what CI's log keeps.
         .env("RUST_BACKTRACE", "0")
         .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf", "--no-fail-fast"])
@@ -995,5 +1040,25 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Soak { minutes, clients } => soak::soak(minutes, clients),
         Cmd::Stress => soak::stress(),
         Cmd::Fuzz { secs } => fuzz(secs),
+        Cmd::Deb => {
+            build()?;
+            println!("{}", deb()?.display());
+            Ok(())
+        }
+        Cmd::Install { prefix, group, uninstall } => {
+            if !uninstall {
+                setup()?;
+                run(Command::new("cargo").current_dir(root()).args(["build", "--release", "-p", "probe-user"]))?;
+            }
+            sudo_ready()?;
+            let mut c = elevated("bash");
+            c.current_dir(root()).arg(root().join("scripts/install.sh")).args(["--prefix", &prefix, "--group", &group]);
+            if uninstall {
+                c.arg("--uninstall");
+            } else {
+                c.arg(bin("probe"));
+            }
+            run(&mut c)
+        }
     }
 }

@@ -30,9 +30,22 @@ pub struct Sampling {
     pub temperature: f64,
     pub ignore_eos: bool,
     pub model: Option<String>,
+    /// Let the server reuse its prompt cache (the shared-prefix and multi-turn workloads);
+    /// otherwise every request is prefilled in full (llama-server `cache_prompt: false`).
+    pub cache_prompt: bool,
 }
 
 impl Api {
+    /// The `--api` value and what it speaks: "openai: /v1/completions".
+    pub fn describe(self) -> &'static str {
+        match self {
+            Api::Openai => "openai: /v1/completions",
+            Api::Chat => "chat: /v1/chat/completions",
+            Api::Llamacpp => "llamacpp: /completion",
+            Api::Ollama => "ollama: /api/generate",
+        }
+    }
+
     /// The route and JSON body of one streamed generation request.
     pub fn generate(self, prompt: &str, s: &Sampling) -> (&'static str, String) {
         let body = match self {
@@ -45,15 +58,16 @@ impl Api {
                 if s.ignore_eos {
                     b["ignore_eos"] = json!(true);
                 }
-                // llama-server: no prompt cache reuse between the same prompts at different levels.
-                b["cache_prompt"] = json!(false);
+                // llama-server: no prompt cache reuse between the same prompts at different levels
+                // (unless the workload is about the cache).
+                b["cache_prompt"] = json!(s.cache_prompt);
                 b
             }
             Api::Chat => {
                 // The instruction only: the answer openers of PROMPTS are for raw completion routes.
                 let instruction = prompt.split("\n\n").next().unwrap_or(prompt);
                 let mut b = json!({"messages": [{"role": "user", "content": instruction}], "max_tokens": s.max_tokens, "temperature": s.temperature,
-                    "seed": s.seed, "stream": true, "stream_options": {"include_usage": true}, "cache_prompt": false});
+                    "seed": s.seed, "stream": true, "stream_options": {"include_usage": true}, "cache_prompt": s.cache_prompt});
                 if let Some(m) = &s.model {
                     b["model"] = json!(m);
                 }
@@ -64,7 +78,7 @@ impl Api {
             }
             Api::Llamacpp => {
                 let mut b = json!({"prompt": prompt, "n_predict": s.max_tokens, "temperature": s.temperature, "seed": s.seed,
-                    "stream": true, "cache_prompt": false});
+                    "stream": true, "cache_prompt": s.cache_prompt});
                 if s.ignore_eos {
                     b["ignore_eos"] = json!(true);
                 }
@@ -88,6 +102,27 @@ impl Api {
         (path, body.to_string())
     }
 
+    /// A conversation (role, text) as one request: messages on the chat route, a plain
+    /// transcript ("System: …\n\nUser: …\nAssistant:") on the completion routes.
+    pub fn generate_messages(self, messages: &[(&str, &str)], s: &Sampling) -> (&'static str, String) {
+        if self == Api::Chat {
+            let (path, body) = self.generate("", s);
+            let mut b: Value = serde_json::from_str(&body).unwrap_or_default();
+            b["messages"] = messages.iter().map(|(r, t)| json!({"role": r, "content": t})).collect();
+            return (path, b.to_string());
+        }
+        let mut text = String::new();
+        for (role, t) in messages {
+            match *role {
+                "system" => text.push_str(&format!("{t}\n\n")),
+                "user" => text.push_str(&format!("User: {t}\n")),
+                _ => text.push_str(&format!("Assistant: {t}\n")),
+            }
+        }
+        text.push_str("Assistant:");
+        self.generate(&text, s)
+    }
+
     pub fn health_path(self) -> &'static str {
         match self {
             Api::Ollama => "/api/version",
@@ -109,6 +144,15 @@ pub fn output_tokens(stop: &Stop, chunks: usize) -> (u64, &'static str) {
         return (n, "eval_count");
     }
     (chunks as u64, "chunks")
+}
+
+/// Prompt tokens the server took from its cache: `usage.prompt_tokens_details.cached_tokens`
+/// (OpenAI, vLLM, newer llama-server), else llama.cpp's `timings.cache_n`.
+pub fn cached_tokens(stop: &Stop) -> Option<u64> {
+    stop.usage
+        .as_ref()
+        .and_then(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64())
+        .or_else(|| stop.server_timings.as_ref().and_then(|t| t["cache_n"].as_u64()))
 }
 
 /// Prompt tokens and the server's prompt processing time (ms), when it reports them.
@@ -309,7 +353,7 @@ mod tests {
 
     #[test]
     fn bodies_fix_sampling() {
-        let s = Sampling { max_tokens: 32, seed: 7, temperature: 0.0, ignore_eos: true, model: Some("m".into()) };
+        let s = Sampling { max_tokens: 32, seed: 7, temperature: 0.0, ignore_eos: true, model: Some("m".into()), cache_prompt: false };
         let (p, b) = Api::Llamacpp.generate("hi", &s);
         let v: Value = serde_json::from_str(&b).unwrap();
         assert_eq!(

@@ -13,6 +13,36 @@ pub enum Sweep {
     Prompt,
     /// A fixed short prompt after each idle interval (--idle), with optional layers.
     Idle,
+    /// Open-loop Poisson arrivals at each --rate (requests/s), not a fixed concurrency.
+    Rate,
+    /// Requests sharing a long system prompt (--prefix-tokens), the server's prompt cache on:
+    /// the cached tokens each request reuses, per --levels concurrency.
+    Prefix,
+    /// Conversations whose turns grow (--turns), each turn carrying the history; --levels
+    /// conversations at once.
+    Multiturn,
+}
+
+/// Which other benchmark `--compare-with` runs on the same server and workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Other {
+    /// NVIDIA AIPerf (PyPI `aiperf`), its own CLI.
+    Aiperf,
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().trim_end_matches("/s").trim_end_matches("rps").trim().parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!("`{s}` is not a positive rate (requests per second, e.g. 2 or 0.5)")),
+    }
+}
+
+fn parse_pct(s: &str) -> Result<f64, String> {
+    match s.trim().trim_end_matches('%').parse::<f64>() {
+        Ok(x) if (0.0..=100.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a percentage (0-100)")),
+    }
 }
 
 /// Parse `1,2,4` lists of positive integers.
@@ -64,8 +94,9 @@ pub struct BenchArgs {
     /// Model name for the request body (openai/ollama); default: the server's first model.
     #[arg(long)]
     pub model: Option<String>,
-    /// Sweeps to run (comma list or repeated): concurrency, prompt, idle.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "concurrency")]
+    /// Sweeps to run (comma list or repeated): concurrency, prompt, idle, rate, prefix, multiturn.
+    /// Default: concurrency, or rate when --rate is given.
+    #[arg(long, value_enum, value_delimiter = ',')]
     pub sweep: Vec<Sweep>,
     /// Concurrency levels of the concurrency sweep.
     #[arg(long, value_delimiter = ',', value_parser = parse_u64, default_value = "1,2,4,8")]
@@ -133,12 +164,54 @@ pub struct BenchArgs {
     /// recorded as a deadline hit.
     #[arg(long, value_parser = parse_secs, default_value = "300s")]
     pub timeout: Duration,
-    /// Goodput target on TTFT, ms.
+    /// Run each level N times, the runs of a sweep's levels in a shuffled order (seeded by
+    /// --seed); every figure then gets its mean and 95% interval over the N runs, and levels
+    /// whose intervals overlap are never called different.
+    #[arg(long, default_value_t = 1, value_parser = parse_u64)]
+    pub repeat: u64,
+    /// Service-level bounds for goodput: ttft=500ms,tpot=50ms,e2e=10s (any of them; a bare
+    /// number is ms). Goodput counts the requests (and their tokens) that met every bound.
+    #[arg(long, value_parser = super::metrics::parse_slo)]
+    pub slo: Option<super::metrics::Slo>,
+    /// The conclusions name the highest load whose goodput stays at or above this share of its
+    /// requests, %.
+    #[arg(long, default_value_t = 90.0, value_parser = parse_pct)]
+    pub goodput_pct: f64,
+    /// Alias of --slo ttft=MS (kept from earlier releases).
     #[arg(long)]
     pub goodput_ttft_ms: Option<f64>,
-    /// Goodput target on TPOT, ms.
+    /// Alias of --slo tpot=MS (kept from earlier releases).
     #[arg(long)]
     pub goodput_tpot_ms: Option<f64>,
+    /// Poisson arrival rates, requests per second (comma list) of the rate sweep (the default sweep
+    /// when --rate is given): one level a
+    /// rate, each --requests-per-level requests (default 16) sent at exponential gaps (seeded),
+    /// whatever is in flight.
+    #[arg(long, value_delimiter = ',', value_parser = parse_rate)]
+    pub rate: Vec<f64>,
+    /// Shared-prefix workload: tokens of the system prompt the requests share.
+    #[arg(long, default_value_t = 1024, value_parser = parse_u64)]
+    pub prefix_tokens: u64,
+    /// Shared-prefix workload: requests per level (the first alone, to fill the cache).
+    #[arg(long, default_value_t = 8, value_parser = parse_u64)]
+    pub prefix_requests: u64,
+    /// Multi-turn workload: turns per conversation.
+    #[arg(long, default_value_t = 4, value_parser = parse_u64)]
+    pub turns: u64,
+    /// Compare with an earlier run (its results.json, or the directory holding it): each level's
+    /// figures against the same level's there, called changed only beyond their intervals.
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
+    /// Also run another benchmark's own CLI on the same server and workload (concurrency sweep
+    /// levels, the same prompts and output length) and print both tools' figures side by side.
+    #[arg(long, value_enum)]
+    pub compare_with: Option<Other>,
+    /// The aiperf command for --compare-with aiperf (default: `aiperf` on PATH).
+    #[arg(long, default_value = "aiperf")]
+    pub aiperf: String,
+    /// A local tokenizer folder (holding tokenizer.json) for --compare-with aiperf.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Trace this server pid during the run (root) and attach each request's verdict.
     #[arg(long)]
     pub trace_pid: Option<u32>,
@@ -146,7 +219,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub trace: bool,
     /// Output directory: results.json, results.csv, summary.txt, *.svg, trace-N/.
-    #[arg(long, default_value = "probe-bench")]
+    #[arg(short, long, visible_alias = "output", default_value = "probe-bench")]
     pub out: PathBuf,
     /// Replace an earlier run's results in --out (it is refused otherwise, like `trace --out`).
     #[arg(long)]
@@ -167,6 +240,11 @@ mod tests {
         assert_eq!(parse_idle("5s").unwrap(), Duration::from_secs(5));
         assert_eq!(parse_idle("1h").unwrap(), Duration::from_secs(3600));
         assert!(parse_idle("5x").is_err());
+        assert_eq!(parse_rate("0.5").unwrap(), 0.5);
+        assert_eq!(parse_rate("2/s").unwrap(), 2.0);
+        assert!(parse_rate("0").is_err() && parse_rate("x").is_err());
+        assert_eq!(parse_pct("90%").unwrap(), 90.0);
+        assert!(parse_pct("101").is_err());
         assert_eq!(parse_secs("300").unwrap(), Duration::from_secs(300));
         assert_eq!(parse_secs("2m").unwrap(), Duration::from_secs(120));
         assert_eq!(

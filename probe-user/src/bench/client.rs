@@ -47,6 +47,9 @@ pub struct Exchange {
     pub transport_error: Option<String>,
     /// The response ended as its framing says (terminal chunk or full length).
     pub complete: bool,
+    /// The answer's text, kept in memory for the next turn of a conversation (multi-turn);
+    /// never written to an output.
+    pub text: String,
 }
 
 /// User-Agent of the generation requests the benchmark measures.
@@ -180,6 +183,13 @@ fn read_msg(m: &Msg, x: &mut Exchange, now: f64) {
         if payload::apply(v, &mut x.stop, false) {
             x.ttft_ms.get_or_insert(now);
             x.content_ms.push(now);
+        }
+        let c = &v["choices"][0];
+        for t in [&c["text"], &c["delta"]["content"], &v["content"], &v["response"], &v["message"]["content"]] {
+            if let Some(t) = t.as_str() {
+                x.text.push_str(t);
+                break;
+            }
         }
         if let Some(msg) = error_message(v) {
             x.error_message = Some(msg);

@@ -55,7 +55,7 @@ fn verdicts(l: &Level) -> String {
 /// Conclusions for every sweep present, in sweep order.
 pub fn conclude(levels: &[Level], rows: &[Row], slot_ctx: Option<u64>) -> Vec<String> {
     let mut out = Vec::new();
-    for sweep in ["concurrency", "prompt", "idle"] {
+    for sweep in super::SWEEPS {
         let ls: Vec<&Level> = levels.iter().filter(|l| l.sweep == sweep).collect();
         if ls.is_empty() {
             continue;
@@ -63,10 +63,70 @@ pub fn conclude(levels: &[Level], rows: &[Row], slot_ctx: Option<u64>) -> Vec<St
         match sweep {
             "concurrency" => concurrency(&ls, slot_ctx, &mut out),
             "prompt" => prompt(&ls, rows, slot_ctx, &mut out),
+            "rate" => rate(&ls, rows, &mut out),
+            "prefix" => prefix(&ls, &mut out),
+            "multiturn" => multiturn(&ls, rows, &mut out),
             _ => idle(&ls, rows, &mut out),
         }
     }
     out
+}
+
+fn rate(ls: &[&Level], rows: &[Row], out: &mut Vec<String>) {
+    for l in ls {
+        let sent: Vec<f64> = {
+            let mut v: Vec<f64> = rows.iter().filter(|r| r.seq == l.seq).map(|r| r.sent_ms).collect();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let achieved = if sent.len() >= 2 { (sent.len() - 1) as f64 * 1e3 / (sent[sent.len() - 1] - sent[0]).max(1e-9) } else { 0.0 };
+        out.push(format!(
+            "rate {}: sent at {achieved:.2} requests/s, served {:.2} requests/s; TTFT median {}, p99 {}, TPOT {}; stops: {}",
+            l.rate_rps.map_or("?".into(), |r| format!("{r}/s")),
+            l.request_rate.unwrap_or(0.0),
+            ms(l.ttft_ms_p50),
+            ms(l.ttft_ms_p99),
+            ms(l.tpot_ms_mean),
+            mix(l)
+        ));
+    }
+}
+
+fn prefix(ls: &[&Level], out: &mut Vec<String>) {
+    for l in ls {
+        out.push(match (l.cached_tokens_mean, l.reuse_pct) {
+            (Some(c), Some(p)) => format!(
+                "shared prefix at concurrency {}: after the first request the server reused {c:.0} cached prompt tokens on average ({p:.0}% of the prompt); TTFT median {}",
+                l.level,
+                ms(l.ttft_ms_p50)
+            ),
+            _ => format!(
+                "shared prefix at concurrency {}: the server reported no cached-token counts (no usage.prompt_tokens_details or timings.cache_n); TTFT median {}",
+                l.level,
+                ms(l.ttft_ms_p50)
+            ),
+        });
+    }
+}
+
+fn multiturn(ls: &[&Level], rows: &[Row], out: &mut Vec<String>) {
+    for l in ls {
+        // Per turn: TTFTs, prompt tokens, cached tokens.
+        type Turn = (Vec<f64>, Vec<f64>, Vec<f64>);
+        let mut by_turn: BTreeMap<u64, Turn> = BTreeMap::new();
+        for r in rows.iter().filter(|r| r.seq == l.seq) {
+            let e = by_turn.entry(r.turn.unwrap_or(0)).or_default();
+            e.0.extend(r.ttft_ms);
+            e.1.extend(r.prompt_tokens.map(|n| n as f64));
+            e.2.extend(r.cached_tokens.map(|n| n as f64));
+        }
+        let m = |v: &[f64]| super::metrics::mean(v).map_or("?".into(), |x| format!("{x:.0}"));
+        let turns: Vec<String> = by_turn
+            .iter()
+            .map(|(t, (ttft, p, c))| format!("turn {t}: {} prompt tokens ({} cached), TTFT {} ms", m(p), m(c), m(ttft)))
+            .collect();
+        out.push(format!("multi-turn, {} conversation(s) at once: {}", l.level, turns.join("; ")));
+    }
 }
 
 fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
@@ -86,7 +146,9 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
     let mut changed = false;
     for l in &ls[1..] {
         let o = l.output_tokens_mean.unwrap_or(0.0);
-        if base_out > 0.0 && o < 0.9 * base_out {
+        // With intervals (--repeat), a change inside the noise is never called one.
+        let out_differs = l.differs(base, "output_tokens_mean", |_, _| true);
+        if base_out > 0.0 && o < 0.9 * base_out && out_differs {
             changed = true;
             let why =
                 short_stop(l, slot_ctx).unwrap_or_else(|| format!("stop reasons unchanged ({}): the model chose shorter answers", mix(l)));
@@ -101,13 +163,16 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
         if let (Some(a), Some(b)) = (base.ttft_ms_p50, l.ttft_ms_p50)
             && b > 2.0 * a
             && b - a >= 20.0
+            && l.differs(base, "ttft_ms_p50", |_, _| true)
         {
             changed = true;
             out.push(format!(
-                "TTFT rises at concurrency {}: median {} against {} at {}{}",
+                "TTFT rises at concurrency {}: median {}{} against {}{} at {}{}",
                 l.level,
                 ms(Some(b)),
+                interval(l, "ttft_ms_p50"),
                 ms(Some(a)),
+                interval(base, "ttft_ms_p50"),
                 base.level,
                 verdicts(l)
             ));
@@ -128,6 +193,79 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
     if let Some(s) = base_short {
         out.push(format!("already at concurrency {}: {s}", base.level));
     }
+}
+
+/// " (95% interval 380-420 ms over 3 runs)", when the level has one for the figure.
+fn interval(l: &Level, figure: &str) -> String {
+    l.intervals.get(figure).map(|i| format!(" (95% interval {:.0}-{:.0} ms over {} runs)", i.lo, i.hi, i.n)).unwrap_or_default()
+}
+
+/// The load a level puts on the server, for ordering: concurrency, or the arrival rate.
+fn load(l: &Level) -> f64 {
+    l.rate_rps.unwrap_or(l.concurrency as f64)
+}
+
+fn load_words(l: &Level) -> String {
+    match l.rate_rps {
+        Some(r) => format!("{r} requests/s"),
+        None => format!("concurrency {}", l.concurrency),
+    }
+}
+
+/// Goodput against the --slo bounds, per sweep that puts load on the server: the highest load
+/// whose goodput stays at or above `pct`% of its requests, and where it falls below.
+pub fn goodput(levels: &[Level], slo: super::metrics::Slo, pct: f64) -> Vec<String> {
+    let mut out = Vec::new();
+    if slo.is_empty() {
+        return out;
+    }
+    for sweep in ["concurrency", "rate", "prefix", "multiturn"] {
+        let mut ls: Vec<&Level> = levels.iter().filter(|l| l.sweep == sweep && l.goodput_pct.is_some()).collect();
+        if ls.is_empty() {
+            continue;
+        }
+        ls.sort_by(|a, b| load(a).total_cmp(&load(b)));
+        let good: Vec<&&Level> = ls.iter().filter(|l| l.goodput_pct.unwrap_or(0.0) >= pct).collect();
+        let first_bad = ls.iter().find(|l| l.goodput_pct.unwrap_or(0.0) < pct);
+        let g = |l: &Level| {
+            format!(
+                "{:.0}% of requests, {:.2} req/s, {:.1} tok/s",
+                l.goodput_pct.unwrap_or(0.0),
+                l.goodput_rps.unwrap_or(0.0),
+                l.goodput_tps.unwrap_or(0.0)
+            )
+        };
+        let s = match (good.iter().map(|l| **l).max_by(|a, b| load(a).total_cmp(&load(b))), first_bad) {
+            (Some(best), None) => {
+                format!("goodput ({}): at or above {pct:.0}% at every level up to {} ({})", slo.words(), load_words(best), g(best))
+            }
+            (Some(best), Some(bad)) => format!(
+                "goodput ({}): the highest load at or above {pct:.0}% is {} ({}); at {} it is {}",
+                slo.words(),
+                load_words(best),
+                g(best),
+                load_words(bad),
+                g(bad)
+            ),
+            (None, Some(bad)) => {
+                format!("goodput ({}): below {pct:.0}% already at {} ({})", slo.words(), load_words(bad), g(bad))
+            }
+            (None, None) => continue,
+        };
+        out.push(format!("{sweep} sweep {s}"));
+    }
+    out
+}
+
+/// Levels that ran under contention: their figures are not the server's alone.
+pub fn contention(levels: &[Level]) -> Vec<String> {
+    levels
+        .iter()
+        .filter_map(|l| {
+            let m = l.machine.as_ref().filter(|m| m.contended())?;
+            Some(format!("{} {} ran under contention ({}): its figures are not the server's alone", l.sweep, l.level, m.why.join("; ")))
+        })
+        .collect()
 }
 
 /// "3 eos, 1 server_limit"

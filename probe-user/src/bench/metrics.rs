@@ -67,7 +67,19 @@ pub const DEFINITIONS: &[(&str, &str)] = &[
     ("output tok/s", "per request: (output tokens - 1) / (E2E - TTFT); per level (throughput): all output tokens / the level's wall time"),
     (
         "goodput",
-        "requests per second of the level's wall time that completed without error and met the TTFT and TPOT targets (--goodput-ttft-ms, --goodput-tpot-ms; no target = only 'completed')",
+        "requests (goodput_rps) and output tokens (goodput_tps) per second of the level's wall time from requests that completed without error and met every --slo bound (ttft, tpot, e2e; no bound = only 'completed'); goodput_pct: those requests as a share of all the level's requests",
+    ),
+    (
+        "interval",
+        "with --repeat N (N >= 2): each figure's mean over the N runs of a level and its 95% confidence interval, mean +/- t(0.975, N-1) * sd / sqrt(N) (Student's t; an interval of the mean, not a prediction for one run). Levels or runs whose intervals overlap are never called different",
+    ),
+    (
+        "cached tokens",
+        "prompt tokens the server took from its prompt cache: usage.prompt_tokens_details.cached_tokens, else timings.cache_n (llama.cpp); reuse_pct = cached / prompt tokens, over the level's requests after its first",
+    ),
+    (
+        "contended",
+        "a level run during which other processes (not the server's, not probe's) used at least 0.5 CPU on average (/proc/PID/stat), or memory pressure (PSI some) stalled tasks for at least 10% of the time",
     ),
     (
         "queue",
@@ -84,6 +96,9 @@ pub struct RowVerdict {
     pub stop_cause: StopCause,
     pub ttft_ms: Option<Split>,
     pub evidence: Vec<String>,
+    /// The engine's own view of the request (llama.cpp's steps), when the engine probe saw it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::steps::RequestEngine>,
 }
 
 /// One request of the benchmark. No prompt or response text: the prompt's hash and token count.
@@ -125,6 +140,8 @@ pub struct Row {
     pub queue_ms: Option<f64>,
     /// The server's prompt processing time.
     pub prompt_ms: Option<f64>,
+    /// The server's own time per output token (llama.cpp `timings.predicted_per_token_ms`).
+    pub server_tpot_ms: Option<f64>,
     pub prompt_tps: Option<f64>,
     pub output_tps: Option<f64>,
     pub deadline_hit: bool,
@@ -137,6 +154,18 @@ pub struct Row {
     pub server_rss_mib: Option<f64>,
     /// Share of the model file in the page cache just before the request (idle sweep).
     pub model_resident_pct: Option<f64>,
+    /// Prompt tokens served from the server's prompt cache (see DEFINITIONS).
+    pub cached_tokens: Option<u64>,
+    /// Met every --slo bound (None: it did not complete).
+    pub met_slo: Option<bool>,
+    /// Multi-turn workload: the conversation and its turn (1-based).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u64>,
+    /// Which repeat of its level (0-based; --repeat) and that run's position in `runs`.
+    pub repeat: u64,
+    pub run_seq: usize,
     pub verdict: Option<RowVerdict>,
     #[serde(skip)]
     pub itl: Vec<f64>,
@@ -203,11 +232,7 @@ pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64
     Some(if (p + output) * 10 >= c * 9 { "slot_context" } else { "kv_pool" })
 }
 
-pub use crate::stats::percentile;
-
-pub fn mean(v: &[f64]) -> Option<f64> {
-    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-}
+pub use crate::stats::{mean, percentile};
 
 /// Per-request latency numbers from the content arrival times.
 pub fn fill_latency(row: &mut Row, x: &Exchange) {
@@ -263,9 +288,36 @@ pub struct Level {
     pub throughput_output_tps: Option<f64>,
     pub request_rate: Option<f64>,
     pub goodput_rps: Option<f64>,
+    pub goodput_tps: Option<f64>,
+    pub goodput_pct: Option<f64>,
+    /// Arrival rate asked for (rate sweep), requests/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_rps: Option<f64>,
+    /// Prompt-cache reuse (see DEFINITIONS): mean cached tokens and their share of the prompt
+    /// over the level's requests after its first.
+    pub cached_tokens_mean: Option<f64>,
+    pub reuse_pct: Option<f64>,
     pub duration_s: f64,
+    /// How many runs (--repeat) the level's figures pool.
+    pub runs: u64,
+    /// Each figure's mean over the runs and its 95% interval (see DEFINITIONS), with --repeat >= 2.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub intervals: BTreeMap<String, crate::stats::Interval>,
+    /// The machine while the level ran (means over its runs).
+    pub machine: Option<super::machine::Machine>,
+    /// A run of the level ran under contention (see DEFINITIONS and machine.why).
+    pub contended: bool,
     /// Traced verdicts: slow causes by count.
     pub slow_causes: BTreeMap<String, u64>,
+    /// The engine's steps while the level ran (traced, llama.cpp): sequences per decode step,
+    /// the decode step's median time and the KV length at the requests' last steps (means over
+    /// the level's requests).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_batch_seqs: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_step_ms_p50: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_kv_len: Option<f64>,
     pub counters_before: BTreeMap<String, f64>,
     pub counters_after: BTreeMap<String, f64>,
     /// Highest value of each counter sampled while the level ran.
@@ -276,23 +328,161 @@ pub struct Level {
     pub seq: usize,
 }
 
-/// Count the traced slow causes of each level's rows (verdicts arrive when a trace stops).
-pub fn tally_verdicts(levels: &mut [Level], rows: &[Row]) {
+/// Count the traced slow causes of each level's rows (verdicts arrive when a trace stops);
+/// `key` says which level a row belongs to (its pooled level's seq, or its run's).
+pub fn tally_verdicts(levels: &mut [Level], rows: &[Row], key: fn(&Row) -> usize) {
     for l in levels.iter_mut() {
         l.slow_causes.clear();
-        for r in rows.iter().filter(|r| r.seq == l.seq) {
+        let mut engine = Vec::new();
+        for r in rows.iter().filter(|r| key(r) == l.seq) {
             if let Some(v) = &r.verdict {
                 *l.slow_causes.entry(v.slow_cause.name().to_string()).or_insert(0) += 1;
+                engine.extend(v.engine.as_ref().filter(|e| e.decode_steps > 0));
             }
         }
+        let of = |g: &dyn Fn(&crate::steps::RequestEngine) -> Option<f64>| mean(&engine.iter().filter_map(|e| g(e)).collect::<Vec<_>>());
+        l.engine_batch_seqs = of(&|e| Some(e.mean_batch_seqs));
+        l.engine_step_ms_p50 = of(&|e| Some(e.step_ms_p50));
+        l.engine_kv_len = of(&|e| e.kv_len.map(f64::from));
     }
 }
 
 /// Goodput targets (ms); None = no target on that metric.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Slo {
     pub ttft_ms: Option<f64>,
     pub tpot_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+}
+
+impl Slo {
+    pub fn is_empty(&self) -> bool {
+        self.ttft_ms.is_none() && self.tpot_ms.is_none() && self.e2e_ms.is_none()
+    }
+
+    /// A completed request met every bound (a one-token answer has no TPOT to miss).
+    pub fn met(&self, r: &Row) -> bool {
+        self.ttft_ms.is_none_or(|t| r.ttft_ms.is_some_and(|x| x <= t))
+            && self.tpot_ms.is_none_or(|t| r.tpot_ms.is_none_or(|x| x <= t))
+            && self.e2e_ms.is_none_or(|t| r.e2e_ms.is_some_and(|x| x <= t))
+    }
+
+    /// "ttft=500ms,tpot=50ms" (the --slo syntax).
+    pub fn words(&self) -> String {
+        let parts: Vec<String> = [("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2e", self.e2e_ms)]
+            .iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}={}ms", (v * 1000.0).round() / 1000.0)))
+            .collect();
+        parts.join(",")
+    }
+}
+
+/// `--slo ttft=500ms,tpot=50ms,e2e=10s`: bounds on TTFT, TPOT and E2E (a bare number is ms).
+pub fn parse_slo(s: &str) -> Result<Slo, String> {
+    let mut slo = Slo::default();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part.split_once('=').ok_or_else(|| format!("`{part}`: expected NAME=TIME, e.g. ttft=500ms"))?;
+        let d = crate::parse_duration_or(v, std::time::Duration::from_millis(1))?;
+        let ms = d.as_secs_f64() * 1e3;
+        if ms <= 0.0 {
+            return Err(format!("`{part}`: the bound must be above 0"));
+        }
+        match k.trim().to_ascii_lowercase().as_str() {
+            "ttft" => slo.ttft_ms = Some(ms),
+            "tpot" => slo.tpot_ms = Some(ms),
+            "e2e" => slo.e2e_ms = Some(ms),
+            other => return Err(format!("`{other}`: --slo bounds are ttft, tpot and e2e")),
+        }
+    }
+    if slo.is_empty() {
+        return Err("--slo: no bound given (e.g. ttft=500ms,tpot=50ms)".into());
+    }
+    Ok(slo)
+}
+
+/// The figures a level's repeated runs get intervals for (Level field names).
+pub const INTERVAL_FIGURES: &[&str] = &[
+    "ttft_ms_mean",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_mean",
+    "itl_ms_p50",
+    "e2e_ms_mean",
+    "output_tokens_mean",
+    "throughput_output_tps",
+    "goodput_rps",
+];
+
+impl Level {
+    /// A figure by its field name (INTERVAL_FIGURES).
+    pub fn figure(&self, name: &str) -> Option<f64> {
+        match name {
+            "ttft_ms_mean" => self.ttft_ms_mean,
+            "ttft_ms_p50" => self.ttft_ms_p50,
+            "ttft_ms_p99" => self.ttft_ms_p99,
+            "tpot_ms_mean" => self.tpot_ms_mean,
+            "itl_ms_p50" => self.itl_ms_p50,
+            "e2e_ms_mean" => self.e2e_ms_mean,
+            "output_tokens_mean" => self.output_tokens_mean,
+            "throughput_output_tps" => self.throughput_output_tps,
+            "goodput_rps" => self.goodput_rps,
+            _ => None,
+        }
+    }
+
+    /// Whether this level's figure differs from another's: with intervals on both sides, only
+    /// when they are apart; otherwise by `fallback` (single runs keep the older thresholds).
+    pub fn differs(&self, o: &Level, name: &str, fallback: impl Fn(f64, f64) -> bool) -> bool {
+        match (self.intervals.get(name), o.intervals.get(name)) {
+            (Some(a), Some(b)) => a.apart(b),
+            _ => match (self.figure(name), o.figure(name)) {
+                (Some(a), Some(b)) => fallback(a, b),
+                _ => false,
+            },
+        }
+    }
+}
+
+/// Pool the runs of one level (--repeat): the figures over every row of every run, their
+/// durations summed, and each figure's interval over the runs' own values.
+pub fn pool(runs: &[&Level], rows: &[&Row], slo: Slo) -> Level {
+    let duration: f64 = runs.iter().map(|l| l.duration_s).sum();
+    let mut l = summarize(rows, duration, slo);
+    let first = runs[0];
+    l.sweep = first.sweep.clone();
+    l.level = first.level.clone();
+    l.concurrency = first.concurrency;
+    l.bucket_tokens = first.bucket_tokens;
+    l.idle_s = first.idle_s;
+    l.rate_rps = first.rate_rps;
+    l.runs = runs.len() as u64;
+    l.counters_before = first.counters_before.clone();
+    l.counters_after = runs[runs.len() - 1].counters_after.clone();
+    for r in runs {
+        for (k, v) in &r.counters_peak {
+            let e = l.counters_peak.entry(k.clone()).or_insert(*v);
+            *e = e.max(*v);
+        }
+        for n in &r.notes {
+            if !l.notes.contains(n) {
+                l.notes.push(n.clone());
+            }
+        }
+    }
+    if runs.len() >= 2 {
+        for f in INTERVAL_FIGURES {
+            let v: Vec<f64> = runs.iter().filter_map(|r| r.figure(f)).collect();
+            if v.len() == runs.len()
+                && let Some(i) = crate::stats::interval(&v)
+            {
+                l.intervals.insert(f.to_string(), i);
+            }
+        }
+    }
+    let machines: Vec<&super::machine::Machine> = runs.iter().filter_map(|r| r.machine.as_ref()).collect();
+    l.machine = super::machine::Machine::mean(&machines);
+    l.contended = runs.iter().any(|r| r.contended);
+    l
 }
 
 pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
@@ -325,12 +515,15 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
             *slow.entry(v.slow_cause.name().to_string()).or_insert(0) += 1;
         }
     }
-    let good = ok
-        .iter()
-        .filter(|r| {
-            slo.ttft_ms.is_none_or(|t| r.ttft_ms.is_some_and(|x| x <= t)) && slo.tpot_ms.is_none_or(|t| r.tpot_ms.is_none_or(|x| x <= t))
-        })
-        .count();
+    let good: Vec<&&&Row> = ok.iter().filter(|r| slo.met(r)).collect();
+    // fold from +0.0: an empty f64 sum is -0.0, printed "-0.0".
+    let good_tokens: f64 = good.iter().map(|r| r.output_tokens as f64).fold(0.0, |a, b| a + b);
+    let good = good.len();
+    // Prompt-cache reuse over the requests after the first (the first fills the cache).
+    let later: Vec<&&Row> = rows.iter().filter(|r| r.turn.map_or(r.index > 0, |t| t > 1) && r.cached_tokens.is_some()).collect();
+    let cached: Vec<f64> = later.iter().filter_map(|r| r.cached_tokens.map(|n| n as f64)).collect();
+    let reuse: Vec<f64> =
+        later.iter().filter_map(|r| Some(r.cached_tokens? as f64 * 100.0 / r.prompt_tokens.filter(|&p| p > 0)? as f64)).collect();
     let per_s = |n: f64| (duration_s > 0.0).then(|| n / duration_s);
     Level {
         sweep: first.sweep.clone(),
@@ -362,6 +555,11 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
         throughput_output_tps: per_s(outs.iter().fold(0.0, |a, b| a + b)),
         request_rate: per_s(rows.len() as f64),
         goodput_rps: per_s(good as f64),
+        goodput_tps: per_s(good_tokens),
+        goodput_pct: (!rows.is_empty()).then(|| good as f64 * 100.0 / rows.len() as f64),
+        cached_tokens_mean: mean(&cached),
+        reuse_pct: mean(&reuse),
+        runs: 1,
         duration_s,
         slow_causes: slow,
         ..Default::default()
@@ -405,6 +603,11 @@ pub fn csv(rows: &[Row]) -> String {
         "local_port",
         "server_pid",
         "model_resident_pct",
+        "cached_tokens",
+        "met_slo",
+        "conversation",
+        "turn",
+        "repeat",
         "slow_cause",
         "verdict_stop_cause",
         "ttft_disk_ms",
@@ -453,6 +656,11 @@ pub fn csv(rows: &[Row]) -> String {
             n(r.local_port.map(u64::from)),
             n(r.server_pid.map(u64::from)),
             o(r.model_resident_pct),
+            n(r.cached_tokens),
+            r.met_slo.map(|b| b.to_string()).unwrap_or_default(),
+            n(r.conversation),
+            n(r.turn),
+            r.repeat.to_string(),
             r.verdict.as_ref().map(|v| v.slow_cause.name().to_string()).unwrap_or_default(),
             r.verdict.as_ref().map(|v| v.stop_cause.name().to_string()).unwrap_or_default(),
             o(split.as_ref().map(|s| s.disk)),
@@ -559,13 +767,64 @@ mod tests {
         let mut c = mk(50.0, "server_error", vec![]);
         c.status = Some(500);
         c.error = Some("x".into());
-        let l = summarize(&[&a, &b, &c], 2.0, Slo { ttft_ms: Some(200.0), tpot_ms: None });
+        let l = summarize(&[&a, &b, &c], 2.0, Slo { ttft_ms: Some(200.0), ..Default::default() });
         assert_eq!((l.requests, l.ok, l.errors), (3, 2, 1));
         assert_eq!(l.itl_ms_p50, Some(2.0));
         assert_eq!(l.goodput_rps, Some(0.5));
+        assert_eq!(l.goodput_tps, Some(4.0));
+        assert!((l.goodput_pct.unwrap() - 100.0 / 3.0).abs() < 1e-9);
+        // Tighter bounds: fewer good requests, never more.
+        let tight = summarize(&[&a, &b, &c], 2.0, Slo { ttft_ms: Some(50.0), ..Default::default() });
+        assert_eq!(tight.goodput_rps, Some(0.0));
+        assert_eq!(format!("{:.1}", tight.goodput_tps.unwrap()), "0.0");
+        let e2e = summarize(&[&a, &b], 2.0, Slo { e2e_ms: Some(1.0), ..Default::default() });
+        assert_eq!(e2e.goodput_rps, Some(0.0), "no E2E measured: not met");
         assert_eq!(l.throughput_output_tps, Some(8.0));
         assert_eq!(l.stops["eos"], 1);
         assert_eq!(l.output_tokens_mean, Some(8.0));
+    }
+
+    #[test]
+    fn slo_syntax() {
+        let s = parse_slo("ttft=500ms, tpot=50,e2e=2s").unwrap();
+        assert_eq!((s.ttft_ms, s.tpot_ms, s.e2e_ms), (Some(500.0), Some(50.0), Some(2000.0)));
+        assert_eq!(s.words(), "ttft=500ms,tpot=50ms,e2e=2000ms");
+        assert_eq!(Slo { tpot_ms: Some(36.790000000000006), ..Default::default() }.words(), "tpot=36.79ms");
+        assert!(parse_slo("ttfb=1s").unwrap_err().contains("ttft, tpot and e2e"));
+        assert!(parse_slo("ttft").is_err() && parse_slo("").is_err() && parse_slo("ttft=0ms").is_err());
+    }
+
+    #[test]
+    fn repeated_runs_pool_and_get_intervals() {
+        let run = |ttft: f64, seq: usize| {
+            let r = Row {
+                sweep: "concurrency".into(),
+                level: "1".into(),
+                status: Some(200),
+                ttft_ms: Some(ttft),
+                output_tokens: 4,
+                run_seq: seq,
+                ..Default::default()
+            };
+            let mut l = summarize(&[&r], 1.0, Slo::default());
+            l.seq = seq;
+            (r, l)
+        };
+        let (r1, l1) = run(100.0, 0);
+        let (r2, l2) = run(110.0, 1);
+        let (r3, l3) = run(120.0, 2);
+        let p = pool(&[&l1, &l2, &l3], &[&r1, &r2, &r3], Slo::default());
+        assert_eq!((p.runs, p.requests, p.duration_s), (3, 3, 3.0));
+        let i = &p.intervals["ttft_ms_p50"];
+        assert_eq!((i.mean, i.n), (110.0, 3));
+        assert!(i.lo < 100.0 && i.hi > 120.0, "{i:?}");
+        let (r4, l4) = run(300.0, 3);
+        let (r5, l5) = run(310.0, 4);
+        let q = pool(&[&l4, &l5], &[&r4, &r5], Slo::default());
+        assert!(p.differs(&q, "ttft_ms_p50", |_, _| false));
+        // One run alone has no interval: the caller's rule decides.
+        assert!(l1.differs(&l4, "ttft_ms_p50", |a, b| b > 2.0 * a));
+        assert!(!l1.differs(&l2, "ttft_ms_p50", |a, b| b > 2.0 * a));
     }
 
     #[test]
@@ -575,6 +834,6 @@ mod tests {
         assert_eq!(text.lines().count(), 3);
         assert!(text.contains("\"a, \"\"b\"\"\""), "{text}");
         let header = text.lines().next().unwrap().split(',').count();
-        assert_eq!(header, 40);
+        assert_eq!(header, 45);
     }
 }

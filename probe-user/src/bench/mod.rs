@@ -8,10 +8,13 @@
 //! client (HTTP/1.1 over std TCP) → api (per-server bodies, counters, tokenizer) → sweep (levels)
 //! → metrics (rows, stop reasons, summaries) → conclude (words) → output (files); trace joins
 //! traced verdicts.
+pub mod aiperf;
 pub mod api;
 pub mod args;
+pub mod baseline;
 pub mod client;
 pub mod conclude;
+pub mod machine;
 pub mod metrics;
 pub mod output;
 pub mod results;
@@ -69,14 +72,21 @@ struct Run {
     info: ServerInfo,
     t0: Instant,
     rows: Vec<Row>,
+    /// Every run of every level, in the order they ran (pooled into `levels` at the end).
+    runs: Vec<Level>,
     levels: Vec<Level>,
     notes: Vec<String>,
+    slo: Slo,
     traces: Vec<String>,
     tracing: Option<Tracing>,
     metrics: bool,
     progress: Progress,
     /// --prompts: the user's fixed prompts (never written to the outputs).
     own_prompts: Vec<String>,
+    /// NVML answered: GPU clocks are sampled per level.
+    gpu: bool,
+    /// Which repeat is running (tags rows and runs).
+    repeat: u64,
 }
 
 impl Run {
@@ -87,9 +97,11 @@ impl Run {
             timeout: self.args.timeout,
             slot_ctx: self.info.slot_ctx,
             t0: self.t0,
-            slo: Slo { ttft_ms: self.args.goodput_ttft_ms, tpot_ms: self.args.goodput_tpot_ms },
+            slo: self.slo,
             metrics: self.metrics && self.tracing.is_none(),
             progress: &self.progress,
+            server_pid: self.server_pid(),
+            gpu: self.gpu,
         }
     }
 
@@ -100,29 +112,58 @@ impl Run {
             temperature: self.args.temperature,
             ignore_eos: self.args.ignore_eos,
             model: self.info.model.clone(),
+            cache_prompt: false,
         }
     }
 
     fn push(&mut self, mut rows: Vec<Row>, mut level: Level) {
-        level.seq = self.levels.len();
+        level.seq = self.runs.len();
         for r in rows.iter_mut() {
-            r.seq = level.seq;
+            r.run_seq = level.seq;
+            r.repeat = self.repeat;
         }
+        let of = if self.args.repeat > 1 { format!(" (run {}/{})", self.repeat + 1, self.args.repeat) } else { String::new() };
         self.progress.line(&format!(
-            "{} {}: {}, output {} tokens, TTFT p50 {}, stops: {}",
+            "{} {}{of}: {}, output {} tokens, TTFT p50 {}, stops: {}{}",
             level.sweep,
             level.level,
             crate::text::count(level.requests, "request"),
             level.output_tokens_mean.map_or("-".into(), |x| format!("{x:.0}")),
             level.ttft_ms_p50.map_or("-".into(), |x| format!("{x:.0} ms")),
-            conclude::mix(&level)
+            conclude::mix(&level),
+            level.machine.as_ref().filter(|m| m.contended()).map(|m| format!("; contended: {}", m.why.join("; "))).unwrap_or_default()
         ));
         let first = self.rows.len();
         self.rows.extend(rows);
         if let Some(seg) = self.tracing.as_mut().and_then(|t| t.seg.as_mut()) {
             seg.rows.extend(first..self.rows.len());
         }
-        self.levels.push(level);
+        self.runs.push(level);
+    }
+
+    /// Pool the runs into one level per (sweep, level) in the order the plans list them.
+    fn pool(&mut self, order: &[(String, String)]) {
+        let mut levels = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        // A label given twice (`--idle 3s,3s`) is one level run twice: its runs pool.
+        for (sweep, label) in order.iter().filter(|k| seen.insert((*k).clone())) {
+            let runs: Vec<&Level> = self.runs.iter().filter(|l| &l.sweep == sweep && &l.level == label).collect();
+            if runs.is_empty() {
+                continue;
+            }
+            let seqs: Vec<usize> = runs.iter().map(|l| l.seq).collect();
+            let rows: Vec<&Row> = self.rows.iter().filter(|r| seqs.contains(&r.run_seq)).collect();
+            let mut l = metrics::pool(&runs, &rows, self.slo);
+            l.seq = levels.len();
+            levels.push(l);
+        }
+        for r in self.rows.iter_mut() {
+            let run = &self.runs[r.run_seq];
+            if let Some(l) = levels.iter().find(|l: &&Level| l.sweep == run.sweep && l.level == run.level) {
+                r.seq = l.seq;
+            }
+        }
+        self.levels = levels;
     }
 
     fn server_pid(&self) -> Option<u32> {
@@ -210,7 +251,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     if tracing && unsafe { libc::geteuid() } != 0 {
         bail!("--trace/--trace-pid load BPF programs: run probe bench as root (or drop the tracing flags)");
     }
-    let sweeps: Vec<Sweep> = args.sweep.iter().fold(Vec::new(), |mut v, s| {
+    let asked =
+        if args.sweep.is_empty() { vec![if args.rate.is_empty() { Sweep::Concurrency } else { Sweep::Rate }] } else { args.sweep.clone() };
+    let sweeps: Vec<Sweep> = asked.iter().fold(Vec::new(), |mut v, s| {
         if !v.contains(s) {
             v.push(*s);
         }
@@ -247,19 +290,34 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     let (_, metric_notes) = api::counters(&url, args.api);
     let metrics = metric_notes.iter().all(|n| !n.starts_with("/metrics"));
     let started_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let slo = {
+        let mut slo = args.slo.unwrap_or_default();
+        slo.ttft_ms = slo.ttft_ms.or(args.goodput_ttft_ms);
+        slo.tpot_ms = slo.tpot_ms.or(args.goodput_tpot_ms);
+        slo
+    };
+    let baseline = match &args.baseline {
+        Some(p) => Some(baseline::load(p)?),
+        None => None,
+    };
+    let gpu = crate::sampler::gpu::open().is_ok();
     let mut run = Run {
         url,
         info,
         t0: Instant::now(),
         rows: Vec::new(),
+        runs: Vec::new(),
         levels: Vec::new(),
         notes: metric_notes,
+        slo,
         traces: Vec::new(),
         tracing: tracing.then_some(Tracing { fixed: args.trace_pid, seg: None, n: 0 }),
         metrics,
         progress: Progress::new(),
         own_prompts,
         args: args.clone(),
+        gpu,
+        repeat: 0,
     };
     run.notes.extend(run.info.notes.iter().map(|n| format!("server: {n}")));
     if metrics {
@@ -274,49 +332,71 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     }
     run.notes.push("requests are plain HTTP/1.1, one connection each (Connection: close); prompts and answers are not stored (prompt hash and token count only)".into());
     if run.args.api != Api::Ollama {
-        run.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server)".into());
+        run.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server); the prefix and multiturn workloads turn the cache on (they are about it)".into());
     }
-    // The plan, for the progress bar: requests per sweep.
-    let top = args.levels.iter().copied().max().unwrap_or(1);
-    let planned: u64 = sweeps
-        .iter()
-        .map(|s| match s {
-            Sweep::Concurrency => args.levels.iter().map(|&c| c.max(args.requests_per_level.unwrap_or(top))).sum(),
-            Sweep::Prompt => {
-                args.buckets.len() as u64
-                    * args
-                        .prompt_levels
-                        .as_ref()
-                        .map_or(args.levels.len() as u64 + u64::from(!args.levels.contains(&1)), |l| l.len() as u64)
-            }
-            Sweep::Idle => args.idle.len() as u64,
-        })
-        .sum();
-    run.progress.total.store(planned as usize, std::sync::atomic::Ordering::Relaxed);
+    if args.repeat > 1 {
+        run.notes.push(format!(
+            "--repeat {}: each level ran {} times, the runs of a sweep's levels in a shuffled order (seed {}); figures pool every run, intervals are over the runs' own figures",
+            args.repeat, args.repeat, args.seed
+        ));
+    }
+    run.notes.push(format!(
+        "machine state per level: CPU frequency{}, idle states, PSI, other processes' CPU (/proc){}",
+        if crate::sampler::host::cpufreq().is_some() { "" } else { " (no cpufreq here)" },
+        if gpu { ", GPU clocks and power (NVML)" } else { "; no GPU clocks (NVML did not answer)" }
+    ));
+    let mut order_all = Vec::new();
     let result = (|| -> anyhow::Result<()> {
         for s in &sweeps {
             if client::interrupted() {
                 break;
             }
+            let planned = plan(&mut run, *s)?;
+            order_all.extend(planned.plans.iter().map(|(l, _)| (sweep_name(*s).to_string(), l.clone())));
             // The idle sweep with restarts starts its own segments (one per server process).
             if *s != Sweep::Idle || run.args.restart_cmd.is_none() {
                 run.start_trace()?;
             }
-            match s {
-                Sweep::Concurrency => concurrency(&mut run),
-                Sweep::Prompt => prompt(&mut run),
-                Sweep::Idle => idle(&mut run)?,
+            let total: usize = planned.plans.iter().map(|(_, p)| p.requests()).sum::<usize>() * run.args.repeat as usize;
+            run.progress.total.fetch_add(total, std::sync::atomic::Ordering::Relaxed);
+            for (i, r) in schedule(planned.plans.len(), run.args.repeat, run.args.seed ^ *s as u64) {
+                if client::interrupted() {
+                    break;
+                }
+                run.repeat = r;
+                execute(&mut run, &planned, i)?;
             }
         }
         Ok(())
     })();
     run.stop_trace();
+    run.pool(&order_all);
     if let Err(e) = &result {
         run.notes.push(format!("stopped early: {e:#}"));
     }
     let interrupted = client::interrupted();
-    metrics::tally_verdicts(&mut run.levels, &run.rows);
-    let conclusions = conclude::conclude(&run.levels, &run.rows, run.info.slot_ctx);
+    metrics::tally_verdicts(&mut run.runs, &run.rows, |r| r.run_seq);
+    metrics::tally_verdicts(&mut run.levels, &run.rows, |r| r.seq);
+    let mut conclusions = conclude::conclude(&run.levels, &run.rows, run.info.slot_ctx);
+    conclusions.extend(conclude::goodput(&run.levels, slo, args.goodput_pct));
+    conclusions.extend(conclude::contention(&run.levels));
+    let compared = baseline.as_ref().map(|b| baseline::compare(b, &run.levels));
+    if let Some(c) = &compared {
+        conclusions.extend(c.words());
+    }
+    let other = match args.compare_with {
+        Some(args::Other::Aiperf) if !interrupted => match aiperf::compare(&run, &args) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                run.notes.push(format!("--compare-with aiperf: {e:#}"));
+                None
+            }
+        },
+        _ => None,
+    };
+    if let Some(o) = &other {
+        conclusions.extend(o.words());
+    }
     let results = Results {
         tool: format!("probe bench {}", env!("CARGO_PKG_VERSION")),
         url: args.url.clone(),
@@ -341,24 +421,37 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
             temperature: args.temperature,
             ignore_eos: args.ignore_eos,
             timeout_s: args.timeout.as_secs_f64(),
-            goodput_ttft_ms: args.goodput_ttft_ms,
-            goodput_tpot_ms: args.goodput_tpot_ms,
+            goodput_ttft_ms: slo.ttft_ms,
+            goodput_tpot_ms: slo.tpot_ms,
             trace: tracing,
             model: run.info.model.clone(),
+            repeat: args.repeat,
+            slo: (!slo.is_empty()).then_some(slo),
+            goodput_pct: args.goodput_pct,
+            rates: args.rate.clone(),
+            prefix_tokens: args.prefix_tokens,
+            prefix_requests: args.prefix_requests,
+            turns: args.turns,
         },
         definitions: metrics::DEFINITIONS.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         server: run.info.clone(),
         interrupted,
         rows: run.rows,
         levels: run.levels,
+        runs: run.runs,
         conclusions,
         notes: run.notes,
         traces: run.traces,
+        baseline: compared,
+        compared_with: other,
     };
     let files = output::write_all(&args.out, &results)?;
     run.progress.line(&format!("wrote {} in {}", files.join(", "), args.out.display()));
-    for s in ["concurrency", "prompt", "idle"] {
+    for s in SWEEPS {
         print!("{}", crate::text::terminal(&output::table(&results.levels, s)));
+    }
+    if let Some(o) = &results.compared_with {
+        print!("{}", crate::text::terminal(&o.table()));
     }
     println!("\nconclusions:");
     for c in &results.conclusions {
@@ -369,71 +462,227 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     Ok(if interrupted { crate::exit::PARTIAL } else { crate::exit::OK })
 }
 
+/// Every sweep's name, in the order outputs list them.
+pub const SWEEPS: [&str; 6] = ["concurrency", "rate", "prompt", "prefix", "multiturn", "idle"];
+
+pub fn sweep_name(s: Sweep) -> &'static str {
+    match s {
+        Sweep::Concurrency => "concurrency",
+        Sweep::Prompt => "prompt",
+        Sweep::Idle => "idle",
+        Sweep::Rate => "rate",
+        Sweep::Prefix => "prefix",
+        Sweep::Multiturn => "multiturn",
+    }
+}
+
 fn template(sweep: &str, level: String, concurrency: u64) -> Row {
     Row { sweep: sweep.into(), level, concurrency, ..Default::default() }
 }
 
-fn concurrency(run: &mut Run) {
-    let top = run.args.levels.iter().copied().max().unwrap_or(1);
-    let n_prompts = run.args.requests_per_level.unwrap_or(top) as usize;
-    let prompts = sweep::instruction_prompts(&run.url, n_prompts, run.info.model.as_deref(), false, &run.own_prompts);
-    let s = run.sampling(run.args.max_tokens);
-    for &c in &run.args.levels.clone() {
-        if client::interrupted() {
-            break;
+/// One level of a sweep, ready to run (again, with --repeat).
+#[derive(Clone, Debug)]
+enum Plan {
+    Concurrency { c: u64, n: usize },
+    Prompt { bucket: u64, c: u64, n: usize },
+    Idle { d: Duration },
+    Rate { rate: f64, n: usize },
+    Prefix { c: u64, n: usize },
+    Multiturn { c: u64, turns: usize },
+}
+
+impl Plan {
+    fn requests(&self) -> usize {
+        match self {
+            Plan::Concurrency { n, .. } | Plan::Prompt { n, .. } | Plan::Rate { n, .. } | Plan::Prefix { n, .. } => *n,
+            Plan::Idle { .. } => 1,
+            Plan::Multiturn { c, turns } => *c as usize * turns,
         }
-        let n = (c as usize).max(n_prompts);
-        let (rows, level) = sweep::level(&run.ctx(), &template("concurrency", c.to_string(), c), &prompts, n, c as usize, &s);
-        run.push(rows, level);
     }
 }
 
-fn prompt(run: &mut Run) {
-    let levels = run.args.prompt_levels.clone().unwrap_or_else(|| {
-        let mut v = vec![1];
-        v.extend(run.args.levels.iter().filter(|&&l| l != 1));
-        v
-    });
-    let per = run.args.requests_per_level.unwrap_or(1) as usize;
-    let s = run.sampling(run.args.bucket_max_tokens);
-    let ctx_tokens = run.info.slot_ctx;
-    for &b in &run.args.buckets.clone() {
-        if client::interrupted() {
-            break;
-        }
-        run.progress.update(&format!("sizing a {b}-token prompt"));
-        let p = sweep::sized_prompt(&run.url, b, run.args.seed, run.info.model.as_deref());
-        if p.source == "estimate" && !run.notes.iter().any(|n| n.contains("no tokenizer")) {
-            run.notes.push("the server has no tokenizer endpoint: prompt buckets are estimated at 4 characters a token".into());
-        }
-        let tokens = p.tokens.unwrap_or(b);
-        let over = ctx_tokens.is_some_and(|c| tokens >= c);
-        let levels: Vec<u64> = if over {
-            run.notes.push(format!(
-                "bucket {b} ({tokens} tokens) does not fit the server's {}-token slot context: sent once, to record the server's answer",
-                ctx_tokens.unwrap_or(0)
-            ));
-            vec![1]
-        } else {
-            if let Some(c) = ctx_tokens.filter(|c| tokens + s.max_tokens > *c) {
-                run.notes.push(format!(
-                    "bucket {b}: prompt + {} output tokens exceed the {c}-token slot context: expect a server-imposed limit",
-                    s.max_tokens
-                ));
-            }
-            levels.clone()
-        };
-        for c in levels {
-            if client::interrupted() {
-                break;
-            }
-            let mut t = template("prompt", format!("{b} @{c}"), c);
-            t.bucket_tokens = Some(b);
-            let n = if over { 1 } else { (c as usize).max(per) };
-            let (rows, level) = sweep::level(&run.ctx(), &t, std::slice::from_ref(&p), n, c as usize, &s);
-            run.push(rows, level);
+/// A sweep's levels with what they share: prompts, sized bucket prompts, the idle setup.
+struct Planned {
+    plans: Vec<(String, Plan)>,
+    prompts: Vec<sweep::Prompt>,
+    buckets: std::collections::BTreeMap<u64, sweep::Prompt>,
+    idle: Option<IdleSetup>,
+}
+
+/// The run order: each of `n` plans `repeat` times; shuffled (Fisher-Yates, seeded) when
+/// repeated, so that a drift over the run (a warming cache, a neighbour starting) spreads over
+/// the levels instead of landing on the last.
+fn schedule(n: usize, repeat: u64, seed: u64) -> Vec<(usize, u64)> {
+    let mut v: Vec<(usize, u64)> = (0..repeat).flat_map(|r| (0..n).map(move |i| (i, r))).collect();
+    if repeat > 1 {
+        let mut x = seed;
+        for i in (1..v.len()).rev() {
+            v.swap(i, (sweep::splitmix64(&mut x) % (i as u64 + 1)) as usize);
         }
     }
+    v
+}
+
+fn plan(run: &mut Run, s: Sweep) -> anyhow::Result<Planned> {
+    let mut p = Planned { plans: Vec::new(), prompts: Vec::new(), buckets: Default::default(), idle: None };
+    let top = run.args.levels.iter().copied().max().unwrap_or(1);
+    match s {
+        Sweep::Concurrency => {
+            let n_prompts = run.args.requests_per_level.unwrap_or(top) as usize;
+            p.prompts = sweep::instruction_prompts(&run.url, n_prompts, run.info.model.as_deref(), false, &run.own_prompts);
+            for &c in &run.args.levels {
+                p.plans.push((c.to_string(), Plan::Concurrency { c, n: (c as usize).max(n_prompts) }));
+            }
+        }
+        Sweep::Rate => {
+            if run.args.rate.is_empty() {
+                bail!("--sweep rate needs --rate R[,R...] (requests per second)");
+            }
+            let n = run.args.requests_per_level.unwrap_or(16) as usize;
+            p.prompts = sweep::instruction_prompts(&run.url, n, run.info.model.as_deref(), false, &run.own_prompts);
+            for &rate in &run.args.rate {
+                p.plans.push((format!("{rate} rps"), Plan::Rate { rate, n }));
+            }
+            run.notes.push(format!(
+                "rate sweep: {n} requests a level, sent at exponential gaps (a Poisson process, seeded) whatever is in flight (open loop); sent_ms is each request's send time on the client's clock"
+            ));
+        }
+        Sweep::Prefix => {
+            for &c in &run.args.levels {
+                p.plans.push((c.to_string(), Plan::Prefix { c, n: (run.args.prefix_requests as usize).max(c as usize + 1) }));
+            }
+            run.notes.push(format!(
+                "prefix workload: each level's requests share a {}-token system prompt of their own (a new one per level and run), the first sent alone to fill the cache, the prompt cache on; reuse from the server's cached-token counts",
+                run.args.prefix_tokens
+            ));
+        }
+        Sweep::Multiturn => {
+            let c_max = top as usize;
+            p.prompts = sweep::instruction_prompts(&run.url, c_max, run.info.model.as_deref(), false, &run.own_prompts);
+            for &c in &run.args.levels {
+                p.plans.push((c.to_string(), Plan::Multiturn { c, turns: run.args.turns as usize }));
+            }
+            run.notes.push(format!(
+                "multiturn workload: --levels conversations at once, {} turns each, every turn sending the conversation so far (answers kept in memory only), the prompt cache on",
+                run.args.turns
+            ));
+        }
+        Sweep::Prompt => {
+            let levels = run.args.prompt_levels.clone().unwrap_or_else(|| {
+                let mut v = vec![1];
+                v.extend(run.args.levels.iter().filter(|&&l| l != 1));
+                v
+            });
+            let per = run.args.requests_per_level.unwrap_or(1) as usize;
+            let ctx_tokens = run.info.slot_ctx;
+            for &b in &run.args.buckets.clone() {
+                if client::interrupted() {
+                    break;
+                }
+                run.progress.update(&format!("sizing a {b}-token prompt"));
+                let pr = sweep::sized_prompt(&run.url, b, run.args.seed, run.info.model.as_deref());
+                if pr.source == "estimate" && !run.notes.iter().any(|n| n.contains("no tokenizer")) {
+                    run.notes.push("the server has no tokenizer endpoint: prompt buckets are estimated at 4 characters a token".into());
+                }
+                let tokens = pr.tokens.unwrap_or(b);
+                let over = ctx_tokens.is_some_and(|c| tokens >= c);
+                if over {
+                    run.notes.push(format!(
+                        "bucket {b} ({tokens} tokens) does not fit the server's {}-token slot context: sent once, to record the server's answer",
+                        ctx_tokens.unwrap_or(0)
+                    ));
+                    p.plans.push((format!("{b} @1"), Plan::Prompt { bucket: b, c: 1, n: 1 }));
+                } else {
+                    if let Some(c) = ctx_tokens.filter(|c| tokens + run.args.bucket_max_tokens > *c) {
+                        run.notes.push(format!(
+                            "bucket {b}: prompt + {} output tokens exceed the {c}-token slot context: expect a server-imposed limit",
+                            run.args.bucket_max_tokens
+                        ));
+                    }
+                    for &c in &levels {
+                        p.plans.push((format!("{b} @{c}"), Plan::Prompt { bucket: b, c, n: (c as usize).max(per) }));
+                    }
+                }
+                p.buckets.insert(b, pr);
+            }
+        }
+        Sweep::Idle => {
+            p.idle = Some(idle_setup(run)?);
+            for &d in &run.args.idle {
+                p.plans.push((label(d), Plan::Idle { d }));
+            }
+        }
+    }
+    Ok(p)
+}
+
+/// Run one planned level once (the run's current repeat).
+fn execute(run: &mut Run, planned: &Planned, i: usize) -> anyhow::Result<()> {
+    let (label, plan) = &planned.plans[i];
+    let seed = run.args.seed ^ (i as u64 + 1).wrapping_mul(0x51_7cc1_b727_220a) ^ run.repeat.wrapping_mul(0x2545_f491_4f6c_dd1d);
+    match plan {
+        Plan::Concurrency { c, n } => {
+            let s = run.sampling(run.args.max_tokens);
+            let (rows, level) =
+                sweep::level(&run.ctx(), &template("concurrency", label.clone(), *c), &planned.prompts, *n, *c as usize, &s);
+            run.push(rows, level);
+        }
+        Plan::Rate { rate, n } => {
+            let s = run.sampling(run.args.max_tokens);
+            let at_ms = sweep::poisson_ms(*rate, *n, seed);
+            let (rows, mut level) =
+                sweep::run_level(&run.ctx(), &template("rate", label.clone(), 0), &planned.prompts, &sweep::Schedule::Open { at_ms }, &s);
+            level.rate_rps = Some(*rate);
+            run.push(rows, level);
+        }
+        Plan::Prompt { bucket, c, n } => {
+            let s = run.sampling(run.args.bucket_max_tokens);
+            let mut t = template("prompt", label.clone(), *c);
+            t.bucket_tokens = Some(*bucket);
+            let p = planned.buckets[bucket].clone();
+            let (rows, level) = sweep::level(&run.ctx(), &t, std::slice::from_ref(&p), *n, *c as usize, &s);
+            run.push(rows, level);
+        }
+        Plan::Prefix { c, n } => {
+            run.progress.update(&format!("sizing a {}-token shared prefix", run.args.prefix_tokens));
+            let prefix = sweep::sized_prompt(&run.url, run.args.prefix_tokens, seed, run.info.model.as_deref());
+            let system = format!("You answer questions about the following notes.\n\n{}", prefix.text);
+            let prompts: Vec<sweep::Prompt> = (0..*n)
+                .map(|k| {
+                    let q = format!(
+                        "Question {}: write a long story that uses the word \"{}\" from the notes.",
+                        k + 1,
+                        sweep::words_text(seed ^ k as u64, 1).trim_end_matches('.')
+                    );
+                    let text = format!("{system}\n\n{q}");
+                    sweep::Prompt {
+                        hash: sweep::hash(&text),
+                        tokens: prefix.tokens.map(|t| t + 24),
+                        source: prefix.source,
+                        messages: vec![("system".into(), system.clone()), ("user".into(), q)],
+                        text,
+                    }
+                })
+                .collect();
+            let s = Sampling { cache_prompt: true, ..run.sampling(run.args.max_tokens) };
+            let t = template("prefix", label.clone(), *c);
+            let sched = sweep::Schedule::Closed { n: *n, concurrency: *c as usize, first_alone: true };
+            let (rows, level) = sweep::run_level(&run.ctx(), &t, &prompts, &sched, &s);
+            run.push(rows, level);
+        }
+        Plan::Multiturn { c, turns } => {
+            let s = Sampling { cache_prompt: true, ..run.sampling(run.args.max_tokens) };
+            let t = template("multiturn", label.clone(), *c);
+            let sched = sweep::Schedule::Conversations { conversations: *c as usize, turns: *turns };
+            let (rows, level) = sweep::run_level(&run.ctx(), &t, &planned.prompts, &sched, &s);
+            run.push(rows, level);
+        }
+        Plan::Idle { d } => {
+            let setup = planned.idle.as_ref().context("idle sweep without its setup")?;
+            idle_one(run, setup, *d)?;
+        }
+    }
+    Ok(())
 }
 
 /// Sleep `d`, in steps, stopping on Ctrl-C; with keep-warm, a 1-token request every `every`.
@@ -453,7 +702,14 @@ fn idle_wait(run: &Run, d: Duration, keep_warm: bool, pings: &mut u64) {
     }
 }
 
-fn idle(run: &mut Run) -> anyhow::Result<()> {
+/// What every idle level shares: its layers, the model file to drop, the prompt.
+struct IdleSetup {
+    layers: Vec<String>,
+    model_file: Option<PathBuf>,
+    prompts: Vec<sweep::Prompt>,
+}
+
+fn idle_setup(run: &mut Run) -> anyhow::Result<IdleSetup> {
     let mut layers = Vec::new();
     if run.args.restart_cmd.is_some() {
         layers.push("restart".to_string());
@@ -488,57 +744,78 @@ fn idle(run: &mut Run) -> anyhow::Result<()> {
         ));
     }
     let prompts = sweep::instruction_prompts(&run.url, 1, run.info.model.as_deref(), true, &run.own_prompts);
+    Ok(IdleSetup { layers, model_file, prompts })
+}
+
+fn idle_one(run: &mut Run, setup: &IdleSetup, d: Duration) -> anyhow::Result<()> {
     let s = run.sampling(run.args.idle_max_tokens);
+    let model_file = &setup.model_file;
     let mut pings = 0;
-    for d in run.args.idle.clone() {
-        if client::interrupted() {
-            break;
-        }
-        if let Some(cmd) = run.args.restart_cmd.clone() {
-            run.stop_trace();
-            if let Some(stop) = run.args.stop_cmd.clone() {
-                run.progress.update("stopping the server");
-                shell(&stop, "--stop-cmd")?;
-                let t = Instant::now();
-                while trace::pid_listening(run.url.port).is_some() && t.elapsed() < run.args.health_timeout {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                if let Some(f) = &model_file {
-                    trace::drop_cache(f)?;
-                }
+    if let Some(cmd) = run.args.restart_cmd.clone() {
+        run.stop_trace();
+        if let Some(stop) = run.args.stop_cmd.clone() {
+            run.progress.update("stopping the server");
+            shell(&stop, "--stop-cmd")?;
+            let t = Instant::now();
+            while trace::pid_listening(run.url.port).is_some() && t.elapsed() < run.args.health_timeout {
+                std::thread::sleep(Duration::from_millis(50));
             }
-            run.progress.update("restarting the server");
-            shell(&cmd, "--restart-cmd")?;
-            run.wait_healthy()?;
-            run.start_trace()?;
+            if let Some(f) = model_file {
+                trace::drop_cache(f)?;
+            }
         }
-        idle_wait(run, d, run.args.keep_warm, &mut pings);
-        if client::interrupted() {
-            break;
-        }
-        let mut notes = Vec::new();
-        if let Some(f) = &model_file {
-            trace::drop_cache(f)?;
-        }
-        let resident = model_file.as_deref().or(run.args.model_file.as_deref()).and_then(trace::resident_pct);
-        let pid = run.server_pid();
-        let (age, rss) = pid.map(trace::process_facts).unwrap_or((None, None));
-        if let Some(r) = resident {
-            notes.push(format!("model file {r:.0}% in the page cache before the request"));
-        }
-        let mut t = template("idle", label(d), 1);
-        t.idle_s = Some(d.as_secs_f64());
-        t.layers = layers.clone();
-        t.model_resident_pct = resident;
-        t.server_pid = pid;
-        t.process_age_s = age;
-        t.server_rss_mib = rss;
-        let (rows, mut level) = sweep::level(&run.ctx(), &t, &prompts, 1, 1, &s);
-        level.notes.extend(notes);
-        run.push(rows, level);
+        run.progress.update("restarting the server");
+        shell(&cmd, "--restart-cmd")?;
+        run.wait_healthy()?;
+        run.start_trace()?;
+    }
+    idle_wait(run, d, run.args.keep_warm, &mut pings);
+    if client::interrupted() {
+        return Ok(());
+    }
+    let mut notes = Vec::new();
+    if let Some(f) = model_file {
+        trace::drop_cache(f)?;
+    }
+    let resident = model_file.as_deref().or(run.args.model_file.as_deref()).and_then(trace::resident_pct);
+    let pid = run.server_pid();
+    let (age, rss) = pid.map(trace::process_facts).unwrap_or((None, None));
+    if let Some(r) = resident {
+        notes.push(format!("model file {r:.0}% in the page cache before the request"));
     }
     if pings > 0 {
-        run.notes.push(format!("keep-warm sent {pings} requests during the idle waits"));
+        notes.push(format!("keep-warm sent {pings} requests during the idle wait"));
     }
+    let mut t = template("idle", label(d), 1);
+    t.idle_s = Some(d.as_secs_f64());
+    t.layers = setup.layers.clone();
+    t.model_resident_pct = resident;
+    t.server_pid = pid;
+    t.process_age_s = age;
+    t.server_rss_mib = rss;
+    let (rows, mut level) = sweep::level(&run.ctx(), &t, &setup.prompts, 1, 1, &s);
+    level.notes.extend(notes);
+    run.push(rows, level);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeats_are_shuffled_by_seed_and_complete() {
+        let one = schedule(3, 1, 42);
+        assert_eq!(one, vec![(0, 0), (1, 0), (2, 0)], "a single run keeps the plan's order");
+        let a = schedule(3, 4, 42);
+        assert_eq!(a, schedule(3, 4, 42));
+        assert_ne!(a, schedule(3, 4, 43));
+        let mut sorted = a.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..3).flat_map(|i| (0..4).map(move |r| (i, r))).collect::<Vec<_>>());
+        assert_ne!(a, (0..4).flat_map(|r| (0..3).map(move |i| (i, r))).collect::<Vec<_>>(), "not shuffled");
+        // The levels' order, as the real-server test runs it (2 levels x 3, seed 42).
+        let levels: Vec<usize> = schedule(2, 3, 42).iter().map(|x| x.0).collect();
+        assert_ne!(levels, [0, 1, 0, 1, 0, 1]);
+    }
 }

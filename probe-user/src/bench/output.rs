@@ -34,10 +34,37 @@ pub fn table(levels: &[Level], sweep: &str) -> String {
         "prompt t/s",
         "out t/s",
         "goodput/s",
+        "good %",
+        "cached",
+        "others CPU",
+        "batch",
+        "step ms",
+        "KV",
         "slow (traced)",
     ];
+    // The traced slow causes only when a level has some (a run without --trace has none); the
+    // engine's columns only when the engine probe saw steps (a traced llama.cpp server).
+    let traced = ls.iter().any(|l| !l.slow_causes.is_empty());
+    let engine = ls.iter().any(|l| l.engine_step_ms_p50.is_some());
+    let cached = ls.iter().any(|l| l.cached_tokens_mean.is_some());
+    let machine = ls.iter().any(|l| l.machine.is_some());
+    // "412.0 ±13.2": the half-width of the figure's 95% interval, with --repeat.
+    let pm = |l: &Level, v: Option<f64>, name: &str, prec: usize| match l.intervals.get(name) {
+        Some(i) => format!("{} ±{:.prec$}", f(v, prec), (i.hi - i.lo) / 2.0),
+        None => f(v, prec),
+    };
+    let keep: Vec<usize> = (0..head.len())
+        .filter(|&i| match head[i] {
+            "batch" | "step ms" | "KV" => engine,
+            "slow (traced)" => traced,
+            "cached" => cached,
+            "others CPU" => machine,
+            _ => true,
+        })
+        .collect();
+    let head: Vec<&str> = keep.iter().map(|&i| head[i]).collect();
     let mut lines: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
-    for l in ls {
+    for l in &ls {
         lines.push(vec![
             l.level.clone(),
             l.requests.to_string(),
@@ -48,19 +75,32 @@ pub fn table(levels: &[Level], sweep: &str) -> String {
                 _ => f(l.output_tokens_mean, 0),
             },
             super::conclude::mix(l),
-            f(l.ttft_ms_p50, 1),
-            f(l.ttft_ms_p99, 1),
-            f(l.itl_ms_p50, 1),
-            f(l.tpot_ms_mean, 1),
-            f(l.e2e_ms_mean, 0),
+            pm(l, l.ttft_ms_p50, "ttft_ms_p50", 1),
+            pm(l, l.ttft_ms_p99, "ttft_ms_p99", 1),
+            pm(l, l.itl_ms_p50, "itl_ms_p50", 1),
+            pm(l, l.tpot_ms_mean, "tpot_ms_mean", 1),
+            pm(l, l.e2e_ms_mean, "e2e_ms_mean", 0),
             f(l.prompt_tps_mean, 0),
-            f(l.throughput_output_tps, 1),
-            f(l.goodput_rps, 2),
+            pm(l, l.throughput_output_tps, "throughput_output_tps", 1),
+            pm(l, l.goodput_rps, "goodput_rps", 2),
+            f(l.goodput_pct, 0),
+            f(l.cached_tokens_mean, 0),
+            l.machine.as_ref().map(|m| format!("{:.2}{}", m.others_cores, if l.contended { " !" } else { "" })).unwrap_or_default(),
+            f(l.engine_batch_seqs, 1),
+            f(l.engine_step_ms_p50, 1),
+            f(l.engine_kv_len, 0),
             l.slow_causes.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join(", "),
         ]);
+        let row = lines.pop().unwrap_or_default();
+        lines.push(keep.iter().map(|&i| row[i].clone()).collect());
     }
     let widths: Vec<usize> = (0..head.len()).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
-    let mut out = format!("{sweep} sweep (times in ms)\n");
+    let runs = ls.iter().map(|l| l.runs).max().unwrap_or(1);
+    let mut out = format!(
+        "{sweep} sweep (times in ms{}{})\n",
+        if runs > 1 { format!("; ± half the 95% interval over {runs} runs") } else { String::new() },
+        if machine { "; others CPU: cores other processes used, ! contended" } else { "" }
+    );
     for l in lines {
         let cells: Vec<String> = l.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         let _ = writeln!(out, "  {}", cells.join("  ").trim_end());
@@ -71,9 +111,9 @@ pub fn table(levels: &[Level], sweep: &str) -> String {
 /// summary.txt: definitions, tables, counters, conclusions and notes.
 pub fn summary(r: &Results) -> String {
     let mut o = format!(
-        "probe bench against {} ({:?} API){}\n\n",
+        "probe bench against {} (--api {}){}\n\n",
         r.url,
-        r.api,
+        r.api.describe(),
         if r.interrupted { " — INTERRUPTED: partial results" } else { "" }
     );
     o.push_str("Definitions\n");
@@ -81,7 +121,7 @@ pub fn summary(r: &Results) -> String {
         let _ = writeln!(o, "  {k}: {v}");
     }
     o.push('\n');
-    for s in ["concurrency", "prompt", "idle"] {
+    for s in super::SWEEPS {
         let t = table(&r.levels, s);
         if !t.is_empty() {
             o.push_str(&t);
@@ -97,12 +137,28 @@ pub fn summary(r: &Results) -> String {
                 .iter()
                 .map(|(k, a)| {
                     let b = l.counters_before.get(k).map(|b| format!("{b}")).unwrap_or_else(|| "?".into());
-                    let p = l.counters_peak.get(k).map(|p| format!(", peak {p}")).unwrap_or_default();
+                    // A peak only where it says more than the ends (a gauge that rose and fell;
+                    // a counter's sampled peak is never above its end).
+                    let ends = l.counters_before.get(k).copied().unwrap_or(f64::MIN).max(*a);
+                    let p = l.counters_peak.get(k).filter(|&&p| p > ends).map(|p| format!(", peak {p}")).unwrap_or_default();
                     format!("{k} {b} -> {a}{p}")
                 })
                 .collect();
             let _ = writeln!(o, "  {} {}: {}", l.sweep, l.level, parts.join("; "));
         }
+        o.push('\n');
+    }
+    let machines: Vec<&Level> = r.levels.iter().filter(|l| l.machine.is_some()).collect();
+    if !machines.is_empty() {
+        o.push_str("The machine per level (means over its runs)\n");
+        for l in machines {
+            let m = l.machine.as_ref().map(|m| m.words()).unwrap_or_default();
+            let _ = writeln!(o, "  {} {}{}: {m}", l.sweep, l.level, if l.contended { " [contended]" } else { "" });
+        }
+        o.push('\n');
+    }
+    if let Some(x) = &r.compared_with {
+        o.push_str(&x.table());
         o.push('\n');
     }
     o.push_str("Conclusions\n");
@@ -151,16 +207,35 @@ fn esc(s: &str) -> String {
 
 /// One bar chart panel at `at` = (x, y, width, height): grouped or stacked bars per category.
 pub fn panel(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: &[(String, Vec<f64>)], stacked: bool) -> String {
+    panel_with(at, title, cats, series, stacked, &[])
+}
+
+/// [`panel`] of one series with a whisker per bar: its 95% interval (--repeat), where it has one.
+pub fn panel_ci(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: (String, Vec<f64>), ci: &[Option<(f64, f64)>]) -> String {
+    panel_with(at, title, cats, &[series], false, ci)
+}
+
+fn panel_with(
+    at: (f64, f64, f64, f64),
+    title: &str,
+    cats: &[String],
+    series: &[(String, Vec<f64>)],
+    stacked: bool,
+    whiskers: &[Option<(f64, f64)>],
+) -> String {
     let (x, y, w, h) = at;
     let mut o = String::new();
-    let (left, top, bottom) = (50.0, 24.0, 40.0);
+    let (left, top, bottom) = (58.0, 24.0, 52.0);
     let (pw, ph) = (w - left - 10.0, h - top - bottom);
     let max = if stacked {
         (0..cats.len()).map(|c| series.iter().map(|s| s.1.get(c).copied().unwrap_or(0.0)).sum::<f64>()).fold(0.0, f64::max)
     } else {
         series.iter().flat_map(|s| s.1.iter().copied()).fold(0.0, f64::max)
     };
-    let max = if max > 0.0 { max * 1.1 } else { 1.0 };
+    let max = whiskers.iter().flatten().map(|w| w.1).fold(max, f64::max);
+    // Round ticks (1, 2 or 5 times a power of ten), whole ones for counts ("(requests)").
+    let counts = title.contains("(requests)");
+    let (max, step) = nice_ticks(if max > 0.0 { max * 1.05 } else { 1.0 }, counts);
     let _ = write!(
         o,
         r#"<g transform="translate({x},{y})"><text x="{}" y="16" font-size="13" text-anchor="middle" font-weight="bold">{}</text>"#,
@@ -175,18 +250,32 @@ pub fn panel(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: &[(
         left + pw,
         top + ph
     );
-    for t in 0..=4 {
-        let v = max * t as f64 / 4.0;
-        let ty = top + ph - ph * t as f64 / 4.0;
+    let ticks = (max / step).round() as usize;
+    for t in 0..=ticks {
+        let v = step * t as f64;
+        let ty = top + ph - ph * v / max;
+        let label = if step >= 1.0 { format!("{v:.0}") } else { format!("{v:.1}") };
         let _ = write!(
             o,
-            r##"<text x="{}" y="{}" font-size="10" text-anchor="end">{}</text><line x1="{left}" y1="{ty}" x2="{}" y2="{ty}" stroke="#eee"/>"##,
+            r##"<text x="{}" y="{}" font-size="10" text-anchor="end">{label}</text><line x1="{left}" y1="{ty}" x2="{}" y2="{ty}" stroke="#eee"/>"##,
             left - 4.0,
             ty + 3.0,
-            if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") },
             left + pw
         );
     }
+    // Axis labels: what the bars measure (the title's unit, else the series) and the sweep.
+    let unit = title.split_once(" (").and_then(|(_, u)| u.split(')').next()).unwrap_or_else(|| title.split(" by ").next().unwrap_or(title));
+    let sweep = title.rsplit_once(" by ").map_or("", |(_, x)| x.split(" (").next().unwrap_or(x));
+    let _ = write!(
+        o,
+        r##"<text x="12" y="{}" font-size="10" text-anchor="middle" transform="rotate(-90 12 {})">{}</text><text x="{}" y="{}" font-size="10" text-anchor="middle" fill="#555">{}</text>"##,
+        top + ph / 2.0,
+        top + ph / 2.0,
+        esc(unit),
+        left + pw / 2.0,
+        top + ph + 26.0,
+        esc(sweep)
+    );
     let n = cats.len().max(1) as f64;
     let slot = pw / n;
     for (c, cat) in cats.iter().enumerate() {
@@ -214,6 +303,17 @@ pub fn panel(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: &[(
                 esc(name)
             );
         }
+        if let Some(Some((lo, hi))) = whiskers.get(c) {
+            let (mx, y1, y2) = (cx + slot / 2.0, top + ph - ph * lo.max(0.0) / max, top + ph - ph * hi / max);
+            let _ = write!(
+                o,
+                r##"<g class="ci" stroke="#222"><line x1="{mx:.1}" y1="{y1:.1}" x2="{mx:.1}" y2="{y2:.1}"/><line x1="{:.1}" y1="{y1:.1}" x2="{:.1}" y2="{y1:.1}"/><line x1="{:.1}" y1="{y2:.1}" x2="{:.1}" y2="{y2:.1}"/><title>95% interval {lo:.1} - {hi:.1}</title></g>"##,
+                mx - 5.0,
+                mx + 5.0,
+                mx - 5.0,
+                mx + 5.0
+            );
+        }
     }
     for (i, (name, _)) in series.iter().enumerate() {
         let lx = left + (i as f64) * (pw / series.len().max(1) as f64);
@@ -229,6 +329,18 @@ pub fn panel(at: (f64, f64, f64, f64), title: &str, cats: &[String], series: &[(
     }
     o.push_str("</g>");
     o
+}
+
+/// A round axis: (top, step) with top = step × (at most 5) ≥ `max`; the step is 1, 2 or 5 times a
+/// power of ten, and at least 1 for counts.
+pub fn nice_ticks(max: f64, counts: bool) -> (f64, f64) {
+    let raw = max / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let mut step = [1.0, 2.0, 5.0, 10.0].iter().map(|m| m * mag).find(|&s| s >= raw).unwrap_or(10.0 * mag);
+    if counts {
+        step = step.max(1.0).round();
+    }
+    ((max / step).ceil().max(1.0) * step, step)
 }
 
 /// An SVG document of panels side by side.
@@ -255,22 +367,101 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
         names.dedup();
         names.into_iter().map(|n| (n.clone(), ls.iter().map(|l| l.stops.get(&n).copied().unwrap_or(0) as f64).collect())).collect()
     };
+    let ci = |ls: &[&Level], f: &str| -> Vec<Option<(f64, f64)>> { ls.iter().map(|l| l.intervals.get(f).map(|i| (i.lo, i.hi))).collect() };
     let c = of("concurrency");
     if !c.is_empty() {
-        let a =
-            panel((0.0, 0.0, w, h), "TTFT p50 (ms) by concurrency", &cats(&c), &[("TTFT p50".into(), vals(&c, &|l| l.ttft_ms_p50))], false);
-        let b = panel(
+        let a = panel_ci(
+            (0.0, 0.0, w, h),
+            "TTFT p50 (ms) by concurrency",
+            &cats(&c),
+            ("TTFT p50".into(), vals(&c, &|l| l.ttft_ms_p50)),
+            &ci(&c, "ttft_ms_p50"),
+        );
+        let b = panel_ci(
             (w, 0.0, w, h),
             "output tokens (mean) by concurrency",
             &cats(&c),
-            &[("output tokens".into(), vals(&c, &|l| l.output_tokens_mean))],
-            false,
+            ("output tokens".into(), vals(&c, &|l| l.output_tokens_mean)),
+            &ci(&c, "output_tokens_mean"),
         );
         out.push(("concurrency-ttft-output.svg".into(), svg(&[a, b], w, h)));
         out.push((
             "concurrency-stops.svg".into(),
             svg(&[panel((0.0, 0.0, w, h), "stop reasons by concurrency (requests)", &cats(&c), &mix(&c), true)], w, h),
         ));
+    }
+    let r = of("rate");
+    if !r.is_empty() {
+        let a = panel_ci(
+            (0.0, 0.0, w, h),
+            "TTFT p50 (ms) by arrival rate",
+            &cats(&r),
+            ("TTFT p50".into(), vals(&r, &|l| l.ttft_ms_p50)),
+            &ci(&r, "ttft_ms_p50"),
+        );
+        let b = panel_ci(
+            (w, 0.0, w, h),
+            "TPOT (ms) by arrival rate",
+            &cats(&r),
+            ("TPOT".into(), vals(&r, &|l| l.tpot_ms_mean)),
+            &ci(&r, "tpot_ms_mean"),
+        );
+        let g = panel(
+            (2.0 * w, 0.0, w, h),
+            "requests/s by arrival rate",
+            &cats(&r),
+            &[("served".into(), vals(&r, &|l| l.request_rate)), ("goodput".into(), vals(&r, &|l| l.goodput_rps))],
+            false,
+        );
+        out.push(("rate-latency.svg".into(), svg(&[a, b, g], w, h)));
+    }
+    let x = of("prefix");
+    if !x.is_empty() {
+        let a = panel(
+            (0.0, 0.0, w, h),
+            "prompt tokens after the first (mean) by concurrency",
+            &cats(&x),
+            &[("cached".into(), vals(&x, &|l| l.cached_tokens_mean)), ("prompt".into(), vals(&x, &|l| l.prompt_tokens_mean))],
+            false,
+        );
+        let b = panel_ci(
+            (w, 0.0, w, h),
+            "TTFT p50 (ms) by concurrency",
+            &cats(&x),
+            ("TTFT p50".into(), vals(&x, &|l| l.ttft_ms_p50)),
+            &ci(&x, "ttft_ms_p50"),
+        );
+        out.push(("prefix-cache.svg".into(), svg(&[a, b], w, h)));
+    }
+    let m = of("multiturn");
+    if !m.is_empty() {
+        let turns: Vec<u64> = {
+            let mut t: Vec<u64> = rows.iter().filter(|r| r.sweep == "multiturn").filter_map(|r| r.turn).collect();
+            t.sort();
+            t.dedup();
+            t
+        };
+        let tcats: Vec<String> = turns.iter().map(|t| format!("turn {t}")).collect();
+        let by = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> {
+            turns
+                .iter()
+                .map(|t| {
+                    super::metrics::mean(
+                        &rows.iter().filter(|r| r.sweep == "multiturn" && r.turn == Some(*t)).filter_map(g).collect::<Vec<_>>(),
+                    )
+                    .unwrap_or(0.0)
+                })
+                .collect()
+        };
+        let a = panel((0.0, 0.0, w, h), "TTFT (ms, mean) by turn", &tcats, &[("TTFT".into(), by(&|r| r.ttft_ms))], false);
+        let b = panel(
+            (w, 0.0, w, h),
+            "prompt tokens (mean) by turn",
+            &tcats,
+            &[("prompt".into(), by(&|r| r.prompt_tokens.map(|n| n as f64))), ("cached".into(), by(&|r| r.cached_tokens.map(|n| n as f64)))],
+            false,
+        );
+        out.push(("multiturn-turns.svg".into(), svg(&[a, b], w, h)));
     }
     let p = of("prompt");
     if !p.is_empty() {
@@ -295,6 +486,44 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
             "prompt-stops.svg".into(),
             svg(&[panel((0.0, 0.0, w, h), "stop reasons by bucket (requests)", &cats(&p), &mix(&p), true)], w, h),
         ));
+    }
+    // The engine's steps (a traced llama.cpp server): sequences per step by concurrency, and the
+    // decode step's time by prompt bucket: the context's cost, measured inside the engine.
+    let engine = |ls: &[&Level]| ls.iter().any(|l| l.engine_step_ms_p50.is_some());
+    if engine(&c) || engine(&p) {
+        let mut panels = Vec::new();
+        if engine(&c) {
+            let x = panels.len() as f64 * w;
+            panels.push(panel(
+                (x, 0.0, w, h),
+                "engine: sequences per decode step by concurrency",
+                &cats(&c),
+                &[("batch".into(), vals(&c, &|l| l.engine_batch_seqs))],
+                false,
+            ));
+            let x = panels.len() as f64 * w;
+            panels.push(panel(
+                (x, 0.0, w, h),
+                "engine: decode step p50 (ms) by concurrency",
+                &cats(&c),
+                &[("step ms".into(), vals(&c, &|l| l.engine_step_ms_p50))],
+                false,
+            ));
+        }
+        if engine(&p) {
+            let x = panels.len() as f64 * w;
+            let kv: Vec<String> =
+                p.iter().map(|l| l.engine_kv_len.map_or_else(|| l.level.clone(), |k| format!("{} (KV {k:.0})", l.level))).collect();
+            panels.push(panel(
+                (x, 0.0, w, h),
+                "engine: decode step p50 (ms) by prompt bucket",
+                &kv,
+                &[("step ms".into(), vals(&p, &|l| l.engine_step_ms_p50))],
+                false,
+            ));
+        }
+        let n = panels.len() as f64;
+        out.push(("engine-steps.svg".into(), svg(&panels, n * w, h)));
     }
     let i = of("idle");
     if !i.is_empty() {
@@ -368,6 +597,26 @@ pub fn write_all(dir: &Path, r: &Results) -> anyhow::Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Count axes tick in whole numbers (a chart of 3 requests once read 0.6, 1.1, 1.7); others
+    /// in 1, 2 or 5 times a power of ten.
+    #[test]
+    fn ticks_are_round_and_whole_for_counts() {
+        assert_eq!(nice_ticks(3.3, true), (4.0, 1.0));
+        assert_eq!(nice_ticks(880.0, false), (1000.0, 200.0));
+        assert_eq!(nice_ticks(0.9, false), (1.0, 0.2));
+        let (top, step) = nice_ticks(57.0, true);
+        assert!(step.fract() == 0.0 && top >= 57.0 && top / step <= 6.0, "{top} {step}");
+        let svg = panel(
+            (0.0, 0.0, 420.0, 300.0),
+            "stop reasons by concurrency (requests)",
+            &["1".into(), "2".into()],
+            &[("eos".into(), vec![1.0, 3.0])],
+            true,
+        );
+        assert!(svg.contains(">requests<") && svg.contains(">concurrency<"), "axis labels: {svg}");
+        assert!(!svg.contains(">0.5<") && !svg.contains(">1.5<"), "{svg}");
+    }
 
     #[test]
     fn panels_draw_one_rect_per_nonzero_value_and_escape_names() {

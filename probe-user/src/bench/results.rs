@@ -36,6 +36,13 @@ pub struct Config {
     pub temperature: f64,
     pub timeout_s: f64,
     pub trace: bool,
+    pub repeat: u64,
+    pub slo: Option<super::metrics::Slo>,
+    pub goodput_pct: f64,
+    pub rates: Vec<f64>,
+    pub prefix_tokens: u64,
+    pub prefix_requests: u64,
+    pub turns: u64,
 }
 
 #[derive(Serialize)]
@@ -50,8 +57,17 @@ pub struct Results {
     /// Ctrl-C stopped the run: what was gathered until then.
     pub interrupted: bool,
     pub rows: Vec<Row>,
+    /// One summary per level, pooling its runs (with --repeat, intervals over them).
     pub levels: Vec<Level>,
+    /// Every run of every level in the order they ran (rows carry run_seq).
+    pub runs: Vec<Level>,
     pub conclusions: Vec<String>,
     pub notes: Vec<String>,
     pub traces: Vec<String>,
+    /// --baseline: each level's figures against the earlier run's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<super::baseline::Comparison>,
+    /// --compare-with: the other tool's figures beside probe's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compared_with: Option<super::aiperf::SideBySide>,
 }

@@ -19,9 +19,11 @@ use super::{
 };
 
 /// A prompt of the benchmark: its text (never written out), token count and hash.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Prompt {
     pub text: String,
+    /// A conversation in place of `text` (shared-prefix and multi-turn workloads): (role, text).
+    pub messages: Vec<(String, String)>,
     pub tokens: Option<u64>,
     /// tokenizer | estimate
     pub source: &'static str,
@@ -95,7 +97,7 @@ pub fn sized_prompt(url: &Url, target: u64, seed: u64, model: Option<&str>) -> P
         words = if next == words { if n > target { words - 1 } else { words + 1 } } else { next.max(1) };
     }
     match best {
-        Some((n, text)) => Prompt { hash: hash(&text), text, tokens: Some(n), source: "tokenizer" },
+        Some((n, text)) => Prompt { hash: hash(&text), text, tokens: Some(n), source: "tokenizer", ..Default::default() },
         None => {
             let mut text = String::new();
             let mut w = target as usize / 4;
@@ -104,7 +106,7 @@ pub fn sized_prompt(url: &Url, target: u64, seed: u64, model: Option<&str>) -> P
                 w = w * 5 / 4 + 1;
             }
             text.truncate(target as usize * 4);
-            Prompt { hash: hash(&text), tokens: Some(target), source: "estimate", text }
+            Prompt { hash: hash(&text), tokens: Some(target), source: "estimate", text, ..Default::default() }
         }
     }
 }
@@ -119,8 +121,10 @@ pub fn instruction_prompts(url: &Url, n: usize, model: Option<&str>, idle: bool,
     texts
         .into_iter()
         .map(|t| match api::tokenize(url, t, model) {
-            Some(k) => Prompt { text: t.into(), tokens: Some(k), source: "tokenizer", hash: hash(t) },
-            None => Prompt { text: t.into(), tokens: Some(t.len().div_ceil(4) as u64), source: "estimate", hash: hash(t) },
+            Some(k) => Prompt { text: t.into(), tokens: Some(k), source: "tokenizer", hash: hash(t), ..Default::default() },
+            None => {
+                Prompt { text: t.into(), tokens: Some(t.len().div_ceil(4) as u64), source: "estimate", hash: hash(t), ..Default::default() }
+            }
         })
         .collect()
 }
@@ -181,11 +185,65 @@ pub struct Ctx<'a> {
     /// Poll /metrics while the level runs (it answered before the run; not while tracing).
     pub metrics: bool,
     pub progress: &'a Progress,
+    /// The server's pid (its CPU is not a competitor's), when known.
+    pub server_pid: Option<u32>,
+    /// Sample GPU clocks (NVML) while levels run.
+    pub gpu: bool,
+}
+
+/// How a level sends its requests.
+#[derive(Clone, Debug)]
+pub enum Schedule {
+    /// `n` requests, at most `concurrency` in flight (closed loop); with `first_alone`, the first
+    /// is sent and answered before the others start (it fills a shared prompt cache).
+    Closed { n: usize, concurrency: usize, first_alone: bool },
+    /// Open loop: request i is sent `at_ms[i]` after the level starts, whatever is in flight.
+    Open { at_ms: Vec<f64> },
+    /// `conversations` at once, each `turns` requests in a row, every turn carrying the
+    /// conversation so far (the prompts are the conversations' first user messages).
+    Conversations { conversations: usize, turns: usize },
+}
+
+/// splitmix64: the benchmark's one seeded generator (run order, arrival gaps); well mixed from
+/// the first draw whatever the seed.
+pub fn splitmix64(x: &mut u64) -> u64 {
+    *x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Exponential gaps of a Poisson process at `rate` per second from `seed`, as send times (ms
+/// from the start; the first request at 0).
+pub fn poisson_ms(rate: f64, n: usize, seed: u64) -> Vec<f64> {
+    let mut x = seed;
+    let mut t = 0.0;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        if i > 0 {
+            // Uniform in (0, 1]: never ln(0).
+            let u = ((splitmix64(&mut x) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+            t += -u.ln() / rate * 1e3;
+        }
+        out.push(t);
+    }
+    out
 }
 
 /// One request, recorded: the row template gives sweep, level and layers.
 pub fn one(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling) -> Row {
-    let (path, body) = ctx.api.generate(&prompt.text, s);
+    one_answer(ctx, template, index, prompt, s).0
+}
+
+/// [`one`], with the answer's text (kept in memory for a conversation's next turn).
+pub fn one_answer(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling) -> (Row, String) {
+    let (path, body) = if prompt.messages.is_empty() {
+        ctx.api.generate(&prompt.text, s)
+    } else {
+        let m: Vec<(&str, &str)> = prompt.messages.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
+        ctx.api.generate_messages(&m, s)
+    };
     let sent_ms = ctx.t0.elapsed().as_secs_f64() * 1e3;
     let x = client::stream(ctx.url, path, &body, ctx.timeout);
     let chunks = x.content_ms.len();
@@ -225,19 +283,41 @@ pub fn one(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sampling)
         }
         row.server_limit = Some(kind.into());
     }
+    row.cached_tokens = api::cached_tokens(&x.stop);
+    row.server_tpot_ms = x.stop.server_timings.as_ref().and_then(|t| t["predicted_per_token_ms"].as_f64());
     fill_latency(&mut row, &x);
-    row
+    let completed = row.status.is_some_and(|s| (200..300).contains(&s)) && row.error.is_none() && !row.deadline_hit && !row.disconnected;
+    row.met_slo = completed.then(|| ctx.slo.met(&row));
+    (row, x.text)
 }
 
 /// Run one level: `n` requests, at most `concurrency` in flight; stops early on Ctrl-C.
 pub fn level(ctx: &Ctx, template: &Row, prompts: &[Prompt], n: usize, concurrency: usize, s: &Sampling) -> (Vec<Row>, Level) {
+    run_level(ctx, template, prompts, &Schedule::Closed { n, concurrency, first_alone: false }, s)
+}
+
+/// Run one level as `schedule` says; stops early on Ctrl-C. The machine is watched meanwhile.
+pub fn run_level(ctx: &Ctx, template: &Row, prompts: &[Prompt], schedule: &Schedule, s: &Sampling) -> (Vec<Row>, Level) {
+    let (n, concurrency) = match schedule {
+        Schedule::Closed { n, concurrency, .. } => (*n, *concurrency),
+        Schedule::Open { at_ms } => (at_ms.len(), at_ms.len()),
+        Schedule::Conversations { conversations, turns } => (conversations * turns, *conversations),
+    };
     let (before, mut notes) = api::counters(ctx.url, ctx.api);
+    let watch = super::machine::Watch::start(ctx.server_pid, ctx.gpu);
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
     let finished = AtomicBool::new(false);
     let rows = Mutex::new(Vec::new());
     let peak = Mutex::new(BTreeMap::<String, f64>::new());
     let start = Instant::now();
+    let record = |row: Row| {
+        rows.lock().unwrap_or_else(|e| e.into_inner()).push(row);
+        let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+        ctx.progress.done.fetch_add(1, Ordering::Relaxed);
+        ctx.progress.update(&format!("{} {}: {d}/{n} requests", template.sweep, template.level));
+    };
+    let record = &record;
     std::thread::scope(|sc| {
         // Not at concurrency 1: a poll during a lone request is another request the server
         // serves (and a traced verdict would count it as queueing).
@@ -260,26 +340,78 @@ pub fn level(ctx: &Ctx, template: &Row, prompts: &[Prompt], n: usize, concurrenc
                 }
             });
         }
-        let workers: Vec<_> = (0..concurrency.max(1))
-            .map(|_| {
-                sc.spawn(|| {
+        let mut workers = Vec::new();
+        match schedule {
+            Schedule::Closed { first_alone, .. } => {
+                if *first_alone && n > 0 && !client::interrupted() {
+                    next.store(1, Ordering::Relaxed);
+                    record(one(ctx, template, 0, &prompts[0], s));
+                }
+                for _ in 0..concurrency.max(1) {
+                    workers.push(sc.spawn(|| {
+                        loop {
+                            if client::interrupted() {
+                                break;
+                            }
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            if i >= n {
+                                break;
+                            }
+                            record(one(ctx, template, i as u64, &prompts[i % prompts.len()], s));
+                        }
+                    }));
+                }
+            }
+            Schedule::Open { at_ms } => {
+                for (i, &at) in at_ms.iter().enumerate() {
+                    // Sleep until this request's time (in steps: Ctrl-C ends the wait).
                     loop {
-                        if client::interrupted() {
+                        let left = at - start.elapsed().as_secs_f64() * 1e3;
+                        if left <= 0.0 || client::interrupted() {
                             break;
                         }
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= n {
-                            break;
-                        }
-                        let row = one(ctx, template, i as u64, &prompts[i % prompts.len()], s);
-                        rows.lock().unwrap_or_else(|e| e.into_inner()).push(row);
-                        let d = done.fetch_add(1, Ordering::Relaxed) + 1;
-                        ctx.progress.done.fetch_add(1, Ordering::Relaxed);
-                        ctx.progress.update(&format!("{} {}: {d}/{n} requests", template.sweep, template.level));
+                        std::thread::sleep(Duration::from_secs_f64((left / 1e3).min(0.05)));
                     }
-                })
-            })
-            .collect();
+                    if client::interrupted() {
+                        break;
+                    }
+                    let p = &prompts[i % prompts.len()];
+                    workers.push(sc.spawn(move || record(one(ctx, template, i as u64, p, s))));
+                }
+            }
+            Schedule::Conversations { conversations, turns } => {
+                for c in 0..*conversations {
+                    let opener = &prompts[c % prompts.len()];
+                    workers.push(sc.spawn(move || {
+                        let mut history: Vec<(String, String)> = opener.messages.clone();
+                        for t in 0..*turns {
+                            if client::interrupted() {
+                                break;
+                            }
+                            let ask = if t == 0 {
+                                // The instruction only (PROMPTS carry an answer opener for raw routes).
+                                opener.text.split("\n\n").next().unwrap_or(&opener.text).to_string()
+                            } else {
+                                format!("Thank you. Now continue with part {} of it, in as much detail.", t + 1)
+                            };
+                            history.push(("user".into(), ask));
+                            let text: String = history.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n");
+                            let p = Prompt { hash: hash(&text), text, messages: history.clone(), tokens: None, source: "server" };
+                            let mut tpl = template.clone();
+                            tpl.conversation = Some(c as u64);
+                            tpl.turn = Some(t as u64 + 1);
+                            let (row, answer) = one_answer(ctx, &tpl, (c * turns + t) as u64, &p, s);
+                            let failed = row.status.is_none_or(|s| s >= 400) || row.error.is_some();
+                            record(row);
+                            if failed {
+                                break;
+                            }
+                            history.push(("assistant".into(), answer));
+                        }
+                    }));
+                }
+            }
+        }
         for w in workers {
             let _ = w.join();
         }
@@ -300,6 +432,9 @@ pub fn level(ctx: &Ctx, template: &Row, prompts: &[Prompt], n: usize, concurrenc
     l.counters_after = after;
     l.counters_peak = peak.into_inner().unwrap_or_else(|e| e.into_inner());
     l.notes = notes;
+    let m = watch.stop();
+    l.contended = m.contended();
+    l.machine = Some(m);
     (rows, l)
 }
 
@@ -314,6 +449,17 @@ mod tests {
         assert_eq!(words_text(1, 13).split(' ').count(), 13);
         assert_eq!(hash("abc"), hash("abc"));
         assert_eq!(hash(""), "cbf29ce484222325");
+    }
+
+    #[test]
+    fn poisson_gaps_are_seeded_and_have_the_rate() {
+        let a = poisson_ms(4.0, 2001, 42);
+        assert_eq!(a, poisson_ms(4.0, 2001, 42));
+        assert_ne!(a, poisson_ms(4.0, 2001, 43));
+        assert_eq!(a[0], 0.0);
+        let mean_gap = a[2000] / 2000.0;
+        assert!((mean_gap - 250.0).abs() < 15.0, "mean gap {mean_gap} ms at 4/s");
+        assert!(a.windows(2).all(|w| w[1] >= w[0]));
     }
 
     #[test]

@@ -193,6 +193,7 @@ pub fn join(rows: &mut [Row], idx: &[usize], report: &Report, trace: &str) -> us
             stop_cause: v.stop_cause,
             ttft_ms: v.ttft_ms,
             evidence: v.evidence,
+            engine: q.engine.clone(),
         };
         rows[i].queue_ms = verdict.ttft_ms.as_ref().map(|s| s.queue);
         rows[i].verdict = Some(verdict);
@@ -215,6 +216,7 @@ mod tests {
         let q = |id: u64, peer: &str, verdict: Verdict| Request {
             record: RequestRecord { id, role: Role::Server, peer: peer.into(), ..Default::default() },
             verdict: Some(verdict),
+            engine: None,
         };
         let report = Report {
             requests: vec![

@@ -44,6 +44,8 @@ struct Session {
     segment: (u64, u64, Instant),
     /// A probe did not attach: the trace is partial.
     partial: bool,
+    /// The engine probe was asked for: executable files mapped later are searched for llama.cpp.
+    follow_engine: bool,
 }
 
 /// The session after [`stop`]: the counters read at the stop, and what is still under way.
@@ -64,7 +66,22 @@ enum Programs {
     Attached(Box<probes::Attached>),
 }
 
+/// The signals that stop or steer a trace, registered before probe says it is armed: a Ctrl-C
+/// the moment after that line still ends the trace with its report.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+    usr1: tokio::signal::unix::Signal,
+}
+
 pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
+    let mut signals = Signals {
+        int: signal(SignalKind::interrupt())?,
+        term: signal(SignalKind::terminate())?,
+        hup: signal(SignalKind::hangup())?,
+        usr1: signal(SignalKind::user_defined1())?,
+    };
     let (mut st, mut se) = arm(&opts, attached, out_dir)?;
     let sampler = Sampler::start(crate::sampler::Options { pid: opts.pid, targets: st.targets.clone(), hz: opts.host_hz, poll: opts.poll });
     if opts.watch.is_some() {
@@ -75,7 +92,7 @@ pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir:
     }
     // A daemon's log (journald) gets lines, never the `\r` status line.
     let tty = std::io::stderr().is_terminal() && opts.watch.is_none();
-    let (reason, hung_up) = follow(&opts, &mut st, &mut se, &sampler, out_dir, tty).await?;
+    let (reason, hung_up) = follow(&opts, &mut st, &mut se, &sampler, out_dir, tty, &mut signals).await?;
     if tty && !hung_up {
         say!();
     }
@@ -141,6 +158,10 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
     })?;
     let start_ns = monotonic_ns();
     let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
+    // The engine probe follows executable files mapped after attach (when it was asked for):
+    // those it searched already are not searched again.
+    let follow_engine = attached.status.iter().any(|s| s.name == records::Subsystem::Engine);
+    st.engine_seen = attached.engine_seen.iter().copied().collect();
     st.follow_cgroup = opts.cgroup.is_some();
     st.ustack_need = attached.ebpf.take_map(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
@@ -176,14 +197,15 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
     let mut partial = false;
     for s in &attached.status {
         if !s.live {
-            partial = true;
+            // The engine probe applies to llama.cpp engines only: another server has none to find.
+            partial |= s.name != records::Subsystem::Engine || opts.only.is_some();
             say!("probe: skipped {}: {}", s.name, s.skipped.join("; "));
         } else if !s.skipped.is_empty() {
             log::info!("{}: optional programs not attached: {}", s.name, s.skipped.join("; "));
         }
     }
     let segment = (0, start_ns, Instant::now());
-    Ok((st, Session { ring, lost_map, counter_map, attached, bpf_unmeasured, start_ns, segment, partial }))
+    Ok((st, Session { ring, lost_map, counter_map, attached, bpf_unmeasured, start_ns, segment, partial, follow_engine }))
 }
 
 /// The recording's first record: what is traced, with which probes, since when.
@@ -236,11 +258,9 @@ async fn follow(
     sampler: &Sampler,
     out_dir: &crate::output::OutDir,
     tty: bool,
+    signals: &mut Signals,
 ) -> anyhow::Result<(String, bool)> {
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sighup = signal(SignalKind::hangup())?;
-    let mut sigusr1 = signal(SignalKind::user_defined1())?;
+    let Signals { int: sigint, term: sigterm, hup: sighup, usr1: sigusr1 } = signals;
     let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
     // Small records wait in the ring for this timer (the kernel wakes probe only for a backlog):
     // every 20 ms while records flow, every IDLE_DRAIN after a quiet turn (an idle server then
@@ -296,6 +316,27 @@ async fn follow(
     Ok((reason, hung_up))
 }
 
+/// Search executable files the targets mapped since the last turn for llama.cpp's entry points
+/// and attach the engine probe to them: a model runner started after attach (Ollama), a
+/// libllama loaded later (a Python server importing its binding).
+fn follow_engine(st: &mut State, se: &mut Session) {
+    let new = std::mem::take(&mut st.engine_new);
+    if new.is_empty() || !se.follow_engine {
+        return;
+    }
+    let found = crate::engine::search_mappings(&new);
+    if found.found.is_empty() {
+        return;
+    }
+    let a = crate::engine::attach(&mut se.attached.ebpf, &found);
+    for x in &a.attached {
+        say!("probe: engine probes: attached {x} (mapped after attach)");
+    }
+    for x in &a.skipped {
+        log::info!("{x}");
+    }
+}
+
 /// What the once-a-second turn keeps between turns.
 #[derive(Default)]
 struct Second {
@@ -334,6 +375,7 @@ impl Second {
             }
         }
         st.writer.flush()?;
+        follow_engine(st, se);
         rotate(opts, st, se, out_dir)?;
         if status_line {
             let rate = st.events - self.last_events;
@@ -455,6 +497,9 @@ fn stop(
         v.blocked_ns = Some(now.saturating_sub(v.ts_ns));
         v.still_blocked = true;
         st.writer.stack(&v)?;
+    }
+    if let Some(cut) = st.cut_frames() {
+        st.writer.record(&cut)?;
     }
     st.writer.record(&stats(&lost, &counters, st, &runs, bpf_unmeasured.as_deref()))?;
     st.writer.record(&UserRecord::End(records::End { ts_ns: monotonic_ns(), reason: reason.to_string() }))?;

@@ -6,7 +6,7 @@
 //! called), `fold` (stack samples → folded lines and weights, streamed), `draw` (folded → SVG).
 mod draw;
 mod fold;
-mod symbols;
+pub(crate) mod symbols;
 
 pub use draw::{folded_text, svg};
 pub(crate) use fold::Folder;

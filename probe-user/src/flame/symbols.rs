@@ -71,6 +71,15 @@ impl Wanted {
             self.offsets.entry(id).or_default().insert(off);
         }
     }
+
+    /// Just these frames of these modules (by path, each opened as the regular file there).
+    pub(crate) fn frames(modules: HashMap<i64, String>, frames: impl IntoIterator<Item = (i64, u64)>) -> Wanted {
+        let mut w = Wanted { modules, ..Default::default() };
+        for (id, off) in frames {
+            w.offsets.entry(id).or_default().insert(off);
+        }
+        w
+    }
 }
 
 /// The file the target mapped at `path`: one of the mappings the recording saw there (latest

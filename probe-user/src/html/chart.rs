@@ -440,7 +440,11 @@ pub fn svg(events: &[TraceEvent]) -> Chart {
         }
         y += GROUP;
         let label = |tid: &u64| {
-            p.threads.get(tid).cloned().unwrap_or_else(|| if group == "TCP" { format!("port {tid}") } else { format!("tid {tid}") })
+            p.threads.get(tid).cloned().unwrap_or_else(|| match (group.as_str(), tid) {
+                ("TCP", 0) => "port not seen".into(),
+                ("TCP", _) => format!("port {tid}"),
+                _ => format!("tid {tid}"),
+            })
         };
         let rows = rows(p, scale);
         let packed = rows.len() < p.lanes.len();
@@ -504,7 +508,9 @@ pub fn svg(events: &[TraceEvent]) -> Chart {
             }
             lanes += 1;
             group_rows += 1;
-            let label = if key == name || key == "value" { name.clone() } else { format!("{name} {key}") };
+            // One series named as its lane ("server requests deferred" / "deferred") says it once.
+            let said = key == name || key == "value" || name.split_whitespace().any(|w| w == key);
+            let label = if said { name.clone() } else { format!("{name} {key}") };
             if o.room() {
                 let _ = write!(
                     o.body,
@@ -552,7 +558,7 @@ pub fn svg(events: &[TraceEvent]) -> Chart {
         used.iter().map(|(name, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(name))).collect();
     let total = LABEL + WIDTH + 10.0;
     let svg = format!(
-        "<div class=\"legend\">{}</div><svg class=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{total:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {total:.0} {height:.0}\" role=\"img\" aria-label=\"timeline\">{axis}{}</svg>",
+        "<div class=\"legend\">{}</div><svg class=\"timeline\" data-label-width=\"{LABEL:.0}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{total:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {total:.0} {height:.0}\" role=\"img\" aria-label=\"timeline\">{axis}{}</svg>",
         legend.join(" "),
         o.body
     );

@@ -32,6 +32,8 @@ pub enum Subsystem {
     Offcpu,
     Mem,
     Proc,
+    /// llama.cpp's decode steps, by uprobe (not a kernel subsystem: the engine's own view).
+    Engine,
     /// A probe this version does not know (a later recording's).
     #[default]
     #[serde(other)]
@@ -40,7 +42,7 @@ pub enum Subsystem {
 
 impl Subsystem {
     /// Every probe, in the order they are listed.
-    pub const ALL: [Subsystem; 10] = [
+    pub const ALL: [Subsystem; 11] = [
         Subsystem::Blockio,
         Subsystem::Fault,
         Subsystem::Filemap,
@@ -51,6 +53,7 @@ impl Subsystem {
         Subsystem::Offcpu,
         Subsystem::Mem,
         Subsystem::Proc,
+        Subsystem::Engine,
     ];
 
     pub fn name(self) -> &'static str {
@@ -65,6 +68,7 @@ impl Subsystem {
             Subsystem::Offcpu => "offcpu",
             Subsystem::Mem => "mem",
             Subsystem::Proc => "proc",
+            Subsystem::Engine => "engine",
             Subsystem::Unknown => "unknown",
         }
     }
@@ -188,6 +192,47 @@ pub struct Threads {
     pub threads: Vec<(u32, u32, String)>,
 }
 
+/// Where user stacks that stop short of their end stop: their outermost frame, named at trace
+/// time (the modules are read then; a report elsewhere has only the recording), the most
+/// common first.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CutFrames {
+    pub frames: Vec<CutFrame>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CutFrame {
+    /// The stack kind (`cpu`, `offcpu`, `fault`, `io`).
+    pub kind: String,
+    pub module: i64,
+    pub offset: u64,
+    pub name: String,
+    /// Cut stacks of this kind whose outermost frame it is.
+    pub stacks: u64,
+}
+
+/// The warm baseline `probe watch` keeps for its server across sessions and restarts: fast
+/// requests (their verdict found nothing but the server's own work) of earlier sessions. A
+/// window it analyses carries it, so the incident's report compares with the same requests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WarmBaseline {
+    pub warm: Vec<Warm>,
+}
+
+/// One warm request: its prompt size (in tokens when the server said, else bytes), its TTFT and
+/// when it was served.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Warm {
+    pub size: u64,
+    pub unit: String,
+    pub ttft_ms: f64,
+    pub at_unix_ms: u64,
+}
+
 /// A process that is not traced but ran while a target thread waited for a CPU.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -290,6 +335,10 @@ pub enum UserRecord {
     End(End),
     /// A v1 stack sample (JSON then; binary frames since v2).
     Stack(Box<StackRecord>),
+    /// `probe watch`'s warm baseline from earlier sessions.
+    WarmBaseline(WarmBaseline),
+    /// Where cut user stacks stop (written at the end of a trace).
+    CutFrames(CutFrames),
     /// A sampler's record, for `crate::system`.
     Sample(Box<Sample>),
     /// A record of a kind this version does not know (a later probe's): its `type`, kept so the
@@ -317,6 +366,8 @@ impl UserRecord {
             "stats" => UserRecord::Stats(Box::new(from(v)?)),
             "end" => UserRecord::End(from(v)?),
             "stack" => UserRecord::Stack(Box::new(from(v)?)),
+            "warm_baseline" => UserRecord::WarmBaseline(from(v)?),
+            "cut_frames" => UserRecord::CutFrames(from(v)?),
             k if super::samples::KINDS.contains(&k) => UserRecord::Sample(Box::new(from(v)?)),
             _ => UserRecord::Other(ty),
         })
@@ -341,6 +392,8 @@ impl UserRecord {
             UserRecord::Stats(s) => ("stats", serde_json::to_value(s)?),
             UserRecord::End(e) => ("end", serde_json::to_value(e)?),
             UserRecord::Stack(s) => ("stack", serde_json::to_value(s)?),
+            UserRecord::WarmBaseline(w) => ("warm_baseline", serde_json::to_value(w)?),
+            UserRecord::CutFrames(c) => ("cut_frames", serde_json::to_value(c)?),
             UserRecord::Sample(s) => return serde_json::to_value(s),
             UserRecord::Other(ty) => return Ok(serde_json::json!({ "type": ty })),
         };
@@ -396,6 +449,18 @@ mod tests {
             UserRecord::Module(Module { id: 3, path: "/usr/bin/llama-server".into() }),
             UserRecord::Ksyms(Ksyms { syms: vec![(0xffff_ffff_8100_0000, "io_schedule".into())] }),
             UserRecord::Threads(Threads { ts_ns: 13, threads: vec![(7, 9, "llama-server".into())] }),
+            UserRecord::CutFrames(CutFrames {
+                frames: vec![CutFrame {
+                    kind: "cpu".into(),
+                    module: 2,
+                    offset: 0x4d10,
+                    name: "server_queue::start_loop".into(),
+                    stacks: 120,
+                }],
+            }),
+            UserRecord::WarmBaseline(WarmBaseline {
+                warm: vec![Warm { size: 250, unit: "token".into(), ttft_ms: 412.5, at_unix_ms: 1_764_000_000_000 }],
+            }),
             UserRecord::Request(Box::new(RequestRecord {
                 id: 1,
                 pid: 7,

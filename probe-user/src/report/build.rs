@@ -155,6 +155,8 @@ pub(crate) struct Builder {
     fills_by_tid: HashMap<u32, std::collections::VecDeque<(u64, FileKey)>>,
     procs: BTreeMap<u32, Process>,
     mem_events: Vec<probe_common::mem::MemEvent>,
+    /// The engine probe's steps and cache events.
+    engine: crate::steps::Log,
     conns: Vec<(u64, Connection, bool)>,
     conn_index: HashMap<u64, usize>,
     devs: BTreeMap<u32, (Device, Vec<f64>, Vec<f64>)>,
@@ -166,6 +168,13 @@ pub(crate) struct Builder {
     cpu_waits: Vec<crate::verdict::CpuWait>,
     /// Other processes by pid: (comm, cgroup), from the `procs` records.
     other_names: HashMap<u32, (String, Option<String>)>,
+    /// Each target thread's off-CPU intervals, for the requests' critical paths, and names.
+    threads: crate::critical::Threads,
+    thread_names: HashMap<u32, String>,
+    /// Warm requests of earlier sessions (`probe watch`'s baseline).
+    kept_warm: Vec<crate::recording::records::Warm>,
+    /// Where cut user stacks stop, as the trace named it.
+    cut_frames: Vec<crate::recording::records::CutFrame>,
     ttft_windows: WindowIndex,
     served_windows: WindowIndex,
     windows: Vec<WindowData>,
@@ -198,6 +207,7 @@ impl Builder {
             fills_by_tid: HashMap::new(),
             procs: BTreeMap::new(),
             mem_events: vec![],
+            engine: Default::default(),
             conns: vec![],
             conn_index: HashMap::new(),
             devs: BTreeMap::new(),
@@ -206,6 +216,10 @@ impl Builder {
             swap_waits: vec![],
             cpu_waits: vec![],
             other_names: HashMap::new(),
+            threads: Default::default(),
+            thread_names: HashMap::new(),
+            kept_warm: vec![],
+            cut_frames: vec![],
             ttft_windows: WindowIndex::new(&[]),
             served_windows: WindowIndex::new(&[]),
             windows: vec![],
@@ -229,7 +243,14 @@ impl Builder {
         self.end_ts = self.end_ts.max(rec.ts_ns().unwrap_or(0));
         match rec {
             UserRecord::Meta(m) if self.meta.is_none() => self.meta = Some(*m),
-            UserRecord::Meta(_) | UserRecord::Module(_) | UserRecord::Threads(_) => {}
+            UserRecord::Threads(t) => {
+                for (_, tid, name) in t.threads {
+                    self.thread_names.insert(tid, name);
+                }
+            }
+            UserRecord::WarmBaseline(w) => self.kept_warm = w.warm,
+            UserRecord::CutFrames(c) => self.cut_frames = c.frames,
+            UserRecord::Meta(_) | UserRecord::Module(_) => {}
             UserRecord::Procs(p) => {
                 for o in p.procs {
                     self.other_names.entry(o.pid).or_insert((o.comm, o.cgroup));
@@ -270,7 +291,7 @@ impl Builder {
                 r.target.end_reason = Some(e.reason);
             }
             // A snapshot taken in flight is replaced by the request's later record (see prepare).
-            UserRecord::Request(q) => r.requests.push(Request { record: *q, verdict: None }),
+            UserRecord::Request(q) => r.requests.push(Request { record: *q, verdict: None, engine: None }),
             UserRecord::Sample(v) => self.samples.push(*v),
             UserRecord::Other(_) => {}
         }
@@ -366,7 +387,13 @@ impl Builder {
             let depths: Vec<f64> = hist.iter().flat_map(|(&d, &k)| std::iter::repeat_n(d as f64, k as usize)).collect();
             let median = crate::stats::percentile(&depths, 50.0).unwrap_or(0.0).round() as u64;
             let cut = self.cuts.remove(&what).unwrap_or_default();
-            r.stacks.insert(what, StackStats { stacks: n, complete, median_depth: median, cut });
+            let cut_under = self
+                .cut_frames
+                .iter()
+                .filter(|f| f.kind == what)
+                .map(|f| super::CutUnder { frame: f.name.clone(), stacks: f.stacks })
+                .collect();
+            r.stacks.insert(what, StackStats { stacks: n, complete, median_depth: median, cut, cut_under });
         }
         for snaps in self.maps.by_pid.values_mut() {
             snaps.sort_by_key(|(t, _)| *t);
@@ -424,7 +451,9 @@ impl Builder {
         }
         if s.what == StackKind::Offcpu {
             let Some(b) = s.blocked_ns else { return };
-            match self.knames.wait_of_stack(s) {
+            let wait = self.knames.wait_of_stack(s);
+            self.threads.blocked(s.tid, ts, ts + b, crate::critical::Class::of(wait), s.waker);
+            match wait {
                 "[io wait]" | "[page-fault wait]" => self.io_waits.push((ts, ts + b)),
                 "[memory wait]" => self.mem_waits.push((ts, ts + b)),
                 "[swap wait]" => self.swap_waits.push((ts, ts + b)),
@@ -551,8 +580,10 @@ impl Builder {
             Event::Sched(e) if probe_common::stack::is_cpu_wait(e.flags) => {
                 let to = e.hdr.ts_ns;
                 self.cpu_waits.push(crate::verdict::CpuWait { from: to.saturating_sub(e.blocked_ns), to, tid: e.tid, other: e.hdr.pid });
+                self.threads.cpu_wait(e.tid, to.saturating_sub(e.blocked_ns), to, e.hdr.pid);
             }
             Event::Data(_) | Event::Stack(_) | Event::Sched(_) => {}
+            Event::Engine(e) => self.engine.add(e),
             Event::Mem(m) => {
                 if m.what != probe_common::mem::MEM_OOM_VICTIM {
                     self.mem_waits.push((m.begin_ns, m.hdr.ts_ns));
@@ -603,6 +634,7 @@ impl Builder {
 
     pub(crate) fn finish(mut self, problems: Vec<String>) -> Report {
         let mut r = std::mem::take(&mut self.r);
+        self.threads.finish();
         r.schema_version = SCHEMA_VERSION;
         r.problems.splice(0..0, problems);
         let from = self.meta.as_ref().and_then(|m| m.window_start_ns).unwrap_or(self.start).max(self.start);
@@ -636,6 +668,23 @@ impl Builder {
             .collect();
         r.target.processes = std::mem::take(&mut self.procs).into_values().collect();
         closes_after_the_response(&mut r);
+        self.engine.finish();
+        if !self.engine.is_empty() {
+            let start = self.start;
+            let wants: Vec<crate::steps::Want> = r
+                .requests
+                .iter()
+                .map(|q| {
+                    let arrival = q.arrival_ms.map_or(u64::MAX, |a| start + (a * 1e6) as u64);
+                    let until = q.end_ms.map_or(u64::MAX, |e| arrival.saturating_add((e * 1e6) as u64));
+                    crate::steps::Want { arrival, until, slot: q.stop.id_slot.and_then(|s| u32::try_from(s).ok()) }
+                })
+                .collect();
+            for (q, e) in r.requests.iter_mut().zip(crate::steps::join(&self.engine, &wants)) {
+                q.engine = e;
+            }
+            r.engine = Some(crate::steps::summary(&self.engine));
+        }
         self.verdicts(&mut r);
         let lost: u64 = r.lost_events.values().sum();
         if lost > 0 {
@@ -793,17 +842,21 @@ impl Builder {
                 server_deferred: deferred_in(from, to),
                 server_preemptions: preempted_in(from, until),
                 server_prefix_cache: prefix_cache_in(from, until),
+                thread_names: Some(&self.thread_names),
+                cut_under: self.cut_frames.iter().max_by_key(|f| f.stacks).map(|f| f.name.as_str()),
+                path: q.writer_tid.filter(|_| offcpu_probe && !self.threads.is_empty()).map(|t| self.threads.walk(t, from, to)),
+                engine: q.engine.as_ref(),
             };
             q.verdict = Some(crate::verdict::attribute(q, &w));
         }
         super::prompt::prompts(&mut r.requests);
-        against_warm(&mut r.requests);
+        against_warm(&mut r.requests, &self.kept_warm);
     }
 }
 
 /// A request's prompt size for the warm baseline: the server's prompt tokens (computed and from
 /// its cache) when it says, else the request's bytes (a server that reports no tokens).
-fn prompt_size(q: &RequestRecord) -> (u64, &'static str) {
+pub(crate) fn prompt_size(q: &RequestRecord) -> (u64, &'static str) {
     let t = q.stop.server_timings.as_ref();
     match t.and_then(|t| Some(t["prompt_n"].as_u64()? + t["cache_n"].as_u64().unwrap_or(0))) {
         Some(n) => (n, "token"),
@@ -817,7 +870,7 @@ fn prompt_size(q: &RequestRecord) -> (u64, &'static str) {
 /// median, or, when it has a slow cause and there is no such request, "no warm baseline in this
 /// trace" (the absolute rules stand alone). More than 20% of a TTFT unexplained is a
 /// data-quality line.
-pub(crate) fn against_warm(requests: &mut [Request]) {
+pub(crate) fn against_warm(requests: &mut [Request], kept: &[crate::recording::records::Warm]) {
     let warm: Vec<(u64, (u64, &str), f64)> = requests
         .iter()
         .filter_map(|q| {
@@ -836,11 +889,10 @@ pub(crate) fn against_warm(requests: &mut [Request]) {
         }
         let (size, unit) = prompt_size(&q.record);
         // Sizes in the same unit only (tokens with tokens, bytes with bytes).
-        let mut peers: Vec<f64> = warm
-            .iter()
-            .filter(|(id, (n, u), _)| *id != q.record.id && *u == unit && *n <= size.max(1) * 2 && size <= n.max(&1) * 2)
-            .map(|w| w.2)
-            .collect();
+        let similar = |n: u64, u: &str| u == unit && n <= size.max(1) * 2 && size <= n.max(1) * 2;
+        let mut peers: Vec<f64> = warm.iter().filter(|(id, (n, u), _)| *id != q.record.id && similar(*n, u)).map(|w| w.2).collect();
+        let here = peers.len();
+        peers.extend(kept.iter().filter(|k| similar(k.size, &k.unit)).map(|k| k.ttft_ms));
         if peers.is_empty() {
             if !matches!(v.slow_cause, SlowCause::None | SlowCause::Compute) {
                 v.evidence.push(
@@ -853,11 +905,14 @@ pub(crate) fn against_warm(requests: &mut [Request]) {
         peers.sort_by(f64::total_cmp);
         let median = peers[peers.len() / 2];
         if median > 0.0 && ttft >= 1.5 * median {
-            v.evidence.push(format!(
-                "{:.1}× this server's warm TTFT for a {size}-{unit} prompt ({median:.0} ms, the median of {} warm request(s) in this trace)",
-                ttft / median,
-                peers.len()
-            ));
+            let of = match peers.len() - here {
+                0 => format!("the median of {here} warm request(s) in this trace"),
+                k if here == 0 => format!("the median of {k} warm request(s) probe watch kept from earlier sessions"),
+                k => {
+                    format!("the median of {} warm request(s): {here} in this trace, {k} probe watch kept from earlier sessions", here + k)
+                }
+            };
+            v.evidence.push(format!("{:.1}× this server's warm TTFT for a {size}-{unit} prompt ({median:.0} ms, {of})", ttft / median));
             if v.slow_cause == SlowCause::None {
                 beyond_warm(v, ttft - median);
             }
@@ -1056,6 +1111,7 @@ mod tests {
                 ..Default::default()
             },
             verdict: Some(Verdict { slow_cause: cause, ttft_ms: Some(Split { unexplained, ..Default::default() }), ..Default::default() }),
+            engine: None,
         };
         let mut rs = vec![
             mk(1, 100.0, 250, SlowCause::None, 0.0),
@@ -1064,7 +1120,7 @@ mod tests {
             // Ten times the prompt: no peer.
             mk(4, 900.0, 2500, SlowCause::Disk, 300.0),
         ];
-        against_warm(&mut rs);
+        against_warm(&mut rs, &[]);
         let said = |i: usize| rs[i].verdict.as_ref().unwrap().evidence.clone();
         assert!(said(2).iter().any(|e| e == "2.8× this server's warm TTFT for a 250-token prompt (120 ms, the median of 2 warm request(s) in this trace)"), "{:?}", said(2));
         assert!(said(3).iter().any(|e| e.starts_with("no warm baseline in this trace")), "{:?}", said(3));
@@ -1082,7 +1138,7 @@ mod tests {
             queued,
             mk(6, 500.0, 250, SlowCause::None, 350.0),
         ];
-        against_warm(&mut rs2);
+        against_warm(&mut rs2, &[]);
         assert_eq!(rs2[2].verdict.as_ref().unwrap().slow_cause, SlowCause::Queue);
         let v = rs2[3].verdict.as_ref().unwrap();
         assert_eq!(v.slow_cause, SlowCause::None);
@@ -1169,6 +1225,7 @@ mod tests {
                 ..Default::default()
             },
             verdict: None,
+            engine: None,
         };
         let c = |peer: &str, opened: f64, closed: f64, by: Closer| Connection {
             local: "127.0.0.1:8080".into(),

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::stream::RequestRecord;
 
-mod build;
+pub(crate) mod build;
 mod prompt;
 mod render;
 mod sock;
@@ -50,6 +50,9 @@ pub struct Report {
     pub unwind: Unwind,
     /// Every HTTP request seen on the target's sockets, in arrival order.
     pub requests: Vec<Request>,
+    /// The engine's decode steps over the whole trace, when the engine probe attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::steps::EngineSummary>,
     /// GPU, CPU frequency, memory pressure, model-file residency, the server's own endpoints.
     #[serde(default)]
     pub system: crate::system::System,
@@ -85,6 +88,9 @@ pub struct Request {
     /// Why it was slow and why it stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verdict: Option<crate::verdict::Verdict>,
+    /// The engine's own view (llama.cpp's decode steps, by uprobe; see crate::steps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::steps::RequestEngine>,
 }
 
 impl std::ops::Deref for Request {
@@ -117,6 +123,16 @@ pub struct StackStats {
     /// Why the user stacks that stop short of their end stopped (none in older recordings).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub cut: BTreeMap<crate::recording::Cut, u64>,
+    /// Where they stop: their most common outermost frames, named when the trace ended.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cut_under: Vec<CutUnder>,
+}
+
+/// Cut stacks whose outermost frame is `frame`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct CutUnder {
+    pub frame: String,
+    pub stacks: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

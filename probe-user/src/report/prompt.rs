@@ -122,7 +122,11 @@ mod tests {
         };
         r.stop.server_timings = Some(timings);
         let split = crate::verdict::Split { compute: end, ..Default::default() };
-        Request { record: r, verdict: Some(Verdict { ttft_ms: Some(split), slow_cause: SlowCause::Compute, ..Default::default() }) }
+        Request {
+            record: r,
+            verdict: Some(Verdict { ttft_ms: Some(split), slow_cause: SlowCause::Compute, ..Default::default() }),
+            engine: None,
+        }
     }
 
     #[test]

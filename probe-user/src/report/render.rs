@@ -51,9 +51,15 @@ pub fn render(r: &Report) -> String {
             for e in v.evidence.iter().take(4) {
                 let _ = writeln!(o, "      {e}");
             }
+            if let Some(e) = &q.engine {
+                let _ = writeln!(o, "      {}", e.words());
+            }
         }
     } else {
         let _ = writeln!(o, "\n{}", no_requests(r));
+    }
+    if let Some(e) = &r.engine {
+        let _ = writeln!(o, "\nEngine (llama.cpp, by uprobe): {}", e.words());
     }
     o.push_str(&crate::system::render(&r.system));
     let forked: Vec<String> =
@@ -133,6 +139,11 @@ pub fn render(r: &Report) -> String {
         if !cut.is_empty() {
             let why: Vec<String> = cut.iter().map(|(c, n)| format!("{} ({n})", c.words())).collect();
             let _ = writeln!(o, "  the others stop because {}", why.join(", "));
+        }
+        // Where they stop, per kind (the trace named their outermost frames).
+        for (k, s) in r.stacks.iter().filter(|(_, s)| !s.cut_under.is_empty()) {
+            let under: Vec<String> = s.cut_under.iter().map(|u| format!("{} ({})", u.frame, u.stacks)).collect();
+            let _ = writeln!(o, "  cut {k} stacks stop under {}", under.join(", "));
         }
     }
     if let Some(c) = &r.cost {

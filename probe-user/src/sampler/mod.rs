@@ -23,6 +23,7 @@ use crate::{
 pub mod endpoints;
 pub mod gpu;
 pub mod host;
+pub mod procs;
 pub mod records;
 pub mod residency;
 

@@ -161,6 +161,10 @@ pub struct RequestRecord {
     pub arrival_ms: Option<f64>,
     /// First response byte.
     pub ttfb_ms: Option<f64>,
+    /// The target's thread that sent (or, as a client, read) the first response bytes: where
+    /// the request's critical path ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer_tid: Option<u32>,
     /// First content chunk (for a non-streamed response: the response).
     pub ttft_ms: Option<f64>,
     /// Last response byte seen.
@@ -315,6 +319,8 @@ struct Conn {
     expect_tail: Option<(u8, u32, u64)>,
     /// The last event of this connection (ns).
     last_ts: u64,
+    /// The target thread of the call being fed (its response bytes: the request's writer).
+    last_tid: u32,
     /// Bytes held, as last counted in `Tracker::held`.
     held: usize,
     /// More pipelined requests than [`MAX_PENDING`]: to be dropped.
@@ -512,10 +518,12 @@ impl Tracker {
             reset: Reset::None,
             expect_tail: None,
             last_ts: 0,
+            last_tid: 0,
             held: 0,
             overflow: false,
         });
         let ts = ev.hdr.ts_ns;
+        conn.last_tid = ev.hdr.tid;
         if ev.syscall & DATA_TAIL != 0 {
             // The last bytes of the call before: what lies between head and tail is a gap.
             match conn.expect_tail.take() {
@@ -793,6 +801,7 @@ impl Tracker {
                 && let Some(a) = p.arrival_ns
             {
                 p.rec.ttfb_ms = Some(ts.saturating_sub(a) as f64 / 1e6);
+                p.rec.writer_tid = Some(conn.last_tid).filter(|&t| t != 0);
             }
         }
         while !data.is_empty() {

@@ -329,6 +329,9 @@ pub struct Stop {
     pub usage: Option<Value>,
     /// A mid-stream or body error: its code and type (the message only with --capture-text).
     pub error: Option<Value>,
+    /// llama.cpp's `id_slot`: the slot (the engine's sequence id) that served the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id_slot: Option<i64>,
 }
 
 impl Stop {
@@ -439,6 +442,9 @@ pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
         if !t.is_empty() {
             stop.server_timings = Some(Value::Object(t));
         }
+    }
+    if let Some(n) = v.get("id_slot").and_then(Value::as_i64) {
+        stop.id_slot = Some(n);
     }
     if let Some(t) = v.get("timings").and_then(numbers) {
         stop.server_timings = Some(t);

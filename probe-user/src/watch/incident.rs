@@ -50,6 +50,8 @@ pub struct Watcher {
     /// When an incident of each (kind, cause) was last saved: one per pair per `--incident-gap`.
     last_incident: HashMap<(&'static str, String), Instant>,
     otlp: Option<Arc<crate::export::otlp::Sender>>,
+    /// The server's warm requests of earlier sessions, kept in the watch directory.
+    baseline: super::baseline::Baseline,
 }
 
 impl Watcher {
@@ -60,7 +62,12 @@ impl Watcher {
         metrics: Arc<Metrics>,
         link: Arc<Link>,
         otlp: Option<Arc<crate::export::otlp::Sender>>,
+        server: &str,
     ) -> Watcher {
+        let baseline = super::baseline::Baseline::load(&o.dir, server);
+        if !baseline.is_empty() {
+            log_line!("probe watch: warm baseline of {} request(s) from earlier sessions", baseline.len());
+        }
         Watcher {
             pid,
             dir,
@@ -76,6 +83,7 @@ impl Watcher {
             ttfts: VecDeque::new(),
             last_incident: HashMap::new(),
             otlp,
+            baseline,
         }
     }
 
@@ -164,7 +172,13 @@ impl Watcher {
                 m.window_start_ns = Some(m.start_ns + (from * 1e6) as u64);
             }
         };
-        crate::recording::with_meta(&buf, window).unwrap_or(buf)
+        let mut buf = crate::recording::with_meta(&buf, window).unwrap_or(buf);
+        if !buf.is_empty()
+            && let Some(warm) = self.baseline.record()
+        {
+            buf.extend_from_slice(&warm);
+        }
+        buf
     }
 
     /// Verdicts for the requests whose segments are closed; incidents for those that make one.
@@ -188,6 +202,10 @@ impl Watcher {
         {
             let ids: Vec<u64> = pending.iter().map(|p| p.q.id).collect();
             otlp.send(crate::export::otlp::from_report(&report, &meta, Some(&ids)));
+        }
+        let ids: Vec<(u32, u64)> = pending.iter().map(|p| (p.q.pid, p.q.id)).collect();
+        if self.baseline.learn(&report, &ids) {
+            self.baseline.save();
         }
         for p in pending {
             let v = report.requests.iter().find(|r| r.id == p.q.id && r.pid == p.q.pid).and_then(|r| r.verdict.clone());

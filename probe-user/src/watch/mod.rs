@@ -8,6 +8,7 @@
 //! owns the probes and signals); the [`incident::Watcher`] thread takes what a session sends
 //! through its [`Link`] (finished requests, closed segments, the end) and does the analysis and
 //! the writing; the metrics thread answers scrapes from [`metrics::Metrics`].
+pub mod baseline;
 pub mod incident;
 pub mod metrics;
 pub mod target;
@@ -160,7 +161,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             Rotation { every: o.segment, max_bytes: (o.window_bytes / 4).max(1 << 20) },
             Box::new(move |lost, bpf_ns| m.set_cost(lost, bpf_ns)),
         ));
-        let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone(), otlp.clone());
+        let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone(), otlp.clone(), &follow.describe());
         let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || watcher.run(rx))?;
         log_line!("probe watch: following pid {pid} ({})", crate::text::terminal(&crate::procfs::comm(pid)));
         let outcome = crate::collector::trace(crate::collector::TraceOptions {

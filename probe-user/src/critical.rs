@@ -1,0 +1,315 @@
+//! A request's critical path in the scheduler's view: walked back in time from the server thread
+//! that sent its first response bytes, through the wake-ups between the server's own threads.
+//!
+//! Every traced thread's time off the CPU is known interval by interval: blocked (with the wait
+//! class of its kernel stack, until its wake-up, and the traced thread that woke it when one
+//! did: `sched_waking` runs in the waker) and waiting for a CPU (until it ran). Between those
+//! intervals a thread ran. Walking back from the first response bytes, the time of the thread
+//! being walked is running, waiting for a CPU, blocked on disk, blocked on memory, or idle
+//! (waiting for something outside the server: the network, a timer, a poll). A futex wait (a
+//! lock or condition variable) ended by another server thread is the one exception: that thread
+//! is what the request waited for, so the walk goes on in its timeline from the wake-up back.
+//! The time is then the waker's, and the hop is kept to say who it was and what it was doing.
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+/// What a thread was doing off the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Off {
+    /// Runnable, not running: `other` (a pid) had the CPU when it got it back.
+    CpuWait { other: u32 },
+    /// Blocked in a wait of this class; `waker` is the traced thread that ended it.
+    Blocked { class: Class, waker: Option<u32> },
+}
+
+/// Off-CPU wait classes as the path counts them (from `crate::ksyms::WAITS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Class {
+    Disk,
+    Memory,
+    /// A futex: a lock or a condition variable, another thread's to end.
+    Lock,
+    /// Anything else: the network, a poll, a sleep, a pipe.
+    Outside,
+}
+
+impl Class {
+    pub fn of(wait: &str) -> Class {
+        match wait {
+            "[io wait]" | "[page-fault wait]" => Class::Disk,
+            "[memory wait]" | "[swap wait]" => Class::Memory,
+            "[lock wait]" => Class::Lock,
+            _ => Class::Outside,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Interval {
+    from: u64,
+    to: u64,
+    off: Off,
+}
+
+/// Each traced thread's off-CPU intervals, by tid.
+#[derive(Default)]
+pub struct Threads {
+    by_tid: HashMap<u32, Vec<Interval>>,
+    sorted: bool,
+}
+
+/// Time on the critical path by state, ms.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct States {
+    pub running: f64,
+    pub cpu_wait: f64,
+    pub disk: f64,
+    pub memory: f64,
+    /// Waiting for something outside the server (the request itself, a timer, the network).
+    pub idle: f64,
+}
+
+impl States {
+    fn add(&mut self, s: State, ms: f64) {
+        match s {
+            State::Running => self.running += ms,
+            State::CpuWait => self.cpu_wait += ms,
+            State::Disk => self.disk += ms,
+            State::Memory => self.memory += ms,
+            State::Idle => self.idle += ms,
+        }
+    }
+
+    /// "running 700 ms, waiting for a CPU 150 ms": the states of at least 1 ms, largest first.
+    pub fn words(&self) -> String {
+        let mut parts = [
+            (self.running, "running"),
+            (self.cpu_wait, "waiting for a CPU"),
+            (self.disk, "blocked on disk"),
+            (self.memory, "in reclaim or swap-in"),
+            (self.idle, "waiting for input"),
+        ];
+        parts.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let said: Vec<String> = parts.iter().filter(|p| p.0 >= 1.0).map(|(ms, w)| format!("{w} {ms:.0} ms")).collect();
+        if said.is_empty() { "running".into() } else { said.join(", ") }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Running,
+    CpuWait,
+    Disk,
+    Memory,
+    Idle,
+}
+
+/// A server thread's share of the critical path.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct OnPath {
+    pub tid: u32,
+    /// Time the path spent in this thread's timeline, ms, by state.
+    pub ms: f64,
+    pub states: States,
+}
+
+/// A request's critical path from its arrival to its first response bytes.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Path {
+    /// The thread that sent the first response bytes, where the walk began.
+    pub writer: u32,
+    /// The threads it went through, the longest first (the writer among them).
+    pub threads: Vec<OnPath>,
+    pub states: States,
+    /// Waits on another server thread the walk followed (futex wake-ups between the threads).
+    pub hops: u32,
+    /// The walk stopped early (a wake-up loop, or too many steps): time not attributed, ms.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub not_walked_ms: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
+
+/// Times of one switch taken microseconds apart (a wait for a CPU can seem to begin a little
+/// before the wake-up that ended the wait before it, in records from before the two shared one
+/// clock reading): the thread ran for none of it.
+const TIE_NS: u64 = 100_000;
+
+/// More steps than a path through a trace's worth of waits should take.
+const MAX_STEPS: usize = 200_000;
+
+impl Threads {
+    /// A thread was blocked from `from` until its wake-up at `to`.
+    pub fn blocked(&mut self, tid: u32, from: u64, to: u64, class: Class, waker: Option<u32>) {
+        self.push(tid, Interval { from, to, off: Off::Blocked { class, waker: waker.filter(|&w| w != tid) } });
+    }
+
+    /// A thread was runnable from `from` until it ran at `to`; `other` had the CPU.
+    pub fn cpu_wait(&mut self, tid: u32, from: u64, to: u64, other: u32) {
+        self.push(tid, Interval { from, to, off: Off::CpuWait { other } });
+    }
+
+    fn push(&mut self, tid: u32, iv: Interval) {
+        if iv.to > iv.from {
+            self.by_tid.entry(tid).or_default().push(iv);
+            self.sorted = false;
+        }
+    }
+
+    /// Sorts each thread's intervals (before [`Threads::walk`]).
+    pub fn finish(&mut self) {
+        for v in self.by_tid.values_mut() {
+            v.sort_by_key(|i| (i.from, i.to));
+        }
+        self.sorted = true;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_tid.is_empty()
+    }
+
+    /// The critical path over `from..to` that ends in thread `writer` at `to`.
+    pub fn walk(&self, writer: u32, from: u64, to: u64) -> Path {
+        debug_assert!(self.sorted, "finish() before walk()");
+        let mut segs: Vec<(u64, u64, State, u32)> = Vec::new();
+        let mut hops = 0;
+        let (mut cur, mut t) = (writer, to);
+        let mut last_hop = None;
+        let mut steps = 0;
+        while t > from {
+            steps += 1;
+            if steps > MAX_STEPS {
+                break;
+            }
+            let ivs = self.by_tid.get(&cur).map_or(&[][..], |v| v.as_slice());
+            // The last interval that began before t.
+            let n = ivs.partition_point(|i| i.from < t);
+            let Some(i) = n.checked_sub(1).map(|k| ivs[k]) else {
+                segs.push((from, t, State::Running, cur));
+                t = from;
+                break;
+            };
+            let end = i.to.min(t);
+            if end < t {
+                segs.push((end.max(from), t, State::Running, cur));
+            }
+            let start = i.from.max(from);
+            match i.off {
+                // Another server thread ended the wait: the path goes on in its timeline from
+                // the wake-up (it was running then: sched_waking ran in it). Two hops at one
+                // instant would be a loop: the second is the waiter's own wait.
+                Off::Blocked { class: Class::Lock, waker: Some(w) } if end > start && i.to <= t + TIE_NS && last_hop != Some(end) => {
+                    hops += 1;
+                    last_hop = Some(end);
+                    cur = w;
+                    t = end;
+                }
+                off => {
+                    let state = match off {
+                        Off::CpuWait { .. } => State::CpuWait,
+                        Off::Blocked { class: Class::Disk, .. } => State::Disk,
+                        Off::Blocked { class: Class::Memory, .. } => State::Memory,
+                        Off::Blocked { .. } => State::Idle,
+                    };
+                    if end > start {
+                        segs.push((start, end, state, cur));
+                    }
+                    // i.from < t, so the walk moves back (or reaches `from`).
+                    t = start;
+                }
+            }
+        }
+        let ms = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e6;
+        let mut states = States::default();
+        let mut threads: Vec<OnPath> = Vec::new();
+        for &(a, b, st, tid) in &segs {
+            states.add(st, ms(a, b));
+            let i = match threads.iter().position(|p| p.tid == tid) {
+                Some(i) => i,
+                None => {
+                    threads.push(OnPath { tid, ..Default::default() });
+                    threads.len() - 1
+                }
+            };
+            threads[i].ms += ms(a, b);
+            threads[i].states.add(st, ms(a, b));
+        }
+        threads.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Path { writer, threads, states, hops, not_walked_ms: if t > from { ms(from, t) } else { 0.0 } }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// The HTTP thread (1) hands the request to the main thread (2) and waits on a condition
+    /// variable; 2 computes, waits for a CPU, reads from disk, and wakes 1, which writes.
+    #[test]
+    fn a_wait_on_another_thread_goes_on_in_its_timeline() {
+        let mut th = Threads::default();
+        // 1: waiting for input until the request (arrival 0 is inside), then blocked on 2.
+        th.blocked(1, 10 * MS, 100 * MS, Class::Lock, Some(2));
+        // 2: idle on its condition variable until 1 woke it at 10 ms; a CPU wait and a disk read.
+        th.blocked(2, 0, 10 * MS, Class::Lock, Some(1));
+        th.cpu_wait(2, 30 * MS, 50 * MS, 999);
+        th.blocked(2, 60 * MS, 70 * MS, Class::Disk, None);
+        // 2 wakes 1 at 100 ms; 2 blocks after.
+        th.blocked(2, 101 * MS, 500 * MS, Class::Lock, None);
+        th.finish();
+        let p = th.walk(1, 0, 110 * MS);
+        let tids: Vec<u32> = p.threads.iter().map(|t| t.tid).collect();
+        assert_eq!(tids, vec![2, 1], "the longest first");
+        // 1 ran 100..110 and 0..10; 2 ran 10..30, 50..60, 70..100.
+        assert!((p.states.running - 80.0).abs() < 1e-6, "{p:?}");
+        assert!((p.states.cpu_wait - 20.0).abs() < 1e-6, "{p:?}");
+        assert!((p.states.disk - 10.0).abs() < 1e-6, "{p:?}");
+        assert_eq!(p.states.idle, 0.0);
+        assert_eq!(p.hops, 2, "1 on 2, and 2 on 1 before it (the hand-over): {p:?}");
+        let h = &p.threads[0];
+        assert!((h.ms - 90.0).abs() < 1e-6);
+        assert!((h.states.running - 60.0).abs() < 1e-6 && (h.states.cpu_wait - 20.0).abs() < 1e-6, "{h:?}");
+        assert_eq!(h.states.words(), "running 60 ms, waiting for a CPU 20 ms, blocked on disk 10 ms");
+        assert!((p.threads[1].ms - 20.0).abs() < 1e-6 && p.threads[1].states.running == p.threads[1].ms);
+        assert_eq!(p.not_walked_ms, 0.0);
+    }
+
+    /// A wait nobody in the server ended (the network, a timer) is idle, in the thread's own time.
+    #[test]
+    fn an_outside_wake_up_is_idle_and_stays_in_the_thread() {
+        let mut th = Threads::default();
+        th.blocked(1, 5 * MS, 25 * MS, Class::Outside, Some(2));
+        th.blocked(1, 30 * MS, 40 * MS, Class::Lock, None);
+        th.finish();
+        let p = th.walk(1, 0, 50 * MS);
+        assert_eq!(p.threads.len(), 1);
+        assert!((p.states.idle - 30.0).abs() < 1e-6 && (p.states.running - 20.0).abs() < 1e-6, "{p:?}");
+        assert_eq!(p.hops, 0);
+    }
+
+    /// Two threads waking each other at one instant (timestamps that tie) end, all time said.
+    #[test]
+    fn a_wake_up_loop_ends() {
+        let mut th = Threads::default();
+        th.blocked(1, 10 * MS, 50 * MS, Class::Lock, Some(2));
+        th.blocked(2, 20 * MS, 50 * MS, Class::Lock, Some(1));
+        th.finish();
+        let p = th.walk(1, 0, 60 * MS);
+        let s = p.states;
+        assert!((s.running + s.cpu_wait + s.disk + s.memory + s.idle + p.not_walked_ms - 60.0).abs() < 1e-6, "{p:?}");
+    }
+
+    /// A thread with no interval ran the whole window.
+    #[test]
+    fn an_unseen_thread_ran() {
+        let mut th = Threads::default();
+        th.finish();
+        let p = th.walk(7, 10 * MS, 30 * MS);
+        assert!((p.states.running - 20.0).abs() < 1e-6);
+    }
+}
