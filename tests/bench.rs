@@ -45,14 +45,21 @@ fn out_dir(name: &str) -> PathBuf {
 
 /// Run `probe bench ARGS --out DIR`; it must succeed; returns results.json.
 fn bench(out: &Path, args: &[&str]) -> Value {
+    let (code, v, text) = bench_exit(out, args);
+    assert_eq!(code, Some(0), "probe bench failed: {text}");
+    v
+}
+
+/// `probe bench` that may exit non-zero (a regression gate): its exit code, results.json and
+/// what it printed.
+fn bench_exit(out: &Path, args: &[&str]) -> (Option<i32>, Value, String) {
     let t = Instant::now();
     let o = Command::new(probe_bin()).arg("bench").args(args).arg("--out").arg(out).output().expect("run probe bench");
     let text = format!("{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     eprintln!("probe bench {} ({:.1} s):\n{text}", args.join(" "), t.elapsed().as_secs_f64());
-    assert!(o.status.success(), "probe bench failed ({}): {text}", o.status);
     let v: Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json")).expect("results.json is JSON");
     assert_eq!(v["interrupted"], false);
-    v
+    (o.status.code(), v, text)
 }
 
 fn rows<'a>(v: &'a Value, level: &str) -> Vec<&'a Value> {
@@ -457,7 +464,9 @@ fn repeated_sweeps_agree_on_an_idle_server_and_a_cpu_hog_is_called_different() {
 
     let a_path = a_dir.join("results.json");
     let mut with_base = args.to_vec();
-    with_base.extend(["--baseline", a_path.to_str().unwrap()]);
+    // The gate (`--fail-on-regression 50`): the rerun on the idle server passes it (`bench`
+    // asserts exit 0), the run beside the hog does not.
+    with_base.extend(["--baseline", a_path.to_str().unwrap(), "--fail-on-regression", "50"]);
     let b = bench(&out_dir("repeat-b"), &with_base);
     let figures = b["baseline"]["figures"].as_array().unwrap();
     assert!(figures.len() >= 12, "{}", b["baseline"]);
@@ -467,8 +476,11 @@ fn repeated_sweeps_agree_on_an_idle_server_and_a_cpu_hog_is_called_different() {
 
     let hog = Hog::start();
     let pids: Vec<u32> = hog.0.iter().map(|c| c.id()).collect();
-    let c = bench(&out_dir("repeat-c"), &with_base);
+    let (code, c, printed) = bench_exit(&out_dir("repeat-c"), &with_base);
     drop(hog);
+    assert_eq!(code, Some(3), "the gate let a run beside a CPU hog pass: {printed}");
+    let gate = printed.lines().find(|l| l.starts_with("probe bench: --fail-on-regression 50")).unwrap_or_else(|| panic!("{printed}"));
+    assert!(gate.contains("got worse by more than 50%") && gate.contains("sh (pid "), "the gate does not name the competitor: {gate}");
     let changed: Vec<&Value> = c["baseline"]["figures"]
         .as_array()
         .unwrap()

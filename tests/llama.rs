@@ -496,10 +496,15 @@ fn cold_model_reload_is_named_in_the_report() {
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(Duration::from_millis(200));
+    // Each answer is whole (not streamed): the client's clock from send to answer is its TTFT.
+    let t = Instant::now();
     let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Good morning", "n_predict": 2}))).unwrap();
+    let cold_ms = t.elapsed().as_secs_f64() * 1e3;
     assert_eq!(st, 200);
     // The warm control: the same request again, model resident.
+    let t = Instant::now();
     let (st, _) = request_once(addr, "POST", "/completion", Some(&json!({"prompt": "Good morning", "n_predict": 2}))).unwrap();
+    let warm_ms = t.elapsed().as_secs_f64() * 1e3;
     assert_eq!(st, 200);
     std::thread::sleep(Duration::from_millis(300));
     // SAFETY: signalling our own child.
@@ -534,6 +539,46 @@ fn cold_model_reload_is_named_in_the_report() {
     assert_eq!(w["ttft_ms"]["load"], 0.0, "{w}");
     assert!(w["ttft_ms"]["disk"].as_f64().unwrap() < 0.1 * warm["ttft_ms"].as_f64().unwrap(), "{w}");
     assert!(["none", "compute"].contains(&w["slow_cause"].as_str().unwrap()), "{w}");
+    // `probe diff` of the recording: its slowest request against its warm baseline (the warm
+    // one) names the model file and the load/disk time, within 10% of what the client's clock
+    // says the morning cost; the off-CPU differential flamegraph is red on the reload's waits.
+    let run = Command::new(probe_bin()).arg("diff").arg(&out).output().unwrap();
+    let said = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "probe diff: {}{said}", String::from_utf8_lossy(&run.stderr));
+    let d: Value = serde_json::from_slice(&std::fs::read(out.join("diff.json")).unwrap()).unwrap();
+    assert_eq!(d["b"]["requests"], json!([cold["id"]]), "{}", d["b"]);
+    assert_eq!(d["a"]["requests"], json!([warm["id"]]), "{}", d["a"]);
+    assert!(["load", "disk"].contains(&d["explained_by"].as_str().unwrap_or("")), "{}", d["headline"]);
+    let part = |p: &str| d["split"].as_array().unwrap().iter().find(|x| x["part"] == p).unwrap()["delta"].as_f64().unwrap();
+    let (moved, client) = (part("load") + part("disk"), cold_ms - warm_ms);
+    eprintln!("probe diff: load+disk {moved:+.0} ms; the client's clock {cold_ms:.0} - {warm_ms:.0} = {client:+.0} ms; {}", d["headline"]);
+    assert!((moved - client).abs() <= 0.10 * client, "load+disk {moved:.0} ms against the client's {client:.0} ms");
+    let headline = d["headline"].as_str().unwrap();
+    assert!(headline.contains(model.to_str().unwrap()), "{headline}");
+    assert!(said.contains(headline), "the summary does not lead with the headline: {said}");
+    let file =
+        d["files"].as_array().unwrap().iter().find(|f| f["path"] == model.to_str().unwrap()).expect("the model file among the files read");
+    assert!(file["b_bytes"].as_f64().unwrap() >= size as f64 / 2.0 && file["a_bytes"].as_f64().unwrap() < 1e6, "{file}");
+    let off = d["flames"].as_array().unwrap().iter().find(|f| f["kind"] == "offcpu").expect("an off-CPU differential flamegraph");
+    let waits = ["[page-fault wait]", "[io wait]"];
+    let wait = off["grew"].as_array().unwrap().iter().map(|f| f["frame"].as_str().unwrap()).find(|f| waits.contains(f));
+    let wait = wait.unwrap_or_else(|| panic!("no IO wait grew: {}", off["grew"]));
+    // inferno colours a stack's innermost frame by its change (flamegraph.pl's differential
+    // rule): the frames inside the wait's tower must be red (more in B).
+    let svg = std::fs::read_to_string(out.join(off["svg"].as_str().unwrap())).unwrap();
+    let frames: Vec<(String, f64, f64, bool)> = svg
+        .split("<g><title>")
+        .skip(1)
+        .map(|g| {
+            let attr = |name: &str| g.split(&format!("{name}=\"")).nth(1).and_then(|r| r.split('"').next()).unwrap_or("");
+            let pct = |v: &str| v.trim_end_matches('%').parse::<f64>().unwrap_or(-1.0);
+            (g.split(" (").next().unwrap().to_string(), pct(attr("x")), pct(attr("width")), attr("fill").starts_with("rgb(255,"))
+        })
+        .collect();
+    let (_, x, w, _) = frames.iter().find(|f| f.0 == wait).unwrap_or_else(|| panic!("{wait} not drawn"));
+    let red = frames.iter().any(|f| f.3 && f.1 >= x - 1e-6 && f.1 + f.2 <= x + w + 1e-6);
+    assert!(red, "nothing inside {wait} is drawn red in {}", off["svg"]);
+    assert!(std::fs::read_to_string(out.join("diff.md")).unwrap().starts_with("## probe diff"));
 }
 
 /// The CPU flamegraph of a generating llama-server (release build, no frame pointers) names

@@ -48,13 +48,16 @@ pub struct Needs {
     pub pprof: bool,
     /// Which stacks the flamegraphs fold.
     pub scope: Scope,
+    /// Also fold each request's stacks on their own ([`Analysis::request_flames`]: `probe
+    /// diff`, which knows which requests it compares only once the verdicts are made).
+    pub per_request: bool,
 }
 
 impl Needs {
     /// The report alone (`probe report`, `--json`, watch's verdicts).
-    pub const REPORT: Needs = Needs { recording: false, flames: false, pprof: false, scope: Scope::All };
+    pub const REPORT: Needs = Needs { recording: false, flames: false, pprof: false, scope: Scope::All, per_request: false };
     /// Every output of a trace: report.json, report.html, flamegraphs, timeline, bundle.
-    pub const ALL: Needs = Needs { recording: true, flames: true, pprof: false, scope: Scope::All };
+    pub const ALL: Needs = Needs { recording: true, flames: true, pprof: false, scope: Scope::All, per_request: true };
 }
 
 /// Why a scope could not be folded.
@@ -83,6 +86,9 @@ pub struct Analysis {
     pub window: Window,
     /// The scope could not be folded: why (the report is still whole).
     pub scope_error: Option<ScopeError>,
+    /// Each request's folded stacks, by request id ([`Needs::per_request`]; requests whose
+    /// start was seen).
+    pub request_flames: std::collections::BTreeMap<u64, std::collections::BTreeMap<flame::Kind, flame::Folded>>,
 }
 
 impl Analysis {
@@ -112,7 +118,17 @@ impl Analysis {
         let names = Names::of(&recording);
         let flames = Flames::of(&recording, Window::default());
         let meta = recording.meta().cloned().unwrap_or_default();
-        Analysis { report, meta, recording, names, flames, samples: None, window: Window::default(), scope_error: None }
+        Analysis {
+            report,
+            meta,
+            recording,
+            names,
+            flames,
+            samples: None,
+            window: Window::default(),
+            scope_error: None,
+            request_flames: Default::default(),
+        }
     }
 
     /// The Perfetto timeline (crate::perfetto) of what the recording kept.
@@ -134,7 +150,8 @@ impl Analysis {
         }
         // The report needs the stacks' user frames counted, not read: flame graphs, pprof and
         // the recording's tail read them.
-        let user_frames = needs.flames || needs.pprof || needs.recording;
+        let fold = needs.flames || needs.per_request;
+        let user_frames = fold || needs.pprof || needs.recording;
         pass1.user_frames = user_frames;
         let mut json_undecodable = 0u64;
         while let Some(f) = pass1.next_frame() {
@@ -149,7 +166,7 @@ impl Analysis {
                 }
                 Frame::Stack(s) => {
                     b.stack_seen(&s);
-                    if needs.flames {
+                    if fold {
                         wanted.stack(&s);
                     }
                     if let Some(k) = keep.as_mut() {
@@ -159,7 +176,7 @@ impl Analysis {
                 Frame::Json(bytes) => match recording::user_record(&bytes) {
                     Some(rec) => {
                         if let Ok(r) = &rec
-                            && needs.flames
+                            && fold
                         {
                             match r {
                                 recording::records::UserRecord::Stack(s) => wanted.stack(s),
@@ -207,8 +224,21 @@ impl Analysis {
                 },
             },
         };
-        let symbols = needs.flames.then(|| Symbols::of(wanted, names.clone()));
-        let mut folder = symbols.as_ref().filter(|_| scope_error.is_none()).map(|s| Folder::new(s, Some(&meta), window));
+        let symbols = fold.then(|| Symbols::of(wanted, names.clone()));
+        let mut folder = symbols.as_ref().filter(|_| scope_error.is_none() && needs.flames).map(|s| Folder::new(s, Some(&meta), window));
+        // One folder per request whose start was seen, found by time (its window, as `Scope::Request`).
+        let mut per_request: Vec<(u64, Folder)> = Vec::new();
+        let mut spans: Vec<Option<(u64, u64)>> = Vec::new();
+        if let (true, Some(syms)) = (needs.per_request, symbols.as_ref()) {
+            for q in b.requests().iter().filter(|q| !q.probe_poll) {
+                let Some(a) = q.arrival_ms else { continue };
+                let from = meta.start_ns + (a * 1e6) as u64;
+                let to = meta.start_ns + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64;
+                spans.push(Some((from, to)));
+                per_request.push((q.id, Folder::new(syms, Some(&meta), Window { from_ns: Some(from), to_ns: Some(to), request: true })));
+            }
+        }
+        let by_time = crate::report::WindowIndex::new(&spans);
         let mut samples = needs.pprof.then(|| pprof::Samples::new(b.requests(), meta.start_ns));
         // Pass 2: the kernel records in time order, the stacks charged and folded.
         let mut pass2 = open()?;
@@ -218,6 +248,14 @@ impl Analysis {
             b.stack(s);
             if let Some(f) = folder.as_mut() {
                 f.add(s);
+            }
+            if !per_request.is_empty() {
+                // An off-CPU wait belongs to the windows its end falls in; any other sample to
+                // the windows its time falls in.
+                let t = if s.what == recording::StackKind::Offcpu { s.ts_ns + s.blocked_ns.unwrap_or(0) } else { s.ts_ns };
+                for &i in by_time.at(t) {
+                    per_request[i].1.add(s);
+                }
             }
             if let Some(p) = samples.as_mut() {
                 p.add(s, &names);
@@ -242,8 +280,9 @@ impl Analysis {
         let problems = pass2.finish();
         debug_assert!(problems.starts_with(&frame_problems), "{problems:?} vs {frame_problems:?}");
         let by_kind = folder.map(Folder::finish);
+        let request_flames = per_request.into_iter().map(|(id, f)| (id, f.finish())).collect();
         let flames = symbols.map(|symbols| Flames { symbols, by_kind: by_kind.unwrap_or_default() }).unwrap_or_default();
-        Ok(Analysis { report: b.finish(problems), meta, recording, names, flames, samples, window, scope_error })
+        Ok(Analysis { report: b.finish(problems), meta, recording, names, flames, samples, window, scope_error, request_flames })
     }
 
     /// One kind's folded stacks (empty when there are none or flames were not asked for).

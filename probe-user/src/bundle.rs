@@ -186,6 +186,7 @@ pub fn write(a: &Analysis, out: &Path, masked: bool, force: bool) -> anyhow::Res
     ];
     let mut flames = Vec::new();
     let mut drawn: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut drawn_svgs: Vec<(String, Vec<u8>)> = Vec::new();
     for kind in flame::Kind::ALL {
         let f = a.folded(kind).into_iter().fold(std::collections::BTreeMap::new(), |mut m, (k, w)| {
             *m.entry(clean(&k)).or_default() += w;
@@ -198,13 +199,31 @@ pub fn write(a: &Analysis, out: &Path, masked: bool, force: bool) -> anyhow::Res
             files.push((format!("flame-{}.folded", kind.name()), flame::folded_text(&f).into_bytes()));
         }
     }
-    let page = html::render(&r, &t, &flames);
+    // The slowest request against its warm baseline, when the recording has both.
+    let mut section = None;
+    if let Some((d, drawn)) = html::diff_of(a, &clean) {
+        let d: crate::diff::Diff = redact::clean_values(&d, &clean).context("cleaned diff")?;
+        files.push(("diff.md".into(), crate::diff::markdown(&d).into_bytes()));
+        files.push(("diff.json".into(), serde_json::to_vec_pretty(&d)?));
+        let mut svgs = vec![];
+        for (name, bytes) in drawn {
+            if name.ends_with(".svg") {
+                svgs.push((name.clone(), String::from_utf8_lossy(&bytes).into_owned()));
+                drawn_svgs.push((name, bytes));
+            } else {
+                files.push((name, bytes));
+            }
+        }
+        section = Some((d, svgs));
+    }
+    let section = section.as_ref().map(|(d, svgs)| html::DiffSection { diff: d, svgs: svgs.clone() });
+    let page = html::render(&r, &t, &flames, section.as_ref());
     drawn.push((html::FILE_NAME.into(), page.into_bytes()));
     let file = crate::output::create_file(out, force)?;
     let mut tar = tar::Builder::new(flate2::write::GzEncoder::new(file, flate2::Compression::default()));
     let stem = out.file_name().and_then(|n| n.to_str()).unwrap_or("probe-bundle").trim_end_matches(".tar.gz").to_string();
     let mut names = Vec::new();
-    for (name, data) in files.into_iter().chain(drawn) {
+    for (name, data) in files.into_iter().chain(drawn).chain(drawn_svgs) {
         let mut h = tar::Header::new_gnu();
         h.set_size(data.len() as u64);
         h.set_mode(0o600);

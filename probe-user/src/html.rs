@@ -432,7 +432,78 @@ document.body.setAttribute('data-rendered',errs.length?'errors':'ok');});})();";
 
 /// The page. `timeline` is the trace crate::perfetto::build makes (its events drawn as they are,
 /// never re-read from JSON); `flames` are (kind, SVG text) pairs.
-pub fn render(r: &Report, timeline: &crate::perfetto::Trace, flamegraphs: &[(String, String)]) -> String {
+/// The diff section of the page: the slowest request against its warm baseline, and its
+/// differential flamegraphs (name, SVG).
+pub struct DiffSection<'a> {
+    pub diff: &'a crate::diff::Diff,
+    pub svgs: Vec<(String, String)>,
+}
+
+/// The slowest request of an analysis against its warm baseline, when it has both and its
+/// stacks were folded per request (`Needs::per_request`); `clean` renames frames.
+pub fn diff_of(a: &crate::analysis::Analysis, clean: &dyn Fn(&str) -> String) -> Option<(crate::diff::Diff, Vec<(String, Vec<u8>)>)> {
+    use crate::diff;
+    let (warm, slow) = diff::default_pair(&a.report).ok()?;
+    let label = |w: &[u64]| format!("the warm baseline: request(s) {}", w.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
+    let ia = diff::Input { analysis: a, dir: "this recording".into(), label: label(&warm), ids: warm };
+    let ib = diff::Input {
+        analysis: a,
+        dir: "this recording".into(),
+        label: format!("request {slow} (the slowest first token)"),
+        ids: vec![slow],
+    };
+    let d = diff::compare(&ia, &ib, false, true).ok()?;
+    let drawn = diff::draw(&d, &ia, &ib, clean).ok()?;
+    Some((d, drawn))
+}
+
+fn diff_section(o: &mut String, s: &DiffSection<'_>) {
+    let d = s.diff;
+    let _ = writeln!(o, "<h2 id=\"diff\">Slowest against warm</h2>");
+    let _ = writeln!(o, "<p><strong>{}</strong></p>", escape(&d.headline));
+    let _ = writeln!(
+        o,
+        "<p class=\"muted\">A: {}; B: {}. `probe diff` writes this as diff.md and diff.json.</p>",
+        escape(&d.a.label),
+        escape(&d.b.label)
+    );
+    let _ = writeln!(o, "<table><tr><th></th><th>A</th><th>B</th><th>B − A</th></tr>");
+    let mut row = |name: &str, x: &crate::diff::Delta| {
+        let _ = writeln!(o, "<tr><td>{}</td><td>{:.0} ms</td><td>{:.0} ms</td><td>{:+.0} ms</td></tr>", escape(name), x.a, x.b, x.delta);
+    };
+    if let Some(t) = &d.ttft_ms {
+        row("TTFT", t);
+    }
+    for p in d.split.iter().filter(|p| p.ms.a.abs() >= 0.5 || p.ms.b.abs() >= 0.5) {
+        row(&format!("↳ {}", p.part), &p.ms);
+    }
+    let _ = writeln!(o, "</table>");
+    for f in &d.flames {
+        let _ = writeln!(
+            o,
+            "<p>{} ({}, {}): {}</p>",
+            escape(&f.kind),
+            escape(&f.unit),
+            escape(&f.normalised),
+            escape(&crate::diff::flame_words(f))
+        );
+    }
+    for (name, svg) in &s.svgs {
+        if svg.len() > MAX_FLAME_BYTES {
+            let _ = writeln!(o, "<p>{}: too large to embed.</p>", escape(name));
+            continue;
+        }
+        let _ = writeln!(
+            o,
+            "<figure><figcaption>{} (red: more in B, blue: less)</figcaption><img class=\"flame\" alt=\"{} differential flamegraph\" src=\"data:image/svg+xml;base64,{}\"></figure>",
+            escape(name),
+            escape(name),
+            base64(svg.as_bytes())
+        );
+    }
+}
+
+pub fn render(r: &Report, timeline: &crate::perfetto::Trace, flamegraphs: &[(String, String)], diff: Option<&DiffSection<'_>>) -> String {
     let mut o = String::with_capacity(64 * 1024);
     let _ = writeln!(o, "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">");
     // Nothing may be fetched: the page works offline and cannot leak anything when opened.
@@ -461,6 +532,9 @@ pub fn render(r: &Report, timeline: &crate::perfetto::Trace, flamegraphs: &[(Str
     let _ = writeln!(o, "<div class=\"scroll\">{}</div>", chart.svg);
     for n in &chart.notes {
         let _ = writeln!(o, "<p class=\"muted\">{}</p>", escape(n));
+    }
+    if let Some(d) = diff {
+        diff_section(&mut o, d);
     }
     flames(&mut o, flamegraphs);
     tables(&mut o, r);
@@ -492,7 +566,16 @@ pub fn flamegraphs(flames: &flame::Flames, dir: Option<&Path>) -> Vec<(String, S
 
 /// Write `dir/report.html` for a recording already analysed; returns its path.
 pub fn write_for(a: &crate::analysis::Analysis, dir: &crate::output::OutDir) -> anyhow::Result<PathBuf> {
-    let page = render(&a.report, &a.timeline(), &flamegraphs(&a.flames, Some(dir.path())));
+    let diff = diff_of(a, &|s: &str| s.to_string());
+    let section = diff.as_ref().map(|(d, drawn)| DiffSection {
+        diff: d,
+        svgs: drawn
+            .iter()
+            .filter(|(n, _)| n.ends_with(".svg"))
+            .map(|(n, b)| (n.clone(), String::from_utf8_lossy(b).into_owned()))
+            .collect(),
+    });
+    let page = render(&a.report, &a.timeline(), &flamegraphs(&a.flames, Some(dir.path())), section.as_ref());
     dir.write(FILE_NAME, page.as_bytes())
 }
 
@@ -601,7 +684,7 @@ mod tests {
         r.problems.push("<img src=x onerror=alert(1)>".into());
         let tl = json!({"traceEvents": [{"ph": "X", "name": "<script>", "pid": 1, "tid": 1, "ts": 0, "dur": 5}]});
         let tl: crate::perfetto::Trace = serde_json::from_value(tl).unwrap();
-        let page = render(&r, &tl, &[("cpu".into(), "<svg xmlns=\"http://www.w3.org/2000/svg\"/>".into())]);
+        let page = render(&r, &tl, &[("cpu".into(), "<svg xmlns=\"http://www.w3.org/2000/svg\"/>".into())], None);
         assert!(!page.contains("<b>srv") && !page.contains("<img src=x") && !page.contains("<script>\""));
         assert!(page.contains("&lt;b&gt;srv&lt;/b&gt;") && page.contains("&quot;/m/&lt;x&gt;.gguf&quot;") && page.contains("a&amp;b"));
         assert!(page.contains("&lt;script&gt;"));

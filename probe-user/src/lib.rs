@@ -11,6 +11,7 @@ pub mod cgroup;
 pub mod collector;
 pub mod critical;
 pub mod decode;
+pub mod diff;
 pub mod doctor;
 pub mod engine;
 pub mod export;
@@ -47,6 +48,8 @@ pub mod exit {
     pub const PARTIAL: i32 = 1;
     /// Nothing useful happened: bad arguments, no such pid, no permission, kernel refused.
     pub const ERROR: i32 = 2;
+    /// `probe bench --fail-on-regression`: a figure got worse than the gate allows.
+    pub const REGRESSION: i32 = 3;
 }
 
 /// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns()` and of every record.

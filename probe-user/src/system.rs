@@ -123,6 +123,11 @@ pub struct ModelFile {
     pub readings: u64,
     /// Pages evicted while tracing (cachestat), if known.
     pub evicted: Option<u64>,
+    /// Its inode and modification time (seconds since the epoch), when the recording has them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inode: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtime_unix_s: Option<i64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -316,6 +321,8 @@ pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System
                         bytes: r.bytes,
                         resident_start: share,
                         resident_min: share,
+                        inode: (r.inode != 0).then_some(r.inode),
+                        mtime_unix_s: (r.inode != 0).then_some(r.mtime_unix_s),
                         ..Default::default()
                     });
                     f.resident_end = share;

@@ -201,6 +201,55 @@ pub struct Verdict {
     /// bytes through the server's threads (see crate::critical), when the offcpu probe saw it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub critical_path: Option<crate::critical::Path>,
+    /// Files read from disk between arrival and the first token (largest first): what
+    /// `probe diff` sets side by side.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files_read: Vec<FileRead>,
+    /// Other processes that held a CPU while the request's threads waited for one (largest
+    /// first), from the scheduler's switch records.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub competitors: Vec<Competitor>,
+    /// The model files' share in the page cache at the last reading before arrival.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_resident: Vec<Resident>,
+}
+
+/// A model file's page-cache residency before a request.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Resident {
+    pub path: String,
+    /// 0–1.
+    pub share: f64,
+    /// How long before arrival it was read, ms.
+    pub read_ms_before: f64,
+}
+
+/// A file read from disk in a request's window.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FileRead {
+    pub path: String,
+    pub bytes: u64,
+}
+
+/// Another process that ran while a target thread waited for a CPU, and for how long.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Competitor {
+    pub pid: u32,
+    pub comm: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    pub ms: f64,
+}
+
+impl Competitor {
+    /// "stress (pid 43, cgroup /user.slice)".
+    pub fn who(&self) -> String {
+        match (&self.comm, &self.cgroup) {
+            (Some(c), Some(g)) => format!("{c} (pid {}, cgroup {g})", self.pid),
+            (Some(c), None) => format!("{c} (pid {})", self.pid),
+            (None, _) => format!("pid {}", self.pid),
+        }
+    }
 }
 
 /// A closed set of values serialized as the documented snake_case words: `name()` gives the
@@ -437,9 +486,9 @@ fn around<T>(v: &[T], ts: impl Fn(&T) -> u64, from: u64, until: u64) -> &[T] {
     &v[lo..hi]
 }
 
-/// "N ms waiting for a CPU ...; the CPUs went to: who (pid, cgroup) M ms, ...": what ran on the
-/// CPU a waiting thread got back, charged with that wait (clipped to the window).
-fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64, throttled: bool) -> String {
+/// What ran on the CPUs the target's threads waited for, charged with each wait (clipped to
+/// `from..to`), largest first; the target's own processes left out.
+fn competitors(w: &Window<'_>, from: u64, to: u64) -> Vec<Competitor> {
     let mut by: HashMap<u32, u64> = HashMap::new();
     for c in w.cpu_waits {
         let (a, b) = (c.from.max(from), c.to.min(to));
@@ -449,21 +498,22 @@ fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64, throttled: bool) -
     }
     let mut top: Vec<(u32, u64)> = by.into_iter().collect();
     top.sort_by_key(|&(pid, ns)| (std::cmp::Reverse(ns), pid));
-    let names: Vec<String> = top
-        .iter()
-        .take(3)
-        .map(|&(pid, ns)| {
-            let who = match w.other_names.and_then(|n| n.get(&pid)) {
-                Some((comm, Some(cg))) => format!("{comm} (pid {pid}, cgroup {cg})"),
-                Some((comm, None)) => format!("{comm} (pid {pid})"),
-                None => format!("pid {pid}"),
-            };
-            format!("{who} {:.0} ms", ns as f64 / 1e6)
+    top.into_iter()
+        .map(|(pid, ns)| {
+            let (comm, cgroup) = w.other_names.and_then(|n| n.get(&pid)).map_or((None, None), |(c, g)| (Some(c.clone()), g.clone()));
+            Competitor { pid, comm, cgroup, ms: ns as f64 / 1e6 }
         })
-        .collect();
+        .collect()
+}
+
+/// "N ms waiting for a CPU ...; the CPUs went to: who (pid, cgroup) M ms, ...": what ran on the
+/// CPU a waiting thread got back, charged with that wait (clipped to the window).
+fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64, throttled: bool) -> String {
+    let top = competitors(w, from, to);
+    let names: Vec<String> = top.iter().take(3).map(|c| format!("{} {:.0} ms", c.who(), c.ms)).collect();
     let went = if names.is_empty() { String::new() } else { format!("; the CPU went to: {}", names.join(", ")) };
     // Throttled, with others holding under half the wait: the CPUs were mostly idle meanwhile.
-    let others_ms = top.iter().map(|t| t.1).sum::<u64>() as f64 / 1e6;
+    let others_ms: f64 = top.iter().map(|c| c.ms).sum();
     let why = if throttled && others_ms < 0.5 * cpu {
         "its CPU quota ran out, while the CPUs were mostly idle"
     } else if throttled {
@@ -532,6 +582,8 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     } else {
         SlowCause::None
     };
+    v.files_read = w.files_read.iter().filter(|f| f.1 > 0).map(|(path, bytes, _)| FileRead { path: path.clone(), bytes: *bytes }).collect();
+    v.competitors = competitors(w, b.served_from, b.to).into_iter().take(10).collect();
     v.ttft_ms = Some(b.split);
     v
 }

@@ -131,9 +131,14 @@ pub fn wait_healthy(addr: std::net::SocketAddr) {
 /// dies with the test process (PR_SET_PDEATHSIG from a spawning thread that never ends);
 /// returned once /health answers.
 pub fn shared_llama_server(args: &[&str]) -> (Child, std::net::SocketAddr) {
+    llama_server_from(&env_path("LLAMA_SERVER"), args)
+}
+
+/// [`shared_llama_server`] from another llama-server executable (a copy, another build).
+pub fn llama_server_from(exe: &std::path::Path, args: &[&str]) -> (Child, std::net::SocketAddr) {
     use std::os::unix::process::CommandExt;
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut cmd = Command::new(env_path("LLAMA_SERVER"));
+    let mut cmd = Command::new(exe);
     cmd.arg("-m").arg(env_path("LLAMA_MODEL")).args(args).args(["--host", "127.0.0.1", "--port", &port.to_string()]);
     cmd.stdout(Stdio::null()).stderr(Stdio::null());
     // SAFETY: prctl in the child before exec; the server dies with the thread that spawned it,

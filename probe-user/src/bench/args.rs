@@ -202,6 +202,10 @@ pub struct BenchArgs {
     /// figures against the same level's there, called changed only beyond their intervals.
     #[arg(long)]
     pub baseline: Option<PathBuf>,
+    /// With --baseline: exit 3 when a figure got worse by more than PCT% (beyond its interval
+    /// when both runs were repeated), naming the machine-state differences (a CI gate).
+    #[arg(long, value_name = "PCT", requires = "baseline", value_parser = parse_gate_pct)]
+    pub fail_on_regression: Option<f64>,
     /// Also run another benchmark's own CLI on the same server and workload (concurrency sweep
     /// levels, the same prompts and output length) and print both tools' figures side by side.
     #[arg(long, value_enum)]
@@ -251,5 +255,13 @@ mod tests {
             (label(Duration::ZERO), label(Duration::from_secs(5)), label(Duration::from_secs(600)), label(Duration::from_millis(1500))),
             ("0s".into(), "5s".into(), "10m".into(), "1500ms".into())
         );
+    }
+}
+
+/// A percentage above 0 (a regression gate may allow more than 100%).
+fn parse_gate_pct(s: &str) -> Result<f64, String> {
+    match s.trim().trim_end_matches('%').parse::<f64>() {
+        Ok(p) if p.is_finite() && p > 0.0 => Ok(p),
+        _ => Err(format!("`{s}` is not a percentage above 0 (e.g. 50)")),
     }
 }

@@ -156,6 +156,38 @@ impl Comparison {
         self.figures.iter().filter(|f| f.beyond_intervals)
     }
 
+    /// Figures that got worse by more than `pct`%: beyond their intervals when both runs have
+    /// them (a single run on either side is judged by the change alone).
+    pub fn regressions(&self, pct: f64) -> Vec<&Change> {
+        let judged = |f: &Change| f.before_interval.is_some() && f.after_interval.is_some();
+        self.figures.iter().filter(|f| f.worse && f.change_pct.abs() > pct && (f.beyond_intervals || !judged(f))).collect()
+    }
+
+    /// The gate's verdict: None when it passes.
+    pub fn gate(&self, pct: f64) -> Option<String> {
+        let r = self.regressions(pct);
+        if r.is_empty() {
+            return None;
+        }
+        let what: Vec<String> = r
+            .iter()
+            .take(6)
+            .map(|f| format!("{} {} {} {:.1} against {:.1} ({:+.0}%)", f.sweep, f.level, nice(&f.figure), f.after, f.before, f.change_pct))
+            .collect();
+        let machine = if self.machine.is_empty() {
+            "no machine-state difference seen between the runs".to_string()
+        } else {
+            format!("the machine differed: {}", self.machine.join("; "))
+        };
+        Some(format!(
+            "--fail-on-regression {pct}: {} figure(s) got worse by more than {pct}% against {}: {}{}; {machine}",
+            r.len(),
+            self.path,
+            what.join("; "),
+            if r.len() > 6 { format!(" and {} more", r.len() - 6) } else { String::new() }
+        ))
+    }
+
     pub fn words(&self) -> Vec<String> {
         let mut out = Vec::new();
         let judged = self.figures.iter().filter(|f| f.before_interval.is_some() && f.after_interval.is_some()).count();

@@ -384,6 +384,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     if let Some(c) = &compared {
         conclusions.extend(c.words());
     }
+    let gate = compared.as_ref().zip(args.fail_on_regression).and_then(|(c, pct)| c.gate(pct));
+    if let Some(g) = &gate {
+        conclusions.push(g.clone());
+    }
     let other = match args.compare_with {
         Some(args::Other::Aiperf) if !interrupted => match aiperf::compare(&run, &args) {
             Ok(c) => Some(c),
@@ -459,6 +463,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     }
     println!("\n(definitions and notes in {})", args.out.join("summary.txt").display());
     result?;
+    if let Some(g) = gate {
+        eprintln!("probe bench: {}", crate::text::terminal(&g));
+        return Ok(crate::exit::REGRESSION);
+    }
     Ok(if interrupted { crate::exit::PARTIAL } else { crate::exit::OK })
 }
 

@@ -218,6 +218,7 @@ fn meta(opts: &TraceOptions, attached: &probes::Attached, start_ns: u64, armed_m
         comm: procfs::comm(opts.pid),
         cmdline: crate::redact::command_line(&procfs::cmdline_args(opts.pid)),
         exe: std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
+        exe_build_id: std::fs::File::open(format!("/proc/{}/exe", opts.pid)).ok().and_then(|f| crate::flame::symbols::build_id(&f)),
         targets: attached.targets.clone(),
         start_ns,
         window_start_ns: None,

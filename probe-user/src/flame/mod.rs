@@ -53,7 +53,7 @@ impl Kind {
             Kind::Io => StackKind::Io,
         }
     }
-    fn unit(self) -> &'static str {
+    pub fn unit(self) -> &'static str {
         match self {
             Kind::Cpu => "samples",
             Kind::Offcpu => "us",

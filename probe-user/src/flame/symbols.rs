@@ -127,7 +127,7 @@ fn sealed_copy(file: &std::fs::File, size: u64) -> Option<std::fs::File> {
 }
 
 /// The GNU build ID note of an ELF file, read lazily (headers and the note only).
-fn build_id(file: &std::fs::File) -> Option<String> {
+pub(crate) fn build_id(file: &std::fs::File) -> Option<String> {
     use object::Object as _;
     let cache = object::read::ReadCache::new(file.try_clone().ok()?);
     let elf = object::File::parse(&cache).ok()?;

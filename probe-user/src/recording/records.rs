@@ -117,6 +117,9 @@ pub struct Meta {
     pub comm: String,
     pub cmdline: String,
     pub exe: String,
+    /// The executable's GNU build id, read at attach (its ELF note only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exe_build_id: Option<String>,
     /// Pids traced at attach (the target and its descendants).
     pub targets: Vec<u32>,
     /// CLOCK_MONOTONIC at the start; every `ts_ns` is on this clock.

@@ -79,13 +79,13 @@ const REORDER: usize = 1 << 16;
 
 /// Which requests' windows cover a time: the windows cut the timeline into segments, each with
 /// the requests that cover it; a lookup is one binary search.
-struct WindowIndex {
+pub(crate) struct WindowIndex {
     bounds: Vec<u64>,
     covering: Vec<Vec<usize>>,
 }
 
 impl WindowIndex {
-    fn new(windows: &[Option<(u64, u64)>]) -> Self {
+    pub(crate) fn new(windows: &[Option<(u64, u64)>]) -> Self {
         let mut bounds: Vec<u64> = windows.iter().flatten().flat_map(|&(a, b)| [a, b.saturating_add(1)]).collect();
         bounds.sort_unstable();
         bounds.dedup();
@@ -97,7 +97,7 @@ impl WindowIndex {
     }
 
     /// The windows `[from, to]` (inclusive) that contain `t`.
-    fn at(&self, t: u64) -> &[usize] {
+    pub(crate) fn at(&self, t: u64) -> &[usize] {
         match self.bounds.partition_point(|&b| b <= t).checked_sub(1) {
             Some(i) => &self.covering[i],
             None => &[],
@@ -775,6 +775,9 @@ impl Builder {
         let prefix_cache_in =
             |from: u64, until: u64| Some((grew("vllm:prefix_cache_hits", from, until)?, grew("vllm:prefix_cache_queries", from, until)?));
         let lost: u64 = r.lost_events.values().sum();
+        let mut residency: Vec<&crate::sampler::records::ResidencyReading> =
+            samples.iter().filter_map(|v| if let Sample::Residency(x) = v { Some(x) } else { None }).collect();
+        residency.sort_by_key(|r| r.ts_ns);
         let names = &self.file_names;
         let name = |k: &FileKey| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
         // When each request was being served: from the start of its prompt processing (its last
@@ -847,7 +850,21 @@ impl Builder {
                 path: q.writer_tid.filter(|_| offcpu_probe && !self.threads.is_empty()).map(|t| self.threads.walk(t, from, to)),
                 engine: q.engine.as_ref(),
             };
-            q.verdict = Some(crate::verdict::attribute(q, &w));
+            let mut v = crate::verdict::attribute(q, &w);
+            // The model files' page-cache residency at the last reading before arrival.
+            let i = residency.partition_point(|r| r.ts_ns <= from);
+            if let Some(r) = i.checked_sub(1).map(|i| residency[i]) {
+                v.model_resident = r
+                    .files
+                    .iter()
+                    .map(|f| crate::verdict::Resident {
+                        path: f.path.clone(),
+                        share: f.share(),
+                        read_ms_before: (from - r.ts_ns) as f64 / 1e6,
+                    })
+                    .collect();
+            }
+            q.verdict = Some(v);
         }
         super::prompt::prompts(&mut r.requests);
         against_warm(&mut r.requests, &self.kept_warm);

@@ -243,7 +243,7 @@ mod tests {
             Sample::Residency(ResidencyReading {
                 ts_ns: 6,
                 why: ResidencyWhy::OnDemand,
-                files: vec![Residency { path: "/m".into(), bytes: 8, pages: 2, resident: 1, evicted: None }],
+                files: vec![Residency { path: "/m".into(), bytes: 8, pages: 2, resident: 1, evicted: None, inode: 5, mtime_unix_s: 6 }],
             }),
             Sample::Endpoint(EndpointPoll {
                 ts_ns: 7,

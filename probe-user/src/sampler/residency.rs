@@ -17,6 +17,20 @@ pub struct Residency {
     pub resident: u64,
     /// Pages of the file evicted from the cache (cachestat only; since boot, per inode history).
     pub evicted: Option<u64>,
+    /// Which file it is (`probe diff` compares model files by these, never by a hash: reading
+    /// the file would warm the page cache being compared).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub inode: u64,
+    #[serde(default, skip_serializing_if = "is_zero_i")]
+    pub mtime_unix_s: i64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_zero_i(n: &i64) -> bool {
+    *n == 0
 }
 
 impl Residency {
@@ -60,11 +74,13 @@ impl Watched {
 
 /// The residency of the open file `f` (named `path` in the result).
 pub fn measure(f: &File, path: &str) -> Option<Residency> {
-    let bytes = f.metadata().ok()?.len();
+    let md = f.metadata().ok()?;
+    let bytes = md.len();
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
     let pages = bytes.div_ceil(page);
-    let mut r = Residency { path: path.to_string(), bytes, pages, ..Default::default() };
+    use std::os::unix::fs::MetadataExt as _;
+    let mut r = Residency { path: path.to_string(), bytes, pages, inode: md.ino(), mtime_unix_s: md.mtime(), ..Default::default() };
     if bytes == 0 {
         return Some(r);
     }
