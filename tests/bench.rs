@@ -432,7 +432,7 @@ fn repeated_sweeps_agree_on_an_idle_server_and_a_cpu_hog_is_called_different() {
         "--levels",
         "1,2",
         "--requests-per-level",
-        "2",
+        "3",
         "--max-tokens",
         "24",
         "--ignore-eos",
@@ -446,7 +446,7 @@ fn repeated_sweeps_agree_on_an_idle_server_and_a_cpu_hog_is_called_different() {
     assert_eq!(a["runs"].as_array().unwrap().len(), 6, "2 levels x 3 runs");
     for l in levels {
         assert_eq!(l["runs"], 3);
-        assert_eq!(l["requests"], 6, "{l}");
+        assert_eq!(l["requests"], 9, "{l}");
         for f in ["ttft_ms_p50", "tpot_ms_mean", "output_tokens_mean", "throughput_output_tps"] {
             let i = &l["intervals"][f];
             let (lo, hi, mean) = (i["lo"].as_f64().unwrap(), i["hi"].as_f64().unwrap(), i["mean"].as_f64().unwrap());

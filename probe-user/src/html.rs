@@ -441,7 +441,7 @@ pub struct DiffSection<'a> {
 
 /// The slowest request of an analysis against its warm baseline, when it has both and its
 /// stacks were folded per request (`Needs::per_request`); `clean` renames frames.
-pub fn diff_of(a: &crate::analysis::Analysis, clean: &dyn Fn(&str) -> String) -> Option<(crate::diff::Diff, Vec<(String, Vec<u8>)>)> {
+pub fn diff_of(a: &crate::analysis::Analysis, clean: &dyn Fn(&str) -> String) -> Option<(crate::diff::Diff, crate::diff::Drawn)> {
     use crate::diff;
     let (warm, slow) = diff::default_pair(&a.report).ok()?;
     let label = |w: &[u64]| format!("the warm baseline: request(s) {}", w.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));

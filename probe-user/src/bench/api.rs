@@ -131,20 +131,7 @@ impl Api {
     }
 }
 
-/// Output tokens and where the number came from: the server's usage, its timings, Ollama's
-/// eval_count, or the content messages the client counted.
-pub fn output_tokens(stop: &Stop, chunks: usize) -> (u64, &'static str) {
-    if let Some(n) = stop.usage.as_ref().and_then(|u| u["completion_tokens"].as_u64()) {
-        return (n, "usage");
-    }
-    if let Some(n) = stop.server_timings.as_ref().and_then(|t| t["predicted_n"].as_u64()) {
-        return (n, "timings");
-    }
-    if let Some(n) = stop.server_timings.as_ref().and_then(|t| t["eval_count"].as_u64()) {
-        return (n, "eval_count");
-    }
-    (chunks as u64, "chunks")
-}
+pub use crate::stream::payload::output_tokens;
 
 /// Prompt tokens the server took from its cache: `usage.prompt_tokens_details.cached_tokens`
 /// (OpenAI, vLLM, newer llama-server), else llama.cpp's `timings.cache_n`.

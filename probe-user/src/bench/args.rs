@@ -233,6 +233,14 @@ pub struct BenchArgs {
     pub health_timeout: Duration,
 }
 
+/// A percentage above 0 (a regression gate may allow more than 100%).
+fn parse_gate_pct(s: &str) -> Result<f64, String> {
+    match s.trim().trim_end_matches('%').parse::<f64>() {
+        Ok(p) if p.is_finite() && p > 0.0 => Ok(p),
+        _ => Err(format!("`{s}` is not a percentage above 0 (e.g. 50)")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,13 +263,5 @@ mod tests {
             (label(Duration::ZERO), label(Duration::from_secs(5)), label(Duration::from_secs(600)), label(Duration::from_millis(1500))),
             ("0s".into(), "5s".into(), "10m".into(), "1500ms".into())
         );
-    }
-}
-
-/// A percentage above 0 (a regression gate may allow more than 100%).
-fn parse_gate_pct(s: &str) -> Result<f64, String> {
-    match s.trim().trim_end_matches('%').parse::<f64>() {
-        Ok(p) if p.is_finite() && p > 0.0 => Ok(p),
-        _ => Err(format!("`{s}` is not a percentage above 0 (e.g. 50)")),
     }
 }

@@ -346,6 +346,21 @@ impl Stop {
     }
 }
 
+/// Output tokens and where the number came from: the server's usage, its timings, Ollama's
+/// eval_count, or the content messages the client counted.
+pub fn output_tokens(stop: &Stop, chunks: usize) -> (u64, &'static str) {
+    if let Some(n) = stop.usage.as_ref().and_then(|u| u["completion_tokens"].as_u64()) {
+        return (n, "usage");
+    }
+    if let Some(n) = stop.server_timings.as_ref().and_then(|t| t["predicted_n"].as_u64()) {
+        return (n, "timings");
+    }
+    if let Some(n) = stop.server_timings.as_ref().and_then(|t| t["eval_count"].as_u64()) {
+        return (n, "eval_count");
+    }
+    (chunks as u64, "chunks")
+}
+
 fn s(v: &Value) -> Option<String> {
     v.as_str().map(String::from)
 }
