@@ -730,7 +730,10 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     let load = match (loaded.first(), reloaded.last()) {
         (Some((t, p)), _) => {
             let first = w.files_read.iter().filter(|(f, _, _)| f == p).map(|f| f.2).min().unwrap_or(*t).min(*t).max(from);
-            ((to.saturating_sub(first)) as f64 / 1e6 - disk - memory).clamp(0.0, ttft)
+            // Until the server's own prompt processing began, when its timings say (that is
+            // compute, not load); else until the first token.
+            let until = if timings.is_some() { served_from.max(first) } else { to };
+            ((until.saturating_sub(first)) as f64 / 1e6 - disk - memory).clamp(0.0, ttft)
         }
         (None, Some((t, _))) => {
             let before_work = if timings.is_some() { ttft - prompt - generated } else { t.saturating_sub(from) as f64 / 1e6 };
@@ -904,6 +907,11 @@ mod tests {
         let s = v.ttft_ms.clone().unwrap();
         assert_eq!(s.disk, 1200.0);
         assert_eq!(s.load, 280.0); // from the first read (20 ms after arrival) to the token, less disk
+        // With the server's timings, the load ends where its prompt processing began: that is compute.
+        let mut timed = req(1500.0);
+        timed.stop.server_timings = Some(serde_json::json!({"prompt_ms": 100.0}));
+        let s = attribute(&timed, &w).ttft_ms.unwrap();
+        assert_eq!((s.disk, s.load, s.compute), (1200.0, 180.0, 100.0));
         assert_eq!(v.slow_cause.name(), "disk");
         assert!(v.evidence.iter().any(|e| e.contains("/models/m.gguf (98.0 MiB)")), "{:?}", v.evidence);
     }
