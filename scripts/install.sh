@@ -31,7 +31,7 @@ bash_c="$prefix/share/bash-completion/completions/probe"
 zsh_c="$prefix/share/zsh/site-functions/_probe"
 fish_c="$prefix/share/fish/vendor_completions.d/probe.fish"
 # What an install writes, the only paths an uninstall removes.
-pages=(probe probe-trace probe-watch probe-report probe-flamegraph probe-timeline probe-export probe-bundle probe-doctor
+pages=(probe probe-trace probe-watch probe-report probe-flamegraph probe-timeline probe-export probe-bundle probe-diff probe-doctor
        probe-completions probe-man probe-bench)
 
 if [ "$uninstall" = 1 ]; then

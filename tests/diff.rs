@@ -121,6 +121,11 @@ fn two_thread_counts_differ_by_their_flag_and_decode_time() {
     inferno::flamegraph::from_reader(&mut opts, folded.as_bytes(), &mut svg).unwrap();
     let svg = String::from_utf8(svg).unwrap();
     assert!(svg.contains("ggml_vec_dot"), "the redrawn SVG does not name the model's kernels");
+    // ... and every frame the diff says grew (as the SVG escapes text).
+    let escape = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
+    for f in &grew {
+        assert!(svg.contains(&escape(f)), "the redrawn SVG does not name {f}, which grew");
+    }
     assert!(out.join("diff.md").exists() && out.join("diff-cpu.svg").exists());
     assert!(d["mismatch"].as_array().unwrap().iter().any(|m| m.as_str().unwrap().contains("build id")), "{}", d["mismatch"]);
     let _ = std::fs::remove_file(other);
