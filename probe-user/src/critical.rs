@@ -52,10 +52,12 @@ struct Interval {
     off: Off,
 }
 
-/// Each traced thread's off-CPU intervals, by tid.
+/// Each traced thread's off-CPU intervals, by tid, and the on-CPU time it spent in memory work
+/// (swap-in, estimated from CPU samples).
 #[derive(Default)]
 pub struct Threads {
     by_tid: HashMap<u32, Vec<Interval>>,
+    memory_on_cpu: HashMap<u32, Vec<(u64, u64)>>,
     sorted: bool,
 }
 
@@ -152,6 +154,37 @@ impl Threads {
         self.push(tid, Interval { from, to, off: Off::CpuWait { other } });
     }
 
+    /// A thread was on the CPU faulting memory back in (the kernel's swap-in path) over
+    /// `from..to`: running time the path counts as memory.
+    pub fn memory_on_cpu(&mut self, tid: u32, from: u64, to: u64) {
+        if to > from {
+            self.memory_on_cpu.entry(tid).or_default().push((from, to));
+            self.sorted = false;
+        }
+    }
+
+    /// The running segment `from..to` of `tid`, split where it was in memory work on the CPU.
+    fn running(&self, segs: &mut Vec<(u64, u64, State, u32)>, from: u64, to: u64, tid: u32) {
+        let mem = self.memory_on_cpu.get(&tid).map_or(&[][..], |v| v.as_slice());
+        let mut t = from;
+        // Intervals are sorted by start and may overlap (samples a period apart, or closer).
+        let first = mem.partition_point(|m| m.1 <= from);
+        for &(a, b) in mem[first..].iter().take_while(|m| m.0 < to) {
+            let (a, b) = (a.max(t), b.min(to));
+            if b <= a {
+                continue;
+            }
+            if a > t {
+                segs.push((t, a, State::Running, tid));
+            }
+            segs.push((a, b, State::Memory, tid));
+            t = b;
+        }
+        if to > t {
+            segs.push((t, to, State::Running, tid));
+        }
+    }
+
     fn push(&mut self, tid: u32, iv: Interval) {
         if iv.to > iv.from {
             self.by_tid.entry(tid).or_default().push(iv);
@@ -163,6 +196,9 @@ impl Threads {
     pub fn finish(&mut self) {
         for v in self.by_tid.values_mut() {
             v.sort_by_key(|i| (i.from, i.to));
+        }
+        for v in self.memory_on_cpu.values_mut() {
+            v.sort_unstable();
         }
         self.sorted = true;
     }
@@ -188,13 +224,13 @@ impl Threads {
             // The last interval that began before t.
             let n = ivs.partition_point(|i| i.from < t);
             let Some(i) = n.checked_sub(1).map(|k| ivs[k]) else {
-                segs.push((from, t, State::Running, cur));
+                self.running(&mut segs, from, t, cur);
                 t = from;
                 break;
             };
             let end = i.to.min(t);
             if end < t {
-                segs.push((end.max(from), t, State::Running, cur));
+                self.running(&mut segs, end.max(from), t, cur);
             }
             let start = i.from.max(from);
             match i.off {
@@ -302,6 +338,22 @@ mod tests {
         let p = th.walk(1, 0, 60 * MS);
         let s = p.states;
         assert!((s.running + s.cpu_wait + s.disk + s.memory + s.idle + p.not_walked_ms - 60.0).abs() < 1e-6, "{p:?}");
+    }
+
+    /// On-CPU swap-in time (from samples) is memory, cut out of the running time around it,
+    /// overlapping estimates counted once.
+    #[test]
+    fn swap_in_on_the_cpu_is_memory() {
+        let mut th = Threads::default();
+        th.blocked(1, 40 * MS, 50 * MS, Class::Memory, None);
+        th.memory_on_cpu(1, 10 * MS, 20 * MS);
+        th.memory_on_cpu(1, 15 * MS, 25 * MS);
+        th.memory_on_cpu(1, 55 * MS, 70 * MS);
+        th.finish();
+        let p = th.walk(1, 0, 60 * MS);
+        assert!((p.states.memory - 30.0).abs() < 1e-6, "15 ms on the CPU, 10 blocked, 5 after: {p:?}");
+        assert!((p.states.running - 30.0).abs() < 1e-6, "{p:?}");
+        assert_eq!(p.threads[0].states.words(), "running 30 ms, in reclaim or swap-in 30 ms");
     }
 
     /// A thread with no interval ran the whole window.

@@ -191,28 +191,41 @@ fn comparable(r: &Report) -> impl Iterator<Item = &Request> {
 }
 
 /// The default pair of one recording: its slowest first token (B) against its warm baseline
-/// (A): the requests of a similar prompt size (within 2×, tokens with tokens) whose verdict found
-/// nothing but the server's own work, as the verdicts' warm baseline is chosen.
+/// (A, [`warm_baseline`]).
 pub fn default_pair(r: &Report) -> Result<(Vec<u64>, u64), String> {
-    let slowest = comparable(r)
+    let slowest = slowest(r)?;
+    Ok((warm_baseline(r, slowest)?, slowest))
+}
+
+/// The request with the slowest first token.
+pub fn slowest(r: &Report) -> Result<u64, String> {
+    comparable(r)
         .max_by(|a, b| a.ttft_ms.unwrap_or(0.0).total_cmp(&b.ttft_ms.unwrap_or(0.0)))
-        .ok_or("no request with a first token in this recording: nothing to compare")?;
-    let (size, unit) = crate::report::prompt_size(&slowest.record);
+        .map(|q| q.id)
+        .ok_or_else(|| "no request with a first token in this recording: nothing to compare".into())
+}
+
+/// Request `id`'s warm baseline: the other requests of a similar prompt size (within 2×, tokens
+/// with tokens) whose verdict found nothing but the server's own work, as the verdicts' warm
+/// baseline is chosen.
+pub fn warm_baseline(r: &Report, id: u64) -> Result<Vec<u64>, String> {
+    let q = comparable(r).find(|q| q.id == id).ok_or_else(|| format!("no request {id} with a first token in this recording"))?;
+    let (size, unit) = crate::report::prompt_size(&q.record);
     let warm: Vec<u64> = comparable(r)
-        .filter(|q| q.id != slowest.id)
-        .filter(|q| q.verdict.as_ref().is_some_and(|v| matches!(v.slow_cause, SlowCause::None | SlowCause::Compute)))
-        .filter(|q| {
-            let (n, u) = crate::report::prompt_size(&q.record);
+        .filter(|o| o.id != id)
+        .filter(|o| o.verdict.as_ref().is_some_and(|v| matches!(v.slow_cause, SlowCause::None | SlowCause::Compute)))
+        .filter(|o| {
+            let (n, u) = crate::report::prompt_size(&o.record);
             u == unit && n <= size.max(1) * 2 && size <= n.max(1) * 2
         })
-        .map(|q| q.id)
+        .map(|o| o.id)
         .collect();
     if warm.is_empty() {
         return Err(format!(
-            "no warm baseline in this trace: no other request of a similar prompt size ({size} {unit}s, within 2×) was served without a slow cause; name the requests with --request N --against M"
+            "no warm baseline in this trace for request {id}: no other request of a similar prompt size ({size} {unit}s, within 2×) was served without a slow cause; name the requests with --request N --against M"
         ));
     }
-    Ok((warm, slowest.id))
+    Ok(warm)
 }
 
 /// One side: an analysis and the requests it holds.

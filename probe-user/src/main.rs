@@ -734,10 +734,12 @@ fn diff_cmd(
             let r = &x.report;
             let (warm, slow) = match (request, against.is_empty()) {
                 (Some(n), false) => (against.clone(), n),
-                (n, _) => {
-                    let (warm, slowest) = diff::default_pair(r).map_err(anyhow::Error::msg)?;
-                    let n = n.unwrap_or(slowest);
-                    (if against.is_empty() { warm.into_iter().filter(|&w| w != n).collect() } else { against.clone() }, n)
+                (None, true) => diff::default_pair(r).map_err(anyhow::Error::msg)?,
+                (None, false) => (against.clone(), diff::slowest(r).map_err(anyhow::Error::msg)?),
+                // A named request against its own warm baseline (its prompt size, not the slowest's).
+                (Some(n), true) => {
+                    one(r, n, &a)?;
+                    (diff::warm_baseline(r, n).map_err(anyhow::Error::msg)?, n)
                 }
             };
             one(r, slow, &a)?;

@@ -164,6 +164,8 @@ pub(crate) struct Builder {
     mem_waits: Vec<(u64, u64)>,
     /// Off-CPU intervals faulting memory back in from swap.
     swap_waits: Vec<(u64, u64)>,
+    /// The on-CPU sampling period (1 / --hz), ns.
+    cpu_period_ns: u64,
     /// Run-queue waits of target threads (preempted, runnable): (from, to, what ran instead).
     cpu_waits: Vec<crate::verdict::CpuWait>,
     /// Other processes by pid: (comm, cgroup), from the `procs` records.
@@ -214,6 +216,7 @@ impl Builder {
             io_waits: vec![],
             mem_waits: vec![],
             swap_waits: vec![],
+            cpu_period_ns: 0,
             cpu_waits: vec![],
             other_names: HashMap::new(),
             threads: Default::default(),
@@ -371,6 +374,7 @@ impl Builder {
         self.end_ts = self.end_ts.max(self.start);
         // Meta::default() has no page size; a recording without meta has 4 KiB pages.
         self.page_size = self.meta.as_ref().map_or(4096, |m| m.page_size);
+        self.cpu_period_ns = if meta.cpu_hz > 0 { 1_000_000_000 / meta.cpu_hz } else { 0 };
         r.target.pid = meta.pid;
         r.target.comm = meta.comm.clone();
         r.target.cmdline = meta.cmdline.clone();
@@ -448,6 +452,16 @@ impl Builder {
             if let Some(c) = s.cut {
                 w.cut_reasons[crate::recording::Cut::ALL.iter().position(|&x| x == c).unwrap_or(0)] += 1;
             }
+        }
+        // An on-CPU sample in the kernel's swap-in path: the thread was faulting memory back in
+        // from swap, on the CPU (reading the swap entry, allocating and charging the page,
+        // mapping it), the part of a swap-in its off-CPU waits do not hold. The sample stands
+        // for one sampling period of the thread's time before it (perf's frequency estimate).
+        // Reclaim on the CPU is already timed by its tracepoints (direct and cgroup reclaim).
+        if s.what == StackKind::Cpu && self.cpu_period_ns > 0 && !s.kernel.is_empty() && self.knames.wait_of_stack(s) == "[swap wait]" {
+            let from = ts.saturating_sub(self.cpu_period_ns);
+            self.swap_waits.push((from, ts));
+            self.threads.memory_on_cpu(s.tid, from, ts);
         }
         if s.what == StackKind::Offcpu {
             let Some(b) = s.blocked_ns else { return };
