@@ -374,7 +374,7 @@ impl Builder {
         self.end_ts = self.end_ts.max(self.start);
         // Meta::default() has no page size; a recording without meta has 4 KiB pages.
         self.page_size = self.meta.as_ref().map_or(4096, |m| m.page_size);
-        self.cpu_period_ns = if meta.cpu_hz > 0 { 1_000_000_000 / meta.cpu_hz } else { 0 };
+        self.cpu_period_ns = 1_000_000_000u64.checked_div(meta.cpu_hz).unwrap_or(0);
         r.target.pid = meta.pid;
         r.target.comm = meta.comm.clone();
         r.target.cmdline = meta.cmdline.clone();
