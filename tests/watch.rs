@@ -563,3 +563,133 @@ fn a_restarted_watch_keeps_its_warm_baseline() {
     w.stop();
     kill(srv);
 }
+
+/// `watch --all` on a node of three listeners: a llama-server in a kubepods-style cgroup (pod
+/// and container from the cgroup path, the pod's name from a kubelet-style log directory), a
+/// second llama-server with other flags started after watch, and a plain HTTP server that is
+/// not an LLM server. Neither pid nor port is given. The late server is followed within 5 s
+/// of answering and its first request is counted; the morning request on the pod's server is
+/// an incident labelled with the pod; the merged metrics pass promtool's check.
+#[test]
+fn watch_all_finds_every_server_and_labels_them() {
+    use std::os::unix::process::CommandExt as _;
+    let _serial = serial();
+    let d = scratch("watch-all");
+    let model = d.join("model.gguf");
+    std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    let uid = format!("0b7c6a3e-1d2f-4e5a-9b8c-{:012x}", std::process::id());
+    let id = format!("{:064x}", u128::from(std::process::id()) << 64 | 0xfeed);
+    let cg = PathBuf::from(format!("/sys/fs/cgroup/pids/kubepods/burstable/pod{uid}/{id}"));
+    std::fs::create_dir_all(&cg).unwrap();
+    let pods = d.join("pods");
+    std::fs::create_dir_all(pods.join(format!("llm_llama-a_{uid}"))).unwrap();
+    // A: the pod's server, moved into its cgroup before it runs.
+    let (port_a, port_b, port_c) = (free_port(), free_port(), free_port());
+    let addr_a: SocketAddr = format!("127.0.0.1:{port_a}").parse().unwrap();
+    let addr_b: SocketAddr = format!("127.0.0.1:{port_b}").parse().unwrap();
+    let procs = cg.join("cgroup.procs");
+    let mut cmd = Command::new(env_path("LLAMA_SERVER"));
+    cmd.arg("-m").arg(&model).args(["-c", "1024", "-np", "1", "--no-repack", "--sleep-idle-seconds", "1"]);
+    cmd.args(["--host", "127.0.0.1", "--port", &port_a.to_string()]);
+    // SAFETY: only write(2) through std::fs between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || std::fs::write(&procs, "0"));
+    }
+    let srv_a = serve(&mut cmd, port_a, "/health");
+    // C: an HTTP server that serves no models.
+    let www = d.join("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let srv_c = serve(
+        Command::new("python3").args(["-m", "http.server", "--bind", "127.0.0.1", &port_c.to_string()]).current_dir(&www),
+        port_c,
+        "/",
+    );
+    let mut w = Watch::start(
+        &d.join("state"),
+        &["--all", "--pod-logs", pods.to_str().unwrap(), "--scan-every", "1s", "--slow-ttft", "150ms", "--segment", "2s"],
+    );
+    let found_a = w.wait_log(&format!("on port {port_a}"), Duration::from_secs(30));
+    assert!(
+        found_a.contains(&format!("pod_uid={uid}")) && found_a.contains("pod=llama-a") && found_a.contains("namespace=llm"),
+        "{found_a}"
+    );
+    assert!(found_a.contains(&format!("container_id={id}")), "{found_a}");
+    // B starts later, another build of flags (two slots, more threads' worth of context).
+    let srv_b = llama(&env_path("LLAMA_MODEL"), port_b, &["-np", "2", "-c", "2048"]);
+    let ready = Instant::now();
+    w.wait_armed(2, Duration::from_secs(5));
+    let followed_in = ready.elapsed();
+    let found_b = w.wait_log(&format!("on port {port_b}"), Duration::from_secs(1));
+    assert!(!found_b.contains("pod="), "the host's server is no pod: {found_b}");
+    completion(addr_b, "Hello");
+    let port_b_requests = |w: &Watch| {
+        w.metrics()
+            .lines()
+            .filter(|l| l.starts_with("probe_requests_total{") && l.contains(&format!("port=\"{port_b}\"")))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum::<f64>()
+    };
+    let t = Instant::now();
+    while port_b_requests(&w) < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "B's first request was not counted:\n{}", w.metrics());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The morning request on A.
+    common::sleep_then_evict(addr_a, &model);
+    std::thread::sleep(Duration::from_millis(300));
+    let cold = Instant::now();
+    completion(addr_a, "Good morning");
+    let cold_ms = cold.elapsed().as_secs_f64() * 1e3;
+    let line = w.wait_log("incident slow_ttft", Duration::from_secs(60));
+    assert!(line.contains("[llm_llama-a-port"), "the incident is the pod's: {line}");
+    let incidents = d.join("state/servers").join(format!("llm_llama-a-port{port_a}")).join("incidents");
+    let inc =
+        std::fs::read_dir(&incidents).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().contains("slow_ttft")).unwrap();
+    let labels: Value = serde_json::from_slice(&std::fs::read(inc.join("labels.json")).unwrap()).unwrap();
+    assert_eq!(
+        (labels["pod"].as_str(), labels["namespace"].as_str(), labels["pod_uid"].as_str()),
+        (Some("llama-a"), Some("llm"), Some(uid.as_str())),
+        "{labels}"
+    );
+    assert_eq!(labels["container_id"].as_str(), Some(id.as_str()));
+    let r: Value = serde_json::from_slice(&std::fs::read(inc.join("report.json")).unwrap()).unwrap();
+    let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("the request in the incident");
+    let slow = q["verdict"]["slow_cause"].as_str().unwrap();
+    assert!(slow == "load" || slow == "disk", "slow cause {slow} (client saw {cold_ms:.0} ms): {q:#}");
+    // One exposition for the node: every family once, both servers labelled, C nowhere.
+    let m = w.metrics();
+    let mut check = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    check.stdin.take().unwrap().write_all(m.as_bytes()).unwrap();
+    let out = check.wait_with_output().unwrap();
+    assert!(out.status.success(), "promtool: {}{}\n{m}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(m.contains("pod=\"llama-a\"") && m.contains(&format!("port=\"{port_b}\"")), "{m}");
+    assert_eq!(common::prometheus_sum(&m, "probe_servers"), 2.0, "{m}");
+    assert!(!w.log.iter().any(|l| l.contains(&format!("on port {port_c}"))), "a plain HTTP server was followed: {:#?}", w.log);
+    eprintln!(
+        "the late server was followed {:.1} s after it answered; the morning request took {cold_ms:.0} ms ({slow})",
+        followed_in.as_secs_f64()
+    );
+    // SIGTERM stops the followers too; the incidents stay.
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    while w.child.try_wait().unwrap().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(20), "probe watch --all did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left = Command::new("pgrep").args(["-f", &format!("--dir {}", d.join("state/servers").display())]).output().unwrap();
+    assert!(left.stdout.is_empty(), "followers left running: {}", String::from_utf8_lossy(&left.stdout));
+    assert!(inc.join("report.json").is_file());
+    kill(srv_b);
+    kill(srv_c);
+    kill(srv_a);
+    let _ = std::fs::remove_dir(&cg);
+    let _ = std::fs::remove_dir(cg.parent().unwrap());
+}

@@ -55,7 +55,7 @@ pub fn main_pid(pids: &[u32]) -> Option<u32> {
 /// The id a container's cgroup directory names, if it names one: `docker-ID.scope`,
 /// `libpod-ID.scope`, `cri-containerd-ID.scope`, `crio-ID.scope`, or a bare 64-hex `ID`
 /// (cgroupfs drivers: /docker/ID).
-fn container_id(dir_name: &str) -> Option<&str> {
+pub(crate) fn container_id(dir_name: &str) -> Option<&str> {
     let id = match dir_name.strip_suffix(".scope") {
         Some(s) => ["docker-", "libpod-", "cri-containerd-", "crio-"].iter().find_map(|p| s.strip_prefix(p))?,
         None => dir_name,
@@ -90,6 +90,27 @@ fn ids_by_name(name: &str) -> Vec<String> {
         }
     }
     out
+}
+
+/// A container's name by its full id, from Docker's and Podman's state (as [`ids_by_name`]).
+pub fn name_of_id(id: &str) -> Option<String> {
+    let docker = Path::new("/var/lib/docker/containers").join(id).join("config.v2.json");
+    if let Ok(t) = crate::output::read_recording_text(&docker, 4 << 20)
+        && let Ok(v) = serde_json::from_str::<serde_json::Value>(&t)
+        && let Some(n) = v["Name"].as_str()
+    {
+        return Some(n.trim_start_matches('/').to_string());
+    }
+    for f in
+        ["/var/lib/containers/storage/overlay-containers/containers.json", "/run/containers/storage/overlay-containers/containers.json"]
+    {
+        let Ok(t) = crate::output::read_recording_text(Path::new(f), 64 << 20) else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&t) else { continue };
+        if let Some(n) = v.as_array().into_iter().flatten().find(|c| c["id"] == id).and_then(|c| c["names"][0].as_str()) {
+            return Some(n.to_string());
+        }
+    }
+    None
 }
 
 /// Container cgroup directories under `root` (at most 8 levels down): (id, path).

@@ -89,7 +89,7 @@ enum Command {
     /// Stay on: follow a server (across restarts), keep a window of recent events, save an
     /// incident directory for every slow or abnormal request and for a server exit, and serve
     /// Prometheus metrics. Runs until SIGINT/SIGTERM (see scripts/probe-watch.service).
-    #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "port", "exe", "cgroup", "container"])))]
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "port", "exe", "cgroup", "container", "all"])))]
     Watch {
         /// Follow this process (then whoever listens on its ports, or runs its executable, after
         /// it exits).
@@ -109,6 +109,23 @@ enum Command {
         /// across restarts of the container.
         #[arg(long)]
         container: Option<String>,
+        /// Follow every LLM server on this node, found by what it answers (a model list on
+        /// /v1/models or /api/tags), each labelled with its node, container and pod; their
+        /// incidents go to DIR/servers/NAME/.
+        #[arg(long)]
+        all: bool,
+        /// Where the kubelet keeps pod logs (NAMESPACE_NAME_UID directories): pod names for --all.
+        #[arg(long, default_value = "/var/log/pods")]
+        pod_logs: PathBuf,
+        /// How often --all looks for new servers.
+        #[arg(long, default_value = "2s", value_parser = parse_duration, hide = true)]
+        scan_every: Duration,
+        /// A label (KEY=VALUE) on every metric, incident and span (--all gives each server its own).
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        /// Stop when the target exits instead of waiting for its successor (--all's followers).
+        #[arg(long, hide = true)]
+        once: bool,
         /// Where incidents (DIR/incidents/TIME-CAUSE/) and the live window go.
         #[arg(long, default_value = "/var/lib/probe")]
         dir: PathBuf,
@@ -516,12 +533,20 @@ fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         offcpu_all,
         auth,
         otlp,
+        all,
+        pod_logs,
+        scan_every,
+        labels,
+        once,
     } = command
     else {
         unreachable!("watch_cmd takes its own command")
     };
     auth.install();
     use probe_user::watch::{self, target::Select};
+    if all {
+        return watch::all::run(watch::all::Options { dir, metrics_addr, child_args: follower_args(), pod_logs, scan_every });
+    }
     let select = match (pid, port, exe, cgroup, container) {
         (Some(p), ..) => Select::Pid(p),
         (_, Some(p), ..) => Select::Port(p),
@@ -547,7 +572,41 @@ fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         offcpu_d_only: !offcpu_all,
         started,
         otlp,
+        labels,
+        once,
     })
+}
+
+/// `watch --all`'s own flags left out of the command line: what each follower gets as well.
+fn follower_args() -> Vec<String> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == "watch").map_or(args.len(), |i| i + 1);
+    let own = ["--dir", "--metrics-addr", "--pod-logs", "--scan-every"];
+    let mut out = Vec::new();
+    let mut it = args[at..].iter();
+    while let Some(a) = it.next() {
+        if a == "--all" {
+            continue;
+        }
+        if own.contains(&a.as_str()) {
+            it.next();
+            continue;
+        }
+        if own.iter().any(|o| a.starts_with(&format!("{o}="))) {
+            continue;
+        }
+        out.push(a.clone());
+    }
+    out
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s.split_once('=').ok_or_else(|| format!("`{s}`: give a label as KEY=VALUE"))?;
+    let ok = !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') && !k.starts_with(|c: char| c.is_ascii_digit());
+    if !ok {
+        return Err(format!("`{k}` is not a label name: letters, digits and _, not starting with a digit"));
+    }
+    Ok((k.to_string(), v.to_string()))
 }
 
 /// `probe report DIR [--json|--html]`.

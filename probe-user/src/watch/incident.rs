@@ -52,6 +52,8 @@ pub struct Watcher {
     otlp: Option<Arc<crate::export::otlp::Sender>>,
     /// The server's warm requests of earlier sessions, kept in the watch directory.
     baseline: super::baseline::Baseline,
+    /// Where the server runs (node, container, pod): on each incident and span.
+    labels: Vec<(String, String)>,
 }
 
 impl Watcher {
@@ -84,6 +86,7 @@ impl Watcher {
             last_incident: HashMap::new(),
             otlp,
             baseline,
+            labels: o.labels.clone(),
         }
     }
 
@@ -201,7 +204,11 @@ impl Watcher {
             && let Some(meta) = crate::recording::first_meta(&joined)
         {
             let ids: Vec<u64> = pending.iter().map(|p| p.q.id).collect();
-            otlp.send(crate::export::otlp::from_report(&report, &meta, Some(&ids)));
+            let mut export = crate::export::otlp::from_report(&report, &meta, Some(&ids));
+            for (k, v) in &self.labels {
+                export.resource.push((super::place::otel_name(k).to_string(), crate::export::otlp::Val::S(v.clone())));
+            }
+            otlp.send(export);
         }
         let ids: Vec<(u32, u64)> = pending.iter().map(|p| (p.q.pid, p.q.id)).collect();
         if self.baseline.learn(&report, &ids) {
@@ -256,7 +263,7 @@ impl Watcher {
         }
         let end = crate::recording::records::End { ts_ns: crate::monotonic_ns(), reason: format!("incident: {kind}") };
         bytes.extend_from_slice(&crate::recording::standalone(&crate::recording::records::UserRecord::End(end)));
-        match write_incident(&self.dir, kind, q.map(|q| q.id), &bytes) {
+        match write_incident(&self.dir, kind, q.map(|q| q.id), &bytes, &self.labels) {
             Ok(dir) => {
                 self.metrics.incident(kind, true);
                 log_line!("probe watch: incident {kind}: {}; saved {}", crate::text::terminal(what), dir.display());
@@ -338,7 +345,7 @@ pub fn stamp(t: std::time::SystemTime) -> String {
 
 /// Write `DIR/TIME-CAUSE[-reqID]/`: events.bin, report.json, report.html, the flamegraphs and
 /// a ready bundle.tar.gz (what a bug report attaches).
-fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8]) -> anyhow::Result<PathBuf> {
+fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8], labels: &[(String, String)]) -> anyhow::Result<PathBuf> {
     let base = format!("{}-{cause}{}", stamp(std::time::SystemTime::now()), id.map(|i| format!("-req{i}")).unwrap_or_default());
     let mut path = dir.join(&base);
     let mut n = 1;
@@ -348,6 +355,11 @@ fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8]) -> any
     }
     let out = crate::output::OutDir::create_recording(&path, false)?;
     out.write(crate::recording::FILE_NAME, bytes)?;
+    // Where it happened (node, container, pod), for incidents pulled from many nodes.
+    if !labels.is_empty() {
+        let m: serde_json::Map<String, serde_json::Value> = labels.iter().map(|(k, v)| (k.clone(), v.clone().into())).collect();
+        out.write(super::place::LABELS_FILE, &serde_json::to_vec_pretty(&m)?)?;
+    }
     let a = crate::analysis::Analysis::of_dir(&path, crate::analysis::Needs::ALL)?;
     out.write("report.json", &serde_json::to_vec_pretty(&a.report)?)?;
     crate::html::write_for(&a, &out)?;

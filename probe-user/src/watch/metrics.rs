@@ -67,6 +67,8 @@ struct State {
     sleeping: Option<bool>,
     target: Option<u32>,
     restarts: u64,
+    /// Where the server runs (`place::labels`), on every sample.
+    labels: Vec<(String, String)>,
 }
 
 /// The counters, shared by the watcher (writes) and the metrics thread (reads).
@@ -160,6 +162,11 @@ impl Metrics {
         });
     }
 
+    /// Labels every sample carries (the server's node, container, pod).
+    pub fn set_labels(&self, labels: Vec<(String, String)>) {
+        self.with(|s| s.labels = labels);
+    }
+
     pub fn restarted(&self) {
         self.with(|s| s.restarts += 1);
     }
@@ -218,8 +225,75 @@ impl Metrics {
         let _ = writeln!(o, "probe_target_up {}", u8::from(s.target.is_some()));
         head(&mut o, "probe_target_restarts_total", "counter", "Times probe went on with a new target process (restarts).");
         let _ = writeln!(o, "probe_target_restarts_total {}", s.restarts);
-        o
+        relabel(&o, &s.labels)
     }
+}
+
+/// A label value as the exposition format writes it (`\`, `"` and newlines escaped).
+pub fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// Exposition text with `labels` added to every sample (before the sample's own labels).
+pub fn relabel(text: &str, labels: &[(String, String)]) -> String {
+    if labels.is_empty() {
+        return text.to_string();
+    }
+    let add: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{}\"", escape(v))).collect();
+    let add = add.join(",");
+    let mut o = String::with_capacity(text.len() * 2);
+    for line in text.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            o.push_str(line);
+        } else if let Some((name, rest)) = line.split_once('{') {
+            let _ = write!(o, "{name}{{{add}{}{rest}", if rest.starts_with('}') { "" } else { "," });
+        } else if let Some((name, value)) = line.split_once(' ') {
+            let _ = write!(o, "{name}{{{add}}} {value}");
+        } else {
+            o.push_str(line);
+        }
+        o.push('\n');
+    }
+    o
+}
+
+/// Several expositions as one: each metric family's HELP and TYPE once, then its samples from
+/// every text in turn (the format wants a family's samples together).
+pub fn merge(texts: &[String]) -> String {
+    let mut order: Vec<String> = Vec::new();
+    let mut heads: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let mut samples: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    for t in texts {
+        let mut family = String::new();
+        for line in t.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ").or_else(|| line.strip_prefix("# TYPE ")) {
+                let name = rest.split(' ').next().unwrap_or_default().to_string();
+                if name != family {
+                    family = name.clone();
+                    if !heads.contains_key(&name) {
+                        order.push(name.clone());
+                    }
+                }
+                let h = heads.entry(name).or_default();
+                if !h.contains(line) {
+                    h.push_str(line);
+                    h.push('\n');
+                }
+            } else if !line.trim().is_empty() && !line.starts_with('#') {
+                let s = samples.entry(family.clone()).or_default();
+                s.push_str(line);
+                s.push('\n');
+            }
+        }
+    }
+    let mut o = String::new();
+    for name in &order {
+        o.push_str(&heads[name]);
+        if let Some(s) = samples.get(name) {
+            o.push_str(s);
+        }
+    }
+    o
 }
 
 /// The most bytes of a scrape's request read; a slower or longer one is answered or dropped.
@@ -228,6 +302,11 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Serve `GET /metrics` on `addr` from a thread; returns the address bound (port 0 picks one).
 pub fn serve(addr: SocketAddr, m: Arc<Metrics>) -> std::io::Result<SocketAddr> {
+    serve_with(addr, Arc::new(move || m.render()))
+}
+
+/// Serve `GET /metrics` on `addr`, the text `render` gives at each scrape.
+pub fn serve_with(addr: SocketAddr, render: Arc<dyn Fn() -> String + Send + Sync>) -> std::io::Result<SocketAddr> {
     let l = TcpListener::bind(addr)?;
     let bound = l.local_addr()?;
     std::thread::Builder::new().name("probe-metrics".into()).spawn(move || {
@@ -247,7 +326,7 @@ pub fn serve(addr: SocketAddr, m: Arc<Metrics>) -> std::io::Result<SocketAddr> {
             let target = line.split(|&c| c == b' ').nth(1).unwrap_or_default();
             let path = target.split(|&c| c == b'?').next().unwrap_or_default();
             let (status, ty, body) = match (line.starts_with(b"GET "), path) {
-                (true, b"/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", m.render()),
+                (true, b"/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render()),
                 (true, b"/") => ("200 OK", "text/plain; charset=utf-8", "probe watch: metrics at /metrics\n".into()),
                 _ => ("404 Not Found", "text/plain; charset=utf-8", "not found: probe serves /metrics\n".into()),
             };
@@ -261,6 +340,20 @@ pub fn serve(addr: SocketAddr, m: Arc<Metrics>) -> std::io::Result<SocketAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn labels_are_added_and_families_merged() {
+        let a = "# HELP x_total X.\n# TYPE x_total counter\nx_total{c=\"a\"} 1\n# HELP up Up.\n# TYPE up gauge\nup 1\n";
+        let l = |pod: &str| vec![("node".to_string(), "n1".to_string()), ("pod".to_string(), pod.to_string())];
+        let one = relabel(a, &l("p\"0"));
+        assert!(one.contains("x_total{node=\"n1\",pod=\"p\\\"0\",c=\"a\"} 1\n"), "{one}");
+        assert!(one.contains("up{node=\"n1\",pod=\"p\\\"0\"} 1\n"), "{one}");
+        let m = merge(&[relabel(a, &l("a")), relabel(a, &l("b"))]);
+        assert_eq!(m.matches("# TYPE x_total counter").count(), 1, "{m}");
+        let x = m.find("x_total{node=\"n1\",pod=\"b\"").unwrap();
+        assert!(x < m.find("# HELP up").unwrap(), "a family's samples stay together: {m}");
+        assert_eq!(m.lines().filter(|l| l.starts_with("up{")).count(), 2);
+    }
 
     #[test]
     fn labels_are_closed_and_the_histogram_is_cumulative() {

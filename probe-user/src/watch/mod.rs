@@ -8,9 +8,11 @@
 //! owns the probes and signals); the [`incident::Watcher`] thread takes what a session sends
 //! through its [`Link`] (finished requests, closed segments, the end) and does the analysis and
 //! the writing; the metrics thread answers scrapes from [`metrics::Metrics`].
+pub mod all;
 pub mod baseline;
 pub mod incident;
 pub mod metrics;
+pub mod place;
 pub mod target;
 
 use std::{
@@ -47,6 +49,10 @@ pub struct Options {
     pub started: Instant,
     /// Send each analysed request as an OpenTelemetry span here (`--otlp`).
     pub otlp: Option<crate::export::otlp::Endpoint>,
+    /// Labels on every metric, incident and span (`place::labels` under `--all`).
+    pub labels: Vec<(String, String)>,
+    /// Stop when the target exits instead of waiting for its successor (`--all` finds it).
+    pub once: bool,
 }
 
 /// `--slow-ttft`: an absolute time, or a multiple of the recent median.
@@ -109,6 +115,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     let incidents = o.dir.join("incidents");
     crate::output::OutDir::create_or_open(&incidents)?;
     let metrics = Arc::new(metrics::Metrics::default());
+    metrics.set_labels(o.labels.clone());
     if let Some(addr) = o.metrics_addr {
         let bound = metrics::serve(addr, metrics.clone()).with_context(|| format!("cannot serve metrics on {addr}"))?;
         log_line!("probe watch: metrics on http://{bound}/metrics");
@@ -191,6 +198,10 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         let _ = worker.join();
         remove_live(&live);
         match outcome {
+            Ok(out) if out.target_exited && o.once => {
+                log_line!("probe watch: pid {pid} exited");
+                break;
+            }
             Ok(out) if out.target_exited => {
                 log_line!("probe watch: pid {pid} exited; looking for its successor");
                 follow.exited(pid);
@@ -204,6 +215,9 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 // and look again (a crash loop is slowed by FIND_EVERY).
                 log_line!("probe watch: cannot trace pid {pid}: {}", crate::text::terminal(&format!("{e:#}")));
                 follow.exited(pid);
+                if o.once {
+                    break;
+                }
                 if stopped(FIND_EVERY) {
                     break;
                 }
