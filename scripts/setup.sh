@@ -32,8 +32,9 @@ fi
 
 # Test-only system packages: nginx (a real gateway for deadline scenarios), chromium (renders the
 # HTML report headless), prometheus (scrapes `probe watch` in its metrics test), golang-go (`go tool
-# pprof` reads the pprof exports), iproute2 (network namespaces for the container tests) and a C++
-# compiler (libFuzzer, for the fuzz targets). Debian packages; installed once.
+# pprof` reads the pprof exports), iproute2 (network namespaces for the container tests), a C++
+# compiler (libFuzzer, for the fuzz targets) and node/npm (the Prometheus operator's models check
+# deploy/kubernetes/, scripts/manifests.sh). Debian packages; installed once.
 need=()
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v chromium >/dev/null || need+=(chromium)
@@ -42,6 +43,8 @@ command -v prometheus >/dev/null || need+=(prometheus)
 [ -x /usr/bin/go ] || need+=(golang-go)
 command -v ip >/dev/null || need+=(iproute2)
 command -v c++ >/dev/null || need+=(g++)
+command -v node >/dev/null || need+=(nodejs)
+command -v npm >/dev/null || need+=(npm)
 if [ ${#need[@]} -gt 0 ]; then
   if can_install; then
     say "installing ${need[*]} (Debian packages, for the tests)"

@@ -609,6 +609,36 @@ fn watch_all_finds_every_server_and_labels_them() {
         &d.join("state"),
         &["--all", "--pod-logs", pods.to_str().unwrap(), "--scan-every", "1s", "--slow-ttft", "150ms", "--segment", "2s"],
     );
+    // A real Prometheus scraping the node's one endpoint every second, with probe's alerting
+    // rules evaluated every second.
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus/probe-rules.yml");
+    let checked = Command::new("promtool").arg("check").arg("rules").arg(&rules).output().unwrap();
+    assert!(checked.status.success(), "promtool check rules: {}", String::from_utf8_lossy(&checked.stdout));
+    let prom_port = free_port();
+    std::fs::write(
+        d.join("prometheus.yml"),
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{}']\nscrape_configs:\n  - job_name: probe\n    static_configs:\n      - targets: ['{}']\n",
+            rules.display(),
+            w.metrics
+        ),
+    )
+    .unwrap();
+    let prom = Killed(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
+            .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian package `prometheus`, installed by scripts/setup.sh)"),
+    );
+    let prom_addr: SocketAddr = format!("127.0.0.1:{prom_port}").parse().unwrap();
+    let query = |q: &str| -> Vec<Value> {
+        let Ok((200, body)) = http(prom_addr, "GET", &format!("/api/v1/query?query={}", encode(q)), None) else { return vec![] };
+        serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["data"]["result"].as_array().cloned()).unwrap_or_default()
+    };
     let found_a = w.wait_log(&format!("on port {port_a}"), Duration::from_secs(30));
     assert!(
         found_a.contains(&format!("pod_uid={uid}")) && found_a.contains("pod=llama-a") && found_a.contains("namespace=llm"),
@@ -635,6 +665,12 @@ fn watch_all_finds_every_server_and_labels_them() {
         assert!(t.elapsed() < Duration::from_secs(30), "B's first request was not counted:\n{}", w.metrics());
         std::thread::sleep(Duration::from_millis(200));
     }
+    // Prometheus has A's counters (at 0) before the morning request, labelled with the pod.
+    let t = Instant::now();
+    while query("probe_analysed_requests_total{pod=\"llama-a\",namespace=\"llm\",slow_cause=\"load\"}").is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(30), "Prometheus has no series of the pod's server:\n{}", w.metrics());
+        std::thread::sleep(Duration::from_millis(300));
+    }
     // The morning request on A.
     common::sleep_then_evict(addr_a, &model);
     std::thread::sleep(Duration::from_millis(300));
@@ -657,6 +693,19 @@ fn watch_all_finds_every_server_and_labels_them() {
     let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("the request in the incident");
     let slow = q["verdict"]["slow_cause"].as_str().unwrap();
     assert!(slow == "load" || slow == "disk", "slow cause {slow} (client saw {cold_ms:.0} ms): {q:#}");
+    // The alert fires for the pod, with the cause.
+    let t = Instant::now();
+    let firing = loop {
+        let f = query("ALERTS{alertname=\"LLMSlowFirstToken\",alertstate=\"firing\"}");
+        if let Some(a) = f.first() {
+            break a["metric"].clone();
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "LLMSlowFirstToken did not fire:\n{}", w.metrics());
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!((firing["pod"].as_str(), firing["slow_cause"].as_str()), (Some("llama-a"), Some(slow)), "{firing}");
+    assert!(!query(&format!("probe_requests_total{{port=\"{port_b}\",pod=\"\"}}")).is_empty(), "B's series in Prometheus");
+    kill(prom);
     // One exposition for the node: every family once, both servers labelled, C nowhere.
     let m = w.metrics();
     let mut check = Command::new("promtool")

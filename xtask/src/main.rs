@@ -224,6 +224,13 @@ fn llama_python() -> anyhow::Result<String> {
     Ok(v[0].clone())
 }
 
+/// The official schema checkers for deploy/kubernetes/ (PyPI kubernetes-validate, npm
+/// @kubernetes-models/prometheus-operator): their folder.
+fn manifests() -> anyhow::Result<String> {
+    let v = script_vars("scripts/manifests.sh", &[], &["KUBE_VALIDATE"])?;
+    Ok(v[0].clone())
+}
+
 /// AIPerf (PyPI) for the side-by-side bench test.
 fn aiperf() -> anyhow::Result<String> {
     let v = script_vars("scripts/aiperf.sh", &[], &["AIPERF"])?;
@@ -239,6 +246,7 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     let (vllm_python, vllm_model) = vllm(&model)?;
     let llama_python = llama_python()?;
     let aiperf = aiperf()?;
+    let kube_validate = manifests()?;
     // Pass cargo's output through and close with one total line over every test binary.
     let mut cargo = Command::new("cargo");
     if via_sudo() {
@@ -259,6 +267,7 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         .env("VLLM_MODEL", vllm_model)
         .env("LLAMA_PYTHON", llama_python)
         .env("AIPERF", aiperf)
+        .env("KUBE_VALIDATE", kube_validate)
         // A failing test's message, not a backtrace of the test harness, is what CI's log keeps.
         .env("RUST_BACKTRACE", "0")
         .args(["test", "--release", "--workspace", "--exclude", "probe-ebpf", "--no-fail-fast"])
