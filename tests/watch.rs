@@ -742,3 +742,92 @@ fn watch_all_finds_every_server_and_labels_them() {
     let _ = std::fs::remove_dir(&cg);
     let _ = std::fs::remove_dir(cg.parent().unwrap());
 }
+
+/// Live OTLP: request spans and incident log records reach an OTLP/HTTP receiver made of the
+/// official definitions (opentelemetry-proto), gzip-compressed. With the receiver down for 30 s
+/// tracing goes on, probe's memory stays bounded and the drop counter rises; when the receiver
+/// comes back on its port, sending resumes.
+#[test]
+fn otlp_incident_logs_survive_a_collector_outage() {
+    let _serial = serial();
+    let d = scratch("watch-otlp");
+    let port = free_port();
+    let srv = llama(&env_path("LLAMA_MODEL"), port, &[]);
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let rx = common::otlp::Receiver::start(&d.join("otlp-1"));
+    let otlp_port = rx.port;
+    let mut w = Watch::start(
+        &d.join("state"),
+        &[
+            "--port",
+            &port.to_string(),
+            "--otlp",
+            &format!("http://127.0.0.1:{otlp_port}"),
+            "--slow-ttft",
+            "1ms",
+            "--incident-gap",
+            "1s",
+            "--segment",
+            "2s",
+        ],
+    );
+    completion(addr, "One");
+    let t = Instant::now();
+    while rx.spans().is_empty() || rx.logs().is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(40), "no span or incident log: {:?}\n{:#?}", rx.exports(), w.log);
+        std::thread::sleep(Duration::from_millis(300));
+        w.drain_log();
+    }
+    let exports = rx.exports();
+    assert!(exports.iter().all(|e| e["contentEncoding"] == "gzip"), "{exports:?}");
+    let log = &rx.logs()[0];
+    let a = common::otlp::attrs(log);
+    assert_eq!(a["probe.incident.kind"]["stringValue"], "slow_ttft", "{log}");
+    assert!(a["probe.slow_cause"]["stringValue"].is_string() && a["probe.stop_cause"]["stringValue"] == "requested_limit", "{log}");
+    assert!(a["probe.evidence"]["arrayValue"]["values"].as_array().is_some_and(|v| !v.is_empty()), "{log}");
+    assert!(std::path::Path::new(a["probe.incident.dir"]["stringValue"].as_str().unwrap()).join("report.json").is_file(), "{log}");
+    assert_eq!(log["severityText"], "WARN");
+    assert!(log["body"]["stringValue"].as_str().unwrap().starts_with("incident slow_ttft"), "{log}");
+    let res = common::otlp::attrs(&log["resource"]);
+    assert!(res["service.name"]["stringValue"].as_str().is_some_and(|s| !s.is_empty()), "{log}");
+    // The collector goes away for 30 s while requests go on.
+    drop(rx);
+    let rss = |pid: u32| -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        s.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").trim().parse().unwrap()
+    };
+    let rss_before = rss(w.child.id());
+    let requests_before = w.metric("probe_requests_total");
+    let outage = Instant::now();
+    let mut asked = 0.0;
+    while outage.elapsed() < Duration::from_secs(30) {
+        completion(addr, "During the outage");
+        asked += 1.0;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let t = Instant::now();
+    while w.metric("probe_requests_total") < requests_before + asked {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "tracing did not go on: {} of {asked} requests",
+            w.metric("probe_requests_total") - requests_before
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let dropped = w.wait_metric("probe_otlp_dropped_total", 1.0, Duration::from_secs(30));
+    let rss_after = rss(w.child.id());
+    assert!(rss_after < rss_before + (64 << 10), "probe watch grew from {rss_before} to {rss_after} KiB while the collector was down");
+    // Back on the same port: sending resumes.
+    let sent = w.metric("probe_otlp_sent_total");
+    let rx = common::otlp::Receiver::start_on(&d.join("otlp-2"), otlp_port);
+    let t = Instant::now();
+    while rx.spans().is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(60), "sending did not resume:\n{}", w.metrics());
+        completion(addr, "After the outage");
+        std::thread::sleep(Duration::from_millis(1000));
+    }
+    assert!(w.metric("probe_otlp_sent_total") > sent);
+    eprintln!("{asked} requests in a 30 s outage: {dropped} items dropped, RSS {rss_before} -> {rss_after} KiB");
+    w.stop();
+    kill(srv);
+}

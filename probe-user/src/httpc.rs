@@ -96,8 +96,24 @@ pub fn request_bounded(
 /// A POST of `body` to a service other than the LLM server (an OTLP collector): its own
 /// content type, and none of the server's `--api-key`/`--header` headers.
 pub fn post_elsewhere(url: &Url, path: &str, content_type: &str, body: &[u8], timeout: Duration) -> Result<(u16, Vec<u8>), String> {
+    post_encoded(url, path, content_type, "", body, timeout)
+}
+
+/// [`post_elsewhere`] of a gzip-compressed body (`Content-Encoding: gzip`).
+pub fn post_gzip(url: &Url, path: &str, content_type: &str, body: &[u8], timeout: Duration) -> Result<(u16, Vec<u8>), String> {
+    post_encoded(url, path, content_type, "Content-Encoding: gzip\r\n", body, timeout)
+}
+
+fn post_encoded(
+    url: &Url,
+    path: &str,
+    content_type: &str,
+    encoding: &str,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<(u16, Vec<u8>), String> {
     let mut msg = format!(
-        "POST {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: probe/{}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "POST {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: probe/{}\r\nContent-Type: {content_type}\r\n{encoding}Content-Length: {}\r\nConnection: close\r\n\r\n",
         url.prefix,
         url.host_header(),
         env!("CARGO_PKG_VERSION"),

@@ -18,12 +18,17 @@ pub struct Receiver {
 
 impl Receiver {
     pub fn start(dir: &Path) -> Receiver {
+        Receiver::start_on(dir, 0)
+    }
+
+    /// A receiver on `port` (0: any), e.g. again on the port of one that was stopped.
+    pub fn start_on(dir: &Path, port: u16) -> Receiver {
         std::fs::create_dir_all(dir).unwrap();
         let (port_file, out) = (dir.join("port"), dir.join("received.jsonl"));
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("clients/otlp.py");
         let child = Command::new(super::clients_python())
             .arg(script)
-            .args(["receive", "--port-file", port_file.to_str().unwrap(), "--out", out.to_str().unwrap()])
+            .args(["receive", "--port-file", port_file.to_str().unwrap(), "--out", out.to_str().unwrap(), "--port", &port.to_string()])
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
@@ -48,6 +53,31 @@ impl Receiver {
             spans.extend(all_spans(&v));
         }
         spans
+    }
+}
+
+impl Receiver {
+    /// Every export received, as OTLP/JSON (with the receiver's `contentEncoding`).
+    pub fn exports(&self) -> Vec<Value> {
+        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).inspect(|v| assert!(v.get("error").is_none(), "{v}")).collect()
+    }
+
+    /// Every log record received, each with its resource's attributes under `resource`.
+    pub fn logs(&self) -> Vec<Value> {
+        let mut out = Vec::new();
+        for e in self.exports() {
+            for rl in e["resourceLogs"].as_array().into_iter().flatten() {
+                for sl in rl["scopeLogs"].as_array().into_iter().flatten() {
+                    for l in sl["logRecords"].as_array().into_iter().flatten() {
+                        let mut l = l.clone();
+                        l["resource"] = rl["resource"].clone();
+                        out.push(l);
+                    }
+                }
+            }
+        }
+        out
     }
 }
 

@@ -54,6 +54,18 @@ pub struct Span {
 pub struct Export {
     pub resource: Attrs,
     pub spans: Vec<Span>,
+    /// Log records (`probe watch`'s incidents), sent to the logs endpoint.
+    pub logs: Vec<LogRecord>,
+}
+
+/// One OTLP log record: an incident, its verdict and evidence as attributes.
+#[derive(Clone, Debug)]
+pub struct LogRecord {
+    pub time_unix_ns: u64,
+    /// OpenTelemetry's severity number (13 = WARN) and text.
+    pub severity: (u64, &'static str),
+    pub body: String,
+    pub attrs: Attrs,
 }
 
 /// SpanKind SERVER.
@@ -211,7 +223,7 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
             status_message: if error { stop.words() } else { String::new() },
         });
     }
-    Export { resource, spans }
+    Export { resource, spans, logs: vec![] }
 }
 
 fn hex(b: &[u8]) -> String {
@@ -301,6 +313,37 @@ impl Export {
     }
 }
 
+impl Export {
+    /// OTLP protobuf: an ExportLogsServiceRequest of the log records.
+    pub fn logs_protobuf(&self) -> Vec<u8> {
+        let mut scope_logs = Msg::new();
+        let (name, version) = scope();
+        let mut sc = Msg::new();
+        sc.str(1, name).str(2, version);
+        scope_logs.msg(1, &sc);
+        for l in &self.logs {
+            let mut m = Msg::new();
+            let mut body = Msg::new();
+            body.str(1, &l.body);
+            m.fixed64(1, l.time_unix_ns).uint(2, l.severity.0).str(3, l.severity.1).msg(5, &body);
+            for kv in attrs_pb(&l.attrs) {
+                m.msg(6, &kv);
+            }
+            m.fixed64(11, l.time_unix_ns);
+            scope_logs.msg(2, &m);
+        }
+        let mut res = Msg::new();
+        for kv in attrs_pb(&self.resource) {
+            res.msg(1, &kv);
+        }
+        let mut rl = Msg::new();
+        rl.msg(1, &res).msg(2, &scope_logs);
+        let mut req = Msg::new();
+        req.msg(1, &rl);
+        req.into_bytes()
+    }
+}
+
 fn val_pb(v: &Val) -> Msg {
     let mut m = Msg::new();
     match v {
@@ -336,21 +379,64 @@ fn attrs_pb(a: &Attrs) -> Vec<Msg> {
 pub struct Endpoint {
     url: crate::httpc::Url,
     path: String,
+    /// Where log records go: `/v1/logs`, or the traces path with `traces` turned into `logs`.
+    logs_path: String,
+}
+
+/// Why a send failed: worth trying again (the collector is down, busy or restarting), or not.
+#[derive(Debug)]
+pub enum SendError {
+    Retry(String),
+    Fatal(String),
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendError::Retry(e) | SendError::Fatal(e) => f.write_str(e),
+        }
+    }
 }
 
 impl Endpoint {
     pub fn parse(s: &str) -> Result<Endpoint, String> {
         let url = crate::httpc::Url::parse(s)?;
         let path = if url.prefix.is_empty() { "/v1/traces".to_string() } else { url.prefix.clone() };
-        Ok(Endpoint { url: crate::httpc::Url { prefix: String::new(), ..url }, path })
+        let logs_path = match path.strip_suffix("/v1/traces") {
+            Some(base) => format!("{base}/v1/logs"),
+            None if url.prefix.is_empty() => "/v1/logs".into(),
+            None => format!("{}/v1/logs", path.trim_end_matches('/')),
+        };
+        Ok(Endpoint { url: crate::httpc::Url { prefix: String::new(), ..url }, path, logs_path })
     }
 
-    /// POST one export as protobuf; Ok with the collector's status when it answered 2xx.
-    /// Plain HTTP, no credentials of the LLM server (those go to the server only).
-    pub fn send(&self, e: &Export) -> Result<u16, String> {
+    /// POST one export as gzip-compressed protobuf: its spans to the traces path, its log
+    /// records to the logs path. Plain HTTP, no credentials of the LLM server (those go to the
+    /// server only).
+    pub fn send(&self, e: &Export) -> Result<u16, SendError> {
+        let mut status = 200;
+        if !e.spans.is_empty() {
+            status = self.post(&self.path, &e.to_protobuf())?;
+        }
+        if !e.logs.is_empty() {
+            status = self.post(&self.logs_path, &e.logs_protobuf())?;
+        }
+        Ok(status)
+    }
+
+    fn post(&self, path: &str, body: &[u8]) -> Result<u16, SendError> {
+        use std::io::Write as _;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let body = gz.write_all(body).and_then(|_| gz.finish()).map_err(|e| SendError::Fatal(e.to_string()))?;
         let (status, _) =
-            crate::httpc::post_elsewhere(&self.url, &self.path, "application/x-protobuf", &e.to_protobuf(), Duration::from_secs(5))?;
-        if (200..300).contains(&status) { Ok(status) } else { Err(format!("{}{} answered {status}", self.url.host_header(), self.path)) }
+            crate::httpc::post_gzip(&self.url, path, "application/x-protobuf", &body, Duration::from_secs(5)).map_err(SendError::Retry)?;
+        let said = || format!("{}{path} answered {status}", self.url.host_header());
+        match status {
+            200..=299 => Ok(status),
+            // OTLP/HTTP's retryable statuses.
+            429 | 502 | 503 | 504 => Err(SendError::Retry(said())),
+            _ => Err(SendError::Fatal(said())),
+        }
     }
 }
 
@@ -359,43 +445,79 @@ impl Endpoint {
 pub struct Sender {
     tx: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<Export>>>,
     thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Spans and log records dropped (queue full, or out of tries) and sent.
     pub dropped: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    pub sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Set when the sender should stop retrying (finish).
+    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 const QUEUE: usize = 16;
 
+/// Waits between tries of one export while the collector is unreachable: 1, 2, 4, 8, 16 s,
+/// then it is dropped (and counted); meanwhile at most [`QUEUE`] more wait.
+const BACKOFF_S: [u64; 5] = [1, 2, 4, 8, 16];
+
+/// The items of an export, as the drop counter counts them (spans and log records).
+fn items(e: &Export) -> u64 {
+    (e.spans.len() + e.logs.len()) as u64
+}
+
 impl Sender {
     pub fn start(ep: Endpoint) -> Sender {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Export>(QUEUE);
-        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let lost = dropped.clone();
+        use std::sync::{Arc, atomic::Ordering::Relaxed};
+        let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (lost, done, stop) = (dropped.clone(), sent.clone(), stopping.clone());
         let thread = std::thread::Builder::new()
             .name("probe-otlp".into())
             .spawn(move || {
                 let mut failing = false;
                 for e in rx {
-                    match ep.send(&e) {
-                        Ok(_) => failing = false,
-                        Err(err) => {
-                            lost.fetch_add(e.spans.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                            // One line when sending starts failing, not one per export.
-                            if !failing {
-                                log::warn!("OTLP: {} spans not sent: {err}", e.spans.len());
+                    let mut tries = 0;
+                    loop {
+                        match ep.send(&e) {
+                            Ok(_) => {
+                                done.fetch_add(items(&e), Relaxed);
+                                if failing {
+                                    log::warn!("OTLP: sending again");
+                                }
+                                failing = false;
+                                break;
                             }
-                            failing = true;
+                            Err(err) => {
+                                // One line when sending starts failing, not one per export.
+                                if !failing {
+                                    log::warn!("OTLP: cannot send ({err}); retrying with backoff, at most {QUEUE} exports wait");
+                                }
+                                failing = true;
+                                let retry = matches!(err, SendError::Retry(_));
+                                if !retry || tries >= BACKOFF_S.len() || stop.load(Relaxed) {
+                                    lost.fetch_add(items(&e), Relaxed);
+                                    break;
+                                }
+                                // Sleep in steps, so finish() is not held up by a backoff.
+                                let until = Instant::now() + Duration::from_secs(BACKOFF_S[tries]);
+                                while Instant::now() < until && !stop.load(Relaxed) {
+                                    std::thread::sleep(Duration::from_millis(50));
+                                }
+                                tries += 1;
+                            }
                         }
                     }
                 }
             })
             .expect("spawn the OTLP sender");
-        Sender { tx: std::sync::Mutex::new(Some(tx)), thread: std::sync::Mutex::new(Some(thread)), dropped }
+        Sender { tx: std::sync::Mutex::new(Some(tx)), thread: std::sync::Mutex::new(Some(thread)), dropped, sent, stopping }
     }
 
     pub fn send(&self, e: Export) {
-        if e.spans.is_empty() {
+        if e.spans.is_empty() && e.logs.is_empty() {
             return;
         }
-        let n = e.spans.len() as u64;
+        let n = items(&e);
         let sent = self.tx.lock().ok().and_then(|tx| tx.as_ref().map(|tx| tx.try_send(e).is_ok())).unwrap_or(false);
         if !sent {
             self.dropped.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
@@ -407,6 +529,8 @@ impl Sender {
     pub fn finish(&self, limit: std::time::Duration) -> u64 {
         drop(self.tx.lock().ok().and_then(|mut tx| tx.take()));
         let t = Instant::now();
+        // Queued exports get one try each; none waits out a backoff.
+        self.stopping.store(true, std::sync::atomic::Ordering::Relaxed);
         if let Some(h) = self.thread.lock().ok().and_then(|mut h| h.take()) {
             while !h.is_finished() && t.elapsed() < limit {
                 std::thread::sleep(Duration::from_millis(20));
@@ -447,5 +571,7 @@ mod tests {
     fn endpoint_adds_the_traces_path() {
         assert_eq!(Endpoint::parse("http://127.0.0.1:4318").unwrap().path, "/v1/traces");
         assert_eq!(Endpoint::parse("http://c:4318/otlp/v1/traces").unwrap().path, "/otlp/v1/traces");
+        assert_eq!(Endpoint::parse("http://127.0.0.1:4318").unwrap().logs_path, "/v1/logs");
+        assert_eq!(Endpoint::parse("http://c:4318/otlp/v1/traces").unwrap().logs_path, "/otlp/v1/logs");
     }
 }

@@ -106,7 +106,7 @@ impl Watcher {
                     self.analyse();
                     if target_exited {
                         let what = format!("pid {} exited ({reason}); {lost} events lost in the session", self.pid);
-                        self.incident("server_exit", "server_exit", None, &what);
+                        self.incident("server_exit", "server_exit", None, None, &what);
                     }
                     self.metrics.session_ended();
                     break;
@@ -237,14 +237,14 @@ impl Watcher {
                     ("slow_ttft", slow) => slow,
                     (kind, _) => kind,
                 };
-                self.incident(kind, cause, Some(&p.q), &what);
+                self.incident(kind, cause, Some(&p.q), v.as_ref(), &what);
             }
         }
     }
 
     /// Save an incident of `kind` (unless one of the same kind and cause was saved within the
     /// gap: a different cause is another incident).
-    fn incident(&mut self, kind: &'static str, cause: &str, q: Option<&RequestRecord>, what: &str) {
+    fn incident(&mut self, kind: &'static str, cause: &str, q: Option<&RequestRecord>, v: Option<&verdict::Verdict>, what: &str) {
         let key = (kind, cause.to_string());
         if self.last_incident.get(&key).is_some_and(|t| t.elapsed() < self.gap) {
             self.metrics.incident(kind, false);
@@ -268,9 +268,55 @@ impl Watcher {
                 self.metrics.incident(kind, true);
                 log_line!("probe watch: incident {kind}: {}; saved {}", crate::text::terminal(what), dir.display());
                 self.rotate_incidents(&dir);
+                if let Some(otlp) = &self.otlp {
+                    otlp.send(self.incident_log(kind, cause, q, v, what, &dir));
+                }
             }
             Err(e) => log_line!("probe watch: incident {kind} not saved: {e:#}"),
         }
+    }
+
+    /// An incident as an OTLP log record (WARN), its verdict and evidence as attributes, the
+    /// server and where it runs as the resource.
+    fn incident_log(
+        &self,
+        kind: &str,
+        cause: &str,
+        q: Option<&RequestRecord>,
+        v: Option<&verdict::Verdict>,
+        what: &str,
+        dir: &Path,
+    ) -> crate::export::otlp::Export {
+        use crate::export::otlp::{Export, LogRecord, Val};
+        let s = |x: &str| Val::S(x.to_string());
+        let mut resource = vec![
+            ("service.name".to_string(), s(&crate::procfs::comm(self.pid))),
+            ("process.pid".to_string(), Val::I(i64::from(self.pid))),
+            ("host.name".to_string(), s(&super::place::node())),
+            ("telemetry.sdk.name".to_string(), s("probe")),
+        ];
+        for (k, v) in &self.labels {
+            resource.push((super::place::otel_name(k).to_string(), s(v)));
+        }
+        let mut attrs = vec![
+            ("probe.incident.kind".to_string(), s(kind)),
+            ("probe.incident.cause".to_string(), s(cause)),
+            ("probe.incident.dir".to_string(), s(&dir.display().to_string())),
+        ];
+        if let Some(q) = q {
+            attrs.push(("probe.request.id".into(), Val::I(q.id as i64)));
+            if let Some(t) = q.ttft_ms {
+                attrs.push(("gen_ai.server.time_to_first_token".into(), Val::D(t / 1e3)));
+            }
+        }
+        if let Some(v) = v {
+            attrs.push(("probe.slow_cause".into(), s(v.slow_cause.name())));
+            attrs.push(("probe.stop_cause".into(), s(v.stop_cause.name())));
+            attrs.push(("probe.evidence".into(), Val::A(v.evidence.iter().map(|e| s(e)).collect())));
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let body = format!("incident {kind} ({cause}): {what}");
+        Export { resource, spans: vec![], logs: vec![LogRecord { time_unix_ns: now, severity: (13, "WARN"), body, attrs }] }
     }
 
     /// Keep the incidents within `--keep` bytes: the oldest go first, never the newest.

@@ -69,6 +69,8 @@ struct State {
     restarts: u64,
     /// Where the server runs (`place::labels`), on every sample.
     labels: Vec<(String, String)>,
+    /// The OTLP sender's counters (sent, dropped), with `--otlp`.
+    otlp: Option<(Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>)>,
 }
 
 /// The counters, shared by the watcher (writes) and the metrics thread (reads).
@@ -167,6 +169,11 @@ impl Metrics {
         self.with(|s| s.labels = labels);
     }
 
+    /// Count the OTLP sender's spans and log records (sent, dropped) in the exposition.
+    pub fn set_otlp(&self, sent: Arc<std::sync::atomic::AtomicU64>, dropped: Arc<std::sync::atomic::AtomicU64>) {
+        self.with(|s| s.otlp = Some((sent, dropped)));
+    }
+
     pub fn restarted(&self) {
         self.with(|s| s.restarts += 1);
     }
@@ -225,6 +232,18 @@ impl Metrics {
         let _ = writeln!(o, "probe_target_up {}", u8::from(s.target.is_some()));
         head(&mut o, "probe_target_restarts_total", "counter", "Times probe went on with a new target process (restarts).");
         let _ = writeln!(o, "probe_target_restarts_total {}", s.restarts);
+        if let Some((sent, dropped)) = &s.otlp {
+            use std::sync::atomic::Ordering::Relaxed;
+            head(&mut o, "probe_otlp_sent_total", "counter", "Spans and incident log records the OTLP collector accepted.");
+            let _ = writeln!(o, "probe_otlp_sent_total {}", sent.load(Relaxed));
+            head(
+                &mut o,
+                "probe_otlp_dropped_total",
+                "counter",
+                "Spans and incident log records not sent (queue full, or the collector down past the retries).",
+            );
+            let _ = writeln!(o, "probe_otlp_dropped_total {}", dropped.load(Relaxed));
+        }
         relabel(&o, &s.labels)
     }
 }

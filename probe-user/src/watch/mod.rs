@@ -137,6 +137,9 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         })
     };
     let otlp = o.otlp.clone().map(|e| Arc::new(crate::export::otlp::Sender::start(e)));
+    if let Some(s) = &otlp {
+        metrics.set_otlp(s.sent.clone(), s.dropped.clone());
+    }
     let mut follow = target::Following::new(o.select.clone());
     let mut waiting_said = false;
     let mut sessions = 0u64;
@@ -227,7 +230,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     if let Some(otlp) = &otlp {
         let dropped = otlp.finish(Duration::from_secs(5));
         if dropped > 0 {
-            log_line!("probe watch: {dropped} request spans were not sent to the OTLP collector");
+            log_line!("probe watch: {dropped} request spans and incident logs were not sent to the OTLP collector");
         }
     }
     Ok(crate::exit::OK)
