@@ -693,6 +693,16 @@ fn watch_all_finds_every_server_and_labels_them() {
     let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("the request in the incident");
     let slow = q["verdict"]["slow_cause"].as_str().unwrap();
     assert!(slow == "load" || slow == "disk", "slow cause {slow} (client saw {cold_ms:.0} ms): {q:#}");
+    // The incidents as pulled from a node: `probe report` on the tree lists it with where.
+    let fleet = d.join("fleet");
+    std::fs::create_dir_all(&fleet).unwrap();
+    assert!(Command::new("cp").arg("-a").arg(d.join("state/servers")).arg(fleet.join("node-a")).status().unwrap().success());
+    let out = Command::new(probe_bin()).arg("report").arg(&fleet).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("slow_ttft request") && text.contains("pod llm/llama-a") && text.contains(&format!("slow: {slow}")), "{text}");
+    let one = Command::new(probe_bin()).arg("report").arg(&inc).output().unwrap();
+    assert!(String::from_utf8_lossy(&one.stdout).contains("Where: node "), "{}", String::from_utf8_lossy(&one.stdout));
     // The alert fires for the pod, with the cause.
     let t = Instant::now();
     let firing = loop {

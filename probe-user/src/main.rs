@@ -611,6 +611,17 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 
 /// `probe report DIR [--json|--html]`.
 fn report_cmd(dir: PathBuf, json: bool, html: bool) -> anyhow::Result<i32> {
+    use probe_user::watch::fleet;
+    // Incidents pulled from several nodes (a folder per node): listed, each with where.
+    if !html && fleet::is_tree(&dir) {
+        let all = fleet::list(&dir);
+        if json {
+            println!("{}", serde_json::to_string_pretty(&all)?);
+        } else {
+            print!("{}", terminal(&fleet::render(&dir, &all)));
+        }
+        return Ok(exit::OK);
+    }
     let r = if html {
         let (page, r) = probe_user::html::write(&dir)?;
         println!("{}", page.display());
@@ -623,6 +634,9 @@ fn report_cmd(dir: PathBuf, json: bool, html: bool) -> anyhow::Result<i32> {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else if !html {
         print!("{}", terminal(&report::render(&r)));
+        if let Some(l) = fleet::labels_of(&dir) {
+            println!("\nWhere: {}", terminal(&fleet::place_words(&l)));
+        }
     }
     // A torn or corrupt recording is reported from what was whole, and says so (exit 1).
     Ok(if r.lost_events.values().any(|&n| n > 0) || !r.problems.is_empty() { exit::PARTIAL } else { exit::OK })
@@ -778,7 +792,11 @@ fn diff_cmd(
         Analysis::of_dir(dir, Needs { flames: whole, per_request: true, ..Needs::REPORT })
             .with_context(|| format!("cannot read the recording in {}", dir.display()))
     };
-    let name = |d: &PathBuf| d.display().to_string();
+    // A recording with labels (an incident of `watch --all`, pulled from a node) says where.
+    let name = |d: &PathBuf| match probe_user::watch::fleet::labels_of(d) {
+        Some(l) => format!("{} ({})", d.display(), probe_user::watch::fleet::place_words(&l)),
+        None => d.display().to_string(),
+    };
     let one = |r: &probe_user::report::Report, id: u64, dir: &PathBuf| -> anyhow::Result<()> {
         match r.requests.iter().find(|q| q.id == id && !q.probe_poll) {
             None => anyhow::bail!("no request {id} in {} (see `probe report {}`)", dir.display(), dir.display()),

@@ -10,6 +10,7 @@
 //! the writing; the metrics thread answers scrapes from [`metrics::Metrics`].
 pub mod all;
 pub mod baseline;
+pub mod fleet;
 pub mod incident;
 pub mod metrics;
 pub mod place;
