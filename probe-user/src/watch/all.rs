@@ -67,7 +67,7 @@ pub fn parse_listeners(text: &str) -> Vec<(SocketAddr, u64)> {
 /// Every listening TCP socket on the node with the process that owns it (the topmost of its
 /// owners). `owners` caches inode → pid across scans, so a scan reads file descriptors only
 /// for sockets it has not seen before.
-pub fn scan(owners: &mut HashMap<u64, u32>, skip: &HashSet<u32>) -> Vec<Listener> {
+pub fn scan(owners: &mut HashMap<u64, Option<u32>>, skip: &HashSet<u32>, closed: &mut HashMap<Option<u64>, Instant>) -> Vec<Listener> {
     let mut by_ns: HashMap<Option<u64>, Vec<u32>> = HashMap::new();
     for p in crate::procfs::all_pids() {
         if !skip.contains(&p) {
@@ -76,10 +76,21 @@ pub fn scan(owners: &mut HashMap<u64, u32>, skip: &HashSet<u32>) -> Vec<Listener
     }
     let mut out = Vec::new();
     let mut seen = HashSet::new();
+    let ours = crate::procfs::netns(crate::procfs::self_pid());
     for (ns, members) in &by_ns {
-        let text: String =
-            ["tcp", "tcp6"].iter().filter_map(|f| std::fs::read_to_string(format!("/proc/{}/net/{f}", members[0])).ok()).collect();
-        let socks = parse_listeners(&text);
+        // A namespace probe could not enter is tried again a minute later.
+        if closed.get(ns).is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
+            continue;
+        }
+        let Some(socks) = listeners_in(*ns == ours, members[0]) else {
+            if closed.insert(*ns, Instant::now()).is_none() {
+                log_line!(
+                    "probe watch: cannot enter the network namespace of pid {} (another user namespace?): its servers are not looked for",
+                    members[0]
+                );
+            }
+            continue;
+        };
         let new: HashSet<u64> = socks.iter().map(|s| s.1).filter(|i| !owners.contains_key(i)).collect();
         if !new.is_empty() {
             let mut found: HashMap<u64, Vec<u32>> = HashMap::new();
@@ -88,21 +99,49 @@ pub fn scan(owners: &mut HashMap<u64, u32>, skip: &HashSet<u32>) -> Vec<Listener
                     found.entry(*i).or_default().push(p);
                 }
             }
-            for (i, pids) in found {
-                if let Some(p) = crate::procfs::topmost(&pids) {
-                    owners.insert(i, p);
-                }
+            // A socket no process was found for (ours, one that closed meanwhile) is
+            // remembered too: a scan reads file descriptors only for sockets new to it.
+            for i in new {
+                owners.insert(i, found.get(&i).and_then(|p| crate::procfs::topmost(p)));
             }
         }
         for (addr, inode) in socks {
             seen.insert(inode);
-            if let Some(&pid) = owners.get(&inode).filter(|p| !skip.contains(p)) {
+            if let Some(&Some(pid)) = owners.get(&inode).filter(|p| p.is_some_and(|p| !skip.contains(&p))) {
                 out.push(Listener { pid, addr, netns: *ns });
             }
         }
     }
     owners.retain(|i, _| seen.contains(i));
     out
+}
+
+/// The listening sockets of `member`'s network namespace: the kernel's sock_diag dump of LISTEN
+/// sockets (from a thread moved into that namespace), which costs what the listeners cost;
+/// /proc/PID/net/tcp{,6} walks every socket of the namespace (a busy server's thousands of
+/// connections, every scan), so it is only the fallback.
+fn listeners_in(ours: bool, member: u32) -> Option<Vec<(SocketAddr, u64)>> {
+    let dump = move || {
+        if !ours {
+            let ns = std::fs::File::open(format!("/proc/{member}/ns/net")).ok()?;
+            crate::procfs::enter_netns(&ns).ok()?;
+        }
+        crate::procfs::tcp_listeners()
+    };
+    let got = if ours {
+        dump()
+    } else {
+        std::thread::Builder::new().name("probe-scan".into()).spawn(dump).ok().and_then(|t| t.join().ok()).flatten()
+    };
+    if got.is_none() && !ours {
+        // A namespace probe cannot enter (another user namespace): its servers could not be
+        // asked either.
+        return None;
+    }
+    Some(got.unwrap_or_else(|| {
+        let text: String = ["tcp", "tcp6"].iter().filter_map(|f| std::fs::read_to_string(format!("/proc/{member}/net/{f}")).ok()).collect();
+        parse_listeners(&text)
+    }))
 }
 
 /// Ask a listener, from inside its network namespace, whether it serves models.
@@ -197,6 +236,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     log_line!("probe watch: looking for LLM servers on this node (every {} s)", o.scan_every.as_secs_f64());
     let me = crate::procfs::self_pid();
     let mut owners = HashMap::new();
+    let mut closed = HashMap::new();
     // Listeners asked with a definite answer, by (pid, port); failed followers, by pid.
     let mut answered: HashMap<(u32, u16), Answer> = HashMap::new();
     let mut failed: HashMap<u32, Instant> = HashMap::new();
@@ -222,7 +262,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             skip.extend(crate::procfs::descendants(p));
         }
         failed.retain(|p, t| t.elapsed() < Duration::from_secs(30) && crate::procfs::exists(*p));
-        let found = scan(&mut owners, &skip);
+        let found = scan(&mut owners, &skip, &mut closed);
         let live: HashSet<(u32, u16)> = found.iter().map(|l| (l.pid, l.addr.port())).collect();
         answered.retain(|k, _| live.contains(k));
         for l in &found {

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# What `probe watch --all` costs on this node with 0, 1 and 4 llama-servers (each asked one small
+# completion a second): % of one core = CPU of every probe process (the agent and its followers,
+# from /proc/PID/stat) plus the run time of every BPF program (kernel.bpf_stats_enabled), per
+# wall second, over SECS seconds after every follower armed. Run as root after `cargo xtask
+# build`; LLAMA_SERVER and LLAMA_MODEL as `cargo xtask test` sets them (scripts/llama.sh prints them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS="${SECS:-20}"
+PROBE="${PROBE_BIN:-target/release/probe}"
+: "${LLAMA_SERVER:?set LLAMA_SERVER (scripts/llama.sh prints it)}" "${LLAMA_MODEL:?set LLAMA_MODEL}"
+tick=$(getconf CLK_TCK)
+work=$(mktemp -d /tmp/probe-watch-all-cost.XXXXXX)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+prev_stats=$(sysctl -n kernel.bpf_stats_enabled)
+sysctl -qw kernel.bpf_stats_enabled=1
+trap 'sysctl -qw kernel.bpf_stats_enabled='"$prev_stats"'; cleanup' EXIT
+
+# CPU ticks of the agent and its followers.
+probe_ticks() {
+  local total=0 p
+  for p in $(pgrep -f "^$PROBE watch" || true); do
+    total=$((total + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$total"
+}
+bpf_ns() { bpftool prog show -j 2>/dev/null | python3 -c 'import json,sys; print(sum(p.get("run_time_ns",0) for p in json.load(sys.stdin)))'; }
+
+printf 'watch --all cost (%% of one core: probe processes + BPF run time, per wall second, %s s):\n' "$SECS"
+base=""
+for n in 0 1 4; do
+  ports=()
+  for i in $(seq 1 "$n"); do
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    "$LLAMA_SERVER" -m "$LLAMA_MODEL" -c 512 -np 1 -t 1 --host 127.0.0.1 --port "$port" >/dev/null 2>&1 &
+    pids+=($!); ports+=("$port")
+  done
+  for port in "${ports[@]}"; do until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 0.2; done; done
+  "$PROBE" watch --all --dir "$work/state-$n" --scan-every 2s 2>"$work/log-$n" &
+  agent=$!
+  until [ "$(grep -c 'armed in' "$work/log-$n" || true)" -ge "$n" ] && grep -q 'looking for LLM servers' "$work/log-$n"; do sleep 0.2; done
+  sleep 3
+  t0=$(probe_ticks); b0=$(bpf_ns); s0=$(date +%s.%N)
+  end=$(( $(date +%s) + SECS ))
+  while [ "$(date +%s)" -lt "$end" ]; do
+    for port in "${ports[@]}"; do curl -sf -o /dev/null -d '{"prompt":"Hi","n_predict":4}' "http://127.0.0.1:$port/completion" & done
+    sleep 1
+  done
+  wait_curls=$(jobs -p | wc -l); true
+  t1=$(probe_ticks); b1=$(bpf_ns); s1=$(date +%s.%N)
+  pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($t1-$t0)/$tick + ($b1-$b0)/1e9)/w:.2f}')")
+  proc_pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($t1-$t0)/$tick)/w:.2f}')")
+  bpf_pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($b1-$b0)/1e9)/w:.2f}')")
+  per=""
+  if [ "$n" -gt 0 ]; then per=$(python3 -c "print(f', {($pct - ${base:-0})/$n:.2f}% per server')"); fi
+  printf '  %d server(s): %s%% (processes %s%%, BPF %s%%)%s\n' "$n" "$pct" "$proc_pct" "$bpf_pct" "$per"
+  [ "$n" -eq 0 ] && base=$pct
+  kill -TERM "$agent"; wait "$agent" || true
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  pids=()
+  sleep 1
+done
