@@ -398,12 +398,14 @@ fn idle_restart_with_a_dropped_cache_is_disk_bound_and_without_it_is_not() {
     drop(srv);
 }
 
-/// Busy loops on every CPU, killed on drop: a CPU-bound neighbour of the server.
+/// Busy loops, three for every CPU, killed on drop: a CPU-bound neighbour of the server. Three
+/// a CPU leave the one-thread server about a quarter of a core (one loop a CPU left it half of
+/// one on a 2-core box: a 1.5× slowdown that a noisy machine's intervals can hide).
 struct Hog(Vec<Child>);
 
 impl Hog {
     fn start() -> Hog {
-        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let n = 3 * std::thread::available_parallelism().map_or(2, |n| n.get());
         Hog((0..n).map(|_| Command::new("sh").arg("-c").arg("while :; do :; done").spawn().expect("start a busy loop")).collect())
     }
 }

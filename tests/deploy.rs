@@ -149,3 +149,330 @@ fn the_podmonitor_and_the_rules_pass_the_operators_models() {
         }
     }
 }
+
+/// Podman (Debian's 4.3) as root here: the runc runtime, and rlimits at or below the current ones
+/// (root lacks CAP_SYS_RESOURCE on these machines; ../shared/toolchain.md).
+struct Podman {
+    conf: PathBuf,
+    /// Containers and pods this test made, removed on drop (a failing test leaves none behind).
+    made: std::cell::RefCell<Vec<(&'static str, String)>>,
+}
+
+impl Podman {
+    fn new(d: &Path) -> Podman {
+        let conf = d.join("containers.conf");
+        std::fs::write(
+            &conf,
+            "[containers]\ndefault_ulimits = [\"nofile=4096:4096\", \"nproc=4096:4096\"]\n[engine]\nruntime = \"runc\"\n",
+        )
+        .unwrap();
+        Podman { conf, made: Default::default() }
+    }
+
+    fn cmd(&self) -> Command {
+        let mut c = Command::new("podman");
+        c.env("CONTAINERS_CONF", &self.conf);
+        c
+    }
+
+    /// `podman ARGS`: its stdout, trimmed; panics with its stderr when it fails.
+    fn run(&self, args: &[&str]) -> String {
+        let out = self.cmd().args(args).output().expect("podman (Debian package, installed by scripts/setup.sh)");
+        assert!(out.status.success(), "podman {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// `podman run -d --name NAME ARGS`, removed on drop: the container's id.
+    fn start(&self, name: &str, args: &[&str]) -> String {
+        let _ = self.cmd().args(["rm", "-f", "-t", "0", name]).output();
+        self.made.borrow_mut().push(("container", name.to_string()));
+        let mut all = vec!["run", "-d", "--name", name];
+        all.extend_from_slice(args);
+        self.run(&all)
+    }
+
+    fn inspect(&self, name: &str, format: &str) -> String {
+        self.run(&["inspect", "-f", format, name])
+    }
+
+    fn logs(&self, name: &str) -> String {
+        let out = self.cmd().args(["logs", name]).output().unwrap();
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        for (kind, name) in self.made.borrow().iter().rev() {
+            let args: &[&str] = match *kind {
+                "pod" => &["pod", "rm", "-f", "-t", "0"],
+                "image" => &["rmi", "-f"],
+                _ => &["rm", "-f", "-t", "0"],
+            };
+            let _ = self.cmd().args(args).arg(name).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+/// Wait for `line` in a container's log (`podman logs`): the first line holding it.
+fn wait_log(p: &Podman, name: &str, needle: &str, within: Duration) -> String {
+    let t = Instant::now();
+    loop {
+        let logs = p.logs(name);
+        if let Some(l) = logs.lines().find(|l| l.contains(needle)) {
+            return l.to_string();
+        }
+        assert!(t.elapsed() < within, "no `{needle}` in {name}'s log after {within:?}:\n{logs}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// A URL query value, percent-encoded.
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
+}
+
+/// `GET /metrics` on `addr` once it answers.
+fn scrape(addr: std::net::SocketAddr, within: Duration) -> String {
+    let t = Instant::now();
+    loop {
+        if let Ok((200, body)) = common::http(addr, "GET", "/metrics", None, &[]) {
+            return String::from_utf8(body).unwrap();
+        }
+        assert!(t.elapsed() < within, "no metrics on {addr} after {within:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The node agent under a real container runtime. probe's image (`cargo xtask image`: FROM
+/// scratch, the binary and its libraries) runs with `--pid=host --privileged`; two llama-servers
+/// run in containers of their own (an image built the same way, the model mounted), each on
+/// port 8080 of its own network namespace, with other flags. `watch --all` finds both without
+/// their pids or ports; a morning request (asleep, model evicted) on one is an incident labelled
+/// with that container's name and id and the right verdict; a real Prometheus scrapes the
+/// container labels and the slow-first-token alert fires for that container. Then the
+/// DaemonSet's pod template, played as a Pod by `podman kube play`, runs the same agent and finds
+/// both servers too.
+#[test]
+fn the_image_under_podman_finds_servers_in_containers_and_labels_them() {
+    let d = scratch("deploy-podman");
+    let p = Podman::new(&d);
+    let image = std::env::var("PROBE_IMAGE").expect("PROBE_IMAGE: the image `cargo xtask image` built (cargo xtask test sets it)");
+    let tag = format!("probe-t{}", std::process::id());
+    // The servers' image, built the same way as probe's.
+    let llama_image = format!("localhost/{tag}-llama:latest");
+    let built = Command::new("bash")
+        .arg(repo().join("scripts/image.sh"))
+        .args([&llama_image, env_path("LLAMA_SERVER").to_str().unwrap(), "/usr/bin/llama-server"])
+        .env("CONTAINERS_CONF", &p.conf)
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "scripts/image.sh: {}", String::from_utf8_lossy(&built.stderr));
+    p.made.borrow_mut().push(("image", llama_image.clone()));
+    // The model: our own copy (the morning request evicts it from the page cache), mounted read-only.
+    let model = d.join("model.gguf");
+    std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    let mount = format!("{}:/models/model.gguf:ro", model.display());
+    let (name_a, name_b) = (format!("{tag}-llama-a"), format!("{tag}-llama-b"));
+    let serve = ["-m", "/models/model.gguf", "--host", "0.0.0.0", "--port", "8080", "--no-repack"];
+    let id_a =
+        p.start(&name_a, &[&["-v", &mount, &llama_image][..], &serve, &["-c", "1024", "-np", "1", "--sleep-idle-seconds", "1"]].concat());
+    let id_b = p.start(&name_b, &[&["-v", &mount, &llama_image][..], &serve, &["-c", "2048", "-np", "2"]].concat());
+    let addr =
+        |name: &str| -> std::net::SocketAddr { format!("{}:8080", p.inspect(name, "{{.NetworkSettings.IPAddress}}")).parse().unwrap() };
+    let (addr_a, addr_b) = (addr(&name_a), addr(&name_b));
+    for a in [addr_a, addr_b] {
+        common::wait_healthy(a);
+    }
+    // The agent: probe's image, the node's processes and the host mounts the DaemonSet has.
+    let state = d.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let agent = format!("{tag}-agent");
+    let volumes = [
+        "/sys/kernel/btf:/sys/kernel/btf:ro".to_string(),
+        "/sys/fs/cgroup:/sys/fs/cgroup:ro".to_string(),
+        "/var/lib/containers/storage/overlay-containers:/var/lib/containers/storage/overlay-containers:ro".to_string(),
+        format!("{}:/var/lib/probe", state.display()),
+    ];
+    let mut args: Vec<String> =
+        ["--pid=host", "--privileged", "--network", "host", "--read-only", "--tmpfs", "/tmp", "-e", "NODE_NAME=node-t"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    for v in &volumes {
+        args.extend(["-v".to_string(), v.clone()]);
+    }
+    args.push(image.clone());
+    let metrics = format!("127.0.0.1:{metrics_port}");
+    args.extend(
+        [
+            "watch",
+            "--all",
+            "--dir",
+            "/var/lib/probe",
+            "--metrics-addr",
+            &metrics,
+            "--scan-every",
+            "1s",
+            "--slow-ttft",
+            "150ms",
+            "--segment",
+            "2s",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    p.start(&agent, &args);
+    // Both servers found, by what they answer, each with its container's name and id.
+    for (name, id) in [(&name_a, &id_a), (&name_b, &id_b)] {
+        let found = wait_log(&p, &agent, &format!("container={name} "), Duration::from_secs(30));
+        assert!(found.contains("found a server") && found.contains(&format!("container_id={id}")), "{found}");
+        assert!(found.contains("on port 8080") && found.contains("node=node-t"), "{found}");
+    }
+    // A real Prometheus scraping the agent every second, probe's alerting rules every second.
+    let rules = repo().join("deploy/prometheus/probe-rules.yml");
+    let prom_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    std::fs::write(
+        d.join("prometheus.yml"),
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{}']\nscrape_configs:\n  - job_name: probe\n    static_configs:\n      - targets: ['{metrics}']\n",
+            rules.display()
+        ),
+    )
+    .unwrap();
+    struct Prom(std::process::Child);
+    impl Drop for Prom {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _prom = Prom(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
+            .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian package, installed by scripts/setup.sh)"),
+    );
+    let prom: std::net::SocketAddr = format!("127.0.0.1:{prom_port}").parse().unwrap();
+    let query = |q: &str| -> Vec<Value> {
+        let Ok((200, body)) = common::http(prom, "GET", &format!("/api/v1/query?query={}", encode(q)), None, &[]) else { return vec![] };
+        serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["data"]["result"].as_array().cloned()).unwrap_or_default()
+    };
+    let t = Instant::now();
+    while query(&format!("probe_target_up{{container=\"{name_a}\"}}")).is_empty()
+        || query(&format!("probe_target_up{{container=\"{name_b}\"}}")).is_empty()
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "Prometheus has no series with the containers' labels:\n{}",
+            scrape(metrics.parse().unwrap(), Duration::from_secs(1))
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // A warm request on B, then the morning request on A: asleep, its model evicted.
+    let complete = |a: std::net::SocketAddr, prompt: &str| {
+        let (st, body) = common::http(a, "POST", "/completion", Some(&json!({"prompt": prompt, "n_predict": 4, "seed": 1})), &[]).unwrap();
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    };
+    complete(addr_b, "Hello");
+    common::sleep_then_evict(addr_a, &model);
+    std::thread::sleep(Duration::from_millis(300));
+    let cold = Instant::now();
+    complete(addr_a, "Good morning");
+    let cold_ms = cold.elapsed().as_secs_f64() * 1e3;
+    let line = wait_log(&p, &agent, "incident slow_ttft", Duration::from_secs(60));
+    assert!(line.contains(&format!("[{name_a}-port8080]")), "the incident is A's: {line}");
+    let incidents = state.join("servers").join(format!("{name_a}-port8080")).join("incidents");
+    let inc = std::fs::read_dir(&incidents)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|x| x.to_string_lossy().contains("slow_ttft"))
+        .unwrap_or_else(|| panic!("no slow_ttft incident in {}", incidents.display()));
+    let labels: Value = serde_json::from_slice(&std::fs::read(inc.join("labels.json")).unwrap()).unwrap();
+    assert_eq!((labels["container"].as_str(), labels["container_id"].as_str()), (Some(name_a.as_str()), Some(id_a.as_str())), "{labels}");
+    assert_eq!(labels["node"], "node-t", "{labels}");
+    let r: Value = serde_json::from_slice(&std::fs::read(inc.join("report.json")).unwrap()).unwrap();
+    let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("the request in the incident");
+    let slow = q["verdict"]["slow_cause"].as_str().unwrap().to_string();
+    assert!(slow == "load" || slow == "disk", "slow cause {slow} (the client saw {cold_ms:.0} ms): {q:#}");
+    // The alert fires for that container, with the cause.
+    let t = Instant::now();
+    let firing = loop {
+        let f = query("ALERTS{alertname=\"LLMSlowFirstToken\",alertstate=\"firing\"}");
+        if let Some(a) = f.first() {
+            break a["metric"].clone();
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "LLMSlowFirstToken did not fire");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!((firing["container"].as_str(), firing["slow_cause"].as_str()), (Some(name_a.as_str()), Some(slow.as_str())), "{firing}");
+    assert_eq!(firing["node"], "node-t", "{firing}");
+    // SIGTERM (podman stop) ends the agent and its followers cleanly.
+    p.run(&["stop", "-t", "20", &agent]);
+    assert_eq!(p.inspect(&agent, "{{.State.ExitCode}}"), "0", "{}", p.logs(&agent));
+    eprintln!("podman: both servers found; the morning request took {cold_ms:.0} ms ({slow}); the alert fired for {name_a}");
+
+    // The DaemonSet's pod template as a Pod (this podman plays Pods, not DaemonSets): the image
+    // built here, incidents in scratch, the node's name as the kubelet would set it.
+    let ds = documents(&repo().join("deploy/kubernetes/probe.yaml")).into_iter().find(|o| o["kind"] == "DaemonSet").unwrap();
+    let mut spec = ds["spec"]["template"]["spec"].clone();
+    let c = &mut spec["containers"][0];
+    c["image"] = json!(image);
+    c["env"] = json!([{"name": "NODE_NAME", "value": "node-k"}]);
+    for v in spec["volumes"].as_array_mut().unwrap() {
+        if v["name"] == "incidents" {
+            v["hostPath"]["path"] = json!(d.join("state-kube").display().to_string());
+        }
+    }
+    let pod_name = format!("{tag}-kube");
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod_name, "labels": ds["spec"]["template"]["metadata"]["labels"]}, "spec": spec});
+    let file = d.join("pod.json");
+    std::fs::write(&file, pod.to_string()).unwrap();
+    let _ = p.cmd().args(["pod", "rm", "-f", "-t", "0", &pod_name]).output();
+    p.made.borrow_mut().push(("pod", pod_name.clone()));
+    p.run(&["kube", "play", file.to_str().unwrap()]);
+    // podman before 4.5 drops `hostPID` when it plays a pod (containers/podman#17157): the
+    // agent then sees only its pod's processes, under pids the kernel does not use, and must say
+    // so and stop rather than run blind. With the host's pids it finds both servers.
+    let agent_k = format!("{pod_name}-probe");
+    if p.inspect(&agent_k, "{{.HostConfig.PidMode}}") != "host" {
+        // (The pod's restart policy starts it again: each start says the same and stops.)
+        let said = wait_log(&p, &agent_k, "a PID namespace of its own", Duration::from_secs(20));
+        assert!(said.contains("hostPID: true") && said.contains("--pid=host"), "{said}");
+        assert!(!p.logs(&agent_k).contains("looking for LLM servers"), "the agent ran blind:\n{}", p.logs(&agent_k));
+        eprintln!("podman kube play: this podman drops hostPID; the agent said so and stopped: {}", said.trim());
+        return;
+    }
+    let infra = p.run(&["pod", "inspect", "-f", "{{.InfraContainerID}}", &pod_name]);
+    let ip = p.inspect(&infra, "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}");
+    let ip = ip.split_whitespace().next().unwrap_or_else(|| panic!("the played pod has no address: {ip}"));
+    let kube_metrics: std::net::SocketAddr = format!("{ip}:9464").parse().unwrap();
+    let t = Instant::now();
+    let m = loop {
+        let m = scrape(kube_metrics, Duration::from_secs(30));
+        if common::prometheus_sum(&m, "probe_servers") >= 2.0 {
+            break m;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the played pod did not find both servers:\n{m}\n{}",
+            p.logs(&format!("{pod_name}-probe"))
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    for name in [&name_a, &name_b] {
+        assert!(m.contains(&format!("container=\"{name}\"")), "{name} is not labelled in the pod's metrics:\n{m}");
+    }
+    assert!(m.contains("node=\"node-k\""), "{m}");
+    eprintln!("podman kube play: the DaemonSet's pod found both servers");
+}

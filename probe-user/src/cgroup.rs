@@ -56,10 +56,10 @@ pub fn main_pid(pids: &[u32]) -> Option<u32> {
 /// `libpod-ID.scope`, `cri-containerd-ID.scope`, `crio-ID.scope`, or a bare 64-hex `ID`
 /// (cgroupfs drivers: /docker/ID).
 pub(crate) fn container_id(dir_name: &str) -> Option<&str> {
-    let id = match dir_name.strip_suffix(".scope") {
-        Some(s) => ["docker-", "libpod-", "cri-containerd-", "crio-"].iter().find_map(|p| s.strip_prefix(p))?,
-        None => dir_name,
-    };
+    // systemd: `libpod-ID.scope`; cgroupfs: `libpod-ID` (podman's `libpod_parent/libpod-ID`) or
+    // the bare id (Docker's `/docker/ID`, the kubelet's `pod<uid>/ID`).
+    let s = dir_name.strip_suffix(".scope").unwrap_or(dir_name);
+    let id = ["docker-", "libpod-", "cri-containerd-", "crio-"].iter().find_map(|p| s.strip_prefix(p)).unwrap_or(s);
     (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
 }
 
@@ -174,6 +174,7 @@ mod tests {
         let id = "a".repeat(64);
         assert_eq!(container_id(&format!("docker-{id}.scope")), Some(id.as_str()));
         assert_eq!(container_id(&format!("libpod-{id}.scope")), Some(id.as_str()));
+        assert_eq!(container_id(&format!("libpod-{id}")), Some(id.as_str()), "podman on cgroupfs");
         assert_eq!(container_id(&format!("cri-containerd-{id}.scope")), Some(id.as_str()));
         assert_eq!(container_id(&id), Some(id.as_str()));
         assert_eq!(container_id(&format!("libpod-conmon-{id}.scope")), None);

@@ -174,6 +174,7 @@ pub fn effective_caps() -> u64 {
 }
 
 pub fn check_privileges() -> anyhow::Result<()> {
+    check_host_pids()?;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         return Ok(());
@@ -185,6 +186,26 @@ pub fn check_privileges() -> anyhow::Result<()> {
         return Ok(());
     }
     bail!("probe needs root (or CAP_BPF and CAP_PERFMON) to load kernel programs: run it with sudo")
+}
+
+/// The initial PID namespace's inode (the kernel's PROC_PID_INIT_INO, include/linux/proc_ns.h).
+const PID_NS_INIT_INO: u64 = 0xEFFF_FFFC;
+
+/// probe must see the host's processes: its kernel programs see the kernel's (host) pids, and
+/// a /proc of a container's own PID namespace numbers the same processes differently, so nothing
+/// would match. The /proc it reads is the host's when its pid 1 is in the initial PID namespace
+/// (probe itself may sit in a namespace of its own with the host's /proc mounted: that works).
+pub fn check_host_pids() -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(ns) = std::fs::metadata("/proc/1/ns/pid") else { return Ok(()) };
+    if ns.ino() == PID_NS_INIT_INO {
+        return Ok(());
+    }
+    bail!(
+        "probe sees the processes of a PID namespace of its own (a container without the host's processes), but its kernel programs \
+         see the host's pids, which differ from the ones here: nothing could be traced. Run it in the host's PID namespace: `--pid=host` \
+         (podman, docker), `hostPID: true` (Kubernetes; `podman kube play` honours it from podman 4.5 on)"
+    )
 }
 
 fn raise_memlock() {

@@ -71,6 +71,19 @@ enum Cmd {
     /// Build probe and its .deb (target/debian/probe_VERSION_ARCH.deb; cargo-deb, built once into
     /// ~/.cache/probe): `sudo apt install ./target/debian/probe_*.deb` installs it.
     Deb,
+    /// Build probe (release) and its OCI image with podman or docker (scripts/image.sh): `FROM
+    /// scratch`, the binary and the libraries it links, tagged localhost/probe:VERSION and
+    /// :latest, in root's image store (through sudo when run as a user). deploy/kubernetes/probe.yaml
+    /// runs it.
+    Image {
+        /// podman or docker (default: podman when installed).
+        #[arg(long)]
+        engine: Option<String>,
+        /// Also write the image to this file as an OCI archive (for `ctr images import` or
+        /// `podman load` on a node).
+        #[arg(long)]
+        save: Option<PathBuf>,
+    },
     /// Setup, build the fuzz targets in fuzz/ (cargo-fuzz, nightly), run each for `--secs` on a
     /// scratch copy of its committed corpus; fails with the crashing input's path.
     Fuzz {
@@ -191,7 +204,12 @@ fn host_triple() -> anyhow::Result<String> {
 
 /// Run a setup script that prints `KEY=value` lines; returns the values of `keys`.
 fn script_vars(script: &str, env: &[(&str, &str)], keys: &[&str]) -> anyhow::Result<Vec<String>> {
-    let out = Command::new("bash").arg(root().join(script)).envs(env.iter().copied()).stderr(Stdio::inherit()).output()?;
+    script_vars_args(script, &[], env, keys)
+}
+
+/// The same, with arguments.
+fn script_vars_args(script: &str, args: &[&str], env: &[(&str, &str)], keys: &[&str]) -> anyhow::Result<Vec<String>> {
+    let out = Command::new("bash").arg(root().join(script)).args(args).envs(env.iter().copied()).stderr(Stdio::inherit()).output()?;
     if !out.status.success() {
         bail!("{script} failed (see above)");
     }
@@ -231,6 +249,46 @@ fn manifests() -> anyhow::Result<String> {
     Ok(v[0].clone())
 }
 
+/// probe's OCI image (scripts/image.sh), built from the release binary: its tag.
+/// `as_root`: in root's image store (the container tests run as root), through sudo when xtask
+/// is not root.
+fn image(engine: Option<&str>, save: Option<&Path>, as_root: bool) -> anyhow::Result<String> {
+    let version = Command::new(bin("probe")).arg("--version").output().context("cannot run the built probe")?;
+    let version = String::from_utf8_lossy(&version.stdout).split_whitespace().nth(1).unwrap_or("dev").to_string();
+    let tag = format!("localhost/probe:{version}");
+    let probe = bin("probe");
+    let env: Vec<(&str, &str)> = engine.map(|e| vec![("ENGINE", e)]).unwrap_or_default();
+    let args = [tag.as_str(), probe.to_str().context("a non-UTF-8 target path")?, "/usr/bin/probe"];
+    let v = if as_root && via_sudo() {
+        let mut all = vec!["bash".to_string(), root().join("scripts/image.sh").display().to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let out = elevated("env").args(env.iter().map(|(k, v)| format!("{k}={v}"))).args(&all).stderr(Stdio::inherit()).output()?;
+        if !out.status.success() {
+            bail!("scripts/image.sh failed (see above)");
+        }
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        vec![text.lines().find_map(|l| l.strip_prefix("IMAGE=")).context("scripts/image.sh printed no IMAGE")?.to_string()]
+    } else {
+        script_vars_args("scripts/image.sh", &args, &env, &["IMAGE"])?
+    };
+    let engine = engine.map(str::to_string).unwrap_or_else(|| {
+        if Command::new("podman").arg("--version").output().is_ok_and(|o| o.status.success()) { "podman".into() } else { "docker".into() }
+    });
+    let mut tag_latest = if as_root { elevated(&engine) } else { Command::new(&engine) };
+    run(tag_latest.args(["tag", &tag, "localhost/probe:latest"]))?;
+    if let Some(file) = save {
+        let _ = std::fs::remove_file(file);
+        let mut c = if as_root { elevated(&engine) } else { Command::new(&engine) };
+        c.arg("save").arg("-o").arg(file);
+        if engine == "podman" {
+            c.args(["--format", "oci-archive"]);
+        }
+        run(c.arg(&tag))?;
+        println!("image: saved {tag} to {}", file.display());
+    }
+    Ok(v[0].clone())
+}
+
 /// AIPerf (PyPI) for the side-by-side bench test.
 fn aiperf() -> anyhow::Result<String> {
     let v = script_vars("scripts/aiperf.sh", &[], &["AIPERF"])?;
@@ -247,6 +305,8 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     let llama_python = llama_python()?;
     let aiperf = aiperf()?;
     let kube_validate = manifests()?;
+    // The image the container tests run (tests/deploy.rs), in root's store.
+    let probe_image = image(None, None, true)?;
     // Pass cargo's output through and close with one total line over every test binary.
     let mut cargo = Command::new("cargo");
     if via_sudo() {
@@ -267,6 +327,7 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         .env("VLLM_MODEL", vllm_model)
         .env("LLAMA_PYTHON", llama_python)
         .env("AIPERF", aiperf)
+        .env("PROBE_IMAGE", probe_image)
         .env("KUBE_VALIDATE", kube_validate)
         // A failing test's message, not a backtrace of the test harness, is what CI's log keeps.
         .env("RUST_BACKTRACE", "0")
@@ -701,7 +762,8 @@ fn bench() -> anyhow::Result<()> {
     bench_stop(&dir)?;
     bench_report(&dir)?;
     bench_llama(&dir)?;
-    cost::bench_cost(&dir)
+    cost::bench_cost(&dir)?;
+    watch_all_cost()
 }
 
 /// Ctrl-C to exit: SIGINT to `probe trace` (every probe) until it exited with its report written,
@@ -751,7 +813,19 @@ fn bench_stop(dir: &Path) -> anyhow::Result<()> {
 fn bench_cost_only() -> anyhow::Result<()> {
     require_root()?;
     build()?;
-    cost::bench_cost(&root().join("target/bench"))
+    cost::bench_cost(&root().join("target/bench"))?;
+    watch_all_cost()
+}
+
+/// `probe watch --all` as a node agent with 0, 1 and 4 llama-servers (scripts/watch-all-cost.sh):
+/// probe's CPU and its BPF programs' run time per wall second.
+fn watch_all_cost() -> anyhow::Result<()> {
+    let (server, model) = llama()?;
+    run(Command::new("bash")
+        .arg(root().join("scripts/watch-all-cost.sh"))
+        .env("LLAMA_SERVER", server)
+        .env("LLAMA_MODEL", model)
+        .env("PROBE_BIN", bin("probe")))
 }
 
 /// Wall time and peak RSS (bytes) of a command run to the end, its output discarded.
@@ -1049,6 +1123,14 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Soak { minutes, clients } => soak::soak(minutes, clients),
         Cmd::Stress => soak::stress(),
         Cmd::Fuzz { secs } => fuzz(secs),
+        Cmd::Image { engine, save } => {
+            build()?;
+            // Root's image store: the agent runs as root (privileged, eBPF).
+            sudo_ready()?;
+            let tag = image(engine.as_deref(), save.as_deref(), true)?;
+            println!("image: {tag} (and localhost/probe:latest); deploy/kubernetes/probe.yaml runs localhost/probe:latest");
+            Ok(())
+        }
         Cmd::Deb => {
             build()?;
             println!("{}", deb()?.display());
