@@ -502,7 +502,12 @@ fn vllm_second_server_same_clients() {
     // No gateway deadline here: under these 16 KV blocks the six streams preempt each other, and
     // one finished before the last had its first token (CI); on a vLLM of its own, five of six
     // streams through nginx never started. The deadline is checked on llama-server, above.
+    // probe polls an idle server every 10 s, and credits a request with what vLLM's counters grew
+    // by only when no request outside its burst was served between the polls around it: a quiet
+    // stretch of 11 s before and after the burst leaves a poll in each.
+    let idle_poll = Duration::from_millis(5500);
     v.wait_idle();
+    std::thread::sleep(2 * idle_poll);
     let before = v.preemptions();
     // Between the room left after the prompt (~80 tokens) and max-model-len: the stream ends at
     // length when the context is full.
@@ -512,7 +517,11 @@ fn vllm_second_server_same_clients() {
     // began and vLLM never had to preempt.
     let seen_limit = finish_clients(start_clients_ready(&limit, &url, Some(&ready_dir("vllm-limit"))));
     let preempted = v.preemptions() - before;
-    // The prefix cache, by vLLM's own counters: one prompt twice, a poll (every 2 s) between.
+    std::thread::sleep(2 * idle_poll);
+    // The prefix cache, by vLLM's own counters: one prompt twice, with one of probe's polls
+    // between them and another before the next request (an idle server is polled every 10 s:
+    // probe credits a request with what the counters grew by only when no other request was
+    // served between the two polls around it).
     let story = "Once upon a time a lighthouse keeper wrote in his log every night. ".repeat(4);
     let ask = |max_tokens: u64| {
         v.wait_idle();
@@ -521,15 +530,15 @@ fn vllm_second_server_same_clients() {
     };
     let counters = || (v.metric("vllm:prefix_cache_hits_total"), v.metric("vllm:prefix_cache_queries_total"));
     ask(30);
-    std::thread::sleep(Duration::from_millis(2500));
+    std::thread::sleep(idle_poll);
     let (h0, q0) = counters();
-    std::thread::sleep(Duration::from_millis(2500));
+    std::thread::sleep(idle_poll);
     ask(31);
     let (h1, q1) = counters();
     // A cut prompt on a second server: 6 KB of prompt, of which vLLM keeps the last 64 tokens
     // (`truncate_prompt_tokens`); the client's usage says how many it kept. After a poll, so
     // that the prefix-cache counters across the request before are its own.
-    std::thread::sleep(Duration::from_millis(2500));
+    std::thread::sleep(2 * idle_poll);
     v.wait_idle();
     let long = serde_json::json!({
         "messages": [{"role": "user", "content": "The cat sat on the mat and looked at the door. ".repeat(128)}],

@@ -531,15 +531,20 @@ fn a_restarted_watch_keeps_its_warm_baseline() {
             .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
             .map_or(0, |v| v["warm"].as_array().map_or(0, Vec::len))
     };
+    // Most of them are kept: a request whose verdict found a stall is not warm (on 2 cores the
+    // first one after attach can wait for a CPU behind probe's own start-up, which is true).
     let t = Instant::now();
-    while kept() < 8 {
+    while kept() < 6 {
         assert!(t.elapsed() < Duration::from_secs(30), "the warm baseline holds {} of 8 requests: {:#?}", kept(), w.log);
         std::thread::sleep(Duration::from_millis(200));
     }
+    std::thread::sleep(Duration::from_secs(3));
+    let n = kept();
     w.stop();
-    // A new watch, nothing warm in its own trace: the kept baseline is what "warm" means.
+    // A new watch, nothing warm in its own trace: the kept baseline is what "warm" means, all of it.
     let mut w = Watch::start(&state, &["--port", &port.to_string(), "--segment", "1s", "--slow-ttft", "1ms"]);
-    w.wait_log("warm baseline of", Duration::from_secs(10));
+    let loaded = w.wait_log("warm baseline of", Duration::from_secs(10));
+    assert!(loaded.contains(&format!("warm baseline of {n} request(s)")), "{n} kept, and: {loaded}");
     w.wait_armed(1, Duration::from_secs(30));
     let slow = ask(false);
     w.wait_log("incident slow_ttft", Duration::from_secs(60));

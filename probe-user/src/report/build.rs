@@ -785,9 +785,6 @@ impl Builder {
             let after = polls.iter().find(|v| v.ts_ns >= until).and_then(|v| counter_at(v, name))?;
             Some((after - before).max(0.0))
         };
-        let preempted_in = |from: u64, until: u64| grew("vllm:num_preemptions_total", from, until);
-        let prefix_cache_in =
-            |from: u64, until: u64| Some((grew("vllm:prefix_cache_hits", from, until)?, grew("vllm:prefix_cache_queries", from, until)?));
         let lost: u64 = r.lost_events.values().sum();
         let mut residency: Vec<&crate::sampler::records::ResidencyReading> =
             samples.iter().filter_map(|v| if let Sample::Residency(x) = v { Some(x) } else { None }).collect();
@@ -814,6 +811,39 @@ impl Builder {
                 (q.id, served)
             })
             .collect();
+        // What the counters grew by between two polls is this request's burst's (the requests
+        // served overlapping it, and those overlapping them) only when no request outside that
+        // burst was served in the stretch: a poll every 10 s while idle can bracket a whole
+        // earlier burst, whose preemptions and cache hits are not this request's. Requests here
+        // are POSTs (a GET of /metrics or /health moves no counter), not probe's own polls.
+        let posts: Vec<(u64, (u64, u64))> = r
+            .requests
+            .iter()
+            .zip(&spans)
+            .filter(|(q, _)| q.method.as_deref() == Some("POST") && !q.probe_poll)
+            .filter_map(|(q, (_, s))| Some((q.id, (*s)?)))
+            .collect();
+        let bracket_is_own = |id: u64, from: u64, until: u64| {
+            let (Some(b), Some(e)) = (polls.iter().rev().find(|v| v.ts_ns <= from), polls.iter().find(|v| v.ts_ns >= until)) else {
+                return false;
+            };
+            let (mut lo, mut hi) = (from, until);
+            loop {
+                let (l, h) =
+                    posts.iter().filter(|(_, (s, t))| *s < hi && *t > lo).fold((lo, hi), |(l, h), (_, (s, t))| (l.min(*s), h.max(*t)));
+                if (l, h) == (lo, hi) {
+                    break;
+                }
+                (lo, hi) = (l, h);
+            }
+            !posts.iter().any(|(o, (s, t))| *o != id && *s < e.ts_ns && *t > b.ts_ns && (*t <= lo || *s >= hi))
+        };
+        let preempted_in =
+            |id: u64, from: u64, until: u64| grew("vllm:num_preemptions_total", from, until).filter(|_| bracket_is_own(id, from, until));
+        let prefix_cache_in = |id: u64, from: u64, until: u64| {
+            Some((grew("vllm:prefix_cache_hits", from, until)?, grew("vllm:prefix_cache_queries", from, until)?))
+                .filter(|_| bracket_is_own(id, from, until))
+        };
         for (i, q) in r.requests.iter_mut().enumerate() {
             let Some(a) = q.arrival_ms else {
                 q.verdict = Some(crate::verdict::attribute(
@@ -857,8 +887,8 @@ impl Builder {
                 power_absent: power_absent.as_deref(),
                 server_sleeping: sleeping_before(from),
                 server_deferred: deferred_in(from, to),
-                server_preemptions: preempted_in(from, until),
-                server_prefix_cache: prefix_cache_in(from, until),
+                server_preemptions: preempted_in(q.id, from, until),
+                server_prefix_cache: prefix_cache_in(q.id, from, until),
                 thread_names: Some(&self.thread_names),
                 cut_under: self.cut_frames.iter().max_by_key(|f| f.stacks).map(|f| f.name.as_str()),
                 path: q.writer_tid.filter(|_| offcpu_probe && !self.threads.is_empty()).map(|t| self.threads.walk(t, from, to)),
