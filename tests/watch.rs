@@ -127,6 +127,18 @@ impl Watch {
         }
     }
 
+    /// Wait until `n` log lines contain `what`; returns the last.
+    fn wait_count(&mut self, what: &str, n: usize, limit: Duration) -> String {
+        let t = Instant::now();
+        while self.log.iter().filter(|l| l.contains(what)).count() < n {
+            assert!(t.elapsed() < limit, "fewer than {n} `{what}` in probe watch's log: {:#?}", self.log);
+            if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(100)) {
+                self.log.push(l);
+            }
+        }
+        self.log.iter().rev().find(|l| l.contains(what)).unwrap().clone()
+    }
+
     /// Wait until `n` sessions have armed (one per target followed).
     fn wait_armed(&mut self, n: usize, limit: Duration) {
         let t = Instant::now();
@@ -479,7 +491,18 @@ fn a_different_cause_is_another_incident() {
         assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
     };
     ask("One");
-    w.wait_log("incident slow_ttft", Duration::from_secs(60));
+    let first = w.wait_log("incident slow_ttft", Duration::from_secs(60));
+    let mut slow_incidents = 1;
+    if !first.contains("slow cause compute") && !first.contains("slow cause none") {
+        // The first request after attach can wait for a CPU behind probe's own start-up (54 ms
+        // of 205 on CI), and the verdict says so, naming probe: that cause is an incident of its
+        // own, and the next request's own work is another.
+        assert!(first.contains("slow cause cpu_contention") && first.contains("the CPU went to: probe ("), "{first}");
+        ask("One more");
+        let second = w.wait_count("incident slow_ttft", 2, Duration::from_secs(60));
+        assert!(second.contains("slow cause compute") || second.contains("slow cause none"), "{second}");
+        slow_incidents = 2;
+    }
     ask("Two");
     w.wait_log("(own work) not saved (another within 600 s", Duration::from_secs(60));
     // A reader that leaves after the first bytes of a long stream.
@@ -495,7 +518,7 @@ fn a_different_cause_is_another_incident() {
     w.wait_log("incident client_disconnect", Duration::from_secs(60));
     let incidents = w.incidents();
     let named = |what: &str| incidents.iter().filter(|p| p.to_string_lossy().contains(what)).count();
-    assert_eq!((named("-slow_ttft-"), named("-client_disconnect-")), (1, 1), "{incidents:?}\n{:#?}", w.log);
+    assert_eq!((named("-slow_ttft-"), named("-client_disconnect-")), (slow_incidents, 1), "{incidents:?}\n{:#?}", w.log);
     w.stop();
     kill(srv);
 }
