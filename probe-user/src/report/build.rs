@@ -816,18 +816,23 @@ impl Builder {
         // burst was served in the stretch: a poll every 10 s while idle can bracket a whole
         // earlier burst, whose preemptions and cache hits are not this request's. Requests here
         // are POSTs (a GET of /metrics or /health moves no counter), not probe's own polls.
+        // In flight: arrival to last byte (a request queued behind others is part of their burst
+        // before it is served).
         let posts: Vec<(u64, (u64, u64))> = r
             .requests
             .iter()
-            .zip(&spans)
-            .filter(|(q, _)| q.method.as_deref() == Some("POST") && !q.probe_poll)
-            .filter_map(|(q, (_, s))| Some((q.id, (*s)?)))
+            .filter(|q| q.method.as_deref() == Some("POST") && !q.probe_poll)
+            .filter_map(|q| {
+                let a = q.arrival_ms?;
+                Some((q.id, (start + (a * 1e6) as u64, start + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64)))
+            })
             .collect();
         let bracket_is_own = |id: u64, from: u64, until: u64| {
             let (Some(b), Some(e)) = (polls.iter().rev().find(|v| v.ts_ns <= from), polls.iter().find(|v| v.ts_ns >= until)) else {
                 return false;
             };
-            let (mut lo, mut hi) = (from, until);
+            let (mut lo, mut hi) =
+                posts.iter().find(|(o, _)| *o == id).map_or((from, until), |(_, (s, t))| (*s.min(&from), *t.max(&until)));
             loop {
                 let (l, h) =
                     posts.iter().filter(|(_, (s, t))| *s < hi && *t > lo).fold((lo, hi), |(l, h), (_, (s, t))| (l.min(*s), h.max(*t)));
