@@ -227,13 +227,6 @@ fn wait_log(p: &Podman, name: &str, needle: &str, within: Duration) -> String {
     }
 }
 
-/// A URL query value, percent-encoded.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
-        .collect()
-}
-
 /// `GET /metrics` on `addr` once it answers.
 fn scrape(addr: std::net::SocketAddr, within: Duration) -> String {
     let t = Instant::now();
@@ -335,38 +328,8 @@ fn the_image_under_podman_finds_servers_in_containers_and_labels_them() {
         assert!(found.contains("on port 8080") && found.contains("node=node-t"), "{found}");
     }
     // A real Prometheus scraping the agent every second, probe's alerting rules every second.
-    let rules = repo().join("deploy/prometheus/probe-rules.yml");
-    let prom_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    std::fs::write(
-        d.join("prometheus.yml"),
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{}']\nscrape_configs:\n  - job_name: probe\n    static_configs:\n      - targets: ['{metrics}']\n",
-            rules.display()
-        ),
-    )
-    .unwrap();
-    struct Prom(std::process::Child);
-    impl Drop for Prom {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _prom = Prom(
-        Command::new("prometheus")
-            .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
-            .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus (Debian package, installed by scripts/setup.sh)"),
-    );
-    let prom: std::net::SocketAddr = format!("127.0.0.1:{prom_port}").parse().unwrap();
-    let query = |q: &str| -> Vec<Value> {
-        let Ok((200, body)) = common::http(prom, "GET", &format!("/api/v1/query?query={}", encode(q)), None, &[]) else { return vec![] };
-        serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["data"]["result"].as_array().cloned()).unwrap_or_default()
-    };
+    let prom = common::prometheus::Prometheus::start(&d, &metrics, Some(&repo().join("deploy/prometheus/probe-rules.yml")));
+    let query = |q: &str| prom.query(q);
     let t = Instant::now();
     while query(&format!("probe_target_up{{container=\"{name_a}\"}}")).is_empty()
         || query(&format!("probe_target_up{{container=\"{name_b}\"}}")).is_empty()

@@ -220,13 +220,6 @@ impl From<Child> for Killed {
     }
 }
 
-/// A URL query value, percent-encoded.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
-        .collect()
-}
-
 #[test]
 fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
     let _serial = serial();
@@ -241,35 +234,11 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
         &["--port", &port.to_string(), "--otlp", &format!("http://127.0.0.1:{}", otlp.port), "--segment", "2s"],
     );
     // A real Prometheus, scraping probe every second.
-    let prom_port = free_port();
-    std::fs::write(
-        d.join("prometheus.yml"),
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: probe\n    static_configs:\n      - targets: ['{}']\n",
-            w.metrics
-        ),
-    )
-    .unwrap();
-    let prom = Killed(
-        Command::new("prometheus")
-            .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
-            .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus (Debian package `prometheus`, installed by scripts/setup.sh)"),
-    );
-    let prom_addr: SocketAddr = format!("127.0.0.1:{prom_port}").parse().unwrap();
+    let prom = common::prometheus::Prometheus::start(&d, &w.metrics.to_string(), None);
     for i in 0..3 {
         completion(addr, &format!("Count to {i}"));
     }
-    let query = |q: &str| -> Option<f64> {
-        let (st, body) = http(prom_addr, "GET", &format!("/api/v1/query?query={}", encode(q)), None).ok()?;
-        let v: Value = serde_json::from_slice(&body).ok()?;
-        (st == 200).then_some(())?;
-        v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
-    };
+    let query = |q: &str| -> Option<f64> { prom.query(q).first()?["value"][1].as_str()?.parse().ok() };
     let t = Instant::now();
     let (mut requests, mut ttft_count, mut in_buckets) = (None, None, None);
     while t.elapsed() < Duration::from_secs(90) {
@@ -290,7 +259,7 @@ fn prometheus_scrapes_request_counts_and_the_ttft_histogram() {
     assert!(median > 0.0 && median <= 120.0, "median TTFT {median}");
     assert_eq!(query("up{job=\"probe\"}"), Some(1.0));
     assert!(query("probe_cpu_seconds_total{job=\"probe\"}").is_some_and(|c| c > 0.0));
-    kill(prom);
+    drop(prom);
     // Every output states the same TTFT: the histogram's sum, the split of the analysed requests
     // (whose parts add up to each TTFT) and, below, the spans.
     let t = Instant::now();
@@ -642,31 +611,8 @@ fn watch_all_finds_every_server_and_labels_them() {
     let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus/probe-rules.yml");
     let checked = Command::new("promtool").arg("check").arg("rules").arg(&rules).output().unwrap();
     assert!(checked.status.success(), "promtool check rules: {}", String::from_utf8_lossy(&checked.stdout));
-    let prom_port = free_port();
-    std::fs::write(
-        d.join("prometheus.yml"),
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{}']\nscrape_configs:\n  - job_name: probe\n    static_configs:\n      - targets: ['{}']\n",
-            rules.display(),
-            w.metrics
-        ),
-    )
-    .unwrap();
-    let prom = Killed(
-        Command::new("prometheus")
-            .arg(format!("--config.file={}", d.join("prometheus.yml").display()))
-            .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus (Debian package `prometheus`, installed by scripts/setup.sh)"),
-    );
-    let prom_addr: SocketAddr = format!("127.0.0.1:{prom_port}").parse().unwrap();
-    let query = |q: &str| -> Vec<Value> {
-        let Ok((200, body)) = http(prom_addr, "GET", &format!("/api/v1/query?query={}", encode(q)), None) else { return vec![] };
-        serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["data"]["result"].as_array().cloned()).unwrap_or_default()
-    };
+    let prom = common::prometheus::Prometheus::start(&d, &w.metrics.to_string(), Some(&rules));
+    let query = |q: &str| prom.query(q);
     let found_a = w.wait_log(&format!("on port {port_a}"), Duration::from_secs(30));
     assert!(
         found_a.contains(&format!("pod_uid={uid}")) && found_a.contains("pod=llama-a") && found_a.contains("namespace=llm"),
@@ -743,7 +689,7 @@ fn watch_all_finds_every_server_and_labels_them() {
     };
     assert_eq!((firing["pod"].as_str(), firing["slow_cause"].as_str()), (Some("llama-a"), Some(slow)), "{firing}");
     assert!(!query(&format!("probe_requests_total{{port=\"{port_b}\",pod=\"\"}}")).is_empty(), "B's series in Prometheus");
-    kill(prom);
+    drop(prom);
     // One exposition for the node: every family once, both servers labelled, C nowhere.
     let m = w.metrics();
     let mut check = Command::new("promtool")

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 pub mod bpf;
 pub mod otlp;
+pub mod prometheus;
 pub mod workload;
 use std::{
     io::{BufRead, BufReader},
