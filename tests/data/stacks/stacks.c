@@ -80,21 +80,55 @@ static uint64_t thread_runq_ns(void) {
     return wait;
 }
 
-/* Returns the time the thread spent blocked while reading: wall time minus its CPU time and minus
- * its wait for a CPU after each wake-up (the kernel's run-queue count). */
-__attribute__((noinline)) uint64_t read_cold(const char *path, size_t bytes) {
+/* The machine's stolen time so far (/proc/stat's aggregate steal, USER_HZ ticks): a hypervisor
+ * that runs something else on this vCPU while the thread runs takes wall time that is neither
+ * the thread's CPU time nor its run-queue wait. */
+static uint64_t steal_ticks(void) {
+    unsigned long long v[8] = {0};
+    FILE *f = fopen("/proc/stat", "r");
+    if (!f || fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7]) != 8) {
+        perror("/proc/stat");
+        exit(2);
+    }
+    fclose(f);
+    return v[7];
+}
+
+/* The thread's voluntary context switches (/proc/thread-self/status): each time it blocked. */
+static uint64_t thread_nvcsw(void) {
+    char line[256];
+    unsigned long long n = 0;
+    FILE *f = fopen("/proc/thread-self/status", "r");
+    if (!f) { perror("status"); exit(2); }
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "voluntary_ctxt_switches: %llu", &n) == 1) break;
+    fclose(f);
+    return n;
+}
+
+struct cold_read {
+    uint64_t blocked_ns, steal_ticks, blocks;
+};
+
+/* The time the thread spent blocked while reading: wall time minus its CPU time and minus its
+ * wait for a CPU after each wake-up (the kernel's run-queue count); with the machine's stolen
+ * time over the same stretch (an upper bound of what of it was stolen from this thread) and how
+ * many times the thread blocked. */
+__attribute__((noinline)) struct cold_read read_cold(const char *path, size_t bytes) {
     int fd = open(path, O_RDONLY | O_DIRECT);
     if (fd < 0) { perror("open O_DIRECT"); exit(2); }
     void *buf;
     if (posix_memalign(&buf, 4096, 1 << 20)) exit(2);
+    uint64_t s0 = steal_ticks(), v0 = thread_nvcsw();
     uint64_t t0 = now_ns(), c0 = thread_cpu_ns(), q0 = thread_runq_ns();
     for (size_t off = 0; off < bytes; off += 1 << 20)
         if (pread(fd, buf, 1 << 20, off) < 0) { perror("pread"); exit(2); }
     uint64_t wall = now_ns() - t0, cpu = thread_cpu_ns() - c0, runq = thread_runq_ns() - q0;
+    struct cold_read r = {wall - cpu - runq, steal_ticks() - s0, thread_nvcsw() - v0};
     close(fd);
     free(buf);
     sink = wall;
-    return wall - cpu - runq;
+    return r;
 }
 
 __attribute__((noinline)) uint64_t touch_cold(const char *path, size_t pages) {
@@ -138,8 +172,9 @@ int main(int argc, char **argv) {
         size_t bytes = (size_t)atoi(argv[3]) << 20;
         make_cold(argv[2], bytes);
         wait_go();
-        uint64_t t = read_cold(argv[2], bytes);
-        printf("done blocked_ns=%llu\n", (unsigned long long)t);
+        struct cold_read r = read_cold(argv[2], bytes);
+        printf("done blocked_ns=%llu steal_ticks=%llu blocks=%llu ticks_per_s=%ld\n", (unsigned long long)r.blocked_ns,
+               (unsigned long long)r.steal_ticks, (unsigned long long)r.blocks, sysconf(_SC_CLK_TCK));
     } else if (!strcmp(argv[1], "touch-cold") && argc > 3) {
         size_t pages = (size_t)atoi(argv[3]);
         make_cold(argv[2], pages * 16 * 4096);
