@@ -1691,3 +1691,76 @@ fn a_torn_recording_keeps_the_request_in_flight() {
     assert!(v["evidence"][0].as_str().unwrap().starts_with("cut: the recording ended while it was in flight"), "{v}");
     assert!(report["problems"].to_string().contains("no end record"), "{}", report["problems"]);
 }
+
+/// A server whose process tree also listens on ports that never answer HTTP (vLLM's worker holds
+/// a dozen for torch's gloo): the server's own endpoint is polled at the busy pace from the start,
+/// not after each silent port has timed out in turn (13 ports took 20 s there), and each silent
+/// port is asked once, then left alone. The silent ports' parent counts the connections itself.
+#[test]
+fn silent_ports_beside_the_server_do_not_hold_its_polls_back() {
+    let _cpus = shared_cpus();
+    const SILENT: usize = 12;
+    let script = r#"
+import os, socket, subprocess, sys, threading
+ports = []
+def silent(s):
+    held = []
+    while True:
+        c, _ = s.accept()
+        held.append(c)
+        os.write(1, b"accepted %d\n" % s.getsockname()[1])
+for _ in range(int(sys.argv[1])):
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
+    threading.Thread(target=silent, args=(s,), daemon=True).start()
+    ports.append(s.getsockname()[1])
+child = subprocess.Popen(sys.argv[2:])
+print("ports", *ports, flush=True)
+child.wait()
+"#;
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    use std::os::unix::process::CommandExt;
+    let mut parent = Command::new("python3")
+        .process_group(0)
+        .args(["-c", script, &SILENT.to_string()])
+        .arg(env_path("LLAMA_SERVER"))
+        .arg("-m")
+        .arg(env_path("LLAMA_MODEL"))
+        .args(["-c", "1024", "-np", "1", "-t", "1", "--metrics", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(parent.stdout.take().unwrap()).lines();
+    let silent: Vec<u16> = lines.next().unwrap().unwrap().split(' ').skip(1).map(|p| p.parse().unwrap()).collect();
+    assert_eq!(silent.len(), SILENT);
+    let accepted = std::thread::spawn(move || {
+        lines.map_while(Result::ok).filter_map(|l| l.strip_prefix("accepted ")?.parse::<u16>().ok()).collect::<Vec<u16>>()
+    });
+    common::wait_healthy(addr);
+    let (p, out) = trace_pid(parent.id(), "silent-ports", &[]);
+    // Eight seconds of requests one after another: busy throughout, polled every 2 s.
+    let t = Instant::now();
+    let mut served = 0;
+    while t.elapsed() < Duration::from_secs(8) {
+        let body = json!({"prompt": "Once upon a time", "n_predict": 16, "cache_prompt": false});
+        let (status, _) = request_once(addr, "POST", "/completion", Some(&body)).unwrap();
+        assert_eq!(status, 200);
+        served += 1;
+    }
+    let r = stop_trace(p, &out);
+    // SAFETY: killing our own child's process group (the parent and its llama-server).
+    unsafe { libc::kill(-(parent.id() as i32), libc::SIGKILL) };
+    let _ = parent.wait();
+    let accepted = accepted.join().unwrap();
+    let servers = r["system"]["server"].as_array().unwrap();
+    let llama = servers.iter().find(|s| s["addr"] == addr.to_string()).unwrap_or_else(|| panic!("{addr} not polled: {servers:?}"));
+    assert_eq!(llama["kind"], "llama.cpp", "{llama}");
+    let polls = llama["polls"].as_u64().unwrap();
+    assert!(polls >= 3, "{served} requests over 8 s, the server polled {polls} times (every 2 s while busy): {servers:?}");
+    for port in &silent {
+        let n = accepted.iter().filter(|p| *p == port).count();
+        assert!(n <= 1, "silent port {port} was connected to {n} times");
+    }
+    assert_eq!(accepted.len(), SILENT, "probe asked {} of {SILENT} silent ports: {accepted:?}", accepted.len());
+}

@@ -99,6 +99,11 @@ impl Endpoint {
             self.no_metrics = Some(st);
         }
         let metrics_text = metrics.as_ref().filter(|(s, _)| *s == 200).map(|(_, b)| String::from_utf8_lossy(b).to_string());
+        if self.kind.is_none() && metrics.is_none() {
+            // No HTTP answer at all (a port of torch's gloo, a database): asking another path
+            // would only wait out the timeout again.
+            return None;
+        }
         if self.kind.is_none() {
             self.kind = Some(match &metrics_text {
                 Some(t) if t.contains("llamacpp:") => Kind::LlamaCpp,
@@ -111,7 +116,6 @@ impl Endpoint {
                         Some((200, b)) if serde_json::from_slice::<Value>(&b).is_ok_and(|v| v.get("version").is_some()) => Kind::Ollama,
                         _ => Kind::Other,
                     },
-                    None if metrics.is_none() => return None,
                     None => Kind::Other,
                 },
             });
