@@ -26,6 +26,22 @@ probe_ticks() {
   done
   echo "$total"
 }
+# One HTTP request to a llama-server this script started on loopback: ask PORT PATH [JSON BODY]
+# (POST when a body is given); fails unless it answers 200.
+ask() {
+  python3 - "$@" <<'PY'
+import http.client, sys
+port, path, body = int(sys.argv[1]), sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else None)
+try:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST" if body else "GET", path, body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    r.read()
+    sys.exit(0 if r.status == 200 else 1)
+except OSError:
+    sys.exit(1)
+PY
+}
 bpf_ns() { bpftool prog show -j 2>/dev/null | python3 -c 'import json,sys; print(sum(p.get("run_time_ns",0) for p in json.load(sys.stdin)))'; }
 
 printf 'watch --all cost (%% of one core: probe processes + BPF run time, per wall second, %s s):\n' "$SECS"
@@ -37,18 +53,19 @@ for n in 0 1 4; do
     "$LLAMA_SERVER" -m "$LLAMA_MODEL" -c 512 -np 1 -t 1 --host 127.0.0.1 --port "$port" >/dev/null 2>&1 &
     pids+=($!); ports+=("$port")
   done
-  for port in "${ports[@]}"; do until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 0.2; done; done
+  for port in "${ports[@]}"; do until ask "$port" /health; do sleep 0.2; done; done
   "$PROBE" watch --all --dir "$work/state-$n" --scan-every 2s 2>"$work/log-$n" &
   agent=$!
   until [ "$(grep -c 'armed in' "$work/log-$n" || true)" -ge "$n" ] && grep -q 'looking for LLM servers' "$work/log-$n"; do sleep 0.2; done
   sleep 3
   t0=$(probe_ticks); b0=$(bpf_ns); s0=$(date +%s.%N)
   end=$(( $(date +%s) + SECS ))
+  asks=()
   while [ "$(date +%s)" -lt "$end" ]; do
-    for port in "${ports[@]}"; do curl -sf -o /dev/null -d '{"prompt":"Hi","n_predict":4}' "http://127.0.0.1:$port/completion" & done
+    for port in "${ports[@]}"; do ask "$port" /completion '{"prompt":"Hi","n_predict":4}' & asks+=($!); done
     sleep 1
   done
-  wait_curls=$(jobs -p | wc -l); true
+  for a in "${asks[@]}"; do wait "$a" || true; done
   t1=$(probe_ticks); b1=$(bpf_ns); s1=$(date +%s.%N)
   pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($t1-$t0)/$tick + ($b1-$b0)/1e9)/w:.2f}')")
   proc_pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($t1-$t0)/$tick)/w:.2f}')")

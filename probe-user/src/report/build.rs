@@ -827,21 +827,30 @@ impl Builder {
                 Some((q.id, (start + (a * 1e6) as u64, start + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64)))
             })
             .collect();
+        // The bursts, once: in-flight spans that overlap merged (sorted by start, a sweep), and
+        // each POST's burst. Asked per request, not grown request by request (that was cubic in
+        // the requests of a long busy trace).
+        let (bursts, burst_of) = {
+            let mut spans: Vec<(u64, (u64, u64))> = posts.clone();
+            spans.sort_by_key(|(_, (s, _))| *s);
+            let mut bursts: Vec<(u64, u64)> = Vec::new();
+            let mut burst_of: HashMap<u64, usize> = HashMap::new();
+            for (id, (s, t)) in spans {
+                match bursts.last_mut() {
+                    Some(b) if s < b.1 => b.1 = b.1.max(t),
+                    _ => bursts.push((s, t)),
+                }
+                burst_of.insert(id, bursts.len() - 1);
+            }
+            (bursts, burst_of)
+        };
         let bracket_is_own = |id: u64, from: u64, until: u64| {
             let (Some(b), Some(e)) = (polls.iter().rev().find(|v| v.ts_ns <= from), polls.iter().find(|v| v.ts_ns >= until)) else {
                 return false;
             };
-            let (mut lo, mut hi) =
-                posts.iter().find(|(o, _)| *o == id).map_or((from, until), |(_, (s, t))| (*s.min(&from), *t.max(&until)));
-            loop {
-                let (l, h) =
-                    posts.iter().filter(|(_, (s, t))| *s < hi && *t > lo).fold((lo, hi), |(l, h), (_, (s, t))| (l.min(*s), h.max(*t)));
-                if (l, h) == (lo, hi) {
-                    break;
-                }
-                (lo, hi) = (l, h);
-            }
-            !posts.iter().any(|(o, (s, t))| *o != id && *s < e.ts_ns && *t > b.ts_ns && (*t <= lo || *s >= hi))
+            let own = burst_of.get(&id).copied();
+            let (lo, hi) = own.map_or((from, until), |k| (bursts[k].0.min(from), bursts[k].1.max(until)));
+            !bursts.iter().enumerate().any(|(k, (s, t))| Some(k) != own && *s < e.ts_ns && *t > b.ts_ns && (*t <= lo || *s >= hi))
         };
         let preempted_in =
             |id: u64, from: u64, until: u64| grew("vllm:num_preemptions_total", from, until).filter(|_| bracket_is_own(id, from, until));

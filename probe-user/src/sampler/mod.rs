@@ -306,9 +306,6 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal) {
     // Reading /proc/net/tcp walks the kernel's whole TCP hash table (most of this thread's CPU
     // when done every poll): listeners are looked up when the target set changes, else every 30 s.
     let (mut scanned_for, mut scanned_at): (Vec<u32>, Option<Instant>) = (Vec::new(), None);
-    // A server in a network namespace of its own (a container) is polled from inside it: this
-    // thread enters the namespace for the poll and comes back (its loopback is not ours).
-    let home = std::fs::File::open("/proc/thread-self/ns/net").ok();
     let our_ns = procfs::netns(procfs::self_pid());
     while !signal.stopped() {
         let pids = targets(opts);
@@ -328,37 +325,36 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal) {
             }
             (scanned_for, scanned_at) = (pids, Some(Instant::now()));
         }
-        // Every port at once, each in a thread of its own (entering the server's namespace
-        // there): a turn takes as long as its slowest port, not their sum. vLLM's worker listens
-        // on a dozen ports that never answer HTTP (torch's gloo); asked one after another, at
-        // 0.8 s each, they held the server's own poll back for 20 s at every start.
-        // At most MAX_PORTS_AT_ONCE threads: the ports past them are polled at later turns.
+        // Every port at once, each in a thread of its own: a turn takes as long as its slowest
+        // port, not their sum. vLLM's worker listens on a dozen ports that never answer HTTP
+        // (torch's gloo); asked one after another, at 0.8 s each, they held the server's own poll
+        // back for 20 s at every start. A server in a network namespace of its own (a container)
+        // is polled from inside it: its port's thread enters the namespace (setns changes only
+        // the calling thread, which ends with the poll). At most MAX_PORTS_AT_ONCE threads; the
+        // ports past them take their turn next (the list is rotated below).
         let polled: Vec<Option<(u64, Option<EndpointPoll>)>> = std::thread::scope(|s| {
-            let home = home.as_ref();
             let handles: Vec<_> = eps
                 .iter_mut()
                 .take(MAX_PORTS_AT_ONCE)
                 .map(|ep| {
                     std::thread::Builder::new().name("probe-poll-port".into()).spawn_scoped(s, move || {
                         let t = monotonic_ns();
-                        let entered = match (&ep.netns, home) {
-                            (Some(ns), Some(_)) => procfs::enter_netns(ns.as_ref()).is_ok(),
-                            _ => false,
-                        };
-                        let polled = ep.poll();
-                        if entered && let Some(h) = home {
-                            let _ = procfs::enter_netns(h);
+                        // Not inside the server's namespace, its port here is another's.
+                        if let Some(ns) = &ep.netns
+                            && procfs::enter_netns(ns.as_ref()).is_err()
+                        {
+                            return None;
                         }
-                        (t, polled)
+                        Some((t, ep.poll()))
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.ok().and_then(|h| h.join().ok())).collect()
+            handles.into_iter().map(|h| h.ok().and_then(|h| h.join().ok().flatten())).collect()
         });
         let mut i = 0;
         for polled in polled {
             let Some((t, polled)) = polled else {
-                // No thread for it this turn: asked again at the next.
+                // Not polled this turn (no thread, or its namespace not entered): asked again.
                 i += 1;
                 continue;
             };
@@ -381,6 +377,9 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal) {
                 }
                 None => i += 1,
             }
+        }
+        if eps.len() > MAX_PORTS_AT_ONCE {
+            eps.rotate_left(MAX_PORTS_AT_ONCE);
         }
         // Every POLL_EVERY while the target is busy, every IDLE_POLL_EVERY while it idles (a
         // change to busy wakes this and shortens the wait). A poll made while busy is followed
