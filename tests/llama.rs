@@ -431,7 +431,12 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
     let seen = q["chunks"].as_u64().unwrap() as usize;
     // Chunks sent while probe was still attaching (~100 ms, ~10 tokens here) are not seen.
     assert!(seen <= total - before && seen * 2 >= total - before, "probe saw {seen} of the {} chunks after attach", total - before);
-    assert!(q["ttft_ms"].is_null(), "no TTFT without the request's start: {q}");
+    // Found by the kernel's TCP state at attach, named from its response; its first tokens came
+    // before attach, so it has no TTFT (the new rule: null only where the first token was not seen).
+    assert_eq!(q["arrival_by"], "tcp_state", "{q}");
+    assert_eq!((q["path"].as_str(), q["path_inferred"].as_bool()), (Some("/v1/chat/completions"), Some(true)), "{q}");
+    assert_eq!(q["began_before_attach"], true, "{q}");
+    assert!(q["ttft_ms"].is_null(), "no TTFT when the first token came before attach: {q}");
 }
 
 /// A llama-server of the test's own (not the shared one), healthy, on a free loopback port.

@@ -20,9 +20,33 @@ pub struct BlockIoEvent {
     /// `rwbs` flags as the kernel prints them ("R", "RA", "WS", "FF", ...), NUL padded.
     pub rwbs: [u8; 8],
     pub error: i32,
+    /// How the request was matched to the target: [`BY_ISSUER`], [`BY_BLKCG`] or [`BY_FILE`].
+    pub matched: u32,
+    /// The file the request's first page belongs to (`page->mapping->host`): its inode and its
+    /// superblock's `s_dev` (the kernel's encoding, as filemap records carry it); 0 when the page
+    /// is anonymous or the kernel's offsets are unknown.
+    pub ino: u64,
+    pub ino_dev: u32,
     pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<BlockIoEvent>() == 80);
+const _: () = assert!(core::mem::size_of::<BlockIoEvent>() == 96);
+
+/// The request was issued by a target thread (or queued by one).
+pub const BY_ISSUER: u32 = 0;
+/// Issued by another task (the cgroup throttle's kworker, a flusher) for a bio of the target's
+/// block cgroup.
+pub const BY_BLKCG: u32 = 1;
+/// Issued by another task for a page of a file the target maps.
+pub const BY_FILE: u32 = 2;
+
+/// Key of a file in [`crate::maps::TARGET_FILES`]: inode and superblock `s_dev`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FileId {
+    pub ino: u64,
+    pub dev: u32,
+    pub _pad: u32,
+}
 impl Record for BlockIoEvent {
     const KIND: EventKind = EventKind::BlockIo;
 }
@@ -47,4 +71,7 @@ pub struct BlockStart {
     pub insert_ns: u64,
     pub issue_ns: u64,
     pub rwbs: [u8; 8],
+    pub matched: u32,
+    pub ino_dev: u32,
+    pub ino: u64,
 }

@@ -59,6 +59,20 @@ pub struct KernelOffsets {
     pub req_bits: [u32; 5],
     /// task_struct.pid (the thread id): a raw sched_wakeup reads the woken task's.
     pub task_pid: u32,
+    /// 1 when the bio offsets below are known: request.bio, bio.bi_blkg, blkcg_gq.blkcg,
+    /// blkcg.css.cgroup, cgroup.kn, kernfs_node.id (u64), bio.bi_io_vec, bio_vec.bv_page,
+    /// page.mapping, address_space.host. A bio's block cgroup and the file of its first page.
+    pub bio_valid: u32,
+    pub rq_bio: u32,
+    pub bio_blkg: u32,
+    pub blkg_blkcg: u32,
+    pub blkcg_cgroup: u32,
+    pub cgroup_kn: u32,
+    pub kn_id: u32,
+    pub bio_io_vec: u32,
+    pub bvec_page: u32,
+    pub page_mapping: u32,
+    pub mapping_host: u32,
 }
 
 /// A flag bit the running kernel does not have.

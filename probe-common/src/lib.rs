@@ -33,6 +33,12 @@ pub mod maps {
     pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
     /// `HashMap<u64 struct sock *, u8>`: TCP sockets known to belong to the target.
     pub const OWNED_SOCKS: &str = "OWNED_SOCKS";
+    /// `HashMap<u64 cgroup id, u32 tgid>`: the target's block cgroups (v1 blkio, or a v2 cgroup
+    /// below the root): a bio charged to one is the target's whoever issues it.
+    pub const TARGET_BLKCG: &str = "TARGET_BLKCG";
+    /// `HashMap<blockio::FileId, u32 tgid>`: files the target maps (the model): a block request
+    /// for their pages is the target's whoever issues it.
+    pub const TARGET_FILES: &str = "TARGET_FILES";
 }
 
 /// Ring buffer size in bytes unless the user asks for another (must be a power of two pages).
@@ -198,4 +204,5 @@ mod pod {
     unsafe impl aya::Pod for crate::mem::MemEvent {}
     unsafe impl aya::Pod for crate::engine::EngineEvent {}
     unsafe impl aya::Pod for crate::engine::BatchFill {}
+    unsafe impl aya::Pod for crate::blockio::FileId {}
 }

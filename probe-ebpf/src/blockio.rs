@@ -2,6 +2,7 @@
 //!
 //! Completions run in interrupt or another task's context, so requests are remembered by
 //! (device, sector) at issue and matched at completion; the record carries the issuer's pid.
+use aya_ebpf::maps::HashMap;
 use aya_ebpf::{
     EbpfContext,
     macros::{map, raw_tracepoint, tracepoint},
@@ -9,7 +10,7 @@ use aya_ebpf::{
     programs::{RawTracePointContext, TracePointContext},
 };
 use probe_common::{
-    blockio::{BlockIoEvent, BlockKey, BlockStart},
+    blockio::{BY_BLKCG, BY_FILE, BY_ISSUER, BlockIoEvent, BlockKey, BlockStart, FileId},
     tracepoints::{block_io_start as st, block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
 };
 
@@ -22,6 +23,46 @@ static BLOCK_QUEUED: LruHashMap<BlockKey, BlockStart> = LruHashMap::with_max_ent
 /// Requests of the target that were issued and are not yet complete.
 #[map(name = "BLOCK_INFLIGHT")]
 static BLOCK_INFLIGHT: LruHashMap<BlockKey, BlockStart> = LruHashMap::with_max_entries(16384, 0);
+
+/// The target's block cgroups (v1 blkio, or a v2 cgroup below the root), by cgroup id.
+#[map(name = "TARGET_BLKCG")]
+static TARGET_BLKCG: HashMap<u64, u32> = HashMap::with_max_entries(64, 0);
+
+/// Files the target maps, by inode and superblock device.
+#[map(name = "TARGET_FILES")]
+static TARGET_FILES: HashMap<FileId, u32> = HashMap::with_max_entries(4096, 0);
+
+/// The bio behind request `rq`: its block cgroup's id and the file of its first page (inode,
+/// superblock device), each 0 when unknown.
+#[inline(always)]
+fn bio_owner(rq: u64, o: &probe_common::kernel::KernelOffsets) -> (u64, FileId) {
+    let mut file = FileId::default();
+    if o.bio_valid == 0 {
+        return (0, file);
+    }
+    let Some(bio) = crate::task::read::<u64>(rq, o.rq_bio).filter(|&b| b != 0) else { return (0, file) };
+    let cgroup = (|| {
+        let blkg = crate::task::read::<u64>(bio, o.bio_blkg).filter(|&b| b != 0)?;
+        let blkcg = crate::task::read::<u64>(blkg, o.blkg_blkcg).filter(|&b| b != 0)?;
+        let cg = crate::task::read::<u64>(blkcg, o.blkcg_cgroup).filter(|&b| b != 0)?;
+        let kn = crate::task::read::<u64>(cg, o.cgroup_kn).filter(|&b| b != 0)?;
+        crate::task::read::<u64>(kn, o.kn_id)
+    })()
+    .unwrap_or(0);
+    let host = (|| {
+        let vec = crate::task::read::<u64>(bio, o.bio_io_vec).filter(|&b| b != 0)?;
+        let page = crate::task::read::<u64>(vec, o.bvec_page).filter(|&b| b != 0)?;
+        // The low bits of page->mapping mark anonymous and movable pages: no file behind them.
+        let mapping = crate::task::read::<u64>(page, o.page_mapping).filter(|&m| m != 0 && m & 3 == 0)?;
+        crate::task::read::<u64>(mapping, o.mapping_host).filter(|&h| h != 0)
+    })();
+    if let Some(inode) = host {
+        let sb = crate::task::read::<u64>(inode, o.inode_sb).unwrap_or(0);
+        file.ino = crate::task::read::<u64>(inode, o.inode_ino).unwrap_or(0);
+        file.dev = if sb == 0 { 0 } else { crate::task::read::<u32>(sb, o.sb_dev).unwrap_or(0) };
+    }
+    (cgroup, file)
+}
 
 #[inline(always)]
 fn key(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<BlockKey, i64> {
@@ -57,7 +98,7 @@ fn queued(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<
     if unsafe { BLOCK_QUEUED.get(&k) }.is_some() {
         return Ok(());
     }
-    let start = BlockStart { pid, tid, cpu: crate::cpu(), bytes: 0, insert_ns: now_ns(), issue_ns: 0, rwbs: [0; 8] };
+    let start = BlockStart { pid, tid, cpu: crate::cpu(), insert_ns: now_ns(), ..Default::default() };
     insert_lru(&BLOCK_QUEUED, &k, &start);
     // The code path that made this IO (the target's own context).
     crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, false);
@@ -74,7 +115,7 @@ pub fn block_rq_issue(ctx: TracePointContext) -> u32 {
 
 fn try_block_rq_issue(ctx: &TracePointContext) -> Result<(), i64> {
     let k = key(ctx, iss::DEV, iss::SECTOR)?;
-    issued(ctx.as_ptr(), k, field(ctx, iss::BYTES)?, field(ctx, iss::RWBS)?);
+    issued(ctx.as_ptr(), k, field(ctx, iss::BYTES)?, field(ctx, iss::RWBS)?, 0);
     Ok(())
 }
 
@@ -90,7 +131,7 @@ pub fn block_rq_issue_raw(ctx: RawTracePointContext) -> i32 {
     let (Some(bytes), Some(flags)) = (crate::task::read::<u32>(rq, o.rq_data_len), crate::task::read::<u32>(rq, o.rq_cmd_flags)) else {
         return 0;
     };
-    issued(ctx.as_ptr(), k, bytes, rwbs(flags, &o.req_bits));
+    issued(ctx.as_ptr(), k, bytes, rwbs(flags, &o.req_bits), rq);
     0
 }
 
@@ -148,9 +189,13 @@ fn rwbs(flags: u32, bits: &[u32; 5]) -> [u8; 8] {
 /// The driver took request `k`: carry what was remembered at queueing (or, for a request issued
 /// straight from the target's own context, start here) into the in-flight table.
 #[inline(always)]
-fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8]) {
+fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8], rq: u64) {
     // SAFETY: the value is copied out before any other map operation.
     let queued = unsafe { BLOCK_QUEUED.get(&k) }.copied();
+    // The raw tracepoint has the request: its bio names the block cgroup it is charged to and
+    // the file it reads, whoever issues it (the cgroup throttle's kworker issues the bios over
+    // the limit, long after the target queued them).
+    let (cgroup, file) = if rq != 0 { bio_owner(rq, &crate::task::offsets()) } else { (0, FileId::default()) };
     let mut start = match (queued, current_target()) {
         (Some(q), _) => {
             let _ = BLOCK_QUEUED.remove(&k);
@@ -160,8 +205,22 @@ fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8]) {
             crate::stack::capture(ctx, probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, false);
             BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() }
         }
-        (None, None) => return,
+        (None, None) => {
+            // SAFETY: u32 values copied out at once.
+            let by_cg = if cgroup != 0 { unsafe { TARGET_BLKCG.get(&cgroup) }.copied() } else { None };
+            let by_file = if file.ino != 0 { unsafe { TARGET_FILES.get(&file) }.copied() } else { None };
+            match (by_cg, by_file) {
+                (Some(pid), _) => BlockStart { pid, tid: 0, cpu: crate::cpu(), matched: BY_BLKCG, ..Default::default() },
+                (None, Some(pid)) => BlockStart { pid, tid: 0, cpu: crate::cpu(), matched: BY_FILE, ..Default::default() },
+                (None, None) => return,
+            }
+        }
     };
+    if start.matched == 0 {
+        start.matched = BY_ISSUER;
+    }
+    start.ino = file.ino;
+    start.ino_dev = file.dev;
     start.bytes = bytes;
     start.rwbs = rwbs;
     start.issue_ns = now_ns();
@@ -213,6 +272,9 @@ fn complete(k: BlockKey, error: i32) -> Result<(), i64> {
         complete_ns: hdr.ts_ns,
         rwbs: start.rwbs,
         error,
+        matched: start.matched,
+        ino: start.ino,
+        ino_dev: start.ino_dev,
         _pad: 0,
     };
     emit(&ev);

@@ -38,6 +38,17 @@ static KOFF: KernelOffsets = KernelOffsets {
     rq_cmd_flags: 0,
     req_bits: [probe_common::kernel::NO_BIT; 5],
     task_pid: 0,
+    bio_valid: 0,
+    rq_bio: 0,
+    bio_blkg: 0,
+    blkg_blkcg: 0,
+    blkcg_cgroup: 0,
+    cgroup_kn: 0,
+    kn_id: 0,
+    bio_io_vec: 0,
+    bvec_page: 0,
+    page_mapping: 0,
+    mapping_host: 0,
 };
 
 #[inline(always)]

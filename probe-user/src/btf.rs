@@ -163,6 +163,22 @@ impl Btf {
             ])
         })();
         let [rq_sector, rq_q, q_disk, disk_major, disk_first_minor, rq_data_len, rq_cmd_flags] = blk.as_ref().copied().unwrap_or_default();
+        let bio = (|| -> Result<[u32; 10], BtfError> {
+            Ok([
+                self.offset("request", "bio")?,
+                self.offset("bio", "bi_blkg")?,
+                self.offset("blkcg_gq", "blkcg")?,
+                self.offset("blkcg", "css.cgroup")?,
+                self.offset("cgroup", "kn")?,
+                self.offset("kernfs_node", "id")?,
+                self.offset("bio", "bi_io_vec")?,
+                self.offset("bio_vec", "bv_page")?,
+                self.offset("page", "mapping")?,
+                self.offset("address_space", "host")?,
+            ])
+        })();
+        let [rq_bio, bio_blkg, blkg_blkcg, blkcg_cgroup, cgroup_kn, kn_id, bio_io_vec, bvec_page, page_mapping, mapping_host] =
+            bio.as_ref().copied().unwrap_or_default();
         let req_bits = ["__REQ_PREFLUSH", "__REQ_FUA", "__REQ_RAHEAD", "__REQ_SYNC", "__REQ_META"]
             .map(|n| self.enumerator(n).and_then(|v| u32::try_from(v).ok()).filter(|&b| b < 32).unwrap_or(probe_common::kernel::NO_BIT));
         Ok(KernelOffsets {
@@ -198,6 +214,17 @@ impl Btf {
             rq_cmd_flags,
             req_bits,
             task_pid: self.offset("task_struct", "pid")?,
+            bio_valid: u32::from(blk.is_ok() && bio.is_ok()),
+            rq_bio,
+            bio_blkg,
+            blkg_blkcg,
+            blkcg_cgroup,
+            cgroup_kn,
+            kn_id,
+            bio_io_vec,
+            bvec_page,
+            page_mapping,
+            mapping_host,
         })
     }
 
@@ -272,6 +299,10 @@ mod tests {
         let k = btf.kernel_offsets().unwrap();
         assert_eq!(k.blk_valid, 1);
         assert!(k.rq_data_len > 0 && k.rq_cmd_flags > 0 && k.rq_sector > 0);
+        // A bio's block cgroup and the file of its first page (IO issued for the target by a
+        // kworker: the cgroup throttle's, a flusher).
+        assert_eq!(k.bio_valid, 1);
+        assert!(k.rq_bio > 0 && k.bio_blkg > 0 && k.page_mapping > 0, "{k:?}");
         assert!(k.req_bits.iter().all(|&b| (8..32).contains(&b)), "{:?}", k.req_bits);
     }
 

@@ -88,6 +88,9 @@ const LAST_USER_STACKS: usize = 16384;
 const MAX_OTHERS: usize = 4096;
 /// Connections whose credential-masking state is kept at once (as many as the stream tracker).
 const MAX_CREDENTIAL_STREAMS: usize = crate::stream::MAX_CONNS * 2;
+/// Files told to the kernel at most (its TARGET_FILES map holds 4096).
+const MAX_FILES_TOLD: usize = 4000;
+
 /// A request in flight this long gets a snapshot record (see `StreamTracker::snapshots`).
 const SNAPSHOT_AGE_NS: u64 = 500_000_000;
 /// How often the requests in flight are looked at for snapshots.
@@ -182,6 +185,10 @@ struct State {
     offcpu: HashMap<u32, recording::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    /// Where to tell the kernel which files the targets map (their block IO is the target's
+    /// whoever issues it), and the files told.
+    target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
+    files_told: HashSet<(u32, u32, u64)>,
     need_told: HashMap<u32, u32>,
     /// Cut user stacks by (kind, outermost frame), and the modules' paths: named at the end.
     cut_tops: HashMap<(recording::StackKind, (i64, u64)), u64>,
@@ -247,6 +254,8 @@ impl State {
             cut_tops: HashMap::new(),
             module_paths: HashMap::new(),
             ustack_need: None,
+            target_files: None,
+            files_told: HashSet::new(),
             need_told: HashMap::new(),
             root,
             root_exited: false,
@@ -581,6 +590,14 @@ impl State {
         self.unwinders.update(pid, &maps);
         for m in &maps {
             self.known_files.insert((m.major, m.minor, m.inode));
+            if m.inode != 0
+                && self.files_told.len() < MAX_FILES_TOLD
+                && let Some(t) = self.target_files.as_mut()
+                && self.files_told.insert((m.major, m.minor, m.inode))
+            {
+                let id = probe_common::blockio::FileId { ino: m.inode, dev: (m.major << 20) | (m.minor & 0xfffff), _pad: 0 };
+                let _ = t.insert(id, pid, 0);
+            }
             if m.perms.contains('x') && self.engine_seen.insert(crate::target_file::Ident::of(m)) {
                 self.engine_new.push((pid, m.clone()));
             }

@@ -85,6 +85,9 @@ pub fn kind_of(bytes: &[u8]) -> Result<EventKind, DecodeError> {
     EventKind::try_from(u32::from_ne_bytes(raw)).map_err(DecodeError::UnknownKind)
 }
 
+/// A block record as probe wrote it before it carried `matched`, `ino` and `ino_dev`.
+const BLOCK_IO_V1: usize = 80;
+
 fn read<T: Copy>(bytes: &[u8], kind: EventKind) -> Result<T, DecodeError> {
     let want = size_of::<T>();
     if bytes.len() != want {
@@ -113,6 +116,13 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     }
     let kind = kind_of(bytes)?;
     Ok(match kind {
+        EventKind::BlockIo if bytes.len() == BLOCK_IO_V1 => {
+            // Written before block records named their file and how they were matched: those
+            // fields read as 0 (issued by the target, file unknown).
+            let mut whole = bytes.to_vec();
+            whole.resize(size_of::<BlockIoEvent>(), 0);
+            Event::BlockIo(read(&whole, kind)?)
+        }
         EventKind::BlockIo => Event::BlockIo(read(bytes, kind)?),
         EventKind::Fault => Event::Fault(read(bytes, kind)?),
         EventKind::Filemap => Event::Filemap(read(bytes, kind)?),

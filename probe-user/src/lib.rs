@@ -23,6 +23,7 @@ pub mod output;
 pub mod perfetto;
 pub mod probes;
 pub mod procfs;
+pub mod record;
 pub mod recording;
 pub mod redact;
 pub mod report;

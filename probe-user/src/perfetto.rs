@@ -184,7 +184,7 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) 
                     ev.push(c("server sleeping (1 = asleep)".into(), ts, json!({"sleeping": u8::from(sleeping)})));
                 }
             }
-            Sample::Samplers(_) => {}
+            Sample::Samplers(_) | Sample::Attach(_) => {}
         }
     }
 }

@@ -321,6 +321,55 @@ fn listeners_here(pid: u32) -> Option<Vec<(std::net::SocketAddr, u64)>> {
 /// IPv6, from the kernel's sock_diag netlink interface (linux/inet_diag.h). None when it cannot
 /// answer.
 pub fn tcp_listeners() -> Option<Vec<(std::net::SocketAddr, u64)>> {
+    const TCP_LISTEN: u32 = 10;
+    Some(tcp_sockets(1 << TCP_LISTEN, false)?.into_iter().map(|s| (s.local, s.inode)).collect())
+}
+
+/// What sock_diag says of one TCP socket.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TcpSocket {
+    pub local: std::net::SocketAddr,
+    pub peer: std::net::SocketAddr,
+    /// TCP_* state (1 established, 8 close-wait, 10 listen).
+    pub state: u8,
+    /// Bytes received and not read by the process; bytes sent and not acknowledged.
+    pub rqueue: u32,
+    pub wqueue: u32,
+    /// 0 for a connection not accepted yet (still in its listener's queue).
+    pub inode: u64,
+    pub info: Option<TcpInfo>,
+}
+
+/// The part of the kernel's `struct tcp_info` (linux/tcp.h) probe reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TcpInfo {
+    /// ms since the last data was sent, and since the last data arrived (jiffy granularity).
+    pub last_data_sent_ms: u32,
+    pub last_data_recv_ms: u32,
+    /// Bytes received and bytes sent over the connection's life (kernel 4.19+: 0 before).
+    pub bytes_received: u64,
+    pub bytes_sent: u64,
+    pub data_segs_out: u32,
+}
+
+impl TcpInfo {
+    /// From the INET_DIAG_INFO attribute's bytes (offsets of linux/tcp.h's struct tcp_info).
+    pub fn parse(b: &[u8]) -> Option<TcpInfo> {
+        let u32_at = |o: usize| b.get(o..o + 4).map(|x| u32::from_ne_bytes([x[0], x[1], x[2], x[3]]));
+        let u64_at = |o: usize| b.get(o..o + 8).map(|x| u64::from_ne_bytes(x.try_into().unwrap_or_default()));
+        Some(TcpInfo {
+            last_data_sent_ms: u32_at(44)?,
+            last_data_recv_ms: u32_at(52)?,
+            bytes_received: u64_at(128).unwrap_or(0),
+            data_segs_out: u32_at(156).unwrap_or(0),
+            bytes_sent: u64_at(200).unwrap_or(0),
+        })
+    }
+}
+
+/// Every TCP socket of this network namespace in one of `states` (a bit per TCP_* state), IPv4
+/// and IPv6, from sock_diag; with `info`, each with its `tcp_info`. None when it cannot answer.
+pub fn tcp_sockets(states: u32, info: bool) -> Option<Vec<TcpSocket>> {
     use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
     const NETLINK_SOCK_DIAG: i32 = 4;
     const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -328,7 +377,7 @@ pub fn tcp_listeners() -> Option<Vec<(std::net::SocketAddr, u64)>> {
     const NLM_F_DUMP: u16 = 0x300;
     const NLMSG_DONE: u16 = 3;
     const NLMSG_ERROR: u16 = 2;
-    const TCP_LISTEN: u32 = 10;
+    const INET_DIAG_INFO: u16 = 2;
     // SAFETY: socket(2) with constant arguments; the fd is owned right away.
     let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG) };
     if fd < 0 {
@@ -342,6 +391,14 @@ pub fn tcp_listeners() -> Option<Vec<(std::net::SocketAddr, u64)>> {
         libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const tv).cast(), size_of::<libc::timeval>() as u32)
     };
     let mut out = Vec::new();
+    let addr = |family: u8, b: &[u8], port: u16| -> Option<std::net::SocketAddr> {
+        let ip: std::net::IpAddr = if family == libc::AF_INET as u8 {
+            std::net::Ipv4Addr::from(<[u8; 4]>::try_from(b.get(..4)?).ok()?).into()
+        } else {
+            std::net::Ipv6Addr::from(<[u8; 16]>::try_from(b.get(..16)?).ok()?).into()
+        };
+        Some(std::net::SocketAddr::new(ip, port))
+    };
     for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
         // nlmsghdr (16 bytes) + inet_diag_req_v2 (56 bytes).
         let mut req = [0u8; 72];
@@ -351,12 +408,14 @@ pub fn tcp_listeners() -> Option<Vec<(std::net::SocketAddr, u64)>> {
         req[8..12].copy_from_slice(&1u32.to_ne_bytes());
         req[16] = family;
         req[17] = libc::IPPROTO_TCP as u8;
-        req[20..24].copy_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
+        // idiag_ext: the attributes wanted, a bit each (1 << (attribute - 1)).
+        req[18] = if info { 1 << (INET_DIAG_INFO - 1) } else { 0 };
+        req[20..24].copy_from_slice(&states.to_ne_bytes());
         // SAFETY: sending our own buffer on our own socket (to the kernel: address 0).
         if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } != req.len() as isize {
             return None;
         }
-        let mut buf = vec![0u8; 32 << 10];
+        let mut buf = vec![0u8; 64 << 10];
         'dump: loop {
             // SAFETY: receiving into our own buffer of that length.
             let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
@@ -374,23 +433,44 @@ pub fn tcp_listeners() -> Option<Vec<(std::net::SocketAddr, u64)>> {
                     NLMSG_DONE => break 'dump,
                     NLMSG_ERROR => return None,
                     SOCK_DIAG_BY_FAMILY => {
-                        // inet_diag_msg: family, state, timer, retrans, then inet_diag_sockid
-                        // (sport and dport big-endian, ...), expires, rqueue, wqueue, uid, inode.
+                        // inet_diag_msg (72 bytes): family, state, timer, retrans, then
+                        // inet_diag_sockid (sport and dport big-endian, src[16], dst[16], if,
+                        // cookie[2]), expires, rqueue, wqueue, uid, inode; then attributes.
                         let m = &msgs[16..len];
                         if m.len() >= 72 {
-                            let port = u16::from_be_bytes([m[4], m[5]]);
-                            let ip: std::net::IpAddr = if m[0] == libc::AF_INET as u8 {
-                                std::net::Ipv4Addr::from(<[u8; 4]>::try_from(&m[8..12]).ok()?).into()
-                            } else {
-                                std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&m[8..24]).ok()?).into()
-                            };
-                            let inode = u32::from_ne_bytes(m[68..72].try_into().ok()?);
-                            out.push((std::net::SocketAddr::new(ip, port), u64::from(inode)));
+                            let u32_at = |o: usize| u32::from_ne_bytes([m[o], m[o + 1], m[o + 2], m[o + 3]]);
+                            let mut tcp = None;
+                            let mut attrs = &m[72..];
+                            while attrs.len() >= 4 {
+                                let alen = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
+                                let aty = u16::from_ne_bytes([attrs[2], attrs[3]]);
+                                if alen < 4 || alen > attrs.len() {
+                                    break;
+                                }
+                                if aty == INET_DIAG_INFO {
+                                    tcp = TcpInfo::parse(&attrs[4..alen]);
+                                }
+                                attrs = &attrs[((alen + 3) & !3).min(attrs.len())..];
+                            }
+                            if let (Some(local), Some(peer)) = (
+                                addr(m[0], &m[8..24], u16::from_be_bytes([m[4], m[5]])),
+                                addr(m[0], &m[24..40], u16::from_be_bytes([m[6], m[7]])),
+                            ) {
+                                out.push(TcpSocket {
+                                    local,
+                                    peer,
+                                    state: m[1],
+                                    rqueue: u32_at(56),
+                                    wqueue: u32_at(60),
+                                    inode: u64::from(u32_at(68)),
+                                    info: tcp,
+                                });
+                            }
                         }
                     }
                     _ => {}
                 }
-                msgs = &msgs[(len + 3) & !3..];
+                msgs = &msgs[((len + 3) & !3).min(msgs.len())..];
             }
         }
     }

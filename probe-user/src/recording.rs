@@ -40,7 +40,7 @@ pub const FRAME_JSON: u8 = 2;
 /// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
 /// test checks the page against this list, and every real trace in the test suite checks that
 /// its recording holds no other.
-pub const USER_RECORD_TYPES: [&str; 19] = [
+pub const USER_RECORD_TYPES: [&str; 20] = [
     "meta",
     "maps",
     "files",
@@ -57,6 +57,7 @@ pub const USER_RECORD_TYPES: [&str; 19] = [
     "cpuidle",
     "residency",
     "endpoint",
+    "attach",
     "end",
     "cut_frames",
     "warm_baseline",

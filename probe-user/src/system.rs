@@ -335,7 +335,7 @@ pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System
                 }
             }
             Sample::Endpoint(v) if v.answered() => endpoint(&mut eps, v),
-            Sample::Endpoint(_) => {}
+            Sample::Endpoint(_) | Sample::Attach(_) => {}
         }
     }
     if let (Some(a), Some(b)) = (first_idle, last_idle) {

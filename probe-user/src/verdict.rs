@@ -123,6 +123,14 @@ pub struct Window<'a> {
     pub cut_under: Option<&'a str>,
     /// The engine's own view of this request (llama.cpp's steps by uprobe), when it was matched.
     pub engine: Option<&'a crate::steps::RequestEngine>,
+    /// A request in flight at attach: ms from its (estimated) arrival to attach, and the state
+    /// of the target then.
+    pub before_attach_ms: f64,
+    pub at_attach: Option<AtAttach>,
+    /// The IO limits of the target's cgroups (a slow disk may be the limit).
+    pub io_limits: &'a [crate::sampler::records::IoLimit],
+    /// When the trace ended (a request still in flight is judged up to there).
+    pub trace_end_ns: u64,
 }
 
 /// A user stack cut at this depth or deeper still shows the functions a request's work ran in:
@@ -158,11 +166,20 @@ pub struct Split {
     pub load: f64,
     pub compute: f64,
     pub unexplained: f64,
+    /// A request in flight at attach: the time from its arrival (estimated) to attach. Described
+    /// by the target's state at attach (the evidence), never spread over the other parts.
+    #[serde(default, skip_serializing_if = "is_zero_ms")]
+    pub before_attach: f64,
+}
+
+fn is_zero_ms(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl Split {
     /// The parts' names, in the order every output lists them.
-    pub const NAMES: [&'static str; 8] = ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained"];
+    pub const NAMES: [&'static str; 9] =
+        ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained", "before_attach"];
 
     /// The largest part that is not the request's own work (disk, memory, cpu_contention, load,
     /// power, queue) and its ms; (None, 0) when all are 0.
@@ -180,8 +197,21 @@ impl Split {
     }
 
     /// The parts in [`Split::NAMES`] order, ms.
-    pub fn parts(&self) -> [f64; 8] {
-        [self.queue, self.disk, self.memory, self.cpu_contention, self.power, self.load, self.compute, self.unexplained]
+    pub fn parts(&self) -> [f64; 9] {
+        [self.queue, self.disk, self.memory, self.cpu_contention, self.power, self.load, self.compute, self.unexplained, self.before_attach]
+    }
+
+    /// The watched part named by `cause` (0 for none and compute).
+    fn part(&self, cause: SlowCause) -> f64 {
+        match cause {
+            SlowCause::Disk => self.disk,
+            SlowCause::Memory => self.memory,
+            SlowCause::CpuContention => self.cpu_contention,
+            SlowCause::Load => self.load,
+            SlowCause::Power => self.power,
+            SlowCause::Queue => self.queue,
+            _ => 0.0,
+        }
     }
 }
 
@@ -212,6 +242,22 @@ pub struct Verdict {
     /// The model files' share in the page cache at the last reading before arrival.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub model_resident: Vec<Resident>,
+    /// A request still waiting for its first token when the trace ended (Ctrl-C): how long it
+    /// had been in flight, and its wait split so far (the slow cause is that split's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub so_far: Option<Split>,
+}
+
+/// What the target was doing when probe attached, for a request that arrived before.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AtAttach {
+    /// "the server was blocked in a file fault (…); model.gguf 31% resident".
+    pub words: String,
+    /// The slow cause that state shows (a reload in progress: load; queued behind another
+    /// request: queue).
+    pub cause: Option<SlowCause>,
 }
 
 /// A model file's page-cache residency before a request.
@@ -447,7 +493,10 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
             q.max_tokens.unwrap_or(0)
         )),
         RequestedLimit => {
-            Some(format!("the server stopped at the requested limit ({} tokens)", q.max_tokens.map_or("?".into(), |m| m.to_string())))
+            Some(match q.max_tokens {
+                Some(m) => format!("the server stopped at the requested limit ({m} tokens)"),
+                None => format!("the server stopped at the requested limit after {n} tokens (the request itself was not seen)"),
+            })
         }
         ClientDisconnect => Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks)),
         Deadline => Some(format!(
@@ -565,16 +614,35 @@ fn quota_evidence(w: &Window<'_>, from: u64, to: u64) -> Option<String> {
 pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     let mut v = Verdict::default();
     stop_and_quality(q, w, &mut v);
-    let Some(ttft) = q.ttft_ms else {
+    // A request still waiting for its first token at the end of the trace: judged so far.
+    let so_far = (q.ttft_ms.is_none() && q.closed_by == ClosedBy::Open && !q.began_before_attach && q.chunks == 0)
+        .then(|| q.arrival_ms.map(|_| (w.trace_end_ns.saturating_sub(w.arrival_ns)) as f64 / 1e6 + w.before_attach_ms))
+        .flatten()
+        .filter(|&ms| ms > 0.0 && w.trace_end_ns > 0);
+    let Some(ttft) = q.ttft_ms.or(so_far) else {
         v.slow_cause = SlowCause::None;
         return v;
     };
-    let b = breakdown(q, w, ttft);
+    // What came before attach is its own part; the rest was watched.
+    let before = w.before_attach_ms.clamp(0.0, ttft);
+    let mut b = breakdown(q, w, ttft - before);
+    b.split.before_attach = before;
+    if before > 0.0 {
+        let state = w.at_attach.as_ref().map(|a| format!("; at attach {}", a.words)).unwrap_or_default();
+        v.evidence.push(format!("{before:.0} ms of this wait came before probe attached{state}"));
+    }
     evidence(&b, w, &mut v);
     path_evidence(w, ttft, &mut v);
     let s = &b.split;
     // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
-    let (cause, ms) = s.largest_stall();
+    // The time before attach counts for the cause the state at attach shows, with what was
+    // watched of that cause.
+    let (mut cause, mut ms) = s.largest_stall();
+    if let Some(c) = w.at_attach.as_ref().and_then(|a| a.cause)
+        && before + s.part(c) > ms
+    {
+        (cause, ms) = (c, before + s.part(c));
+    }
     v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
         cause
     } else if s.compute >= 0.5 * ttft && ttft >= 200.0 {
@@ -584,6 +652,16 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     };
     v.files_read = w.files_read.iter().filter(|f| f.1 > 0).map(|(path, bytes, _)| FileRead { path: path.clone(), bytes: *bytes }).collect();
     v.competitors = competitors(w, b.served_from, b.to).into_iter().take(10).collect();
+    if q.ttft_ms.is_none() {
+        let part = match v.slow_cause {
+            SlowCause::None => String::new(),
+            c => format!(": {ms:.0} ms {}", c.words()),
+        };
+        v.evidence.insert(0, format!("in flight {:.1} s at the end of the trace, no token yet{part}", ttft / 1e3));
+        v.in_flight_ms = Some(ttft);
+        v.so_far = Some(b.split);
+        return v;
+    }
     v.ttft_ms = Some(b.split);
     v
 }
@@ -605,7 +683,20 @@ fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
             "the server preempted {n:.0} request(s) while this one was served (its KV cache was full): a preempted request is recomputed, which adds time, not a shorter answer"
         ));
     }
-    if q.partial {
+    if q.arrival_by == crate::stream::Arrival::TcpState {
+        let before = w.before_attach_ms;
+        v.data_quality.push(if before > 0.0 {
+            format!("arrived {before:.0} ms before attach, by the kernel's TCP state (tcp_info: the request's last bytes)")
+        } else {
+            "its arrival was dated by the kernel's TCP state at attach (tcp_info: the request's last bytes)".into()
+        });
+        if q.path_inferred {
+            v.data_quality.push("method and path inferred from the response (the request's head was read before attach)".into());
+        }
+        if q.began_before_attach {
+            v.data_quality.push("its response had begun before attach: the first token was not seen, so there is no TTFT".into());
+        }
+    } else if q.partial {
         v.data_quality.push("probe attached while this request was in flight: its start was not seen".into());
     }
     if q.evicted {
@@ -749,7 +840,8 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     // saw it; else the time other requests were being served.
     let idle_queue = left.min(union_ms(&w.others, from, to));
     let queue = w.engine.map_or(idle_queue, |e| left.min(e.queue_ms));
-    let split = Split { queue, disk, memory, cpu_contention: cpu, power, load, compute, unexplained: (left - queue).max(0.0) };
+    let split =
+        Split { queue, disk, memory, cpu_contention: cpu, power, load, compute, unexplained: (left - queue).max(0.0), before_attach: 0.0 };
     let cache = timings.and_then(|t| Some((t["prompt_n"].as_u64()?, t["cache_n"].as_u64()?)));
     Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue }
 }
@@ -804,6 +896,16 @@ fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
             format!("{} read: {}", mib(read), files.join(", "))
         };
         v.evidence.push(format!("{:.0} ms blocked on disk before the first token; {what}", s.disk));
+        // The disk may be the cgroup's limit, not the device: named from the cgroup's own files.
+        for l in w.io_limits.iter().filter(|l| l.read_bps.is_some() || l.read_iops.is_some()).take(2) {
+            let rate = match (l.read_bps, l.read_iops) {
+                (Some(b), _) => format!("{:.1} MB/s", b as f64 / 1e6),
+                (None, Some(n)) => format!("{n} reads/s"),
+                (None, None) => continue,
+            };
+            let file = if l.source == "io.max" { "io.max" } else { "blkio.throttle.read_*_device" };
+            v.evidence.push(format!("disk: reads throttled by the cgroup's limit ({rate} on device {}; {file} of {})", l.dev, l.cgroup));
+        }
     }
     if let Some((t, _)) = b.reloaded.last() {
         let files: Vec<&str> = b.reloaded.iter().take(2).map(|(_, p)| p.as_str()).collect();

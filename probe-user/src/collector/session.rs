@@ -178,6 +178,16 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
         }
     }
     st.writer.record(&UserRecord::Meta(Box::new(meta(opts, &attached, start_ns, armed_ms, arm_stages))))?;
+    // Block IO the kernel issues for the target from other tasks (the cgroup throttle's kworker)
+    // is matched by the target's block cgroups and the files it maps (filled by `refresh`).
+    own_block_cgroups(&mut attached.ebpf, &attached.targets);
+    st.target_files = attached.ebpf.take_map(probe_common::maps::TARGET_FILES).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+    // What came before attach: the requests in flight (taken up by the stream tracker) and what
+    // the target was doing, read once now that the probes are armed.
+    let (at_attach, seeds) = crate::record::attach::read(&attached.targets, opts.pid, monotonic_ns());
+    log::info!("attach: {} connection(s) in the middle of a request", seeds.len());
+    st.streams.seed(seeds);
+    st.writer.sample(&crate::sampler::records::Sample::Attach(at_attach))?;
     st.refresh()?;
     for &pid in &attached.targets {
         st.unwinders.prepare(pid);
@@ -206,6 +216,21 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
     }
     let segment = (0, start_ns, Instant::now());
     Ok((st, Session { ring, lost_map, counter_map, attached, bpf_unmeasured, start_ns, segment, partial, follow_engine }))
+}
+
+/// The block cgroups of the targets (v1 blkio, or v2 below the root) by cgroup id: a bio charged
+/// to one is the target's, whoever issues it.
+fn own_block_cgroups(ebpf: &mut aya::Ebpf, targets: &[u32]) {
+    let Some(m) = ebpf.map_mut(probe_common::maps::TARGET_BLKCG) else { return };
+    let Ok(mut map) = aya::maps::HashMap::<_, u64, u32>::try_from(m) else { return };
+    for &pid in targets {
+        for (dir, _) in crate::record::attach::block_cgroups(pid) {
+            // A cgroup's id is its directory's inode number (kernfs).
+            if let Ok(md) = std::fs::metadata(&dir) {
+                let _ = map.insert(std::os::unix::fs::MetadataExt::ino(&md), pid, 0);
+            }
+        }
+    }
 }
 
 /// The recording's first record: what is traced, with which probes, since when.

@@ -613,6 +613,9 @@ impl Builder {
         let (read, write) = (rwbs.contains('R'), rwbs.contains('W'));
         let r = &mut self.r;
         r.blockio.requests += 1;
+        if b.matched != probe_common::blockio::BY_ISSUER {
+            r.blockio.issued_for_target += 1;
+        }
         let (ma, mi) = kdev(b.dev);
         let dev_names = &self.dev_names;
         let e = self.devs.entry(b.dev).or_insert_with(|| {
@@ -634,9 +637,17 @@ impl Builder {
         }
         if read {
             let at = if b.insert_ns != 0 { b.insert_ns } else { b.issue_ns };
-            let fill = self.fills_by_tid.get(&b.hdr.tid).and_then(|v| {
-                let i = v.partition_point(|(t, _)| *t <= at);
-                i.checked_sub(1).map(|i| v[i]).filter(|(t, _)| at - t <= FILE_IO_WINDOW_NS)
+            // The kernel named the file behind the request's pages; else the file its thread
+            // last added to the page cache (a record written before block records named it).
+            let named = (b.ino != 0).then(|| {
+                let (ma, mi) = kdev(b.ino_dev);
+                (at, (ma, mi, b.ino))
+            });
+            let fill = named.or_else(|| {
+                self.fills_by_tid.get(&b.hdr.tid).filter(|_| b.hdr.tid != 0).and_then(|v| {
+                    let i = v.partition_point(|(t, _)| *t <= at);
+                    i.checked_sub(1).map(|i| v[i]).filter(|(t, _)| at - t <= FILE_IO_WINDOW_NS)
+                })
             });
             if let Some((_, key)) = fill {
                 let f = self.file_of(key);
@@ -648,6 +659,9 @@ impl Builder {
 
     pub(crate) fn finish(mut self, problems: Vec<String>) -> Report {
         let mut r = std::mem::take(&mut self.r);
+        if let Some(a) = self.samples.iter().find_map(|v| if let Sample::Attach(a) = v { Some(a) } else { None }) {
+            r.blockio.limits = a.io_limits.clone();
+        }
         self.threads.finish();
         r.schema_version = SCHEMA_VERSION;
         r.problems.splice(0..0, problems);
@@ -791,6 +805,17 @@ impl Builder {
         residency.sort_by_key(|r| r.ts_ns);
         let names = &self.file_names;
         let name = |k: &FileKey| names.get(k).cloned().unwrap_or_else(|| format!("<inode {} on {}:{}>", k.2, k.0, k.1));
+        let attach = samples.iter().find_map(|v| if let Sample::Attach(a) = v { Some(a) } else { None });
+        // Requests in flight at attach (ms from the trace's start to their last byte), for the
+        // ones queued behind them.
+        let in_flight_at_attach: Vec<(u64, f64, f64)> = r
+            .requests
+            .iter()
+            .filter(|q| !q.probe_poll)
+            .filter_map(|q| Some((q.id, q.arrival_ms?, q.arrival_ms? + q.end_ms.unwrap_or(f64::INFINITY))))
+            .filter(|(_, a, e)| *a < 0.0 && *e > 0.0)
+            .collect();
+        let first_residency = attach.and_then(|a| residency.iter().find(|r| r.ts_ns >= a.ts_ns).or(residency.last()).copied());
         // When each request was being served: from the start of its prompt processing (its last
         // byte less the server's prompt and generation time) to its last byte. Before that it may
         // have been waiting itself.
@@ -907,6 +932,13 @@ impl Builder {
                 cut_under: self.cut_frames.iter().max_by_key(|f| f.stacks).map(|f| f.name.as_str()),
                 path: q.writer_tid.filter(|_| offcpu_probe && !self.threads.is_empty()).map(|t| self.threads.walk(t, from, to)),
                 engine: q.engine.as_ref(),
+                before_attach_ms: (-a).max(0.0),
+                at_attach: attach.filter(|_| a < 0.0).map(|st| {
+                    let ahead = in_flight_at_attach.iter().filter(|(id, a2, _)| *id != q.id && *a2 < a).count();
+                    at_attach(st, first_residency, q, ahead, &data.read, names, sleeping_before(from))
+                }),
+                io_limits: attach.map_or(&[], |a| a.io_limits.as_slice()),
+                trace_end_ns: self.end_ts,
             };
             let mut v = crate::verdict::attribute(q, &w);
             // The model files' page-cache residency at the last reading before arrival.
@@ -927,6 +959,70 @@ impl Builder {
         super::prompt::prompts(&mut r.requests);
         against_warm(&mut r.requests, &self.kept_warm);
     }
+}
+
+/// What the target was doing at attach, for request `q` that arrived before: its threads'
+/// waits, the model's residency, the requests it was queued behind; and the slow cause that
+/// state shows (a reload in progress: load; queued behind another request: queue).
+fn at_attach(
+    st: &crate::sampler::records::AttachState,
+    residency: Option<&crate::sampler::records::ResidencyReading>,
+    q: &RequestRecord,
+    ahead: usize,
+    read: &BTreeMap<FileKey, (u64, u64)>,
+    names: &HashMap<FileKey, String>,
+    sleeping: bool,
+) -> crate::verdict::AtAttach {
+    let mut words = Vec::new();
+    let blocked: Vec<&crate::sampler::records::ThreadAtAttach> = st.threads.iter().filter(|t| t.state == "D").collect();
+    // A thread in uninterruptible sleep in the page cache or the block layer waits for a file's
+    // pages (a fault or a read); the stack names the wait, the file comes from what was read.
+    let file_wait =
+        |w: &str| ["folio", "filemap", "page", "read", "io_schedule", "blk", "bio", "throtl", "fault"].iter().any(|k| w.contains(k));
+    let on_file = blocked.iter().filter(|t| t.wchan.as_deref().is_some_and(file_wait)).count();
+    if !blocked.is_empty() {
+        let mut wchans: Vec<&str> = blocked.iter().filter_map(|t| t.wchan.as_deref()).collect();
+        wchans.sort_unstable();
+        wchans.dedup();
+        let what = if on_file > 0 { "blocked waiting for file pages (a fault or read)" } else { "blocked in the kernel" };
+        let of = if wchans.is_empty() {
+            String::new()
+        } else {
+            format!(", in {}", wchans.iter().take(3).copied().collect::<Vec<_>>().join(", "))
+        };
+        words.push(format!("the server was {what}: {} of {} threads in uninterruptible sleep{of}", blocked.len(), st.threads.len()));
+    }
+    // The model files as resident at the first reading after attach, and read since.
+    let mut cold = false;
+    for f in residency.map(|r| r.files.as_slice()).unwrap_or_default().iter().take(2) {
+        let share = f.share();
+        let base = f.path.rsplit('/').next().unwrap_or(&f.path);
+        let read_after: u64 = read.iter().filter(|(k, _)| names.get(k).is_some_and(|n| *n == f.path)).map(|(_, (b, _))| *b).sum();
+        cold |= share < 0.9 && read_after >= 1 << 20;
+        words.push(format!("{base} {:.0}% resident", share * 100.0));
+    }
+    if let Some(b) = st.read_bytes {
+        words.push(format!("it had read {:.1} MB from disk since it started", b as f64 / 1e6));
+    }
+    if ahead > 0 {
+        words.push(format!("{ahead} request(s) that arrived before it were in flight"));
+    }
+    // Its own processing began after attach, by the server's timings (else unknown).
+    let t = q.stop.server_timings.as_ref();
+    let work = t.and_then(|t| Some(t["prompt_ms"].as_f64()? + if q.stream == Some(false) { t["predicted_ms"].as_f64()? } else { 0.0 }));
+    let began_after_attach = match (work, q.ttft_ms, q.arrival_ms) {
+        (Some(w), Some(ttft), Some(a)) => ttft - w > -a,
+        _ => true,
+    };
+    let reload = on_file > 0 || cold || sleeping;
+    let cause = if reload {
+        Some(SlowCause::Load)
+    } else if ahead > 0 && began_after_attach {
+        Some(SlowCause::Queue)
+    } else {
+        None
+    };
+    crate::verdict::AtAttach { words: if words.is_empty() { "nothing was blocked".into() } else { words.join("; ") }, cause }
 }
 
 /// A request's prompt size for the warm baseline: the server's prompt tokens (computed and from

@@ -265,6 +265,14 @@ pub struct BlockIo {
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub devices: Vec<Device>,
+    /// Of `requests`, those another task issued for the target: bios of its block cgroup or of
+    /// a file it maps (the cgroup throttle's kworker issues the bios over a limit).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub issued_for_target: u64,
+    /// The IO limits of the target's cgroup, as its own files set them (v1 blkio.throttle.*,
+    /// v2 io.max), per device.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub limits: Vec<crate::sampler::records::IoLimit>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

@@ -22,10 +22,12 @@ pub enum Sample {
     Cpuidle(CpuIdleReading),
     Residency(ResidencyReading),
     Endpoint(EndpointPoll),
+    /// The target as probe found it right after arming (once).
+    Attach(AttachState),
 }
 
 /// The `type` names of [`Sample`]'s variants, as their frames hold them.
-pub const KINDS: [&str; 7] = ["samplers", "gpu", "cpufreq", "mem", "cpuidle", "residency", "endpoint"];
+pub const KINDS: [&str; 8] = ["samplers", "gpu", "cpufreq", "mem", "cpuidle", "residency", "endpoint", "attach"];
 
 impl Sample {
     /// Its `type`, as its frame holds it.
@@ -38,6 +40,7 @@ impl Sample {
             Sample::Cpuidle(_) => 4,
             Sample::Residency(_) => 5,
             Sample::Endpoint(_) => 6,
+            Sample::Attach(_) => 7,
         }]
     }
 
@@ -50,6 +53,7 @@ impl Sample {
             Sample::Cpuidle(s) => s.ts_ns,
             Sample::Residency(s) => s.ts_ns,
             Sample::Endpoint(s) => s.ts_ns,
+            Sample::Attach(s) => s.ts_ns,
         }
     }
 }
@@ -104,6 +108,79 @@ pub struct CpuIdleReading {
     pub ts_ns: u64,
     #[serde(flatten)]
     pub idle: CpuIdle,
+}
+
+/// The target right after the probes were armed: what came before attach is described by it,
+/// never guessed (see `crate::record::attach`). One bounded read.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AttachState {
+    pub ts_ns: u64,
+    /// Each target thread's state and what it was blocked in.
+    pub threads: Vec<ThreadAtAttach>,
+    /// /proc/PID/io `read_bytes` of the main target (bytes it had made the disk read so far).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_bytes: Option<u64>,
+    /// The IO limits of the target's cgroups, per device.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub io_limits: Vec<IoLimit>,
+    /// The target's connections in the middle of a request, by the kernel's TCP state.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub in_flight: Vec<ConnAtAttach>,
+    /// Why the connections could not be asked, when they could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_flight_absent: Option<String>,
+}
+
+/// One thread at attach: /proc/PID/task/TID/stat's state letter, and wchan.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ThreadAtAttach {
+    pub tid: u32,
+    pub comm: String,
+    /// R running, S sleeping, D uninterruptible (IO, a file fault), ...
+    pub state: String,
+    /// The kernel function it sleeps in (`/proc/PID/task/TID/wchan`), when the kernel says.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wchan: Option<String>,
+}
+
+/// An IO limit of a cgroup on one device, as its own file sets it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct IoLimit {
+    /// The cgroup's directory.
+    pub cgroup: String,
+    /// "MAJ:MIN".
+    pub dev: String,
+    /// Where it was read: "blkio.throttle" (v1) or "io.max" (v2).
+    pub source: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_bps: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_bps: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_iops: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_iops: Option<u64>,
+    /// Bytes read on that device by the cgroup so far (blkio.throttle.io_service_bytes, io.stat rbytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_bytes: Option<u64>,
+}
+
+/// A connection of the target found mid-request at attach.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ConnAtAttach {
+    pub local: String,
+    pub peer: String,
+    /// "unread" (request bytes wait in the receive queue, or in the listener's accept queue),
+    /// "waiting" (read, no response byte since), "responding" (a response began after it).
+    pub state: String,
+    /// ms since the last request bytes arrived, and since the server last sent (tcp_info).
+    pub last_recv_ms: u32,
+    pub last_sent_ms: u32,
+    pub rqueue: u32,
 }
 
 /// Why a residency reading was taken.

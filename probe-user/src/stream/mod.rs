@@ -12,7 +12,7 @@ use probe_common::{
         SOCK_RESET_RECEIVED, SOCK_RESET_SENT, SOCK_STATE, SockEvent, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_ESTABLISHED, TCP_FIN_WAIT1,
         TCP_SYN_RECV,
     },
-    stream::{DATA_TAIL, DIR_RECV, DataEvent, tail_len},
+    stream::{DATA_TAIL, DIR_RECV, DIR_SEND, DataEvent, tail_len},
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -135,6 +135,51 @@ names!(Role { Server => "server", Client => "client" });
 names!(ClosedBy { Client => "client", Server => "server", None => "none", Open => "open" });
 names!(Reset { None => "none", ByClient => "by_client", ByServer => "by_server" });
 
+/// Where a request's arrival time came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arrival {
+    /// Its head was read while probe watched.
+    #[default]
+    Seen,
+    /// It was in flight at attach: the kernel's TCP state dated its last request bytes
+    /// (`tcp_info.tcpi_last_data_recv`, jiffy granularity).
+    TcpState,
+}
+names!(Arrival { Seen => "seen", TcpState => "tcp_state" });
+
+impl Arrival {
+    fn is_seen(&self) -> bool {
+        *self == Arrival::Seen
+    }
+}
+
+/// A connection of the target found in the middle of a request right after attach (by
+/// `crate::record::attach`, from the kernel's TCP state), for the tracker to take up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Seed {
+    pub pid: u32,
+    /// As the tracker writes addresses ("1.2.3.4:80", "[::1]:80").
+    pub local: String,
+    pub peer: String,
+    /// When the request's last bytes arrived (CLOCK_MONOTONIC ns).
+    pub arrival_ns: u64,
+    pub state: SeedState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeedState {
+    /// Request bytes wait unread (in the socket, or the connection in its listener's queue):
+    /// the head will be read after attach, and dated by the kernel.
+    Unread,
+    /// The request was read and nothing was sent since: its response is all to come.
+    Waiting,
+    /// A response began before attach; `headers_only` when what was sent came right after the
+    /// request and nothing since (a server that sends its headers at once). Taken up when the
+    /// tracker sees that response go on (an idle keep-alive connection is not a request).
+    Responding { headers_only: bool },
+}
+
 /// One request as seen on the wire. Times in ms; `arrival_ms` from the start of the trace,
 /// the others from the request's arrival (its first byte read by the server).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -214,6 +259,17 @@ pub struct RequestRecord {
     /// request's later record replaces it. One left at the end of a recording was cut there.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub in_flight: bool,
+    /// Where `arrival_ms` came from (an estimate for a request in flight at attach: then it is
+    /// before the trace's start, negative).
+    #[serde(default, skip_serializing_if = "Arrival::is_seen")]
+    pub arrival_by: Arrival,
+    /// Method and path were not seen (the head came before attach): inferred from the response.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub path_inferred: bool,
+    /// The response had begun before attach with more than its headers: its first token may
+    /// have come before, so there is no TTFT.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub began_before_attach: bool,
 }
 
 impl RequestRecord {
@@ -295,6 +351,10 @@ struct Pending {
     final_at: Option<u64>,
     /// A snapshot of it was taken (once per request).
     snapshot: bool,
+    /// The response's head was sent before attach: its first byte was not seen (no TTFB).
+    head_before_attach: bool,
+    /// The API its response messages belong to (for a request whose head was not seen).
+    api: Option<&'static str>,
 }
 
 #[derive(Debug)]
@@ -325,9 +385,34 @@ struct Conn {
     held: usize,
     /// More pipelined requests than [`MAX_PENDING`]: to be dropped.
     overflow: bool,
+    /// The kernel's time for the first request head still to be read (see [`SeedState::Unread`]).
+    arrival_hint: Option<u64>,
 }
 
 impl Conn {
+    fn new(pid: u32, local: String, peer: String) -> Conn {
+        Conn {
+            pid,
+            local,
+            peer,
+            req_dir: None,
+            req: Side::Head(Vec::new(), 0),
+            resp: Side::Head(Vec::new(), 0),
+            pending: VecDeque::new(),
+            seen_any: false,
+            closer: None,
+            closed_at: None,
+            peer_closed_at: None,
+            reset: Reset::None,
+            expect_tail: None,
+            last_ts: 0,
+            last_tid: 0,
+            held: 0,
+            overflow: false,
+            arrival_hint: None,
+        }
+    }
+
     /// Bytes this connection's parsers hold.
     fn held(&self) -> usize {
         let side = |s: &Side| match s {
@@ -353,6 +438,12 @@ pub struct Tracker {
     /// When idle connections were last looked for (ns).
     last_sweep: u64,
     limits: Limits,
+    /// Connections in flight at attach not seen yet, by (local, peer): taken up by their first
+    /// event ([`Tracker::seed`]).
+    seeds: HashMap<(String, String), Seed>,
+    /// Connections in flight at attach followed under a key of their own until their first
+    /// event gives the kernel's socket address.
+    seeded: HashMap<(String, String), u64>,
 }
 
 fn addr(family: u16, a: &[u8; 16], port: u16) -> String {
@@ -384,6 +475,80 @@ impl Tracker {
             held: 0,
             last_sweep: start_ns,
             limits: Limits::default(),
+            seeds: HashMap::new(),
+            seeded: HashMap::new(),
+        }
+    }
+
+    /// Take up the connections found mid-request at attach. A request already read and not yet
+    /// answered is in flight from now on (the live view, a Ctrl-C, a close all see it); the
+    /// others wait for their connection's next bytes.
+    pub fn seed(&mut self, seeds: Vec<Seed>) {
+        for s in seeds {
+            let key = (s.local.clone(), s.peer.clone());
+            if s.state != SeedState::Waiting {
+                self.seeds.insert(key, s);
+                continue;
+            }
+            // Never a kernel address (those are in the top half of the address space).
+            let sk = self.seeded.len() as u64 + 1;
+            let mut conn = Conn::new(s.pid, s.local, s.peer);
+            conn.req_dir = Some(DIR_RECV);
+            conn.seen_any = true;
+            let p = Self::pending_at_attach(&conn, &mut self.next_id, s.arrival_ns, self.start_ns, false);
+            conn.pending.push_back(p);
+            self.conns.insert(sk, conn);
+            self.seeded.insert(key, sk);
+        }
+    }
+
+    /// Connections found at attach are still to be taken up.
+    fn seeding(&self) -> bool {
+        !self.seeds.is_empty() || !self.seeded.is_empty()
+    }
+
+    fn pending_at_attach(conn: &Conn, id: &mut Ids, arrival_ns: u64, start_ns: u64, began: bool) -> Pending {
+        let mut p = Self::new_pending(conn, id, Role::Server, true, false);
+        p.arrival_ns = Some(arrival_ns);
+        p.rec.arrival_ms = Some((i128::from(arrival_ns) - i128::from(start_ns)) as f64 / 1e6);
+        p.rec.arrival_by = Arrival::TcpState;
+        p.rec.began_before_attach = began;
+        p
+    }
+
+    /// The first event of connection `sk` (local, peer): a connection found mid-request at
+    /// attach is taken up. `sending`: the event is the server sending (a response going on).
+    fn adopt(&mut self, sk: u64, local: &str, peer: &str, sending: Option<bool>, payload: &[u8]) {
+        if self.seeds.is_empty() && self.seeded.is_empty() {
+            return;
+        }
+        let key = (local.to_string(), peer.to_string());
+        if let Some(old) = self.seeded.remove(&key) {
+            if let Some(c) = self.conns.remove(&old) {
+                self.conns.insert(sk, c);
+            }
+            return;
+        }
+        let Some(s) = self.seeds.get(&key) else { return };
+        let mut conn = Conn::new(s.pid, s.local.clone(), s.peer.clone());
+        conn.req_dir = Some(DIR_RECV);
+        match s.state {
+            SeedState::Unread => conn.arrival_hint = Some(s.arrival_ns),
+            SeedState::Responding { headers_only } if sending == Some(true) && !payload.starts_with(b"HTTP/") => {
+                let mut p = Self::pending_at_attach(&conn, &mut self.next_id, s.arrival_ns, self.start_ns, !headers_only);
+                let framing = if looks_like_chunk_start(payload) { Framing::Chunked } else { Framing::UntilClose };
+                conn.resp = Side::Body(Body::new(framing));
+                p.response_started = true;
+                p.head_before_attach = true;
+                conn.pending.push_back(p);
+            }
+            // A close, or the client's next request: the connection was idle.
+            SeedState::Responding { .. } if sending.is_some() => {}
+            _ => return,
+        }
+        self.seeds.remove(&key);
+        if conn.arrival_hint.is_some() || !conn.pending.is_empty() {
+            self.conns.insert(sk, conn);
         }
     }
 
@@ -503,25 +668,14 @@ impl Tracker {
     }
 
     fn data(&mut self, ev: &DataEvent, payload: &[u8]) {
-        let conn = self.conns.entry(ev.sk).or_insert_with(|| Conn {
-            pid: ev.hdr.pid,
-            local: addr(ev.family, &ev.saddr, ev.sport),
-            peer: addr(ev.family, &ev.daddr, ev.dport),
-            req_dir: None,
-            req: Side::Head(Vec::new(), 0),
-            resp: Side::Head(Vec::new(), 0),
-            pending: VecDeque::new(),
-            seen_any: false,
-            closer: None,
-            closed_at: None,
-            peer_closed_at: None,
-            reset: Reset::None,
-            expect_tail: None,
-            last_ts: 0,
-            last_tid: 0,
-            held: 0,
-            overflow: false,
-        });
+        if self.seeding() && !self.conns.contains_key(&ev.sk) {
+            let (local, peer) = (addr(ev.family, &ev.saddr, ev.sport), addr(ev.family, &ev.daddr, ev.dport));
+            self.adopt(ev.sk, &local, &peer, Some(ev.dir == DIR_SEND), payload);
+        }
+        let conn = self
+            .conns
+            .entry(ev.sk)
+            .or_insert_with(|| Conn::new(ev.hdr.pid, addr(ev.family, &ev.saddr, ev.sport), addr(ev.family, &ev.daddr, ev.dport)));
         let ts = ev.hdr.ts_ns;
         conn.last_tid = ev.hdr.tid;
         if ev.syscall & DATA_TAIL != 0 {
@@ -638,6 +792,8 @@ impl Tracker {
             response_started: false,
             final_at: None,
             snapshot: false,
+            head_before_attach: false,
+            api: None,
         }
     }
 
@@ -669,8 +825,13 @@ impl Tracker {
                     let parsed = if before == 0 || head_ends(buf, before) { http::parse_request(buf) } else { Parsed::Partial };
                     match parsed {
                         Parsed::Done(head, n) => {
-                            let t0 = *t0;
+                            // A head that waited unread at attach: the kernel dated its arrival.
+                            let hint = conn.arrival_hint.take();
+                            let t0 = hint.map_or(*t0, |h| h.min(*t0));
                             let mut p = Self::new_pending(conn, id, role, false, head.probe_poll);
+                            if hint.is_some() {
+                                p.rec.arrival_by = Arrival::TcpState;
+                            }
                             p.rec.method = Some(head.method.clone());
                             // A query string can carry a key (`?api_key=`): never kept.
                             p.rec.path = Some(crate::redact::scrub(&head.path));
@@ -798,11 +959,25 @@ impl Tracker {
             p.rec.response_bytes += data.len() as u64 + missing;
             p.rec.bytes_not_captured += missing;
             if p.rec.ttfb_ms.is_none()
+                && !p.head_before_attach
                 && let Some(a) = p.arrival_ns
             {
                 p.rec.ttfb_ms = Some(ts.saturating_sub(a) as f64 / 1e6);
                 p.rec.writer_tid = Some(conn.last_tid).filter(|&t| t != 0);
             }
+        }
+        // A request taken up at attach as not answered yet, whose response head went out all the
+        // same (in the same jiffy as the request's last bytes): the body goes on.
+        let mid = matches!(&conn.resp, Side::Head(b, _) if b.is_empty())
+            && conn.pending.front().is_some_and(|p| p.rec.arrival_by == Arrival::TcpState && !p.response_started)
+            && !data.is_empty()
+            && !data.starts_with(b"HTTP/");
+        if mid && let Some(p) = conn.pending.front_mut() {
+            let framing = if looks_like_chunk_start(data) { Framing::Chunked } else { Framing::UntilClose };
+            conn.resp = Side::Body(Body::new(framing));
+            p.response_started = true;
+            p.head_before_attach = true;
+            p.rec.ttfb_ms = None;
         }
         while !data.is_empty() {
             let Some(p) = conn.pending.front_mut() else { break };
@@ -887,6 +1062,10 @@ impl Tracker {
 
     /// A TCP state change or reset of a connection.
     pub fn on_sock(&mut self, ev: &SockEvent) {
+        if self.seeding() && !self.conns.contains_key(&ev.skaddr) {
+            let (local, peer) = (addr(ev.family, &ev.saddr, ev.sport), addr(ev.family, &ev.daddr, ev.dport));
+            self.adopt(ev.skaddr, &local, &peer, None, &[]);
+        }
         if ev.what == SOCK_STATE && ev.newstate == TCP_CLOSE {
             self.flush_tail(ev.skaddr, ev.hdr.ts_ns);
         }
@@ -1017,6 +1196,12 @@ fn messages(p: &mut Pending, body: &[u8], at: (u64, u64), keep_text: bool, last:
 fn apply_msgs(p: &mut Pending, msgs: Vec<Msg>, at: (u64, u64), keep_text: bool) {
     let (ts, sent) = at;
     for m in msgs {
+        if p.api.is_none()
+            && p.rec.method.is_none()
+            && let Msg::Json(v) | Msg::Partial(v) = &m
+        {
+            p.api = payload::api_of(v);
+        }
         match m {
             Msg::Json(v) => {
                 if payload::apply(&v, &mut p.rec.stop, keep_text) {
@@ -1068,6 +1253,20 @@ fn finalize(mut p: Pending, conn: &Conn, closed_by: ClosedBy) -> RequestRecord {
         && p.rec.status.is_some_and(|s| s < 400)
         && p.rec.stop.error.is_none();
     p.rec.ttft_ms = if whole { p.rec.final_ms } else { p.rec.chunk_times_ms.first().copied() };
+    if p.rec.began_before_attach {
+        p.rec.ttft_ms = None;
+    }
+    // A request whose head came before attach is named by its response, and says so.
+    if p.rec.method.is_none()
+        && let Some(path) = p.api
+    {
+        p.rec.method = Some("POST".into());
+        p.rec.path = Some(path.into());
+        p.rec.path_inferred = true;
+    }
+    if p.rec.stream.is_none() && p.rec.arrival_by == Arrival::TcpState {
+        p.rec.stream = p.splitter.as_ref().map(|s| s.kind != payload::Kind::Json);
+    }
     p.rec.chunk_gaps = gaps(&p.rec.chunk_times_ms);
     p.rec
 }

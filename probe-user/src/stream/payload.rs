@@ -391,6 +391,37 @@ pub fn context_exceeded(msg: &str) -> bool {
     m.contains("context") && (m.contains("exceed") || m.contains("too long") || m.contains("full"))
 }
 
+/// The API a response message belongs to, by its own shape (the request's head was not seen):
+/// OpenAI's `object` names it; llama.cpp's native `/completion` and Ollama's `/api/chat` and
+/// `/api/generate` have fields of their own.
+pub fn api_of(v: &Value) -> Option<&'static str> {
+    match v.get("object").and_then(Value::as_str) {
+        Some("chat.completion.chunk" | "chat.completion") => return Some("/v1/chat/completions"),
+        Some("text_completion") => return Some("/v1/completions"),
+        _ => {}
+    }
+    if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
+        if choice.get("delta").is_some() || choice.get("message").is_some() {
+            return Some("/v1/chat/completions");
+        }
+        if choice.get("text").is_some() {
+            return Some("/v1/completions");
+        }
+    }
+    if v.get("done").is_some() {
+        if v.get("message").is_some() {
+            return Some("/api/chat");
+        }
+        if v.get("response").is_some() {
+            return Some("/api/generate");
+        }
+    }
+    if v.get("content").is_some() && ["stop", "id_slot", "tokens", "stop_type"].iter().any(|k| v.get(*k).is_some()) {
+        return Some("/completion");
+    }
+    None
+}
+
 /// Read one message. Returns true when it carries generated content (a token or more).
 pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
     let mut content = false;

@@ -1,0 +1,211 @@
+//! probe started while the slow request is already in flight: the request is found by the
+//! kernel's TCP state, timed from its estimated arrival, named from its response, and explained
+//! by what was watched plus the target's state at attach. Truth from the client's clock, the
+//! cgroup's and /proc's byte counters.
+mod common;
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::{env_path, probe_bin};
+use serde_json::{Value, json};
+
+/// A blkio v1 cgroup of the test's own, removed when dropped (its processes gone first).
+struct Blkio(PathBuf);
+
+impl Drop for Blkio {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// The whole disk behind `path` as "MAJ:MIN" (a partition's parent: throttling is per disk).
+fn disk_of(path: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let (ma, mi) = (libc::major(dev), libc::minor(dev));
+    let sys = PathBuf::from(format!("/sys/dev/block/{ma}:{mi}"));
+    assert!(sys.exists(), "{} is not on a block device ({ma}:{mi})", path.display());
+    if sys.join("partition").exists() {
+        return std::fs::read_to_string(sys.join("../dev")).unwrap().trim().to_string();
+    }
+    format!("{ma}:{mi}")
+}
+
+fn cgroup_read_bytes(cg: &Path, dev: &str) -> u64 {
+    let t = std::fs::read_to_string(cg.join("blkio.throttle.io_service_bytes")).unwrap();
+    t.lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() == 3 && f[0] == dev && f[1] == "Read").then(|| f[2].parse().ok())?
+        })
+        .unwrap_or(0)
+}
+
+fn proc_read_bytes(pid: u32) -> u64 {
+    let t = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+    t.lines().find_map(|l| l.strip_prefix("read_bytes:")).unwrap().trim().parse().unwrap()
+}
+
+/// Sectors the disk read (/sys/block/DEV/stat, field 3), in bytes: what the device itself did.
+fn disk_read_bytes(dev: &str) -> u64 {
+    let t = std::fs::read_to_string(format!("/sys/dev/block/{dev}/stat")).unwrap();
+    t.split_whitespace().nth(2).unwrap().parse::<u64>().unwrap() * 512
+}
+
+/// A streamed chat from the client's side: when it was sent and when its first content chunk
+/// came (the client's clock).
+struct Chat {
+    sent: Instant,
+    first: Option<Instant>,
+    done: Instant,
+}
+
+fn streamed_chat(addr: SocketAddr, max_tokens: u32) -> Chat {
+    let body =
+        json!({"messages": [{"role": "user", "content": "Say good morning."}], "max_tokens": max_tokens, "stream": true, "temperature": 0})
+            .to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let sent = Instant::now();
+    s.write_all(format!("{head}{body}").as_bytes()).unwrap();
+    let mut first = None;
+    for line in BufReader::new(&s).lines().map_while(Result::ok) {
+        if first.is_none()
+            && let Some(v) = line.strip_prefix("data: ").and_then(|j| serde_json::from_str::<Value>(j).ok())
+            && v["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty())
+        {
+            first = Some(Instant::now());
+        }
+    }
+    Chat { sent, first, done: Instant::now() }
+}
+
+/// The slow morning, met the way users meet it: llama-server asleep, its model out of the page
+/// cache and its reads limited by its cgroup (blkio v1 `throttle.read_bps_device`, as a
+/// container's limit would be); a streamed chat is sent, and probe is started 1.5 s later.
+/// The request must come out named (inferred from its response), timed from the kernel's
+/// estimate of its arrival (within 5% or 20 ms of the client's clock), with the IO the throttle's
+/// kworker issued counted as the server's, and the limit named.
+#[test]
+fn attached_during_a_cold_reload_behind_an_io_limit() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("attach-cold-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.gguf");
+    std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();
+    std::fs::File::open(&model).unwrap().sync_all().unwrap();
+    let size = std::fs::metadata(&model).unwrap().len();
+    let dev = disk_of(&model);
+    // 16 MB/s: the reload takes seconds, as on a slow disk.
+    let limit: u64 = 16_000_000;
+    let cg = Blkio(PathBuf::from(format!("/sys/fs/cgroup/blkio/probe-attach-{}", std::process::id())));
+    std::fs::create_dir_all(&cg.0).expect("a blkio v1 cgroup (this test needs the v1 blkio hierarchy at /sys/fs/cgroup/blkio)");
+    std::fs::write(cg.0.join("blkio.throttle.read_bps_device"), format!("{dev} {limit}")).unwrap();
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let log = dir.join("server.log");
+    let mut srv = Command::new("sh")
+        .args(["-c", "echo $$ > \"$0\" && exec \"$@\""])
+        .arg(cg.0.join("cgroup.procs"))
+        .arg(env_path("LLAMA_SERVER"))
+        .arg("-m")
+        .arg(&model)
+        .args(["-c", "1024", "-np", "1", "--no-repack", "--sleep-idle-seconds", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    common::wait_healthy(addr);
+    let pid = srv.id();
+    let (st, _) = common::http(addr, "POST", "/completion", Some(&json!({"prompt": "Hello", "n_predict": 2})), &[]).unwrap();
+    assert_eq!(st, 200);
+    common::sleep_then_evict(addr, &model);
+    let log_before = std::fs::read_to_string(&log).unwrap_or_default().len();
+
+    // The request, then probe 1.5 s later.
+    let client = std::thread::spawn(move || streamed_chat(addr, 8));
+    std::thread::sleep(Duration::from_millis(1500));
+    let (cg_before, proc_before, disk_before) = (cgroup_read_bytes(&cg.0, &dev), proc_read_bytes(pid), disk_read_bytes(&dev));
+    let out = dir.join("trace");
+    let _ = std::fs::remove_dir_all(&out);
+    let started = Instant::now();
+    let mut p = Command::new(probe_bin())
+        .args(["trace", "--pid", &pid.to_string(), "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let chat = client.join().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let (cg_after, proc_after, disk_after) = (cgroup_read_bytes(&cg.0, &dev), proc_read_bytes(pid), disk_read_bytes(&dev));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+    assert!(p.wait().unwrap().success());
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let server_log = std::fs::read_to_string(&log).unwrap_or_default();
+
+    let first = chat.first.expect("the client got no token");
+    let client_ttft = (first - chat.sent).as_secs_f64() * 1e3;
+    let watched = (first - started).as_secs_f64() * 1e3;
+    eprintln!(
+        "client: TTFT {client_ttft:.0} ms (probe started {:.0} ms after the request), whole answer {:.0} ms; read during the trace: cgroup {} B, /proc {} B, disk {} B; model {size} B",
+        (started - chat.sent).as_secs_f64() * 1e3,
+        (chat.done - chat.sent).as_secs_f64() * 1e3,
+        cg_after - cg_before,
+        proc_after - proc_before,
+        disk_after - disk_before
+    );
+    // The server's own log: it woke up and loaded the model again for this request.
+    assert!(server_log.len() > log_before, "the server wrote nothing after the request");
+
+    let r = common::read_report(&out);
+    let qs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["probe_poll"] != true).collect();
+    let q = qs.iter().find(|q| q["path"] == "/v1/chat/completions").unwrap_or_else(|| panic!("the in-flight request is not named: {qs:?}"));
+    assert_eq!((q["method"].as_str(), q["path_inferred"].as_bool()), (Some("POST"), Some(true)), "{q}");
+    assert_eq!(q["arrival_by"], "tcp_state", "{q}");
+    // TTFT from the kernel's arrival estimate: the client's clock, within 5% or 20 ms.
+    let ttft = q["ttft_ms"].as_f64().unwrap_or_else(|| panic!("no TTFT for a request whose first token came after attach: {q}"));
+    let tol = (0.05 * client_ttft).max(20.0);
+    assert!((ttft - client_ttft).abs() <= tol, "TTFT {ttft:.0} ms, the client's clock {client_ttft:.0} ms");
+    assert!(ttft >= watched - 20.0, "TTFT {ttft:.0} ms is below the part probe watched ({watched:.0} ms)");
+    let arrival = q["arrival_ms"].as_f64().unwrap();
+    assert!(arrival < -1000.0, "arrival {arrival} ms: the request came 1.5 s before attach");
+
+    let v = &q["verdict"];
+    let split = &v["ttft_ms"];
+    assert!((split["before_attach"].as_f64().unwrap() - (-arrival)).abs() < 1.0, "{v}");
+    assert!(["disk", "load"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
+    let evidence = v["evidence"].to_string();
+    assert!(evidence.contains("before probe attached; at attach"), "{v}");
+    assert!(evidence.contains(model.to_str().unwrap()), "the model file is not named: {v}");
+    assert!(evidence.contains(&format!("throttled by the cgroup's limit ({:.1} MB/s", limit as f64 / 1e6)), "the limit is not named: {v}");
+    assert!(v["data_quality"].to_string().contains("before attach, by the kernel's TCP state"), "{v}");
+
+    // The reads the throttle's kworker issued are the server's: every byte the cgroup and /proc
+    // counted during the trace, and no more than the disk itself read meanwhile (bios queued by
+    // the throttle before attach are read during the trace).
+    let b = &r["blockio"];
+    let read = b["read_bytes"].as_u64().unwrap();
+    let counted = cg_after - cg_before;
+    assert!(counted > 4 << 20, "the cgroup counted only {counted} B during the trace");
+    assert!(proc_after - proc_before >= counted * 9 / 10, "/proc/PID/io and the cgroup disagree");
+    assert!(read >= counted * 9 / 10, "block IO {read} B of the {counted} B the cgroup counted");
+    assert!(read <= (disk_after - disk_before) + (1 << 20), "block IO {read} B, the disk read {} B", disk_after - disk_before);
+    assert!(b["issued_for_target"].as_u64().unwrap() > 0, "no request counted as issued for the target: {b}");
+    let lim = b["limits"].as_array().unwrap();
+    assert!(lim.iter().any(|l| l["dev"] == dev.as_str() && l["read_bps"] == limit), "{b}");
+    let files = r["files"].as_array().unwrap();
+    let f = files.iter().find(|f| f["path"] == model.to_str().unwrap()).expect("the model among the files");
+    assert!(f["block_reads"].as_u64().unwrap() > 0 && f["io_time_ms"].as_f64().unwrap() > 0.0, "{f}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
