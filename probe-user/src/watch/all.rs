@@ -212,6 +212,13 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     crate::output::OutDir::create_or_open(&servers_dir)?;
     let followers: Arc<Mutex<HashMap<u32, Follower>>> = Arc::new(Mutex::new(HashMap::new()));
     let scans = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // The signals first: once the metrics answer (the readiness probe, a test's scrape), a
+    // SIGTERM must stop the agent cleanly, not kill it before its handler is there.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (mut sigint, mut sigterm) = rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
+    })?;
     if let Some(addr) = o.metrics_addr {
         let (f, n) = (followers.clone(), scans.clone());
         let bound =
@@ -219,11 +226,6 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         log_line!("probe watch: metrics on http://{bound}/metrics");
     }
     let exe = std::env::current_exe().context("cannot find probe's own executable to start a follower")?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (mut sigint, mut sigterm) = rt.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
-    })?;
     let mut stopped = |d: Duration| {
         rt.block_on(async {
             tokio::select! {
