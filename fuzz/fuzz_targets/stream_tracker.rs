@@ -74,10 +74,12 @@ fn check(r: &RequestRecord, ids: &mut BTreeSet<u64>) {
     );
     // role, closed_by and reset are closed sets by type (crate::stream::{Role, ClosedBy, Reset}).
     // A request whose head was seen has its method, path and arrival; one probe attached in the
-    // middle of has none of them.
-    assert_eq!(r.partial, r.method.is_none(), "{r:?}");
-    assert_eq!(r.partial, r.path.is_none(), "{r:?}");
-    assert_eq!(r.partial, r.arrival_ms.is_none(), "{r:?}");
+    // middle of has them only as inferred from its response (method, path) and as the kernel's
+    // estimate at attach (arrival).
+    assert_eq!(r.partial && !r.path_inferred, r.method.is_none(), "{r:?}");
+    assert_eq!(r.partial && !r.path_inferred, r.path.is_none(), "{r:?}");
+    assert!(!r.path_inferred || r.partial, "{r:?}");
+    assert_eq!(r.partial && r.arrival_by == probe_user::stream::Arrival::Seen, r.arrival_ms.is_none(), "{r:?}");
     assert!(r.chunk_times_ms.len() as u64 <= r.chunks, "{} chunk times for {} chunks", r.chunk_times_ms.len(), r.chunks);
     // TTFT is the first content chunk; an answer sent whole with no text (EOS at once) was ready
     // when it was sent.
