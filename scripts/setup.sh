@@ -35,7 +35,8 @@ fi
 # pprof` reads the pprof exports), iproute2 (network namespaces for the container tests), a C++
 # compiler (libFuzzer, for the fuzz targets) and node/npm (the Prometheus operator's models check
 # deploy/kubernetes/, scripts/manifests.sh), podman and runc (probe's image and the servers' run
-# under a real container runtime, tests/deploy.rs). Debian packages; installed once.
+# under a real container runtime, tests/deploy.rs), tmux (a real terminal for the live view's test,
+# tests/attach.rs). Debian packages; installed once.
 need=()
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v chromium >/dev/null || need+=(chromium)
@@ -47,6 +48,7 @@ command -v c++ >/dev/null || need+=(g++)
 command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
 command -v podman >/dev/null || need+=(podman)
+command -v tmux >/dev/null || need+=(tmux)
 command -v runc >/dev/null || [ -x /usr/sbin/runc ] || need+=(runc)
 # `podman kube play` builds its pause image locally around catatonit (nothing is pulled).
 command -v catatonit >/dev/null || [ -x /usr/libexec/podman/catatonit ] || need+=(catatonit)

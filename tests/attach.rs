@@ -58,6 +58,32 @@ fn disk_read_bytes(dev: &str) -> u64 {
     t.split_whitespace().nth(2).unwrap().parse::<u64>().unwrap() * 512
 }
 
+/// A command in a real terminal of its own (a tmux server on a socket of the test's), killed
+/// when dropped.
+struct Tmux(String);
+
+impl Tmux {
+    fn start(cmd: &str) -> Tmux {
+        let t = Tmux(format!("probe-test-{}", std::process::id()));
+        let ok = Command::new("tmux").args(["-L", &t.0, "new-session", "-d", "-x", "200", "-y", "50", cmd]).status();
+        assert!(ok.is_ok_and(|s| s.success()), "tmux new-session failed (scripts/setup.sh installs tmux)");
+        // The pane stays after the command ends, for the last capture.
+        let _ = Command::new("tmux").args(["-L", &t.0, "set-option", "-g", "remain-on-exit", "on"]).status();
+        t
+    }
+
+    fn capture(&self) -> String {
+        let o = Command::new("tmux").args(["-L", &self.0, "capture-pane", "-p", "-S", "-100"]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux").args(["-L", &self.0, "kill-server"]).status();
+    }
+}
+
 /// A streamed chat from the client's side: when it was sent and when its first content chunk
 /// came (the client's clock).
 struct Chat {
@@ -136,20 +162,38 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
     let (cg_before, proc_before, disk_before) = (cgroup_read_bytes(&cg.0, &dev), proc_read_bytes(pid), disk_read_bytes(&dev));
     let out = dir.join("trace");
     let _ = std::fs::remove_dir_all(&out);
+    // probe in a real terminal (tmux): its live view is captured while the request waits.
+    let term = Tmux::start(&format!(
+        "echo $$ > {}; exec {} trace --pid {pid} --out {}",
+        dir.join("probe.pid").display(),
+        probe_bin().display(),
+        out.display()
+    ));
     let started = Instant::now();
-    let mut p = Command::new(probe_bin())
-        .args(["trace", "--pid", &pid.to_string(), "--out"])
-        .arg(&out)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut screens = Vec::new();
+    while !client.is_finished() {
+        std::thread::sleep(Duration::from_millis(250));
+        screens.push(term.capture());
+    }
     let chat = client.join().unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(1300));
+    let after = term.capture();
     let (cg_after, proc_after, disk_after) = (cgroup_read_bytes(&cg.0, &dev), proc_read_bytes(pid), disk_read_bytes(&dev));
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
-    assert!(p.wait().unwrap().success());
+    let probe_pid: i32 = std::fs::read_to_string(dir.join("probe.pid")).unwrap().trim().parse().unwrap();
+    // SAFETY: signalling the probe this test started.
+    unsafe { libc::kill(probe_pid, libc::SIGINT) };
+    let stop = Instant::now();
+    // Until it is gone or a zombie (its state after the `)` of its name).
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{probe_pid}/stat"))
+            .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, r)| !r.trim_start().starts_with('Z')))
+    };
+    while running() && stop.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("probe stopped {:.1} s after Ctrl-C", stop.elapsed().as_secs_f64());
+    let end = term.capture();
+    drop(term);
     let _ = srv.kill();
     let _ = srv.wait();
     let server_log = std::fs::read_to_string(&log).unwrap_or_default();
@@ -167,6 +211,26 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
     );
     // The server's own log: it woke up and loaded the model again for this request.
     assert!(server_log.len() > log_before, "the server wrote nothing after the request");
+
+    // The live view, on the terminal while the request waited: the request, how long it has
+    // waited, and the file being read with its residency and the cgroup's limit.
+    let file = model.file_name().unwrap().to_str().unwrap();
+    // Its head was read before attach and nothing answered yet: it is named by its client.
+    let waiting = " (its head came before attach), ";
+    let seen = screens.iter().find(|s| s.lines().any(|l| l.contains(waiting) && l.contains(&format!("no token yet: reading {file} ("))));
+    let lines: Vec<&str> = screens.iter().flat_map(|s| s.lines()).filter(|l| l.contains(waiting)).collect();
+    let seen = seen.unwrap_or_else(|| panic!("no screen showed the request reading {file}: {lines:#?}"));
+    eprintln!("live view during the wait:\n{seen}");
+    let line = seen.lines().find(|l| l.contains(waiting)).unwrap();
+    assert!(line.contains("% resident, ") && line.contains("the cgroup allows 16.0 MB/s"), "{line}");
+    eprintln!("after the first token:\n{after}");
+    // Finished: its line, with what it waited on; at the end the summary, the live block gone.
+    assert!(
+        after.contains(" POST /v1/chat/completions (inferred) 200 done in ")
+            && after.contains(&format!("before its first token: reading {file} ")),
+        "{after}"
+    );
+    assert!(!end.contains("no token yet") && end.contains("recording: "), "{end}");
 
     let r = common::read_report(&out);
     let qs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["probe_poll"] != true).collect();

@@ -64,6 +64,8 @@ pub struct TraceOptions {
     /// Trace every process of this cgroup (`--cgroup`, `--container`), as they join it; the
     /// trace ends when the cgroup has none left rather than when `pid` exits.
     pub cgroup: Option<PathBuf>,
+    /// No live view on a terminal (`--quiet`).
+    pub quiet: bool,
 }
 
 pub struct TraceOutcome {
@@ -222,6 +224,8 @@ struct State {
     /// `--max-size` in bytes.
     max_bytes: Option<u64>,
     watch: Option<std::sync::Arc<crate::segments::Link>>,
+    /// The live view's figures (on a terminal only).
+    live: Option<crate::render::live::Live>,
 }
 // What the collector keeps per process (`last_maps`, `last_file_scan`, `dirty_*`, the
 // threads and off-CPU stacks of its threads) goes when the process exits. What stays for the
@@ -276,6 +280,7 @@ impl State {
             others_new: vec![],
             max_bytes: None,
             watch: None,
+            live: None,
         }
     }
 
@@ -311,6 +316,9 @@ impl State {
                 // Run-queue wait: kept as it is, with what ran instead named once.
                 self.writer.kernel(bytes)?;
                 let other = e.hdr.pid;
+                if let Some(l) = &mut self.live {
+                    l.cpu_wait(other, e.blocked_ns);
+                }
                 if other != 0 && self.others_seen.len() < MAX_OTHERS && self.others_seen.insert(other) {
                     self.others_new.push(other);
                 }
@@ -347,6 +355,16 @@ impl State {
             }
             Event::Filemap(f) if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) => {
                 self.dirty_files.insert(f.hdr.pid);
+            }
+            Event::BlockIo(b) => {
+                if let Some(l) = &mut self.live {
+                    l.block(&b);
+                }
+            }
+            Event::Engine(e) => {
+                if let Some(l) = &mut self.live {
+                    l.engine(&e);
+                }
             }
             _ => {}
         }
@@ -516,6 +534,9 @@ impl State {
             }
         }
         for r in self.streams.take_done() {
+            if let Some(l) = &mut self.live {
+                l.done(&r);
+            }
             let r = UserRecord::Request(Box::new(r));
             self.writer.record(&r)?;
             if let Some(w) = &self.watch
@@ -691,6 +712,9 @@ fn drain_turn(ring: &mut RingBuf<MapData>, st: &mut State, sampler: &crate::samp
     }
     for v in sampler.drain() {
         st.writer.sample(&v)?;
+        if let (Some(l), Sample::Residency(r)) = (&mut st.live, &v) {
+            l.residency(r);
+        }
         if let Some(w) = &st.watch
             && matches!(v, Sample::Residency(_) | Sample::Endpoint(_))
         {

@@ -26,6 +26,7 @@ pub mod procfs;
 pub mod record;
 pub mod recording;
 pub mod redact;
+pub mod render;
 pub mod report;
 pub mod sampler;
 pub mod segments;

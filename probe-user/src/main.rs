@@ -85,6 +85,10 @@ enum Command {
         /// collector, e.g. http://127.0.0.1:4318 (Jaeger, Tempo, the OpenTelemetry Collector).
         #[arg(long, value_parser = probe_user::export::otlp::Endpoint::parse)]
         otlp: Option<probe_user::export::otlp::Endpoint>,
+        /// No live view: on a terminal, probe otherwise shows each request in flight and what it
+        /// waits on, once a second (without a terminal it never does).
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// Stay on: follow a server (across restarts), keep a window of recent events, save an
     /// incident directory for every slow or abnormal request and for a server exit, and serve
@@ -459,6 +463,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         no_poll,
         auth,
         otlp,
+        quiet,
     } = command
     else {
         unreachable!("trace_cmd takes its own command")
@@ -496,6 +501,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         offcpu_d_only: false,
         otlp,
         cgroup,
+        quiet,
     })?;
     // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
     use std::io::Write as _;

@@ -90,11 +90,13 @@ pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir:
     } else {
         say!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
     }
-    // A daemon's log (journald) gets lines, never the `\r` status line.
-    let tty = std::io::stderr().is_terminal() && opts.watch.is_none();
-    let (reason, hung_up) = follow(&opts, &mut st, &mut se, &sampler, out_dir, tty, &mut signals).await?;
-    if tty && !hung_up {
-        say!();
+    // A daemon's log (journald) gets lines, never the live view.
+    let mut screen = st.live.is_some().then(crate::render::live::Screen::default);
+    let (reason, hung_up) = follow(&opts, &mut st, &mut se, &sampler, out_dir, &mut screen, &mut signals).await?;
+    if let Some(s) = &mut screen
+        && !hung_up
+    {
+        s.clear();
     }
     let stopping = Instant::now();
     let (partial, start_ns, segment) = (se.partial, se.start_ns, se.segment);
@@ -187,6 +189,10 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
     let (at_attach, seeds) = crate::record::attach::read(&attached.targets, opts.pid, monotonic_ns());
     log::info!("attach: {} connection(s) in the middle of a request", seeds.len());
     st.streams.seed(seeds);
+    // The live view (a terminal, not `--quiet`, not a service) names the cgroup's IO limits.
+    if std::io::stderr().is_terminal() && opts.watch.is_none() && !opts.quiet {
+        st.live = Some(crate::render::live::Live::new(&at_attach.io_limits, monotonic_ns()));
+    }
     st.writer.sample(&crate::sampler::records::Sample::Attach(at_attach))?;
     st.refresh()?;
     for &pid in &attached.targets {
@@ -283,7 +289,7 @@ async fn follow(
     se: &mut Session,
     sampler: &Sampler,
     out_dir: &crate::output::OutDir,
-    tty: bool,
+    screen: &mut Option<crate::render::live::Screen>,
     signals: &mut Signals,
 ) -> anyhow::Result<(String, bool)> {
     let Signals { int: sigint, term: sigterm, hup: sighup, usr1: sigusr1 } = signals;
@@ -312,7 +318,7 @@ async fn follow(
             }
             _ = sec_tick.tick() => {
                 more = drain_turn(se.ring.get_mut(), st, sampler)?;
-                second.turn(opts, st, se, sampler, out_dir, tty && !hung_up)?;
+                second.turn(opts, st, se, sampler, out_dir, screen.as_mut().filter(|_| !hung_up))?;
             }
             _ = sigusr1.recv() => sampler.snapshot_now(),
             _ = sigint.recv() => break "interrupted (Ctrl-C)".to_string(),
@@ -383,7 +389,7 @@ impl Second {
         se: &mut Session,
         sampler: &Sampler,
         out_dir: &crate::output::OutDir,
-        status_line: bool,
+        screen: Option<&mut crate::render::live::Screen>,
     ) -> anyhow::Result<()> {
         let lost = sum(&se.lost_map);
         // Busy: a request in flight, or the target keeps the probes going.
@@ -403,17 +409,22 @@ impl Second {
         st.writer.flush()?;
         follow_engine(st, se);
         rotate(opts, st, se, out_dir)?;
-        if status_line {
+        if let (Some(screen), Some(live)) = (screen, &mut st.live) {
             let rate = st.events - self.last_events;
-            use std::io::Write as _;
-            let _ = write!(
-                std::io::stderr(),
-                "\r  {:>6.1} s | {} events ({rate}/s) | {} requests in flight | lost {}    ",
+            let serving = st.streams.serving();
+            let header = format!(
+                "  {:>6.1} s | {} events ({rate}/s) | {} in flight | lost {}",
                 self.started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
                 st.events,
-                st.streams.in_flight(),
+                crate::text::count(
+                    serving.iter().filter(|q| q.role == crate::stream::Role::Server && !q.probe_poll).count() as u64,
+                    "request"
+                ),
                 lost_now
             );
+            let targets: Vec<u32> = st.targets.lock().map(|t| t.clone()).unwrap_or_default();
+            let frame = live.frame(header, &serving, monotonic_ns(), se.start_ns, &|| crate::render::live::threads_of(&targets));
+            screen.draw(&frame);
         }
         self.last_events = st.events;
         self.events_at_sec = st.events;

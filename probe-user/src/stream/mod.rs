@@ -180,6 +180,25 @@ pub enum SeedState {
     Responding { headers_only: bool },
 }
 
+/// A request in flight, as the live view shows it ([`Tracker::serving`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct InFlight {
+    pub id: u64,
+    /// The client's address.
+    pub peer: String,
+    pub role: Role,
+    pub probe_poll: bool,
+    pub method: Option<String>,
+    pub path: Option<String>,
+    /// Method and path were inferred from the response (its head came before attach).
+    pub inferred: bool,
+    /// From the trace's start (negative: before attach).
+    pub arrival_ms: Option<f64>,
+    /// Messages with content so far.
+    pub tokens: u64,
+    pub began_before_attach: bool,
+}
+
 /// One request as seen on the wire. Times in ms; `arrival_ms` from the start of the trace,
 /// the others from the request's arrival (its first byte read by the server).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -572,6 +591,32 @@ impl Tracker {
                 p.snapshot = true;
                 out.push(RequestRecord { in_flight: true, closed_by: ClosedBy::Open, ..p.rec.clone() });
             }
+        }
+        out
+    }
+
+    /// The requests in flight as they stand (the live view's), in no order.
+    pub fn serving(&self) -> Vec<InFlight> {
+        let mut out = Vec::new();
+        for p in self.conns.values().flat_map(|c| c.pending.iter()) {
+            let r = &p.rec;
+            let peer = r.peer.clone();
+            let (method, path, inferred) = match (&r.method, p.api) {
+                (None, Some(api)) => (Some("POST".to_string()), Some(api.to_string()), true),
+                _ => (r.method.clone(), r.path.clone(), r.path_inferred),
+            };
+            out.push(InFlight {
+                id: r.id,
+                peer,
+                role: r.role,
+                probe_poll: r.probe_poll,
+                method,
+                path,
+                inferred,
+                arrival_ms: r.arrival_ms,
+                tokens: r.chunks,
+                began_before_attach: r.began_before_attach,
+            });
         }
         out
     }

@@ -195,6 +195,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 target::Select::Cgroup(c) => Some(c.clone()),
                 _ => None,
             },
+            quiet: true,
         });
         let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
         link.send(Msg::Ended { reason, target_exited: false, lost: 0 });
