@@ -64,7 +64,9 @@ struct Tmux(String);
 
 impl Tmux {
     fn start(cmd: &str) -> Tmux {
-        let t = Tmux(format!("probe-test-{}", std::process::id()));
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = Tmux(format!("probe-test-{}-{n}", std::process::id()));
         let ok = Command::new("tmux").args(["-L", &t.0, "new-session", "-d", "-x", "200", "-y", "50", cmd]).status();
         assert!(ok.is_ok_and(|s| s.success()), "tmux new-session failed (scripts/setup.sh installs tmux)");
         // The pane stays after the command ends, for the last capture.
@@ -90,29 +92,88 @@ struct Chat {
     sent: Instant,
     first: Option<Instant>,
     done: Instant,
+    /// The answer's body (SSE lines, or the JSON).
+    body: String,
 }
 
 fn streamed_chat(addr: SocketAddr, max_tokens: u32) -> Chat {
     let body =
-        json!({"messages": [{"role": "user", "content": "Say good morning."}], "max_tokens": max_tokens, "stream": true, "temperature": 0})
-            .to_string();
+        json!({"messages": [{"role": "user", "content": "Say good morning."}], "max_tokens": max_tokens, "stream": true, "temperature": 0});
+    ask(addr, "/v1/chat/completions", &body)
+}
+
+/// POST `body` to `path` and read the answer to its end: the first content is the first SSE
+/// message with text (a chat delta, a completion's text, llama.cpp's `content`), or the whole
+/// answer when it is not streamed.
+fn ask(addr: SocketAddr, path: &str, body: &Value) -> Chat {
+    let body = body.to_string();
     let mut s = TcpStream::connect(addr).unwrap();
     let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     let sent = Instant::now();
     s.write_all(format!("{head}{body}").as_bytes()).unwrap();
     let mut first = None;
+    let mut text = String::new();
     for line in BufReader::new(&s).lines().map_while(Result::ok) {
-        if first.is_none()
-            && let Some(v) = line.strip_prefix("data: ").and_then(|j| serde_json::from_str::<Value>(j).ok())
-            && v["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty())
-        {
+        text += &line;
+        text.push('\n');
+        let Some(v) = line.strip_prefix("data: ").and_then(|j| serde_json::from_str::<Value>(j).ok()) else { continue };
+        let content = [&v["choices"][0]["delta"]["content"], &v["choices"][0]["text"], &v["content"]];
+        if first.is_none() && content.iter().any(|c| c.as_str().is_some_and(|c| !c.is_empty())) {
             first = Some(Instant::now());
         }
     }
-    Chat { sent, first, done: Instant::now() }
+    let done = Instant::now();
+    let streamed = text.contains("data: ");
+    let body = text.split_once("\n\n").map_or("", |x| x.1).to_string();
+    Chat { sent, first: if streamed { first } else { Some(done) }, done, body }
+}
+
+/// `probe trace --pid PID` in a real terminal, its live view captured.
+struct Traced {
+    term: Tmux,
+    pid_file: PathBuf,
+    started: Instant,
+}
+
+impl Traced {
+    fn start(dir: &Path, pid: u32, out: &Path) -> Traced {
+        let pid_file = dir.join("probe.pid");
+        let _ = std::fs::remove_file(&pid_file);
+        let term = Tmux::start(&format!(
+            "echo $$ > {}; exec {} trace --pid {pid} --out {}",
+            pid_file.display(),
+            probe_bin().display(),
+            out.display()
+        ));
+        Traced { term, pid_file, started: Instant::now() }
+    }
+
+    /// Ctrl-C, and the screen once probe has ended.
+    fn stop(self) -> String {
+        let t = Instant::now();
+        let probe_pid: i32 = loop {
+            match std::fs::read_to_string(&self.pid_file).ok().and_then(|p| p.trim().parse().ok()) {
+                Some(p) => break p,
+                None if t.elapsed() < Duration::from_secs(10) => std::thread::sleep(Duration::from_millis(50)),
+                None => panic!("probe did not start in its terminal: {}", self.term.capture()),
+            }
+        };
+        // SAFETY: signalling the probe this test started.
+        unsafe { libc::kill(probe_pid, libc::SIGINT) };
+        let stop = Instant::now();
+        // Until it is gone or a zombie (its state after the `)` of its name).
+        let running = || {
+            std::fs::read_to_string(format!("/proc/{probe_pid}/stat"))
+                .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, r)| !r.trim_start().starts_with('Z')))
+        };
+        while running() && stop.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.term.capture()
+    }
 }
 
 /// The slow morning, met the way users meet it: llama-server asleep, its model out of the page
@@ -163,37 +224,18 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
     let out = dir.join("trace");
     let _ = std::fs::remove_dir_all(&out);
     // probe in a real terminal (tmux): its live view is captured while the request waits.
-    let term = Tmux::start(&format!(
-        "echo $$ > {}; exec {} trace --pid {pid} --out {}",
-        dir.join("probe.pid").display(),
-        probe_bin().display(),
-        out.display()
-    ));
-    let started = Instant::now();
+    let traced = Traced::start(&dir, pid, &out);
+    let started = traced.started;
     let mut screens = Vec::new();
     while !client.is_finished() {
         std::thread::sleep(Duration::from_millis(250));
-        screens.push(term.capture());
+        screens.push(traced.term.capture());
     }
     let chat = client.join().unwrap();
     std::thread::sleep(Duration::from_millis(1300));
-    let after = term.capture();
+    let after = traced.term.capture();
     let (cg_after, proc_after, disk_after) = (cgroup_read_bytes(&cg.0, &dev), proc_read_bytes(pid), disk_read_bytes(&dev));
-    let probe_pid: i32 = std::fs::read_to_string(dir.join("probe.pid")).unwrap().trim().parse().unwrap();
-    // SAFETY: signalling the probe this test started.
-    unsafe { libc::kill(probe_pid, libc::SIGINT) };
-    let stop = Instant::now();
-    // Until it is gone or a zombie (its state after the `)` of its name).
-    let running = || {
-        std::fs::read_to_string(format!("/proc/{probe_pid}/stat"))
-            .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, r)| !r.trim_start().starts_with('Z')))
-    };
-    while running() && stop.elapsed() < Duration::from_secs(60) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    eprintln!("probe stopped {:.1} s after Ctrl-C", stop.elapsed().as_secs_f64());
-    let end = term.capture();
-    drop(term);
+    let end = traced.stop();
     let _ = srv.kill();
     let _ = srv.wait();
     let server_log = std::fs::read_to_string(&log).unwrap_or_default();
@@ -271,5 +313,141 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
     let files = r["files"].as_array().unwrap();
     let f = files.iter().find(|f| f["path"] == model.to_str().unwrap()).expect("the model among the files");
     assert!(f["block_reads"].as_u64().unwrap() > 0 && f["io_time_ms"].as_f64().unwrap() > 0.0, "{f}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A request queued behind another at attach, on llama-server with one slot: a long streamed
+/// completion (A) holds the slot, a chat that is not streamed (B) waits for it, and probe is
+/// started after both were sent. B must be named from its answer, timed from the kernel's
+/// estimate (the client's clock), and its wait is queue: the server's own timings say how long
+/// it worked, the rest it waited. A, streaming before attach, keeps a null TTFT.
+#[test]
+fn attached_while_a_request_waits_for_the_only_slot() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("attach-queued-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (mut srv, addr) = common::llama_server_from(&env_path("LLAMA_SERVER"), &["-c", "2048", "-np", "1", "-t", "2"]);
+    let pid = srv.id();
+    let a = std::thread::spawn(move || {
+        let body = json!({"prompt": "1, 2, 3, 4, 5,", "n_predict": 300, "ignore_eos": true, "stream": true, "temperature": 0});
+        ask(addr, "/completion", &body)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let b = std::thread::spawn(move || {
+        let body = json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0, "stream": false});
+        ask(addr, "/v1/chat/completions", &body)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let out = dir.join("trace");
+    let _ = std::fs::remove_dir_all(&out);
+    let traced = Traced::start(&dir, pid, &out);
+    let started = traced.started;
+    let mut screens = Vec::new();
+    while !b.is_finished() {
+        std::thread::sleep(Duration::from_millis(250));
+        screens.push(traced.term.capture());
+    }
+    let (b, a) = (b.join().unwrap(), a.join().unwrap());
+    let end = traced.stop();
+    assert!(end.contains("recording: "), "{end}");
+    let _ = srv.kill();
+    let _ = srv.wait();
+
+    let b_total = (b.done - b.sent).as_secs_f64() * 1e3;
+    let answer: Value = serde_json::from_str(&b.body).unwrap_or_else(|e| panic!("B's answer: {e}: {}", b.body));
+    let t = &answer["timings"];
+    let worked = t["prompt_ms"].as_f64().unwrap() + t["predicted_ms"].as_f64().unwrap();
+    eprintln!(
+        "client: B answered in {b_total:.0} ms (the server worked {worked:.0} ms of it), sent {:.0} ms before probe started; A took {:.0} ms",
+        (started - b.sent).as_secs_f64() * 1e3,
+        (a.done - a.sent).as_secs_f64() * 1e3
+    );
+    assert!(b_total - worked > 1000.0, "B did not wait for the slot: {b_total:.0} ms, worked {worked:.0} ms");
+    let queued = screens.iter().flat_map(|s| s.lines()).find(|l| l.contains("no token yet: queued behind 1 request"));
+    let queued = queued.unwrap_or_else(|| panic!("no screen showed B queued: {}", screens.last().cloned().unwrap_or_default()));
+    eprintln!("live view: {queued}");
+
+    let r = common::read_report(&out);
+    let qs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["probe_poll"] != true).collect();
+    let qb = qs.iter().find(|q| q["path"] == "/v1/chat/completions").unwrap_or_else(|| panic!("B is not named: {qs:?}"));
+    assert_eq!((qb["path_inferred"].as_bool(), qb["arrival_by"].as_str()), (Some(true), Some("tcp_state")), "{qb}");
+    let ttft = qb["ttft_ms"].as_f64().unwrap_or_else(|| panic!("no TTFT for B: {qb}"));
+    assert!((ttft - b_total).abs() <= (0.05 * b_total).max(20.0), "B's TTFT {ttft:.0} ms, the client's clock {b_total:.0} ms");
+    let v = &qb["verdict"];
+    assert_eq!(v["slow_cause"], "queue", "{v}");
+    let split = &v["ttft_ms"];
+    let part = |k: &str| split[k].as_f64().unwrap_or(0.0);
+    let waited = part("queue") + part("before_attach");
+    let truth = b_total - worked;
+    assert!(
+        (waited - truth).abs() <= (0.15 * truth).max(100.0),
+        "queue + before attach {waited:.0} ms, the server's own timings {truth:.0} ms: {v}"
+    );
+    assert!(part("unexplained") < 0.1 * ttft, "{v}");
+    assert!(v["evidence"].to_string().contains("arrived before it were in flight"), "{v}");
+    // A streamed before attach: named from its messages, no TTFT.
+    let qa = qs.iter().find(|q| q["path"] == "/completion").unwrap_or_else(|| panic!("A is not named: {qs:?}"));
+    assert_eq!((qa["began_before_attach"].as_bool(), qa["ttft_ms"].as_f64()), (Some(true), None), "{qa}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Not llama.cpp's server: llama-cpp-python's (uvicorn, one request at a time behind a lock;
+/// `--interrupt_requests false`, else a new request cancels the one running). A long streamed
+/// completion holds it, a streamed chat waits for the lock and gets no headers until then, and
+/// probe is started after both were sent.
+#[test]
+fn attached_while_llama_cpp_python_serves_another_request() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("attach-python-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = common::PyServer::start_with(&["--interrupt_requests", "false"]);
+    let (pid, addr) = (s.child.id(), s.addr);
+    let a = std::thread::spawn(move || {
+        // End-of-text banned (SmolLM2's 0 and 2): A runs its whole 300 tokens.
+        let body =
+            json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": true, "temperature": 0, "logit_bias": {"0": -100, "2": -100}});
+        ask(addr, "/v1/completions", &body)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let b = std::thread::spawn(move || streamed_chat(addr, 8));
+    std::thread::sleep(Duration::from_millis(500));
+    let out = dir.join("trace");
+    let _ = std::fs::remove_dir_all(&out);
+    let traced = Traced::start(&dir, pid, &out);
+    let started = traced.started;
+    let mut screens = Vec::new();
+    while !b.is_finished() {
+        std::thread::sleep(Duration::from_millis(250));
+        screens.push(traced.term.capture());
+    }
+    let (b, a) = (b.join().unwrap(), a.join().unwrap());
+    let end = traced.stop();
+    assert!(end.contains("recording: "), "{end}");
+    drop(s);
+
+    let first = b.first.expect("B got no token");
+    let b_ttft = (first - b.sent).as_secs_f64() * 1e3;
+    let a_first = a.first.expect("A got no token");
+    eprintln!(
+        "client: B's first token after {b_ttft:.0} ms (probe started {:.0} ms after it was sent); A's first token came {:.0} ms before probe started, A took {:.0} ms",
+        (started - b.sent).as_secs_f64() * 1e3,
+        (started - a_first).as_secs_f64() * 1e3,
+        (a.done - a.sent).as_secs_f64() * 1e3
+    );
+    assert!(first > started + Duration::from_millis(500), "B's first token came too soon after attach for the test to mean anything");
+    assert!(a_first < started, "A's first token came after probe started");
+    let live = screens.iter().flat_map(|s| s.lines()).rfind(|l| l.contains("no token yet")).map(str::to_string);
+    eprintln!("live view: {live:?}");
+
+    let r = common::read_report(&out);
+    let qs: Vec<&Value> = r["requests"].as_array().unwrap().iter().filter(|q| q["probe_poll"] != true).collect();
+    let qb = qs.iter().find(|q| q["path"] == "/v1/chat/completions").unwrap_or_else(|| panic!("B is not named: {qs:?}"));
+    assert_eq!((qb["path_inferred"].as_bool(), qb["arrival_by"].as_str()), (Some(true), Some("tcp_state")), "{qb}");
+    let ttft = qb["ttft_ms"].as_f64().unwrap_or_else(|| panic!("no TTFT for B: {qb}"));
+    assert!((ttft - b_ttft).abs() <= (0.05 * b_ttft).max(20.0), "B's TTFT {ttft:.0} ms, the client's clock {b_ttft:.0} ms");
+    assert!(ttft >= (first - started).as_secs_f64() * 1e3 - 20.0, "TTFT below the part probe watched");
+    let v = &qb["verdict"];
+    assert_eq!(v["slow_cause"], "queue", "{v}");
+    let qa = qs.iter().find(|q| q["path"] == "/v1/completions").unwrap_or_else(|| panic!("A is not named: {qs:?}"));
+    assert_eq!((qa["began_before_attach"].as_bool(), qa["ttft_ms"].as_f64()), (Some(true), None), "{qa}");
+    assert!(live.is_some_and(|l| l.contains("queued behind 1 request")), "the live view did not show B queued");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -11,7 +11,7 @@ mod common;
 use std::{
     path::PathBuf,
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use serde_json::{Value, json};
@@ -173,54 +173,12 @@ fn llama_server_steps_prompt_batches_sharing_and_context() {
     assert!(summary.contains("engine: queued"), "the summary has no engine line:\n{summary}");
 }
 
-/// llama-cpp-python's OpenAI server ($LLAMA_PYTHON, built by scripts/llama-python.sh) on a free
-/// port, serving $LLAMA_MODEL; killed when dropped.
-struct PyServer {
-    child: Child,
-    addr: std::net::SocketAddr,
-}
-
-impl Drop for PyServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl PyServer {
-    fn start() -> PyServer {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(common::env_path("LLAMA_PYTHON"))
-            .args(["-m", "llama_cpp.server", "--model"])
-            .arg(common::env_path("LLAMA_MODEL"))
-            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start llama-cpp-python's server");
-        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let t = Instant::now();
-        while !common::http(addr, "GET", "/v1/models", None, &[]).is_ok_and(|r| r.0 == 200) {
-            assert!(t.elapsed() < Duration::from_secs(120), "llama-cpp-python's server did not answer within 120 s");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        PyServer { child, addr }
-    }
-
-    fn complete(&self, prompt: &str, max_tokens: u64) -> Value {
-        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 1});
-        let (status, out) = common::http(self.addr, "POST", "/v1/completions", Some(&body), &[]).unwrap();
-        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
-        serde_json::from_slice(&out).unwrap()
-    }
-}
-
 /// The classic API through libllama.so: llama-cpp-python's server calls `llama_decode` with a
 /// `llama_batch` it fills itself. Each request's prompt tokens and decode steps against the
 /// server's `usage`; one sequence a step (the server runs one request at a time).
 #[test]
 fn llama_cpp_python_classic_batches_through_libllama() {
-    let s = PyServer::start();
+    let s = common::PyServer::start();
     let t = Trace::start("python", s.child.id(), &[]);
     assert!(t.armed.contains("engine"), "the engine probe is not live on llama-cpp-python: {}", t.armed);
     let first = s.complete("The lighthouse keeper looked at the sea and said", 16);

@@ -350,3 +350,51 @@ pub fn prometheus_sum(text: &str, name: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// llama-cpp-python's OpenAI server ($LLAMA_PYTHON, built by scripts/llama-python.sh) on a free
+/// port, serving $LLAMA_MODEL; killed when dropped.
+pub struct PyServer {
+    pub child: Child,
+    pub addr: std::net::SocketAddr,
+}
+
+impl Drop for PyServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl PyServer {
+    pub fn start() -> PyServer {
+        PyServer::start_with(&[])
+    }
+
+    /// With more of the server's settings (`--interrupt_requests false`, ...).
+    pub fn start_with(args: &[&str]) -> PyServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(env_path("LLAMA_PYTHON"))
+            .args(["-m", "llama_cpp.server", "--model"])
+            .arg(env_path("LLAMA_MODEL"))
+            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start llama-cpp-python's server");
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let t = std::time::Instant::now();
+        while !http(addr, "GET", "/v1/models", None, &[]).is_ok_and(|r| r.0 == 200) {
+            assert!(t.elapsed() < Duration::from_secs(120), "llama-cpp-python's server did not answer within 120 s");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        PyServer { child, addr }
+    }
+
+    pub fn complete(&self, prompt: &str, max_tokens: u64) -> serde_json::Value {
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 1});
+        let (status, out) = http(self.addr, "POST", "/v1/completions", Some(&body), &[]).unwrap();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+        serde_json::from_slice(&out).unwrap()
+    }
+}

@@ -67,9 +67,10 @@ pub struct Live {
     files: HashMap<u64, (String, f64)>,
     /// The cgroup's read limits, by device (major << 20 | minor).
     limits: HashMap<u32, u64>,
-    /// Each request's messages at the last frame (its rate) and what it waited on, second by second.
-    last_tokens: HashMap<u64, u64>,
-    waited: HashMap<u64, Vec<(Wait, u32)>>,
+    /// Each request's messages at the last frame (its rate) and what it waited on, second by
+    /// second, by its client's address (a request found at attach is numbered only later).
+    last_tokens: HashMap<String, u64>,
+    waited: HashMap<String, Vec<(Wait, u32)>>,
     /// Lines of requests that finished since the last frame.
     finished: Vec<String>,
     names: HashMap<u32, String>,
@@ -114,7 +115,9 @@ impl Live {
     }
 
     pub fn engine(&mut self, e: &EngineEvent) {
-        if e.what != probe_common::engine::ENGINE_DECODE {
+        use probe_common::engine::{ENGINE_DECODE, ENGINE_PROCESS};
+        // A decode step (llama_process of type 0 encodes), as the engine view counts them.
+        if !(e.what == ENGINE_DECODE || e.what == ENGINE_PROCESS && e.arg != 0) {
             return;
         }
         self.engine_seen = true;
@@ -137,8 +140,8 @@ impl Live {
 
     /// A request that finished: its line, with what it waited on while probe watched.
     pub fn done(&mut self, r: &RequestRecord) {
-        self.last_tokens.remove(&r.id);
-        let waited = self.waited.remove(&r.id).unwrap_or_default();
+        self.last_tokens.remove(&r.peer);
+        let waited = self.waited.remove(&r.peer).unwrap_or_default();
         if r.role != Role::Server || r.probe_poll {
             return;
         }
@@ -188,15 +191,19 @@ impl Live {
         let mut live = vec![header];
         for (i, q) in reqs.iter().enumerate() {
             let age = q.arrival_ms.map(|a| now_ms - a);
+            let number = if q.id == 0 { "#?".to_string() } else { format!("#{}", q.id) };
             let mut l = match (&q.method, &q.path) {
                 // Read before attach and not answered yet: nothing names it but its client.
-                (None, None) => format!("  #{} request from {} (its head came before attach)", q.id, crate::text::terminal(&q.peer)),
-                _ => format!("  #{} {}", q.id, name(q.method.as_deref(), q.path.as_deref(), q.inferred)),
+                (None, None) if q.headers_only => {
+                    format!("  {number} request from {} (its head and answer's headers came before attach)", crate::text::terminal(&q.peer))
+                }
+                (None, None) => format!("  {number} request from {} (its head came before attach)", crate::text::terminal(&q.peer)),
+                _ => format!("  {number} {}", name(q.method.as_deref(), q.path.as_deref(), q.inferred)),
             };
             if let Some(a) = age {
                 l += &format!(", {}", secs(a));
             }
-            let before = self.last_tokens.insert(q.id, q.tokens).unwrap_or(q.tokens);
+            let before = self.last_tokens.insert(q.peer.clone(), q.tokens).unwrap_or(q.tokens);
             if q.tokens > 0 {
                 let rate = q.tokens.saturating_sub(before) as f64 / second;
                 l += &format!(": generating at {rate:.0} tok/s ({} tokens so far)", q.tokens);
@@ -227,7 +234,7 @@ impl Live {
                 l += "computing or waiting (no IO, no CPU wait)";
                 Wait::NoToken
             };
-            let seen = self.waited.entry(q.id).or_default();
+            let seen = self.waited.entry(q.peer.clone()).or_default();
             match seen.iter_mut().find(|(w, _)| *w == wait) {
                 Some((_, n)) => *n += 1,
                 None => seen.push((wait, 1)),
@@ -398,7 +405,7 @@ mod tests {
     fn q(id: u64, arrival_ms: f64, tokens: u64) -> InFlight {
         InFlight {
             id,
-            peer: "127.0.0.1:50000".into(),
+            peer: format!("127.0.0.1:{}", 50000 + id),
             role: Role::Server,
             probe_poll: false,
             method: Some("POST".into()),
@@ -407,6 +414,7 @@ mod tests {
             arrival_ms: Some(arrival_ms),
             tokens,
             began_before_attach: false,
+            headers_only: false,
         }
     }
 
@@ -450,7 +458,7 @@ mod tests {
         // Its head was read before attach and nothing was answered yet: named by its client.
         let unnamed = InFlight { method: None, path: None, ..q(1, -1500.0, 0) };
         let f = l.frame("h".into(), &[unnamed], 4 * S, 0, &Vec::new);
-        assert!(f.live[1].starts_with("  #1 request from 127.0.0.1:50000 (its head came before attach), 5.5 s, no token yet: "), "{f:?}");
+        assert!(f.live[1].starts_with("  #1 request from 127.0.0.1:50001 (its head came before attach), 5.5 s, no token yet: "), "{f:?}");
     }
 
     #[test]
@@ -480,6 +488,7 @@ mod tests {
         // It finishes: one line, with what it waited on.
         let r = RequestRecord {
             id: 2,
+            peer: "127.0.0.1:50002".into(),
             role: Role::Server,
             method: Some("POST".into()),
             path: Some("/v1/chat/completions".into()),

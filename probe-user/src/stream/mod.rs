@@ -197,6 +197,8 @@ pub struct InFlight {
     /// Messages with content so far.
     pub tokens: u64,
     pub began_before_attach: bool,
+    /// Found at attach with its answer's headers sent and nothing since (not numbered yet: 0).
+    pub headers_only: bool,
 }
 
 /// One request as seen on the wire. Times in ms; `arrival_ms` from the start of the trace,
@@ -616,6 +618,18 @@ impl Tracker {
                 arrival_ms: r.arrival_ms,
                 tokens: r.chunks,
                 began_before_attach: r.began_before_attach,
+                headers_only: false,
+            });
+        }
+        // Connections found at attach with a request unread, or an answer begun with its headers
+        // only, not taken up yet: in flight by the kernel's state, not numbered until they are.
+        for s in self.seeds.values().filter(|s| matches!(s.state, SeedState::Unread | SeedState::Responding { headers_only: true })) {
+            out.push(InFlight {
+                peer: s.peer.clone(),
+                role: Role::Server,
+                arrival_ms: Some((i128::from(s.arrival_ns) - i128::from(self.start_ns)) as f64 / 1e6),
+                headers_only: s.state != SeedState::Unread,
+                ..Default::default()
             });
         }
         out
