@@ -387,6 +387,26 @@ fn attached_while_a_request_waits_for_the_only_slot() {
     // A streamed before attach: named from its messages, no TTFT.
     let qa = qs.iter().find(|q| q["path"] == "/completion").unwrap_or_else(|| panic!("A is not named: {qs:?}"));
     assert_eq!((qa["began_before_attach"].as_bool(), qa["ttft_ms"].as_f64()), (Some(true), None), "{qa}");
+
+    // Every output uses the estimate: B's span starts at its arrival, before the trace began,
+    // and its off-CPU flamegraph covers it.
+    let o = Command::new(probe_bin()).args(["export", "--format", "otlp-json", "--force"]).arg(&out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let otlp: Value = serde_json::from_slice(&std::fs::read(out.join("otlp.json")).unwrap()).unwrap();
+    let spans: Vec<&Value> =
+        otlp["resourceSpans"][0]["scopeSpans"].as_array().unwrap().iter().flat_map(|s| s["spans"].as_array().unwrap()).collect();
+    let attr = |sp: &Value, k: &str| sp["attributes"].as_array().unwrap().iter().find(|a| a["key"] == k).map(|a| a["value"].clone());
+    let sb = spans.iter().find(|sp| attr(sp, "url.path").is_some_and(|v| v["stringValue"] == "/v1/chat/completions")).expect("B's span");
+    let ns = |k: &str| sb[k].as_str().and_then(|t| t.parse::<u64>().ok()).or(sb[k].as_u64()).unwrap();
+    let span_ms = (ns("endTimeUnixNano") - ns("startTimeUnixNano")) as f64 / 1e6;
+    assert!((span_ms - b_total).abs() <= (0.05 * b_total).max(20.0), "B's span {span_ms:.0} ms, the client's clock {b_total:.0} ms");
+    assert_eq!(attr(sb, "probe.arrival_source").map(|v| v["stringValue"].clone()), Some(json!("tcp_state")), "{sb}");
+    let svg = dir.join("b-offcpu.svg");
+    let id = qb["id"].to_string();
+    let o =
+        Command::new(probe_bin()).args(["flamegraph", "--kind", "offcpu", "--request", &id, "-o"]).arg(&svg).arg(&out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::metadata(&svg).is_ok_and(|m| m.len() > 0));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

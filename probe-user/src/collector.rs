@@ -529,6 +529,7 @@ impl State {
         // Not every drain turn (20 ms while busy): the scan walks every pending request.
         if self.last_snapshot.elapsed() >= SNAPSHOT_EVERY {
             self.last_snapshot = Instant::now();
+            self.streams.expire_seeds(crate::monotonic_ns());
             for r in self.streams.snapshots(crate::monotonic_ns(), SNAPSHOT_AGE_NS) {
                 self.writer.record(&UserRecord::Request(Box::new(r)))?;
             }

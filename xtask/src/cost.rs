@@ -180,6 +180,8 @@ enum Tool {
     Baseline,
     /// `probe watch` with its defaults (stacks at 19 Hz, samplers at 2 Hz, the window on disk).
     Watch,
+    /// `probe trace` in a pseudo-terminal (`script`): the live view on, its cost counted.
+    Live,
     Bpftrace,
 }
 
@@ -189,6 +191,7 @@ impl Tool {
             Tool::Probe => "probe",
             Tool::Baseline => "baseline",
             Tool::Watch => "watch",
+            Tool::Live => "live view",
             Tool::Bpftrace => "bpftrace",
         }
     }
@@ -202,17 +205,19 @@ fn baseline() -> Option<PathBuf> {
 /// A tracing tool running against the server; killed if dropped before `stop`.
 struct Tracer {
     child: Child,
+    /// The tracer's process when it is not `child` (probe under `script`).
+    inner: Option<u32>,
 }
 
 impl Tracer {
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.inner.unwrap_or(self.child.id())
     }
 
     /// Stop as Ctrl-C would (probe writes its report, bpftrace prints its maps) and wait.
     fn stop(mut self) -> anyhow::Result<()> {
-        // SAFETY: signalling our own child, which has not been waited for yet.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        // SAFETY: signalling our own child (or the probe it runs), which has not been waited for yet.
+        unsafe { libc::kill(self.pid() as i32, libc::SIGINT) };
         let status = self.child.wait()?;
         if !status.success() {
             bail!("{status}");
@@ -266,7 +271,7 @@ fn start(tool: Tool, pid: u32, dir: &Path, i: usize, script: &str) -> anyhow::Re
                 .stderr(Stdio::piped())
                 .spawn()?;
             let err = lines_to(child.stderr.take().context("probe stderr")?, &dir.join(format!("{}-{i}.log", tool.name())))?;
-            let tracer = Tracer { child };
+            let tracer = Tracer { child, inner: None };
             let t = Instant::now();
             loop {
                 match err.recv_timeout(limit.saturating_sub(t.elapsed())) {
@@ -283,6 +288,36 @@ fn start(tool: Tool, pid: u32, dir: &Path, i: usize, script: &str) -> anyhow::Re
             }
             Ok(tracer)
         }
+        Tool::Live => {
+            // A real pseudo-terminal: util-linux `script`, probe exec'd as its child.
+            let rec = dir.join(format!("live-{i}"));
+            let cmd = format!("exec {} trace --hz 99 --out {} --pid {pid}", bin("probe").display(), rec.display());
+            let mut child = Command::new("script")
+                .args(["-q", "-f", "-e", "-c", &cmd, "/dev/null"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("script (util-linux) for a pseudo-terminal")?;
+            let out = lines_to(child.stdout.take().context("script stdout")?, &dir.join(format!("live-{i}.log")))?;
+            let script = child.id();
+            let mut tracer = Tracer { child, inner: None };
+            let t = Instant::now();
+            loop {
+                match out.recv_timeout(limit.saturating_sub(t.elapsed())) {
+                    Ok(l) if l.contains("armed in ") => break,
+                    Ok(_) => {}
+                    Err(_) => bail!(
+                        "probe in a terminal did not say \"armed\" within {limit:?} (see {})",
+                        dir.join(format!("live-{i}.log")).display()
+                    ),
+                }
+            }
+            let children = std::fs::read_to_string(format!("/proc/{script}/task/{script}/children")).unwrap_or_default();
+            tracer.inner = Some(children.split_whitespace().next().and_then(|p| p.parse().ok()).context("script's child (probe)")?);
+            wait_for(&rec.join("events.bin"), limit.saturating_sub(t.elapsed()))?;
+            Ok(tracer)
+        }
         Tool::Bpftrace => {
             let log = dir.join(format!("bpftrace-{i}.out"));
             let mut child = Command::new("bpftrace")
@@ -293,7 +328,7 @@ fn start(tool: Tool, pid: u32, dir: &Path, i: usize, script: &str) -> anyhow::Re
             let out = lines_to(child.stdout.take().context("bpftrace stdout")?, &log)?;
             // Its warnings (RLIMIT_MEMLOCK on kernels that no longer need it) beside the output.
             let _err = lines_to(child.stderr.take().context("bpftrace stderr")?, &dir.join(format!("bpftrace-{i}.err")))?;
-            let mut tracer = Tracer { child };
+            let mut tracer = Tracer { child, inner: None };
             let t = Instant::now();
             // BEGIN runs before the other probes attach, but its printf reaches stdout through the
             // perf buffer, which bpftrace polls only once every probe is attached.
@@ -392,7 +427,7 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     // Other work on the machine shows in the tokens/s (and in the spread) more than in the cost.
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split(' ').next().unwrap_or("?").to_string();
-    let mut tools = vec![Tool::Probe, Tool::Watch];
+    let mut tools = vec![Tool::Probe, Tool::Live, Tool::Watch];
     if let Some(b) = baseline() {
         println!("tracing cost: baseline is {} (PROBE_COST_BASELINE)", b.display());
         tools.insert(0, Tool::Baseline);

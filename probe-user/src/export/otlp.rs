@@ -104,7 +104,8 @@ fn s(v: impl Into<String>) -> Val {
 /// The spans of a report's requests (the server's, not probe's polls), optionally only `ids`.
 pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export {
     let start_unix_ns = meta.start_unix_ms.saturating_mul(1_000_000);
-    let at = |ms: f64| start_unix_ns.saturating_add((ms.max(0.0) * 1e6) as u64);
+    // A request that arrived before attach starts before the trace (negative ms).
+    let at = |ms: f64| (i128::from(start_unix_ns) + (ms * 1e6) as i128).max(0) as u64;
     let mut resource = vec![
         ("service.name".to_string(), s(if meta.comm.is_empty() { "llm-server" } else { meta.comm.as_str() })),
         ("process.pid".to_string(), Val::I(i64::from(meta.pid))),
@@ -158,6 +159,12 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
         }
         if let Some(m) = q.max_tokens {
             put("gen_ai.request.max_tokens", Val::I(m));
+        }
+        // Where the span's start came from: the request's first byte seen, or the kernel's TCP
+        // state at attach (an estimate); a name inferred from the response says so.
+        put("probe.arrival_source", s(q.arrival_by.name()));
+        if q.path_inferred {
+            put("probe.path_inferred", Val::B(true));
         }
         put("gen_ai.usage.output_tokens", Val::I(verdict::produced(q) as i64));
         let input = q

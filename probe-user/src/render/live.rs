@@ -149,8 +149,8 @@ impl Live {
         if let Some(s) = r.status {
             l += &format!(" {s}");
         }
-        let end = r.end_ms.zip(r.arrival_ms).map(|(e, a)| e - a);
-        match (end, r.ttft_ms) {
+        // end_ms and ttft_ms count from the arrival.
+        match (r.end_ms, r.ttft_ms) {
             (Some(e), Some(t)) => l += &format!(" done in {}: first token {}", secs(e), secs(t)),
             (Some(e), None) => l += &format!(" done in {}", secs(e)),
             _ => l += " done",
@@ -494,7 +494,7 @@ mod tests {
             path: Some("/v1/chat/completions".into()),
             status: Some(200),
             arrival_ms: Some(500.0),
-            end_ms: Some(3400.0),
+            end_ms: Some(2900.0),
             ttft_ms: Some(2700.0),
             chunks: 12,
             ..Default::default()

@@ -180,6 +180,11 @@ pub enum SeedState {
     Responding { headers_only: bool },
 }
 
+/// How long after attach a connection found answering is waited for ([`Tracker::expire_seeds`]).
+pub const SEED_RESPONDING_NS: u64 = 5_000_000_000;
+/// How long after attach one found with a request unread or only headers sent is waited for.
+pub const SEED_WAITING_NS: u64 = 120_000_000_000;
+
 /// A request in flight, as the live view shows it ([`Tracker::serving`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct InFlight {
@@ -521,6 +526,25 @@ impl Tracker {
             self.conns.insert(sk, conn);
             self.seeded.insert(key, sk);
         }
+    }
+
+    /// Connections found at attach and not taken up by now are let go: one whose answer was
+    /// going on (tokens come every few ms) after [`SEED_RESPONDING_NS`], the others (a request
+    /// still unread, or waiting behind its headers) after [`SEED_WAITING_NS`]. An idle keep-alive
+    /// connection the kernel's state could not tell from a request is never taken up, and every
+    /// data event looks seeds up while some are left.
+    pub fn expire_seeds(&mut self, now_ns: u64) {
+        if self.seeds.is_empty() {
+            return;
+        }
+        let attach = self.start_ns;
+        self.seeds.retain(|_, s| {
+            let keep = match s.state {
+                SeedState::Responding { headers_only: false } => SEED_RESPONDING_NS,
+                _ => SEED_WAITING_NS,
+            };
+            now_ns < attach.saturating_add(keep)
+        });
     }
 
     /// Connections found at attach are still to be taken up.
@@ -1451,5 +1475,37 @@ mod tests {
         assert_eq!(t.usage().0, 2);
         assert_eq!(t.limits().conns_forgotten, 1);
         assert_eq!(t.in_flight(), 1);
+    }
+
+    /// Connections found at attach: one waiting for its answer is a request in flight at once;
+    /// one unread or behind its headers is shown in flight until taken up, and let go if it
+    /// never is (an idle keep-alive connection looks the same to the kernel).
+    #[test]
+    fn seeds_are_shown_in_flight_and_let_go_when_never_taken_up() {
+        let s = 1_000_000_000u64;
+        let mut t = Tracker::new(10 * s, false);
+        let seed = |peer: &str, state| Seed { pid: 1, local: "127.0.0.1:8080".into(), peer: peer.into(), arrival_ns: 9 * s, state };
+        t.seed(vec![
+            seed("127.0.0.1:1", SeedState::Waiting),
+            seed("127.0.0.1:2", SeedState::Responding { headers_only: true }),
+            seed("127.0.0.1:3", SeedState::Responding { headers_only: false }),
+            seed("127.0.0.1:4", SeedState::Unread),
+        ]);
+        let peers = |t: &Tracker| {
+            let mut v: Vec<(String, u64, Option<f64>, bool)> =
+                t.serving().into_iter().map(|q| (q.peer, q.id, q.arrival_ms, q.headers_only)).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let all = peers(&t);
+        assert_eq!(all.len(), 3, "{all:?}");
+        assert_eq!(all[0], ("127.0.0.1:1".to_string(), 1, Some(-1000.0), false));
+        assert_eq!((all[1].0.as_str(), all[1].1, all[1].3), ("127.0.0.1:2", 0, true));
+        assert_eq!((all[2].0.as_str(), all[2].1, all[2].3), ("127.0.0.1:4", 0, false));
+        t.expire_seeds(16 * s);
+        assert_eq!(t.seeds.len(), 2, "the answering one goes after 5 s");
+        t.expire_seeds(10 * s + SEED_WAITING_NS);
+        assert!(t.seeds.is_empty());
+        assert_eq!(peers(&t).len(), 1, "the request waiting for its answer stays");
     }
 }
