@@ -291,8 +291,8 @@ pub fn compare(a: &Input<'_>, b: &Input<'_>, recordings: bool, force: bool) -> a
     d.gap_p99_ms = both(&|qs| mean(qs.iter().filter_map(|q| q.chunk_gaps.as_ref().map(|g| g.p99_ms))));
     d.tokens = both(&|qs| mean(qs.iter().map(|q| tokens(q) as f64)));
     // The split, mean per request over the requests that have one.
-    let split = |qs: &[&Request]| -> Option<[f64; 9]> {
-        let parts: Vec<[f64; 9]> = qs.iter().filter_map(|q| q.verdict.as_ref()?.ttft_ms.as_ref().map(Split::parts)).collect();
+    let split = |qs: &[&Request]| -> Option<[f64; 10]> {
+        let parts: Vec<[f64; 10]> = qs.iter().filter_map(|q| q.verdict.as_ref()?.ttft_ms.as_ref().map(Split::parts)).collect();
         (!parts.is_empty()).then(|| std::array::from_fn(|i| parts.iter().map(|p| p[i]).sum::<f64>() / parts.len() as f64))
     };
     if let (Some(pa), Some(pb)) = (split(&qa), split(&qb)) {

@@ -56,7 +56,7 @@ pub fn base64(data: &[u8]) -> String {
 }
 
 /// The causes of a TTFT split, in bar order, with their colours.
-pub const CAUSES: [(&str, &str); 9] = [
+pub const CAUSES: [(&str, &str); 10] = [
     ("queue", "#9467bd"),
     ("disk", "#d62728"),
     ("memory", "#ff7f0e"),
@@ -66,14 +66,15 @@ pub const CAUSES: [(&str, &str); 9] = [
     ("compute", "#2ca02c"),
     ("unexplained", "#bdbdbd"),
     ("before_attach", "#636363"),
+    ("steal", "#393b79"),
 ];
 
 /// The split as ms per cause (in [`CAUSES`] order) adding up to the TTFT exactly: each cause
 /// is clipped to what is left of the TTFT, and what the split leaves uncovered is unexplained.
-pub fn segments(split: &Split, ttft: f64) -> [f64; 9] {
+pub fn segments(split: &Split, ttft: f64) -> [f64; 10] {
     let vals = split.parts();
     let mut left = if ttft.is_finite() { ttft.max(0.0) } else { 0.0 };
-    let mut out = [0.0; 9];
+    let mut out = [0.0; 10];
     for (o, v) in out.iter_mut().zip(vals) {
         let v = if v.is_finite() { v.clamp(0.0, left) } else { 0.0 };
         *o = v;
@@ -84,7 +85,7 @@ pub fn segments(split: &Split, ttft: f64) -> [f64; 9] {
 }
 
 /// Pixel widths of the stacked bar: the longest TTFT in the table gets `full` px.
-pub fn bar_widths(segs: &[f64; 9], ttft: f64, longest: f64, full: f64) -> [f64; 9] {
+pub fn bar_widths(segs: &[f64; 10], ttft: f64, longest: f64, full: f64) -> [f64; 10] {
     let bar = if longest > 0.0 { full * ttft / longest } else { 0.0 };
     segs.map(|ms| if ttft > 0.0 { bar * ms / ttft } else { 0.0 })
 }
@@ -629,7 +630,7 @@ mod tests {
         // Overlapping causes are clipped; a split short of the TTFT leaves the rest unexplained.
         let over = Split { disk: 80.0, memory: 80.0, ..Default::default() };
         let segs = segments(&over, 100.0);
-        assert_eq!(segs, [0.0, 80.0, 20.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(segs, [0.0, 80.0, 20.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
         let short = Split { compute: 30.0, ..Default::default() };
         let segs = segments(&short, 100.0);
         assert_eq!((segs[6], segs[7]), (30.0, 70.0));

@@ -36,6 +36,8 @@ pub struct Pressure {
     pub period_us: Option<u64>,
     pub nr_throttled: Option<u64>,
     pub throttled_ns: Option<u64>,
+    /// The host's steal over every CPU, ms since boot (/proc/stat).
+    pub steal_ms: Option<u64>,
 }
 
 impl Pressure {
@@ -49,8 +51,18 @@ impl Pressure {
             period_us: m0.cpu_period_us,
             nr_throttled: m0.nr_throttled,
             throttled_ns: m0.throttled_ns,
+            steal_ms: m0.steal_ms,
         }
     }
+}
+
+/// The host's steal over every CPU across [from, to], ms: the growth between the readings that
+/// bracket the window, scaled to the window when they span more (0 when unknown).
+fn steal_across(p: &[Pressure], from: u64, to: u64) -> f64 {
+    let Some((a, b)) = across(p, from, to) else { return 0.0 };
+    let (Some(x), Some(y)) = (a.steal_ms, b.steal_ms) else { return 0.0 };
+    let span = b.ts_ns.saturating_sub(a.ts_ns).max(to.saturating_sub(from)).max(1);
+    y.saturating_sub(x) as f64 * to.saturating_sub(from) as f64 / span as f64
 }
 
 /// The last reading at or before `from` and the first at or after `to` (else the last one):
@@ -170,6 +182,10 @@ pub struct Split {
     /// by the target's state at attach (the evidence), never spread over the other parts.
     #[serde(default, skip_serializing_if = "is_zero_ms")]
     pub before_attach: f64,
+    /// Runnable while its CPU ran nothing in this guest, as the hypervisor took the CPU (the
+    /// host's steal grew): not another process of this machine, not the request's work.
+    #[serde(default, skip_serializing_if = "is_zero_ms")]
+    pub steal: f64,
 }
 
 fn is_zero_ms(v: &f64) -> bool {
@@ -178,8 +194,8 @@ fn is_zero_ms(v: &f64) -> bool {
 
 impl Split {
     /// The parts' names, in the order every output lists them.
-    pub const NAMES: [&'static str; 9] =
-        ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained", "before_attach"];
+    pub const NAMES: [&'static str; 10] =
+        ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained", "before_attach", "steal"];
 
     /// The largest part that is not the request's own work (disk, memory, cpu_contention, load,
     /// power, queue) and its ms; (None, 0) when all are 0.
@@ -191,14 +207,26 @@ impl Split {
             (SlowCause::Load, self.load),
             (SlowCause::Power, self.power),
             (SlowCause::Queue, self.queue),
+            (SlowCause::Steal, self.steal),
         ]
         .into_iter()
         .fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a })
     }
 
     /// The parts in [`Split::NAMES`] order, ms.
-    pub fn parts(&self) -> [f64; 9] {
-        [self.queue, self.disk, self.memory, self.cpu_contention, self.power, self.load, self.compute, self.unexplained, self.before_attach]
+    pub fn parts(&self) -> [f64; 10] {
+        [
+            self.queue,
+            self.disk,
+            self.memory,
+            self.cpu_contention,
+            self.power,
+            self.load,
+            self.compute,
+            self.unexplained,
+            self.before_attach,
+            self.steal,
+        ]
     }
 
     /// The watched part named by `cause` (0 for none and compute).
@@ -210,6 +238,7 @@ impl Split {
             SlowCause::Load => self.load,
             SlowCause::Power => self.power,
             SlowCause::Queue => self.queue,
+            SlowCause::Steal => self.steal,
             _ => 0.0,
         }
     }
@@ -357,6 +386,8 @@ closed_set! {
         Queue = "queue",
         Load = "load",
         CpuContention = "cpu_contention",
+        /// The hypervisor took the CPUs (steal).
+        Steal = "steal",
         /// A prefix an earlier request computed was computed again (the server lost its cache).
         PromptCache = "prompt_cache",
         Compute = "compute",
@@ -786,6 +817,8 @@ struct Breakdown<'w> {
     generated: f64,
     /// (prompt tokens computed, reused from the prompt cache), when the server says.
     cache: Option<(u64, u64)>,
+    /// Runnable with its CPU idle in this guest, ms (steal is the part the host's steal covers).
+    idle_wait: f64,
 }
 
 fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'w> {
@@ -816,8 +849,19 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     // before its own prompt processing began (behind other requests, by the server's timings)
     // are queue, whatever slowed the others.
     let served_from = if timings.is_some() { to.saturating_sub(((prompt + generated) * 1e6) as u64).max(from) } else { from };
-    let runq: Vec<(u64, u64)> = w.cpu_waits.iter().filter(|c| !w.target_pids.contains(&c.other)).map(|c| (c.from, c.to)).collect();
+    // A wait with its CPU idle in this guest (the idle task switched out for it) is another
+    // process's only when the server's CPU quota throttled it; else the CPU was not running it
+    // for nobody here: the hypervisor's steal when the host says steal grew, else wake-up latency
+    // (left unexplained, and said).
+    let throttled = quota_evidence(w, served_from, to).is_some();
+    let behind_idle = |c: &&CpuWait| c.other == 0 && !throttled;
+    let runq: Vec<(u64, u64)> =
+        w.cpu_waits.iter().filter(|c| !w.target_pids.contains(&c.other) && !behind_idle(c)).map(|c| (c.from, c.to)).collect();
     let cpu = union_ms(&runq, served_from, to).min((ttft - disk - memory).max(0.0));
+    let idle_waits: Vec<(u64, u64)> = w.cpu_waits.iter().filter(behind_idle).map(|c| (c.from, c.to)).collect();
+    let idle_wait = union_ms(&idle_waits, served_from, to);
+    let steal = idle_wait.min(steal_across(w.pressure, served_from, to)).min((ttft - disk - memory - cpu).max(0.0));
+    let cpu = cpu + steal;
     let load = match (loaded.first(), reloaded.last()) {
         (Some((t, p)), _) => {
             let first = w.files_read.iter().filter(|(f, _, _)| f == p).map(|f| f.2).min().unwrap_or(*t).min(*t).max(from);
@@ -840,10 +884,20 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     // saw it; else the time other requests were being served.
     let idle_queue = left.min(union_ms(&w.others, from, to));
     let queue = w.engine.map_or(idle_queue, |e| left.min(e.queue_ms));
-    let split =
-        Split { queue, disk, memory, cpu_contention: cpu, power, load, compute, unexplained: (left - queue).max(0.0), before_attach: 0.0 };
+    let split = Split {
+        queue,
+        disk,
+        memory,
+        cpu_contention: cpu - steal,
+        power,
+        load,
+        compute,
+        unexplained: (left - queue).max(0.0),
+        before_attach: 0.0,
+        steal,
+    };
     let cache = timings.and_then(|t| Some((t["prompt_n"].as_u64()?, t["cache_n"].as_u64()?)));
-    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue }
+    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue, idle_wait }
 }
 
 /// Power: the slowest of the GPUs and the CPUs to reach its working clock when it was below it
@@ -934,6 +988,19 @@ fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
         let quota = quota_evidence(w, b.served_from, b.to);
         v.evidence.push(cpu_evidence(s.cpu_contention, w, b.served_from, b.to, quota.is_some()));
         v.evidence.extend(quota);
+    }
+    if s.steal >= 1.0 {
+        v.evidence.push(format!(
+            "{:.0} ms runnable while its CPU ran nothing in this machine: the hypervisor had it (steal; /proc/stat's steal grew {:.0} ms over the CPUs meanwhile)",
+            s.steal,
+            steal_across(w.pressure, b.served_from, b.to)
+        ));
+    }
+    let woke = b.idle_wait - s.steal;
+    if woke >= 10.0 {
+        v.data_quality.push(format!(
+            "{woke:.0} ms runnable with its CPU idle and no steal counted for it (wake-up latency: a CPU leaving a sleep state, or a virtual CPU its host had not run yet): not counted as waiting for a CPU"
+        ));
     }
     if s.queue >= 1.0 {
         match w.engine {
@@ -1101,6 +1168,38 @@ mod tests {
             "{:?}",
             v.evidence
         );
+    }
+
+    /// Runnable with its CPU idle in this guest (the idle task switched out for it), no quota:
+    /// nobody here held the CPU. With the host's steal grown meanwhile it is steal (up to what
+    /// the host counted); without, wake-up latency, said and left unexplained, never "waiting for
+    /// a CPU" with nobody to name (CI: 64 ms of cpu_contention with every competitor at 0 ms).
+    #[test]
+    fn waits_behind_an_idle_cpu_are_steal_or_wake_up_latency_not_contention() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let waits = [CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 0 }];
+        let bare = Window { arrival_ns: 0, cpu_waits: &waits, offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &bare);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.cpu_contention, s.steal, s.compute), (0.0, 0.0, 1000.0), "{v:?}");
+        assert!(
+            v.data_quality.iter().any(|d| d.starts_with("400 ms runnable with its CPU idle and no steal counted")),
+            "{:?}",
+            v.data_quality
+        );
+        assert!(!v.evidence.iter().any(|e| e.contains("waiting for a CPU")), "{:?}", v.evidence);
+        // The host took 300 ms of the CPUs meanwhile: 300 ms is steal, the rest is still said.
+        let at = |ts_ns, steal| Pressure { ts_ns, steal_ms: Some(steal), ..Default::default() };
+        let pressure = [at(0, 5_000), at(1000 * ms, 5_300)];
+        let vm = Window { pressure: &pressure, ..bare.clone() };
+        let v = attribute(&q, &vm);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.cpu_contention, s.steal, s.compute), (0.0, 300.0, 700.0), "{v:?}");
+        assert_eq!(v.slow_cause, SlowCause::Steal);
+        assert!(v.evidence.iter().any(|e| e.starts_with("300 ms runnable while its CPU ran nothing in this machine")), "{:?}", v.evidence);
+        assert!(v.data_quality.iter().any(|d| d.starts_with("100 ms runnable with its CPU idle")), "{:?}", v.data_quality);
     }
 
     /// Two threads wait for a CPU, overlapping: the request waits once. The server's prompt time

@@ -100,6 +100,28 @@ pub struct Mem {
     pub cpu_period_us: Option<u64>,
     pub nr_throttled: Option<u64>,
     pub throttled_ns: Option<u64>,
+    /// The host's steal over every CPU, ms since boot (/proc/stat's `cpu` line; a VM's host
+    /// running something else on its CPUs). Not per target: the machine's.
+    pub steal_ms: Option<u64>,
+}
+
+/// /proc/stat's steal over every CPU, ms since boot.
+pub fn steal_ms() -> Option<u64> {
+    let t = read_kept("/proc/stat")?;
+    parse_steal_ms(&t, clock_ticks())
+}
+
+fn parse_steal_ms(stat: &str, hz: u64) -> Option<u64> {
+    let l = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let steal: u64 = l.split_whitespace().nth(8)?.parse().ok()?;
+    Some(steal * 1000 / hz.max(1))
+}
+
+/// USER_HZ, the unit of /proc/stat's times.
+fn clock_ticks() -> u64 {
+    // SAFETY: sysconf has no memory effects.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 { t as u64 } else { 100 }
 }
 
 pub(crate) fn psi_total(text: &str, kind: &str) -> Option<u64> {
@@ -278,6 +300,14 @@ pub fn mem(pid: u32, cgroup: Option<&std::path::Path>, cpu: Option<&std::path::P
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn steal_is_the_cpu_line_s_eighth_time() {
+        let stat = "cpu  100 0 50 9000 10 0 5 250 0 0\ncpu0 50 0 25 4500 5 0 2 125 0 0\n";
+        assert_eq!(super::parse_steal_ms(stat, 100), Some(2500));
+        assert_eq!(super::parse_steal_ms("cpu0 1 2 3\n", 100), None);
+        assert!(super::steal_ms().is_some(), "this kernel's /proc/stat has a steal column");
+    }
+
     use super::*;
 
     #[test]

@@ -233,6 +233,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
                 let _ = tx.send(Sample::Cpufreq(CpuFreqReading { ts_ns: monotonic_ns(), cur_khz: f.cur_khz }));
             }
             let mut m = host::mem(opts.pid, cgroup.as_deref(), cpu_cgroup.as_deref());
+            m.steal_ms = host::steal_ms();
             // Children (Ollama's runner) count towards the target's memory.
             for &p in pids.iter().filter(|&&p| p != opts.pid) {
                 let c = host::mem(p, None, None);

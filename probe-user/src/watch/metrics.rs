@@ -45,7 +45,7 @@ pub fn path_label(path: Option<&str>) -> &'static str {
 }
 
 /// The TTFT causes of the split (verdict::Split's fields).
-pub const TTFT_CAUSES: [&str; 9] = crate::verdict::Split::NAMES;
+pub const TTFT_CAUSES: [&str; 10] = crate::verdict::Split::NAMES;
 
 #[derive(Default)]
 struct State {
