@@ -511,10 +511,12 @@ fn a_restarted_watch_keeps_its_warm_baseline() {
         assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
         t.elapsed().as_secs_f64() * 1e3
     };
-    ask(true); // the prompt is in the server's cache from now on
+    // Every request computes its whole prompt (the warm baseline compares the prompt tokens a
+    // server computed: a request served from the prompt cache is no baseline for one that is not).
+    ask(false);
     let mut w = Watch::start(&state, &["--port", &port.to_string(), "--segment", "1s"]);
     w.wait_armed(1, Duration::from_secs(30));
-    let mut warm: Vec<f64> = (0..8).map(|_| ask(true)).collect();
+    let mut warm: Vec<f64> = (0..8).map(|_| ask(false)).collect();
     warm.sort_by(f64::total_cmp);
     let file = state.join("warm-baseline.json");
     let kept = || -> usize {
@@ -538,7 +540,15 @@ fn a_restarted_watch_keeps_its_warm_baseline() {
     let loaded = w.wait_log("warm baseline of", Duration::from_secs(10));
     assert!(loaded.contains(&format!("warm baseline of {n} request(s)")), "{n} kept, and: {loaded}");
     w.wait_armed(1, Duration::from_secs(30));
+    // The same work made slow: two busy loops hold both CPUs while it is served.
+    let hogs: Vec<std::process::Child> =
+        (0..2).map(|_| std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
     let slow = ask(false);
+    for mut h in hogs {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
     w.wait_log("incident slow_ttft", Duration::from_secs(60));
     let dir = w.incidents().into_iter().find(|p| p.to_string_lossy().contains("-slow_ttft-")).unwrap();
     let r: Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();

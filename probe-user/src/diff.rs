@@ -216,7 +216,7 @@ pub fn warm_baseline(r: &Report, id: u64) -> Result<Vec<u64>, String> {
         .filter(|o| o.verdict.as_ref().is_some_and(|v| matches!(v.slow_cause, SlowCause::None | SlowCause::Compute)))
         .filter(|o| {
             let (n, u) = crate::report::prompt_size(&o.record);
-            u == unit && n <= size.max(1) * 2 && size <= n.max(1) * 2
+            u == unit && crate::report::similar_size(n, size)
         })
         .map(|o| o.id)
         .collect();

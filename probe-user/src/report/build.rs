@@ -1025,18 +1025,46 @@ fn at_attach(
     crate::verdict::AtAttach { words: if words.is_empty() { "nothing was blocked".into() } else { words.join("; ") }, cause }
 }
 
-/// A request's prompt size for the warm baseline: the server's prompt tokens (computed and from
-/// its cache) when it says, else the request's bytes (a server that reports no tokens).
+/// A request's prompt size for the warm baseline, as the work it was: the prompt tokens the
+/// server computed (llama.cpp's `timings.prompt_n`, which leaves out the `cache_n` it reused;
+/// Ollama's `prompt_eval_count`; OpenAI-style `usage.prompt_tokens` less
+/// `prompt_tokens_details.cached_tokens`), else its prompt tokens when the server does not say
+/// what it reused, else the request's bytes (a server that reports no tokens). A warm request
+/// that reused most of its prompt is then the baseline for prompts that reused as much.
 pub(crate) fn prompt_size(q: &RequestRecord) -> (u64, &'static str) {
     let t = q.stop.server_timings.as_ref();
-    match t.and_then(|t| Some(t["prompt_n"].as_u64()? + t["cache_n"].as_u64().unwrap_or(0))) {
-        Some(n) => (n, "token"),
+    if let Some(n) = t.and_then(|t| t["prompt_n"].as_u64().or(t["prompt_eval_count"].as_u64())) {
+        return (n, COMPUTED);
+    }
+    let u = q.stop.usage.as_ref();
+    match u.and_then(|u| u["prompt_tokens"].as_u64()) {
+        Some(n) => match u.and_then(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64()) {
+            Some(c) => (n.saturating_sub(c), COMPUTED),
+            None => (n, "token"),
+        },
         None => (q.request_bytes, "byte"),
     }
 }
 
+/// Two prompt sizes of one unit are alike: within 2× of each other, or within
+/// [`ALIKE_TOKENS`] (a few tokens more or less are no more work on a small prompt).
+pub(crate) fn similar_size(a: u64, b: u64) -> bool {
+    a.abs_diff(b) <= ALIKE_TOKENS || (a <= b.max(1) * 2 && b <= a.max(1) * 2)
+}
+
+const ALIKE_TOKENS: u64 = 16;
+
+/// The unit of [`prompt_size`] for prompt tokens the server computed.
+pub(crate) const COMPUTED: &str = "computed token";
+
+/// "a 250-byte prompt", "240 computed prompt tokens".
+pub(crate) fn size_words(size: u64, unit: &str) -> String {
+    if unit == COMPUTED { format!("{size} computed prompt tokens") } else { format!("a {size}-{unit} prompt") }
+}
+
 /// Against this server's own warm requests in the trace: a request of a similar prompt size
-/// (within 2×) whose verdict found nothing but its own work. Each other request with a verdict
+/// (computed prompt tokens within 2× or 16 tokens: [`similar_size`]) whose verdict found nothing
+/// but its own work. Each other request with a verdict
 /// gets "N× this server's warm TTFT for a P-token prompt" when it took at least 1.5× their
 /// median, or, when it has a slow cause and there is no such request, "no warm baseline in this
 /// trace" (the absolute rules stand alone). More than 20% of a TTFT unexplained is a
@@ -1060,7 +1088,7 @@ pub(crate) fn against_warm(requests: &mut [Request], kept: &[crate::recording::r
         }
         let (size, unit) = prompt_size(&q.record);
         // Sizes in the same unit only (tokens with tokens, bytes with bytes).
-        let similar = |n: u64, u: &str| u == unit && n <= size.max(1) * 2 && size <= n.max(1) * 2;
+        let similar = |n: u64, u: &str| u == unit && similar_size(n, size);
         let mut peers: Vec<f64> = warm.iter().filter(|(id, (n, u), _)| *id != q.record.id && similar(*n, u)).map(|w| w.2).collect();
         let here = peers.len();
         peers.extend(kept.iter().filter(|k| similar(k.size, &k.unit)).map(|k| k.ttft_ms));
@@ -1083,7 +1111,7 @@ pub(crate) fn against_warm(requests: &mut [Request], kept: &[crate::recording::r
                     format!("the median of {} warm request(s): {here} in this trace, {k} probe watch kept from earlier sessions", here + k)
                 }
             };
-            v.evidence.push(format!("{:.1}× this server's warm TTFT for a {size}-{unit} prompt ({median:.0} ms, {of})", ttft / median));
+            v.evidence.push(format!("{:.1}× this server's warm TTFT for {} ({median:.0} ms, {of})", ttft / median, size_words(size, unit)));
             if v.slow_cause == SlowCause::None {
                 beyond_warm(v, ttft - median);
             }
@@ -1266,6 +1294,44 @@ mod tests {
 
     use super::*;
 
+    /// The baseline compares work: a warm request that reused 230 of its 231 prompt tokens from
+    /// the cache computed one, so it is no baseline for a request that computed all 231 (the
+    /// demo's morning request read "12.5× this server's warm TTFT"); one that computed as many is.
+    #[test]
+    fn the_warm_baseline_counts_computed_prompt_tokens() {
+        use crate::{stream::payload::Stop, verdict::Verdict};
+        let mk = |id: u64, ttft: f64, timings: serde_json::Value| Request {
+            record: RequestRecord {
+                id,
+                ttft_ms: Some(ttft),
+                stop: Stop { server_timings: Some(timings), ..Default::default() },
+                ..Default::default()
+            },
+            verdict: Some(Verdict { slow_cause: SlowCause::Compute, ttft_ms: Some(Default::default()), ..Default::default() }),
+            engine: None,
+        };
+        let cached = mk(1, 79.0, serde_json::json!({"prompt_n": 1, "cache_n": 230}));
+        let morning = mk(2, 986.0, serde_json::json!({"prompt_n": 231, "cache_n": 0}));
+        let mut rs = vec![cached.clone(), morning.clone()];
+        against_warm(&mut rs, &[]);
+        assert!(rs[1].verdict.as_ref().unwrap().evidence.is_empty(), "{:?}", rs[1].verdict);
+        // A warm request that computed 231 tokens in 300 ms is its baseline.
+        let mut rs = vec![cached, morning, mk(3, 300.0, serde_json::json!({"prompt_n": 231, "cache_n": 0}))];
+        rs[1].verdict.as_mut().unwrap().slow_cause = SlowCause::Load;
+        against_warm(&mut rs, &[]);
+        let said = &rs[1].verdict.as_ref().unwrap().evidence;
+        assert!(said.iter().any(|e| e.starts_with("3.3× this server's warm TTFT for 231 computed prompt tokens (300 ms")), "{said:?}");
+        // OpenAI-style usage: prompt tokens less the cached ones.
+        let q = RequestRecord {
+            stop: Stop {
+                usage: Some(serde_json::json!({"prompt_tokens": 500, "prompt_tokens_details": {"cached_tokens": 480}})),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert_eq!(prompt_size(&q), (20, COMPUTED));
+    }
+
     /// A slow request is set against the same server's warm requests of a similar prompt size;
     /// with none, it says so.
     #[test]
@@ -1293,7 +1359,12 @@ mod tests {
         ];
         against_warm(&mut rs, &[]);
         let said = |i: usize| rs[i].verdict.as_ref().unwrap().evidence.clone();
-        assert!(said(2).iter().any(|e| e == "2.8× this server's warm TTFT for a 250-token prompt (120 ms, the median of 2 warm request(s) in this trace)"), "{:?}", said(2));
+        assert!(
+            said(2).iter().any(|e| e
+                == "2.8× this server's warm TTFT for 250 computed prompt tokens (120 ms, the median of 2 warm request(s) in this trace)"),
+            "{:?}",
+            said(2)
+        );
         assert!(said(3).iter().any(|e| e.starts_with("no warm baseline in this trace")), "{:?}", said(3));
         assert!(rs[3].verdict.as_ref().unwrap().data_quality.iter().any(|d| d == "33% of the TTFT is unexplained (300 ms)"));
         // The warm ones are near their own baseline: nothing said.

@@ -14,7 +14,7 @@ mod render;
 mod sock;
 
 pub use build::build;
-pub(crate) use build::{Builder, Reorder, WindowIndex, prompt_size};
+pub(crate) use build::{Builder, Reorder, WindowIndex, prompt_size, similar_size};
 pub use render::{bytes, render};
 pub use sock::state_name;
 
