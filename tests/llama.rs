@@ -378,6 +378,11 @@ fn non_streamed_and_rejected_requests_keep_their_status() {
     assert_eq!(q["status"], 400);
     assert!(q["error"].is_object(), "{q}");
     assert_eq!(q["max_tokens"], 4, "max_tokens after a long body: {q}");
+    // The refusal names the prompt's size and the slot's, as the server's own body says them.
+    let said: Value = serde_json::from_slice(&bad.body).unwrap();
+    let (n, ctx) = (said["error"]["n_prompt_tokens"].as_u64().unwrap(), said["error"]["n_ctx"].as_u64().unwrap());
+    let evidence = q["verdict"]["evidence"].to_string();
+    assert!(evidence.contains(&format!("its {n} tokens do not fit the slot's context of {ctx}")), "server said {said}; probe: {evidence}");
 }
 
 #[test]

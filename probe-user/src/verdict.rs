@@ -513,6 +513,11 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
     let mut why = match cause {
         Eos => Some(format!("the server stopped at EOS (end of its answer) after {n} tokens")),
         StopWord => Some(format!("the server stopped at a stop word after {n} tokens")),
+        ServerLimit if context_ran_out && n == 0 && q.status.is_some_and(|s| (400..500).contains(&s)) => Some(format!(
+            "the server refused the request (HTTP {}, {}): the prompt does not fit its context",
+            q.status.unwrap_or(0),
+            q.stop.error.as_ref().and_then(|e| e["type"].as_str()).unwrap_or("error"),
+        )),
         ServerLimit if context_ran_out => Some(format!(
             "the server ended the stream with an error after {n} tokens (HTTP {}, {}): its context (slot or shared KV pool) ran out, below the requested {}",
             q.status.unwrap_or(0),
@@ -546,6 +551,16 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
         }
         _ => None,
     };
+    // A prompt refused for the slot's context: the sizes the server quoted, and what to change.
+    if let Some((p, c)) = q.stop.error.as_ref().and_then(|e| Some((e["n_prompt_tokens"].as_u64()?, e["n_ctx"].as_u64()?))) {
+        let line = format!(
+            "its {p} tokens do not fit the slot's context of {c} (llama-server gives each of its -np slots -c / -np tokens: raise -c or lower -np, or send a shorter prompt)"
+        );
+        why = Some(match why {
+            Some(w) => format!("{w}; {line}"),
+            None => line,
+        });
+    }
     // The transport fact, when it differs from the server's word.
     if q.content_complete && !q.transport_complete && q.closed_by != ClosedBy::Open {
         let who = if q.closed_by == ClosedBy::Client { "the client" } else { "the server" };
@@ -1461,5 +1476,13 @@ mod tests {
         assert!(why.unwrap().contains("after 86 tokens"));
         q.stop.error = Some(serde_json::json!({"code": 500, "type": "server_error"}));
         assert_eq!(stop_cause(&q).0.name(), "server_error");
+        // A prompt refused for the slot's context names both sizes (llama.cpp's 400 body).
+        let body = serde_json::json!({"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": 751, "n_ctx": 512}});
+        let mut stop = crate::stream::payload::Stop::default();
+        crate::stream::payload::apply(&body, &mut stop, false);
+        assert!(stop.error.as_ref().unwrap().get("message").is_none(), "no text kept: {:?}", stop.error);
+        let refused = RequestRecord { status: Some(400), stop, ..req(5.0) };
+        let why = stop_cause(&refused).1.unwrap();
+        assert!(why.contains("its 751 tokens do not fit the slot's context of 512") && why.contains("raise -c or lower -np"), "{why}");
     }
 }

@@ -432,6 +432,13 @@ pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
                 e.insert(k.into(), x.clone());
             }
         }
+        // The sizes a refusal quotes (llama.cpp's exceed_context_size_error: the prompt's tokens
+        // and the slot's context): numbers, never text.
+        for k in ["n_prompt_tokens", "n_ctx"] {
+            if let Some(x) = err.get(k).filter(|x| x.is_u64()) {
+                e.insert(k.into(), x.clone());
+            }
+        }
         let message = err.get("message").or(Some(err).filter(|e| e.is_string()));
         // What the message says, as a word from a closed set: the text itself stays out unless
         // the user asked for it (it may quote the prompt).
