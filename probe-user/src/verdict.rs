@@ -898,7 +898,10 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     // Queue: arrival to the engine's first prompt batch for this request where the engine probe
     // saw it; else the time other requests were being served.
     let idle_queue = left.min(union_ms(&w.others, from, to));
-    let queue = w.engine.map_or(idle_queue, |e| left.min(e.queue_ms));
+    // At least the time other requests were served meanwhile: every request ahead is credited,
+    // also when the engine's join gave this request a run that began before its own (one slot,
+    // requests read in another order than the server took them).
+    let queue = w.engine.map_or(idle_queue, |e| left.min(e.queue_ms.max(idle_queue)));
     let split = Split {
         queue,
         disk,
@@ -1294,6 +1297,12 @@ mod tests {
         assert_eq!(v.slow_cause.name(), "queue");
         let s = v.ttft_ms.unwrap();
         assert_eq!((s.queue, s.compute, s.unexplained), (850.0, 40.0, 10.0));
+        // The engine's join says 100 ms (a run of a request ahead): the 850 ms others were served
+        // are queue all the same.
+        let e = crate::steps::RequestEngine { queue_ms: 100.0, ..Default::default() };
+        let v = attribute(&q, &Window { engine: Some(&e), ..w.clone() });
+        let s = v.ttft_ms.unwrap();
+        assert_eq!((s.queue, s.unexplained), (850.0, 10.0));
     }
 
     #[test]
