@@ -15,6 +15,13 @@ use std::{
 use common::{env_path, probe_bin};
 use serde_json::{Value, json};
 
+/// One test at a time: each times a server from the client's side around probe's attach, and
+/// three servers at once on two cores moved the first tokens the tests wait for.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A blkio v1 cgroup of the test's own, removed when dropped (its processes gone first).
 struct Blkio(PathBuf);
 
@@ -106,6 +113,11 @@ fn streamed_chat(addr: SocketAddr, max_tokens: u32) -> Chat {
 /// message with text (a chat delta, a completion's text, llama.cpp's `content`), or the whole
 /// answer when it is not streamed.
 fn ask(addr: SocketAddr, path: &str, body: &Value) -> Chat {
+    ask_telling(addr, path, body, None)
+}
+
+/// [`ask`], telling `first` when the first content came.
+fn ask_telling(addr: SocketAddr, path: &str, body: &Value, first_to: Option<std::sync::mpsc::Sender<()>>) -> Chat {
     let body = body.to_string();
     let mut s = TcpStream::connect(addr).unwrap();
     let head = format!(
@@ -123,6 +135,9 @@ fn ask(addr: SocketAddr, path: &str, body: &Value) -> Chat {
         let content = [&v["choices"][0]["delta"]["content"], &v["choices"][0]["text"], &v["content"]];
         if first.is_none() && content.iter().any(|c| c.as_str().is_some_and(|c| !c.is_empty())) {
             first = Some(Instant::now());
+            if let Some(t) = &first_to {
+                let _ = t.send(());
+            }
         }
     }
     let done = Instant::now();
@@ -184,6 +199,7 @@ impl Traced {
 /// kworker issued counted as the server's, and the limit named.
 #[test]
 fn attached_during_a_cold_reload_behind_an_io_limit() {
+    let _serial = serial();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("attach-cold-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("model.gguf");
@@ -323,15 +339,19 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
 /// it worked, the rest it waited. A, streaming before attach, keeps a null TTFT.
 #[test]
 fn attached_while_a_request_waits_for_the_only_slot() {
+    let _serial = serial();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("attach-queued-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (mut srv, addr) = common::llama_server_from(&env_path("LLAMA_SERVER"), &["-c", "2048", "-np", "1", "-t", "2"]);
     let pid = srv.id();
+    // A streams before B is sent and probe attaches (its first token is waited for: a loaded
+    // machine can take over a second to give it).
+    let (tx, a_streams) = std::sync::mpsc::channel();
     let a = std::thread::spawn(move || {
         let body = json!({"prompt": "1, 2, 3, 4, 5,", "n_predict": 300, "ignore_eos": true, "stream": true, "temperature": 0});
-        ask(addr, "/completion", &body)
+        ask_telling(addr, "/completion", &body, Some(tx))
     });
-    std::thread::sleep(Duration::from_millis(300));
+    a_streams.recv_timeout(Duration::from_secs(30)).expect("A streamed nothing within 30 s");
     let b = std::thread::spawn(move || {
         let body = json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0, "stream": false});
         ask(addr, "/v1/chat/completions", &body)
@@ -416,17 +436,19 @@ fn attached_while_a_request_waits_for_the_only_slot() {
 /// probe is started after both were sent.
 #[test]
 fn attached_while_llama_cpp_python_serves_another_request() {
+    let _serial = serial();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("attach-python-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let s = common::PyServer::start_with(&["--interrupt_requests", "false"]);
     let (pid, addr) = (s.child.id(), s.addr);
+    let (tx, a_streams) = std::sync::mpsc::channel();
     let a = std::thread::spawn(move || {
         // End-of-text banned (SmolLM2's 0 and 2): A runs its whole 300 tokens.
         let body =
             json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": true, "temperature": 0, "logit_bias": {"0": -100, "2": -100}});
-        ask(addr, "/v1/completions", &body)
+        ask_telling(addr, "/v1/completions", &body, Some(tx))
     });
-    std::thread::sleep(Duration::from_millis(300));
+    a_streams.recv_timeout(Duration::from_secs(30)).expect("A streamed nothing within 30 s");
     let b = std::thread::spawn(move || streamed_chat(addr, 8));
     std::thread::sleep(Duration::from_millis(500));
     let out = dir.join("trace");
