@@ -332,6 +332,43 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two requests on a server that serves one at a time, probe started between: A (a long
+/// stream) holds the server; once it streams (a loaded machine can take over a second), B is
+/// sent, and probe is started 0.5 s later in a terminal, captured until B is answered; then
+/// Ctrl-C.
+struct Queued {
+    a: Chat,
+    b: Chat,
+    started: Instant,
+    screens: Vec<String>,
+}
+
+fn queued_at_attach(
+    dir: &Path,
+    pid: u32,
+    out: &Path,
+    a: impl FnOnce(std::sync::mpsc::Sender<()>) -> Chat + Send + 'static,
+    b: impl FnOnce() -> Chat + Send + 'static,
+) -> Queued {
+    let (tx, a_streams) = std::sync::mpsc::channel();
+    let a = std::thread::spawn(move || a(tx));
+    a_streams.recv_timeout(Duration::from_secs(30)).expect("A streamed nothing within 30 s");
+    let b = std::thread::spawn(b);
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = std::fs::remove_dir_all(out);
+    let traced = Traced::start(dir, pid, out);
+    let started = traced.started;
+    let mut screens = Vec::new();
+    while !b.is_finished() {
+        std::thread::sleep(Duration::from_millis(250));
+        screens.push(traced.term.capture());
+    }
+    let (b, a) = (b.join().unwrap(), a.join().unwrap());
+    let end = traced.stop();
+    assert!(end.contains("recording: "), "{end}");
+    Queued { a, b, started, screens }
+}
+
 /// A request queued behind another at attach, on llama-server with one slot: a long streamed
 /// completion (A) holds the slot, a chat that is not streamed (B) waits for it, and probe is
 /// started after both were sent. B must be named from its answer, timed from the kernel's
@@ -344,31 +381,21 @@ fn attached_while_a_request_waits_for_the_only_slot() {
     std::fs::create_dir_all(&dir).unwrap();
     let (mut srv, addr) = common::llama_server_from(&env_path("LLAMA_SERVER"), &["-c", "2048", "-np", "1", "-t", "2"]);
     let pid = srv.id();
-    // A streams before B is sent and probe attaches (its first token is waited for: a loaded
-    // machine can take over a second to give it).
-    let (tx, a_streams) = std::sync::mpsc::channel();
-    let a = std::thread::spawn(move || {
-        let body = json!({"prompt": "1, 2, 3, 4, 5,", "n_predict": 300, "ignore_eos": true, "stream": true, "temperature": 0});
-        ask_telling(addr, "/completion", &body, Some(tx))
-    });
-    a_streams.recv_timeout(Duration::from_secs(30)).expect("A streamed nothing within 30 s");
-    let b = std::thread::spawn(move || {
-        let body = json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0, "stream": false});
-        ask(addr, "/v1/chat/completions", &body)
-    });
-    std::thread::sleep(Duration::from_millis(500));
     let out = dir.join("trace");
-    let _ = std::fs::remove_dir_all(&out);
-    let traced = Traced::start(&dir, pid, &out);
-    let started = traced.started;
-    let mut screens = Vec::new();
-    while !b.is_finished() {
-        std::thread::sleep(Duration::from_millis(250));
-        screens.push(traced.term.capture());
-    }
-    let (b, a) = (b.join().unwrap(), a.join().unwrap());
-    let end = traced.stop();
-    assert!(end.contains("recording: "), "{end}");
+    let Queued { a, b, started, screens } = queued_at_attach(
+        &dir,
+        pid,
+        &out,
+        move |tx| {
+            let body = json!({"prompt": "1, 2, 3, 4, 5,", "n_predict": 300, "ignore_eos": true, "stream": true, "temperature": 0});
+            ask_telling(addr, "/completion", &body, Some(tx))
+        },
+        move || {
+            let body =
+                json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0, "stream": false});
+            ask(addr, "/v1/chat/completions", &body)
+        },
+    );
     let _ = srv.kill();
     let _ = srv.wait();
 
@@ -441,28 +468,18 @@ fn attached_while_llama_cpp_python_serves_another_request() {
     std::fs::create_dir_all(&dir).unwrap();
     let s = common::PyServer::start_with(&["--interrupt_requests", "false"]);
     let (pid, addr) = (s.child.id(), s.addr);
-    let (tx, a_streams) = std::sync::mpsc::channel();
-    let a = std::thread::spawn(move || {
-        // End-of-text banned (SmolLM2's 0 and 2): A runs its whole 300 tokens.
-        let body =
-            json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": true, "temperature": 0, "logit_bias": {"0": -100, "2": -100}});
-        ask_telling(addr, "/v1/completions", &body, Some(tx))
-    });
-    a_streams.recv_timeout(Duration::from_secs(30)).expect("A streamed nothing within 30 s");
-    let b = std::thread::spawn(move || streamed_chat(addr, 8));
-    std::thread::sleep(Duration::from_millis(500));
     let out = dir.join("trace");
-    let _ = std::fs::remove_dir_all(&out);
-    let traced = Traced::start(&dir, pid, &out);
-    let started = traced.started;
-    let mut screens = Vec::new();
-    while !b.is_finished() {
-        std::thread::sleep(Duration::from_millis(250));
-        screens.push(traced.term.capture());
-    }
-    let (b, a) = (b.join().unwrap(), a.join().unwrap());
-    let end = traced.stop();
-    assert!(end.contains("recording: "), "{end}");
+    let Queued { a, b, started, screens } = queued_at_attach(
+        &dir,
+        pid,
+        &out,
+        move |tx| {
+            // End-of-text banned (SmolLM2's 0 and 2): A runs its whole 300 tokens.
+            let body = json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": true, "temperature": 0, "logit_bias": {"0": -100, "2": -100}});
+            ask_telling(addr, "/v1/completions", &body, Some(tx))
+        },
+        move || streamed_chat(addr, 8),
+    );
     drop(s);
 
     let first = b.first.expect("B got no token");

@@ -40,7 +40,9 @@ pub fn read(targets: &[u32], main: u32, now_ns: u64) -> (AttachState, Vec<Seed>)
     (st, seeds)
 }
 
-fn threads(targets: &[u32]) -> Vec<ThreadAtAttach> {
+/// Each target thread's state and wchan (at most MAX_THREADS): the snapshot at attach, and
+/// the live view's look at a request nothing else explains.
+pub(crate) fn threads(targets: &[u32]) -> Vec<ThreadAtAttach> {
     let mut out = Vec::new();
     for &pid in targets {
         for tid in procfs::tasks(pid) {

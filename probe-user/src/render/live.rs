@@ -25,8 +25,6 @@ const CPU_WAIT_SAYS_NS: u64 = 100_000_000;
 const MAX_LINES: usize = 12;
 /// Files and competitors kept per second (the largest are named).
 const MAX_KEYS: usize = 256;
-/// Threads whose state is read for a request with nothing else to say.
-const MAX_THREADS: usize = 256;
 
 /// What a request waited on in one second, for its finished line.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -216,7 +214,7 @@ impl Live {
             l += ", no token yet: ";
             let queued = i >= reqs.len() - waiting_for_slot;
             let wait = if queued && i > 0 {
-                l += &format!("queued behind {} ({} of the server's slots busy)", count(i as u64, "request"), busy);
+                l += &format!("queued behind {} ({} of the server's slots busy)", crate::text::count(i as u64, "request"), busy);
                 Wait::Queued
             } else if let Some((file, words)) = &reading {
                 l += words;
@@ -305,25 +303,14 @@ fn uninterruptible(threads: &[(String, String)]) -> Option<String> {
     threads.iter().find(|(s, w)| s == "D" && !w.is_empty()).map(|(_, w)| w.clone())
 }
 
-/// The target's threads' (state, wchan), at most [`MAX_THREADS`].
+/// The target's threads in uninterruptible sleep, as (state, wchan) (the reader of the snapshot
+/// at attach).
 pub fn threads_of(targets: &[u32]) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for &pid in targets {
-        for tid in crate::procfs::tasks(pid) {
-            if out.len() >= MAX_THREADS {
-                return out;
-            }
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")) else { continue };
-            let Some((_, rest)) = stat.rsplit_once(')') else { continue };
-            let state = rest.split_whitespace().next().unwrap_or("?").to_string();
-            if state != "D" {
-                continue;
-            }
-            let wchan = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/wchan")).unwrap_or_default();
-            out.push((state, crate::text::terminal(wchan.trim()).into_owned()));
-        }
-    }
-    out
+    crate::record::attach::threads(targets)
+        .into_iter()
+        .filter(|t| t.state == "D")
+        .map(|t| (t.state, crate::text::terminal(t.wchan.as_deref().unwrap_or_default()).into_owned()))
+        .collect()
 }
 
 fn name(method: Option<&str>, path: Option<&str>, inferred: bool) -> String {
@@ -333,10 +320,6 @@ fn name(method: Option<&str>, path: Option<&str>, inferred: bool) -> String {
 
 fn secs(ms: f64) -> String {
     if ms.abs() < 1000.0 { format!("{ms:.0} ms") } else { format!("{:.1} s", ms / 1e3) }
-}
-
-fn count(n: u64, what: &str) -> String {
-    crate::text::count(n, what)
 }
 
 /// Draws frames on a terminal (stderr): the finished lines stay, the in-flight block is redrawn.
