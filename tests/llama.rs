@@ -243,13 +243,21 @@ fn client_disconnect_after_5_chunks_is_closed_by_client() {
     let t = Trace::start("cut", &[]);
     let s = TcpStream::connect(server().addr).unwrap();
     let client = s.local_addr().unwrap();
-    send_request(&s, "POST", "/v1/chat/completions", Some(&chat(300, "Tell a long story about a lighthouse keeper.")));
+    let mut body = chat(2000, "Tell a long story about a lighthouse keeper.");
+    body["ignore_eos"] = json!(true);
+    send_request(&s, "POST", "/v1/chat/completions", Some(&body));
     let resp = read_response(&mut BufReader::new(&s), Some(5));
     assert_eq!(resp.status, 200);
+    // Open long enough for probe's lookup of the other end (every 500 ms): the client is this
+    // test process, no gateway.
+    std::thread::sleep(Duration::from_millis(1200));
     drop(s);
     std::thread::sleep(Duration::from_millis(800));
     let r = t.stop();
     let q = find(&r, client)[0];
+    assert_eq!(q["peer_process"]["pid"], std::process::id(), "{q}");
+    let said = q["verdict"]["evidence"].to_string();
+    assert!(said.contains(&format!("the client, {} (pid {}", q["peer_process"]["comm"].as_str().unwrap(), std::process::id())), "{said}");
     assert_eq!(q["closed_by"], "client", "{q}");
     assert_eq!((q["content_complete"].clone(), q["transport_complete"].clone()), (json!(false), json!(false)), "{q}");
     assert_eq!(q["verdict"]["stop_cause"], "client_disconnect", "{q}");
@@ -926,7 +934,7 @@ fn gateway_timeout_is_a_deadline() {
     let _cpus = shared_cpus();
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "1024", "-np", "1", "-t", "1"]);
     let gw = common::Nginx::start(addr, 2);
-    let gw_addr = gw.addr;
+    let (gw_addr, gw_pid) = (gw.addr, gw.pid());
     let (p, out) = trace_pid(srv.id(), "gateway", &[]);
     let s = TcpStream::connect(gw_addr).unwrap();
     send_request(
@@ -963,6 +971,12 @@ fn gateway_timeout_is_a_deadline() {
         .to_string();
     let secs: f64 = why.split("after ").nth(1).and_then(|x| x.split(' ').next()).and_then(|x| x.parse().ok()).unwrap();
     assert!((1.5..3.5).contains(&secs), "idle {secs} s: {why}");
+    // The gateway is named: the owner of the connection's other end (the kernel's word, checked
+    // against the pid we started), and what keeps the stream open on this server.
+    assert!(why.contains(&format!("nginx (pid {gw_pid}, ")), "{why}");
+    assert_eq!(reqs[0]["peer_process"]["pid"], gw_pid, "{}", reqs[0]);
+    assert!(reqs[0]["peer_process"]["exe"].as_str().is_some_and(|e| e.ends_with("/nginx")), "{}", reqs[0]);
+    assert!(v["evidence"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("--sse-ping-interval")), "{v}");
 }
 
 /// The server in a memory cgroup (v1) limited below the model size: decode faults the model back
@@ -1153,7 +1167,7 @@ fn run_queue_grew(before: &[(u32, u64, u64)], after: &[(u32, u64, u64)], workers
 /// by their command. The same server, traced the same way, without the job: no contention.
 #[test]
 fn a_cpu_hog_is_cpu_contention_and_named() {
-    cpu_hog_case(1);
+    cpu_hog_case(Some(1));
 }
 
 /// The same with two worker threads, which block and are woken between the steps of the prompt
@@ -1162,7 +1176,20 @@ fn a_cpu_hog_is_cpu_contention_and_named() {
 /// sum over both (schedstat, with the same tolerance).
 #[test]
 fn a_cpu_hog_with_two_worker_threads_counts_their_wakeups() {
-    cpu_hog_case(2);
+    cpu_hog_case(Some(2));
+}
+
+/// More worker threads than CPUs (`-t 4` on two): the pool's threads also wait behind each
+/// other, which is the server's own work sharing the CPUs; what the job held is contention.
+#[test]
+fn a_cpu_hog_with_more_threads_than_cpus_is_cpu_contention() {
+    cpu_hog_case(Some(4));
+}
+
+/// The server's own choice of threads (no `-t`: llama.cpp takes the cores it finds).
+#[test]
+fn a_cpu_hog_with_the_default_threads_is_cpu_contention() {
+    cpu_hog_case(None);
 }
 
 /// A 250-token chat prompt, computed in full (no prompt cache), 4 tokens out, not streamed: a
@@ -1184,18 +1211,29 @@ fn story_request_as(addr: SocketAddr, stream: bool) -> SocketAddr {
     client
 }
 
-fn cpu_hog_case(threads: u32) {
+fn cpu_hog_case(threads: Option<u32>) {
     let _cpus = shared_cpus();
-    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1", "-t", &threads.to_string()]);
+    let mut args = vec!["-c".to_string(), "2048".into(), "-np".into(), "1".into()];
+    args.extend(threads.iter().flat_map(|t| ["-t".to_string(), t.to_string()]));
+    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &args.iter().map(String::as_str).collect::<Vec<_>>());
     let pid = srv.id();
     let ask = || story_request(addr);
     ask(); // warm: the model is loaded and paged in
-    let (p, out) = trace_pid(pid, &format!("cpuhog-{threads}"), &[]);
+    let (p, out) = trace_pid(pid, &format!("cpuhog-{}", threads.map_or("default".into(), |t| t.to_string())), &[]);
     let calm_before = schedstat(pid);
     let t = Instant::now();
     let calm = ask();
     let calm_ms = t.elapsed().as_secs_f64() * 1e3;
     let calm_after = schedstat(pid);
+    // The threads doing the work: as many as asked for, else those the server chose (each ran
+    // at least a quarter of the busiest one's time for the calm request, by schedstat).
+    let threads = threads.unwrap_or_else(|| {
+        let (grew, _, _) = run_queue_grew(&calm_before, &calm_after, 1);
+        let most = grew[0].2;
+        let n = grew.iter().filter(|g| g.2 * 4 >= most).count() as u32;
+        eprintln!("the server's own thread count: {n} threads worked ({grew:?})");
+        n
+    });
     // The job: busy loops under a name of their own (comm is the name they were run by), three
     // for every CPU: the server's threads get about a quarter of a core each, a slowdown no
     // noisy machine hides (one loop a CPU gave 1.5×, which the warm rule may not name).

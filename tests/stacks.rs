@@ -98,6 +98,24 @@ fn blocked_read_shows_io_wait_with_its_time() {
     common::assert_report_is_the_same_offline(&rec);
 }
 
+/// The hypervisor's steal while a thread ran, measured by probe at every context switch, against
+/// what the thread measured itself (each burst's wall time less its CPU time and run-queue wait:
+/// the kernel's own counters). On a host that steals nothing both are near 0; under a busy host
+/// they grow together.
+#[test]
+fn steal_while_running_is_what_the_thread_lost() {
+    let (done, rec) = traced("steal", &["bursts", "3"]);
+    let field = |k: &str| -> f64 { done.split(' ').find_map(|f| f.strip_prefix(k)?.strip_prefix('=')).unwrap().parse().unwrap() };
+    let (truth_ms, tid, ticks, hz) = (field("stolen_ns") / 1e6, field("tid") as u32, field("steal_ticks"), field("ticks_per_s"));
+    let report = common::read_report(&rec);
+    let probe_ms = report["steal_running_ms"][tid.to_string()].as_f64().unwrap_or(0.0);
+    eprintln!("steal while running: probe {probe_ms:.2} ms, the thread {truth_ms:.2} ms; /proc/stat steal {ticks} ticks over the CPUs");
+    assert!((probe_ms - truth_ms).abs() <= 0.10 * truth_ms + 2.0, "probe {probe_ms:.2} ms, the thread measured {truth_ms:.2} ms");
+    // The machine's steal over every CPU bounds both (whole ticks: one more per CPU at most).
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get()) as f64;
+    assert!(probe_ms <= (ticks + cpus) * 1e3 / hz + 2.0, "probe {probe_ms:.2} ms against /proc/stat's {ticks} ticks");
+}
+
 #[test]
 fn major_faults_are_charged_to_the_touching_function() {
     let (_, rec) = traced("faults", &["touch-cold", "cold.bin", "40"]);

@@ -73,6 +73,12 @@ pub struct KernelOffsets {
     pub bvec_page: u32,
     pub page_mapping: u32,
     pub mapping_host: u32,
+    /// task_struct.se.cfs_rq, cfs_rq.rq and rq.prev_steal_time_rq (u64: the paravirt steal the
+    /// CPU's run queue accounted so far, CONFIG_PARAVIRT_TIME_ACCOUNTING): a switch reads its CPU's
+    /// steal through the current task. All 0: unknown here.
+    pub task_cfs_rq: u32,
+    pub cfs_rq_rq: u32,
+    pub rq_steal: u32,
 }
 
 /// A flag bit the running kernel does not have.

@@ -88,17 +88,40 @@ pub const SCHED_PREEMPTED: u32 = 1;
 /// meanwhile. Its blocked part before the wake-up comes in its own record (flags 0), just before.
 pub const SCHED_WOKEN: u32 = 2;
 
+/// `SchedEvent::flags`: the hypervisor's steal while the thread ran: what its CPU's run queue
+/// accounted of the paravirt steal clock (`rq.prev_steal_time_rq`, CONFIG_PARAVIRT_TIME_ACCOUNTING)
+/// grew by between the thread's switch-in and switch-out, summed over its runs since the record
+/// before: `blocked_ns` is that steal, the header's time the end of the span, and bits 8..32 the
+/// span in µs ([`steal_span_ns`]). The header's task is the thread.
+pub const SCHED_STEAL: u32 = 4;
+
 /// Whether a [`SchedEvent`] is a wait for a CPU (after a preemption or a wake-up).
 pub const fn is_cpu_wait(flags: u32) -> bool {
     flags & (SCHED_PREEMPTED | SCHED_WOKEN) != 0
+}
+
+/// Whether a [`SchedEvent`] is the steal of a thread's runs ([`SCHED_STEAL`]).
+pub const fn is_steal(flags: u32) -> bool {
+    flags & SCHED_STEAL != 0
+}
+
+/// The span a [`SCHED_STEAL`] record's steal fell in, ns (ending at its header's time).
+pub const fn steal_span_ns(flags: u32) -> u64 {
+    (flags >> 8) as u64 * 1000
 }
 
 /// The target thread that woke a blocked thread, from a blocked record's flags (bits 8..32; a
 /// tid fits: PID_MAX_LIMIT is 2^22); None when the waker was no target thread (another process,
 /// an interrupt over one, a timer) or the kernel did not say.
 pub const fn waker_of(flags: u32) -> Option<u32> {
-    if is_cpu_wait(flags) || flags >> 8 == 0 { None } else { Some(flags >> 8) }
+    if is_cpu_wait(flags) || is_steal(flags) || flags >> 8 == 0 { None } else { Some(flags >> 8) }
 }
+
+/// A thread's steal is sent once it reaches this (else with the span's end, below)...
+pub const STEAL_SEND_NS: u64 = 1_000_000;
+/// ...or after this long, when it reached [`STEAL_MIN_NS`] (less is not worth a record).
+pub const STEAL_SPAN_NS: u64 = 100_000_000;
+pub const STEAL_MIN_NS: u64 = 20_000;
 
 /// A run-queue wait shorter than this is only counted (`Counter::ShortWaits`, `ShortWaitNs`), not
 /// sent: at 20 µs a wait is below any scheduler slice, and such waits come by the thousand.

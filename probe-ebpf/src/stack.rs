@@ -12,8 +12,8 @@ use aya_ebpf::{
 use probe_common::{
     Counter, EventHeader, Record,
     stack::{
-        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER, SchedEvent,
-        SeenUstack, StackEvent, USTACK_CAP,
+        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER,
+        STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenUstack, StackEvent, USTACK_CAP,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -72,6 +72,77 @@ static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0
 /// sched_waking writes the last two in place (no insert: it runs for every wake-up on the machine).
 #[map(name = "OFFCPU_SINCE")]
 static OFFCPU_SINCE: LruHashMap<u32, [u64; 3]> = LruHashMap::with_max_entries(16384, 0);
+
+/// Per target thread, its runs' steal ([`SCHED_STEAL`]): [when it came on the CPU (0: not on
+/// one since probe saw it), its CPU's accounted steal then, steal not sent yet (ns), since when].
+#[map(name = "RUN_SINCE")]
+static RUN_SINCE: LruHashMap<u32, [u64; 4]> = LruHashMap::with_max_entries(16384, 0);
+
+/// The steal this CPU's run queue has accounted so far (rq.prev_steal_time_rq, reached from the
+/// current task: its cfs_rq is on this CPU), None where the kernel does not say.
+#[inline(always)]
+fn cpu_steal() -> Option<u64> {
+    let k = crate::task::offsets();
+    if k.valid == 0 || k.rq_steal == 0 {
+        return None;
+    }
+    // SAFETY: helper without arguments; the pointer is only used for probe reads.
+    let task = unsafe { aya_ebpf::helpers::bpf_get_current_task() };
+    let cfs_rq: u64 = crate::task::read(task, k.task_cfs_rq)?;
+    let rq: u64 = crate::task::read(cfs_rq, k.cfs_rq_rq)?;
+    crate::task::read(rq, k.rq_steal)
+}
+
+/// `tid` (the current task, a target thread) leaves the CPU at `now`: its run's steal is what its
+/// CPU's steal grew by while it ran, summed until it is worth a record.
+#[inline(always)]
+fn left_cpu(pid: u32, tid: u32, now: u64, steal: Option<u64>) {
+    let Some(steal) = steal else { return };
+    let Some(r) = RUN_SINCE.get_ptr_mut(&tid) else {
+        insert_lru(&RUN_SINCE, &tid, &[0, 0, 0, 0]);
+        return;
+    };
+    // SAFETY: a map value pointer, valid for this program run (only this thread's switches,
+    // which do not overlap, write it).
+    let r = unsafe { &mut *r };
+    let [since, steal_in, pending, from] = *r;
+    r[0] = 0;
+    if since == 0 || steal < steal_in || now < since {
+        return;
+    }
+    let pending = pending + (steal - steal_in);
+    let from = if from == 0 { since } else { from };
+    let span = now - from;
+    if pending >= STEAL_SEND_NS || span >= STEAL_SPAN_NS {
+        if pending >= STEAL_MIN_NS {
+            let span_us = (span / 1000).min((1 << 24) - 1) as u32;
+            emit(&SchedEvent {
+                hdr: EventHeader { ts_ns: now, ..header::<SchedEvent>(pid, tid) },
+                tid,
+                flags: SCHED_STEAL | (span_us << 8),
+                blocked_ns: pending,
+            });
+        }
+        r[2] = 0;
+        r[3] = 0;
+    } else {
+        r[2] = pending;
+        r[3] = from;
+    }
+}
+
+/// `tid` came on this CPU at `now` (its run's start, for [`left_cpu`]); its CPU's steal is read
+/// only for a thread probe follows.
+#[inline(always)]
+fn came_on_cpu(tid: u32, now: u64) {
+    let Some(r) = RUN_SINCE.get_ptr_mut(&tid) else { return };
+    let Some(steal) = cpu_steal() else { return };
+    // SAFETY: a map value pointer, valid for this program run.
+    unsafe {
+        (*r)[0] = now;
+        (*r)[1] = steal;
+    }
+}
 
 #[inline(always)]
 fn read_kernel<T>(p: *const T) -> T {
@@ -280,14 +351,18 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = OFFCPU_SINCE.remove(&tid);
             let _ = USTACK_SEEN.remove(&tid);
             let _ = USTACK_NEED.remove(&tid);
-        } else if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
-            insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
-            capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
-        } else if state & 0xff == 0 {
-            // Preempted (or it yielded): still runnable, so until it runs again it waits for a
-            // CPU. No stack (where it was is where it will resume); the low bit of the time marks
-            // the wait as run-queue time.
-            insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0, 0]);
+            let _ = RUN_SINCE.remove(&tid);
+        } else {
+            left_cpu(pid, tid, now, cpu_steal());
+            if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
+                insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
+                capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
+            } else if state & 0xff == 0 {
+                // Preempted (or it yielded): still runnable, so until it runs again it waits for
+                // a CPU. No stack (where it was is where it will resume); the low bit of the time
+                // marks the wait as run-queue time.
+                insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0, 0]);
+            }
         }
     }
     let next: i32 = field(ctx, sw::NEXT_PID)?;
@@ -295,6 +370,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
     // SAFETY: the value is copied out before the remove.
     if let Some([since, woken, waker]) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
         let _ = OFFCPU_SINCE.remove(&next);
+        came_on_cpu(next, now);
         let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
         // One clock reading for the switch: a wait's end is exactly when the thread ran.
         let sched = |flags: u32, blocked_ns: u64| SchedEvent {
@@ -312,6 +388,9 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
         let (woken, waker) = if woken >= since && woken <= now { (woken, waker) } else { (now, 0) };
         emit(&sched(waker_flags(waker as u32), woken - since));
         run_queue_wait(now - woken, SCHED_WOKEN, &sched);
+    } else if d_only() {
+        // Interruptible sleeps are not followed then: the run's start is marked here.
+        came_on_cpu(next, now);
     }
     Ok(())
 }

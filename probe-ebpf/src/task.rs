@@ -49,6 +49,9 @@ static KOFF: KernelOffsets = KernelOffsets {
     bvec_page: 0,
     page_mapping: 0,
     mapping_host: 0,
+    task_cfs_rq: 0,
+    cfs_rq_rq: 0,
+    rq_steal: 0,
 };
 
 #[inline(always)]

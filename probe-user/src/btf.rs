@@ -179,6 +179,11 @@ impl Btf {
         })();
         let [rq_bio, bio_blkg, blkg_blkcg, blkcg_cgroup, cgroup_kn, kn_id, bio_io_vec, bvec_page, page_mapping, mapping_host] =
             bio.as_ref().copied().unwrap_or_default();
+        // A CPU's accounted steal, from the current task: all three or none.
+        let steal = (|| -> Result<[u32; 3], BtfError> {
+            Ok([self.offset("task_struct", "se.cfs_rq")?, self.offset("cfs_rq", "rq")?, self.offset("rq", "prev_steal_time_rq")?])
+        })()
+        .unwrap_or_default();
         let req_bits = ["__REQ_PREFLUSH", "__REQ_FUA", "__REQ_RAHEAD", "__REQ_SYNC", "__REQ_META"]
             .map(|n| self.enumerator(n).and_then(|v| u32::try_from(v).ok()).filter(|&b| b < 32).unwrap_or(probe_common::kernel::NO_BIT));
         Ok(KernelOffsets {
@@ -225,6 +230,9 @@ impl Btf {
             bvec_page,
             page_mapping,
             mapping_host,
+            task_cfs_rq: steal[0],
+            cfs_rq_rq: steal[1],
+            rq_steal: steal[2],
         })
     }
 

@@ -316,13 +316,19 @@ impl State {
                 // Run-queue wait: kept as it is, with what ran instead named once.
                 self.writer.kernel(bytes)?;
                 let other = e.hdr.pid;
-                if let Some(l) = &mut self.live {
+                // Behind the server's own threads is its own work sharing the CPUs, not a wait
+                // the live view names.
+                if let Some(l) = &mut self.live
+                    && !self.targets.lock().is_ok_and(|t| t.contains(&other))
+                {
                     l.cpu_wait(other, e.blocked_ns);
                 }
                 if other != 0 && self.others_seen.len() < MAX_OTHERS && self.others_seen.insert(other) {
                     self.others_new.push(other);
                 }
             }
+            // The hypervisor's steal while a thread ran: kept as it is.
+            Event::Sched(e) if probe_common::stack::is_steal(e.flags) => self.writer.kernel(bytes)?,
             Event::Sched(e) => {
                 if let Some(mut v) = self.offcpu.remove(&e.tid) {
                     v.blocked_ns = Some(e.blocked_ns);

@@ -137,6 +137,18 @@ fn ttft_bar(split: &Split, ttft: f64, longest: f64) -> String {
     o
 }
 
+/// The lines every one of two or more lists holds.
+fn common_lines<'a>(mut lists: impl Iterator<Item = &'a [String]>) -> Vec<String> {
+    let Some(first) = lists.next() else { return vec![] };
+    let mut common: Vec<String> = first.to_vec();
+    let mut n = 1;
+    for l in lists {
+        common.retain(|c| l.contains(c));
+        n += 1;
+    }
+    if n < 2 { vec![] } else { common }
+}
+
 fn verdicts(o: &mut String, r: &Report) {
     let _ = writeln!(o, "<h2 id=\"verdicts\">Verdicts</h2>");
     if r.requests.is_empty() {
@@ -146,6 +158,12 @@ fn verdicts(o: &mut String, r: &Report) {
     let legend: Vec<String> = CAUSES.iter().map(|(n, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{n}")).collect();
     let _ = writeln!(o, "<p class=\"legend\">Time to first token by cause: {}</p>", legend.join(" "));
     let longest = r.requests.iter().filter_map(|q| q.ttft_ms).fold(0.0, f64::max);
+    // A data-quality line every request carries (no power data, a probe not live) is true of
+    // the trace: said once above the table, not on every row.
+    let common = common_lines(r.requests.iter().map(|q| q.verdict.as_ref().map_or(&[][..], |v| v.data_quality.as_slice())));
+    if !common.is_empty() {
+        let _ = writeln!(o, "<div class=\"dq\">Data quality, for every request: {}</div>", list(&common));
+    }
     let _ = writeln!(
         o,
         "<table class=\"verdicts\"><thead><tr><th>#</th><th>request</th><th>status</th><th>TTFT ms</th><th>TTFT split</th><th>slow cause</th><th>stop cause</th><th>evidence</th><th>data quality</th></tr></thead><tbody>"
@@ -172,7 +190,7 @@ fn verdicts(o: &mut String, r: &Report) {
             escape(&v.map(|v| v.stop_cause.words()).unwrap_or_else(|| "–".into())),
             v.map(|v| list(&v.evidence.iter().cloned().chain(q.engine.as_ref().map(|e| e.words())).collect::<Vec<_>>()))
                 .unwrap_or_default(),
-            v.map(|v| list(&v.data_quality)).unwrap_or_default()
+            v.map(|v| list(&v.data_quality.iter().filter(|l| !common.contains(l)).cloned().collect::<Vec<_>>())).unwrap_or_default()
         );
     }
     let _ = writeln!(o, "</tbody></table>");
@@ -607,6 +625,15 @@ mod tests {
         assert_eq!(escape("a\u{1b}[31mb\0"), "a\u{fffd}[31mb\u{fffd}");
         assert_eq!(escape("ünïcode → ok\n"), "ünïcode → ok\n");
         assert_eq!(escape("&amp;"), "&amp;amp;");
+    }
+
+    #[test]
+    fn a_line_true_of_every_request_is_said_once() {
+        let a = vec!["no power data: no GPU".to_string(), "arrived 5 ms before attach".to_string()];
+        let b = vec!["no power data: no GPU".to_string()];
+        assert_eq!(common_lines([a.as_slice(), b.as_slice()].into_iter()), vec!["no power data: no GPU".to_string()]);
+        assert!(common_lines([a.as_slice()].into_iter()).is_empty(), "one request keeps its own lines");
+        assert!(common_lines([a.as_slice(), &[][..]].into_iter()).is_empty());
     }
 
     #[test]

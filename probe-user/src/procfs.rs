@@ -337,6 +337,8 @@ pub struct TcpSocket {
     pub wqueue: u32,
     /// 0 for a connection not accepted yet (still in its listener's queue).
     pub inode: u64,
+    /// The uid of the socket's owner (its creator's).
+    pub uid: u32,
     pub info: Option<TcpInfo>,
 }
 
@@ -463,6 +465,7 @@ pub fn tcp_sockets(states: u32, info: bool) -> Option<Vec<TcpSocket>> {
                                     rqueue: u32_at(56),
                                     wqueue: u32_at(60),
                                     inode: u64::from(u32_at(68)),
+                                    uid: u32_at(64),
                                     info: tcp,
                                 });
                             }

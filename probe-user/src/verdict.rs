@@ -26,6 +26,36 @@ pub struct CpuWait {
     pub other: u32,
 }
 
+/// The hypervisor's steal while target thread `tid` ran, `ns` in all, somewhere in [from, to]
+/// (the kernel programs' SCHED_STEAL records: wall time on the CPU less what the kernel charged).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StealRun {
+    pub from: u64,
+    pub to: u64,
+    pub tid: u32,
+    pub ns: u64,
+}
+
+/// The steal while the target's threads ran in [from, to], ms: each record's steal spread over its
+/// span and clipped to the window, summed per thread; the most-stolen thread's (the threads of a
+/// pool wait for the slowest at each step). `runs` sorted by `to`.
+pub fn steal_running_ms(runs: &[StealRun], from: u64, to: u64) -> f64 {
+    let mut per: HashMap<u32, f64> = HashMap::new();
+    for r in &runs[runs.partition_point(|r| r.to <= from)..] {
+        if r.from >= to {
+            // Spans are at most 100 ms: past the window by more, no later record reaches in.
+            if r.to > to + 200_000_000 {
+                break;
+            }
+            continue;
+        }
+        let span = r.to.saturating_sub(r.from).max(1);
+        let inside = r.to.min(to).saturating_sub(r.from.max(from));
+        *per.entry(r.tid).or_default() += r.ns as f64 * inside as f64 / span as f64;
+    }
+    per.values().copied().fold(0.0, f64::max) / 1e6
+}
+
 /// One sampler reading of the target's swap use and its CPU cgroup's quota (cumulative counts).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Pressure {
@@ -90,6 +120,8 @@ pub struct Window<'a> {
     pub swaps: &'a [String],
     /// Run-queue waits of the target's threads, in time order of their end.
     pub cpu_waits: &'a [CpuWait],
+    /// The hypervisor's steal while the target's threads ran, in time order of their end.
+    pub steal_runs: &'a [StealRun],
     /// Other processes by pid: (comm, cgroup).
     pub other_names: Option<&'a HashMap<u32, (String, Option<String>)>>,
     /// The target's own pids (a wait for a CPU behind its own threads is not another process's).
@@ -143,6 +175,8 @@ pub struct Window<'a> {
     pub io_limits: &'a [crate::sampler::records::IoLimit],
     /// When the trace ended (a request still in flight is judged up to there).
     pub trace_end_ns: u64,
+    /// What the server's own endpoints said it is ("llama.cpp", "vllm", "ollama"), when known.
+    pub server_kind: Option<&'a str>,
 }
 
 /// A user stack cut at this depth or deeper still shows the functions a request's work ran in:
@@ -534,9 +568,14 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
                 None => format!("the server stopped at the requested limit after {n} tokens (the request itself was not seen)"),
             })
         }
-        ClientDisconnect => Some(format!("the client closed the connection after {} chunks, before the server's final message", q.chunks)),
+        ClientDisconnect => Some(format!(
+            "{} closed the connection after {} chunks, before the server's final message",
+            q.peer_process.as_ref().map_or("the client".to_string(), |p| format!("the client, {},", p.describe())),
+            q.chunks
+        )),
         Deadline => Some(format!(
-            "the peer (client or gateway) closed after {:.1} s without a chunk{}, before the server's final message: a timeout, not a reader that went away",
+            "{} closed after {:.1} s without a chunk{}, before the server's final message: a timeout, not a reader that went away",
+            q.peer_process.as_ref().map_or("the peer (client or gateway)".to_string(), |p| format!("the peer, {},", p.describe())),
             idle_before_close_ms(q).unwrap_or(0.0) / 1e3,
             if q.chunks == 0 { " (none had come)" } else { "" }
         )),
@@ -572,6 +611,24 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
         });
     }
     (cause, why)
+}
+
+/// What keeps a silent stream open through a gateway's read timeout, for the server at hand
+/// (known from its own endpoints, never from a process name).
+pub fn keep_open(server_kind: Option<&str>) -> String {
+    const TIMEOUT: &str = "the gateway's read timeout (nginx proxy_read_timeout, 60 s by default; see the README's table)";
+    match server_kind {
+        Some("llama.cpp") => format!(
+            "to keep it open: llama-server sends an SSE ping after --sse-ping-interval seconds without a token (30 by default, -1 turns it off); set it below {TIMEOUT}, or raise that timeout above the longest silence"
+        ),
+        Some("vllm") => format!(
+            "to keep it open: vLLM sends nothing while a stream is silent (it has no ping): raise {TIMEOUT} above the longest silence"
+        ),
+        Some("ollama") => format!(
+            "to keep it open: Ollama sends nothing while a stream is silent (it has no ping): raise {TIMEOUT} above the longest silence"
+        ),
+        _ => format!("to keep it open: raise {TIMEOUT} above the longest silence, or have the server send keep-alives more often than it"),
+    }
 }
 
 /// The part of a time-ordered series from 10 s before `from` to `until`.
@@ -724,6 +781,9 @@ fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
     }
     v.stop_cause = stop;
     v.evidence.extend(why);
+    if stop == StopCause::Deadline {
+        v.evidence.push(keep_open(w.server_kind));
+    }
     if let Some(n) = w.server_preemptions.filter(|&n| n >= 1.0) {
         v.evidence.push(format!(
             "the server preempted {n:.0} request(s) while this one was served (its KV cache was full): a preempted request is recomputed, which adds time, not a shorter answer"
@@ -834,6 +894,8 @@ struct Breakdown<'w> {
     cache: Option<(u64, u64)>,
     /// Runnable with its CPU idle in this guest, ms (steal is the part the host's steal covers).
     idle_wait: f64,
+    /// The part of steal taken while the threads ran (per switch), ms.
+    steal_run: f64,
 }
 
 fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'w> {
@@ -875,7 +937,11 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     let cpu = union_ms(&runq, served_from, to).min((ttft - disk - memory).max(0.0));
     let idle_waits: Vec<(u64, u64)> = w.cpu_waits.iter().filter(behind_idle).map(|c| (c.from, c.to)).collect();
     let idle_wait = union_ms(&idle_waits, served_from, to);
-    let steal = idle_wait.min(steal_across(w.pressure, served_from, to)).min((ttft - disk - memory - cpu).max(0.0));
+    let steal_idle = idle_wait.min(steal_across(w.pressure, served_from, to)).min((ttft - disk - memory - cpu).max(0.0));
+    // The host's steal while the threads ran is inside the server's own timings (its prompt
+    // time is wall time): taken out of its work, not added on top.
+    let steal_run = steal_running_ms(w.steal_runs, served_from, to).min((ttft - disk - memory - cpu - steal_idle).max(0.0));
+    let steal = steal_idle + steal_run;
     let cpu = cpu + steal;
     let load = match (loaded.first(), reloaded.last()) {
         (Some((t, p)), _) => {
@@ -893,7 +959,7 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     };
     let ramp = ramp(q, w, from, ttft);
     let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - cpu - load).max(0.0)));
-    let compute = (prompt + generated).min((ttft - disk - memory - cpu - load - power).max(0.0));
+    let compute = (prompt + generated - steal_run).max(0.0).min((ttft - disk - memory - cpu - load - power).max(0.0));
     let left = (ttft - (disk + memory + cpu + load + power + compute)).max(0.0);
     // Queue: arrival to the engine's first prompt batch for this request where the engine probe
     // saw it; else the time other requests were being served.
@@ -915,7 +981,7 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
         steal,
     };
     let cache = timings.and_then(|t| Some((t["prompt_n"].as_u64()?, t["cache_n"].as_u64()?)));
-    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue, idle_wait }
+    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue, idle_wait, steal_run }
 }
 
 /// Power: the slowest of the GPUs and the CPUs to reach its working clock when it was below it
@@ -1007,14 +1073,20 @@ fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
         v.evidence.push(cpu_evidence(s.cpu_contention, w, b.served_from, b.to, quota.is_some()));
         v.evidence.extend(quota);
     }
-    if s.steal >= 1.0 {
+    let steal_idle = s.steal - b.steal_run;
+    if steal_idle >= 1.0 {
         v.evidence.push(format!(
-            "{:.0} ms runnable while its CPU ran nothing in this machine: the hypervisor had it (steal; /proc/stat's steal grew {:.0} ms over the CPUs meanwhile)",
-            s.steal,
+            "{steal_idle:.0} ms runnable while its CPU ran nothing in this machine: the hypervisor had it (steal; /proc/stat's steal grew {:.0} ms over the CPUs meanwhile)",
             steal_across(w.pressure, b.served_from, b.to)
         ));
     }
-    let woke = b.idle_wait - s.steal;
+    if b.steal_run >= 1.0 {
+        v.evidence.push(format!(
+            "the hypervisor took {:.0} ms of the CPUs the server ran on, while its threads ran (steal: each run's time on the CPU less what the kernel charged the thread, at every context switch; the most-stolen thread)",
+            b.steal_run
+        ));
+    }
+    let woke = b.idle_wait - steal_idle;
     if woke >= 10.0 {
         v.data_quality.push(format!(
             "{woke:.0} ms runnable with its CPU idle and no steal counted for it (wake-up latency: a CPU leaving a sleep state, or a virtual CPU its host had not run yet): not counted as waiting for a CPU"
@@ -1218,6 +1290,35 @@ mod tests {
         assert_eq!(v.slow_cause, SlowCause::Steal);
         assert!(v.evidence.iter().any(|e| e.starts_with("300 ms runnable while its CPU ran nothing in this machine")), "{:?}", v.evidence);
         assert!(v.data_quality.iter().any(|d| d.starts_with("100 ms runnable with its CPU idle")), "{:?}", v.data_quality);
+    }
+
+    /// Steal while the threads ran (per-switch records): taken out of the server's own work, the
+    /// most-stolen thread's share of the window, a record's steal spread over its span.
+    #[test]
+    fn steal_while_running_comes_out_of_compute() {
+        let ms = 1_000_000u64;
+        let runs = [
+            // Half of its span in the window: 150 of 300 ms.
+            StealRun { from: 0, to: 200 * ms, tid: 7, ns: 300 * ms },
+            StealRun { from: 400 * ms, to: 500 * ms, tid: 7, ns: 100 * ms },
+            // Another thread, stolen less: the pool waits for the slowest.
+            StealRun { from: 400 * ms, to: 500 * ms, tid: 8, ns: 50 * ms },
+            // After the window.
+            StealRun { from: 1100 * ms, to: 1200 * ms, tid: 7, ns: 90 * ms },
+        ];
+        assert_eq!(steal_running_ms(&runs, 100 * ms, 1000 * ms), 250.0);
+        assert_eq!(steal_running_ms(&runs, 2000 * ms, 3000 * ms), 0.0);
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let w = Window { arrival_ns: 0, steal_runs: &runs[1..3], offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.steal, s.compute, s.cpu_contention, s.unexplained), (100.0, 900.0, 0.0, 0.0), "{v:?}");
+        assert!(v.evidence.iter().any(|e| e.starts_with("the hypervisor took 100 ms of the CPUs the server ran on")), "{:?}", v.evidence);
+        // Most of the TTFT stolen: steal is the slow cause.
+        let big = [StealRun { from: 0, to: 1000 * ms, tid: 7, ns: 600 * ms }];
+        let v = attribute(&q, &Window { steal_runs: &big, ..w.clone() });
+        assert_eq!(v.slow_cause, SlowCause::Steal, "{v:?}");
     }
 
     /// Two threads wait for a CPU, overlapping: the request waits once. The server's prompt time

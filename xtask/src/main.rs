@@ -538,6 +538,12 @@ fn demo() -> anyhow::Result<()> {
     let (status, _) = http(&addr, "/v1/chat/completions", &morning_body(), None)?;
     println!("demo: the same request under 3 busy loops (cpuhog): {status}, {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     drop(hogs);
+    // A prompt longer than a slot's context (-c 2048 over -np 2 slots: 1024 tokens each): the
+    // server refuses it, and says both sizes.
+    let long = "The lighthouse keeper wrote in his log every night. ".repeat(150);
+    let body = serde_json::json!({"messages": [{"role": "user", "content": long}], "max_tokens": 8, "stream": false}).to_string();
+    let (status, _) = http(&addr, "/v1/chat/completions", &body, None)?;
+    println!("demo: a prompt longer than a slot's context: {status}");
     std::thread::sleep(Duration::from_millis(500));
     // SIGINT, as Ctrl-C would: probe writes report.json and prints the summary.
     // Through sudo as well: a user may not signal the root-owned sudo (it relays the signal).
@@ -548,10 +554,12 @@ fn demo() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The demo's morning request: a prompt of a few hundred tokens, a short answer, not streamed.
+/// The demo's morning request: a short question (the reload, not the prompt, is the wait), a
+/// short answer, not streamed, its prompt computed every time (the warm repeat did as much work).
 fn morning_body() -> String {
-    let prompt = "The lighthouse keeper wrote in his log every night. ".repeat(20);
-    serde_json::json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0, "stream": false}).to_string()
+    let prompt = "Good morning. What should the lighthouse keeper write in his log tonight?";
+    serde_json::json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0, "stream": false, "cache_prompt": false})
+        .to_string()
 }
 
 /// Wait until llama-server says it sleeps (`--sleep-idle-seconds`: its model unmapped), then drop

@@ -301,6 +301,7 @@ async fn follow(
     let mut second = Second { started: Some(Instant::now()), ..Default::default() };
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut hung_up = false;
+    let (mut peers_at, mut remote_peers) = (Instant::now(), HashSet::new());
     let reason: String = loop {
         let mut more = false;
         tokio::select! {
@@ -328,6 +329,10 @@ async fn follow(
                 break "hangup (SIGHUP)".to_string();
             }
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached".to_string(),
+        }
+        if peers_at.elapsed() >= PEER_LOOKUP {
+            peers_at = Instant::now();
+            name_peers(st, &mut remote_peers);
         }
         if st.root_exited {
             break "target exited".to_string();
@@ -377,6 +382,24 @@ struct Second {
     last_events: u64,
     last_stats: Option<Instant>,
     lost_at_stats: u64,
+}
+
+/// How often new connections' peers are looked up (all of them at once: a lookup reads the
+/// descriptors of the processes that may own the other end).
+const PEER_LOOKUP: Duration = Duration::from_millis(500);
+
+/// The processes at the other end of new connections with a request in flight, looked up once
+/// each while they are open (a gateway that hangs up later is named by it). `remote`: peer
+/// addresses found on no network namespace of this machine, not looked for again.
+fn name_peers(st: &mut State, remote: &mut HashSet<std::net::IpAddr>) {
+    let mut by_pid: BTreeMap<u32, Vec<(String, String)>> = BTreeMap::new();
+    for (pid, local, peer) in st.streams.peers_to_name() {
+        by_pid.entry(pid).or_default().push((local, peer));
+    }
+    for (pid, conns) in by_pid {
+        let found = crate::record::peer::resolve(pid, &conns, remote);
+        st.streams.name_peers(&found);
+    }
 }
 
 impl Second {

@@ -300,6 +300,7 @@ mod tests {
             rqueue,
             wqueue: 0,
             inode,
+            uid: 0,
             info: Some(procfs::TcpInfo {
                 last_data_recv_ms: recv,
                 last_data_sent_ms: sent,

@@ -168,6 +168,8 @@ pub(crate) struct Builder {
     cpu_period_ns: u64,
     /// Run-queue waits of target threads (preempted, runnable): (from, to, what ran instead).
     cpu_waits: Vec<crate::verdict::CpuWait>,
+    /// The hypervisor's steal while target threads ran (SCHED_STEAL records), sorted by end.
+    steal_runs: Vec<crate::verdict::StealRun>,
     /// Other processes by pid: (comm, cgroup), from the `procs` records.
     other_names: HashMap<u32, (String, Option<String>)>,
     /// Each target thread's off-CPU intervals, for the requests' critical paths, and names.
@@ -218,6 +220,7 @@ impl Builder {
             swap_waits: vec![],
             cpu_period_ns: 0,
             cpu_waits: vec![],
+            steal_runs: vec![],
             other_names: HashMap::new(),
             threads: Default::default(),
             thread_names: HashMap::new(),
@@ -596,6 +599,11 @@ impl Builder {
                 self.cpu_waits.push(crate::verdict::CpuWait { from: to.saturating_sub(e.blocked_ns), to, tid: e.tid, other: e.hdr.pid });
                 self.threads.cpu_wait(e.tid, to.saturating_sub(e.blocked_ns), to, e.hdr.pid);
             }
+            Event::Sched(e) if probe_common::stack::is_steal(e.flags) => {
+                let to = e.hdr.ts_ns;
+                let from = to.saturating_sub(probe_common::stack::steal_span_ns(e.flags));
+                self.steal_runs.push(crate::verdict::StealRun { from, to, tid: e.hdr.tid, ns: e.blocked_ns });
+            }
             Event::Data(_) | Event::Stack(_) | Event::Sched(_) => {}
             Event::Engine(e) => self.engine.add(e),
             Event::Mem(m) => {
@@ -663,6 +671,10 @@ impl Builder {
             r.blockio.limits = a.io_limits.clone();
         }
         self.threads.finish();
+        self.steal_runs.sort_by_key(|s| s.to);
+        for s in &self.steal_runs {
+            *r.steal_running_ms.entry(s.tid).or_default() += s.ns as f64 / 1e6;
+        }
         r.schema_version = SCHEMA_VERSION;
         r.problems.splice(0..0, problems);
         let from = self.meta.as_ref().and_then(|m| m.window_start_ns).unwrap_or(self.start).max(self.start);
@@ -778,6 +790,7 @@ impl Builder {
         pressure.sort_by_key(|p| p.ts_ns);
         let swaps: Vec<String> =
             samples.iter().find_map(|v| if let Sample::Samplers(s) = v { Some(s.swaps.clone()) } else { None }).unwrap_or_default();
+        let server_kind = polls.iter().rev().map(|v| v.kind.name()).find(|k| !matches!(*k, "other" | "none"));
         let sleeping_before = |t: u64| polls.iter().rev().find(|v| v.ts_ns <= t).is_some_and(|v| v.sleeping() == Some(true));
         let deferred_in = |from: u64, to: u64| {
             polls
@@ -909,6 +922,7 @@ impl Builder {
                 pressure: &pressure,
                 swaps: &swaps,
                 cpu_waits: &self.cpu_waits,
+                steal_runs: &self.steal_runs,
                 other_names: Some(&self.other_names),
                 target_pids: &target_pids,
                 files_read,
@@ -939,6 +953,7 @@ impl Builder {
                 }),
                 io_limits: attach.map_or(&[], |a| a.io_limits.as_slice()),
                 trace_end_ns: self.end_ts,
+                server_kind,
             };
             let mut v = crate::verdict::attribute(q, &w);
             // The model files' page-cache residency at the last reading before arrival.
@@ -1112,10 +1127,42 @@ pub(crate) fn against_warm(requests: &mut [Request], kept: &[crate::recording::r
                 }
             };
             v.evidence.push(format!("{:.1}× this server's warm TTFT for {} ({median:.0} ms, {of})", ttft / median, size_words(size, unit)));
+            growth_is_contention(v, ttft, median);
             if v.slow_cause == SlowCause::None {
                 beyond_warm(v, ttft - median);
             }
         }
+    }
+}
+
+/// The server's own work grew over its warm baseline for as much work while other processes held
+/// the CPUs its threads waited for: the growth is cpu_contention, not compute. A pool's threads
+/// meet at a barrier after every step; one preempted by another process leaves the others spinning
+/// (running, to the scheduler) or parked until it runs again, so the run-queue wait counts only
+/// part of what the other process took. Growth under 20% (caches shared with the other job) stays
+/// compute; without competitors (the CPUs were the server's) it is compute too.
+fn growth_is_contention(v: &mut crate::verdict::Verdict, ttft: f64, warm: f64) {
+    const GREW: f64 = 1.2;
+    let held: f64 = v.competitors.iter().map(|c| c.ms).sum();
+    let Some(s) = v.ttft_ms.as_mut() else { return };
+    if held < 10.0 || s.compute < GREW * warm {
+        return;
+    }
+    let moved = (s.compute - warm).min(ttft - warm).max(0.0);
+    if moved < 1.0 {
+        return;
+    }
+    s.compute -= moved;
+    s.cpu_contention += moved;
+    let names: Vec<String> = v.competitors.iter().take(3).map(|c| format!("{} {:.0} ms", c.who(), c.ms)).collect();
+    v.evidence.push(format!(
+        "its own work took {:.0} ms against {warm:.0} ms warm for as much work, while other processes held the CPUs its threads waited for ({}): the {moved:.0} ms it grew is cpu_contention (a pool's threads wait at each step for a peer that another process preempted, spinning or parked)",
+        s.compute + moved,
+        names.join(", ")
+    ));
+    let (cause, ms) = s.largest_stall();
+    if ms >= 0.25 * ttft && ms >= s.compute {
+        v.slow_cause = cause;
     }
 }
 
@@ -1385,6 +1432,61 @@ mod tests {
         let v = rs2[3].verdict.as_ref().unwrap();
         assert_eq!(v.slow_cause, SlowCause::None);
         assert!(v.data_quality.iter().any(|d| d.contains("380 ms slower than this server's warm requests")), "{:?}", v.data_quality);
+    }
+
+    /// Per-token time that grew over the warm baseline while other processes held the CPUs is
+    /// cpu_contention (a pool spinning at barriers for a preempted peer); the same growth on
+    /// CPUs nobody else held is the server's own work.
+    #[test]
+    fn grown_work_beside_other_processes_is_contention() {
+        use crate::{
+            stream::payload::Stop,
+            verdict::{Competitor, Split, Verdict},
+        };
+        let mk = |id: u64, ttft: f64, split: Split, held: f64| Request {
+            record: RequestRecord {
+                id,
+                ttft_ms: Some(ttft),
+                stop: Stop { server_timings: Some(serde_json::json!({"prompt_n": 280, "cache_n": 0})), ..Default::default() },
+                ..Default::default()
+            },
+            verdict: Some(Verdict {
+                slow_cause: SlowCause::Compute,
+                ttft_ms: Some(split),
+                competitors: if held > 0.0 {
+                    vec![Competitor { pid: 42, comm: Some("backup".into()), cgroup: None, ms: held }]
+                } else {
+                    vec![]
+                },
+                ..Default::default()
+            }),
+            engine: None,
+        };
+        let warm = || mk(1, 800.0, Split { compute: 800.0, ..Default::default() }, 0.0);
+        let busy = mk(2, 3560.0, Split { compute: 2745.0, cpu_contention: 815.0, ..Default::default() }, 815.0);
+        let mut rs = vec![warm(), busy.clone()];
+        against_warm(&mut rs, &[]);
+        let v = rs[1].verdict.as_ref().unwrap();
+        let s = v.ttft_ms.as_ref().unwrap();
+        assert_eq!((s.compute, s.cpu_contention), (800.0, 2760.0), "{v:?}");
+        assert_eq!(v.slow_cause, SlowCause::CpuContention);
+        assert!(
+            v.evidence.iter().any(|e| e.contains("the 1945 ms it grew is cpu_contention") && e.contains("backup (pid 42)")),
+            "{:?}",
+            v.evidence
+        );
+        // Nobody else held the CPUs: the growth stays the server's own work.
+        let alone = mk(3, 3560.0, Split { compute: 3560.0, ..Default::default() }, 0.0);
+        let mut rs = vec![warm(), alone];
+        against_warm(&mut rs, &[]);
+        let s = rs[1].verdict.as_ref().unwrap().ttft_ms.clone().unwrap();
+        assert_eq!((s.compute, s.cpu_contention), (3560.0, 0.0));
+        // Under 20% grown: caches shared with the other job, still compute.
+        let near = mk(4, 1300.0, Split { compute: 900.0, cpu_contention: 400.0, ..Default::default() }, 400.0);
+        let mut rs = vec![warm(), near];
+        against_warm(&mut rs, &[]);
+        let s = rs[1].verdict.as_ref().unwrap().ttft_ms.clone().unwrap();
+        assert_eq!((s.compute, s.cpu_contention), (900.0, 400.0));
     }
 
     fn fill(order: u32) -> Event {

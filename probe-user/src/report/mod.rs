@@ -64,6 +64,10 @@ pub struct Report {
     /// (per program; events that were never made).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub skipped_runs: BTreeMap<String, u64>,
+    /// The hypervisor's steal while each target thread ran, ms by tid (SCHED_STEAL records; none
+    /// on a machine whose kernel does not account steal).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub steal_running_ms: BTreeMap<u32, f64>,
     pub counters: BTreeMap<String, u64>,
     /// What the request-stream tracker gave up to stay bounded (connections dropped, peaks).
     #[serde(default, skip_serializing_if = "Option::is_none")]

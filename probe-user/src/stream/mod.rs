@@ -296,6 +296,10 @@ pub struct RequestRecord {
     /// have come before, so there is no TTFT.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub began_before_attach: bool,
+    /// The process at the other end, when it runs on this machine (a gateway, a chat UI's
+    /// backend, a local client): looked up while the connection was open.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_process: Option<crate::record::peer::PeerProcess>,
 }
 
 impl RequestRecord {
@@ -413,6 +417,9 @@ struct Conn {
     overflow: bool,
     /// The kernel's time for the first request head still to be read (see [`SeedState::Unread`]).
     arrival_hint: Option<u64>,
+    /// The owner of the other end, when it is on this machine ([`Tracker::peers_to_name`]).
+    peer_process: Option<crate::record::peer::PeerProcess>,
+    peer_asked: bool,
 }
 
 impl Conn {
@@ -436,6 +443,8 @@ impl Conn {
             held: 0,
             overflow: false,
             arrival_hint: None,
+            peer_process: None,
+            peer_asked: false,
         }
     }
 
@@ -467,6 +476,8 @@ pub struct Tracker {
     /// Connections in flight at attach not seen yet, by (local, peer): taken up by their first
     /// event ([`Tracker::seed`]).
     seeds: HashMap<(String, String), Seed>,
+    /// Connections whose peer has not been looked for ([`Tracker::peers_to_name`]).
+    new_conns: Vec<u64>,
     /// Connections in flight at attach followed under a key of their own until their first
     /// event gives the kernel's socket address.
     seeded: HashMap<(String, String), u64>,
@@ -503,6 +514,7 @@ impl Tracker {
             limits: Limits::default(),
             seeds: HashMap::new(),
             seeded: HashMap::new(),
+            new_conns: Vec::new(),
         }
     }
 
@@ -524,6 +536,7 @@ impl Tracker {
             let p = Self::pending_at_attach(&conn, &mut self.next_id, s.arrival_ns, self.start_ns, false);
             conn.pending.push_back(p);
             self.conns.insert(sk, conn);
+            self.new_conns.push(sk);
             self.seeded.insert(key, sk);
         }
     }
@@ -571,6 +584,7 @@ impl Tracker {
         if let Some(old) = self.seeded.remove(&key) {
             if let Some(c) = self.conns.remove(&old) {
                 self.conns.insert(sk, c);
+                self.new_conns.push(sk);
             }
             return;
         }
@@ -594,6 +608,7 @@ impl Tracker {
         self.seeds.remove(&key);
         if conn.arrival_hint.is_some() || !conn.pending.is_empty() {
             self.conns.insert(sk, conn);
+            self.new_conns.push(sk);
         }
     }
 
@@ -660,6 +675,44 @@ impl Tracker {
     }
 
     /// Requests not finished yet.
+    /// Connections with a request in flight whose other end has not been looked for yet, once
+    /// each: (target pid, local, peer). Looked up while open (a closed socket has no owner).
+    pub fn peers_to_name(&mut self) -> Vec<(u32, String, String)> {
+        let mut out = Vec::new();
+        for sk in std::mem::take(&mut self.new_conns) {
+            let Some(c) = self.conns.get_mut(&sk) else { continue };
+            if c.peer_asked {
+                continue;
+            }
+            if c.pending.is_empty() {
+                // No request yet: looked at again at the next turn.
+                self.new_conns.push(sk);
+                continue;
+            }
+            c.peer_asked = true;
+            if c.pending.iter().all(|p| p.rec.probe_poll) {
+                continue;
+            }
+            out.push((c.pid, c.local.clone(), c.peer.clone()));
+        }
+        out
+    }
+
+    /// What [`crate::record::peer::resolve`] found for connections [`Tracker::peers_to_name`] gave.
+    pub fn name_peers(&mut self, found: &HashMap<(String, String), crate::record::peer::PeerProcess>) {
+        if found.is_empty() {
+            return;
+        }
+        for c in self.conns.values_mut() {
+            if let Some(p) = found.get(&(c.local.clone(), c.peer.clone())) {
+                c.peer_process = Some(p.clone());
+                for q in &mut c.pending {
+                    q.rec.peer_process = Some(p.clone());
+                }
+            }
+        }
+    }
+
     pub fn in_flight(&self) -> usize {
         self.conns.values().map(|c| c.pending.len()).sum()
     }
@@ -755,10 +808,13 @@ impl Tracker {
             let (local, peer) = (addr(ev.family, &ev.saddr, ev.sport), addr(ev.family, &ev.daddr, ev.dport));
             self.adopt(ev.sk, &local, &peer, Some(ev.dir == DIR_SEND), payload);
         }
-        let conn = self
-            .conns
-            .entry(ev.sk)
-            .or_insert_with(|| Conn::new(ev.hdr.pid, addr(ev.family, &ev.saddr, ev.sport), addr(ev.family, &ev.daddr, ev.dport)));
+        let conn = match self.conns.entry(ev.sk) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                self.new_conns.push(ev.sk);
+                e.insert(Conn::new(ev.hdr.pid, addr(ev.family, &ev.saddr, ev.sport), addr(ev.family, &ev.daddr, ev.dport)))
+            }
+        };
         let ts = ev.hdr.ts_ns;
         conn.last_tid = ev.hdr.tid;
         if ev.syscall & DATA_TAIL != 0 {
@@ -863,6 +919,7 @@ impl Tracker {
             role,
             partial,
             reset: Reset::None,
+            peer_process: conn.peer_process.clone(),
             ..Default::default()
         };
         Pending {
@@ -1329,6 +1386,9 @@ fn finalize(mut p: Pending, conn: &Conn, closed_by: ClosedBy) -> RequestRecord {
     p.rec.content_complete = p.final_at.is_some_and(|t| target_is_client || conn.peer_closed_at.is_none_or(|c| t <= c));
     p.rec.closed_by = closed_by;
     p.rec.reset = conn.reset;
+    if p.rec.peer_process.is_none() {
+        p.rec.peer_process = conn.peer_process.clone();
+    }
     // An answer sent whole that held no text (EOS at once) was still ready when it was sent.
     let whole = p.rec.stream != Some(true)
         && p.rec.chunk_times_ms.is_empty()

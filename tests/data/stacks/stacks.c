@@ -1,7 +1,8 @@
 /* Workloads with known call chains for probe's stack tests. Built by the tests with
  * `cc -O2 -fomit-frame-pointer`: no frame pointers, like real servers, so only .eh_frame
  * unwinding gives full stacks. Each mode prints "ready PID", waits for a line on stdin, works,
- * prints "done ...". Modes: spin SECS, read-cold FILE MIB, touch-cold FILE PAGES, churn THREADS.
+ * prints "done ...". Modes: spin SECS, read-cold FILE MIB, touch-cold FILE PAGES, churn THREADS,
+ * bursts SECS (5 ms of work, 200 us asleep: the steal it measured while it ran).
  *   stacks spin SECONDS          outer -> middle -> inner, spinning in inner
  *   stacks read-cold FILE MB     read_cold(): O_DIRECT reads of a file evicted from the cache
  *   stacks touch-cold FILE PAGES touch_cold(): touches PAGES pages of a cold file mapped MADV_RANDOM
@@ -162,6 +163,25 @@ __attribute__((noinline)) uint64_t churn_sleep(int n) {
     return now_ns() - t0;
 }
 
+/* Bursts of 5 ms of work, 200 us asleep between them, for SECS: the hypervisor's steal while
+ * the thread ran, as the thread measures it itself: each burst's wall time less its CPU time
+ * (which leaves steal out) and less its run-queue wait. */
+static void bursts(double secs) {
+    uint64_t end = now_ns() + (uint64_t)(secs * 1e9), stolen = 0, s0 = steal_ticks(), n = 0;
+    struct timespec nap = {0, 200000};
+    while (now_ns() < end) {
+        uint64_t q0 = thread_runq_ns(), c0 = thread_cpu_ns(), t0 = now_ns();
+        inner(t0 + 5000000);
+        uint64_t t1 = now_ns(), c1 = thread_cpu_ns(), q1 = thread_runq_ns();
+        int64_t d = (int64_t)(t1 - t0) - (int64_t)(c1 - c0) - (int64_t)(q1 - q0);
+        if (d > 0) stolen += (uint64_t)d;
+        n++;
+        nanosleep(&nap, NULL);
+    }
+    printf("done stolen_ns=%llu steal_ticks=%llu ticks_per_s=%ld tid=%d bursts=%llu\n", (unsigned long long)stolen,
+           (unsigned long long)(steal_ticks() - s0), sysconf(_SC_CLK_TCK), (int)gettid(), (unsigned long long)n);
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) { fprintf(stderr, "usage: see the comment at the top\n"); return 2; }
     if (!strcmp(argv[1], "spin")) {
@@ -181,6 +201,9 @@ int main(int argc, char **argv) {
         wait_go();
         touch_cold(argv[2], pages);
         printf("done pages=%zu\n", pages);
+    } else if (!strcmp(argv[1], "bursts")) {
+        wait_go();
+        bursts(atof(argv[2]));
     } else if (!strcmp(argv[1], "churn")) {
         /* Many short-lived threads, 64 at a time; then the main thread blocks. */
         int n = atoi(argv[2]);

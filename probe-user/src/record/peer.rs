@@ -1,0 +1,208 @@
+//! The process at the other end of a request's connection, when it runs on this machine: the
+//! gateway (nginx, a tunnel, a chat UI's backend) or client that hung up is named by the owner of
+//! the peer socket. The kernel's own state, read while the connection is open (a closed socket
+//! has no owner): sock_diag finds the socket whose local address is the request's peer and whose
+//! peer is the request's local address, in the server's network namespace and then in the others
+//! of this machine (a container on a bridge); its inode is matched to a process by /proc/PID/fd.
+//! Nothing keys on a process's name: what is found is said as it is.
+use std::{
+    collections::{HashMap, HashSet},
+    net::{IpAddr, SocketAddr},
+    os::unix::fs::MetadataExt as _,
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::procfs;
+
+/// Network namespaces searched at most for one lookup (the server's own first).
+const MAX_NETNS: usize = 32;
+/// Processes whose descriptors are read at most for one lookup.
+const MAX_PROCS: usize = 4096;
+
+/// The owner of a request's peer socket.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PeerProcess {
+    pub pid: u32,
+    pub comm: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exe: Option<String>,
+    /// Its container (name from the runtime's state files, else the id), when it runs in one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+}
+
+impl PeerProcess {
+    /// "nginx (pid 123, /usr/sbin/nginx, container web)".
+    pub fn describe(&self) -> String {
+        let mut parts = vec![format!("pid {}", self.pid)];
+        parts.extend(self.exe.clone());
+        parts.extend(self.container.as_ref().map(|c| format!("container {c}")));
+        format!("{} ({})", self.comm, parts.join(", "))
+    }
+}
+
+/// An address as the stream tracker writes it ("1.2.3.4:80", "[::1]:80"), with an IPv4 address
+/// mapped into IPv6 (a dual-stack listener's view of an IPv4 client) made IPv4 again.
+pub fn parse_addr(s: &str) -> Option<SocketAddr> {
+    let a: SocketAddr = s.parse().ok()?;
+    Some(SocketAddr::new(a.ip().to_canonical(), a.port()))
+}
+
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+/// For each (local, peer) of connections of the server `pid`: the process owning the other end,
+/// where it is on this machine. Pairs not found are left out. `remote` holds peer addresses found
+/// on no namespace of this machine before; those found on none now are added to it.
+pub fn resolve(pid: u32, conns: &[(String, String)], remote: &mut HashSet<IpAddr>) -> HashMap<(String, String), PeerProcess> {
+    let mut want: HashMap<(SocketAddr, SocketAddr), (String, String)> = HashMap::new();
+    for (l, p) in conns {
+        if let (Some(la), Some(pa)) = (parse_addr(l), parse_addr(p))
+            && !remote.contains(&pa.ip())
+        {
+            // The peer's socket: local = our peer, peer = our local.
+            want.insert((pa, la), (l.clone(), p.clone()));
+        }
+    }
+    let mut out = HashMap::new();
+    if want.is_empty() {
+        return out;
+    }
+    // Namespaces: the server's first, then one process's view of each other one.
+    let ns_of = |p: u32| std::fs::metadata(format!("/proc/{p}/ns/net")).ok().map(|m| m.ino());
+    let mut spaces: Vec<(u64, u32)> = ns_of(pid).map(|n| (n, pid)).into_iter().collect();
+    let pids = procfs::all_pids();
+    for &p in &pids {
+        if spaces.len() >= MAX_NETNS {
+            break;
+        }
+        if let Some(n) = ns_of(p)
+            && !spaces.iter().any(|(m, _)| *m == n)
+        {
+            spaces.push((n, p));
+        }
+    }
+    // Inode of each wanted socket, the namespace it was found in and its owner's uid.
+    let mut inodes: HashMap<u64, ((String, String), u64, u32)> = HashMap::new();
+    let mut local_ips: HashSet<IpAddr> = HashSet::new();
+    for &(ns, p) in &spaces {
+        if inodes.len() == want.len() {
+            break;
+        }
+        let Some(socks) = sockets_in(p) else { continue };
+        for s in socks {
+            let (l, r) = (canonical(s.local), canonical(s.peer));
+            local_ips.insert(l.ip());
+            if s.inode != 0
+                && let Some(key) = want.get(&(l, r))
+            {
+                inodes.insert(s.inode, (key.clone(), ns, s.uid));
+            }
+        }
+    }
+    for (pa, _) in want.keys() {
+        if !local_ips.contains(&pa.ip()) && !pa.ip().is_loopback() {
+            remote.insert(pa.ip());
+        }
+    }
+    if inodes.is_empty() {
+        return out;
+    }
+    // The owner of each inode: processes of the namespaces it was found in, those of the socket's
+    // uid first (reading every process's descriptors is the cost: a gateway's user has a few).
+    let spaces_found: HashSet<u64> = inodes.values().map(|(_, ns, _)| *ns).collect();
+    let uids: HashSet<u32> = inodes.values().map(|(_, _, u)| *u).collect();
+    let in_space: Vec<(u32, Option<u32>)> = pids
+        .iter()
+        .take(MAX_PROCS)
+        .filter(|&&p| ns_of(p).is_some_and(|n| spaces_found.contains(&n)))
+        .map(|&p| (p, std::fs::metadata(format!("/proc/{p}")).ok().map(|m| m.uid())))
+        .collect();
+    for same_uid in [true, false] {
+        for &(p, uid) in &in_space {
+            if out.len() == inodes.len() {
+                return out;
+            }
+            if uid.is_some_and(|u| uids.contains(&u)) != same_uid {
+                continue;
+            }
+            for ino in procfs::socket_inodes(p) {
+                if let Some((key, _, _)) = inodes.get(&ino)
+                    && !out.contains_key(key)
+                {
+                    out.insert(key.clone(), describe(p));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The process `pid` as a peer: its comm, executable and container.
+fn describe(pid: u32) -> PeerProcess {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let container = crate::watch::place::parse_cgroups(&cgroups)
+        .0
+        .map(|id| crate::cgroup::name_of_id(&id).unwrap_or_else(|| id.chars().take(12).collect()));
+    PeerProcess {
+        pid,
+        comm: procfs::comm(pid),
+        exe: std::fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned()),
+        container,
+    }
+}
+
+/// Every established TCP socket in `pid`'s network namespace (from a thread moved there).
+fn sockets_in(pid: u32) -> Option<Vec<procfs::TcpSocket>> {
+    const TCP_ESTABLISHED: u32 = 1;
+    let dump = || procfs::tcp_sockets(1 << TCP_ESTABLISHED, false);
+    if procfs::netns(procfs::self_pid()) == procfs::netns(pid) {
+        return dump();
+    }
+    std::thread::Builder::new()
+        .name("probe-peer".into())
+        .spawn(move || {
+            let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
+            procfs::enter_netns(&ns).ok()?;
+            dump()
+        })
+        .ok()
+        .and_then(|t| t.join().ok())
+        .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection of this process to itself: the peer of the accepted end is found as this
+    /// process; an address on no namespace of this machine is remembered as remote.
+    #[test]
+    fn the_peer_of_a_loopback_connection_is_its_owner() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let key = (s.local_addr().unwrap().to_string(), s.peer_addr().unwrap().to_string());
+        assert_eq!(key.1, c.local_addr().unwrap().to_string());
+        let mut remote = HashSet::new();
+        let got = resolve(std::process::id(), std::slice::from_ref(&key), &mut remote);
+        let p = got.get(&key).unwrap_or_else(|| panic!("{key:?} not found: {got:?}"));
+        assert_eq!(p.pid, std::process::id());
+        assert_eq!(p.comm, procfs::comm(std::process::id()));
+        assert!(p.exe.as_deref().is_some_and(|e| e.starts_with('/')), "{p:?}");
+        assert!(remote.is_empty(), "{remote:?}");
+        // TEST-NET-3 is nobody's address here.
+        let far = ("127.0.0.1:80".to_string(), "203.0.113.9:5555".to_string());
+        assert!(resolve(std::process::id(), &[far], &mut remote).is_empty());
+        assert!(remote.contains(&"203.0.113.9".parse::<IpAddr>().unwrap()), "{remote:?}");
+    }
+
+    #[test]
+    fn mapped_addresses_compare_as_ipv4() {
+        assert_eq!(parse_addr("[::ffff:127.0.0.1]:8080"), Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(parse_addr("[::1]:80"), Some("[::1]:80".parse().unwrap()));
+        assert_eq!(parse_addr("?"), None);
+    }
+}
