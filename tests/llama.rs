@@ -1217,12 +1217,45 @@ fn cpu_hog_case(threads: Option<u32>) {
     args.extend(threads.iter().flat_map(|t| ["-t".to_string(), t.to_string()]));
     let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &args.iter().map(String::as_str).collect::<Vec<_>>());
     let pid = srv.id();
-    let ask = || story_request(addr);
-    ask(); // warm: the model is loaded and paged in
-    let (p, out) = trace_pid(pid, &format!("cpuhog-{}", threads.map_or("default".into(), |t| t.to_string())), &[]);
+    let ask = |_: u32| story_request(addr);
+    ask(0); // warm: the model is loaded and paged in
+    hog_case(pid, &format!("cpuhog-{}", threads.map_or("default".into(), |t| t.to_string())), threads, ask, true);
+    let _ = srv.kill();
+    let _ = srv.wait();
+}
+
+/// The same job beside llama-cpp-python's server (two threads): a second server, its prompt timed
+/// by the engine probe (no server timings). Each request's prompt differs in its first words (the
+/// server reuses a prefix it computed before), the same size.
+#[test]
+fn a_cpu_hog_beside_llama_cpp_python_is_cpu_contention() {
+    let _cpus = shared_cpus();
+    let s = common::PyServer::start();
+    let addr = s.addr;
+    let ask = move |i: u32| {
+        let words = ["Once", "Long ago", "Today", "Tonight"][i as usize % 4];
+        let body = json!({
+            "messages": [{"role": "user", "content": format!("{words}, tell me a long story about a cat and a dog. {}", "The cat and the dog were friends. ".repeat(24))}],
+            "max_tokens": 4, "stream": false, "temperature": 0,
+        });
+        let c = TcpStream::connect(addr).unwrap();
+        let client = c.local_addr().unwrap();
+        send_request(&c, "POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(read_response(&mut BufReader::new(&c), None).status, 200);
+        client
+    };
+    ask(3); // warm
+    hog_case(s.child.id(), "cpuhog-python", Some(2), ask, false);
+}
+
+/// Trace `pid` through a calm request (`ask(1)`) and one under busy loops (`ask(2)`), and check
+/// the verdicts against schedstat and the client's clock; `path`: check the critical path too
+/// (llama-server's threads, whose hops the verdict names).
+fn hog_case(pid: u32, name: &str, threads: Option<u32>, ask: impl Fn(u32) -> SocketAddr, path_checks: bool) {
+    let (p, out) = trace_pid(pid, name, &[]);
     let calm_before = schedstat(pid);
     let t = Instant::now();
-    let calm = ask();
+    let calm = ask(1);
     let calm_ms = t.elapsed().as_secs_f64() * 1e3;
     let calm_after = schedstat(pid);
     // The threads doing the work: as many as asked for, else those the server chose (each ran
@@ -1245,7 +1278,7 @@ fn cpu_hog_case(threads: Option<u32>) {
     std::thread::sleep(Duration::from_millis(300));
     let before = schedstat(pid);
     let t = Instant::now();
-    let busy = ask();
+    let busy = ask(2);
     let busy_ms = t.elapsed().as_secs_f64() * 1e3;
     let after = schedstat(pid);
     for h in &mut hogs {
@@ -1253,8 +1286,6 @@ fn cpu_hog_case(threads: Option<u32>) {
         let _ = h.wait();
     }
     let r = stop_trace(p, &out);
-    let _ = srv.kill();
-    let _ = srv.wait();
     let (grew, busiest, sum) = run_queue_grew(&before, &after, threads);
     let q = find(&r, busy)[0];
     let v = &q["verdict"];
@@ -1269,26 +1300,11 @@ fn cpu_hog_case(threads: Option<u32>) {
         cpu >= busiest - slack(busiest) && cpu <= sum + slack(sum),
         "cpu_contention {cpu:.0} ms vs schedstat {busiest:.0}..{sum:.0} ms: {v}"
     );
-    // The scheduler's view: the critical path runs through the server's own threads, and its wait
-    // for a CPU is what the kernel counted for the threads on it.
-    let path = &v["critical_path"];
-    let on_path: Vec<u64> = path["threads"].as_array().unwrap().iter().filter_map(|t| t["tid"].as_u64()).collect();
-    let path_truth: Vec<f64> = grew.iter().filter(|g| on_path.contains(&u64::from(g.0))).map(|g| g.1 as f64 / 1e6).collect();
-    let path_cpu = path["states"]["cpu_wait"].as_f64().unwrap();
-    eprintln!("critical path {path}; schedstat run-queue wait of its threads: {path_truth:?}");
-    assert!(!path_truth.is_empty() && path_truth.len() == on_path.len(), "the path's threads are the server's: {path} vs {grew:?}");
-    assert!(
-        path_cpu >= path_truth.iter().copied().fold(0.0, f64::max) * 0.85 - 50.0
-            && path_cpu <= path_truth.iter().sum::<f64>() * 1.15 + 50.0,
-        "critical path's wait for a CPU {path_cpu:.0} ms vs schedstat {path_truth:?}"
-    );
-    // ...and the evidence says which server thread the request's thread waited on, and that it
-    // was waiting for a CPU meanwhile.
-    let evidence: Vec<&str> = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
-    let hop = evidence.iter().find(|e| e.contains("on server thread ")).unwrap_or_else(|| panic!("no wait on a server thread: {v}"));
-    assert!(hop.contains("waiting for a CPU"), "{hop}");
     let said = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).find(|e| e.contains("waiting for a CPU")).unwrap();
     assert!(hogs.iter().any(|h| said.contains(&format!("cpuhog (pid {}", h.id()))), "the competitors are not named: {said}");
+    if path_checks {
+        critical_path_checks(v, &grew);
+    }
     // Against the warm request of the same trace: the ratio the client's own clock saw (the
     // verdict names it from 1.5× on; the case needs the job to have slowed the request more).
     let clock = busy_ms / calm_ms;
@@ -1311,18 +1327,47 @@ fn cpu_hog_case(threads: Option<u32>) {
     let split = &v["ttft_ms"];
     let calm_cpu = split["cpu_contention"].as_f64().unwrap();
     eprintln!("control: cpu_contention {calm_cpu:.0} ms, schedstat {calm_busiest:.0}..{calm_sum:.0} ms; TTFT {ttft:.0} ms");
-    assert!(calm_busiest < 0.1 * ttft, "the control waited {calm_busiest:.0} ms for a CPU by schedstat: the machine was not idle");
     assert!(["none", "compute"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
-    assert!(
-        calm_cpu >= calm_busiest - slack(calm_busiest) && calm_cpu <= calm_sum + slack(calm_sum),
-        "control: cpu_contention {calm_cpu:.0} ms vs schedstat {calm_busiest:.0}..{calm_sum:.0} ms: {v}"
-    );
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    if threads as usize <= cpus {
+        assert!(calm_busiest < 0.1 * ttft, "the control waited {calm_busiest:.0} ms for a CPU by schedstat: the machine was not idle");
+        assert!(
+            calm_cpu >= calm_busiest - slack(calm_busiest) && calm_cpu <= calm_sum + slack(calm_sum),
+            "control: cpu_contention {calm_cpu:.0} ms vs schedstat {calm_busiest:.0}..{calm_sum:.0} ms: {v}"
+        );
+    } else {
+        // More workers than CPUs: schedstat also counts their waits behind each other (the
+        // server's own work sharing the CPUs, which the verdict leaves out), so it bounds nothing
+        // here; the control still names no contention worth a cause.
+        assert!(calm_cpu < 0.25 * ttft, "control: cpu_contention {calm_cpu:.0} ms of {ttft:.0}: {v}");
+    }
     assert!(split["unexplained"].as_f64().unwrap() < 0.1 * ttft, "{v}");
     // Its thread waited on the server's working thread too, which ran: no stall to name unless
     // the kernel counted one (the verdict names a thread that stalled for 5% of the TTFT).
     if calm_sum < 0.04 * ttft {
         assert!(!v["evidence"].to_string().contains("on server thread"), "{v}");
     }
+}
+
+/// The scheduler's view: the critical path runs through the server's own threads, and its wait
+/// for a CPU is what the kernel counted for the threads on it (schedstat growth `grew`).
+fn critical_path_checks(v: &Value, grew: &[(u32, u64, u64)]) {
+    let path = &v["critical_path"];
+    let on_path: Vec<u64> = path["threads"].as_array().unwrap().iter().filter_map(|t| t["tid"].as_u64()).collect();
+    let path_truth: Vec<f64> = grew.iter().filter(|g| on_path.contains(&u64::from(g.0))).map(|g| g.1 as f64 / 1e6).collect();
+    let path_cpu = path["states"]["cpu_wait"].as_f64().unwrap();
+    eprintln!("critical path {path}; schedstat run-queue wait of its threads: {path_truth:?}");
+    assert!(!path_truth.is_empty() && path_truth.len() == on_path.len(), "the path's threads are the server's: {path} vs {grew:?}");
+    assert!(
+        path_cpu >= path_truth.iter().copied().fold(0.0, f64::max) * 0.85 - 50.0
+            && path_cpu <= path_truth.iter().sum::<f64>() * 1.15 + 50.0,
+        "critical path's wait for a CPU {path_cpu:.0} ms vs schedstat {path_truth:?}"
+    );
+    // ...and the evidence says which server thread the request's thread waited on, and that it
+    // was waiting for a CPU meanwhile.
+    let evidence: Vec<&str> = v["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    let hop = evidence.iter().find(|e| e.contains("on server thread ")).unwrap_or_else(|| panic!("no wait on a server thread: {v}"));
+    assert!(hop.contains("waiting for a CPU"), "{hop}");
 }
 
 /// Bytes the process made the kernel read from storage (/proc/PID/io `read_bytes`, the truth).
