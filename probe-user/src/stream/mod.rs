@@ -968,7 +968,26 @@ impl Tracker {
                             // A head that waited unread at attach: the kernel dated its arrival.
                             let hint = conn.arrival_hint.take();
                             let t0 = hint.map_or(*t0, |h| h.min(*t0));
+                            // A stand-in taken up at attach (the kernel's state said read, nothing
+                            // answered) whose head probe then saw read: the read came between
+                            // arming and the dump. The head is the stand-in's own, not another
+                            // request's (else one request is two: its head without its answer,
+                            // its answer without its head).
+                            let stand_in = conn.pending.back().is_some_and(|q| {
+                                q.rec.method.is_none()
+                                    && q.rec.arrival_by == Arrival::TcpState
+                                    && q.rec.request_bytes == 0
+                                    && !q.response_started
+                            });
+                            let own_id = if stand_in { conn.pending.pop_back().map(|q| q.rec.id) } else { None };
                             let mut p = Self::new_pending(conn, id, role, false, head.probe_poll);
+                            if let Some(own) = own_id {
+                                // The number just taken goes back: ids stay consecutive.
+                                if !head.probe_poll {
+                                    id.next -= 1;
+                                }
+                                p.rec.id = own;
+                            }
                             if hint.is_some() {
                                 p.rec.arrival_by = Arrival::TcpState;
                             }
@@ -1535,6 +1554,39 @@ mod tests {
         assert_eq!(t.usage().0, 2);
         assert_eq!(t.limits().conns_forgotten, 1);
         assert_eq!(t.in_flight(), 1);
+    }
+
+    /// A connection the kernel's state at attach showed waiting for its answer whose request probe
+    /// saw read anyway (the read came between arming and the dump): one request, its head seen.
+    #[test]
+    fn a_request_read_between_arming_and_the_dump_is_one_request() {
+        let s = 1_000_000_000u64;
+        let mut t = Tracker::new(10 * s, false);
+        t.seed(vec![Seed {
+            pid: 100,
+            local: "0.0.0.0:8080".into(),
+            peer: "0.0.0.0:40000".into(),
+            arrival_ns: 10 * s,
+            state: SeedState::Waiting,
+        }]);
+        assert_eq!(t.serving().len(), 1);
+        let body = br#"{"prompt":"x","n_predict":4}"#;
+        let head = format!("POST /completion HTTP/1.1\r\nContent-Length: {}\r\n\r\n", body.len());
+        feed(&mut t, 77, DIR_RECV, 10 * s + 5, &[head.as_bytes(), body].concat());
+        feed(&mut t, 77, DIR_SEND, 11 * s, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+        let done: Vec<RequestRecord> = t.take_done().into_iter().filter(|q| !q.in_flight).collect();
+        assert_eq!(done.len(), 1, "{done:#?}");
+        assert_eq!(
+            (done[0].path.as_deref(), done[0].status, done[0].path_inferred),
+            (Some("/completion"), Some(200), false),
+            "{:?}",
+            done[0]
+        );
+        assert_eq!(done[0].id, 1);
+        // The next request is number 2.
+        feed(&mut t, 78, DIR_RECV, 12 * s, &[head.as_bytes(), body].concat());
+        feed(&mut t, 78, DIR_SEND, 13 * s, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+        assert_eq!(t.take_done().iter().map(|q| q.id).collect::<Vec<_>>(), [2]);
     }
 
     /// Connections found at attach: one waiting for its answer is a request in flight at once;
