@@ -248,9 +248,9 @@ fn client_disconnect_after_5_chunks_is_closed_by_client() {
     send_request(&s, "POST", "/v1/chat/completions", Some(&body));
     let resp = read_response(&mut BufReader::new(&s), Some(5));
     assert_eq!(resp.status, 200);
-    // Open long enough for probe's lookup of the other end (every 500 ms): the client is this
-    // test process, no gateway.
-    std::thread::sleep(Duration::from_millis(1200));
+    // Open long enough for probe's lookup of the other end (a request in flight for 0.8 s, looked
+    // for every 0.5 s): the client is this test process, no gateway.
+    std::thread::sleep(Duration::from_millis(2000));
     drop(s);
     std::thread::sleep(Duration::from_millis(800));
     let r = t.stop();

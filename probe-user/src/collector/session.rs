@@ -385,15 +385,17 @@ struct Second {
 }
 
 /// How often new connections' peers are looked up (all of them at once: a lookup reads the
-/// descriptors of the processes that may own the other end).
+/// descriptors of the processes that may own the other end), and how long a request must have
+/// been in flight first.
 const PEER_LOOKUP: Duration = Duration::from_millis(500);
+const PEER_AGE_NS: u64 = 800_000_000;
 
 /// The processes at the other end of new connections with a request in flight, looked up once
 /// each while they are open (a gateway that hangs up later is named by it). `remote`: peer
 /// addresses found on no network namespace of this machine, not looked for again.
 fn name_peers(st: &mut State, remote: &mut HashSet<std::net::IpAddr>) {
     let mut by_pid: BTreeMap<u32, Vec<(String, String)>> = BTreeMap::new();
-    for (pid, local, peer) in st.streams.peers_to_name() {
+    for (pid, local, peer) in st.streams.peers_to_name(crate::monotonic_ns(), PEER_AGE_NS) {
         by_pid.entry(pid).or_default().push((local, peer));
     }
     for (pid, conns) in by_pid {

@@ -675,17 +675,20 @@ impl Tracker {
     }
 
     /// Requests not finished yet.
-    /// Connections with a request in flight whose other end has not been looked for yet, once
-    /// each: (target pid, local, peer). Looked up while open (a closed socket has no owner).
-    pub fn peers_to_name(&mut self) -> Vec<(u32, String, String)> {
+    /// Connections with a request in flight for at least `age_ns` at `now_ns` whose other end has
+    /// not been looked for yet, once each: (target pid, local, peer). Looked up while open (a
+    /// closed socket has no owner); a request answered sooner costs no lookup (a deadline or a
+    /// reader that leaves is a request that lasted).
+    pub fn peers_to_name(&mut self, now_ns: u64, age_ns: u64) -> Vec<(u32, String, String)> {
         let mut out = Vec::new();
         for sk in std::mem::take(&mut self.new_conns) {
             let Some(c) = self.conns.get_mut(&sk) else { continue };
             if c.peer_asked {
                 continue;
             }
-            if c.pending.is_empty() {
-                // No request yet: looked at again at the next turn.
+            let old_enough = c.pending.front().is_some_and(|p| p.arrival_ns.is_none_or(|a| a + age_ns <= now_ns));
+            if !old_enough {
+                // No request yet, or a young one: looked at again at the next turn.
                 self.new_conns.push(sk);
                 continue;
             }
