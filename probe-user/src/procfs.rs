@@ -372,6 +372,19 @@ impl TcpInfo {
 /// Every TCP socket of this network namespace in one of `states` (a bit per TCP_* state), IPv4
 /// and IPv6, from sock_diag; with `info`, each with its `tcp_info`. None when it cannot answer.
 pub fn tcp_sockets(states: u32, info: bool) -> Option<Vec<TcpSocket>> {
+    tcp_query(states, info, None)
+}
+
+/// The TCP socket of this network namespace with exactly this local and peer address, from
+/// sock_diag's lookup of one socket (no walk of the connection table: a dump of every established
+/// socket costs about a millisecond a family on this machine). Tried as IPv4, then as IPv6 with
+/// IPv4-mapped addresses (a dual-stack socket). None when there is none or it cannot answer.
+pub fn tcp_socket(local: std::net::SocketAddr, peer: std::net::SocketAddr) -> Option<TcpSocket> {
+    let found = tcp_query(!0, false, Some((local, peer)))?;
+    found.into_iter().next()
+}
+
+fn tcp_query(states: u32, info: bool, exact: Option<(std::net::SocketAddr, std::net::SocketAddr)>) -> Option<Vec<TcpSocket>> {
     use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
     const NETLINK_SOCK_DIAG: i32 = 4;
     const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -401,18 +414,39 @@ pub fn tcp_sockets(states: u32, info: bool) -> Option<Vec<TcpSocket>> {
         };
         Some(std::net::SocketAddr::new(ip, port))
     };
+    // The address as sock_diag's inet_diag_sockid holds it (16 bytes), in `family`.
+    let ip_bytes = |ip: std::net::IpAddr, family: u8| -> Option<[u8; 16]> {
+        let mut b = [0u8; 16];
+        match (ip, family == libc::AF_INET as u8) {
+            (std::net::IpAddr::V4(v4), true) => b[..4].copy_from_slice(&v4.octets()),
+            (std::net::IpAddr::V4(v4), false) => b = v4.to_ipv6_mapped().octets(),
+            (std::net::IpAddr::V6(v6), false) => b = v6.octets(),
+            (std::net::IpAddr::V6(_), true) => return None,
+        }
+        Some(b)
+    };
     for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
         // nlmsghdr (16 bytes) + inet_diag_req_v2 (56 bytes).
         let mut req = [0u8; 72];
         req[0..4].copy_from_slice(&72u32.to_ne_bytes());
         req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-        req[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+        let flags = if exact.is_some() { NLM_F_REQUEST } else { NLM_F_REQUEST | NLM_F_DUMP };
+        req[6..8].copy_from_slice(&flags.to_ne_bytes());
         req[8..12].copy_from_slice(&1u32.to_ne_bytes());
         req[16] = family;
         req[17] = libc::IPPROTO_TCP as u8;
         // idiag_ext: the attributes wanted, a bit each (1 << (attribute - 1)).
         req[18] = if info { 1 << (INET_DIAG_INFO - 1) } else { 0 };
         req[20..24].copy_from_slice(&states.to_ne_bytes());
+        if let Some((local, peer)) = exact {
+            // inet_diag_sockid: sport, dport (big-endian), src, dst, interface, cookie (none).
+            let (Some(src), Some(dst)) = (ip_bytes(local.ip(), family), ip_bytes(peer.ip(), family)) else { continue };
+            req[24..26].copy_from_slice(&local.port().to_be_bytes());
+            req[26..28].copy_from_slice(&peer.port().to_be_bytes());
+            req[28..44].copy_from_slice(&src);
+            req[44..60].copy_from_slice(&dst);
+            req[64..72].copy_from_slice(&[0xff; 8]);
+        }
         // SAFETY: sending our own buffer on our own socket (to the kernel: address 0).
         if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } != req.len() as isize {
             return None;
@@ -433,6 +467,8 @@ pub fn tcp_sockets(states: u32, info: bool) -> Option<Vec<TcpSocket>> {
                 }
                 match ty {
                     NLMSG_DONE => break 'dump,
+                    // One socket asked for: none (ENOENT) is an answer, tried in the next family.
+                    NLMSG_ERROR if exact.is_some() => break 'dump,
                     NLMSG_ERROR => return None,
                     SOCK_DIAG_BY_FAMILY => {
                         // inet_diag_msg (72 bytes): family, state, timer, retrans, then
@@ -475,10 +511,21 @@ pub fn tcp_sockets(states: u32, info: bool) -> Option<Vec<TcpSocket>> {
                 }
                 msgs = &msgs[((len + 3) & !3).min(msgs.len())..];
             }
+            // One socket asked for: its answer is one message, no end-of-dump after it.
+            if exact.is_some() {
+                break 'dump;
+            }
+        }
+        if exact.is_some() && !out.is_empty() {
+            break;
         }
     }
     Some(out)
 }
+
+/// Tests that open listening sockets and then compare this process's listeners: one at a time.
+#[cfg(test)]
+pub(crate) static TEST_LISTENERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[cfg(test)]
 mod tests {
@@ -487,6 +534,7 @@ mod tests {
     /// sock_diag finds a listener of ours with its port and inode, and not a connected socket.
     #[test]
     fn netlink_finds_listening_sockets() {
+        let _one = TEST_LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let l6 = std::net::TcpListener::bind("[::1]:0").ok();
@@ -497,25 +545,55 @@ mod tests {
         if let Some(l6) = &l6 {
             assert!(got.iter().any(|&(a, _)| a == l6.local_addr().unwrap()), "{l6:?} not in {got:?}");
         }
-        // Addresses too, as /proc/net/tcp{,6} gives them.
-        let mut from_proc_addrs = Vec::new();
-        for f in ["tcp", "tcp6"] {
-            from_proc_addrs.extend(parse_listen_addrs(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
+        // Addresses too, as /proc/net/tcp{,6} gives them (read again when another test of this
+        // process opened or closed a listener between the two reads).
+        let (mut ours, mut from_proc_addrs) = (vec![], vec![]);
+        for _ in 0..5 {
+            let inodes = socket_inodes(std::process::id());
+            from_proc_addrs.clear();
+            for f in ["tcp", "tcp6"] {
+                from_proc_addrs.extend(parse_listen_addrs(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
+            }
+            ours = listen_addrs(std::process::id());
+            ours.sort();
+            from_proc_addrs.sort();
+            from_proc_addrs.dedup();
+            if ours == from_proc_addrs {
+                break;
+            }
         }
-        let mut ours = listen_addrs(std::process::id());
-        ours.sort();
-        from_proc_addrs.sort();
-        from_proc_addrs.dedup();
         assert_eq!(ours, from_proc_addrs);
         // The same answer as /proc/net/tcp gives.
         assert!(listen_ports(std::process::id()).contains(&port));
-        let mut from_proc = Vec::new();
-        for f in ["tcp", "tcp6"] {
-            from_proc.extend(parse_listen_ports(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
+        let (mut ports, mut from_proc) = (vec![], vec![]);
+        for _ in 0..5 {
+            let inodes = socket_inodes(std::process::id());
+            from_proc.clear();
+            for f in ["tcp", "tcp6"] {
+                from_proc.extend(parse_listen_ports(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
+            }
+            from_proc.sort_unstable();
+            from_proc.dedup();
+            ports = listen_ports(std::process::id());
+            if ports == from_proc {
+                break;
+            }
         }
-        from_proc.sort_unstable();
-        from_proc.dedup();
-        assert_eq!(listen_ports(std::process::id()), from_proc);
+        assert_eq!(ports, from_proc);
+    }
+
+    /// One socket asked for by its addresses: found without a dump, with its inode; a pair no
+    /// socket has is none.
+    #[test]
+    fn netlink_finds_one_socket_by_its_addresses() {
+        let _one = TEST_LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (local, peer) = (c.local_addr().unwrap(), c.peer_addr().unwrap());
+        let s = tcp_socket(local, peer).expect("sock_diag finds the client's socket");
+        assert_eq!((s.local, s.peer, s.state), (local, peer, 1));
+        assert!(socket_inodes(std::process::id()).contains(&s.inode), "{s:?}");
+        assert!(tcp_socket(local, "127.0.0.1:1".parse().unwrap()).is_none());
     }
 
     #[test]
@@ -554,6 +632,7 @@ mod tests {
 
     #[test]
     fn listen_addrs_of_real_sockets() {
+        let _one = TEST_LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
         // A wildcard listener is reached on loopback; a specific one on its own address.
         let any = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
         let own = std::net::TcpListener::bind("127.0.0.2:0").unwrap();

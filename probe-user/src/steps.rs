@@ -320,11 +320,13 @@ fn r3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-/// One request to match: arrival and last byte (ns), and the slot the wire named.
+/// One request to match: arrival and last byte (ns), the slot the wire named, and the prompt
+/// tokens the server said it computed (llama.cpp `timings.prompt_n`).
 pub struct Want {
     pub arrival: u64,
     pub until: u64,
     pub slot: Option<u32>,
+    pub prompt_tokens: Option<u32>,
 }
 
 /// Match requests (in arrival order) to runs; each request's engine view.
@@ -337,12 +339,17 @@ pub fn join(log: &Log, wants: &[Want]) -> Vec<Option<RequestEngine>> {
     for i in order {
         let w = &wants[i];
         let start = |r: &Run| log.steps[r.steps[0]].begin;
+        // The first unclaimed run that began while the request was open; of those, one that
+        // computed as many prompt tokens as the server said this request did (one slot, requests
+        // read in another order than the server took them: the earliest run is another's).
         let pick = |by_slot: bool| {
-            runs.iter().enumerate().find(|(k, r)| {
+            let mut fits = runs.iter().enumerate().filter(|(k, r)| {
                 // Not claimed, and not a warm-up the cache clear threw away.
                 let warm_up = r.cleared && r.steps.len() == r.prompt_steps;
                 !claimed[*k] && !warm_up && start(r) >= w.arrival && start(r) <= w.until && (!by_slot || Some(r.seq) == w.slot)
-            })
+            });
+            let first = fits.clone().next();
+            w.prompt_tokens.and_then(|n| fits.find(|(_, r)| r.prompt_tokens == n)).or(first)
         };
         let (k, how) = match w.slot.and_then(|_| pick(true)) {
             Some((k, _)) => (k, "id_slot"),
@@ -445,7 +452,7 @@ mod tests {
         log.add(&step(30 * MS, &[(0, 7)]));
         log.add(&step(40 * MS, &[(0, 1)]));
         log.finish();
-        let e = join(&log, &[Want { arrival: 0, until: 100 * MS, slot: Some(0) }])[0].clone().unwrap();
+        let e = join(&log, &[Want { arrival: 0, until: 100 * MS, slot: Some(0), prompt_tokens: None }])[0].clone().unwrap();
         assert_eq!((e.prompt_tokens, e.decode_steps, e.queue_ms), (7, 1, 30.0));
     }
 
@@ -473,9 +480,9 @@ mod tests {
         log.add(&step(70 * MS, &[(0, 1)]));
         log.finish();
         let wants = [
-            Want { arrival: 0, until: 40 * MS, slot: None },
-            Want { arrival: 12 * MS, until: 50 * MS, slot: Some(1) },
-            Want { arrival: 50 * MS, until: 80 * MS, slot: None },
+            Want { arrival: 0, until: 40 * MS, slot: None, prompt_tokens: None },
+            Want { arrival: 12 * MS, until: 50 * MS, slot: Some(1), prompt_tokens: None },
+            Want { arrival: 50 * MS, until: 80 * MS, slot: None, prompt_tokens: None },
         ];
         let got = join(&log, &wants);
         let a = got[0].as_ref().unwrap();
@@ -491,6 +498,27 @@ mod tests {
         assert!((a.compute_share_ms - (10.0 + 10.0 + 10.0 / 31.0 + 5.0)).abs() < 1e-2, "{a:?}");
     }
 
+    /// One slot, two requests read in the other order than served: each gets the run that
+    /// computed its own prompt (the server's prompt_n), not the first after its arrival.
+    #[test]
+    fn the_run_that_computed_the_prompt_is_the_request_s() {
+        let mut log = Log::default();
+        log.add(&step(10 * MS, &[(0, 30)]));
+        log.add(&step(20 * MS, &[(0, 1)]));
+        log.add(&rm(29 * MS, 0, 0));
+        log.add(&step(30 * MS, &[(0, 12)]));
+        log.add(&step(40 * MS, &[(0, 1)]));
+        log.finish();
+        // B arrived first (at 0) but was served second (12 prompt tokens); A came at 1 ms.
+        let wants = [
+            Want { arrival: 0, until: 50 * MS, slot: None, prompt_tokens: Some(12) },
+            Want { arrival: MS, until: 25 * MS, slot: None, prompt_tokens: Some(30) },
+        ];
+        let got = join(&log, &wants);
+        assert_eq!(got.iter().map(|e| e.as_ref().map(|e| e.prompt_tokens)).collect::<Vec<_>>(), [Some(12), Some(30)]);
+        assert_eq!(got[0].as_ref().unwrap().queue_ms, 30.0);
+    }
+
     #[test]
     fn an_idle_slot_begins_a_new_run_without_a_cache_drop() {
         let mut log = Log::default();
@@ -502,7 +530,7 @@ mod tests {
         let runs = log.runs();
         assert_eq!(runs.iter().map(|r| (r.seq, r.steps.len(), r.prompt_tokens)).collect::<Vec<_>>(), [(0, 2, 8), (1, 1, 4), (0, 1, 6)]);
         // A request that arrives after every run begins gets none.
-        assert!(join(&log, &[Want { arrival: 40 * MS, until: 50 * MS, slot: None }])[0].is_none());
+        assert!(join(&log, &[Want { arrival: 40 * MS, until: 50 * MS, slot: None, prompt_tokens: None }])[0].is_none());
     }
 
     #[test]

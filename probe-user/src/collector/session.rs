@@ -301,7 +301,7 @@ async fn follow(
     let mut second = Second { started: Some(Instant::now()), ..Default::default() };
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut hung_up = false;
-    let (mut peers_at, mut remote_peers) = (Instant::now(), HashSet::new());
+    let (mut peers_at, mut remote_peers) = (Instant::now(), std::collections::HashMap::new());
     let reason: String = loop {
         let mut more = false;
         tokio::select! {
@@ -393,7 +393,7 @@ const PEER_AGE_NS: u64 = 800_000_000;
 /// The processes at the other end of new connections with a request in flight, looked up once
 /// each while they are open (a gateway that hangs up later is named by it). `remote`: peer
 /// addresses found on no network namespace of this machine, not looked for again.
-fn name_peers(st: &mut State, remote: &mut HashSet<std::net::IpAddr>) {
+fn name_peers(st: &mut State, remote: &mut std::collections::HashMap<std::net::IpAddr, Instant>) {
     let mut by_pid: BTreeMap<u32, Vec<(String, String)>> = BTreeMap::new();
     for (pid, local, peer) in st.streams.peers_to_name(crate::monotonic_ns(), PEER_AGE_NS) {
         by_pid.entry(pid).or_default().push((local, peer));

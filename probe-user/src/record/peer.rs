@@ -53,14 +53,23 @@ fn canonical(a: SocketAddr) -> SocketAddr {
     SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
+/// A peer address found on no namespace of this machine is not looked for again for this long
+/// (a container's address missed once, its socket already closed, is tried again after it).
+const REMOTE_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// For each (local, peer) of connections of the server `pid`: the process owning the other end,
 /// where it is on this machine. Pairs not found are left out. `remote` holds peer addresses found
-/// on no namespace of this machine before; those found on none now are added to it.
-pub fn resolve(pid: u32, conns: &[(String, String)], remote: &mut HashSet<IpAddr>) -> HashMap<(String, String), PeerProcess> {
+/// on no namespace of this machine, and when; those found on none now are added to it.
+pub fn resolve(
+    pid: u32,
+    conns: &[(String, String)],
+    remote: &mut HashMap<IpAddr, std::time::Instant>,
+) -> HashMap<(String, String), PeerProcess> {
+    remote.retain(|_, t| t.elapsed() < REMOTE_FOR);
     let mut want: HashMap<(SocketAddr, SocketAddr), (String, String)> = HashMap::new();
     for (l, p) in conns {
         if let (Some(la), Some(pa)) = (parse_addr(l), parse_addr(p))
-            && !remote.contains(&pa.ip())
+            && !remote.contains_key(&pa.ip())
         {
             // The peer's socket: local = our peer, peer = our local.
             want.insert((pa, la), (l.clone(), p.clone()));
@@ -70,66 +79,67 @@ pub fn resolve(pid: u32, conns: &[(String, String)], remote: &mut HashSet<IpAddr
     if want.is_empty() {
         return out;
     }
-    // Namespaces: the server's first, then one process's view of each other one.
-    let ns_of = |p: u32| std::fs::metadata(format!("/proc/{p}/ns/net")).ok().map(|m| m.ino());
-    let mut spaces: Vec<(u64, u32)> = ns_of(pid).map(|n| (n, pid)).into_iter().collect();
-    let pids = procfs::all_pids();
-    for &p in &pids {
-        if spaces.len() >= MAX_NETNS {
-            break;
-        }
-        if let Some(n) = ns_of(p)
-            && !spaces.iter().any(|(m, _)| *m == n)
-        {
-            spaces.push((n, p));
-        }
-    }
-    // Inode of each wanted socket, the namespace it was found in and its owner's uid.
-    let mut inodes: HashMap<u64, ((String, String), u64, u32)> = HashMap::new();
+    // Inode of each wanted socket and its owner's uid: the server's namespace first; the others
+    // of this machine (one process's view of each) only for sockets not found there.
+    let mut inodes: HashMap<u64, ((String, String), u32)> = HashMap::new();
     let mut local_ips: HashSet<IpAddr> = HashSet::new();
-    for &(ns, p) in &spaces {
-        if inodes.len() == want.len() {
-            break;
-        }
-        let Some(socks) = sockets_in(p) else { continue };
-        for s in socks {
+    let mut pids = procfs::all_pids();
+    pids.sort_unstable();
+    let mut search = |p: u32, inodes: &mut HashMap<u64, ((String, String), u32)>| {
+        let ask: Vec<(SocketAddr, SocketAddr)> =
+            want.keys().filter(|w| !inodes.values().any(|(k, _)| want.get(*w) == Some(k))).copied().collect();
+        for s in sockets_in(p, ask).into_iter().flatten() {
             let (l, r) = (canonical(s.local), canonical(s.peer));
             local_ips.insert(l.ip());
             if s.inode != 0
                 && let Some(key) = want.get(&(l, r))
             {
-                inodes.insert(s.inode, (key.clone(), ns, s.uid));
+                inodes.insert(s.inode, (key.clone(), s.uid));
+            }
+        }
+    };
+    search(pid, &mut inodes);
+    if inodes.len() < want.len() {
+        let ns_of = |p: u32| std::fs::metadata(format!("/proc/{p}/ns/net")).ok().map(|m| m.ino());
+        let mut seen: HashSet<u64> = ns_of(pid).into_iter().collect();
+        for &p in &pids {
+            if seen.len() > MAX_NETNS || inodes.len() == want.len() {
+                break;
+            }
+            if let Some(n) = ns_of(p)
+                && seen.insert(n)
+            {
+                search(p, &mut inodes);
             }
         }
     }
     for (pa, _) in want.keys() {
         if !local_ips.contains(&pa.ip()) && !pa.ip().is_loopback() {
-            remote.insert(pa.ip());
+            remote.insert(pa.ip(), std::time::Instant::now());
         }
     }
     if inodes.is_empty() {
         return out;
     }
-    // The owner of each inode: processes of the namespaces it was found in, those of the socket's
-    // uid first (reading every process's descriptors is the cost: a gateway's user has a few).
-    let spaces_found: HashSet<u64> = inodes.values().map(|(_, ns, _)| *ns).collect();
-    let uids: HashSet<u32> = inodes.values().map(|(_, _, u)| *u).collect();
-    let in_space: Vec<(u32, Option<u32>)> = pids
-        .iter()
-        .take(MAX_PROCS)
-        .filter(|&&p| ns_of(p).is_some_and(|n| spaces_found.contains(&n)))
-        .map(|&p| (p, std::fs::metadata(format!("/proc/{p}")).ok().map(|m| m.uid())))
-        .collect();
-    for same_uid in [true, false] {
-        for &(p, uid) in &in_space {
+    // The owner of each inode (socket inodes are unique on the machine): processes of the
+    // socket's uid first (reading every process's descriptors is the cost: a gateway's user has a
+    // few), the newest first (a client that just connected is likelier than an old daemon of the
+    // same uid); the scan stops at the last owner found.
+    let uids: HashSet<u32> = inodes.values().map(|(_, u)| *u).collect();
+    let uid_of = |p: u32| std::fs::metadata(format!("/proc/{p}")).ok().map(|m| m.uid());
+    let mut other_uid = Vec::new();
+    for pass in 0..2 {
+        let list: Vec<u32> = if pass == 0 { pids.iter().rev().take(MAX_PROCS).copied().collect() } else { std::mem::take(&mut other_uid) };
+        for p in list {
             if out.len() == inodes.len() {
                 return out;
             }
-            if uid.is_some_and(|u| uids.contains(&u)) != same_uid {
+            if pass == 0 && !uid_of(p).is_some_and(|u| uids.contains(&u)) {
+                other_uid.push(p);
                 continue;
             }
             for ino in procfs::socket_inodes(p) {
-                if let Some((key, _, _)) = inodes.get(&ino)
+                if let Some((key, _)) = inodes.get(&ino)
                     && !out.contains_key(key)
                 {
                     out.insert(key.clone(), describe(p));
@@ -154,19 +164,19 @@ fn describe(pid: u32) -> PeerProcess {
     }
 }
 
-/// Every established TCP socket in `pid`'s network namespace (from a thread moved there).
-fn sockets_in(pid: u32) -> Option<Vec<procfs::TcpSocket>> {
-    const TCP_ESTABLISHED: u32 = 1;
-    let dump = || procfs::tcp_sockets(1 << TCP_ESTABLISHED, false);
+/// The TCP sockets with these (local, peer) addresses in `pid`'s network namespace (from a thread
+/// moved there), each looked up by its addresses.
+fn sockets_in(pid: u32, ask: Vec<(SocketAddr, SocketAddr)>) -> Option<Vec<procfs::TcpSocket>> {
+    let find = move || Some(ask.iter().filter_map(|&(l, p)| procfs::tcp_socket(l, p)).collect::<Vec<_>>());
     if procfs::netns(procfs::self_pid()) == procfs::netns(pid) {
-        return dump();
+        return find();
     }
     std::thread::Builder::new()
         .name("probe-peer".into())
         .spawn(move || {
             let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
             procfs::enter_netns(&ns).ok()?;
-            dump()
+            find()
         })
         .ok()
         .and_then(|t| t.join().ok())
@@ -181,13 +191,16 @@ mod tests {
     /// process; an address on no namespace of this machine is remembered as remote.
     #[test]
     fn the_peer_of_a_loopback_connection_is_its_owner() {
+        let _one = procfs::TEST_LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, _) = l.accept().unwrap();
         let key = (s.local_addr().unwrap().to_string(), s.peer_addr().unwrap().to_string());
         assert_eq!(key.1, c.local_addr().unwrap().to_string());
-        let mut remote = HashSet::new();
+        let mut remote = HashMap::new();
+        let t = std::time::Instant::now();
         let got = resolve(std::process::id(), std::slice::from_ref(&key), &mut remote);
+        eprintln!("one lookup: {:.2} ms of wall time", t.elapsed().as_secs_f64() * 1e3);
         let p = got.get(&key).unwrap_or_else(|| panic!("{key:?} not found: {got:?}"));
         assert_eq!(p.pid, std::process::id());
         assert_eq!(p.comm, procfs::comm(std::process::id()));
@@ -196,7 +209,7 @@ mod tests {
         // TEST-NET-3 is nobody's address here.
         let far = ("127.0.0.1:80".to_string(), "203.0.113.9:5555".to_string());
         assert!(resolve(std::process::id(), &[far], &mut remote).is_empty());
-        assert!(remote.contains(&"203.0.113.9".parse::<IpAddr>().unwrap()), "{remote:?}");
+        assert!(remote.contains_key(&"203.0.113.9".parse::<IpAddr>().unwrap()), "{remote:?}");
     }
 
     #[test]

@@ -717,7 +717,9 @@ impl Builder {
                 .map(|q| {
                     let arrival = q.arrival_ms.map_or(u64::MAX, |a| start + (a * 1e6) as u64);
                     let until = q.end_ms.map_or(u64::MAX, |e| arrival.saturating_add((e * 1e6) as u64));
-                    crate::steps::Want { arrival, until, slot: q.stop.id_slot.and_then(|s| u32::try_from(s).ok()) }
+                    let prompt_tokens =
+                        q.stop.server_timings.as_ref().and_then(|t| t["prompt_n"].as_u64()).and_then(|n| u32::try_from(n).ok());
+                    crate::steps::Want { arrival, until, slot: q.stop.id_slot.and_then(|s| u32::try_from(s).ok()), prompt_tokens }
                 })
                 .collect();
             for (q, e) in r.requests.iter_mut().zip(crate::steps::join(&self.engine, &wants)) {
