@@ -286,7 +286,8 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
     // What it waited on, longest first: reading the model among them (a second whose reads
     // completed in the next one shows the thread blocked on the page instead: CI, 2 s of
     // folio_wait_bit_common beside 1 s of reading).
-    let done = after.lines().find(|l| l.contains(" POST /v1/chat/completions (inferred) 200 done in ")).unwrap_or_else(|| panic!("{after}"));
+    let done =
+        after.lines().find(|l| l.contains(" POST /v1/chat/completions (inferred) 200 done in ")).unwrap_or_else(|| panic!("{after}"));
     let waited = done.split("before its first token: ").nth(1).unwrap_or_else(|| panic!("{done}"));
     assert!(waited.contains(&format!("reading {file} ")), "{done}");
     assert!(!end.contains("no token yet") && end.contains("recording: "), "{end}");

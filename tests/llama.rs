@@ -1208,13 +1208,22 @@ fn cpu_hog_case(threads: Option<u32>) {
     let _cpus = shared_cpus();
     let mut args = vec!["-c".to_string(), "2048".into(), "-np".into(), "1".into()];
     args.extend(threads.iter().flat_map(|t| ["-t".to_string(), t.to_string()]));
-    let (mut srv, addr) = own_server(&env_path("LLAMA_MODEL"), &args.iter().map(String::as_str).collect::<Vec<_>>());
-    let pid = srv.id();
+    let (srv, addr) = own_server(&env_path("LLAMA_MODEL"), &args.iter().map(String::as_str).collect::<Vec<_>>());
+    // Killed however the case ends (a failed assertion must not leave a server for the next
+    // test to find: CI, watch --all counted three).
+    struct Reap(Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let srv = Reap(srv);
+    let pid = srv.0.id();
     let ask = |_: u32| story_request(addr);
     ask(0); // warm: the model is loaded and paged in
     hog_case(pid, &format!("cpuhog-{}", threads.map_or("default".into(), |t| t.to_string())), threads, ask, true);
-    let _ = srv.kill();
-    let _ = srv.wait();
+    drop(srv);
 }
 
 /// The same job beside llama-cpp-python's server (two threads): a second server, its prompt timed

@@ -11,36 +11,13 @@ use std::{
     os::unix::fs::MetadataExt as _,
 };
 
-use serde::{Deserialize, Serialize};
-
 use crate::procfs;
+pub use crate::stream::PeerProcess;
 
 /// Network namespaces searched at most for one lookup (the server's own first).
 const MAX_NETNS: usize = 32;
 /// Processes whose descriptors are read at most for one lookup.
 const MAX_PROCS: usize = 4096;
-
-/// The owner of a request's peer socket.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct PeerProcess {
-    pub pid: u32,
-    pub comm: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub exe: Option<String>,
-    /// Its container (name from the runtime's state files, else the id), when it runs in one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub container: Option<String>,
-}
-
-impl PeerProcess {
-    /// "nginx (pid 123, /usr/sbin/nginx, container web)".
-    pub fn describe(&self) -> String {
-        let mut parts = vec![format!("pid {}", self.pid)];
-        parts.extend(self.exe.clone());
-        parts.extend(self.container.as_ref().map(|c| format!("container {c}")));
-        format!("{} ({})", self.comm, parts.join(", "))
-    }
-}
 
 /// An address as the stream tracker writes it ("1.2.3.4:80", "[::1]:80"), with an IPv4 address
 /// mapped into IPv6 (a dual-stack listener's view of an IPv4 client) made IPv4 again.
@@ -152,10 +129,13 @@ pub fn resolve(
 
 /// The process `pid` as a peer: its comm, executable and container.
 fn describe(pid: u32) -> PeerProcess {
+    // The innermost cgroup directory naming a container (docker-ID.scope, libpod-ID, a bare id).
     let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-    let container = crate::watch::place::parse_cgroups(&cgroups)
-        .0
-        .map(|id| crate::cgroup::name_of_id(&id).unwrap_or_else(|| id.chars().take(12).collect()));
+    let id = cgroups
+        .lines()
+        .filter_map(|l| l.splitn(3, ':').nth(2))
+        .find_map(|path| path.split('/').rev().find_map(crate::cgroup::container_id).map(str::to_string));
+    let container = id.map(|id| crate::cgroup::name_of_id(&id).unwrap_or_else(|| id.chars().take(12).collect()));
     PeerProcess {
         pid,
         comm: procfs::comm(pid),

@@ -206,6 +206,28 @@ pub struct InFlight {
     pub headers_only: bool,
 }
 
+/// The owner of a request's peer socket, when it runs on this machine (found by `record::peer`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PeerProcess {
+    pub pid: u32,
+    pub comm: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exe: Option<String>,
+    /// Its container (name from the runtime's state files, else the id), when it runs in one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+}
+
+impl PeerProcess {
+    /// "nginx (pid 123, /usr/sbin/nginx, container web)".
+    pub fn describe(&self) -> String {
+        let mut parts = vec![format!("pid {}", self.pid)];
+        parts.extend(self.exe.clone());
+        parts.extend(self.container.as_ref().map(|c| format!("container {c}")));
+        format!("{} ({})", self.comm, parts.join(", "))
+    }
+}
+
 /// One request as seen on the wire. Times in ms; `arrival_ms` from the start of the trace,
 /// the others from the request's arrival (its first byte read by the server).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -299,7 +321,7 @@ pub struct RequestRecord {
     /// The process at the other end, when it runs on this machine (a gateway, a chat UI's
     /// backend, a local client): looked up while the connection was open.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub peer_process: Option<crate::record::peer::PeerProcess>,
+    pub peer_process: Option<PeerProcess>,
 }
 
 impl RequestRecord {
@@ -418,7 +440,7 @@ struct Conn {
     /// The kernel's time for the first request head still to be read (see [`SeedState::Unread`]).
     arrival_hint: Option<u64>,
     /// The owner of the other end, when it is on this machine ([`Tracker::peers_to_name`]).
-    peer_process: Option<crate::record::peer::PeerProcess>,
+    peer_process: Option<PeerProcess>,
     peer_asked: bool,
 }
 
@@ -701,8 +723,8 @@ impl Tracker {
         out
     }
 
-    /// What [`crate::record::peer::resolve`] found for connections [`Tracker::peers_to_name`] gave.
-    pub fn name_peers(&mut self, found: &HashMap<(String, String), crate::record::peer::PeerProcess>) {
+    /// What `record::peer::resolve` found for connections [`Tracker::peers_to_name`] gave.
+    pub fn name_peers(&mut self, found: &HashMap<(String, String), PeerProcess>) {
         if found.is_empty() {
             return;
         }
