@@ -179,6 +179,25 @@ pub fn enter_netns(ns: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// `f` run in `pid`'s network namespace: here when probe shares it, else on a thread moved there
+/// (setns moves only the calling thread) named `name`. None when the namespace cannot be
+/// entered or `f` says none.
+pub fn in_netns_of<T: Send + 'static>(pid: u32, name: &str, f: impl FnOnce() -> Option<T> + Send + 'static) -> Option<T> {
+    if netns(self_pid()) == netns(pid) {
+        return f();
+    }
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let ns = fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
+            enter_netns(&ns).ok()?;
+            f()
+        })
+        .ok()
+        .and_then(|t| t.join().ok())
+        .flatten()
+}
+
 /// probe's own pid as the /proc it reads numbers processes: the kernel's, when probe runs in a
 /// PID namespace of its own with the host's /proc mounted (`std::process::id()` would give the
 /// namespace's number, which names another process there).
@@ -545,40 +564,34 @@ mod tests {
         if let Some(l6) = &l6 {
             assert!(got.iter().any(|&(a, _)| a == l6.local_addr().unwrap()), "{l6:?} not in {got:?}");
         }
-        // Addresses too, as /proc/net/tcp{,6} gives them (read again when another test of this
-        // process opened or closed a listener between the two reads).
-        let (mut ours, mut from_proc_addrs) = (vec![], vec![]);
-        for _ in 0..5 {
-            let inodes = socket_inodes(std::process::id());
-            from_proc_addrs.clear();
-            for f in ["tcp", "tcp6"] {
-                from_proc_addrs.extend(parse_listen_addrs(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
+        // Addresses and ports too, as /proc/net/tcp{,6} gives them (read again when another test
+        // of this process opened or closed a listener between the two reads).
+        fn agree<T: Ord + PartialEq + std::fmt::Debug>(
+            ours: impl Fn() -> Vec<T>,
+            parse: impl Fn(&str, &HashSet<u64>) -> Vec<T>,
+        ) -> (Vec<T>, Vec<T>) {
+            let mut last = (vec![], vec![]);
+            for _ in 0..5 {
+                let inodes = socket_inodes(std::process::id());
+                let mut theirs: Vec<T> = ["tcp", "tcp6"]
+                    .iter()
+                    .flat_map(|f| parse(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes))
+                    .collect();
+                theirs.sort();
+                theirs.dedup();
+                let mut mine = ours();
+                mine.sort();
+                if mine == theirs {
+                    return (mine, theirs);
+                }
+                last = (mine, theirs);
             }
-            ours = listen_addrs(std::process::id());
-            ours.sort();
-            from_proc_addrs.sort();
-            from_proc_addrs.dedup();
-            if ours == from_proc_addrs {
-                break;
-            }
+            last
         }
+        let (ours, from_proc_addrs) = agree(|| listen_addrs(std::process::id()), parse_listen_addrs);
         assert_eq!(ours, from_proc_addrs);
-        // The same answer as /proc/net/tcp gives.
         assert!(listen_ports(std::process::id()).contains(&port));
-        let (mut ports, mut from_proc) = (vec![], vec![]);
-        for _ in 0..5 {
-            let inodes = socket_inodes(std::process::id());
-            from_proc.clear();
-            for f in ["tcp", "tcp6"] {
-                from_proc.extend(parse_listen_ports(&fs::read_to_string(format!("/proc/self/net/{f}")).unwrap(), &inodes));
-            }
-            from_proc.sort_unstable();
-            from_proc.dedup();
-            ports = listen_ports(std::process::id());
-            if ports == from_proc {
-                break;
-            }
-        }
+        let (ports, from_proc) = agree(|| listen_ports(std::process::id()), parse_listen_ports);
         assert_eq!(ports, from_proc);
     }
 

@@ -392,7 +392,7 @@ const PEER_AGE_NS: u64 = 800_000_000;
 
 /// The processes at the other end of new connections with a request in flight, looked up once
 /// each while they are open (a gateway that hangs up later is named by it). `remote`: peer
-/// addresses found on no network namespace of this machine, not looked for again.
+/// addresses found on no network namespace of this machine, and when (let be for a minute).
 fn name_peers(st: &mut State, remote: &mut std::collections::HashMap<std::net::IpAddr, Instant>) {
     let mut by_pid: BTreeMap<u32, Vec<(String, String)>> = BTreeMap::new();
     for (pid, local, peer) in st.streams.peers_to_name(crate::monotonic_ns(), PEER_AGE_NS) {

@@ -268,24 +268,8 @@ pub fn classify(s: &TcpSocket) -> Option<(SeedState, procfs::TcpInfo)> {
 /// Every established TCP socket with its tcp_info, in `pid`'s network namespace (from a thread
 /// moved there: setns moves only the calling thread).
 fn sockets_of(pid: u32) -> Result<Vec<TcpSocket>, String> {
-    let ours = procfs::netns(procfs::self_pid());
-    let theirs = procfs::netns(pid);
-    let dump = || procfs::tcp_sockets(1 << TCP_ESTABLISHED, true);
-    let got = if ours == theirs {
-        dump()
-    } else {
-        std::thread::Builder::new()
-            .name("probe-attach".into())
-            .spawn(move || {
-                let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
-                procfs::enter_netns(&ns).ok()?;
-                procfs::tcp_sockets(1 << TCP_ESTABLISHED, true)
-            })
-            .ok()
-            .and_then(|t| t.join().ok())
-            .flatten()
-    };
-    got.ok_or_else(|| "the kernel's socket diagnostics (sock_diag) did not answer in the target's network namespace".to_string())
+    procfs::in_netns_of(pid, "probe-attach", || procfs::tcp_sockets(1 << TCP_ESTABLISHED, true))
+        .ok_or_else(|| "the kernel's socket diagnostics (sock_diag) did not answer in the target's network namespace".to_string())
 }
 
 #[cfg(test)]

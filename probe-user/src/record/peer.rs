@@ -22,8 +22,7 @@ const MAX_PROCS: usize = 4096;
 /// An address as the stream tracker writes it ("1.2.3.4:80", "[::1]:80"), with an IPv4 address
 /// mapped into IPv6 (a dual-stack listener's view of an IPv4 client) made IPv4 again.
 pub fn parse_addr(s: &str) -> Option<SocketAddr> {
-    let a: SocketAddr = s.parse().ok()?;
-    Some(SocketAddr::new(a.ip().to_canonical(), a.port()))
+    s.parse().ok().map(canonical)
 }
 
 fn canonical(a: SocketAddr) -> SocketAddr {
@@ -147,20 +146,7 @@ fn describe(pid: u32) -> PeerProcess {
 /// The TCP sockets with these (local, peer) addresses in `pid`'s network namespace (from a thread
 /// moved there), each looked up by its addresses.
 fn sockets_in(pid: u32, ask: Vec<(SocketAddr, SocketAddr)>) -> Option<Vec<procfs::TcpSocket>> {
-    let find = move || Some(ask.iter().filter_map(|&(l, p)| procfs::tcp_socket(l, p)).collect::<Vec<_>>());
-    if procfs::netns(procfs::self_pid()) == procfs::netns(pid) {
-        return find();
-    }
-    std::thread::Builder::new()
-        .name("probe-peer".into())
-        .spawn(move || {
-            let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
-            procfs::enter_netns(&ns).ok()?;
-            find()
-        })
-        .ok()
-        .and_then(|t| t.join().ok())
-        .flatten()
+    procfs::in_netns_of(pid, "probe-peer", move || Some(ask.iter().filter_map(|&(l, p)| procfs::tcp_socket(l, p)).collect()))
 }
 
 #[cfg(test)]
