@@ -727,7 +727,7 @@ fn watch_all_finds_every_server_and_labels_them() {
         assert!(t.elapsed() < Duration::from_secs(20), "probe watch --all did not stop on SIGTERM");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let left = Command::new("pgrep").args(["-f", &format!("--dir {}", d.join("state/servers").display())]).output().unwrap();
+    let left = Command::new("pgrep").args(["-f", "--", &format!("--dir {}", d.join("state/servers").display())]).output().unwrap();
     assert!(left.stdout.is_empty(), "followers left running: {}", String::from_utf8_lossy(&left.stdout));
     assert!(inc.join("report.json").is_file());
     kill(srv_b);

@@ -79,6 +79,10 @@ pub struct KernelOffsets {
     pub task_cfs_rq: u32,
     pub cfs_rq_rq: u32,
     pub rq_steal: u32,
+    /// sock_common.skc_net.net (`struct net *`, CONFIG_NET_NS) and net.ns.inum (u32: the
+    /// namespace's inode, as /proc/PID/ns/net shows it). 0: unknown here.
+    pub skc_net: u32,
+    pub net_inum: u32,
 }
 
 /// A flag bit the running kernel does not have.

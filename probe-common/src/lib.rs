@@ -31,6 +31,7 @@ pub mod maps {
     pub const COUNTERS: &str = "COUNTERS";
     /// `HashMap<u16 port, u8>`: TCP ports the target listens on (accepted sockets are the target's).
     pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
+    pub const LISTEN_ADDRS: &str = "LISTEN_ADDRS";
     /// `HashMap<u64 struct sock *, u8>`: TCP sockets known to belong to the target.
     pub const OWNED_SOCKS: &str = "OWNED_SOCKS";
     /// `HashMap<u64 cgroup id, u32 tgid>`: the target's block cgroups (v1 blkio, or a v2 cgroup
@@ -195,6 +196,7 @@ mod pod {
     unsafe impl aya::Pod for crate::fault::FaultEvent {}
     unsafe impl aya::Pod for crate::mmap::MmapEvent {}
     unsafe impl aya::Pod for crate::sock::SockEvent {}
+    unsafe impl aya::Pod for crate::sock::ListenKey {}
     unsafe impl aya::Pod for crate::proc::ProcEvent {}
     unsafe impl aya::Pod for crate::filemap::FilemapEvent {}
     unsafe impl aya::Pod for crate::kernel::KernelOffsets {}

@@ -29,6 +29,57 @@ impl Record for SockEvent {
     const KIND: EventKind = EventKind::Sock;
 }
 
+/// A listening socket of the target, as the kernel maps key it: its network namespace (the
+/// inode of `sk->__sk_common.skc_net`, 0 where the kernel's layout does not say), port and bound
+/// address. The address is IPv6 or v4-mapped IPv6 (`::ffff:a.b.c.d`), so a v4 socket and a
+/// dual-stack listener's v4 connections compare alike; a wildcard is `::` or `::ffff:0.0.0.0`.
+/// A neighbour's server on the same port in another namespace, or on another address of the
+/// host's, is not the target's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ListenKey {
+    pub netns: u32,
+    pub port: u16,
+    pub _pad: u16,
+    pub addr: [u8; 16],
+}
+const _: () = assert!(core::mem::size_of::<ListenKey>() == 24);
+
+impl ListenKey {
+    /// `addr` of `family` as the key holds it (v4 in the first 4 bytes, as the events carry it).
+    pub fn new(netns: u32, port: u16, family: u16, addr: &[u8; 16]) -> ListenKey {
+        let mut k = ListenKey { netns, port, _pad: 0, addr: [0; 16] };
+        if family == AF_INET6 {
+            k.addr = *addr;
+        } else {
+            k.addr[10] = 0xff;
+            k.addr[11] = 0xff;
+            k.addr[12] = addr[0];
+            k.addr[13] = addr[1];
+            k.addr[14] = addr[2];
+            k.addr[15] = addr[3];
+        }
+        k
+    }
+
+    /// Whether the address is v4 (v4-mapped).
+    pub fn is_v4(&self) -> bool {
+        self.addr[..10] == [0; 10] && self.addr[10] == 0xff && self.addr[11] == 0xff
+    }
+
+    /// The same port and namespace on the wildcard of the address's family (v4: `0.0.0.0`).
+    pub fn v4_wildcard(&self) -> ListenKey {
+        let mut k = *self;
+        k.addr[12..].copy_from_slice(&[0; 4]);
+        k
+    }
+
+    /// The same port and namespace on `::` (a dual-stack listener takes v4 connections too).
+    pub fn v6_wildcard(&self) -> ListenKey {
+        ListenKey { addr: [0; 16], ..*self }
+    }
+}
+
 pub const SOCK_STATE: u32 = 0;
 pub const SOCK_RESET_RECEIVED: u32 = 1;
 pub const SOCK_RESET_SENT: u32 = 2;

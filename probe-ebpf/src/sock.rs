@@ -27,8 +27,15 @@ use crate::{
 #[map(name = "OWNED_SOCKS")]
 static OWNED_SOCKS: LruHashMap<u64, u8> = LruHashMap::with_max_entries(65536, 0);
 
+/// Ports the target listens on: a quick filter before [`LISTEN_ADDRS`] (never removed here: a
+/// stale port costs a lookup in LISTEN_ADDRS, nothing more).
 #[map(name = "LISTEN_PORTS")]
 static LISTEN_PORTS: HashMap<u16, u8> = HashMap::with_max_entries(1024, 0);
+
+/// The target's listening sockets by namespace, port and address: whose accepted connections
+/// are the target's.
+#[map(name = "LISTEN_ADDRS")]
+static LISTEN_ADDRS: HashMap<ListenKey, u8> = HashMap::with_max_entries(1024, 0);
 
 /// Whether `sk` is one of the target's TCP sockets.
 #[inline(always)]
@@ -40,7 +47,61 @@ pub fn is_owned(sk: u64) -> bool {
 #[inline(always)]
 fn owned(skaddr: u64, sport: u16) -> bool {
     // SAFETY: u8 values, nothing borrowed past the lookup.
-    unsafe { OWNED_SOCKS.get(&skaddr).is_some() || LISTEN_PORTS.get(&sport).is_some() }
+    unsafe { OWNED_SOCKS.get(&skaddr).is_some() || (LISTEN_PORTS.get(&sport).is_some() && on_a_target_listener(skaddr, sport)) }
+}
+
+/// The key of `sk`'s local end: namespace, port, bound address. None where the layout is unknown.
+#[inline(always)]
+fn listen_key(sk: u64, sport: u16) -> Option<ListenKey> {
+    let k = offsets();
+    if k.valid == 0 {
+        return None;
+    }
+    let family: u16 = read(sk, k.skc_family)?;
+    let mut addr = [0u8; 16];
+    if family == AF_INET6 {
+        addr = read(sk, k.skc_v6_rcv_saddr)?;
+    } else {
+        let a: [u8; 4] = read(sk, k.skc_rcv_saddr)?;
+        addr[..4].copy_from_slice(&a);
+    }
+    Some(ListenKey::new(netns_of(sk), sport, family, &addr))
+}
+
+/// The inode of `sk`'s network namespace; 0 where the layout is unknown (user space keys the
+/// target's listeners under 0 too).
+#[inline(always)]
+fn netns_of(sk: u64) -> u32 {
+    let k = offsets();
+    if k.skc_net == 0 || k.net_inum == 0 {
+        return 0;
+    }
+    read::<u64>(sk, k.skc_net).filter(|&n| n != 0).and_then(|net| read::<u32>(net, k.net_inum)).unwrap_or(0)
+}
+
+/// Whether a socket on one of the target's ports is on the target's listener: the same
+/// namespace, and its address or the wildcard the listener is bound to. Unknown layout: the
+/// port alone says (as before namespaces were told apart). A function of its own (a BPF
+/// subprogram, its stack frame apart from its callers'): inlined, tcp_send_reset's stack passed
+/// the 512-byte limit.
+#[inline(never)]
+fn on_a_target_listener(sk: u64, sport: u16) -> bool {
+    let Some(mut key) = listen_key(sk, sport) else { return true };
+    // One key, changed in place: the programs that call this are near the stack's limit.
+    // SAFETY: u8 values, nothing borrowed past the lookups.
+    unsafe {
+        if LISTEN_ADDRS.get(&key).is_some() {
+            return true;
+        }
+        if key.is_v4() {
+            key.addr[12..].copy_from_slice(&[0; 4]);
+            if LISTEN_ADDRS.get(&key).is_some() {
+                return true;
+            }
+        }
+        key.addr = [0; 16];
+        LISTEN_ADDRS.get(&key).is_some()
+    }
 }
 
 /// sock:inet_sock_set_state: every TCP/IP state change (ports in host order).
@@ -97,10 +158,11 @@ fn state_changed(ev: &SockEvent) {
     if newstate == TCP_CLOSE {
         let _ = OWNED_SOCKS.remove(&skaddr);
         if ev.oldstate == TCP_LISTEN {
-            let _ = LISTEN_PORTS.remove(&sport);
+            let _ = LISTEN_ADDRS.remove(&ListenKey::new(netns_of(skaddr), sport, ev.family, &ev.saddr));
         }
     } else if newstate == TCP_LISTEN {
         insert(&LISTEN_PORTS, &sport, &1u8);
+        insert(&LISTEN_ADDRS, &ListenKey::new(netns_of(skaddr), sport, ev.family, &ev.saddr), &1u8);
     } else {
         // Accepted sockets are owned through their listener's port until now.
         insert_lru(&OWNED_SOCKS, &skaddr, &1u8);

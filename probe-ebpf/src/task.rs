@@ -52,6 +52,8 @@ static KOFF: KernelOffsets = KernelOffsets {
     task_cfs_rq: 0,
     cfs_rq_rq: 0,
     rq_steal: 0,
+    skc_net: 0,
+    net_inum: 0,
 };
 
 #[inline(always)]

@@ -93,6 +93,14 @@ pub fn request_bounded(
     exchange(url, method, head(url, method, path, body, POLL_AGENT).as_bytes(), timeout, deadline, cap)
 }
 
+/// A GET that carries no credentials (none of `--api-key`/`--header`): for asking a listener
+/// that may not be the server the operator meant (`watch --all`'s discovery), bounded by
+/// `deadline` however the listener trickles and by `cap` bytes of body.
+pub fn get_anonymous(url: &Url, path: &str, timeout: Duration, deadline: Instant, cap: usize) -> Result<(u16, Vec<u8>), String> {
+    let msg = head_as(url, "GET", path, None, POLL_AGENT, false);
+    exchange(url, "GET", msg.as_bytes(), timeout, Some(deadline), cap).map(|(s, b, _)| (s, b))
+}
+
 /// A POST of `body` to a service other than the LLM server (an OTLP collector): its own
 /// content type, and none of the server's `--api-key`/`--header` headers.
 pub fn post_elsewhere(url: &Url, path: &str, content_type: &str, body: &[u8], timeout: Duration) -> Result<(u16, Vec<u8>), String> {
@@ -201,12 +209,17 @@ pub fn read_retry(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
 pub const POLL_AGENT: &str = crate::stream::http::POLL_USER_AGENT;
 
 pub fn head(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str) -> String {
+    head_as(url, method, path, body, agent, true)
+}
+
+/// A request head, with the server's headers (`credentials`) or without.
+fn head_as(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str, credentials: bool) -> String {
     let mut h = format!(
         "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: {agent}\r\nAccept: */*\r\nConnection: close\r\n",
         url.prefix,
         url.host_header()
     );
-    for (name, value) in HEADERS.get().map(Vec::as_slice).unwrap_or_default() {
+    for (name, value) in HEADERS.get().filter(|_| credentials).map(Vec::as_slice).unwrap_or_default() {
         h.push_str(&format!("{name}: {value}\r\n"));
     }
     if let Some(b) = body {
@@ -248,11 +261,16 @@ impl std::fmt::Debug for ServerAuth {
 impl ServerAuth {
     /// Send these headers from now on (the first call wins: one server per command).
     pub fn install(&self) {
+        let _ = HEADERS.set(self.all());
+    }
+
+    /// Every header probe would send: `--header`s, then the key as `Authorization: Bearer`.
+    pub fn all(&self) -> Vec<(String, String)> {
         let mut h = self.headers.clone();
         if let Some(k) = &self.api_key {
             h.push(("Authorization".into(), format!("Bearer {}", k.trim())));
         }
-        let _ = HEADERS.set(h);
+        h
     }
 }
 
@@ -260,9 +278,14 @@ impl ServerAuth {
 /// through its environment rather than its command line (which every user can read).
 pub fn pass_headers(cmd: &mut std::process::Command) {
     if let Some(h) = HEADERS.get().filter(|h| !h.is_empty()) {
-        cmd.env("PROBE_HEADERS", h.iter().map(|(n, v)| format!("{n}: {v}")).collect::<Vec<_>>().join("\n"));
+        cmd.env("PROBE_HEADERS", headers_env(h));
         cmd.env_remove("PROBE_API_KEY");
     }
+}
+
+/// Headers as PROBE_HEADERS holds them: `Name: value`, one a line.
+pub fn headers_env(h: &[(String, String)]) -> String {
+    h.iter().map(|(n, v)| format!("{n}: {v}")).collect::<Vec<_>>().join("\n")
 }
 
 /// `Name: value`, a header that cannot smuggle another (no CR/LF, a token for a name).

@@ -130,6 +130,11 @@ enum Command {
         /// Stop when the target exits instead of waiting for its successor (--all's followers).
         #[arg(long, hide = true)]
         once: bool,
+        /// With --all: the servers that get --api-key and --header (repeat for more):
+        /// container=NAME, port=PORT or exe=PATH. No other listener on the node sees them, and a
+        /// scope stays with the uid and executable it first matched.
+        #[arg(long = "api-key-for", value_name = "SCOPE", value_parser = watch_scope, requires = "all")]
+        api_key_for: Vec<probe_user::watch::scope::Scope>,
         /// Where incidents (DIR/incidents/TIME-CAUSE/) and the live window go.
         #[arg(long, default_value = "/var/lib/probe")]
         dir: PathBuf,
@@ -544,15 +549,32 @@ fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         scan_every,
         labels,
         once,
+        api_key_for,
     } = command
     else {
         unreachable!("watch_cmd takes its own command")
     };
-    auth.install();
     use probe_user::watch::{self, target::Select};
     if all {
-        return watch::all::run(watch::all::Options { dir, metrics_addr, child_args: follower_args(), pod_logs, scan_every });
+        // The agent itself talks to no server: the credentials go to the scoped followers only.
+        let credentials = auth.all();
+        if !credentials.is_empty() && api_key_for.is_empty() {
+            anyhow::bail!(
+                "with --all, say which servers get the API key or headers: --api-key-for port=PORT (or container=NAME, exe=PATH); \
+                 every other listener on the node is asked without them"
+            );
+        }
+        return watch::all::run(watch::all::Options {
+            dir,
+            metrics_addr,
+            child_args: follower_args(),
+            pod_logs,
+            scan_every,
+            credentials,
+            scopes: api_key_for,
+        });
     }
+    auth.install();
     let select = match (pid, port, exe, cgroup, container) {
         (Some(p), ..) => Select::Pid(p),
         (_, Some(p), ..) => Select::Port(p),
@@ -587,7 +609,8 @@ fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
 fn follower_args() -> Vec<String> {
     let args: Vec<String> = std::env::args().collect();
     let at = args.iter().position(|a| a == "watch").map_or(args.len(), |i| i + 1);
-    let own = ["--dir", "--metrics-addr", "--pod-logs", "--scan-every"];
+    // Credentials never go on a follower's command line (its environment has them, if scoped).
+    let own = ["--dir", "--metrics-addr", "--pod-logs", "--scan-every", "--api-key", "--header", "--api-key-for"];
     let mut out = Vec::new();
     let mut it = args[at..].iter();
     while let Some(a) = it.next() {
@@ -604,6 +627,10 @@ fn follower_args() -> Vec<String> {
         out.push(a.clone());
     }
     out
+}
+
+fn watch_scope(s: &str) -> Result<probe_user::watch::scope::Scope, String> {
+    probe_user::watch::scope::Scope::parse(s)
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {

@@ -283,14 +283,8 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         }
     }
     laps.lap("target_map");
-    {
-        let mut ports: HashMap<_, u16, u8> =
-            HashMap::try_from(ebpf.map_mut(probe_common::maps::LISTEN_PORTS).context("LISTEN_PORTS map missing")?)?;
-        for &pid in &targets {
-            for port in procfs::listen_ports(pid) {
-                let _ = ports.insert(port, 1, 0);
-            }
-        }
+    for &pid in &targets {
+        add_listeners(&mut ebpf, pid)?;
     }
 
     laps.lap("listen_ports");
@@ -482,6 +476,41 @@ fn attach_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec,
 /// a target: `docker exec`, a restarted server): the target set, the ports it listens on, and the
 /// perf events of its threads for the perf programs that are attached. Its children are then
 /// followed as every target's are.
+/// The listening sockets of `pid` into the kernel's maps: their ports, and each socket by its
+/// namespace, port and address (keyed under namespace 0 too, for a kernel whose layout does not
+/// say a socket's namespace), so a neighbour on the same port is not taken for the target.
+fn add_listeners(ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<()> {
+    use probe_common::sock::{AF_INET, AF_INET6, ListenKey};
+    let socks = procfs::listen_sockets(pid);
+    if socks.is_empty() {
+        return Ok(());
+    }
+    let ns = procfs::netns(pid).and_then(|n| u32::try_from(n).ok()).unwrap_or(0);
+    {
+        let mut ports: HashMap<_, u16, u8> =
+            HashMap::try_from(ebpf.map_mut(probe_common::maps::LISTEN_PORTS).context("LISTEN_PORTS map missing")?)?;
+        for a in &socks {
+            let _ = ports.insert(a.port(), 1, 0);
+        }
+    }
+    let mut addrs: HashMap<_, ListenKey, u8> =
+        HashMap::try_from(ebpf.map_mut(probe_common::maps::LISTEN_ADDRS).context("LISTEN_ADDRS map missing")?)?;
+    for a in &socks {
+        let (family, bytes) = match a.ip() {
+            std::net::IpAddr::V4(v4) => {
+                let mut b = [0u8; 16];
+                b[..4].copy_from_slice(&v4.octets());
+                (AF_INET, b)
+            }
+            std::net::IpAddr::V6(v6) => (AF_INET6, v6.octets()),
+        };
+        for n in [ns, 0] {
+            let _ = addrs.insert(ListenKey::new(n, a.port(), family, &bytes), 1, 0);
+        }
+    }
+    Ok(())
+}
+
 /// Returns false, attaching nothing, for a pid the kernel already follows (a target's child:
 /// the perf events its parent's threads inherit cover it; attaching again would count twice).
 pub fn add_target(ebpf: &mut Ebpf, pid: u32, sample_hz: u64) -> anyhow::Result<bool> {
@@ -492,12 +521,7 @@ pub fn add_target(ebpf: &mut Ebpf, pid: u32, sample_hz: u64) -> anyhow::Result<b
         }
         map.insert(pid, 1, 0).with_context(|| format!("cannot add pid {pid} to the target set"))?;
     }
-    if let Some(m) = ebpf.map_mut(probe_common::maps::LISTEN_PORTS) {
-        let mut ports: HashMap<_, u16, u8> = HashMap::try_from(m)?;
-        for port in procfs::listen_ports(pid) {
-            let _ = ports.insert(port, 1, 0);
-        }
-    }
+    add_listeners(ebpf, pid)?;
     for spec in TABLE {
         let (event, policy) = match spec.how {
             How::PerfMajorFaults => (SoftwareEvent::PageFaultsMaj, SamplePolicy::Period(1)),

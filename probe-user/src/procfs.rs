@@ -164,6 +164,16 @@ pub fn parse_listen_inodes(text: &str, port: u16) -> HashSet<u64> {
         .collect()
 }
 
+/// The uid that owns a process (its /proc directory's owner: the effective uid at exec).
+pub fn uid(pid: u32) -> Option<u32> {
+    fs::metadata(format!("/proc/{pid}")).ok().map(|m| std::os::unix::fs::MetadataExt::uid(&m))
+}
+
+/// The executable a process runs (` (deleted)` kept: a replaced binary is another one).
+pub fn exe(pid: u32) -> Option<std::path::PathBuf> {
+    fs::read_link(format!("/proc/{pid}/exe")).ok()
+}
+
 /// The inode of a process's network namespace (None once it is gone).
 pub fn netns(pid: u32) -> Option<u64> {
     fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))
@@ -247,6 +257,12 @@ fn reachable(ip: std::net::IpAddr) -> std::net::IpAddr {
 }
 
 pub fn parse_listen_addrs(text: &str, inodes: &HashSet<u64>) -> Vec<std::net::SocketAddr> {
+    parse_listen_bound(text, inodes).into_iter().map(|a| std::net::SocketAddr::new(reachable(a.ip()), a.port())).collect()
+}
+
+/// The bound address of each LISTEN socket in /proc/net/tcp{,6} text whose inode is in
+/// `inodes`, as bound (a wildcard stays 0.0.0.0 or ::).
+pub fn parse_listen_bound(text: &str, inodes: &HashSet<u64>) -> Vec<std::net::SocketAddr> {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
     text.lines()
         .skip(1)
@@ -266,10 +282,32 @@ pub fn parse_listen_addrs(text: &str, inodes: &HashSet<u64>) -> Vec<std::net::So
                 16 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(bytes.as_slice()).ok()?)),
                 _ => return None,
             };
-            let ip = reachable(ip);
             Some(std::net::SocketAddr::new(ip, port))
         })
         .collect()
+}
+
+/// The listening sockets of a process as bound (wildcards as 0.0.0.0 or ::), read in its own
+/// network namespace (sock_diag there, else its /proc/PID/net/tcp{,6}).
+pub fn listen_sockets(pid: u32) -> Vec<std::net::SocketAddr> {
+    let inodes = socket_inodes(pid);
+    if inodes.is_empty() {
+        return Vec::new();
+    }
+    let wanted = inodes.clone();
+    let mut out: Vec<std::net::SocketAddr> = in_netns_of(pid, "probe-listen", move || {
+        Some(tcp_listeners()?.into_iter().filter(|(_, i)| wanted.contains(i)).map(|(a, _)| a).collect())
+    })
+    .unwrap_or_else(|| {
+        ["tcp", "tcp6"]
+            .iter()
+            .filter_map(|f| fs::read_to_string(format!("/proc/{pid}/net/{f}")).ok())
+            .flat_map(|t| parse_listen_bound(&t, &inodes))
+            .collect()
+    });
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// Addresses the process listens on (wildcards as loopback), IPv4 first.

@@ -315,45 +315,81 @@ pub fn merge(texts: &[String]) -> String {
     o
 }
 
-/// The most bytes of a scrape's request read; a slower or longer one is answered or dropped.
+/// The most bytes of a scrape's request read; a longer one is answered 431.
 const REQUEST_CAP: usize = 8 << 10;
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The most time a connection has for its whole request, and again for the answer to go out: a
+/// client trickling bytes (slowloris) is cut off, not waited for.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// The most connections served at once; more are closed at once (the scraper retries).
+const MAX_CONNECTIONS: usize = 32;
 
 /// Serve `GET /metrics` on `addr` from a thread; returns the address bound (port 0 picks one).
 pub fn serve(addr: SocketAddr, m: Arc<Metrics>) -> std::io::Result<SocketAddr> {
     serve_with(addr, Arc::new(move || m.render()))
 }
 
-/// Serve `GET /metrics` on `addr`, the text `render` gives at each scrape.
+/// Serve `GET /metrics` on `addr`, the text `render` gives at each scrape, and `GET /healthz`
+/// (liveness and readiness: answered from memory, whatever `render` costs). Each connection has
+/// a thread of its own, at most [`MAX_CONNECTIONS`], and [`REQUEST_DEADLINE`] for its request,
+/// so a slow or silent client never holds back a scrape.
 pub fn serve_with(addr: SocketAddr, render: Arc<dyn Fn() -> String + Send + Sync>) -> std::io::Result<SocketAddr> {
     let l = TcpListener::bind(addr)?;
     let bound = l.local_addr()?;
+    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new().name("probe-metrics".into()).spawn(move || {
+        use std::sync::atomic::Ordering::SeqCst;
         for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            let _ = s.set_read_timeout(Some(SCRAPE_TIMEOUT));
-            let _ = s.set_write_timeout(Some(SCRAPE_TIMEOUT));
-            let mut req = Vec::new();
-            let mut b = [0u8; 1024];
-            while req.len() < REQUEST_CAP && !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                match s.read(&mut b) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => req.extend_from_slice(&b[..n]),
-                }
+            let Ok(s) = s else { continue };
+            if active.fetch_add(1, SeqCst) >= MAX_CONNECTIONS {
+                active.fetch_sub(1, SeqCst);
+                drop(s);
+                continue;
             }
-            let line = req.split(|&c| c == b'\n').next().unwrap_or_default();
-            let target = line.split(|&c| c == b' ').nth(1).unwrap_or_default();
-            let path = target.split(|&c| c == b'?').next().unwrap_or_default();
-            let (status, ty, body) = match (line.starts_with(b"GET "), path) {
-                (true, b"/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render()),
-                (true, b"/") => ("200 OK", "text/plain; charset=utf-8", "probe watch: metrics at /metrics\n".into()),
-                _ => ("404 Not Found", "text/plain; charset=utf-8", "not found: probe serves /metrics\n".into()),
-            };
-            let _ =
-                write!(s, "HTTP/1.1 {status}\r\nContent-Type: {ty}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+            let (render, active) = (render.clone(), active.clone());
+            let spawned = std::thread::Builder::new().name("probe-scrape".into()).spawn({
+                let active = active.clone();
+                move || {
+                    answer(s, &*render);
+                    active.fetch_sub(1, SeqCst);
+                }
+            });
+            if spawned.is_err() {
+                active.fetch_sub(1, SeqCst);
+            }
         }
     })?;
     Ok(bound)
+}
+
+/// Read one request (within the deadline and the cap) and answer it.
+fn answer(mut s: std::net::TcpStream, render: &(dyn Fn() -> String + Send + Sync)) {
+    let until = std::time::Instant::now() + REQUEST_DEADLINE;
+    let mut req = Vec::new();
+    let mut b = [0u8; 1024];
+    let whole = |r: &[u8]| r.windows(4).any(|w| w == b"\r\n\r\n");
+    while req.len() < REQUEST_CAP && !whole(&req) {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => req.extend_from_slice(&b[..n]),
+        }
+    }
+    let line = req.split(|&c| c == b'\n').next().unwrap_or_default();
+    let target = line.split(|&c| c == b' ').nth(1).unwrap_or_default();
+    let path = target.split(|&c| c == b'?').next().unwrap_or_default();
+    let text = "text/plain; charset=utf-8";
+    let (status, ty, body) = match (line.starts_with(b"GET "), path) {
+        _ if !whole(&req) => ("431 Request Header Fields Too Large", text, "request too large\n".into()),
+        (true, b"/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render()),
+        (true, b"/healthz") => ("200 OK", text, "ok\n".into()),
+        (true, b"/") => ("200 OK", text, "probe watch: metrics at /metrics, liveness at /healthz\n".into()),
+        _ => ("404 Not Found", text, "not found: probe serves /metrics and /healthz\n".into()),
+    };
+    let _ = s.set_write_timeout(Some(REQUEST_DEADLINE));
+    let _ = write!(s, "HTTP/1.1 {status}\r\nContent-Type: {ty}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
 }
 
 #[cfg(test)]

@@ -10,10 +10,12 @@
 //! the writing; the metrics thread answers scrapes from [`metrics::Metrics`].
 pub mod all;
 pub mod baseline;
+pub mod discover;
 pub mod fleet;
 pub mod incident;
 pub mod metrics;
 pub mod place;
+pub mod scope;
 pub mod target;
 
 use std::{

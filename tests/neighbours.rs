@@ -1,0 +1,300 @@
+//! probe among neighbours nobody vets (issue 39): the node agent (`probe watch --all`) beside
+//! hostile listeners and clients started by the test (tests/clients/hostile.py), and a trace
+//! beside a same-port server in another network namespace. Real probe, real llama-server, real
+//! sockets; the truth comes from the listeners' own logs, /proc and the clients' clocks.
+use std::{
+    io::{BufRead, BufReader},
+    net::{SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+mod common;
+use common::{env_path, probe_bin, workload::scratch};
+
+/// One test at a time: each runs servers and agents that share the two CPUs.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A child killed (and reaped) when dropped: a failing test leaves nothing running.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn hostile() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/hostile.py")
+}
+
+/// A hostile listener (hostile.py listen MODE) on `port`, logging the heads it reads to `log`.
+fn listener(mode: &str, port: u16, log: &Path) -> Killed {
+    let mut c = Command::new("python3")
+        .arg(hostile())
+        .args(["listen", mode, &port.to_string()])
+        .arg(log)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(c.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "listening", "hostile.py {mode} did not start");
+    Killed(c)
+}
+
+/// `probe watch --all` with its log lines.
+struct Agent {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: Vec<String>,
+}
+
+impl Agent {
+    fn start(dir: &Path, metrics: SocketAddr, args: &[&str], env: &[(&str, &str)]) -> Agent {
+        let mut child = Command::new(probe_bin())
+            .args(["watch", "--all", "--scan-every", "1s"])
+            .arg("--dir")
+            .arg(dir)
+            .args(["--metrics-addr", &metrics.to_string()])
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let err = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        Agent { child, lines, log: vec![] }
+    }
+
+    fn wait_log(&mut self, what: &str, limit: Duration) -> String {
+        let t = Instant::now();
+        loop {
+            if let Some(l) = self.log.iter().find(|l| l.contains(what)) {
+                return l.clone();
+            }
+            let left = limit.checked_sub(t.elapsed()).unwrap_or_else(|| panic!("no `{what}` in the agent's log: {:#?}", self.log));
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.log.push(l),
+                Err(_) => panic!("no `{what}` in the agent's log: {:#?}", self.log),
+            }
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Ok(l) = self.lines.try_recv() {
+            self.log.push(l);
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The agent's followers: processes whose command line names its servers directory.
+fn followers(servers: &Path) -> Vec<u32> {
+    let out = Command::new("pgrep").args(["-f", "--", &format!("--dir {}", servers.display())]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect()
+}
+
+/// One GET, timed by the client's clock: (status, body, elapsed).
+fn timed_get(addr: SocketAddr, path: &str) -> (u16, String, Duration) {
+    let t = Instant::now();
+    let (st, body) = common::http(addr, "GET", path, None, &[]).unwrap_or_else(|e| panic!("GET {path} on {addr}: {e}"));
+    (st, String::from_utf8_lossy(&body).into_owned(), t.elapsed())
+}
+
+#[test]
+fn the_node_agent_among_hostile_listeners_and_clients() {
+    let _serial = serial();
+    let d = scratch("neighbours-agent");
+    let heard = d.join("heard.jsonl");
+    let key = format!("sk-neighbour-{}-secret", std::process::id());
+    // The neighbours: one notes every header it is sent, two answer 401 to everything (with an
+    // API's error body, as a server with a key would), three answer slowly, endlessly or never.
+    let ports: Vec<u16> = (0..6).map(|_| free_port()).collect();
+    let modes = ["log", "api401", "api401", "trickle", "endless", "silent"];
+    let _hostile: Vec<Killed> = modes.iter().zip(&ports).map(|(m, p)| listener(m, *p, &heard)).collect();
+    let llama_port = free_port();
+    let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let state = d.join("state");
+    let mut agent =
+        Agent::start(&state, metrics, &["--api-key-for", &format!("port={llama_port}")], &[("PROBE_API_KEY", key.as_str())]);
+    // The 401 listeners are servers that want a key: followed, without one.
+    for p in &ports[1..3] {
+        agent.wait_log(&format!("on port {p};"), Duration::from_secs(30));
+    }
+    let wants = agent.wait_log("wants an API key and is followed without one", Duration::from_secs(5));
+    assert!(!wants.contains("sends it the API key"), "{wants}");
+    // A slowloris client on the metrics port (the DaemonSet's liveness probe) before the server comes.
+    let mut loris = Killed(
+        Command::new("python3").arg(hostile()).arg("slowloris").arg(metrics.to_string()).stdout(Stdio::piped()).spawn().unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(loris.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "connected");
+    // The real server, with the key, started while the trickling listeners are being asked.
+    let mut cmd = Command::new(env_path("LLAMA_SERVER"));
+    cmd.arg("-m").arg(env_path("LLAMA_MODEL")).args(["-c", "1024", "-np", "1", "--no-repack", "--api-key", &key]);
+    cmd.args(["--host", "127.0.0.1", "--port", &llama_port.to_string()]);
+    let _llama = Killed(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+    let llama_addr: SocketAddr = format!("127.0.0.1:{llama_port}").parse().unwrap();
+    common::wait_healthy(llama_addr);
+    let ready = Instant::now();
+    let found = agent.wait_log(&format!("on port {llama_port};"), Duration::from_secs(30));
+    let followed_in = ready.elapsed();
+    assert!(found.contains("llama-server"), "{found}");
+    assert!(
+        followed_in <= Duration::from_secs(3),
+        "the server was followed {:.1} s after it answered (over 3 s: slow listeners held discovery back)",
+        followed_in.as_secs_f64()
+    );
+    agent.wait_log("sends it the API key and headers (port=", Duration::from_secs(5));
+    // A scrape and the liveness probe answer at once, the slowloris client still connected.
+    let (st, text, took) = timed_get(metrics, "/metrics");
+    assert_eq!(st, 200, "{text}");
+    assert!(took < Duration::from_secs(1), "a scrape took {took:?} beside a slowloris client");
+    let (st, ok, took) = timed_get(metrics, "/healthz");
+    assert!(st == 200 && ok.trim() == "ok" && took < Duration::from_secs(1), "{st} {ok:?} {took:?}");
+    assert!(loris.0.try_wait().unwrap().is_none(), "the slowloris client gave up first");
+    // The two 401 listeners and the real server: three servers (once each follower serves its
+    // metrics); the slow ones are not followed.
+    let t = Instant::now();
+    loop {
+        let (_, text, _) = timed_get(metrics, "/metrics");
+        let servers = common::prometheus_sum(&text, "probe_servers");
+        if servers == 3.0 {
+            break;
+        }
+        assert!(servers < 3.0 && t.elapsed() < Duration::from_secs(20), "probe_servers {servers}, wanted 3:\n{text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    agent.drain();
+    for p in &ports[3..] {
+        assert!(!agent.log.iter().any(|l| l.contains(&format!("on port {p};"))), "a slow listener was followed: {:#?}", agent.log);
+    }
+    // Only the scoped server's follower holds the key (in its environment, never its command
+    // line); no listener was sent it; no process shows it in /proc/PID/cmdline.
+    let servers_dir = state.join("servers");
+    let fs = followers(&servers_dir);
+    assert_eq!(fs.len(), 3, "{fs:?}");
+    let with_key: Vec<u32> =
+        fs.iter().copied().filter(|p| std::fs::read(format!("/proc/{p}/environ")).is_ok_and(|e| contains(&e, key.as_bytes()))).collect();
+    assert_eq!(with_key.len(), 1, "followers with the key in their environment: {with_key:?} of {fs:?}");
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", with_key[0])).unwrap();
+    assert!(String::from_utf8_lossy(&cmdline).contains(&llama_port.to_string()), "the key went to another follower");
+    let heads = std::fs::read_to_string(&heard).unwrap();
+    for m in ["log", "api401", "trickle", "endless", "silent"] {
+        assert!(heads.contains(&format!("\"mode\": \"{m}\"")), "the {m} listener was never asked: {heads}");
+    }
+    assert!(!heads.contains(&key), "a neighbour was sent the key: {heads}");
+    assert!(!heads.to_ascii_lowercase().contains("authorization"), "a neighbour was sent credentials: {heads}");
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(c) = std::fs::read(e.path().join("cmdline")) {
+            let text = String::from_utf8_lossy(&c).replace('\0', " ");
+            // The llama-server itself was given its key on its command line by this test.
+            assert!(!contains(&c, key.as_bytes()) || text.contains("llama-server"), "the key is on a command line: {text}");
+        }
+    }
+    // The agent killed outright: its followers go with it (they would hold their probes).
+    let _ = agent.child.kill();
+    let _ = agent.child.wait();
+    let t = Instant::now();
+    while !followers(&servers_dir).is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(10), "followers outlived their killed agent: {:?}", followers(&servers_dir));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("the server was followed {:.2} s after it answered, beside six hostile listeners", followed_in.as_secs_f64());
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn a_same_port_server_in_another_network_namespace_is_not_the_targets() {
+    let _serial = serial();
+    let d = scratch("neighbours-netns");
+    let ns = format!("probe-nb-{}", std::process::id());
+    let ip = |args: &[&str]| {
+        let st = Command::new("ip").args(args).status().unwrap();
+        assert!(st.success(), "ip {args:?}");
+    };
+    ip(&["netns", "add", &ns]);
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+    let _gone = Gone(ns.clone());
+    ip(&["netns", "exec", &ns, "ip", "link", "set", "lo", "up"]);
+    let (srv, addr) = common::shared_llama_server(&["-c", "1024", "-np", "1", "--no-repack"]);
+    let _srv = Killed(srv);
+    let port = addr.port().to_string();
+    // The neighbour: a web server on the same address and port, in its own namespace.
+    let www = d.join("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::write(www.join("index.html"), "hello").unwrap();
+    let _neighbour = Killed(
+        Command::new("ip")
+            .args(["netns", "exec", &ns, "python3", "-m", "http.server", "--bind", "127.0.0.1", &port])
+            .current_dir(&www)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let in_ns = |n: usize| {
+        let code = format!(
+            "import urllib.request,time\nfor i in range(200):\n  try:\n    urllib.request.urlopen('http://127.0.0.1:{port}/').read(); break\n  except OSError: time.sleep(0.05)\nfor i in range({n}): urllib.request.urlopen('http://127.0.0.1:{port}/').read()\n"
+        );
+        let st = Command::new("ip").args(["netns", "exec", &ns, "python3", "-c", &code]).status().unwrap();
+        assert!(st.success(), "the neighbour did not answer in its namespace");
+    };
+    in_ns(1);
+    let out = d.join("rec");
+    let (trace, _lines, _) = common::start_trace(&[
+        "--pid",
+        &_srv.0.id().to_string(),
+        "--duration",
+        "4s",
+        "--no-poll",
+        "--out",
+        out.to_str().unwrap(),
+        "--force",
+    ]);
+    in_ns(6);
+    let (st, body) =
+        common::http(addr, "POST", "/completion", Some(&serde_json::json!({"prompt": "Hello", "n_predict": 2})), &[]).unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let done = trace.wait_with_output().unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let r = common::read_report(&out);
+    let conns = r["connections"].as_array().cloned().unwrap_or_default();
+    assert_eq!(conns.len(), 1, "the target served one connection; the report has {}: {conns:#?}", conns.len());
+    assert_eq!(conns[0]["local"].as_str(), Some(addr.to_string().as_str()), "{conns:#?}");
+    assert_eq!(r["requests"].as_array().map(Vec::len), Some(1), "{:#}", r["requests"]);
+}
