@@ -79,7 +79,23 @@ fn the_daemonset_passes_the_official_schemas_and_a_broken_one_does_not() {
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostPID"], true);
     let c = &pod["containers"][0];
-    assert_eq!(c["securityContext"]["privileged"], true);
+    // Capabilities, not privileged; no service account token; a pinned image; the cheap
+    // liveness endpoint; a NetworkPolicy for the metrics port.
+    let sc = &c["securityContext"];
+    assert_eq!(sc["privileged"], false);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    for cap in ["BPF", "PERFMON", "SYSLOG", "SYS_PTRACE"] {
+        assert!(sc["capabilities"]["add"].as_array().unwrap().iter().any(|c| c == cap), "{cap} missing: {sc}");
+    }
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    let image = c["image"].as_str().unwrap();
+    assert_eq!(image.rsplit(':').next(), Some(env!("CARGO_PKG_VERSION")), "the image is pinned to the release: {image}");
+    for probe in ["livenessProbe", "readinessProbe"] {
+        assert_eq!(c[probe]["httpGet"]["path"], "/healthz", "{probe}");
+    }
+    let np = docs.iter().find(|o| o["kind"] == "NetworkPolicy").expect("a NetworkPolicy");
+    assert_eq!(np["spec"]["podSelector"]["matchLabels"], ds["spec"]["selector"]["matchLabels"]);
+    assert_eq!(np["spec"]["ingress"][0]["ports"][0]["port"], "metrics");
     let mounts: Vec<&str> = c["volumeMounts"].as_array().unwrap().iter().map(|m| m["mountPath"].as_str().unwrap()).collect();
     for m in ["/sys/kernel/btf", "/sys/fs/cgroup", "/sys/kernel/tracing", "/var/log/pods", "/var/lib/probe"] {
         assert!(mounts.contains(&m), "{m} not mounted: {mounts:?}");
@@ -214,6 +230,28 @@ impl Drop for Podman {
     }
 }
 
+/// The DaemonSet container's capabilities and security options as `podman run` flags.
+fn daemonset_security() -> Vec<String> {
+    let ds = documents(&repo().join("deploy/kubernetes/probe.yaml")).into_iter().find(|o| o["kind"] == "DaemonSet").unwrap();
+    let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
+    assert_eq!(sc["privileged"], false, "{sc}");
+    let mut out = vec!["--cap-drop=all".to_string()];
+    for c in sc["capabilities"]["add"].as_array().unwrap() {
+        out.push(format!("--cap-add={}", c.as_str().unwrap()));
+    }
+    let unconfined = |k: &str| sc[k]["type"] == "Unconfined";
+    if unconfined("seccompProfile") {
+        out.push("--security-opt=seccomp=unconfined".into());
+    }
+    if unconfined("appArmorProfile") {
+        out.push("--security-opt=apparmor=unconfined".into());
+    }
+    if sc["allowPrivilegeEscalation"] == false {
+        out.push("--security-opt=no-new-privileges".into());
+    }
+    out
+}
+
 /// Wait for `line` in a container's log (`podman logs`): the first line holding it.
 fn wait_log(p: &Podman, name: &str, needle: &str, within: Duration) -> String {
     let t = Instant::now();
@@ -291,11 +329,12 @@ fn the_image_under_podman_finds_servers_in_containers_and_labels_them() {
         "/var/lib/containers/storage/overlay-containers:/var/lib/containers/storage/overlay-containers:ro".to_string(),
         format!("{}:/var/lib/probe", state.display()),
     ];
-    let mut args: Vec<String> =
-        ["--pid=host", "--privileged", "--network", "host", "--read-only", "--tmpfs", "/tmp", "-e", "NODE_NAME=node-t"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+    // Exactly the DaemonSet's capabilities and security options, not --privileged.
+    let mut args: Vec<String> = ["--pid=host", "--network", "host", "--read-only", "--tmpfs", "/tmp", "-e", "NODE_NAME=node-t"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(daemonset_security());
     for v in &volumes {
         args.extend(["-v".to_string(), v.clone()]);
     }

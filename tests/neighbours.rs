@@ -140,8 +140,7 @@ fn the_node_agent_among_hostile_listeners_and_clients() {
     let llama_port = free_port();
     let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let state = d.join("state");
-    let mut agent =
-        Agent::start(&state, metrics, &["--api-key-for", &format!("port={llama_port}")], &[("PROBE_API_KEY", key.as_str())]);
+    let mut agent = Agent::start(&state, metrics, &["--api-key-for", &format!("port={llama_port}")], &[("PROBE_API_KEY", key.as_str())]);
     // The 401 listeners are servers that want a key: followed, without one.
     for p in &ports[1..3] {
         agent.wait_log(&format!("on port {p};"), Duration::from_secs(30));
@@ -149,9 +148,8 @@ fn the_node_agent_among_hostile_listeners_and_clients() {
     let wants = agent.wait_log("wants an API key and is followed without one", Duration::from_secs(5));
     assert!(!wants.contains("sends it the API key"), "{wants}");
     // A slowloris client on the metrics port (the DaemonSet's liveness probe) before the server comes.
-    let mut loris = Killed(
-        Command::new("python3").arg(hostile()).arg("slowloris").arg(metrics.to_string()).stdout(Stdio::piped()).spawn().unwrap(),
-    );
+    let mut loris =
+        Killed(Command::new("python3").arg(hostile()).arg("slowloris").arg(metrics.to_string()).stdout(Stdio::piped()).spawn().unwrap());
     let mut line = String::new();
     BufReader::new(loris.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "connected");
@@ -287,8 +285,7 @@ fn a_same_port_server_in_another_network_namespace_is_not_the_targets() {
         "--force",
     ]);
     in_ns(6);
-    let (st, body) =
-        common::http(addr, "POST", "/completion", Some(&serde_json::json!({"prompt": "Hello", "n_predict": 2})), &[]).unwrap();
+    let (st, body) = common::http(addr, "POST", "/completion", Some(&serde_json::json!({"prompt": "Hello", "n_predict": 2})), &[]).unwrap();
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
     let done = trace.wait_with_output().unwrap();
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));

@@ -185,8 +185,9 @@ impl Btf {
         })()
         .unwrap_or_default();
         // A socket's network namespace: both or none.
-        let netns = (|| -> Result<[u32; 2], BtfError> { Ok([self.offset("sock_common", "skc_net.net")?, self.offset("net", "ns.inum")?]) })()
-            .unwrap_or_default();
+        let netns =
+            (|| -> Result<[u32; 2], BtfError> { Ok([self.offset("sock_common", "skc_net.net")?, self.offset("net", "ns.inum")?]) })()
+                .unwrap_or_default();
         let req_bits = ["__REQ_PREFLUSH", "__REQ_FUA", "__REQ_RAHEAD", "__REQ_SYNC", "__REQ_META"]
             .map(|n| self.enumerator(n).and_then(|v| u32::try_from(v).ok()).filter(|&b| b < 32).unwrap_or(probe_common::kernel::NO_BIT));
         Ok(KernelOffsets {

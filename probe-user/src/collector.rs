@@ -337,7 +337,15 @@ impl State {
                 }
             }
             Event::Data(d) => self.streams.on_data(&d, decode::data_payload(bytes)),
-            Event::Sock(s) => self.streams.on_sock(&s),
+            Event::Sock(s) => {
+                // A closed connection's masking state goes with it (a new one on the same socket
+                // address starts clean).
+                if self.capture_text && s.newstate == probe_common::sock::TCP_CLOSE && s.what == probe_common::sock::SOCK_STATE {
+                    self.credentials.remove(&(s.skaddr, 0));
+                    self.credentials.remove(&(s.skaddr, 1));
+                }
+                self.streams.on_sock(&s)
+            }
             Event::Mmap(m) => {
                 if matches!(MmapOp::try_from(m.op), Ok(MmapOp::Mmap | MmapOp::Munmap | MmapOp::Mremap)) {
                     self.dirty_maps.insert(m.hdr.pid);

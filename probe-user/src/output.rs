@@ -36,7 +36,12 @@ pub fn is_probe_output(name: &str) -> bool {
 }
 
 /// (uid, gid) of the user who ran sudo, if probe runs under sudo.
+/// Honoured only when probe runs as root (real uid 0): anyone else can set SUDO_UID.
 pub fn sudo_caller() -> Option<(u32, u32)> {
+    // SAFETY: getuid has no failure mode and touches no memory.
+    if unsafe { libc::getuid() } != 0 {
+        return None;
+    }
     let id = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
     Some((id("SUDO_UID")?, id("SUDO_GID")?))
 }
@@ -72,15 +77,8 @@ impl OutDir {
     /// (its earlier outputs are removed; nothing else is).
     pub fn create_recording(path: &Path, force: bool) -> anyhow::Result<OutDir> {
         let shown = path.display();
-        match std::fs::DirBuilder::new().mode_0700().create(path) {
-            Ok(()) => {
-                let d = Self::open_dir(path)?;
-                // SAFETY: geteuid has no failure mode and touches no memory.
-                let me = unsafe { libc::geteuid() };
-                let st = d.dir.metadata()?;
-                if st.uid() != me {
-                    bail!("{shown} was replaced by another user's directory while probe created it; choose another --out");
-                }
+        match Self::make(path) {
+            Ok(d) => {
                 d.seal()?;
                 Ok(d)
             }
@@ -122,9 +120,8 @@ impl OutDir {
     /// A directory of results (`probe bench --out`): created with mode 0700, or an existing one
     /// of the caller's that others cannot write to ([`OutDir::open`]).
     pub fn create_or_open(path: &Path) -> anyhow::Result<OutDir> {
-        match std::fs::DirBuilder::new().mode_0700().create(path) {
-            Ok(()) => {
-                let d = Self::open_dir(path)?;
+        match Self::make(path) {
+            Ok(d) => {
                 d.seal()?;
                 Ok(d)
             }
@@ -158,14 +155,63 @@ impl OutDir {
     }
 
     fn open_dir(path: &Path) -> anyhow::Result<OutDir> {
-        let c = cstr(path.as_os_str().as_bytes())?;
+        let (parent, name) = Self::parent(path).with_context(|| format!("cannot open the directory {}", path.display()))?;
+        Self::open_at(&parent, &name, path).with_context(|| format!("cannot open the directory {}", path.display()))
+    }
+
+    /// The parent directory of `path`, held open, and the last component's name.
+    fn parent(path: &Path) -> io::Result<(File, std::ffi::CString)> {
+        let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "the path names no directory"))?;
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let c = cstr(parent.as_os_str().as_bytes())?;
         // SAFETY: `c` is a NUL-terminated path that lives for the call; the result is checked.
         let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
         if fd < 0 {
-            return Err(io::Error::last_os_error()).with_context(|| format!("cannot open the directory {}", path.display()));
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        Ok((unsafe { File::from_raw_fd(fd) }, cstr(name.as_bytes())?))
+    }
+
+    /// `name` in the open `parent`, never through a link (O_NOFOLLOW): a link swapped in for
+    /// the directory is refused, not followed.
+    fn open_at(parent: &File, name: &std::ffi::CStr, path: &Path) -> io::Result<OutDir> {
+        // SAFETY: openat relative to a descriptor we own; `name` lives for the call.
+        let fd = unsafe {
+            libc::openat(parent.as_raw_fd(), name.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
         }
         // SAFETY: `fd` was just opened and is owned by nothing else.
         Ok(OutDir { dir: unsafe { File::from_raw_fd(fd) }, path: path.to_path_buf() })
+    }
+
+    /// A new directory, made (0700) and opened from its parent's descriptor. What was opened
+    /// must be what was made: ours, closed to others (0700 less the umask) and empty. Another directory swapped in between
+    /// (even root's) is refused; `AlreadyExists` is returned as it is.
+    fn make(path: &Path) -> io::Result<OutDir> {
+        let (parent, name) = Self::parent(path)?;
+        // SAFETY: mkdirat relative to a descriptor we own; `name` lives for the call.
+        if unsafe { libc::mkdirat(parent.as_raw_fd(), name.as_ptr(), 0o700) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let d = Self::open_at(&parent, &name, path)?;
+        let st = d.dir.metadata()?;
+        // SAFETY: geteuid has no failure mode and touches no memory.
+        let me = unsafe { libc::geteuid() };
+        if st.uid() != me || st.mode() & 0o077 != 0 || !d.names()?.is_empty() {
+            return Err(io::Error::other(format!(
+                "{} was replaced by another directory (uid {}, mode {:o}) while probe created it; choose another",
+                path.display(),
+                st.uid(),
+                st.mode() & 0o7777
+            )));
+        }
+        Ok(d)
     }
 
     /// Mode 0700 and the caller as owner, set on the open directory.
@@ -346,16 +392,6 @@ pub fn read_recording_text(path: &Path, cap: u64) -> io::Result<String> {
     let mut s = String::new();
     open_recording_file(path)?.take(cap).read_to_string(&mut s)?;
     Ok(s)
-}
-
-trait Mode0700 {
-    fn mode_0700(&mut self) -> &mut Self;
-}
-
-impl Mode0700 for std::fs::DirBuilder {
-    fn mode_0700(&mut self) -> &mut Self {
-        std::os::unix::fs::DirBuilderExt::mode(self, 0o700)
-    }
 }
 
 #[cfg(test)]

@@ -65,8 +65,19 @@ pub fn scrub(text: &str) -> String {
     KERNEL_ADDR.replace_all(&t, "[kernel address]").into_owned()
 }
 
-/// HTTP headers whose values are credentials.
-const CREDENTIAL_HEADERS: [&[u8]; 5] = [b"authorization:", b"proxy-authorization:", b"cookie:", b"x-api-key:", b"api-key:"];
+/// HTTP headers whose values are credentials (sent, and set by the server: `Set-Cookie`).
+const CREDENTIAL_HEADERS: [&[u8]; 10] = [
+    b"authorization:",
+    b"proxy-authorization:",
+    b"cookie:",
+    b"set-cookie:",
+    b"x-api-key:",
+    b"api-key:",
+    b"x-auth-token:",
+    b"x-goog-api-key:",
+    b"x-amz-security-token:",
+    b"private-token:",
+];
 
 /// Overwrite, in place, the credentials in raw HTTP bytes with `*`, keeping every length (the
 /// stream parser and the recording's byte counts stay right): the values of credential headers
@@ -115,6 +126,12 @@ pub struct CredentialStream {
     mid_line: bool,
     /// Inside a credential header's value, until the end of its line.
     in_value: bool,
+    /// Inside a query string (after a `?`, until a space or the line's end), with the name of
+    /// the parameter being read (up to its `=`), or inside a secret parameter's value.
+    in_query: bool,
+    param: Vec<u8>,
+    param_long: bool,
+    in_secret: bool,
 }
 
 /// Longest header name looked for, with its colon.
@@ -129,6 +146,12 @@ impl CredentialStream {
             if *c == b'\n' {
                 self.name.clear();
                 (self.mid_line, self.in_value) = (false, false);
+                self.end_query();
+            } else if self.in_query {
+                self.query_byte(c);
+            } else if *c == b'?' && !self.in_value {
+                self.in_query = true;
+                self.mid_line = true;
             } else if self.in_value {
                 if *c != b'\r' && *c != b' ' {
                     *c = b'*';
@@ -144,6 +167,31 @@ impl CredentialStream {
             }
         }
         http_credentials_in_place(buf);
+    }
+
+    fn end_query(&mut self) {
+        (self.in_query, self.in_secret, self.param_long) = (false, false, false);
+        self.param.clear();
+    }
+
+    /// One byte of a query string: a secret parameter's value becomes `*`, however the reads
+    /// split its name or value.
+    fn query_byte(&mut self, c: &mut u8) {
+        match *c {
+            b' ' | b'\r' | b'#' => self.end_query(),
+            b'&' | b';' => {
+                (self.in_secret, self.param_long) = (false, false);
+                self.param.clear();
+            }
+            _ if self.in_secret => *c = b'*',
+            b'=' if !self.param_long => {
+                self.in_secret = std::str::from_utf8(&self.param).is_ok_and(is_secret_name);
+                self.param_long = true;
+            }
+            _ if self.param_long => {}
+            _ if self.param.len() >= NAME_MAX * 2 => self.param_long = true,
+            _ => self.param.push(*c),
+        }
     }
 }
 
@@ -339,12 +387,20 @@ mod tests {
         );
     }
 
-    /// `Authorization: Bearer …` split over two and three reads at every point: the value is
-    /// hidden whole, lengths kept, the other headers untouched.
+    /// `Authorization: Bearer …` and a secret query parameter split over two and three reads at
+    /// every point: the values are hidden whole, lengths kept, the other headers untouched.
+    #[test]
+    fn set_cookie_is_masked() {
+        let mut b = b"HTTP/1.1 200 OK\r\nSet-Cookie: session=abc123; HttpOnly\r\nContent-Length: 2\r\n\r\n{}".to_vec();
+        CredentialStream::default().mask(&mut b);
+        assert_eq!(String::from_utf8(b).unwrap(), "HTTP/1.1 200 OK\r\nSet-Cookie: *************** ********\r\nContent-Length: 2\r\n\r\n{}");
+    }
+
     #[test]
     fn credentials_split_across_reads_are_masked() {
-        let raw = b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-123\r\nX-Other: keep\r\n\r\n{}";
-        let want = b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nAuthorization: ****** *************\r\nX-Other: keep\r\n\r\n{}";
+        let raw = b"POST /v1/chat?n=2&api_key=sk-q-9 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-123\r\nX-Other: keep\r\n\r\n{}";
+        let want =
+            b"POST /v1/chat?n=2&api_key=****** HTTP/1.1\r\nHost: x\r\nAuthorization: ****** *************\r\nX-Other: keep\r\n\r\n{}";
         for a in 0..raw.len() {
             for b in a..raw.len() {
                 let mut bytes = raw.to_vec();

@@ -1136,7 +1136,7 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
             // Root's image store: the agent runs as root (privileged, eBPF).
             sudo_ready()?;
             let tag = image(engine.as_deref(), save.as_deref(), true)?;
-            println!("image: {tag} (and localhost/probe:latest); deploy/kubernetes/probe.yaml runs localhost/probe:latest");
+            println!("image: {tag} (and localhost/probe:latest); deploy/kubernetes/probe.yaml runs {tag}");
             Ok(())
         }
         Cmd::Deb => {

@@ -151,7 +151,11 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 if n >= MAX_SERVERS {
                     refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if !std::mem::replace(&mut refused_said, true) {
-                        log_line!("probe watch: already following {MAX_SERVERS} servers, the most one agent follows: pid {} on port {} and any more are left alone (probe_servers_refused_total counts them)", l.pid, l.addr.port());
+                        log_line!(
+                            "probe watch: already following {MAX_SERVERS} servers, the most one agent follows: pid {} on port {} and any more are left alone (probe_servers_refused_total counts them)",
+                            l.pid,
+                            l.addr.port()
+                        );
                     }
                     continue;
                 }
@@ -288,7 +292,11 @@ fn spawn(
 }
 
 /// The followers' metrics as one exposition, and the node agent's own.
-fn render(followers: &Mutex<HashMap<u32, Follower>>, scans: &std::sync::atomic::AtomicU64, refused: &std::sync::atomic::AtomicU64) -> String {
+fn render(
+    followers: &Mutex<HashMap<u32, Follower>>,
+    scans: &std::sync::atomic::AtomicU64,
+    refused: &std::sync::atomic::AtomicU64,
+) -> String {
     let addrs: Vec<SocketAddr> = followers
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -311,7 +319,9 @@ fn render(followers: &Mutex<HashMap<u32, Follower>>, scans: &std::sync::atomic::
     )];
     for a in addrs {
         let deadline = Instant::now() + Duration::from_secs(2);
-        if let Ok((200, body)) = crate::httpc::get_anonymous(&crate::httpc::Url::of(a), "/metrics", Duration::from_secs(2), deadline, 16 << 20) {
+        if let Ok((200, body)) =
+            crate::httpc::get_anonymous(&crate::httpc::Url::of(a), "/metrics", Duration::from_secs(2), deadline, 16 << 20)
+        {
             texts.push(String::from_utf8_lossy(&body).into_owned());
         }
     }

@@ -214,7 +214,8 @@ impl Asker {
     /// Start asking `l` unless it is being asked, waits out a backoff, or every slot is taken.
     pub fn start(&mut self, l: &Listener) {
         let key = (l.pid, l.addr.port());
-        if self.in_flight.len() >= MAX_ASKS || self.in_flight.contains(&key) || self.backoff.get(&key).is_some_and(|b| Instant::now() < b.0) {
+        if self.in_flight.len() >= MAX_ASKS || self.in_flight.contains(&key) || self.backoff.get(&key).is_some_and(|b| Instant::now() < b.0)
+        {
             return;
         }
         let (tx, l) = (self.tx.clone(), l.clone());

@@ -25,11 +25,34 @@ pub struct Following {
     exe: Option<String>,
     /// A pid that exited is not taken again (a zombie, or /proc still showing it).
     gone: HashSet<u32>,
+    /// Who the first target was: its uid, executable and cgroup. A successor must be the same
+    /// user, running the same executable or in the same cgroup: a local user who binds the port
+    /// while the server restarts gets neither its credentials nor a trace.
+    pin: Option<Pin>,
+    /// Candidates refused by the pin, said once each.
+    refused: HashSet<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Pin {
+    uid: u32,
+    exe: Option<std::path::PathBuf>,
+    cgroup: Option<String>,
+}
+
+impl Pin {
+    fn of(pid: u32) -> Option<Pin> {
+        Some(Pin { uid: crate::procfs::uid(pid)?, exe: crate::procfs::exe(pid), cgroup: crate::cgroup::of_pid(pid) })
+    }
+
+    fn admits(&self, other: &Pin) -> bool {
+        self.uid == other.uid && ((self.exe.is_some() && self.exe == other.exe) || (self.cgroup.is_some() && self.cgroup == other.cgroup))
+    }
 }
 
 impl Following {
     pub fn new(select: Select) -> Following {
-        Following { select, ports: vec![], exe: None, gone: HashSet::new() }
+        Following { select, ports: vec![], exe: None, gone: HashSet::new(), pin: None, refused: HashSet::new() }
     }
 
     pub fn describe(&self) -> String {
@@ -65,6 +88,25 @@ impl Following {
         }?;
         if self.gone.contains(&pid) || !crate::procfs::exists(pid) {
             return None;
+        }
+        if !matches!(self.select, Select::Cgroup(_)) {
+            let who = Pin::of(pid)?;
+            match &self.pin {
+                None => self.pin = Some(who),
+                Some(p) if p.admits(&who) => {}
+                Some(p) => {
+                    if self.refused.insert(pid) {
+                        super::log_line!(
+                            "probe watch: not following pid {pid}: it runs {} as uid {}, not {} as uid {} like the process followed before (restart probe to follow it)",
+                            crate::text::terminal(&who.exe.as_ref().map_or("?".into(), |e| e.display().to_string())),
+                            who.uid,
+                            crate::text::terminal(&p.exe.as_ref().map_or("?".into(), |e| e.display().to_string())),
+                            p.uid
+                        );
+                    }
+                    return None;
+                }
+            }
         }
         // What to look for when it exits (a --pid target's successor).
         let ports = crate::procfs::listen_ports(pid);
@@ -147,5 +189,11 @@ mod tests {
         let mut f = Following::new(Select::Pid(1));
         f.exited(1);
         assert_eq!(f.find(), None, "an exited pid is not taken again");
+        // A successor is the same user running the same executable or in the same cgroup.
+        let me = Pin { uid: 0, exe: Some("/usr/bin/llama-server".into()), cgroup: Some("/system.slice/llama.service".into()) };
+        assert!(me.admits(&Pin { cgroup: None, ..me.clone() }));
+        assert!(me.admits(&Pin { exe: Some("/opt/new/llama-server".into()), ..me.clone() }), "an upgrade in the same service");
+        assert!(!me.admits(&Pin { uid: 1000, ..me.clone() }), "another user");
+        assert!(!me.admits(&Pin { uid: 0, exe: Some("/tmp/x".into()), cgroup: Some("/user.slice".into()) }));
     }
 }
