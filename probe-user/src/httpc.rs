@@ -154,43 +154,74 @@ fn exchange(
     let _ = s.set_write_timeout(Some(left()?));
     let _ = s.set_nodelay(true);
     s.write_all(msg).map_err(|e| format!("cannot send to {addr}: {e}"))?;
-    let mut buf = Vec::new();
+    let mut reader = Response::new(method, cap);
     let mut chunk = [0u8; 16384];
-    let (status, framing, start) = loop {
+    loop {
         let _ = s.set_read_timeout(Some(left()?));
         let n = read_retry(&mut s, &mut chunk).map_err(|e| format!("no answer from {addr}: {e}"))?;
-        if n == 0 {
-            return Err(format!("{addr} closed the connection without an HTTP response"));
+        let got = if n == 0 { reader.close() } else { reader.feed(&chunk[..n]) };
+        match got.map_err(|e| format!("{addr} {e}"))? {
+            Some((status, body)) => return Ok((status, body, local)),
+            None => continue,
         }
-        buf.extend_from_slice(&chunk[..n]);
-        match parse_response(&buf) {
-            Parsed::Done(h, len) => break (h.status, h.framing(method), len),
-            Parsed::Partial if buf.len() < 64 << 10 => continue,
-            _ => return Err(format!("{addr} did not answer in HTTP/1.x (is this an HTTP server?)")),
-        }
-    };
-    let mut dec = Body::new(framing);
-    let mut out = Vec::new();
-    let mut rest = buf[start..].to_vec();
-    loop {
-        if dec.feed(&rest, &mut out).is_none() {
-            return Err(format!("{addr} sent a malformed HTTP body"));
-        }
-        if out.len() > cap {
-            return Err(format!("{addr} sent a body over {cap} bytes"));
-        }
-        if dec.done {
-            break;
-        }
-        let _ = s.set_read_timeout(Some(left()?));
-        let n = read_retry(&mut s, &mut chunk).map_err(|e| format!("reading from {addr}: {e}"))?;
-        if n == 0 {
-            dec.close();
-            break;
-        }
-        rest = chunk[..n].to_vec();
     }
-    Ok((status, out, local))
+}
+
+/// A response read as its bytes come: the head (up to 64 KiB), then the body its framing says,
+/// at most `cap` bytes of it. The part of [`request`] that reads, apart from the socket (and
+/// fuzzed: fuzz/fuzz_targets/exposition.rs).
+pub struct Response {
+    method: String,
+    cap: usize,
+    head: Vec<u8>,
+    body: Option<(u16, Body)>,
+    out: Vec<u8>,
+}
+
+impl Response {
+    pub fn new(method: &str, cap: usize) -> Response {
+        Response { method: method.to_string(), cap, head: Vec::new(), body: None, out: Vec::new() }
+    }
+
+    /// The next bytes: Some((status, body)) once the response is whole, None while more is
+    /// wanted, an error (what the server did wrong) for a response probe will not read.
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<Option<(u16, Vec<u8>)>, String> {
+        let rest = match &mut self.body {
+            Some(_) => bytes.to_vec(),
+            None => {
+                self.head.extend_from_slice(bytes);
+                match parse_response(&self.head) {
+                    Parsed::Done(h, len) => {
+                        self.body = Some((h.status, Body::new(h.framing(&self.method))));
+                        let rest = self.head[len..].to_vec();
+                        self.head.clear();
+                        rest
+                    }
+                    Parsed::Partial if self.head.len() < 64 << 10 => return Ok(None),
+                    _ => return Err("did not answer in HTTP/1.x (is this an HTTP server?)".into()),
+                }
+            }
+        };
+        let Some((status, dec)) = &mut self.body else { return Ok(None) };
+        if dec.feed(&rest, &mut self.out).is_none() {
+            return Err("sent a malformed HTTP body".into());
+        }
+        if self.out.len() > self.cap {
+            return Err(format!("sent a body over {} bytes", self.cap));
+        }
+        Ok(dec.done.then(|| (*status, std::mem::take(&mut self.out))))
+    }
+
+    /// The server closed the connection: a body framed by the close ends here.
+    pub fn close(&mut self) -> Result<Option<(u16, Vec<u8>)>, String> {
+        match &mut self.body {
+            None => Err("closed the connection without an HTTP response".into()),
+            Some((status, dec)) => {
+                dec.close();
+                Ok(Some((*status, std::mem::take(&mut self.out))))
+            }
+        }
+    }
 }
 
 /// A read that retries when a signal interrupted it (Ctrl-C is handled by a flag, not EINTR).
