@@ -295,3 +295,143 @@ fn a_same_port_server_in_another_network_namespace_is_not_the_targets() {
     assert_eq!(conns[0]["local"].as_str(), Some(addr.to_string().as_str()), "{conns:#?}");
     assert_eq!(r["requests"].as_array().map(Vec::len), Some(1), "{:#}", r["requests"]);
 }
+
+/// `probe trace ARGS` (with `env`) run to its end: its report and its peak RSS (MiB, from
+/// wait4's rusage: the kernel's account, not probe's).
+// The child is reaped by wait4 itself.
+#[allow(clippy::zombie_processes)]
+fn trace_rss(args: &[&str], env: &[(&str, &str)], log: &Path) -> (serde_json::Value, u64) {
+    let child = Command::new(probe_bin())
+        .arg("trace")
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: a zeroed rusage is a valid value for wait4 to fill in.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting for our own child, with pointers to live values.
+    let rc = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut ru) };
+    assert_eq!(rc, child.id() as i32);
+    let said = std::fs::read_to_string(log).unwrap_or_default();
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) <= 1, "probe trace {args:?}: {status}\n{said}");
+    let out = args.iter().skip_while(|a| **a != "--out").nth(1).unwrap();
+    (common::read_report(Path::new(out)), ru.ru_maxrss as u64 / 1024)
+}
+
+/// The residency fallback (mincore, where cachestat is missing: forced here, this kernel has
+/// cachestat) on a model file as large as the filesystem takes, sparse but for 64 pages: probe
+/// pays for the file's data, not its size (a byte per page of the size was 512 MiB for 2 TiB),
+/// and counts the pages the test wrote.
+#[test]
+fn a_huge_sparse_model_file_costs_what_its_data_costs() {
+    use std::os::unix::fs::FileExt as _;
+    let _serial = serial();
+    let d = scratch("neighbours-sparse");
+    let path = d.join("weights.bin");
+    let f = std::fs::File::create(&path).unwrap();
+    let size = [16u64 << 40, 8 << 40, 4 << 40, (2 << 40) - (1 << 20), 1 << 40]
+        .into_iter()
+        .find(|&s| f.set_len(s).is_ok())
+        .expect("the filesystem takes no sparse file of 1 TiB");
+    let page = vec![7u8; 4096];
+    let mut written = 0u64;
+    for (at, n) in [(0, 16), (size / 2 / 4096 * 4096, 16), (size - 32 * 4096, 32)] {
+        for i in 0..n {
+            f.write_all_at(&page, at + i * 4096).unwrap();
+            written += 1;
+        }
+    }
+    f.sync_all().unwrap();
+    let mut target = Killed(
+        Command::new("python3")
+            .args(["-c", "import mmap,sys,time\nf=open(sys.argv[1],'rb')\nm=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ)\nprint('mapped',flush=True)\ntime.sleep(120)"])
+            .arg(&path)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(target.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "mapped");
+    let out = d.join("rec");
+    let pid = target.0.id().to_string();
+    let args = ["--pid", &pid, "--duration", "4s", "--no-poll", "--out", out.to_str().unwrap()];
+    let (r, rss) = trace_rss(&args, &[("PROBE_NO_CACHESTAT", "1")], &d.join("probe.log"));
+    let files = r["system"]["model_files"].as_array().cloned().unwrap_or_default();
+    let m = files.iter().find(|x| x["path"] == path.to_str().unwrap()).unwrap_or_else(|| panic!("not measured: {files:#?}"));
+    assert_eq!(m["bytes"].as_u64(), Some(size), "{m}");
+    assert!(m["readings"].as_u64().unwrap() >= 2, "{m}");
+    let resident = (m["resident_end"].as_f64().unwrap() * (size / 4096) as f64).round() as u64;
+    assert_eq!(resident, written, "resident pages by mincore: {m}");
+    assert!(rss < 200, "probe's peak RSS was {rss} MiB measuring a {} GiB sparse file", size >> 30);
+    eprintln!("a {} GiB sparse file ({written} pages of data) measured by mincore: probe's peak RSS {rss} MiB", size >> 30);
+}
+
+/// A target that maps many distinct executables (copies of one library, each with its own
+/// build id) and runs code in all of them, traced under a small unwind budget: the sections held
+/// stay within it, the modules left out are counted and said (at most as many as the target's own
+/// /proc/PID/maps has), and the same trace without a budget leaves none out.
+#[test]
+fn many_distinct_executables_stay_within_the_unwind_budget() {
+    let _serial = serial();
+    let d = scratch("neighbours-elves");
+    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/target_files/lib.c");
+    const COPIES: usize = 48;
+    let mut libs = Vec::new();
+    for i in 0..COPIES {
+        let out = d.join(format!("libcopy{i}.so"));
+        let st = Command::new("cc")
+            .args(["-O2", "-shared", "-fPIC", &format!("-Wl,--build-id=0x{:032x}", 0xfeed_0000u128 + i as u128)])
+            .arg(&lib)
+            .arg("-o")
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        libs.push(out);
+    }
+    // The target: dlopens every copy and spins in each in turn, forever.
+    let code = "import ctypes,sys,time\nlibs=[ctypes.CDLL(p) for p in sys.argv[1:]]\nprint('loaded',flush=True)\nwhile True:\n  for l in libs: l.victim_spin(20000)\n";
+    let mut target = Killed(Command::new("python3").args(["-c", code]).args(&libs).stdout(Stdio::piped()).spawn().unwrap());
+    let mut line = String::new();
+    BufReader::new(target.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "loaded");
+    let pid = target.0.id();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mapped: std::collections::HashSet<&str> = maps
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1).is_some_and(|p| p.contains('x')))
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .collect();
+    let copies_mapped = mapped.iter().filter(|p| p.contains("libcopy")).count();
+    assert_eq!(copies_mapped, COPIES, "{maps}");
+    // Room for a few of the copies (a few hundred bytes of sections each), not for libc.
+    let budget: u64 = 16 << 10;
+    let run = |name: &str, env: &[(&str, &str)]| {
+        let out = d.join(name);
+        let pid = pid.to_string();
+        let args = ["--pid", &pid, "--duration", "3s", "--no-poll", "--out", out.to_str().unwrap()];
+        trace_rss(&args, env, &d.join(format!("{name}.log")))
+    };
+    let (free, _) = run("unbudgeted", &[]);
+    let (tight, _) = run("budgeted", &[("PROBE_UNWIND_BUDGET", &budget.to_string())]);
+    assert_eq!(free["unwind"]["left_out_modules"].as_u64().unwrap_or(0), 0, "{}", free["unwind"]);
+    let left_out = tight["unwind"]["left_out_modules"].as_u64().unwrap_or(0);
+    let held = tight["unwind"]["held_bytes"].as_u64().unwrap_or(0);
+    assert!(held <= budget, "{held} bytes of unwind sections held over a budget of {budget}: {}", tight["unwind"]);
+    assert!(
+        left_out >= 1 && left_out as usize <= mapped.len(),
+        "{left_out} left out of {} modules mapped: {}",
+        mapped.len(),
+        tight["unwind"]
+    );
+    // The trace goes on: stacks are still taken and unwound as far as the budget allows.
+    assert!(tight["unwind"]["samples"].as_u64().unwrap() > 0, "{}", tight["unwind"]);
+    let text = Command::new(probe_bin()).arg("report").arg(d.join("budgeted")).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains(&format!("{left_out} modules unwound without their unwind tables")), "{text}");
+    eprintln!("{left_out} of {} executable modules left out under a {} KiB unwind budget ({held} bytes held)", mapped.len(), budget >> 10);
+}

@@ -154,10 +154,14 @@ pub enum Counter {
     ShortWaits = 3,
     /// Their total, ns.
     ShortWaitNs = 4,
+    /// A syscall's exit or a call's return whose start was not in its LRU map (DATA_ARGS,
+    /// MMAP_ARGS, ENGINE_CALL): evicted from the full map, or begun before attach. Its record is
+    /// missing: a loss the map itself would not tell.
+    Unmatched = 5,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 5] = [Self::UserFaults, Self::MapFull, Self::ReadErrors, Self::ShortWaits, Self::ShortWaitNs];
+    pub const ALL: [Counter; 6] = [Self::UserFaults, Self::MapFull, Self::ReadErrors, Self::ShortWaits, Self::ShortWaitNs, Self::Unmatched];
     pub const fn name(self) -> &'static str {
         match self {
             Self::UserFaults => "user_faults",
@@ -165,6 +169,7 @@ impl Counter {
             Self::ReadErrors => "read_errors",
             Self::ShortWaits => "short_cpu_waits",
             Self::ShortWaitNs => "short_cpu_wait_ns",
+            Self::Unmatched => "unmatched_returns",
         }
     }
 }

@@ -101,7 +101,10 @@ fn begin(ctx: &ProbeContext, what: u32, fill: impl FnOnce(&mut Call)) {
 fn end(ret: i64) {
     let Some((pid, tid)) = current_target() else { return };
     // SAFETY: copied out of the map before the remove.
-    let Some(c) = (unsafe { ENGINE_CALL.get(&tid) }).copied() else { return };
+    let Some(c) = (unsafe { ENGINE_CALL.get(&tid) }).copied() else {
+        crate::count(probe_common::Counter::Unmatched);
+        return;
+    };
     let _ = ENGINE_CALL.remove(&tid);
     let size = core::mem::size_of::<EngineEvent>() as u64;
     let flags = ringbuf_flags(size);

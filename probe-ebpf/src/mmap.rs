@@ -60,7 +60,10 @@ fn enter(ctx: &TracePointContext, op: MmapOp, nargs: usize) -> Result<(), i64> {
 fn exit(ctx: &TracePointContext) -> Result<(), i64> {
     let Some((pid, tid)) = current_target() else { return Ok(()) };
     // SAFETY: copied out before the remove below.
-    let Some(a) = (unsafe { MMAP_ARGS.get(&tid) }).copied() else { return Ok(()) };
+    let Some(a) = (unsafe { MMAP_ARGS.get(&tid) }).copied() else {
+        crate::count(probe_common::Counter::Unmatched);
+        return Ok(());
+    };
     let _ = MMAP_ARGS.remove(&tid);
     let ev = MmapEvent {
         hdr: header::<MmapEvent>(pid, tid),

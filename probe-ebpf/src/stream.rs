@@ -53,7 +53,10 @@ fn user<T>(addr: u64) -> Option<T> {
 fn exit(ctx: &TracePointContext) -> Result<(), i64> {
     let Some((pid, tid)) = current_target() else { return Ok(()) };
     // SAFETY: copied out before the remove.
-    let Some(a) = (unsafe { DATA_ARGS.get(&tid) }).copied() else { return Ok(()) };
+    let Some(a) = (unsafe { DATA_ARGS.get(&tid) }).copied() else {
+        crate::count(probe_common::Counter::Unmatched);
+        return Ok(());
+    };
     let _ = DATA_ARGS.remove(&tid);
     let ret: i64 = field(ctx, SYSCALL_RET)?;
     if ret <= 0 || a.flags & MSG_PEEK != 0 {

@@ -365,6 +365,9 @@ impl State {
                 if p.hdr.pid == self.root && !self.follow_cgroup {
                     self.root_exited = true;
                 }
+                if p.group_dead != 0 {
+                    self.unwinders.exited(p.hdr.pid);
+                }
                 self.forget(p.hdr.pid, p.hdr.ts_ns)?;
             }
             Event::Filemap(f) if !self.known_files.contains(&(f.dev >> 20, f.dev & 0xfffff, f.ino)) => {
@@ -703,7 +706,15 @@ fn stats(
         counters: Counter::ALL.iter().map(|c| (c.name().to_string(), counters[*c as usize])).collect(),
         events: by_kind(&st.per_kind),
         skipped_runs: probes::skipped_runs(runs),
-        unwind: records::UnwindCounters { samples: u.samples, complete: u.complete, ns: u.nanos, load_ns: u.load_nanos, reused: u.reused },
+        unwind: records::UnwindCounters {
+            samples: u.samples,
+            complete: u.complete,
+            ns: u.nanos,
+            load_ns: u.load_nanos,
+            reused: u.reused,
+            left_out: u.left_out,
+            held_bytes: u.held_bytes(),
+        },
         streams: Some(st.streams.limits().clone()),
         cost: Some(cost(runs, bpf_unmeasured)),
     }))

@@ -23,6 +23,17 @@ use crate::{
 /// Frames kept per stack at most.
 pub const MAX_FRAMES: usize = 128;
 
+/// The most bytes of unwind sections (`.text`, `.eh_frame`, `.eh_frame_hdr` copies) kept for
+/// every traced process together: a target that maps many distinct executables cannot grow
+/// probe without bound. A module past it is unwound without (its frames end the stack there),
+/// and counted. Sections are released when no process maps their file any more (unmapped, or
+/// the process exited). `PROBE_UNWIND_BUDGET` (bytes) sets another.
+pub const UNWIND_BUDGET: u64 = 256 << 20;
+
+fn unwind_budget() -> u64 {
+    std::env::var("PROBE_UNWIND_BUDGET").ok().and_then(|v| v.parse().ok()).unwrap_or(UNWIND_BUDGET)
+}
+
 /// Unwind sections of one ELF file, shared by every process that maps it.
 struct Elf {
     /// PT_LOAD segments: (vaddr, file offset, file size).
@@ -33,26 +44,46 @@ struct Elf {
     got: Option<Range<u64>>,
 }
 
+impl Elf {
+    /// Bytes of the sections copied.
+    fn bytes(&self) -> u64 {
+        [&self.text, &self.eh_frame, &self.eh_frame_hdr].iter().filter_map(|s| s.as_ref()).map(|s| s.1.len() as u64).sum()
+    }
+}
+
+/// Why a module's unwind sections were not loaded.
+enum NotLoaded {
+    /// Not readable as the mapped ELF file (said in the log).
+    Unreadable,
+    /// Its sections would pass the budget (`bytes` of them).
+    OverBudget(u64),
+}
+
 /// The unwind sections of the file `m` maps in `pid`, opened through crate::target_file (the
 /// mapped file itself, regular, at most 4 GiB) and read on demand (object's ReadCache): only the
 /// headers and the sections kept here, never the whole file. Not mmapped: the target could truncate the file
 /// under the mapping, and the next read would kill probe with SIGBUS.
-fn load_elf(pid: u32, m: &Mapping) -> Option<Elf> {
+/// Only `room` bytes of sections may be read: the section headers say their sizes first.
+fn load_elf(pid: u32, m: &Mapping, room: u64) -> Result<Elf, NotLoaded> {
     let f = match target_file::open_mapping(Some(pid), m, target_file::MAX_ELF_BYTES) {
         Ok(f) => f,
         Err(e) => {
             log::info!("unwinding without {}: {e}", m.path);
-            return None;
+            return Err(NotLoaded::Unreadable);
         }
     };
     let cache = object::ReadCache::new(f.file);
-    let file = object::File::parse(&cache).ok()?;
+    let file = object::File::parse(&cache).map_err(|_| NotLoaded::Unreadable)?;
+    let wanted: u64 = [".text", ".eh_frame", ".eh_frame_hdr"].iter().filter_map(|n| file.section_by_name(n)).map(|s| s.size()).sum();
+    if wanted > room {
+        return Err(NotLoaded::OverBudget(wanted));
+    }
     let section = |name: &str| {
         let s = file.section_by_name(name)?;
         let bytes = s.data().ok()?;
         Some((s.address()..s.address() + s.size(), Arc::<[u8]>::from(bytes)))
     };
-    Some(Elf {
+    Ok(Elf {
         segments: file.segments().map(|s| (s.address(), s.file_range().0, s.file_range().1)).collect(),
         text: section(".text"),
         eh_frame: section(".eh_frame"),
@@ -181,7 +212,17 @@ pub struct Unwinders {
     pub nanos: u64,
     /// Time spent reading ELF files and building unwinders, ns (once per process and mapping change).
     pub load_nanos: u64,
+    /// Bytes of unwind sections held now, and the most allowed ([`UNWIND_BUDGET`]; 0: not read yet).
+    held: u64,
+    budget: u64,
+    /// Distinct modules unwound without their sections because of the budget.
+    pub left_out: u64,
+    /// Processes that exited, released a while later (their samples may still be in the ring).
+    exited: Vec<(u32, std::time::Instant)>,
 }
+
+/// How long an exited process's unwinder is kept for its samples still in the ring buffer.
+const KEEP_EXITED: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Unwinders {
     /// Build the unwinder of `pid` now (at attach), so the first samples do not pay for it.
@@ -197,9 +238,40 @@ impl Unwinders {
     /// (samples already in the ring buffer may be read after it exited).
     pub fn update(&mut self, pid: u32, maps: &[Mapping]) {
         let l = std::time::Instant::now();
+        // The old unwinder first: what only it held is released before the new one loads.
+        self.procs.remove(&pid);
+        self.release();
         let p = self.build(pid, maps.to_vec());
         self.procs.insert(pid, p);
         self.load_nanos += l.elapsed().as_nanos() as u64;
+    }
+
+    /// `pid` exited: its unwinder goes (a little later), and with it the sections no other
+    /// process maps.
+    pub fn exited(&mut self, pid: u32) {
+        let now = std::time::Instant::now();
+        let (gone, keep): (Vec<_>, Vec<_>) = self.exited.drain(..).partition(|(_, t)| now.duration_since(*t) >= KEEP_EXITED);
+        self.exited = keep;
+        self.exited.push((pid, now));
+        if !gone.is_empty() {
+            for (p, _) in gone {
+                self.procs.remove(&p);
+            }
+            self.release();
+        }
+    }
+
+    /// Drop the sections no process maps any more (and the DRAP rules read from them).
+    fn release(&mut self) {
+        self.elves.retain(|_, e| e.as_ref().is_none_or(|a| Arc::strong_count(a) > 1));
+        let live: std::collections::HashSet<usize> = self.elves.values().flatten().map(|a| Arc::as_ptr(a) as usize).collect();
+        self.drap.retain(|(elf, _), _| live.contains(elf));
+        self.held = self.elves.values().flatten().map(|a| a.bytes()).sum();
+    }
+
+    /// Bytes of unwind sections held now.
+    pub fn held_bytes(&self) -> u64 {
+        self.held
     }
 
     pub fn take_new_modules(&mut self) -> Vec<(i64, String)> {
@@ -224,13 +296,47 @@ impl Unwinders {
         self.procs.get_mut(&pid).expect("inserted above")
     }
 
+    /// The unwind sections of the file `m` maps, loaded once while the budget allows.
+    fn elf(&mut self, pid: u32, m: &Mapping) -> Option<Arc<Elf>> {
+        let key = (m.path.clone(), m.inode);
+        if let Some(e) = self.elves.get(&key) {
+            return e.clone();
+        }
+        if self.budget == 0 {
+            self.budget = unwind_budget();
+        }
+        let mut got = load_elf(pid, m, self.budget.saturating_sub(self.held));
+        if matches!(got, Err(NotLoaded::OverBudget(_))) {
+            // What nobody maps any more may make room.
+            self.release();
+            got = load_elf(pid, m, self.budget.saturating_sub(self.held));
+        }
+        let elf = match got {
+            Ok(e) => Some(Arc::new(e)),
+            Err(NotLoaded::OverBudget(bytes)) => {
+                self.left_out += 1;
+                log::info!(
+                    "unwinding without {}: its {} KiB of unwind sections would pass the budget ({} MiB held of {} MiB)",
+                    m.path,
+                    bytes >> 10,
+                    self.held >> 20,
+                    self.budget >> 20
+                );
+                None
+            }
+            Err(NotLoaded::Unreadable) => None,
+        };
+        self.held += elf.as_ref().map_or(0, |e| e.bytes());
+        self.elves.insert(key, elf.clone());
+        elf
+    }
+
     fn build(&mut self, pid: u32, maps: Vec<Mapping>) -> Proc {
         {
             let mut unwinder = UnwinderX86_64::new();
             let mut modules = Vec::new();
             for m in maps.iter().filter(|m| m.perms.contains('x')) {
-                let elf = self.elves.entry((m.path.clone(), m.inode)).or_insert_with(|| load_elf(pid, m).map(Arc::new)).clone();
-                let Some(elf) = elf else { continue };
+                let Some(elf) = self.elf(pid, m) else { continue };
                 // The load segment this mapping comes from gives the load bias.
                 let Some(&(vaddr, off, _)) = elf.segments.iter().find(|(_, off, size)| *off <= m.offset && m.offset < off + size.max(&1))
                 else {

@@ -98,13 +98,16 @@ fn open_module(path: &str, mapped: &[(u32, Mapping)]) -> Result<TargetFile, targ
     Err(last.unwrap_or(target_file::Refused::Open { path: path.to_string(), err: std::io::ErrorKind::NotFound.into() }))
 }
 
-/// Largest module copied into memory before symbolization; a larger one is read in place.
+/// Largest module copied into memory for blazesym (one at a time, dropped once read); a larger
+/// one is read by [`own_symbols`], with plain bounded reads: no module is ever mapped in place.
 const COPY_CAP: u64 = 512 << 20;
+/// The most bytes of symbol and string tables [`own_symbols`] reads from one module.
+const TABLES_CAP: u64 = 256 << 20;
 
 /// A private, sealed copy of `file` (an anonymous memfd, at most [`COPY_CAP`] bytes) for
 /// blazesym, which maps what it reads: the target owns the original and could truncate it while
 /// it is mapped (a SIGBUS in probe, which is root). The copy is read with plain reads (a file cut
-/// meanwhile only ends early), and nobody else can change it. None: read the original in place.
+/// meanwhile only ends early), and nobody else can change it. None: no copy could be made.
 fn sealed_copy(file: &std::fs::File, size: u64) -> Option<std::fs::File> {
     use std::os::fd::FromRawFd as _;
     if size > COPY_CAP {
@@ -124,6 +127,49 @@ fn sealed_copy(file: &std::fs::File, size: u64) -> Option<std::fs::File> {
     let sealed =
         unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL) };
     (sealed == 0).then_some(copy)
+}
+
+/// Names for file offsets of a module too large to copy, from its own symbol tables (`.symtab`,
+/// else `.dynsym`) read through `object`'s ReadCache: plain reads of the headers and the tables
+/// only (at most [`TABLES_CAP`] bytes), so a file the target truncates meanwhile ends a read
+/// early instead of killing probe. Demangled as blazesym does (Rust, then C++). None: the tables
+/// could not be read or are over the cap.
+fn own_symbols(file: &std::fs::File, offs: &[u64]) -> Option<Vec<Option<String>>> {
+    use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
+    let cache = object::read::ReadCache::new(file.try_clone().ok()?);
+    let elf = object::File::parse(&cache).ok()?;
+    let tables: u64 = [".symtab", ".strtab", ".dynsym", ".dynstr"].iter().filter_map(|n| elf.section_by_name(n)).map(|s| s.size()).sum();
+    if tables > TABLES_CAP {
+        return None;
+    }
+    let mut syms: Vec<(u64, u64, String)> = elf
+        .symbols()
+        .chain(elf.dynamic_symbols())
+        .filter(|s| s.kind() == object::SymbolKind::Text && s.address() != 0)
+        .filter_map(|s| Some((s.address(), s.size(), s.name().ok()?.to_string())))
+        .collect();
+    syms.sort();
+    syms.dedup_by_key(|s| s.0);
+    let segments: Vec<(u64, u64, u64)> = elf.segments().map(|s| (s.address(), s.file_range().0, s.file_range().1)).collect();
+    Some(
+        offs.iter()
+            .map(|&off| {
+                let &(vaddr, start, _) = segments.iter().find(|(_, start, size)| *start <= off && off < start + size)?;
+                let addr = vaddr + (off - start);
+                let i = syms.partition_point(|s| s.0 <= addr).checked_sub(1)?;
+                let (at, size, name) = &syms[i];
+                (*size == 0 || addr < at + size).then(|| demangle(name))
+            })
+            .collect(),
+    )
+}
+
+/// A symbol's name demangled (Rust's legacy and v0 schemes, then Itanium C++), else as it is.
+fn demangle(name: &str) -> String {
+    if let Ok(d) = rustc_demangle::try_demangle(name) {
+        return format!("{d:#}");
+    }
+    cpp_demangle::Symbol::new(name).ok().and_then(|s| s.demangle().ok()).unwrap_or_else(|| name.to_string())
 }
 
 /// The GNU build ID note of an ELF file, read lazily (headers and the note only).
@@ -150,29 +196,39 @@ impl Symbols {
         let symbolizer = Symbolizer::new();
         let mut user = HashMap::new();
         let mut build_ids = HashMap::new();
-        // Kept open until symbolization ends, so no /proc/self/fd/N names two files.
+        // Kept open until symbolization ends, so no /proc/self/fd/N names two files. A copy is
+        // dropped as soon as it was read: at most one module's copy is held at a time.
         let mut opened: Vec<TargetFile> = Vec::new();
-        let mut copies: Vec<std::fs::File> = Vec::new();
         for (id, offs) in wanted {
             let offs: Vec<u64> = offs.into_iter().collect();
             let Some(path) = modules.get(&id) else { continue };
             let base = path.rsplit('/').next().unwrap_or(path);
-            let names = match open_module(path, w.mapped.get(path).map_or(&[][..], |v| v.as_slice())) {
+            let names: Vec<Option<String>> = match open_module(path, w.mapped.get(path).map_or(&[][..], |v| v.as_slice())) {
                 Ok(f) => {
                     use std::os::fd::AsRawFd as _;
-                    // blazesym opens by path: this one reopens exactly the verified file. Names
-                    // come from its own symbol tables (debug_syms off): a debug link would name
-                    // another file, chosen by whoever wrote this one.
                     if let Some(b) = build_id(&f.file) {
                         build_ids.insert(id, b);
                     }
-                    let copy = sealed_copy(&f.file, f.size);
-                    let fd = copy.as_ref().unwrap_or(&f.file).as_raw_fd();
-                    let mut elf = Elf::new(format!("/proc/self/fd/{fd}"));
-                    elf.debug_syms = false;
+                    let names = match sealed_copy(&f.file, f.size) {
+                        // blazesym opens by path: this one reopens exactly the sealed copy. Names
+                        // come from its own symbol tables (debug_syms off): a debug link would
+                        // name another file, chosen by whoever wrote this one.
+                        Some(copy) => {
+                            let mut elf = Elf::new(format!("/proc/self/fd/{}", copy.as_raw_fd()));
+                            elf.debug_syms = false;
+                            let got = symbolizer.symbolize(&Source::Elf(elf), Input::FileOffset(&offs)).unwrap_or_default();
+                            got.iter().map(sym_name).collect()
+                        }
+                        None => own_symbols(&f.file, &offs).unwrap_or_else(|| {
+                            log::info!(
+                                "{path} left unsymbolized: {} MiB, too large to copy, and its symbol tables could not be read",
+                                f.size >> 20
+                            );
+                            Vec::new()
+                        }),
+                    };
                     opened.push(f);
-                    copies.extend(copy);
-                    symbolizer.symbolize(&Source::Elf(elf), Input::FileOffset(&offs)).unwrap_or_default()
+                    names
                 }
                 Err(e) => {
                     log::info!("{path} left unsymbolized: {e}");
@@ -180,7 +236,7 @@ impl Symbols {
                 }
             };
             for (i, off) in offs.iter().enumerate() {
-                let name = names.get(i).and_then(sym_name).unwrap_or_else(|| format!("{base}+{off:#x}"));
+                let name = names.get(i).cloned().flatten().unwrap_or_else(|| format!("{base}+{off:#x}"));
                 user.insert((id, *off), name);
             }
         }
@@ -227,5 +283,39 @@ mod tests {
         assert_eq!(copy.metadata().unwrap().len(), f.size);
         assert!(copy.set_len(0).is_err(), "the copy can be truncated");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The reader for modules too large to copy names what blazesym names, read from the same
+    /// file: exported functions of this process's libc (those alone at their address: aliases
+    /// may be named either way), at their start and inside them.
+    #[test]
+    fn the_own_reader_agrees_with_blazesym() {
+        use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let path =
+            maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.contains("/libc.so")).expect("libc mapped").to_string();
+        let data = std::fs::read(&path).unwrap();
+        let elf = object::File::parse(&*data).unwrap();
+        let funcs: Vec<_> =
+            elf.dynamic_symbols().filter(|s| s.kind() == object::SymbolKind::Text && s.address() != 0 && s.size() > 4).collect();
+        let mut at: HashMap<u64, std::collections::HashSet<String>> = HashMap::new();
+        for s in elf.symbols().chain(elf.dynamic_symbols()) {
+            at.entry(s.address()).or_default().insert(s.name().unwrap_or_default().to_string());
+        }
+        let mut offs = Vec::new();
+        for s in funcs.iter().filter(|s| at[&s.address()].len() == 1).take(40) {
+            let seg = elf.segments().find(|g| g.address() <= s.address() && s.address() < g.address() + g.size()).unwrap();
+            let off = s.address() - seg.address() + seg.file_range().0;
+            offs.extend([off, off + 2]);
+        }
+        assert!(offs.len() >= 20, "{path} has too few functions alone at their address");
+        let f = std::fs::File::open(&path).unwrap();
+        let ours = own_symbols(&f, &offs).unwrap();
+        let mut elf = Elf::new(&path);
+        elf.debug_syms = false;
+        let theirs: Vec<Option<String>> =
+            Symbolizer::new().symbolize(&Source::Elf(elf), Input::FileOffset(&offs)).unwrap().iter().map(sym_name).collect();
+        assert_eq!(ours, theirs);
+        assert!(ours.iter().all(Option::is_some), "{ours:?}");
     }
 }

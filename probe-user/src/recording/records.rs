@@ -265,6 +265,12 @@ pub struct UnwindCounters {
     /// Off-CPU stacks that reused the thread's last unwound user stack (the kernel saw it
     /// block at the same place and left the stack bytes out).
     pub reused: u64,
+    /// Modules unwound without their unwind sections (over the budget), and the bytes of
+    /// sections held (crate::unwind::UNWIND_BUDGET).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub left_out: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub held_bytes: u64,
 }
 
 /// Counters, cumulative since attach (every second and at the end).

@@ -280,6 +280,8 @@ impl Builder {
                 r.unwind.samples = u.samples;
                 r.unwind.complete = u.complete;
                 r.unwind.reused = u.reused;
+                r.unwind.left_out_modules = u.left_out;
+                r.unwind.held_bytes = u.held_bytes;
                 if u.samples > 0 {
                     r.unwind.success_rate = u.complete as f64 / u.samples as f64;
                     r.unwind.us_per_sample = u.ns as f64 / 1e3 / u.samples as f64;
@@ -1142,7 +1144,11 @@ pub(crate) fn against_warm(requests: &mut [Request], kept: &[crate::recording::r
 /// meet at a barrier after every step; one preempted by another process leaves the others spinning
 /// (running, to the scheduler) or parked until it runs again, so the run-queue wait counts only
 /// part of what the other process took. Growth under 20% (caches shared with the other job) stays
-/// compute; without competitors (the CPUs were the server's) it is compute too.
+/// compute; without competitors (the CPUs were the server's) it is compute too. Contention in all
+/// is at most what the others held (the sum of every server thread's waits they were charged
+/// with): the pool is held back only while at least one of its threads waits for a CPU. Growth
+/// past that has another cause (a request faulting its memory back in runs slower after it,
+/// however little the others ran).
 fn growth_is_contention(v: &mut crate::verdict::Verdict, ttft: f64, warm: f64) {
     const GREW: f64 = 1.2;
     let held: f64 = v.competitors.iter().map(|c| c.ms).sum();
@@ -1150,7 +1156,8 @@ fn growth_is_contention(v: &mut crate::verdict::Verdict, ttft: f64, warm: f64) {
     if held < 10.0 || s.compute < GREW * warm {
         return;
     }
-    let moved = (s.compute - warm).min(ttft - warm).max(0.0);
+    let room = (held - s.cpu_contention).max(0.0);
+    let moved = (s.compute - warm).min(ttft - warm).min(room).max(0.0);
     if moved < 1.0 {
         return;
     }
@@ -1465,7 +1472,9 @@ mod tests {
             engine: None,
         };
         let warm = || mk(1, 800.0, Split { compute: 800.0, ..Default::default() }, 0.0);
-        let busy = mk(2, 3560.0, Split { compute: 2745.0, cpu_contention: 815.0, ..Default::default() }, 815.0);
+        let warm2 = || mk(1, 50.0, Split { compute: 50.0, ..Default::default() }, 0.0);
+        // The critical path waited 815 ms; the pool's threads 2900 ms in all.
+        let busy = mk(2, 3560.0, Split { compute: 2745.0, cpu_contention: 815.0, ..Default::default() }, 2900.0);
         let mut rs = vec![warm(), busy.clone()];
         against_warm(&mut rs, &[]);
         let v = rs[1].verdict.as_ref().unwrap();
@@ -1477,6 +1486,16 @@ mod tests {
             "{:?}",
             v.evidence
         );
+        // Others held the CPUs 13 ms in all while the request faulted its memory back in from swap
+        // and ran slower after: 13 ms is contention at most, the rest stays its own work (CI: the
+        // whole growth was called contention, and the verdict lost `memory`).
+        let mut swapped = mk(4, 490.0, Split { compute: 267.0, memory: 220.0, cpu_contention: 12.0, ..Default::default() }, 12.7);
+        swapped.verdict.as_mut().unwrap().slow_cause = SlowCause::Memory;
+        let mut rs = vec![warm2(), swapped];
+        against_warm(&mut rs, &[]);
+        let v = rs[1].verdict.as_ref().unwrap();
+        assert_eq!(v.slow_cause, SlowCause::Memory, "{v:?}");
+        assert!(v.ttft_ms.as_ref().unwrap().cpu_contention <= 12.7 + 1e-9, "{v:?}");
         // Nobody else held the CPUs: the growth stays the server's own work.
         let alone = mk(3, 3560.0, Split { compute: 3560.0, ..Default::default() }, 0.0);
         let mut rs = vec![warm(), alone];

@@ -151,6 +151,12 @@ pub struct Unwind {
     pub reused: u64,
     /// Reading ELF files and building unwinders (once per process and mapping change), ms.
     pub load_ms: f64,
+    /// Modules unwound without their unwind sections: they would have passed probe's budget for
+    /// them (crate::unwind::UNWIND_BUDGET); the bytes of sections held at the end.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub left_out_modules: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub held_bytes: u64,
 }
 
 /// Start to armed: the process starting, the output directory, preflight checks, kernel BTF, the

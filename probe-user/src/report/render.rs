@@ -131,6 +131,14 @@ pub fn render(r: &Report) -> String {
             r.unwind.samples,
             r.unwind.us_per_sample
         );
+        if r.unwind.left_out_modules > 0 {
+            let _ = writeln!(
+                o,
+                "  {} modules unwound without their unwind tables: they would have passed probe's budget for them ({} MiB held; PROBE_UNWIND_BUDGET sets it)",
+                r.unwind.left_out_modules,
+                r.unwind.held_bytes >> 20
+            );
+        }
         // Why the others stop, over every kind.
         let mut cut: std::collections::BTreeMap<crate::recording::Cut, u64> = Default::default();
         for (c, n) in r.stacks.values().flat_map(|s| s.cut.iter()) {
@@ -209,6 +217,14 @@ pub fn render(r: &Report) -> String {
     } else {
         let per: Vec<String> = r.lost_events.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
         let _ = writeln!(o, "\nLost events: {lost} ({})", per.join(", "));
+    }
+    // Losses no map reports: a return whose start an LRU map no longer held (or held never:
+    // begun before attach).
+    if let Some(n) = r.counters.get(probe_common::Counter::Unmatched.name()).filter(|n| **n > 0) {
+        let _ = writeln!(
+            o,
+            "  {n} syscall exits and calls' returns had no start (begun before attach, or evicted from a full map): their records are missing"
+        );
     }
     for p in r.probes.iter().filter(|p| !p.live) {
         let _ = writeln!(o, "Skipped probe {}: {}", p.name, serde_json::to_string(&p.skipped).unwrap_or_default());

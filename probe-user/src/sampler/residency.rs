@@ -84,30 +84,91 @@ pub fn measure(f: &File, path: &str) -> Option<Residency> {
     if bytes == 0 {
         return Some(r);
     }
-    let range = CachestatRange { off: 0, len: 0 }; // len 0: to the end of the file
-    let mut cs = Cachestat::default();
-    // SAFETY: valid fd, pointers to live structs of the layout the syscall expects, flags 0.
-    let rc = unsafe { libc::syscall(SYS_CACHESTAT, f.as_raw_fd(), &range as *const CachestatRange, &mut cs as *mut Cachestat, 0) };
-    if rc == 0 {
-        r.resident = cs.nr_cache.min(pages);
-        r.evicted = Some(cs.nr_evicted);
-        return Some(r);
+    if std::env::var_os("PROBE_NO_CACHESTAT").is_none() {
+        let range = CachestatRange { off: 0, len: 0 }; // len 0: to the end of the file
+        let mut cs = Cachestat::default();
+        // SAFETY: valid fd, pointers to live structs of the layout the syscall expects, flags 0.
+        let rc = unsafe { libc::syscall(SYS_CACHESTAT, f.as_raw_fd(), &range as *const CachestatRange, &mut cs as *mut Cachestat, 0) };
+        if rc == 0 {
+            r.resident = cs.nr_cache.min(pages);
+            r.evicted = Some(cs.nr_evicted);
+            return Some(r);
+        }
     }
-    // SAFETY: a fresh read-only shared mapping of the whole file, never dereferenced; unmapped below.
-    let addr = unsafe { libc::mmap(std::ptr::null_mut(), bytes as usize, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
-    if addr == libc::MAP_FAILED {
-        return None;
-    }
-    let mut vec = vec![0u8; pages as usize];
-    // SAFETY: addr..addr+bytes is our mapping; vec has one byte per page.
-    let ok = unsafe { libc::mincore(addr, bytes as usize, vec.as_mut_ptr()) } == 0;
-    // SAFETY: the mapping made above.
-    unsafe { libc::munmap(addr, bytes as usize) };
-    if !ok {
-        return None;
-    }
-    r.resident = vec.iter().filter(|&&b| b & 1 != 0).count() as u64;
+    r.resident = mincore_resident(f, bytes, page)?;
     Some(r)
+}
+
+/// The most of a file one mincore(2) window maps (its vector: a byte per page, 256 KiB here).
+const MINCORE_WINDOW: u64 = 1 << 30;
+/// The most data extents (SEEK_DATA … SEEK_HOLE) and windows one measurement walks: a file made
+/// of a million tiny extents is not measured (None, said once) rather than walked for minutes.
+const MINCORE_EXTENTS: usize = 4096;
+const MINCORE_WINDOWS: usize = 16384;
+
+/// Resident pages of `f` (`bytes` long) by mincore(2), the fallback where cachestat(2) is
+/// missing (before Linux 6.5): over the file's allocated blocks only (a hole has no pages to
+/// count: a sparse file's size says nothing of its cost here), in windows of at most
+/// [`MINCORE_WINDOW`], each a read-only shared mapping that is never touched (it faults nothing
+/// in) and is unmapped before the next.
+fn mincore_resident(f: &File, bytes: u64, page: u64) -> Option<u64> {
+    let fd = f.as_raw_fd();
+    let (mut resident, mut at, mut extents, mut windows) = (0u64, 0u64, 0usize, 0usize);
+    let mut vec = Vec::new();
+    while at < bytes {
+        // SAFETY: lseek on a descriptor we hold; only its offset changes (nothing reads through it).
+        let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            // ENXIO: no data past `at`. Another error: SEEK_DATA unsupported, all of it is data.
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                break;
+            }
+            return windows_resident(fd, at, bytes, page, &mut vec, &mut windows).map(|n| resident + n);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        let end = if hole < 0 { bytes } else { (hole as u64).min(bytes) };
+        extents += 1;
+        if extents > MINCORE_EXTENTS {
+            log::info!("residency: a file of more than {MINCORE_EXTENTS} extents is not measured by mincore");
+            return None;
+        }
+        resident += windows_resident(fd, (data as u64) / page * page, end, page, &mut vec, &mut windows)?;
+        at = end.max(data as u64 + 1);
+    }
+    Some(resident)
+}
+
+/// Resident pages of `from..to` of `fd`, a window at a time.
+fn windows_resident(fd: i32, from: u64, to: u64, page: u64, vec: &mut Vec<u8>, windows: &mut usize) -> Option<u64> {
+    let mut resident = 0;
+    let mut at = from;
+    while at < to {
+        *windows += 1;
+        if *windows > MINCORE_WINDOWS {
+            log::info!("residency: a file of more than {MINCORE_WINDOWS} GiB of data is not measured by mincore");
+            return None;
+        }
+        let len = (to - at).min(MINCORE_WINDOW);
+        // SAFETY: a fresh read-only shared mapping of `len` bytes at `at` (page-aligned), never
+        // dereferenced; unmapped below.
+        let addr = unsafe { libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_READ, libc::MAP_SHARED, fd, at as libc::off_t) };
+        if addr == libc::MAP_FAILED {
+            return None;
+        }
+        vec.clear();
+        vec.resize(len.div_ceil(page) as usize, 0);
+        // SAFETY: addr..addr+len is our mapping; vec has one byte per page of it.
+        let ok = unsafe { libc::mincore(addr, len as usize, vec.as_mut_ptr()) } == 0;
+        // SAFETY: the mapping made above.
+        unsafe { libc::munmap(addr, len as usize) };
+        if !ok {
+            return None;
+        }
+        resident += vec.iter().filter(|&&b| b & 1 != 0).count() as u64;
+        at += len;
+    }
+    Some(resident)
 }
 
 /// Regular files of at least `min_bytes` that `pid` maps or has open (model weights), other than
@@ -146,8 +207,12 @@ mod tests {
         std::fs::write(&p, vec![1u8; 1 << 20]).unwrap();
         let f = std::fs::File::open(&p).unwrap();
         let r = super::measure(&f, p.to_str().unwrap()).unwrap();
+        // The fallback counts the same pages.
+        let page = 4096;
+        let by_mincore = super::mincore_resident(&f, 1 << 20, page).unwrap();
         std::fs::remove_file(&p).unwrap();
         assert_eq!(r.bytes, 1 << 20);
         assert!(r.share() > 0.9, "{r:?}");
+        assert_eq!(by_mincore, r.resident, "{r:?}");
     }
 }
