@@ -435,3 +435,32 @@ fn many_distinct_executables_stay_within_the_unwind_budget() {
     assert!(text.contains(&format!("{left_out} modules unwound without their unwind tables")), "{text}");
     eprintln!("{left_out} of {} executable modules left out under a {} KiB unwind budget ({held} bytes held)", mapped.len(), budget >> 10);
 }
+
+/// A client that sends probe's poll User-Agent is not hidden by it: its request is in the report
+/// (the head's claim is checked against the socket's owner), while probe's own polls stay out.
+#[test]
+fn a_client_posing_as_probes_poller_is_still_counted() {
+    let _serial = serial();
+    let d = scratch("neighbours-poser");
+    let (srv, addr) = common::shared_llama_server(&["-c", "1024", "-np", "1", "--no-repack", "--metrics"]);
+    let _srv = Killed(srv);
+    let out = d.join("rec");
+    let (trace, _lines, _) =
+        common::start_trace(&["--pid", &_srv.0.id().to_string(), "--duration", "5s", "--out", out.to_str().unwrap(), "--force"]);
+    // Probe's poller asks /metrics and /props meanwhile; the poser asks for a completion.
+    std::thread::sleep(Duration::from_millis(1500));
+    let body = serde_json::json!({"prompt": "Tell me a story", "n_predict": 12});
+    let (st, answer) = common::http(addr, "POST", "/completion", Some(&body), &[("User-Agent", "probe-poll/9.9")]).unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&answer));
+    let done = trace.wait_with_output().unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let r = common::read_report(&out);
+    let reqs = r["requests"].as_array().cloned().unwrap_or_default();
+    assert!(
+        reqs.iter().any(|q| q["path"] == "/completion" && q["method"] == "POST"),
+        "the poser's request was hidden: {reqs:#?} (probe_polls {})",
+        r["probe_polls"]
+    );
+    assert!(r["probe_polls"].as_u64().unwrap_or(0) >= 1, "probe's own polls were not recognised: {}", r["probe_polls"]);
+    assert!(!reqs.iter().any(|q| q["path"] == "/metrics" || q["path"] == "/props"), "probe's own polls were counted: {reqs:#?}");
+}

@@ -150,6 +150,8 @@ fn exchange(
     };
     let mut s = TcpStream::connect_timeout(&addr, left()?).map_err(|e| format!("cannot connect to {addr}: {e}"))?;
     let local = s.local_addr().map(|a| a.port()).unwrap_or(0);
+    // Before a byte is sent: a trace in this process tells its own polls by this port.
+    crate::stream::http::note_own_poll(local);
     let _ = s.set_read_timeout(Some(left()?));
     let _ = s.set_write_timeout(Some(left()?));
     let _ = s.set_nodelay(true);

@@ -193,6 +193,59 @@ pub struct RequestHead {
 /// The User-Agent of probe's endpoint polls.
 pub const POLL_USER_AGENT: &str = "probe-poll";
 
+/// Local ports of this process's own polls (the last [`OWN_PORTS`]), noted by crate::httpc as it
+/// connects, before it sends a byte.
+static OWN_POLL_PORTS: std::sync::Mutex<std::collections::VecDeque<u16>> = std::sync::Mutex::new(std::collections::VecDeque::new());
+const OWN_PORTS: usize = 4096;
+
+/// A poll of this process leaves from `port` (crate::httpc, right after connecting).
+pub fn note_own_poll(port: u16) {
+    let mut p = OWN_POLL_PORTS.lock().unwrap_or_else(|e| e.into_inner());
+    if p.len() >= OWN_PORTS {
+        p.pop_front();
+    }
+    p.push_back(port);
+}
+
+/// Whether a request whose head says [`POLL_USER_AGENT`], on the server connection `local` ⇄
+/// `peer` of `server`, really is probe's: the User-Agent alone would let any client hide its
+/// requests. It is when its client port is one of this process's polls, or when its client
+/// socket belongs to a process running probe's own executable (`probe bench` beside its trace,
+/// another probe following the same server). A client socket already gone (a short request,
+/// closed before this look) cannot be checked: the head is believed.
+pub fn poll_is_probes(local: &str, peer: &str, server: u32) -> bool {
+    let (Ok(server_addr), Ok(client)) = (local.parse::<std::net::SocketAddr>(), peer.parse::<std::net::SocketAddr>()) else {
+        return false;
+    };
+    if OWN_POLL_PORTS.lock().unwrap_or_else(|e| e.into_inner()).contains(&client.port()) {
+        return true;
+    }
+    // The client's socket: local = the client's address, peer = the server's.
+    let Some(sock) = crate::procfs::in_netns_of(server, "probe-poll-check", move || crate::procfs::tcp_socket(client, server_addr)) else {
+        return true;
+    };
+    probe_processes().into_iter().any(|p| crate::procfs::socket_inodes(p).contains(&sock.inode))
+}
+
+/// Processes running probe's own executable (the same file as /proc/self/exe), looked up at most
+/// every 5 s.
+fn probe_processes() -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt as _;
+    static CACHE: std::sync::Mutex<Option<(std::time::Instant, Vec<u32>)>> = std::sync::Mutex::new(None);
+    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((t, pids)) = c.as_ref()
+        && t.elapsed() < std::time::Duration::from_secs(5)
+    {
+        return pids.clone();
+    }
+    let id = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let ours = id("/proc/self/exe");
+    let pids: Vec<u32> =
+        crate::procfs::all_pids().into_iter().filter(|p| ours.is_some() && id(&format!("/proc/{p}/exe")) == ours).collect();
+    *c = Some((std::time::Instant::now(), pids.clone()));
+    pids
+}
+
 /// A parsed response head.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ResponseHead {

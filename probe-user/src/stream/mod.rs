@@ -1005,10 +1005,12 @@ impl Tracker {
                                     && !q.response_started
                             });
                             let own_id = if stand_in { conn.pending.pop_back().map(|q| q.rec.id) } else { None };
-                            let mut p = Self::new_pending(conn, id, role, false, head.probe_poll);
+                            // The User-Agent says probe; its socket must say so too.
+                            let poll = head.probe_poll && http::poll_is_probes(&conn.local, &conn.peer, conn.pid);
+                            let mut p = Self::new_pending(conn, id, role, false, poll);
                             if let Some(own) = own_id {
                                 // The number just taken goes back: ids stay consecutive.
-                                if !head.probe_poll {
+                                if !poll {
                                     id.next -= 1;
                                 }
                                 p.rec.id = own;
@@ -1019,7 +1021,7 @@ impl Tracker {
                             p.rec.method = Some(head.method.clone());
                             // A query string can carry a key (`?api_key=`): never kept.
                             p.rec.path = Some(crate::redact::scrub(&head.path));
-                            p.rec.probe_poll = head.probe_poll;
+                            p.rec.probe_poll = poll;
                             p.arrival_ns = Some(t0);
                             p.rec.arrival_ms = Some(t0.saturating_sub(start_ns) as f64 / 1e6);
                             let used = n - before;
