@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What `probe watch --all` costs on this node with 0, 1 and 4 llama-servers (each asked one small
-# completion a second): % of one core = CPU of every probe process (the agent and its followers,
+# What `probe watch --all` costs on this node with 0, 1, 4 and 16 llama-servers (SERVERS="0 1 4 16";
+# four of them asked one small completion a second, round robin, so the load is the same however
+# many servers there are): % of one core = CPU of every probe process (the agent and its followers,
 # from /proc/PID/stat) plus the run time of every BPF program (kernel.bpf_stats_enabled), per
 # wall second, over SECS seconds after every follower armed. Run as root after `cargo xtask
 # build`; LLAMA_SERVER and LLAMA_MODEL as `cargo xtask test` sets them (scripts/llama.sh prints them).
@@ -42,11 +43,19 @@ except OSError:
     sys.exit(1)
 PY
 }
+# Resident memory of the agent and its followers, MiB.
+probe_rss() {
+  local total=0 p
+  for p in $(pgrep -f "^$PROBE watch" || true); do
+    total=$((total + $(awk '/^VmRSS:/ {print $2}' "/proc/$p/status" 2>/dev/null || echo 0)))
+  done
+  echo $((total / 1024))
+}
 bpf_ns() { bpftool prog show -j 2>/dev/null | python3 -c 'import json,sys; print(sum(p.get("run_time_ns",0) for p in json.load(sys.stdin)))'; }
 
 printf 'watch --all cost (%% of one core: probe processes + BPF run time, per wall second, %s s):\n' "$SECS"
 base=""
-for n in 0 1 4; do
+for n in ${SERVERS:-0 1 4 16}; do
   ports=()
   for i in $(seq 1 "$n"); do
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
@@ -61,18 +70,24 @@ for n in 0 1 4; do
   t0=$(probe_ticks); b0=$(bpf_ns); s0=$(date +%s.%N)
   end=$(( $(date +%s) + SECS ))
   asks=()
+  k=0
   while [ "$(date +%s)" -lt "$end" ]; do
-    for port in "${ports[@]}"; do ask "$port" /completion '{"prompt":"Hi","n_predict":4}' & asks+=($!); done
+    for j in $(seq 0 $(( (n < 4 ? n : 4) - 1 ))); do
+      [ "$n" -gt 0 ] || break
+      port=${ports[$(( (k * 4 + j) % n ))]}
+      ask "$port" /completion '{"prompt":"Hi","n_predict":4}' & asks+=($!)
+    done
+    k=$((k + 1))
     sleep 1
   done
   for a in "${asks[@]}"; do wait "$a" || true; done
-  t1=$(probe_ticks); b1=$(bpf_ns); s1=$(date +%s.%N)
+  t1=$(probe_ticks); b1=$(bpf_ns); s1=$(date +%s.%N); rss=$(probe_rss)
   pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($t1-$t0)/$tick + ($b1-$b0)/1e9)/w:.2f}')")
   proc_pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($t1-$t0)/$tick)/w:.2f}')")
   bpf_pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($b1-$b0)/1e9)/w:.2f}')")
   per=""
   if [ "$n" -gt 0 ]; then per=$(python3 -c "print(f', {($pct - ${base:-0})/$n:.2f}% per server')"); fi
-  printf '  %d server(s): %s%% (processes %s%%, BPF %s%%)%s\n' "$n" "$pct" "$proc_pct" "$bpf_pct" "$per"
+  printf '  %d server(s): %s%% (processes %s%%, BPF %s%%)%s; memory %s MiB\n' "$n" "$pct" "$proc_pct" "$bpf_pct" "$per" "$rss"
   [ "$n" -eq 0 ] && base=$pct
   kill -TERM "$agent"; wait "$agent" || true
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done

@@ -825,7 +825,7 @@ fn bench_cost_only() -> anyhow::Result<()> {
     watch_all_cost()
 }
 
-/// `probe watch --all` as a node agent with 0, 1 and 4 llama-servers (scripts/watch-all-cost.sh):
+/// `probe watch --all` as a node agent with 0, 1, 4 and 16 llama-servers (scripts/watch-all-cost.sh):
 /// probe's CPU and its BPF programs' run time per wall second.
 fn watch_all_cost() -> anyhow::Result<()> {
     let (server, model) = llama()?;
