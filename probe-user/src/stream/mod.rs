@@ -1005,8 +1005,11 @@ impl Tracker {
                                     && !q.response_started
                             });
                             let own_id = if stand_in { conn.pending.pop_back().map(|q| q.rec.id) } else { None };
-                            // The User-Agent says probe; its socket must say so too.
-                            let poll = head.probe_poll && http::poll_is_probes(&conn.local, &conn.peer, conn.pid);
+                            // The User-Agent says probe; on a connection the target serves, the
+                            // client's socket must say so too. Where the target is the client (a
+                            // gateway relaying probe's poll to its runner), the head is all there is;
+                            // the request that came in to the gateway was checked on its own side.
+                            let poll = head.probe_poll && (role != Role::Server || http::poll_is_probes(&conn.local, &conn.peer, conn.pid));
                             let mut p = Self::new_pending(conn, id, role, false, poll);
                             if let Some(own) = own_id {
                                 // The number just taken goes back: ids stay consecutive.
