@@ -238,11 +238,11 @@ impl Unwinders {
     /// (samples already in the ring buffer may be read after it exited).
     pub fn update(&mut self, pid: u32, maps: &[Mapping]) {
         let l = std::time::Instant::now();
-        // The old unwinder first: what only it held is released before the new one loads.
-        self.procs.remove(&pid);
-        self.release();
+        // The new unwinder is built while the old one still holds its sections (they are shared by
+        // file, not reloaded); what only the old one held is released after.
         let p = self.build(pid, maps.to_vec());
         self.procs.insert(pid, p);
+        self.release();
         self.load_nanos += l.elapsed().as_nanos() as u64;
     }
 
