@@ -12,15 +12,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{env_path, probe_bin};
+use common::{env_path, probe_bin, serial};
 use serde_json::{Value, json};
-
-/// One test at a time: each times a server from the client's side around probe's attach, and
-/// three servers at once on two cores moved the first tokens the tests wait for.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    ONE.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A blkio v1 cgroup of the test's own, removed when dropped (its processes gone first).
 struct Blkio(PathBuf);

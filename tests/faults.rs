@@ -6,23 +6,16 @@
 use std::{
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus},
-    sync::{Mutex, mpsc},
+    sync::mpsc,
     time::{Duration, Instant},
 };
 
 mod common;
 use common::{
     bpf::{probe_maps, probe_programs},
-    probe_bin, start_trace,
+    probe_bin, serial, start_trace,
     workload::{Workload, scratch},
 };
-
-/// One test at a time: each counts the kernel's BPF objects.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn kill(child: &Child, sig: i32) {
     // SAFETY: kill(2) on our own child's pid.

@@ -15,16 +15,9 @@ use std::{
 use serde_json::Value;
 
 mod common;
-use common::{env_path, start_trace, wait_healthy};
+use common::{env_path, serial, start_trace, wait_healthy};
 
 const CLIENTS: [&str; 6] = ["openai", "httpx", "requests", "curl", "raw", "keepalive"];
-
-/// The matrix's tests run one at a time: each loads both cores with six streams, and a server
-/// slowed by another test's would stretch its token gaps toward the gateway's timeout.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// One row of the matrix: how to make the server stop for `cause`.
 #[derive(Clone, Copy)]

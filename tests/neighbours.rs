@@ -4,7 +4,7 @@
 //! sockets; the truth comes from the listeners' own logs, /proc and the clients' clocks.
 use std::{
     io::{BufRead, BufReader},
-    net::{SocketAddr, TcpListener},
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc,
@@ -12,28 +12,7 @@ use std::{
 };
 
 mod common;
-use common::{env_path, probe_bin, workload::scratch};
-
-/// One test at a time: each runs servers and agents that share the two CPUs.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// A child killed (and reaped) when dropped: a failing test leaves nothing running.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{Killed, env_path, free_port, probe_bin, serial, workload::scratch};
 
 fn hostile() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/hostile.py")
@@ -363,6 +342,8 @@ fn a_huge_sparse_model_file_costs_what_its_data_costs() {
     let files = r["system"]["model_files"].as_array().cloned().unwrap_or_default();
     let m = files.iter().find(|x| x["path"] == path.to_str().unwrap()).unwrap_or_else(|| panic!("not measured: {files:#?}"));
     assert_eq!(m["bytes"].as_u64(), Some(size), "{m}");
+    // Measured by mincore (cachestat would have said how many pages were evicted).
+    assert!(m["evicted"].is_null(), "cachestat measured it, not the fallback: {m}");
     assert!(m["readings"].as_u64().unwrap() >= 2, "{m}");
     let resident = (m["resident_end"].as_f64().unwrap() * (size / 4096) as f64).round() as u64;
     assert_eq!(resident, written, "resident pages by mincore: {m}");

@@ -3,7 +3,7 @@
 //! restarted on its port; a tiny `--keep` rotates incidents while watch goes on.
 use std::{
     io::{BufRead, BufReader, Write},
-    net::{SocketAddr, TcpListener},
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc,
@@ -13,39 +13,11 @@ use std::{
 use serde_json::{Value, json};
 
 mod common;
-use common::{env_path, probe_bin, workload::scratch};
-
-/// One watch test at a time: each runs its own llama-server, and several verdicts they check
-/// (a cause per incident, warm requests for the baseline) assume nobody else holds the CPUs.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use common::{Killed, env_path, free_port, probe_bin, serial, workload::scratch};
 
 /// One HTTP/1.1 request (common::http without more headers).
 fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
     common::http(addr, method, path, body, &[])
-}
-
-/// A child process killed when dropped: a failing test leaves no server behind.
-struct Killed(Child);
-
-impl Killed {
-    fn id(&self) -> u32 {
-        self.0.id()
-    }
-}
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// `cmd` started (output dropped, killed when dropped), returned once `GET path` on `port`
@@ -212,12 +184,6 @@ impl Drop for Watch {
 
 fn kill(c: impl Into<Killed>) {
     drop(c.into());
-}
-
-impl From<Child> for Killed {
-    fn from(c: Child) -> Killed {
-        Killed(c)
-    }
 }
 
 #[test]

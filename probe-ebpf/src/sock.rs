@@ -57,6 +57,13 @@ fn listen_key(sk: u64, sport: u16) -> Option<ListenKey> {
     if k.valid == 0 {
         return None;
     }
+    let (family, addr) = local_addr(sk, &k)?;
+    Some(ListenKey::new(netns_of(sk), sport, family, &addr))
+}
+
+/// `sk`'s family and local address (IPv4 in the first 4 bytes, as the events carry it).
+#[inline(always)]
+fn local_addr(sk: u64, k: &probe_common::kernel::KernelOffsets) -> Option<(u16, [u8; 16])> {
     let family: u16 = read(sk, k.skc_family)?;
     let mut addr = [0u8; 16];
     if family == AF_INET6 {
@@ -65,7 +72,7 @@ fn listen_key(sk: u64, sport: u16) -> Option<ListenKey> {
         let a: [u8; 4] = read(sk, k.skc_rcv_saddr)?;
         addr[..4].copy_from_slice(&a);
     }
-    Some(ListenKey::new(netns_of(sk), sport, family, &addr))
+    Some((family, addr))
 }
 
 /// The inode of `sk`'s network namespace; 0 where the layout is unknown (user space keys the
@@ -176,7 +183,7 @@ fn from_sock(sk: u64, what: u32) -> Option<SockEvent> {
     if k.valid == 0 {
         return None;
     }
-    let family: u16 = read(sk, k.skc_family)?;
+    let (family, saddr) = local_addr(sk, &k)?;
     let target = current_target();
     let (pid, tid) = target.unwrap_or((0, 0));
     let mut ev = SockEvent {
@@ -187,15 +194,13 @@ fn from_sock(sk: u64, what: u32) -> Option<SockEvent> {
         sport: read(sk, k.skc_num)?,
         dport: u16::from_be(read(sk, k.skc_dport)?),
         in_target: target.is_some() as u8,
+        saddr,
         ..Default::default()
     };
     if family == AF_INET6 {
-        ev.saddr = read(sk, k.skc_v6_rcv_saddr)?;
         ev.daddr = read(sk, k.skc_v6_daddr)?;
     } else {
-        let s: [u8; 4] = read(sk, k.skc_rcv_saddr)?;
         let d: [u8; 4] = read(sk, k.skc_daddr)?;
-        ev.saddr[..4].copy_from_slice(&s);
         ev.daddr[..4].copy_from_slice(&d);
     }
     Some(ev)

@@ -188,24 +188,25 @@ impl Response {
     /// The next bytes: Some((status, body)) once the response is whole, None while more is
     /// wanted, an error (what the server did wrong) for a response probe will not read.
     pub fn feed(&mut self, bytes: &[u8]) -> Result<Option<(u16, Vec<u8>)>, String> {
-        let rest = match &mut self.body {
-            Some(_) => bytes.to_vec(),
-            None => {
-                self.head.extend_from_slice(bytes);
-                match parse_response(&self.head) {
-                    Parsed::Done(h, len) => {
-                        self.body = Some((h.status, Body::new(h.framing(&self.method))));
-                        let rest = self.head[len..].to_vec();
-                        self.head.clear();
-                        rest
-                    }
-                    Parsed::Partial if self.head.len() < 64 << 10 => return Ok(None),
-                    _ => return Err("did not answer in HTTP/1.x (is this an HTTP server?)".into()),
+        if self.body.is_none() {
+            self.head.extend_from_slice(bytes);
+            match parse_response(&self.head) {
+                Parsed::Done(h, len) => {
+                    self.body = Some((h.status, Body::new(h.framing(&self.method))));
+                    // What came after the head is the body's first bytes.
+                    let head = std::mem::take(&mut self.head);
+                    return self.body_bytes(&head[len..]);
                 }
+                Parsed::Partial if self.head.len() < 64 << 10 => return Ok(None),
+                _ => return Err("did not answer in HTTP/1.x (is this an HTTP server?)".into()),
             }
-        };
+        }
+        self.body_bytes(bytes)
+    }
+
+    fn body_bytes(&mut self, bytes: &[u8]) -> Result<Option<(u16, Vec<u8>)>, String> {
         let Some((status, dec)) = &mut self.body else { return Ok(None) };
-        if dec.feed(&rest, &mut self.out).is_none() {
+        if dec.feed(bytes, &mut self.out).is_none() {
             return Err("sent a malformed HTTP body".into());
         }
         if self.out.len() > self.cap {

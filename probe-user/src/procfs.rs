@@ -208,6 +208,31 @@ pub fn in_netns_of<T: Send + 'static>(pid: u32, name: &str, f: impl FnOnce() -> 
         .flatten()
 }
 
+/// Whether the TCP socket `local` ⇄ `peer` (looked up in `pid`'s network namespace) belongs to a
+/// process running probe's own executable (the same file as /proc/self/exe): another probe
+/// (`probe bench` beside its trace). None: no such socket (closed already).
+pub fn held_by_own_executable(pid: u32, local: std::net::SocketAddr, peer: std::net::SocketAddr) -> Option<bool> {
+    let sock = in_netns_of(pid, "probe-own-sock", move || tcp_socket(local, peer))?;
+    Some(own_executable_processes().into_iter().any(|p| socket_inodes(p).contains(&sock.inode)))
+}
+
+/// Processes running probe's own executable, looked up at most every 5 s.
+fn own_executable_processes() -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt as _;
+    static CACHE: std::sync::Mutex<Option<(std::time::Instant, Vec<u32>)>> = std::sync::Mutex::new(None);
+    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((t, pids)) = c.as_ref()
+        && t.elapsed() < std::time::Duration::from_secs(5)
+    {
+        return pids.clone();
+    }
+    let id = |p: &str| fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let ours = id("/proc/self/exe");
+    let pids: Vec<u32> = all_pids().into_iter().filter(|p| ours.is_some() && id(&format!("/proc/{p}/exe")) == ours).collect();
+    *c = Some((std::time::Instant::now(), pids.clone()));
+    pids
+}
+
 /// probe's own pid as the /proc it reads numbers processes: the kernel's, when probe runs in a
 /// PID namespace of its own with the host's /proc mounted (`std::process::id()` would give the
 /// namespace's number, which names another process there).

@@ -56,6 +56,40 @@ pub fn start_trace_env(args: &[&str], env: &[(&str, &str)]) -> (Child, mpsc::Rec
     }
 }
 
+/// One test at a time in this test binary (each binary has its own lock: `common` is compiled
+/// into each): tests that share the two CPUs, a server or the kernel's BPF object count.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A free TCP port on loopback (bound and let go).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A child process killed and reaped when dropped: a failing test leaves nothing running.
+pub struct Killed(pub Child);
+
+impl Killed {
+    pub fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl From<Child> for Killed {
+    fn from(c: Child) -> Killed {
+        Killed(c)
+    }
+}
+
 /// The Python of the test clients' venv (openai, httpx, requests, opentelemetry-proto), which
 /// scripts/setup.sh installs: $PROBE_CLIENTS/bin/python or ~/.cache/probe/clients/bin/python.
 pub fn clients_python() -> PathBuf {

@@ -220,30 +220,9 @@ pub fn poll_is_probes(local: &str, peer: &str, server: u32) -> bool {
     if OWN_POLL_PORTS.lock().unwrap_or_else(|e| e.into_inner()).contains(&client.port()) {
         return true;
     }
-    // The client's socket: local = the client's address, peer = the server's.
-    let Some(sock) = crate::procfs::in_netns_of(server, "probe-poll-check", move || crate::procfs::tcp_socket(client, server_addr)) else {
-        return true;
-    };
-    probe_processes().into_iter().any(|p| crate::procfs::socket_inodes(p).contains(&sock.inode))
-}
-
-/// Processes running probe's own executable (the same file as /proc/self/exe), looked up at most
-/// every 5 s.
-fn probe_processes() -> Vec<u32> {
-    use std::os::unix::fs::MetadataExt as _;
-    static CACHE: std::sync::Mutex<Option<(std::time::Instant, Vec<u32>)>> = std::sync::Mutex::new(None);
-    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((t, pids)) = c.as_ref()
-        && t.elapsed() < std::time::Duration::from_secs(5)
-    {
-        return pids.clone();
-    }
-    let id = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    let ours = id("/proc/self/exe");
-    let pids: Vec<u32> =
-        crate::procfs::all_pids().into_iter().filter(|p| ours.is_some() && id(&format!("/proc/{p}/exe")) == ours).collect();
-    *c = Some((std::time::Instant::now(), pids.clone()));
-    pids
+    // The client's socket (its local end is the client's address), looked up in the server's
+    // namespace; gone already: the head is believed.
+    crate::procfs::held_by_own_executable(server, client, server_addr).unwrap_or(true)
 }
 
 /// A parsed response head.
