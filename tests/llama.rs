@@ -448,7 +448,7 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
     // before attach, so it has no TTFT (the new rule: null only where the first token was not seen).
     assert_eq!(q["arrival_by"], "tcp_state", "{q}");
     assert_eq!((q["path"].as_str(), q["path_inferred"].as_bool()), (Some("/v1/chat/completions"), Some(true)), "{q}");
-    assert_eq!(q["began_before_attach"], true, "{q}");
+    assert_eq!(q["arrival_by"], "tcp_state", "the request was in flight at attach: {q}");
     assert!(q["ttft_ms"].is_null(), "no TTFT when the first token came before attach: {q}");
 }
 
@@ -1223,6 +1223,76 @@ fn cpu_hog_case(threads: Option<u32>) {
     let ask = |_: u32| story_request(addr);
     ask(0); // warm: the model is loaded and paged in
     hog_case(pid, &format!("cpuhog-{}", threads.map_or("default".into(), |t| t.to_string())), threads, ask, true);
+    drop(srv);
+}
+
+/// probe started after the request was sent, on a server with its default threads, beside the
+/// same job: the part watched after attach that waited for a CPU is cpu_contention, within the
+/// tolerance of the run-queue wait schedstat counted for the workers from the moment probe armed
+/// to the answer; the part before attach is its own. The control (the same request, no job,
+/// probe again started after it was sent) has no contention and no slow cause but none/compute.
+#[test]
+fn a_cpu_hog_at_attach_is_cpu_contention_with_default_threads() {
+    let _cpus = shared_cpus();
+    let (srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1"]);
+    let srv = common::Killed(srv);
+    let pid = srv.id();
+    story_request(addr); // warm: the model is loaded and paged in
+    let calm_before = schedstat(pid);
+    story_request(addr);
+    let (grew, _, _) = run_queue_grew(&calm_before, &schedstat(pid), 1);
+    let workers = grew.iter().filter(|g| g.2 * 4 >= grew[0].2).count() as u32;
+    // One request, probe attached 200 ms after it was sent; the truth from the moment probe armed.
+    let case = |name: &str| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let asked = std::thread::spawn(move || {
+            let client = story_request(addr);
+            let _ = tx.send(Instant::now());
+            client
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let (p, out) = trace_pid(pid, name, &[]);
+        let armed = Instant::now();
+        let before = schedstat(pid);
+        let answered = rx.recv_timeout(Duration::from_secs(120)).expect("no answer");
+        let after = schedstat(pid);
+        let client = asked.join().unwrap();
+        assert!(armed < answered, "probe armed after the answer: the case did not happen");
+        std::thread::sleep(Duration::from_millis(200));
+        let r = stop_trace(p, &out);
+        let q = find(&r, client)[0].clone();
+        (q, run_queue_grew(&before, &after, workers), (answered - armed).as_secs_f64() * 1e3)
+    };
+    let hog = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cpuhog");
+    let _ = std::fs::remove_file(&hog);
+    std::os::unix::fs::symlink("/bin/sh", &hog).unwrap();
+    let loops = 3 * std::thread::available_parallelism().map_or(2, |n| n.get());
+    let hogs: Vec<common::Killed> =
+        (0..loops).map(|_| common::Killed(Command::new(&hog).args(["-c", "while :; do :; done"]).spawn().unwrap())).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (q, (_, busiest, sum), watched_ms) = case("hog-at-attach");
+    drop(hogs);
+    let v = &q["verdict"];
+    assert_eq!(q["arrival_by"], "tcp_state", "the request was in flight at attach: {q}");
+    let cpu = v["ttft_ms"]["cpu_contention"].as_f64().unwrap_or(0.0);
+    eprintln!(
+        "at attach beside the job ({workers} workers): cpu_contention {cpu:.0} ms, schedstat after arming {busiest:.0}..{sum:.0} ms, {watched_ms:.0} ms watched; {}",
+        v["ttft_ms"]
+    );
+    assert_eq!(v["slow_cause"], "cpu_contention", "{v}");
+    let slack = |x: f64| (0.15 * x).max(50.0);
+    assert!(
+        cpu >= busiest - slack(busiest) && cpu <= sum + slack(sum),
+        "cpu_contention {cpu:.0} ms vs schedstat {busiest:.0}..{sum:.0} ms: {v}"
+    );
+    assert!(v["ttft_ms"]["before_attach"].as_f64().unwrap_or(0.0) > 0.0, "no part before attach: {v}");
+    // The control: no job.
+    let (q, (_, calm_busiest, _), _) = case("calm-at-attach");
+    let v = &q["verdict"];
+    let cpu = v["ttft_ms"]["cpu_contention"].as_f64().unwrap_or(0.0);
+    eprintln!("control at attach: cpu_contention {cpu:.0} ms, schedstat {calm_busiest:.0} ms; {}", v["ttft_ms"]);
+    assert!(["none", "compute"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
+    assert!(cpu <= calm_busiest + 50.0, "control: cpu_contention {cpu:.0} ms vs schedstat {calm_busiest:.0} ms: {v}");
     drop(srv);
 }
 
