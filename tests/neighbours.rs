@@ -92,12 +92,6 @@ impl Drop for Agent {
     }
 }
 
-/// The agent's followers: processes whose command line names its servers directory.
-fn followers(servers: &Path) -> Vec<u32> {
-    let out = Command::new("pgrep").args(["-f", "--", &format!("--dir {}", servers.display())]).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect()
-}
-
 /// One GET, timed by the client's clock: (status, body, elapsed).
 fn timed_get(addr: SocketAddr, path: &str) -> (u16, String, Duration) {
     let t = Instant::now();
@@ -172,16 +166,28 @@ fn the_node_agent_among_hostile_listeners_and_clients() {
     for p in &ports[3..] {
         assert!(!agent.log.iter().any(|l| l.contains(&format!("on port {p};"))), "a slow listener was followed: {:#?}", agent.log);
     }
-    // Only the scoped server's follower holds the key (in its environment, never its command
-    // line); no listener was sent it; no process shows it in /proc/PID/cmdline.
-    let servers_dir = state.join("servers");
-    let fs = followers(&servers_dir);
-    assert_eq!(fs.len(), 3, "{fs:?}");
-    let with_key: Vec<u32> =
-        fs.iter().copied().filter(|p| std::fs::read(format!("/proc/{p}/environ")).is_ok_and(|e| contains(&e, key.as_bytes()))).collect();
-    assert_eq!(with_key.len(), 1, "followers with the key in their environment: {with_key:?} of {fs:?}");
-    let cmdline = std::fs::read(format!("/proc/{}/cmdline", with_key[0])).unwrap();
-    assert!(String::from_utf8_lossy(&cmdline).contains(&llama_port.to_string()), "the key went to another follower");
+    // Three servers on one set of kernel programs, in the agent's own process: no follower
+    // process holds the key (or anything else) in its environment or command line.
+    assert_eq!(common::bpf::probe_programs(), 4, "one object's programs for three servers");
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", agent.child.id())).unwrap_or_default();
+    assert!(children.trim().is_empty(), "the agent started processes: {children}");
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let pid: u32 = e.file_name().to_string_lossy().parse().unwrap_or(0);
+        if pid != 0 && pid != agent.child.id() && std::fs::read(e.path().join("environ")).is_ok_and(|v| contains(&v, key.as_bytes())) {
+            panic!("pid {pid} holds the key in its environment");
+        }
+    }
+    // The scoped server was sent the key: its /props (which wants it) answered probe's polls.
+    let t = Instant::now();
+    let port_label = format!("port=\"{llama_port}\"");
+    loop {
+        let (_, text, _) = timed_get(metrics, "/metrics");
+        if text.lines().any(|l| l.starts_with("probe_server_sleeping{") && l.contains(&port_label)) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "the server's /props never answered probe (no key sent?):\n{text}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
     let heads = std::fs::read_to_string(&heard).unwrap();
     for m in ["log", "api401", "trickle", "endless", "silent"] {
         assert!(heads.contains(&format!("\"mode\": \"{m}\"")), "the {m} listener was never asked: {heads}");
@@ -195,12 +201,12 @@ fn the_node_agent_among_hostile_listeners_and_clients() {
             assert!(!contains(&c, key.as_bytes()) || text.contains("llama-server"), "the key is on a command line: {text}");
         }
     }
-    // The agent killed outright: its followers go with it (they would hold their probes).
+    // The agent killed outright: the programs go with it.
     let _ = agent.child.kill();
     let _ = agent.child.wait();
     let t = Instant::now();
-    while !followers(&servers_dir).is_empty() {
-        assert!(t.elapsed() < Duration::from_secs(10), "followers outlived their killed agent: {:?}", followers(&servers_dir));
+    while common::bpf::probe_programs() != 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "probe's programs outlived the killed agent");
         std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!("the server was followed {:.2} s after it answered, beside six hostile listeners", followed_in.as_secs_f64());

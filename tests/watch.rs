@@ -680,12 +680,16 @@ fn watch_all_finds_every_server_and_labels_them() {
     assert!(out.status.success(), "promtool: {}{}\n{m}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(m.contains("pod=\"llama-a\"") && m.contains(&format!("port=\"{port_b}\"")), "{m}");
     assert_eq!(common::prometheus_sum(&m, "probe_servers"), 2.0, "{m}");
+    // One set of kernel programs for both servers: one object's programs and maps, not two.
+    assert_eq!(common::bpf::probe_programs(), 4, "programs of one object (4 of these names each) while following two servers");
+    assert_eq!(common::bpf::probe_maps(), 5, "maps of one object (5 of these names each) while following two servers");
+    assert!(common::prometheus_sum(&m, "probe_bpf_run_seconds_total") > 0.0, "the programs' run time, once for the node: {m}");
     assert!(!w.log.iter().any(|l| l.contains(&format!("on port {port_c}"))), "a plain HTTP server was followed: {:#?}", w.log);
     eprintln!(
         "the late server was followed {:.1} s after it answered; the morning request took {cold_ms:.0} ms ({slow})",
         followed_in.as_secs_f64()
     );
-    // SIGTERM stops the followers too; the incidents stay.
+    // SIGTERM stops every server's following and the programs go; the incidents stay.
     // SAFETY: signalling our own child.
     unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
     let t = Instant::now();
@@ -693,8 +697,11 @@ fn watch_all_finds_every_server_and_labels_them() {
         assert!(t.elapsed() < Duration::from_secs(20), "probe watch --all did not stop on SIGTERM");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let left = Command::new("pgrep").args(["-f", "--", &format!("--dir {}", d.join("state/servers").display())]).output().unwrap();
-    assert!(left.stdout.is_empty(), "followers left running: {}", String::from_utf8_lossy(&left.stdout));
+    let t = Instant::now();
+    while common::bpf::probe_programs() != 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "probe's programs stayed loaded after the agent stopped");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     assert!(inc.join("report.json").is_file());
     kill(srv_b);
     kill(srv_c);

@@ -66,6 +66,13 @@ pub struct TraceOptions {
     pub cgroup: Option<PathBuf>,
     /// No live view on a terminal (`--quiet`).
     pub quiet: bool,
+    /// Join the node's one set of programs instead of loading them (`watch --all`).
+    pub node: Option<std::sync::Arc<hub::Node>>,
+    /// Set by whoever runs this trace on a thread of its own (`watch --all`): stop now.
+    pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Headers for this server's own endpoints when they are not the process's (`watch --all`
+    /// scopes credentials per server).
+    pub headers: Option<Vec<(String, String)>>,
 }
 
 pub struct TraceOutcome {
@@ -131,10 +138,17 @@ pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
         ("startup".to_string(), (entered - opts.started).as_secs_f64() * 1e3),
         ("output".to_string(), entered.elapsed().as_secs_f64() * 1e3),
     ];
-    let attached = match out_dir.reserve(RESERVE_BYTES).map_err(|e| reserve_error(&opts.out, e)).and_then(|()| probes::attach(&popts)) {
-        Ok(mut a) => {
-            a.stages.splice(0..0, before);
-            a
+    let load = || match &opts.node {
+        Some(node) => node.join(&popts).map(Kernel::Member),
+        None => probes::attach(&popts).map(Kernel::Own),
+    };
+    let attached = match out_dir.reserve(RESERVE_BYTES).map_err(|e| reserve_error(&opts.out, e)).and_then(|()| load()) {
+        Ok(mut k) => {
+            match &mut k {
+                Kernel::Own(a) => a.stages.splice(0..0, before),
+                Kernel::Member(m) => m.stages.splice(0..0, before),
+            };
+            k
         }
         Err(e) => {
             // Nothing was recorded: leave no empty directory behind (rmdir removes only an empty one).
@@ -147,6 +161,33 @@ pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
     let r = rt.block_on(session::run(opts, attached, &out_dir));
     out_dir.release_reserve();
     r
+}
+
+/// The kernel side a trace runs on: probe's programs loaded for it alone, or its place in the
+/// node's one set (`watch --all`, [`hub`]).
+pub enum Kernel {
+    Own(probes::Attached),
+    Member(hub::Member),
+}
+
+/// Records one at a time, from the ring or from the hub's queue for a member.
+pub(crate) trait Records {
+    /// Hand the next record to `f`; None when none waits.
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>>;
+}
+
+impl Records for RingBuf<MapData> {
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let item = self.next()?;
+        Some(f(&item))
+    }
+}
+
+impl Records for hub::Member {
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let item = self.next_record()?;
+        Some(f(&item))
+    }
 }
 
 fn reserve_error(out: &std::path::Path, e: std::io::Error) -> anyhow::Error {
@@ -166,10 +207,11 @@ fn reserve_error(out: &std::path::Path, e: std::io::Error) -> anyhow::Error {
 macro_rules! say {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
+        let _ = writeln!(std::io::stderr(), "{}", crate::text::log_line(format_args!($($t)*)));
     }};
 }
 
+pub mod hub;
 mod session;
 
 struct State {
@@ -722,14 +764,15 @@ fn stats(
 
 /// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`], then the
 /// samplers' records and the /proc refresh. True when it stopped early (more may be waiting).
-fn drain_turn(ring: &mut RingBuf<MapData>, st: &mut State, sampler: &crate::sampler::Sampler) -> std::io::Result<bool> {
+fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::Sampler) -> std::io::Result<bool> {
     let t0 = Instant::now();
     let mut n = 0usize;
     let mut more = false;
     while !st.stop_writing() {
-        let Some(item) = ring.next() else { break };
-        st.on_record(&item)?;
-        drop(item);
+        match src.take(&mut |item| st.on_record(item)) {
+            None => break,
+            Some(r) => r?,
+        }
         n += 1;
         if n >= DRAIN_RECORDS || (n.is_multiple_of(64) && t0.elapsed() >= DRAIN_TIME) {
             more = true;

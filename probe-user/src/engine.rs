@@ -101,6 +101,8 @@ const MAX_STRTAB: u64 = 64 << 20;
 pub struct Found {
     /// The path the target mapped it by (for the report).
     pub path: String,
+    /// The file, by device and inode.
+    pub ident: target_file::Ident,
     /// How it is attached: the verified open file, by its `/proc/self/fd/N` link (exactly the
     /// mapped file, whatever its path now names; in a container too).
     file: target_file::TargetFile,
@@ -151,7 +153,7 @@ pub fn search_mappings(maps: &[(u32, procfs::Mapping)]) -> Search {
             match target_file::open_mapping(Some(pid), m, target_file::MAX_ELF_BYTES) {
                 Ok(file) => match entry_points(&file) {
                     Ok((entries, batch_init)) if !entries.is_empty() => {
-                        out.found.push(Found { path: m.path.clone(), file, entries, batch_init })
+                        out.found.push(Found { path: m.path.clone(), ident: target_file::Ident::of(m), file, entries, batch_init })
                     }
                     Ok(_) => {}
                     Err(e) => out.unreadable.push(format!("{}: {e:#}", m.path)),

@@ -253,7 +253,12 @@ fn head_as(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str,
         url.prefix,
         url.host_header()
     );
-    for (name, value) in HEADERS.get().filter(|_| credentials).map(Vec::as_slice).unwrap_or_default() {
+    let own = THREAD_HEADERS.with(|t| t.borrow().clone());
+    let headers = match &own {
+        Some(h) => h.as_slice(),
+        None => HEADERS.get().map(Vec::as_slice).unwrap_or_default(),
+    };
+    for (name, value) in headers.iter().filter(|_| credentials) {
         h.push_str(&format!("{name}: {value}\r\n"));
     }
     if let Some(b) = body {
@@ -267,6 +272,26 @@ fn head_as(url: &Url, method: &str, path: &str, body: Option<&str>, agent: &str,
 /// Headers every request to the server carries (`--api-key`, `--header`), set once at start: the
 /// poller and the benchmark talk to the one server the command was given.
 static HEADERS: OnceLock<Vec<(String, String)>> = OnceLock::new();
+
+thread_local! {
+    /// Headers for this thread's requests in place of [`HEADERS`]: `watch --all` follows many
+    /// servers in one process and sends each only the credentials scoped to it (none: `Some(vec![])`).
+    static THREAD_HEADERS: std::cell::RefCell<Option<Vec<(String, String)>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` with `headers` (when given) in place of the process's on this thread's requests.
+pub fn with_headers<R>(headers: Option<Vec<(String, String)>>, f: impl FnOnce() -> R) -> R {
+    let Some(h) = headers else { return f() };
+    let before = THREAD_HEADERS.with(|t| t.borrow_mut().replace(h));
+    let r = f();
+    THREAD_HEADERS.with(|t| *t.borrow_mut() = before);
+    r
+}
+
+/// This thread's own headers, if it has them (to hand to a thread it starts).
+pub fn thread_headers() -> Option<Vec<(String, String)>> {
+    THREAD_HEADERS.with(|t| t.borrow().clone())
+}
 
 /// How probe authenticates to a server started with `--api-key` (llama-server, vLLM) or behind a
 /// gateway that wants a header. The values go on the wire and nowhere else: not in a recording,

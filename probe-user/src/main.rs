@@ -507,6 +507,9 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         otlp,
         cgroup,
         quiet,
+        node: None,
+        stop: None,
+        headers: None,
     })?;
     // Printing fails when the terminal is gone (SIGHUP): the recording is written anyway.
     use std::io::Write as _;
@@ -555,36 +558,8 @@ fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         unreachable!("watch_cmd takes its own command")
     };
     use probe_user::watch::{self, target::Select};
-    if all {
-        // The agent itself talks to no server: the credentials go to the scoped followers only.
-        let credentials = auth.all();
-        if !credentials.is_empty() && api_key_for.is_empty() {
-            anyhow::bail!(
-                "with --all, say which servers get the API key or headers: --api-key-for port=PORT (or container=NAME, exe=PATH); \
-                 every other listener on the node is asked without them"
-            );
-        }
-        return watch::all::run(watch::all::Options {
-            dir,
-            metrics_addr,
-            child_args: follower_args(),
-            pod_logs,
-            scan_every,
-            credentials,
-            scopes: api_key_for,
-        });
-    }
-    auth.install();
-    let select = match (pid, port, exe, cgroup, container) {
-        (Some(p), ..) => Select::Pid(p),
-        (_, Some(p), ..) => Select::Port(p),
-        (_, _, Some(e), ..) => Select::Exe(e),
-        (_, _, _, Some(c), _) => Select::Cgroup(probe_user::cgroup::resolve(&c)?),
-        (.., Some(c)) => Select::Cgroup(probe_user::cgroup::find_container(&c)?),
-        _ => anyhow::bail!("give --pid, --port, --exe, --cgroup or --container"),
-    };
-    watch::run(watch::Options {
-        select,
+    let mut o = watch::Options {
+        select: Select::Pid(0),
         dir,
         window,
         window_bytes: window_size,
@@ -602,31 +577,37 @@ fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         otlp,
         labels,
         once,
-    })
-}
-
-/// `watch --all`'s own flags left out of the command line: what each follower gets as well.
-fn follower_args() -> Vec<String> {
-    let args: Vec<String> = std::env::args().collect();
-    let at = args.iter().position(|a| a == "watch").map_or(args.len(), |i| i + 1);
-    // Credentials never go on a follower's command line (its environment has them, if scoped).
-    let own = ["--dir", "--metrics-addr", "--pod-logs", "--scan-every", "--api-key", "--header", "--api-key-for"];
-    let mut out = Vec::new();
-    let mut it = args[at..].iter();
-    while let Some(a) = it.next() {
-        if a == "--all" {
-            continue;
+        member: None,
+    };
+    if all {
+        // The agent itself talks to no server: the credentials go to the scoped servers only.
+        let credentials = auth.all();
+        if !credentials.is_empty() && api_key_for.is_empty() {
+            anyhow::bail!(
+                "with --all, say which servers get the API key or headers: --api-key-for port=PORT (or container=NAME, exe=PATH); \
+                 every other listener on the node is asked without them"
+            );
         }
-        if own.contains(&a.as_str()) {
-            it.next();
-            continue;
-        }
-        if own.iter().any(|o| a.starts_with(&format!("{o}="))) {
-            continue;
-        }
-        out.push(a.clone());
+        return watch::all::run(watch::all::Options {
+            dir: std::mem::take(&mut o.dir),
+            metrics_addr: o.metrics_addr.take(),
+            pod_logs,
+            scan_every,
+            credentials,
+            scopes: api_key_for,
+            server: o,
+        });
     }
-    out
+    auth.install();
+    o.select = match (pid, port, exe, cgroup, container) {
+        (Some(p), ..) => Select::Pid(p),
+        (_, Some(p), ..) => Select::Port(p),
+        (_, _, Some(e), ..) => Select::Exe(e),
+        (_, _, _, Some(c), _) => Select::Cgroup(probe_user::cgroup::resolve(&c)?),
+        (.., Some(c)) => Select::Cgroup(probe_user::cgroup::find_container(&c)?),
+        _ => anyhow::bail!("give --pid, --port, --exe, --cgroup or --container"),
+    };
+    watch::run(o)
 }
 
 fn watch_scope(s: &str) -> Result<probe_user::watch::scope::Scope, String> {

@@ -79,6 +79,13 @@ pub fn tasks(pid: u32) -> Vec<u32> {
         .unwrap_or_default()
 }
 
+/// The process a thread belongs to (`Tgid:` of /proc/TID/status: a thread's directory is there
+/// by its tid, though /proc lists only processes).
+pub fn tgid_of(tid: u32) -> Option<u32> {
+    let s = fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    s.lines().find_map(|l| l.strip_prefix("Tgid:"))?.trim().parse().ok()
+}
+
 /// Parent pid from /proc/PID/stat text (the field after the parenthesised comm).
 pub fn parse_ppid(stat: &str) -> Option<u32> {
     stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()

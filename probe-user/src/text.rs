@@ -12,6 +12,30 @@ fn unsafe_for_terminal(c: char) -> bool {
     (c.is_control() && c != '\n' && c != '\t') || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
 }
 
+thread_local! {
+    /// The server this thread works for, in a process that follows several (`watch --all`):
+    /// its log lines say which.
+    static LOG_KEY: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Name the server this thread's log lines are about (None: the process's own lines).
+pub fn set_log_key(key: Option<String>) {
+    LOG_KEY.with(|k| *k.borrow_mut() = key);
+}
+
+pub fn log_key() -> Option<String> {
+    LOG_KEY.with(|k| k.borrow().clone())
+}
+
+/// A log line as this thread says it: `probe watch: …` and `probe: …` lines of a thread working
+/// for one server of several carry its name (`probe watch [NAME]: …`).
+pub fn log_line(line: std::fmt::Arguments<'_>) -> String {
+    let line = line.to_string();
+    let Some(key) = log_key() else { return line };
+    let rest = line.strip_prefix("probe watch: ").unwrap_or(&line);
+    format!("probe watch [{key}]: {rest}")
+}
+
 /// `n` and the noun, in the plural unless n is 1: "1 request", "3 requests", "1 process",
 /// "2 processes".
 pub fn count(n: impl Into<u64>, noun: &str) -> String {

@@ -33,10 +33,7 @@ use crate::{
 
 /// What the session holds besides the collector's state: the kernel side and the segment open.
 struct Session {
-    ring: AsyncFd<RingBuf<MapData>>,
-    lost_map: PerCpuArray<MapData, u64>,
-    counter_map: PerCpuArray<MapData, u64>,
-    attached: probes::Attached,
+    kernel: Source,
     /// Why the programs' run time is not counted, when it is not.
     bpf_unmeasured: Option<String>,
     start_ns: u64,
@@ -64,6 +61,54 @@ struct Stopped {
 enum Programs {
     Detaching(Option<std::thread::JoinHandle<()>>),
     Attached(Box<probes::Attached>),
+    /// A member of the node's hub left it; the programs go on for the others.
+    Shared,
+}
+
+/// The kernel side of a session: its own programs and counters, or its membership of the hub.
+/// One per session, never moved about: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Source {
+    Own {
+        ring: AsyncFd<RingBuf<MapData>>,
+        lost_map: PerCpuArray<MapData, u64>,
+        counter_map: PerCpuArray<MapData, u64>,
+        attached: Box<probes::Attached>,
+    },
+    Member(Box<super::hub::Member>),
+}
+
+impl Source {
+    fn lost(&self) -> Vec<u64> {
+        match self {
+            Source::Own { lost_map, .. } => sum(lost_map),
+            Source::Member(m) => m.lost(),
+        }
+    }
+
+    fn counters(&self) -> Vec<u64> {
+        match self {
+            Source::Own { counter_map, .. } => sum(counter_map),
+            Source::Member(m) => m.counters(),
+        }
+    }
+
+    fn runs(&self) -> BTreeMap<String, probes::ProgRuns> {
+        match self {
+            Source::Own { attached, .. } => probes::prog_runs(&attached.ebpf),
+            Source::Member(m) => m.runs(),
+        }
+    }
+}
+
+impl Session {
+    /// Where the next records come from: the ring, or the hub's queue for this member.
+    fn records(&mut self) -> &mut dyn super::Records {
+        match &mut self.kernel {
+            Source::Own { ring, .. } => ring.get_mut(),
+            Source::Member(m) => m.as_mut(),
+        }
+    }
 }
 
 /// The signals that stop or steer a trace, registered before probe says it is armed: a Ctrl-C
@@ -75,15 +120,21 @@ struct Signals {
     usr1: tokio::signal::unix::Signal,
 }
 
-pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
+pub(super) async fn run(opts: TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
     let mut signals = Signals {
         int: signal(SignalKind::interrupt())?,
         term: signal(SignalKind::terminate())?,
         hup: signal(SignalKind::hangup())?,
         usr1: signal(SignalKind::user_defined1())?,
     };
-    let (mut st, mut se) = arm(&opts, attached, out_dir)?;
-    let sampler = Sampler::start(crate::sampler::Options { pid: opts.pid, targets: st.targets.clone(), hz: opts.host_hz, poll: opts.poll });
+    let (mut st, mut se) = arm(&opts, kernel, out_dir)?;
+    let sampler = Sampler::start(crate::sampler::Options {
+        pid: opts.pid,
+        targets: st.targets.clone(),
+        hz: opts.host_hz,
+        poll: opts.poll,
+        headers: opts.headers.clone(),
+    });
     if opts.watch.is_some() {
         // A service: it stops with the watch (SIGTERM from systemd, or Ctrl-C in a terminal).
         say!("probe: recording the window to {} (SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
@@ -127,6 +178,7 @@ pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir:
         }
         Programs::Detaching(None) => {}
         Programs::Attached(a) => probes::hand_off(*a),
+        Programs::Shared => {}
     }
     log::info!("stop: programs let go at {:?}", stopping.elapsed());
     let partial = partial || stopped.full.is_some() || report.lost_events.values().any(|&n| n > 0) || !report.skipped_runs.is_empty();
@@ -134,13 +186,21 @@ pub(super) async fn run(opts: TraceOptions, attached: probes::Attached, out_dir:
 }
 
 /// Take the maps, open the recording, write its meta and first counters, and say what is live.
-fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::output::OutDir) -> anyhow::Result<(State, Session)> {
-    let ring = RingBuf::try_from(attached.ebpf.take_map(maps::EVENTS).context("EVENTS map missing")?)?;
-    let lost_map: PerCpuArray<MapData, u64> = PerCpuArray::try_from(attached.ebpf.take_map(maps::LOST).context("LOST map missing")?)?;
-    let counter_map: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(attached.ebpf.take_map(maps::COUNTERS).context("COUNTERS map missing")?)?;
-    // SAFETY: the RingBuf owns its map fd and keeps it open, unchanged, for as long as the AsyncFd lives.
-    let ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
+fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutDir) -> anyhow::Result<(State, Session)> {
+    let mut kernel = match kernel {
+        super::Kernel::Own(mut attached) => {
+            let ring = RingBuf::try_from(attached.ebpf.take_map(maps::EVENTS).context("EVENTS map missing")?)?;
+            let lost_map: PerCpuArray<MapData, u64> =
+                PerCpuArray::try_from(attached.ebpf.take_map(maps::LOST).context("LOST map missing")?)?;
+            let counter_map: PerCpuArray<MapData, u64> =
+                PerCpuArray::try_from(attached.ebpf.take_map(maps::COUNTERS).context("COUNTERS map missing")?)?;
+            // SAFETY: the RingBuf owns its map fd and keeps it open, unchanged, for as long as the AsyncFd lives.
+            let ring = unsafe { AsyncFd::register(ring) }.context("cannot poll the ring buffer")?;
+            Source::Own { ring, lost_map, counter_map, attached: Box::new(attached) }
+        }
+        super::Kernel::Member(m) => Source::Member(Box::new(m)),
+    };
+    let mut attached = Armed::of(&mut kernel);
 
     let armed_ms = opts.started.elapsed().as_secs_f64() * 1e3;
     let mut arm_stages = std::mem::take(&mut attached.stages);
@@ -149,7 +209,7 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
         arm_stages.iter().position(|(n, _)| n.starts_with("program ")).unwrap_or(arm_stages.len()),
         ("ring".into(), armed_ms - counted),
     );
-    let bpf_unmeasured = attached.run_time_stats.as_ref().err().cloned();
+    let bpf_unmeasured = attached.bpf_unmeasured.clone();
     let writer = match &opts.watch {
         Some(_) => out_dir.create(&segments::segment_name(0)).and_then(Writer::create_file),
         None => Writer::create_in(out_dir),
@@ -165,7 +225,7 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
     let follow_engine = attached.status.iter().any(|s| s.name == records::Subsystem::Engine);
     st.engine_seen = attached.engine_seen.iter().copied().collect();
     st.follow_cgroup = opts.cgroup.is_some();
-    st.ustack_need = attached.ebpf.take_map(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+    st.ustack_need = attached.ustack_need.take();
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     if opts.watch.is_some() {
         st.writer.keep_context();
@@ -182,8 +242,10 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
     st.writer.record(&UserRecord::Meta(Box::new(meta(opts, &attached, start_ns, armed_ms, arm_stages))))?;
     // Block IO the kernel issues for the target from other tasks (the cgroup throttle's kworker)
     // is matched by the target's block cgroups and the files it maps (filled by `refresh`).
-    own_block_cgroups(&mut attached.ebpf, &attached.targets);
-    st.target_files = attached.ebpf.take_map(probe_common::maps::TARGET_FILES).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+    if let Some(map) = attached.blkcg.as_mut() {
+        own_block_cgroups(map, &attached.targets);
+    }
+    st.target_files = attached.target_files.take();
     // What came before attach: the requests in flight (taken up by the stream tracker) and what
     // the target was doing, read once now that the probes are armed.
     let (at_attach, seeds) = crate::record::attach::read(&attached.targets, opts.pid, monotonic_ns());
@@ -199,7 +261,7 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
         st.unwinders.prepare(pid);
     }
     // The first cumulative counters: the report's tracing cost counts from here.
-    st.writer.record(&stats(&sum(&lost_map), &sum(&counter_map), &st, &probes::prog_runs(&attached.ebpf), bpf_unmeasured.as_deref()))?;
+    st.writer.record(&stats(&kernel.lost(), &kernel.counters(), &st, &kernel.runs(), bpf_unmeasured.as_deref()))?;
     st.writer.flush()?;
 
     let live: Vec<&str> = attached.status.iter().filter(|s| s.live).map(|s| s.name.name()).collect();
@@ -221,14 +283,58 @@ fn arm(opts: &TraceOptions, mut attached: probes::Attached, out_dir: &crate::out
         }
     }
     let segment = (0, start_ns, Instant::now());
-    Ok((st, Session { ring, lost_map, counter_map, attached, bpf_unmeasured, start_ns, segment, partial, follow_engine }))
+    Ok((st, Session { kernel, bpf_unmeasured, start_ns, segment, partial, follow_engine }))
+}
+
+/// What arming takes from the kernel side, whichever it is: what attached, for which processes,
+/// and handles to the maps the collector fills.
+struct Armed {
+    status: Vec<records::SubsystemStatus>,
+    targets: Vec<u32>,
+    stages: Vec<(String, f64)>,
+    engine_seen: Vec<crate::target_file::Ident>,
+    bpf_unmeasured: Option<String>,
+    ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
+    blkcg: Option<aya::maps::HashMap<MapData, u64, u32>>,
+}
+
+impl Armed {
+    fn of(k: &mut Source) -> Armed {
+        match k {
+            Source::Own { attached, .. } => {
+                let mut take = |name: &str| attached.ebpf.take_map(name);
+                let ustack_need = take(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+                let target_files = take(maps::TARGET_FILES).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+                let blkcg = take(maps::TARGET_BLKCG).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+                Armed {
+                    status: attached.status.clone(),
+                    targets: attached.targets.clone(),
+                    stages: std::mem::take(&mut attached.stages),
+                    engine_seen: attached.engine_seen.clone(),
+                    bpf_unmeasured: attached.run_time_stats.as_ref().err().cloned(),
+                    ustack_need,
+                    target_files,
+                    blkcg,
+                }
+            }
+            Source::Member(m) => Armed {
+                status: m.status.clone(),
+                targets: m.targets.clone(),
+                stages: std::mem::take(&mut m.stages),
+                engine_seen: m.engine_seen.clone(),
+                bpf_unmeasured: m.bpf_unmeasured.clone(),
+                ustack_need: m.open_hash(maps::USTACK_NEED),
+                target_files: m.open_hash(maps::TARGET_FILES),
+                blkcg: m.open_hash(maps::TARGET_BLKCG),
+            },
+        }
+    }
 }
 
 /// The block cgroups of the targets (v1 blkio, or v2 below the root) by cgroup id: a bio charged
 /// to one is the target's, whoever issues it.
-fn own_block_cgroups(ebpf: &mut aya::Ebpf, targets: &[u32]) {
-    let Some(m) = ebpf.map_mut(probe_common::maps::TARGET_BLKCG) else { return };
-    let Ok(mut map) = aya::maps::HashMap::<_, u64, u32>::try_from(m) else { return };
+fn own_block_cgroups(map: &mut aya::maps::HashMap<MapData, u64, u32>, targets: &[u32]) {
     for &pid in targets {
         for (dir, _) in crate::record::attach::block_cgroups(pid) {
             // A cgroup's id is its directory's inode number (kernfs).
@@ -240,7 +346,7 @@ fn own_block_cgroups(ebpf: &mut aya::Ebpf, targets: &[u32]) {
 }
 
 /// The recording's first record: what is traced, with which probes, since when.
-fn meta(opts: &TraceOptions, attached: &probes::Attached, start_ns: u64, armed_ms: f64, arm_stages: Vec<(String, f64)>) -> records::Meta {
+fn meta(opts: &TraceOptions, attached: &Armed, start_ns: u64, armed_ms: f64, arm_stages: Vec<(String, f64)>) -> records::Meta {
     let uname = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     records::Meta {
         format_version: recording::VERSION,
@@ -305,7 +411,7 @@ async fn follow(
     let reason: String = loop {
         let mut more = false;
         tokio::select! {
-            guard = se.ring.readable_mut() => {
+            guard = async { match &mut se.kernel { Source::Own { ring, .. } => ring.readable_mut().await, Source::Member(_) => std::future::pending().await } } => {
                 let mut guard = guard?;
                 more = drain_turn(guard.get_inner_mut(), st, sampler)?;
                 if !more {
@@ -314,11 +420,11 @@ async fn follow(
             }
             _ = tokio::time::sleep(tick) => {
                 let before = st.events;
-                more = drain_turn(se.ring.get_mut(), st, sampler)?;
+                more = drain_turn(se.records(), st, sampler)?;
                 tick = if st.events > before { DRAIN_TICK } else { IDLE_DRAIN };
             }
             _ = sec_tick.tick() => {
-                more = drain_turn(se.ring.get_mut(), st, sampler)?;
+                more = drain_turn(se.records(), st, sampler)?;
                 second.turn(opts, st, se, sampler, out_dir, screen.as_mut().filter(|_| !hung_up))?;
             }
             _ = sigusr1.recv() => sampler.snapshot_now(),
@@ -336,6 +442,9 @@ async fn follow(
         }
         if st.root_exited {
             break "target exited".to_string();
+        }
+        if opts.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+            break "stopped by the node agent".to_string();
         }
         if st.writer.disk_full().is_some() {
             break "disk full".to_string();
@@ -361,16 +470,22 @@ fn follow_engine(st: &mut State, se: &mut Session) {
     if new.is_empty() || !se.follow_engine {
         return;
     }
-    let found = crate::engine::search_mappings(&new);
-    if found.found.is_empty() {
-        return;
-    }
-    let a = crate::engine::attach(&mut se.attached.ebpf, &found);
-    for x in &a.attached {
+    let attached = match &mut se.kernel {
+        Source::Member(m) => m.engine_mapped(&new),
+        Source::Own { attached, .. } => {
+            let found = crate::engine::search_mappings(&new);
+            if found.found.is_empty() {
+                return;
+            }
+            let a = crate::engine::attach(&mut attached.ebpf, &found);
+            for x in &a.skipped {
+                log::info!("{x}");
+            }
+            a.attached
+        }
+    };
+    for x in &attached {
         say!("probe: engine probes: attached {x} (mapped after attach)");
-    }
-    for x in &a.skipped {
-        log::info!("{x}");
     }
 }
 
@@ -416,7 +531,7 @@ impl Second {
         out_dir: &crate::output::OutDir,
         screen: Option<&mut crate::render::live::Screen>,
     ) -> anyhow::Result<()> {
-        let lost = sum(&se.lost_map);
+        let lost = se.kernel.lost();
         // Busy: a request in flight, or the target keeps the probes going.
         let busy = st.streams.in_flight() > 0 || st.events.saturating_sub(self.events_at_sec) >= BUSY_EVENTS;
         sampler.set_busy(busy);
@@ -424,11 +539,13 @@ impl Second {
         let lost_now: u64 = lost.iter().sum();
         if busy || lost_now != self.lost_at_stats || self.last_stats.is_none_or(|t| t.elapsed() >= IDLE_STATS) {
             self.lost_at_stats = lost_now;
-            let runs = probes::prog_runs(&se.attached.ebpf);
-            st.writer.record(&stats(&lost, &sum(&se.counter_map), st, &runs, se.bpf_unmeasured.as_deref()))?;
+            let runs = se.kernel.runs();
+            st.writer.record(&stats(&lost, &se.kernel.counters(), st, &runs, se.bpf_unmeasured.as_deref()))?;
             self.last_stats = Some(Instant::now());
             if let Some(w) = &st.watch {
-                w.set_cost(lost_now, &runs);
+                // A member's programs are the node's: the agent counts their cost once.
+                let none = BTreeMap::new();
+                w.set_cost(lost_now, if matches!(se.kernel, Source::Own { .. }) { &runs } else { &none });
             }
         }
         st.writer.flush()?;
@@ -460,7 +577,11 @@ impl Second {
                 for pid in now.iter().copied().filter(|p| !known.contains(p)) {
                     // A process that joined the cgroup without a target forking it (a target's
                     // new child is already followed; its fork event is on its way).
-                    match probes::add_target(&mut se.attached.ebpf, pid, opts.sample_hz) {
+                    let added = match &mut se.kernel {
+                        Source::Own { attached, .. } => probes::add_target(&mut attached.ebpf, pid, opts.sample_hz),
+                        Source::Member(m) => m.add_target(pid),
+                    };
+                    match added {
                         Ok(true) => st.add_target(pid),
                         Ok(false) => {}
                         Err(e) => log::warn!("pid {pid} joined {} but cannot be traced: {e:#}", cg.display()),
@@ -508,34 +629,56 @@ fn stop(
     out_dir: &crate::output::OutDir,
     stopping: Instant,
 ) -> anyhow::Result<Stopped> {
-    let Session { mut ring, lost_map, counter_map, mut attached, bpf_unmeasured, .. } = se;
     let stop_ns = monotonic_ns();
-    probes::switch_off(&mut attached.ebpf);
-    let runs = probes::prog_runs(&attached.ebpf);
+    let Session { mut kernel, bpf_unmeasured, .. } = se;
+    if let Source::Own { attached, .. } = &mut kernel {
+        probes::switch_off(&mut attached.ebpf);
+    }
+    if let Source::Member(m) = &mut kernel {
+        // The kernel stops following this server; what the hub routed before is still queued.
+        let pids: Vec<u32> = st.targets.lock().map(|t| t.clone()).unwrap_or_default();
+        m.leave(&pids);
+    }
+    let runs = kernel.runs();
     let skipped = probes::skipped_runs(&runs);
-    let (lost, counters) = (sum(&lost_map), sum(&counter_map));
+    let (lost, counters) = (kernel.lost(), kernel.counters());
     // probe watch goes on to its next session: detach meanwhile, on a thread. probe trace exits
     // once its outputs are written, and hands the programs off then (see probes::hand_off).
-    let programs = if st.watch.is_some() {
-        Programs::Detaching(std::thread::Builder::new().name("probe-detach".into()).spawn(move || probes::detach(attached)).ok())
-    } else {
-        Programs::Attached(Box::new(attached))
+    let (programs, mut rest): (Programs, Box<dyn super::Records>) = match kernel {
+        Source::Member(m) => (Programs::Shared, m),
+        Source::Own { ring, attached, .. } if st.watch.is_some() => (
+            Programs::Detaching(std::thread::Builder::new().name("probe-detach".into()).spawn(move || probes::detach(*attached)).ok()),
+            Box::new(ring.into_inner()),
+        ),
+        Source::Own { ring, attached, .. } => (Programs::Attached(attached), Box::new(ring.into_inner())),
     };
     let mut after_stop = 0usize;
-    while let Some(item) = ring.get_mut().next() {
-        // The header's ts_ns (probe-common EventHeader: four u32, then the u64 timestamp).
-        let ts = item.get(16..24).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
-        if ts > stop_ns {
-            // The ring is in reservation order: once this many later records were seen, what
-            // came before the stop has been read.
+    let records = rest.as_mut();
+    loop {
+        let mut late = false;
+        let took = records.take(&mut |item| {
+            // The header's ts_ns (probe-common EventHeader: four u32, then the u64 timestamp).
+            let ts = item.get(16..24).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
+            if ts > stop_ns {
+                late = true;
+                return Ok(());
+            }
+            st.on_record(item)
+        });
+        match took {
+            None => break,
+            Some(r) => r?,
+        }
+        // The ring is in reservation order: once this many later records were seen, what came
+        // before the stop has been read.
+        if late {
             after_stop += 1;
             if after_stop >= DRAIN_RECORDS {
                 break;
             }
-            continue;
         }
-        st.on_record(&item)?;
     }
+    drop(rest);
     log::info!("stop: ring drained at {:?}", stopping.elapsed());
     let (rest, abandoned) = sampler.stop(SAMPLER_STOP);
     log::info!("stop: samplers stopped at {:?}", stopping.elapsed());

@@ -47,6 +47,8 @@ pub struct Options {
     pub hz: f64,
     /// Poll the server's HTTP endpoints.
     pub poll: bool,
+    /// Headers for this server's endpoints in place of the process's (`watch --all`).
+    pub headers: Option<Vec<(String, String)>>,
 }
 
 pub struct Sampler {
@@ -130,7 +132,10 @@ impl Sampler {
         if opts.poll {
             let signal = signal.clone();
             threads.push(
-                std::thread::Builder::new().name("probe-poll".into()).spawn(move || poll_loop(&opts, &tx, &signal)).expect("spawn poller"),
+                std::thread::Builder::new()
+                    .name("probe-poll".into())
+                    .spawn(move || crate::httpc::with_headers(opts.headers.clone(), || poll_loop(&opts, &tx, &signal)))
+                    .expect("spawn poller"),
             );
         }
         Sampler { rx, signal, snapshot, threads }
@@ -338,15 +343,18 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal) {
                 .iter_mut()
                 .take(MAX_PORTS_AT_ONCE)
                 .map(|ep| {
+                    let headers = crate::httpc::thread_headers();
                     std::thread::Builder::new().name("probe-poll-port".into()).spawn_scoped(s, move || {
-                        let t = monotonic_ns();
-                        // Not inside the server's namespace, its port here is another's.
-                        if let Some(ns) = &ep.netns
-                            && procfs::enter_netns(ns.as_ref()).is_err()
-                        {
-                            return None;
-                        }
-                        Some((t, ep.poll()))
+                        crate::httpc::with_headers(headers, move || {
+                            let t = monotonic_ns();
+                            // Not inside the server's namespace, its port here is another's.
+                            if let Some(ns) = &ep.netns
+                                && procfs::enter_netns(ns.as_ref()).is_err()
+                            {
+                                return None;
+                            }
+                            Some((t, ep.poll()))
+                        })
                     })
                 })
                 .collect();

@@ -1,16 +1,20 @@
-//! `probe watch --all`: every LLM server on the node, each followed by a `probe watch --pid`
-//! of its own (its own probes, warm baseline, incidents and labels; one that fails stays alone).
+//! `probe watch --all`: every LLM server on the node, each followed as a `probe watch --pid`
+//! would (its own window, warm baseline, incidents and labels) on a thread of the agent's, all on
+//! one set of kernel programs ([`crate::collector::hub`]): the programs are loaded with the first
+//! server and each later one joins the target set, so the kernel's cost does not grow with the
+//! number of servers, only with their work.
 //!
 //! Servers are found by [`super::discover`]; credentials go only to the servers the operator
-//! scoped them to ([`super::scope`]). The metrics of all the followers are served as one
+//! scoped them to ([`super::scope`]). The metrics of all the servers are served as one
 //! exposition, each sample labelled with where its server runs (`place`).
 use std::{
     collections::{HashMap, HashSet},
-    io::BufRead as _,
     net::SocketAddr,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -26,11 +30,11 @@ use super::{
 /// left alone, so listeners made to look like servers cannot grow the agent without bound.
 pub const MAX_SERVERS: usize = 64;
 
-/// `--all`'s options; `child_args` are the `watch` flags every follower gets as well.
+/// `--all`'s options; `server` holds the `watch` flags every server is followed with.
 pub struct Options {
     pub dir: PathBuf,
     pub metrics_addr: Option<SocketAddr>,
-    pub child_args: Vec<String>,
+    pub server: super::Options,
     pub pod_logs: PathBuf,
     pub scan_every: Duration,
     /// The operator's headers (`--api-key`, `--header`), and the servers they go to.
@@ -38,11 +42,12 @@ pub struct Options {
     pub scopes: Vec<Scope>,
 }
 
-/// One server's follower.
+/// One server, followed on a thread of the agent's.
 struct Follower {
-    child: Child,
+    thread: std::thread::JoinHandle<()>,
     key: String,
-    metrics: Arc<Mutex<Option<SocketAddr>>>,
+    metrics: Arc<super::metrics::Metrics>,
+    stop: Arc<AtomicBool>,
 }
 
 /// A directory name from label values: letters, digits, `.`, `_`, `-`.
@@ -68,6 +73,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     let followers: Arc<Mutex<HashMap<u32, Follower>>> = Arc::new(Mutex::new(HashMap::new()));
     let scans = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let node = Arc::new(crate::collector::hub::Node::default());
     // The signals first: once the metrics answer (the readiness probe, a test's scrape), a
     // SIGTERM must stop the agent cleanly, not kill it before its handler is there.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -76,12 +82,11 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
     })?;
     if let Some(addr) = o.metrics_addr {
-        let (f, n, r) = (followers.clone(), scans.clone(), refused.clone());
-        let bound =
-            metrics::serve_with(addr, Arc::new(move || render(&f, &n, &r))).with_context(|| format!("cannot serve metrics on {addr}"))?;
+        let (f, n, r, k) = (followers.clone(), scans.clone(), refused.clone(), node.clone());
+        let bound = metrics::serve_with(addr, Arc::new(move || render(&f, &n, &r, &k)))
+            .with_context(|| format!("cannot serve metrics on {addr}"))?;
         log_line!("probe watch: metrics on http://{bound}/metrics");
     }
-    let exe = std::env::current_exe().context("cannot find probe's own executable to start a follower")?;
     let mut stopped = |d: Duration| {
         rt.block_on(async {
             tokio::select! {
@@ -103,25 +108,24 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     let mut refused_said = false;
     'scans: loop {
         scans.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // Followers that ended (their server exited, or it could not be traced).
+        // Servers whose following ended (they exited, or could not be traced).
         {
             let mut f = followers.lock().unwrap_or_else(|e| e.into_inner());
-            let ended: Vec<u32> = f.iter_mut().filter_map(|(p, x)| x.child.try_wait().ok().flatten().map(|_| *p)).collect();
+            let ended: Vec<u32> = f.iter().filter(|(_, x)| x.thread.is_finished()).map(|(p, _)| *p).collect();
             for p in ended {
                 if let Some(x) = f.remove(&p) {
-                    log_line!("probe watch [{}]: follower ended; its incidents stay in {}", x.key, servers_dir.join(&x.key).display());
+                    let _ = x.thread.join();
+                    log_line!("probe watch [{}]: no longer followed; its incidents stay in {}", x.key, servers_dir.join(&x.key).display());
                     if crate::procfs::exists(p) {
                         failed.insert(p, Instant::now());
                     }
                 }
             }
         }
-        let mut skip: HashSet<u32> = HashSet::from([me]);
+        // No server left on the programs: they go until the next one comes.
+        node.release_idle();
+        let skip: HashSet<u32> = HashSet::from([me]);
         let followed: HashSet<u32> = followers.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
-        for p in followers.lock().unwrap_or_else(|e| e.into_inner()).values().map(|x| x.child.id()) {
-            skip.insert(p);
-            skip.extend(crate::procfs::descendants(p));
-        }
         failed.retain(|p, t| t.elapsed() < Duration::from_secs(30) && crate::procfs::exists(*p));
         let found = scan(&mut owners, &skip, &mut closed);
         let live: HashSet<(u32, u16)> = found.iter().map(|l| (l.pid, l.addr.port())).collect();
@@ -159,7 +163,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                     }
                     continue;
                 }
-                follow(&o, &exe, &servers_dir, &l, a, &mut scopes, &followers, &mut failed);
+                follow(&o, &node, &servers_dir, &l, a, &mut scopes, &followers, &mut failed);
             }
             let left = next.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -170,20 +174,20 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             }
         }
     }
-    log_line!("probe watch: stopping the followers");
-    let mut all: Vec<Follower> = followers.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, f)| f).collect();
+    log_line!("probe watch: stopping");
+    let all: Vec<Follower> = followers.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, f)| f).collect();
     for f in &all {
-        // SAFETY: kill(2) on a child of ours that has not been reaped.
-        unsafe { libc::kill(f.child.id() as i32, libc::SIGTERM) };
+        f.stop.store(true, Ordering::Relaxed);
     }
+    // Each server's session ends its window and hands it over; one that does not within 10 s is
+    // left (the process exits, and the programs with it).
     let until = Instant::now() + Duration::from_secs(10);
-    for f in &mut all {
-        while f.child.try_wait().ok().flatten().is_none() && Instant::now() < until {
+    for f in all {
+        while !f.thread.is_finished() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(50));
         }
-        if f.child.try_wait().ok().flatten().is_none() {
-            let _ = f.child.kill();
-            let _ = f.child.wait();
+        if f.thread.is_finished() {
+            let _ = f.thread.join();
         }
     }
     Ok(crate::exit::OK)
@@ -194,7 +198,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
 #[allow(clippy::too_many_arguments)]
 fn follow(
     o: &Options,
-    exe: &Path,
+    node: &Arc<crate::collector::hub::Node>,
     servers_dir: &Path,
     l: &Listener,
     a: Answer,
@@ -207,7 +211,7 @@ fn follow(
     let name = key_of(&labels, l.addr.port());
     let grant = if o.credentials.is_empty() { Grant::NotScoped } else { scopes.grant(&Server::of(l.pid, l.addr.port(), &labels)) };
     let credentials = matches!(grant, Grant::Yes(_)).then_some(o.credentials.as_slice());
-    match spawn(exe, o, l.pid, &servers_dir.join(&name), &labels, &name, credentials) {
+    match start(o, node, l.pid, &servers_dir.join(&name), &labels, &name, credentials) {
         Ok(f) => {
             let said: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
             log_line!(
@@ -235,74 +239,56 @@ fn follow(
     }
 }
 
-/// Start `probe watch --pid PID --once` for one server; its log lines are ours, prefixed. The
-/// credentials, if any, go through its environment (never its command line, which every user
-/// reads), and it dies with the agent (a follower of a killed agent would hold its probes).
-fn spawn(
-    exe: &Path,
+/// Follow one server as `probe watch --pid PID --once` would, on a thread of its own, its
+/// kernel side a member of the node's programs. The credentials, if any, go to its endpoint polls
+/// only (never a command line, an environment or another server's polls).
+fn start(
     o: &Options,
+    node: &Arc<crate::collector::hub::Node>,
     pid: u32,
     dir: &Path,
     labels: &[(String, String)],
     name: &str,
     credentials: Option<&[(String, String)]>,
 ) -> anyhow::Result<Follower> {
-    use std::os::unix::process::CommandExt as _;
-    let mut cmd = Command::new(exe);
-    cmd.arg("watch").args(&o.child_args);
-    cmd.arg("--pid").arg(pid.to_string()).arg("--dir").arg(dir).arg("--once").arg("--metrics-addr").arg("127.0.0.1:0");
-    for (k, v) in labels {
-        cmd.arg("--label").arg(format!("{k}={v}"));
-    }
-    cmd.env_remove("PROBE_API_KEY").env_remove("PROBE_HEADERS");
-    if let Some(h) = credentials {
-        cmd.env("PROBE_HEADERS", crate::httpc::headers_env(h));
-    }
-    let agent = std::process::id() as i32;
-    // SAFETY: only prctl(2), getppid(2) and _exit(2) between fork and exec. The death signal
-    // is the forking thread's: this is the agent's main thread, which lives as long as it does.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The agent died before the signal was set: end now.
-            if libc::getppid() != agent {
-                libc::_exit(0);
-            }
-            Ok(())
-        });
-    }
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-    let mut child = cmd.spawn().context("cannot start a follower")?;
-    let err = child.stderr.take().context("no stderr from the follower")?;
-    let metrics = Arc::new(Mutex::new(None));
-    let (m, key) = (metrics.clone(), name.to_string());
-    std::thread::Builder::new().name("probe-follower-log".into()).spawn(move || {
-        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
-            if let Some(a) = line.split("metrics on http://").nth(1).and_then(|r| r.split('/').next()).and_then(|a| a.parse().ok()) {
-                *m.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
-                continue;
-            }
-            let line = line.strip_prefix("probe watch: ").unwrap_or(&line);
-            log_line!("probe watch [{key}]: {line}");
+    let metrics = Arc::new(super::metrics::Metrics::default());
+    metrics.set_shared_process();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut opts = o.server.clone();
+    opts.select = super::target::Select::Pid(pid);
+    opts.dir = dir.to_path_buf();
+    opts.metrics_addr = None;
+    opts.once = true;
+    opts.labels = labels.to_vec();
+    opts.member = Some(super::Member {
+        node: node.clone(),
+        metrics: metrics.clone(),
+        stop: stop.clone(),
+        headers: credentials.map(<[_]>::to_vec).unwrap_or_default(),
+        key: name.to_string(),
+    });
+    let key = name.to_string();
+    let thread = std::thread::Builder::new().name("probe-server".into()).spawn(move || {
+        crate::text::set_log_key(Some(key));
+        if let Err(e) = super::run(opts) {
+            log_line!("probe watch: {}", crate::text::terminal(&format!("{e:#}")));
         }
     })?;
-    Ok(Follower { child, key: name.to_string(), metrics })
+    Ok(Follower { thread, key: name.to_string(), metrics, stop })
 }
 
-/// The followers' metrics as one exposition, and the node agent's own.
+/// The servers' metrics as one exposition, and the node agent's own.
 fn render(
     followers: &Mutex<HashMap<u32, Follower>>,
     scans: &std::sync::atomic::AtomicU64,
     refused: &std::sync::atomic::AtomicU64,
+    node: &crate::collector::hub::Node,
 ) -> String {
-    let addrs: Vec<SocketAddr> = followers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-        .filter_map(|f| *f.metrics.lock().unwrap_or_else(|e| e.into_inner()))
-        .collect();
+    let servers: Vec<Arc<super::metrics::Metrics>> =
+        followers.lock().unwrap_or_else(|e| e.into_inner()).values().map(|f| f.metrics.clone()).collect();
+    let hub = node.hub();
+    let bpf_ns: u64 = hub.as_ref().map_or(0, |h| h.runs().values().map(|r| r.run_ns).sum());
+    let unrouted = hub.as_ref().map_or(0, |h| h.unrouted());
     let node = metrics::escape(&super::place::node());
     let mut texts = vec![format!(
         "# HELP probe_servers LLM servers probe follows on this node.\n# TYPE probe_servers gauge\nprobe_servers{{node=\"{node}\"}} {}\n\
@@ -310,21 +296,20 @@ fn render(
          probe_discovery_scans_total{{node=\"{node}\"}} {}\n\
          # HELP probe_servers_refused_total Servers found and not followed: the agent followed its most already.\n# TYPE probe_servers_refused_total counter\n\
          probe_servers_refused_total{{node=\"{node}\"}} {}\n\
-         # HELP probe_agent_cpu_seconds_total CPU time of the node agent itself (its followers count their own).\n# TYPE probe_agent_cpu_seconds_total counter\n\
-         probe_agent_cpu_seconds_total{{node=\"{node}\"}} {}\n",
-        addrs.len(),
+         # HELP probe_agent_cpu_seconds_total CPU time of the node agent, every server's following included.\n# TYPE probe_agent_cpu_seconds_total counter\n\
+         probe_agent_cpu_seconds_total{{node=\"{node}\"}} {}\n\
+         # HELP probe_bpf_run_seconds_total Run time of probe's BPF programs in the kernel (one set for every server on the node), seconds.\n# TYPE probe_bpf_run_seconds_total counter\n\
+         probe_bpf_run_seconds_total{{node=\"{node}\"}} {}\n\
+         # HELP probe_events_unrouted_total Kernel records of no followed server (a process or socket that had just left).\n# TYPE probe_events_unrouted_total counter\n\
+         probe_events_unrouted_total{{node=\"{node}\"}} {}\n",
+        servers.len(),
         scans.load(std::sync::atomic::Ordering::Relaxed),
         refused.load(std::sync::atomic::Ordering::Relaxed),
-        crate::collector::own_cpu_ns() as f64 / 1e9
+        crate::collector::own_cpu_ns() as f64 / 1e9,
+        bpf_ns as f64 / 1e9,
+        unrouted,
     )];
-    for a in addrs {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        if let Ok((200, body)) =
-            crate::httpc::get_anonymous(&crate::httpc::Url::of(a), "/metrics", Duration::from_secs(2), deadline, 16 << 20)
-        {
-            texts.push(String::from_utf8_lossy(&body).into_owned());
-        }
-    }
+    texts.extend(servers.iter().map(|m| m.render()));
     metrics::merge(&texts)
 }
 

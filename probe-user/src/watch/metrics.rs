@@ -69,6 +69,9 @@ struct State {
     restarts: u64,
     /// Where the server runs (`place::labels`), on every sample.
     labels: Vec<(String, String)>,
+    /// One server of the node agent's: the process's CPU and the programs' run time are the
+    /// agent's, counted once in its own samples, not in each server's.
+    shared_process: bool,
     /// The OTLP sender's counters (sent, dropped), with `--otlp`.
     otlp: Option<(Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>)>,
 }
@@ -129,6 +132,10 @@ impl Metrics {
     }
 
     /// A session ended: its figures become part of the totals.
+    pub fn set_shared_process(&self) {
+        self.with(|s| s.shared_process = true);
+    }
+
     pub fn session_ended(&self) {
         self.with(|s| {
             s.lost_before += std::mem::take(&mut s.lost);
@@ -216,10 +223,12 @@ impl Metrics {
         }
         head(&mut o, "probe_events_lost_total", "counter", "Kernel events lost (ring buffer full and other drops).");
         let _ = writeln!(o, "probe_events_lost_total {}", s.lost_before + s.lost);
-        head(&mut o, "probe_cpu_seconds_total", "counter", "CPU time of the probe process (user and system), seconds.");
-        let _ = writeln!(o, "probe_cpu_seconds_total {}", crate::collector::own_cpu_ns() as f64 / 1e9);
-        head(&mut o, "probe_bpf_run_seconds_total", "counter", "Run time of probe's BPF programs in the kernel, seconds.");
-        let _ = writeln!(o, "probe_bpf_run_seconds_total {}", (s.bpf_before + s.bpf_ns) as f64 / 1e9);
+        if !s.shared_process {
+            head(&mut o, "probe_cpu_seconds_total", "counter", "CPU time of the probe process (user and system), seconds.");
+            let _ = writeln!(o, "probe_cpu_seconds_total {}", crate::collector::own_cpu_ns() as f64 / 1e9);
+            head(&mut o, "probe_bpf_run_seconds_total", "counter", "Run time of probe's BPF programs in the kernel, seconds.");
+            let _ = writeln!(o, "probe_bpf_run_seconds_total {}", (s.bpf_before + s.bpf_ns) as f64 / 1e9);
+        }
         if let Some(r) = s.residency {
             head(&mut o, "probe_model_page_cache_ratio", "gauge", "Share of the model file's pages in the page cache (0 to 1).");
             let _ = writeln!(o, "probe_model_page_cache_ratio {r}");

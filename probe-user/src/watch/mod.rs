@@ -29,6 +29,7 @@ use anyhow::Context as _;
 pub use crate::segments::{Link, Msg, Rotation, Segment, segment_name};
 
 /// `probe watch`'s options (see main.rs for their flags).
+#[derive(Clone)]
 pub struct Options {
     pub select: target::Select,
     /// Where incidents and the live window go (0700, the caller's).
@@ -56,6 +57,22 @@ pub struct Options {
     pub labels: Vec<(String, String)>,
     /// Stop when the target exits instead of waiting for its successor (`--all` finds it).
     pub once: bool,
+    /// `--all`: this server is one of the node's, followed on a thread of the agent's (see
+    /// [`Member`]); None for a `probe watch` of its own.
+    pub member: Option<Member>,
+}
+
+/// What a server followed by the node agent shares with it: the one set of kernel programs,
+/// its metrics (rendered in the agent's exposition), its credentials and a stop.
+#[derive(Clone)]
+pub struct Member {
+    pub node: Arc<crate::collector::hub::Node>,
+    pub metrics: Arc<metrics::Metrics>,
+    pub stop: Arc<std::sync::atomic::AtomicBool>,
+    /// The headers scoped to this server (none: `vec![]`).
+    pub headers: Vec<(String, String)>,
+    /// Its name in the agent's log and directories.
+    pub key: String,
 }
 
 /// `--slow-ttft`: an absolute time, or a multiple of the recent median.
@@ -101,7 +118,7 @@ impl SlowTtft {
 macro_rules! log_line {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
+        let _ = writeln!(std::io::stderr(), "{}", $crate::text::log_line(format_args!($($t)*)));
     }};
 }
 pub(crate) use log_line;
@@ -117,7 +134,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     drop(state);
     let incidents = o.dir.join("incidents");
     crate::output::OutDir::create_or_open(&incidents)?;
-    let metrics = Arc::new(metrics::Metrics::default());
+    let metrics = o.member.as_ref().map_or_else(|| Arc::new(metrics::Metrics::default()), |m| m.metrics.clone());
     metrics.set_labels(o.labels.clone());
     if let Some(addr) = o.metrics_addr {
         let bound = metrics::serve(addr, metrics.clone()).with_context(|| format!("cannot serve metrics on {addr}"))?;
@@ -130,7 +147,11 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         use tokio::signal::unix::{SignalKind, signal};
         Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
     })?;
+    let stop = o.member.as_ref().map(|m| m.stop.clone());
     let mut stopped = |d: Duration| {
+        if stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+            return true;
+        }
         rt.block_on(async {
             tokio::select! {
                 _ = sigint.recv() => true,
@@ -175,7 +196,11 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             Box::new(move |lost, bpf_ns| m.set_cost(lost, bpf_ns)),
         ));
         let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone(), otlp.clone(), &follow.describe());
-        let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || watcher.run(rx))?;
+        let key = crate::text::log_key();
+        let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || {
+            crate::text::set_log_key(key);
+            watcher.run(rx)
+        })?;
         log_line!("probe watch: following pid {pid} ({})", crate::text::terminal(&crate::procfs::comm(pid)));
         let outcome = crate::collector::trace(crate::collector::TraceOptions {
             pid,
@@ -198,6 +223,9 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 _ => None,
             },
             quiet: true,
+            node: o.member.as_ref().map(|m| m.node.clone()),
+            stop: o.member.as_ref().map(|m| m.stop.clone()),
+            headers: o.member.as_ref().map(|m| m.headers.clone()),
         });
         let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
         link.send(Msg::Ended { reason, target_exited: false, lost: 0 });
