@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What `probe watch --all` costs on this node with 0, 1, 4 and 16 llama-servers (SERVERS="0 1 4 16";
 # four of them asked one small completion a second, round robin, so the load is the same however
-# many servers there are): % of one core = CPU of every probe process (the agent and its followers,
+# many servers there are): % of one core = CPU of every probe process (the agent, and the followers
+# of a release that started one per server,
 # from /proc/PID/stat) plus the run time of every BPF program (kernel.bpf_stats_enabled), per
 # wall second, over SECS seconds after every follower armed. Run as root after `cargo xtask
 # build`; LLAMA_SERVER and LLAMA_MODEL as `cargo xtask test` sets them (scripts/llama.sh prints them).
@@ -86,9 +87,9 @@ for n in ${SERVERS:-0 1 4 16}; do
   proc_pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($t1-$t0)/$tick)/w:.2f}')")
   bpf_pct=$(python3 -c "w=$s1-$s0; print(f'{100*(($b1-$b0)/1e9)/w:.2f}')")
   per=""
-  if [ "$n" -gt 0 ]; then per=$(python3 -c "print(f', {($pct - ${base:-0})/$n:.2f}% per server')"); fi
-  printf '  %d server(s): %s%% (processes %s%%, BPF %s%%)%s; memory %s MiB\n' "$n" "$pct" "$proc_pct" "$bpf_pct" "$per" "$rss"
-  [ "$n" -eq 0 ] && base=$pct
+  if [ "$n" -gt 0 ]; then per=$(python3 -c "print(f', {($pct - ${base:-0})/$n:.2f}% and {($rss - ${base_rss:-0})/$n:.0f} MiB per server')"); fi
+  printf '  %d server(s): %s%% (processes %s%%, BPF %s%%); memory %s MiB%s\n' "$n" "$pct" "$proc_pct" "$bpf_pct" "$rss" "$per"
+  [ "$n" -eq 0 ] && base=$pct && base_rss=$rss
   kill -TERM "$agent"; wait "$agent" || true
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   pids=()

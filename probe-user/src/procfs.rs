@@ -186,6 +186,18 @@ pub fn netns(pid: u32) -> Option<u64> {
     fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))
 }
 
+/// The calling thread runs at idle priority (SCHED_IDLE: it gets a CPU only when nothing else
+/// wants it, and so never delays the server probe watches), and so do the threads it starts.
+/// For probe's threads that do not drain the ring (samplers, pollers, incident writing): the
+/// drain keeps its normal priority, so a busy machine fills the ring no faster.
+pub fn idle_priority() {
+    let p = libc::sched_param { sched_priority: 0 };
+    // SAFETY: a valid sched_param; pid 0 is the calling thread.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &p) } != 0 {
+        log::debug!("cannot run at idle priority: {}", std::io::Error::last_os_error());
+    }
+}
+
 /// The calling thread's network namespace becomes the one `ns` refers to (an open
 /// /proc/PID/ns/net): sockets it makes from then on live there. Other threads are not moved.
 pub fn enter_netns(ns: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {

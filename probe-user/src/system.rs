@@ -275,6 +275,12 @@ pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System
                 s.memory.cgroup = v.memory_cgroup.clone();
             }
             Sample::Gpu(v) => {
+                if let Some(d) = v.devices.as_ref().filter(|_| s.gpu.devices.is_empty()) {
+                    s.gpu.devices = d.clone();
+                }
+                if v.gpus.is_empty() {
+                    continue;
+                }
                 s.gpu.samples += 1;
                 for g in &v.gpus {
                     let st = match s.gpu.per_device.iter().position(|d| d.index == g.index) {
@@ -388,6 +394,19 @@ fn cpu_share(v: &CpuFreqReading, max: &[f64]) -> Option<f64> {
 
 /// (time, device, SM clock as a share of its working clock, P-state).
 pub type GpuClock = (u64, u32, f64, Option<u32>);
+
+/// A GPU's PCI power state as sysfs said it: (time, PCI address, asleep, as said: "D3cold").
+pub type PciState = (u64, String, bool, String);
+
+/// Every GPU power state read from sysfs, in time order (a reading lists the devices whose state
+/// changed since the one before).
+pub fn pci_series(samples: &[Sample]) -> Vec<PciState> {
+    samples
+        .iter()
+        .filter_map(|v| if let Sample::Gpu(g) = v { Some(g) } else { None })
+        .flat_map(|g| g.pci.iter().map(move |p| (g.ts_ns, p.addr.clone(), p.asleep(), p.said().to_string())))
+        .collect()
+}
 
 /// Clock readings over time for the verdicts: (ts, share of the device's working clock).
 /// GPU: SM clock / highest SM clock seen in the trace (or the device maximum); CPU: mean cur/max.

@@ -148,6 +148,8 @@ pub struct Window<'a> {
     pub gpu_clocks: &'a [crate::system::GpuClock],
     /// CPU readings: (time, mean current/max frequency).
     pub cpu_clocks: &'a [(u64, f64)],
+    /// GPU power states from sysfs (time, device, asleep, state), in time order.
+    pub gpu_pci: &'a [crate::system::PciState],
     /// Why there are no clock readings, when there are none.
     pub power_absent: Option<&'a str>,
     /// The server said it was sleeping (model unloaded) at its last poll before arrival.
@@ -984,6 +986,30 @@ fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'
     Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue, idle_wait, steal_run }
 }
 
+/// A GPU asleep (runtime-suspended, D3) at arrival, by sysfs: how long until it was seen awake
+/// (ms, and the sentence); 0 ms and a sentence that says so when it was not seen to wake before
+/// `until`. The slowest device when several slept.
+fn resumed(pci: &[crate::system::PciState], from: u64, until: u64) -> Option<(f64, String)> {
+    let mut devices: Vec<&str> = pci.iter().map(|p| p.1.as_str()).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    let mut out: Option<(f64, String)> = None;
+    for d in devices {
+        let Some(at) = pci.iter().rev().find(|p| p.1 == d && p.0 <= from).filter(|p| p.2) else { continue };
+        let found = match pci.iter().find(|p| p.1 == d && p.0 > from && p.0 <= until && !p.2) {
+            Some(up) => {
+                let ms = (up.0 - from) as f64 / 1e6;
+                (ms, format!("GPU {d} in {} at arrival: resumed in {ms:.0} ms", at.3))
+            }
+            None => (0.0, format!("GPU {d} in {} at arrival (not seen to resume while the request ran)", at.3)),
+        };
+        if out.as_ref().is_none_or(|o| found.0 > o.0) {
+            out = Some(found);
+        }
+    }
+    out
+}
+
 /// Power: the slowest of the GPUs and the CPUs to reach its working clock when it was below it
 /// at arrival (ms, and the sentence that says so).
 fn ramp(q: &RequestRecord, w: &Window<'_>, from: u64, ttft: f64) -> Option<(f64, String)> {
@@ -1003,6 +1029,11 @@ fn ramp(q: &RequestRecord, w: &Window<'_>, from: u64, ttft: f64) -> Option<(f64,
                     Some((ms, format!("GPU {d} SM clock at {:.0}% of its working clock at arrival{p}; {ms:.0} ms to ramp up", at * 100.0)));
             }
         }
+    }
+    if let Some((ms, e)) = resumed(w.gpu_pci, from, until)
+        && ramp.as_ref().is_none_or(|r| ms > r.0 || r.0 == 0.0)
+    {
+        ramp = Some((ms, e));
     }
     if let Some((ms, at)) = ramp_ms(around(w.cpu_clocks, |c| c.0, from, until), from, until)
         && ramp.as_ref().is_none_or(|r| ms > r.0)
@@ -1404,6 +1435,20 @@ mod tests {
         let v = attribute(&q, &Window { engine: Some(&e), ..w.clone() });
         let s = v.ttft_ms.unwrap();
         assert_eq!((s.queue, s.unexplained), (850.0, 10.0));
+    }
+
+    #[test]
+    fn a_gpu_asleep_at_arrival_is_power_until_it_resumed() {
+        let ms = 1_000_000u64;
+        let gpu = |t: u64, asleep: bool, s: &str| (t * ms, "0000:01:00.0".to_string(), asleep, s.to_string());
+        let pci = vec![gpu(10, true, "D3cold"), gpu(250, false, "D0")];
+        let (t, e) = resumed(&pci, 100 * ms, 1000 * ms).unwrap();
+        assert_eq!(t, 150.0);
+        assert_eq!(e, "GPU 0000:01:00.0 in D3cold at arrival: resumed in 150 ms");
+        // Awake at arrival: nothing to say; asleep and never seen awake: said, no time.
+        assert!(resumed(&pci, 300 * ms, 1000 * ms).is_none());
+        let (t, e) = resumed(&pci[..1], 100 * ms, 1000 * ms).unwrap();
+        assert!(t == 0.0 && e.contains("not seen to resume"), "{e}");
     }
 
     #[test]

@@ -827,13 +827,24 @@ fn bench_cost_only() -> anyhow::Result<()> {
 
 /// `probe watch --all` as a node agent with 0, 1, 4 and 16 llama-servers (scripts/watch-all-cost.sh):
 /// probe's CPU and its BPF programs' run time per wall second.
+/// With `PROBE_COST_BASELINE` (an earlier probe binary) the same sweep runs for it first, in the
+/// same invocation, so the two tables sit side by side.
 fn watch_all_cost() -> anyhow::Result<()> {
     let (server, model) = llama()?;
-    run(Command::new("bash")
-        .arg(root().join("scripts/watch-all-cost.sh"))
-        .env("LLAMA_SERVER", server)
-        .env("LLAMA_MODEL", model)
-        .env("PROBE_BIN", bin("probe")))
+    let mut bins = Vec::new();
+    if let Some(b) = std::env::var_os("PROBE_COST_BASELINE").map(PathBuf::from).filter(|p| p.is_file()) {
+        bins.push(("baseline (PROBE_COST_BASELINE)", b));
+    }
+    bins.push(("this build", bin("probe")));
+    for (what, probe) in bins {
+        println!("watch --all, {what}: {}", probe.display());
+        run(Command::new("bash")
+            .arg(root().join("scripts/watch-all-cost.sh"))
+            .env("LLAMA_SERVER", &server)
+            .env("LLAMA_MODEL", &model)
+            .env("PROBE_BIN", probe))?;
+    }
+    Ok(())
 }
 
 /// Wall time and peak RSS (bytes) of a command run to the end, its output discarded.

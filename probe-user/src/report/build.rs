@@ -773,6 +773,7 @@ impl Builder {
         let oom_kills: Vec<u64> =
             self.mem_events.iter().filter(|m| m.what == probe_common::mem::MEM_OOM_VICTIM).map(|m| m.hdr.ts_ns).collect();
         let (gpu_clocks, cpu_clocks) = crate::system::clock_series(samples);
+        let gpu_pci = crate::system::pci_series(samples);
         // Losses are counted per second (stats records, cumulative): a window's losses are the
         // growth between the last count before it and the first after it.
         let lost_at: Vec<(u64, u64)> = self.stats.iter().map(|s| (s.ts_ns, s.lost_total())).collect();
@@ -940,6 +941,7 @@ impl Builder {
                 cut_reasons: data.cut_reasons,
                 oom_kills: &oom_kills,
                 gpu_clocks: &gpu_clocks,
+                gpu_pci: &gpu_pci,
                 cpu_clocks: &cpu_clocks,
                 power_absent: power_absent.as_deref(),
                 server_sleeping: sleeping_before(from),

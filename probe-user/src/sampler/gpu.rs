@@ -1,7 +1,82 @@
 //! GPU clocks, power state and memory, behind [`GpuSource`] so the collector does not care where
-//! they come from: NVML (nvml-wrapper, `libnvidia-ml.so.1` loaded at run time) on a machine with
-//! an NVIDIA driver, or a scripted fake for tests on machines without a GPU.
+//! they come from: NVML (nvml-wrapper, `libnvidia-ml.so` loaded at run time, or the library
+//! `PROBE_NVML_LIB` names) on a machine with an NVIDIA driver, or a scripted fake for tests on
+//! machines without a GPU.
+//!
+//! A sleeping GPU stays asleep: an open NVML handle keeps a runtime-power-managed device out of D3,
+//! so the sampler opens NVML only while the target is busy and closes it when it idles; meanwhile
+//! the device's power state comes from sysfs files the kernel answers without resuming it
+//! ([`pci_power`]: `power/runtime_status` and `power_state`, never the config-space attributes
+//! such as `current_link_speed`, which resume a suspended device to answer).
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
+
+/// A GPU's PCI power state as sysfs has it without waking the device.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PciPower {
+    /// The PCI address (0000:01:00.0).
+    pub addr: String,
+    /// `power/runtime_status`: active, suspended, suspending, resuming, or unsupported (no
+    /// runtime power management: the device stays in D0).
+    pub runtime: String,
+    /// `power_state` (D0, D3hot, D3cold: Linux 5.19 and later), where the kernel has it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// `power/control` is `auto`: the kernel suspends the device when nothing holds it (an open
+    /// NVML handle does).
+    pub runtime_pm: bool,
+}
+
+impl PciPower {
+    /// Suspended (runtime PM) or in a D3 state.
+    pub fn asleep(&self) -> bool {
+        matches!(self.runtime.as_str(), "suspended" | "suspending") || self.state.as_deref().is_some_and(|s| s.starts_with("D3"))
+    }
+
+    /// How it is said: "D3cold", else the runtime status.
+    pub fn said(&self) -> &str {
+        self.state.as_deref().filter(|s| *s != "D0" || self.runtime == "active").unwrap_or(&self.runtime)
+    }
+}
+
+const PCI_DEVICES: &str = "/sys/bus/pci/devices";
+/// Another sysfs PCI device directory to read (tests: these machines have no GPU).
+const PCI_ROOT_ENV: &str = "PROBE_PCI_ROOT";
+/// PCI vendor id of NVIDIA, and the display-controller class (VGA 0x0300, 3D 0x0302).
+const NVIDIA: &str = "0x10de";
+const DISPLAY_CLASS: &str = "0x03";
+
+/// The power state of every NVIDIA display device; None when the PCI bus is not visible here
+/// (then whether there is a GPU is NVML's to say).
+pub fn pci_power() -> Option<Vec<PciPower>> {
+    match std::env::var_os(PCI_ROOT_ENV) {
+        Some(root) => pci_power_in(Path::new(&root)),
+        None => pci_power_in(Path::new(PCI_DEVICES)),
+    }
+}
+
+/// [`pci_power`] under another root (tests). Reads `vendor` and `class` (kept by the kernel from
+/// enumeration), `power/runtime_status` and `power_state`: none of them resumes the device.
+pub fn pci_power_in(root: &Path) -> Option<Vec<PciPower>> {
+    let dir = std::fs::read_dir(root).ok()?;
+    let read = |p: &Path| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    let mut out: Vec<PciPower> = dir
+        .flatten()
+        .filter_map(|e| {
+            let d = e.path();
+            (read(&d.join("vendor"))? == NVIDIA && read(&d.join("class"))?.starts_with(DISPLAY_CLASS)).then(|| PciPower {
+                addr: e.file_name().to_string_lossy().into_owned(),
+                runtime: read(&d.join("power/runtime_status")).unwrap_or_else(|| "unsupported".into()),
+                state: read(&d.join("power_state")),
+                runtime_pm: read(&d.join("power/control")).is_some_and(|c| c == "auto"),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.addr.cmp(&b.addr));
+    Some(out)
+}
 
 /// A GPU as it is at the start of the trace.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -47,11 +122,35 @@ pub trait GpuSource: Send {
 
 /// The GPU source for this machine: the scripted fake when `PROBE_FAKE_GPU` names a script (tests
 /// only), else NVML. `Err` says why GPU clocks are not sampled (no driver: not an error).
+/// Dropping the source closes NVML (nvmlShutdown): every handle goes with it.
 pub fn open() -> Result<Box<dyn GpuSource>, String> {
     if let Some(path) = std::env::var_os("PROBE_FAKE_GPU") {
         return Fake::load(std::path::Path::new(&path)).map(|f| Box::new(f) as Box<dyn GpuSource>);
     }
     nvml::Nvml::open().map(|n| Box::new(n) as Box<dyn GpuSource>)
+}
+
+/// Whether NVML may stay open while the target idles: only where no device would sleep meanwhile
+/// (every NVIDIA device found has runtime power management off), or for the scripted source. A
+/// PCI bus that cannot be seen is taken as one whose GPUs may sleep.
+pub fn keep_open_when_idle(pci: Option<&[PciPower]>) -> bool {
+    match pci {
+        Some(devs) if !devs.is_empty() => devs.iter().all(|d| !d.runtime_pm),
+        _ => std::env::var_os("PROBE_FAKE_GPU").is_some(),
+    }
+}
+
+/// Whether NVML is worth opening here: an NVIDIA display device on the PCI bus, or a library or
+/// script named explicitly (`PROBE_NVML_LIB`, `PROBE_FAKE_GPU`), or a PCI bus this process cannot
+/// see (a container with sysfs masked: NVML says). Err: why not, without loading NVML.
+pub fn present(pci: Option<&[PciPower]>) -> Result<(), String> {
+    if std::env::var_os("PROBE_FAKE_GPU").is_some() || std::env::var_os("PROBE_NVML_LIB").is_some() {
+        return Ok(());
+    }
+    match pci {
+        Some([]) => Err("no NVIDIA GPU: GPU clocks not sampled (no NVIDIA display device on the PCI bus)".into()),
+        _ => Ok(()),
+    }
 }
 
 mod nvml {
@@ -71,7 +170,14 @@ mod nvml {
 
     impl Nvml {
         pub fn open() -> Result<Nvml, String> {
-            let lib = Lib::init().map_err(|e| match e {
+            // The library to load instead of the driver's (a driver installed elsewhere; the tests'
+            // stand-in that logs every call): loaded through the same path as the real one.
+            let path = std::env::var_os("PROBE_NVML_LIB");
+            let lib = match &path {
+                Some(p) => Lib::builder().lib_path(p).init(),
+                None => Lib::init(),
+            };
+            let lib = lib.map_err(|e| match e {
                 NvmlError::LibloadingError(_) => "no NVIDIA GPU: GPU clocks not sampled (libnvidia-ml.so.1 not found)".to_string(),
                 NvmlError::DriverNotLoaded => "no NVIDIA GPU: GPU clocks not sampled (driver not loaded)".to_string(),
                 e => format!("no NVIDIA GPU: GPU clocks not sampled (NVML: {e})"),
@@ -207,5 +313,49 @@ impl GpuSource for Fake {
     fn sample(&mut self, _pids: &[u32]) -> Vec<GpuSample> {
         let now = self.opened.elapsed().as_secs_f64() * 1e3;
         self.samples.iter().rev().find(|(t, _)| *t <= now).map(|(_, g)| g.clone()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVIDIA display devices only, with their runtime PM state; a missing `power_state` (kernels
+    /// before 5.19) leaves the runtime status to say it.
+    #[test]
+    fn pci_power_states_come_from_sysfs() {
+        let root = std::env::temp_dir().join(format!("probe-pci-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dev = |name: &str, files: &[(&str, &str)]| {
+            let d = root.join(name);
+            std::fs::create_dir_all(d.join("power")).unwrap();
+            for (f, v) in files {
+                std::fs::write(d.join(f), format!("{v}\n")).unwrap();
+            }
+        };
+        dev(
+            "0000:01:00.0",
+            &[
+                ("vendor", "0x10de"),
+                ("class", "0x030000"),
+                ("power_state", "D3cold"),
+                ("power/runtime_status", "suspended"),
+                ("power/control", "auto"),
+            ],
+        );
+        dev("0000:02:00.0", &[("vendor", "0x10de"), ("class", "0x030200"), ("power/runtime_status", "active"), ("power/control", "on")]);
+        // An NVIDIA audio function and another vendor's GPU are not GPUs probe reads.
+        dev("0000:01:00.1", &[("vendor", "0x10de"), ("class", "0x040300"), ("power/runtime_status", "suspended")]);
+        dev("0000:03:00.0", &[("vendor", "0x1002"), ("class", "0x030000"), ("power/runtime_status", "active")]);
+        let got = pci_power_in(&root).unwrap();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got[0].asleep() && got[0].runtime_pm && got[0].said() == "D3cold", "{:?}", got[0]);
+        assert!(!got[1].asleep() && !got[1].runtime_pm && got[1].said() == "active", "{:?}", got[1]);
+        // NVML stays open at idle only where no device would sleep.
+        assert!(!keep_open_when_idle(Some(&got)));
+        assert!(keep_open_when_idle(Some(&got[1..])));
+        assert!(present(Some(&[])).is_err() || std::env::var_os("PROBE_NVML_LIB").is_some());
+        assert!(pci_power_in(&root.join("none")).is_none());
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -134,7 +134,12 @@ impl Sampler {
             threads.push(
                 std::thread::Builder::new()
                     .name("probe-poll".into())
-                    .spawn(move || crate::httpc::with_headers(opts.headers.clone(), || poll_loop(&opts, &tx, &signal)))
+                    .spawn(move || {
+                        // The server's endpoints can wait for a free CPU; the samplers' clocks cannot
+                        // (they date a request's power state), so they keep the normal priority.
+                        crate::procfs::idle_priority();
+                        crate::httpc::with_headers(opts.headers.clone(), || poll_loop(&opts, &tx, &signal))
+                    })
                     .expect("spawn poller"),
             );
         }
@@ -181,8 +186,88 @@ impl Sampler {
     }
 }
 
+/// NVML, open only while the target is busy (an open handle keeps a runtime-suspended GPU
+/// awake), and the GPUs' PCI power states from sysfs, read at any time (that wakes nothing).
+struct Gpus {
+    nvml: Option<Box<dyn gpu::GpuSource>>,
+    /// Why NVML is not used at all (no NVIDIA device, no driver).
+    absent: Option<String>,
+    /// No device here would sleep while NVML is open: it stays open, from the start (the clocks
+    /// at a request's arrival are then read before it, as they were).
+    keep_open: bool,
+    devices_said: bool,
+    last_pci: Option<Vec<gpu::PciPower>>,
+}
+
+impl Gpus {
+    fn new() -> Gpus {
+        let pci = gpu::pci_power();
+        let keep_open = gpu::keep_open_when_idle(pci.as_deref());
+        Gpus { nvml: None, absent: gpu::present(pci.as_deref()).err(), keep_open, devices_said: false, last_pci: None }
+    }
+
+    /// The PCI power states, when they changed since the last reading sent.
+    fn pci_changed(&mut self) -> Vec<gpu::PciPower> {
+        let now = gpu::pci_power().unwrap_or_default();
+        if self.last_pci.as_ref() == Some(&now) {
+            return Vec::new();
+        }
+        self.last_pci = Some(now.clone());
+        now
+    }
+
+    /// The target idles: NVML closes now, not at the next idle reading (5 s later).
+    fn idle(&mut self) {
+        if !self.keep_open {
+            self.nvml = None;
+        }
+    }
+
+    /// One turn: busy, NVML is opened (once) and read; idle, it is closed and only sysfs is read.
+    fn turn(&mut self, busy: bool, stopping: bool, pids: &[u32], tx: &mpsc::Sender<Sample>) {
+        let reading = |gpus, pci, devices, opened_ms| Sample::Gpu(GpuReading { ts_ns: monotonic_ns(), gpus, pci, devices, opened_ms });
+        let busy = (busy || self.keep_open) && !stopping;
+        if !busy || self.absent.is_some() {
+            // Every handle closes with the source (nvmlShutdown).
+            self.nvml = None;
+            let pci = self.pci_changed();
+            if !pci.is_empty() {
+                let _ = tx.send(reading(Vec::new(), pci, None, None));
+            }
+            return;
+        }
+        let mut opened_ms = None;
+        if self.nvml.is_none() {
+            // The state at the busy moment (a request's arrival), before NVML wakes the device.
+            let pci = self.pci_changed();
+            if !pci.is_empty() {
+                let _ = tx.send(reading(Vec::new(), pci, None, None));
+            }
+            let t = Instant::now();
+            match gpu::open() {
+                Ok(g) => {
+                    self.nvml = Some(g);
+                    opened_ms = Some(t.elapsed().as_secs_f64() * 1e3);
+                }
+                Err(why) => {
+                    log::info!("{why}");
+                    self.absent = Some(why);
+                    return;
+                }
+            }
+        }
+        let Some(g) = self.nvml.as_mut() else { return };
+        let devices = (!std::mem::replace(&mut self.devices_said, true)).then(|| g.devices());
+        let gpus = g.sample(pids);
+        let pci = self.pci_changed();
+        if !gpus.is_empty() || !pci.is_empty() || devices.is_some() {
+            let _ = tx.send(reading(gpus, pci, devices, opened_ms));
+        }
+    }
+}
+
 fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snapshot: &AtomicBool) {
-    let mut gpu = gpu::open();
+    let mut gpu = Gpus::new();
     let freq = host::cpufreq();
     let cgroup = host::memory_cgroup(opts.pid);
     let cpu_cgroup = host::cpu_cgroup(opts.pid);
@@ -195,10 +280,9 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         swaps: host::swaps(),
         ..Default::default()
     };
-    match &mut gpu {
-        Ok(g) => info.gpus = Some(g.devices()),
-        Err(why) => info.gpu_absent = Some(why.to_string()),
-    }
+    // The devices are named by NVML's first reading, once the target is busy (opening NVML at an
+    // idle moment would wake a sleeping GPU); their power states come from sysfs meanwhile.
+    info.gpu_absent = gpu.absent.clone();
     if freq.is_none() {
         info.cpufreq_absent = Some("no cpufreq in this kernel (VM or driver): CPU clocks not sampled".into());
     }
@@ -222,16 +306,14 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             pids = targets(opts);
         }
         let fast_every = if busy { period } else { IDLE_PERIOD };
+        if !busy {
+            gpu.idle();
+        }
         // Back from idle: the first busy turn samples at once.
         let fast_due = last_fast.is_none_or(|t| t.elapsed() >= fast_every.saturating_sub(Duration::from_millis(5)));
         if (opts.hz > 0.0 && fast_due) || stopping {
             last_fast = Some(Instant::now());
-            if let Ok(g) = &mut gpu {
-                let s = g.sample(&pids);
-                if !s.is_empty() {
-                    let _ = tx.send(Sample::Gpu(GpuReading { ts_ns: monotonic_ns(), gpus: s }));
-                }
-            }
+            gpu.turn(busy, stopping, &pids, tx);
             if freq.is_some()
                 && let Some(f) = host::cpufreq()
             {

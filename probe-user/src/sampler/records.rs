@@ -85,6 +85,17 @@ pub struct Sources {
 pub struct GpuReading {
     pub ts_ns: u64,
     pub gpus: Vec<GpuSample>,
+    /// The devices' PCI power states (sysfs, read without waking them), when they changed: at
+    /// attach, while idle, at the target's first busy moment (a request's arrival) and after NVML
+    /// opened.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pci: Vec<super::gpu::PciPower>,
+    /// The devices as NVML names them, in the first reading after it was opened.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<super::gpu::GpuDevice>>,
+    /// How long opening NVML took (ms): a suspended device resumes to answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub opened_ms: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -310,6 +321,7 @@ mod tests {
             Sample::Gpu(GpuReading {
                 ts_ns: 2,
                 gpus: vec![GpuSample { index: 0, sm_mhz: Some(1500), reasons: vec!["gpu_idle".into()], ..Default::default() }],
+                ..Default::default()
             }),
             Sample::Cpufreq(CpuFreqReading { ts_ns: 3, cur_khz: vec![1, 2] }),
             Sample::Mem(MemReading { ts_ns: 4, mem: Mem { rss_kib: Some(5), pswpin: 7, ..Default::default() } }),

@@ -199,6 +199,8 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         let key = crate::text::log_key();
         let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || {
             crate::text::set_log_key(key);
+            // Analysis and incident writing wait for a free CPU: never ahead of the server.
+            crate::procfs::idle_priority();
             watcher.run(rx)
         })?;
         log_line!("probe watch: following pid {pid} ({})", crate::text::terminal(&crate::procfs::comm(pid)));
