@@ -110,6 +110,15 @@ fn read_var<T: Copy>(bytes: &[u8], kind: EventKind, tail: impl Fn(&T) -> u32) ->
     Ok(ev)
 }
 
+/// The fixed part `T` at the start of a raw record, without checking its kind or size beyond
+/// what `T` needs (for routing a record without decoding it whole).
+pub fn prefix<T: Copy>(bytes: &[u8]) -> Option<T> {
+    let b = bytes.get(..size_of::<T>())?;
+    // SAFETY: `b` holds size_of::<T>() bytes; T is a #[repr(C)] plain-integer record from
+    // probe-common for which every bit pattern is valid; read_unaligned copes with any alignment.
+    Some(unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) })
+}
+
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {
         return Err(DecodeError::NoHeader { len: bytes.len() });

@@ -32,14 +32,15 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{Map, MapData, PerCpuArray, RingBuf};
 use probe_common::{
-    MAX_KINDS,
-    proc::{PROC_EXIT, PROC_FORK},
-    sock::{SOCK_STATE, TCP_CLOSE, TCP_LISTEN},
+    EventHeader, EventKind, MAX_KINDS,
+    proc::{PROC_EXIT, PROC_FORK, ProcEvent},
+    sock::{SOCK_STATE, SockEvent, TCP_CLOSE, TCP_LISTEN},
+    stack::SchedEvent,
+    stream::DataEvent,
 };
 
 use crate::{
-    decode::{self, Event},
-    engine, probes, procfs,
+    decode, engine, probes, procfs,
     recording::records::{Subsystem, SubsystemStatus},
     target_file::Ident,
 };
@@ -100,27 +101,44 @@ impl Routes {
     }
 
     /// The members a record goes to (usually one; a softirq socket record on a port several
-    /// members listen on goes to each), learning routes from it.
-    fn route(&mut self, ev: &Event, out: &mut Vec<u32>) {
+    /// members listen on goes to each), learning routes from it. Read from the record's fixed
+    /// part only (no decoding, no allocation): this runs for every record on the node.
+    fn route(&mut self, bytes: &[u8], out: &mut Vec<u32>) {
         out.clear();
-        let h = ev.header();
-        match ev {
-            Event::Sched(e) => out.extend(self.member_of_tid(e.tid)),
-            Event::Sock(s) if h.pid == 0 => match self.socks.get(&s.skaddr) {
-                Some(&m) => out.push(m),
-                None => out.extend(self.ports.get(&s.sport).into_iter().flatten().copied()),
-            },
+        let Some(h) = decode::prefix::<EventHeader>(bytes) else { return };
+        let kind = EventKind::try_from(h.kind).ok();
+        match kind {
+            Some(EventKind::Sched) => {
+                if let Some(e) = decode::prefix::<SchedEvent>(bytes) {
+                    out.extend(self.member_of_tid(e.tid));
+                }
+                return;
+            }
+            Some(EventKind::Sock) if h.pid == 0 => {
+                let Some(s) = decode::prefix::<SockEvent>(bytes) else { return };
+                match self.socks.get(&s.skaddr) {
+                    Some(&m) => out.push(m),
+                    None => out.extend(self.ports.get(&s.sport).into_iter().flatten().copied()),
+                }
+                if s.what == SOCK_STATE && s.newstate == TCP_CLOSE {
+                    self.socks.remove(&s.skaddr);
+                }
+                return;
+            }
             _ => out.extend(self.pids.get(&h.pid).copied()),
         }
-        let Some(&m) = out.first().filter(|_| out.len() == 1) else { return };
-        match ev {
-            Event::Sched(_) => {}
-            Event::Data(d) => self.learn_sock(d.sk, m),
-            Event::Sock(s) if s.what == SOCK_STATE && s.newstate == TCP_CLOSE => {
-                self.socks.remove(&s.skaddr);
+        let Some(&m) = out.first() else { return };
+        match kind {
+            Some(EventKind::Data) => {
+                if let Some(d) = decode::prefix::<DataEvent>(bytes) {
+                    self.learn_sock(d.sk, m);
+                }
             }
-            Event::Sock(s) => {
-                if s.what == SOCK_STATE && s.newstate == TCP_LISTEN {
+            Some(EventKind::Sock) => {
+                let Some(s) = decode::prefix::<SockEvent>(bytes) else { return };
+                if s.what == SOCK_STATE && s.newstate == TCP_CLOSE {
+                    self.socks.remove(&s.skaddr);
+                } else if s.what == SOCK_STATE && s.newstate == TCP_LISTEN {
                     let at = self.ports.entry(s.sport).or_default();
                     if !at.contains(&m) {
                         at.push(m);
@@ -129,19 +147,24 @@ impl Routes {
                     self.learn_sock(s.skaddr, m);
                 }
             }
-            Event::Proc(p) if p.op == PROC_FORK => {
-                self.pids.insert(p.child, m);
+            Some(EventKind::Proc) => {
+                if let Some(p) = decode::prefix::<ProcEvent>(bytes)
+                    && p.op == PROC_FORK
+                {
+                    self.pids.insert(p.child, m);
+                }
             }
             _ => {}
         }
-        if h.pid != 0 && !matches!(ev, Event::Sched(_)) && self.pids.get(&h.pid) == Some(&m) {
+        if h.pid != 0 && !self.tids.contains_key(&h.tid) {
             self.learn_tid(h.tid, h.pid, m);
         }
     }
 
     /// After the record went out: a process that exited leaves the routes.
-    fn after(&mut self, ev: &Event) {
-        if let Event::Proc(p) = ev
+    fn after(&mut self, bytes: &[u8]) {
+        if let Some(p) = decode::prefix::<ProcEvent>(bytes)
+            && p.hdr.kind == EventKind::Proc as u32
             && p.op == PROC_EXIT
         {
             let pid = p.hdr.pid;
@@ -518,27 +541,21 @@ fn drain_loop(mut ring: RingBuf<MapData>, s: &Shared) {
 }
 
 fn dispatch(bytes: &[u8], r: &mut Routes, to: &mut Vec<u32>, s: &Shared) {
-    let Ok(ev) = decode::decode(bytes) else {
-        // Undecodable: every member's recording keeps it (it counts it as it would its own).
-        for f in r.feeds.values() {
-            let _ = f.tx.try_send(bytes.to_vec());
-        }
-        return;
-    };
-    r.route(&ev, to);
+    r.route(bytes, to);
     if to.is_empty() {
         s.unrouted.fetch_add(1, Ordering::Relaxed);
     }
+    let kind = decode::kind_of(bytes).map_or(0, |k| k as usize);
     for m in to.iter() {
         let Some(f) = r.feeds.get(m) else {
             s.unrouted.fetch_add(1, Ordering::Relaxed);
             continue;
         };
         if f.tx.try_send(bytes.to_vec()).is_err() {
-            f.dropped[ev.kind() as usize].fetch_add(1, Ordering::Relaxed);
+            f.dropped[kind.min(MAX_KINDS as usize - 1)].fetch_add(1, Ordering::Relaxed);
         }
     }
-    r.after(&ev);
+    r.after(bytes);
 }
 
 impl Member {
@@ -625,8 +642,6 @@ impl Drop for Member {
 
 #[cfg(test)]
 mod tests {
-    use probe_common::{EventHeader, EventKind, proc::ProcEvent, sock::SockEvent, stack::SchedEvent, stream::DataEvent};
-
     use super::*;
 
     fn hdr(kind: EventKind, pid: u32, tid: u32) -> EventHeader {
@@ -634,10 +649,9 @@ mod tests {
     }
 
     fn routed(r: &mut Routes, bytes: &[u8]) -> Vec<u32> {
-        let ev = decode::decode(bytes).unwrap();
         let mut out = Vec::new();
-        r.route(&ev, &mut out);
-        r.after(&ev);
+        r.route(bytes, &mut out);
+        r.after(bytes);
         out
     }
 
