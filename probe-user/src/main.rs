@@ -127,7 +127,7 @@ enum Command {
         /// A label (KEY=VALUE) on every metric, incident and span (--all gives each server its own).
         #[arg(long = "label", value_parser = parse_label)]
         labels: Vec<(String, String)>,
-        /// Stop when the target exits instead of waiting for its successor (--all's followers).
+        /// Stop when the target exits instead of waiting for its successor (--all follows each server so, on a thread of its own).
         #[arg(long, hide = true)]
         once: bool,
         /// With --all: the servers that get --api-key and --header (repeat for more):
