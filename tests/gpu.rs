@@ -119,10 +119,6 @@ fn nvml_is_open_only_while_the_server_is_busy() {
     // The device's state came from sysfs, asleep at arrival; NVML named it once opened.
     let r = common::read_report(&out);
     assert_eq!(r["system"]["gpu"]["devices"][0]["name"], "Stand-in GPU", "{}", r["system"]["gpu"]);
-    let rec = Command::new(common::probe_bin()).args(["report", "--json"]).arg(&out).output().unwrap();
-    assert!(rec.status.success());
-    let text = std::fs::read_to_string(out.join("report.json")).unwrap();
-    assert!(!text.contains("current_link_speed"));
     let q = r["requests"].as_array().unwrap().iter().find(|q| q["path"] == "/completion").expect("the request");
     let ev = q["verdict"]["evidence"].as_array().unwrap();
     assert!(ev.iter().any(|e| e.as_str().unwrap().contains("GPU 0000:01:00.0 in D3cold at arrival")), "{ev:?}");

@@ -68,6 +68,9 @@ struct Routes {
     pids: HashMap<u32, u32>,
     /// Thread → (its process, member).
     tids: HashMap<u32, (u32, u32)>,
+    /// Threads looked up and found to belong to no followed process (forgotten when a member
+    /// joins or a process forks: then they may).
+    strangers: HashSet<u32>,
     socks: HashMap<u64, u32>,
     ports: HashMap<u16, Vec<u32>>,
     feeds: HashMap<u32, Feed>,
@@ -79,9 +82,19 @@ impl Routes {
         if let Some(&(_, m)) = self.tids.get(&tid) {
             return Some(m);
         }
-        // A thread not seen in any record yet: its process from /proc (readable by tid).
-        let pid = procfs::tgid_of(tid)?;
-        let m = *self.pids.get(&pid)?;
+        // A thread not seen in any record yet: its process from /proc (readable by tid), once:
+        // a thread of no followed process (one that just left) is not looked up at every switch.
+        if self.strangers.contains(&tid) {
+            return None;
+        }
+        let Some(m) = procfs::tgid_of(tid).and_then(|pid| Some((pid, *self.pids.get(&pid)?))) else {
+            if self.strangers.len() >= MAX_ROUTES {
+                self.strangers.clear();
+            }
+            self.strangers.insert(tid);
+            return None;
+        };
+        let (pid, m) = m;
         self.learn_tid(tid, pid, m);
         Some(m)
     }
@@ -152,6 +165,7 @@ impl Routes {
                     && p.op == PROC_FORK
                 {
                     self.pids.insert(p.child, m);
+                    self.strangers.clear();
                 }
             }
             _ => {}
@@ -301,9 +315,17 @@ impl Hub {
         }
         let want_engine = popts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == Subsystem::Engine.name()));
         let engine_status = attached.status.iter().find(|s| s.name == Subsystem::Engine).cloned();
-        let exec = exec_idents(&attached.targets);
+        // Live for the executables the engine probe was attached to ("NAME in BASE"), not for
+        // every file the first server maps (its libc would make a Python server's engine "live").
         let engine_live: HashMap<Ident, Vec<String>> = match &engine_status {
-            Some(s) if s.live => exec.iter().map(|i| (*i, s.attached.clone())).collect(),
+            Some(s) if s.live => exec_mappings(&attached.targets)
+                .into_iter()
+                .filter(|m| {
+                    let base = m.path.rsplit('/').next().unwrap_or(&m.path);
+                    s.attached.iter().any(|a| a.rsplit(" in ").next() == Some(base))
+                })
+                .map(|m| (Ident::of(&m), s.attached.clone()))
+                .collect(),
             _ => HashMap::new(),
         };
         let (bpf_unmeasured, run_time_stats) = match attached.run_time_stats {
@@ -468,13 +490,14 @@ fn new_feed(r: &mut Routes) -> (u32, mpsc::Receiver<Vec<u8>>, Arc<Dropped>) {
     let dropped: Arc<Dropped> = Arc::new(std::array::from_fn(|_| AtomicU64::new(0)));
     let id = r.next_id;
     r.next_id += 1;
+    r.strangers.clear();
     r.feeds.insert(id, Feed { tx, dropped: dropped.clone() });
     (id, rx, dropped)
 }
 
 /// The executable files these processes map.
-fn exec_idents(pids: &[u32]) -> Vec<Ident> {
-    pids.iter().flat_map(|&p| procfs::read_maps(p).unwrap_or_default()).filter(|m| m.perms.contains('x')).map(|m| Ident::of(&m)).collect()
+fn exec_mappings(pids: &[u32]) -> Vec<procfs::Mapping> {
+    pids.iter().flat_map(|&p| procfs::read_maps(p).unwrap_or_default()).filter(|m| m.perms.contains('x')).collect()
 }
 
 impl Kernel {
@@ -592,7 +615,11 @@ impl Member {
 
     /// A process joined this server (its cgroup): the kernel follows it, its records come here.
     pub fn add_target(&self, pid: u32) -> anyhow::Result<bool> {
-        lock(&self.shared.routes).pids.insert(pid, self.id);
+        {
+            let mut r = lock(&self.shared.routes);
+            r.pids.insert(pid, self.id);
+            r.strangers.clear();
+        }
         let mut k = lock(&self.shared.kernel);
         let hz = k.sample_hz;
         probes::add_target(&mut k.ebpf, pid, hz)

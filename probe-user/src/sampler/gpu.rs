@@ -48,34 +48,52 @@ const PCI_ROOT_ENV: &str = "PROBE_PCI_ROOT";
 const NVIDIA: &str = "0x10de";
 const DISPLAY_CLASS: &str = "0x03";
 
-/// The power state of every NVIDIA display device; None when the PCI bus is not visible here
-/// (then whether there is a GPU is NVML's to say).
-pub fn pci_power() -> Option<Vec<PciPower>> {
+fn read(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
+}
+
+/// The sysfs directories of the NVIDIA display devices, found once (`vendor` and `class` are kept
+/// by the kernel from enumeration); None when the PCI bus is not visible here (then whether there
+/// is a GPU is NVML's to say).
+pub fn nvidia_devices() -> Option<Vec<std::path::PathBuf>> {
     match std::env::var_os(PCI_ROOT_ENV) {
-        Some(root) => pci_power_in(Path::new(&root)),
-        None => pci_power_in(Path::new(PCI_DEVICES)),
+        Some(root) => nvidia_devices_in(Path::new(&root)),
+        None => nvidia_devices_in(Path::new(PCI_DEVICES)),
     }
 }
 
-/// [`pci_power`] under another root (tests). Reads `vendor` and `class` (kept by the kernel from
-/// enumeration), `power/runtime_status` and `power_state`: none of them resumes the device.
-pub fn pci_power_in(root: &Path) -> Option<Vec<PciPower>> {
-    let dir = std::fs::read_dir(root).ok()?;
-    let read = |p: &Path| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
-    let mut out: Vec<PciPower> = dir
+/// [`nvidia_devices`] under another root (tests).
+pub fn nvidia_devices_in(root: &Path) -> Option<Vec<std::path::PathBuf>> {
+    let mut out: Vec<std::path::PathBuf> = std::fs::read_dir(root)
+        .ok()?
         .flatten()
-        .filter_map(|e| {
-            let d = e.path();
-            (read(&d.join("vendor"))? == NVIDIA && read(&d.join("class"))?.starts_with(DISPLAY_CLASS)).then(|| PciPower {
-                addr: e.file_name().to_string_lossy().into_owned(),
-                runtime: read(&d.join("power/runtime_status")).unwrap_or_else(|| "unsupported".into()),
-                state: read(&d.join("power_state")),
-                runtime_pm: read(&d.join("power/control")).is_some_and(|c| c == "auto"),
-            })
+        .map(|e| e.path())
+        .filter(|d| {
+            read(&d.join("vendor")).is_some_and(|v| v == NVIDIA) && read(&d.join("class")).is_some_and(|c| c.starts_with(DISPLAY_CLASS))
         })
         .collect();
-    out.sort_by(|a, b| a.addr.cmp(&b.addr));
+    out.sort();
     Some(out)
+}
+
+/// The power state of these devices now: `power/runtime_status`, `power_state` and
+/// `power/control`, none of which resumes a device (a sample reads these three files a GPU).
+pub fn pci_power(devices: &[std::path::PathBuf]) -> Vec<PciPower> {
+    devices
+        .iter()
+        .map(|d| PciPower {
+            addr: d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            runtime: read(&d.join("power/runtime_status")).unwrap_or_else(|| "unsupported".into()),
+            state: read(&d.join("power_state")),
+            runtime_pm: read(&d.join("power/control")).is_some_and(|c| c == "auto"),
+        })
+        .collect()
+}
+
+/// Devices and states under `root` at once (tests).
+#[cfg(test)]
+fn pci_power_in(root: &Path) -> Option<Vec<PciPower>> {
+    nvidia_devices_in(root).map(|d| pci_power(&d))
 }
 
 /// A GPU as it is at the start of the trace.

@@ -196,19 +196,23 @@ struct Gpus {
     /// at a request's arrival are then read before it, as they were).
     keep_open: bool,
     devices_said: bool,
+    /// The NVIDIA display devices' sysfs directories, found once at the start.
+    pci_devices: Vec<std::path::PathBuf>,
     last_pci: Option<Vec<gpu::PciPower>>,
 }
 
 impl Gpus {
     fn new() -> Gpus {
-        let pci = gpu::pci_power();
+        let devices = gpu::nvidia_devices();
+        let pci = devices.as_deref().map(gpu::pci_power);
         let keep_open = gpu::keep_open_when_idle(pci.as_deref());
-        Gpus { nvml: None, absent: gpu::present(pci.as_deref()).err(), keep_open, devices_said: false, last_pci: None }
+        let absent = gpu::present(pci.as_deref()).err();
+        Gpus { nvml: None, absent, keep_open, devices_said: false, pci_devices: devices.unwrap_or_default(), last_pci: None }
     }
 
     /// The PCI power states, when they changed since the last reading sent.
     fn pci_changed(&mut self) -> Vec<gpu::PciPower> {
-        let now = gpu::pci_power().unwrap_or_default();
+        let now = gpu::pci_power(&self.pci_devices);
         if self.last_pci.as_ref() == Some(&now) {
             return Vec::new();
         }
