@@ -66,6 +66,8 @@ pub struct TraceOptions {
     pub cgroup: Option<PathBuf>,
     /// No live view on a terminal (`--quiet`).
     pub quiet: bool,
+    /// Say what arming took, stage by stage (`-v`).
+    pub verbose: bool,
     /// Join the node's one set of programs instead of loading them (`watch --all`).
     pub node: Option<std::sync::Arc<hub::Node>>,
     /// Set by whoever runs this trace on a thread of its own (`watch --all`): stop now.

@@ -21,7 +21,7 @@ use std::{
 use anyhow::Context as _;
 use aya::{
     Ebpf,
-    programs::{UProbe, uprobe::UProbeScope},
+    programs::{Program, UProbe, uprobe::UProbeScope},
 };
 
 use crate::{procfs, target_file};
@@ -229,7 +229,25 @@ pub struct Attached {
 }
 
 /// Attach the engine programs to what `search` found. Programs are loaded on first use.
-pub fn attach(ebpf: &mut Ebpf, s: &Search) -> Attached {
+/// Where the engine's programs are found: the whole object, or the share of it a thread was given
+/// (`probes::attach` verifies them beside the other programs).
+pub trait Programs {
+    fn program_mut(&mut self, name: &str) -> Option<&mut Program>;
+}
+
+impl Programs for Ebpf {
+    fn program_mut(&mut self, name: &str) -> Option<&mut Program> {
+        Ebpf::program_mut(self, name)
+    }
+}
+
+impl Programs for HashMap<&str, &mut Program> {
+    fn program_mut(&mut self, name: &str) -> Option<&mut Program> {
+        self.get_mut(name).map(|p| &mut **p)
+    }
+}
+
+pub fn attach(ebpf: &mut impl Programs, s: &Search) -> Attached {
     let mut out = Attached::default();
     if s.found.is_empty() {
         let mut looked: Vec<&str> = s.looked.iter().map(String::as_str).collect();
@@ -284,7 +302,7 @@ pub fn attach(ebpf: &mut Ebpf, s: &Search) -> Attached {
                     break;
                 }
                 if let Err(err) = attach_one(ebpf, prog, off, &fd_path) {
-                    if ebpf.program(prog).is_some_and(|p| p.fd().is_err()) {
+                    if ebpf.program_mut(prog).is_some_and(|p| p.fd().is_err()) {
                         refused.insert(prog);
                     }
                     // The first line of the cause (a verifier log runs to megabytes).
@@ -304,7 +322,7 @@ pub fn attach(ebpf: &mut Ebpf, s: &Search) -> Attached {
     out
 }
 
-fn attach_one(ebpf: &mut Ebpf, program: &str, offset: u64, target: &std::path::Path) -> anyhow::Result<()> {
+fn attach_one(ebpf: &mut impl Programs, program: &str, offset: u64, target: &std::path::Path) -> anyhow::Result<()> {
     let p: &mut UProbe = ebpf.program_mut(program).with_context(|| format!("program {program} missing from the object"))?.try_into()?;
     if p.fd().is_err() {
         p.load().with_context(|| format!("the verifier refused {program}"))?;

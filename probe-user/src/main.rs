@@ -89,6 +89,10 @@ enum Command {
         /// waits on, once a second (without a terminal it never does).
         #[arg(short, long)]
         quiet: bool,
+        /// Say what arming took, stage by stage (kernel BTF, object load, programs, the slowest
+        /// programs), after the "armed" line.
+        #[arg(short, long)]
+        verbose: bool,
     },
     /// Stay on: follow a server (across restarts), keep a window of recent events, save an
     /// incident directory for every slow or abnormal request and for a server exit, and serve
@@ -469,6 +473,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         auth,
         otlp,
         quiet,
+        verbose,
     } = command
     else {
         unreachable!("trace_cmd takes its own command")
@@ -507,6 +512,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         otlp,
         cgroup,
         quiet,
+        verbose,
         node: None,
         stop: None,
         headers: None,

@@ -123,6 +123,19 @@ const TABLE: &[Spec] = &[
     s(Subsystem::Stream, "sendmsg_exit", How::Syscall("sys_exit_sendmsg"), false),
 ];
 
+/// Programs whose code is another's, instruction for instruction (a syscall's exit reads what its
+/// enter kept, whichever syscall it was): the first is verified once and attached to the others'
+/// tracepoints as well. Each keeps its name in what attached.
+const SAME_CODE: &[(&str, &[&str])] = &[
+    ("read_exit", &["write_exit", "recvfrom_exit", "sendto_exit", "readv_exit", "writev_exit", "recvmsg_exit", "sendmsg_exit"]),
+    ("mmap_exit", &["munmap_exit", "mremap_exit", "madvise_exit", "mlock_exit", "munlock_exit", "mlock2_exit", "mprotect_exit"]),
+];
+
+/// The program whose loaded code `program` runs on, when that is another's (`SAME_CODE`).
+fn code_of(program: &str) -> Option<&'static str> {
+    SAME_CODE.iter().find(|(_, same)| same.contains(&program)).map(|(first, _)| *first)
+}
+
 pub use crate::recording::records::{Subsystem, SubsystemStatus};
 
 pub struct Attached {
@@ -248,15 +261,11 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     });
 
     // Struct offsets for naming the file behind an fd; without BTF the mmap probe still runs
-    // and files are named from /proc alone. Read on a thread of its own while aya reads the same
-    // BTF for its loader (two parses of 5 MB at once on two cores).
-    let offsets = std::thread::Builder::new().name("probe-btf".into()).spawn(kernel_offsets);
+    // and files are named from /proc alone. Kept from the last trace on this kernel (`/run/probe`)
+    // or read from BTF now; aya's loader does not read BTF for an object without CO-RE relocations.
+    let (koff, koff_note, cached) = kernel_offsets();
     let mut loader = EbpfLoader::new();
-    let (koff, koff_note) = match offsets {
-        Ok(h) => h.join().unwrap_or_else(|_| (Default::default(), Some("reading kernel BTF failed".into()))),
-        Err(_) => kernel_offsets(),
-    };
-    laps.lap("kernel_btf");
+    laps.lap(if cached { "kernel_btf (cached)" } else { "kernel_btf" });
     let mut ebpf = loader
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
         .override_global(probe_common::kernel::KOFF_SYMBOL, &koff, true)
@@ -305,35 +314,75 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     let mut results: Vec<(&Spec, anyhow::Result<()>, f64)> = Vec::new();
     let mut results_ms_engine = None;
     let mut engine_seen = Vec::new();
-    for round in 0..2 {
+    // The engine's programs are verified and attached on a thread of their own, beside the pool:
+    // its first uprobe waits for an RCU grace period in the kernel (10-15 ms asleep), which the
+    // pool's verification fills. Its programs leave the pool's set first.
+    let mut progs: std::collections::HashMap<&str, &mut aya::programs::Program> = ebpf.programs_mut().collect();
+    let mut engine_progs: std::collections::HashMap<&str, &mut aya::programs::Program> = std::collections::HashMap::new();
+    if engine_search.is_some() {
+        for name in crate::engine::PROGRAMS {
+            if let Some((k, p)) = progs.remove_entry(name) {
+                engine_progs.insert(k, p);
+            }
+        }
+    }
+    std::thread::scope(|scope| {
+        let engine = engine_search.map(|search| {
+            let targets = &targets;
+            let mut progs = engine_progs;
+            let job = move || {
+                let t = std::time::Instant::now();
+                let found = match search {
+                    Ok(h) => h.join().unwrap_or_default(),
+                    Err(_) => crate::engine::search(targets),
+                };
+                let a = crate::engine::attach(&mut progs, &found);
+                (a, found.seen, t.elapsed().as_secs_f64() * 1e3)
+            };
+            std::thread::Builder::new().name("probe-engine".into()).spawn_scoped(scope, job)
+        });
+        // Round one verifies every program (the engine's uprobes attach meanwhile), then attaches
+        // them once the engine's thread is done: a tracepoint attached while a uprobe registers
+        // waits on the same kernel locks through its RCU grace periods (400-500 ms measured).
+        let specs: Vec<&Spec> = TABLE.iter().filter(|s| wanted(s.subsystem) && !has_raw_twin(s)).collect();
+        let mut jobs = load_all(&mut progs, &tracefs, &specs, &targets, opts.sample_hz, &offsets_known);
+        let engine = engine.map(|h| h.map(|h| h.join()));
+        pool(&mut jobs, |j| j.attach(&tracefs));
+        results.extend(jobs.into_iter().flat_map(Job::results));
+        // Round two: the classic twins of raw programs that did not attach.
         let specs: Vec<&Spec> = TABLE
             .iter()
-            .filter(|s| wanted(s.subsystem))
-            .filter(|s| {
-                if round == 0 {
-                    return !has_raw_twin(s);
-                }
-                // Round two: the classic twins of raw programs that did not attach.
-                has_raw_twin(s) && !results.iter().any(|(r, ok, _)| r.program == format!("{}_raw", s.program) && ok.is_ok())
-            })
+            .filter(|s| wanted(s.subsystem) && has_raw_twin(s))
+            .filter(|s| !results.iter().any(|(r, ok, _)| r.program == format!("{}_raw", s.program) && ok.is_ok()))
             .collect();
-        results.extend(attach_all(&mut ebpf, &tracefs, &specs, &targets, opts.sample_hz, &offsets_known));
-    }
-    if let Some(search) = engine_search {
-        let t = std::time::Instant::now();
-        let found = match search {
-            Ok(h) => h.join().unwrap_or_default(),
-            Err(_) => crate::engine::search(&targets),
-        };
-        let a = crate::engine::attach(&mut ebpf, &found);
-        engine_seen = found.seen;
-        if let Some(st) = status.iter_mut().find(|s| s.name == Subsystem::Engine) {
-            st.live = a.live;
-            st.attached = a.attached;
-            st.skipped = a.skipped;
+        let mut jobs = load_all(&mut progs, &tracefs, &specs, &targets, opts.sample_hz, &offsets_known);
+        pool(&mut jobs, |j| j.attach(&tracefs));
+        results.extend(jobs.into_iter().flat_map(Job::results));
+        match engine {
+            Some(Ok(Ok((a, seen, ms)))) => {
+                engine_seen = seen;
+                if let Some(st) = status.iter_mut().find(|s| s.name == Subsystem::Engine) {
+                    st.live = a.live;
+                    st.attached = a.attached;
+                    st.skipped = a.skipped;
+                }
+                results_ms_engine = Some(ms);
+            }
+            Some(Ok(Err(_))) => {
+                if let Some(st) = status.iter_mut().find(|s| s.name == Subsystem::Engine) {
+                    st.live = false;
+                    st.skipped.push("engine probes: the thread attaching them panicked".to_string());
+                }
+            }
+            Some(Err(e)) => {
+                if let Some(st) = status.iter_mut().find(|s| s.name == Subsystem::Engine) {
+                    st.live = false;
+                    st.skipped.push(format!("engine probes: no thread to attach them on ({e})"));
+                }
+            }
+            None => {}
         }
-        results_ms_engine = Some(t.elapsed().as_secs_f64() * 1e3);
-    }
+    });
     let mut per_program: Vec<(String, f64)> = Vec::new();
     if let Some(ms) = results_ms_engine {
         per_program.push(("engine uprobes".to_string(), ms));
@@ -380,46 +429,83 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
 }
 
 /// The kernel's struct offsets from its BTF, or zeros and why not.
-fn kernel_offsets() -> (probe_common::kernel::KernelOffsets, Option<String>) {
-    match crate::btf::Btf::from_sys_fs() {
+/// The kernel's struct offsets, the note of what is missing, and whether they came from the cache.
+fn kernel_offsets() -> (probe_common::kernel::KernelOffsets, Option<String>, bool) {
+    use crate::record::kernel_cache;
+    let key = kernel_cache::key();
+    let dir = Path::new(kernel_cache::DIR);
+    if let Some(k) = kernel_cache::load(dir, &key) {
+        return (k, None, true);
+    }
+    let (k, note) = match crate::btf::Btf::from_sys_fs() {
         Ok(Ok(btf)) => match btf.kernel_offsets() {
             Ok(k) => (k, None),
             Err(e) => (Default::default(), Some(format!("kernel BTF lacks a needed field ({e})"))),
         },
         Ok(Err(e)) => (Default::default(), Some(format!("kernel BTF unreadable ({e})"))),
         Err(e) => (Default::default(), Some(format!("no kernel BTF ({e})"))),
+    };
+    if note.is_none() {
+        kernel_cache::store(dir, &key, &k);
+    }
+    (k, note, false)
+}
+
+/// One program of the table on its way to attached: verified (and, for a perf program, attached
+/// to the target's threads) by [`load_all`], attached by [`Job::attach`], with the programs that
+/// run its code (`SAME_CODE`).
+struct Job<'s, 'p> {
+    spec: &'s Spec,
+    program: Option<&'p mut aya::programs::Program>,
+    same: Vec<(&'s Spec, anyhow::Result<()>, f64)>,
+    result: anyhow::Result<()>,
+    ms: f64,
+}
+
+impl<'s> Job<'s, '_> {
+    fn load(&mut self, tracefs: &Path, targets: &[u32], sample_hz: u64, offsets_known: &(dyn Fn(&Spec) -> bool + Sync)) {
+        let t = std::time::Instant::now();
+        self.result = match self.program.as_deref_mut() {
+            None => Err(anyhow!("program missing from the object")),
+            Some(_) if matches!(self.spec.how, How::Raw(_)) && !offsets_known(self.spec) => {
+                Err(anyhow!("kernel BTF lacks the struct offsets it reads"))
+            }
+            Some(p) => load_one(p, tracefs, self.spec, targets, sample_hz),
+        };
+        self.ms += t.elapsed().as_secs_f64() * 1e3;
+    }
+
+    fn attach(&mut self, tracefs: &Path) {
+        let t = std::time::Instant::now();
+        let Some(p) = self.program.as_deref_mut() else { return };
+        if self.result.is_ok() {
+            self.result = attach_point(p, self.spec.how);
+        }
+        self.ms += t.elapsed().as_secs_f64() * 1e3;
+        for (other, r, ms) in &mut self.same {
+            let t = std::time::Instant::now();
+            *r = match &self.result {
+                Ok(()) => check_point(tracefs, other.how).and_then(|()| attach_point(p, other.how)),
+                Err(e) => Err(anyhow!("runs {}'s code, which did not attach: {e:#}", self.spec.program)),
+            };
+            *ms += t.elapsed().as_secs_f64() * 1e3;
+        }
+    }
+
+    fn results(self) -> impl Iterator<Item = (&'s Spec, anyhow::Result<()>, f64)> {
+        std::iter::once((self.spec, self.result, self.ms)).chain(self.same)
     }
 }
 
-/// Verify and attach `specs` on as many threads as there are cores (each takes the next program
-/// from a shared queue; the calling thread too, so a thread that cannot be made costs nothing but
-/// time): (spec, result, ms) each.
-fn attach_all<'s>(
-    ebpf: &mut Ebpf,
-    tracefs: &Path,
-    specs: &[&'s Spec],
-    targets: &[u32],
-    sample_hz: u64,
-    offsets_known: &(dyn Fn(&Spec) -> bool + Sync),
-) -> Vec<(&'s Spec, anyhow::Result<()>, f64)> {
-    type Job<'s, 'p> = (&'s Spec, Option<&'p mut aya::programs::Program>);
-    let mut progs: std::collections::HashMap<&str, &mut aya::programs::Program> = ebpf.programs_mut().collect();
-    let jobs: Vec<Job<'s, '_>> = specs.iter().map(|spec| (*spec, progs.remove(spec.program))).collect();
-    let queue = std::sync::Mutex::new(jobs.into_iter());
-    let done = std::sync::Mutex::new(Vec::new());
+/// Run `f` on every item, on as many threads as there are cores (each takes the next item from a
+/// shared queue; the calling thread too, so a thread that cannot be made costs nothing but time).
+fn pool<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
+    let queue = std::sync::Mutex::new(items.iter_mut());
     let work = || {
         loop {
             let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-            let Some((spec, program)) = next else { break };
-            let t = std::time::Instant::now();
-            let result = match program {
-                None => Err(anyhow!("program missing from the object")),
-                Some(_) if matches!(spec.how, How::Raw(_)) && !offsets_known(spec) => {
-                    Err(anyhow!("kernel BTF lacks the struct offsets it reads"))
-                }
-                Some(p) => attach_one(p, tracefs, spec, targets, sample_hz),
-            };
-            done.lock().unwrap_or_else(|e| e.into_inner()).push((spec, result, t.elapsed().as_secs_f64() * 1e3));
+            let Some(item) = next else { break };
+            f(item);
         }
     };
     let helpers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8) - 1;
@@ -431,25 +517,46 @@ fn attach_all<'s>(
         }
         work();
     });
-    done.into_inner().unwrap_or_else(|e| e.into_inner())
 }
 
-fn attach_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
-    match spec.how {
+/// Verify `specs` on the pool's threads (the kernel verifies a program in the caller's thread,
+/// so on two cores this halves the longest stage of arming): a job each, the programs that run
+/// another's code (`SAME_CODE`) in that one's job.
+fn load_all<'s, 'p>(
+    progs: &mut std::collections::HashMap<&str, &'p mut aya::programs::Program>,
+    tracefs: &Path,
+    specs: &[&'s Spec],
+    targets: &[u32],
+    sample_hz: u64,
+    offsets_known: &(dyn Fn(&Spec) -> bool + Sync),
+) -> Vec<Job<'s, 'p>> {
+    let in_specs = |name: &str| specs.iter().any(|s| s.program == name);
+    let mut jobs: Vec<Job<'s, 'p>> = Vec::new();
+    for spec in specs.iter().copied() {
+        if code_of(spec.program).is_some_and(in_specs) {
+            continue;
+        }
+        let same = specs.iter().copied().filter(|s| code_of(s.program) == Some(spec.program)).map(|s| (s, Ok(()), 0.0)).collect();
+        jobs.push(Job { spec, program: progs.remove(spec.program), same, result: Ok(()), ms: 0.0 });
+    }
+    // The perf programs first: the first event bound to a task waits for an RCU grace period in
+    // the kernel (perf_sched_events, 10-20 ms asleep), which the other threads fill.
+    jobs.sort_by_key(|j| !matches!(j.spec.how, How::PerfMajorFaults | How::PerfCpuClock));
+    pool(&mut jobs, |j| j.load(tracefs, targets, sample_hz, offsets_known));
+    jobs
+}
+
+/// Check that `how`'s tracepoint exists with the layout the program reads.
+fn check_point(tracefs: &Path, how: How) -> anyhow::Result<()> {
+    match how {
         How::Tracepoint(layout) => {
             let fmt = tracefs::format(tracefs, layout.group, layout.name).map_err(|e| anyhow!(e))?;
             if let Some(why) = tracefs::check_layout(layout, &fmt) {
                 bail!("{}:{} layout differs from what probe was built for: {why}", layout.group, layout.name);
             }
-            let p: &mut TracePoint = program.try_into()?;
-            p.load().context("verifier refused the program")?;
-            p.attach(layout.group, layout.name)?;
         }
         How::Plain(group, name) => {
             tracefs::format(tracefs, group, name).map_err(|e| anyhow!(e))?;
-            let p: &mut TracePoint = program.try_into()?;
-            p.load().context("verifier refused the program")?;
-            p.attach(group, name)?;
         }
         How::Syscall(name) => {
             let fmt = tracefs::format(tracefs, "syscalls", name).map_err(|e| anyhow!(e))?;
@@ -457,17 +564,50 @@ fn attach_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec,
             if !ok {
                 bail!("syscalls:{name} has no 8-byte field at offset {}", tp::SYSCALL_ARG0);
             }
+        }
+        How::Raw(_) | How::PerfMajorFaults | How::PerfCpuClock => {}
+    }
+    Ok(())
+}
+
+/// Check and verify one program; a perf program is attached too (to each thread of the targets).
+fn load_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
+    check_point(tracefs, spec.how)?;
+    match spec.how {
+        How::Tracepoint(_) | How::Plain(..) | How::Syscall(_) => {
             let p: &mut TracePoint = program.try_into()?;
             p.load().context("verifier refused the program")?;
+        }
+        How::Raw(_) => {
+            let p: &mut aya::programs::RawTracePoint = program.try_into()?;
+            p.load().context("verifier refused the program")?;
+        }
+        How::PerfMajorFaults => per_thread(program, targets, SoftwareEvent::PageFaultsMaj, SamplePolicy::Period(1))?,
+        How::PerfCpuClock => per_thread(program, targets, SoftwareEvent::CpuClock, SamplePolicy::Frequency(sample_hz))?,
+    }
+    Ok(())
+}
+
+/// Attach a verified program to its tracepoint (a perf program is attached already).
+fn attach_point(program: &mut aya::programs::Program, how: How) -> anyhow::Result<()> {
+    match how {
+        How::Tracepoint(layout) => {
+            let p: &mut TracePoint = program.try_into()?;
+            p.attach(layout.group, layout.name)?;
+        }
+        How::Plain(group, name) => {
+            let p: &mut TracePoint = program.try_into()?;
+            p.attach(group, name)?;
+        }
+        How::Syscall(name) => {
+            let p: &mut TracePoint = program.try_into()?;
             p.attach("syscalls", name)?;
         }
         How::Raw(name) => {
             let p: &mut aya::programs::RawTracePoint = program.try_into()?;
-            p.load().context("verifier refused the program")?;
             p.attach(name)?;
         }
-        How::PerfMajorFaults => per_thread(program, targets, SoftwareEvent::PageFaultsMaj, SamplePolicy::Period(1))?,
-        How::PerfCpuClock => per_thread(program, targets, SoftwareEvent::CpuClock, SamplePolicy::Frequency(sample_hz))?,
+        How::PerfMajorFaults | How::PerfCpuClock => {}
     }
     Ok(())
 }

@@ -239,6 +239,10 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
             }
         }
     }
+    let arm_line = opts.verbose.then(|| {
+        let parts: Vec<String> = arm_stages.iter().map(|(name, ms)| format!("{name} {ms:.1} ms")).collect();
+        format!("probe: arming took: {}", parts.join(", "))
+    });
     st.writer.record(&UserRecord::Meta(Box::new(meta(opts, &attached, start_ns, armed_ms, arm_stages))))?;
     // Block IO the kernel issues for the target from other tasks (the cgroup throttle's kworker)
     // is matched by the target's block cgroups and the files it maps (filled by `refresh`).
@@ -272,6 +276,9 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
         crate::text::count(attached.targets.len() as u64, "process"),
         live.join(", ")
     );
+    if let Some(line) = arm_line {
+        say!("{line}");
+    }
     let mut partial = false;
     for s in &attached.status {
         if !s.live {

@@ -225,6 +225,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 _ => None,
             },
             quiet: true,
+            verbose: false,
             node: o.member.as_ref().map(|m| m.node.clone()),
             stop: o.member.as_ref().map(|m| m.stop.clone()),
             headers: o.member.as_ref().map(|m| m.headers.clone()),

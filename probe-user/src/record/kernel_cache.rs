@@ -1,0 +1,198 @@
+//! The kernel struct offsets probe's programs need (read from the kernel's BTF, 5–6 MB: 10–20 ms
+//! on the critical path of arming), kept from one trace to the next in `/run/probe` (a tmpfs:
+//! gone at the next boot, as the kernel it describes may be). The entry is keyed by the kernel's
+//! build id, the BTF file's size and probe's own executable (another build of probe may want other
+//! fields), so a stale entry is never used: it is replaced.
+//!
+//! Root-safe: the directory is made 0700 and must be a real directory owned by the effective user
+//! with no group or other write; the file is opened with `O_NOFOLLOW` under that directory's
+//! descriptor, must be a regular file of ours, and is replaced by rename, never written in place.
+use std::{
+    ffi::CString,
+    fs::File,
+    io::{Read, Write},
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::{ffi::OsStrExt, fs::MetadataExt},
+    },
+    path::Path,
+};
+
+use probe_common::kernel::KernelOffsets;
+
+pub const DIR: &str = "/run/probe";
+const NAME: &str = "kernel-offsets";
+const MAGIC: &str = "probe kernel offsets 1";
+const WORDS: usize = std::mem::size_of::<KernelOffsets>() / 4;
+const _: () = assert!(std::mem::size_of::<KernelOffsets>().is_multiple_of(4));
+
+/// What identifies the offsets: the running kernel (its GNU build id, else its version string),
+/// its BTF's size, and this executable (device, inode, size, mtime).
+pub fn key() -> String {
+    let kernel = std::fs::read("/sys/kernel/notes")
+        .ok()
+        .and_then(|n| build_id(&n))
+        .unwrap_or_else(|| std::fs::read_to_string("/proc/version").unwrap_or_default().trim().to_string());
+    let btf = std::fs::metadata("/sys/kernel/btf/vmlinux").map(|m| m.len()).unwrap_or(0);
+    let exe = std::fs::metadata("/proc/self/exe")
+        .map(|m| format!("{}:{}:{}:{}.{}", m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
+        .unwrap_or_default();
+    format!("kernel {kernel} btf {btf} exe {exe}")
+}
+
+/// The GNU build id in an ELF note section (`/sys/kernel/notes`), as hex.
+fn build_id(notes: &[u8]) -> Option<String> {
+    let mut pos = 0usize;
+    let u32_at = |o: usize| notes.get(o..o + 4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as usize);
+    while pos + 12 <= notes.len() {
+        let (namesz, descsz, kind) = (u32_at(pos)?, u32_at(pos + 4)?, u32_at(pos + 8)?);
+        let name_at = pos + 12;
+        let desc_at = name_at + namesz.div_ceil(4) * 4;
+        let end = desc_at.checked_add(descsz.div_ceil(4) * 4)?;
+        if end > notes.len() {
+            return None;
+        }
+        if kind == 3 && notes.get(name_at..name_at + namesz)? == b"GNU\0" {
+            return Some(notes[desc_at..desc_at + descsz].iter().map(|b| format!("{b:02x}")).collect());
+        }
+        pos = end;
+    }
+    None
+}
+
+/// The cached offsets for `key` in `dir`, if there are any and they are ours.
+pub fn load(dir: &Path, key: &str) -> Option<KernelOffsets> {
+    let d = open_dir(dir, false)?;
+    let name = CString::new(NAME).ok()?;
+    // SAFETY: a valid directory fd and NUL-terminated name; the returned fd is owned below.
+    let fd = unsafe { libc::openat(d.as_raw_fd(), name.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fd was just opened and is owned by nothing else.
+    let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let m = f.metadata().ok()?;
+    // SAFETY: geteuid cannot fail.
+    if !m.is_file() || m.uid() != unsafe { libc::geteuid() } || m.mode() & 0o022 != 0 || m.len() > 16 << 10 {
+        return None;
+    }
+    let mut text = String::new();
+    f.read_to_string(&mut text).ok()?;
+    parse(&text, key)
+}
+
+fn parse(text: &str, key: &str) -> Option<KernelOffsets> {
+    let mut lines = text.lines();
+    if lines.next()? != MAGIC || lines.next()? != key {
+        return None;
+    }
+    let words: Vec<u32> = lines.next()?.split(' ').map(str::parse).collect::<Result<_, _>>().ok()?;
+    if words.len() != WORDS {
+        return None;
+    }
+    let mut k = KernelOffsets::default();
+    // SAFETY: KernelOffsets is #[repr(C)] and made of u32 fields only (size checked above, at
+    // compile time a multiple of 4): any WORDS u32 values are a valid KernelOffsets.
+    unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), (&raw mut k).cast::<u32>(), WORDS) };
+    Some(k)
+}
+
+fn render(k: &KernelOffsets, key: &str) -> String {
+    // SAFETY: as in `parse`: WORDS u32 fields, read as such.
+    let words = unsafe { std::slice::from_raw_parts((k as *const KernelOffsets).cast::<u32>(), WORDS) };
+    let words: Vec<String> = words.iter().map(u32::to_string).collect();
+    format!("{MAGIC}\n{key}\n{}\n", words.join(" "))
+}
+
+/// Keep `k` for `key` in `dir` (made 0700 if missing). Best effort: a directory that is not ours,
+/// a read-only /run, any error: nothing is kept, the next trace reads BTF again.
+pub fn store(dir: &Path, key: &str, k: &KernelOffsets) {
+    let Some(d) = open_dir(dir, true) else { return };
+    let tmp = format!(".{NAME}.{}", std::process::id());
+    let (Ok(tmp_c), Ok(name_c)) = (CString::new(tmp.as_str()), CString::new(NAME)) else { return };
+    // SAFETY: valid directory fd and NUL-terminated name; O_EXCL|O_NOFOLLOW: never an existing file or link.
+    let fd = unsafe {
+        libc::openat(
+            d.as_raw_fd(),
+            tmp_c.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o600,
+        )
+    };
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: fd was just opened and is owned by nothing else.
+    let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let ok = f.write_all(render(k, key).as_bytes()).is_ok();
+    drop(f);
+    // SAFETY: both names are under the same directory fd, NUL-terminated.
+    let moved = ok && unsafe { libc::renameat(d.as_raw_fd(), tmp_c.as_ptr(), d.as_raw_fd(), name_c.as_ptr()) } == 0;
+    if !moved {
+        // SAFETY: as above.
+        unsafe { libc::unlinkat(d.as_raw_fd(), tmp_c.as_ptr(), 0) };
+    }
+}
+
+/// `dir`, opened without following a link, if it is a directory of the effective user's that no one
+/// else can write; made (0700) when missing and `create`.
+fn open_dir(dir: &Path, create: bool) -> Option<OwnedFd> {
+    let c = CString::new(dir.as_os_str().as_bytes()).ok()?;
+    if create {
+        // SAFETY: NUL-terminated path. EEXIST is fine: what exists is checked below.
+        unsafe { libc::mkdir(c.as_ptr(), 0o700) };
+    }
+    // SAFETY: NUL-terminated path; the fd is owned below.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fd was just opened and is owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let m = File::from(fd.try_clone().ok()?).metadata().ok()?;
+    // SAFETY: geteuid cannot fail.
+    (m.is_dir() && m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0).then_some(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_offsets_come_back_only_for_their_key() {
+        let dir = std::env::temp_dir().join(format!("probe-kcache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let k = KernelOffsets { valid: 1, task_files: 3104, files_fdt: 32, ..Default::default() };
+        assert_eq!(load(&dir, "a"), None);
+        store(&dir, "a", &k);
+        assert_eq!(load(&dir, "a"), Some(k));
+        assert_eq!(load(&dir, "b"), None, "another kernel or build of probe");
+        // A group-writable directory is not trusted.
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o770)).unwrap();
+        assert_eq!(load(&dir, "a"), None);
+        let _ = std::fs::remove_dir_all(&dir);
+        // A link in its place is not followed.
+        let target = std::env::temp_dir().join(format!("probe-kcache-t-{}", std::process::id()));
+        std::fs::create_dir_all(&target).unwrap();
+        std::os::unix::fs::symlink(&target, &dir).unwrap();
+        store(&dir, "a", &k);
+        assert!(std::fs::read_dir(&target).unwrap().next().is_none());
+        let _ = std::fs::remove_file(&dir);
+        let _ = std::fs::remove_dir_all(&target);
+    }
+
+    #[test]
+    fn a_build_id_note_is_read() {
+        let mut n = Vec::new();
+        for (name, kind, desc) in [(&b"Xen\0"[..], 1u32, &[9u8, 9, 9][..]), (b"GNU\0", 3, &[0xde, 0xad, 0xbe, 0xef, 1])] {
+            n.extend((name.len() as u32).to_ne_bytes());
+            n.extend((desc.len() as u32).to_ne_bytes());
+            n.extend(kind.to_ne_bytes());
+            n.extend(name);
+            n.extend(desc);
+            n.resize(n.len().div_ceil(4) * 4, 0);
+        }
+        assert_eq!(build_id(&n).as_deref(), Some("deadbeef01"));
+        assert_eq!(build_id(&n[..20]), None);
+    }
+}
