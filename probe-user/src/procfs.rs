@@ -188,13 +188,209 @@ pub fn netns(pid: u32) -> Option<u64> {
 
 /// The calling thread runs at idle priority (SCHED_IDLE: it gets a CPU only when nothing else
 /// wants it, and so never delays the server probe watches), and so do the threads it starts.
-/// For probe's threads that do not drain the ring (samplers, pollers, incident writing): the
-/// drain keeps its normal priority, so a busy machine fills the ring no faster.
+/// For probe's threads that may lag without losing anything (pollers, incident writing); the
+/// drain and the samplers yield only while they keep up ([`Yielding`]).
 pub fn idle_priority() {
+    if let Err(e) = set_policy(libc::SCHED_IDLE) {
+        log::debug!("cannot run at idle priority: {e}");
+    }
+}
+
+fn set_policy(policy: libc::c_int) -> std::io::Result<()> {
     let p = libc::sched_param { sched_priority: 0 };
     // SAFETY: a valid sched_param; pid 0 is the calling thread.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &p) } != 0 {
-        log::debug!("cannot run at idle priority: {}", std::io::Error::last_os_error());
+    if unsafe { libc::sched_setscheduler(0, policy, &p) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A thread that must keep up (the ring's drain, the samplers) but should not take a CPU from the
+/// server while it does: it runs at idle priority (a waking server thread preempts it at once),
+/// and at normal priority from the turn it falls behind (a backlog in the ring, a late sample)
+/// until it has kept up for `KEEP_UP` turns in a row. A thread at idle priority on CPUs that
+/// others keep busy may not run at all to see that it is behind: a watchdog thread at normal
+/// priority (asleep but for a look every 25 ms) raises it when what it drains is a quarter full
+/// (a ring buffer's positions, read from a mapping of its own) or its last turn is overdue. Only
+/// where it may go back: root or CAP_SYS_NICE (leaving SCHED_IDLE needs one); otherwise it stays
+/// at normal priority.
+pub struct Yielding {
+    name: &'static str,
+    /// It may leave idle priority again (root, CAP_SYS_NICE).
+    may: bool,
+    idle: bool,
+    kept_up: u32,
+    beat: std::sync::Arc<Heartbeat>,
+    /// Turns spent behind, at normal priority (for the report's cost line).
+    pub behind_turns: u64,
+}
+
+/// What the watchdog reads of a yielding thread.
+struct Heartbeat {
+    tid: libc::pid_t,
+    /// Monotonic ns of its last turn.
+    last_ns: std::sync::atomic::AtomicU64,
+    /// How long after its last turn the next is overdue (0: none expected).
+    due_ns: std::sync::atomic::AtomicU64,
+    /// Set by the watchdog when it raised the thread.
+    raised: std::sync::atomic::AtomicBool,
+    done: std::sync::atomic::AtomicBool,
+    /// What it keeps up with, when that can be read from here: raised when over a quarter full.
+    backlog: Option<RingFill>,
+}
+
+/// How full a BPF ring buffer is, from a read-only mapping of its two position pages (the
+/// kernel lets any part be mapped read-only): producer − consumer, over its size.
+pub struct RingFill {
+    at: std::ptr::NonNull<libc::c_void>,
+    page: usize,
+    size: u64,
+}
+
+// SAFETY: a read-only shared mapping, read with volatile loads of two u64 the kernel and the
+// drain update atomically; nothing is written through it.
+unsafe impl Send for RingFill {}
+// SAFETY: as above.
+unsafe impl Sync for RingFill {}
+
+impl RingFill {
+    /// Map the position pages of the ring buffer map `fd` of `size` bytes.
+    pub fn new(fd: &impl std::os::fd::AsFd, size: u64) -> Option<RingFill> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        // SAFETY: a fresh read-only shared mapping of two pages of a ring buffer map's descriptor;
+        // checked for failure below, unmapped once in Drop.
+        let at = unsafe { libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ, libc::MAP_SHARED, fd.as_fd().as_raw_fd(), 0) };
+        if at == libc::MAP_FAILED {
+            return None;
+        }
+        Some(RingFill { at: std::ptr::NonNull::new(at)?, page, size: size.max(1) })
+    }
+
+    /// The share of the ring holding records not yet read (0..1).
+    pub fn fill(&self) -> f64 {
+        // SAFETY: both positions are the first u64 of a page of the live mapping.
+        let (consumer, producer) = unsafe {
+            let base = self.at.as_ptr().cast::<u8>();
+            (std::ptr::read_volatile(base.cast::<u64>()), std::ptr::read_volatile(base.add(self.page).cast::<u64>()))
+        };
+        producer.saturating_sub(consumer) as f64 / self.size as f64
+    }
+}
+
+impl Drop for RingFill {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, of that length, unmapped once.
+        unsafe { libc::munmap(self.at.as_ptr(), 2 * self.page) };
+    }
+}
+
+const KEEP_UP: u32 = 50;
+const CAP_SYS_NICE: u64 = 1 << 23;
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(25);
+
+fn watchdog() -> &'static std::sync::Mutex<Vec<std::sync::Arc<Heartbeat>>> {
+    static BEATS: std::sync::OnceLock<std::sync::Mutex<Vec<std::sync::Arc<Heartbeat>>>> = std::sync::OnceLock::new();
+    BEATS.get_or_init(|| {
+        let spawned = std::thread::Builder::new().name("probe-watchdog".into()).spawn(|| {
+            use std::sync::atomic::Ordering::Relaxed;
+            loop {
+                std::thread::sleep(WATCH_EVERY);
+                let now = crate::monotonic_ns();
+                let mut beats = watchdog().lock().unwrap_or_else(|e| e.into_inner());
+                beats.retain(|b| !b.done.load(Relaxed));
+                for b in beats.iter() {
+                    let due = b.due_ns.load(Relaxed);
+                    let overdue = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
+                    let full = due > 0 && b.backlog.as_ref().is_some_and(|r| r.fill() > 0.25);
+                    if (overdue || full) && !b.raised.load(Relaxed) {
+                        let p = libc::sched_param { sched_priority: 0 };
+                        // SAFETY: a valid sched_param; the tid is a thread of this process (it
+                        // leaves the list, `done`, before it ends).
+                        if unsafe { libc::sched_setscheduler(b.tid, libc::SCHED_OTHER, &p) } == 0 {
+                            b.raised.store(true, Relaxed);
+                        }
+                    }
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            log::warn!("no watchdog thread ({e}): yielding threads are raised only when they run");
+        }
+        std::sync::Mutex::new(Vec::new())
+    })
+}
+
+impl Yielding {
+    /// Start yielding on the calling thread (when it could stop yielding again); its first turn
+    /// is overdue after `first`.
+    pub fn start(name: &'static str, first: std::time::Duration, backlog: Option<RingFill>) -> Yielding {
+        // SAFETY: geteuid and gettid have no preconditions.
+        let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
+        let may = euid == 0 || crate::probes::effective_caps() & CAP_SYS_NICE != 0;
+        let beat = std::sync::Arc::new(Heartbeat {
+            tid,
+            last_ns: crate::monotonic_ns().into(),
+            due_ns: (first.as_nanos() as u64).into(),
+            raised: false.into(),
+            done: false.into(),
+            backlog,
+        });
+        let idle = may && {
+            watchdog().lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
+            set_policy(libc::SCHED_IDLE).is_ok()
+        };
+        Yielding { name, may, idle, kept_up: 0, beat, behind_turns: 0 }
+    }
+
+    /// After a turn: `behind`, it fell behind (normal priority from now on); else it kept up.
+    /// `next`: when the next turn is overdue (the watchdog raises the thread then); None: no turn
+    /// is expected (nothing to keep up with).
+    pub fn turn(&mut self, behind: bool, next: Option<std::time::Duration>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.beat.last_ns.store(crate::monotonic_ns(), Relaxed);
+        self.beat.due_ns.store(next.map_or(0, |d| d.as_nanos() as u64), Relaxed);
+        let raised = self.beat.raised.swap(false, Relaxed);
+        if raised && self.idle {
+            self.idle = false;
+            log::info!("{}: overdue at idle priority: raised to normal until it keeps up", self.name);
+        }
+        if behind || raised {
+            self.kept_up = 0;
+            self.behind_turns += 1;
+            if self.idle {
+                match set_policy(libc::SCHED_OTHER) {
+                    Ok(()) => {
+                        self.idle = false;
+                        log::info!("{}: fell behind at idle priority: normal priority until it keeps up", self.name);
+                    }
+                    Err(e) => log::warn!("{}: fell behind at idle priority and cannot leave it: {e}", self.name),
+                }
+            }
+        } else if !self.idle && self.may {
+            self.kept_up += 1;
+            if self.kept_up >= KEEP_UP && set_policy(libc::SCHED_IDLE).is_ok() {
+                self.idle = true;
+            }
+        }
+    }
+
+    /// Normal priority for good (the end of a trace: its last drain and report should not wait).
+    pub fn stop(&mut self) {
+        self.beat.due_ns.store(0, std::sync::atomic::Ordering::Relaxed);
+        if self.idle && set_policy(libc::SCHED_OTHER).is_ok() {
+            self.idle = false;
+        }
+        self.may = false;
+        self.kept_up = 0;
+    }
+}
+
+impl Drop for Yielding {
+    fn drop(&mut self) {
+        self.beat.due_ns.store(0, std::sync::atomic::Ordering::Relaxed);
+        self.beat.done.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -415,8 +415,22 @@ async fn follow(
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut hung_up = false;
     let (mut peers_at, mut remote_peers) = (Instant::now(), std::collections::HashMap::new());
+    // The drain yields the CPUs to the server while it keeps up (`procfs::Yielding`): a turn that
+    // took a ring's worth of records at once was behind, and runs at normal priority until caught up.
+    // With the ring's fill in sight the drain may wait as long as the ring holds (raised at a
+    // quarter full); a hub member's queue is watched by the time since its last turn only.
+    let gauge = match &se.kernel {
+        Source::Own { ring, .. } => procfs::RingFill::new(ring.get_ref(), opts.ring_bytes as u64),
+        Source::Member(_) => None,
+    };
+    let (busy_due, quiet_due) = match gauge {
+        Some(_) => (Duration::from_secs(2), Duration::from_secs(3)),
+        None => (Duration::from_millis(100), Duration::from_millis(1500)),
+    };
+    let mut yielding = procfs::Yielding::start("probe: the ring's drain", busy_due, gauge);
     let reason: String = loop {
         let mut more = false;
+        let events_before = st.events;
         tokio::select! {
             guard = async { match &mut se.kernel { Source::Own { ring, .. } => ring.readable_mut().await, Source::Member(_) => std::future::pending().await } } => {
                 let mut guard = guard?;
@@ -461,11 +475,20 @@ async fn follow(
         {
             break format!("size limit reached (--max-size {text})");
         }
+        // Records flowing, the next turn is due within the drain tick; else within the
+        // once-a-second turn (overdue: `busy_due`, `quiet_due`).
+        let flowing = st.events > events_before || tick == DRAIN_TICK;
+        let next = if flowing { busy_due } else { quiet_due };
+        // A turn that stopped before the ring was empty (its record or time budget spent) was
+        // behind: normal priority until turns empty it again.
+        yielding.turn(more || st.events.saturating_sub(events_before) >= DRAIN_RECORDS as u64, Some(next));
         if more {
             // Let the runtime look at signals and timers before the next turn.
             tokio::task::yield_now().await;
         }
     };
+    // The last drain and the report do not wait for a free CPU.
+    yielding.stop();
     Ok((reason, hung_up))
 }
 

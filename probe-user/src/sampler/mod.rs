@@ -135,8 +135,7 @@ impl Sampler {
                 std::thread::Builder::new()
                     .name("probe-poll".into())
                     .spawn(move || {
-                        // The server's endpoints can wait for a free CPU; the samplers' clocks cannot
-                        // (they date a request's power state), so they keep the normal priority.
+                        // The server's endpoints can wait for a free CPU, as long as it takes.
                         crate::procfs::idle_priority();
                         crate::httpc::with_headers(opts.headers.clone(), || poll_loop(&opts, &tx, &signal))
                     })
@@ -298,8 +297,15 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     let (mut last_residency, mut all_resident): (Option<Instant>, bool) = (None, false);
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
     let mut last_fast: Option<Instant> = None;
+    // Idle priority while the readings come on time (`procfs::Yielding`); normal from a reading
+    // late by more than its period (seen when it runs), or by a second (the watchdog). Samples
+    // carry the time they were read.
+    let mut yielding = crate::procfs::Yielding::start("probe: the samplers", period + Duration::from_secs(1), None);
     loop {
         let stopping = signal.stopped();
+        if stopping {
+            yielding.stop();
+        }
         let busy = signal.busy();
         // Residency and C-states every second, busy or not: the model leaving the page cache while
         // the server idles is what the slow morning request is about (a cachestat call is cheap).
@@ -316,6 +322,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         // Back from idle: the first busy turn samples at once.
         let fast_due = last_fast.is_none_or(|t| t.elapsed() >= fast_every.saturating_sub(Duration::from_millis(5)));
         if (opts.hz > 0.0 && fast_due) || stopping {
+            yielding.turn(busy && last_fast.is_some_and(|t| t.elapsed() > fast_every * 2), Some(fast_every + Duration::from_secs(1)));
             last_fast = Some(Instant::now());
             gpu.turn(busy, stopping, &pids, tx);
             if freq.is_some()
