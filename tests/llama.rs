@@ -1933,3 +1933,59 @@ child.wait()
     }
     assert_eq!(accepted.len(), SILENT, "probe asked {} of {SILENT} silent ports: {accepted:?}", accepted.len());
 }
+
+/// Gross regressions of probe's own cost only (the figures come from `cargo xtask bench --cost`):
+/// armed within 500 ms of its start, and under 5% of a core while the server generates, counted
+/// from outside probe: its threads' time on a CPU (/proc/PID/task/*/schedstat) plus its BPF
+/// programs' run time (their fdinfo, with kernel.bpf_stats_enabled on for the test).
+#[test]
+fn probe_costs_under_five_percent_and_arms_within_half_a_second() {
+    let _cpus = shared_cpus();
+    let srv = server();
+    let stats = "/proc/sys/kernel/bpf_stats_enabled";
+    let before_stats = std::fs::read_to_string(stats).unwrap();
+    std::fs::write(stats, "1").unwrap();
+    struct Restore(&'static str, String);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = std::fs::write(self.0, self.1.trim());
+        }
+    }
+    let _restore = Restore(stats, before_stats);
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llama-cost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let (child, _lines, armed) = common::start_trace(&["--pid", &srv.child.id().to_string(), "--out", out.to_str().unwrap()]);
+    let ms: f64 = armed.split("armed in ").nth(1).and_then(|r| r.split(" ms").next()).and_then(|n| n.trim().parse().ok()).unwrap();
+    assert!(ms <= 500.0, "armed in {ms} ms: over 500 ms ({armed})");
+    let pid = child.id();
+    let cpu = |pid: u32| -> f64 {
+        let mut ns = 0u64;
+        for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+            let s = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+            ns += s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+        let mut bpf = 0u64;
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+            if std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == "anon_inode:bpf-prog") {
+                let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())).unwrap_or_default();
+                bpf += info.lines().find_map(|l| l.strip_prefix("run_time_ns:")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        (ns + bpf) as f64 / 1e9
+    };
+    // Past the first second (unwind tables, the first /proc snapshots: once per trace).
+    std::thread::sleep(Duration::from_secs(2));
+    let (c0, t0) = (cpu(pid), Instant::now());
+    for _ in 0..2 {
+        let body = json!({"prompt": "Write a long story about a lighthouse keeper.", "n_predict": 128, "cache_prompt": false, "ignore_eos": true});
+        let s = TcpStream::connect(srv.addr).unwrap();
+        send_request(&s, "POST", "/completion", Some(&body));
+        assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
+    }
+    let pct = (cpu(pid) - c0) / t0.elapsed().as_secs_f64() * 100.0;
+    eprintln!("armed in {ms:.0} ms; {pct:.2}% of a core while generating ({:.1} s)", t0.elapsed().as_secs_f64());
+    assert!(pct < 5.0, "probe took {pct:.2}% of a core while the server generated: over 5%");
+    let r = stop_trace(child, &out);
+    let lost: u64 = r["lost_events"].as_object().map_or(0, |m| m.values().filter_map(Value::as_u64).sum());
+    assert_eq!(lost, 0, "events lost at idle priority: {}", r["lost_events"]);
+}
