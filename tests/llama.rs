@@ -1977,7 +1977,8 @@ fn probe_costs_under_five_percent_and_arms_within_half_a_second() {
     std::thread::sleep(Duration::from_secs(2));
     let (c0, t0) = (cpu(pid), Instant::now());
     for _ in 0..2 {
-        let body = json!({"prompt": "Write a long story about a lighthouse keeper.", "n_predict": 128, "cache_prompt": false, "ignore_eos": true});
+        let body =
+            json!({"prompt": "Write a long story about a lighthouse keeper.", "n_predict": 128, "cache_prompt": false, "ignore_eos": true});
         let s = TcpStream::connect(srv.addr).unwrap();
         send_request(&s, "POST", "/completion", Some(&body));
         assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
