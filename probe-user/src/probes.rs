@@ -180,11 +180,7 @@ pub struct Options {
 }
 
 /// Fails unless we are root or hold CAP_BPF + CAP_PERFMON (+ CAP_SYS_ADMIN for tracefs mounts).
-/// This process's effective capabilities (`CapEff` of /proc/self/status), one bit each.
-pub fn effective_caps() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0)
-}
+pub use crate::procfs::effective_caps;
 
 pub fn check_privileges() -> anyhow::Result<()> {
     check_host_pids()?;

@@ -196,6 +196,12 @@ pub fn idle_priority() {
     }
 }
 
+/// This process's effective capabilities (`CapEff` of /proc/self/status), one bit each.
+pub fn effective_caps() -> u64 {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0)
+}
+
 fn set_policy(policy: libc::c_int) -> std::io::Result<()> {
     let p = libc::sched_param { sched_priority: 0 };
     // SAFETY: a valid sched_param; pid 0 is the calling thread.
@@ -210,7 +216,7 @@ fn set_policy(policy: libc::c_int) -> std::io::Result<()> {
 /// and at normal priority from the turn it falls behind (a backlog in the ring, a late sample)
 /// until it has kept up for `KEEP_UP` turns in a row. A thread at idle priority on CPUs that
 /// others keep busy may not run at all to see that it is behind: a watchdog thread at normal
-/// priority (asleep but for a look every 25 ms) raises it when what it drains is a quarter full
+/// priority (asleep but for a look every 100 ms) raises it when what it drains is half full
 /// (a ring buffer's positions, read from a mapping of its own) or its last turn is overdue. Only
 /// where it may go back: root or CAP_SYS_NICE (leaving SCHED_IDLE needs one); otherwise it stays
 /// at normal priority.
@@ -286,9 +292,13 @@ impl Drop for RingFill {
     }
 }
 
-const KEEP_UP: u32 = 50;
+const KEEP_UP: u32 = 5;
+/// The ring's fill at which the watchdog raises its drain: the other half holds what the kernel
+/// writes until the raised drain runs (at the CPU-hog tests' 16 MB/s, half of the default ring
+/// lasts 500 ms; the watchdog looks every 100 ms).
+const RAISE_AT_FILL: f64 = 0.5;
 const CAP_SYS_NICE: u64 = 1 << 23;
-const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(25);
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 fn watchdog() -> &'static std::sync::Mutex<Vec<std::sync::Arc<Heartbeat>>> {
     static BEATS: std::sync::OnceLock<std::sync::Mutex<Vec<std::sync::Arc<Heartbeat>>>> = std::sync::OnceLock::new();
@@ -303,7 +313,7 @@ fn watchdog() -> &'static std::sync::Mutex<Vec<std::sync::Arc<Heartbeat>>> {
                 for b in beats.iter() {
                     let due = b.due_ns.load(Relaxed);
                     let overdue = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
-                    let full = due > 0 && b.backlog.as_ref().is_some_and(|r| r.fill() > 0.25);
+                    let full = due > 0 && b.backlog.as_ref().is_some_and(|r| r.fill() > RAISE_AT_FILL);
                     if (overdue || full) && !b.raised.load(Relaxed) {
                         let p = libc::sched_param { sched_priority: 0 };
                         // SAFETY: a valid sched_param; the tid is a thread of this process (it
@@ -328,7 +338,7 @@ impl Yielding {
     pub fn start(name: &'static str, first: std::time::Duration, backlog: Option<RingFill>) -> Yielding {
         // SAFETY: geteuid and gettid have no preconditions.
         let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
-        let may = euid == 0 || crate::probes::effective_caps() & CAP_SYS_NICE != 0;
+        let may = euid == 0 || effective_caps() & CAP_SYS_NICE != 0;
         let beat = std::sync::Arc::new(Heartbeat {
             tid,
             last_ns: crate::monotonic_ns().into(),

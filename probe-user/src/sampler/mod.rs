@@ -298,9 +298,9 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
     let mut last_fast: Option<Instant> = None;
     // Idle priority while the readings come on time (`procfs::Yielding`); normal from a reading
-    // late by more than its period (seen when it runs), or by a second (the watchdog). Samples
-    // carry the time they were read.
-    let mut yielding = crate::procfs::Yielding::start("probe: the samplers", period + Duration::from_secs(1), None);
+    // late by more than its period (seen when it runs), or by 3 s (the watchdog: a thread at idle
+    // priority still gets a small share of a busy CPU). Samples carry the time they were read.
+    let mut yielding = crate::procfs::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None);
     loop {
         let stopping = signal.stopped();
         if stopping {
@@ -322,7 +322,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         // Back from idle: the first busy turn samples at once.
         let fast_due = last_fast.is_none_or(|t| t.elapsed() >= fast_every.saturating_sub(Duration::from_millis(5)));
         if (opts.hz > 0.0 && fast_due) || stopping {
-            yielding.turn(busy && last_fast.is_some_and(|t| t.elapsed() > fast_every * 2), Some(fast_every + Duration::from_secs(1)));
+            yielding.turn(busy && last_fast.is_some_and(|t| t.elapsed() > fast_every * 2), Some(fast_every + Duration::from_secs(3)));
             last_fast = Some(Instant::now());
             gpu.turn(busy, stopping, &pids, tx);
             if freq.is_some()
