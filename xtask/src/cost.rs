@@ -600,24 +600,27 @@ fn short_trace(exe: &Path, pid: u32, addr: &str, dir: &Path, name: &str) -> anyh
         }
     }
     generate_256(addr)?;
-    let s = snap(tracer.pid());
+    let probe_pid = tracer.pid();
+    let s = snap(probe_pid);
     let pct = (s.cpu + s.progs.values().map(|p| p.run_ns).sum::<u64>() as f64 / 1e9) / s.at.duration_since(t0).as_secs_f64() * 100.0;
     tracer.stop()?;
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(rec.join("report.json"))?)?;
-    let mut named = Vec::new();
-    for r in report["requests"].as_array().into_iter().flatten() {
-        let ms = r["verdict"]["evidence"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.as_str())
-            .filter_map(|e| e.split("the CPU went to: ").nth(1))
-            .flat_map(|list| list.split(", ").map(str::to_string).collect::<Vec<_>>())
-            .filter(|who| who.starts_with("probe (pid "))
-            .filter_map(|who| who.rsplit(") ").next().and_then(|ms| ms.trim_end_matches(" ms").parse::<f64>().ok()))
-            .sum::<f64>();
-        named.push(ms);
-    }
+    // The verdict's competitors for the CPU: probe's own process, by its pid.
+    let named = report["requests"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            r["verdict"]["competitors"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|c| c["pid"].as_u64() == Some(u64::from(probe_pid)))
+                .filter_map(|c| c["ms"].as_f64())
+                .sum::<f64>()
+                + 0.0
+        })
+        .collect();
     Ok((pct, named))
 }
 

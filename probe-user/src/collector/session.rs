@@ -482,7 +482,7 @@ async fn follow(
         let next = if flowing { busy_due } else { quiet_due };
         // A turn that stopped before the ring was empty (its record or time budget spent) was
         // behind: normal priority until turns empty it again.
-        yielding.turn(more || st.events.saturating_sub(events_before) >= DRAIN_RECORDS as u64, Some(next));
+        yielding.turn(more || st.events.saturating_sub(events_before) >= DRAIN_RECORDS as u64, flowing, Some(next));
         if more {
             // Let the runtime look at signals and timers before the next turn.
             tokio::task::yield_now().await;

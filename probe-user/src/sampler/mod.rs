@@ -322,7 +322,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         // Back from idle: the first busy turn samples at once.
         let fast_due = last_fast.is_none_or(|t| t.elapsed() >= fast_every.saturating_sub(Duration::from_millis(5)));
         if (opts.hz > 0.0 && fast_due) || stopping {
-            yielding.turn(busy && last_fast.is_some_and(|t| t.elapsed() > fast_every * 2), Some(fast_every + Duration::from_secs(3)));
+            yielding.turn(busy && last_fast.is_some_and(|t| t.elapsed() > fast_every * 2), busy, Some(fast_every + Duration::from_secs(3)));
             last_fast = Some(Instant::now());
             gpu.turn(busy, stopping, &pids, tx);
             if freq.is_some()
