@@ -473,7 +473,13 @@ impl<'s> Job<'s, '_> {
 
     fn attach(&mut self, tracefs: &Path) {
         let t = std::time::Instant::now();
-        let Some(p) = self.program.as_deref_mut() else { return };
+        let Some(p) = self.program.as_deref_mut() else {
+            // Its result says why already; the programs running its code did not attach either.
+            for (_, r, _) in &mut self.same {
+                *r = Err(anyhow!("runs {}'s code, which is missing from the object", self.spec.program));
+            }
+            return;
+        };
         if self.result.is_ok() {
             self.result = attach_point(p, self.spec.how);
         }

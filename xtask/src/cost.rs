@@ -552,27 +552,36 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
 const ARM_GAP: Duration = Duration::from_secs(10);
 const ARM_RUNS: usize = 5;
 
-/// `exe trace` on `pid` until it says "armed in N ms": N; then stopped (Ctrl-C) and waited for.
-fn armed_once(exe: &Path, pid: u32, dir: &Path, name: &str) -> anyhow::Result<f64> {
+/// `exe trace ARGS --pid PID --out DIR/NAME` started and waited for until it says "armed in N
+/// ms": the tracer, N and the recording's directory (its stderr copied to NAME.log).
+fn start_armed(exe: &Path, args: &[&str], pid: u32, dir: &Path, name: &str) -> anyhow::Result<(Tracer, f64, PathBuf)> {
     let rec = dir.join(name);
     let mut child = Command::new(exe)
-        .args(["trace", "-q", "--pid", &pid.to_string(), "--out"])
+        .arg("trace")
+        .args(args)
+        .args(["--pid", &pid.to_string(), "--out"])
         .arg(&rec)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()?;
     let err = lines_to(child.stderr.take().context("probe stderr")?, &dir.join(format!("{name}.log")))?;
     let tracer = Tracer { child, inner: None };
-    let ms = loop {
+    loop {
         match err.recv_timeout(Duration::from_secs(60)) {
             Ok(l) => {
                 if let Some(rest) = l.split("armed in ").nth(1) {
-                    break rest.split(" ms").next().and_then(|n| n.trim().parse::<f64>().ok()).context("armed in N ms")?;
+                    let ms = rest.split(" ms").next().and_then(|n| n.trim().parse::<f64>().ok()).context("armed in N ms")?;
+                    return Ok((tracer, ms, rec));
                 }
             }
             Err(_) => bail!("{} did not arm within 60 s (see {name}.log)", exe.display()),
         }
-    };
+    }
+}
+
+/// `exe trace` on `pid` until it says "armed in N ms": N; then stopped (Ctrl-C) and waited for.
+fn armed_once(exe: &Path, pid: u32, dir: &Path, name: &str) -> anyhow::Result<f64> {
+    let (tracer, ms, rec) = start_armed(exe, &["-q"], pid, dir, name)?;
     wait_for(&rec.join("events.bin"), Duration::from_secs(30))?;
     tracer.stop()?;
     Ok(ms)
@@ -582,23 +591,8 @@ fn armed_once(exe: &Path, pid: u32, dir: &Path, name: &str) -> anyhow::Result<f6
 /// from the process's start (arming and unwind tables included) to the stop, and, from its
 /// report, the CPU time its verdicts gave to probe as a competitor, per request.
 fn short_trace(exe: &Path, pid: u32, addr: &str, dir: &Path, name: &str) -> anyhow::Result<(f64, Vec<f64>)> {
-    let rec = dir.join(name);
     let t0 = Instant::now();
-    let mut child = Command::new(exe)
-        .args(["trace", "-q", "--hz", "99", "--pid", &pid.to_string(), "--out"])
-        .arg(&rec)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let err = lines_to(child.stderr.take().context("probe stderr")?, &dir.join(format!("{name}.log")))?;
-    let tracer = Tracer { child, inner: None };
-    loop {
-        match err.recv_timeout(Duration::from_secs(60)) {
-            Ok(l) if l.contains("armed in ") => break,
-            Ok(_) => {}
-            Err(_) => bail!("{} did not arm within 60 s", exe.display()),
-        }
-    }
+    let (tracer, _, rec) = start_armed(exe, &["-q", "--hz", "99"], pid, dir, name)?;
     generate_256(addr)?;
     let probe_pid = tracer.pid();
     let s = snap(probe_pid);

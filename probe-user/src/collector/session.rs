@@ -425,7 +425,9 @@ async fn follow(
         Source::Member(_) => None,
     };
     let (busy_due, quiet_due) = match gauge {
-        Some(_) => (Duration::from_secs(5), Duration::from_secs(5)),
+        // Not longer: the once-a-second turn follows what the targets start (a library mapped
+        // after attach gets its engine probe there; 5 s missed a binding's first decode steps).
+        Some(_) => (Duration::from_secs(1), Duration::from_secs(1)),
         None => (Duration::from_millis(100), Duration::from_millis(1500)),
     };
     let mut yielding = procfs::Yielding::start("probe: the ring's drain", busy_due, gauge);
