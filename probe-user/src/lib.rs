@@ -41,6 +41,7 @@ pub mod tracefs;
 pub mod unwind;
 pub mod verdict;
 pub mod watch;
+pub mod yielding;
 
 /// Exit codes of the `probe` binary (documented in README.md).
 pub mod exit {

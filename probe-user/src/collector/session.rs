@@ -415,13 +415,13 @@ async fn follow(
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut hung_up = false;
     let (mut peers_at, mut remote_peers) = (Instant::now(), std::collections::HashMap::new());
-    // The drain yields the CPUs to the server while it keeps up (`procfs::Yielding`): a turn that
+    // The drain yields the CPUs to the server while it keeps up (`yielding::Yielding`): a turn that
     // took a ring's worth of records at once was behind, and runs at normal priority until caught up.
     // With the ring's fill in sight the drain may wait as long as the ring holds (raised at half
     // full): a request's records wait in the ring while the server keeps every CPU busy, and are
     // read when it pauses. A hub member's queue is watched by the time since its last turn only.
     let gauge = match &se.kernel {
-        Source::Own { ring, .. } => procfs::RingFill::new(ring.get_ref(), opts.ring_bytes as u64),
+        Source::Own { ring, .. } => crate::yielding::RingFill::new(ring.get_ref(), opts.ring_bytes as u64),
         Source::Member(_) => None,
     };
     let (busy_due, quiet_due) = match gauge {
@@ -430,7 +430,7 @@ async fn follow(
         Some(_) => (Duration::from_secs(1), Duration::from_secs(1)),
         None => (Duration::from_millis(100), Duration::from_millis(1500)),
     };
-    let mut yielding = procfs::Yielding::start("probe: the ring's drain", busy_due, gauge);
+    let mut yielding = crate::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge);
     let reason: String = loop {
         let mut more = false;
         let events_before = st.events;

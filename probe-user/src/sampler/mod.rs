@@ -297,10 +297,10 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     let (mut last_residency, mut all_resident): (Option<Instant>, bool) = (None, false);
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
     let mut last_fast: Option<Instant> = None;
-    // Idle priority while the readings come on time (`procfs::Yielding`); normal from a reading
+    // Idle priority while the readings come on time (`yielding::Yielding`); normal from a reading
     // late by more than its period (seen when it runs), or by 3 s (the watchdog: a thread at idle
     // priority still gets a small share of a busy CPU). Samples carry the time they were read.
-    let mut yielding = crate::procfs::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None);
+    let mut yielding = crate::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None);
     loop {
         let stopping = signal.stopped();
         if stopping {

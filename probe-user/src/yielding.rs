@@ -1,0 +1,340 @@
+//! probe's own threads off the server's CPUs: the ring's drain and the samplers run at idle
+//! priority while they keep up, at normal priority from the turn they fall behind; a watchdog
+//! raises one that cannot run to see it is behind.
+use std::{
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
+
+use crate::procfs::{effective_caps, set_policy};
+
+/// A thread that must keep up (the ring's drain, the samplers) but should not take a CPU from the
+/// server while it does: it runs at idle priority (a waking server thread preempts it at once),
+/// and at normal priority from the turn it falls behind (a backlog in the ring, a late sample)
+/// until it has kept up again ([`Policy`]). A thread at idle priority on CPUs that others keep
+/// busy may not run at all to see that it is behind: a watchdog thread at normal priority (asleep
+/// but for a look every 100 ms) raises it when what it drains is half full or filling fast (a
+/// ring buffer's positions, read from a mapping of its own) or its last turn is overdue. Only
+/// where it may go back: root or CAP_SYS_NICE (leaving SCHED_IDLE needs one); otherwise it stays
+/// at normal priority.
+pub struct Yielding {
+    name: &'static str,
+    /// It may leave idle priority again (root, CAP_SYS_NICE).
+    may: bool,
+    policy: Policy,
+    beat: Arc<Heartbeat>,
+    /// Turns spent behind, at normal priority (for the report's cost line).
+    pub behind_turns: u64,
+}
+
+/// What the watchdog reads of a yielding thread.
+struct Heartbeat {
+    tid: libc::pid_t,
+    /// Monotonic ns of its last turn.
+    last_ns: AtomicU64,
+    /// How long after its last turn the next is overdue (0: none expected).
+    due_ns: AtomicU64,
+    /// Set by the watchdog when it raised the thread.
+    raised: AtomicBool,
+    /// Its last turn had work (records flowing, a busy target).
+    busy: AtomicBool,
+    done: AtomicBool,
+    /// What it keeps up with, when that can be read from here.
+    backlog: Option<RingFill>,
+    /// The backlog's fill at the watchdog's last look (f64 bits; the watchdog's own).
+    last_fill: AtomicU64,
+}
+
+/// How full a BPF ring buffer is, from a read-only mapping of its two position pages (the
+/// kernel lets any part be mapped read-only): producer − consumer, over its size.
+pub struct RingFill {
+    at: std::ptr::NonNull<libc::c_void>,
+    page: usize,
+    size: u64,
+}
+
+// SAFETY: a read-only shared mapping, read with volatile loads of two u64 the kernel and the
+// drain update atomically; nothing is written through it.
+unsafe impl Send for RingFill {}
+// SAFETY: as above.
+unsafe impl Sync for RingFill {}
+
+impl RingFill {
+    /// Map the position pages of the ring buffer map `fd` of `size` bytes.
+    pub fn new(fd: &impl std::os::fd::AsFd, size: u64) -> Option<RingFill> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        // SAFETY: a fresh read-only shared mapping of two pages of a ring buffer map's descriptor;
+        // checked for failure below, unmapped once in Drop.
+        let at = unsafe { libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ, libc::MAP_SHARED, fd.as_fd().as_raw_fd(), 0) };
+        if at == libc::MAP_FAILED {
+            return None;
+        }
+        Some(RingFill { at: std::ptr::NonNull::new(at)?, page, size: size.max(1) })
+    }
+
+    /// The share of the ring holding records not yet read (0..1).
+    pub fn fill(&self) -> f64 {
+        // SAFETY: both positions are the first u64 of a page of the live mapping.
+        let (consumer, producer) = unsafe {
+            let base = self.at.as_ptr().cast::<u8>();
+            (std::ptr::read_volatile(base.cast::<u64>()), std::ptr::read_volatile(base.add(self.page).cast::<u64>()))
+        };
+        producer.saturating_sub(consumer) as f64 / self.size as f64
+    }
+}
+
+impl Drop for RingFill {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, of that length, unmapped once.
+        unsafe { libc::munmap(self.at.as_ptr(), 2 * self.page) };
+    }
+}
+
+/// Turns in a row that keep up before a thread yields again.
+const KEEP_UP: u32 = 5;
+/// The least time since it last fell behind before a thread yields again; doubled each time it
+/// falls behind soon after yielding, up to `MAX_CALM`.
+const MIN_CALM: Duration = Duration::from_secs(1);
+const MAX_CALM: Duration = Duration::from_secs(32);
+/// The ring's fill at which the watchdog raises its drain: the other half holds what the kernel
+/// writes until the raised drain runs (at the CPU-hog tests' 16 MB/s, half of the default ring
+/// lasts 500 ms; the watchdog looks every 100 ms). A ring filling faster is raised earlier: when
+/// at the rate since the last look it would pass `RAISE_AHEAD` within two more looks.
+const RAISE_AT_FILL: f64 = 0.5;
+const RAISE_AHEAD: f64 = 0.75;
+const CAP_SYS_NICE: u64 = 1 << 23;
+const WATCH_EVERY: Duration = Duration::from_millis(100);
+const WATCH_IDLE: Duration = Duration::from_millis(250);
+
+/// When a yielding thread goes back to idle priority: after `KEEP_UP` turns in a row that kept
+/// up, and no sooner than `calm` since it last fell behind. A thread that falls behind again soon
+/// after it yielded (within 4 × `calm`) doubles `calm`: under a load that idle priority cannot keep
+/// up with (every CPU busy with many threads, a ring filling at tens of MB/s) it then stays at
+/// normal priority, as it would without yielding, instead of yielding, starving and being raised
+/// over and over (each time with half a ring of records waiting: the last half is all the
+/// margin there is). A long stretch at idle priority before a fall starts `calm` over.
+#[derive(Debug)]
+struct Policy {
+    idle: bool,
+    kept_up: u32,
+    fell_ns: u64,
+    idle_since_ns: u64,
+    calm_ns: u64,
+}
+
+#[derive(Debug, PartialEq)]
+enum Change {
+    Stay,
+    /// To normal priority.
+    Raise,
+    /// To idle priority.
+    Lower,
+}
+
+impl Policy {
+    fn new(idle: bool, now_ns: u64) -> Policy {
+        Policy { idle, kept_up: 0, fell_ns: now_ns, idle_since_ns: now_ns, calm_ns: MIN_CALM.as_nanos() as u64 }
+    }
+
+    /// One turn at `now_ns`: `fell`, it was behind (or raised by the watchdog); `may`, it may
+    /// leave idle priority again later.
+    fn turn(&mut self, now_ns: u64, fell: bool, may: bool) -> Change {
+        if fell {
+            self.kept_up = 0;
+            self.fell_ns = now_ns;
+            if !self.idle {
+                return Change::Stay;
+            }
+            let (min, max) = (MIN_CALM.as_nanos() as u64, MAX_CALM.as_nanos() as u64);
+            self.calm_ns =
+                if now_ns.saturating_sub(self.idle_since_ns) < self.calm_ns.saturating_mul(4) { (self.calm_ns * 2).min(max) } else { min };
+            self.idle = false;
+            return Change::Raise;
+        }
+        if self.idle || !may {
+            return Change::Stay;
+        }
+        self.kept_up += 1;
+        if self.kept_up >= KEEP_UP && now_ns.saturating_sub(self.fell_ns) >= self.calm_ns {
+            self.idle = true;
+            self.idle_since_ns = now_ns;
+            return Change::Lower;
+        }
+        Change::Stay
+    }
+}
+
+/// Whether the watchdog raises a thread whose backlog is `fill` full, `last` at its last look.
+fn filling(fill: f64, last: f64) -> bool {
+    fill > RAISE_AT_FILL || fill + 2.0 * (fill - last).max(0.0) > RAISE_AHEAD
+}
+
+fn watchdog() -> &'static Mutex<Vec<Arc<Heartbeat>>> {
+    static BEATS: OnceLock<Mutex<Vec<Arc<Heartbeat>>>> = OnceLock::new();
+    BEATS.get_or_init(|| {
+        let spawned = std::thread::Builder::new().name("probe-watchdog".into()).spawn(|| {
+            let mut every = WATCH_EVERY;
+            loop {
+                std::thread::sleep(every);
+                let now = crate::monotonic_ns();
+                let mut beats = watchdog().lock().unwrap_or_else(|e| e.into_inner());
+                beats.retain(|b| !b.done.load(Relaxed));
+                // Every 100 ms while a watched thread has work flowing, every 250 ms otherwise (a
+                // ring filling from idle at 16 MB/s is then seen at most 4 MB past half full).
+                every = if beats.iter().any(|b| b.busy.load(Relaxed)) { WATCH_EVERY } else { WATCH_IDLE };
+                for b in beats.iter() {
+                    let due = b.due_ns.load(Relaxed);
+                    let overdue = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
+                    let fill = b.backlog.as_ref().map_or(0.0, RingFill::fill);
+                    let last = f64::from_bits(b.last_fill.swap(fill.to_bits(), Relaxed));
+                    let full = due > 0 && b.backlog.is_some() && filling(fill, last);
+                    if (overdue || full) && !b.raised.load(Relaxed) {
+                        let p = libc::sched_param { sched_priority: 0 };
+                        // SAFETY: a valid sched_param; the tid is a thread of this process (it
+                        // leaves the list, `done`, before it ends).
+                        if unsafe { libc::sched_setscheduler(b.tid, libc::SCHED_OTHER, &p) } == 0 {
+                            b.raised.store(true, Relaxed);
+                        }
+                    }
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            log::warn!("no watchdog thread ({e}): yielding threads are raised only when they run");
+        }
+        Mutex::new(Vec::new())
+    })
+}
+
+impl Yielding {
+    /// Start yielding on the calling thread (when it could stop yielding again); its first turn
+    /// is overdue after `first`.
+    pub fn start(name: &'static str, first: Duration, backlog: Option<RingFill>) -> Yielding {
+        // SAFETY: geteuid and gettid have no preconditions.
+        let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
+        let may = euid == 0 || effective_caps() & CAP_SYS_NICE != 0;
+        let now = crate::monotonic_ns();
+        let beat = Arc::new(Heartbeat {
+            tid,
+            last_ns: now.into(),
+            due_ns: (first.as_nanos() as u64).into(),
+            raised: false.into(),
+            busy: false.into(),
+            done: false.into(),
+            backlog,
+            last_fill: 0f64.to_bits().into(),
+        });
+        let idle = may && {
+            watchdog().lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
+            set_policy(libc::SCHED_IDLE).is_ok()
+        };
+        Yielding { name, may, policy: Policy::new(idle, now), beat, behind_turns: 0 }
+    }
+
+    /// After a turn: `behind`, it fell behind (normal priority from now on); else it kept up.
+    /// `busy`: it had work this turn (the watchdog looks more often).
+    /// `next`: when the next turn is overdue (the watchdog raises the thread then); None: no turn
+    /// is expected (nothing to keep up with).
+    pub fn turn(&mut self, behind: bool, busy: bool, next: Option<Duration>) {
+        let now = crate::monotonic_ns();
+        self.beat.busy.store(busy, Relaxed);
+        self.beat.last_ns.store(now, Relaxed);
+        self.beat.due_ns.store(next.map_or(0, |d| d.as_nanos() as u64), Relaxed);
+        let raised = self.beat.raised.swap(false, Relaxed);
+        if behind || raised {
+            self.behind_turns += 1;
+        }
+        match self.policy.turn(now, behind || raised, self.may) {
+            Change::Stay => {}
+            Change::Raise if raised => {
+                log::info!("{}: overdue at idle priority: raised to normal for at least {} ms", self.name, self.policy.calm_ns / 1_000_000)
+            }
+            Change::Raise => match set_policy(libc::SCHED_OTHER) {
+                Ok(()) => {
+                    log::info!("{}: fell behind at idle priority: normal for at least {} ms", self.name, self.policy.calm_ns / 1_000_000)
+                }
+                Err(e) => log::warn!("{}: fell behind at idle priority and cannot leave it: {e}", self.name),
+            },
+            Change::Lower => {
+                if set_policy(libc::SCHED_IDLE).is_err() {
+                    self.policy.idle = false;
+                }
+            }
+        }
+    }
+
+    /// Normal priority for good (the end of a trace: its last drain and report should not wait).
+    pub fn stop(&mut self) {
+        self.beat.due_ns.store(0, Relaxed);
+        if self.policy.idle && set_policy(libc::SCHED_OTHER).is_ok() {
+            self.policy.idle = false;
+        }
+        self.may = false;
+    }
+}
+
+impl Drop for Yielding {
+    fn drop(&mut self) {
+        self.beat.due_ns.store(0, Relaxed);
+        self.beat.done.store(true, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    /// Five turns that keep up and a second of calm, then idle; a fall soon after doubles the
+    /// calm each time (up to 32 s); a long idle stretch before a fall starts it over.
+    #[test]
+    fn a_thread_that_keeps_falling_behind_stays_raised_longer() {
+        let mut p = Policy::new(true, 0);
+        assert_eq!(p.turn(S / 10, true, true), Change::Raise);
+        assert_eq!(p.calm_ns, 2 * S, "a fall 100 ms after starting idle doubles the calm");
+        // Kept up, but not yet calm for 2 s.
+        for i in 1..=10 {
+            assert_eq!(p.turn(S / 10 + i * S / 10, false, true), Change::Stay);
+        }
+        assert_eq!(p.turn(S / 10 + 2 * S, false, true), Change::Lower);
+        // Starved again at once: 4 s now, then 8, 16, 32, 32.
+        let mut t = 3 * S;
+        for want in [4, 8, 16, 32, 32] {
+            assert_eq!(p.turn(t, true, true), Change::Raise);
+            assert_eq!(p.calm_ns, want * S);
+            for k in 0..KEEP_UP as u64 {
+                assert_eq!(p.turn(t + k * 1000, false, true), Change::Stay, "yielded {k} turns after a fall");
+            }
+            t += want * S;
+            assert_eq!(p.turn(t, false, true), Change::Lower);
+            t += S / 2;
+        }
+        // A fall after a long idle stretch starts over at 1 s.
+        t += 1000 * S;
+        assert_eq!(p.turn(t, true, true), Change::Raise);
+        assert_eq!(p.calm_ns, S);
+        // A fall while already raised changes nothing but the clock; without the right to leave
+        // idle priority again it never yields.
+        assert_eq!(p.turn(t + 1, true, true), Change::Stay);
+        let mut q = Policy::new(false, 0);
+        for k in 0..100 {
+            assert_eq!(q.turn(k * S, false, false), Change::Stay);
+        }
+    }
+
+    /// Half full, or filling fast enough to pass three quarters within two more looks.
+    #[test]
+    fn a_ring_filling_fast_is_raised_before_half_full() {
+        assert!(filling(0.51, 0.51));
+        assert!(!filling(0.3, 0.3), "a steady backlog under half is left to the drain");
+        assert!(filling(0.4, 0.2), "0.2 a look: 0.6 at the next, past three quarters after that");
+        assert!(!filling(0.1, 0.05));
+        assert!(!filling(0.0, 0.4), "an emptied ring is not filling");
+    }
+}
