@@ -10,6 +10,7 @@ pub mod kernel;
 pub mod mem;
 pub mod mmap;
 pub mod proc;
+pub mod python;
 pub mod sock;
 pub mod stack;
 pub mod stream;
@@ -40,6 +41,9 @@ pub mod maps {
     /// `HashMap<blockio::FileId, u32 tgid>`: files the target maps (the model): a block request
     /// for their pages is the target's whoever issues it.
     pub const TARGET_FILES: &str = "TARGET_FILES";
+    /// `HashMap<u32 tid, python::PyThread>`: CPython threads and where their current frame is
+    /// (written by the collector): their stack events carry Python frames.
+    pub const PY_THREADS: &str = "PY_THREADS";
 }
 
 /// Ring buffer size in bytes unless the user asks for another (must be a power of two pages).
@@ -66,10 +70,11 @@ pub enum EventKind {
     Sched = 9,
     Mem = 10,
     Engine = 11,
+    PyStack = 12,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 11] = [
+    pub const ALL: [EventKind; 12] = [
         Self::BlockIo,
         Self::Fault,
         Self::Mmap,
@@ -81,6 +86,7 @@ impl EventKind {
         Self::Sched,
         Self::Mem,
         Self::Engine,
+        Self::PyStack,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -96,6 +102,7 @@ impl EventKind {
             Self::Sched => "sched",
             Self::Mem => "mem",
             Self::Engine => "engine",
+            Self::PyStack => "pystack",
         }
     }
 
@@ -115,6 +122,7 @@ impl EventKind {
             Self::Sched => size_of::<stack::SchedEvent>(),
             Self::Mem => size_of::<mem::MemEvent>(),
             Self::Engine => size_of::<engine::EngineEvent>(),
+            Self::PyStack => size_of::<python::PyStackEvent>(),
         }
     }
 }
@@ -134,6 +142,7 @@ impl TryFrom<u32> for EventKind {
             9 => Self::Sched,
             10 => Self::Mem,
             11 => Self::Engine,
+            12 => Self::PyStack,
             other => return Err(other),
         })
     }
@@ -211,5 +220,7 @@ mod pod {
     unsafe impl aya::Pod for crate::mem::MemEvent {}
     unsafe impl aya::Pod for crate::engine::EngineEvent {}
     unsafe impl aya::Pod for crate::engine::BatchFill {}
+    unsafe impl aya::Pod for crate::python::PyThread {}
+    unsafe impl aya::Pod for crate::python::PyStackEvent {}
     unsafe impl aya::Pod for crate::blockio::FileId {}
 }

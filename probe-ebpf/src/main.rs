@@ -10,6 +10,7 @@ mod filemap;
 mod mem;
 mod mmap;
 mod proc;
+mod python;
 mod sock;
 mod stack;
 mod stream;

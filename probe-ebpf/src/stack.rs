@@ -160,6 +160,8 @@ fn read_kernel<T>(p: *const T) -> T {
 /// leave the user stack out when it is the one this thread sent last ([`seen_before`]).
 #[inline(always)]
 pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
+    // A CPython thread's Python frames go first, in a record of their own (python.rs).
+    crate::python::send(pid, tid);
     // The user registers at the task's last kernel entry (interrupt, fault or syscall).
     // SAFETY: helpers without preconditions; the pointer is only read through probe reads.
     let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;

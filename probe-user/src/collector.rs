@@ -231,6 +231,10 @@ struct State {
     offcpu: HashMap<u32, recording::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    /// CPython targets: their threads in the kernel's map (where each one's frame chain starts)
+    /// and the names of the Python frames seen.
+    python: crate::record::python::Pythons,
+    py_threads: Option<aya::maps::HashMap<MapData, u32, probe_common::python::PyThread>>,
     /// Where to tell the kernel which files the targets map (their block IO is the target's
     /// whoever issues it), and the files told.
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
@@ -302,6 +306,8 @@ impl State {
             cut_tops: HashMap::new(),
             module_paths: HashMap::new(),
             ustack_need: None,
+            python: Default::default(),
+            py_threads: None,
             target_files: None,
             files_told: HashSet::new(),
             need_told: HashMap::new(),
@@ -351,10 +357,12 @@ impl State {
             }
             self.credentials.entry((d.sk, d.dir)).or_default().mask(&mut copy[head..]);
             self.writer.kernel(&copy)?;
-        } else if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_)) {
+        } else if !matches!(ev, Event::Data(_) | Event::Stack(_) | Event::Sched(_) | Event::PyStack(_)) {
             self.writer.kernel(bytes)?;
         }
         match ev {
+            // Merged into the stack record that follows (record::python).
+            Event::PyStack(p) => self.python.frames(p),
             Event::Stack(s) => self.on_stack(&s, decode::data_payload(bytes))?,
             Event::Sched(e) if probe_common::stack::is_cpu_wait(e.flags) => {
                 // Run-queue wait: kept as it is, with what ran instead named once.
@@ -460,6 +468,14 @@ impl State {
             self.module_paths.insert(id, path.clone());
             self.writer.record(&UserRecord::Module(records::Module { id, path }))?;
         }
+        // A CPython thread's Python frames in place of the interpreter's evaluation frames.
+        let native_top = u.frames.last().copied();
+        let paths = &self.module_paths;
+        let user = self.python.merge_into(s.hdr.pid, s.hdr.tid, s.hdr.ts_ns, u.frames, |id| paths.get(&id).cloned());
+        if !self.python.new_names.is_empty() {
+            let frames = std::mem::take(&mut self.python.new_names);
+            self.writer.record(&UserRecord::PyFrames(records::PyFrames { frames }))?;
+        }
         let kernel: Vec<u64> = if s.kstack_bytes > 0 {
             s.kstack.iter().take(s.kstack_bytes as usize / 8).copied().take_while(|&a| a != 0).collect()
         } else {
@@ -475,7 +491,7 @@ impl State {
             self.writer.record(&UserRecord::Ksyms(names))?;
         }
         if !u.complete
-            && let Some(&top) = u.frames.last()
+            && let Some(top) = native_top
             && (self.cut_tops.len() < MAX_CUT_TOPS || self.cut_tops.contains_key(&(what, top)))
         {
             *self.cut_tops.entry((what, top)).or_default() += 1;
@@ -485,7 +501,7 @@ impl State {
             pid: s.hdr.pid,
             tid: s.hdr.tid,
             ts_ns: s.hdr.ts_ns,
-            user: u.frames,
+            user,
             complete: u.complete,
             cut: u.cut,
             addr: s.addr,

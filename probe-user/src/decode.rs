@@ -34,6 +34,8 @@ pub enum Event {
     Mem(MemEvent),
     /// Boxed: 272 bytes, one per decode step.
     Engine(Box<EngineEvent>),
+    /// Boxed: a CPython thread's frames at a stack event (1 KiB), just before its stack record.
+    PyStack(Box<probe_common::python::PyStackEvent>),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -60,6 +62,7 @@ impl Event {
             Event::Sched(e) => &e.hdr,
             Event::Mem(e) => &e.hdr,
             Event::Engine(e) => &e.hdr,
+            Event::PyStack(e) => &e.hdr,
         }
     }
     pub fn kind(&self) -> EventKind {
@@ -75,6 +78,7 @@ impl Event {
             Event::Sched(_) => EventKind::Sched,
             Event::Mem(_) => EventKind::Mem,
             Event::Engine(_) => EventKind::Engine,
+            Event::PyStack(_) => EventKind::PyStack,
         }
     }
 }
@@ -143,6 +147,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Sched => Event::Sched(read(bytes, kind)?),
         EventKind::Mem => Event::Mem(read(bytes, kind)?),
         EventKind::Engine => Event::Engine(Box::new(read(bytes, kind)?)),
+        EventKind::PyStack => Event::PyStack(Box::new(read(bytes, kind)?)),
     })
 }
 
@@ -170,6 +175,7 @@ pub fn encode_event(ev: &Event) -> Vec<u8> {
         Event::Sched(e) => encode(e),
         Event::Mem(e) => encode(e),
         Event::Engine(e) => encode(&**e),
+        Event::PyStack(e) => encode(&**e),
     }
 }
 

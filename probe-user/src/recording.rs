@@ -40,12 +40,13 @@ pub const FRAME_JSON: u8 = 2;
 /// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
 /// test checks the page against this list, and every real trace in the test suite checks that
 /// its recording holds no other.
-pub const USER_RECORD_TYPES: [&str; 20] = [
+pub const USER_RECORD_TYPES: [&str; 21] = [
     "meta",
     "maps",
     "files",
     "module",
     "ksyms",
+    "pyframes",
     "threads",
     "procs",
     "request",
@@ -348,7 +349,7 @@ impl StackRecord {
 /// variable-length ones (a fixed part then a tail whose length the fixed part gives) whole, and
 /// the engine's steps (272 bytes, mostly per-sequence arrays, one per decode step) whole too.
 fn chained(kind: EventKind) -> bool {
-    !matches!(kind, EventKind::Data | EventKind::Stack | EventKind::Engine)
+    !matches!(kind, EventKind::Data | EventKind::Stack | EventKind::Engine | EventKind::PyStack)
 }
 
 /// What a compact record is relative to: the previous kernel record's time, and per kind the
@@ -377,7 +378,10 @@ const _: () = {
     let mut i = 0;
     while i < EventKind::ALL.len() {
         let k = EventKind::ALL[i];
-        assert!(matches!(k, EventKind::Data | EventKind::Stack | EventKind::Engine) || k.record_size() - HEADER <= MAX_WORDS * 8);
+        assert!(
+            matches!(k, EventKind::Data | EventKind::Stack | EventKind::Engine | EventKind::PyStack)
+                || k.record_size() - HEADER <= MAX_WORDS * 8
+        );
         i += 1;
     }
 };
@@ -652,7 +656,7 @@ impl Context {
             }
             U::Maps(m) => ("maps", i64::from(m.pid)),
             U::Module(m) => ("module", m.id),
-            U::Files(_) | U::Ksyms(_) | U::Threads(_) | U::Procs(_) => {
+            U::Files(_) | U::Ksyms(_) | U::PyFrames(_) | U::Threads(_) | U::Procs(_) => {
                 self.grown_bytes += bytes.len();
                 self.grown.push_back(bytes.to_vec());
                 while self.grown_bytes > CONTEXT_GROWN {

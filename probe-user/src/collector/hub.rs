@@ -305,7 +305,12 @@ impl Hub {
         let counters = PerCpuArray::try_from(attached.ebpf.take_map(probe_common::maps::COUNTERS).context("COUNTERS map missing")?)?;
         let mut map_ids = HashMap::new();
         let mut kept = Vec::new();
-        for name in [probe_common::maps::USTACK_NEED, probe_common::maps::TARGET_FILES, probe_common::maps::TARGET_BLKCG] {
+        for name in [
+            probe_common::maps::USTACK_NEED,
+            probe_common::maps::PY_THREADS,
+            probe_common::maps::TARGET_FILES,
+            probe_common::maps::TARGET_BLKCG,
+        ] {
             if let Some(d) = attached.ebpf.take_map(name).and_then(map_data)
                 && let Ok(info) = d.info()
             {

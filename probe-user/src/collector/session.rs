@@ -226,6 +226,7 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
     st.engine_seen = attached.engine_seen.iter().copied().collect();
     st.follow_cgroup = opts.cgroup.is_some();
     st.ustack_need = attached.ustack_need.take();
+    st.py_threads = attached.py_threads.take();
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     if opts.watch.is_some() {
         st.writer.keep_context();
@@ -302,6 +303,7 @@ struct Armed {
     engine_seen: Vec<crate::target_file::Ident>,
     bpf_unmeasured: Option<String>,
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    py_threads: Option<aya::maps::HashMap<MapData, u32, probe_common::python::PyThread>>,
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
     blkcg: Option<aya::maps::HashMap<MapData, u64, u32>>,
 }
@@ -312,6 +314,7 @@ impl Armed {
             Source::Own { attached, .. } => {
                 let mut take = |name: &str| attached.ebpf.take_map(name);
                 let ustack_need = take(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+                let py_threads = take(maps::PY_THREADS).and_then(|m| aya::maps::HashMap::try_from(m).ok());
                 let target_files = take(maps::TARGET_FILES).and_then(|m| aya::maps::HashMap::try_from(m).ok());
                 let blkcg = take(maps::TARGET_BLKCG).and_then(|m| aya::maps::HashMap::try_from(m).ok());
                 Armed {
@@ -321,6 +324,7 @@ impl Armed {
                     engine_seen: attached.engine_seen.clone(),
                     bpf_unmeasured: attached.run_time_stats.as_ref().err().cloned(),
                     ustack_need,
+                    py_threads,
                     target_files,
                     blkcg,
                 }
@@ -332,6 +336,7 @@ impl Armed {
                 engine_seen: m.engine_seen.clone(),
                 bpf_unmeasured: m.bpf_unmeasured.clone(),
                 ustack_need: m.open_hash(maps::USTACK_NEED),
+                py_threads: m.open_hash(maps::PY_THREADS),
                 target_files: m.open_hash(maps::TARGET_FILES),
                 blkcg: m.open_hash(maps::TARGET_BLKCG),
             },
@@ -498,6 +503,20 @@ async fn follow(
 /// Search executable files the targets mapped since the last turn for llama.cpp's entry points
 /// and attach the engine probe to them: a model runner started after attach (Ollama), a
 /// libllama loaded later (a Python server importing its binding).
+/// CPython targets: new processes checked for an interpreter, every interpreter's threads put in
+/// the kernel's map (a thread started since the last turn gets its Python frames from now on).
+/// A target whose Python cannot be read is said once.
+pub(super) fn follow_python(st: &mut State) {
+    if st.py_threads.is_none() {
+        return;
+    }
+    let targets = st.targets.lock().map(|t| t.clone()).unwrap_or_default();
+    st.python.refresh(&targets, &mut st.py_threads);
+    for note in std::mem::take(&mut st.python.notes) {
+        eprintln!("probe: {note}");
+    }
+}
+
 fn follow_engine(st: &mut State, se: &mut Session) {
     let new = std::mem::take(&mut st.engine_new);
     if new.is_empty() || !se.follow_engine {
@@ -583,6 +602,7 @@ impl Second {
         }
         st.writer.flush()?;
         follow_engine(st, se);
+        follow_python(st);
         rotate(opts, st, se, out_dir)?;
         if let (Some(screen), Some(live)) = (screen, &mut st.live) {
             let rate = st.events - self.last_events;

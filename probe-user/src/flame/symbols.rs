@@ -15,6 +15,7 @@ use blazesym::symbolize::{
 
 use crate::{
     procfs::Mapping,
+    record::python::PY_MODULE,
     recording::{Recording, StackRecord, records::UserRecord},
     target_file::{self, TargetFile},
 };
@@ -46,6 +47,8 @@ pub(crate) struct Wanted {
     /// Every distinct mapping seen per path, with its pid, in recording order.
     mapped: HashMap<String, Vec<(u32, Mapping)>>,
     offsets: BTreeMap<i64, std::collections::BTreeSet<u64>>,
+    /// Python frames by id (`pyframes` records).
+    python: HashMap<u64, String>,
 }
 
 impl Wanted {
@@ -60,6 +63,11 @@ impl Wanted {
                     if !seen.iter().any(|(p, s)| *p == m.pid && s.start == map.start && s.end == map.end && s.inode == map.inode) {
                         seen.push((m.pid, map.clone()));
                     }
+                }
+            }
+            UserRecord::PyFrames(p) => {
+                for (id, name) in &p.frames {
+                    self.python.insert(*id, name.clone());
                 }
             }
             _ => {}
@@ -192,9 +200,14 @@ impl Symbols {
 
     /// Resolve what a recording's frames want; `kernel` is the recording's kernel names.
     pub(crate) fn of(w: Wanted, kernel: crate::ksyms::Names) -> Symbols {
-        let (modules, wanted) = (w.modules, w.offsets);
-        let symbolizer = Symbolizer::new();
+        let (modules, mut wanted) = (w.modules, w.offsets);
         let mut user = HashMap::new();
+        // Python frames were named while tracing.
+        for off in wanted.remove(&PY_MODULE).unwrap_or_default() {
+            let name = w.python.get(&off).cloned().unwrap_or_else(|| format!("[python frame {off}]"));
+            user.insert((PY_MODULE, off), name);
+        }
+        let symbolizer = Symbolizer::new();
         let mut build_ids = HashMap::new();
         // Kept open until symbolization ends, so no /proc/self/fd/N names two files. A copy is
         // dropped as soon as it was read: at most one module's copy is held at a time.

@@ -3,3 +3,4 @@
 pub mod attach;
 pub mod kernel_cache;
 pub mod peer;
+pub mod python;

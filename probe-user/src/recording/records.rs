@@ -187,6 +187,14 @@ pub struct Ksyms {
     pub syms: Vec<(u64, String)>,
 }
 
+/// Python frames named while tracing: `(id, "module.qualname (file.py:line)")`; stack records
+/// carry them as user frames of module `crate::record::python::PY_MODULE` with the id as offset.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PyFrames {
+    pub frames: Vec<(u64, String)>,
+}
+
 /// Thread names: `(pid, tid, name)`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -337,6 +345,7 @@ pub enum UserRecord {
     Files(Files),
     Module(Module),
     Ksyms(Ksyms),
+    PyFrames(PyFrames),
     Threads(Threads),
     Procs(Procs),
     Request(Box<RequestRecord>),
@@ -366,6 +375,7 @@ impl UserRecord {
             "files" => UserRecord::Files(from(v)?),
             "module" => UserRecord::Module(from(v)?),
             "ksyms" => UserRecord::Ksyms(from(v)?),
+            "pyframes" => UserRecord::PyFrames(from(v)?),
             "threads" => UserRecord::Threads(from(v)?),
             "procs" => UserRecord::Procs(from(v)?),
             "request" => {
@@ -395,6 +405,7 @@ impl UserRecord {
             UserRecord::Files(f) => ("files", serde_json::to_value(f)?),
             UserRecord::Module(m) => ("module", serde_json::to_value(m)?),
             UserRecord::Ksyms(k) => ("ksyms", serde_json::to_value(k)?),
+            UserRecord::PyFrames(p) => ("pyframes", serde_json::to_value(p)?),
             UserRecord::Threads(t) => ("threads", serde_json::to_value(t)?),
             UserRecord::Procs(p) => ("procs", serde_json::to_value(p)?),
             UserRecord::Request(q) => ("request", serde_json::to_value(q)?),
@@ -457,6 +468,7 @@ mod tests {
             }),
             UserRecord::Module(Module { id: 3, path: "/usr/bin/llama-server".into() }),
             UserRecord::Ksyms(Ksyms { syms: vec![(0xffff_ffff_8100_0000, "io_schedule".into())] }),
+            UserRecord::PyFrames(PyFrames { frames: vec![(0, "app.spin (app.py:12)".into())] }),
             UserRecord::Threads(Threads { ts_ns: 13, threads: vec![(7, 9, "llama-server".into())] }),
             UserRecord::CutFrames(CutFrames {
                 frames: vec![CutFrame {

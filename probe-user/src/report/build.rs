@@ -274,6 +274,7 @@ impl Builder {
                 }
             }
             UserRecord::Ksyms(k) => self.names.feed_ksyms(&k),
+            UserRecord::PyFrames(_) => {}
             UserRecord::Stack(s) => self.stack_seen(&s),
             UserRecord::Stats(s) => {
                 let u = &s.unwind;
@@ -606,7 +607,7 @@ impl Builder {
                 let from = to.saturating_sub(probe_common::stack::steal_span_ns(e.flags));
                 self.steal_runs.push(crate::verdict::StealRun { from, to, tid: e.hdr.tid, ns: e.blocked_ns });
             }
-            Event::Data(_) | Event::Stack(_) | Event::Sched(_) => {}
+            Event::Data(_) | Event::Stack(_) | Event::Sched(_) | Event::PyStack(_) => {}
             Event::Engine(e) => self.engine.add(e),
             Event::Mem(m) => {
                 if m.what != probe_common::mem::MEM_OOM_VICTIM {

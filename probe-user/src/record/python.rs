@@ -1,0 +1,699 @@
+//! Python frames of CPython targets (3.11, 3.12, 3.13): which threads are Python threads and where
+//! their frame chain starts (for the kernel's walk, probe_common::python), what each code object
+//! the walk sent is called (`module.qualname (file.py:line)`), and the merge of those frames into
+//! the native stack in place of the interpreter's evaluation frames, as `py-spy --native` does.
+//!
+//! The target's memory is untrusted input: every read is bounded (process_vm_readv of at most
+//! [`MAX_READ`] bytes), every pointer is checked for null and every count capped; a chain that
+//! tears while read ends there. No file of the target is mapped: its ELF symbols are read
+//! through probe's verified open file (crate::target_file).
+use std::collections::{HashMap, HashSet};
+
+use probe_common::python::{PY_ENTRY, PY_FRAMES_311, PY_FRAMES_312, PY_NO_CFRAME, PyStackEvent, PyThread};
+
+use crate::procfs::Mapping;
+
+/// The module id Python frames carry in a stack record's user frames (the offset is the frame's
+/// id in the recording's `pyframes` records).
+pub const PY_MODULE: i64 = -2;
+/// Most bytes one read of the target's memory takes.
+pub const MAX_READ: usize = 64 << 10;
+/// Most threads read from one interpreter's list.
+const MAX_THREADS: usize = 4096;
+/// Most characters of a name or file name kept.
+const MAX_NAME: usize = 512;
+/// Most distinct Python frames named per trace (then frames are named by code address).
+const MAX_FRAMES: usize = 1 << 18;
+
+/// Where a CPython version keeps what probe reads, in bytes from the start of each struct.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub version: (u8, u8),
+    /// `_PyRuntime.interpreters.head`.
+    pub interp_head: u64,
+    /// `PyInterpreterState.threads.head`.
+    pub threads_head: u64,
+    pub tstate_next: u64,
+    pub tstate_native_id: u64,
+    /// `PyThreadState.cframe` (3.11, 3.12) or PY_NO_CFRAME.
+    pub tstate_cframe: u32,
+    /// `_PyCFrame.current_frame`, or `PyThreadState.current_frame` (3.13).
+    pub frame: u32,
+    pub frames: u32,
+    pub code_filename: u64,
+    pub code_name: u64,
+    pub code_qualname: u64,
+    pub code_firstlineno: u64,
+    pub code_linetable: u64,
+    pub code_adaptive: u64,
+    /// sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject).
+    pub ascii_size: u64,
+    pub compact_size: u64,
+}
+
+/// The table, by minor version (x86-64 and aarch64 Linux: LP64, the same layout). Offsets from
+/// CPython's headers (the structs as py-spy's generated bindings spell them) and checked here
+/// against a running 3.11 (tests/python.rs). 3.10 keeps frames as objects
+/// (`PyFrameObject`, `tstate->frame`) and has no `native_thread_id`: not read.
+pub fn layout(major: u8, minor: u8) -> Option<Layout> {
+    let base = Layout {
+        version: (major, minor),
+        interp_head: 40,
+        threads_head: 16,
+        tstate_next: 8,
+        tstate_native_id: 160,
+        tstate_cframe: 56,
+        frame: 8,
+        frames: PY_FRAMES_311,
+        code_filename: 112,
+        code_name: 120,
+        code_qualname: 128,
+        code_firstlineno: 72,
+        code_linetable: 136,
+        code_adaptive: 184,
+        ascii_size: 48,
+        compact_size: 72,
+    };
+    match (major, minor) {
+        (3, 11) => Some(base),
+        (3, 12) => Some(Layout {
+            threads_head: 72,
+            tstate_native_id: 144,
+            frame: 0,
+            frames: PY_FRAMES_312,
+            code_firstlineno: 68,
+            code_adaptive: 192,
+            ascii_size: 40,
+            compact_size: 56,
+            ..base
+        }),
+        // 3.13 and later: `_Py_DebugOffsets` in the running interpreter ([`debug_offsets`]).
+        _ => None,
+    }
+}
+
+/// CPython 3.13+ starts `_PyRuntime` with `_Py_DebugOffsets` (cookie "xdebugpy", the version,
+/// then the offsets tools need): the layout from the interpreter itself. `b` is the start of
+/// `_PyRuntime` (at least 512 bytes). None when the cookie is not there or a value is out of
+/// reason (a torn or foreign struct).
+pub fn debug_offsets(b: &[u8]) -> Option<Layout> {
+    if b.get(..8)? != b"xdebugpy" {
+        return None;
+    }
+    let w = |i: usize| -> Option<u64> { Some(u64::from_le_bytes(b.get(i * 8..i * 8 + 8)?.try_into().ok()?)) };
+    let hex = w(1)?;
+    let (major, minor) = (((hex >> 24) & 0xff) as u8, ((hex >> 16) & 0xff) as u8);
+    // 3.14 tags its frame pointers (`_PyStackRef`): not read until checked on one.
+    if (major, minor) != (3, 13) {
+        return None;
+    }
+    // runtime_state {size, finalizing, interpreters_head} from word 2; interpreter_state {size,
+    // id, next, threads_head, ...13 words}; thread_state {size, prev, next, interp,
+    // current_frame, thread_id, native_thread_id, datastack_chunk, status}; interpreter_frame
+    // {size, previous, executable, instr_ptr, localsplus, owner}; code_object {size, filename,
+    // name, qualname, linetable, firstlineno, argcount, localsplusnames, localspluskinds,
+    // co_code_adaptive}.
+    let rt = 2;
+    let is = rt + 3;
+    let ts = is + 13;
+    let fr = ts + 9;
+    let co = fr + 6;
+    let small = |v: u64| (v < 1 << 20).then_some(v);
+    // The frame layout the kernel reads must be the one this table names.
+    if (w(fr + 1)?, w(fr + 2)?, w(fr + 3)?, w(fr + 5)?) != (8, 0, 56, 70) {
+        return None;
+    }
+    Some(Layout {
+        version: (major, minor),
+        interp_head: small(w(rt + 2)?)?,
+        threads_head: small(w(is + 3)?)?,
+        tstate_next: small(w(ts + 2)?)?,
+        tstate_native_id: small(w(ts + 6)?)?,
+        tstate_cframe: PY_NO_CFRAME,
+        frame: u32::try_from(small(w(ts + 4)?)?).ok()?,
+        frames: PY_FRAMES_312,
+        code_filename: small(w(co + 1)?)?,
+        code_name: small(w(co + 2)?)?,
+        code_qualname: small(w(co + 3)?)?,
+        code_linetable: small(w(co + 4)?)?,
+        code_firstlineno: small(w(co + 5)?)?,
+        code_adaptive: small(w(co + 9)?)?,
+        ascii_size: 40,
+        compact_size: 56,
+    })
+}
+
+/// The line of code unit `index` from a 3.11+ location table (`co_linetable`), starting at
+/// `first` (`co_firstlineno`); None when the table does not reach it or says "no location".
+/// Bounded by the table: every entry consumes at least one byte.
+pub fn line_of(table: &[u8], first: i64, index: u64) -> Option<i64> {
+    let mut i = 0usize;
+    let mut line = first;
+    let mut at = 0u64;
+    let varint = |i: &mut usize| -> Option<u64> {
+        let mut v = 0u64;
+        let mut shift = 0;
+        loop {
+            let b = *table.get(*i)?;
+            *i += 1;
+            v |= u64::from(b & 63).checked_shl(shift)?;
+            if b & 64 == 0 || shift >= 60 {
+                return Some(v);
+            }
+            shift += 6;
+        }
+    };
+    while i < table.len() {
+        let b = table[i];
+        if b & 0x80 == 0 {
+            // Not the start of an entry: a torn table.
+            return None;
+        }
+        i += 1;
+        let code = (b >> 3) & 15;
+        let len = u64::from(b & 7) + 1;
+        let (delta, known) = match code {
+            15 => (0, false),
+            14 => {
+                let u = varint(&mut i)?;
+                let d = if u & 1 != 0 { -((u >> 1) as i64) } else { (u >> 1) as i64 };
+                for _ in 0..3 {
+                    varint(&mut i)?;
+                }
+                (d, true)
+            }
+            13 => {
+                let u = varint(&mut i)?;
+                (if u & 1 != 0 { -((u >> 1) as i64) } else { (u >> 1) as i64 }, true)
+            }
+            10..=12 => {
+                i += 2;
+                (i64::from(code) - 10, true)
+            }
+            _ => {
+                i += 1;
+                (0, true)
+            }
+        };
+        line = line.saturating_add(delta);
+        if index < at + len {
+            return known.then_some(line);
+        }
+        at += len;
+    }
+    None
+}
+
+/// A `str` object's text from its first bytes `b` (at least the header; the characters follow):
+/// compact ASCII or compact 1/2/4-byte kinds; None for any other shape (a legacy string, a
+/// torn object). At most [`MAX_NAME`] characters.
+pub fn unicode_text(b: &[u8], l: &Layout) -> Option<String> {
+    let len = u64::from_le_bytes(b.get(16..24)?.try_into().ok()?);
+    let state = u32::from_le_bytes(b.get(32..36)?.try_into().ok()?);
+    // state: interned 2 bits, kind 3, compact 1, ascii 1.
+    let (kind, compact, ascii) = ((state >> 2) & 7, (state >> 5) & 1 == 1, (state >> 6) & 1 == 1);
+    if !compact || len > 1 << 20 {
+        return None;
+    }
+    let n = (len as usize).min(MAX_NAME);
+    let (start, width) = if ascii { (l.ascii_size as usize, 1) } else { (l.compact_size as usize, kind as usize) };
+    if !matches!(width, 1 | 2 | 4) {
+        return None;
+    }
+    let data = b.get(start..start + n * width)?;
+    Some(match width {
+        1 if ascii => data.iter().map(|&c| char::from(c & 0x7f)).collect(),
+        1 => data.iter().map(|&c| char::from(c)).collect(),
+        2 => data.chunks_exact(2).map(|c| char::from_u32(u32::from(u16::from_le_bytes([c[0], c[1]]))).unwrap_or('?')).collect(),
+        _ => data.chunks_exact(4).map(|c| char::from_u32(u32::from_le_bytes([c[0], c[1], c[2], c[3]])).unwrap_or('?')).collect(),
+    })
+}
+
+/// A module's dotted name from its file: the path below `site-packages/`, `dist-packages/` or
+/// `lib/pythonX.Y/`, else the file's stem (`llama_cpp/server/app.py` → `llama_cpp.server.app`).
+pub fn module_of(file: &str) -> String {
+    let rel = ["site-packages/", "dist-packages/"]
+        .iter()
+        .find_map(|m| file.rfind(m).map(|i| &file[i + m.len()..]))
+        .or_else(|| {
+            let i = file.rfind("/lib/python3")?;
+            let rest = &file[i + 5..];
+            rest.find('/').map(|j| &rest[j + 1..])
+        })
+        .unwrap_or_else(|| file.rsplit('/').next().unwrap_or(file));
+    let rel = rel.strip_suffix(".py").unwrap_or(rel);
+    let rel = rel.strip_suffix("/__init__").unwrap_or(rel);
+    rel.replace('/', ".")
+}
+
+/// One frame's name: `module.qualname (file.py:line)`.
+pub fn frame_name(qualname: &str, file: &str, line: Option<i64>) -> String {
+    let base = file.rsplit('/').next().unwrap_or(file);
+    let module = module_of(file);
+    let q = if module.is_empty() || file.starts_with('<') { qualname.to_string() } else { format!("{module}.{qualname}") };
+    match line {
+        Some(l) => format!("{q} ({base}:{l})"),
+        None => format!("{q} ({base})"),
+    }
+}
+
+/// Merge a stack's native frames (innermost first) with its Python frames (innermost first,
+/// [`PY_ENTRY`] ending each C-level evaluation's group): each native frame for which `is_eval`
+/// holds is replaced by the next group of Python frames; groups left over (the native unwind
+/// stopped short) go outermost. `py_id` names a Python frame (its code object and instruction).
+pub fn merge(
+    native: &[(i64, u64)],
+    py: &[[u64; 2]],
+    is_eval: impl Fn(i64, u64) -> bool,
+    mut py_id: impl FnMut(u64, u64) -> u64,
+) -> Vec<(i64, u64)> {
+    // A 3.12+ shim frame (`[0, PY_ENTRY]`) says the frame before it is an entry.
+    let mut folded: Vec<[u64; 2]> = Vec::with_capacity(py.len());
+    for f in py {
+        match (f[0], folded.last_mut()) {
+            (0, Some(last)) => last[1] |= f[1] & PY_ENTRY,
+            (0, None) => {}
+            _ => folded.push(*f),
+        }
+    }
+    let py = &folded[..];
+    let mut groups: Vec<&[[u64; 2]]> = Vec::new();
+    let mut start = 0;
+    for (i, f) in py.iter().enumerate() {
+        if f[1] & PY_ENTRY != 0 {
+            groups.push(&py[start..=i]);
+            start = i + 1;
+        }
+    }
+    if start < py.len() {
+        groups.push(&py[start..]);
+    }
+    let mut out = Vec::with_capacity(native.len() + py.len());
+    let mut g = groups.into_iter();
+    let mut push = |out: &mut Vec<(i64, u64)>, group: &[[u64; 2]]| {
+        out.extend(group.iter().map(|f| (PY_MODULE, py_id(f[0], f[1] & !PY_ENTRY))));
+    };
+    for &(m, off) in native {
+        if is_eval(m, off)
+            && let Some(group) = g.next()
+        {
+            push(&mut out, group);
+            continue;
+        }
+        out.push((m, off));
+    }
+    for group in g {
+        push(&mut out, group);
+    }
+    out
+}
+
+/// Bounded reads of a live process's memory.
+pub trait Memory {
+    /// Read `buf.len()` bytes at `addr` (at most [`MAX_READ`]); false when any is unreadable.
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool;
+
+    fn u64(&self, addr: u64) -> Option<u64> {
+        let mut b = [0u8; 8];
+        self.read(addr, &mut b).then(|| u64::from_le_bytes(b))
+    }
+}
+
+/// A process's memory through process_vm_readv (root, or the same user with ptrace access).
+pub struct ProcMemory(pub u32);
+
+impl Memory for ProcMemory {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+        if buf.is_empty() || buf.len() > MAX_READ || addr == 0 {
+            return false;
+        }
+        let local = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+        let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: buf.len() };
+        // SAFETY: one local iovec over `buf` (valid for its length), one remote range the kernel
+        // checks; nothing else is touched.
+        let n = unsafe { libc::process_vm_readv(self.0 as libc::pid_t, &local, 1, &remote, 1, 0) };
+        n == buf.len() as isize
+    }
+}
+
+/// A code object as read: its names, first line and location table.
+#[derive(Clone, Debug)]
+struct Code {
+    qualname: String,
+    file: String,
+    first: i64,
+    table: Vec<u8>,
+}
+
+/// Read code object `addr` of a process with layout `l`.
+fn read_code(mem: &impl Memory, l: &Layout, addr: u64) -> Option<Code> {
+    let mut head = [0u8; 256];
+    let need = (l.code_adaptive as usize).min(head.len());
+    if !mem.read(addr, &mut head[..need]) {
+        return None;
+    }
+    let word = |off: u64| -> Option<u64> { Some(u64::from_le_bytes(head.get(off as usize..off as usize + 8)?.try_into().ok()?)) };
+    let text = |p: u64| -> Option<String> {
+        let mut b = vec![0u8; l.compact_size as usize + MAX_NAME * 4];
+        // A short string near the end of a mapping: read its header first, then what it holds.
+        if !mem.read(p, &mut b[..l.compact_size as usize]) {
+            return None;
+        }
+        let len = u64::from_le_bytes(b[16..24].try_into().ok()?).min(MAX_NAME as u64) as usize;
+        let want = (l.compact_size as usize + len * 4).min(b.len());
+        if !mem.read(p, &mut b[..want]) && !mem.read(p, &mut b[..(l.ascii_size as usize + len).min(want)]) {
+            return None;
+        }
+        unicode_text(&b, l)
+    };
+    let qualname = text(word(l.code_qualname)?).or_else(|| text(word(l.code_name)?))?;
+    let file = text(word(l.code_filename)?).unwrap_or_default();
+    let first = i64::from(i32::from_le_bytes(head.get(l.code_firstlineno as usize..l.code_firstlineno as usize + 4)?.try_into().ok()?));
+    let table = word(l.code_linetable)
+        .and_then(|p| {
+            // A bytes object: size at 16, bytes from 32.
+            let size = mem.u64(p + 16)? as usize;
+            let mut t = vec![0u8; size.min(MAX_READ)];
+            (size > 0 && mem.read(p + 32, &mut t)).then_some(t)
+        })
+        .unwrap_or_default();
+    Some(Code { qualname, file, first, table })
+}
+
+/// An interpreter found in a target process.
+#[derive(Debug)]
+struct Interp {
+    layout: Layout,
+    runtime: u64,
+    /// Where `_PyEval_EvalFrameDefault` is: (module path, file offsets start..end).
+    eval: (String, u64, u64),
+    /// Threads put in the kernel's map, by tid.
+    threads: HashSet<u32>,
+}
+
+/// The Python side of a trace: the interpreters of the targets, their threads in the kernel's
+/// map, and the names of the frames seen.
+#[derive(Default)]
+pub struct Pythons {
+    procs: HashMap<u32, Option<Interp>>,
+    /// The last Python frames per thread, waiting for their stack record.
+    pending: HashMap<u32, Box<PyStackEvent>>,
+    codes: HashMap<(u32, u64), Option<Code>>,
+    ids: HashMap<(u32, u64, i64), u64>,
+    /// Frame names not written to the recording yet.
+    pub new_names: Vec<(u64, String)>,
+    /// What was said about processes that could not be read (once each).
+    pub notes: Vec<String>,
+    /// Python stacks merged, and those whose frames could not be named.
+    pub merged: u64,
+    pub unnamed: u64,
+}
+
+impl Pythons {
+    /// Look at the targets: a process not seen before is checked for a CPython interpreter
+    /// (once); every interpreter's thread list is read again and the kernel's map brought up to
+    /// date (threads started since, threads gone).
+    pub fn refresh(&mut self, pids: &[u32], map: &mut Option<aya::maps::HashMap<aya::maps::MapData, u32, PyThread>>) {
+        for &pid in pids {
+            if !self.procs.contains_key(&pid) {
+                let found = find(pid);
+                let interp = match found {
+                    Ok(i) => i,
+                    Err(Some(why)) => {
+                        self.notes.push(format!("pid {pid}: Python frames not read: {why}"));
+                        None
+                    }
+                    Err(None) => None,
+                };
+                self.procs.insert(pid, interp);
+            }
+            let Some(Some(interp)) = self.procs.get_mut(&pid) else { continue };
+            let Some(map) = map.as_mut() else { continue };
+            let mem = ProcMemory(pid);
+            let now = threads(&mem, interp);
+            for (&tid, &tstate) in &now {
+                let l = &interp.layout;
+                let t = PyThread { tstate, cframe: l.tstate_cframe, frame: l.frame, layout: l.frames, _pad: 0 };
+                if map.get(&tid, 0).ok() != Some(t) {
+                    let _ = map.insert(tid, t, 0);
+                }
+            }
+            for gone in interp.threads.iter().filter(|t| !now.contains_key(t)) {
+                let _ = map.remove(gone);
+            }
+            interp.threads = now.into_keys().collect();
+        }
+        self.procs.retain(|pid, _| pids.contains(pid));
+    }
+
+    /// Whether any target runs a CPython this version reads.
+    pub fn any(&self) -> bool {
+        self.procs.values().any(Option::is_some)
+    }
+
+    /// A thread's Python frames arrived; its stack record follows.
+    pub fn frames(&mut self, ev: Box<PyStackEvent>) {
+        if self.pending.len() >= 16384 && !self.pending.contains_key(&ev.hdr.tid) {
+            self.pending.clear();
+        }
+        self.pending.insert(ev.hdr.tid, ev);
+    }
+
+    /// The native frames of a stack record of (`pid`, `tid`) at `ts_ns`, merged with the Python
+    /// frames sent just before it (none: unchanged). `path_of` names a native frame's module.
+    pub fn merge_into(
+        &mut self,
+        pid: u32,
+        tid: u32,
+        ts_ns: u64,
+        native: Vec<(i64, u64)>,
+        path_of: impl Fn(i64) -> Option<String>,
+    ) -> Vec<(i64, u64)> {
+        let Some(ev) = self.pending.remove(&tid) else { return native };
+        // Sent in the same program run, just before: never after the stack, never long before.
+        if ev.hdr.pid != pid || ev.hdr.ts_ns > ts_ns || ts_ns - ev.hdr.ts_ns > 1_000_000 {
+            return native;
+        }
+        let Some(Some(interp)) = self.procs.get(&pid) else { return native };
+        let layout = interp.layout;
+        let (eval_path, lo, hi) = interp.eval.clone();
+        let n = (ev.frames_n as usize).min(ev.frames.len());
+        let mem = ProcMemory(pid);
+        let is_eval = |m: i64, off: u64| off >= lo && off < hi && path_of(m).is_some_and(|p| p == eval_path);
+        let mut unnamed = 0u64;
+        let (codes, ids, new_names) = (&mut self.codes, &mut self.ids, &mut self.new_names);
+        let merged = merge(&native, &ev.frames[..n], is_eval, |code, instr| {
+            let c = codes.entry((pid, code)).or_insert_with(|| read_code(&mem, &layout, code));
+            let (name, line) = match c {
+                Some(c) => {
+                    let index = instr.checked_sub(code + layout.code_adaptive).map(|b| b / 2);
+                    let line = index.and_then(|i| line_of(&c.table, c.first, i));
+                    (Some(c), line)
+                }
+                None => (None, None),
+            };
+            let key = (pid, code, line.unwrap_or(-1));
+            if let Some(&id) = ids.get(&key) {
+                return id;
+            }
+            let id = ids.len() as u64;
+            let text = match name {
+                Some(c) => frame_name(&c.qualname, &c.file, line),
+                None => {
+                    unnamed += 1;
+                    format!("[python code {code:#x}]")
+                }
+            };
+            if ids.len() < MAX_FRAMES {
+                ids.insert(key, id);
+                new_names.push((id, text));
+            }
+            id
+        });
+        self.unnamed += unnamed;
+        self.merged += 1;
+        merged
+    }
+}
+
+/// The interpreter of `pid`: Ok(None) when it runs no CPython; Err(Some(why)) when it does but
+/// cannot be read.
+fn find(pid: u32) -> Result<Option<Interp>, Option<String>> {
+    let maps = crate::procfs::read_maps(pid).map_err(|_| None)?;
+    // The object that defines `_PyRuntime`: the python executable (static libpython) or
+    // libpython3.X.so. Only files whose names say python are opened.
+    let mut paths: Vec<&Mapping> = Vec::new();
+    for m in &maps {
+        let base = m.path.rsplit('/').next().unwrap_or(&m.path);
+        if (base.starts_with("python3") || base.starts_with("libpython3")) && !paths.iter().any(|p| p.path == m.path) {
+            paths.push(m);
+        }
+    }
+    for m in paths {
+        let Ok(f) = crate::target_file::open_mapping(Some(pid), m, 1 << 30) else { continue };
+        let Some(syms) = symbols(&f) else { continue };
+        let base = load_base(&maps, &m.path, syms.first_load, syms.exec);
+        let mem = ProcMemory(pid);
+        let runtime = syms.runtime + base;
+        let mut head = [0u8; 4096];
+        let debug = mem.read(runtime, &mut head).then(|| debug_offsets(&head)).flatten();
+        let version = syms.version.and_then(|v| mem.u64(v + base)).map(|hex| (((hex >> 24) & 0xff) as u8, ((hex >> 16) & 0xff) as u8));
+        let version = version.or_else(|| version_from_name(&m.path));
+        let Some((major, minor)) = version else { return Err(Some(format!("{}: no version found", m.path))) };
+        let Some(layout) = debug.or_else(|| layout(major, minor)) else {
+            return Err(Some(format!(
+                "CPython {major}.{minor} in {} is not a version probe reads (3.11 to 3.13): native frames only",
+                m.path
+            )));
+        };
+        let interp = Interp { layout, runtime, eval: (m.path.clone(), syms.eval.0, syms.eval.1), threads: HashSet::new() };
+        if threads(&mem, &interp).is_empty() {
+            return Err(Some(format!(
+                "CPython {major}.{minor} in {}: no thread state found where the layout says: native frames only",
+                m.path
+            )));
+        }
+        return Ok(Some(interp));
+    }
+    Ok(None)
+}
+
+fn version_from_name(path: &str) -> Option<(u8, u8)> {
+    let base = path.rsplit('/').next()?;
+    let i = base.find("python3.")?;
+    let rest = &base[i + 8..];
+    let minor: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    Some((3, minor.parse().ok()?))
+}
+
+/// The interpreter's threads: native thread id → thread state address.
+fn threads(mem: &impl Memory, i: &Interp) -> HashMap<u32, u64> {
+    let l = &i.layout;
+    let mut out = HashMap::new();
+    let Some(interp) = mem.u64(i.runtime + l.interp_head).filter(|&p| p != 0) else { return out };
+    let mut t = mem.u64(interp + l.threads_head).unwrap_or(0);
+    while t != 0 && out.len() < MAX_THREADS {
+        let Some(tid) = mem.u64(t + l.tstate_native_id) else { break };
+        if tid == 0 || tid > u64::from(u32::MAX) || out.insert(tid as u32, t).is_some() {
+            break;
+        }
+        t = mem.u64(t + l.tstate_next).unwrap_or(0);
+    }
+    out
+}
+
+/// What probe needs from the interpreter's ELF file.
+struct Syms {
+    /// Virtual addresses of `_PyRuntime` and `Py_Version` (3.11+).
+    runtime: u64,
+    version: Option<u64>,
+    /// `_PyEval_EvalFrameDefault` as file offsets start..end.
+    eval: (u64, u64),
+    first_load: u64,
+    exec: bool,
+}
+
+fn symbols(f: &crate::target_file::TargetFile) -> Option<Syms> {
+    use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+    let cache = object::ReadCache::new(&f.file);
+    let elf = object::File::parse(&cache).ok()?;
+    let (mut runtime, mut version, mut eval) = (None, None, None);
+    for sym in elf.dynamic_symbols().chain(elf.symbols()) {
+        match sym.name() {
+            Ok("_PyRuntime") => runtime = Some(sym.address()),
+            Ok("Py_Version") => version = Some(sym.address()),
+            Ok("_PyEval_EvalFrameDefault") if sym.size() > 0 => eval = Some((sym.address(), sym.size())),
+            _ => {}
+        }
+    }
+    let (at, size) = eval?;
+    let off = elf.segments().find_map(|s| {
+        let (off, len) = s.file_range();
+        (at >= s.address() && at < s.address() + len).then(|| at - s.address() + off)
+    })?;
+    let first_load = elf.segments().map(|s| s.address()).min().unwrap_or(0) & !0xfff;
+    Some(Syms { runtime: runtime?, version, eval: (off, off + size), first_load, exec: elf.kind() == object::ObjectKind::Executable })
+}
+
+/// The load bias of `path` in a process: 0 for a fixed-address executable, else the start of its
+/// first mapping (file offset 0) less its first segment's page.
+fn load_base(maps: &[Mapping], path: &str, first_load: u64, exec: bool) -> u64 {
+    if exec {
+        return 0;
+    }
+    maps.iter().filter(|m| m.path == path && m.offset == 0).map(|m| m.start).min().map_or(0, |s| s.wrapping_sub(first_load))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_read_like_pythons_own() {
+        assert_eq!(module_of("/opt/venv/lib/python3.11/site-packages/llama_cpp/server/app.py"), "llama_cpp.server.app");
+        assert_eq!(module_of("/usr/lib/python3.11/asyncio/base_events.py"), "asyncio.base_events");
+        assert_eq!(module_of("/usr/lib/python3/dist-packages/pkg/__init__.py"), "pkg");
+        assert_eq!(module_of("/srv/plugin.py"), "plugin");
+        assert_eq!(frame_name("Spin.run", "/srv/plugin.py", Some(12)), "plugin.Spin.run (plugin.py:12)");
+        assert_eq!(frame_name("<module>", "<string>", None), "<module> (<string>)");
+    }
+
+    /// Entries of each form: short (code 0–9, one byte), one-line (10–12, two bytes), no column
+    /// (13, a signed varint), long (14, four varints), none (15).
+    #[test]
+    fn location_tables_give_the_line_of_each_instruction() {
+        let t = [
+            0x80 | (13 << 3) | 1, // 2 units, line +1 (svarint 2)
+            2,
+            0x80 | (11 << 3), // 1 unit, line +1, columns
+            4,
+            9,
+            0x80 | (14 << 3) | 2, // 3 units, line -2 (svarint 5), end line, columns
+            5,
+            0,
+            1,
+            1,
+            0x80 | (15 << 3), // 1 unit, no location
+            0x80 | (3 << 3),  // 1 unit, same line
+            7,
+        ];
+        let at = |i| line_of(&t, 10, i);
+        assert_eq!((at(0), at(1), at(2), at(3), at(5), at(6), at(7)), (Some(11), Some(11), Some(12), Some(10), Some(10), None, Some(10)));
+        assert_eq!(at(8), None, "past the table");
+        assert_eq!(line_of(&[0x01, 0x02], 1, 0), None, "a torn table");
+    }
+
+    #[test]
+    fn strings_of_each_kind() {
+        let l = layout(3, 11).unwrap();
+        let mut ascii = vec![0u8; 48];
+        ascii[16] = 5;
+        ascii[32] = (1 << 5) | (1 << 6) | (1 << 2);
+        ascii.extend_from_slice(b"hello");
+        assert_eq!(unicode_text(&ascii, &l).as_deref(), Some("hello"));
+        let mut wide = vec![0u8; 72];
+        wide[16] = 2;
+        wide[32] = (1 << 5) | (2 << 2);
+        wide.extend_from_slice(&0x00e9u16.to_le_bytes());
+        wide.extend_from_slice(&0x4e2du16.to_le_bytes());
+        assert_eq!(unicode_text(&wide, &l).as_deref(), Some("é中"));
+        let mut legacy = ascii.clone();
+        legacy[32] = 0;
+        assert_eq!(unicode_text(&legacy, &l), None);
+        assert_eq!(unicode_text(&ascii[..50], &l), None, "cut short");
+    }
+
+    /// Each evaluation frame of the native stack gets its group of Python frames, in order; a
+    /// group left over goes outermost.
+    #[test]
+    fn python_frames_take_the_place_of_the_evaluation_frames() {
+        let native = [(1, 10), (2, 500), (1, 20), (2, 510), (1, 30)];
+        let py = [[100, 1], [101, 2 | PY_ENTRY], [102, 3 | PY_ENTRY], [103, 4]];
+        let out = merge(&native, &py, |m, _| m == 2, |code, _| code);
+        assert_eq!(out, vec![(1, 10), (PY_MODULE, 100), (PY_MODULE, 101), (1, 20), (PY_MODULE, 102), (1, 30), (PY_MODULE, 103)]);
+        assert_eq!(merge(&native, &[], |m, _| m == 2, |c, _| c), native.to_vec(), "no Python frames: unchanged");
+        // 3.12+: shims instead of entry flags.
+        let shims = [[100, 1], [101, 2], [0, PY_ENTRY], [102, 3], [0, PY_ENTRY], [103, 4]];
+        assert_eq!(merge(&native, &shims, |m, _| m == 2, |code, _| code), out);
+    }
+}
