@@ -15,7 +15,7 @@ use std::{
 use serde_json::Value;
 
 mod common;
-use common::{env_path, serial, start_trace, wait_healthy};
+use common::{Vllm, env_path, serial, start_trace, wait_healthy};
 
 const CLIENTS: [&str; 6] = ["openai", "httpx", "requests", "curl", "raw", "keepalive"];
 
@@ -374,87 +374,6 @@ fn oom_kill_mid_stream() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGKILL), "the server was not killed: {status:?}");
     check(&cell, &r, &seen, |_| "oom");
-}
-
-/// vLLM's OpenAI server (CPU build from PyPI, installed by scripts/vllm.sh), in its own process
-/// group (the API server starts an engine process), killed as a group when dropped.
-struct Vllm {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Vllm {
-    fn start(args: &[&str]) -> Vllm {
-        use std::os::unix::process::CommandExt;
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm-cache");
-        let mut cmd = Command::new(env_path("VLLM_PYTHON"));
-        cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"]).arg(env_path("VLLM_MODEL"));
-        cmd.args([
-            "--served-model-name",
-            "model",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--dtype",
-            "bfloat16",
-            "--enforce-eager",
-        ]);
-        cmd.args(args);
-        cmd.envs([("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1")]).env("VLLM_CACHE_ROOT", &cache);
-        let log = std::fs::File::create(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm.log")).unwrap();
-        cmd.stdout(log.try_clone().unwrap()).stderr(log);
-        // SAFETY: setsid in the child before exec: its own process group, killed as one.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::setsid();
-                Ok(())
-            });
-        }
-        let mut v = Vllm { child: cmd.spawn().expect("start vLLM"), addr };
-        let t = Instant::now();
-        while !common::healthy(addr) {
-            assert!(v.child.try_wait().unwrap().is_none(), "vLLM exited while starting: see target/tmp/vllm.log");
-            assert!(t.elapsed() < Duration::from_secs(300), "vLLM did not answer /health within 300 s: see target/tmp/vllm.log");
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        v
-    }
-
-    /// A metric from `/metrics`, summed over its labels.
-    fn metric(&self, name: &str) -> f64 {
-        let mut s = std::net::TcpStream::connect(self.addr).unwrap();
-        use std::io::{Read, Write};
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        common::prometheus_sum(&text, name)
-    }
-
-    fn preemptions(&self) -> f64 {
-        self.metric("vllm:num_preemptions_total")
-    }
-
-    /// Wait until vLLM runs and queues nothing. The streams of clients that left keep their KV
-    /// blocks until vLLM notices; the next cell's streams would queue behind them and start one
-    /// by one (a first stream could end before the last one's first token).
-    fn wait_idle(&self) {
-        let t = Instant::now();
-        while self.metric("vllm:num_requests_running") + self.metric("vllm:num_requests_waiting") > 0.0 {
-            assert!(t.elapsed() < Duration::from_secs(120), "vLLM still busy 120 s after the clients finished");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Vllm {
-    fn drop(&mut self) {
-        // SAFETY: signalling the process group we created.
-        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
-        let _ = self.child.wait();
-    }
 }
 
 /// A second server with its own HTTP stack (vLLM: Python, uvicorn; LF-only SSE; `finish_reason`

@@ -343,6 +343,7 @@ impl State {
         let h = ev.header();
         if h.pid != 0 && self.threads_seen.insert(h.tid, h.pid).is_none() {
             self.threads_new.push((h.pid, h.tid));
+            self.python.new_thread(h.pid);
         }
         // Stream bytes are parsed here and dropped unless the user asked to keep them; raw stacks
         // (which hold user memory) are unwound here and only their frames are kept.

@@ -6,10 +6,11 @@ pub mod prometheus;
 pub mod workload;
 use std::{
     io::{BufRead, BufReader},
+    net::{SocketAddr, TcpListener},
     path::PathBuf,
     process::{Child, Command, Stdio},
     sync::mpsc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 /// The `probe` binary: $PROBE_BIN (set by `cargo xtask test`) or target/release/probe.
@@ -430,5 +431,92 @@ impl PyServer {
         let (status, out) = http(self.addr, "POST", "/v1/completions", Some(&body), &[]).unwrap();
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
         serde_json::from_slice(&out).unwrap()
+    }
+}
+
+/// vLLM's OpenAI server (CPU build from PyPI, installed by scripts/vllm.sh), in its own process
+/// group (the API server starts an engine process), killed as a group when dropped.
+pub struct Vllm {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Vllm {
+    pub fn start(args: &[&str]) -> Vllm {
+        Vllm::start_env(args, &[])
+    }
+
+    /// With more in its environment (`PYTHONPATH` for a `--middleware` of a test's own).
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Vllm {
+        use std::os::unix::process::CommandExt;
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm-cache");
+        let mut cmd = Command::new(env_path("VLLM_PYTHON"));
+        cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"]).arg(env_path("VLLM_MODEL"));
+        cmd.args([
+            "--served-model-name",
+            "model",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+        ]);
+        cmd.args(args);
+        cmd.envs([("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1")]).env("VLLM_CACHE_ROOT", &cache);
+        cmd.envs(env.iter().copied());
+        let log = std::fs::File::create(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm.log")).unwrap();
+        cmd.stdout(log.try_clone().unwrap()).stderr(log);
+        // SAFETY: setsid in the child before exec: its own process group, killed as one.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut v = Vllm { child: cmd.spawn().expect("start vLLM"), addr };
+        let t = Instant::now();
+        while !healthy(addr) {
+            assert!(v.child.try_wait().unwrap().is_none(), "vLLM exited while starting: see target/tmp/vllm.log");
+            assert!(t.elapsed() < Duration::from_secs(300), "vLLM did not answer /health within 300 s: see target/tmp/vllm.log");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        v
+    }
+
+    /// A metric from `/metrics`, summed over its labels.
+    pub fn metric(&self, name: &str) -> f64 {
+        let mut s = std::net::TcpStream::connect(self.addr).unwrap();
+        use std::io::{Read, Write};
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        prometheus_sum(&text, name)
+    }
+
+    pub fn preemptions(&self) -> f64 {
+        self.metric("vllm:num_preemptions_total")
+    }
+
+    /// Wait until vLLM runs and queues nothing. The streams of clients that left keep their KV
+    /// blocks until vLLM notices; the next cell's streams would queue behind them and start one
+    /// by one (a first stream could end before the last one's first token).
+    pub fn wait_idle(&self) {
+        let t = Instant::now();
+        while self.metric("vllm:num_requests_running") + self.metric("vllm:num_requests_waiting") > 0.0 {
+            assert!(t.elapsed() < Duration::from_secs(120), "vLLM still busy 120 s after the clients finished");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Vllm {
+    fn drop(&mut self) {
+        // SAFETY: signalling the process group we created.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
+        let _ = self.child.wait();
     }
 }

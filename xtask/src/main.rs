@@ -1017,8 +1017,14 @@ fn bench_llama(dir: &Path) -> anyhow::Result<()> {
 /// committed corpus is never written); crashing inputs land in target/fuzz-artifacts/<target>.
 fn fuzz(secs: u64) -> anyhow::Result<()> {
     // (target, -max_len): a recording needs room for a few frames of every kind.
-    const TARGETS: [(&str, u32); 5] =
-        [("stream_tracker", 16384), ("http_body", 4096), ("splitter", 4096), ("recording_report", 65536), ("exposition", 16384)];
+    const TARGETS: [(&str, u32); 6] = [
+        ("stream_tracker", 16384),
+        ("http_body", 4096),
+        ("splitter", 4096),
+        ("recording_report", 65536),
+        ("exposition", 16384),
+        ("python_frames", 16384),
+    ];
     setup()?;
     let root = root();
     let cache = std::env::var_os("PROBE_CACHE")

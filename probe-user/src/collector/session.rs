@@ -465,6 +465,9 @@ async fn follow(
             }
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached".to_string(),
         }
+        if st.python.due() {
+            follow_python(st);
+        }
         if peers_at.elapsed() >= PEER_LOOKUP {
             peers_at = Instant::now();
             name_peers(st, &mut remote_peers);

@@ -372,12 +372,33 @@ fn read_code(mem: &impl Memory, l: &Layout, addr: u64) -> Option<Code> {
     let table = word(l.code_linetable)
         .and_then(|p| {
             // A bytes object: size at 16, bytes from 32.
-            let size = mem.u64(p + 16)? as usize;
+            let size = mem.u64(p.wrapping_add(16))? as usize;
             let mut t = vec![0u8; size.min(MAX_READ)];
-            (size > 0 && mem.read(p + 32, &mut t)).then_some(t)
+            (size > 0 && mem.read(p.wrapping_add(32), &mut t)).then_some(t)
         })
         .unwrap_or_default();
     Some(Code { qualname, file, first, table })
+}
+
+/// The line a frame of code object `code` (read as `c`) was at: its instruction pointer `instr`
+/// as a code unit index into the code's bytecode.
+fn line_at(c: &Code, l: &Layout, code: u64, instr: u64) -> Option<i64> {
+    let index = instr.checked_sub(code.checked_add(l.code_adaptive)?)? / 2;
+    line_of(&c.table, c.first, index)
+}
+
+/// A frame's name as a trace writes it, read from `mem` (None: the code object could not be
+/// read): what [`Pythons::merge_into`] does for each frame, without its caches. For the fuzz
+/// target and tests: the target's memory is whatever `mem` holds.
+pub fn frame_text(mem: &impl Memory, l: &Layout, code: u64, instr: u64) -> Option<String> {
+    let c = read_code(mem, l, code)?;
+    Some(frame_name(&c.qualname, &c.file, line_at(&c, l, code, instr)))
+}
+
+/// The threads of the interpreter whose `_PyRuntime` is at `runtime`: native thread id → thread
+/// state (at most [`MAX_THREADS`], a loop in the list ends it).
+pub fn thread_states(mem: &impl Memory, l: &Layout, runtime: u64) -> HashMap<u32, u64> {
+    threads(mem, &Interp { layout: *l, runtime, eval: (String::new(), 0, 0), threads: HashSet::new() })
 }
 
 /// An interpreter found in a target process.
@@ -407,6 +428,9 @@ pub struct Pythons {
     /// Python stacks merged, and those whose frames could not be named.
     pub merged: u64,
     pub unnamed: u64,
+    /// A thread of a Python target showed up that the kernel's map may not hold yet.
+    pub dirty: bool,
+    last_refresh: Option<std::time::Instant>,
 }
 
 impl Pythons {
@@ -414,6 +438,8 @@ impl Pythons {
     /// (once); every interpreter's thread list is read again and the kernel's map brought up to
     /// date (threads started since, threads gone).
     pub fn refresh(&mut self, pids: &[u32], map: &mut Option<aya::maps::HashMap<aya::maps::MapData, u32, PyThread>>) {
+        self.dirty = false;
+        self.last_refresh = Some(std::time::Instant::now());
         for &pid in pids {
             if !self.procs.contains_key(&pid) {
                 let found = find(pid);
@@ -451,6 +477,20 @@ impl Pythons {
         self.procs.values().any(Option::is_some)
     }
 
+    /// A new thread of `pid` was seen: when `pid` runs a CPython, its thread list is read again
+    /// soon ([`Pythons::due`]), so a thread started after attach (a thread pool's worker) gets
+    /// its Python frames within a drain turn or two, not at the next second.
+    pub fn new_thread(&mut self, pid: u32) {
+        if matches!(self.procs.get(&pid), Some(Some(_))) {
+            self.dirty = true;
+        }
+    }
+
+    /// A new thread waits and the last read is 50 ms old or more.
+    pub fn due(&self) -> bool {
+        self.dirty && self.last_refresh.is_none_or(|t| t.elapsed() >= std::time::Duration::from_millis(50))
+    }
+
     /// A thread's Python frames arrived; its stack record follows.
     pub fn frames(&mut self, ev: Box<PyStackEvent>) {
         if self.pending.len() >= 16384 && !self.pending.contains_key(&ev.hdr.tid) {
@@ -484,20 +524,13 @@ impl Pythons {
         let (codes, ids, new_names) = (&mut self.codes, &mut self.ids, &mut self.new_names);
         let merged = merge(&native, &ev.frames[..n], is_eval, |code, instr| {
             let c = codes.entry((pid, code)).or_insert_with(|| read_code(&mem, &layout, code));
-            let (name, line) = match c {
-                Some(c) => {
-                    let index = instr.checked_sub(code + layout.code_adaptive).map(|b| b / 2);
-                    let line = index.and_then(|i| line_of(&c.table, c.first, i));
-                    (Some(c), line)
-                }
-                None => (None, None),
-            };
+            let line = c.as_ref().and_then(|c| line_at(c, &layout, code, instr));
             let key = (pid, code, line.unwrap_or(-1));
             if let Some(&id) = ids.get(&key) {
                 return id;
             }
             let id = ids.len() as u64;
-            let text = match name {
+            let text = match c {
                 Some(c) => frame_name(&c.qualname, &c.file, line),
                 None => {
                     unnamed += 1;
@@ -534,10 +567,11 @@ fn find(pid: u32) -> Result<Option<Interp>, Option<String>> {
         let Some(syms) = symbols(&f) else { continue };
         let base = load_base(&maps, &m.path, syms.first_load, syms.exec);
         let mem = ProcMemory(pid);
-        let runtime = syms.runtime + base;
+        let runtime = syms.runtime.wrapping_add(base);
         let mut head = [0u8; 4096];
         let debug = mem.read(runtime, &mut head).then(|| debug_offsets(&head)).flatten();
-        let version = syms.version.and_then(|v| mem.u64(v + base)).map(|hex| (((hex >> 24) & 0xff) as u8, ((hex >> 16) & 0xff) as u8));
+        let version =
+            syms.version.and_then(|v| mem.u64(v.wrapping_add(base))).map(|hex| (((hex >> 24) & 0xff) as u8, ((hex >> 16) & 0xff) as u8));
         let version = version.or_else(|| version_from_name(&m.path));
         let Some((major, minor)) = version else { return Err(Some(format!("{}: no version found", m.path))) };
         let Some(layout) = debug.or_else(|| layout(major, minor)) else {
@@ -570,14 +604,14 @@ fn version_from_name(path: &str) -> Option<(u8, u8)> {
 fn threads(mem: &impl Memory, i: &Interp) -> HashMap<u32, u64> {
     let l = &i.layout;
     let mut out = HashMap::new();
-    let Some(interp) = mem.u64(i.runtime + l.interp_head).filter(|&p| p != 0) else { return out };
-    let mut t = mem.u64(interp + l.threads_head).unwrap_or(0);
+    let Some(interp) = mem.u64(i.runtime.wrapping_add(l.interp_head)).filter(|&p| p != 0) else { return out };
+    let mut t = mem.u64(interp.wrapping_add(l.threads_head)).unwrap_or(0);
     while t != 0 && out.len() < MAX_THREADS {
-        let Some(tid) = mem.u64(t + l.tstate_native_id) else { break };
+        let Some(tid) = mem.u64(t.wrapping_add(l.tstate_native_id)) else { break };
         if tid == 0 || tid > u64::from(u32::MAX) || out.insert(tid as u32, t).is_some() {
             break;
         }
-        t = mem.u64(t + l.tstate_next).unwrap_or(0);
+        t = mem.u64(t.wrapping_add(l.tstate_next)).unwrap_or(0);
     }
     out
 }
