@@ -241,6 +241,50 @@ def splitter_seeds():
     write("splitter", "frag-request", bytes([1]) + b'{"model":"m","prompt":"\\"stream\\": false","max_tokens":-1,"stream":true,"options":{"num_predict":64}}')
 
 
+def python_seeds():
+    """python_frames: a layout byte, code / instruction / runtime addresses (u32 offsets into the
+    image, mapped at 0x10000), a native frame count, then an image holding a code object (names,
+    first line, a location table of every entry form) and an interpreter with two threads, laid
+    out as CPython 3.11 and 3.12 lay them out (record/python.rs `layout`)."""
+    base = 0x10000
+
+    def image(ascii_size, fl, threads_head, native):
+        im = bytearray(0x1000)
+
+        def q(off, v):
+            im[off:off + 8] = struct.pack("<Q", v)
+
+        def text(off, t):
+            q(off + 16, len(t))
+            im[off + 32:off + 36] = struct.pack("<I", (1 << 5) | (1 << 6) | (1 << 2))
+            im[off + ascii_size:off + ascii_size + len(t)] = t.encode()
+
+        code = 0x100
+        q(code + 112, base + 0x500)
+        q(code + 120, base + 0x480)
+        q(code + 128, base + 0x400)
+        im[code + fl:code + fl + 4] = struct.pack("<i", 10)
+        q(code + 136, base + 0x600)
+        text(0x400, "Server.handle")
+        text(0x480, "handle")
+        text(0x500, "/srv/lib/python3.11/site-packages/app/server.py")
+        table = bytes([0x80 | (13 << 3) | 1, 2, 0x80 | (11 << 3), 4, 9, 0x80 | (14 << 3) | 2, 5, 0, 1, 1, 0x80 | (15 << 3), 0x80 | (3 << 3), 7])
+        q(0x600 + 16, len(table))
+        im[0x600 + 32:0x600 + 32 + len(table)] = table
+        q(0x800 + 40, base + 0x900)
+        q(0x900 + threads_head, base + 0xA00)
+        q(0xA00 + native, 1234)
+        q(0xA00 + 8, base + 0xB00)
+        q(0xB00 + native, 1235)
+        return bytes(im)
+
+    def head(which, instr):
+        return bytes([which]) + u32(0x100) + u32(0x100 + instr) + u32(0x800) + bytes([8])
+
+    write("python_frames", "seed-311", head(1, 184 + 4) + image(48, 72, 16, 160))
+    write("python_frames", "seed-312", head(0, 192 + 2) + image(40, 68, 72, 144))
+
+
 def recording_seeds(probe):
     d = os.path.join(CORPUS, "recording_report")
     os.makedirs(d, exist_ok=True)
@@ -258,9 +302,10 @@ def recording_seeds(probe):
 
 
 if __name__ == "__main__":
-    for t in ("stream_tracker", "http_body", "splitter"):
+    for t in ("stream_tracker", "http_body", "splitter", "python_frames"):
         shutil.rmtree(os.path.join(CORPUS, t), ignore_errors=True)
     stream_seeds()
     http_seeds()
     splitter_seeds()
+    python_seeds()
     recording_seeds(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "release", "probe"))

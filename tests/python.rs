@@ -177,8 +177,9 @@ fn llama_cpp_python_stacks_name_the_python_that_ran() {
     assert!(decode > 0, "no ggml work under llama_cpp.llama.Llama.eval → LlamaContext.decode");
 }
 
-/// vLLM (CPU build): the plugin loaded as its `--middleware`; the API server's request handling
-/// and the engine core process's loop named from vLLM's own modules.
+/// vLLM (CPU build): the plugin loaded as its `--middleware`; vLLM's own Python named from its
+/// modules, its model forward (in a worker process probe follows as a descendant) over torch's
+/// native work.
 #[test]
 fn vllm_stacks_name_the_python_that_ran() {
     let _serial = serial();

@@ -45,6 +45,8 @@ pub struct TraceOptions {
     /// Keep the bytes of request streams in the recording (off by default: prompts and answers
     /// are private).
     pub capture_text: bool,
+    /// Walk CPython threads' frame chains (record::python).
+    pub python_frames: bool,
     /// GPU / CPU-frequency / memory samples per second (0: off).
     pub host_hz: f64,
     /// Poll the server's own HTTP endpoints (/metrics, /props, /api/ps).

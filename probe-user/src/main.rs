@@ -71,6 +71,10 @@ enum Command {
         /// default: only request metadata (timing, sizes, stop reasons) is kept.
         #[arg(long)]
         capture_text: bool,
+        /// Native frames only in CPython targets' stacks: their Python frames (`module.function
+        /// (file.py:line)` in place of the interpreter's evaluation frames) are not read.
+        #[arg(long)]
+        no_python_frames: bool,
         /// GPU (NVML), CPU-frequency and memory-pressure samples per second (up to 1000); 0
         /// turns them off.
         #[arg(long, default_value_t = 10.0, value_parser = parse_sample_hz)]
@@ -468,6 +472,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         json,
         hz,
         capture_text,
+        no_python_frames,
         sample_hz,
         no_poll,
         auth,
@@ -502,6 +507,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         only: probes,
         ring_bytes: ring_mb << 20,
         capture_text,
+        python_frames: !no_python_frames,
         sample_hz: hz,
         host_hz: sample_hz.max(0.0),
         poll: !no_poll,

@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
 mod cost;
+mod python_cost;
 mod soak;
 
 #[derive(Parser)]
@@ -45,6 +46,10 @@ enum Cmd {
         /// Only Ctrl-C to exit: on an idle process and under an mmap/munmap flood.
         #[arg(long)]
         stop: bool,
+        /// Only what Python frames cost: llama-cpp-python and vLLM under the same load, traced
+        /// with and without them.
+        #[arg(long)]
+        python: bool,
     },
     /// A real llama-server under concurrent streaming clients for minutes, every probe on: probe's
     /// peak memory and its slope, events lost, recording size per minute, probe's CPU.
@@ -1137,6 +1142,11 @@ fn run_cmd(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
         Cmd::Bench { cost: true, .. } => bench_cost_only(),
+        Cmd::Bench { python: true, .. } => {
+            require_root()?;
+            build()?;
+            python_cost::bench_python()
+        }
         Cmd::Bench { stop: true, .. } => {
             require_root()?;
             build()?;

@@ -226,7 +226,7 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
     st.engine_seen = attached.engine_seen.iter().copied().collect();
     st.follow_cgroup = opts.cgroup.is_some();
     st.ustack_need = attached.ustack_need.take();
-    st.py_threads = attached.py_threads.take();
+    st.py_threads = if opts.python_frames { attached.py_threads.take() } else { None };
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     if opts.watch.is_some() {
         st.writer.keep_context();

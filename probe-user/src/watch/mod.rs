@@ -212,6 +212,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             only: None,
             ring_bytes: o.ring_bytes,
             capture_text: false,
+            python_frames: true,
             sample_hz: o.hz,
             host_hz: o.host_hz,
             poll: o.poll,
