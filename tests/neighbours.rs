@@ -102,6 +102,7 @@ fn timed_get(addr: SocketAddr, path: &str) -> (u16, String, Duration) {
 #[test]
 fn the_node_agent_among_hostile_listeners_and_clients() {
     let _serial = serial();
+    common::bpf::wait_no_probe_programs();
     let d = scratch("neighbours-agent");
     let heard = d.join("heard.jsonl");
     let key = format!("sk-neighbour-{}-secret", std::process::id());

@@ -547,6 +547,7 @@ fn a_restarted_watch_keeps_its_warm_baseline() {
 fn watch_all_finds_every_server_and_labels_them() {
     use std::os::unix::process::CommandExt as _;
     let _serial = serial();
+    common::bpf::wait_no_probe_programs();
     let d = scratch("watch-all");
     let model = d.join("model.gguf");
     std::fs::copy(env_path("LLAMA_MODEL"), &model).unwrap();

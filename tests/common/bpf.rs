@@ -50,6 +50,16 @@ pub fn loaded_programs() -> Vec<String> {
     names(BPF_PROG_GET_NEXT_ID, BPF_PROG_GET_FD_BY_ID, 64)
 }
 
+/// Wait (up to 30 s) until no probe object is loaded: an earlier test's probe that exited is
+/// released by the kernel a little later (its programs go one by one), and a count of one
+/// object's programs must not see them.
+pub fn wait_no_probe_programs() {
+    let t = std::time::Instant::now();
+    while probe_programs() != 0 && t.elapsed() < std::time::Duration::from_secs(30) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// Names of every BPF map in the kernel.
 pub fn loaded_maps() -> Vec<String> {
     names(BPF_MAP_GET_NEXT_ID, BPF_MAP_GET_FD_BY_ID, 24)
