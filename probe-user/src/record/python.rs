@@ -431,6 +431,9 @@ pub struct Pythons {
     /// A thread of a Python target showed up that the kernel's map may not hold yet.
     pub dirty: bool,
     last_refresh: Option<std::time::Instant>,
+    /// What each interpreter file's ELF symbols gave, by (path, device, inode): read once per
+    /// file, not once per process (vLLM and multiprocessing servers start many).
+    files: HashMap<(String, u32, u32, u64), Option<Syms>>,
 }
 
 impl Pythons {
@@ -442,7 +445,7 @@ impl Pythons {
         self.last_refresh = Some(std::time::Instant::now());
         for &pid in pids {
             if !self.procs.contains_key(&pid) {
-                let found = find(pid);
+                let found = find(pid, &mut self.files);
                 let interp = match found {
                     Ok(i) => i,
                     Err(Some(why)) => {
@@ -551,7 +554,7 @@ impl Pythons {
 
 /// The interpreter of `pid`: Ok(None) when it runs no CPython; Err(Some(why)) when it does but
 /// cannot be read.
-fn find(pid: u32) -> Result<Option<Interp>, Option<String>> {
+fn find(pid: u32, files: &mut HashMap<(String, u32, u32, u64), Option<Syms>>) -> Result<Option<Interp>, Option<String>> {
     let maps = crate::procfs::read_maps(pid).map_err(|_| None)?;
     // The object that defines `_PyRuntime`: the python executable (static libpython) or
     // libpython3.X.so. Only files whose names say python are opened.
@@ -563,8 +566,18 @@ fn find(pid: u32) -> Result<Option<Interp>, Option<String>> {
         }
     }
     for m in paths {
-        let Ok(f) = crate::target_file::open_mapping(Some(pid), m, 1 << 30) else { continue };
-        let Some(syms) = symbols(&f) else { continue };
+        let key = (m.path.clone(), m.major, m.minor, m.inode);
+        let syms = match files.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                let s = crate::target_file::open_mapping(Some(pid), m, 1 << 30).ok().and_then(|f| symbols(&f));
+                if files.len() < 64 {
+                    files.insert(key, s.clone());
+                }
+                s
+            }
+        };
+        let Some(syms) = syms else { continue };
         let base = load_base(&maps, &m.path, syms.first_load, syms.exec);
         let mem = ProcMemory(pid);
         let runtime = syms.runtime.wrapping_add(base);
@@ -617,6 +630,7 @@ fn threads(mem: &impl Memory, i: &Interp) -> HashMap<u32, u64> {
 }
 
 /// What probe needs from the interpreter's ELF file.
+#[derive(Clone, Debug)]
 struct Syms {
     /// Virtual addresses of `_PyRuntime` and `Py_Version` (3.11+).
     runtime: u64,
@@ -632,12 +646,20 @@ fn symbols(f: &crate::target_file::TargetFile) -> Option<Syms> {
     let cache = object::ReadCache::new(&f.file);
     let elf = object::File::parse(&cache).ok()?;
     let (mut runtime, mut version, mut eval) = (None, None, None);
-    for sym in elf.dynamic_symbols().chain(elf.symbols()) {
-        match sym.name() {
-            Ok("_PyRuntime") => runtime = Some(sym.address()),
-            Ok("Py_Version") => version = Some(sym.address()),
-            Ok("_PyEval_EvalFrameDefault") if sym.size() > 0 => eval = Some((sym.address(), sym.size())),
-            _ => {}
+    // The C API is exported (extension modules link against it): the dynamic symbols hold all
+    // three; the full table (tens of thousands of names) only where they do not.
+    for table in 0..2 {
+        let syms = if table == 0 { elf.dynamic_symbols() } else { elf.symbols() };
+        for sym in syms {
+            match sym.name() {
+                Ok("_PyRuntime") => runtime = Some(sym.address()),
+                Ok("Py_Version") => version = Some(sym.address()),
+                Ok("_PyEval_EvalFrameDefault") if sym.size() > 0 => eval = Some((sym.address(), sym.size())),
+                _ => {}
+            }
+        }
+        if runtime.is_some() && version.is_some() && eval.is_some() {
+            break;
         }
     }
     let (at, size) = eval?;
