@@ -229,11 +229,14 @@ impl Yielding {
             backlog,
             last_fill: 0f64.to_bits().into(),
         });
-        let idle = may && {
+        if may {
             watchdog().lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
-            set_policy(libc::SCHED_IDLE).is_ok()
-        };
-        Yielding { name, may, policy: Policy::new(idle, now), beat, behind_turns: 0 }
+        }
+        // Normal priority first: a trace's first second holds the burst of records right after
+        // attach while the collector still loads unwind tables (a decode's thread pool switching
+        // 26,000 times a second filled the ring in a tenth of a second before the watchdog's
+        // first look); it yields once turns keep up and the calm has passed ([`Policy`]).
+        Yielding { name, may, policy: Policy::new(false, now), beat, behind_turns: 0 }
     }
 
     /// After a turn: `behind`, it fell behind (normal priority from now on); else it kept up.
