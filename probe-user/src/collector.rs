@@ -474,7 +474,8 @@ impl State {
         // A CPython thread's Python frames in place of the interpreter's evaluation frames.
         let native_top = u.frames.last().copied();
         let paths = &self.module_paths;
-        let user = self.python.merge_into(s.hdr.pid, s.hdr.tid, s.hdr.ts_ns, u.frames, |id| paths.get(&id).cloned());
+        let user =
+            self.python.merge_into(s.hdr.pid, s.hdr.tid, s.hdr.ts_ns, u.frames, |id, path| paths.get(&id).is_some_and(|p| p == path));
         if !self.python.new_names.is_empty() {
             let frames = std::mem::take(&mut self.python.new_names);
             self.writer.record(&UserRecord::PyFrames(records::PyFrames { frames }))?;

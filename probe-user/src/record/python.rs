@@ -503,14 +503,14 @@ impl Pythons {
     }
 
     /// The native frames of a stack record of (`pid`, `tid`) at `ts_ns`, merged with the Python
-    /// frames sent just before it (none: unchanged). `path_of` names a native frame's module.
+    /// frames sent just before it (none: unchanged). `is_module(id, path)`: native module `id` is the file at `path`.
     pub fn merge_into(
         &mut self,
         pid: u32,
         tid: u32,
         ts_ns: u64,
         native: Vec<(i64, u64)>,
-        path_of: impl Fn(i64) -> Option<String>,
+        is_module: impl Fn(i64, &str) -> bool,
     ) -> Vec<(i64, u64)> {
         let Some(ev) = self.pending.remove(&tid) else { return native };
         // Sent in the same program run, just before: never after the stack, never long before.
@@ -519,10 +519,10 @@ impl Pythons {
         }
         let Some(Some(interp)) = self.procs.get(&pid) else { return native };
         let layout = interp.layout;
-        let (eval_path, lo, hi) = interp.eval.clone();
+        let (eval_path, lo, hi) = (&interp.eval.0, interp.eval.1, interp.eval.2);
         let n = (ev.frames_n as usize).min(ev.frames.len());
         let mem = ProcMemory(pid);
-        let is_eval = |m: i64, off: u64| off >= lo && off < hi && path_of(m).is_some_and(|p| p == eval_path);
+        let is_eval = |m: i64, off: u64| off >= lo && off < hi && is_module(m, eval_path);
         let mut unnamed = 0u64;
         let (codes, ids, new_names) = (&mut self.codes, &mut self.ids, &mut self.new_names);
         let merged = merge(&native, &ev.frames[..n], is_eval, |code, instr| {
