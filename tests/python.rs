@@ -68,6 +68,8 @@ fn get(addr: SocketAddr, path: &str) -> Value {
 struct Measured {
     spin_cpu_s: f64,
     blocked_s: f64,
+    /// The blocked thread: its tid and its name in `threading`.
+    blocked_thread: (u64, String),
 }
 
 /// Trace `pid` while the plugin spins for 3 s and blocks for 0.5 s and `work` runs the server's
@@ -78,7 +80,9 @@ fn traced(pid: u32, addr: SocketAddr, name: &str, work: impl FnOnce()) -> (PathB
     // The route's thread runs once before the figures are taken.
     get(addr, "/probe-test/spin?ms=50");
     let spin_cpu_s = get(addr, "/probe-test/spin?ms=3000")["thread_cpu_s"].as_f64().unwrap();
-    let blocked_s = get(addr, "/probe-test/block?ms=500")["blocked_s"].as_f64().unwrap();
+    let blocked = get(addr, "/probe-test/block?ms=500");
+    let blocked_s = blocked["blocked_s"].as_f64().unwrap();
+    let blocked_thread = (blocked["native_id"].as_u64().unwrap(), blocked["thread"].as_str().unwrap().to_string());
     work();
     std::thread::sleep(Duration::from_millis(500));
     // SAFETY: signalling the probe child we started.
@@ -87,7 +91,7 @@ fn traced(pid: u32, addr: SocketAddr, name: &str, work: impl FnOnce()) -> (PathB
     let err: Vec<String> = rx.try_iter().collect();
     assert!(st.success(), "probe: {err:?}");
     assert!(!err.iter().any(|l| l.contains("Python frames not read")), "{err:?}");
-    (out, Measured { spin_cpu_s, blocked_s })
+    (out, Measured { spin_cpu_s, blocked_s, blocked_thread })
 }
 
 /// (stack, samples) of a folded flamegraph.
@@ -121,14 +125,47 @@ fn check_plugin(out: &Path, m: &Measured) {
         "no native frames among the Python ones"
     );
     let r = common::read_report(out);
-    let id = r["requests"]
+    let q = r["requests"]
         .as_array()
         .unwrap()
         .iter()
         .find(|q| q["path"].as_str().is_some_and(|p| p.starts_with("/probe-test/block")))
-        .unwrap_or_else(|| panic!("the blocking request is not in the report"))["id"]
-        .as_u64()
-        .unwrap();
+        .unwrap_or_else(|| panic!("the blocking request is not in the report"));
+    let id = q["id"].as_u64().unwrap();
+    // Its critical path says where the thread blocked: the function, under its caller, for the
+    // time the plugin's own clock measured the recv waiting.
+    let path = &q["verdict"]["critical_path"];
+    let waits: Vec<(f64, &str)> = path["threads"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no critical path: {q}"))
+        .iter()
+        .flat_map(|t| t["waits"].as_array().into_iter().flatten())
+        .map(|w| (w["ms"].as_f64().unwrap(), w["site"].as_str().unwrap()))
+        .collect();
+    let at_block: f64 = waits
+        .iter()
+        .filter(|(_, s)| {
+            s.contains(" in probe_plugin.probe_plugin_block (probe_plugin.py:")
+                && s.contains(" under probe_plugin.ProbeTestMiddleware.__call__ (probe_plugin.py:")
+        })
+        .map(|w| w.0)
+        .sum();
+    let want = m.blocked_s * 1e3;
+    assert!(
+        (at_block - want).abs() <= want * 0.10 + 20.0,
+        "critical path blocked {at_block:.0} ms in probe_plugin_block, the plugin waited {want:.0} ms: {waits:?}"
+    );
+    // The evidence says so, naming the thread as `threading` does.
+    let evidence: Vec<&str> = q["verdict"]["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    let line = evidence
+        .iter()
+        .find(|e| e.contains("was blocked") && e.contains("in probe_plugin.probe_plugin_block"))
+        .unwrap_or_else(|| panic!("no evidence of where request {id} blocked: {evidence:?}"));
+    let (tid, name) = &m.blocked_thread;
+    assert!(
+        line.contains(&format!("server thread {tid} (")) && line.contains(&format!(" · {name})")),
+        "{line} (the plugin ran in {tid}, {name:?})"
+    );
     let svg = out.join("block-offcpu.svg");
     let st = Command::new(probe_bin())
         .args(["flamegraph", "--kind", "offcpu", "--request", &id.to_string(), "-o"])

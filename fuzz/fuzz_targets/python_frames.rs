@@ -1,6 +1,6 @@
 //! Python frames (`probe_user::record::python`): the target's memory is untrusted, so the decoder
 //! reads an image made of the input: a code object's names, first line and location table, an
-//! interpreter's thread list, `_Py_DebugOffsets`, with pointers anywhere (null, out of the image,
+//! interpreter's thread list and `threading`'s thread names, `_Py_DebugOffsets`, with pointers anywhere (null, out of the image,
 //! into themselves). Nothing may panic, loop or allocate without bound; a frame named must name
 //! what the image holds. Also the merge of Python into native frames with arbitrary entry flags.
 //!
@@ -49,6 +49,13 @@ fuzz_target!(|data: &[u8]| {
     }
     let threads = py::thread_states(&mem, &layout, runtime);
     assert!(threads.len() <= 4096);
+    // `threading`'s names: sys.modules → threading → _active → each Thread's attributes,
+    // dicts, split values and ints as the image holds them (3.13's inline values too).
+    for l in [layout, py::Layout { version: (3, 13), ..layout }] {
+        let mut active = None;
+        let names = py::thread_names(&mem, &l, runtime, &mut active);
+        assert!(names.len() <= 4096 && names.values().all(|n| n.len() < 8 * 1024));
+    }
     // Every table read from the image as a location table, from every start.
     for start in 0..image.len().min(64) {
         let _ = py::line_of(&image[start..], i64::from(which), u64::from(natives));

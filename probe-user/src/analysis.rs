@@ -217,8 +217,8 @@ impl Analysis {
                 Some(q) => match q.arrival_ms {
                     None => (Window::default(), Some(ScopeError::InFlightAtAttach(id))),
                     Some(a) => {
-                        let from = meta.start_ns + (a * 1e6) as u64;
-                        let to = meta.start_ns + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64;
+                        let from = meta.start_ns.saturating_add((a * 1e6) as u64);
+                        let to = meta.start_ns.saturating_add(((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
                         (Window { from_ns: Some(from), to_ns: Some(to), request: true }, None)
                     }
                 },
@@ -232,8 +232,8 @@ impl Analysis {
         if let (true, Some(syms)) = (needs.per_request, symbols.as_ref()) {
             for q in b.requests().iter().filter(|q| !q.probe_poll) {
                 let Some(a) = q.arrival_ms else { continue };
-                let from = meta.start_ns + (a * 1e6) as u64;
-                let to = meta.start_ns + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64;
+                let from = meta.start_ns.saturating_add((a * 1e6) as u64);
+                let to = meta.start_ns.saturating_add(((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
                 spans.push(Some((from, to)));
                 per_request.push((q.id, Folder::new(syms, Some(&meta), Window { from_ns: Some(from), to_ns: Some(to), request: true })));
             }
@@ -252,7 +252,7 @@ impl Analysis {
             if !per_request.is_empty() {
                 // An off-CPU wait belongs to the windows its end falls in; any other sample to
                 // the windows its time falls in.
-                let t = if s.what == recording::StackKind::Offcpu { s.ts_ns + s.blocked_ns.unwrap_or(0) } else { s.ts_ns };
+                let t = if s.what == recording::StackKind::Offcpu { s.ts_ns.saturating_add(s.blocked_ns.unwrap_or(0)) } else { s.ts_ns };
                 for &i in by_time.at(t) {
                     per_request[i].1.add(s);
                 }

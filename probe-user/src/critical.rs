@@ -50,6 +50,8 @@ struct Interval {
     from: u64,
     to: u64,
     off: Off,
+    /// Where a blocked thread waited ([`Threads::site`]).
+    site: Option<u32>,
 }
 
 /// Each traced thread's off-CPU intervals, by tid, and the on-CPU time it spent in memory work
@@ -59,6 +61,9 @@ pub struct Threads {
     by_tid: HashMap<u32, Vec<Interval>>,
     memory_on_cpu: HashMap<u32, Vec<(u64, u64)>>,
     sorted: bool,
+    /// Where waits were, interned: "[network wait] in mod.f (f.py:3) under mod.g (g.py:9)".
+    sites: Vec<String>,
+    site_ids: HashMap<String, u32>,
 }
 
 /// Time on the critical path by state, ms.
@@ -98,6 +103,9 @@ impl States {
     }
 }
 
+/// A stretch of the path: from, to, state, thread, where it waited.
+type Seg = (u64, u64, State, u32, Option<u32>);
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Running,
@@ -114,7 +122,23 @@ pub struct OnPath {
     /// Time the path spent in this thread's timeline, ms, by state.
     pub ms: f64,
     pub states: States,
+    /// Where it was blocked on the path (waits of at least 1 ms, the longest first, at most
+    /// [`MAX_SITES`]): the wait's class and, in an interpreter, the code it blocked under.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waits: Vec<Wait>,
 }
+
+/// Time the critical path spent blocked at one place.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Wait {
+    pub ms: f64,
+    /// The wait's class (`crate::ksyms::WAITS`) and, where the stack held Python frames, the
+    /// innermost one and its caller: "[network wait] in mod.f (f.py:3) under mod.g (g.py:9)".
+    pub site: String,
+}
+
+/// Places named per thread on a path.
+pub const MAX_SITES: usize = 3;
 
 /// A request's critical path from its arrival to its first response bytes.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -145,13 +169,25 @@ const MAX_STEPS: usize = 200_000;
 
 impl Threads {
     /// A thread was blocked from `from` until its wake-up at `to`.
-    pub fn blocked(&mut self, tid: u32, from: u64, to: u64, class: Class, waker: Option<u32>) {
-        self.push(tid, Interval { from, to, off: Off::Blocked { class, waker: waker.filter(|&w| w != tid) } });
+    /// `site` says where ([`Threads::site`]).
+    pub fn blocked(&mut self, tid: u32, from: u64, to: u64, class: Class, waker: Option<u32>, site: Option<u32>) {
+        self.push(tid, Interval { from, to, off: Off::Blocked { class, waker: waker.filter(|&w| w != tid) }, site });
+    }
+
+    /// The id of a place threads wait at, for [`Threads::blocked`].
+    pub fn site(&mut self, text: &str) -> u32 {
+        if let Some(&id) = self.site_ids.get(text) {
+            return id;
+        }
+        let id = self.sites.len() as u32;
+        self.sites.push(text.to_string());
+        self.site_ids.insert(text.to_string(), id);
+        id
     }
 
     /// A thread was runnable from `from` until it ran at `to`; `other` had the CPU.
     pub fn cpu_wait(&mut self, tid: u32, from: u64, to: u64, other: u32) {
-        self.push(tid, Interval { from, to, off: Off::CpuWait { other } });
+        self.push(tid, Interval { from, to, off: Off::CpuWait { other }, site: None });
     }
 
     /// A thread was on the CPU faulting memory back in (the kernel's swap-in path) over
@@ -164,7 +200,7 @@ impl Threads {
     }
 
     /// The running segment `from..to` of `tid`, split where it was in memory work on the CPU.
-    fn running(&self, segs: &mut Vec<(u64, u64, State, u32)>, from: u64, to: u64, tid: u32) {
+    fn running(&self, segs: &mut Vec<Seg>, from: u64, to: u64, tid: u32) {
         let mem = self.memory_on_cpu.get(&tid).map_or(&[][..], |v| v.as_slice());
         let mut t = from;
         // Intervals are sorted by start and may overlap (samples a period apart, or closer).
@@ -175,13 +211,13 @@ impl Threads {
                 continue;
             }
             if a > t {
-                segs.push((t, a, State::Running, tid));
+                segs.push((t, a, State::Running, tid, None));
             }
-            segs.push((a, b, State::Memory, tid));
+            segs.push((a, b, State::Memory, tid, None));
             t = b;
         }
         if to > t {
-            segs.push((t, to, State::Running, tid));
+            segs.push((t, to, State::Running, tid, None));
         }
     }
 
@@ -210,7 +246,7 @@ impl Threads {
     /// The critical path over `from..to` that ends in thread `writer` at `to`.
     pub fn walk(&self, writer: u32, from: u64, to: u64) -> Path {
         debug_assert!(self.sorted, "finish() before walk()");
-        let mut segs: Vec<(u64, u64, State, u32)> = Vec::new();
+        let mut segs: Vec<Seg> = Vec::new();
         let mut hops = 0;
         let (mut cur, mut t) = (writer, to);
         let mut last_hop = None;
@@ -251,7 +287,7 @@ impl Threads {
                         Off::Blocked { .. } => State::Idle,
                     };
                     if end > start {
-                        segs.push((start, end, state, cur));
+                        segs.push((start, end, state, cur, i.site));
                     }
                     // i.from < t, so the walk moves back (or reaches `from`).
                     t = start;
@@ -261,7 +297,8 @@ impl Threads {
         let ms = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e6;
         let mut states = States::default();
         let mut threads: Vec<OnPath> = Vec::new();
-        for &(a, b, st, tid) in &segs {
+        let mut at: HashMap<(u32, u32), f64> = HashMap::new();
+        for &(a, b, st, tid, site) in &segs {
             states.add(st, ms(a, b));
             let i = match threads.iter().position(|p| p.tid == tid) {
                 Some(i) => i,
@@ -272,6 +309,19 @@ impl Threads {
             };
             threads[i].ms += ms(a, b);
             threads[i].states.add(st, ms(a, b));
+            if let Some(site) = site {
+                *at.entry((tid, site)).or_default() += ms(a, b);
+            }
+        }
+        for t in &mut threads {
+            let mut waits: Vec<Wait> = at
+                .iter()
+                .filter(|((tid, _), ms)| *tid == t.tid && **ms >= 1.0)
+                .map(|(&(_, site), &ms)| Wait { ms, site: self.sites.get(site as usize).cloned().unwrap_or_default() })
+                .collect();
+            waits.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.site.cmp(&b.site)));
+            waits.truncate(MAX_SITES);
+            t.waits = waits;
         }
         threads.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         Path { writer, threads, states, hops, not_walked_ms: if t > from { ms(from, t) } else { 0.0 } }
@@ -290,13 +340,13 @@ mod tests {
     fn a_wait_on_another_thread_goes_on_in_its_timeline() {
         let mut th = Threads::default();
         // 1: waiting for input until the request (arrival 0 is inside), then blocked on 2.
-        th.blocked(1, 10 * MS, 100 * MS, Class::Lock, Some(2));
+        th.blocked(1, 10 * MS, 100 * MS, Class::Lock, Some(2), None);
         // 2: idle on its condition variable until 1 woke it at 10 ms; a CPU wait and a disk read.
-        th.blocked(2, 0, 10 * MS, Class::Lock, Some(1));
+        th.blocked(2, 0, 10 * MS, Class::Lock, Some(1), None);
         th.cpu_wait(2, 30 * MS, 50 * MS, 999);
-        th.blocked(2, 60 * MS, 70 * MS, Class::Disk, None);
+        th.blocked(2, 60 * MS, 70 * MS, Class::Disk, None, None);
         // 2 wakes 1 at 100 ms; 2 blocks after.
-        th.blocked(2, 101 * MS, 500 * MS, Class::Lock, None);
+        th.blocked(2, 101 * MS, 500 * MS, Class::Lock, None, None);
         th.finish();
         let p = th.walk(1, 0, 110 * MS);
         let tids: Vec<u32> = p.threads.iter().map(|t| t.tid).collect();
@@ -319,8 +369,8 @@ mod tests {
     #[test]
     fn an_outside_wake_up_is_idle_and_stays_in_the_thread() {
         let mut th = Threads::default();
-        th.blocked(1, 5 * MS, 25 * MS, Class::Outside, Some(2));
-        th.blocked(1, 30 * MS, 40 * MS, Class::Lock, None);
+        th.blocked(1, 5 * MS, 25 * MS, Class::Outside, Some(2), None);
+        th.blocked(1, 30 * MS, 40 * MS, Class::Lock, None, None);
         th.finish();
         let p = th.walk(1, 0, 50 * MS);
         assert_eq!(p.threads.len(), 1);
@@ -332,8 +382,8 @@ mod tests {
     #[test]
     fn a_wake_up_loop_ends() {
         let mut th = Threads::default();
-        th.blocked(1, 10 * MS, 50 * MS, Class::Lock, Some(2));
-        th.blocked(2, 20 * MS, 50 * MS, Class::Lock, Some(1));
+        th.blocked(1, 10 * MS, 50 * MS, Class::Lock, Some(2), None);
+        th.blocked(2, 20 * MS, 50 * MS, Class::Lock, Some(1), None);
         th.finish();
         let p = th.walk(1, 0, 60 * MS);
         let s = p.states;
@@ -345,7 +395,7 @@ mod tests {
     #[test]
     fn swap_in_on_the_cpu_is_memory() {
         let mut th = Threads::default();
-        th.blocked(1, 40 * MS, 50 * MS, Class::Memory, None);
+        th.blocked(1, 40 * MS, 50 * MS, Class::Memory, None, None);
         th.memory_on_cpu(1, 10 * MS, 20 * MS);
         th.memory_on_cpu(1, 15 * MS, 25 * MS);
         th.memory_on_cpu(1, 55 * MS, 70 * MS);
@@ -354,6 +404,23 @@ mod tests {
         assert!((p.states.memory - 30.0).abs() < 1e-6, "15 ms on the CPU, 10 blocked, 5 after: {p:?}");
         assert!((p.states.running - 30.0).abs() < 1e-6, "{p:?}");
         assert_eq!(p.threads[0].states.words(), "running 30 ms, in reclaim or swap-in 30 ms");
+    }
+
+    /// Where a thread waited is summed per place over the part of the path that was its, the
+    /// longest first; waits the path did not go through (before `from`) are not counted.
+    #[test]
+    fn waits_are_named_by_where_they_were() {
+        let mut th = Threads::default();
+        let recv = th.site("[network wait] in m.f (m.py:3) under m.g (m.py:9)");
+        let lock = th.site("[lock wait]");
+        assert_eq!(th.site("[lock wait]"), lock);
+        th.blocked(1, 0, 20 * MS, Class::Outside, None, Some(recv));
+        th.blocked(1, 30 * MS, 40 * MS, Class::Outside, None, Some(recv));
+        th.blocked(1, 45 * MS, 60 * MS, Class::Lock, None, Some(lock));
+        th.finish();
+        let p = th.walk(1, 10 * MS, 70 * MS);
+        let w: Vec<(f64, &str)> = p.threads[0].waits.iter().map(|w| (w.ms, w.site.as_str())).collect();
+        assert_eq!(w, vec![(20.0, "[network wait] in m.f (m.py:3) under m.g (m.py:9)"), (15.0, "[lock wait]")]);
     }
 
     /// A thread with no interval ran the whole window.

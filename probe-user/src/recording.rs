@@ -269,7 +269,7 @@ impl StackRecord {
         Self::decode_with(b, prev_ts, true)
     }
 
-    /// `user`: decode the user frames (else count them in `user_not_read`).
+    /// `user`: decode the user frames (else count them in `user_not_read`; off-CPU stacks' always).
     fn decode_with(b: &[u8], prev_ts: u64, user: bool) -> Option<StackRecord> {
         fn string(b: &[u8]) -> Option<(String, &[u8])> {
             let (n, b) = take_varint(b)?;
@@ -294,6 +294,9 @@ impl StackRecord {
             ..Default::default()
         };
         s.what = *StackKind::ALL.get(usize::from(kind).checked_sub(1)?)?;
+        // Off-CPU stacks' frames name where a thread waited on a request's critical path, which
+        // every report has.
+        let user = user || s.what == StackKind::Offcpu;
         if flags & 2 != 0 {
             let (w, rest) = string(b)?;
             s.wait = Some(w);
@@ -1709,10 +1712,15 @@ mod tests {
             c.encode(999_000, &mut b);
             assert_eq!(StackRecord::decode(&b, 999_000), Some(c));
         }
-        // Counted, not read: the same record without its user frames' addresses.
+        // Counted, not read: the same record without its user frames' addresses (but for an
+        // off-CPU stack's, which name where a thread waited).
+        assert_eq!(StackRecord::decode_with(&out, 999_000, false), Some(s.clone()));
+        let cpu = StackRecord { what: StackKind::Cpu, ..s.clone() };
+        let mut out = vec![];
+        cpu.encode(999_000, &mut out);
         let counted = StackRecord::decode_with(&out, 999_000, false).unwrap();
         assert_eq!((counted.user.len(), counted.user_depth()), (0, 3));
-        assert_eq!(StackRecord { user: s.user.clone(), user_not_read: 0, ..counted }, s);
+        assert_eq!(StackRecord { user: s.user.clone(), user_not_read: 0, ..counted }, cpu);
         assert!(out.len() < 60, "{} bytes", out.len());
         // Cut anywhere: never a panic, never a wrong record.
         for cut in 0..out.len() {

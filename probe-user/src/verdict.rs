@@ -868,6 +868,14 @@ fn path_evidence(w: &Window<'_>, ttft: f64, v: &mut Verdict) {
             t.states.words()
         ));
     }
+    // Where a thread on the path was blocked, when its stack named the code (an interpreter's
+    // frames): the wait's class alone is already in the states above.
+    let code_waits = p.threads.iter().flat_map(|t| t.waits.iter().map(move |w| (t.tid, w)));
+    let mut code_waits: Vec<_> = code_waits.filter(|(_, w)| w.site.contains(" in ") && w.ms >= 1.0 && w.ms >= 0.05 * ttft).collect();
+    code_waits.sort_by(|a, b| b.1.ms.total_cmp(&a.1.ms));
+    for (tid, w) in code_waits.into_iter().take(2) {
+        v.evidence.push(format!("on the critical path, server thread {} was blocked {:.0} ms: {}", name(tid), w.ms, w.site));
+    }
     v.critical_path = w.path.clone();
 }
 

@@ -518,6 +518,23 @@ pub(super) fn follow_python(st: &mut State) {
     for note in std::mem::take(&mut st.python.notes) {
         eprintln!("probe: {note}");
     }
+    // Threads as Python names them, after the kernel's name: "python3 · Thread-2 (worker)".
+    let named: Vec<(u32, u32, String)> = std::mem::take(&mut st.python.new_thread_names)
+        .into_iter()
+        .map(|(pid, tid, py)| {
+            let name = match crate::procfs::thread_comm(pid, tid) {
+                Some(comm) if comm != py => format!("{comm} · {py}"),
+                _ => py,
+            };
+            (pid, tid, name)
+        })
+        .collect();
+    if !named.is_empty() {
+        let rec = UserRecord::Threads(records::Threads { ts_ns: monotonic_ns(), threads: named });
+        if let Err(e) = st.writer.record(&rec) {
+            log::warn!("thread names not written: {e}");
+        }
+    }
 }
 
 fn follow_engine(st: &mut State, se: &mut Session) {

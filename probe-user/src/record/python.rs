@@ -26,7 +26,7 @@ const MAX_NAME: usize = 512;
 const MAX_FRAMES: usize = 1 << 18;
 
 /// Where a CPython version keeps what probe reads, in bytes from the start of each struct.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
     pub version: (u8, u8),
     /// `_PyRuntime.interpreters.head`.
@@ -49,6 +49,10 @@ pub struct Layout {
     /// sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject).
     pub ascii_size: u64,
     pub compact_size: u64,
+    /// `PyInterpreterState.modules` (3.11) or `.imports.modules` (3.12+): `sys.modules`.
+    pub interp_modules: u64,
+    /// `PyHeapTypeObject.ht_cached_keys`: the shared keys of a class's instances' attributes.
+    pub type_cached_keys: u64,
 }
 
 /// The table, by minor version (x86-64 and aarch64 Linux: LP64, the same layout). Offsets from
@@ -73,6 +77,8 @@ pub fn layout(major: u8, minor: u8) -> Option<Layout> {
         code_adaptive: 184,
         ascii_size: 48,
         compact_size: 72,
+        interp_modules: 888,
+        type_cached_keys: 872,
     };
     match (major, minor) {
         (3, 11) => Some(base),
@@ -85,6 +91,8 @@ pub fn layout(major: u8, minor: u8) -> Option<Layout> {
             code_adaptive: 192,
             ascii_size: 40,
             compact_size: 56,
+            interp_modules: 944,
+            type_cached_keys: 880,
             ..base
         }),
         // 3.13 and later: `_Py_DebugOffsets` in the running interpreter ([`debug_offsets`]).
@@ -140,6 +148,10 @@ pub fn debug_offsets(b: &[u8]) -> Option<Layout> {
         code_adaptive: small(w(co + 9)?)?,
         ascii_size: 40,
         compact_size: 56,
+        interp_modules: small(w(is + 5)?)?,
+        // sizeof(PyTypeObject) 416 + the heap type's method tables and three names (not in
+        // the debug offsets).
+        type_cached_keys: 880,
     })
 }
 
@@ -353,19 +365,7 @@ fn read_code(mem: &impl Memory, l: &Layout, addr: u64) -> Option<Code> {
         return None;
     }
     let word = |off: u64| -> Option<u64> { Some(u64::from_le_bytes(head.get(off as usize..off as usize + 8)?.try_into().ok()?)) };
-    let text = |p: u64| -> Option<String> {
-        let mut b = vec![0u8; l.compact_size as usize + MAX_NAME * 4];
-        // A short string near the end of a mapping: read its header first, then what it holds.
-        if !mem.read(p, &mut b[..l.compact_size as usize]) {
-            return None;
-        }
-        let len = u64::from_le_bytes(b[16..24].try_into().ok()?).min(MAX_NAME as u64) as usize;
-        let want = (l.compact_size as usize + len * 4).min(b.len());
-        if !mem.read(p, &mut b[..want]) && !mem.read(p, &mut b[..(l.ascii_size as usize + len).min(want)]) {
-            return None;
-        }
-        unicode_text(&b, l)
-    };
+    let text = |p: u64| read_str(mem, l, p);
     let qualname = text(word(l.code_qualname)?).or_else(|| text(word(l.code_name)?))?;
     let file = text(word(l.code_filename)?).unwrap_or_default();
     let first = i64::from(i32::from_le_bytes(head.get(l.code_firstlineno as usize..l.code_firstlineno as usize + 4)?.try_into().ok()?));
@@ -378,6 +378,177 @@ fn read_code(mem: &impl Memory, l: &Layout, addr: u64) -> Option<Code> {
         })
         .unwrap_or_default();
     Some(Code { qualname, file, first, table })
+}
+
+/// The text of the `str` object at `p` (at most [`MAX_NAME`] characters).
+fn read_str(mem: &impl Memory, l: &Layout, p: u64) -> Option<String> {
+    let mut b = vec![0u8; l.compact_size as usize + MAX_NAME * 4];
+    // A short string near the end of a mapping: read its header first, then what it holds.
+    if !mem.read(p, &mut b[..l.ascii_size as usize]) {
+        return None;
+    }
+    let len = u64::from_le_bytes(b[16..24].try_into().ok()?).min(MAX_NAME as u64) as usize;
+    let want = (l.compact_size as usize + len * 4).min(b.len());
+    if !mem.read(p, &mut b[..want]) && !mem.read(p, &mut b[..(l.ascii_size as usize + len).min(want)]) {
+        return None;
+    }
+    unicode_text(&b, l)
+}
+
+/// Whether the `str` object at `p` is the ASCII text `name` (one read of its header and
+/// characters; attribute and module names are ASCII).
+fn str_is(mem: &impl Memory, l: &Layout, p: u64, name: &str) -> bool {
+    let n = l.ascii_size as usize + name.len();
+    let mut b = vec![0u8; n];
+    if p == 0 || !mem.read(p, &mut b) {
+        return false;
+    }
+    let len = u64::from_le_bytes(b[16..24].try_into().unwrap_or_default());
+    let state = u32::from_le_bytes(b[32..36].try_into().unwrap_or_default());
+    // Compact ASCII (state bits 5 and 6), of this length, these characters.
+    len == name.len() as u64 && (state >> 5) & 3 == 3 && &b[l.ascii_size as usize..] == name.as_bytes()
+}
+
+/// Most entries read from one dict.
+const MAX_ENTRIES: usize = 2048;
+
+/// A dict keys object's entries as (key, value) pointers, in insertion order (the value is
+/// null in a split table: the values are the owner's), at most [`MAX_ENTRIES`].
+fn keys_entries(mem: &impl Memory, keys: u64) -> Option<Vec<(u64, u64)>> {
+    // dk_refcnt, dk_log2_size, dk_log2_index_bytes, dk_kind, dk_version, dk_usable,
+    // dk_nentries, then the index table and the entries (3.11-3.13 with the GIL).
+    let mut head = [0u8; 32];
+    if keys == 0 || !mem.read(keys, &mut head) {
+        return None;
+    }
+    let (log2_index_bytes, kind) = (head[9], head[10]);
+    let n = usize::try_from(u64::from_le_bytes(head[24..32].try_into().ok()?)).ok()?;
+    if log2_index_bytes > 24 || kind > 2 || n > 1 << 24 {
+        return None;
+    }
+    // General (kind 0): hash, key, value; unicode and split: key, value.
+    let width = if kind == 0 { 24 } else { 16 };
+    let n = n.min(MAX_ENTRIES).min(MAX_READ / width);
+    let mut b = vec![0u8; n * width];
+    if n > 0 && !mem.read(keys.checked_add(32 + (1u64 << log2_index_bytes))?, &mut b) {
+        return None;
+    }
+    let word = |c: &[u8], i: usize| u64::from_le_bytes(c[i..i + 8].try_into().unwrap_or_default());
+    Some(b.chunks_exact(width).map(|c| if width == 24 { (word(c, 8), word(c, 16)) } else { (word(c, 0), word(c, 8)) }).collect())
+}
+
+/// A values array's `i`th value: `values` as the object holds it (3.13's carries a header).
+fn split_value(mem: &impl Memory, l: &Layout, values: u64, i: usize) -> Option<u64> {
+    let header = if l.version >= (3, 13) { 8 } else { 0 };
+    mem.u64(values.checked_add(header + 8 * i as u64)?).filter(|&v| v != 0)
+}
+
+/// A dict's (key, value) pairs, deleted entries left out.
+fn dict_items(mem: &impl Memory, l: &Layout, d: u64) -> Option<Vec<(u64, u64)>> {
+    // ob_refcnt, ob_type, ma_used, ma_version_tag, ma_keys, ma_values.
+    let keys = mem.u64(d.checked_add(32)?)?;
+    let values = mem.u64(d.checked_add(40)?)?;
+    let entries = keys_entries(mem, keys)?;
+    Some(
+        entries
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, (k, v))| {
+                let v = if values != 0 { split_value(mem, l, values, i)? } else { v };
+                (k != 0 && v != 0).then_some((k, v))
+            })
+            .collect(),
+    )
+}
+
+/// `d[name]` for a dict with string keys.
+fn dict_get(mem: &impl Memory, l: &Layout, d: u64, name: &str) -> Option<u64> {
+    dict_items(mem, l, d)?.into_iter().find(|&(k, _)| str_is(mem, l, k, name)).map(|(_, v)| v)
+}
+
+/// Instance attribute `name` of the object at `obj` (an instance of a Python class with a
+/// managed dict, as every class without `__slots__` has since 3.11): from its dict when one
+/// was made, else from its values and the class's shared keys.
+fn attr(mem: &impl Memory, l: &Layout, obj: u64, name: &str) -> Option<u64> {
+    let tp = mem.u64(obj.checked_add(8)?)?;
+    let dict_or_values = mem.u64(obj.checked_sub(24)?)?;
+    let values = match l.version {
+        // 3.11: the dict three words before the object, its values four.
+        (3, 11) if dict_or_values == 0 => mem.u64(obj.checked_sub(32)?)?,
+        // 3.12: one word, tagged 1 when it holds values.
+        (3, 12) if dict_or_values & 1 == 1 => dict_or_values - 1,
+        // 3.13: the values inline after the object (tp_basicsize), with a `valid` byte.
+        (3, 13) if dict_or_values == 0 => {
+            let v = obj.checked_add(mem.u64(tp.checked_add(32)?)?)?;
+            let mut head = [0u8; 4];
+            (mem.read(v, &mut head) && head[3] != 0).then_some(v)?
+        }
+        _ if dict_or_values != 0 => return dict_get(mem, l, dict_or_values, name),
+        _ => return None,
+    };
+    let keys = mem.u64(tp.checked_add(l.type_cached_keys)?)?;
+    let i = keys_entries(mem, keys)?.iter().position(|&(k, _)| str_is(mem, l, k, name))?;
+    split_value(mem, l, values, i)
+}
+
+/// A small non-negative `int` object's value (30-bit digits; at most three read).
+fn long_value(mem: &impl Memory, l: &Layout, p: u64) -> Option<u64> {
+    let mut b = [0u8; 36];
+    if !mem.read(p, &mut b[..28]) {
+        return None;
+    }
+    let size = u64::from_le_bytes(b[16..24].try_into().ok()?);
+    // 3.11: ob_size, the digit count (negative below zero); 3.12+: lv_tag, count << 3 | sign.
+    let n = if l.version >= (3, 12) {
+        if size & 3 == 2 {
+            return None;
+        }
+        size >> 3
+    } else {
+        if (size as i64) < 0 {
+            return None;
+        }
+        size
+    };
+    if n > 3 || (n > 1 && !mem.read(p, &mut b[..24 + 4 * n as usize])) {
+        return None;
+    }
+    (0..n as usize).try_fold(0u64, |v, i| {
+        let d = u64::from(u32::from_le_bytes(b[24 + 4 * i..28 + 4 * i].try_into().ok()?) & 0x3fff_ffff);
+        Some(v | d.checked_shl(30 * i as u32)?)
+    })
+}
+
+/// The interpreter's `threading` threads by native thread id: `threading._active`'s `Thread`
+/// objects, each with its `_name` and `_native_id` (set as the thread starts). `active` caches
+/// where the `_active` dict is (a module global, made once).
+pub fn thread_names(mem: &impl Memory, l: &Layout, runtime: u64, active: &mut Option<u64>) -> HashMap<u32, String> {
+    let mut out = HashMap::new();
+    let found = match *active {
+        Some(a) => Some(a),
+        None => (|| {
+            let interp = mem.u64(runtime.checked_add(l.interp_head)?).filter(|&p| p != 0)?;
+            let modules = mem.u64(interp.checked_add(l.interp_modules)?)?;
+            let threading = dict_get(mem, l, modules, "threading")?;
+            // PyModuleObject: ob_refcnt, ob_type, md_dict.
+            let globals = mem.u64(threading.checked_add(16)?)?;
+            dict_get(mem, l, globals, "_active")
+        })(),
+    };
+    let Some(a) = found else { return out };
+    let Some(items) = dict_items(mem, l, a) else {
+        *active = None;
+        return out;
+    };
+    *active = Some(a);
+    for (_, thread) in items.into_iter().take(MAX_THREADS) {
+        let name = attr(mem, l, thread, "_name").and_then(|p| read_str(mem, l, p));
+        let tid = attr(mem, l, thread, "_native_id").and_then(|p| long_value(mem, l, p));
+        if let (Some(name), Some(tid)) = (name, tid.and_then(|t| u32::try_from(t).ok()).filter(|&t| t != 0)) {
+            out.insert(tid, name);
+        }
+    }
+    out
 }
 
 /// The line a frame of code object `code` (read as `c`) was at: its instruction pointer `instr`
@@ -398,11 +569,11 @@ pub fn frame_text(mem: &impl Memory, l: &Layout, code: u64, instr: u64) -> Optio
 /// The threads of the interpreter whose `_PyRuntime` is at `runtime`: native thread id → thread
 /// state (at most [`MAX_THREADS`], a loop in the list ends it).
 pub fn thread_states(mem: &impl Memory, l: &Layout, runtime: u64) -> HashMap<u32, u64> {
-    threads(mem, &Interp { layout: *l, runtime, eval: (String::new(), 0, 0), threads: HashSet::new() })
+    threads(mem, &Interp { layout: *l, runtime, eval: (String::new(), 0, 0), ..Default::default() })
 }
 
 /// An interpreter found in a target process.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Interp {
     layout: Layout,
     runtime: u64,
@@ -410,6 +581,10 @@ struct Interp {
     eval: (String, u64, u64),
     /// Threads put in the kernel's map, by tid.
     threads: HashSet<u32>,
+    /// `threading`'s names by tid as last read, when, and where its `_active` dict is.
+    names: HashMap<u32, String>,
+    names_read: Option<(std::time::Instant, usize)>,
+    active: Option<u64>,
 }
 
 /// The Python side of a trace: the interpreters of the targets, their threads in the kernel's
@@ -430,6 +605,8 @@ pub struct Pythons {
     pub unnamed: u64,
     /// A thread of a Python target showed up that the kernel's map may not hold yet.
     pub dirty: bool,
+    /// Threads `threading` named (or renamed) since the last look: (pid, tid, name).
+    pub new_thread_names: Vec<(u32, u32, String)>,
     last_refresh: Option<std::time::Instant>,
     /// What each interpreter file's ELF symbols gave, by (path, device, inode): read once per
     /// file, not once per process (vLLM and multiprocessing servers start many).
@@ -471,8 +648,33 @@ impl Pythons {
                 let _ = map.remove(gone);
             }
             interp.threads = now.into_keys().collect();
+            Self::name_threads(&mem, pid, interp, &mut self.new_thread_names);
         }
         self.procs.retain(|pid, _| pids.contains(pid));
+    }
+
+    /// Read `threading`'s thread names when the interpreter's threads changed and one has no
+    /// name yet (a thread is in the interpreter's list a moment before `threading` registers
+    /// it); threads no Python code started (a C library's pool calling in) never get one, so a
+    /// thread set that stays the same is read again only every 5 s.
+    fn name_threads(mem: &impl Memory, pid: u32, interp: &mut Interp, out: &mut Vec<(u32, u32, String)>) {
+        let unnamed = interp.threads.iter().any(|t| !interp.names.contains_key(t));
+        let due = match interp.names_read {
+            None => true,
+            Some((at, n)) => n != interp.threads.len() || at.elapsed() >= std::time::Duration::from_secs(5),
+        };
+        if !unnamed || !due {
+            return;
+        }
+        interp.names_read = Some((std::time::Instant::now(), interp.threads.len()));
+        let names = thread_names(mem, &interp.layout, interp.runtime, &mut interp.active);
+        for (tid, name) in names {
+            if interp.names.get(&tid) != Some(&name) {
+                out.push((pid, tid, name.clone()));
+                interp.names.insert(tid, name);
+            }
+        }
+        interp.names.retain(|t, _| interp.threads.contains(t));
     }
 
     /// Whether any target runs a CPython this version reads.
@@ -593,7 +795,7 @@ fn find(pid: u32, files: &mut HashMap<(String, u32, u32, u64), Option<Syms>>) ->
                 m.path
             )));
         };
-        let interp = Interp { layout, runtime, eval: (m.path.clone(), syms.eval.0, syms.eval.1), threads: HashSet::new() };
+        let interp = Interp { layout, runtime, eval: (m.path.clone(), syms.eval.0, syms.eval.1), ..Default::default() };
         if threads(&mem, &interp).is_empty() {
             return Err(Some(format!(
                 "CPython {major}.{minor} in {}: no thread state found where the layout says: native frames only",
@@ -683,6 +885,131 @@ fn load_base(maps: &[Mapping], path: &str, first_load: u64, exec: bool) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A made-up address space: regions at their addresses.
+    #[derive(Default)]
+    struct Image(Vec<(u64, Vec<u8>)>);
+
+    impl Memory for Image {
+        fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+            let Some((at, b)) = self.0.iter().find(|(at, b)| addr >= *at && addr + buf.len() as u64 <= at + b.len() as u64) else {
+                return false;
+            };
+            let o = (addr - at) as usize;
+            buf.copy_from_slice(&b[o..o + buf.len()]);
+            true
+        }
+    }
+
+    impl Image {
+        fn words(&mut self, at: u64, w: &[u64]) {
+            self.0.push((at, w.iter().flat_map(|w| w.to_le_bytes()).collect()));
+        }
+
+        /// A compact ASCII `str`.
+        fn str(&mut self, at: u64, l: &Layout, text: &str) {
+            let mut b = vec![0u8; l.ascii_size as usize];
+            b[16..24].copy_from_slice(&(text.len() as u64).to_le_bytes());
+            b[32..36].copy_from_slice(&(1u32 << 2 | 1 << 5 | 1 << 6).to_le_bytes());
+            b.extend_from_slice(text.as_bytes());
+            b.push(0);
+            self.0.push((at, b));
+        }
+
+        /// A dict keys object of `kind` with these (key, value) entries.
+        fn keys(&mut self, at: u64, kind: u8, entries: &[(u64, u64)]) {
+            let mut b = vec![0u8; 40];
+            b[8] = 3;
+            b[9] = 3;
+            b[10] = kind;
+            b[24..32].copy_from_slice(&(entries.len() as u64).to_le_bytes());
+            for &(k, v) in entries {
+                if kind == 0 {
+                    b.extend_from_slice(&0u64.to_le_bytes());
+                }
+                b.extend_from_slice(&k.to_le_bytes());
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            self.0.push((at, b));
+        }
+
+        /// An `int` of one or two 30-bit digits.
+        fn int(&mut self, at: u64, l: &Layout, v: u64) {
+            let digits = if v >> 30 == 0 { vec![v] } else { vec![v & 0x3fff_ffff, v >> 30] };
+            let n = digits.len() as u64;
+            let size = if l.version >= (3, 12) { n << 3 } else { n };
+            let mut b: Vec<u8> = [1u64, 0, size].iter().flat_map(|w| w.to_le_bytes()).collect();
+            b.extend(digits.iter().flat_map(|&d| (d as u32).to_le_bytes()));
+            self.0.push((at, b));
+        }
+    }
+
+    /// `threading._active` as each version keeps it: sys.modules and the module globals as
+    /// dicts of strings, `_active` keyed by ints, and each `Thread`'s `_name` and `_native_id`
+    /// in its class's shared keys with the values where the version keeps them (3.11: a pointer
+    /// four words before the object; 3.12: three words before, tagged; 3.13: inline after the
+    /// object, behind a header), or in a dict of its own once one was made. Only 3.11 runs here.
+    #[test]
+    fn threads_are_named_as_threading_names_them() {
+        for version in [(3, 11), (3, 12), (3, 13)] {
+            let l = Layout { version, interp_modules: 888, ..layout(3, if version == (3, 11) { 11 } else { 12 }).unwrap() };
+            let mut m = Image::default();
+            let (runtime, interp, modules, threading, globals, active) = (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000);
+            m.words(runtime + l.interp_head, &[interp]);
+            m.words(interp + l.interp_modules, &[modules]);
+            // sys.modules = {"sys": 0x9999, "threading": <module>}: a unicode-keyed dict.
+            m.str(0x10_000, &l, "sys");
+            m.str(0x10_100, &l, "threading");
+            m.words(modules, &[1, 0, 2, 0, 0x3100, 0]);
+            m.keys(0x3100, 1, &[(0x10_000, 0x9999), (0x10_100, threading)]);
+            m.words(threading, &[1, 0, globals]);
+            m.str(0x10_200, &l, "_limbo");
+            m.str(0x10_300, &l, "_active");
+            m.words(globals, &[1, 0, 2, 0, 0x5100, 0]);
+            m.keys(0x5100, 1, &[(0x10_200, 0x9999), (0x10_300, active)]);
+            // _active = {ident: Thread}: int keys, a general table.
+            let (t1, t2, cls) = (0x20_000, 0x21_000, 0x22_000);
+            m.words(active, &[1, 0, 2, 0, 0x6100, 0]);
+            m.keys(0x6100, 0, &[(0x30_000, t1), (0x30_100, t2)]);
+            // The class's shared keys: _target, _name, _native_id.
+            m.str(0x10_400, &l, "_target");
+            m.str(0x10_500, &l, "_name");
+            m.str(0x10_600, &l, "_native_id");
+            m.words(cls + l.type_cached_keys, &[0x22_400]);
+            m.words(cls + 32, &[16]);
+            m.keys(0x22_400, 2, &[(0x10_400, 0), (0x10_500, 0), (0x10_600, 0)]);
+            m.str(0x40_000, &l, "MainThread");
+            m.int(0x40_100, &l, 4242);
+            m.str(0x40_200, &l, "Thread-2 (worker)");
+            m.int(0x40_300, &l, 1 << 31 | 77);
+            // t1: values in the version's place; t2: a dict of its own.
+            let values = [0u64, 0x40_000, 0x40_100];
+            match version {
+                (3, 11) => {
+                    m.words(t1 - 32, &[0x23_000, 0, 0, 0, 1, cls]);
+                    m.words(0x23_000, &values);
+                }
+                (3, 12) => {
+                    m.words(t1 - 24, &[0x23_000 | 1, 0, 0, 1, cls]);
+                    m.words(0x23_000, &values);
+                }
+                _ => {
+                    m.words(t1 - 24, &[0, 0, 0, 1, cls, 0x0100_0303, 0, 0x40_000, 0x40_100]);
+                }
+            }
+            m.words(t2 - 32, &[0, 0x24_000, 0, 0, 1, cls]);
+            m.words(0x24_000, &[1, 0, 2, 0, 0x24_100, 0]);
+            m.keys(0x24_100, 1, &[(0x10_500, 0x40_200), (0x10_600, 0x40_300)]);
+            let mut at = None;
+            let names = thread_names(&m, &l, runtime, &mut at);
+            let want: HashMap<u32, String> = [(4242, "MainThread".to_string()), (1 << 31 | 77, "Thread-2 (worker)".to_string())].into();
+            assert_eq!(names, want, "{version:?}");
+            assert_eq!(at, Some(active));
+            // A torn object: no name, no panic.
+            m.0.retain(|(a, _)| *a != 0x40_300);
+            assert_eq!(thread_names(&m, &l, runtime, &mut at).len(), 1);
+        }
+    }
 
     #[test]
     fn names_read_like_pythons_own() {

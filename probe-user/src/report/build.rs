@@ -175,6 +175,8 @@ pub(crate) struct Builder {
     /// Each target thread's off-CPU intervals, for the requests' critical paths, and names.
     threads: crate::critical::Threads,
     thread_names: HashMap<u32, String>,
+    /// Python frames' names by id (the `pyframes` records), for where waits were.
+    py_frames: HashMap<u64, String>,
     /// Warm requests of earlier sessions (`probe watch`'s baseline).
     kept_warm: Vec<crate::recording::records::Warm>,
     /// Where cut user stacks stop, as the trace named it.
@@ -224,6 +226,7 @@ impl Builder {
             other_names: HashMap::new(),
             threads: Default::default(),
             thread_names: HashMap::new(),
+            py_frames: HashMap::new(),
             kept_warm: vec![],
             cut_frames: vec![],
             ttft_windows: WindowIndex::new(&[]),
@@ -274,7 +277,7 @@ impl Builder {
                 }
             }
             UserRecord::Ksyms(k) => self.names.feed_ksyms(&k),
-            UserRecord::PyFrames(_) => {}
+            UserRecord::PyFrames(p) => self.py_frames.extend(p.frames),
             UserRecord::Stack(s) => self.stack_seen(&s),
             UserRecord::Stats(s) => {
                 let u = &s.unwind;
@@ -330,10 +333,16 @@ impl Builder {
                 // Names from /proc (maps and files records) win: merged after pass 1.
                 self.mmap_names.entry(key).or_insert_with(|| format!("<inode {} on {ma}:{mi}>/{name}", m.ino));
                 self.by_pid.entry(m.hdr.pid).or_default().push((self.file_maps.len(), vec![]));
-                self.file_maps.push(FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.ret as u64, end: m.ret as u64 + m.len, key });
+                self.file_maps.push(FileMap {
+                    pid: m.hdr.pid,
+                    t: m.hdr.ts_ns,
+                    start: m.ret as u64,
+                    end: (m.ret as u64).saturating_add(m.len),
+                    key,
+                });
             }
             Ok(MmapOp::Munmap) if m.ret == 0 => {
-                let u = FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.addr, end: m.addr + m.len, key: (0, 0, 0) };
+                let u = FileMap { pid: m.hdr.pid, t: m.hdr.ts_ns, start: m.addr, end: m.addr.saturating_add(m.len), key: (0, 0, 0) };
                 // Only an unmap that cuts into a file mapping matters (anonymous memory churn
                 // would otherwise be kept whole).
                 let Some(list) = self.by_pid.get_mut(&u.pid) else { return };
@@ -440,7 +449,7 @@ impl Builder {
         let start = self.start;
         let ttft: Vec<Option<(u64, u64)>> = r.requests.iter().map(|q| q.arrival_ms.map(|a| ttft_window(start, a, q))).collect();
         let served: Vec<Option<(u64, u64)>> =
-            r.requests.iter().map(|q| q.arrival_ms.map(|a| (start + (a * 1e6) as u64, served_until(start, a, q)))).collect();
+            r.requests.iter().map(|q| q.arrival_ms.map(|a| (at_ms(start, a), served_until(start, a, q)))).collect();
         self.ttft_windows = WindowIndex::new(&ttft);
         self.served_windows = WindowIndex::new(&served);
         self.windows = vec![WindowData::default(); r.requests.len()];
@@ -472,7 +481,8 @@ impl Builder {
         if s.what == StackKind::Offcpu {
             let Some(b) = s.blocked_ns else { return };
             let wait = self.knames.wait_of_stack(s);
-            self.threads.blocked(s.tid, ts, ts + b, crate::critical::Class::of(wait), s.waker);
+            let site = self.threads.site(&wait_site(wait, &s.user, &self.py_frames));
+            self.threads.blocked(s.tid, ts, ts.saturating_add(b), crate::critical::Class::of(wait), s.waker, Some(site));
             match wait {
                 "[io wait]" | "[page-fault wait]" => self.io_waits.push((ts, ts + b)),
                 "[memory wait]" => self.mem_waits.push((ts, ts + b)),
@@ -718,7 +728,7 @@ impl Builder {
                 .requests
                 .iter()
                 .map(|q| {
-                    let arrival = q.arrival_ms.map_or(u64::MAX, |a| start + (a * 1e6) as u64);
+                    let arrival = q.arrival_ms.map_or(u64::MAX, |a| at_ms(start, a));
                     let until = q.end_ms.map_or(u64::MAX, |e| arrival.saturating_add((e * 1e6) as u64));
                     let prompt_tokens =
                         q.stop.server_timings.as_ref().and_then(|t| t["prompt_n"].as_u64()).and_then(|n| u32::try_from(n).ok());
@@ -850,7 +860,7 @@ impl Builder {
                         Some(w) => (end - w).max(0.0),
                         None => q.ttft_ms.unwrap_or(0.0),
                     };
-                    (start + (begin * 1e6) as u64, start + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64)
+                    (at_ms(start, begin), at_ms(start, a + q.end_ms.unwrap_or(0.0)))
                 });
                 (q.id, served)
             })
@@ -868,7 +878,7 @@ impl Builder {
             .filter(|q| q.method.as_deref() == Some("POST") && !q.probe_poll)
             .filter_map(|q| {
                 let a = q.arrival_ms?;
-                Some((q.id, (start + (a * 1e6) as u64, start + ((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64)))
+                Some((q.id, (at_ms(start, a), at_ms(start, a + q.end_ms.unwrap_or(0.0)))))
             })
             .collect();
         // The bursts, once: in-flight spans that overlap merged (sorted by start, a sweep), and
@@ -1251,13 +1261,30 @@ fn closes_after_the_response(r: &mut Report) {
 
 /// A request's time to first token: arrival to the first token (or to its end).
 fn ttft_window(start: u64, arrival_ms: f64, q: &RequestRecord) -> (u64, u64) {
-    let from = start + (arrival_ms * 1e6) as u64;
-    (from, from + (q.ttft_ms.or(q.end_ms).unwrap_or(0.0) * 1e6) as u64)
+    let from = at_ms(start, arrival_ms);
+    (from, at_ms(from, q.ttft_ms.or(q.end_ms).unwrap_or(0.0)))
 }
 
 /// The end of a request: its last byte (or its first token when that came later).
 fn served_until(start: u64, arrival_ms: f64, q: &RequestRecord) -> u64 {
-    start + (arrival_ms * 1e6) as u64 + (q.end_ms.unwrap_or(0.0).max(q.ttft_ms.unwrap_or(0.0)) * 1e6) as u64
+    at_ms(at_ms(start, arrival_ms), q.end_ms.unwrap_or(0.0).max(q.ttft_ms.unwrap_or(0.0)))
+}
+
+/// Where a thread waited: the wait's class and, when its stack holds Python frames (user frames
+/// of `PY_MODULE`, innermost first), the innermost and the frame that called it.
+fn wait_site(wait: &str, user: &[(i64, u64)], py: &HashMap<u64, String>) -> String {
+    let mut named = user.iter().filter(|f| f.0 == crate::record::python::PY_MODULE).filter_map(|f| py.get(&f.1));
+    match (named.next(), named.next()) {
+        (Some(f), Some(caller)) => format!("{wait} in {f} under {caller}"),
+        (Some(f), None) => format!("{wait} in {f}"),
+        _ => wait.to_string(),
+    }
+}
+
+/// The clock reading `ms` milliseconds after `start` (a recording's own figures: a corrupt one
+/// saturates rather than wraps).
+fn at_ms(start: u64, ms: f64) -> u64 {
+    start.saturating_add((ms * 1e6) as u64)
 }
 
 /// Sorts kernel records that arrive nearly in time order: holds back up to 2 × [`REORDER`],
