@@ -13,7 +13,8 @@
 //! Frames keep what the recording has: user frames are (module, file offset), so each module is
 //! a mapping with its path and GNU build ID at a base of its own (address = base + file offset),
 //! and functions carry the names the flamegraphs use. Kernel frames sit in a `[kernel.kallsyms]`
-//! mapping at their own addresses.
+//! mapping at their own addresses. A Python frame (`module.qualname (file.py:line)`) is a
+//! function `module.qualname` of file `file.py`, at its line.
 use std::collections::{BTreeMap, HashMap};
 
 use super::proto::Msg;
@@ -94,15 +95,33 @@ impl Builder {
             let address = if id >= 0 { base(id) + off } else { off };
             (mapping, address, syms.user(id, off), syms.module(id).unwrap_or_default().to_string())
         };
+        let (name, file, lineno) = match (id == crate::record::python::PY_MODULE).then(|| python_frame(&name)).flatten() {
+            Some((n, f, l)) => (n.to_string(), f.to_string(), l),
+            None => (name, file, None),
+        };
         let f = self.function(&name, &file);
         let mut line = Msg::new();
         line.uint(1, f);
+        if let Some(l) = lineno {
+            line.uint(2, l);
+        }
         let mut m = Msg::new();
         m.uint(1, loc).uint(2, mapping).uint(3, address).msg(4, &line);
         self.location_msgs.push(m);
         self.locations.insert((id, off), loc);
         loc
     }
+}
+
+/// A Python frame's name split: `module.qualname (file.py:12)` → (`module.qualname`, `file.py`,
+/// 12); without a line (`(file.py)`), None for it.
+fn python_frame(name: &str) -> Option<(&str, &str, Option<u64>)> {
+    let (func, rest) = name.rsplit_once(" (")?;
+    let inner = rest.strip_suffix(')')?;
+    Some(match inner.rsplit_once(':') {
+        Some((file, l)) if l.parse::<u64>().is_ok() => (func, file, l.parse().ok()),
+        _ => (func, inner, None),
+    })
 }
 
 /// A distinct sample: its stack (leaf first: kernel frames, then user frames) and labels.
@@ -315,4 +334,17 @@ fn gzip(b: &[u8]) -> Vec<u8> {
     let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     let _ = e.write_all(b);
     e.finish().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_frames_split_into_function_file_and_line() {
+        assert_eq!(python_frame("llama_cpp.llama.Llama.eval (llama.py:651)"), Some(("llama_cpp.llama.Llama.eval", "llama.py", Some(651))));
+        assert_eq!(python_frame("<module> (<string>)"), Some(("<module>", "<string>", None)));
+        assert_eq!(python_frame("f (a (b).py:3)"), Some(("f (a", "b).py", Some(3))));
+        assert_eq!(python_frame("[python code 0x10]"), None);
+    }
 }
