@@ -214,6 +214,36 @@ fn llama_cpp_python_stacks_name_the_python_that_ran() {
     assert!(decode > 0, "no ggml work under llama_cpp.llama.Llama.eval → LlamaContext.decode");
 }
 
+/// Python frames that cost more than their budget are turned off within its window and the
+/// report says so; the trace goes on with native frames. A budget of 0.001% of a core (10 µs a
+/// second) is past at the first samples of a pure-Python spin: of its 10 s, at most the first
+/// window's 5 s are named (its first look is at the second turn, and a turn may come late).
+#[test]
+fn python_frames_past_their_budget_are_turned_off() {
+    let _serial = serial();
+    let server = llama_cpp_python();
+    let out = out_dir("budget");
+    let (mut p, rx, _armed) =
+        start_trace(&["--pid", &server.0.id().to_string(), "--python-budget", "0.001", "--out", out.to_str().unwrap()]);
+    let spin_cpu_s = get(server.1, "/probe-test/spin?ms=10000")["thread_cpu_s"].as_f64().unwrap();
+    // SAFETY: signalling the probe child we started.
+    unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+    assert!(p.wait().unwrap().success());
+    let err: Vec<String> = rx.try_iter().collect();
+    assert!(err.iter().any(|l| l.contains("Python frames turned off")), "{err:?}");
+    let r = common::read_report(&out);
+    let off = r["python"]["off"].as_str().unwrap_or_else(|| panic!("no python.off in the report: {}", r["python"]));
+    assert!(off.contains("over the budget of 0.001%"), "{off}");
+    assert!(r["problems"].as_array().unwrap().iter().any(|p| p == off), "{}", r["problems"]);
+    assert!(r["counters"]["python_walks"].as_u64().unwrap() > 0 && r["python"]["work_ns"].as_u64().unwrap() > 0, "{}", r["python"]);
+    let cpu = folded(&out.join("flame-cpu.folded"));
+    let named = weight(&cpu, "probe_plugin.probe_plugin_spin (probe_plugin.py:") as f64 / CPU_HZ;
+    assert!(
+        named > 0.5 && named <= 8.5 && named < spin_cpu_s - 1.0,
+        "{named:.2} s of the spin's {spin_cpu_s:.2} s named after the budget passed"
+    );
+}
+
 /// vLLM (CPU build): the plugin loaded as its `--middleware`; vLLM's own Python named from its
 /// modules, its model forward (in a worker process probe follows as a descendant) over torch's
 /// native work.

@@ -167,10 +167,23 @@ pub enum Counter {
     /// MMAP_ARGS, ENGINE_CALL): evicted from the full map, or begun before attach. Its record is
     /// missing: a loss the map itself would not tell.
     Unmatched = 5,
+    /// Python frame walks (probe_common::python), and the time they took, ns: what Python
+    /// frames cost in the kernel, for their budget.
+    PyWalks = 6,
+    PyWalkNs = 7,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 6] = [Self::UserFaults, Self::MapFull, Self::ReadErrors, Self::ShortWaits, Self::ShortWaitNs, Self::Unmatched];
+    pub const ALL: [Counter; 8] = [
+        Self::UserFaults,
+        Self::MapFull,
+        Self::ReadErrors,
+        Self::ShortWaits,
+        Self::ShortWaitNs,
+        Self::Unmatched,
+        Self::PyWalks,
+        Self::PyWalkNs,
+    ];
     pub const fn name(self) -> &'static str {
         match self {
             Self::UserFaults => "user_faults",
@@ -179,6 +192,8 @@ impl Counter {
             Self::ShortWaits => "short_cpu_waits",
             Self::ShortWaitNs => "short_cpu_wait_ns",
             Self::Unmatched => "unmatched_returns",
+            Self::PyWalks => "python_walks",
+            Self::PyWalkNs => "python_walk_ns",
         }
     }
 }

@@ -7,11 +7,11 @@ use aya_ebpf::{
     maps::HashMap,
 };
 use probe_common::{
-    Record,
+    Counter, Record,
     python::{PY_CUT_DEPTH, PY_CUT_READ, PY_DEPTH, PY_ENTRY, PY_FRAMES_311, PY_NO_CFRAME, PY_OWNED_BY_CSTACK, PyStackEvent, PyThread},
 };
 
-use crate::{EVENTS, LOST, add, header, ringbuf_flags};
+use crate::{COUNTERS, EVENTS, LOST, add, header, now_ns, ringbuf_flags};
 
 #[map(name = "PY_THREADS")]
 static PY_THREADS: HashMap<u32, PyThread> = HashMap::with_max_entries(16384, 0);
@@ -32,6 +32,7 @@ fn read<T>(at: u64) -> Option<T> {
 pub fn send(pid: u32, tid: u32) {
     // SAFETY: the value is copied out at once.
     let Some(t) = (unsafe { PY_THREADS.get(&tid) }).copied() else { return };
+    let t0 = now_ns();
     let Some(mut rec) = EVENTS.reserve::<PyStackEvent>(0) else {
         add(&LOST, PyStackEvent::KIND as u32, 1);
         return;
@@ -45,6 +46,9 @@ pub fn send(pid: u32, tid: u32) {
         (*ev).cut = cut;
     }
     rec.submit(ringbuf_flags(core::mem::size_of::<PyStackEvent>() as u64));
+    // What the walk cost, for the Python frames' budget (userspace turns them off beyond it).
+    add(&COUNTERS, Counter::PyWalks as u32, 1);
+    add(&COUNTERS, Counter::PyWalkNs as u32, now_ns().wrapping_sub(t0));
 }
 
 /// Walk the chain into `ev`'s frames: (frames written, cut).

@@ -160,8 +160,6 @@ fn read_kernel<T>(p: *const T) -> T {
 /// leave the user stack out when it is the one this thread sent last ([`seen_before`]).
 #[inline(always)]
 pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
-    // A CPython thread's Python frames go first, in a record of their own (python.rs).
-    crate::python::send(pid, tid);
     // The user registers at the task's last kernel entry (interrupt, fault or syscall).
     // SAFETY: helpers without preconditions; the pointer is only read through probe reads.
     let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
@@ -172,12 +170,17 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         unsafe { (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp)) }
     };
     let c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp };
-    if sp == 0 {
-        c.send::<0>(same_as_last);
+    // A thread that blocks again where it blocked last (same user registers: the same native
+    // stack, so the same Python frames, which only change when the interpreter returns through
+    // them) is sent as the same: its Python frames too, without a walk (a spin-wait's yields).
+    if sp != 0 && same_as_last && seen_before(tid, ip, sp, bp) {
+        c.send_same();
         return;
     }
-    if same_as_last && seen_before(tid, ip, sp, bp) {
-        c.send_same();
+    // A CPython thread's Python frames go first, in a record of their own (python.rs).
+    crate::python::send(pid, tid);
+    if sp == 0 {
+        c.send::<0>(same_as_last);
         return;
     }
     // As many bytes as this thread's stacks took to unwind so far (the collector says, in

@@ -47,6 +47,8 @@ pub struct TraceOptions {
     pub capture_text: bool,
     /// Walk CPython threads' frame chains (record::python).
     pub python_frames: bool,
+    /// Percent of one core their own work may take (0: no limit; record::python::Budget).
+    pub python_budget: f64,
     /// GPU / CPU-frequency / memory samples per second (0: off).
     pub host_hz: f64,
     /// Poll the server's own HTTP endpoints (/metrics, /props, /api/ps).
@@ -237,6 +239,7 @@ struct State {
     /// and the names of the Python frames seen.
     python: crate::record::python::Pythons,
     py_threads: Option<aya::maps::HashMap<MapData, u32, probe_common::python::PyThread>>,
+    py_budget: Option<crate::record::python::Budget>,
     /// Where to tell the kernel which files the targets map (their block IO is the target's
     /// whoever issues it), and the files told.
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
@@ -310,6 +313,7 @@ impl State {
             ustack_need: None,
             python: Default::default(),
             py_threads: None,
+            py_budget: None,
             target_files: None,
             files_told: HashSet::new(),
             need_told: HashMap::new(),
@@ -474,8 +478,17 @@ impl State {
         // A CPython thread's Python frames in place of the interpreter's evaluation frames.
         let native_top = u.frames.last().copied();
         let paths = &self.module_paths;
-        let user =
-            self.python.merge_into(s.hdr.pid, s.hdr.tid, s.hdr.ts_ns, u.frames, |id, path| paths.get(&id).is_some_and(|p| p == path));
+        let user = self.python.merge_into(
+            crate::record::python::StackAt {
+                pid: s.hdr.pid,
+                tid: s.hdr.tid,
+                ts_ns: s.hdr.ts_ns,
+                offcpu,
+                same: s.what & STACK_SAME_USER != 0,
+            },
+            u.frames,
+            |id, path| paths.get(&id).is_some_and(|p| p == path),
+        );
         if !self.python.new_names.is_empty() {
             let frames = std::mem::take(&mut self.python.new_names);
             self.writer.record(&UserRecord::PyFrames(records::PyFrames { frames }))?;
@@ -781,6 +794,12 @@ fn stats(
         },
         streams: Some(st.streams.limits().clone()),
         cost: Some(cost(runs, bpf_unmeasured)),
+        python: st.python.any_seen().then(|| records::PythonStats {
+            merged: st.python.merged,
+            unnamed: st.python.unnamed,
+            work_ns: st.python.work_ns,
+            off: st.python.off.clone(),
+        }),
     }))
 }
 

@@ -75,6 +75,11 @@ enum Command {
         /// (file.py:line)` in place of the interpreter's evaluation frames) are not read.
         #[arg(long)]
         no_python_frames: bool,
+        /// The most of one core (percent) the Python frames' own work may take, over any 5 s:
+        /// the kernel's walks and probe's reading and naming. Beyond it they are turned off for
+        /// the rest of the trace, and the report says so. 0: no limit.
+        #[arg(long, default_value_t = 1.0, value_parser = parse_budget)]
+        python_budget: f64,
         /// GPU (NVML), CPU-frequency and memory-pressure samples per second (up to 1000); 0
         /// turns them off.
         #[arg(long, default_value_t = 10.0, value_parser = parse_sample_hz)]
@@ -384,6 +389,15 @@ fn parse_sample_hz(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// `--python-budget`: a percentage of one core.
+fn parse_budget(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().trim_end_matches('%').parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if !v.is_finite() || !(0.0..=100.0).contains(&v) {
+        return Err(format!("`{s}` is out of range: give 0 (no limit) to 100 (percent of one core)"));
+    }
+    Ok(v)
+}
+
 /// `--max-size`: bytes, or a number with K, M, G or T (powers of 1024; `B`/`iB` may follow).
 fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
@@ -473,6 +487,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         hz,
         capture_text,
         no_python_frames,
+        python_budget,
         sample_hz,
         no_poll,
         auth,
@@ -508,6 +523,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         ring_bytes: ring_mb << 20,
         capture_text,
         python_frames: !no_python_frames,
+        python_budget,
         sample_hz: hz,
         host_hz: sample_hz.max(0.0),
         poll: !no_poll,

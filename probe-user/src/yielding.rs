@@ -46,6 +46,8 @@ struct Heartbeat {
     backlog: Option<RingFill>,
     /// The backlog's fill at the watchdog's last look (f64 bits; the watchdog's own).
     last_fill: AtomicU64,
+    /// Monotonic ns it started yielding: its first second is watched closely ([`WATCH_START`]).
+    born_ns: u64,
 }
 
 /// How full a BPF ring buffer is, from a read-only mapping of its two position pages (the
@@ -110,6 +112,11 @@ const RAISE_AHEAD: f64 = 0.75;
 const CAP_SYS_NICE: u64 = 1 << 23;
 const WATCH_EVERY: Duration = Duration::from_millis(100);
 const WATCH_IDLE: Duration = Duration::from_millis(250);
+/// How often the watchdog looks in a thread's first [`START_NS`]: right after attach a ring can
+/// fill in a tenth of a second (a decode's thread pool switching 26,000 times a second) while
+/// the drain, at idle priority from its start, waits behind the server it must not delay.
+const WATCH_START: Duration = Duration::from_millis(10);
+const START_NS: u64 = 1_000_000_000;
 
 /// When a yielding thread goes back to idle priority: after `KEEP_UP` turns in a row that kept
 /// up, and no sooner than `calm` since it last fell behind. A thread that falls behind again soon
@@ -174,19 +181,29 @@ fn filling(fill: f64, last: f64) -> bool {
     fill > RAISE_AT_FILL || fill + 2.0 * (fill - last).max(0.0) > RAISE_AHEAD
 }
 
-fn watchdog() -> &'static Mutex<Vec<Arc<Heartbeat>>> {
-    static BEATS: OnceLock<Mutex<Vec<Arc<Heartbeat>>>> = OnceLock::new();
+/// The watched threads, and the watchdog's wake-up when one starts (its first look is then due
+/// at once, not at the end of a quarter-second sleep).
+fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
+    static BEATS: OnceLock<(Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar)> = OnceLock::new();
     BEATS.get_or_init(|| {
         let spawned = std::thread::Builder::new().name("probe-watchdog".into()).spawn(|| {
             let mut every = WATCH_EVERY;
+            let (list, wake) = watchdog();
+            let mut beats = list.lock().unwrap_or_else(|e| e.into_inner());
             loop {
-                std::thread::sleep(every);
+                beats = wake.wait_timeout(beats, every).unwrap_or_else(|e| e.into_inner()).0;
                 let now = crate::monotonic_ns();
-                let mut beats = watchdog().lock().unwrap_or_else(|e| e.into_inner());
                 beats.retain(|b| !b.done.load(Relaxed));
-                // Every 100 ms while a watched thread has work flowing, every 250 ms otherwise (a
-                // ring filling from idle at 16 MB/s is then seen at most 4 MB past half full).
-                every = if beats.iter().any(|b| b.busy.load(Relaxed)) { WATCH_EVERY } else { WATCH_IDLE };
+                // Every 10 ms in a thread's first second, every 100 ms while a watched thread
+                // has work flowing, every 250 ms otherwise (a ring filling from idle at 16 MB/s
+                // is then seen at most 4 MB past half full).
+                every = if beats.iter().any(|b| now.saturating_sub(b.born_ns) < START_NS) {
+                    WATCH_START
+                } else if beats.iter().any(|b| b.busy.load(Relaxed)) {
+                    WATCH_EVERY
+                } else {
+                    WATCH_IDLE
+                };
                 for b in beats.iter() {
                     let due = b.due_ns.load(Relaxed);
                     let overdue = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
@@ -207,7 +224,7 @@ fn watchdog() -> &'static Mutex<Vec<Arc<Heartbeat>>> {
         if let Err(e) = spawned {
             log::warn!("no watchdog thread ({e}): yielding threads are raised only when they run");
         }
-        Mutex::new(Vec::new())
+        (Mutex::new(Vec::new()), std::sync::Condvar::new())
     })
 }
 
@@ -228,15 +245,20 @@ impl Yielding {
             done: false.into(),
             backlog,
             last_fill: 0f64.to_bits().into(),
+            born_ns: now,
         });
-        if may {
-            watchdog().lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
-        }
-        // Normal priority first: a trace's first second holds the burst of records right after
-        // attach while the collector still loads unwind tables (a decode's thread pool switching
-        // 26,000 times a second filled the ring in a tenth of a second before the watchdog's
-        // first look); it yields once turns keep up and the calm has passed ([`Policy`]).
-        Yielding { name, may, policy: Policy::new(false, now), beat, behind_turns: 0 }
+        // Idle priority from the start: the first second after attach is when probe's work
+        // (the burst of records, unwind tables loading) would most delay the request the user
+        // attached for. The watchdog looks every 10 ms meanwhile and raises a drain whose ring
+        // fills fast (a decode's thread pool switching 26,000 times a second fills it in a
+        // tenth of a second).
+        let idle = may && {
+            let (list, wake) = watchdog();
+            list.lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
+            wake.notify_one();
+            set_policy(libc::SCHED_IDLE).is_ok()
+        };
+        Yielding { name, may, policy: Policy::new(idle, now), beat, behind_turns: 0 }
     }
 
     /// After a turn: `behind`, it fell behind (normal priority from now on); else it kept up.

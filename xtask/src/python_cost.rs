@@ -106,13 +106,16 @@ fn load(addr: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One traced stretch of load: the report's cost object.
+/// One traced stretch of load: its report. Python frames without their budget (`--python-budget
+/// 0`): the figure is what they cost, and whether it fits the default budget is printed.
 fn traced(s: &Server, python: bool, dir: &Path, name: &str) -> anyhow::Result<serde_json::Value> {
     let rec = dir.join(name);
     let _ = std::fs::remove_dir_all(&rec);
     let mut cmd = Command::new(crate::bin("probe"));
     cmd.args(["trace", "-q", "--hz", "99", "--pid", &s.child.id().to_string(), "--out"]).arg(&rec);
-    if !python {
+    if python {
+        cmd.args(["--python-budget", "0"]);
+    } else {
         cmd.arg("--no-python-frames");
     }
     let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
@@ -130,7 +133,7 @@ fn traced(s: &Server, python: bool, dir: &Path, name: &str) -> anyhow::Result<se
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     child.wait()?;
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
-    Ok(r["cost"].clone())
+    Ok(r)
 }
 
 fn prog(cost: &serde_json::Value, name: &str) -> (f64, f64) {
@@ -145,19 +148,27 @@ pub fn bench_python() -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     println!("Python frames: cost at 99 Hz, the same load traced with and without (--no-python-frames), alternately");
     println!(
-        "{:<18} {:<7} {:>22} {:>24} {:>9} {:>8} {:>8}",
-        "server", "frames", "cpu_sample µs × runs/s", "sched_switch µs × runs/s", "process", "BPF", "total"
+        "{:<18} {:<7} {:>22} {:>24} {:>9} {:>8} {:>8} {:>20} {:>9}",
+        "server", "frames", "cpu_sample µs × runs/s", "sched_switch µs × runs/s", "process", "BPF", "total", "walk µs × walks/s", "own"
     );
     for start in [llama_cpp_python as fn() -> anyhow::Result<Server>, vllm] {
         let s = start()?;
         for i in 0..RUNS {
             for python in [true, false] {
-                let c = traced(&s, python, &dir, &format!("{}-{}-{i}", s.name, if python { "on" } else { "off" }))?;
-                let (cpu_ns, cpu_rate) = prog(&c, "cpu_sample");
-                let (sw_ns, sw_rate) = prog(&c, "sched_switch");
+                let r = traced(&s, python, &dir, &format!("{}-{}-{i}", s.name, if python { "on" } else { "off" }))?;
+                let c = &r["cost"];
+                // The Python frames' own work, as their budget counts it: the kernel's walks
+                // and probe's reading and naming, a share of one core.
+                let secs = r["duration_s"].as_f64().unwrap_or(0.0).max(1e-9);
+                let walks = r["counters"]["python_walks"].as_f64().unwrap_or(0.0);
+                let walk_ns = r["counters"]["python_walk_ns"].as_f64().unwrap_or(0.0);
+                let work_ns = r["python"]["work_ns"].as_f64().unwrap_or(0.0);
+                let own = (walk_ns + work_ns) / secs / 1e7;
+                let (cpu_ns, cpu_rate) = prog(c, "cpu_sample");
+                let (sw_ns, sw_rate) = prog(c, "sched_switch");
                 let pct = |k: &str| c[k].as_f64().unwrap_or(0.0);
                 println!(
-                    "{:<18} {:<7} {:>12.1} × {:>7.0} {:>14.1} × {:>7.0} {:>8.2}% {:>7.2}% {:>7.2}%",
+                    "{:<18} {:<7} {:>12.1} × {:>7.0} {:>14.1} × {:>7.0} {:>8.2}% {:>7.2}% {:>7.2}% {:>10.1} × {:>7.0} {:>8.2}%",
                     s.name,
                     if python { "python" } else { "native" },
                     cpu_ns / 1e3,
@@ -166,11 +177,18 @@ pub fn bench_python() -> anyhow::Result<()> {
                     sw_rate,
                     pct("probe_pct"),
                     pct("bpf_pct"),
-                    pct("pct_of_core")
+                    pct("pct_of_core"),
+                    if walks > 0.0 { walk_ns / walks / 1e3 } else { 0.0 },
+                    walks / secs,
+                    own
                 );
             }
         }
     }
-    println!("(each row {} s of load; recordings in {})", LOAD.as_secs(), dir.display());
+    println!(
+        "(each row {} s of load; own: the Python frames' own work, which --python-budget bounds (default 1%); recordings in {})",
+        LOAD.as_secs(),
+        dir.display()
+    );
     Ok(())
 }

@@ -227,6 +227,7 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
     st.follow_cgroup = opts.cgroup.is_some();
     st.ustack_need = attached.ustack_need.take();
     st.py_threads = if opts.python_frames { attached.py_threads.take() } else { None };
+    st.py_budget = (opts.python_budget > 0.0).then(|| crate::record::python::Budget::new(opts.python_budget / 100.0));
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     if opts.watch.is_some() {
         st.writer.keep_context();
@@ -503,6 +504,25 @@ async fn follow(
     Ok((reason, hung_up))
 }
 
+/// Python frames past their budget are turned off (said now, and in the recording's stats): the
+/// kernel's walks (its counter) and this process's work for them, over the budget's window.
+fn python_budget(st: &mut State, counters: &[u64]) {
+    let Some(b) = st.py_budget.as_mut() else { return };
+    if st.py_threads.is_none() || st.python.off.is_some() || !st.python.any() {
+        return;
+    }
+    let kernel = counters.get(probe_common::Counter::PyWalkNs as usize).copied().unwrap_or(0);
+    let Some(share) = b.over(monotonic_ns(), kernel.saturating_add(st.python.work_ns)) else { return };
+    let why = format!(
+        "Python frames turned off: their own work (the kernel's walks and naming the code) took {:.2}% of a core over {} s, over the budget of {}% (--python-budget)",
+        share * 100.0,
+        crate::record::python::Budget::WINDOW_NS / 1_000_000_000,
+        (b.share * 1e5).round() / 1e3
+    );
+    eprintln!("probe: {why}");
+    st.python.turn_off(why, &mut st.py_threads);
+}
+
 /// Search executable files the targets mapped since the last turn for llama.cpp's entry points
 /// and attach the engine probe to them: a model runner started after attach (Ollama), a
 /// libllama loaded later (a Python server importing its binding).
@@ -622,6 +642,7 @@ impl Second {
         }
         st.writer.flush()?;
         follow_engine(st, se);
+        python_budget(st, &se.kernel.counters());
         follow_python(st);
         rotate(opts, st, se, out_dir)?;
         if let (Some(screen), Some(live)) = (screen, &mut st.live) {

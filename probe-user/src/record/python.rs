@@ -594,8 +594,12 @@ pub struct Pythons {
     procs: HashMap<u32, Option<Interp>>,
     /// The last Python frames per thread, waiting for their stack record.
     pending: HashMap<u32, Box<PyStackEvent>>,
+    /// Each thread's Python frames at its last off-CPU stack (for the ones sent as the same).
+    last_offcpu: HashMap<u32, Box<PyStackEvent>>,
     codes: HashMap<(u32, u64), Option<Code>>,
     ids: HashMap<(u32, u64, i64), u64>,
+    /// Frame ids by (pid, code object, instruction): what `ids` gives without the line's lookup.
+    by_instr: HashMap<(u32, u64, u64), u64>,
     /// Frame names not written to the recording yet.
     pub new_names: Vec<(u64, String)>,
     /// What was said about processes that could not be read (once each).
@@ -607,6 +611,12 @@ pub struct Pythons {
     pub dirty: bool,
     /// Threads `threading` named (or renamed) since the last look: (pid, tid, name).
     pub new_thread_names: Vec<(u32, u32, String)>,
+    /// CPU time this process spent on Python frames (reading threads, naming code), ns: the
+    /// thread's own clock (a drain at idle priority waits behind the server: wall time would
+    /// count the server's work).
+    pub work_ns: u64,
+    /// Why Python frames were turned off during the trace ([`Pythons::turn_off`]).
+    pub off: Option<String>,
     last_refresh: Option<std::time::Instant>,
     /// What each interpreter file's ELF symbols gave, by (path, device, inode): read once per
     /// file, not once per process (vLLM and multiprocessing servers start many).
@@ -619,6 +629,31 @@ impl Pythons {
     /// date (threads started since, threads gone).
     pub fn refresh(&mut self, pids: &[u32], map: &mut Option<aya::maps::HashMap<aya::maps::MapData, u32, PyThread>>) {
         self.dirty = false;
+        if self.off.is_some() {
+            return;
+        }
+        let t0 = thread_cpu_ns();
+        self.refresh_now(pids, map);
+        self.work_ns += thread_cpu_ns().saturating_sub(t0);
+    }
+
+    /// Python frames cost more than their budget: every thread leaves the kernel's map (the walk
+    /// stops), nothing is read from the targets any more, and `why` is kept for the report.
+    pub fn turn_off(&mut self, why: String, map: &mut Option<aya::maps::HashMap<aya::maps::MapData, u32, PyThread>>) {
+        if let Some(map) = map.as_mut() {
+            for interp in self.procs.values().flatten() {
+                for tid in &interp.threads {
+                    let _ = map.remove(tid);
+                }
+            }
+        }
+        self.procs.clear();
+        self.pending.clear();
+        self.last_offcpu.clear();
+        self.off = Some(why);
+    }
+
+    fn refresh_now(&mut self, pids: &[u32], map: &mut Option<aya::maps::HashMap<aya::maps::MapData, u32, PyThread>>) {
         self.last_refresh = Some(std::time::Instant::now());
         for &pid in pids {
             if !self.procs.contains_key(&pid) {
@@ -677,6 +712,11 @@ impl Pythons {
         interp.names.retain(|t, _| interp.threads.contains(t));
     }
 
+    /// Whether a CPython target was found during the trace (also after [`Pythons::turn_off`]).
+    pub fn any_seen(&self) -> bool {
+        self.off.is_some() || self.any()
+    }
+
     /// Whether any target runs a CPython this version reads.
     pub fn any(&self) -> bool {
         self.procs.values().any(Option::is_some)
@@ -705,16 +745,39 @@ impl Pythons {
     }
 
     /// The native frames of a stack record of (`pid`, `tid`) at `ts_ns`, merged with the Python
-    /// frames sent just before it (none: unchanged). `is_module(id, path)`: native module `id` is the file at `path`.
-    pub fn merge_into(
+    /// frames sent just before it (none: unchanged). `is_module(id, path)`: native module `id` is
+    /// the file at `path`. An off-CPU stack the kernel sent as the same as the thread's last
+    /// (`same`: no walk, no Python frames sent) gets the Python frames of that last one.
+    pub fn merge_into(&mut self, at: StackAt, native: Vec<(i64, u64)>, is_module: impl Fn(i64, &str) -> bool) -> Vec<(i64, u64)> {
+        let StackAt { pid, tid, ts_ns, offcpu, same } = at;
+        let (ev, fresh) = match self.pending.remove(&tid) {
+            Some(ev) => (ev, true),
+            None if same && offcpu => match self.last_offcpu.remove(&tid) {
+                Some(ev) if ev.hdr.pid == pid => (ev, false),
+                _ => return native,
+            },
+            None => return native,
+        };
+        let t0 = thread_cpu_ns();
+        let merged = self.merge_event(pid, if fresh { ts_ns } else { ev.hdr.ts_ns }, &ev, native, is_module);
+        self.work_ns += thread_cpu_ns().saturating_sub(t0);
+        if offcpu {
+            if self.last_offcpu.len() >= 16384 && !self.last_offcpu.contains_key(&tid) {
+                self.last_offcpu.clear();
+            }
+            self.last_offcpu.insert(tid, ev);
+        }
+        merged
+    }
+
+    fn merge_event(
         &mut self,
         pid: u32,
-        tid: u32,
         ts_ns: u64,
+        ev: &PyStackEvent,
         native: Vec<(i64, u64)>,
         is_module: impl Fn(i64, &str) -> bool,
     ) -> Vec<(i64, u64)> {
-        let Some(ev) = self.pending.remove(&tid) else { return native };
         // Sent in the same program run, just before: never after the stack, never long before.
         if ev.hdr.pid != pid || ev.hdr.ts_ns > ts_ns || ts_ns - ev.hdr.ts_ns > 1_000_000 {
             return native;
@@ -726,12 +789,20 @@ impl Pythons {
         let mem = ProcMemory(pid);
         let is_eval = |m: i64, off: u64| off >= lo && off < hi && is_module(m, eval_path);
         let mut unnamed = 0u64;
-        let (codes, ids, new_names) = (&mut self.codes, &mut self.ids, &mut self.new_names);
+        let (codes, ids, new_names, by_instr) = (&mut self.codes, &mut self.ids, &mut self.new_names, &mut self.by_instr);
         let merged = merge(&native, &ev.frames[..n], is_eval, |code, instr| {
+            // A frame seen before at the same instruction: its id at once (a thread that
+            // switches thousands of times a second, a spin-wait's yield, repeats its stack).
+            if let Some(&id) = by_instr.get(&(pid, code, instr)) {
+                return id;
+            }
             let c = codes.entry((pid, code)).or_insert_with(|| read_code(&mem, &layout, code));
             let line = c.as_ref().and_then(|c| line_at(c, &layout, code, instr));
             let key = (pid, code, line.unwrap_or(-1));
             if let Some(&id) = ids.get(&key) {
+                if by_instr.len() < 4 * MAX_FRAMES {
+                    by_instr.insert((pid, code, instr), id);
+                }
                 return id;
             }
             let id = ids.len() as u64;
@@ -745,12 +816,67 @@ impl Pythons {
             if ids.len() < MAX_FRAMES {
                 ids.insert(key, id);
                 new_names.push((id, text));
+                if by_instr.len() < 4 * MAX_FRAMES {
+                    by_instr.insert((pid, code, instr), id);
+                }
             }
             id
         });
         self.unnamed += unnamed;
         self.merged += 1;
         merged
+    }
+}
+
+/// Which stack record [`Pythons::merge_into`] merges into.
+#[derive(Clone, Copy, Debug)]
+pub struct StackAt {
+    pub pid: u32,
+    pub tid: u32,
+    pub ts_ns: u64,
+    /// An off-CPU stack, and one the kernel sent as the same as the thread's last.
+    pub offcpu: bool,
+    pub same: bool,
+}
+
+/// The calling thread's CPU time, ns.
+fn thread_cpu_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to write; the clock id is a constant.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return 0;
+    }
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// What Python frames may cost: their own work (the kernel's walks and this process's reading
+/// and naming) as a share of one core over the last [`Budget::WINDOW`], looked at each second.
+pub struct Budget {
+    /// The most they may take, a share of one core (0.01: 1%).
+    pub share: f64,
+    looks: std::collections::VecDeque<(u64, u64)>,
+}
+
+impl Budget {
+    /// The window a share is taken over: long enough that naming a server's code at attach
+    /// (a burst of reads) is spread, short enough to stop a steady cost within seconds.
+    pub const WINDOW_NS: u64 = 5_000_000_000;
+
+    pub fn new(share: f64) -> Budget {
+        Budget { share, looks: Default::default() }
+    }
+
+    /// A look at `now_ns` with `spent_ns` spent so far: the share over the last window when it
+    /// is over the budget (a full window must have passed).
+    pub fn over(&mut self, now_ns: u64, spent_ns: u64) -> Option<f64> {
+        self.looks.push_back((now_ns, spent_ns));
+        while self.looks.len() > 2 && self.looks[1].0 + Self::WINDOW_NS <= now_ns {
+            self.looks.pop_front();
+        }
+        let &(t0, s0) = self.looks.front()?;
+        let dt = now_ns.checked_sub(t0).filter(|&d| d >= Self::WINDOW_NS)?;
+        let share = spent_ns.saturating_sub(s0) as f64 / dt as f64;
+        (share > self.share).then_some(share)
     }
 }
 
@@ -885,6 +1011,32 @@ fn load_base(maps: &[Mapping], path: &str, first_load: u64, exec: bool) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The share is taken over a full window, the oldest look kept just outside it.
+    #[test]
+    fn the_budget_is_a_share_of_a_core_over_five_seconds() {
+        const S: u64 = 1_000_000_000;
+        let mut b = Budget::new(0.01);
+        // 8 ms a second: under 1%.
+        for i in 0..10 {
+            assert_eq!(b.over(i * S, i * 8_000_000), None, "second {i}");
+        }
+        // A burst of 40 ms in one second, then calm: 48 ms over the window is under 5 s × 1%
+        // (50 ms), so it stays on.
+        let mut b = Budget::new(0.01);
+        assert_eq!(b.over(0, 0), None);
+        assert_eq!(b.over(S, 40_000_000), None);
+        for i in 2..8 {
+            assert_eq!(b.over(i * S, 40_000_000 + (i - 1) * 1_000_000), None, "second {i}");
+        }
+        // 15 ms a second: over, once a window has passed, and not before.
+        let mut b = Budget::new(0.01);
+        for i in 0..5 {
+            assert_eq!(b.over(i * S, i * 15_000_000), None, "second {i}");
+        }
+        let share = b.over(5 * S, 75_000_000).unwrap();
+        assert!((share - 0.015).abs() < 1e-9, "{share}");
+    }
 
     /// A made-up address space: regions at their addresses.
     #[derive(Default)]

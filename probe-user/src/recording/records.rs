@@ -300,6 +300,21 @@ pub struct Stats {
     /// What tracing has cost so far (absent in recordings before it was measured).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cost: Option<Cost>,
+    /// Python frames, when a target ran a CPython probe reads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python: Option<PythonStats>,
+}
+
+/// Python frames so far: stacks merged, frames that could not be named, this process's time on
+/// them (the kernel's is the `python_walk_ns` counter), and why they were turned off.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PythonStats {
+    pub merged: u64,
+    pub unnamed: u64,
+    pub work_ns: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub off: Option<String>,
 }
 
 /// What tracing has cost since attach: probe's own CPU time and its BPF programs' run time.

@@ -296,6 +296,7 @@ impl Builder {
                 r.counters = s.counters.clone();
                 r.skipped_runs = s.skipped_runs.clone();
                 r.stream_limits = s.streams.clone();
+                r.python = s.python.clone();
                 self.stats.push(*s);
             }
             UserRecord::End(e) => {
@@ -690,6 +691,9 @@ impl Builder {
         }
         r.schema_version = SCHEMA_VERSION;
         r.problems.splice(0..0, problems);
+        if let Some(why) = r.python.as_ref().and_then(|p| p.off.clone()) {
+            r.problems.push(why);
+        }
         let from = self.meta.as_ref().and_then(|m| m.window_start_ns).unwrap_or(self.start).max(self.start);
         r.duration_s = self.end_ts.saturating_sub(from) as f64 / 1e9;
         // The unwinder's counters run from attach: a window of a longer trace (an incident)

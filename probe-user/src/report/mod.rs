@@ -69,6 +69,10 @@ pub struct Report {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub steal_running_ms: BTreeMap<u32, f64>,
     pub counters: BTreeMap<String, u64>,
+    /// Python frames, when a target ran a CPython probe reads: what they cost this process and
+    /// why they were turned off, when they were (the kernel's walks: `python_walk_ns`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub python: Option<crate::recording::records::PythonStats>,
     /// What the request-stream tracker gave up to stay bounded (connections dropped, peaks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_limits: Option<crate::stream::Limits>,

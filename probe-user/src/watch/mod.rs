@@ -213,6 +213,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             ring_bytes: o.ring_bytes,
             capture_text: false,
             python_frames: true,
+            python_budget: 1.0,
             sample_hz: o.hz,
             host_hz: o.host_hz,
             poll: o.poll,
