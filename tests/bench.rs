@@ -38,9 +38,7 @@ fn server() -> &'static Server {
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("bench-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    common::out_dir(&format!("bench-{name}"))
 }
 
 /// Run `probe bench ARGS --out DIR`; it must succeed; returns results.json.
@@ -398,27 +396,6 @@ fn idle_restart_with_a_dropped_cache_is_disk_bound_and_without_it_is_not() {
     drop(srv);
 }
 
-/// Busy loops, three for every CPU, killed on drop: a CPU-bound neighbour of the server. Three
-/// a CPU leave the one-thread server about a quarter of a core (one loop a CPU left it half of
-/// one on a 2-core box: a 1.5× slowdown that a noisy machine's intervals can hide).
-struct Hog(Vec<Child>);
-
-impl Hog {
-    fn start() -> Hog {
-        let n = 3 * std::thread::available_parallelism().map_or(2, |n| n.get());
-        Hog((0..n).map(|_| Command::new("sh").arg("-c").arg("while :; do :; done").spawn().expect("start a busy loop")).collect())
-    }
-}
-
-impl Drop for Hog {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// `--repeat 3` twice on an idle server: every figure of every level gets an interval, the
 /// second run against the first (`--baseline`) changes nothing beyond them. The same sweep with
 /// a CPU-bound job beside the server is called different (its TTFT and TPOT beyond the
@@ -476,13 +453,13 @@ fn repeated_sweeps_agree_on_an_idle_server_and_a_cpu_hog_is_called_different() {
     assert!(beyond.is_empty(), "identical sweeps on an idle server called different: {beyond:?}");
     assert!(b["conclusions"].as_array().unwrap().iter().any(|c| c.as_str().unwrap().contains("no figure changed beyond its interval")));
 
-    let hog = Hog::start();
+    let hog = common::Hog::start();
     let pids: Vec<u32> = hog.0.iter().map(|c| c.id()).collect();
     let (code, c, printed) = bench_exit(&out_dir("repeat-c"), &with_base);
     drop(hog);
     assert_eq!(code, Some(3), "the gate let a run beside a CPU hog pass: {printed}");
     let gate = printed.lines().find(|l| l.starts_with("probe bench: --fail-on-regression 50")).unwrap_or_else(|| panic!("{printed}"));
-    assert!(gate.contains("got worse by more than 50%") && gate.contains("sh (pid "), "the gate does not name the competitor: {gate}");
+    assert!(gate.contains("got worse by more than 50%") && gate.contains("cpuhog (pid "), "the gate does not name the competitor: {gate}");
     let changed: Vec<&Value> = c["baseline"]["figures"]
         .as_array()
         .unwrap()

@@ -31,9 +31,7 @@ fn chat(max_tokens: u64, stream: bool) -> Value {
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("fit-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    common::out_dir(&format!("fit-{name}"))
 }
 
 /// Stop a trace with SIGINT; its report.json.
@@ -393,8 +391,12 @@ fn bench_results_line_up_with_vllm_bench_serve() {
     let url = format!("http://{addr}");
     let dir = out_dir("vllm-bench");
     std::fs::create_dir_all(&dir).unwrap();
-    let vllm_dir = dir.join("vllm");
-    let o = Command::new(common::env_path("VLLM_PYTHON"))
+    // vLLM's own client is the reference: a run of it with a failed request (it happened once in
+    // CI: one of its four requests came back failed, latency 0) is run again, once.
+    let mut theirs = Value::Null;
+    for attempt in 0..2 {
+        let vllm_dir = dir.join(format!("vllm-{attempt}"));
+        let o = Command::new(common::env_path("VLLM_PYTHON"))
         .args(["-c", "import argparse, sys\nfrom vllm.benchmarks import serve\np = argparse.ArgumentParser()\nserve.add_cli_args(p)\nserve.main(p.parse_args(sys.argv[1:]))"])
         .args(["--backend", "openai-chat", "--base-url", &url, "--endpoint", "/v1/chat/completions", "--model", "smollm2"])
         .arg("--tokenizer")
@@ -405,9 +407,20 @@ fn bench_results_line_up_with_vllm_bench_serve() {
         .arg(&vllm_dir)
         .output()
         .unwrap();
-    assert!(o.status.success(), "vllm bench serve failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    let file = std::fs::read_dir(&vllm_dir).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|x| x == "json"));
-    let theirs: Value = serde_json::from_slice(&std::fs::read(file.expect("vLLM wrote no result")).unwrap()).unwrap();
+        assert!(
+            o.status.success(),
+            "vllm bench serve failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let file = std::fs::read_dir(&vllm_dir).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|x| x == "json"));
+        theirs = serde_json::from_slice(&std::fs::read(file.expect("vLLM wrote no result")).unwrap()).unwrap();
+        if theirs["failed"] == 0 {
+            break;
+        }
+        eprintln!("vllm bench serve: {} of its requests failed; running it again", theirs["failed"]);
+    }
+    assert_eq!(theirs["failed"], 0, "vllm bench serve failed requests twice against llama-server: {theirs}");
 
     let ours_dir = dir.join("probe");
     let args = ["bench", "--url", &url, "--api", "chat", "--levels", "2", "--requests-per-level", "4", "--max-tokens", "8", "--ignore-eos"];

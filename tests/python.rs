@@ -23,9 +23,7 @@ fn plugin_dir() -> PathBuf {
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("python-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    common::out_dir(&format!("python-{name}"))
 }
 
 /// llama-cpp-python's server with the plugin around its app (tests/data/python/llama_cpp_server.py).

@@ -520,3 +520,52 @@ impl Drop for Vllm {
         let _ = self.child.wait();
     }
 }
+
+/// A fresh output folder for one test: `NAME-PID` under the test target's scratch folder (an
+/// earlier run's with the same name is removed).
+pub fn out_dir(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Busy loops, three for every CPU, under a command name of their own (`cpuhog`, as the
+/// verdicts name competitors), killed on drop: a CPU-bound neighbour of the server. Three a CPU
+/// leave a one-thread server about a quarter of a core (one loop a CPU left it half of one on a
+/// 2-core box: a 1.5× slowdown that a noisy machine's intervals can hide).
+pub struct Hog(pub Vec<Child>);
+
+impl Hog {
+    pub fn start() -> Hog {
+        let hog = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cpuhog");
+        if !hog.exists() {
+            let _ = std::os::unix::fs::symlink("/bin/sh", &hog);
+        }
+        let n = 3 * std::thread::available_parallelism().map_or(2, |n| n.get());
+        Hog((0..n).map(|_| Command::new(&hog).args(["-c", "while :; do :; done"]).spawn().expect("start a busy loop")).collect())
+    }
+
+    pub fn pids(&self) -> Vec<u32> {
+        self.0.iter().map(Child::id).collect()
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A verdict's wait for a CPU (`cpu` ms) against schedstat's run-queue wait of the threads that
+/// did the work: at least the busiest one's, at most their sum, each within 15% or 50 ms (the
+/// request waits when any of them waits).
+pub fn assert_cpu_wait_agrees(cpu: f64, busiest: f64, sum: f64, verdict: &serde_json::Value) {
+    let slack = |x: f64| (0.15 * x).max(50.0);
+    assert!(
+        cpu >= busiest - slack(busiest) && cpu <= sum + slack(sum),
+        "cpu_contention {cpu:.0} ms vs schedstat {busiest:.0}..{sum:.0} ms: {verdict}"
+    );
+}
