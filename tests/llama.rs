@@ -1278,12 +1278,16 @@ fn a_cpu_hog_at_attach_is_cpu_contention_with_default_threads() {
     common::assert_cpu_wait_agrees(cpu, busiest, sum, v);
     assert!(v["ttft_ms"]["before_attach"].as_f64().unwrap_or(0.0) > 0.0, "no part before attach: {v}");
     // The control: no job.
-    let (q, (_, calm_busiest, _), _) = case("calm-at-attach");
+    let (q, (_, calm_busiest, calm_sum), _) = case("calm-at-attach");
     let v = &q["verdict"];
     let cpu = v["ttft_ms"]["cpu_contention"].as_f64().unwrap_or(0.0);
-    eprintln!("control at attach: cpu_contention {cpu:.0} ms, schedstat {calm_busiest:.0} ms; {}", v["ttft_ms"]);
+    eprintln!("control at attach: cpu_contention {cpu:.0} ms, schedstat {calm_busiest:.0}..{calm_sum:.0} ms; {}", v["ttft_ms"]);
     assert!(["none", "compute"].contains(&v["slow_cause"].as_str().unwrap()), "{v}");
-    assert!(cpu <= calm_busiest + 50.0, "control: cpu_contention {cpu:.0} ms vs schedstat {calm_busiest:.0} ms: {v}");
+    // The request waits when any worker waits: at most the sum of theirs (as under the job).
+    assert!(
+        cpu <= calm_sum + (0.15 * calm_sum).max(50.0),
+        "control: cpu_contention {cpu:.0} ms vs schedstat {calm_busiest:.0}..{calm_sum:.0} ms: {v}"
+    );
     drop(srv);
 }
 

@@ -247,18 +247,18 @@ impl Yielding {
             last_fill: 0f64.to_bits().into(),
             born_ns: now,
         });
-        // Idle priority from the start: the first second after attach is when probe's work
-        // (the burst of records, unwind tables loading) would most delay the request the user
-        // attached for. The watchdog looks every 10 ms meanwhile and raises a drain whose ring
-        // fills fast (a decode's thread pool switching 26,000 times a second fills it in a
-        // tenth of a second).
-        let idle = may && {
+        if may {
             let (list, wake) = watchdog();
             list.lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
             wake.notify_one();
-            set_policy(libc::SCHED_IDLE).is_ok()
-        };
-        Yielding { name, may, policy: Policy::new(idle, now), beat, behind_turns: 0 }
+        }
+        // Normal priority first: a trace's first second holds the burst of records right after
+        // attach while the collector still loads unwind tables. Started at idle priority, a
+        // drain lost 800 events under a compile on both CPUs and a memory thrash (CI), and
+        // before the watchdog's first look a decode's thread pool switching 26,000 times a
+        // second filled the ring in a tenth of a second. It yields once turns keep up and the
+        // calm has passed ([`Policy`]); the watchdog looks every 10 ms meanwhile.
+        Yielding { name, may, policy: Policy::new(false, now), beat, behind_turns: 0 }
     }
 
     /// After a turn: `behind`, it fell behind (normal priority from now on); else it kept up.
