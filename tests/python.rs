@@ -153,17 +153,21 @@ fn check_plugin(out: &Path, m: &Measured) {
         (at_block - want).abs() <= want * 0.10 + 20.0,
         "critical path blocked {at_block:.0} ms in probe_plugin_block, the plugin waited {want:.0} ms: {waits:?}"
     );
-    // The evidence says so, naming the thread as `threading` does.
-    let evidence: Vec<&str> = q["verdict"]["evidence"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
-    let line = evidence
-        .iter()
-        .find(|e| e.contains("was blocked") && e.contains("in probe_plugin.probe_plugin_block"))
-        .unwrap_or_else(|| panic!("no evidence of where request {id} blocked: {evidence:?}"));
+    // It is the thread the plugin ran in, and the timeline names it as `threading` does.
     let (tid, name) = &m.blocked_thread;
-    assert!(
-        line.contains(&format!("server thread {tid} (")) && line.contains(&format!(" · {name})")),
-        "{line} (the plugin ran in {tid}, {name:?})"
-    );
+    let waited: Vec<u64> = path["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["waits"].as_array().is_some_and(|w| !w.is_empty()))
+        .filter_map(|t| t["tid"].as_u64())
+        .collect();
+    assert_eq!(waited, vec![*tid], "{path}");
+    let tl = out.join("python-timeline.json");
+    let st = Command::new(probe_bin()).arg("timeline").arg(out).arg("-o").arg(&tl).output().unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let tl = std::fs::read_to_string(&tl).unwrap();
+    assert!(tl.contains(&format!(" · {name} ({tid})\"")), "thread {tid} is not named {name:?} in the timeline");
     let svg = out.join("block-offcpu.svg");
     let st = Command::new(probe_bin())
         .args(["flamegraph", "--kind", "offcpu", "--request", &id.to_string(), "-o"])

@@ -286,8 +286,11 @@ impl Threads {
                         Off::Blocked { class: Class::Memory, .. } => State::Memory,
                         Off::Blocked { .. } => State::Idle,
                     };
+                    // A wait another server thread ended (an event loop's poll woken by the
+                    // worker that computed) was on that thread's work: no place to name.
+                    let site = if matches!(off, Off::Blocked { waker: Some(_), .. }) { None } else { i.site };
                     if end > start {
-                        segs.push((start, end, state, cur, i.site));
+                        segs.push((start, end, state, cur, site));
                     }
                     // i.from < t, so the walk moves back (or reaches `from`).
                     t = start;
@@ -407,7 +410,8 @@ mod tests {
     }
 
     /// Where a thread waited is summed per place over the part of the path that was its, the
-    /// longest first; waits the path did not go through (before `from`) are not counted.
+    /// longest first; waits the path did not go through (before `from`), and waits another server
+    /// thread ended, are not counted.
     #[test]
     fn waits_are_named_by_where_they_were() {
         let mut th = Threads::default();
@@ -417,6 +421,8 @@ mod tests {
         th.blocked(1, 0, 20 * MS, Class::Outside, None, Some(recv));
         th.blocked(1, 30 * MS, 40 * MS, Class::Outside, None, Some(recv));
         th.blocked(1, 45 * MS, 60 * MS, Class::Lock, None, Some(lock));
+        // A poll another server thread ended: its time, not a place named.
+        th.blocked(1, 62 * MS, 68 * MS, Class::Outside, Some(2), Some(recv));
         th.finish();
         let p = th.walk(1, 10 * MS, 70 * MS);
         let w: Vec<(f64, &str)> = p.threads[0].waits.iter().map(|w| (w.ms, w.site.as_str())).collect();

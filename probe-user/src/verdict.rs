@@ -868,14 +868,9 @@ fn path_evidence(w: &Window<'_>, ttft: f64, v: &mut Verdict) {
             t.states.words()
         ));
     }
-    // Where a thread on the path was blocked, when its stack named the code (an interpreter's
-    // frames): the wait's class alone is already in the states above.
-    let code_waits = p.threads.iter().flat_map(|t| t.waits.iter().map(move |w| (t.tid, w)));
-    let mut code_waits: Vec<_> = code_waits.filter(|(_, w)| w.site.contains(" in ") && w.ms >= 1.0 && w.ms >= 0.05 * ttft).collect();
-    code_waits.sort_by(|a, b| b.1.ms.total_cmp(&a.1.ms));
-    for (tid, w) in code_waits.into_iter().take(2) {
-        v.evidence.push(format!("on the critical path, server thread {} was blocked {:.0} ms: {}", name(tid), w.ms, w.site));
-    }
+    // Where the threads waited (`critical_path.threads[].waits`) is data, not a sentence here:
+    // an async server's event loop waits in its poll while a worker computes, and the waker that
+    // would say so is not always seen (a sentence would name the poll as the cause).
     v.critical_path = w.path.clone();
 }
 
