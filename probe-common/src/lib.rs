@@ -171,10 +171,13 @@ pub enum Counter {
     /// frames cost in the kernel, for their budget.
     PyWalks = 6,
     PyWalkNs = 7,
+    /// Files the target mapped executable (a library loaded after attach): probe's drain, held
+    /// back while every CPU is busy, is let go to follow it (the engine probe attaches there).
+    ExecMaps = 8,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 8] = [
+    pub const ALL: [Counter; 9] = [
         Self::UserFaults,
         Self::MapFull,
         Self::ReadErrors,
@@ -183,6 +186,7 @@ impl Counter {
         Self::Unmatched,
         Self::PyWalks,
         Self::PyWalkNs,
+        Self::ExecMaps,
     ];
     pub const fn name(self) -> &'static str {
         match self {
@@ -194,6 +198,7 @@ impl Counter {
             Self::Unmatched => "unmatched_returns",
             Self::PyWalks => "python_walks",
             Self::PyWalkNs => "python_walk_ns",
+            Self::ExecMaps => "exec_maps",
         }
     }
 }

@@ -110,6 +110,21 @@ pub const fn steal_span_ns(flags: u32) -> u64 {
     (flags >> 8) as u64 * 1000
 }
 
+/// A cpu-wait record's bits 8..32: how long the task in its header had been running on this CPU
+/// when the thread switched in, in µs + 1 (capped at 2^24 − 2 µs, 16.7 s). It held the CPU for
+/// the end of the wait only: before, the CPU may have been another's (a server thread's) that
+/// left it. 0: not measured (a recording from before): the whole wait was its.
+pub const fn last_run_flags(run_ns: u64) -> u32 {
+    let us = run_ns / 1000 + 1;
+    (if us > 0xff_fffe { 0xff_fffe } else { us as u32 }) << 8
+}
+
+/// The header task's run before a cpu-wait record's thread switched in, ns ([`last_run_flags`]).
+pub const fn last_run_ns(flags: u32) -> Option<u64> {
+    let v = flags >> 8;
+    if v == 0 { None } else { Some((v as u64 - 1) * 1000) }
+}
+
 /// The target thread that woke a blocked thread, from a blocked record's flags (bits 8..32; a
 /// tid fits: PID_MAX_LIMIT is 2^22); None when the waker was no target thread (another process,
 /// an interrupt over one, a timer) or the kernel did not say.
@@ -144,4 +159,20 @@ pub struct SchedEvent {
 const _: () = assert!(core::mem::size_of::<SchedEvent>() == 40);
 impl Record for SchedEvent {
     const KIND: EventKind = EventKind::Sched;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_last_run_survives_its_flags() {
+        for ns in [0u64, 999, 1_000, 2_500_000, 16_000_000_000] {
+            let f = SCHED_PREEMPTED | last_run_flags(ns);
+            assert!(is_cpu_wait(f) && waker_of(f).is_none());
+            assert_eq!(last_run_ns(f), Some(ns / 1000 * 1000));
+        }
+        assert_eq!(last_run_ns(SCHED_WOKEN), None, "not said: a recording from before");
+        assert_eq!(last_run_ns(last_run_flags(u64::MAX)), Some((0xff_fffe - 1) * 1000), "capped");
+    }
 }

@@ -65,6 +65,11 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
         return Ok(());
     };
     let _ = MMAP_ARGS.remove(&tid);
+    let ret: i64 = field(ctx, SYSCALL_RET)?;
+    // A file mapped executable (mmap's prot, PROT_EXEC): a library loaded.
+    if a.op == MmapOp::Mmap as u32 && a.arg2 & 4 != 0 && a.fd >= 0 && ret >= 0 {
+        crate::count(probe_common::Counter::ExecMaps);
+    }
     let ev = MmapEvent {
         hdr: header::<MmapEvent>(pid, tid),
         op: a.op,
@@ -74,7 +79,7 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
         arg2: a.arg2,
         arg3: a.arg3,
         arg4: a.arg4,
-        ret: field(ctx, SYSCALL_RET)?,
+        ret,
         enter_ns: a.enter_ns,
         ino: a.ino,
         dev: a.dev,

@@ -6,14 +6,14 @@ use aya_ebpf::{
     bindings::pt_regs,
     helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
     macros::{map, perf_event, raw_tracepoint, tracepoint},
-    maps::LruHashMap,
+    maps::{LruHashMap, PerCpuArray},
     programs::{PerfEventContext, RawTracePointContext, TracePointContext},
 };
 use probe_common::{
     Counter, EventHeader, Record,
     stack::{
         KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER,
-        STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenUstack, StackEvent, USTACK_CAP,
+        STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenUstack, StackEvent, USTACK_CAP, last_run_flags,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -346,8 +346,22 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// Per CPU, when its last switch happened: at a target thread's switch-in, how long the task it
+/// replaces had run (the part of the thread's wait that task held the CPU).
+#[map(name = "SWITCH_AT")]
+static SWITCH_AT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
     let now = now_ns();
+    let prev_ran = match SWITCH_AT.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot; the program runs with preemption off.
+        Some(p) => unsafe {
+            let last = *p;
+            *p = now;
+            if last == 0 { u64::MAX } else { now.saturating_sub(last) }
+        },
+        None => u64::MAX,
+    };
     if let Some((pid, tid)) = current_target() {
         let state: i64 = field(ctx, sw::PREV_STATE)?;
         // A thread's last switch, as it exits, reports EXIT_DEAD or EXIT_ZOMBIE: it never runs
@@ -384,15 +398,18 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             flags,
             blocked_ns,
         };
+        // The task replaced held the CPU for the last `prev_ran` of the wait (not measured on
+        // this CPU's first switch since arming: then 0, the whole wait).
+        let held = if prev_ran == u64::MAX { 0 } else { last_run_flags(prev_ran) };
         if since & 1 != 0 {
-            run_queue_wait(now.saturating_sub(since & !1), SCHED_PREEMPTED, &sched);
+            run_queue_wait(now.saturating_sub(since & !1), SCHED_PREEMPTED | held, &sched);
             return Ok(());
         }
         // Blocked, then woken: blocked until the wake-up (by which target thread, in the
         // flags' high bits), then waiting for a CPU until now.
         let (woken, waker) = if woken >= since && woken <= now { (woken, waker) } else { (now, 0) };
         emit(&sched(waker_flags(waker as u32), woken - since));
-        run_queue_wait(now - woken, SCHED_WOKEN, &sched);
+        run_queue_wait(now - woken, SCHED_WOKEN | held, &sched);
     } else if d_only() {
         // Interruptible sleeps are not followed then: the run's start is marked here.
         came_on_cpu(next, now);

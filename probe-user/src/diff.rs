@@ -382,7 +382,7 @@ fn around(d: &mut Diff, qa: &[&Request], qb: &[&Request]) {
         for c in &v.competitors {
             // By name: the same job restarted has another pid.
             let who = c.comm.clone().unwrap_or_else(|| format!("pid {}", c.pid));
-            *m.entry(who).or_default() += c.ms;
+            *m.entry(who).or_default() += c.held();
         }
     };
     let (ca, cb) = (per(qa, &comp), per(qb, &comp));

@@ -8,11 +8,6 @@
 //! as another user, after a reboot or on another machine.
 use std::collections::HashMap;
 
-use blazesym::symbolize::{
-    Input, Symbolized, Symbolizer,
-    source::{Kernel, Source},
-};
-
 use crate::recording::Recording;
 
 /// What an off-CPU wait was, from the kernel stack at the switch. The closed set of classes.
@@ -58,24 +53,124 @@ pub fn wait_class<S: AsRef<str>>(kernel: &[S]) -> &'static str {
     }
 }
 
-fn sym_name(s: &Symbolized<'_>) -> Option<String> {
-    match s {
-        Symbolized::Sym(sym) => Some(sym.name.to_string()),
-        Symbolized::Unknown(_) => None,
+/// The kernel's text symbols, sorted by address: a frame is named by the last symbol at or
+/// below it (as kallsyms itself names addresses). Built from `/proc/kallsyms` (121,000 lines and
+/// 36 ms of the kernel's time to print here, the first stack's naming was most of probe's CPU in
+/// the second after attach) once per boot and kernel module set, then kept in `/run/probe`
+/// ([`crate::record::kernel_cache`]): a later trace reads its own copy.
+#[derive(Debug, Default)]
+struct Table {
+    addrs: Vec<u64>,
+    /// Where each name starts in `names` (and ends: at the next start).
+    at: Vec<u32>,
+    names: String,
+}
+
+const CACHE: &str = "kallsyms";
+
+impl Table {
+    /// The running kernel's table: kept from an earlier trace of this boot when its key still
+    /// holds, else read from kallsyms (and kept for the next).
+    fn live() -> Table {
+        let key = cache_key();
+        let dir = std::path::Path::new(crate::record::kernel_cache::DIR);
+        if let Some(t) = crate::record::kernel_cache::load_bytes(dir, CACHE, &key, 256 << 20).and_then(|b| Table::from_bytes(&b)) {
+            return t;
+        }
+        let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else { return Table::default() };
+        let t = Table::parse(&text);
+        if !t.addrs.is_empty() {
+            crate::record::kernel_cache::store_bytes(dir, CACHE, &key, &t.to_bytes());
+        }
+        t
     }
+
+    /// The kept form: the count (u64), the addresses (u64 each), where each name starts (u32
+    /// each), the names; native byte order (the same machine reads it back). Read back without
+    /// parsing text: 2 ms where the 121,000 lines took 20.
+    fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(8 + self.addrs.len() * 12 + self.names.len());
+        b.extend_from_slice(&(self.addrs.len() as u64).to_ne_bytes());
+        b.extend(self.addrs.iter().flat_map(|a| a.to_ne_bytes()));
+        b.extend(self.at.iter().flat_map(|a| a.to_ne_bytes()));
+        b.extend_from_slice(self.names.as_bytes());
+        b
+    }
+
+    /// [`Table::to_bytes`] read back; None when it does not hold together (sorted addresses,
+    /// name starts in order and inside the names).
+    fn from_bytes(b: &[u8]) -> Option<Table> {
+        let n = usize::try_from(u64::from_ne_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
+        let (addrs, rest) = b.get(8..)?.split_at_checked(n.checked_mul(8)?)?;
+        let (at, names) = rest.split_at_checked(n.checked_mul(4)?)?;
+        let addrs: Vec<u64> = addrs.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect();
+        let at: Vec<u32> = at.chunks_exact(4).map(|c| u32::from_ne_bytes(c.try_into().expect("4 bytes"))).collect();
+        let names = String::from_utf8(names.to_vec()).ok()?;
+        let fits = addrs.is_sorted()
+            && at.is_sorted()
+            && at.last().is_none_or(|&l| l as usize <= names.len())
+            && at.iter().all(|&a| names.is_char_boundary(a as usize));
+        fits.then_some(Table { addrs, at, names })
+    }
+
+    /// kallsyms lines (`ADDR TYPE NAME [MODULE]`): text symbols (t, T, w, W) at a non-zero address
+    /// (without root every address reads as zero: nothing is named).
+    fn parse(text: &str) -> Table {
+        let mut v: Vec<(u64, &str)> = text
+            .lines()
+            .filter_map(|l| {
+                let (addr, rest) = l.split_once(' ')?;
+                let (kind, rest) = rest.split_once(' ')?;
+                let name = rest.split_once(['\t', ' ']).map_or(rest, |(n, _)| n);
+                let addr = u64::from_str_radix(addr, 16).ok().filter(|&a| a != 0)?;
+                matches!(kind, "t" | "T" | "w" | "W").then_some((addr, name))
+            })
+            .collect();
+        v.sort_by_key(|&(a, _)| a);
+        let mut t = Table { addrs: Vec::with_capacity(v.len()), at: Vec::with_capacity(v.len()), names: String::new() };
+        for (a, n) in v {
+            let Ok(at) = u32::try_from(t.names.len()) else { break };
+            t.addrs.push(a);
+            t.at.push(at);
+            t.names.push_str(n);
+        }
+        t
+    }
+
+    fn name(&self, i: usize) -> &str {
+        let from = self.at[i] as usize;
+        let to = self.at.get(i + 1).map_or(self.names.len(), |&e| e as usize);
+        &self.names[from..to]
+    }
+
+    /// The symbol holding `addr`: the last one at or below it.
+    fn lookup(&self, addr: u64) -> Option<&str> {
+        let i = self.addrs.partition_point(|&a| a <= addr).checked_sub(1)?;
+        Some(self.name(i))
+    }
+}
+
+/// What the kept table must match: this boot (KASLR moves the kernel at every boot), the kernel
+/// build, and the modules loaded (each at its addresses).
+fn cache_key() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let modules = std::fs::read("/proc/modules").unwrap_or_default();
+    let mut h = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(&modules, &mut h);
+    format!("boot {} kernel {} modules {:016x}", boot.trim(), crate::record::kernel_cache::kernel_id(), std::hash::Hasher::finish(&h))
 }
 
 /// Names kernel addresses on the live machine (kallsyms), each address once.
+#[derive(Default)]
 pub struct Resolver {
-    symbolizer: Symbolizer,
+    table: Option<Table>,
     known: HashMap<u64, Option<String>>,
+    /// The wait class of each kernel stack seen (the same few stacks recur at every switch).
+    classes: HashMap<Vec<u64>, &'static str>,
 }
 
-impl Default for Resolver {
-    fn default() -> Self {
-        Resolver { symbolizer: Symbolizer::new(), known: HashMap::new() }
-    }
-}
+/// The most kernel stacks whose wait class is remembered (then the memory starts over).
+const MAX_CLASSES: usize = 4096;
 
 impl Resolver {
     /// Resolve the addresses not seen before; returns them as a `ksyms` record to write (None when
@@ -87,14 +182,14 @@ impl Resolver {
         }
         fresh.sort_unstable();
         fresh.dedup();
-        let names = self.symbolizer.symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(&fresh)).unwrap_or_default();
+        let table = self.table.get_or_insert_with(Table::live);
         let mut syms = Vec::new();
-        for (i, a) in fresh.iter().enumerate() {
-            let name = names.get(i).and_then(sym_name);
+        for a in fresh {
+            let name = table.lookup(a).map(str::to_string);
             if let Some(n) = &name {
-                syms.push((*a, n.clone()));
+                syms.push((a, n.clone()));
             }
-            self.known.insert(*a, name);
+            self.known.insert(a, name);
         }
         (!syms.is_empty()).then_some(crate::recording::records::Ksyms { syms })
     }
@@ -102,6 +197,19 @@ impl Resolver {
     /// The names of `addrs` (innermost first), for the ones that have one.
     pub fn names(&self, addrs: &[u64]) -> Vec<&str> {
         addrs.iter().filter_map(|a| self.known.get(a)?.as_deref()).collect()
+    }
+
+    /// [`wait_class`] of a kernel stack whose addresses were learnt, once per distinct stack.
+    pub fn wait_class(&mut self, addrs: &[u64]) -> &'static str {
+        if let Some(c) = self.classes.get(addrs) {
+            return c;
+        }
+        let c = wait_class(&self.names(addrs));
+        if self.classes.len() >= MAX_CLASSES {
+            self.classes.clear();
+        }
+        self.classes.insert(addrs.to_vec(), c);
+        c
     }
 }
 
@@ -201,6 +309,25 @@ mod tests {
         assert_eq!(wait_class(&charge), "[memory wait]");
         assert_eq!(wait_class(&["__schedule", "io_schedule", "blk_mq_submit_bio", "ext4_file_read_iter"]), "[io wait]");
         assert!(WAITS.contains(&wait_class(&swap_in)));
+    }
+
+    /// kallsyms lines: text symbols only, by address whatever the order, module names after a
+    /// tab; a frame is the last symbol at or below it; the kept form reads back the same.
+    #[test]
+    fn a_frame_is_named_by_the_symbol_below_it() {
+        let text = "ffffffffc0001000 t mod_fn\t[kvm]\nffffffff81000000 T _stext\nffffffff81000100 D some_data\nffffffff81000200 t io_schedule\n0000000000000000 T hidden\n";
+        let t = Table::parse(text);
+        assert_eq!(t.addrs.len(), 3);
+        assert_eq!(t.lookup(0xffff_ffff_8100_0250), Some("io_schedule"));
+        assert_eq!(t.lookup(0xffff_ffff_8100_0150), Some("_stext"), "data symbols do not name code");
+        assert_eq!(t.lookup(0xffff_ffff_c000_1010), Some("mod_fn"));
+        assert_eq!(t.lookup(0x1000), None);
+        let back = Table::from_bytes(&t.to_bytes()).unwrap();
+        assert_eq!((&back.addrs, &back.at, &back.names), (&t.addrs, &t.at, &t.names));
+        let mut bad = t.to_bytes();
+        bad[8..16].copy_from_slice(&u64::MAX.to_ne_bytes());
+        assert!(Table::from_bytes(&bad).is_none(), "unsorted addresses are refused");
+        assert!(Table::from_bytes(&t.to_bytes()[..20]).is_none(), "a truncated table is refused");
     }
 
     #[test]

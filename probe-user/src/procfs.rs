@@ -641,6 +641,13 @@ fn tcp_query(states: u32, info: bool, exact: Option<(std::net::SocketAddr, std::
 #[cfg(test)]
 pub(crate) static TEST_LISTENERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// USER_HZ, the unit of /proc/stat's and /proc/PID/stat's times.
+pub fn clock_ticks() -> u64 {
+    // SAFETY: sysconf has no memory effects.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 { t as u64 } else { 100 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -238,6 +238,16 @@ impl Unwinders {
     /// (samples already in the ring buffer may be read after it exited).
     pub fn update(&mut self, pid: u32, maps: &[Mapping]) {
         let l = std::time::Instant::now();
+        // Only code is unwound: a change of the other file mappings (a model mapped, a file
+        // mapped to read) keeps the unwinder and its cache (rebuilding it at every mapping
+        // change was most of probe's CPU in the second after attach).
+        let code = |ms: &[Mapping]| -> Vec<Mapping> { ms.iter().filter(|m| m.perms.contains('x')).cloned().collect() };
+        if let Some(p) = self.procs.get_mut(&pid)
+            && code(&p.maps) == code(maps)
+        {
+            p.maps = maps.to_vec();
+            return;
+        }
         // The new unwinder is built while the old one still holds its sections (they are shared by
         // file, not reloaded); what only the old one held is released after.
         let p = self.build(pid, maps.to_vec());

@@ -17,13 +17,15 @@ use serde::{Deserialize, Serialize};
 use crate::stream::{ClosedBy, RequestRecord};
 
 /// A target thread waiting for a CPU: runnable from `from` until the scheduler ran it at `to`,
-/// replacing `other` (the process that had the CPU).
+/// replacing `other` (the process that had the CPU), which had held it since `held_from` (the
+/// wait's start when the kernel did not say).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CpuWait {
     pub from: u64,
     pub to: u64,
     pub tid: u32,
     pub other: u32,
+    pub held_from: u64,
 }
 
 /// The hypervisor's steal while target thread `tid` ran, `ns` in all, somewhere in [from, to]
@@ -349,10 +351,21 @@ pub struct Competitor {
     pub comm: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
+    /// The waits it was charged with: those it ended by giving the CPU back.
     pub ms: f64,
+    /// Of those, the time it held the CPU (its run up to the switch; the same as `ms` in a
+    /// recording from before the kernel said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_ms: Option<f64>,
 }
 
 impl Competitor {
+    /// The time it held the CPU while a target thread waited ([`Competitor::held_ms`], else the
+    /// waits it ended).
+    pub fn held(&self) -> f64 {
+        self.held_ms.unwrap_or(self.ms)
+    }
+
     /// "stress (pid 43, cgroup /user.slice)".
     pub fn who(&self) -> String {
         match (&self.comm, &self.cgroup) {
@@ -643,19 +656,21 @@ fn around<T>(v: &[T], ts: impl Fn(&T) -> u64, from: u64, until: u64) -> &[T] {
 /// What ran on the CPUs the target's threads waited for, charged with each wait (clipped to
 /// `from..to`), largest first; the target's own processes left out.
 fn competitors(w: &Window<'_>, from: u64, to: u64) -> Vec<Competitor> {
-    let mut by: HashMap<u32, u64> = HashMap::new();
+    let mut by: HashMap<u32, (u64, u64)> = HashMap::new();
     for c in w.cpu_waits {
         let (a, b) = (c.from.max(from), c.to.min(to));
         if a < b && c.other != 0 && !w.target_pids.contains(&c.other) {
-            *by.entry(c.other).or_default() += b - a;
+            let e = by.entry(c.other).or_default();
+            e.0 += b - a;
+            e.1 += b.saturating_sub(a.max(c.held_from));
         }
     }
-    let mut top: Vec<(u32, u64)> = by.into_iter().collect();
-    top.sort_by_key(|&(pid, ns)| (std::cmp::Reverse(ns), pid));
+    let mut top: Vec<(u32, (u64, u64))> = by.into_iter().collect();
+    top.sort_by_key(|&(pid, (ns, held))| (std::cmp::Reverse(held), std::cmp::Reverse(ns), pid));
     top.into_iter()
-        .map(|(pid, ns)| {
+        .map(|(pid, (ns, held))| {
             let (comm, cgroup) = w.other_names.and_then(|n| n.get(&pid)).map_or((None, None), |(c, g)| (Some(c.clone()), g.clone()));
-            Competitor { pid, comm, cgroup, ms: ns as f64 / 1e6 }
+            Competitor { pid, comm, cgroup, ms: ns as f64 / 1e6, held_ms: Some(held as f64 / 1e6) }
         })
         .collect()
 }
@@ -664,7 +679,7 @@ fn competitors(w: &Window<'_>, from: u64, to: u64) -> Vec<Competitor> {
 /// CPU a waiting thread got back, charged with that wait (clipped to the window).
 fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64, throttled: bool) -> String {
     let top = competitors(w, from, to);
-    let names: Vec<String> = top.iter().take(3).map(|c| format!("{} {:.0} ms", c.who(), c.ms)).collect();
+    let names: Vec<String> = top.iter().take(3).map(|c| format!("{} {:.0} ms", c.who(), c.held())).collect();
     let went = if names.is_empty() { String::new() } else { format!("; the CPU went to: {}", names.join(", ")) };
     // Throttled, with others holding under half the wait: the CPUs were mostly idle meanwhile.
     let others_ms: f64 = top.iter().map(|c| c.ms).sum();
@@ -1272,7 +1287,7 @@ mod tests {
         let ms = 1_000_000u64;
         let mut q = req(1000.0);
         q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
-        let waits = [CpuWait { from: 100 * ms, to: 900 * ms, tid: 7, other: 0 }];
+        let waits = [CpuWait { from: 100 * ms, to: 900 * ms, tid: 7, other: 0, ..Default::default() }];
         let at = |ts_ns, n, t| Pressure {
             ts_ns,
             cpu_cgroup: Some("/slow".into()),
@@ -1303,7 +1318,7 @@ mod tests {
         let ms = 1_000_000u64;
         let mut q = req(1000.0);
         q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
-        let waits = [CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 0 }];
+        let waits = [CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 0, ..Default::default() }];
         let bare = Window { arrival_ns: 0, cpu_waits: &waits, offcpu_probe: true, ..Default::default() };
         let v = attribute(&q, &bare);
         let s = v.ttft_ms.clone().unwrap();
@@ -1363,12 +1378,12 @@ mod tests {
         let mut q = req(1000.0);
         q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
         let waits = [
-            CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 42 },
-            CpuWait { from: 300 * ms, to: 700 * ms, tid: 8, other: 43 },
+            CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 42, ..Default::default() },
+            CpuWait { from: 300 * ms, to: 700 * ms, tid: 8, other: 43, ..Default::default() },
             // Outside the window: not this request's.
-            CpuWait { from: 1500 * ms, to: 1600 * ms, tid: 7, other: 42 },
+            CpuWait { from: 1500 * ms, to: 1600 * ms, tid: 7, other: 42, ..Default::default() },
             // Behind the server's own thread: its own work sharing the CPUs, not contention.
-            CpuWait { from: 800 * ms, to: 900 * ms, tid: 7, other: 9 },
+            CpuWait { from: 800 * ms, to: 900 * ms, tid: 7, other: 9, ..Default::default() },
         ];
         let names: HashMap<u32, (String, Option<String>)> =
             [(42, ("cc1plus".to_string(), Some("/user.slice".to_string()))), (43, ("stress".to_string(), None))].into();
@@ -1390,6 +1405,31 @@ mod tests {
         // A control: no waits, the same request is compute.
         let calm = attribute(&q, &Window { arrival_ns: 0, offcpu_probe: true, ..Default::default() });
         assert_eq!((calm.slow_cause, calm.ttft_ms.unwrap().cpu_contention), (SlowCause::Compute, 0.0));
+    }
+
+    /// The process that gave the CPU back is charged with the wait it ended, and named for the part
+    /// it held the CPU (its run up to the switch, as the kernel measured it): the wait's first part
+    /// the CPU was another's, here the server's own thread.
+    #[test]
+    fn a_competitor_is_named_for_the_time_it_held_the_cpu() {
+        let ms = 1_000_000u64;
+        let q = req(1000.0);
+        let waits = [
+            CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 42, held_from: 480 * ms },
+            // Before the kernel said: all of it.
+            CpuWait { from: 600 * ms, to: 650 * ms, tid: 7, other: 42, held_from: 0 },
+            // Held from before the window's start: clipped to it.
+            CpuWait { from: 900 * ms, to: 1100 * ms, tid: 7, other: 43, held_from: 800 * ms },
+        ];
+        let w = Window { arrival_ns: 0, cpu_waits: &waits, offcpu_probe: true, ..Default::default() };
+        let c = competitors(&w, 0, 1000 * ms);
+        let by: HashMap<u32, (f64, f64)> = c.iter().map(|c| (c.pid, (c.ms, c.held()))).collect();
+        assert_eq!(by[&42], (450.0, 70.0));
+        assert_eq!(by[&43], (100.0, 100.0));
+        assert_eq!(c[0].pid, 43, "named in the order of the time held");
+        let v = attribute(&q, &w);
+        let e = v.evidence.iter().find(|e| e.contains("waiting for a CPU")).unwrap();
+        assert!(e.contains("pid 42 70 ms"), "{e}");
     }
 
     /// Woken from sleep with the model still in the page cache: nothing read from disk, the model

@@ -48,7 +48,25 @@ struct Heartbeat {
     last_fill: AtomicU64,
     /// Monotonic ns it started yielding: its first second is watched closely ([`WATCH_START`]).
     born_ns: u64,
+    /// Set by the watchdog while the thread should not run at all ([`Yielding::held`]).
+    held: AtomicBool,
+    /// Set by the watchdog while every CPU is busy ([`Yielding::spill`]).
+    saturated: AtomicBool,
+    /// Woken when the watchdog lets a held thread go.
+    release: tokio::sync::Notify,
+    /// A count that, when it moves, lets a held thread go for [`URGENT_NS`] (a library mapped:
+    /// the drain's once-a-second turn attaches the engine probe there), and its last value.
+    urgent: Option<Urgent>,
+    urgent_seen: AtomicU64,
+    /// Not held before this (monotonic ns).
+    free_until_ns: AtomicU64,
 }
+
+/// Reads a count the watchdog watches ([`Heartbeat::urgent`]).
+pub type Urgent = Box<dyn Fn() -> u64 + Send + Sync>;
+
+/// How long a held thread is let go when its urgent count moves: past its next once-a-second turn.
+const URGENT_NS: u64 = 1_500_000_000;
 
 /// How full a BPF ring buffer is, from a read-only mapping of its two position pages (the
 /// kernel lets any part be mapped read-only): producer − consumer, over its size.
@@ -117,6 +135,14 @@ const WATCH_IDLE: Duration = Duration::from_millis(250);
 /// the drain, at idle priority from its start, waits behind the server it must not delay.
 const WATCH_START: Duration = Duration::from_millis(10);
 const START_NS: u64 = 1_000_000_000;
+/// The CPUs count as saturated while less than this share of one CPU was idle over the last
+/// [`IDLE_WINDOW`]: a drain at idle priority then has no idle time to run in, only its small
+/// weight's share of a CPU a server thread is waiting for.
+const SATURATED_IDLE: f64 = 0.05;
+/// The least window over which the CPUs' idle time is measured (/proc/stat counts in 10 ms
+/// ticks: over the least window, "saturated" is less than a tick of idle time).
+const IDLE_WINDOW_NS: u64 = 50_000_000;
+const IDLE_READ_NS: u64 = 25_000_000;
 
 /// When a yielding thread goes back to idle priority: after `KEEP_UP` turns in a row that kept
 /// up, and no sooner than `calm` since it last fell behind. A thread that falls behind again soon
@@ -181,6 +207,79 @@ fn filling(fill: f64, last: f64) -> bool {
     fill > RAISE_AT_FILL || fill + 2.0 * (fill - last).max(0.0) > RAISE_AHEAD
 }
 
+/// The CPUs' idle time from /proc/stat's first line (idle and iowait, every CPU), kept over a
+/// short window: whether a thread at idle priority has idle time to run in.
+struct CpuIdle {
+    file: Option<std::fs::File>,
+    /// (monotonic ns, idle ms) at past looks, oldest first, spanning at least the window.
+    seen: std::collections::VecDeque<(u64, u64)>,
+    /// The answer at the last read.
+    last: bool,
+}
+
+impl CpuIdle {
+    fn new() -> CpuIdle {
+        CpuIdle { file: std::fs::File::open("/proc/stat").ok(), seen: std::collections::VecDeque::new(), last: false }
+    }
+
+    /// The CPUs' idle time in ms since boot (idle + iowait of the `cpu` line).
+    fn idle_ms(&mut self) -> Option<u64> {
+        use std::os::unix::fs::FileExt as _;
+        let mut buf = [0u8; 256];
+        let n = self.file.as_ref()?.read_at(&mut buf, 0).ok()?;
+        let line = std::str::from_utf8(&buf[..n]).ok()?.lines().next()?;
+        parse_idle_ms(line, crate::procfs::clock_ticks())
+    }
+
+    /// Whether less than [`SATURATED_IDLE`] of one CPU was idle over the last window (false until
+    /// a window has been seen).
+    fn saturated(&mut self, now_ns: u64) -> bool {
+        // /proc/stat is made whole at each read (every IRQ's count: tens of µs): read at most
+        // every IDLE_READ, the last answer standing between.
+        if let Some(&(t, _)) = self.seen.back()
+            && now_ns.saturating_sub(t) < IDLE_READ_NS
+        {
+            return self.last;
+        }
+        let Some(idle) = self.idle_ms() else { return false };
+        self.observe(now_ns, idle)
+    }
+
+    /// A reading of `idle` ms at `now_ns`: whether the CPUs were busy over the window it closes.
+    fn observe(&mut self, now_ns: u64, idle: u64) -> bool {
+        self.seen.push_back((now_ns, idle));
+        while self.seen.len() > 2 && now_ns.saturating_sub(self.seen[1].0) >= IDLE_WINDOW_NS {
+            self.seen.pop_front();
+        }
+        let &(t0, i0) = self.seen.front().expect("pushed above");
+        let span = now_ns.saturating_sub(t0);
+        self.last = span >= IDLE_WINDOW_NS && (idle.saturating_sub(i0) as f64) < SATURATED_IDLE * span as f64 / 1e6;
+        self.last
+    }
+}
+
+/// Whether every CPU has been busy over the last window (see [`CpuIdle`]).
+fn saturated(now_ns: u64) -> bool {
+    static CPUS: OnceLock<Mutex<CpuIdle>> = OnceLock::new();
+    CPUS.get_or_init(|| Mutex::new(CpuIdle::new())).lock().unwrap_or_else(|e| e.into_inner()).saturated(now_ns)
+}
+
+/// Start measuring the CPUs' idle time now, so that a drain starting once probe has armed
+/// knows at once whether they are all busy (a request in flight at attach).
+pub fn prime() {
+    saturated(crate::monotonic_ns());
+}
+
+/// Idle + iowait of /proc/stat's `cpu` line, in ms (`hz` clock ticks a second).
+fn parse_idle_ms(line: &str, hz: u64) -> Option<u64> {
+    let mut f = line.split_ascii_whitespace();
+    if f.next()? != "cpu" {
+        return None;
+    }
+    let v: Vec<u64> = f.take(5).map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    Some((v.get(3)? + v.get(4)?) * 1000 / hz.max(1))
+}
+
 /// The watched threads, and the watchdog's wake-up when one starts (its first look is then due
 /// at once, not at the end of a quarter-second sleep).
 fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
@@ -204,13 +303,38 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                 } else {
                     WATCH_IDLE
                 };
+                // /proc/stat's first line: 6 µs a read, at most 40 a second.
+                let saturated = !beats.is_empty() && saturated(now);
                 for b in beats.iter() {
                     let due = b.due_ns.load(Relaxed);
-                    let overdue = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
                     let fill = b.backlog.as_ref().map_or(0.0, RingFill::fill);
                     let last = f64::from_bits(b.last_fill.swap(fill.to_bits(), Relaxed));
                     let full = due > 0 && b.backlog.is_some() && filling(fill, last);
-                    if (overdue || full) && !b.raised.load(Relaxed) {
+                    // A drain whose records can wait in the ring waits there, not runnable at
+                    // all, while the server keeps every CPU busy: at idle priority it would still
+                    // take its weight's share of a CPU a server thread waits for. Let go when
+                    // a CPU idles, when the ring fills (then raised too), when the trace stops.
+                    // A thread without such a backlog (the samplers) is held until its turn is
+                    // overdue: then it takes one, raised, and is held again.
+                    let late = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
+                    let mut urgent = false;
+                    if let Some(count) = &b.urgent
+                        && saturated
+                    {
+                        let n = count();
+                        if b.urgent_seen.swap(n, Relaxed) != n {
+                            b.free_until_ns.store(now + URGENT_NS, Relaxed);
+                            urgent = true;
+                        }
+                    }
+                    let free = now < b.free_until_ns.load(Relaxed);
+                    let hold = due > 0 && saturated && !full && !free && (b.backlog.is_some() || !late);
+                    b.saturated.store(saturated, Relaxed);
+                    if b.held.swap(hold, Relaxed) && !hold {
+                        b.release.notify_one();
+                    }
+                    let overdue = late && !hold;
+                    if (overdue || full || urgent) && !b.raised.load(Relaxed) {
                         let p = libc::sched_param { sched_priority: 0 };
                         // SAFETY: a valid sched_param; the tid is a thread of this process (it
                         // leaves the list, `done`, before it ends).
@@ -230,8 +354,9 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
 
 impl Yielding {
     /// Start yielding on the calling thread (when it could stop yielding again); its first turn
-    /// is overdue after `first`.
-    pub fn start(name: &'static str, first: Duration, backlog: Option<RingFill>) -> Yielding {
+    /// is overdue after `first`. `backlog`: what it drains, when the watchdog can read its fill;
+    /// `urgent`: a count that lets it go when it moves while held.
+    pub fn start(name: &'static str, first: Duration, backlog: Option<RingFill>, urgent: Option<Urgent>) -> Yielding {
         // SAFETY: geteuid and gettid have no preconditions.
         let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
         let may = euid == 0 || effective_caps() & CAP_SYS_NICE != 0;
@@ -246,8 +371,20 @@ impl Yielding {
             backlog,
             last_fill: 0f64.to_bits().into(),
             born_ns: now,
+            held: false.into(),
+            saturated: false.into(),
+            release: tokio::sync::Notify::new(),
+            urgent_seen: urgent.as_ref().map_or(0, |c| c()).into(),
+            urgent,
+            free_until_ns: 0.into(),
         });
         if may {
+            // A drain whose backlog can wait is held from its first turn when every CPU is busy
+            // (the records of a request in flight at attach wait in the ring).
+            if beat.backlog.is_some() && saturated(now) {
+                beat.held.store(true, Relaxed);
+                beat.saturated.store(true, Relaxed);
+            }
             let (list, wake) = watchdog();
             list.lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
             wake.notify_one();
@@ -271,6 +408,11 @@ impl Yielding {
         self.beat.last_ns.store(now, Relaxed);
         self.beat.due_ns.store(next.map_or(0, |d| d.as_nanos() as u64), Relaxed);
         let raised = self.beat.raised.swap(false, Relaxed);
+        // At idle priority a turn that found more than it could take is not yet behind when
+        // the watchdog sees what is left (a ring's fill): the records wait there while the server
+        // keeps every CPU busy, and the drain takes them at idle priority, or raised once the
+        // ring is half full. Raised already, a turn left behind keeps it raised.
+        let behind = behind && (self.beat.backlog.is_none() || !self.policy.idle);
         if behind || raised {
             self.behind_turns += 1;
         }
@@ -293,8 +435,27 @@ impl Yielding {
         }
     }
 
+    /// Whether the watchdog holds this thread back: its backlog can wait while the server keeps
+    /// every CPU busy. A held thread waits for [`Yielding::released`] instead of its next turn.
+    pub fn held(&self) -> bool {
+        self.beat.held.load(Relaxed)
+    }
+
+    /// Whether a drain should copy its backlog out unread rather than read it: every CPU is
+    /// busy (it runs because its ring filled, not because a CPU is free).
+    pub fn spill(&self) -> bool {
+        self.beat.backlog.is_some() && self.beat.saturated.load(Relaxed)
+    }
+
+    /// Resolves when the watchdog lets the thread go (at once when it was let go since it was
+    /// last seen held).
+    pub async fn released(&self) {
+        self.beat.release.notified().await;
+    }
+
     /// Normal priority for good (the end of a trace: its last drain and report should not wait).
     pub fn stop(&mut self) {
+        self.beat.held.store(false, Relaxed);
         self.beat.due_ns.store(0, Relaxed);
         if self.policy.idle && set_policy(libc::SCHED_OTHER).is_ok() {
             self.policy.idle = false;
@@ -351,6 +512,30 @@ mod tests {
         for k in 0..100 {
             assert_eq!(q.turn(k * S, false, false), Change::Stay);
         }
+    }
+
+    #[test]
+    fn idle_time_is_idle_and_iowait() {
+        assert_eq!(parse_idle_ms("cpu  100 0 50 9000 10 0 5 250 0 0", 100), Some(90_100));
+        assert_eq!(parse_idle_ms("cpu0 100 0 50 9000 10", 100), None, "one CPU's line");
+        assert_eq!(parse_idle_ms("cpu  1 2", 100), None);
+        let mut c = CpuIdle::new();
+        assert!(!c.saturated(crate::monotonic_ns()), "no window yet");
+    }
+
+    /// Saturated over a window with less than a twentieth of a CPU idle, not before the window.
+    #[test]
+    fn the_cpus_are_saturated_without_idle_time() {
+        let mut c = CpuIdle { file: None, seen: Default::default(), last: false };
+        let ms = 1_000_000u64;
+        assert!(!c.observe(0, 1000));
+        assert!(!c.observe(30 * ms, 1000), "a window not yet long enough");
+        assert!(c.observe(60 * ms, 1001), "1 ms idle in 60 ms: busy");
+        assert!(!c.observe(120 * ms, 1031), "30 ms idle in the last 60: a CPU to spare");
+        assert!(c.seen.len() <= 3, "only the window is kept: {:?}", c.seen);
+        let mut d = CpuIdle { file: None, seen: Default::default(), last: false };
+        d.observe(0, 1000);
+        assert!(!d.observe(60 * ms, 1010), "10 ms idle in 60: a CPU to spare");
     }
 
     /// Half full, or filling fast enough to pass three quarters within two more looks.

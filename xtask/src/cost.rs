@@ -610,7 +610,9 @@ fn short_trace(exe: &Path, pid: u32, addr: &str, dir: &Path, name: &str) -> anyh
                 .into_iter()
                 .flatten()
                 .filter(|c| c["pid"].as_u64() == Some(u64::from(probe_pid)))
-                .filter_map(|c| c["ms"].as_f64())
+                // The time probe held the CPU a server thread waited for (the waits it ended,
+                // from a binary before the kernel said how long the task replaced had run).
+                .filter_map(|c| c["held_ms"].as_f64().or(c["ms"].as_f64()))
                 .sum::<f64>()
                 + 0.0
         })

@@ -28,8 +28,7 @@ pub fn process_facts(pid: u32) -> (Option<f64>, Option<f64>) {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
     let start_ticks = stat.as_deref().and_then(|s| s.rsplit_once(')')).and_then(|(_, r)| r.split_whitespace().nth(19)?.parse::<f64>().ok());
     let uptime = std::fs::read_to_string("/proc/uptime").ok().and_then(|u| u.split_whitespace().next()?.parse::<f64>().ok());
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hz = crate::procfs::clock_ticks() as f64;
     let age = start_ticks.zip(uptime).map(|(t, u)| u - t / hz.max(1.0));
     let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()

@@ -129,6 +129,8 @@ const RESERVE_BYTES: u64 = 1 << 20;
 
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
     let entered = Instant::now();
+    // Whether every CPU is busy is known by the time the drain starts (yielding::Yielding).
+    crate::yielding::prime();
     let popts = probes::Options {
         pid: opts.pid,
         only: opts.only.clone(),
@@ -196,6 +198,51 @@ impl Records for hub::Member {
     }
 }
 
+/// Records copied out of the ring buffer unread: while every CPU is busy and the ring fills, the
+/// drain copies them here (a memcpy, a tenth of reading them) and reads them once a CPU idles,
+/// before what came after them. At most [`SPILL_MAX`] bytes: past that they are read at once.
+#[derive(Default)]
+pub(crate) struct Spill {
+    /// Records, each after its length (u32, native order).
+    buf: Vec<u8>,
+    /// Where the next record to read starts.
+    at: usize,
+}
+
+/// The most bytes of records kept unread (the ring's own size comes first: 16 MiB by default).
+pub(crate) const SPILL_MAX: usize = 256 << 20;
+
+impl Spill {
+    pub(crate) fn has_room(&self) -> bool {
+        self.buf.len() < SPILL_MAX
+    }
+
+    pub(crate) fn push(&mut self, rec: &[u8]) {
+        let Ok(len) = u32::try_from(rec.len()) else { return };
+        self.buf.extend_from_slice(&len.to_ne_bytes());
+        self.buf.extend_from_slice(rec);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.at >= self.buf.len()
+    }
+}
+
+impl Records for Spill {
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let len = self.buf.get(self.at..self.at + 4)?;
+        let len = u32::from_ne_bytes(len.try_into().ok()?) as usize;
+        let (from, to) = (self.at + 4, (self.at + 4 + len).min(self.buf.len()));
+        self.at = to;
+        let r = f(&self.buf[from..to]);
+        if self.is_empty() {
+            // Read through: the memory goes back (a spill of a busy minute is hundreds of MB).
+            *self = Spill::default();
+        }
+        Some(r)
+    }
+}
+
 fn reserve_error(out: &std::path::Path, e: std::io::Error) -> anyhow::Error {
     if recording::is_disk_full(&e) {
         anyhow::anyhow!(
@@ -231,6 +278,8 @@ struct State {
     unwinders: Unwinders,
     /// Kernel addresses named while they mean something (see crate::ksyms).
     ksyms: crate::ksyms::Resolver,
+    /// Records copied out of the ring unread while every CPU was busy.
+    pub(crate) spill: Spill,
     /// Off-CPU stacks waiting for their thread to run again (by tid).
     offcpu: HashMap<u32, recording::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
@@ -306,6 +355,7 @@ impl State {
             streams: stream::Tracker::new(start_ns, capture_text),
             unwinders: Unwinders::default(),
             ksyms: crate::ksyms::Resolver::default(),
+            spill: Spill::default(),
             offcpu: HashMap::new(),
             last_offcpu_user: HashMap::new(),
             cut_tops: HashMap::new(),
@@ -526,7 +576,7 @@ impl State {
             ..Default::default()
         };
         if offcpu {
-            v.wait = Some(crate::ksyms::wait_class(&self.ksyms.names(&kernel)).into());
+            v.wait = Some(self.ksyms.wait_class(&kernel).into());
             v.kernel = kernel;
             if let Some(old) = self.offcpu.insert(s.hdr.tid, v) {
                 self.writer.stack(&old)?;
@@ -803,22 +853,33 @@ fn stats(
     }))
 }
 
-/// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`], then the
-/// samplers' records and the /proc refresh. True when it stopped early (more may be waiting).
-fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::Sampler) -> std::io::Result<bool> {
+/// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`] (those copied out
+/// earlier first, [`Spill`]), then the samplers' records and the /proc refresh. True when it
+/// stopped early (more may be waiting). `spill`: every CPU is busy and the ring fills: copy its
+/// records out unread instead, and leave the rest for a turn with a CPU to spare.
+fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::Sampler, spill: bool) -> std::io::Result<bool> {
+    if spill {
+        while st.spill.has_room() {
+            let spilled = &mut st.spill;
+            match src.take(&mut |item| {
+                spilled.push(item);
+                Ok(())
+            }) {
+                None => return Ok(false),
+                Some(r) => r?,
+            }
+        }
+    }
     let t0 = Instant::now();
     let mut n = 0usize;
     let mut more = false;
-    while !st.stop_writing() {
-        match src.take(&mut |item| st.on_record(item)) {
-            None => break,
-            Some(r) => r?,
-        }
-        n += 1;
-        if n >= DRAIN_RECORDS || (n.is_multiple_of(64) && t0.elapsed() >= DRAIN_TIME) {
-            more = true;
-            break;
-        }
+    if !st.spill.is_empty() {
+        let mut spilled = std::mem::take(&mut st.spill);
+        more = take_records(&mut spilled, st, &mut n, t0)?;
+        st.spill = spilled;
+    }
+    if !more {
+        more = take_records(src, st, &mut n, t0)?;
     }
     for v in sampler.drain() {
         st.writer.sample(&v)?;
@@ -835,6 +896,22 @@ fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::S
     Ok(more)
 }
 
+/// Read records from `src` while the turn's budget lasts (`n` records taken so far this turn,
+/// which began at `t0`): true when it stopped with records left.
+fn take_records(src: &mut dyn Records, st: &mut State, n: &mut usize, t0: Instant) -> std::io::Result<bool> {
+    while !st.stop_writing() {
+        match src.take(&mut |item| st.on_record(item)) {
+            None => return Ok(false),
+            Some(r) => r?,
+        }
+        *n += 1;
+        if *n >= DRAIN_RECORDS || (n.is_multiple_of(64) && t0.elapsed() >= DRAIN_TIME) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 #[cfg(test)]
 mod tests {
     use probe_common::{EventHeader, fault::FaultEvent, proc::ProcEvent};
@@ -843,6 +920,25 @@ mod tests {
 
     fn hdr(kind: EventKind, pid: u32, tid: u32, ts_ns: u64) -> EventHeader {
         EventHeader { kind: kind as u32, pid, tid, cpu: 0, ts_ns }
+    }
+
+    /// Records copied out unread come back in order, whole, and the memory goes once read.
+    #[test]
+    fn spilled_records_come_back_in_order() {
+        let mut s = Spill::default();
+        assert!(s.is_empty() && s.has_room());
+        for r in [&b"first"[..], b"", b"third record"] {
+            s.push(r);
+        }
+        let mut got: Vec<Vec<u8>> = Vec::new();
+        while let Some(r) = s.take(&mut |item| {
+            got.push(item.to_vec());
+            Ok(())
+        }) {
+            r.unwrap();
+        }
+        assert_eq!(got, vec![b"first".to_vec(), vec![], b"third record".to_vec()]);
+        assert!(s.is_empty() && s.buf.capacity() == 0);
     }
 
     /// What the collector keeps per process goes when the process exits: a server that starts a

@@ -413,6 +413,8 @@ async fn follow(
 ) -> anyhow::Result<(String, bool)> {
     let Signals { int: sigint, term: sigterm, hup: sighup, usr1: sigusr1 } = signals;
     let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
+    // A drain held back for seconds takes one turn when let go, not one per second missed.
+    sec_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Small records wait in the ring for this timer (the kernel wakes probe only for a backlog):
     // every 20 ms while records flow, every IDLE_DRAIN after a quiet turn (an idle server then
     // costs probe a few wake-ups a second, not fifty).
@@ -436,25 +438,42 @@ async fn follow(
         Some(_) => (Duration::from_secs(1), Duration::from_secs(1)),
         None => (Duration::from_millis(100), Duration::from_millis(1500)),
     };
-    let mut yielding = crate::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge);
+    // A library mapped while the drain is held lets it go: its engine probe attaches there.
+    let exec_maps: Option<crate::yielding::Urgent> = match &se.kernel {
+        Source::Own { counter_map, .. } => aya::maps::IterableMap::map(counter_map)
+            .info()
+            .ok()
+            .and_then(|i| MapData::from_id(i.id()).ok())
+            .and_then(|d| PerCpuArray::<MapData, u64>::try_from(aya::maps::Map::PerCpuArray(d)).ok())
+            .map(|m| {
+                Box::new(move || m.get(&(probe_common::Counter::ExecMaps as u32), 0).map_or(0, |v| v.iter().sum()))
+                    as crate::yielding::Urgent
+            }),
+        Source::Member(_) => None,
+    };
+    let mut yielding = crate::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge, exec_maps);
     let reason: String = loop {
         let mut more = false;
         let events_before = st.events;
+        // Held by the watchdog (every CPU busy, the ring with room): no turn, not even a timer's
+        // wake-up, until it lets go; signals are still heard.
+        let held = yielding.held();
         tokio::select! {
-            guard = async { match &mut se.kernel { Source::Own { ring, .. } => ring.readable_mut().await, Source::Member(_) => std::future::pending().await } } => {
+            _ = yielding.released(), if held => continue,
+            guard = async { match &mut se.kernel { Source::Own { ring, .. } => ring.readable_mut().await, Source::Member(_) => std::future::pending().await } }, if !held => {
                 let mut guard = guard?;
-                more = drain_turn(guard.get_inner_mut(), st, sampler)?;
+                more = drain_turn(guard.get_inner_mut(), st, sampler, yielding.spill())?;
                 if !more {
                     guard.clear_ready();
                 }
             }
-            _ = tokio::time::sleep(tick) => {
+            _ = tokio::time::sleep(tick), if !held => {
                 let before = st.events;
-                more = drain_turn(se.records(), st, sampler)?;
+                more = drain_turn(se.records(), st, sampler, yielding.spill())?;
                 tick = if st.events > before { DRAIN_TICK } else { IDLE_DRAIN };
             }
-            _ = sec_tick.tick() => {
-                more = drain_turn(se.records(), st, sampler)?;
+            _ = sec_tick.tick(), if !held => {
+                more = drain_turn(se.records(), st, sampler, yielding.spill())?;
                 second.turn(opts, st, se, sampler, out_dir, screen.as_mut().filter(|_| !hung_up))?;
             }
             _ = sigusr1.recv() => sampler.snapshot_now(),
@@ -746,6 +765,11 @@ fn stop(
         ),
         Source::Own { ring, attached, .. } => (Programs::Attached(attached), Box::new(ring.into_inner())),
     };
+    // What was copied out unread comes first, all of it.
+    let mut spilled = std::mem::take(&mut st.spill);
+    while let Some(r) = super::Records::take(&mut spilled, &mut |item| st.on_record(item)) {
+        r?;
+    }
     let mut after_stop = 0usize;
     let records = rest.as_mut();
     loop {

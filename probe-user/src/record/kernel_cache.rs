@@ -1,8 +1,11 @@
-//! The kernel struct offsets probe's programs need (read from the kernel's BTF, 5–6 MB: 10–20 ms
-//! on the critical path of arming), kept from one trace to the next in `/run/probe` (a tmpfs:
-//! gone at the next boot, as the kernel it describes may be). The entry is keyed by the kernel's
-//! build id, the BTF file's size and probe's own executable (another build of probe may want other
-//! fields), so a stale entry is never used: it is replaced.
+//! What probe keeps about the running kernel from one trace to the next, in `/run/probe` (a
+//! tmpfs: gone at the next boot, as the kernel it describes may be):
+//! - the kernel struct offsets probe's programs need (read from the kernel's BTF, 5–6 MB: 10–20 ms
+//!   on the critical path of arming), keyed by the kernel's build id, the BTF file's size and
+//!   probe's own executable (another build of probe may want other fields);
+//! - the kernel's text symbols (`ksyms`), keyed by the boot, the kernel and its modules.
+//!
+//! A stale entry is never used: it is replaced.
 //!
 //! Root-safe: the directory is made 0700 and must be a real directory owned by the effective user
 //! with no group or other write; the file is opened with `O_NOFOLLOW` under that directory's
@@ -10,7 +13,7 @@
 use std::{
     ffi::CString,
     fs::File,
-    io::{Read, Write},
+    io::{Read as _, Write as _},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
         unix::{ffi::OsStrExt, fs::MetadataExt},
@@ -29,15 +32,20 @@ const _: () = assert!(std::mem::size_of::<KernelOffsets>().is_multiple_of(4));
 /// What identifies the offsets: the running kernel (its GNU build id, else its version string),
 /// its BTF's size, and this executable (device, inode, size, mtime).
 pub fn key() -> String {
-    let kernel = std::fs::read("/sys/kernel/notes")
-        .ok()
-        .and_then(|n| build_id(&n))
-        .unwrap_or_else(|| std::fs::read_to_string("/proc/version").unwrap_or_default().trim().to_string());
+    let kernel = kernel_id();
     let btf = std::fs::metadata("/sys/kernel/btf/vmlinux").map(|m| m.len()).unwrap_or(0);
     let exe = std::fs::metadata("/proc/self/exe")
         .map(|m| format!("{}:{}:{}:{}.{}", m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
         .unwrap_or_default();
     format!("kernel {kernel} btf {btf} exe {exe}")
+}
+
+/// The running kernel: its GNU build id, else its version string.
+pub fn kernel_id() -> String {
+    std::fs::read("/sys/kernel/notes")
+        .ok()
+        .and_then(|n| build_id(&n))
+        .unwrap_or_else(|| std::fs::read_to_string("/proc/version").unwrap_or_default().trim().to_string())
 }
 
 /// The GNU build id in an ELF note section (`/sys/kernel/notes`), as hex.
@@ -62,8 +70,28 @@ fn build_id(notes: &[u8]) -> Option<String> {
 
 /// The cached offsets for `key` in `dir`, if there are any and they are ours.
 pub fn load(dir: &Path, key: &str) -> Option<KernelOffsets> {
+    parse(&String::from_utf8(read(dir, NAME, 16 << 10)?).ok()?, key)
+}
+
+/// The bytes kept as `name` in `dir` for `key` (see [`store_bytes`]), if they are there and ours.
+pub fn load_bytes(dir: &Path, name: &str, key: &str, max: u64) -> Option<Vec<u8>> {
+    let mut bytes = read(dir, name, max)?;
+    let head = format!("{MAGIC}\n{key}\n");
+    bytes.starts_with(head.as_bytes()).then(|| bytes.split_off(head.len()))
+}
+
+/// Keep `body` as `name` in `dir` for `key` (best effort, as [`store`]).
+pub fn store_bytes(dir: &Path, name: &str, key: &str, body: &[u8]) {
+    let mut all = format!("{MAGIC}\n{key}\n").into_bytes();
+    all.extend_from_slice(body);
+    write(dir, name, &all);
+}
+
+/// File `name` of `dir`, at most `max` bytes, when it is a regular file of the effective user's
+/// that no one else can write, in a directory that passes [`open_dir`].
+fn read(dir: &Path, name: &str, max: u64) -> Option<Vec<u8>> {
     let d = open_dir(dir, false)?;
-    let name = CString::new(NAME).ok()?;
+    let name = CString::new(name).ok()?;
     // SAFETY: a valid directory fd and NUL-terminated name; the returned fd is owned below.
     let fd = unsafe { libc::openat(d.as_raw_fd(), name.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC) };
     if fd < 0 {
@@ -73,12 +101,12 @@ pub fn load(dir: &Path, key: &str) -> Option<KernelOffsets> {
     let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
     let m = f.metadata().ok()?;
     // SAFETY: geteuid cannot fail.
-    if !m.is_file() || m.uid() != unsafe { libc::geteuid() } || m.mode() & 0o022 != 0 || m.len() > 16 << 10 {
+    if !m.is_file() || m.uid() != unsafe { libc::geteuid() } || m.mode() & 0o022 != 0 || m.len() > max {
         return None;
     }
-    let mut text = String::new();
-    f.read_to_string(&mut text).ok()?;
-    parse(&text, key)
+    let mut bytes = Vec::with_capacity(m.len() as usize);
+    f.read_to_end(&mut bytes).ok()?;
+    Some(bytes)
 }
 
 fn parse(text: &str, key: &str) -> Option<KernelOffsets> {
@@ -107,9 +135,15 @@ fn render(k: &KernelOffsets, key: &str) -> String {
 /// Keep `k` for `key` in `dir` (made 0700 if missing). Best effort: a directory that is not ours,
 /// a read-only /run, any error: nothing is kept, the next trace reads BTF again.
 pub fn store(dir: &Path, key: &str, k: &KernelOffsets) {
+    write(dir, NAME, render(k, key).as_bytes());
+}
+
+/// Replace file `name` of `dir` (made 0700 if missing) with `text`: written to a new file
+/// (`O_EXCL`, never following a link), then renamed over. Best effort.
+fn write(dir: &Path, name: &str, text: &[u8]) {
     let Some(d) = open_dir(dir, true) else { return };
-    let tmp = format!(".{NAME}.{}", std::process::id());
-    let (Ok(tmp_c), Ok(name_c)) = (CString::new(tmp.as_str()), CString::new(NAME)) else { return };
+    let tmp = format!(".{name}.{}", std::process::id());
+    let (Ok(tmp_c), Ok(name_c)) = (CString::new(tmp.as_str()), CString::new(name)) else { return };
     // SAFETY: valid directory fd and NUL-terminated name; O_EXCL|O_NOFOLLOW: never an existing file or link.
     let fd = unsafe {
         libc::openat(
@@ -124,7 +158,7 @@ pub fn store(dir: &Path, key: &str, k: &KernelOffsets) {
     }
     // SAFETY: fd was just opened and is owned by nothing else.
     let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-    let ok = f.write_all(render(k, key).as_bytes()).is_ok();
+    let ok = f.write_all(text).is_ok();
     drop(f);
     // SAFETY: both names are under the same directory fd, NUL-terminated.
     let moved = ok && unsafe { libc::renameat(d.as_raw_fd(), tmp_c.as_ptr(), d.as_raw_fd(), name_c.as_ptr()) } == 0;
@@ -179,6 +213,17 @@ mod tests {
         assert!(std::fs::read_dir(&target).unwrap().next().is_none());
         let _ = std::fs::remove_file(&dir);
         let _ = std::fs::remove_dir_all(&target);
+    }
+
+    #[test]
+    fn kept_bytes_come_back_only_for_their_key() {
+        let dir = std::env::temp_dir().join(format!("probe-kcache-bytes-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        store_bytes(&dir, "t", "boot 1", &[0, 1, 2, 255]);
+        assert_eq!(load_bytes(&dir, "t", "boot 1", 1 << 20).as_deref(), Some(&[0u8, 1, 2, 255][..]));
+        assert_eq!(load_bytes(&dir, "t", "boot 2", 1 << 20), None, "another boot");
+        assert_eq!(load_bytes(&dir, "t", "boot 1", 8), None, "over its bound");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -610,7 +610,9 @@ impl Builder {
             // stacks are unwound while tracing and kept as stack records.
             Event::Sched(e) if probe_common::stack::is_cpu_wait(e.flags) => {
                 let to = e.hdr.ts_ns;
-                self.cpu_waits.push(crate::verdict::CpuWait { from: to.saturating_sub(e.blocked_ns), to, tid: e.tid, other: e.hdr.pid });
+                let from = to.saturating_sub(e.blocked_ns);
+                let held_from = probe_common::stack::last_run_ns(e.flags).map_or(from, |ran| to.saturating_sub(ran).max(from));
+                self.cpu_waits.push(crate::verdict::CpuWait { from, to, tid: e.tid, other: e.hdr.pid, held_from });
                 self.threads.cpu_wait(e.tid, to.saturating_sub(e.blocked_ns), to, e.hdr.pid);
             }
             Event::Sched(e) if probe_common::stack::is_steal(e.flags) => {
@@ -1180,7 +1182,7 @@ fn growth_is_contention(v: &mut crate::verdict::Verdict, ttft: f64, warm: f64) {
     }
     s.compute -= moved;
     s.cpu_contention += moved;
-    let names: Vec<String> = v.competitors.iter().take(3).map(|c| format!("{} {:.0} ms", c.who(), c.ms)).collect();
+    let names: Vec<String> = v.competitors.iter().take(3).map(|c| format!("{} {:.0} ms", c.who(), c.held())).collect();
     v.evidence.push(format!(
         "its own work took {:.0} ms against {warm:.0} ms warm for as much work, while other processes held the CPUs its threads waited for ({}): the {moved:.0} ms it grew is cpu_contention (a pool's threads wait at each step for a peer that another process preempted, spinning or parked)",
         s.compute + moved,
@@ -1497,7 +1499,7 @@ mod tests {
                 slow_cause: SlowCause::Compute,
                 ttft_ms: Some(split),
                 competitors: if held > 0.0 {
-                    vec![Competitor { pid: 42, comm: Some("backup".into()), cgroup: None, ms: held }]
+                    vec![Competitor { pid: 42, comm: Some("backup".into()), cgroup: None, ms: held, held_ms: None }]
                 } else {
                     vec![]
                 },

@@ -117,12 +117,7 @@ fn parse_steal_ms(stat: &str, hz: u64) -> Option<u64> {
     Some(steal * 1000 / hz.max(1))
 }
 
-/// USER_HZ, the unit of /proc/stat's times.
-fn clock_ticks() -> u64 {
-    // SAFETY: sysconf has no memory effects.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 { t as u64 } else { 100 }
-}
+use crate::procfs::clock_ticks;
 
 pub(crate) fn psi_total(text: &str, kind: &str) -> Option<u64> {
     text.lines().find(|l| l.starts_with(kind))?.split_whitespace().find_map(|w| w.strip_prefix("total="))?.parse().ok()

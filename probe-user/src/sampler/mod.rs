@@ -62,6 +62,8 @@ pub struct Sampler {
 /// `hz` otherwise): an idle server changes slowly, and a request makes the collector call
 /// [`Sampler::set_busy`], which wakes the samplers at once.
 pub const IDLE_PERIOD: Duration = Duration::from_secs(5);
+/// How often a sampler held back by the watchdog (every CPU busy) looks whether it was let go.
+const HELD_NAP: Duration = Duration::from_millis(100);
 
 /// What the sampler threads sleep on: they wake at once when probe stops, when the target turns
 /// busy, or on SIGUSR1, never to look at a flag (no periodic wake-ups while nothing happens).
@@ -297,14 +299,20 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     let (mut last_residency, mut all_resident): (Option<Instant>, bool) = (None, false);
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
     let mut last_fast: Option<Instant> = None;
-    // Idle priority while the readings come on time (`yielding::Yielding`); normal from a reading
-    // late by more than its period (seen when it runs), or by 3 s (the watchdog: a thread at idle
-    // priority still gets a small share of a busy CPU). Samples carry the time they were read.
-    let mut yielding = crate::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None);
+    // Idle priority (`yielding::Yielding`): while the server keeps every CPU busy a reading comes
+    // late rather than take a CPU from it (samples carry the time they were read); normal once a
+    // reading is 3 s overdue (the watchdog: a thread at idle priority still gets a small share of
+    // a busy CPU), until readings come on time again.
+    let mut yielding = crate::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None);
     loop {
         let stopping = signal.stopped();
         if stopping {
             yielding.stop();
+        } else if yielding.held() {
+            // Every CPU busy: the readings wait (the watchdog lets one through when it is
+            // overdue); a look every 100 ms costs microseconds.
+            signal.nap(HELD_NAP);
+            continue;
         }
         let busy = signal.busy();
         // Residency and C-states every second, busy or not: the model leaving the page cache while
@@ -322,7 +330,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         // Back from idle: the first busy turn samples at once.
         let fast_due = last_fast.is_none_or(|t| t.elapsed() >= fast_every.saturating_sub(Duration::from_millis(5)));
         if (opts.hz > 0.0 && fast_due) || stopping {
-            yielding.turn(busy && last_fast.is_some_and(|t| t.elapsed() > fast_every * 2), busy, Some(fast_every + Duration::from_secs(3)));
+            yielding.turn(false, busy, Some(fast_every + Duration::from_secs(3)));
             last_fast = Some(Instant::now());
             gpu.turn(busy, stopping, &pids, tx);
             if freq.is_some()

@@ -14,13 +14,6 @@ pub struct Proc {
     pub start: u64,
 }
 
-/// Ticks a second (USER_HZ).
-fn hz() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if n > 0 { n as f64 } else { 100.0 }
-}
-
 /// (comm, ppid, utime + stime ticks, start time) of a /proc/PID/stat line; the comm may hold
 /// spaces and parentheses, so the fields are counted from its last ')'.
 pub fn parse_stat(text: &str) -> Option<(String, u32, u64, u64)> {
@@ -36,7 +29,7 @@ pub fn parse_stat(text: &str) -> Option<(String, u32, u64, u64)> {
 
 /// Every process now.
 pub fn snapshot() -> HashMap<u32, Proc> {
-    let hz = hz();
+    let hz = crate::procfs::clock_ticks() as f64;
     let mut out = HashMap::new();
     for pid in crate::procfs::all_pids() {
         let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
