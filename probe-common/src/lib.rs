@@ -26,6 +26,10 @@ pub mod maps {
     pub const TARGETS: &str = "TARGETS";
     /// `LruHashMap<u32 tid, u32 bytes>`: how much user stack to copy for a thread (written by the collector).
     pub const USTACK_NEED: &str = "USTACK_NEED";
+    /// `LruHashMap<u32 tgid, [u8; 16] comm>`: the processes charged with a target thread's wait
+    /// for a CPU, named by the kernel as they ran (one that exits before probe reads its record
+    /// keeps its name).
+    pub const OTHER_COMMS: &str = "OTHER_COMMS";
     /// `PerCpuArray<u64>` indexed by [`crate::EventKind`]: ring buffer reserve failures.
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>` indexed by [`crate::Counter`]: in-kernel counters (not events).

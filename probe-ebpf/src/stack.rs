@@ -417,7 +417,12 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
     Ok(())
 }
 
-/// A wait for a CPU: sent when it is at least SHORT_WAIT_NS, else only counted.
+/// The processes charged with a wait, named as they ran ([`probe_common::maps::OTHER_COMMS`]).
+#[map(name = "OTHER_COMMS")]
+static OTHER_COMMS: LruHashMap<u32, [u8; 16]> = LruHashMap::with_max_entries(1024, 0);
+
+/// A wait for a CPU: sent when it is at least SHORT_WAIT_NS, else only counted. The task it is
+/// charged to (the current one) is named when it is no target's.
 #[inline(always)]
 fn run_queue_wait(ns: u64, flags: u32, sched: &impl Fn(u32, u64) -> SchedEvent) {
     if ns < SHORT_WAIT_NS {
@@ -427,7 +432,14 @@ fn run_queue_wait(ns: u64, flags: u32, sched: &impl Fn(u32, u64) -> SchedEvent) 
         }
         return;
     }
-    emit(&sched(flags, ns));
+    let ev = sched(flags, ns);
+    if ev.hdr.pid != 0
+        && current_target().is_none()
+        && let Ok(comm) = aya_ebpf::helpers::bpf_get_current_comm()
+    {
+        let _ = OTHER_COMMS.insert(&ev.hdr.pid, &comm, 0);
+    }
+    emit(&ev);
 }
 
 /// The blocked record's flags: the waking target thread in bits 8..32 ([`waker_of`]).

@@ -284,6 +284,8 @@ struct State {
     offcpu: HashMap<u32, recording::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    /// The kernel's names of the processes charged with waits ([`probe_common::maps::OTHER_COMMS`]).
+    other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     /// CPython targets: their threads in the kernel's map (where each one's frame chain starts)
     /// and the names of the Python frames seen.
     python: crate::record::python::Pythons,
@@ -361,6 +363,7 @@ impl State {
             cut_tops: HashMap::new(),
             module_paths: HashMap::new(),
             ustack_need: None,
+            other_comms: None,
             python: Default::default(),
             py_threads: None,
             py_budget: None,
@@ -722,10 +725,22 @@ impl State {
         if self.others_new.is_empty() {
             return Ok(());
         }
+        // One that exited before its record was read (probe held back while every CPU was busy,
+        // a compiler's short jobs) keeps the name the kernel saw, without its cgroup.
+        let kernel = |pid: u32| -> Option<String> {
+            let c = self.other_comms.as_ref()?.get(&pid, 0).ok()?;
+            let end = c.iter().position(|&b| b == 0).unwrap_or(c.len());
+            Some(String::from_utf8_lossy(&c[..end]).into_owned()).filter(|s| !s.is_empty())
+        };
         let procs: Vec<records::OtherProc> = std::mem::take(&mut self.others_new)
             .into_iter()
-            .filter(|&pid| procfs::exists(pid))
-            .map(|pid| records::OtherProc { pid, comm: procfs::comm(pid), cgroup: crate::cgroup::of_pid(pid) })
+            .filter_map(|pid| {
+                if procfs::exists(pid) {
+                    Some(records::OtherProc { pid, comm: procfs::comm(pid), cgroup: crate::cgroup::of_pid(pid) })
+                } else {
+                    Some(records::OtherProc { pid, comm: kernel(pid)?, cgroup: None })
+                }
+            })
             .collect();
         if procs.is_empty() {
             return Ok(());

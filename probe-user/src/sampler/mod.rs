@@ -304,17 +304,20 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     // reading is 3 s overdue (the watchdog: a thread at idle priority still gets a small share of
     // a busy CPU), until readings come on time again.
     let mut yielding = crate::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None);
+    let mut was_busy = false;
     loop {
         let stopping = signal.stopped();
+        let busy = signal.busy();
         if stopping {
             yielding.stop();
-        } else if yielding.held() {
+        } else if yielding.held() && !(busy && !was_busy) {
             // Every CPU busy: the readings wait (the watchdog lets one through when it is
-            // overdue); a look every 100 ms costs microseconds.
+            // overdue); a look every 100 ms costs microseconds. Not the one at the moment the
+            // target turns busy: a request's arrival, the GPU's state then.
             signal.nap(HELD_NAP);
             continue;
         }
-        let busy = signal.busy();
+        was_busy = busy;
         // Residency and C-states every second, busy or not: the model leaving the page cache while
         // the server idles is what the slow morning request is about (a cachestat call is cheap).
         let slow_every = Duration::from_secs(1);
