@@ -310,7 +310,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         let busy = signal.busy();
         if stopping {
             yielding.stop();
-        } else if yielding.held() && !(busy && !was_busy) {
+        } else if yielding.held() && (was_busy || !busy) {
             // Every CPU busy: the readings wait (the watchdog lets one through when it is
             // overdue); a look every 100 ms costs microseconds. Not the one at the moment the
             // target turns busy: a request's arrival, the GPU's state then.
