@@ -50,6 +50,8 @@ struct Heartbeat {
     born_ns: u64,
     /// Set by the watchdog while the thread should not run at all ([`Yielding::held`]).
     held: AtomicBool,
+    /// It may be held without a backlog in sight ([`Yielding::hold_when_busy`]).
+    holdable: AtomicBool,
     /// Set by the watchdog while every CPU is busy ([`Yielding::spill`]).
     saturated: AtomicBool,
     /// Woken when the watchdog lets a held thread go.
@@ -328,7 +330,11 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                         }
                     }
                     let free = now < b.free_until_ns.load(Relaxed);
-                    let hold = due > 0 && saturated && !full && !free && (b.backlog.is_some() || !late);
+                    let hold = due > 0
+                        && saturated
+                        && !full
+                        && !free
+                        && (b.backlog.is_some() || (b.holdable.load(Relaxed) && !late));
                     b.saturated.store(saturated, Relaxed);
                     if b.held.swap(hold, Relaxed) && !hold {
                         b.release.notify_one();
@@ -372,6 +378,7 @@ impl Yielding {
             last_fill: 0f64.to_bits().into(),
             born_ns: now,
             held: false.into(),
+            holdable: false.into(),
             saturated: false.into(),
             release: tokio::sync::Notify::new(),
             urgent_seen: urgent.as_ref().map_or(0, |c| c()).into(),
@@ -433,6 +440,14 @@ impl Yielding {
                 }
             }
         }
+    }
+
+    /// Let the watchdog hold this thread while every CPU is busy, though what it keeps up with
+    /// cannot be seen (the samplers: a reading waits, once 3 s overdue it is taken). A thread
+    /// with a queue that overflows (a hub member's) is not held.
+    pub fn hold_when_busy(self) -> Yielding {
+        self.beat.holdable.store(true, Relaxed);
+        self
     }
 
     /// Whether the watchdog holds this thread back: its backlog can wait while the server keeps
