@@ -69,18 +69,33 @@ struct Table {
 const CACHE: &str = "kallsyms";
 
 impl Table {
+    /// The running kernel's table, one for the process (`watch --all` follows many servers):
+    /// the one in memory while its key holds, else [`Table::load`].
+    fn shared() -> std::sync::Arc<Table> {
+        static SHARED: std::sync::Mutex<Option<(String, std::sync::Arc<Table>)>> = std::sync::Mutex::new(None);
+        let key = cache_key();
+        let mut g = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        match &*g {
+            Some((k, t)) if *k == key => t.clone(),
+            _ => {
+                let t = std::sync::Arc::new(Table::load(&key));
+                *g = Some((key, t.clone()));
+                t
+            }
+        }
+    }
+
     /// The running kernel's table: kept from an earlier trace of this boot when its key still
     /// holds, else read from kallsyms (and kept for the next).
-    fn live() -> Table {
-        let key = cache_key();
+    fn load(key: &str) -> Table {
         let dir = std::path::Path::new(crate::record::kernel_cache::DIR);
-        if let Some(t) = crate::record::kernel_cache::load_bytes(dir, CACHE, &key, 256 << 20).and_then(|b| Table::from_bytes(&b)) {
+        if let Some(t) = crate::record::kernel_cache::load_bytes(dir, CACHE, key, 256 << 20).and_then(|b| Table::from_bytes(&b)) {
             return t;
         }
         let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else { return Table::default() };
         let t = Table::parse(&text);
         if !t.addrs.is_empty() {
-            crate::record::kernel_cache::store_bytes(dir, CACHE, &key, &t.to_bytes());
+            crate::record::kernel_cache::store_bytes(dir, CACHE, key, &t.to_bytes());
         }
         t
     }
@@ -163,7 +178,7 @@ fn cache_key() -> String {
 /// Names kernel addresses on the live machine (kallsyms), each address once.
 #[derive(Default)]
 pub struct Resolver {
-    table: Option<Table>,
+    table: Option<std::sync::Arc<Table>>,
     known: HashMap<u64, Option<String>>,
     /// The wait class of each kernel stack seen (the same few stacks recur at every switch).
     classes: HashMap<Vec<u64>, &'static str>,
@@ -182,7 +197,7 @@ impl Resolver {
         }
         fresh.sort_unstable();
         fresh.dedup();
-        let table = self.table.get_or_insert_with(Table::live);
+        let table = self.table.get_or_insert_with(Table::shared);
         let mut syms = Vec::new();
         for a in fresh {
             let name = table.lookup(a).map(str::to_string);

@@ -330,11 +330,7 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                         }
                     }
                     let free = now < b.free_until_ns.load(Relaxed);
-                    let hold = due > 0
-                        && saturated
-                        && !full
-                        && !free
-                        && (b.backlog.is_some() || (b.holdable.load(Relaxed) && !late));
+                    let hold = due > 0 && saturated && !full && !free && (b.backlog.is_some() || (b.holdable.load(Relaxed) && !late));
                     b.saturated.store(saturated, Relaxed);
                     if b.held.swap(hold, Relaxed) && !hold {
                         b.release.notify_one();

@@ -211,6 +211,9 @@ pub(crate) struct Spill {
 
 /// The most bytes of records kept unread (the ring's own size comes first: 16 MiB by default).
 pub(crate) const SPILL_MAX: usize = 256 << 20;
+/// The most memory kept for the next spill once one was read through (a spill is about half the
+/// ring: 8 MiB by default).
+const SPILL_KEEP: usize = 32 << 20;
 
 impl Spill {
     pub(crate) fn has_room(&self) -> bool {
@@ -236,8 +239,13 @@ impl Records for Spill {
         self.at = to;
         let r = f(&self.buf[from..to]);
         if self.is_empty() {
-            // Read through: the memory goes back (a spill of a busy minute is hundreds of MB).
-            *self = Spill::default();
+            // Read through: kept for the next spill (its pages already faulted in) up to
+            // SPILL_KEEP; a larger one goes back (a spill of a busy minute is hundreds of MB).
+            self.buf.clear();
+            self.at = 0;
+            if self.buf.capacity() > SPILL_KEEP {
+                *self = Spill::default();
+            }
         }
         Some(r)
     }
@@ -953,7 +961,15 @@ mod tests {
             r.unwrap();
         }
         assert_eq!(got, vec![b"first".to_vec(), vec![], b"third record".to_vec()]);
-        assert!(s.is_empty() && s.buf.capacity() == 0);
+        assert!(s.is_empty() && s.at == 0, "read through: empty again, its memory kept for the next");
+        s.push(b"again");
+        assert!(
+            s.take(&mut |item| {
+                assert_eq!(item, b"again");
+                Ok(())
+            })
+            .is_some()
+        );
     }
 
     /// What the collector keeps per process goes when the process exits: a server that starts a
