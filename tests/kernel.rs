@@ -191,6 +191,57 @@ fn sigkilled_probe_leaves_a_readable_recording() {
     assert!(problems.iter().any(|p| p.as_str().unwrap().contains("no end record")), "{problems:?}");
 }
 
+/// Each thread of `pid`: (comm, scheduling policy), from /proc (field 41 of stat: 0 SCHED_OTHER,
+/// 5 SCHED_IDLE).
+fn policies(pid: u32) -> Vec<(String, u32)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| {
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?.trim().to_string();
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            let policy = stat.rsplit_once(')')?.1.split_whitespace().nth(38)?.parse().ok()?;
+            Some((comm, policy))
+        })
+        .collect()
+}
+
+/// By default the ring's drain yields the CPUs (idle priority once it keeps up) under a watchdog;
+/// `--no-yield` keeps it at normal priority, with no watchdog (nothing can hold it back).
+#[test]
+fn the_drain_yields_unless_told_not_to() {
+    let dir = scratch("yield");
+    let mut w = Workload::start(&["mmap-loop", "30"]);
+    let drain = |extra: &[&str], rec: &str| {
+        let t = Trace::start(w.pid, &dir.join(rec), extra);
+        let pid = t.child.id();
+        let t0 = std::time::Instant::now();
+        let mut seen = policies(pid);
+        // Idle priority comes after 5 turns that keep up and a second of calm.
+        while extra.is_empty() && !seen.iter().any(|(c, p)| c == "probe" && *p == 5) && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(200));
+            seen = policies(pid);
+        }
+        if !extra.is_empty() {
+            std::thread::sleep(Duration::from_secs(3));
+            seen = policies(pid);
+        }
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGINT) };
+        let mut t = t;
+        t.child.wait().unwrap();
+        seen
+    };
+    let yielding = drain(&[], "default");
+    let kept = drain(&["--no-yield"], "no-yield");
+    let _ = w.child.kill();
+    let _ = w.child.wait();
+    assert!(yielding.iter().any(|(c, p)| c == "probe" && *p == 5), "the drain never yielded: {yielding:?}");
+    assert!(yielding.iter().any(|(c, _)| c == "probe-watchdog"), "{yielding:?}");
+    assert!(kept.iter().filter(|(c, _)| c == "probe" || c == "probe-sample").all(|(_, p)| *p == 0), "{kept:?}");
+    assert!(!kept.iter().any(|(c, _)| c == "probe-watchdog"), "no watchdog with --no-yield: {kept:?}");
+}
+
 fn run_probe(args: &[&str]) -> (i32, String) {
     let out = Command::new(probe_bin()).args(args).output().unwrap();
     (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())

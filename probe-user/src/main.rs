@@ -91,6 +91,12 @@ enum Command {
         /// Ollama /api/ps) on the ports it listens on.
         #[arg(long)]
         no_poll: bool,
+        /// Keep the ring's drain and the samplers at normal priority and never hold them back: by
+        /// default they yield the CPUs to the server (idle priority) and, while every CPU is busy,
+        /// wait (records in the ring, memory and GPU readings every 3 s instead of --sample-hz).
+        /// With this the readings keep their rate, and the verdicts may name probe as a competitor.
+        #[arg(long)]
+        no_yield: bool,
         #[command(flatten)]
         auth: probe_user::httpc::ServerAuth,
         /// Send the requests as OpenTelemetry spans (with their verdicts) to this OTLP/HTTP
@@ -493,6 +499,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         python_budget,
         sample_hz,
         no_poll,
+        no_yield,
         auth,
         otlp,
         quiet,
@@ -502,6 +509,9 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         unreachable!("trace_cmd takes its own command")
     };
     auth.install();
+    if no_yield {
+        probe_user::yielding::never();
+    }
     let cgroup = match (&cgroup, &container) {
         (Some(c), _) => Some(probe_user::cgroup::resolve(c)?),
         (_, Some(c)) => Some(probe_user::cgroup::find_container(c)?),

@@ -354,6 +354,14 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
     })
 }
 
+/// Set by [`never`]: no thread yields (`probe trace --no-yield`).
+static NEVER: AtomicBool = AtomicBool::new(false);
+
+/// Keep every thread at normal priority and never hold one back, for the rest of the process.
+pub fn never() {
+    NEVER.store(true, Relaxed);
+}
+
 impl Yielding {
     /// Start yielding on the calling thread (when it could stop yielding again); its first turn
     /// is overdue after `first`. `backlog`: what it drains, when the watchdog can read its fill;
@@ -361,7 +369,7 @@ impl Yielding {
     pub fn start(name: &'static str, first: Duration, backlog: Option<RingFill>, urgent: Option<Urgent>) -> Yielding {
         // SAFETY: geteuid and gettid have no preconditions.
         let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
-        let may = euid == 0 || effective_caps() & CAP_SYS_NICE != 0;
+        let may = (euid == 0 || effective_caps() & CAP_SYS_NICE != 0) && !NEVER.load(Relaxed);
         let now = crate::monotonic_ns();
         let beat = Arc::new(Heartbeat {
             tid,
