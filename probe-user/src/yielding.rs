@@ -330,7 +330,7 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                         }
                     }
                     let free = now < b.free_until_ns.load(Relaxed);
-                    let hold = due > 0 && saturated && !full && !free && (b.backlog.is_some() || (b.holdable.load(Relaxed) && !late));
+                    let hold = due > 0 && saturated && !full && !free && b.holdable.load(Relaxed) && (b.backlog.is_some() || !late);
                     b.saturated.store(saturated, Relaxed);
                     if b.held.swap(hold, Relaxed) && !hold {
                         b.release.notify_one();
@@ -371,6 +371,7 @@ impl Yielding {
         let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
         let may = (euid == 0 || effective_caps() & CAP_SYS_NICE != 0) && !NEVER.load(Relaxed);
         let now = crate::monotonic_ns();
+        let holdable = backlog.is_some();
         let beat = Arc::new(Heartbeat {
             tid,
             last_ns: now.into(),
@@ -382,7 +383,7 @@ impl Yielding {
             last_fill: 0f64.to_bits().into(),
             born_ns: now,
             held: false.into(),
-            holdable: false.into(),
+            holdable: holdable.into(),
             saturated: false.into(),
             release: tokio::sync::Notify::new(),
             urgent_seen: urgent.as_ref().map_or(0, |c| c()).into(),
@@ -446,6 +447,16 @@ impl Yielding {
         }
     }
 
+    /// Never held back (the drain while a live view shows: the screen is made from the records
+    /// as they come); it still yields at idle priority.
+    pub fn never_held(self) -> Yielding {
+        self.beat.holdable.store(false, Relaxed);
+        self.beat.held.store(false, Relaxed);
+        self.beat.saturated.store(false, Relaxed);
+        self.beat.release.notify_one();
+        self
+    }
+
     /// Let the watchdog hold this thread while every CPU is busy, though what it keeps up with
     /// cannot be seen (the samplers: a reading waits, once 3 s overdue it is taken). A thread
     /// with a queue that overflows (a hub member's) is not held.
@@ -463,7 +474,7 @@ impl Yielding {
     /// Whether a drain should copy its backlog out unread rather than read it: every CPU is
     /// busy (it runs because its ring filled, not because a CPU is free).
     pub fn spill(&self) -> bool {
-        self.beat.backlog.is_some() && self.beat.saturated.load(Relaxed)
+        self.beat.backlog.is_some() && self.beat.holdable.load(Relaxed) && self.beat.saturated.load(Relaxed)
     }
 
     /// Resolves when the watchdog lets the thread go (at once when it was let go since it was

@@ -457,6 +457,10 @@ async fn follow(
         Source::Member(_) => None,
     };
     let mut yielding = crate::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge, exec_maps);
+    if st.live.is_some() {
+        // A live view is made from the records as they come: not held while it shows.
+        yielding = yielding.never_held();
+    }
     let reason: String = loop {
         let mut more = false;
         let events_before = st.events;
