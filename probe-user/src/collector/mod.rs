@@ -209,10 +209,12 @@ pub(crate) struct Spill {
     at: usize,
 }
 
-/// The most bytes of records kept unread (the ring's own size comes first: 16 MiB by default).
-pub(crate) const SPILL_MAX: usize = 256 << 20;
+/// The most bytes of records kept unread (the ring's own size comes first: 32 MiB by default). A
+/// flood past it is read at once: probe's memory stays bounded (tests/load.rs: under 256 MiB
+/// while adversarial clients send 1 GB; a 256 MiB spill passed that).
+pub(crate) const SPILL_MAX: usize = 64 << 20;
 /// The most memory kept for the next spill once one was read through (a spill is about half the
-/// ring: 8 MiB by default).
+/// ring: 16 MiB by default).
 const SPILL_KEEP: usize = 32 << 20;
 
 impl Spill {
