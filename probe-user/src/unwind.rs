@@ -241,9 +241,11 @@ impl Unwinders {
         // Only code is unwound: a change of the other file mappings (a model mapped, a file
         // mapped to read) keeps the unwinder and its cache (rebuilding it at every mapping
         // change was most of probe's CPU in the second after attach).
-        let code = |ms: &[Mapping]| -> Vec<Mapping> { ms.iter().filter(|m| m.perms.contains('x')).cloned().collect() };
+        fn code(ms: &[Mapping]) -> impl Iterator<Item = &Mapping> {
+            ms.iter().filter(|m| m.perms.contains('x'))
+        }
         if let Some(p) = self.procs.get_mut(&pid)
-            && code(&p.maps) == code(maps)
+            && code(&p.maps).eq(code(maps))
         {
             p.maps = maps.to_vec();
             return;
