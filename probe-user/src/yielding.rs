@@ -99,14 +99,25 @@ impl RingFill {
         Some(RingFill { at: std::ptr::NonNull::new(at)?, page, size: size.max(1) })
     }
 
-    /// The share of the ring holding records not yet read (0..1).
-    pub fn fill(&self) -> f64 {
+    /// The consumer and producer positions (bytes read and written since the ring was made).
+    fn positions(&self) -> (u64, u64) {
         // SAFETY: both positions are the first u64 of a page of the live mapping.
-        let (consumer, producer) = unsafe {
+        unsafe {
             let base = self.at.as_ptr().cast::<u8>();
             (std::ptr::read_volatile(base.cast::<u64>()), std::ptr::read_volatile(base.add(self.page).cast::<u64>()))
-        };
+        }
+    }
+
+    /// The share of the ring holding records not yet read (0..1).
+    pub fn fill(&self) -> f64 {
+        let (consumer, producer) = self.positions();
         producer.saturating_sub(consumer) as f64 / self.size as f64
+    }
+
+    /// Bytes the kernel has written to the ring since it was made: what the target did, seen
+    /// without reading a record.
+    pub fn produced(&self) -> u64 {
+        self.positions().1
     }
 }
 
@@ -475,6 +486,11 @@ impl Yielding {
     /// busy (it runs because its ring filled, not because a CPU is free).
     pub fn spill(&self) -> bool {
         self.beat.backlog.is_some() && self.beat.holdable.load(Relaxed) && self.beat.saturated.load(Relaxed)
+    }
+
+    /// Bytes written to the ring this thread drains, since it was made (None: no ring in sight).
+    pub fn produced(&self) -> Option<u64> {
+        self.beat.backlog.as_ref().map(RingFill::produced)
     }
 
     /// Resolves when the watchdog lets the thread go (at once when it was let go since it was

@@ -481,7 +481,14 @@ async fn follow(
                 more = drain_turn(se.records(), st, sampler, yielding.spill())?;
                 tick = if st.events > before { DRAIN_TICK } else { IDLE_DRAIN };
             }
-            _ = sec_tick.tick(), if !held => {
+            _ = sec_tick.tick() => {
+                if held {
+                    // The target's state for the samplers and the endpoint poller, which go by
+                    // it (a reading at a request's arrival, vLLM's counters every 2 s while
+                    // busy): from what the kernel wrote to the ring, its records waiting unread.
+                    second.held_turn(st, sampler, yielding.produced());
+                    continue;
+                }
                 more = drain_turn(se.records(), st, sampler, yielding.spill())?;
                 second.turn(opts, st, se, sampler, out_dir, screen.as_mut().filter(|_| !hung_up))?;
             }
@@ -614,6 +621,8 @@ fn follow_engine(st: &mut State, se: &mut Session) {
 struct Second {
     started: Option<Instant>,
     events_at_sec: u64,
+    /// The ring's producer position at the last held look ([`Second::held_turn`]).
+    produced_at: Option<u64>,
     last_events: u64,
     last_stats: Option<Instant>,
     lost_at_stats: u64,
@@ -639,7 +648,21 @@ fn name_peers(st: &mut State, remote: &mut std::collections::HashMap<std::net::I
     }
 }
 
+/// Ring bytes a second that make a held target busy: about `BUSY_EVENTS` small records.
+const BUSY_BYTES: u64 = BUSY_EVENTS * 64;
+
 impl Second {
+    /// The once-a-second look while the drain is held (every CPU busy, the records wait in the
+    /// ring): the target is busy when a request was in flight at the last read, or when the
+    /// kernel wrote at least `BUSY_BYTES` to the ring since the last held look (the first
+    /// leaves the state the last read turn found). Costs two loads.
+    fn held_turn(&mut self, st: &State, sampler: &Sampler, produced: Option<u64>) {
+        if let (Some(now), Some(then)) = (produced, self.produced_at) {
+            sampler.set_busy(st.streams.in_flight() > 0 || now.saturating_sub(then) >= BUSY_BYTES);
+        }
+        self.produced_at = produced;
+    }
+
     /// Once a second: counters into the recording, the samplers' pace, the next segment, the
     /// status line, and processes joining the cgroup or the target's exit.
     fn turn(
@@ -651,6 +674,7 @@ impl Second {
         out_dir: &crate::output::OutDir,
         screen: Option<&mut crate::render::live::Screen>,
     ) -> anyhow::Result<()> {
+        self.produced_at = None;
         let lost = se.kernel.lost();
         // Busy: a request in flight, or the target keeps the probes going.
         let busy = st.streams.in_flight() > 0 || st.events.saturating_sub(self.events_at_sec) >= BUSY_EVENTS;
