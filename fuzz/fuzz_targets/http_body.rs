@@ -1,4 +1,4 @@
-//! HTTP/1.1 framing (`probe_user::stream::http`): body decoding fed in arbitrary pieces with gaps,
+//! HTTP/1.1 framing (`probe_user::util::http`): body decoding fed in arbitrary pieces with gaps,
 //! a chunked encoding built from the input decoded across any split (and around a gap inside a
 //! chunk), request and response heads, and the credential scrubbing of raw request bytes.
 //!
@@ -13,8 +13,8 @@
 use libfuzzer_sys::fuzz_target;
 use probe_fuzz::{Input, cuts};
 use probe_user::{
-    redact,
-    stream::http::{self, Body, Framing, Parsed},
+    util::redact,
+    util::http::{self, Body, Framing, Parsed},
 };
 
 fn any_body(inp: &mut Input) {

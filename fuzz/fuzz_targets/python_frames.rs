@@ -1,4 +1,4 @@
-//! Python frames (`probe_user::record::python`): the target's memory is untrusted, so the decoder
+//! Python frames (`probe_user::kernel::python`): the target's memory is untrusted, so the decoder
 //! reads an image made of the input: a code object's names, first line and location table, an
 //! interpreter's thread list and `threading`'s thread names, `_Py_DebugOffsets`, with pointers anywhere (null, out of the image,
 //! into themselves). Nothing may panic, loop or allocate without bound; a frame named must name
@@ -11,7 +11,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use probe_fuzz::Input;
-use probe_user::record::python::{self as py, Memory};
+use probe_user::kernel::python::{self as py, Memory};
 
 const BASE: u64 = 0x10000;
 
@@ -74,11 +74,11 @@ fuzz_target!(|data: &[u8]| {
     let named = frames.iter().filter(|f| f[0] != 0).count();
     // Every native frame but the replaced evaluation frames stays, every Python frame but shims
     // appears once.
-    let kept = merged.iter().filter(|(m, _)| *m != py::PY_MODULE).count();
+    let kept = merged.iter().filter(|(m, _)| *m != probe_user::record::records::PY_MODULE).count();
     assert!(
         kept <= native.len() && kept + evals >= native.len(),
         "{kept} of {} native frames kept, {evals} evaluation frames",
         native.len()
     );
-    assert_eq!(merged.iter().filter(|(m, _)| *m == py::PY_MODULE).count(), named);
+    assert_eq!(merged.iter().filter(|(m, _)| *m == probe_user::record::records::PY_MODULE).count(), named);
 });

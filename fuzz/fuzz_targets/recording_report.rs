@@ -5,20 +5,20 @@
 
 use libfuzzer_sys::fuzz_target;
 use probe_user::{
-    flame, html, ksyms, perfetto,
-    recording::{self, records::UserRecord},
-    report,
+    analysis::flame, render::html, analysis::ksyms, render::perfetto,
+    record::{self, records::UserRecord},
+    analysis::report,
 };
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(mut rec) = recording::parse(data, "events.bin") else { return };
+    let Ok(mut rec) = record::parse(data, "events.bin") else { return };
     let r = report::build(&rec);
     let streamed = probe_user::analysis::Analysis::report_bytes(data).expect("the streamed reader refuses what the whole reader read");
     // `probe trace` reports from memory, `probe report` streams: the same recording, the same report.
     if rec.events_not_kept == 0 && rec.stacks_not_kept == 0 {
         assert_eq!(r, streamed, "the streamed report differs from the one built in memory");
     }
-    let _ = report::render(&r);
+    let _ = probe_user::render::text::render(&r);
     let json = serde_json::to_string(&r).expect("report.json serializes");
     // Read back, not compared: serde_json may parse a float's last digit differently.
     let _: report::Report = serde_json::from_str(&json).expect("report.json reads back");

@@ -1,47 +1,21 @@
-//! probe: eBPF tracing for local LLM servers. The `probe` binary is a thin layer over this library:
-//! probes (load + attach table), collector (ring buffer → recording), recording (the on-disk
-//! format), report (analysis, pure), the /proc and tracefs readers they need, and target_file (how
-//! root opens a file the target names).
+//! probe: eBPF tracing for local LLM servers. The `probe` binary is a thin layer over this library,
+//! whose folders are the data path's layers, lowest first (README, "Layout"; tests/layers.rs keeps
+//! every import pointing down): `os` and `util`; `record` (the recording) and `stream` (requests
+//! from socket bytes); `analysis` (the one read, the report, verdicts); `render` (every output);
+//! the live parts `kernel`, `sampler`, `collector`, `watch` and `bench`; `cmd`.
 
 pub mod analysis;
 pub mod bench;
-pub mod btf;
-pub mod bundle;
-pub mod cgroup;
+pub mod cmd;
 pub mod collector;
-pub mod critical;
-pub mod decode;
-pub mod diff;
-pub mod doctor;
-pub mod engine;
-pub mod export;
-pub mod flame;
-pub mod html;
-pub mod httpc;
-pub mod ksyms;
-pub mod output;
-pub mod perfetto;
-pub mod probes;
-pub mod procfs;
+pub mod kernel;
+pub mod os;
 pub mod record;
-pub mod recording;
-pub mod redact;
 pub mod render;
-pub mod report;
 pub mod sampler;
-pub mod segments;
-pub mod stats;
-pub mod steps;
 pub mod stream;
-pub mod synth;
-pub mod system;
-pub mod target_file;
-pub mod text;
-pub mod tracefs;
-pub mod unwind;
-pub mod verdict;
+pub mod util;
 pub mod watch;
-pub mod yielding;
 
 /// Exit codes of the `probe` binary (documented in README.md).
 pub mod exit {

@@ -9,9 +9,14 @@ use std::{
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use probe_user::{
+    analysis::flame,
     analysis::{Analysis, Needs, Scope},
-    bench, bundle, collector, doctor, exit, flame, output, recording, report,
-    text::terminal,
+    bench,
+    cmd::doctor,
+    collector, exit, record,
+    render::bundle,
+    util::output,
+    util::text::terminal,
 };
 
 #[derive(Parser)]
@@ -98,11 +103,11 @@ enum Command {
         #[arg(long)]
         no_yield: bool,
         #[command(flatten)]
-        auth: probe_user::httpc::ServerAuth,
+        auth: probe_user::util::httpc::ServerAuth,
         /// Send the requests as OpenTelemetry spans (with their verdicts) to this OTLP/HTTP
         /// collector, e.g. http://127.0.0.1:4318 (Jaeger, Tempo, the OpenTelemetry Collector).
-        #[arg(long, value_parser = probe_user::export::otlp::Endpoint::parse)]
-        otlp: Option<probe_user::export::otlp::Endpoint>,
+        #[arg(long, value_parser = probe_user::render::export::otlp::Endpoint::parse)]
+        otlp: Option<probe_user::render::export::otlp::Endpoint>,
         /// No live view: on a terminal, probe otherwise shows each request in flight and what it
         /// waits on, once a second (without a terminal it never does).
         #[arg(short, long)]
@@ -200,11 +205,11 @@ enum Command {
         #[arg(long)]
         offcpu_all: bool,
         #[command(flatten)]
-        auth: probe_user::httpc::ServerAuth,
+        auth: probe_user::util::httpc::ServerAuth,
         /// Send the requests as OpenTelemetry spans (with their verdicts) to this OTLP/HTTP
         /// collector, e.g. http://127.0.0.1:4318 (Jaeger, Tempo, the OpenTelemetry Collector).
-        #[arg(long, value_parser = probe_user::export::otlp::Endpoint::parse)]
-        otlp: Option<probe_user::export::otlp::Endpoint>,
+        #[arg(long, value_parser = probe_user::render::export::otlp::Endpoint::parse)]
+        otlp: Option<probe_user::render::export::otlp::Endpoint>,
     },
     /// Read a recording directory again and print its summary (or its JSON).
     Report {
@@ -272,8 +277,8 @@ enum Command {
         #[arg(long)]
         force: bool,
         /// Also send the spans to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318).
-        #[arg(long, value_parser = probe_user::export::otlp::Endpoint::parse)]
-        otlp: Option<probe_user::export::otlp::Endpoint>,
+        #[arg(long, value_parser = probe_user::render::export::otlp::Endpoint::parse)]
+        otlp: Option<probe_user::render::export::otlp::Endpoint>,
     },
     /// Pack a recording's report, flamegraphs, timeline and environment into one .tar.gz for an
     /// issue (never the raw event log, so no prompt or response text).
@@ -437,7 +442,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         command @ Command::Trace { .. } => trace_cmd(command, started),
         command @ Command::Watch { .. } => watch_cmd(command, started),
         Command::Report { dir, sizes: true, .. } => {
-            let s = recording::sizes(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+            let s = record::sizes(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
             println!("{:<16} {:>12} {:>14} {:>10}", "kind", "records", "bytes", "per record");
             for (k, (n, b)) in &s {
                 println!("{k:<16} {n:>12} {b:>14} {:>10.1}", *b as f64 / (*n).max(1) as f64);
@@ -463,7 +468,7 @@ fn run(cli: Cli, started: Instant) -> anyhow::Result<i32> {
         }
         Command::Man { dir } => man_cmd(&dir),
         Command::Synth { events, out } => {
-            let s = probe_user::synth::write(&out, events)?;
+            let s = probe_user::record::synth::write(&out, events)?;
             println!(
                 "{} ({} kernel events, {} stack records, {} other records, {} requests, {:.0} s, {} bytes)",
                 out.display(),
@@ -510,16 +515,16 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
     };
     auth.install();
     if no_yield {
-        probe_user::yielding::never();
+        probe_user::os::yielding::never();
     }
     let cgroup = match (&cgroup, &container) {
-        (Some(c), _) => Some(probe_user::cgroup::resolve(c)?),
-        (_, Some(c)) => Some(probe_user::cgroup::find_container(c)?),
+        (Some(c), _) => Some(probe_user::os::cgroup::resolve(c)?),
+        (_, Some(c)) => Some(probe_user::os::cgroup::find_container(c)?),
         _ => None,
     };
     let pid = match (pid, &cgroup) {
         (Some(p), _) => p,
-        (None, Some(cg)) => probe_user::cgroup::main_pid(&probe_user::cgroup::procs(cg))
+        (None, Some(cg)) => probe_user::os::cgroup::main_pid(&probe_user::os::cgroup::procs(cg))
             .with_context(|| format!("{} has no processes to trace", cg.display()))?,
         (None, None) => anyhow::bail!("give --pid, --cgroup or --container"),
     };
@@ -558,7 +563,7 @@ fn trace_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
     let _ = if json {
         writeln!(stdout, "{}", serde_json::to_string_pretty(&outcome.report)?)
     } else {
-        write!(stdout, "{}", terminal(&report::render(&outcome.report))).and_then(|()| {
+        write!(stdout, "{}", terminal(&probe_user::render::text::render(&outcome.report))).and_then(|()| {
             writeln!(stdout, "\nrecording: {}  (report.json beside it; `probe report {}` prints this again)", out.display(), out.display())
         })
     };
@@ -644,8 +649,8 @@ fn watch_cmd(command: Command, started: Instant) -> anyhow::Result<i32> {
         (Some(p), ..) => Select::Pid(p),
         (_, Some(p), ..) => Select::Port(p),
         (_, _, Some(e), ..) => Select::Exe(e),
-        (_, _, _, Some(c), _) => Select::Cgroup(probe_user::cgroup::resolve(&c)?),
-        (.., Some(c)) => Select::Cgroup(probe_user::cgroup::find_container(&c)?),
+        (_, _, _, Some(c), _) => Select::Cgroup(probe_user::os::cgroup::resolve(&c)?),
+        (.., Some(c)) => Select::Cgroup(probe_user::os::cgroup::find_container(&c)?),
         _ => anyhow::bail!("give --pid, --port, --exe, --cgroup or --container"),
     };
     watch::run(o)
@@ -678,7 +683,7 @@ fn report_cmd(dir: PathBuf, json: bool, html: bool) -> anyhow::Result<i32> {
         return Ok(exit::OK);
     }
     let r = if html {
-        let (page, r) = probe_user::html::write(&dir)?;
+        let (page, r) = probe_user::render::html::write(&dir)?;
         println!("{}", page.display());
         r
     } else {
@@ -688,7 +693,7 @@ fn report_cmd(dir: PathBuf, json: bool, html: bool) -> anyhow::Result<i32> {
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else if !html {
-        print!("{}", terminal(&report::render(&r)));
+        print!("{}", terminal(&probe_user::render::text::render(&r)));
         if let Some(l) = fleet::labels_of(&dir) {
             println!("\nWhere: {}", terminal(&fleet::place_words(&l)));
         }
@@ -708,7 +713,7 @@ fn flamegraph_cmd(
     force: bool,
 ) -> anyhow::Result<i32> {
     let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
-    let meta = recording::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let meta = record::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
     let start = meta.map_or(0, |m| m.start_ns);
     let secs = |s: f64| start + (s * 1e9) as u64;
     let scope = match request {
@@ -730,7 +735,7 @@ fn flamegraph_cmd(
         Some(id) => format!("probe: {} stacks of request {id}", kind.name()),
         None => format!("probe: {} stacks", kind.name()),
     };
-    let (svg, text) = (flame::svg(&folded, kind, &title)?, flame::folded_text(&folded));
+    let (svg, text) = (probe_user::render::flame::svg(&folded, kind, &title)?, flame::folded_text(&folded));
     let out = match output {
         Some(out) => {
             output::write_file(&out, &svg, force)?;
@@ -758,7 +763,7 @@ fn flamegraph_cmd(
 fn timeline_cmd(dir: PathBuf, output: Option<PathBuf>, force: bool) -> anyhow::Result<i32> {
     let a = Analysis::of_dir(&dir, Needs { recording: true, ..Needs::REPORT })
         .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
-    let trace = a.timeline();
+    let trace = probe_user::render::perfetto::of(&a);
     let bytes = serde_json::to_vec(&trace)?;
     let out = match output {
         Some(out) => {
@@ -777,7 +782,7 @@ fn export_cmd(
     format: ExportFormat,
     output: Option<PathBuf>,
     force: bool,
-    otlp: Option<probe_user::export::otlp::Endpoint>,
+    otlp: Option<probe_user::render::export::otlp::Endpoint>,
 ) -> anyhow::Result<i32> {
     let read = || format!("cannot read the recording in {}", dir.display());
     let pprof = matches!(format, ExportFormat::Pprof);
@@ -785,7 +790,8 @@ fn export_cmd(
     let (r, meta) = (&a.report, &a.meta);
     match format {
         ExportFormat::Pprof => {
-            let profiles = a.samples.as_ref().map(|s| probe_user::export::pprof::profiles(s, &a.flames.symbols, meta)).unwrap_or_default();
+            let profiles =
+                a.samples.as_ref().map(|s| probe_user::render::export::pprof::profiles(s, &a.flames.symbols, meta)).unwrap_or_default();
             if profiles.is_empty() {
                 anyhow::bail!("{} has no stacks to export (was it traced with --probes without cpu/offcpu?)", dir.display());
             }
@@ -799,7 +805,7 @@ fn export_cmd(
             }
         }
         ExportFormat::OtlpJson => {
-            let e = probe_user::export::otlp::from_report(r, meta, None);
+            let e = probe_user::render::export::otlp::from_report(r, meta, None);
             let bytes = serde_json::to_vec(&e.to_json())?;
             let p = match output {
                 Some(o) => {
@@ -812,7 +818,7 @@ fn export_cmd(
         }
     }
     if let Some(ep) = otlp {
-        let e = probe_user::export::otlp::from_report(r, meta, None);
+        let e = probe_user::render::export::otlp::from_report(r, meta, None);
         let st = ep.send(&e).map_err(anyhow::Error::msg).context("cannot send the spans")?;
         println!("sent {} spans (collector answered {st})", e.spans.len());
     }
@@ -840,7 +846,7 @@ fn diff_cmd(
     force: bool,
     json: bool,
 ) -> anyhow::Result<i32> {
-    use probe_user::diff;
+    use probe_user::analysis::diff;
     let read = |dir: &PathBuf, whole: bool| {
         // Once each: the report, and the stacks folded per request (and for the whole recording
         // when two recordings are compared).
@@ -852,7 +858,7 @@ fn diff_cmd(
         Some(l) => format!("{} ({})", d.display(), probe_user::watch::fleet::place_words(&l)),
         None => d.display().to_string(),
     };
-    let one = |r: &probe_user::report::Report, id: u64, dir: &PathBuf| -> anyhow::Result<()> {
+    let one = |r: &probe_user::analysis::report::Report, id: u64, dir: &PathBuf| -> anyhow::Result<()> {
         match r.requests.iter().find(|q| q.id == id && !q.probe_poll) {
             None => anyhow::bail!("no request {id} in {} (see `probe report {}`)", dir.display(), dir.display()),
             Some(q) if q.ttft_ms.is_none() => anyhow::bail!("request {id} in {} has no first token to compare", dir.display()),
@@ -902,7 +908,7 @@ fn diff_cmd(
         Some(bdir) => {
             let by_request = request.is_some() || !against.is_empty();
             let (xa, xb) = (read(&a, !by_request)?, read(bdir, !by_request)?);
-            let all = |r: &probe_user::report::Report| {
+            let all = |r: &probe_user::analysis::report::Report| {
                 r.requests.iter().filter(|q| !q.probe_poll && q.ttft_ms.is_some()).map(|q| q.id).collect::<Vec<_>>()
             };
             let (ida, idb) = if by_request {
@@ -976,7 +982,7 @@ fn max_size_text(bytes: u64) -> String {
 /// probe.1 and probe-CMD.1 for every command that is not hidden, into `dir`.
 fn man_cmd(dir: &std::path::Path) -> anyhow::Result<i32> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let out = probe_user::output::OutDir::open(dir)?;
+    let out = probe_user::util::output::OutDir::open(dir)?;
     let cmd = <Cli as clap::CommandFactory>::command();
     let mut pages = vec![("probe".to_string(), cmd.clone())];
     for sub in cmd.get_subcommands().filter(|c| !c.is_hide_set() && c.get_name() != "help") {
@@ -1001,7 +1007,7 @@ fn main() -> ExitCode {
     let result = run(cli, started);
     // For the test that holds every command to two passes over events.bin (crate::analysis).
     if std::env::var_os("PROBE_COUNT_PASSES").is_some() {
-        eprintln!("probe: passes over events.bin: {}", recording::PASSES.load(std::sync::atomic::Ordering::Relaxed));
+        eprintln!("probe: passes over events.bin: {}", record::PASSES.load(std::sync::atomic::Ordering::Relaxed));
     }
     match result {
         Ok(code) => ExitCode::from(code as u8),

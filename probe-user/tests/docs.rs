@@ -2,7 +2,7 @@
 //! every userspace record type, every field of a stack sample. The page cannot drift from the
 //! types without this test failing.
 use probe_common::EventKind;
-use probe_user::recording::{StackRecord, USER_RECORD_TYPES, VERSION};
+use probe_user::record::{StackRecord, USER_RECORD_TYPES, VERSION};
 
 fn page() -> String {
     std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/recording.md")).unwrap()
@@ -26,7 +26,7 @@ fn userspace_record_types() {
     let doc = page();
     let listed: Vec<String> =
         doc.lines().filter_map(|l| l.strip_prefix("- `")).filter_map(|l| l.split('`').next()).map(String::from).collect();
-    assert_eq!(listed, USER_RECORD_TYPES, "the userspace record types in docs/recording.md differ from recording::USER_RECORD_TYPES");
+    assert_eq!(listed, USER_RECORD_TYPES, "the userspace record types in docs/recording.md differ from record::USER_RECORD_TYPES");
 }
 
 #[test]
@@ -41,7 +41,7 @@ fn stack_sample_fields() {
 
 #[test]
 fn userspace_record_fields() {
-    use probe_user::recording::records::*;
+    use probe_user::record::records::*;
     let doc = page();
     let keys = |v: serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
     let all = [

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use probe_user::{
-    flame::{self, Kind, Window},
-    recording::Recording,
+    analysis::flame::{self, Kind, Window},
+    record::Recording,
 };
 
 fn data() -> PathBuf {
@@ -77,8 +77,8 @@ fn svg_is_deterministic() {
     let rec = recording();
     let syms = flame::Symbols::resolve(&rec);
     let cpu = flame::folded(&rec, &syms, Kind::Cpu, Window::default());
-    let a = flame::svg(&cpu, Kind::Cpu, "golden").unwrap();
-    let b = flame::svg(&cpu, Kind::Cpu, "golden").unwrap();
+    let a = probe_user::render::flame::svg(&cpu, Kind::Cpu, "golden").unwrap();
+    let b = probe_user::render::flame::svg(&cpu, Kind::Cpu, "golden").unwrap();
     assert_eq!(a, b);
     golden("cpu.svg", &a);
 }
@@ -87,11 +87,17 @@ fn svg_is_deterministic() {
 fn wait_classes_come_from_the_kernel_stack() {
     let k = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(
-        probe_user::ksyms::wait_class(&k(&["__schedule", "io_schedule", "folio_wait_bit_common", "filemap_fault", "handle_mm_fault"])),
+        probe_user::analysis::ksyms::wait_class(&k(&[
+            "__schedule",
+            "io_schedule",
+            "folio_wait_bit_common",
+            "filemap_fault",
+            "handle_mm_fault"
+        ])),
         "[page-fault wait]"
     );
-    assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "io_schedule_timeout", "__iomap_dio_rw"])), "[io wait]");
-    assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "futex_wait"])), "[lock wait]");
-    assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "do_nanosleep", "hrtimer_nanosleep"])), "[sleep]");
-    assert_eq!(probe_user::ksyms::wait_class(&k(&["__schedule", "ep_poll"])), "[poll wait]");
+    assert_eq!(probe_user::analysis::ksyms::wait_class(&k(&["__schedule", "io_schedule_timeout", "__iomap_dio_rw"])), "[io wait]");
+    assert_eq!(probe_user::analysis::ksyms::wait_class(&k(&["__schedule", "futex_wait"])), "[lock wait]");
+    assert_eq!(probe_user::analysis::ksyms::wait_class(&k(&["__schedule", "do_nanosleep", "hrtimer_nanosleep"])), "[sleep]");
+    assert_eq!(probe_user::analysis::ksyms::wait_class(&k(&["__schedule", "ep_poll"])), "[poll wait]");
 }

@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 
 use probe_user::{
+    analysis::report,
     analysis::{Analysis, Needs},
-    recording, report,
+    record,
 };
 
 fn data() -> PathBuf {
@@ -13,15 +14,15 @@ fn data() -> PathBuf {
 
 fn check(name: &str) {
     let dir = data().join(name);
-    let rec = recording::read_dir(&dir).unwrap();
+    let rec = record::read_dir(&dir).unwrap();
     let r = report::build(&rec);
     // The streamed analysis (two passes over the file) says exactly what the one in memory says,
     // and so does the recording rewritten in the compact format.
     assert_eq!(Analysis::report_dir(&dir).unwrap(), r, "{name}: streamed report differs");
     let v2 = std::env::temp_dir().join(format!("probe-golden-v2-{name}-{}", std::process::id()));
-    assert!(recording::rewrite(&dir, &v2).unwrap().is_empty());
+    assert!(record::rewrite(&dir, &v2).unwrap().is_empty());
     // Kernel records take at most 48 bytes each on average (v1: 56 to 160).
-    let sizes = recording::sizes(&v2).unwrap();
+    let sizes = record::sizes(&v2).unwrap();
     let (n, bytes) = sizes.iter().filter(|(k, _)| !k.contains(':')).fold((0, 0), |a, (_, v)| (a.0 + v.0, a.1 + v.1));
     assert!(n > 0 && bytes <= 48 * n, "{name}: {n} kernel records take {bytes} bytes: {sizes:?}");
     eprintln!(
@@ -32,7 +33,7 @@ fn check(name: &str) {
     assert_eq!(Analysis::report_dir(&v2).unwrap(), r, "{name}: the rewritten recording's report differs");
     std::fs::remove_dir_all(&v2).ok();
     let json = serde_json::to_string_pretty(&r).unwrap() + "\n";
-    let text = report::render(&r);
+    let text = probe_user::render::text::render(&r);
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(dir.join("report.json"), &json).unwrap();
         std::fs::write(dir.join("summary.txt"), &text).unwrap();
@@ -49,7 +50,7 @@ fn check(name: &str) {
 #[test]
 fn demo_recording() {
     check("demo");
-    let r = report::build(&recording::read_dir(&data().join("demo")).unwrap());
+    let r = report::build(&record::read_dir(&data().join("demo")).unwrap());
     assert_eq!(r.faults.major, 256);
     assert_eq!(r.files[0].major_faults, 256);
     let closers: Vec<&str> = r.connections.iter().map(|c| c.closed_by.name()).collect();
@@ -61,8 +62,8 @@ fn demo_recording() {
 #[test]
 fn truncated_recording() {
     let bytes = std::fs::read(data().join("demo/events.bin")).unwrap();
-    let full = recording::parse(&bytes, "demo").unwrap();
-    let cut = recording::parse(&bytes[..bytes.len() * 2 / 3 + 3], "demo").unwrap();
+    let full = record::parse(&bytes, "demo").unwrap();
+    let cut = record::parse(&bytes[..bytes.len() * 2 / 3 + 3], "demo").unwrap();
     assert!(cut.events.len() > full.events.len() / 2 && cut.events.len() < full.events.len());
     let r = report::build(&cut);
     assert!(r.problems.iter().any(|p| p.contains("ends mid-record")), "{:?}", r.problems);
@@ -73,8 +74,10 @@ fn truncated_recording() {
 /// every major fault an instant, the TCP state changes, all on named tracks.
 #[test]
 fn demo_timeline() {
-    let rec = recording::read_dir(&data().join("demo")).unwrap();
-    let t = serde_json::to_value(probe_user::perfetto::build(&rec, &probe_user::report::build(&rec), &Default::default())).unwrap();
+    let rec = record::read_dir(&data().join("demo")).unwrap();
+    let t =
+        serde_json::to_value(probe_user::render::perfetto::build(&rec, &probe_user::analysis::report::build(&rec), &Default::default()))
+            .unwrap();
     let ev = t["traceEvents"].as_array().unwrap();
     let count = |f: &dyn Fn(&serde_json::Value) -> bool| ev.iter().filter(|e| f(e)).count();
     assert_eq!(count(&|e| e["ph"] == "i" && e["name"] == "major fault"), 256);
@@ -92,18 +95,18 @@ fn demo_timeline() {
 #[test]
 fn demo_bundle() {
     let dir = data().join("demo");
-    let a = Analysis::of_recording(recording::read_dir(&dir).unwrap());
+    let a = Analysis::of_recording(record::read_dir(&dir).unwrap());
     let r = &a.report;
     let out = std::env::temp_dir().join(format!("probe-bundle-{}.tar.gz", std::process::id()));
-    let names = probe_user::bundle::write(&a, &out, false, true).unwrap();
+    let names = probe_user::render::bundle::write(&a, &out, false, true).unwrap();
     for want in ["report.md", "report.json", "report.html", "environment.txt", "timeline.json"] {
         assert!(names.iter().any(|n| n == want), "{names:?}");
     }
     assert!(!names.iter().any(|n| n.contains("events")));
-    let md = probe_user::bundle::markdown(r);
+    let md = probe_user::render::bundle::markdown(r);
     assert!(md.contains("| `/work/main/target/demo/cold-weights.bin` | 256 | 1.0 MiB |"), "{md}");
     assert!(
-        probe_user::redact::Masker::new(r.requests.iter().filter_map(|q| q.path.as_deref()))
+        probe_user::util::redact::Masker::new(r.requests.iter().filter_map(|q| q.path.as_deref()))
             .mask(&md)
             .contains("| `<dir>/cold-weights.bin` | 256 |")
     );
@@ -116,19 +119,19 @@ fn demo_bundle() {
 #[test]
 fn llama_recording_streams_and_rewrites_the_same() {
     let dir = data().join("../html/llama-demo");
-    let rec = recording::read_dir(&dir).unwrap();
+    let rec = record::read_dir(&dir).unwrap();
     assert!(rec.stacks.len() > 100, "{} stacks", rec.stacks.len());
-    let mem = probe_user::flame::Flames::of(&rec, Default::default());
+    let mem = probe_user::analysis::flame::Flames::of(&rec, Default::default());
     let streamed = Analysis::of_dir(&dir, Needs::ALL).unwrap();
     assert_eq!(mem.by_kind, streamed.flames.by_kind);
     assert_eq!(streamed.report, report::build(&rec), "one read gives the report the in-memory build gives");
     assert!(!mem.by_kind.is_empty());
     let v2 = std::env::temp_dir().join(format!("probe-golden-v2-llama-{}", std::process::id()));
-    assert!(recording::rewrite(&dir, &v2).unwrap().is_empty());
+    assert!(record::rewrite(&dir, &v2).unwrap().is_empty());
     assert_eq!(Analysis::report_dir(&v2).unwrap(), report::build(&rec));
     assert_eq!(Analysis::of_dir(&v2, Needs::ALL).unwrap().flames.by_kind, mem.by_kind);
     let (old, new) = (std::fs::metadata(dir.join("events.bin")).unwrap().len(), std::fs::metadata(v2.join("events.bin")).unwrap().len());
     assert!(new * 2 < old, "v2 {new} bytes, v1 {old}");
-    eprintln!("llama-demo: v1 {old} bytes, v2 {new} bytes; v2 by kind: {:?}", recording::sizes(&v2).unwrap());
+    eprintln!("llama-demo: v1 {old} bytes, v2 {new} bytes; v2 by kind: {:?}", record::sizes(&v2).unwrap());
     std::fs::remove_dir_all(&v2).ok();
 }

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use probe_user::html;
+use probe_user::render::html;
 
 fn data(p: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data").join(p)
@@ -149,9 +149,9 @@ fn kernel_demo_recording_renders() {
 #[test]
 fn masked_bundle_page_renders() {
     let dir = scratch("bundle", &data("html/llama-demo"));
-    let a = probe_user::analysis::Analysis::of_recording(probe_user::recording::read_dir(&dir).unwrap());
+    let a = probe_user::analysis::Analysis::of_recording(probe_user::record::read_dir(&dir).unwrap());
     let out = dir.join("bundle.tar.gz");
-    let names = probe_user::bundle::write(&a, &out, true, true).unwrap();
+    let names = probe_user::render::bundle::write(&a, &out, true, true).unwrap();
     assert!(names.iter().any(|n| n == "report.html"), "{names:?}");
     let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(std::fs::File::open(&out).unwrap()));
     let mut page = String::new();

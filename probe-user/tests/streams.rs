@@ -101,7 +101,7 @@ fn ollama_chat_client_gone_mid_stream() {
     assert_eq!(q.chunks, 2);
     assert!(!q.content_complete && !q.transport_complete);
     assert_eq!(q.closed_by.name(), "client");
-    assert_eq!(probe_user::verdict::stop_cause(q).0.name(), "client_disconnect");
+    assert_eq!(probe_user::analysis::verdict::stop_cause(q).0.name(), "client_disconnect");
     assert_eq!(q.stop.done_reason, None);
 }
 
@@ -139,7 +139,7 @@ fn reader_that_leaves_at_the_final_event_keeps_the_servers_stop() {
     assert!(q.content_complete && !q.transport_complete, "{q:?}");
     assert_eq!((q.closed_by.name(), q.reset.name()), ("client", "by_client"));
     assert_eq!(q.stop.finish_reason.as_deref(), Some("stop"));
-    let (cause, why) = probe_user::verdict::stop_cause(q);
+    let (cause, why) = probe_user::analysis::verdict::stop_cause(q);
     assert_eq!(cause.name(), "eos");
     assert!(why.unwrap().contains("harmless"));
 }
@@ -152,5 +152,5 @@ fn a_final_message_after_the_peer_left_is_a_deadline() {
     let q = &r[0];
     assert!(!q.content_complete, "{q:?}");
     assert_eq!(q.stop.finish_reason.as_deref(), Some("stop"), "the stop fields are kept as seen");
-    assert_eq!(probe_user::verdict::stop_cause(q).0.name(), "deadline");
+    assert_eq!(probe_user::analysis::verdict::stop_cause(q).0.name(), "deadline");
 }

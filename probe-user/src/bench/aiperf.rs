@@ -242,7 +242,7 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
             lines.push_str(&serde_json::json!({"text": text, "output_length": args.max_tokens}).to_string());
             lines.push('\n');
         }
-        crate::output::write_file(&input, lines.as_bytes(), true)?;
+        crate::util::output::write_file(&input, lines.as_bytes(), true)?;
         let mut cmd: Vec<String> = vec![
             "nice".into(),
             "-n".into(),

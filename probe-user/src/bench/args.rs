@@ -86,7 +86,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub url: String,
     #[command(flatten)]
-    pub auth: crate::httpc::ServerAuth,
+    pub auth: crate::util::httpc::ServerAuth,
     /// Request format: openai (/v1/completions), chat (/v1/chat/completions), llamacpp
     /// (/completion), ollama (/api/generate).
     #[arg(long, value_enum, default_value = "openai")]

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::metrics::{INTERVAL_FIGURES, Level};
-use crate::stats::Interval;
+use crate::util::stats::Interval;
 
 /// A figure is called changed only when it also moved by at least this much, %. Three runs'
 /// intervals measure the spread inside one invocation, not the drift between two: identical sweeps

@@ -13,12 +13,12 @@ use std::{
 
 use serde_json::Value;
 
-pub use crate::httpc::{POLL_AGENT, Url, request};
+pub use crate::util::httpc::{POLL_AGENT, Url, request};
 use crate::{
-    httpc::head,
-    stream::{
+    stream::payload::{self, Kind, Msg, Splitter, Stop},
+    util::{
         http::{Body, Parsed, parse_response},
-        payload::{self, Kind, Msg, Splitter, Stop},
+        httpc::head,
     },
 };
 

@@ -316,7 +316,7 @@ fn split_words(rows: &[Row], l: &Level) -> Option<String> {
         return None;
     }
     let n = splits.len() as f64;
-    let avg = |g: &dyn Fn(&crate::verdict::Split) -> f64| splits.iter().map(g).sum::<f64>() / n;
+    let avg = |g: &dyn Fn(&crate::analysis::verdict::Split) -> f64| splits.iter().map(g).sum::<f64>() / n;
     let mut parts = [
         ("disk", avg(&|s| s.disk)),
         ("load", avg(&|s| s.load)),
@@ -366,7 +366,7 @@ fn idle(ls: &[&Level], rows: &[Row], out: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{bench::metrics::RowVerdict, verdict::Split};
+    use crate::{analysis::verdict::Split, bench::metrics::RowVerdict};
 
     fn level(sweep: &str, name: &str, out: f64, stops: &[(&str, u64)], ttft: f64) -> Level {
         Level {
@@ -441,7 +441,7 @@ mod tests {
             sweep: "idle".into(),
             level: "5s".into(),
             seq: 1,
-            verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: crate::verdict::SlowCause::Disk, ..Default::default() }),
+            verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: crate::analysis::verdict::SlowCause::Disk, ..Default::default() }),
             ..Default::default()
         }];
         let c = conclude(&[warm, cold], &rows, None);

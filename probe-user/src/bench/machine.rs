@@ -92,7 +92,7 @@ impl Machine {
             return Some(first);
         }
         let n = ms.len() as f64;
-        let avg = |g: &dyn Fn(&Machine) -> Option<f64>| crate::stats::mean(&ms.iter().filter_map(|m| g(m)).collect::<Vec<_>>());
+        let avg = |g: &dyn Fn(&Machine) -> Option<f64>| crate::util::stats::mean(&ms.iter().filter_map(|m| g(m)).collect::<Vec<_>>());
         let mut m = Machine {
             cpus: first.cpus,
             cpu_mhz_mean: avg(&|m| m.cpu_mhz_mean),
@@ -171,7 +171,7 @@ impl Machine {
 
 struct Samples {
     mhz: Vec<f64>,
-    gpu: BTreeMap<u32, Vec<gpu::GpuSample>>,
+    gpu: BTreeMap<u32, Vec<crate::record::samples::GpuSample>>,
 }
 
 /// Watches the machine from `start` to `stop`.
@@ -180,7 +180,7 @@ pub struct Watch {
     server: Option<u32>,
     procs: std::collections::HashMap<u32, procs::Proc>,
     psi: (Option<u64>, Option<u64>),
-    idle: Option<host::CpuIdle>,
+    idle: Option<crate::record::samples::CpuIdle>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Samples>>,
 }
@@ -244,7 +244,7 @@ impl Watch {
         let after = procs::snapshot();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut m = Machine { cpus, ..Default::default() };
-        m.cpu_mhz_mean = crate::stats::mean(&samples.mhz);
+        m.cpu_mhz_mean = crate::util::stats::mean(&samples.mhz);
         m.cpu_mhz_max = host::cpufreq().and_then(|f| f.max_khz.iter().max().map(|k| *k as f64 / 1e3));
         m.governor = read_trim("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor");
         let pct = |a: Option<u64>, b: Option<u64>| Some((b?.saturating_sub(a?)) as f64 / 1e4 / secs);
@@ -275,7 +275,7 @@ impl Watch {
         }
         m.server_cores = self.server.map(|_| server_s / secs);
         for (index, v) in samples.gpu {
-            let f = |g: &dyn Fn(&gpu::GpuSample) -> Option<f64>| -> Vec<f64> { v.iter().filter_map(g).collect() };
+            let f = |g: &dyn Fn(&crate::record::samples::GpuSample) -> Option<f64>| -> Vec<f64> { v.iter().filter_map(g).collect() };
             let sm = f(&|s| s.sm_mhz.map(f64::from));
             let pw = f(&|s| s.power_w);
             let mut reasons: Vec<String> = v.iter().flat_map(|s| s.reasons.iter().cloned()).filter(|r| r != "gpu_idle").collect();
@@ -283,9 +283,9 @@ impl Watch {
             reasons.dedup();
             m.gpus.push(GpuState {
                 index,
-                sm_mhz_mean: crate::stats::mean(&sm),
+                sm_mhz_mean: crate::util::stats::mean(&sm),
                 sm_mhz_min: sm.iter().copied().reduce(f64::min),
-                power_w_mean: crate::stats::mean(&pw),
+                power_w_mean: crate::util::stats::mean(&pw),
                 pstate_max: v.iter().filter_map(|s| s.pstate).max(),
                 reasons,
             });

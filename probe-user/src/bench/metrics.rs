@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::client::Exchange;
-use crate::verdict::{SlowCause, Split, StopCause};
+use crate::analysis::verdict::{SlowCause, Split, StopCause};
 
-/// How a benchmark response ended: the verdict's stop causes (one classifier, `crate::verdict`),
+/// How a benchmark response ended: the verdict's stop causes (one classifier, `crate::analysis::verdict`),
 /// and `rejected`, a 4xx answer before any token, which only the client sees as such.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RowStop {
@@ -98,7 +98,7 @@ pub struct RowVerdict {
     pub evidence: Vec<String>,
     /// The engine's own view of the request (llama.cpp's steps), when the engine probe saw it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub engine: Option<crate::steps::RequestEngine>,
+    pub engine: Option<crate::analysis::steps::RequestEngine>,
 }
 
 /// One request of the benchmark. No prompt or response text: the prompt's hash and token count.
@@ -216,7 +216,7 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
     if s.truncated == Some(true) {
         return (c(ServerLimit), format!("server-imposed limit{ctx}: truncated after {output} of {max_tokens} tokens (context ran out)"));
     }
-    match crate::verdict::server_word(s, output, Some(max_tokens)) {
+    match crate::analysis::verdict::server_word(s, output, Some(max_tokens)) {
         Some(ServerLimit) => (c(ServerLimit), format!("server-imposed limit{ctx}: length after {output} of {max_tokens} requested tokens")),
         Some(RequestedLimit) => (c(RequestedLimit), format!("the requested limit ({max_tokens} tokens)")),
         Some(StopWord) => (c(StopWord), format!("a stop word after {output} tokens")),
@@ -232,7 +232,7 @@ pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64
     Some(if (p + output) * 10 >= c * 9 { "slot_context" } else { "kv_pool" })
 }
 
-pub use crate::stats::{mean, percentile};
+pub use crate::util::stats::{mean, percentile};
 
 /// Per-request latency numbers from the content arrival times.
 pub fn fill_latency(row: &mut Row, x: &Exchange) {
@@ -302,7 +302,7 @@ pub struct Level {
     pub runs: u64,
     /// Each figure's mean over the runs and its 95% interval (see DEFINITIONS), with --repeat >= 2.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub intervals: BTreeMap<String, crate::stats::Interval>,
+    pub intervals: BTreeMap<String, crate::util::stats::Interval>,
     /// The machine while the level ran (means over its runs).
     pub machine: Option<super::machine::Machine>,
     /// A run of the level ran under contention (see DEFINITIONS and machine.why).
@@ -340,7 +340,9 @@ pub fn tally_verdicts(levels: &mut [Level], rows: &[Row], key: fn(&Row) -> usize
                 engine.extend(v.engine.as_ref().filter(|e| e.decode_steps > 0));
             }
         }
-        let of = |g: &dyn Fn(&crate::steps::RequestEngine) -> Option<f64>| mean(&engine.iter().filter_map(|e| g(e)).collect::<Vec<_>>());
+        let of = |g: &dyn Fn(&crate::analysis::steps::RequestEngine) -> Option<f64>| {
+            mean(&engine.iter().filter_map(|e| g(e)).collect::<Vec<_>>())
+        };
         l.engine_batch_seqs = of(&|e| Some(e.mean_batch_seqs));
         l.engine_step_ms_p50 = of(&|e| Some(e.step_ms_p50));
         l.engine_kv_len = of(&|e| e.kv_len.map(f64::from));
@@ -473,7 +475,7 @@ pub fn pool(runs: &[&Level], rows: &[&Row], slo: Slo) -> Level {
         for f in INTERVAL_FIGURES {
             let v: Vec<f64> = runs.iter().filter_map(|r| r.figure(f)).collect();
             if v.len() == runs.len()
-                && let Some(i) = crate::stats::interval(&v)
+                && let Some(i) = crate::util::stats::interval(&v)
             {
                 l.intervals.insert(f.to_string(), i);
             }

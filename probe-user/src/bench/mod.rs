@@ -127,7 +127,7 @@ impl Run {
             "{} {}{of}: {}, output {} tokens, TTFT p50 {}, stops: {}{}",
             level.sweep,
             level.level,
-            crate::text::count(level.requests, "request"),
+            crate::util::text::count(level.requests, "request"),
             level.output_tokens_mean.map_or("-".into(), |x| format!("{x:.0}")),
             level.ttft_ms_p50.map_or("-".into(), |x| format!("{x:.0} ms")),
             conclude::mix(&level),
@@ -264,7 +264,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         Ok(_) => {}
         Err(e) => bail!("cannot reach the server at {}: {e}", args.url),
     }
-    let out = crate::output::OutDir::create_or_open(&args.out)?;
+    let out = crate::util::output::OutDir::create_or_open(&args.out)?;
     // One rule for existing outputs: an earlier run's results are replaced only when asked.
     if out.names()?.iter().any(|n| n == "results.json") && !args.force {
         bail!("{} holds an earlier run's results (results.json); choose a new --out, or add --force to replace them", args.out.display());
@@ -452,19 +452,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     let files = output::write_all(&args.out, &results)?;
     run.progress.line(&format!("wrote {} in {}", files.join(", "), args.out.display()));
     for s in SWEEPS {
-        print!("{}", crate::text::terminal(&output::table(&results.levels, s)));
+        print!("{}", crate::util::text::terminal(&output::table(&results.levels, s)));
     }
     if let Some(o) = &results.compared_with {
-        print!("{}", crate::text::terminal(&o.table()));
+        print!("{}", crate::util::text::terminal(&o.table()));
     }
     println!("\nconclusions:");
     for c in &results.conclusions {
-        println!("  - {}", crate::text::terminal(c));
+        println!("  - {}", crate::util::text::terminal(c));
     }
     println!("\n(definitions and notes in {})", args.out.join("summary.txt").display());
     result?;
     if let Some(g) = gate {
-        eprintln!("probe bench: {}", crate::text::terminal(&g));
+        eprintln!("probe bench: {}", crate::util::text::terminal(&g));
         return Ok(crate::exit::REGRESSION);
     }
     Ok(if interrupted { crate::exit::PARTIAL } else { crate::exit::OK })

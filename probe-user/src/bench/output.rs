@@ -580,7 +580,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
 
 /// Write results.json, results.csv, summary.txt and the charts into `dir`.
 pub fn write_all(dir: &Path, r: &Results) -> anyhow::Result<Vec<String>> {
-    let d = crate::output::OutDir::create_or_open(dir)?;
+    let d = crate::util::output::OutDir::create_or_open(dir)?;
     let mut files = vec!["results.json".to_string(), "results.csv".into(), "summary.txt".into()];
     d.write("results.json", &serde_json::to_vec_pretty(r)?)?;
     d.write("results.csv", csv(&r.rows).as_bytes())?;

@@ -157,7 +157,7 @@ impl Progress {
         if self.tty {
             eprint!("\r\x1b[2K");
         }
-        eprintln!("probe bench: {}", crate::text::terminal(what));
+        eprintln!("probe bench: {}", crate::util::text::terminal(what));
     }
 }
 
@@ -271,7 +271,7 @@ pub fn one_answer(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sa
         local_port: x.local_port,
         ..template.clone()
     };
-    if row.stop == super::metrics::RowStop::Cause(crate::verdict::StopCause::ServerLimit)
+    if row.stop == super::metrics::RowStop::Cause(crate::analysis::verdict::StopCause::ServerLimit)
         && let Some(kind) = super::metrics::which_limit(row.prompt_tokens, output, ctx.slot_ctx)
     {
         let used = row.prompt_tokens.unwrap_or(0) + output;

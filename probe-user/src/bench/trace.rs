@@ -15,7 +15,7 @@ use std::{
 use anyhow::{Context, bail};
 
 use super::metrics::{Row, RowVerdict};
-use crate::{report::Report, stream::Role};
+use crate::{analysis::report::Report, stream::Role};
 
 /// The process listening on `port`, in this network namespace or a container's (see
 /// [`crate::watch::target::listener`]).
@@ -28,7 +28,7 @@ pub fn process_facts(pid: u32) -> (Option<f64>, Option<f64>) {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
     let start_ticks = stat.as_deref().and_then(|s| s.rsplit_once(')')).and_then(|(_, r)| r.split_whitespace().nth(19)?.parse::<f64>().ok());
     let uptime = std::fs::read_to_string("/proc/uptime").ok().and_then(|u| u.split_whitespace().next()?.parse::<f64>().ok());
-    let hz = crate::procfs::clock_ticks() as f64;
+    let hz = crate::os::procfs::clock_ticks() as f64;
     let age = start_ticks.zip(uptime).map(|(t, u)| u - t / hz.max(1.0));
     let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -125,7 +125,7 @@ pub fn start(pid: u32, out: &Path) -> anyhow::Result<Segment> {
         // Its own process group: a terminal's Ctrl-C reaches probe bench, which lets requests
         // in flight finish and then stops the trace itself, so the trace sees their ends.
         .process_group(0);
-    crate::httpc::pass_headers(&mut cmd);
+    crate::util::httpc::pass_headers(&mut cmd);
     // SAFETY: prctl in the child before exec. If probe bench dies, the trace stops as on Ctrl-C
     // (and writes its report) instead of tracing on.
     unsafe {
@@ -208,9 +208,9 @@ mod tests {
     #[test]
     fn rows_join_traced_requests_by_port() {
         use crate::{
-            report::Request,
+            analysis::report::Request,
+            analysis::verdict::{SlowCause, Split, StopCause, Verdict},
             stream::RequestRecord,
-            verdict::{SlowCause, Split, StopCause, Verdict},
         };
         let q = |id: u64, peer: &str, verdict: Verdict| Request {
             record: RequestRecord { id, role: Role::Server, peer: peer.into(), ..Default::default() },

@@ -12,7 +12,7 @@ use super::{
     metrics::{Level, Row},
     results::Results,
 };
-use crate::stats::percentile;
+use crate::util::stats::percentile;
 
 /// vLLM's name of the endpoint type probe's `--api` drives.
 fn backend(api: Api) -> &'static str {
@@ -49,7 +49,7 @@ fn completed(r: &Row) -> bool {
         && r.error.is_none()
         && !r.deadline_hit
         && !r.disconnected
-        && r.stop != super::metrics::RowStop::Cause(crate::verdict::StopCause::ClientDisconnect)
+        && r.stop != super::metrics::RowStop::Cause(crate::analysis::verdict::StopCause::ClientDisconnect)
 }
 
 /// One level as a vLLM result object.

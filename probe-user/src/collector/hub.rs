@@ -40,9 +40,12 @@ use probe_common::{
 };
 
 use crate::{
-    decode, engine, probes, procfs,
-    recording::records::{Subsystem, SubsystemStatus},
-    target_file::Ident,
+    kernel::engine,
+    kernel::probes,
+    os::procfs,
+    os::target_file::Ident,
+    record::decode,
+    record::records::{Subsystem, SubsystemStatus},
 };
 
 /// Records waiting for one member's session at most (about 4 s of a busy server's records at

@@ -14,16 +14,18 @@ use probe_common::{
 };
 
 use crate::{
-    decode::{self, Event},
-    monotonic_ns, probes, procfs,
-    recording::{
+    analysis::report::Report,
+    kernel::probes,
+    kernel::unwind::Unwinders,
+    monotonic_ns,
+    os::procfs,
+    record::decode::{self, Event},
+    record::{
         self, Writer,
         records::{self, UserRecord},
         samples::Sample,
     },
-    report::Report,
     stream,
-    unwind::Unwinders,
 };
 
 /// Distinct (kind, outermost frame) pairs of cut stacks counted; those named per kind; the
@@ -60,11 +62,11 @@ pub struct TraceOptions {
     pub max_size: Option<(u64, String)>,
     /// `probe watch`: the recording is a window of segment files, requests and segments go to
     /// the watcher as they complete, and no report is made at the end.
-    pub watch: Option<std::sync::Arc<crate::segments::Link>>,
+    pub watch: Option<std::sync::Arc<crate::collector::segments::Link>>,
     /// Off-CPU stacks only for uninterruptible waits (see probes::Options).
     pub offcpu_d_only: bool,
     /// Send the requests as OpenTelemetry spans here at the end (`--otlp`).
-    pub otlp: Option<crate::export::otlp::Endpoint>,
+    pub otlp: Option<crate::render::export::otlp::Endpoint>,
     /// Trace every process of this cgroup (`--cgroup`, `--container`), as they join it; the
     /// trace ends when the cgroup has none left rather than when `pid` exits.
     pub cgroup: Option<PathBuf>,
@@ -130,18 +132,18 @@ const RESERVE_BYTES: u64 = 1 << 20;
 pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
     let entered = Instant::now();
     // Whether every CPU is busy is known by the time the drain starts (yielding::Yielding).
-    crate::yielding::prime();
+    crate::os::yielding::prime();
     let popts = probes::Options {
         pid: opts.pid,
         only: opts.only.clone(),
         ring_bytes: opts.ring_bytes,
         sample_hz: opts.sample_hz,
         offcpu_d_only: opts.offcpu_d_only,
-        more: opts.cgroup.as_deref().map(crate::cgroup::procs).unwrap_or_default().into_iter().filter(|&p| p != opts.pid).collect(),
+        more: opts.cgroup.as_deref().map(crate::os::cgroup::procs).unwrap_or_default().into_iter().filter(|&p| p != opts.pid).collect(),
     };
     // Then the output: a refused --out costs nothing to attach (or to detach).
     probes::preflight(&popts)?;
-    let out_dir = crate::output::OutDir::create_recording(&opts.out, opts.force)?;
+    let out_dir = crate::util::output::OutDir::create_recording(&opts.out, opts.force)?;
     let before = vec![
         ("startup".to_string(), (entered - opts.started).as_secs_f64() * 1e3),
         ("output".to_string(), entered.elapsed().as_secs_f64() * 1e3),
@@ -254,7 +256,7 @@ impl Records for Spill {
 }
 
 fn reserve_error(out: &std::path::Path, e: std::io::Error) -> anyhow::Error {
-    if recording::is_disk_full(&e) {
+    if record::is_disk_full(&e) {
         anyhow::anyhow!(
             "the disk holding {} has less than {} KiB free ({e}): free some space or give --out a directory on another disk",
             out.display(),
@@ -270,47 +272,49 @@ fn reserve_error(out: &std::path::Path, e: std::io::Error) -> anyhow::Error {
 macro_rules! say {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), "{}", crate::text::log_line(format_args!($($t)*)));
+        let _ = writeln!(std::io::stderr(), "{}", crate::util::text::log_line(format_args!($($t)*)));
     }};
 }
 
 pub mod hub;
+pub mod peer;
+pub mod segments;
 mod session;
 
 struct State {
     writer: Writer,
     capture_text: bool,
     /// With --capture-text: credential masking carried across reads, per (socket, direction).
-    credentials: HashMap<(u64, u8), crate::redact::CredentialStream>,
+    credentials: HashMap<(u64, u8), crate::util::redact::CredentialStream>,
     /// When the requests in flight were last looked at for snapshots.
     last_snapshot: Instant,
     streams: stream::Tracker,
     unwinders: Unwinders,
-    /// Kernel addresses named while they mean something (see crate::ksyms).
-    ksyms: crate::ksyms::Resolver,
+    /// Kernel addresses named while they mean something (see crate::analysis::ksyms).
+    ksyms: crate::analysis::ksyms::Resolver,
     /// Records copied out of the ring unread while every CPU was busy.
     pub(crate) spill: Spill,
     /// Off-CPU stacks waiting for their thread to run again (by tid).
-    offcpu: HashMap<u32, recording::StackRecord>,
+    offcpu: HashMap<u32, record::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
     /// The kernel's names of the processes charged with waits ([`probe_common::maps::OTHER_COMMS`]).
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     /// CPython targets: their threads in the kernel's map (where each one's frame chain starts)
     /// and the names of the Python frames seen.
-    python: crate::record::python::Pythons,
+    python: crate::kernel::python::Pythons,
     py_threads: Option<aya::maps::HashMap<MapData, u32, probe_common::python::PyThread>>,
-    py_budget: Option<crate::record::python::Budget>,
+    py_budget: Option<crate::kernel::python::Budget>,
     /// Where to tell the kernel which files the targets map (their block IO is the target's
     /// whoever issues it), and the files told.
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
     files_told: HashSet<(u32, u32, u64)>,
     need_told: HashMap<u32, u32>,
     /// Cut user stacks by (kind, outermost frame), and the modules' paths: named at the end.
-    cut_tops: HashMap<(recording::StackKind, (i64, u64)), u64>,
+    cut_tops: HashMap<(record::StackKind, (i64, u64)), u64>,
     module_paths: HashMap<i64, String>,
     /// Each thread's last unwound off-CPU user stack, for the records that refer to it.
-    last_offcpu_user: HashMap<u32, (u32, crate::unwind::Unwound)>,
+    last_offcpu_user: HashMap<u32, (u32, crate::kernel::unwind::Unwound)>,
     root: u32,
     root_exited: bool,
     /// A cgroup is traced: the root's exit does not end the trace, an empty cgroup does.
@@ -325,7 +329,7 @@ struct State {
     known_files: HashSet<(u32, u32, u64)>,
     /// Executable files the engine probe searched, and mappings of new ones to search (by the
     /// once-a-second turn, which holds the programs).
-    engine_seen: HashSet<crate::target_file::Ident>,
+    engine_seen: HashSet<crate::os::target_file::Ident>,
     engine_new: Vec<(u32, procfs::Mapping)>,
     last_file_scan: HashMap<u32, Instant>,
     /// Threads seen (named in a `threads` record, or being named at the next refresh): tid →
@@ -337,7 +341,7 @@ struct State {
     others_new: Vec<u32>,
     /// `--max-size` in bytes.
     max_bytes: Option<u64>,
-    watch: Option<std::sync::Arc<crate::segments::Link>>,
+    watch: Option<std::sync::Arc<crate::collector::segments::Link>>,
     /// The live view's figures (on a terminal only).
     live: Option<crate::render::live::Live>,
 }
@@ -366,7 +370,7 @@ impl State {
             last_snapshot: Instant::now(),
             streams: stream::Tracker::new(start_ns, capture_text),
             unwinders: Unwinders::default(),
-            ksyms: crate::ksyms::Resolver::default(),
+            ksyms: crate::analysis::ksyms::Resolver::default(),
             spill: Spill::default(),
             offcpu: HashMap::new(),
             last_offcpu_user: HashMap::new(),
@@ -542,7 +546,7 @@ impl State {
         let native_top = u.frames.last().copied();
         let paths = &self.module_paths;
         let user = self.python.merge_into(
-            crate::record::python::StackAt {
+            crate::kernel::python::StackAt {
                 pid: s.hdr.pid,
                 tid: s.hdr.tid,
                 ts_ns: s.hdr.ts_ns,
@@ -562,10 +566,10 @@ impl State {
             Vec::new()
         };
         let what = match s.what & !STACK_SAME_USER {
-            probe_common::stack::STACK_CPU => recording::StackKind::Cpu,
-            probe_common::stack::STACK_OFFCPU => recording::StackKind::Offcpu,
-            probe_common::stack::STACK_FAULT => recording::StackKind::Fault,
-            _ => recording::StackKind::Io,
+            probe_common::stack::STACK_CPU => record::StackKind::Cpu,
+            probe_common::stack::STACK_OFFCPU => record::StackKind::Offcpu,
+            probe_common::stack::STACK_FAULT => record::StackKind::Fault,
+            _ => record::StackKind::Io,
         };
         if let Some(names) = self.ksyms.learn(&kernel) {
             self.writer.record(&UserRecord::Ksyms(names))?;
@@ -576,7 +580,7 @@ impl State {
         {
             *self.cut_tops.entry((what, top)).or_default() += 1;
         }
-        let mut v = recording::StackRecord {
+        let mut v = record::StackRecord {
             what,
             pid: s.hdr.pid,
             tid: s.hdr.tid,
@@ -607,17 +611,17 @@ impl State {
         if self.cut_tops.is_empty() {
             return None;
         }
-        type Top = ((recording::StackKind, (i64, u64)), u64);
+        type Top = ((record::StackKind, (i64, u64)), u64);
         let mut tops: Vec<Top> = self.cut_tops.iter().map(|(k, n)| (*k, *n)).collect();
         tops.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut chosen: Vec<Top> = Vec::new();
-        for kind in recording::StackKind::ALL {
+        for kind in record::StackKind::ALL {
             chosen.extend(tops.iter().filter(|t| t.0.0 == kind).take(CUT_FRAMES_PER_KIND).copied());
         }
         let small = |id: &i64| self.module_paths.get(id).and_then(|p| std::fs::metadata(p).ok()).is_some_and(|m| m.len() <= CUT_MODULE_MAX);
         let modules: HashMap<i64, String> = self.module_paths.iter().filter(|(id, _)| small(id)).map(|(i, p)| (*i, p.clone())).collect();
-        let wanted = crate::flame::symbols::Wanted::frames(modules, chosen.iter().map(|c| c.0.1));
-        let symbols = crate::flame::symbols::Symbols::of(wanted, Default::default());
+        let wanted = crate::analysis::flame::symbols::Wanted::frames(modules, chosen.iter().map(|c| c.0.1));
+        let symbols = crate::analysis::flame::symbols::Symbols::of(wanted, Default::default());
         let frames = chosen
             .into_iter()
             .map(|((kind, (module, offset)), stacks)| {
@@ -638,7 +642,7 @@ impl State {
     /// one used: a quarter more, in powers of two from 1 KiB, only ever growing; double when the
     /// unwinder ran out of bytes. The copy is most of a stack sample's cost in the kernel
     /// (64 KiB for 18 us; llama-server's workers unwind in 2 KiB).
-    fn learn_need(&mut self, tid: u32, u: &crate::unwind::Unwound, given: usize) {
+    fn learn_need(&mut self, tid: u32, u: &crate::kernel::unwind::Unwound, given: usize) {
         let Some(map) = self.ustack_need.as_mut() else { return };
         let cap = probe_common::stack::USTACK_CAP as u64;
         let class = |b: u64| b.next_power_of_two().clamp(1024, cap + 8).min(cap) as u32;
@@ -700,7 +704,7 @@ impl State {
             if let Some(w) = &self.watch
                 && let UserRecord::Request(r) = r
             {
-                w.send(crate::segments::Msg::Request(r));
+                w.send(crate::collector::segments::Msg::Request(r));
             }
         }
         Ok(())
@@ -746,7 +750,7 @@ impl State {
             .into_iter()
             .filter_map(|pid| {
                 if procfs::exists(pid) {
-                    Some(records::OtherProc { pid, comm: procfs::comm(pid), cgroup: crate::cgroup::of_pid(pid) })
+                    Some(records::OtherProc { pid, comm: procfs::comm(pid), cgroup: crate::os::cgroup::of_pid(pid) })
                 } else {
                     Some(records::OtherProc { pid, comm: kernel(pid)?, cgroup: None })
                 }
@@ -789,7 +793,7 @@ impl State {
                 let id = probe_common::blockio::FileId { ino: m.inode, dev: (m.major << 20) | (m.minor & 0xfffff), _pad: 0 };
                 let _ = t.insert(id, pid, 0);
             }
-            if m.perms.contains('x') && self.engine_seen.insert(crate::target_file::Ident::of(m)) {
+            if m.perms.contains('x') && self.engine_seen.insert(crate::os::target_file::Ident::of(m)) {
                 self.engine_new.push((pid, m.clone()));
             }
         }
@@ -827,10 +831,10 @@ pub fn own_cpu_ns() -> u64 {
 }
 
 /// The `cost` of a stats record: probe's CPU and its programs' runs, cumulative.
-fn cost(runs: &std::collections::BTreeMap<String, probes::ProgRuns>, bpf_unmeasured: Option<&str>) -> recording::records::Cost {
-    recording::records::Cost {
+fn cost(runs: &std::collections::BTreeMap<String, probes::ProgRuns>, bpf_unmeasured: Option<&str>) -> record::records::Cost {
+    record::records::Cost {
         cpu_ns: own_cpu_ns(),
-        bpf: runs.iter().map(|(k, r)| (k.clone(), recording::records::ProgCost { runs: r.runs, ns: r.run_ns })).collect(),
+        bpf: runs.iter().map(|(k, r)| (k.clone(), record::records::ProgCost { runs: r.runs, ns: r.run_ns })).collect(),
         bpf_unmeasured: bpf_unmeasured.map(str::to_string),
     }
 }
@@ -914,7 +918,7 @@ fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::S
         if let Some(w) = &st.watch
             && matches!(v, Sample::Residency(_) | Sample::Endpoint(_))
         {
-            w.send(crate::segments::Msg::Sample(Box::new(v)));
+            w.send(crate::collector::segments::Msg::Sample(Box::new(v)));
         }
     }
     st.refresh()?;
@@ -989,7 +993,7 @@ mod tests {
         st.last_file_scan.insert(child, Instant::now());
         st.dirty_maps.insert(child);
         st.dirty_files.insert(child);
-        let pending = recording::StackRecord { pid: child, tid: child + 1, ts_ns: 20, ..Default::default() };
+        let pending = record::StackRecord { pid: child, tid: child + 1, ts_ns: 20, ..Default::default() };
         st.offcpu.insert(child + 1, pending);
         assert_eq!(st.threads_seen.len(), 3);
         let exit = ProcEvent { hdr: hdr(EventKind::Proc, child, child, 50), op: PROC_EXIT, child, group_dead: 1, ..Default::default() };
@@ -1000,7 +1004,7 @@ mod tests {
         assert!(st.offcpu.is_empty(), "the exited thread's pending off-CPU stack is written, not kept");
         assert!(!st.root_exited);
         drop(st);
-        let rec = recording::read_dir(&dir).unwrap();
+        let rec = record::read_dir(&dir).unwrap();
         assert_eq!(rec.stacks.len(), 1);
         assert_eq!(rec.stacks[0].blocked_ns, Some(30), "blocked until the exit");
         let _ = std::fs::remove_dir_all(&dir);

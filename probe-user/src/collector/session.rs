@@ -21,14 +21,16 @@ use super::{
     reserve_error, stats, sum,
 };
 use crate::{
-    monotonic_ns, probes, procfs,
-    recording::{
+    analysis::report::Report,
+    collector::segments,
+    kernel::probes,
+    monotonic_ns,
+    os::procfs,
+    record::{
         self, Writer,
         records::{self, UserRecord},
     },
-    report::Report,
     sampler::Sampler,
-    segments,
 };
 
 /// What the session holds besides the collector's state: the kernel side and the segment open.
@@ -50,7 +52,7 @@ struct Stopped {
     lost: Vec<u64>,
     skipped: BTreeMap<String, u64>,
     /// The disk filled while tracing (then the recording ends where it filled).
-    full: Option<recording::DiskFull>,
+    full: Option<record::DiskFull>,
     /// The end record did not fit either.
     full_again: bool,
     /// The programs, switched off: detached on their own thread (`probe watch`, which goes on) or
@@ -120,7 +122,7 @@ struct Signals {
     usr1: tokio::signal::unix::Signal,
 }
 
-pub(super) async fn run(opts: TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutDir) -> anyhow::Result<TraceOutcome> {
+pub(super) async fn run(opts: TraceOptions, kernel: super::Kernel, out_dir: &crate::util::output::OutDir) -> anyhow::Result<TraceOutcome> {
     let mut signals = Signals {
         int: signal(SignalKind::interrupt())?,
         term: signal(SignalKind::terminate())?,
@@ -186,7 +188,7 @@ pub(super) async fn run(opts: TraceOptions, kernel: super::Kernel, out_dir: &cra
 }
 
 /// Take the maps, open the recording, write its meta and first counters, and say what is live.
-fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutDir) -> anyhow::Result<(State, Session)> {
+fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::util::output::OutDir) -> anyhow::Result<(State, Session)> {
     let mut kernel = match kernel {
         super::Kernel::Own(mut attached) => {
             let ring = RingBuf::try_from(attached.ebpf.take_map(maps::EVENTS).context("EVENTS map missing")?)?;
@@ -214,7 +216,7 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
         Some(_) => out_dir.create(&segments::segment_name(0)).and_then(Writer::create_file),
         None => Writer::create_in(out_dir),
     }
-    .map_err(|e| match recording::is_disk_full(&e) {
+    .map_err(|e| match record::is_disk_full(&e) {
         true => reserve_error(&opts.out, e),
         false => anyhow::Error::new(e).context(format!("cannot create the recording in {}", opts.out.display())),
     })?;
@@ -228,7 +230,7 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
     st.ustack_need = attached.ustack_need.take();
     st.other_comms = attached.other_comms.take();
     st.py_threads = if opts.python_frames { attached.py_threads.take() } else { None };
-    st.py_budget = (opts.python_budget > 0.0).then(|| crate::record::python::Budget::new(opts.python_budget / 100.0));
+    st.py_budget = (opts.python_budget > 0.0).then(|| crate::kernel::python::Budget::new(opts.python_budget / 100.0));
     st.max_bytes = opts.max_size.as_ref().map(|m| m.0);
     if opts.watch.is_some() {
         st.writer.keep_context();
@@ -255,14 +257,14 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
     st.target_files = attached.target_files.take();
     // What came before attach: the requests in flight (taken up by the stream tracker) and what
     // the target was doing, read once now that the probes are armed.
-    let (at_attach, seeds) = crate::record::attach::read(&attached.targets, opts.pid, monotonic_ns());
+    let (at_attach, seeds) = crate::kernel::attach::read(&attached.targets, opts.pid, monotonic_ns());
     log::info!("attach: {} connection(s) in the middle of a request", seeds.len());
     st.streams.seed(seeds);
     // The live view (a terminal, not `--quiet`, not a service) names the cgroup's IO limits.
     if std::io::stderr().is_terminal() && opts.watch.is_none() && !opts.quiet {
         st.live = Some(crate::render::live::Live::new(&at_attach.io_limits, monotonic_ns()));
     }
-    st.writer.sample(&crate::sampler::records::Sample::Attach(at_attach))?;
+    st.writer.sample(&crate::record::samples::Sample::Attach(at_attach))?;
     st.refresh()?;
     for &pid in &attached.targets {
         st.unwinders.prepare(pid);
@@ -275,8 +277,8 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::output::OutD
     say!(
         "probe: armed in {armed_ms:.0} ms: pid {} ({}), {}; probes live: {}",
         opts.pid,
-        crate::text::terminal(&procfs::comm(opts.pid)),
-        crate::text::count(attached.targets.len() as u64, "process"),
+        crate::util::text::terminal(&procfs::comm(opts.pid)),
+        crate::util::text::count(attached.targets.len() as u64, "process"),
         live.join(", ")
     );
     if let Some(line) = arm_line {
@@ -302,7 +304,7 @@ struct Armed {
     status: Vec<records::SubsystemStatus>,
     targets: Vec<u32>,
     stages: Vec<(String, f64)>,
-    engine_seen: Vec<crate::target_file::Ident>,
+    engine_seen: Vec<crate::os::target_file::Ident>,
     bpf_unmeasured: Option<String>,
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
@@ -354,7 +356,7 @@ impl Armed {
 /// to one is the target's, whoever issues it.
 fn own_block_cgroups(map: &mut aya::maps::HashMap<MapData, u64, u32>, targets: &[u32]) {
     for &pid in targets {
-        for (dir, _) in crate::record::attach::block_cgroups(pid) {
+        for (dir, _) in crate::kernel::attach::block_cgroups(pid) {
             // A cgroup's id is its directory's inode number (kernfs).
             if let Ok(md) = std::fs::metadata(&dir) {
                 let _ = map.insert(std::os::unix::fs::MetadataExt::ino(&md), pid, 0);
@@ -367,13 +369,15 @@ fn own_block_cgroups(map: &mut aya::maps::HashMap<MapData, u64, u32>, targets: &
 fn meta(opts: &TraceOptions, attached: &Armed, start_ns: u64, armed_ms: f64, arm_stages: Vec<(String, f64)>) -> records::Meta {
     let uname = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     records::Meta {
-        format_version: recording::VERSION,
+        format_version: record::VERSION,
         probe_version: env!("CARGO_PKG_VERSION").into(),
         pid: opts.pid,
         comm: procfs::comm(opts.pid),
-        cmdline: crate::redact::command_line(&procfs::cmdline_args(opts.pid)),
+        cmdline: crate::util::redact::command_line(&procfs::cmdline_args(opts.pid)),
         exe: std::fs::read_link(format!("/proc/{}/exe", opts.pid)).map(|p| p.display().to_string()).unwrap_or_default(),
-        exe_build_id: std::fs::File::open(format!("/proc/{}/exe", opts.pid)).ok().and_then(|f| crate::flame::symbols::build_id(&f)),
+        exe_build_id: std::fs::File::open(format!("/proc/{}/exe", opts.pid))
+            .ok()
+            .and_then(|f| crate::analysis::flame::symbols::build_id(&f)),
         targets: attached.targets.clone(),
         start_ns,
         window_start_ns: None,
@@ -412,7 +416,7 @@ async fn follow(
     st: &mut State,
     se: &mut Session,
     sampler: &Sampler,
-    out_dir: &crate::output::OutDir,
+    out_dir: &crate::util::output::OutDir,
     screen: &mut Option<crate::render::live::Screen>,
     signals: &mut Signals,
 ) -> anyhow::Result<(String, bool)> {
@@ -434,7 +438,7 @@ async fn follow(
     // full): a request's records wait in the ring while the server keeps every CPU busy, and are
     // read when it pauses. A hub member's queue is watched by the time since its last turn only.
     let gauge = match &se.kernel {
-        Source::Own { ring, .. } => crate::yielding::RingFill::new(ring.get_ref(), opts.ring_bytes as u64),
+        Source::Own { ring, .. } => crate::os::yielding::RingFill::new(ring.get_ref(), opts.ring_bytes as u64),
         Source::Member(_) => None,
     };
     let (busy_due, quiet_due) = match gauge {
@@ -444,7 +448,7 @@ async fn follow(
         None => (Duration::from_millis(100), Duration::from_millis(1500)),
     };
     // A library mapped while the drain is held lets it go: its engine probe attaches there.
-    let exec_maps: Option<crate::yielding::Urgent> = match &se.kernel {
+    let exec_maps: Option<crate::os::yielding::Urgent> = match &se.kernel {
         Source::Own { counter_map, .. } => aya::maps::IterableMap::map(counter_map)
             .info()
             .ok()
@@ -452,11 +456,11 @@ async fn follow(
             .and_then(|d| PerCpuArray::<MapData, u64>::try_from(aya::maps::Map::PerCpuArray(d)).ok())
             .map(|m| {
                 Box::new(move || m.get(&(probe_common::Counter::ExecMaps as u32), 0).map_or(0, |v| v.iter().sum()))
-                    as crate::yielding::Urgent
+                    as crate::os::yielding::Urgent
             }),
         Source::Member(_) => None,
     };
-    let mut yielding = crate::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge, exec_maps);
+    let mut yielding = crate::os::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge, exec_maps);
     if st.live.is_some() {
         // A live view is made from the records as they come: not held while it shows.
         yielding = yielding.never_held();
@@ -551,7 +555,7 @@ fn python_budget(st: &mut State, counters: &[u64]) {
     let why = format!(
         "Python frames turned off: their own work (the kernel's walks and naming the code) took {:.2}% of a core over {} s, over the budget of {}% (--python-budget)",
         share * 100.0,
-        crate::record::python::Budget::WINDOW_NS / 1_000_000_000,
+        crate::kernel::python::Budget::WINDOW_NS / 1_000_000_000,
         (b.share * 1e5).round() / 1e3
     );
     eprintln!("probe: {why}");
@@ -577,7 +581,7 @@ pub(super) fn follow_python(st: &mut State) {
     let named: Vec<(u32, u32, String)> = std::mem::take(&mut st.python.new_thread_names)
         .into_iter()
         .map(|(pid, tid, py)| {
-            let name = match crate::procfs::thread_comm(pid, tid) {
+            let name = match crate::os::procfs::thread_comm(pid, tid) {
                 Some(comm) if comm != py => format!("{comm} · {py}"),
                 _ => py,
             };
@@ -600,11 +604,11 @@ fn follow_engine(st: &mut State, se: &mut Session) {
     let attached = match &mut se.kernel {
         Source::Member(m) => m.engine_mapped(&new),
         Source::Own { attached, .. } => {
-            let found = crate::engine::search_mappings(&new);
+            let found = crate::kernel::engine::search_mappings(&new);
             if found.found.is_empty() {
                 return;
             }
-            let a = crate::engine::attach(&mut attached.ebpf, &found);
+            let a = crate::kernel::engine::attach(&mut attached.ebpf, &found);
             for x in &a.skipped {
                 log::info!("{x}");
             }
@@ -643,7 +647,7 @@ fn name_peers(st: &mut State, remote: &mut std::collections::HashMap<std::net::I
         by_pid.entry(pid).or_default().push((local, peer));
     }
     for (pid, conns) in by_pid {
-        let found = crate::record::peer::resolve(pid, &conns, remote);
+        let found = crate::collector::peer::resolve(pid, &conns, remote);
         st.streams.name_peers(&found);
     }
 }
@@ -671,7 +675,7 @@ impl Second {
         st: &mut State,
         se: &mut Session,
         sampler: &Sampler,
-        out_dir: &crate::output::OutDir,
+        out_dir: &crate::util::output::OutDir,
         screen: Option<&mut crate::render::live::Screen>,
     ) -> anyhow::Result<()> {
         self.produced_at = None;
@@ -704,21 +708,21 @@ impl Second {
                 "  {:>6.1} s | {} events ({rate}/s) | {} in flight | lost {}",
                 self.started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
                 st.events,
-                crate::text::count(
+                crate::util::text::count(
                     serving.iter().filter(|q| q.role == crate::stream::Role::Server && !q.probe_poll).count() as u64,
                     "request"
                 ),
                 lost_now
             );
             let targets: Vec<u32> = st.targets.lock().map(|t| t.clone()).unwrap_or_default();
-            let frame = live.frame(header, &serving, monotonic_ns(), se.start_ns, &|| crate::render::live::threads_of(&targets));
+            let frame = live.frame(header, &serving, monotonic_ns(), se.start_ns, &|| crate::kernel::attach::threads_of(&targets));
             screen.draw(&frame);
         }
         self.last_events = st.events;
         self.events_at_sec = st.events;
         match &opts.cgroup {
             Some(cg) => {
-                let now = crate::cgroup::procs(cg);
+                let now = crate::os::cgroup::procs(cg);
                 let known: HashSet<u32> = st.targets.lock().map(|t| t.iter().copied().collect()).unwrap_or_default();
                 for pid in now.iter().copied().filter(|p| !known.contains(p)) {
                     // A process that joined the cgroup without a target forking it (a target's
@@ -743,7 +747,7 @@ impl Second {
 }
 
 /// `probe watch`: close the segment when it is due and hand it over; the next one goes on.
-fn rotate(opts: &TraceOptions, st: &mut State, se: &mut Session, out_dir: &crate::output::OutDir) -> anyhow::Result<()> {
+fn rotate(opts: &TraceOptions, st: &mut State, se: &mut Session, out_dir: &crate::util::output::OutDir) -> anyhow::Result<()> {
     let Some(w) = st.watch.clone() else { return Ok(()) };
     if !w.rotate_due(se.segment.2.elapsed(), st.writer.bytes) {
         return Ok(());
@@ -772,7 +776,7 @@ fn stop(
     se: Session,
     sampler: Sampler,
     reason: &str,
-    out_dir: &crate::output::OutDir,
+    out_dir: &crate::util::output::OutDir,
     stopping: Instant,
 ) -> anyhow::Result<Stopped> {
     let stop_ns = monotonic_ns();
@@ -871,7 +875,7 @@ fn write_outputs(
     st: State,
     stopped: &Stopped,
     reason: &str,
-    out_dir: &crate::output::OutDir,
+    out_dir: &crate::util::output::OutDir,
     stopping: Instant,
 ) -> anyhow::Result<Report> {
     let parsed = st.per_kind[EventKind::Data as usize];
@@ -915,11 +919,11 @@ fn write_outputs(
         report_written?;
     }
     drop(st);
-    match crate::html::write_for(&analysis, out_dir) {
+    match crate::render::html::write_for(&analysis, out_dir) {
         Ok(page) => say!("probe: {}", page.display()),
         Err(e) => say!("probe: report.html not written: {e:#}"),
     }
-    match crate::flame::write_defaults(&analysis.flames, out_dir) {
+    match crate::render::flame::write_defaults(&analysis.flames, out_dir) {
         Ok(written) => {
             for (path, weight) in written {
                 say!("probe: flamegraph {} (weight {weight})", path.display());
@@ -928,7 +932,7 @@ fn write_outputs(
         Err(e) => say!("probe: flamegraphs not written: {e}"),
     }
     if let Some(ep) = &opts.otlp {
-        let spans = crate::export::otlp::from_report(report, &analysis.meta, None);
+        let spans = crate::render::export::otlp::from_report(report, &analysis.meta, None);
         match ep.send(&spans) {
             Ok(_) => say!("probe: sent {} request spans to the OTLP collector", spans.spans.len()),
             Err(e) => say!("probe: request spans not sent to the OTLP collector: {e} (`probe export --otlp URL` sends them later)"),

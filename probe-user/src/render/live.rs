@@ -15,7 +15,7 @@ use std::{
 use probe_common::{blockio::BlockIoEvent, engine::EngineEvent};
 
 use crate::{
-    sampler::records::{IoLimit, ResidencyReading},
+    record::samples::{IoLimit, ResidencyReading},
     stream::{InFlight, RequestRecord, Role},
 };
 
@@ -131,7 +131,7 @@ impl Live {
         for f in r.files.iter().filter(|f| f.inode != 0) {
             if self.files.len() < MAX_KEYS || self.files.contains_key(&f.inode) {
                 let name = std::path::Path::new(&f.path).file_name().map_or(f.path.clone(), |n| n.to_string_lossy().into_owned());
-                self.files.insert(f.inode, (crate::text::terminal(&name).into_owned(), f.share()));
+                self.files.insert(f.inode, (crate::util::text::terminal(&name).into_owned(), f.share()));
             }
         }
     }
@@ -153,8 +153,8 @@ impl Live {
             (Some(e), None) => l += &format!(" done in {}", secs(e)),
             _ => l += " done",
         }
-        let (cause, _) = crate::verdict::stop_cause(r);
-        l += &format!(", {} tokens, stop {}", crate::verdict::produced(r).max(r.chunks), cause.name());
+        let (cause, _) = crate::analysis::verdict::stop_cause(r);
+        l += &format!(", {} tokens, stop {}", crate::analysis::verdict::produced(r).max(r.chunks), cause.name());
         // The longest first; of equal ones the earliest.
         let mut w: Vec<&(Wait, u32)> = waited.iter().filter(|(w, _)| *w != Wait::NoToken).collect();
         w.sort_by_key(|w| std::cmp::Reverse(w.1));
@@ -193,9 +193,12 @@ impl Live {
             let mut l = match (&q.method, &q.path) {
                 // Read before attach and not answered yet: nothing names it but its client.
                 (None, None) if q.headers_only => {
-                    format!("  {number} request from {} (its head and answer's headers came before attach)", crate::text::terminal(&q.peer))
+                    format!(
+                        "  {number} request from {} (its head and answer's headers came before attach)",
+                        crate::util::text::terminal(&q.peer)
+                    )
                 }
-                (None, None) => format!("  {number} request from {} (its head came before attach)", crate::text::terminal(&q.peer)),
+                (None, None) => format!("  {number} request from {} (its head came before attach)", crate::util::text::terminal(&q.peer)),
                 _ => format!("  {number} {}", name(q.method.as_deref(), q.path.as_deref(), q.inferred)),
             };
             if let Some(a) = age {
@@ -214,7 +217,7 @@ impl Live {
             l += ", no token yet: ";
             let queued = i >= reqs.len() - waiting_for_slot;
             let wait = if queued && i > 0 {
-                l += &format!("queued behind {} ({} of the server's slots busy)", crate::text::count(i as u64, "request"), busy);
+                l += &format!("queued behind {} ({} of the server's slots busy)", crate::util::text::count(i as u64, "request"), busy);
                 Wait::Queued
             } else if let Some((file, words)) = &reading {
                 l += words;
@@ -290,7 +293,8 @@ impl Live {
         let comm = if pid == 0 {
             "nothing (the hypervisor or an interrupt)".to_string()
         } else {
-            let c = self.names.entry(pid).or_insert_with(|| crate::text::terminal(&crate::procfs::comm(pid)).into_owned()).clone();
+            let c =
+                self.names.entry(pid).or_insert_with(|| crate::util::text::terminal(&crate::os::procfs::comm(pid)).into_owned()).clone();
             format!("{c} (pid {pid})")
         };
         let ms = total as f64 / 1e6 / second;
@@ -303,18 +307,8 @@ fn uninterruptible(threads: &[(String, String)]) -> Option<String> {
     threads.iter().find(|(s, w)| s == "D" && !w.is_empty()).map(|(_, w)| w.clone())
 }
 
-/// The target's threads in uninterruptible sleep, as (state, wchan) (the reader of the snapshot
-/// at attach).
-pub fn threads_of(targets: &[u32]) -> Vec<(String, String)> {
-    crate::record::attach::threads(targets)
-        .into_iter()
-        .filter(|t| t.state == "D")
-        .map(|t| (t.state, crate::text::terminal(t.wchan.as_deref().unwrap_or_default()).into_owned()))
-        .collect()
-}
-
 fn name(method: Option<&str>, path: Option<&str>, inferred: bool) -> String {
-    let n = format!("{} {}", crate::text::terminal(method.unwrap_or("?")), crate::text::terminal(path.unwrap_or("?")));
+    let n = format!("{} {}", crate::util::text::terminal(method.unwrap_or("?")), crate::util::text::terminal(path.unwrap_or("?")));
     if inferred { format!("{n} (inferred)") } else { n }
 }
 
@@ -408,7 +402,7 @@ mod tests {
     }
 
     fn reading(ino: u64, share: f64) -> ResidencyReading {
-        let f = crate::sampler::residency::Residency {
+        let f = crate::record::samples::Residency {
             path: "/models/m.gguf".into(),
             pages: 1000,
             resident: (share * 1000.0) as u64,
@@ -462,7 +456,7 @@ mod tests {
         assert!(
             f.live[1].contains(&format!(
                 "waiting for a CPU behind {} (pid {})",
-                crate::procfs::comm(std::process::id()),
+                crate::os::procfs::comm(std::process::id()),
                 std::process::id()
             )),
             "{f:?}"

@@ -1,3 +1,10 @@
-//! What probe shows people (the layer issue 42 gathers the renderers into): for now the live
+//! What probe shows people, each from the analysis: the text summary, the HTML page, Markdown
+//! and the bug-report bundle, the Perfetto timeline, flamegraphs, pprof and OTLP, and the live
 //! view of `probe trace` on a terminal.
+pub mod bundle;
+pub mod export;
+pub mod flame;
+pub mod html;
 pub mod live;
+pub mod perfetto;
+pub mod text;

@@ -18,8 +18,8 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-pub use crate::sampler::records::Kind;
-use crate::sampler::records::{EndpointPoll, LlamaProps, LoadedModel};
+pub use crate::record::samples::Kind;
+use crate::record::samples::{EndpointPoll, LlamaProps, LoadedModel};
 
 /// The samples of Prometheus text: (metric name, series `name{labels}`, value); comments,
 /// blank lines and non-finite values left out. Label values may hold spaces.
@@ -75,8 +75,8 @@ impl Endpoint {
     }
 
     fn fetch(&mut self, path: &str) -> Option<(u16, Vec<u8>)> {
-        let url = crate::httpc::Url::of(self.addr);
-        match crate::httpc::request_bounded(&url, "GET", path, None, self.timeout, self.deadline, BODY_CAP) {
+        let url = crate::util::httpc::Url::of(self.addr);
+        match crate::util::httpc::request_bounded(&url, "GET", path, None, self.timeout, self.deadline, BODY_CAP) {
             Ok((s, b, port)) => {
                 self.local_ports.push(port);
                 Some((s, b))
@@ -196,8 +196,8 @@ mod tests {
         let addr = server("HTTP/1.1 200 OK\r\n\r\n", vec![b'#'; 200], 1, Duration::from_millis(50));
         let t = Instant::now();
         let deadline = Some(t + Duration::from_millis(400));
-        let r = crate::httpc::request_bounded(
-            &crate::httpc::Url::of(addr),
+        let r = crate::util::httpc::request_bounded(
+            &crate::util::httpc::Url::of(addr),
             "GET",
             "/metrics",
             None,
@@ -213,8 +213,8 @@ mod tests {
     fn a_body_over_the_cap_is_refused() {
         let head = "HTTP/1.1 200 OK\r\nContent-Length: 3145728\r\n\r\n";
         let addr = server(head, vec![b'x'; 3 << 20], 64 << 10, Duration::ZERO);
-        let url = crate::httpc::Url::of(addr);
-        let r = crate::httpc::request_bounded(&url, "GET", "/metrics", None, Duration::from_millis(800), None, 1 << 20);
+        let url = crate::util::httpc::Url::of(addr);
+        let r = crate::util::httpc::request_bounded(&url, "GET", "/metrics", None, Duration::from_millis(800), None, 1 << 20);
         assert!(r.as_ref().is_err_and(|e| e.contains("over 1048576 bytes")), "{:?}", r.map(|(s, b, _)| (s, b.len())));
     }
 

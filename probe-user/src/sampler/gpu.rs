@@ -10,36 +10,9 @@
 //! such as `current_link_speed`, which resume a suspended device to answer).
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-/// A GPU's PCI power state as sysfs has it without waking the device.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct PciPower {
-    /// The PCI address (0000:01:00.0).
-    pub addr: String,
-    /// `power/runtime_status`: active, suspended, suspending, resuming, or unsupported (no
-    /// runtime power management: the device stays in D0).
-    pub runtime: String,
-    /// `power_state` (D0, D3hot, D3cold: Linux 5.19 and later), where the kernel has it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub state: Option<String>,
-    /// `power/control` is `auto`: the kernel suspends the device when nothing holds it (an open
-    /// NVML handle does).
-    pub runtime_pm: bool,
-}
-
-impl PciPower {
-    /// Suspended (runtime PM) or in a D3 state.
-    pub fn asleep(&self) -> bool {
-        matches!(self.runtime.as_str(), "suspended" | "suspending") || self.state.as_deref().is_some_and(|s| s.starts_with("D3"))
-    }
-
-    /// How it is said: "D3cold", else the runtime status.
-    pub fn said(&self) -> &str {
-        self.state.as_deref().filter(|s| *s != "D0" || self.runtime == "active").unwrap_or(&self.runtime)
-    }
-}
+use crate::record::samples::{GpuDevice, GpuSample, PciPower};
 
 const PCI_DEVICES: &str = "/sys/bus/pci/devices";
 /// Another sysfs PCI device directory to read (tests: these machines have no GPU).
@@ -94,41 +67,6 @@ pub fn pci_power(devices: &[std::path::PathBuf]) -> Vec<PciPower> {
 #[cfg(test)]
 fn pci_power_in(root: &Path) -> Option<Vec<PciPower>> {
     nvidia_devices_in(root).map(|d| pci_power(&d))
-}
-
-/// A GPU as it is at the start of the trace.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct GpuDevice {
-    pub index: u32,
-    pub name: String,
-    pub uuid: String,
-    pub driver: String,
-    /// Highest SM (graphics) and memory clocks the device supports, MHz.
-    pub max_sm_mhz: Option<u32>,
-    pub max_mem_mhz: Option<u32>,
-    pub power_limit_w: Option<f64>,
-    pub vram_total: Option<u64>,
-}
-
-/// One reading of one GPU. Fields NVML cannot give on this device are `None`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct GpuSample {
-    pub index: u32,
-    pub sm_mhz: Option<u32>,
-    pub mem_mhz: Option<u32>,
-    /// Performance state: 0 (P0, full speed) .. 15 (P15, idle).
-    pub pstate: Option<u32>,
-    pub power_w: Option<f64>,
-    /// % of the last sample period a kernel ran / device memory was busy.
-    pub util_gpu: Option<u32>,
-    pub util_mem: Option<u32>,
-    pub vram_used: Option<u64>,
-    pub vram_free: Option<u64>,
-    /// Why clocks are held down now (clock-event reasons), e.g. gpu_idle, sw_power_cap.
-    #[serde(default)]
-    pub reasons: Vec<String>,
-    /// GPU memory used by the traced processes on this device.
-    pub target_vram: Option<u64>,
 }
 
 /// Where GPU readings come from.

@@ -26,18 +26,6 @@ pub fn cpufreq() -> Option<CpuFreq> {
     (!f.cur_khz.is_empty()).then_some(f)
 }
 
-/// CPU idle states (cpuidle sysfs), summed over CPUs: per state its name, exit latency (µs), time
-/// spent in it (µs) and entries, cumulative.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct CpuIdle {
-    pub cpus: u32,
-    pub names: Vec<String>,
-    pub latency_us: Vec<u64>,
-    pub time_us: Vec<u64>,
-    pub usage: Vec<u64>,
-}
-
 pub fn cpuidle() -> Option<CpuIdle> {
     let mut c = CpuIdle::default();
     for cpu in 0.. {
@@ -65,46 +53,6 @@ pub fn cpuidle() -> Option<CpuIdle> {
     (c.cpus > 0).then_some(c)
 }
 
-/// Memory pressure, system-wide and for the target.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct Mem {
-    /// PSI memory "some" and "full" stall totals, µs since boot.
-    pub psi_some_us: Option<u64>,
-    pub psi_full_us: Option<u64>,
-    /// PSI io "some" total, µs.
-    pub psi_io_some_us: Option<u64>,
-    /// /proc/vmstat counters (pages / events since boot).
-    pub pgscan_direct: u64,
-    pub allocstall: u64,
-    pub compact_stall: u64,
-    pub pswpin: u64,
-    pub pgmajfault: u64,
-    pub oom_kill: u64,
-    pub mem_available_kib: Option<u64>,
-    /// The target's resident memory (KiB): all, file-backed, anonymous.
-    pub rss_kib: Option<u64>,
-    pub rss_file_kib: Option<u64>,
-    pub rss_anon_kib: Option<u64>,
-    /// The target's memory cgroup: usage and limit (bytes), failcnt / max events.
-    pub cgroup: Option<String>,
-    pub cgroup_usage: Option<u64>,
-    pub cgroup_limit: Option<u64>,
-    pub cgroup_limit_hits: Option<u64>,
-    /// The target's memory in swap (VmSwap, KiB): it falls as pages are faulted back in.
-    pub swap_kib: Option<u64>,
-    /// The target's CPU cgroup and its CFS bandwidth limit: quota and period (µs; no quota: None),
-    /// and how often and how long (ns) it was throttled, cumulative (cpu.stat).
-    pub cpu_cgroup: Option<String>,
-    pub cpu_quota_us: Option<u64>,
-    pub cpu_period_us: Option<u64>,
-    pub nr_throttled: Option<u64>,
-    pub throttled_ns: Option<u64>,
-    /// The host's steal over every CPU, ms since boot (/proc/stat's `cpu` line; a VM's host
-    /// running something else on its CPUs). Not per target: the machine's.
-    pub steal_ms: Option<u64>,
-}
-
 /// /proc/stat's steal over every CPU, ms since boot.
 pub fn steal_ms() -> Option<u64> {
     let t = read_kept("/proc/stat")?;
@@ -117,7 +65,10 @@ fn parse_steal_ms(stat: &str, hz: u64) -> Option<u64> {
     Some(steal * 1000 / hz.max(1))
 }
 
-use crate::procfs::clock_ticks;
+use crate::{
+    os::procfs::clock_ticks,
+    record::samples::{CpuIdle, Mem},
+};
 
 pub(crate) fn psi_total(text: &str, kind: &str) -> Option<u64> {
     text.lines().find(|l| l.starts_with(kind))?.split_whitespace().find_map(|w| w.strip_prefix("total="))?.parse().ok()

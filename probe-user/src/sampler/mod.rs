@@ -14,8 +14,9 @@ use std::{
 };
 
 use crate::{
-    monotonic_ns, procfs,
-    sampler::records::{
+    monotonic_ns,
+    os::procfs,
+    record::samples::{
         CpuFreqReading, CpuIdleReading, EndpointPoll, GpuReading, MemReading, ResidencyReading, ResidencyWhy, Sample, Sources,
     },
 };
@@ -24,7 +25,6 @@ pub mod endpoints;
 pub mod gpu;
 pub mod host;
 pub mod procs;
-pub mod records;
 pub mod residency;
 
 /// How often the server's endpoints are polled (each poll is 2-3 small HTTP requests the server
@@ -138,8 +138,8 @@ impl Sampler {
                     .name("probe-poll".into())
                     .spawn(move || {
                         // The server's endpoints can wait for a free CPU, as long as it takes.
-                        crate::procfs::idle_priority();
-                        crate::httpc::with_headers(opts.headers.clone(), || poll_loop(&opts, &tx, &signal))
+                        crate::os::procfs::idle_priority();
+                        crate::util::httpc::with_headers(opts.headers.clone(), || poll_loop(&opts, &tx, &signal))
                     })
                     .expect("spawn poller"),
             );
@@ -199,7 +199,7 @@ struct Gpus {
     devices_said: bool,
     /// The NVIDIA display devices' sysfs directories, found once at the start.
     pci_devices: Vec<std::path::PathBuf>,
-    last_pci: Option<Vec<gpu::PciPower>>,
+    last_pci: Option<Vec<crate::record::samples::PciPower>>,
 }
 
 impl Gpus {
@@ -212,7 +212,7 @@ impl Gpus {
     }
 
     /// The PCI power states, when they changed since the last reading sent.
-    fn pci_changed(&mut self) -> Vec<gpu::PciPower> {
+    fn pci_changed(&mut self) -> Vec<crate::record::samples::PciPower> {
         let now = gpu::pci_power(&self.pci_devices);
         if self.last_pci.as_ref() == Some(&now) {
             return Vec::new();
@@ -304,7 +304,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     // reading is 3 s overdue (the watchdog: a thread at idle priority still gets a small share of
     // a busy CPU), until readings come on time again.
     let mut yielding =
-        crate::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None).hold_when_busy();
+        crate::os::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None).hold_when_busy();
     let mut was_busy = false;
     loop {
         let stopping = signal.stopped();
@@ -383,7 +383,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
                 || last_residency.is_none_or(|t: Instant| t.elapsed() >= FILE_SCAN_EVERY);
             if !files.is_empty() && due {
                 last_residency = Some(Instant::now());
-                let r: Vec<residency::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
+                let r: Vec<crate::record::samples::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
                 all_resident = r.len() == files.len() && r.iter().all(|x| x.resident >= x.pages);
                 let why = if stopping {
                     ResidencyWhy::End
@@ -448,9 +448,9 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal) {
                 .iter_mut()
                 .take(MAX_PORTS_AT_ONCE)
                 .map(|ep| {
-                    let headers = crate::httpc::thread_headers();
+                    let headers = crate::util::httpc::thread_headers();
                     std::thread::Builder::new().name("probe-poll-port".into()).spawn_scoped(s, move || {
-                        crate::httpc::with_headers(headers, move || {
+                        crate::util::httpc::with_headers(headers, move || {
                             let t = monotonic_ns();
                             // Not inside the server's namespace, its port here is another's.
                             if let Some(ns) = &ep.netns

@@ -29,9 +29,9 @@ pub fn parse_stat(text: &str) -> Option<(String, u32, u64, u64)> {
 
 /// Every process now.
 pub fn snapshot() -> HashMap<u32, Proc> {
-    let hz = crate::procfs::clock_ticks() as f64;
+    let hz = crate::os::procfs::clock_ticks() as f64;
     let mut out = HashMap::new();
-    for pid in crate::procfs::all_pids() {
+    for pid in crate::os::procfs::all_pids() {
         let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
         if let Some((comm, ppid, ticks, start)) = parse_stat(&text) {
             out.insert(pid, Proc { comm, ppid, cpu_s: ticks as f64 / hz, start });
@@ -55,7 +55,7 @@ pub fn used(before: &HashMap<u32, Proc>, after: &HashMap<u32, Proc>) -> Vec<(u32
 /// `root` and its descendants in a snapshot.
 pub fn family(snap: &HashMap<u32, Proc>, root: u32) -> std::collections::HashSet<u32> {
     let parent: Vec<(u32, u32)> = snap.iter().map(|(pid, p)| (*pid, p.ppid)).collect();
-    let mut set: std::collections::HashSet<u32> = crate::procfs::descendants_in(&parent, root).into_iter().collect();
+    let mut set: std::collections::HashSet<u32> = crate::os::procfs::descendants_in(&parent, root).into_iter().collect();
     set.insert(root);
     set
 }

@@ -1,43 +1,14 @@
 //! How much of a file is in the page cache: `cachestat(2)` (Linux 6.5+, also counts pages evicted
 //! since the file was opened... by anyone) with a `mincore(2)` fallback over a read-only mapping
 //! that is never touched (so it faults nothing in and pins nothing). A model file is opened once
-//! (crate::target_file: the file the target maps or holds open, verified) and measured through
+//! (crate::os::target_file: the file the target maps or holds open, verified) and measured through
 //! that descriptor: never re-opened by a path the target could point somewhere else.
 use std::{fs::File, os::fd::AsRawFd as _};
 
-use serde::{Deserialize, Serialize};
-
-use crate::target_file::{self, Ident};
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct Residency {
-    pub path: String,
-    pub bytes: u64,
-    pub pages: u64,
-    pub resident: u64,
-    /// Pages of the file evicted from the cache (cachestat only; since boot, per inode history).
-    pub evicted: Option<u64>,
-    /// Which file it is (`probe diff` compares model files by these, never by a hash: reading
-    /// the file would warm the page cache being compared).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub inode: u64,
-    #[serde(default, skip_serializing_if = "is_zero_i")]
-    pub mtime_unix_s: i64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-fn is_zero_i(n: &i64) -> bool {
-    *n == 0
-}
-
-impl Residency {
-    pub fn share(&self) -> f64 {
-        if self.pages == 0 { 1.0 } else { self.resident as f64 / self.pages as f64 }
-    }
-}
+use crate::{
+    os::target_file::{self, Ident},
+    record::samples::Residency,
+};
 
 #[repr(C)]
 struct CachestatRange {
@@ -182,14 +153,14 @@ pub fn big_files(pid: u32, min_bytes: u64, known: &[Ident]) -> Vec<Watched> {
         Ok(_) => {}
         Err(e) => log::debug!("residency: {e}"),
     };
-    for m in crate::procfs::read_maps(pid).unwrap_or_default() {
+    for m in crate::os::procfs::read_maps(pid).unwrap_or_default() {
         let ident = Ident::of(&m);
         if !seen.contains(&ident) {
             seen.push(ident);
             keep(&m.path, ident, target_file::open_mapping(Some(pid), &m, u64::MAX));
         }
     }
-    for f in crate::procfs::open_files(pid) {
+    for f in crate::os::procfs::open_files(pid) {
         let ident = Ident { major: f.major, minor: f.minor, inode: f.inode };
         if f.path.starts_with('/') && !seen.contains(&ident) {
             seen.push(ident);

@@ -2,7 +2,6 @@
 //! sockets moved, with timing per content chunk and the stop information from the wire.
 //! Bytes are parsed in memory and dropped; only [`RequestRecord`]s (numbers, method, path, stop
 //! reasons) are kept. `http` frames messages, `payload` reads SSE / NDJSON / JSON bodies.
-pub mod http;
 pub mod payload;
 
 use std::collections::{HashMap, VecDeque};
@@ -17,10 +16,8 @@ use probe_common::{
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use self::{
-    http::{Body, Framing, Parsed},
-    payload::{Kind, Msg, Splitter, Stop},
-};
+use self::payload::{Kind, Msg, Splitter, Stop};
+use crate::util::http::{self, Body, Framing, Parsed};
 
 /// Request bodies are kept (in memory, to read max_tokens and stream) up to this many bytes.
 const MAX_BODY: usize = 256 << 10;
@@ -155,7 +152,7 @@ impl Arrival {
 }
 
 /// A connection of the target found in the middle of a request right after attach (by
-/// `crate::record::attach`, from the kernel's TCP state), for the tracker to take up.
+/// `crate::kernel::attach`, from the kernel's TCP state), for the tracker to take up.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Seed {
     pub pid: u32,
@@ -519,7 +516,7 @@ fn gaps(times: &[f64]) -> Option<Gaps> {
         return None;
     }
     g.sort_by(|a, b| a.total_cmp(b));
-    let at = |p: f64| crate::stats::percentile_sorted(&g, p).unwrap_or(0.0);
+    let at = |p: f64| crate::util::stats::percentile_sorted(&g, p).unwrap_or(0.0);
     Some(Gaps { p50_ms: at(50.0), p99_ms: at(99.0), max_ms: g[g.len() - 1] })
 }
 
@@ -1023,7 +1020,7 @@ impl Tracker {
                             }
                             p.rec.method = Some(head.method.clone());
                             // A query string can carry a key (`?api_key=`): never kept.
-                            p.rec.path = Some(crate::redact::scrub(&head.path));
+                            p.rec.path = Some(crate::util::redact::scrub(&head.path));
                             p.rec.probe_poll = poll;
                             p.arrival_ns = Some(t0);
                             p.rec.arrival_ms = Some(t0.saturating_sub(start_ns) as f64 / 1e6);

@@ -65,11 +65,11 @@ fn key_of(labels: &[(String, String)], port: u16) -> String {
 
 /// Run until SIGINT/SIGTERM. Returns the exit code.
 pub fn run(o: Options) -> anyhow::Result<i32> {
-    crate::probes::check_privileges()?;
-    let state = crate::output::OutDir::create_or_open(&o.dir)?;
+    crate::kernel::probes::check_privileges()?;
+    let state = crate::util::output::OutDir::create_or_open(&o.dir)?;
     drop(state);
     let servers_dir = o.dir.join("servers");
-    crate::output::OutDir::create_or_open(&servers_dir)?;
+    crate::util::output::OutDir::create_or_open(&servers_dir)?;
     let followers: Arc<Mutex<HashMap<u32, Follower>>> = Arc::new(Mutex::new(HashMap::new()));
     let scans = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -97,7 +97,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         })
     };
     log_line!("probe watch: looking for LLM servers on this node (every {} s)", o.scan_every.as_secs_f64());
-    let me = crate::procfs::self_pid();
+    let me = crate::os::procfs::self_pid();
     let mut owners = HashMap::new();
     let mut closed = HashMap::new();
     let mut scopes = Scopes::new(o.scopes.clone());
@@ -116,7 +116,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 if let Some(x) = f.remove(&p) {
                     let _ = x.thread.join();
                     log_line!("probe watch [{}]: no longer followed; its incidents stay in {}", x.key, servers_dir.join(&x.key).display());
-                    if crate::procfs::exists(p) {
+                    if crate::os::procfs::exists(p) {
                         failed.insert(p, Instant::now());
                     }
                 }
@@ -126,7 +126,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         node.release_idle();
         let skip: HashSet<u32> = HashSet::from([me]);
         let followed: HashSet<u32> = followers.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
-        failed.retain(|p, t| t.elapsed() < Duration::from_secs(30) && crate::procfs::exists(*p));
+        failed.retain(|p, t| t.elapsed() < Duration::from_secs(30) && crate::os::procfs::exists(*p));
         let found = scan(&mut owners, &skip, &mut closed);
         let live: HashSet<(u32, u16)> = found.iter().map(|l| (l.pid, l.addr.port())).collect();
         answered.retain(|k, _| live.contains(k));
@@ -144,7 +144,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                     continue;
                 }
                 answered.insert((l.pid, l.addr.port()), a);
-                if a == Answer::NotServer || !crate::procfs::exists(l.pid) {
+                if a == Answer::NotServer || !crate::os::procfs::exists(l.pid) {
                     continue;
                 }
                 // One server per process: another of its ports found it already.
@@ -217,9 +217,9 @@ fn follow(
             log_line!(
                 "probe watch [{name}]: found a server: pid {} ({}) on port {}; {}",
                 l.pid,
-                crate::text::terminal(&crate::procfs::comm(l.pid)),
+                crate::util::text::terminal(&crate::os::procfs::comm(l.pid)),
                 l.addr.port(),
-                crate::text::terminal(&said.join(" "))
+                crate::util::text::terminal(&said.join(" "))
             );
             match (&grant, a) {
                 (Grant::Yes(scope), _) => log_line!("probe watch [{name}]: sends it the API key and headers ({scope})"),
@@ -269,9 +269,9 @@ fn start(
     });
     let key = name.to_string();
     let thread = std::thread::Builder::new().name("probe-server".into()).spawn(move || {
-        crate::text::set_log_key(Some(key));
+        crate::util::text::set_log_key(Some(key));
         if let Err(e) = super::run(opts) {
-            log_line!("probe watch: {}", crate::text::terminal(&format!("{e:#}")));
+            log_line!("probe watch: {}", crate::util::text::terminal(&format!("{e:#}")));
         }
     })?;
     Ok(Follower { thread, key: name.to_string(), metrics, stop })

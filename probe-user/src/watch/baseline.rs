@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::log_line;
-use crate::recording::records::{UserRecord, Warm, WarmBaseline};
+use crate::record::records::{UserRecord, Warm, WarmBaseline};
 
 pub const FILE_NAME: &str = "warm-baseline.json";
 /// Requests older than this are forgotten ("across a day").
@@ -44,13 +44,13 @@ impl Baseline {
     pub fn load(dir: &Path, server: &str) -> Baseline {
         let path = dir.join(FILE_NAME);
         let mut file = File { server: server.to_string(), warm: vec![] };
-        match crate::output::read_recording_text(&path, MAX_FILE) {
+        match crate::util::output::read_recording_text(&path, MAX_FILE) {
             Ok(text) => match serde_json::from_str::<File>(&text) {
                 Ok(f) if f.server == server => file.warm = f.warm,
                 Ok(f) => log_line!(
                     "probe watch: {} holds the warm baseline of {}, not of {server}: starting a new one",
                     path.display(),
-                    crate::text::terminal(&f.server)
+                    crate::util::text::terminal(&f.server)
                 ),
                 Err(e) => log_line!("probe watch: {} cannot be read ({e}): starting a new warm baseline", path.display()),
             },
@@ -74,11 +74,11 @@ impl Baseline {
     /// The record a window carries: the warm requests of earlier sessions (None: there are none).
     pub fn record(&self) -> Option<Vec<u8>> {
         let warm: Vec<Warm> = self.file.warm.iter().filter(|w| w.at_unix_ms < self.loaded_ms).cloned().collect();
-        (!warm.is_empty()).then(|| crate::recording::standalone(&UserRecord::WarmBaseline(WarmBaseline { warm })))
+        (!warm.is_empty()).then(|| crate::record::standalone(&UserRecord::WarmBaseline(WarmBaseline { warm })))
     }
 
     /// Learn the warm ones among `ids` (requests of `report`, just analysed); true when any was.
-    pub fn learn(&mut self, report: &crate::report::Report, ids: &[(u32, u64)]) -> bool {
+    pub fn learn(&mut self, report: &crate::analysis::report::Report, ids: &[(u32, u64)]) -> bool {
         let now = now_ms();
         let before = self.file.warm.len();
         for q in report.requests.iter().filter(|q| ids.contains(&(q.record.pid, q.record.id))) {
@@ -86,11 +86,11 @@ impl Baseline {
             let Some(ttft) = q.record.ttft_ms else { continue };
             if q.record.probe_poll
                 || q.record.role != crate::stream::Role::Server
-                || !matches!(v.slow_cause, crate::verdict::SlowCause::None | crate::verdict::SlowCause::Compute)
+                || !matches!(v.slow_cause, crate::analysis::verdict::SlowCause::None | crate::analysis::verdict::SlowCause::Compute)
             {
                 continue;
             }
-            let (size, unit) = crate::report::build::prompt_size(&q.record);
+            let (size, unit) = crate::analysis::report::build::prompt_size(&q.record);
             self.file.warm.push(Warm { size, unit: unit.into(), ttft_ms: ttft, at_unix_ms: now });
         }
         self.forget_old(now);
@@ -108,7 +108,7 @@ impl Baseline {
     /// Write it to the directory (replaced whole: never through a link; mode 0600).
     pub fn save(&self) {
         let write = || -> anyhow::Result<()> {
-            let out = crate::output::OutDir::open(&self.dir)?;
+            let out = crate::util::output::OutDir::open(&self.dir)?;
             out.write(FILE_NAME, &serde_json::to_vec_pretty(&self.file)?)?;
             Ok(())
         };

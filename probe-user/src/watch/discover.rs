@@ -48,7 +48,7 @@ pub fn parse_listeners(text: &str) -> Vec<(SocketAddr, u64)> {
             if *f.get(3)? != "0A" {
                 return None;
             }
-            let addr = crate::procfs::parse_listen_addrs(&format!("h\n{l}\n"), &HashSet::from([f.get(9)?.parse().ok()?])).pop()?;
+            let addr = crate::os::procfs::parse_listen_addrs(&format!("h\n{l}\n"), &HashSet::from([f.get(9)?.parse().ok()?])).pop()?;
             Some((addr, f.get(9)?.parse().ok()?))
         })
         .collect()
@@ -59,14 +59,14 @@ pub fn parse_listeners(text: &str) -> Vec<(SocketAddr, u64)> {
 /// for sockets it has not seen before.
 pub fn scan(owners: &mut HashMap<u64, Option<u32>>, skip: &HashSet<u32>, closed: &mut HashMap<Option<u64>, Instant>) -> Vec<Listener> {
     let mut by_ns: HashMap<Option<u64>, Vec<u32>> = HashMap::new();
-    for p in crate::procfs::all_pids() {
+    for p in crate::os::procfs::all_pids() {
         if !skip.contains(&p) {
-            by_ns.entry(crate::procfs::netns(p)).or_default().push(p);
+            by_ns.entry(crate::os::procfs::netns(p)).or_default().push(p);
         }
     }
     let mut out = Vec::new();
     let mut seen = HashSet::new();
-    let ours = crate::procfs::netns(crate::procfs::self_pid());
+    let ours = crate::os::procfs::netns(crate::os::procfs::self_pid());
     for (ns, members) in &by_ns {
         // A namespace probe could not enter is tried again a minute later.
         if closed.get(ns).is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
@@ -85,14 +85,14 @@ pub fn scan(owners: &mut HashMap<u64, Option<u32>>, skip: &HashSet<u32>, closed:
         if !new.is_empty() {
             let mut found: HashMap<u64, Vec<u32>> = HashMap::new();
             for &p in members {
-                for i in crate::procfs::socket_inodes(p).intersection(&new) {
+                for i in crate::os::procfs::socket_inodes(p).intersection(&new) {
                     found.entry(*i).or_default().push(p);
                 }
             }
             // A socket no process was found for (ours, one that closed meanwhile) is
             // remembered too: a scan reads file descriptors only for sockets new to it.
             for i in new {
-                owners.insert(i, found.get(&i).and_then(|p| crate::procfs::topmost(p)));
+                owners.insert(i, found.get(&i).and_then(|p| crate::os::procfs::topmost(p)));
             }
         }
         for (addr, inode) in socks {
@@ -114,9 +114,9 @@ fn listeners_in(ours: bool, member: u32) -> Option<Vec<(SocketAddr, u64)>> {
     let dump = move || {
         if !ours {
             let ns = std::fs::File::open(format!("/proc/{member}/ns/net")).ok()?;
-            crate::procfs::enter_netns(&ns).ok()?;
+            crate::os::procfs::enter_netns(&ns).ok()?;
         }
-        crate::procfs::tcp_listeners()
+        crate::os::procfs::tcp_listeners()
     };
     let got = if ours {
         dump()
@@ -143,11 +143,11 @@ const ASK_CAP: usize = 256 << 10;
 /// operator gave (`--api-key`, `--header`) is sent: the listener may be anyone's.
 pub fn ask(l: &Listener) -> Answer {
     let l = l.clone();
-    let ours = crate::procfs::netns(crate::procfs::self_pid());
+    let ours = crate::os::procfs::netns(crate::os::procfs::self_pid());
     let run = move || {
         if l.netns != ours {
             let Ok(ns) = std::fs::File::open(format!("/proc/{}/ns/net", l.pid)) else { return Answer::Later };
-            if crate::procfs::enter_netns(&ns).is_err() {
+            if crate::os::procfs::enter_netns(&ns).is_err() {
                 return Answer::Later;
             }
         }
@@ -156,11 +156,11 @@ pub fn ask(l: &Listener) -> Answer {
             std::net::IpAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
             std::net::IpAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
         };
-        let url = crate::httpc::Url::of(SocketAddr::new(ip, l.addr.port()));
+        let url = crate::util::httpc::Url::of(SocketAddr::new(ip, l.addr.port()));
         let deadline = Instant::now() + ASK_DEADLINE;
         let mut later = false;
         for (path, key) in [("/v1/models", "data"), ("/api/tags", "models")] {
-            match crate::httpc::get_anonymous(&url, path, Duration::from_secs(1), deadline, ASK_CAP) {
+            match crate::util::httpc::get_anonymous(&url, path, Duration::from_secs(1), deadline, ASK_CAP) {
                 Ok((401 | 403, body)) if api_error(&body) => return Answer::WantsKey,
                 Ok((200, body)) => {
                     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();

@@ -29,7 +29,7 @@ const DEPTH: usize = 8;
 
 /// Whether `dir` is a tree of incidents rather than one recording.
 pub fn is_tree(dir: &Path) -> bool {
-    !dir.join(crate::recording::FILE_NAME).exists() && !dir.join("segments").exists() && !find(dir).is_empty()
+    !dir.join(crate::record::FILE_NAME).exists() && !dir.join("segments").exists() && !find(dir).is_empty()
 }
 
 /// Incident folders under `root` (a folder with events.bin and report.json), sorted by time.
@@ -37,7 +37,7 @@ pub fn find(root: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![(root.to_path_buf(), 0)];
     while let Some((d, depth)) = stack.pop() {
-        if d.join(crate::recording::FILE_NAME).is_file() && d.join("report.json").is_file() {
+        if d.join(crate::record::FILE_NAME).is_file() && d.join("report.json").is_file() {
             out.push(d);
             continue;
         }
@@ -66,7 +66,7 @@ fn node_folder(root: &Path, dir: &Path) -> Option<String> {
 
 /// An incident's labels (its labels.json), if it has them.
 pub fn labels_of(dir: &Path) -> Option<std::collections::BTreeMap<String, String>> {
-    crate::output::read_recording_text(&dir.join(super::place::LABELS_FILE), 1 << 16).ok().and_then(|t| serde_json::from_str(&t).ok())
+    crate::util::output::read_recording_text(&dir.join(super::place::LABELS_FILE), 1 << 16).ok().and_then(|t| serde_json::from_str(&t).ok())
 }
 
 /// Read one incident folder.
@@ -95,7 +95,7 @@ pub fn read(root: &Path, dir: &Path) -> Incident {
         stop_cause: None,
         evidence: vec![],
     };
-    let report: serde_json::Value = crate::output::read_recording_text(&dir.join("report.json"), 256 << 20)
+    let report: serde_json::Value = crate::util::output::read_recording_text(&dir.join("report.json"), 256 << 20)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
@@ -172,7 +172,7 @@ mod tests {
         let b = root.join("node-b/incidents/20261203T020000Z-server_exit");
         for d in [&a, &b] {
             std::fs::create_dir_all(d).unwrap();
-            std::fs::write(d.join(crate::recording::FILE_NAME), b"").unwrap();
+            std::fs::write(d.join(crate::record::FILE_NAME), b"").unwrap();
         }
         let q = serde_json::json!({"requests": [{"id": 7, "ttft_ms": 812.0, "verdict": {"slow_cause": "load", "stop_cause": "eos", "evidence": ["model read"]}}]});
         std::fs::write(a.join("report.json"), q.to_string()).unwrap();

@@ -11,8 +11,8 @@ use std::{
 
 use super::{Link, Msg, Segment, SlowTtft, log_line, metrics::Metrics};
 use crate::{
+    analysis::verdict::{self, StopCause},
     stream::RequestRecord,
-    verdict::{self, StopCause},
 };
 
 /// Recent TTFTs kept for the `Nx` rule's median.
@@ -49,7 +49,7 @@ pub struct Watcher {
     ttfts: VecDeque<f64>,
     /// When an incident of each (kind, cause) was last saved: one per pair per `--incident-gap`.
     last_incident: HashMap<(&'static str, String), Instant>,
-    otlp: Option<Arc<crate::export::otlp::Sender>>,
+    otlp: Option<Arc<crate::render::export::otlp::Sender>>,
     /// The server's warm requests of earlier sessions, kept in the watch directory.
     baseline: super::baseline::Baseline,
     /// Where the server runs (node, container, pod): on each incident and span.
@@ -63,7 +63,7 @@ impl Watcher {
         dir: PathBuf,
         metrics: Arc<Metrics>,
         link: Arc<Link>,
-        otlp: Option<Arc<crate::export::otlp::Sender>>,
+        otlp: Option<Arc<crate::render::export::otlp::Sender>>,
         server: &str,
     ) -> Watcher {
         let baseline = super::baseline::Baseline::load(&o.dir, server);
@@ -170,12 +170,12 @@ impl Watcher {
                 Err(e) => log::warn!("segment {}: {e}", s.path.display()),
             }
         }
-        let window = |m: &mut crate::recording::records::Meta| {
+        let window = |m: &mut crate::record::records::Meta| {
             if let Some(from) = first.filter(|f| *f > 0.0) {
                 m.window_start_ns = Some(m.start_ns + (from * 1e6) as u64);
             }
         };
-        let mut buf = crate::recording::with_meta(&buf, window).unwrap_or(buf);
+        let mut buf = crate::record::with_meta(&buf, window).unwrap_or(buf);
         if !buf.is_empty()
             && let Some(warm) = self.baseline.record()
         {
@@ -201,12 +201,12 @@ impl Watcher {
             }
         };
         if let Some(otlp) = &self.otlp
-            && let Some(meta) = crate::recording::first_meta(&joined)
+            && let Some(meta) = crate::record::first_meta(&joined)
         {
             let ids: Vec<u64> = pending.iter().map(|p| p.q.id).collect();
-            let mut export = crate::export::otlp::from_report(&report, &meta, Some(&ids));
+            let mut export = crate::render::export::otlp::from_report(&report, &meta, Some(&ids));
             for (k, v) in &self.labels {
-                export.resource.push((super::place::otel_name(k).to_string(), crate::export::otlp::Val::S(v.clone())));
+                export.resource.push((super::place::otel_name(k).to_string(), crate::render::export::otlp::Val::S(v.clone())));
             }
             otlp.send(export);
         }
@@ -225,7 +225,7 @@ impl Watcher {
                     "request {} {} {}: ttft {}, stop {}, slow cause {slow}{}",
                     p.q.id,
                     p.q.method.as_deref().unwrap_or("?"),
-                    crate::redact::scrub(p.q.path.as_deref().unwrap_or("?")),
+                    crate::util::redact::scrub(p.q.path.as_deref().unwrap_or("?")),
                     p.q.ttft_ms.map_or("none".into(), |t| format!("{t:.0} ms")),
                     verdict::stop_cause(&p.q).0,
                     v.as_ref().map(|v| evidence(&v.evidence)).unwrap_or_default(),
@@ -251,7 +251,7 @@ impl Watcher {
             log_line!(
                 "probe watch: incident {kind} ({cause}) not saved (another within {} s; --incident-gap): {}",
                 self.gap.as_secs(),
-                crate::text::terminal(what)
+                crate::util::text::terminal(what)
             );
             return;
         }
@@ -261,12 +261,12 @@ impl Watcher {
         if bytes.is_empty() {
             return;
         }
-        let end = crate::recording::records::End { ts_ns: crate::monotonic_ns(), reason: format!("incident: {kind}") };
-        bytes.extend_from_slice(&crate::recording::standalone(&crate::recording::records::UserRecord::End(end)));
+        let end = crate::record::records::End { ts_ns: crate::monotonic_ns(), reason: format!("incident: {kind}") };
+        bytes.extend_from_slice(&crate::record::standalone(&crate::record::records::UserRecord::End(end)));
         match write_incident(&self.dir, kind, q.map(|q| q.id), &bytes, &self.labels) {
             Ok(dir) => {
                 self.metrics.incident(kind, true);
-                log_line!("probe watch: incident {kind}: {}; saved {}", crate::text::terminal(what), dir.display());
+                log_line!("probe watch: incident {kind}: {}; saved {}", crate::util::text::terminal(what), dir.display());
                 self.rotate_incidents(&dir);
                 if let Some(otlp) = &self.otlp {
                     otlp.send(self.incident_log(kind, cause, q, v, what, &dir));
@@ -286,11 +286,11 @@ impl Watcher {
         v: Option<&verdict::Verdict>,
         what: &str,
         dir: &Path,
-    ) -> crate::export::otlp::Export {
-        use crate::export::otlp::{Export, LogRecord, Val};
+    ) -> crate::render::export::otlp::Export {
+        use crate::render::export::otlp::{Export, LogRecord, Val};
         let s = |x: &str| Val::S(x.to_string());
         let mut resource = vec![
-            ("service.name".to_string(), s(&crate::procfs::comm(self.pid))),
+            ("service.name".to_string(), s(&crate::os::procfs::comm(self.pid))),
             ("process.pid".to_string(), Val::I(i64::from(self.pid))),
             ("host.name".to_string(), s(&super::place::node())),
             ("telemetry.sdk.name".to_string(), s("probe")),
@@ -374,7 +374,7 @@ fn evidence(lines: &[String]) -> String {
 /// A segment file's bytes (never through a link, never a FIFO).
 fn read_segment(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read as _;
-    let mut f = crate::output::open_recording_file(path)?;
+    let mut f = crate::util::output::open_recording_file(path)?;
     let mut b = Vec::new();
     f.read_to_end(&mut b)?;
     Ok(b)
@@ -399,8 +399,8 @@ fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8], labels
         n += 1;
         path = dir.join(format!("{base}-{n}"));
     }
-    let out = crate::output::OutDir::create_recording(&path, false)?;
-    out.write(crate::recording::FILE_NAME, bytes)?;
+    let out = crate::util::output::OutDir::create_recording(&path, false)?;
+    out.write(crate::record::FILE_NAME, bytes)?;
     // Where it happened (node, container, pod), for incidents pulled from many nodes.
     if !labels.is_empty() {
         let m: serde_json::Map<String, serde_json::Value> = labels.iter().map(|(k, v)| (k.clone(), v.clone().into())).collect();
@@ -408,8 +408,8 @@ fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8], labels
     }
     let a = crate::analysis::Analysis::of_dir(&path, crate::analysis::Needs::ALL)?;
     out.write("report.json", &serde_json::to_vec_pretty(&a.report)?)?;
-    crate::html::write_for(&a, &out)?;
-    crate::flame::write_defaults(&a.flames, &out)?;
-    crate::bundle::write(&a, &path.join("bundle.tar.gz"), false, false)?;
+    crate::render::html::write_for(&a, &out)?;
+    crate::render::flame::write_defaults(&a.flames, &out)?;
+    crate::render::bundle::write(&a, &path.join("bundle.tar.gz"), false, false)?;
     Ok(path)
 }

@@ -12,8 +12,8 @@ use std::{
 };
 
 use crate::{
-    recording::samples::Sample,
-    verdict::{SlowCause, StopCause},
+    analysis::verdict::{SlowCause, StopCause},
+    record::samples::Sample,
 };
 
 /// TTFT histogram bucket bounds, seconds.
@@ -45,7 +45,7 @@ pub fn path_label(path: Option<&str>) -> &'static str {
 }
 
 /// The TTFT causes of the split (verdict::Split's fields).
-pub const TTFT_CAUSES: [&str; 10] = crate::verdict::Split::NAMES;
+pub const TTFT_CAUSES: [&str; 10] = crate::analysis::verdict::Split::NAMES;
 
 #[derive(Default)]
 struct State {
@@ -107,7 +107,7 @@ impl Metrics {
     }
 
     /// A request's verdict: its TTFT split (ms) by cause, and what made it slow.
-    pub fn verdict(&self, v: &crate::verdict::Verdict) {
+    pub fn verdict(&self, v: &crate::analysis::verdict::Verdict) {
         self.with(|s| {
             s.analysed += 1;
             *s.slow.entry(v.slow_cause.name()).or_default() += 1;

@@ -26,7 +26,7 @@ use std::{
 
 use anyhow::Context as _;
 
-pub use crate::segments::{Link, Msg, Rotation, Segment, segment_name};
+pub use crate::collector::segments::{Link, Msg, Rotation, Segment, segment_name};
 
 /// `probe watch`'s options (see main.rs for their flags).
 #[derive(Clone)]
@@ -52,7 +52,7 @@ pub struct Options {
     pub offcpu_d_only: bool,
     pub started: Instant,
     /// Send each analysed request as an OpenTelemetry span here (`--otlp`).
-    pub otlp: Option<crate::export::otlp::Endpoint>,
+    pub otlp: Option<crate::render::export::otlp::Endpoint>,
     /// Labels on every metric, incident and span (`place::labels` under `--all`).
     pub labels: Vec<(String, String)>,
     /// Stop when the target exits instead of waiting for its successor (`--all` finds it).
@@ -118,7 +118,7 @@ impl SlowTtft {
 macro_rules! log_line {
     ($($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), "{}", $crate::text::log_line(format_args!($($t)*)));
+        let _ = writeln!(std::io::stderr(), "{}", $crate::util::text::log_line(format_args!($($t)*)));
     }};
 }
 pub(crate) use log_line;
@@ -129,11 +129,11 @@ const FIND_EVERY: Duration = Duration::from_secs(1);
 /// Run until SIGINT/SIGTERM. Returns the exit code.
 pub fn run(o: Options) -> anyhow::Result<i32> {
     // Said once, now, rather than at every attempt to attach.
-    crate::probes::check_privileges()?;
-    let state = crate::output::OutDir::create_or_open(&o.dir)?;
+    crate::kernel::probes::check_privileges()?;
+    let state = crate::util::output::OutDir::create_or_open(&o.dir)?;
     drop(state);
     let incidents = o.dir.join("incidents");
-    crate::output::OutDir::create_or_open(&incidents)?;
+    crate::util::output::OutDir::create_or_open(&incidents)?;
     let metrics = o.member.as_ref().map_or_else(|| Arc::new(metrics::Metrics::default()), |m| m.metrics.clone());
     metrics.set_labels(o.labels.clone());
     if let Some(addr) = o.metrics_addr {
@@ -160,7 +160,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             }
         })
     };
-    let otlp = o.otlp.clone().map(|e| Arc::new(crate::export::otlp::Sender::start(e)));
+    let otlp = o.otlp.clone().map(|e| Arc::new(crate::render::export::otlp::Sender::start(e)));
     if let Some(s) = &otlp {
         metrics.set_otlp(s.sent.clone(), s.dropped.clone());
     }
@@ -196,14 +196,14 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             Box::new(move |lost, bpf_ns| m.set_cost(lost, bpf_ns)),
         ));
         let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone(), otlp.clone(), &follow.describe());
-        let key = crate::text::log_key();
+        let key = crate::util::text::log_key();
         let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || {
-            crate::text::set_log_key(key);
+            crate::util::text::set_log_key(key);
             // Analysis and incident writing wait for a free CPU: never ahead of the server.
-            crate::procfs::idle_priority();
+            crate::os::procfs::idle_priority();
             watcher.run(rx)
         })?;
-        log_line!("probe watch: following pid {pid} ({})", crate::text::terminal(&crate::procfs::comm(pid)));
+        log_line!("probe watch: following pid {pid} ({})", crate::util::text::terminal(&crate::os::procfs::comm(pid)));
         let outcome = crate::collector::trace(crate::collector::TraceOptions {
             pid,
             duration: None,
@@ -253,7 +253,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
             Err(e) => {
                 // The target went away while probe attached, or it cannot be traced: say so
                 // and look again (a crash loop is slowed by FIND_EVERY).
-                log_line!("probe watch: cannot trace pid {pid}: {}", crate::text::terminal(&format!("{e:#}")));
+                log_line!("probe watch: cannot trace pid {pid}: {}", crate::util::text::terminal(&format!("{e:#}")));
                 follow.exited(pid);
                 if o.once {
                     break;

@@ -22,7 +22,7 @@ pub fn labels(pid: u32, pod_logs: &Path) -> Vec<(String, String)> {
     let mut out = vec![(NODE.to_string(), node())];
     let (container, pod_uid) = parse_cgroups(&cgroups);
     if let Some(id) = container {
-        if let Some(name) = crate::cgroup::name_of_id(&id) {
+        if let Some(name) = crate::os::cgroup::name_of_id(&id) {
             out.push((CONTAINER.into(), name));
         }
         out.push((CONTAINER_ID.into(), id));
@@ -58,7 +58,7 @@ pub fn parse_cgroups(text: &str) -> (Option<String>, Option<String>) {
         let Some(path) = line.splitn(3, ':').nth(2) else { continue };
         let dirs: Vec<&str> = path.split('/').filter(|d| !d.is_empty()).collect();
         if container.is_none() {
-            container = dirs.iter().rev().find_map(|d| crate::cgroup::container_id(d)).map(str::to_string);
+            container = dirs.iter().rev().find_map(|d| crate::os::cgroup::container_id(d)).map(str::to_string);
         }
         if pod.is_none() && dirs.iter().any(|d| d.starts_with("kubepods")) {
             pod = dirs.iter().find_map(|d| pod_uid(d));

@@ -48,9 +48,9 @@ impl Scope {
 impl std::fmt::Display for Scope {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Scope::Container(n) => write!(f, "container={}", crate::text::terminal(n)),
+            Scope::Container(n) => write!(f, "container={}", crate::util::text::terminal(n)),
             Scope::Port(p) => write!(f, "port={p}"),
-            Scope::Exe(e) => write!(f, "exe={}", crate::text::terminal(&e.display().to_string())),
+            Scope::Exe(e) => write!(f, "exe={}", crate::util::text::terminal(&e.display().to_string())),
         }
     }
 }
@@ -65,7 +65,7 @@ pub struct Server {
 
 impl Server {
     pub fn of(pid: u32, port: u16, labels: &[(String, String)]) -> Server {
-        Server { port, labels: labels.to_vec(), uid: crate::procfs::uid(pid), exe: crate::procfs::exe(pid) }
+        Server { port, labels: labels.to_vec(), uid: crate::os::procfs::uid(pid), exe: crate::os::procfs::exe(pid) }
     }
 }
 
@@ -114,8 +114,8 @@ impl Scopes {
                 Some((u, e)) => {
                     refused = Some(format!(
                         "{scope} was first given to uid {u} running {}; this is uid {uid} running {}",
-                        crate::text::terminal(&e.display().to_string()),
-                        crate::text::terminal(&exe.display().to_string())
+                        crate::util::text::terminal(&e.display().to_string()),
+                        crate::util::text::terminal(&exe.display().to_string())
                     ))
                 }
             }

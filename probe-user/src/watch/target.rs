@@ -2,7 +2,7 @@
 //! listens on the same port (a restarted server, an upgrade), else one of the same executable.
 use std::collections::HashSet;
 
-use crate::procfs::{all_pids as pids, topmost};
+use crate::os::procfs::{all_pids as pids, topmost};
 
 /// How the user named the target.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,7 +42,7 @@ struct Pin {
 
 impl Pin {
     fn of(pid: u32) -> Option<Pin> {
-        Some(Pin { uid: crate::procfs::uid(pid)?, exe: crate::procfs::exe(pid), cgroup: crate::cgroup::of_pid(pid) })
+        Some(Pin { uid: crate::os::procfs::uid(pid)?, exe: crate::os::procfs::exe(pid), cgroup: crate::os::cgroup::of_pid(pid) })
     }
 
     fn admits(&self, other: &Pin) -> bool {
@@ -60,15 +60,15 @@ impl Following {
             Select::Pid(p) if self.ports.is_empty() && self.exe.is_none() => return format!("pid {p}"),
             Select::Pid(p) => format!("a successor of pid {p}"),
             Select::Port(p) => return format!("a process listening on port {p}"),
-            Select::Exe(e) => return format!("a process named {}", crate::text::terminal(e)),
-            Select::Cgroup(c) => return format!("a process in cgroup {}", crate::text::terminal(&c.display().to_string())),
+            Select::Exe(e) => return format!("a process named {}", crate::util::text::terminal(e)),
+            Select::Cgroup(c) => return format!("a process in cgroup {}", crate::util::text::terminal(&c.display().to_string())),
         };
         let mut by = Vec::new();
         if !self.ports.is_empty() {
             by.push(format!("listening on port {}", self.ports.iter().map(u16::to_string).collect::<Vec<_>>().join(", ")));
         }
         if let Some(e) = &self.exe {
-            by.push(format!("running {}", crate::text::terminal(e)));
+            by.push(format!("running {}", crate::util::text::terminal(e)));
         }
         format!("{what} ({})", by.join(" or "))
     }
@@ -76,17 +76,17 @@ impl Following {
     /// The process to follow now, if there is one.
     pub fn find(&mut self) -> Option<u32> {
         let pid = match &self.select {
-            Select::Pid(p) if self.ports.is_empty() && self.exe.is_none() => Some(*p).filter(|&p| crate::procfs::exists(p)),
+            Select::Pid(p) if self.ports.is_empty() && self.exe.is_none() => Some(*p).filter(|&p| crate::os::procfs::exists(p)),
             Select::Pid(_) => self.ports.iter().find_map(|&port| listener(port)).or_else(|| self.exe.as_deref().and_then(by_exe)),
             Select::Port(port) => listener(*port),
             Select::Exe(name) => by_exe(name),
             Select::Cgroup(c) => {
                 let gone = &self.gone;
-                let live: Vec<u32> = crate::cgroup::procs(c).into_iter().filter(|p| !gone.contains(p)).collect();
-                crate::cgroup::main_pid(&live)
+                let live: Vec<u32> = crate::os::cgroup::procs(c).into_iter().filter(|p| !gone.contains(p)).collect();
+                crate::os::cgroup::main_pid(&live)
             }
         }?;
-        if self.gone.contains(&pid) || !crate::procfs::exists(pid) {
+        if self.gone.contains(&pid) || !crate::os::procfs::exists(pid) {
             return None;
         }
         if !matches!(self.select, Select::Cgroup(_)) {
@@ -98,9 +98,9 @@ impl Following {
                     if self.refused.insert(pid) {
                         super::log_line!(
                             "probe watch: not following pid {pid}: it runs {} as uid {}, not {} as uid {} like the process followed before (restart probe to follow it)",
-                            crate::text::terminal(&who.exe.as_ref().map_or("?".into(), |e| e.display().to_string())),
+                            crate::util::text::terminal(&who.exe.as_ref().map_or("?".into(), |e| e.display().to_string())),
                             who.uid,
-                            crate::text::terminal(&p.exe.as_ref().map_or("?".into(), |e| e.display().to_string())),
+                            crate::util::text::terminal(&p.exe.as_ref().map_or("?".into(), |e| e.display().to_string())),
                             p.uid
                         );
                     }
@@ -109,7 +109,7 @@ impl Following {
             }
         }
         // What to look for when it exits (a --pid target's successor).
-        let ports = crate::procfs::listen_ports(pid);
+        let ports = crate::os::procfs::listen_ports(pid);
         if !ports.is_empty() {
             self.ports = ports;
         }
@@ -130,29 +130,29 @@ impl Following {
 /// The process listening on TCP `port`: in probe's network namespace first, else in another one
 /// (a server in a container of its own, whose port is the container's, not the host's).
 pub fn listener(port: u16) -> Option<u32> {
-    let me = crate::procfs::self_pid();
+    let me = crate::os::procfs::self_pid();
     let all: Vec<u32> = pids().into_iter().filter(|&p| p != me).collect();
     let owners = |inodes: &HashSet<u64>, among: &[u32]| -> Option<u32> {
-        let found: Vec<u32> = among.iter().copied().filter(|&p| !crate::procfs::socket_inodes(p).is_disjoint(inodes)).collect();
+        let found: Vec<u32> = among.iter().copied().filter(|&p| !crate::os::procfs::socket_inodes(p).is_disjoint(inodes)).collect();
         topmost(&found)
     };
     let here: HashSet<u64> =
-        crate::procfs::tcp_listeners().unwrap_or_default().into_iter().filter(|(a, _)| a.port() == port).map(|(_, i)| i).collect();
+        crate::os::procfs::tcp_listeners().unwrap_or_default().into_iter().filter(|(a, _)| a.port() == port).map(|(_, i)| i).collect();
     if !here.is_empty() {
         return owners(&here, &all);
     }
     // Other namespaces: one read of /proc/PID/net/tcp{,6} per namespace, then its processes.
-    let ours = crate::procfs::netns(me);
+    let ours = crate::os::procfs::netns(me);
     let mut by_ns: std::collections::BTreeMap<u64, Vec<u32>> = std::collections::BTreeMap::new();
     for &p in &all {
-        if let Some(ns) = crate::procfs::netns(p).filter(|ns| Some(*ns) != ours) {
+        if let Some(ns) = crate::os::procfs::netns(p).filter(|ns| Some(*ns) != ours) {
             by_ns.entry(ns).or_default().push(p);
         }
     }
     for members in by_ns.values() {
         let text: String =
             ["tcp", "tcp6"].iter().filter_map(|f| std::fs::read_to_string(format!("/proc/{}/net/{f}", members[0])).ok()).collect();
-        let inodes = crate::procfs::parse_listen_inodes(&text, port);
+        let inodes = crate::os::procfs::parse_listen_inodes(&text, port);
         if !inodes.is_empty() {
             return owners(&inodes, members);
         }
@@ -162,7 +162,7 @@ pub fn listener(port: u16) -> Option<u32> {
 
 /// A process whose comm (first 15 bytes of its name) or executable's file name is `name`.
 pub fn by_exe(name: &str) -> Option<u32> {
-    let me = crate::procfs::self_pid();
+    let me = crate::os::procfs::self_pid();
     let short: String = name.chars().take(15).collect();
     let found: Vec<u32> = pids()
         .into_iter()
@@ -170,7 +170,7 @@ pub fn by_exe(name: &str) -> Option<u32> {
         .filter(|&p| {
             let exe = std::fs::read_link(format!("/proc/{p}/exe")).ok();
             let exe_name = exe.as_ref().and_then(|e| e.file_name()).map(|n| n.to_string_lossy().trim_end_matches(" (deleted)").to_string());
-            exe_name.as_deref() == Some(name) || (exe.is_some() && crate::procfs::comm(p) == short)
+            exe_name.as_deref() == Some(name) || (exe.is_some() && crate::os::procfs::comm(p) == short)
         })
         .collect();
     topmost(&found)

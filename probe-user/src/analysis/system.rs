@@ -1,0 +1,586 @@
+//! The machine around the target during a trace, from the sampler records and the mem probe:
+//! GPU clocks and memory, CPU frequency, memory pressure (PSI, reclaim, compaction, OOM kills,
+//! RSS, memory cgroup), the model files' page-cache residency and the server's own endpoints.
+//! Pure: records in, summary out.
+use std::collections::{BTreeMap, HashSet};
+
+use crate::record::samples::{CpuFreqReading, CpuIdleReading, EndpointPoll, GpuDevice, GpuSample, LoadedModel, Mem, Sample};
+use probe_common::mem::{MEM_COMPACTION, MEM_DIRECT_RECLAIM, MEM_MEMCG_RECLAIM, MEM_OOM_VICTIM, MemEvent};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct System {
+    pub gpu: Gpu,
+    pub cpu_freq: CpuFreq,
+    pub memory: Memory,
+    pub model_files: Vec<ModelFile>,
+    pub server: Vec<Endpoint>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Gpu {
+    /// Why GPU clocks were not sampled (no NVIDIA driver), if so.
+    pub absent: Option<String>,
+    pub devices: Vec<GpuDevice>,
+    pub samples: u64,
+    pub per_device: Vec<GpuStats>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuStats {
+    pub index: u32,
+    pub sm_mhz_min: Option<u32>,
+    pub sm_mhz_max: Option<u32>,
+    pub pstates: Vec<u32>,
+    pub power_w_max: Option<f64>,
+    pub util_gpu_max: Option<u32>,
+    pub vram_used_max: Option<u64>,
+    pub target_vram_max: Option<u64>,
+    /// Clock-event reasons seen, with how many samples had each.
+    pub reasons: BTreeMap<String, u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct IdleState {
+    pub name: String,
+    pub latency_us: u64,
+    /// Share of all CPUs' time in this state while tracing, and how often they entered it.
+    pub share: f64,
+    pub entries: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct CpuFreq {
+    pub absent: Option<String>,
+    /// CPU idle states (cpuidle), when the kernel has them.
+    #[serde(default)]
+    pub idle: Vec<IdleState>,
+    pub samples: u64,
+    /// Mean over CPUs of current/max, lowest and highest seen.
+    pub share_min: Option<f64>,
+    pub share_max: Option<f64>,
+    pub max_mhz: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Stall {
+    pub count: u64,
+    pub total_ms: f64,
+    pub max_ms: f64,
+    /// Reclaim: pages reclaimed.
+    pub pages: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct OomKill {
+    pub t_ms: f64,
+    pub pid: u32,
+    pub rss_kib: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Memory {
+    /// In the target's threads (mem probe).
+    pub direct_reclaim: Stall,
+    pub memcg_reclaim: Stall,
+    pub compaction: Stall,
+    pub oom_kills: Vec<OomKill>,
+    /// System-wide during the trace (deltas of PSI totals and /proc/vmstat).
+    pub psi_some_ms: Option<f64>,
+    pub psi_full_ms: Option<f64>,
+    pub psi_io_some_ms: Option<f64>,
+    pub pgscan_direct: u64,
+    pub allocstall: u64,
+    pub compact_stall: u64,
+    pub pswpin: u64,
+    pub oom_kill_events: u64,
+    pub mem_available_min_kib: Option<u64>,
+    /// The target (and its children): resident memory, KiB.
+    pub rss_kib_start: Option<u64>,
+    pub rss_kib_max: Option<u64>,
+    pub rss_kib_end: Option<u64>,
+    pub rss_file_kib_max: Option<u64>,
+    pub cgroup: Option<String>,
+    pub cgroup_limit: Option<u64>,
+    pub cgroup_usage_max: Option<u64>,
+    pub cgroup_limit_hits: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ModelFile {
+    pub path: String,
+    pub bytes: u64,
+    /// Share of its pages in the page cache: first and last reading, lowest seen.
+    pub resident_start: f64,
+    pub resident_end: f64,
+    pub resident_min: f64,
+    pub readings: u64,
+    /// Pages evicted while tracing (cachestat), if known.
+    pub evicted: Option<u64>,
+    /// Its inode and modification time (seconds since the epoch), when the recording has them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inode: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtime_unix_s: Option<i64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Series {
+    pub first: f64,
+    pub last: f64,
+    pub max: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Endpoint {
+    pub addr: String,
+    pub kind: crate::record::samples::Kind,
+    pub polls: u64,
+    pub build_info: Option<String>,
+    pub model_path: Option<String>,
+    pub total_slots: Option<u64>,
+    /// llama.cpp: context per slot (tokens).
+    pub n_ctx_slot: Option<u64>,
+    /// llama.cpp: polls that found the server sleeping (model unloaded).
+    pub sleeping_polls: u64,
+    pub metrics_status: Option<u64>,
+    /// The address is in the target's network namespace (a container's), not probe's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub netns: bool,
+    /// Prometheus series: first, last and highest value while tracing.
+    pub series: BTreeMap<String, Series>,
+    /// Ollama: models loaded at the last poll (name, size_vram, expires_at).
+    pub loaded_models: Vec<LoadedModel>,
+}
+
+/// Local ports of probe's own endpoint polls: requests from them are not the server's traffic.
+pub fn poll_ports(samples: &[Sample]) -> HashSet<u16> {
+    samples.iter().filter_map(|s| if let Sample::Endpoint(e) = s { Some(&e.local_ports) } else { None }).flatten().copied().collect()
+}
+
+fn max_in<T: PartialOrd + Copy>(out: &mut Option<T>, x: Option<T>) {
+    if let Some(x) = x {
+        *out = Some(match *out {
+            Some(o) if o >= x => o,
+            _ => x,
+        });
+    }
+}
+
+fn gpu_stats(st: &mut GpuStats, g: &GpuSample) {
+    if let Some(c) = g.sm_mhz {
+        st.sm_mhz_min = Some(st.sm_mhz_min.map_or(c, |m| m.min(c)));
+        st.sm_mhz_max = Some(st.sm_mhz_max.map_or(c, |m| m.max(c)));
+    }
+    if let Some(p) = g.pstate
+        && !st.pstates.contains(&p)
+    {
+        st.pstates.push(p);
+        st.pstates.sort_unstable();
+    }
+    max_in(&mut st.power_w_max, g.power_w);
+    max_in(&mut st.util_gpu_max, g.util_gpu);
+    max_in(&mut st.vram_used_max, g.vram_used);
+    max_in(&mut st.target_vram_max, g.target_vram);
+    for r in &g.reasons {
+        *st.reasons.entry(r.clone()).or_default() += 1;
+    }
+}
+
+fn endpoint(eps: &mut BTreeMap<String, Endpoint>, v: &EndpointPoll) {
+    let e = eps.entry(v.addr.clone()).or_insert_with(|| Endpoint { addr: v.addr.clone(), ..Default::default() });
+    e.kind = v.kind;
+    e.polls += 1;
+    e.metrics_status = v.metrics_status.map(u64::from);
+    e.netns |= v.netns;
+    if let Some(p) = &v.props {
+        e.build_info = p.build_info.clone().or(e.build_info.take());
+        e.model_path = p.model_path.clone().or(e.model_path.take());
+        e.total_slots = p.total_slots.or(e.total_slots);
+        e.n_ctx_slot = p.n_ctx_slot.or(e.n_ctx_slot);
+        e.sleeping_polls += u64::from(p.is_sleeping == Some(true));
+    }
+    for (k, &x) in v.metrics.iter().flatten() {
+        let sr = e.series.entry(k.clone()).or_insert(Series { first: x, last: x, max: x });
+        sr.last = x;
+        sr.max = sr.max.max(x);
+    }
+    if let Some(ps) = &v.ps {
+        e.loaded_models = ps.clone();
+    }
+}
+
+fn idle_states(a: &CpuIdleReading, b: &CpuIdleReading) -> Vec<IdleState> {
+    let wall_us = b.ts_ns.saturating_sub(a.ts_ns) as f64 / 1e3 * f64::from(b.idle.cpus.max(1));
+    let (x, y) = (&a.idle, &b.idle);
+    y.names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let dt = y.time_us.get(i).zip(x.time_us.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x));
+            IdleState {
+                name: name.clone(),
+                latency_us: y.latency_us.get(i).copied().unwrap_or(0),
+                share: if wall_us > 0.0 { (dt as f64 / wall_us).min(1.0) } else { 0.0 },
+                entries: y.usage.get(i).zip(x.usage.get(i)).map_or(0, |(y, x)| y.saturating_sub(*x)),
+            }
+        })
+        .collect()
+}
+
+fn memory_deltas(m: &mut Memory, a: &Mem, b: &Mem) {
+    let dms = |x: Option<u64>, y: Option<u64>| Some(y?.saturating_sub(x?) as f64 / 1e3);
+    m.psi_some_ms = dms(a.psi_some_us, b.psi_some_us);
+    m.psi_full_ms = dms(a.psi_full_us, b.psi_full_us);
+    m.psi_io_some_ms = dms(a.psi_io_some_us, b.psi_io_some_us);
+    m.pgscan_direct = b.pgscan_direct.saturating_sub(a.pgscan_direct);
+    m.allocstall = b.allocstall.saturating_sub(a.allocstall);
+    m.compact_stall = b.compact_stall.saturating_sub(a.compact_stall);
+    m.pswpin = b.pswpin.saturating_sub(a.pswpin);
+    m.oom_kill_events = b.oom_kill.saturating_sub(a.oom_kill);
+    m.rss_kib_start = a.rss_kib;
+    m.rss_kib_end = b.rss_kib;
+    m.cgroup_limit_hits = match (a.cgroup_limit_hits, b.cgroup_limit_hits) {
+        (Some(x), Some(y)) => Some(y.saturating_sub(x)),
+        _ => None,
+    };
+}
+
+pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System {
+    let ms = |ts: u64| ts.saturating_sub(start) as f64 / 1e6;
+    let mut s = System::default();
+    let mut first_mem: Option<&Mem> = None;
+    let mut last_mem: Option<&Mem> = None;
+    let (mut first_idle, mut last_idle): (Option<&CpuIdleReading>, Option<&CpuIdleReading>) = (None, None);
+    let mut files: BTreeMap<String, ModelFile> = BTreeMap::new();
+    let mut first_evicted: BTreeMap<String, u64> = BTreeMap::new();
+    let mut eps: BTreeMap<String, Endpoint> = BTreeMap::new();
+    let cpu_maxes = cpu_max(samples);
+    for v in samples {
+        match v {
+            Sample::Samplers(v) => {
+                s.gpu.absent = v.gpu_absent.clone();
+                s.gpu.devices = v.gpus.clone().unwrap_or_default();
+                s.cpu_freq.absent = v.cpufreq_absent.clone();
+                if let Some(m) = &v.cpufreq_max_khz {
+                    s.cpu_freq.max_mhz =
+                        m.iter().map(|&k| k as f64).fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b)))).map(|k| k / 1e3);
+                }
+                s.memory.cgroup = v.memory_cgroup.clone();
+            }
+            Sample::Gpu(v) => {
+                if let Some(d) = v.devices.as_ref().filter(|_| s.gpu.devices.is_empty()) {
+                    s.gpu.devices = d.clone();
+                }
+                if v.gpus.is_empty() {
+                    continue;
+                }
+                s.gpu.samples += 1;
+                for g in &v.gpus {
+                    let st = match s.gpu.per_device.iter().position(|d| d.index == g.index) {
+                        Some(p) => &mut s.gpu.per_device[p],
+                        None => {
+                            s.gpu.per_device.push(GpuStats { index: g.index, ..Default::default() });
+                            s.gpu.per_device.last_mut().expect("just pushed")
+                        }
+                    };
+                    gpu_stats(st, g);
+                }
+            }
+            Sample::Cpufreq(v) => {
+                s.cpu_freq.samples += 1;
+                if let Some(share) = cpu_share(v, &cpu_maxes) {
+                    s.cpu_freq.share_min = Some(s.cpu_freq.share_min.map_or(share, |m| m.min(share)));
+                    s.cpu_freq.share_max = Some(s.cpu_freq.share_max.map_or(share, |m| m.max(share)));
+                }
+            }
+            Sample::Mem(v) => {
+                let v = &v.mem;
+                first_mem.get_or_insert(v);
+                last_mem = Some(v);
+                let m = &mut s.memory;
+                max_in(&mut m.rss_kib_max, v.rss_kib);
+                max_in(&mut m.rss_file_kib_max, v.rss_file_kib);
+                max_in(&mut m.cgroup_usage_max, v.cgroup_usage);
+                if let Some(x) = v.mem_available_kib {
+                    m.mem_available_min_kib = Some(m.mem_available_min_kib.map_or(x, |o| o.min(x)));
+                }
+                if let Some(l) = v.cgroup_limit {
+                    m.cgroup_limit = Some(l);
+                }
+            }
+            Sample::Cpuidle(v) => {
+                first_idle.get_or_insert(v);
+                last_idle = Some(v);
+            }
+            Sample::Residency(v) => {
+                for r in &v.files {
+                    let share = r.share();
+                    let f = files.entry(r.path.clone()).or_insert_with(|| ModelFile {
+                        path: r.path.clone(),
+                        bytes: r.bytes,
+                        resident_start: share,
+                        resident_min: share,
+                        inode: (r.inode != 0).then_some(r.inode),
+                        mtime_unix_s: (r.inode != 0).then_some(r.mtime_unix_s),
+                        ..Default::default()
+                    });
+                    f.resident_end = share;
+                    f.resident_min = f.resident_min.min(share);
+                    f.readings += 1;
+                    if let Some(e) = r.evicted {
+                        let first = *first_evicted.entry(r.path.clone()).or_insert(e);
+                        f.evicted = Some(e.saturating_sub(first));
+                    }
+                }
+            }
+            Sample::Endpoint(v) if v.answered() => endpoint(&mut eps, v),
+            Sample::Endpoint(_) | Sample::Attach(_) => {}
+        }
+    }
+    if let (Some(a), Some(b)) = (first_idle, last_idle) {
+        s.cpu_freq.idle = idle_states(a, b);
+    }
+    if let (Some(a), Some(b)) = (first_mem, last_mem) {
+        memory_deltas(&mut s.memory, a, b);
+    }
+    for e in mem_events {
+        let dur = e.hdr.ts_ns.saturating_sub(e.begin_ns) as f64 / 1e6;
+        let stall = match e.what {
+            MEM_DIRECT_RECLAIM => &mut s.memory.direct_reclaim,
+            MEM_MEMCG_RECLAIM => &mut s.memory.memcg_reclaim,
+            MEM_COMPACTION => &mut s.memory.compaction,
+            MEM_OOM_VICTIM => {
+                s.memory.oom_kills.push(OomKill { t_ms: ms(e.hdr.ts_ns), pid: e.victim, rss_kib: e.nr });
+                continue;
+            }
+            _ => continue,
+        };
+        stall.count += 1;
+        stall.total_ms += dur;
+        stall.max_ms = stall.max_ms.max(dur);
+        if e.what != MEM_COMPACTION {
+            stall.pages += e.nr;
+        }
+    }
+    s.model_files = files.into_values().collect();
+    s.model_files.sort_by_key(|f| std::cmp::Reverse(f.bytes));
+    s.server = eps.into_values().collect();
+    s
+}
+
+fn cpu_max(samples: &[Sample]) -> Vec<f64> {
+    samples
+        .iter()
+        .find_map(|v| if let Sample::Samplers(s) = v { s.cpufreq_max_khz.as_ref() } else { None })
+        .map(|m| m.iter().map(|&k| k as f64).collect())
+        .unwrap_or_default()
+}
+
+/// Mean over CPUs of cur/max for one cpufreq record.
+fn cpu_share(v: &CpuFreqReading, max: &[f64]) -> Option<f64> {
+    let cur = &v.cur_khz;
+    if cur.is_empty() || cur.len() != max.len() {
+        return None;
+    }
+    Some(cur.iter().zip(max).map(|(&c, m)| if *m > 0.0 { c as f64 / m } else { 1.0 }).sum::<f64>() / cur.len() as f64)
+}
+
+/// (time, device, SM clock as a share of its working clock, P-state).
+pub type GpuClock = (u64, u32, f64, Option<u32>);
+
+/// A GPU's PCI power state as sysfs said it: (time, PCI address, asleep, as said: "D3cold").
+pub type PciState = (u64, String, bool, String);
+
+/// Every GPU power state read from sysfs, in time order (a reading lists the devices whose state
+/// changed since the one before).
+pub fn pci_series(samples: &[Sample]) -> Vec<PciState> {
+    samples
+        .iter()
+        .filter_map(|v| if let Sample::Gpu(g) = v { Some(g) } else { None })
+        .flat_map(|g| g.pci.iter().map(move |p| (g.ts_ns, p.addr.clone(), p.asleep(), p.said().to_string())))
+        .collect()
+}
+
+/// Clock readings over time for the verdicts: (ts, share of the device's working clock).
+/// GPU: SM clock / highest SM clock seen in the trace (or the device maximum); CPU: mean cur/max.
+pub fn clock_series(samples: &[Sample]) -> (Vec<GpuClock>, Vec<(u64, f64)>) {
+    let gpu_readings = || samples.iter().filter_map(|v| if let Sample::Gpu(g) = v { Some(g) } else { None });
+    let mut gpu_max: BTreeMap<u32, f64> = BTreeMap::new();
+    for g in gpu_readings().flat_map(|v| &v.gpus) {
+        if let Some(c) = g.sm_mhz {
+            let e = gpu_max.entry(g.index).or_insert(0.0);
+            *e = e.max(f64::from(c));
+        }
+    }
+    let mut gpu = Vec::new();
+    for v in gpu_readings() {
+        for g in &v.gpus {
+            if let (Some(c), Some(m)) = (g.sm_mhz, gpu_max.get(&g.index))
+                && *m > 0.0
+            {
+                gpu.push((v.ts_ns, g.index, f64::from(c) / m, g.pstate));
+            }
+        }
+    }
+    let max = cpu_max(samples);
+    let cpu = samples.iter().filter_map(|v| if let Sample::Cpufreq(c) = v { Some((c.ts_ns, cpu_share(c, &max)?)) } else { None }).collect();
+    (gpu, cpu)
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+}
+
+/// The human lines for `probe report`: one block per source, absent ones said in a line.
+pub fn render(s: &System) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(o, "\nSystem:");
+    match &s.gpu.absent {
+        Some(why) => {
+            let _ = writeln!(o, "  GPU: {why}");
+        }
+        None => {
+            for d in &s.gpu.per_device {
+                let name = s
+                    .gpu
+                    .devices
+                    .iter()
+                    .find(|x| x.index == d.index)
+                    .map(|x| format!("{} (driver {})", x.name, x.driver))
+                    .unwrap_or_default();
+                let clocks = match (d.sm_mhz_min, d.sm_mhz_max) {
+                    (Some(a), Some(b)) => format!("SM clock {a}-{b} MHz"),
+                    _ => "SM clock unknown".into(),
+                };
+                let ps: Vec<String> = d.pstates.iter().map(|p| format!("P{p}")).collect();
+                let reasons: Vec<String> = d.reasons.iter().map(|(k, n)| format!("{k} ({n})")).collect();
+                let _ = writeln!(
+                    o,
+                    "  GPU {} {name}: {clocks}, states {}, power max {}, VRAM used max {}, the target's {}{}",
+                    d.index,
+                    if ps.is_empty() { "?".into() } else { ps.join(",") },
+                    d.power_w_max.map(|w| format!("{w:.0} W")).unwrap_or_else(|| "?".into()),
+                    d.vram_used_max.map(mib).unwrap_or_else(|| "?".into()),
+                    d.target_vram_max.map(mib).unwrap_or_else(|| "?".into()),
+                    if reasons.is_empty() { String::new() } else { format!("; clocks held by {}", reasons.join(", ")) }
+                );
+            }
+        }
+    }
+    match (&s.cpu_freq.absent, s.cpu_freq.share_min, s.cpu_freq.share_max) {
+        (Some(why), _, _) => {
+            let _ = writeln!(o, "  CPU: {why}");
+        }
+        (None, Some(a), Some(b)) => {
+            let _ = writeln!(
+                o,
+                "  CPU frequency: {:.0}%-{:.0}% of maximum ({:.0} MHz)",
+                a * 100.0,
+                b * 100.0,
+                s.cpu_freq.max_mhz.unwrap_or(0.0)
+            );
+        }
+        _ => {}
+    }
+    if !s.cpu_freq.idle.is_empty() {
+        let states: Vec<String> = s
+            .cpu_freq
+            .idle
+            .iter()
+            .map(|i| format!("{} {:.0}% ({} entries, exit {} us)", i.name, i.share * 100.0, i.entries, i.latency_us))
+            .collect();
+        let _ = writeln!(o, "  CPU idle states: {}", states.join(", "));
+    }
+    let m = &s.memory;
+    let stall = |name: &str, st: &Stall| {
+        if st.count == 0 {
+            None
+        } else {
+            Some(format!("{name} {}x {:.0} ms (max {:.0} ms, {} pages)", st.count, st.total_ms, st.max_ms, st.pages))
+        }
+    };
+    let stalls: Vec<String> =
+        [stall("direct reclaim", &m.direct_reclaim), stall("cgroup reclaim", &m.memcg_reclaim), stall("compaction", &m.compaction)]
+            .into_iter()
+            .flatten()
+            .collect();
+    let _ = writeln!(
+        o,
+        "  Memory: in the target {}; system PSI memory some {} / full {}, io some {}; direct-reclaim scans {}, swap-ins {}",
+        if stalls.is_empty() { "no reclaim or compaction".into() } else { stalls.join(", ") },
+        m.psi_some_ms.map(|x| format!("{x:.0} ms")).unwrap_or_else(|| "n/a".into()),
+        m.psi_full_ms.map(|x| format!("{x:.0} ms")).unwrap_or_else(|| "n/a".into()),
+        m.psi_io_some_ms.map(|x| format!("{x:.0} ms")).unwrap_or_else(|| "n/a".into()),
+        m.pgscan_direct,
+        m.pswpin
+    );
+    if let (Some(a), Some(b), Some(c)) = (m.rss_kib_start, m.rss_kib_max, m.rss_kib_end) {
+        let _ = writeln!(o, "  Target RSS: {} at start, {} max, {} at end", mib(a << 10), mib(b << 10), mib(c << 10));
+    }
+    if let Some(cg) = &m.cgroup {
+        let limit = m.cgroup_limit.map(|l| format!("limit {}", mib(l))).unwrap_or_else(|| "no limit".into());
+        let _ = writeln!(
+            o,
+            "  Memory cgroup {cg}: {limit}, usage max {}, limit hits {}",
+            m.cgroup_usage_max.map(mib).unwrap_or_else(|| "?".into()),
+            m.cgroup_limit_hits.unwrap_or(0)
+        );
+    }
+    for k in &m.oom_kills {
+        let _ = writeln!(o, "  OOM kill: pid {} at +{:.3} s ({} resident)", k.pid, k.t_ms / 1e3, mib(k.rss_kib << 10));
+    }
+    for f in &s.model_files {
+        let _ = writeln!(
+            o,
+            "  Page cache: {} ({}): {:.0}% resident at start, {:.0}% at end, lowest {:.0}%{}",
+            f.path,
+            mib(f.bytes),
+            f.resident_start * 100.0,
+            f.resident_end * 100.0,
+            f.resident_min * 100.0,
+            f.evicted.filter(|&e| e > 0).map(|e| format!(", {e} pages evicted while tracing")).unwrap_or_default()
+        );
+    }
+    for e in &s.server {
+        let pick = |k: &str| e.series.get(k).map(|x| format!("{:.0}", x.max));
+        let mut facts = Vec::new();
+        if let (Some(n), Some(c)) = (e.total_slots, e.n_ctx_slot) {
+            facts.push(format!("{n} slots x {c} tokens"));
+        }
+        for (k, label) in [
+            ("llamacpp:requests_processing", "processing max"),
+            ("llamacpp:requests_deferred", "deferred max"),
+            ("vllm:num_requests_waiting", "waiting max"),
+            ("vllm:num_requests_running", "running max"),
+        ] {
+            if let Some(v) = pick(k) {
+                facts.push(format!("{label} {v}"));
+            }
+        }
+        if let Some(p) = e.series.iter().find(|(k, _)| k.starts_with("vllm:num_preemptions")) {
+            facts.push(format!("preemptions {:.0}", p.1.last - p.1.first));
+        }
+        if e.sleeping_polls > 0 {
+            facts.push(format!("sleeping in {} of {} polls", e.sleeping_polls, e.polls));
+        }
+        if let Some(st @ (401 | 403)) = e.metrics_status {
+            facts.push(format!("/metrics answered {st}: the server wants a key (give probe --api-key or PROBE_API_KEY)"));
+        } else if e.metrics_status.is_some() && e.kind == crate::record::samples::Kind::LlamaCpp {
+            facts.push("no /metrics (start it with --metrics for queue depth)".into());
+        }
+        for m in &e.loaded_models {
+            facts.push(format!("loaded {} until {}", m.name.as_deref().unwrap_or("?"), m.expires_at.as_deref().unwrap_or("?")));
+        }
+        let _ = writeln!(
+            o,
+            "  Server {} at {}{}: {}",
+            e.kind.name(),
+            e.addr,
+            if e.netns { " (in its own network namespace)" } else { "" },
+            if facts.is_empty() { format!("{} polls", e.polls) } else { facts.join(", ") }
+        );
+    }
+    o
+}

@@ -1,0 +1,1682 @@
+//! Verdicts: why a request's first token was slow, and why its response stopped, from what the
+//! trace saw in the request's window. Pure: built from a [`Window`] of facts, golden-tested.
+//!
+//! TTFT is split into queue, disk, memory, cpu_contention, power, load, compute and an explicit
+//! unexplained remainder. Disk and memory are the union of the target's off-CPU intervals that the
+//! kernel stack classifies as IO / page-fault wait or reclaim, clipped to [arrival, first token].
+//! cpu_contention is the union of the intervals in which a target thread was runnable but not
+//! running (switched out still runnable, until the scheduler ran it again: sched_switch), so
+//! many threads waiting at once count once. Load is a file mapped in the window and read from
+//! disk (a model (re)load), less its disk time. Compute is the request's own work: the server's
+//! prompt time, less what the stalls above explain (the server's clock counts them as its own).
+//! Queue is what is left while another request was being served; the rest is unexplained.
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::stream::{ClosedBy, RequestRecord};
+
+/// A target thread waiting for a CPU: runnable from `from` until the scheduler ran it at `to`,
+/// replacing `other` (the process that had the CPU), which had held it since `held_from` (the
+/// wait's start when the kernel did not say).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CpuWait {
+    pub from: u64,
+    pub to: u64,
+    pub tid: u32,
+    pub other: u32,
+    pub held_from: u64,
+}
+
+/// The hypervisor's steal while target thread `tid` ran, `ns` in all, somewhere in [from, to]
+/// (the kernel programs' SCHED_STEAL records: wall time on the CPU less what the kernel charged).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StealRun {
+    pub from: u64,
+    pub to: u64,
+    pub tid: u32,
+    pub ns: u64,
+}
+
+/// The steal while the target's threads ran in [from, to], ms: each record's steal spread over its
+/// span and clipped to the window, summed per thread; the most-stolen thread's (the threads of a
+/// pool wait for the slowest at each step). `runs` sorted by `to`.
+pub fn steal_running_ms(runs: &[StealRun], from: u64, to: u64) -> f64 {
+    let mut per: HashMap<u32, f64> = HashMap::new();
+    for r in &runs[runs.partition_point(|r| r.to <= from)..] {
+        if r.from >= to {
+            // Spans are at most 100 ms: past the window by more, no later record reaches in.
+            if r.to > to + 200_000_000 {
+                break;
+            }
+            continue;
+        }
+        let span = r.to.saturating_sub(r.from).max(1);
+        let inside = r.to.min(to).saturating_sub(r.from.max(from));
+        *per.entry(r.tid).or_default() += r.ns as f64 * inside as f64 / span as f64;
+    }
+    per.values().copied().fold(0.0, f64::max) / 1e6
+}
+
+/// One sampler reading of the target's swap use and its CPU cgroup's quota (cumulative counts).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pressure {
+    pub ts_ns: u64,
+    pub swap_kib: Option<u64>,
+    pub cpu_cgroup: Option<String>,
+    pub quota_us: Option<u64>,
+    pub period_us: Option<u64>,
+    pub nr_throttled: Option<u64>,
+    pub throttled_ns: Option<u64>,
+    /// The host's steal over every CPU, ms since boot (/proc/stat).
+    pub steal_ms: Option<u64>,
+}
+
+impl Pressure {
+    pub fn of(m: &crate::record::samples::MemReading) -> Pressure {
+        let m0 = &m.mem;
+        Pressure {
+            ts_ns: m.ts_ns,
+            swap_kib: m0.swap_kib,
+            cpu_cgroup: m0.cpu_cgroup.clone(),
+            quota_us: m0.cpu_quota_us,
+            period_us: m0.cpu_period_us,
+            nr_throttled: m0.nr_throttled,
+            throttled_ns: m0.throttled_ns,
+            steal_ms: m0.steal_ms,
+        }
+    }
+}
+
+/// The host's steal over every CPU across [from, to], ms: the growth between the readings that
+/// bracket the window, scaled to the window when they span more (0 when unknown).
+fn steal_across(p: &[Pressure], from: u64, to: u64) -> f64 {
+    let Some((a, b)) = across(p, from, to) else { return 0.0 };
+    let (Some(x), Some(y)) = (a.steal_ms, b.steal_ms) else { return 0.0 };
+    let span = b.ts_ns.saturating_sub(a.ts_ns).max(to.saturating_sub(from)).max(1);
+    y.saturating_sub(x) as f64 * to.saturating_sub(from) as f64 / span as f64
+}
+
+/// The last reading at or before `from` and the first at or after `to` (else the last one):
+/// what a cumulative count grew by across a window.
+fn across(p: &[Pressure], from: u64, to: u64) -> Option<(&Pressure, &Pressure)> {
+    let before = p[..p.partition_point(|r| r.ts_ns <= from)].last()?;
+    let after = p[p.partition_point(|r| r.ts_ns < to)..].first().or(p.last())?;
+    Some((before, after))
+}
+
+/// Facts about one request's window (CLOCK_MONOTONIC ns). Trace-wide series are borrowed: the
+/// report builds them once and every request's window points into them.
+#[derive(Clone, Debug, Default)]
+pub struct Window<'a> {
+    pub arrival_ns: u64,
+    /// Off-CPU intervals of the target in IO or page-fault wait.
+    pub io_waits: &'a [(u64, u64)],
+    /// Off-CPU intervals in memory reclaim or compaction.
+    pub mem_waits: &'a [(u64, u64)],
+    /// Off-CPU intervals faulting anonymous memory back in from swap (memory too).
+    pub swap_waits: &'a [(u64, u64)],
+    /// The sampler's readings of the target's swap and CPU quota, in time order.
+    pub pressure: &'a [Pressure],
+    /// The swap areas (/proc/swaps).
+    pub swaps: &'a [String],
+    /// Run-queue waits of the target's threads, in time order of their end.
+    pub cpu_waits: &'a [CpuWait],
+    /// The hypervisor's steal while the target's threads ran, in time order of their end.
+    pub steal_runs: &'a [StealRun],
+    /// Other processes by pid: (comm, cgroup).
+    pub other_names: Option<&'a HashMap<u32, (String, Option<String>)>>,
+    /// The target's own pids (a wait for a CPU behind its own threads is not another process's).
+    pub target_pids: &'a [u32],
+    /// Files read from disk in the window: (path, bytes, time of the first read).
+    pub files_read: Vec<(String, u64, u64)>,
+    /// Files mapped in the window: (time, path).
+    pub mapped: Vec<(u64, String)>,
+    /// When the other requests were being served: (start of their prompt processing, end).
+    pub others: Vec<(u64, u64)>,
+    /// Events lost anywhere in the trace, and the share of stacks unwound.
+    pub lost_events: u64,
+    pub offcpu_probe: bool,
+    /// Stack records in this request's window, and how many were not unwound to the end.
+    pub stacks: u64,
+    pub stacks_cut: u64,
+    /// Of those, the ones cut within [`DEEP_ENOUGH`] user frames of where they were taken, and
+    /// why the cut ones stopped (by `record::Cut::ALL`).
+    pub stacks_cut_shallow: u64,
+    pub cut_reasons: [u64; 3],
+    /// OOM kills of a target process (time).
+    pub oom_kills: &'a [u64],
+    /// GPU readings: (time, device, SM clock as a share of its working clock, P-state).
+    pub gpu_clocks: &'a [crate::analysis::system::GpuClock],
+    /// CPU readings: (time, mean current/max frequency).
+    pub cpu_clocks: &'a [(u64, f64)],
+    /// GPU power states from sysfs (time, device, asleep, state), in time order.
+    pub gpu_pci: &'a [crate::analysis::system::PciState],
+    /// Why there are no clock readings, when there are none.
+    pub power_absent: Option<&'a str>,
+    /// The server said it was sleeping (model unloaded) at its last poll before arrival.
+    pub server_sleeping: bool,
+    /// Highest count of requests the server reported deferred (queued) in the window.
+    pub server_deferred: Option<f64>,
+    /// Requests the server preempted while this one was served (vLLM `num_preemptions_total`).
+    pub server_preemptions: Option<f64>,
+    /// Prompt tokens that hit the server's prefix cache, of those looked up, while this request
+    /// was served (vLLM `prefix_cache_hits_total` / `prefix_cache_queries_total`).
+    pub server_prefix_cache: Option<(f64, f64)>,
+    /// The critical path from arrival to the first response bytes (crate::analysis::critical).
+    pub path: Option<crate::analysis::critical::Path>,
+    /// Thread names by tid (the recording's `threads` records).
+    pub thread_names: Option<&'a HashMap<u32, String>>,
+    /// The frame most cut user stacks of the trace stop under (named at trace time).
+    pub cut_under: Option<&'a str>,
+    /// The engine's own view of this request (llama.cpp's steps by uprobe), when it was matched.
+    pub engine: Option<&'a crate::analysis::steps::RequestEngine>,
+    /// A request in flight at attach: ms from its (estimated) arrival to attach, and the state
+    /// of the target then.
+    pub before_attach_ms: f64,
+    pub at_attach: Option<AtAttach>,
+    /// The IO limits of the target's cgroups (a slow disk may be the limit).
+    pub io_limits: &'a [crate::record::samples::IoLimit],
+    /// When the trace ended (a request still in flight is judged up to there).
+    pub trace_end_ns: u64,
+    /// What the server's own endpoints said it is ("llama.cpp", "vllm", "ollama"), when known.
+    pub server_kind: Option<&'a str>,
+}
+
+/// A user stack cut at this depth or deeper still shows the functions a request's work ran in:
+/// what is missing are callers near the thread's entry.
+pub const DEEP_ENOUGH: usize = 8;
+
+/// A clock below this share of its working level at arrival is a low power state...
+const LOW_CLOCK: f64 = 0.7;
+/// ...and it has ramped once it reaches this share.
+const WORKING_CLOCK: f64 = 0.9;
+
+/// How long a clock took to ramp after `from`: (ms, share at arrival), when it was low at
+/// arrival and reached its working level before `until` (a device that never did was not the
+/// one doing the work). `series` is in time order.
+pub fn ramp_ms(series: &[(u64, f64)], from: u64, until: u64) -> Option<(f64, f64)> {
+    let at = series.iter().rev().find(|(t, _)| *t <= from).or_else(|| series.iter().find(|(t, _)| *t <= from + 50_000_000))?.1;
+    if at >= LOW_CLOCK {
+        return None;
+    }
+    let up = series.iter().find(|(t, c)| *t > from && *t <= until && *c >= WORKING_CLOCK)?.0;
+    Some(((up - from) as f64 / 1e6, at))
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Split {
+    pub queue: f64,
+    pub disk: f64,
+    pub memory: f64,
+    /// Runnable but not running: other processes (or a CPU quota) held the CPUs.
+    #[serde(default)]
+    pub cpu_contention: f64,
+    pub power: f64,
+    pub load: f64,
+    pub compute: f64,
+    pub unexplained: f64,
+    /// A request in flight at attach: the time from its arrival (estimated) to attach. Described
+    /// by the target's state at attach (the evidence), never spread over the other parts.
+    #[serde(default, skip_serializing_if = "is_zero_ms")]
+    pub before_attach: f64,
+    /// Runnable while its CPU ran nothing in this guest, as the hypervisor took the CPU (the
+    /// host's steal grew): not another process of this machine, not the request's work.
+    #[serde(default, skip_serializing_if = "is_zero_ms")]
+    pub steal: f64,
+}
+
+fn is_zero_ms(v: &f64) -> bool {
+    *v == 0.0
+}
+
+impl Split {
+    /// The parts' names, in the order every output lists them.
+    pub const NAMES: [&'static str; 10] =
+        ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained", "before_attach", "steal"];
+
+    /// The largest part that is not the request's own work (disk, memory, cpu_contention, load,
+    /// power, queue) and its ms; (None, 0) when all are 0.
+    pub fn largest_stall(&self) -> (SlowCause, f64) {
+        [
+            (SlowCause::Disk, self.disk),
+            (SlowCause::Memory, self.memory),
+            (SlowCause::CpuContention, self.cpu_contention),
+            (SlowCause::Load, self.load),
+            (SlowCause::Power, self.power),
+            (SlowCause::Queue, self.queue),
+            (SlowCause::Steal, self.steal),
+        ]
+        .into_iter()
+        .fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a })
+    }
+
+    /// The parts in [`Split::NAMES`] order, ms.
+    pub fn parts(&self) -> [f64; 10] {
+        [
+            self.queue,
+            self.disk,
+            self.memory,
+            self.cpu_contention,
+            self.power,
+            self.load,
+            self.compute,
+            self.unexplained,
+            self.before_attach,
+            self.steal,
+        ]
+    }
+
+    /// The watched part named by `cause` (0 for none and compute).
+    fn part(&self, cause: SlowCause) -> f64 {
+        match cause {
+            SlowCause::Disk => self.disk,
+            SlowCause::Memory => self.memory,
+            SlowCause::CpuContention => self.cpu_contention,
+            SlowCause::Load => self.load,
+            SlowCause::Power => self.power,
+            SlowCause::Queue => self.queue,
+            SlowCause::Steal => self.steal,
+            _ => 0.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Verdict {
+    /// TTFT split by cause, ms (null when the request has no TTFT).
+    pub ttft_ms: Option<Split>,
+    pub slow_cause: SlowCause,
+    pub stop_cause: StopCause,
+    /// One line per fact the verdict rests on, with numbers and names.
+    pub evidence: Vec<String>,
+    pub data_quality: Vec<String>,
+    /// The server kept fewer prompt tokens than the client sent (see report::prompt).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prompt_cut: bool,
+    /// The scheduler's view of the wait: the critical path from arrival to the first response
+    /// bytes through the server's threads (see crate::analysis::critical), when the offcpu probe saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critical_path: Option<crate::analysis::critical::Path>,
+    /// Files read from disk between arrival and the first token (largest first): what
+    /// `probe diff` sets side by side.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files_read: Vec<FileRead>,
+    /// Other processes that held a CPU while the request's threads waited for one (largest
+    /// first), from the scheduler's switch records.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub competitors: Vec<Competitor>,
+    /// The model files' share in the page cache at the last reading before arrival.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_resident: Vec<Resident>,
+    /// A request still waiting for its first token when the trace ended (Ctrl-C): how long it
+    /// had been in flight, and its wait split so far (the slow cause is that split's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub so_far: Option<Split>,
+}
+
+/// What the target was doing when probe attached, for a request that arrived before.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AtAttach {
+    /// "the server was blocked in a file fault (…); model.gguf 31% resident".
+    pub words: String,
+    /// The slow cause that state shows (a reload in progress: load; queued behind another
+    /// request: queue).
+    pub cause: Option<SlowCause>,
+}
+
+/// A model file's page-cache residency before a request.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Resident {
+    pub path: String,
+    /// 0–1.
+    pub share: f64,
+    /// How long before arrival it was read, ms.
+    pub read_ms_before: f64,
+}
+
+/// A file read from disk in a request's window.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FileRead {
+    pub path: String,
+    pub bytes: u64,
+}
+
+/// Another process that ran while a target thread waited for a CPU, and for how long.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Competitor {
+    pub pid: u32,
+    pub comm: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// The waits it was charged with: those it ended by giving the CPU back.
+    pub ms: f64,
+    /// Of those, the time it held the CPU (its run up to the switch; the same as `ms` in a
+    /// recording from before the kernel said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_ms: Option<f64>,
+}
+
+impl Competitor {
+    /// The time it held the CPU while a target thread waited ([`Competitor::held_ms`], else the
+    /// waits it ended).
+    pub fn held(&self) -> f64 {
+        self.held_ms.unwrap_or(self.ms)
+    }
+
+    /// "stress (pid 43, cgroup /user.slice)".
+    pub fn who(&self) -> String {
+        match (&self.comm, &self.cgroup) {
+            (Some(c), Some(g)) => format!("{c} (pid {}, cgroup {g})", self.pid),
+            (Some(c), None) => format!("{c} (pid {})", self.pid),
+            (None, _) => format!("pid {}", self.pid),
+        }
+    }
+}
+
+/// A closed set of values serialized as the documented snake_case words: `name()` gives the
+/// word, `words()` the word with spaces for people, and it compares equal to its word.
+macro_rules! closed_set {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $w:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vm])* #[serde(rename = $w)] $v,)+
+        }
+        impl $name {
+            pub const ALL: &[$name] = &[$($name::$v),+];
+            pub fn name(self) -> &'static str {
+                match self { $($name::$v => $w),+ }
+            }
+            /// The word for people: `client_disconnect` → "client disconnect".
+            pub fn words(self) -> String {
+                self.name().replace('_', " ")
+            }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+        impl std::str::FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                $name::ALL.iter().copied().find(|c| c.name() == s).ok_or_else(|| format!("`{s}` is not a {}", stringify!($name)))
+            }
+        }
+    };
+}
+
+closed_set! {
+    /// Why a response stopped (see [`stop_cause`]).
+    StopCause {
+        Eos = "eos",
+        RequestedLimit = "requested_limit",
+        ServerLimit = "server_limit",
+        StopWord = "stop_word",
+        ClientDisconnect = "client_disconnect",
+        Deadline = "deadline",
+        Oom = "oom",
+        ServerError = "server_error",
+        Crash = "crash",
+        #[default]
+        Unknown = "unknown",
+    }
+}
+
+closed_set! {
+    /// What made the first token slow (see [`attribute`]).
+    SlowCause {
+        Disk = "disk",
+        Memory = "memory",
+        Power = "power",
+        Queue = "queue",
+        Load = "load",
+        CpuContention = "cpu_contention",
+        /// The hypervisor took the CPUs (steal).
+        Steal = "steal",
+        /// A prefix an earlier request computed was computed again (the server lost its cache).
+        PromptCache = "prompt_cache",
+        Compute = "compute",
+        #[default]
+        None = "none",
+    }
+}
+
+/// Total length of the union of intervals, clipped to [from, to].
+pub fn union_ms(intervals: &[(u64, u64)], from: u64, to: u64) -> f64 {
+    let mut v: Vec<(u64, u64)> = intervals.iter().map(|&(a, b)| (a.max(from), b.min(to))).filter(|(a, b)| a < b).collect();
+    v.sort_unstable();
+    let (mut total, mut cur): (u64, Option<(u64, u64)>) = (0, None);
+    for (a, b) in v {
+        cur = match cur {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    if let Some((s, e)) = cur {
+        total += e - s;
+    }
+    total as f64 / 1e6
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+}
+
+/// A close after a long silence is a deadline: ≥ 1 s since the last chunk before the close (or
+/// since arrival if none came) and ≥ 3 times the request's median gap between chunks. A reader
+/// that goes away while tokens flow closes within a gap; a slow server (vLLM on CPU: 300 ms a
+/// token per stream) cut by a 2 s gateway timeout is silent for under 10 of its gaps.
+pub fn idle_before_close_ms(q: &RequestRecord) -> Option<f64> {
+    let end = q.closed_ms.or(q.end_ms)?;
+    let before: Vec<f64> = q.chunk_times_ms.iter().copied().filter(|t| *t <= end).collect();
+    let last = before.last().copied().unwrap_or(0.0);
+    let idle = end - last;
+    let mut gaps: Vec<f64> = before.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort_by(|a, b| a.total_cmp(b));
+    let median = crate::util::stats::percentile(&gaps, 50.0).unwrap_or(0.0);
+    (idle >= 1000.0 && idle >= 3.0 * median).then_some(idle)
+}
+
+/// When the first token was ready, ms after arrival: the TTFT of a streamed answer; for an
+/// answer sent whole (`"stream": false`, or one message) its TTFT is the whole answer, so the generation time
+/// the server reports (llama.cpp `predicted_ms`, Ollama `eval_duration`) is taken off.
+pub fn first_token_ms(q: &RequestRecord) -> Option<f64> {
+    let ttft = q.ttft_ms?;
+    // Not asked for (`/completion` sends the whole answer unless told otherwise): one message.
+    let whole = q.stream == Some(false) || (q.stream.is_none() && q.chunks <= 1);
+    if !whole {
+        return Some(ttft);
+    }
+    let t = q.stop.server_timings.as_ref();
+    let generated = t.and_then(|t| t["predicted_ms"].as_f64().or_else(|| t["eval_duration"].as_f64().map(|ns| ns / 1e6)));
+    Some((ttft - generated.unwrap_or(0.0)).max(0.0))
+}
+
+/// Tokens the server produced: its usage or timings, else the content chunks seen.
+pub fn produced(q: &RequestRecord) -> u64 {
+    let s = &q.stop;
+    s.usage
+        .as_ref()
+        .and_then(|u| u["completion_tokens"].as_u64())
+        .or_else(|| s.server_timings.as_ref().and_then(|t| t["predicted_n"].as_u64().or(t["eval_count"].as_u64())))
+        .unwrap_or(q.chunks)
+}
+
+/// The stop the server itself reported, from any server's stop fields.
+fn server_stop(q: &RequestRecord) -> Option<StopCause> {
+    server_word(&q.stop, produced(q), q.max_tokens.and_then(|m| u64::try_from(m).ok()))
+}
+
+/// The stop a server's own fields say (llama.cpp, OpenAI, Ollama, vLLM words), given how many
+/// tokens it produced and the limit asked for: a length below the requested limit (one token
+/// of slack: servers count the last token differently) is a limit the server imposed. The one
+/// classifier of the servers' words: verdicts and `probe bench` both use it.
+pub fn server_word(s: &crate::stream::payload::Stop, produced: u64, max_tokens: Option<u64>) -> Option<StopCause> {
+    let is = |v: &Option<String>, w: &str| v.as_deref() == Some(w);
+    if is(&s.finish_reason, "length") || is(&s.stop_type, "limit") || is(&s.done_reason, "length") || is(&s.stopped, "limit") {
+        return Some(match max_tokens {
+            Some(m) if m > 0 && produced + 1 < m => StopCause::ServerLimit,
+            _ => StopCause::RequestedLimit,
+        });
+    }
+    if is(&s.stop_type, "word") || is(&s.stopped, "word") || s.stop_reason.as_ref().is_some_and(|r| r.is_string()) {
+        return Some(StopCause::StopWord);
+    }
+    if is(&s.finish_reason, "stop") || is(&s.stop_type, "eos") || is(&s.done_reason, "stop") || is(&s.stopped, "eos") {
+        return Some(StopCause::Eos);
+    }
+    None
+}
+
+/// Why the response stopped, with the fact it rests on. Precedence: the server's own stop (an
+/// error, or its final message sent before the peer left) whoever closes the socket afterwards;
+/// then the peer's close before that message (a deadline after a long silence, else a reader
+/// that went away) or the server's own close (a crash); then what the transport shows.
+pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
+    use StopCause::*;
+    let n = produced(q);
+    let context_ran_out = q.stop.error.as_ref().is_some_and(|e| e["reason"] == "context_exceeded");
+    let cause = if context_ran_out {
+        // llama-server with one KV pool for all slots ends a stream with an error when the pool
+        // is full: a limit the server imposed, not a fault.
+        ServerLimit
+    } else if q.stop.error.is_some() || q.status.is_some_and(|c| c >= 400) {
+        ServerError
+    } else if q.content_complete {
+        server_stop(q).unwrap_or(Unknown)
+    } else if q.closed_by == ClosedBy::Client {
+        if idle_before_close_ms(q).is_some() { Deadline } else { ClientDisconnect }
+    } else if q.closed_by == ClosedBy::Server {
+        Crash
+    } else {
+        Unknown
+    };
+    let mut why = match cause {
+        Eos => Some(format!("the server stopped at EOS (end of its answer) after {n} tokens")),
+        StopWord => Some(format!("the server stopped at a stop word after {n} tokens")),
+        ServerLimit if context_ran_out && n == 0 && q.status.is_some_and(|s| (400..500).contains(&s)) => Some(format!(
+            "the server refused the request (HTTP {}, {}): the prompt does not fit its context",
+            q.status.unwrap_or(0),
+            q.stop.error.as_ref().and_then(|e| e["type"].as_str()).unwrap_or("error"),
+        )),
+        ServerLimit if context_ran_out => Some(format!(
+            "the server ended the stream with an error after {n} tokens (HTTP {}, {}): its context (slot or shared KV pool) ran out, below the requested {}",
+            q.status.unwrap_or(0),
+            q.stop.error.as_ref().and_then(|e| e["type"].as_str()).unwrap_or("error"),
+            q.max_tokens.map_or("?".into(), |m| m.to_string())
+        )),
+        ServerLimit => Some(format!(
+            "stopped at length after {n} tokens, below the requested {}: the server's context (slot or KV pool) ran out",
+            q.max_tokens.unwrap_or(0)
+        )),
+        RequestedLimit => {
+            Some(match q.max_tokens {
+                Some(m) => format!("the server stopped at the requested limit ({m} tokens)"),
+                None => format!("the server stopped at the requested limit after {n} tokens (the request itself was not seen)"),
+            })
+        }
+        ClientDisconnect => Some(format!(
+            "{} closed the connection after {} chunks, before the server's final message",
+            q.peer_process.as_ref().map_or("the client".to_string(), |p| format!("the client, {},", p.describe())),
+            q.chunks
+        )),
+        Deadline => Some(format!(
+            "{} closed after {:.1} s without a chunk{}, before the server's final message: a timeout, not a reader that went away",
+            q.peer_process.as_ref().map_or("the peer (client or gateway)".to_string(), |p| format!("the peer, {},", p.describe())),
+            idle_before_close_ms(q).unwrap_or(0.0) / 1e3,
+            if q.chunks == 0 { " (none had come)" } else { "" }
+        )),
+        Crash => Some("the server closed the connection before its final message".into()),
+        ServerError => Some(format!("HTTP {} {}", q.status.unwrap_or(0), q.stop.error.as_ref().map(|e| e.to_string()).unwrap_or_default())),
+        Unknown if q.in_flight => Some(
+            "cut: the recording ended while it was in flight (probe did not finish the recording: killed, or the disk filled); its end was not seen"
+                .into(),
+        ),
+        Unknown if q.closed_by == ClosedBy::Open => {
+            Some(format!("in flight at the end of the trace, after {n} tokens: its end was not seen"))
+        }
+        _ => None,
+    };
+    // A prompt refused for the slot's context: the sizes the server quoted, and what to change.
+    if let Some((p, c)) = q.stop.error.as_ref().and_then(|e| Some((e["n_prompt_tokens"].as_u64()?, e["n_ctx"].as_u64()?))) {
+        let line = format!(
+            "its {p} tokens do not fit the slot's context of {c} (llama-server gives each of its -np slots -c / -np tokens: raise -c or lower -np, or send a shorter prompt)"
+        );
+        why = Some(match why {
+            Some(w) => format!("{w}; {line}"),
+            None => line,
+        });
+    }
+    // The transport fact, when it differs from the server's word.
+    if q.content_complete && !q.transport_complete && q.closed_by != ClosedBy::Open {
+        let who = if q.closed_by == ClosedBy::Client { "the client" } else { "the server" };
+        let line =
+            format!("{who} then closed before the end of the HTTP response, which is harmless: the server's final message had been sent");
+        why = Some(match why {
+            Some(w) => format!("{w}; {line}"),
+            None => line,
+        });
+    }
+    (cause, why)
+}
+
+/// What keeps a silent stream open through a gateway's read timeout, for the server at hand
+/// (known from its own endpoints, never from a process name).
+pub fn keep_open(server_kind: Option<&str>) -> String {
+    const TIMEOUT: &str = "the gateway's read timeout (nginx proxy_read_timeout, 60 s by default; see the README's table)";
+    match server_kind {
+        Some("llama.cpp") => format!(
+            "to keep it open: llama-server sends an SSE ping after --sse-ping-interval seconds without a token (30 by default, -1 turns it off); set it below {TIMEOUT}, or raise that timeout above the longest silence"
+        ),
+        Some("vllm") => format!(
+            "to keep it open: vLLM sends nothing while a stream is silent (it has no ping): raise {TIMEOUT} above the longest silence"
+        ),
+        Some("ollama") => format!(
+            "to keep it open: Ollama sends nothing while a stream is silent (it has no ping): raise {TIMEOUT} above the longest silence"
+        ),
+        _ => format!("to keep it open: raise {TIMEOUT} above the longest silence, or have the server send keep-alives more often than it"),
+    }
+}
+
+/// The part of a time-ordered series from 10 s before `from` to `until`.
+fn around<T>(v: &[T], ts: impl Fn(&T) -> u64, from: u64, until: u64) -> &[T] {
+    let lo = v.partition_point(|x| ts(x) < from.saturating_sub(10_000_000_000));
+    let hi = v.partition_point(|x| ts(x) <= until).max(lo);
+    &v[lo..hi]
+}
+
+/// What ran on the CPUs the target's threads waited for, charged with each wait (clipped to
+/// `from..to`), largest first; the target's own processes left out.
+fn competitors(w: &Window<'_>, from: u64, to: u64) -> Vec<Competitor> {
+    let mut by: HashMap<u32, (u64, u64)> = HashMap::new();
+    for c in w.cpu_waits {
+        let (a, b) = (c.from.max(from), c.to.min(to));
+        if a < b && c.other != 0 && !w.target_pids.contains(&c.other) {
+            let e = by.entry(c.other).or_default();
+            e.0 += b - a;
+            e.1 += b.saturating_sub(a.max(c.held_from));
+        }
+    }
+    let mut top: Vec<(u32, (u64, u64))> = by.into_iter().collect();
+    top.sort_by_key(|&(pid, (ns, held))| (std::cmp::Reverse(held), std::cmp::Reverse(ns), pid));
+    top.into_iter()
+        .map(|(pid, (ns, held))| {
+            let (comm, cgroup) = w.other_names.and_then(|n| n.get(&pid)).map_or((None, None), |(c, g)| (Some(c.clone()), g.clone()));
+            Competitor { pid, comm, cgroup, ms: ns as f64 / 1e6, held_ms: Some(held as f64 / 1e6) }
+        })
+        .collect()
+}
+
+/// "N ms waiting for a CPU ...; the CPUs went to: who (pid, cgroup) M ms, ...": what ran on the
+/// CPU a waiting thread got back, charged with that wait (clipped to the window).
+fn cpu_evidence(cpu: f64, w: &Window<'_>, from: u64, to: u64, throttled: bool) -> String {
+    let top = competitors(w, from, to);
+    let names: Vec<String> = top.iter().take(3).map(|c| format!("{} {:.0} ms", c.who(), c.held())).collect();
+    let went = if names.is_empty() { String::new() } else { format!("; the CPU went to: {}", names.join(", ")) };
+    // Throttled, with others holding under half the wait: the CPUs were mostly idle meanwhile.
+    let others_ms: f64 = top.iter().map(|c| c.ms).sum();
+    let why = if throttled && others_ms < 0.5 * cpu {
+        "its CPU quota ran out, while the CPUs were mostly idle"
+    } else if throttled {
+        "other processes held the CPUs, and its CPU quota ran out"
+    } else {
+        "other processes held the CPUs"
+    };
+    format!("{cpu:.0} ms waiting for a CPU (runnable, not running: {why}){went}")
+}
+
+/// "N ms faulting memory back in from swap (/swapfile): M MiB swapped back in (the server's
+/// VmSwap fell from A to B MiB)".
+fn swap_evidence(ms: f64, w: &Window<'_>, from: u64, to: u64) -> String {
+    let area = if w.swaps.is_empty() { String::new() } else { format!(" ({})", w.swaps.join(", ")) };
+    let back = across(w.pressure, from, to)
+        .and_then(|(a, b)| Some((a.swap_kib?, b.swap_kib?)))
+        .map(|(a, b)| {
+            format!(
+                ": {} swapped back in (the server's VmSwap went from {} to {})",
+                mib(a.saturating_sub(b) << 10),
+                mib(a << 10),
+                mib(b << 10)
+            )
+        })
+        .unwrap_or_default();
+    format!("{ms:.0} ms faulting the server's memory back in from swap{area}{back}")
+}
+
+/// "the server's CPU quota (cgroup /x: 0.20 CPU, 20000 of every 100000 µs) throttled it N
+/// times, M ms (cpu.stat)", when the cgroup was throttled across the window.
+fn quota_evidence(w: &Window<'_>, from: u64, to: u64) -> Option<String> {
+    let (a, b) = across(w.pressure, from, to)?;
+    let ns = b.throttled_ns?.checked_sub(a.throttled_ns?).filter(|&ns| ns > 0)?;
+    let times = b.nr_throttled.unwrap_or(0).saturating_sub(a.nr_throttled.unwrap_or(0));
+    // The quota in force during the window (it may have been lifted since), read at or before
+    // its end: a quota set after the request ended throttles what came after, not it (the
+    // reading after the window counts throttling up to that reading).
+    let lo = w.pressure.partition_point(|r| r.ts_ns < from);
+    let hi = w.pressure.partition_point(|r| r.ts_ns <= to);
+    let set = w.pressure[lo..hi].iter().rev().chain([a]).find(|r| r.quota_us.is_some())?;
+    let limit = match (set.quota_us, set.period_us) {
+        (Some(q), Some(p)) if p > 0 => format!(": {:.2} CPU, {q} of every {p} µs", q as f64 / p as f64),
+        _ => String::new(),
+    };
+    let cg = b.cpu_cgroup.as_deref().unwrap_or("?");
+    Some(format!("the server's CPU quota throttled it {times} times, {:.0} ms (cgroup {cg}{limit}; its cpu.stat)", ns as f64 / 1e6))
+}
+
+pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
+    let mut v = Verdict::default();
+    stop_and_quality(q, w, &mut v);
+    // A request still waiting for its first token at the end of the trace: judged so far.
+    let so_far = (q.ttft_ms.is_none() && q.closed_by == ClosedBy::Open && !q.began_before_attach && q.chunks == 0)
+        .then(|| q.arrival_ms.map(|_| (w.trace_end_ns.saturating_sub(w.arrival_ns)) as f64 / 1e6 + w.before_attach_ms))
+        .flatten()
+        .filter(|&ms| ms > 0.0 && w.trace_end_ns > 0);
+    let Some(ttft) = q.ttft_ms.or(so_far) else {
+        v.slow_cause = SlowCause::None;
+        return v;
+    };
+    // What came before attach is its own part; the rest was watched.
+    let before = w.before_attach_ms.clamp(0.0, ttft);
+    let mut b = breakdown(q, w, ttft - before);
+    b.split.before_attach = before;
+    if before > 0.0 {
+        let state = w.at_attach.as_ref().map(|a| format!("; at attach {}", a.words)).unwrap_or_default();
+        v.evidence.push(format!("{before:.0} ms of this wait came before probe attached{state}"));
+    }
+    evidence(&b, w, &mut v);
+    path_evidence(w, ttft, &mut v);
+    let s = &b.split;
+    // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
+    // The time before attach counts for the cause the state at attach shows, with what was
+    // watched of that cause.
+    let (mut cause, mut ms) = s.largest_stall();
+    if let Some(c) = w.at_attach.as_ref().and_then(|a| a.cause)
+        && before + s.part(c) > ms
+    {
+        (cause, ms) = (c, before + s.part(c));
+    }
+    v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
+        cause
+    } else if s.compute >= 0.5 * ttft && ttft >= 200.0 {
+        SlowCause::Compute
+    } else {
+        SlowCause::None
+    };
+    v.files_read = w.files_read.iter().filter(|f| f.1 > 0).map(|(path, bytes, _)| FileRead { path: path.clone(), bytes: *bytes }).collect();
+    v.competitors = competitors(w, b.served_from, b.to).into_iter().take(10).collect();
+    if q.ttft_ms.is_none() {
+        let part = match v.slow_cause {
+            SlowCause::None => String::new(),
+            c => format!(": {ms:.0} ms {}", c.words()),
+        };
+        v.evidence.insert(0, format!("in flight {:.1} s at the end of the trace, no token yet{part}", ttft / 1e3));
+        v.in_flight_ms = Some(ttft);
+        v.so_far = Some(b.split);
+        return v;
+    }
+    v.ttft_ms = Some(b.split);
+    v
+}
+
+/// The stop cause (an OOM kill in the window outranks the wire) and what limits the verdict.
+fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
+    let (mut stop, mut why) = stop_cause(q);
+    if let Some(arrival) = q.arrival_ms.map(|_| w.arrival_ns) {
+        let end = arrival + (q.end_ms.unwrap_or(0.0) * 1e6) as u64 + 2_000_000_000;
+        if !q.content_complete && w.oom_kills.iter().any(|&t| t >= arrival && (q.closed_by == ClosedBy::Open || t <= end)) {
+            stop = StopCause::Oom;
+            why = Some("the kernel's OOM killer killed the server process while it served this request".into());
+        }
+    }
+    v.stop_cause = stop;
+    v.evidence.extend(why);
+    if stop == StopCause::Deadline {
+        v.evidence.push(keep_open(w.server_kind));
+    }
+    if let Some(n) = w.server_preemptions.filter(|&n| n >= 1.0) {
+        v.evidence.push(format!(
+            "the server preempted {n:.0} request(s) while this one was served (its KV cache was full): a preempted request is recomputed, which adds time, not a shorter answer"
+        ));
+    }
+    if q.arrival_by == crate::stream::Arrival::TcpState {
+        let before = w.before_attach_ms;
+        v.data_quality.push(if before > 0.0 {
+            format!("arrived {before:.0} ms before attach, by the kernel's TCP state (tcp_info: the request's last bytes)")
+        } else {
+            "its arrival was dated by the kernel's TCP state at attach (tcp_info: the request's last bytes)".into()
+        });
+        if q.path_inferred {
+            v.data_quality.push("method and path inferred from the response (the request's head was read before attach)".into());
+        }
+        if q.began_before_attach {
+            v.data_quality.push("its response had begun before attach: the first token was not seen, so there is no TTFT".into());
+        }
+    } else if q.partial {
+        v.data_quality.push("probe attached while this request was in flight: its start was not seen".into());
+    }
+    if q.evicted {
+        v.data_quality.push(
+            "probe stopped following this request's connection before it ended (too many connections, bytes or pipelined requests at once): its end was not seen"
+                .into(),
+        );
+    }
+    if w.lost_events > 0 {
+        v.data_quality.push(format!("{} events were lost while this request was served (ring buffer full, or program runs the kernel skipped): shares are lower bounds", w.lost_events));
+    }
+    // A few stacks cut short are normal (deep frames past the copied stack); say so past 10%.
+    // A stack cut deep (under the thread's main loop, its entry) still names the functions the
+    // request's work ran in: only its outermost callers are missing, as they are in perf's
+    // DWARF unwinding of the same server. Warn only past 10% cut shallow, saying why they stop.
+    if w.stacks_cut_shallow * 10 > w.stacks {
+        let reasons: Vec<String> =
+            crate::record::Cut::ALL.iter().zip(w.cut_reasons).filter(|(_, n)| *n > 0).map(|(c, n)| format!("{}: {n}", c.words())).collect();
+        let why = if reasons.is_empty() { String::new() } else { format!(" ({})", reasons.join(", ")) };
+        let under = w.cut_under.map(|f| format!("; most of the trace's cut stacks stop under {f}")).unwrap_or_default();
+        v.data_quality.push(format!(
+            "{:.0}% of the stacks in this request's window ({} of {}) stop within {DEEP_ENOUGH} frames of where they were taken{why}{under}: the flamegraph cannot say which function they ran under",
+            w.stacks_cut_shallow as f64 * 100.0 / w.stacks as f64,
+            w.stacks_cut_shallow,
+            w.stacks
+        ));
+    }
+    if !w.offcpu_probe {
+        v.data_quality.push("the offcpu probe was not live: disk and memory waits are not measured".into());
+    }
+    if let Some(why) = &w.power_absent {
+        v.data_quality.push(format!("no power data: {why}"));
+    }
+}
+
+/// The server threads the request waited on (the critical path through other threads than the
+/// one that sent the response), each with what it did meanwhile: said when that thread stalled
+/// (did anything but run) for at least 1 ms and 5% of the TTFT. A wait on a thread that ran the
+/// whole time is the server's own work.
+fn path_evidence(w: &Window<'_>, ttft: f64, v: &mut Verdict) {
+    let Some(p) = &w.path else { return };
+    let stalled = |t: &&crate::analysis::critical::OnPath| {
+        let s = &t.states;
+        let stall = s.cpu_wait + s.disk + s.memory + s.idle;
+        t.tid != p.writer && stall >= 1.0 && stall >= 0.05 * ttft
+    };
+    let name = |tid: u32| match w.thread_names.and_then(|n| n.get(&tid)) {
+        Some(n) => format!("{tid} ({n})"),
+        None => tid.to_string(),
+    };
+    for t in p.threads.iter().filter(stalled).take(2) {
+        v.evidence.push(format!(
+            "the request waited {:.0} ms on server thread {} (the thread that sent the response, {}, waited on it through a futex), which meanwhile was {}",
+            t.ms,
+            name(t.tid),
+            name(p.writer),
+            t.states.words()
+        ));
+    }
+    // Where the threads waited (`critical_path.threads[].waits`) is data, not a sentence here:
+    // an async server's event loop waits in its poll while a worker computes, and the waker that
+    // would say so is not always seen (a sentence would name the poll as the cause).
+    v.critical_path = w.path.clone();
+}
+
+/// A request's TTFT split, with what its evidence quotes.
+struct Breakdown<'w> {
+    split: Split,
+    /// The queue estimated from the time other requests were served (the fallback when the
+    /// engine did not say).
+    idle_queue: f64,
+    from: u64,
+    /// Where the request's own prompt processing began (by the server's timings; else arrival).
+    served_from: u64,
+    to: u64,
+    /// Bytes read from disk in the window.
+    read: u64,
+    /// Files mapped and read from disk in the window (a model (re)load), and mapped again from
+    /// the page cache after the server slept.
+    loaded: Vec<&'w (u64, String)>,
+    reloaded: Vec<&'w (u64, String)>,
+    /// The slowest clock ramp and its sentence.
+    ramp: Option<(f64, String)>,
+    /// The server's own times: prompt, and generation when the first token is the whole answer.
+    prompt: f64,
+    generated: f64,
+    /// (prompt tokens computed, reused from the prompt cache), when the server says.
+    cache: Option<(u64, u64)>,
+    /// Runnable with its CPU idle in this guest, ms (steal is the part the host's steal covers).
+    idle_wait: f64,
+    /// The part of steal taken while the threads ran (per switch), ms.
+    steal_run: f64,
+}
+
+fn breakdown<'w>(q: &RequestRecord, w: &'w Window<'_>, ttft: f64) -> Breakdown<'w> {
+    let from = w.arrival_ns;
+    let to = from + (ttft * 1e6) as u64;
+    let disk = union_ms(w.io_waits, from, to);
+    let stalls: Vec<(u64, u64)> = w.mem_waits.iter().chain(w.swap_waits).copied().collect();
+    let memory = union_ms(&stalls, from, to);
+    let read: u64 = w.files_read.iter().map(|f| f.1).sum();
+    // A model (re)load: a file mapped in the window that was also read from disk in it (a MiB
+    // or more: a few pages read back is a reload from the page cache, below). It starts at the
+    // first read of that file (a loader reads the header before mapping).
+    let loaded: Vec<&(u64, String)> =
+        w.mapped.iter().filter(|(_, p)| w.files_read.iter().any(|(f, b, _)| f == p && *b >= 1 << 20)).collect();
+    // A reload from the page cache: the server said it was asleep (model unloaded) before this
+    // request and mapped files again in the window, none read from disk. What it did before its
+    // prompt processing began (mapping the model, runtime init) is the load; without the
+    // server's timings, until its last mapping.
+    let reloaded: Vec<&(u64, String)> = if loaded.is_empty() && w.server_sleeping { w.mapped.iter().collect() } else { vec![] };
+    // A non-streamed response's "first token" is the whole answer: generation is compute too.
+    let timings = q.stop.server_timings.as_ref();
+    // The server's word for its prompt time; else the engine's own (its prompt batches).
+    let prompt = timings.and_then(|t| t["prompt_ms"].as_f64()).or(w.engine.map(|e| e.prompt_ms)).unwrap_or(0.0);
+    let generated = if q.stream == Some(false) { timings.and_then(|t| t["predicted_ms"].as_f64()).unwrap_or(0.0) } else { 0.0 };
+    // Waiting for a CPU another process held: the union over the target's threads (the request
+    // waits when any of the threads working for it waits), less what disk and memory already
+    // explain. Waits behind the server's own threads are its own work sharing the CPUs; waits
+    // before its own prompt processing began (behind other requests, by the server's timings)
+    // are queue, whatever slowed the others.
+    let served_from = if timings.is_some() { to.saturating_sub(((prompt + generated) * 1e6) as u64).max(from) } else { from };
+    // A wait with its CPU idle in this guest (the idle task switched out for it) is another
+    // process's only when the server's CPU quota throttled it; else the CPU was not running it
+    // for nobody here: the hypervisor's steal when the host says steal grew, else wake-up latency
+    // (left unexplained, and said).
+    let throttled = quota_evidence(w, served_from, to).is_some();
+    let behind_idle = |c: &&CpuWait| c.other == 0 && !throttled;
+    let runq: Vec<(u64, u64)> =
+        w.cpu_waits.iter().filter(|c| !w.target_pids.contains(&c.other) && !behind_idle(c)).map(|c| (c.from, c.to)).collect();
+    let cpu = union_ms(&runq, served_from, to).min((ttft - disk - memory).max(0.0));
+    let idle_waits: Vec<(u64, u64)> = w.cpu_waits.iter().filter(behind_idle).map(|c| (c.from, c.to)).collect();
+    let idle_wait = union_ms(&idle_waits, served_from, to);
+    let steal_idle = idle_wait.min(steal_across(w.pressure, served_from, to)).min((ttft - disk - memory - cpu).max(0.0));
+    // The host's steal while the threads ran is inside the server's own timings (its prompt
+    // time is wall time): taken out of its work, not added on top.
+    let steal_run = steal_running_ms(w.steal_runs, served_from, to).min((ttft - disk - memory - cpu - steal_idle).max(0.0));
+    let steal = steal_idle + steal_run;
+    let cpu = cpu + steal;
+    let load = match (loaded.first(), reloaded.last()) {
+        (Some((t, p)), _) => {
+            let first = w.files_read.iter().filter(|(f, _, _)| f == p).map(|f| f.2).min().unwrap_or(*t).min(*t).max(from);
+            // Until the server's own prompt processing began, when its timings say (that is
+            // compute, not load); else until the first token.
+            let until = if timings.is_some() { served_from.max(first) } else { to };
+            ((until.saturating_sub(first)) as f64 / 1e6 - disk - memory).clamp(0.0, ttft)
+        }
+        (None, Some((t, _))) => {
+            let before_work = if timings.is_some() { ttft - prompt - generated } else { t.saturating_sub(from) as f64 / 1e6 };
+            (before_work - disk - memory - cpu).clamp(0.0, ttft)
+        }
+        (None, None) => 0.0,
+    };
+    let ramp = ramp(q, w, from, ttft);
+    let power = ramp.as_ref().map_or(0.0, |r| r.0.min(ttft).min((ttft - disk - memory - cpu - load).max(0.0)));
+    let compute = (prompt + generated - steal_run).max(0.0).min((ttft - disk - memory - cpu - load - power).max(0.0));
+    let left = (ttft - (disk + memory + cpu + load + power + compute)).max(0.0);
+    // Queue: arrival to the engine's first prompt batch for this request where the engine probe
+    // saw it; else the time other requests were being served.
+    let idle_queue = left.min(union_ms(&w.others, from, to));
+    // At least the time other requests were served meanwhile: every request ahead is credited,
+    // also when the engine's join gave this request a run that began before its own (one slot,
+    // requests read in another order than the server took them).
+    let queue = w.engine.map_or(idle_queue, |e| left.min(e.queue_ms.max(idle_queue)));
+    let split = Split {
+        queue,
+        disk,
+        memory,
+        cpu_contention: cpu - steal,
+        power,
+        load,
+        compute,
+        unexplained: (left - queue).max(0.0),
+        before_attach: 0.0,
+        steal,
+    };
+    let cache = timings.and_then(|t| Some((t["prompt_n"].as_u64()?, t["cache_n"].as_u64()?)));
+    Breakdown { split, from, served_from, to, read, loaded, reloaded, ramp, prompt, generated, cache, idle_queue, idle_wait, steal_run }
+}
+
+/// A GPU asleep (runtime-suspended, D3) at arrival, by sysfs: how long until it was seen awake
+/// (ms, and the sentence); 0 ms and a sentence that says so when it was not seen to wake before
+/// `until`. The slowest device when several slept.
+fn resumed(pci: &[crate::analysis::system::PciState], from: u64, until: u64) -> Option<(f64, String)> {
+    let mut devices: Vec<&str> = pci.iter().map(|p| p.1.as_str()).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    let mut out: Option<(f64, String)> = None;
+    for d in devices {
+        let Some(at) = pci.iter().rev().find(|p| p.1 == d && p.0 <= from).filter(|p| p.2) else { continue };
+        let found = match pci.iter().find(|p| p.1 == d && p.0 > from && p.0 <= until && !p.2) {
+            Some(up) => {
+                let ms = (up.0 - from) as f64 / 1e6;
+                (ms, format!("GPU {d} in {} at arrival: resumed in {ms:.0} ms", at.3))
+            }
+            None => (0.0, format!("GPU {d} in {} at arrival (not seen to resume while the request ran)", at.3)),
+        };
+        if out.as_ref().is_none_or(|o| found.0 > o.0) {
+            out = Some(found);
+        }
+    }
+    out
+}
+
+/// Power: the slowest of the GPUs and the CPUs to reach its working clock when it was below it
+/// at arrival (ms, and the sentence that says so).
+fn ramp(q: &RequestRecord, w: &Window<'_>, from: u64, ttft: f64) -> Option<(f64, String)> {
+    let until = from + (q.end_ms.unwrap_or(ttft).max(ttft) * 1e6) as u64;
+    let mut ramp: Option<(f64, String)> = None;
+    // Readings are in time order: look only at the request's span (and 10 s before it).
+    let gpu = around(w.gpu_clocks, |g| g.0, from, until);
+    let mut devices: Vec<u32> = gpu.iter().map(|g| g.1).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    for d in devices {
+        let series: Vec<(u64, f64)> = gpu.iter().filter(|g| g.1 == d).map(|g| (g.0, g.2)).collect();
+        if let Some((ms, at)) = ramp_ms(&series, from, until) {
+            let p = gpu.iter().rev().find(|g| g.1 == d && g.0 <= from).and_then(|g| g.3).map(|p| format!(", P{p}")).unwrap_or_default();
+            if ramp.as_ref().is_none_or(|r| ms > r.0) {
+                ramp =
+                    Some((ms, format!("GPU {d} SM clock at {:.0}% of its working clock at arrival{p}; {ms:.0} ms to ramp up", at * 100.0)));
+            }
+        }
+    }
+    if let Some((ms, e)) = resumed(w.gpu_pci, from, until)
+        && ramp.as_ref().is_none_or(|r| ms > r.0 || r.0 == 0.0)
+    {
+        ramp = Some((ms, e));
+    }
+    if let Some((ms, at)) = ramp_ms(around(w.cpu_clocks, |c| c.0, from, until), from, until)
+        && ramp.as_ref().is_none_or(|r| ms > r.0)
+    {
+        ramp = Some((ms, format!("CPU frequency at {:.0}% of maximum at arrival; {ms:.0} ms to ramp up", at * 100.0)));
+    }
+    ramp
+}
+
+/// The sentences behind the split, each said only when it explains something.
+fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
+    let s = &b.split;
+    let (from, read) = (b.from, b.read);
+    if let Some((_, e)) = &b.ramp {
+        v.evidence.push(e.clone());
+    }
+    if w.server_sleeping {
+        v.evidence.push("the server reported itself sleeping (model unloaded) before this request arrived".into());
+    }
+    if let Some(n) = w.server_deferred.filter(|&n| n >= 1.0) {
+        v.evidence.push(format!("the server reported up to {n:.0} deferred request(s) (no free slot) meanwhile"));
+    }
+    // A millisecond blocked, or a MiB read.
+    if s.disk >= 1.0 || read >= 1 << 20 {
+        let files: Vec<String> = w.files_read.iter().filter(|f| f.1 > 0).take(3).map(|(p, b, _)| format!("{p} ({})", mib(*b))).collect();
+        let what = if files.is_empty() {
+            "no file read in the window: the waits were page faults on anonymous memory (swap) or on file pages read before it".to_string()
+        } else {
+            format!("{} read: {}", mib(read), files.join(", "))
+        };
+        v.evidence.push(format!("{:.0} ms blocked on disk before the first token; {what}", s.disk));
+        // The disk may be the cgroup's limit, not the device: named from the cgroup's own files.
+        for l in w.io_limits.iter().filter(|l| l.read_bps.is_some() || l.read_iops.is_some()).take(2) {
+            let rate = match (l.read_bps, l.read_iops) {
+                (Some(b), _) => format!("{:.1} MB/s", b as f64 / 1e6),
+                (None, Some(n)) => format!("{n} reads/s"),
+                (None, None) => continue,
+            };
+            let file = if l.source == "io.max" { "io.max" } else { "blkio.throttle.read_*_device" };
+            v.evidence.push(format!("disk: reads throttled by the cgroup's limit ({rate} on device {}; {file} of {})", l.dev, l.cgroup));
+        }
+    }
+    if let Some((t, _)) = b.reloaded.last() {
+        let files: Vec<&str> = b.reloaded.iter().take(2).map(|(_, p)| p.as_str()).collect();
+        v.evidence.push(format!(
+            "{:.0} ms loading the model again after sleep: {} mapped {:.0} ms after arrival, from the page cache ({} read from disk)",
+            s.load,
+            files.join(", "),
+            t.saturating_sub(from) as f64 / 1e6,
+            mib(read)
+        ));
+    }
+    for (t, p) in &b.loaded {
+        v.evidence.push(format!(
+            "{p} was mapped {:.0} ms after arrival and read from disk: a model (re)load",
+            t.saturating_sub(from) as f64 / 1e6
+        ));
+    }
+    let (reclaim, swap) = (union_ms(w.mem_waits, b.from, b.to), union_ms(w.swap_waits, b.from, b.to));
+    if swap >= 1.0 {
+        v.evidence.push(swap_evidence(swap, w, b.from, b.to));
+    }
+    if reclaim >= 1.0 || (s.memory > 0.0 && swap < 1.0) {
+        v.evidence.push(format!("{reclaim:.0} ms in memory reclaim or compaction (direct reclaim, cgroup limit, or blocked allocating)"));
+    }
+    if s.cpu_contention >= 1.0 {
+        let quota = quota_evidence(w, b.served_from, b.to);
+        v.evidence.push(cpu_evidence(s.cpu_contention, w, b.served_from, b.to, quota.is_some()));
+        v.evidence.extend(quota);
+    }
+    let steal_idle = s.steal - b.steal_run;
+    if steal_idle >= 1.0 {
+        v.evidence.push(format!(
+            "{steal_idle:.0} ms runnable while its CPU ran nothing in this machine: the hypervisor had it (steal; /proc/stat's steal grew {:.0} ms over the CPUs meanwhile)",
+            steal_across(w.pressure, b.served_from, b.to)
+        ));
+    }
+    if b.steal_run >= 1.0 {
+        v.evidence.push(format!(
+            "the hypervisor took {:.0} ms of the CPUs the server ran on, while its threads ran (steal: each run's time on the CPU less what the kernel charged the thread, at every context switch; the most-stolen thread)",
+            b.steal_run
+        ));
+    }
+    let woke = b.idle_wait - steal_idle;
+    if woke >= 10.0 {
+        v.data_quality.push(format!(
+            "{woke:.0} ms runnable with its CPU idle and no steal counted for it (wake-up latency: a CPU leaving a sleep state, or a virtual CPU its host had not run yet): not counted as waiting for a CPU"
+        ));
+    }
+    if s.queue >= 1.0 {
+        match w.engine {
+            Some(_) => v.evidence.push(format!("{:.0} ms queued before the engine began its prompt (llama.cpp's steps)", s.queue)),
+            None => v.evidence.push(format!("{:.0} ms waiting while other requests were served", s.queue)),
+        }
+    }
+    // The two measures of the queue, when they disagree by more than 10% (and 10 ms: parsing and
+    // tokenizing a request take a few).
+    if w.engine.is_some() && (s.queue - b.idle_queue).abs() > 0.1 * s.queue.max(b.idle_queue) && (s.queue - b.idle_queue).abs() >= 10.0 {
+        v.evidence.push(format!(
+            "the engine's queue ({:.0} ms, arrival to its first prompt batch) and the time other requests were served ({:.0} ms) disagree by more than 10%",
+            s.queue, b.idle_queue
+        ));
+    }
+    // The prompt cache, as the server counts it (llama.cpp: prompt_n computed, cache_n reused;
+    // vLLM: its prefix-cache counters across the request, shared with requests in flight).
+    if let Some((n, cached)) = b.cache {
+        v.evidence.push(format!("{n} prompt tokens computed, {cached} reused from the server's prompt cache"));
+    } else if let Some((hits, queries)) = w.server_prefix_cache.filter(|p| p.1 >= 1.0) {
+        v.evidence.push(format!(
+            "{hits:.0} of {queries:.0} prompt tokens hit the server's prefix cache while this request was served (vllm:prefix_cache_hits/queries; requests in flight meanwhile share the count)"
+        ));
+    }
+    if s.compute >= 1.0 {
+        let what = if b.generated > 0.0 { "prompt processing and generation" } else { "prompt processing" };
+        let (timed, compute) = (b.prompt + b.generated, s.compute);
+        v.evidence.push(if timed - compute >= 1.0 && timed - compute >= 0.05 * timed {
+            // The server's clock runs through the stalls: the waits above are part of its time.
+            format!("{compute:.0} ms of {what}, its own work (the server timed {timed:.0} ms: the rest is the waits above)")
+        } else {
+            format!("{compute:.0} ms of {what} (server's timings)")
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::payload::Stop;
+
+    fn req(ttft: f64) -> RequestRecord {
+        RequestRecord {
+            ttft_ms: Some(ttft),
+            content_complete: true,
+            transport_complete: true,
+            closed_by: ClosedBy::None,
+            status: Some(200),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn union_clips_and_merges() {
+        let ms = 1_000_000;
+        assert_eq!(union_ms(&[(0, 10 * ms), (5 * ms, 20 * ms), (30 * ms, 40 * ms)], 2 * ms, 35 * ms), 23.0);
+        assert_eq!(union_ms(&[], 0, 10), 0.0);
+    }
+
+    #[test]
+    fn cold_reload_is_disk_and_names_the_file() {
+        let ms = 1_000_000u64;
+        let q = req(1500.0);
+        let w = Window {
+            arrival_ns: 1000 * ms,
+            io_waits: &[(1100 * ms, 2300 * ms)],
+            files_read: vec![("/models/m.gguf".into(), 98 << 20, 1020 * ms)],
+            mapped: vec![(1050 * ms, "/models/m.gguf".into())],
+            offcpu_probe: true,
+            ..Default::default()
+        };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!(s.disk, 1200.0);
+        assert_eq!(s.load, 280.0); // from the first read (20 ms after arrival) to the token, less disk
+        // With the server's timings, the load ends where its prompt processing began: that is compute.
+        let mut timed = req(1500.0);
+        timed.stop.server_timings = Some(serde_json::json!({"prompt_ms": 100.0}));
+        let s = attribute(&timed, &w).ttft_ms.unwrap();
+        assert_eq!((s.disk, s.load, s.compute), (1200.0, 180.0, 100.0));
+        assert_eq!(v.slow_cause.name(), "disk");
+        assert!(v.evidence.iter().any(|e| e.contains("/models/m.gguf (98.0 MiB)")), "{:?}", v.evidence);
+    }
+
+    /// Stacks cut deep (under the thread's entry) are no data-quality warning; cut shallow, they
+    /// are, with why they stop.
+    #[test]
+    fn only_shallow_cut_stacks_are_a_warning() {
+        let q = req(100.0);
+        let deep = Window {
+            offcpu_probe: true,
+            stacks: 100,
+            stacks_cut: 45,
+            stacks_cut_shallow: 3,
+            cut_reasons: [40, 5, 0],
+            ..Default::default()
+        };
+        assert!(!attribute(&q, &deep).data_quality.iter().any(|d| d.contains("stacks")), "{:?}", attribute(&q, &deep).data_quality);
+        let shallow = Window { stacks_cut_shallow: 30, ..deep };
+        let v = attribute(&q, &shallow);
+        let line = v.data_quality.iter().find(|d| d.contains("stacks")).unwrap();
+        assert!(
+            line.contains("30% of the stacks") && line.contains("the copied stack ran out: 40, no unwind info for a frame: 5"),
+            "{line}"
+        );
+    }
+
+    /// Faulting memory back in from swap is memory (not disk, not compute), with the MiB the
+    /// server's VmSwap fell by and the swap area named.
+    #[test]
+    fn swapping_back_in_is_memory_and_names_the_swap_area() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 950.0}));
+        let pressure = [
+            Pressure { ts_ns: 0, swap_kib: Some(100 << 10), ..Default::default() },
+            Pressure { ts_ns: 1200 * ms, swap_kib: Some(4 << 10), ..Default::default() },
+        ];
+        let w = Window {
+            arrival_ns: 0,
+            swap_waits: &[(100 * ms, 400 * ms), (300 * ms, 700 * ms)],
+            pressure: &pressure,
+            swaps: &["/swapfile".to_string()],
+            offcpu_probe: true,
+            ..Default::default()
+        };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.memory, s.disk, s.compute), (600.0, 0.0, 400.0));
+        assert_eq!(v.slow_cause, SlowCause::Memory);
+        assert!(
+            v.evidence
+                .iter()
+                .any(|e| e.contains("600 ms faulting the server's memory back in from swap (/swapfile): 96.0 MiB swapped back in")),
+            "{:?}",
+            v.evidence
+        );
+        assert!(!v.evidence.iter().any(|e| e.contains("reclaim") || e.contains("no file")), "{:?}", v.evidence);
+    }
+
+    /// Throttled by its CPU quota: the waits behind an idle CPU are cpu_contention, and the
+    /// quota and its cpu.stat growth are said.
+    #[test]
+    fn a_cpu_quota_is_contention_and_says_the_quota() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let waits = [CpuWait { from: 100 * ms, to: 900 * ms, tid: 7, other: 0, ..Default::default() }];
+        let at = |ts_ns, n, t| Pressure {
+            ts_ns,
+            cpu_cgroup: Some("/slow".into()),
+            quota_us: Some(20_000),
+            period_us: Some(100_000),
+            nr_throttled: Some(n),
+            throttled_ns: Some(t),
+            ..Default::default()
+        };
+        let pressure = [at(0, 3, 5 * ms), at(1100 * ms, 11, 805 * ms)];
+        let w = Window { arrival_ns: 0, cpu_waits: &waits, pressure: &pressure, offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        assert_eq!((v.slow_cause, v.ttft_ms.as_ref().unwrap().cpu_contention), (SlowCause::CpuContention, 800.0));
+        assert!(v.evidence.iter().any(|e| e.contains("its CPU quota ran out")), "{:?}", v.evidence);
+        assert!(
+            v.evidence.iter().any(|e| e.contains("throttled it 8 times, 800 ms (cgroup /slow: 0.20 CPU, 20000 of every 100000 µs")),
+            "{:?}",
+            v.evidence
+        );
+    }
+
+    /// Runnable with its CPU idle in this guest (the idle task switched out for it), no quota:
+    /// nobody here held the CPU. With the host's steal grown meanwhile it is steal (up to what
+    /// the host counted); without, wake-up latency, said and left unexplained, never "waiting for
+    /// a CPU" with nobody to name (CI: 64 ms of cpu_contention with every competitor at 0 ms).
+    #[test]
+    fn waits_behind_an_idle_cpu_are_steal_or_wake_up_latency_not_contention() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let waits = [CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 0, ..Default::default() }];
+        let bare = Window { arrival_ns: 0, cpu_waits: &waits, offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &bare);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.cpu_contention, s.steal, s.compute), (0.0, 0.0, 1000.0), "{v:?}");
+        assert!(
+            v.data_quality.iter().any(|d| d.starts_with("400 ms runnable with its CPU idle and no steal counted")),
+            "{:?}",
+            v.data_quality
+        );
+        assert!(!v.evidence.iter().any(|e| e.contains("waiting for a CPU")), "{:?}", v.evidence);
+        // The host took 300 ms of the CPUs meanwhile: 300 ms is steal, the rest is still said.
+        let at = |ts_ns, steal| Pressure { ts_ns, steal_ms: Some(steal), ..Default::default() };
+        let pressure = [at(0, 5_000), at(1000 * ms, 5_300)];
+        let vm = Window { pressure: &pressure, ..bare.clone() };
+        let v = attribute(&q, &vm);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.cpu_contention, s.steal, s.compute), (0.0, 300.0, 700.0), "{v:?}");
+        assert_eq!(v.slow_cause, SlowCause::Steal);
+        assert!(v.evidence.iter().any(|e| e.starts_with("300 ms runnable while its CPU ran nothing in this machine")), "{:?}", v.evidence);
+        assert!(v.data_quality.iter().any(|d| d.starts_with("100 ms runnable with its CPU idle")), "{:?}", v.data_quality);
+    }
+
+    /// Steal while the threads ran (per-switch records): taken out of the server's own work, the
+    /// most-stolen thread's share of the window, a record's steal spread over its span.
+    #[test]
+    fn steal_while_running_comes_out_of_compute() {
+        let ms = 1_000_000u64;
+        let runs = [
+            // Half of its span in the window: 150 of 300 ms.
+            StealRun { from: 0, to: 200 * ms, tid: 7, ns: 300 * ms },
+            StealRun { from: 400 * ms, to: 500 * ms, tid: 7, ns: 100 * ms },
+            // Another thread, stolen less: the pool waits for the slowest.
+            StealRun { from: 400 * ms, to: 500 * ms, tid: 8, ns: 50 * ms },
+            // After the window.
+            StealRun { from: 1100 * ms, to: 1200 * ms, tid: 7, ns: 90 * ms },
+        ];
+        assert_eq!(steal_running_ms(&runs, 100 * ms, 1000 * ms), 250.0);
+        assert_eq!(steal_running_ms(&runs, 2000 * ms, 3000 * ms), 0.0);
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let w = Window { arrival_ns: 0, steal_runs: &runs[1..3], offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.steal, s.compute, s.cpu_contention, s.unexplained), (100.0, 900.0, 0.0, 0.0), "{v:?}");
+        assert!(v.evidence.iter().any(|e| e.starts_with("the hypervisor took 100 ms of the CPUs the server ran on")), "{:?}", v.evidence);
+        // Most of the TTFT stolen: steal is the slow cause.
+        let big = [StealRun { from: 0, to: 1000 * ms, tid: 7, ns: 600 * ms }];
+        let v = attribute(&q, &Window { steal_runs: &big, ..w.clone() });
+        assert_eq!(v.slow_cause, SlowCause::Steal, "{v:?}");
+    }
+
+    /// Two threads wait for a CPU, overlapping: the request waits once. The server's prompt time
+    /// ran through the waits: compute is what is left, and the competitors are named.
+    #[test]
+    fn waiting_for_a_cpu_is_contention_and_names_who_ran() {
+        let ms = 1_000_000u64;
+        let mut q = req(1000.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 1000.0}));
+        let waits = [
+            CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 42, ..Default::default() },
+            CpuWait { from: 300 * ms, to: 700 * ms, tid: 8, other: 43, ..Default::default() },
+            // Outside the window: not this request's.
+            CpuWait { from: 1500 * ms, to: 1600 * ms, tid: 7, other: 42, ..Default::default() },
+            // Behind the server's own thread: its own work sharing the CPUs, not contention.
+            CpuWait { from: 800 * ms, to: 900 * ms, tid: 7, other: 9, ..Default::default() },
+        ];
+        let names: HashMap<u32, (String, Option<String>)> =
+            [(42, ("cc1plus".to_string(), Some("/user.slice".to_string()))), (43, ("stress".to_string(), None))].into();
+        let w = Window {
+            arrival_ns: 0,
+            cpu_waits: &waits,
+            other_names: Some(&names),
+            target_pids: &[9],
+            offcpu_probe: true,
+            ..Default::default()
+        };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.cpu_contention, s.compute, s.unexplained), (600.0, 400.0, 0.0));
+        assert_eq!(v.slow_cause, SlowCause::CpuContention);
+        let e = v.evidence.iter().find(|e| e.contains("waiting for a CPU")).unwrap();
+        assert!(e.contains("cc1plus (pid 42, cgroup /user.slice) 400 ms") && e.contains("stress (pid 43) 400 ms"), "{e}");
+        assert!(v.evidence.iter().any(|e| e.contains("the server timed 1000 ms")), "{:?}", v.evidence);
+        // A control: no waits, the same request is compute.
+        let calm = attribute(&q, &Window { arrival_ns: 0, offcpu_probe: true, ..Default::default() });
+        assert_eq!((calm.slow_cause, calm.ttft_ms.unwrap().cpu_contention), (SlowCause::Compute, 0.0));
+    }
+
+    /// The process that gave the CPU back is charged with the wait it ended, and named for the part
+    /// it held the CPU (its run up to the switch, as the kernel measured it): the wait's first part
+    /// the CPU was another's, here the server's own thread.
+    #[test]
+    fn a_competitor_is_named_for_the_time_it_held_the_cpu() {
+        let ms = 1_000_000u64;
+        let q = req(1000.0);
+        let waits = [
+            CpuWait { from: 100 * ms, to: 500 * ms, tid: 7, other: 42, held_from: 480 * ms },
+            // Before the kernel said: all of it.
+            CpuWait { from: 600 * ms, to: 650 * ms, tid: 7, other: 42, held_from: 0 },
+            // Held from before the window's start: clipped to it.
+            CpuWait { from: 900 * ms, to: 1100 * ms, tid: 7, other: 43, held_from: 800 * ms },
+        ];
+        let w = Window { arrival_ns: 0, cpu_waits: &waits, offcpu_probe: true, ..Default::default() };
+        let c = competitors(&w, 0, 1000 * ms);
+        let by: HashMap<u32, (f64, f64)> = c.iter().map(|c| (c.pid, (c.ms, c.held()))).collect();
+        assert_eq!(by[&42], (450.0, 70.0));
+        assert_eq!(by[&43], (100.0, 100.0));
+        assert_eq!(c[0].pid, 43, "named in the order of the time held");
+        let v = attribute(&q, &w);
+        let e = v.evidence.iter().find(|e| e.contains("waiting for a CPU")).unwrap();
+        assert!(e.contains("pid 42 70 ms"), "{e}");
+    }
+
+    /// Woken from sleep with the model still in the page cache: nothing read from disk, the model
+    /// mapped again, and the time before the server's prompt processing is the load.
+    #[test]
+    fn a_reload_from_the_page_cache_is_load() {
+        let ms = 1_000_000u64;
+        let mut q = req(900.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 200.0}));
+        let asleep = Window {
+            arrival_ns: 0,
+            mapped: vec![(400 * ms, "/models/m.gguf".into())],
+            server_sleeping: true,
+            offcpu_probe: true,
+            ..Default::default()
+        };
+        let v = attribute(&q, &asleep);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.load, s.compute, s.disk, s.unexplained), (700.0, 200.0, 0.0, 0.0));
+        assert_eq!(v.slow_cause, SlowCause::Load);
+        assert!(
+            v.evidence
+                .iter()
+                .any(|e| e.contains("/models/m.gguf mapped 400 ms after arrival, from the page cache (0.0 MiB read from disk)")),
+            "{:?}",
+            v.evidence
+        );
+        // Awake, the same mapping is not a reload.
+        let awake = attribute(&q, &Window { server_sleeping: false, ..asleep });
+        assert_eq!(awake.ttft_ms.unwrap().load, 0.0);
+    }
+
+    #[test]
+    fn waiting_behind_others_is_queue() {
+        let ms = 1_000_000u64;
+        let mut q = req(900.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 40.0}));
+        let w = Window { arrival_ns: 0, others: vec![(0, 850 * ms)], offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        assert_eq!(v.slow_cause.name(), "queue");
+        let s = v.ttft_ms.unwrap();
+        assert_eq!((s.queue, s.compute, s.unexplained), (850.0, 40.0, 10.0));
+        // The engine's join says 100 ms (a run of a request ahead): the 850 ms others were served
+        // are queue all the same.
+        let e = crate::analysis::steps::RequestEngine { queue_ms: 100.0, ..Default::default() };
+        let v = attribute(&q, &Window { engine: Some(&e), ..w.clone() });
+        let s = v.ttft_ms.unwrap();
+        assert_eq!((s.queue, s.unexplained), (850.0, 10.0));
+    }
+
+    #[test]
+    fn a_gpu_asleep_at_arrival_is_power_until_it_resumed() {
+        let ms = 1_000_000u64;
+        let gpu = |t: u64, asleep: bool, s: &str| (t * ms, "0000:01:00.0".to_string(), asleep, s.to_string());
+        let pci = vec![gpu(10, true, "D3cold"), gpu(250, false, "D0")];
+        let (t, e) = resumed(&pci, 100 * ms, 1000 * ms).unwrap();
+        assert_eq!(t, 150.0);
+        assert_eq!(e, "GPU 0000:01:00.0 in D3cold at arrival: resumed in 150 ms");
+        // Awake at arrival: nothing to say; asleep and never seen awake: said, no time.
+        assert!(resumed(&pci, 300 * ms, 1000 * ms).is_none());
+        let (t, e) = resumed(&pci[..1], 100 * ms, 1000 * ms).unwrap();
+        assert!(t == 0.0 && e.contains("not seen to resume"), "{e}");
+    }
+
+    #[test]
+    fn low_clock_at_arrival_is_power() {
+        let ms = 1_000_000u64;
+        let mut q = req(400.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 380.0}));
+        // GPU 0 idles at 20% until 150 ms after arrival; GPU 1 is never used (stays low).
+        let mut gpu: Vec<(u64, u32, f64, Option<u32>)> =
+            (0..10).map(|i| (i * 50 * ms, 0, if i < 5 { 0.2 } else { 1.0 }, Some(if i < 5 { 8 } else { 0 }))).collect();
+        gpu.extend((0..10).map(|i| (i * 50 * ms, 1, 0.1, Some(8))));
+        let w = Window { arrival_ns: 100 * ms, gpu_clocks: &gpu, offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!(s.power, 150.0);
+        assert_eq!(s.compute, 250.0);
+        assert_eq!(v.slow_cause.name(), "power");
+        assert!(v.evidence.iter().any(|e| e.contains("GPU 0 SM clock at 20%") && e.contains("P8")), "{:?}", v.evidence);
+        // Clocks already up at arrival: no power share.
+        let w = Window { arrival_ns: 300 * ms, gpu_clocks: &gpu, offcpu_probe: true, ..Default::default() };
+        assert_eq!(attribute(&q, &w).ttft_ms.unwrap().power, 0.0);
+        assert_eq!(ramp_ms(&[(0, 0.5), (10, 0.6)], 5, 100), None, "never reached its working clock");
+    }
+
+    #[test]
+    fn an_oom_kill_in_the_window_is_the_stop_cause() {
+        let mut q = req(10.0);
+        q.arrival_ms = Some(0.0);
+        q.content_complete = false;
+        q.transport_complete = false;
+        q.closed_by = ClosedBy::Server;
+        q.end_ms = Some(500.0);
+        let w = Window { arrival_ns: 1_000_000_000, oom_kills: &[1_400_000_000], ..Default::default() };
+        assert_eq!(attribute(&q, &w).stop_cause.name(), "oom");
+        let w = Window { arrival_ns: 1_000_000_000, oom_kills: &[900_000_000], ..Default::default() };
+        assert_eq!(attribute(&q, &w).stop_cause.name(), "crash");
+    }
+
+    #[test]
+    fn silence_before_the_close_is_a_deadline() {
+        let mut q = req(10.0);
+        q.content_complete = false;
+        q.transport_complete = false;
+        q.closed_by = ClosedBy::Client;
+        q.chunks = 4;
+        q.chunk_times_ms = vec![10.0, 20.0, 30.0, 40.0];
+        q.closed_ms = Some(2040.0);
+        assert_eq!(stop_cause(&q).0.name(), "deadline");
+        assert!(stop_cause(&q).1.unwrap().contains("2.0 s"));
+        q.closed_ms = Some(45.0); // the reader left while tokens flowed
+        assert_eq!(stop_cause(&q).0.name(), "client_disconnect");
+    }
+
+    #[test]
+    fn stop_causes() {
+        let mut q = req(10.0);
+        q.max_tokens = Some(8);
+        q.chunks = 8;
+        q.stop = Stop { finish_reason: Some("length".into()), ..Default::default() };
+        assert_eq!(stop_cause(&q).0.name(), "requested_limit");
+        q.max_tokens = Some(4000);
+        q.stop.usage = Some(serde_json::json!({"completion_tokens": 990}));
+        assert_eq!(stop_cause(&q).0.name(), "server_limit");
+        q.stop = Stop { finish_reason: Some("stop".into()), ..Default::default() };
+        assert_eq!(stop_cause(&q).0.name(), "eos");
+        let mut c = req(10.0);
+        c.content_complete = false;
+        c.transport_complete = false;
+        c.closed_by = ClosedBy::Client;
+        assert_eq!(stop_cause(&c).0.name(), "client_disconnect");
+        c.chunk_times_ms = vec![10.0];
+        c.end_ms = Some(30_010.0);
+        assert_eq!(stop_cause(&c).0.name(), "deadline");
+        let mut e = req(10.0);
+        e.status = Some(400);
+        assert_eq!(stop_cause(&e).0.name(), "server_error");
+    }
+
+    /// A reader that closes right after the server's final message (before `[DONE]` or the
+    /// terminal chunk): the server's stop stands, and the evidence says both facts.
+    #[test]
+    fn the_servers_stop_outranks_a_close_after_it() {
+        for (stop, want) in [
+            (Stop { finish_reason: Some("stop".into()), ..Default::default() }, "eos"),
+            (Stop { stop_type: Some("word".into()), done_marker: true, ..Default::default() }, "stop_word"),
+            (Stop { finish_reason: Some("stop".into()), stop_reason: Some(serde_json::json!("###")), ..Default::default() }, "stop_word"),
+            (Stop { stop_type: Some("limit".into()), truncated: Some(true), done_marker: true, ..Default::default() }, "requested_limit"),
+            (Stop { done_reason: Some("stop".into()), done_marker: true, ..Default::default() }, "eos"),
+            (Stop { stopped: Some("eos".into()), done_marker: true, ..Default::default() }, "eos"),
+        ] {
+            let mut q = req(10.0);
+            q.stop = stop;
+            q.transport_complete = false;
+            q.closed_by = ClosedBy::Client;
+            q.reset = crate::stream::Reset::ByClient;
+            q.chunks = 11;
+            let (cause, why) = stop_cause(&q);
+            assert_eq!(cause.name(), want, "{:?}", q.stop);
+            let why = why.unwrap();
+            assert!(why.contains("the client then closed before the end of the HTTP response, which is harmless"), "{why}");
+        }
+        // The same stop fields sent after the peer had left do not count (content_complete is
+        // false: the stream tracker compares the final message with the peer's FIN).
+        let mut q = req(10.0);
+        q.stop = Stop { finish_reason: Some("stop".into()), ..Default::default() };
+        q.content_complete = false;
+        q.transport_complete = false;
+        q.closed_by = ClosedBy::Client;
+        q.chunk_times_ms = vec![5.0, 6.0, 7.0];
+        q.closed_ms = Some(7.5);
+        assert_eq!(stop_cause(&q).0.name(), "client_disconnect");
+    }
+
+    #[test]
+    fn precedence_error_then_server_then_peer_then_transport() {
+        // An error outranks everything, even a close before it.
+        let mut q = req(10.0);
+        q.stop.error = Some(serde_json::json!({"code": 500}));
+        q.content_complete = false;
+        q.closed_by = ClosedBy::Client;
+        assert_eq!(stop_cause(&q).0.name(), "server_error");
+        // The server's word (content complete) outranks the peer's close and the server's own close.
+        let mut q = req(10.0);
+        q.stop.finish_reason = Some("length".into());
+        q.max_tokens = Some(16);
+        q.chunks = 16;
+        q.transport_complete = false;
+        q.closed_by = ClosedBy::Server;
+        assert_eq!(stop_cause(&q).0.name(), "requested_limit");
+        // Without it: the peer's close...
+        q.content_complete = false;
+        q.closed_by = ClosedBy::Client;
+        assert_eq!(stop_cause(&q).0.name(), "client_disconnect");
+        // ...or the server's own close before its final message...
+        q.closed_by = ClosedBy::Server;
+        assert_eq!(stop_cause(&q).0.name(), "crash");
+        // ...then the transport: still open at the end of the trace says nothing.
+        q.closed_by = ClosedBy::Open;
+        assert_eq!(stop_cause(&q).0.name(), "unknown");
+        // A response whose framing ended without stop fields (not a generation) is not blamed.
+        let mut g = req(1.0);
+        g.stop = Stop::default();
+        assert_eq!(stop_cause(&g).0.name(), "unknown");
+        // A whole response, transport complete: the evidence has no transport remark.
+        let mut e = req(1.0);
+        e.stop.finish_reason = Some("stop".into());
+        assert!(!stop_cause(&e).1.unwrap().contains("harmless"));
+    }
+
+    #[test]
+    fn chunks_sent_after_the_peer_left_do_not_hide_a_deadline() {
+        // A gateway closed after 2 s of silence; the server's next chunk went out after it.
+        let mut q = req(10.0);
+        q.content_complete = false;
+        q.transport_complete = false;
+        q.closed_by = ClosedBy::Client;
+        q.chunk_times_ms = vec![10.0, 20.0, 2600.0];
+        q.closed_ms = Some(2030.0);
+        assert_eq!(stop_cause(&q).0.name(), "deadline");
+    }
+
+    #[test]
+    fn preemptions_are_evidence_not_a_stop_cause() {
+        let mut q = req(10.0);
+        q.stop.finish_reason = Some("stop".into());
+        let w = Window { server_preemptions: Some(3.0), offcpu_probe: true, ..Default::default() };
+        let v = attribute(&q, &w);
+        assert_eq!(v.stop_cause.name(), "eos");
+        assert!(v.evidence.iter().any(|e| e.contains("preempted 3 request(s)")), "{:?}", v.evidence);
+    }
+
+    #[test]
+    fn a_full_kv_pool_error_is_a_server_limit() {
+        let mut q = req(10.0);
+        q.max_tokens = Some(1000);
+        q.chunks = 86;
+        q.stop.error = Some(serde_json::json!({"code": 500, "type": "server_error", "reason": "context_exceeded"}));
+        let (cause, why) = stop_cause(&q);
+        assert_eq!(cause.name(), "server_limit");
+        assert!(why.unwrap().contains("after 86 tokens"));
+        q.stop.error = Some(serde_json::json!({"code": 500, "type": "server_error"}));
+        assert_eq!(stop_cause(&q).0.name(), "server_error");
+        // A prompt refused for the slot's context names both sizes (llama.cpp's 400 body).
+        let body = serde_json::json!({"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": 751, "n_ctx": 512}});
+        let mut stop = crate::stream::payload::Stop::default();
+        crate::stream::payload::apply(&body, &mut stop, false);
+        assert!(stop.error.as_ref().unwrap().get("message").is_none(), "no text kept: {:?}", stop.error);
+        let refused = RequestRecord { status: Some(400), stop, ..req(5.0) };
+        let why = stop_cause(&refused).1.unwrap();
+        assert!(why.contains("its 751 tokens do not fit the slot's context of 512") && why.contains("raise -c or lower -np"), "{why}");
+    }
+}

@@ -1,0 +1,2 @@
+//! The subcommands' own code (the clap definitions live in main.rs).
+pub mod doctor;

@@ -1,0 +1,7 @@
+//! The kernel side of a trace: the probe table and its attach, the engine's uprobes, the
+//! target's unwind tables and Python frames.
+pub mod attach;
+pub mod engine;
+pub mod probes;
+pub mod python;
+pub mod unwind;

@@ -1,0 +1,596 @@
+//! probe's own threads off the server's CPUs: the ring's drain and the samplers run at idle
+//! priority while they keep up, at normal priority from the turn they fall behind; a watchdog
+//! raises one that cannot run to see it is behind.
+use std::{
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
+
+use crate::os::procfs::{effective_caps, set_policy};
+
+/// A thread that must keep up (the ring's drain, the samplers) but should not take a CPU from the
+/// server while it does: it runs at idle priority (a waking server thread preempts it at once),
+/// and at normal priority from the turn it falls behind (a backlog in the ring, a late sample)
+/// until it has kept up again ([`Policy`]). A thread at idle priority on CPUs that others keep
+/// busy may not run at all to see that it is behind: a watchdog thread at normal priority (asleep
+/// but for a look every 100 ms) raises it when what it drains is half full or filling fast (a
+/// ring buffer's positions, read from a mapping of its own) or its last turn is overdue. Only
+/// where it may go back: root or CAP_SYS_NICE (leaving SCHED_IDLE needs one); otherwise it stays
+/// at normal priority.
+pub struct Yielding {
+    name: &'static str,
+    /// It may leave idle priority again (root, CAP_SYS_NICE).
+    may: bool,
+    policy: Policy,
+    beat: Arc<Heartbeat>,
+    /// Turns spent behind, at normal priority (for the report's cost line).
+    pub behind_turns: u64,
+}
+
+/// What the watchdog reads of a yielding thread.
+struct Heartbeat {
+    tid: libc::pid_t,
+    /// Monotonic ns of its last turn.
+    last_ns: AtomicU64,
+    /// How long after its last turn the next is overdue (0: none expected).
+    due_ns: AtomicU64,
+    /// Set by the watchdog when it raised the thread.
+    raised: AtomicBool,
+    /// Its last turn had work (records flowing, a busy target).
+    busy: AtomicBool,
+    done: AtomicBool,
+    /// What it keeps up with, when that can be read from here.
+    backlog: Option<RingFill>,
+    /// The backlog's fill at the watchdog's last look (f64 bits; the watchdog's own).
+    last_fill: AtomicU64,
+    /// Monotonic ns it started yielding: its first second is watched closely ([`WATCH_START`]).
+    born_ns: u64,
+    /// Set by the watchdog while the thread should not run at all ([`Yielding::held`]).
+    held: AtomicBool,
+    /// It may be held without a backlog in sight ([`Yielding::hold_when_busy`]).
+    holdable: AtomicBool,
+    /// Set by the watchdog while every CPU is busy ([`Yielding::spill`]).
+    saturated: AtomicBool,
+    /// Woken when the watchdog lets a held thread go.
+    release: tokio::sync::Notify,
+    /// A count that, when it moves, lets a held thread go for [`URGENT_NS`] (a library mapped:
+    /// the drain's once-a-second turn attaches the engine probe there), and its last value.
+    urgent: Option<Urgent>,
+    urgent_seen: AtomicU64,
+    /// Not held before this (monotonic ns).
+    free_until_ns: AtomicU64,
+}
+
+/// Reads a count the watchdog watches ([`Heartbeat::urgent`]).
+pub type Urgent = Box<dyn Fn() -> u64 + Send + Sync>;
+
+/// How long a held thread is let go when its urgent count moves: past its next once-a-second turn.
+const URGENT_NS: u64 = 1_500_000_000;
+
+/// How full a BPF ring buffer is, from a read-only mapping of its two position pages (the
+/// kernel lets any part be mapped read-only): producer − consumer, over its size.
+pub struct RingFill {
+    at: std::ptr::NonNull<libc::c_void>,
+    page: usize,
+    size: u64,
+}
+
+// SAFETY: a read-only shared mapping, read with volatile loads of two u64 the kernel and the
+// drain update atomically; nothing is written through it.
+unsafe impl Send for RingFill {}
+// SAFETY: as above.
+unsafe impl Sync for RingFill {}
+
+impl RingFill {
+    /// Map the position pages of the ring buffer map `fd` of `size` bytes.
+    pub fn new(fd: &impl std::os::fd::AsFd, size: u64) -> Option<RingFill> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        // SAFETY: a fresh read-only shared mapping of two pages of a ring buffer map's descriptor;
+        // checked for failure below, unmapped once in Drop.
+        let at = unsafe { libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ, libc::MAP_SHARED, fd.as_fd().as_raw_fd(), 0) };
+        if at == libc::MAP_FAILED {
+            return None;
+        }
+        Some(RingFill { at: std::ptr::NonNull::new(at)?, page, size: size.max(1) })
+    }
+
+    /// The consumer and producer positions (bytes read and written since the ring was made).
+    fn positions(&self) -> (u64, u64) {
+        // SAFETY: both positions are the first u64 of a page of the live mapping.
+        unsafe {
+            let base = self.at.as_ptr().cast::<u8>();
+            (std::ptr::read_volatile(base.cast::<u64>()), std::ptr::read_volatile(base.add(self.page).cast::<u64>()))
+        }
+    }
+
+    /// The share of the ring holding records not yet read (0..1).
+    pub fn fill(&self) -> f64 {
+        let (consumer, producer) = self.positions();
+        producer.saturating_sub(consumer) as f64 / self.size as f64
+    }
+
+    /// Bytes the kernel has written to the ring since it was made: what the target did, seen
+    /// without reading a record.
+    pub fn produced(&self) -> u64 {
+        self.positions().1
+    }
+}
+
+impl Drop for RingFill {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, of that length, unmapped once.
+        unsafe { libc::munmap(self.at.as_ptr(), 2 * self.page) };
+    }
+}
+
+/// Turns in a row that keep up before a thread yields again.
+const KEEP_UP: u32 = 5;
+/// The least time since it last fell behind before a thread yields again; doubled each time it
+/// falls behind soon after yielding, up to `MAX_CALM`.
+const MIN_CALM: Duration = Duration::from_secs(1);
+const MAX_CALM: Duration = Duration::from_secs(32);
+/// The ring's fill at which the watchdog raises its drain: the other half holds what the kernel
+/// writes until the raised drain runs (at the CPU-hog tests' 16 MB/s, half of the default ring
+/// lasts 500 ms; the watchdog looks every 100 ms). A ring filling faster is raised earlier: when
+/// at the rate since the last look it would pass `RAISE_AHEAD` within two more looks.
+const RAISE_AT_FILL: f64 = 0.5;
+const RAISE_AHEAD: f64 = 0.75;
+const CAP_SYS_NICE: u64 = 1 << 23;
+const WATCH_EVERY: Duration = Duration::from_millis(100);
+const WATCH_IDLE: Duration = Duration::from_millis(250);
+/// How often the watchdog looks in a thread's first [`START_NS`]: right after attach a ring can
+/// fill in a tenth of a second (a decode's thread pool switching 26,000 times a second) while
+/// the drain, at idle priority from its start, waits behind the server it must not delay.
+const WATCH_START: Duration = Duration::from_millis(10);
+const START_NS: u64 = 1_000_000_000;
+/// The CPUs count as saturated while less than this share of one CPU was idle over the last
+/// [`IDLE_WINDOW`]: a drain at idle priority then has no idle time to run in, only its small
+/// weight's share of a CPU a server thread is waiting for.
+const SATURATED_IDLE: f64 = 0.05;
+/// The least window over which the CPUs' idle time is measured (/proc/stat counts in 10 ms
+/// ticks: over the least window, "saturated" is less than a tick of idle time).
+const IDLE_WINDOW_NS: u64 = 50_000_000;
+const IDLE_READ_NS: u64 = 25_000_000;
+
+/// When a yielding thread goes back to idle priority: after `KEEP_UP` turns in a row that kept
+/// up, and no sooner than `calm` since it last fell behind. A thread that falls behind again soon
+/// after it yielded (within 4 × `calm`) doubles `calm`: under a load that idle priority cannot keep
+/// up with (every CPU busy with many threads, a ring filling at tens of MB/s) it then stays at
+/// normal priority, as it would without yielding, instead of yielding, starving and being raised
+/// over and over (each time with half a ring of records waiting: the last half is all the
+/// margin there is). A long stretch at idle priority before a fall starts `calm` over.
+#[derive(Debug)]
+struct Policy {
+    idle: bool,
+    kept_up: u32,
+    fell_ns: u64,
+    idle_since_ns: u64,
+    calm_ns: u64,
+}
+
+#[derive(Debug, PartialEq)]
+enum Change {
+    Stay,
+    /// To normal priority.
+    Raise,
+    /// To idle priority.
+    Lower,
+}
+
+impl Policy {
+    fn new(idle: bool, now_ns: u64) -> Policy {
+        Policy { idle, kept_up: 0, fell_ns: now_ns, idle_since_ns: now_ns, calm_ns: MIN_CALM.as_nanos() as u64 }
+    }
+
+    /// One turn at `now_ns`: `fell`, it was behind (or raised by the watchdog); `may`, it may
+    /// leave idle priority again later.
+    fn turn(&mut self, now_ns: u64, fell: bool, may: bool) -> Change {
+        if fell {
+            self.kept_up = 0;
+            self.fell_ns = now_ns;
+            if !self.idle {
+                return Change::Stay;
+            }
+            let (min, max) = (MIN_CALM.as_nanos() as u64, MAX_CALM.as_nanos() as u64);
+            self.calm_ns =
+                if now_ns.saturating_sub(self.idle_since_ns) < self.calm_ns.saturating_mul(4) { (self.calm_ns * 2).min(max) } else { min };
+            self.idle = false;
+            return Change::Raise;
+        }
+        if self.idle || !may {
+            return Change::Stay;
+        }
+        self.kept_up += 1;
+        if self.kept_up >= KEEP_UP && now_ns.saturating_sub(self.fell_ns) >= self.calm_ns {
+            self.idle = true;
+            self.idle_since_ns = now_ns;
+            return Change::Lower;
+        }
+        Change::Stay
+    }
+}
+
+/// Whether the watchdog raises a thread whose backlog is `fill` full, `last` at its last look.
+fn filling(fill: f64, last: f64) -> bool {
+    fill > RAISE_AT_FILL || fill + 2.0 * (fill - last).max(0.0) > RAISE_AHEAD
+}
+
+/// The CPUs' idle time from /proc/stat's first line (idle and iowait, every CPU), kept over a
+/// short window: whether a thread at idle priority has idle time to run in.
+struct CpuIdle {
+    file: Option<std::fs::File>,
+    /// (monotonic ns, idle ms) at past looks, oldest first, spanning at least the window.
+    seen: std::collections::VecDeque<(u64, u64)>,
+    /// The answer at the last read.
+    last: bool,
+}
+
+impl CpuIdle {
+    fn new() -> CpuIdle {
+        CpuIdle { file: std::fs::File::open("/proc/stat").ok(), seen: std::collections::VecDeque::new(), last: false }
+    }
+
+    /// The CPUs' idle time in ms since boot (idle + iowait of the `cpu` line).
+    fn idle_ms(&mut self) -> Option<u64> {
+        use std::os::unix::fs::FileExt as _;
+        let mut buf = [0u8; 256];
+        let n = self.file.as_ref()?.read_at(&mut buf, 0).ok()?;
+        let line = std::str::from_utf8(&buf[..n]).ok()?.lines().next()?;
+        parse_idle_ms(line, crate::os::procfs::clock_ticks())
+    }
+
+    /// Whether less than [`SATURATED_IDLE`] of one CPU was idle over the last window (false until
+    /// a window has been seen).
+    fn saturated(&mut self, now_ns: u64) -> bool {
+        // /proc/stat is made whole at each read (every IRQ's count: tens of µs): read at most
+        // every IDLE_READ, the last answer standing between.
+        if let Some(&(t, _)) = self.seen.back()
+            && now_ns.saturating_sub(t) < IDLE_READ_NS
+        {
+            return self.last;
+        }
+        let Some(idle) = self.idle_ms() else { return false };
+        self.observe(now_ns, idle)
+    }
+
+    /// A reading of `idle` ms at `now_ns`: whether the CPUs were busy over the window it closes.
+    fn observe(&mut self, now_ns: u64, idle: u64) -> bool {
+        self.seen.push_back((now_ns, idle));
+        while self.seen.len() > 2 && now_ns.saturating_sub(self.seen[1].0) >= IDLE_WINDOW_NS {
+            self.seen.pop_front();
+        }
+        let &(t0, i0) = self.seen.front().expect("pushed above");
+        let span = now_ns.saturating_sub(t0);
+        self.last = span >= IDLE_WINDOW_NS && (idle.saturating_sub(i0) as f64) < SATURATED_IDLE * span as f64 / 1e6;
+        self.last
+    }
+}
+
+/// Whether every CPU has been busy over the last window (see [`CpuIdle`]).
+fn saturated(now_ns: u64) -> bool {
+    static CPUS: OnceLock<Mutex<CpuIdle>> = OnceLock::new();
+    CPUS.get_or_init(|| Mutex::new(CpuIdle::new())).lock().unwrap_or_else(|e| e.into_inner()).saturated(now_ns)
+}
+
+/// Start measuring the CPUs' idle time now, so that a drain starting once probe has armed
+/// knows at once whether they are all busy (a request in flight at attach).
+pub fn prime() {
+    saturated(crate::monotonic_ns());
+}
+
+/// Idle + iowait of /proc/stat's `cpu` line, in ms (`hz` clock ticks a second).
+fn parse_idle_ms(line: &str, hz: u64) -> Option<u64> {
+    let mut f = line.split_ascii_whitespace();
+    if f.next()? != "cpu" {
+        return None;
+    }
+    let v: Vec<u64> = f.take(5).map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    Some((v.get(3)? + v.get(4)?) * 1000 / hz.max(1))
+}
+
+/// The watched threads, and the watchdog's wake-up when one starts (its first look is then due
+/// at once, not at the end of a quarter-second sleep).
+fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
+    static BEATS: OnceLock<(Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar)> = OnceLock::new();
+    BEATS.get_or_init(|| {
+        let spawned = std::thread::Builder::new().name("probe-watchdog".into()).spawn(|| {
+            let mut every = WATCH_EVERY;
+            let (list, wake) = watchdog();
+            let mut beats = list.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                beats = wake.wait_timeout(beats, every).unwrap_or_else(|e| e.into_inner()).0;
+                let now = crate::monotonic_ns();
+                beats.retain(|b| !b.done.load(Relaxed));
+                // Every 10 ms in a thread's first second, every 100 ms while a watched thread
+                // has work flowing, every 250 ms otherwise (a ring filling from idle at 16 MB/s
+                // is then seen at most 4 MB past half full).
+                every = if beats.iter().any(|b| now.saturating_sub(b.born_ns) < START_NS) {
+                    WATCH_START
+                } else if beats.iter().any(|b| b.busy.load(Relaxed)) {
+                    WATCH_EVERY
+                } else {
+                    WATCH_IDLE
+                };
+                // /proc/stat's first line: 6 µs a read, at most 40 a second.
+                let saturated = !beats.is_empty() && saturated(now);
+                for b in beats.iter() {
+                    let due = b.due_ns.load(Relaxed);
+                    let fill = b.backlog.as_ref().map_or(0.0, RingFill::fill);
+                    let last = f64::from_bits(b.last_fill.swap(fill.to_bits(), Relaxed));
+                    let full = due > 0 && b.backlog.is_some() && filling(fill, last);
+                    // A drain whose records can wait in the ring waits there, not runnable at
+                    // all, while the server keeps every CPU busy: at idle priority it would still
+                    // take its weight's share of a CPU a server thread waits for. Let go when
+                    // a CPU idles, when the ring fills (then raised too), when the trace stops.
+                    // A thread without such a backlog (the samplers) is held until its turn is
+                    // overdue: then it takes one, raised, and is held again.
+                    let late = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
+                    let mut urgent = false;
+                    if let Some(count) = &b.urgent
+                        && saturated
+                    {
+                        let n = count();
+                        if b.urgent_seen.swap(n, Relaxed) != n {
+                            b.free_until_ns.store(now + URGENT_NS, Relaxed);
+                            urgent = true;
+                        }
+                    }
+                    let free = now < b.free_until_ns.load(Relaxed);
+                    let hold = due > 0 && saturated && !full && !free && b.holdable.load(Relaxed) && (b.backlog.is_some() || !late);
+                    b.saturated.store(saturated, Relaxed);
+                    if b.held.swap(hold, Relaxed) && !hold {
+                        b.release.notify_one();
+                    }
+                    let overdue = late && !hold;
+                    if (overdue || full || urgent) && !b.raised.load(Relaxed) {
+                        let p = libc::sched_param { sched_priority: 0 };
+                        // SAFETY: a valid sched_param; the tid is a thread of this process (it
+                        // leaves the list, `done`, before it ends).
+                        if unsafe { libc::sched_setscheduler(b.tid, libc::SCHED_OTHER, &p) } == 0 {
+                            b.raised.store(true, Relaxed);
+                        }
+                    }
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            log::warn!("no watchdog thread ({e}): yielding threads are raised only when they run");
+        }
+        (Mutex::new(Vec::new()), std::sync::Condvar::new())
+    })
+}
+
+/// Set by [`never`]: no thread yields (`probe trace --no-yield`).
+static NEVER: AtomicBool = AtomicBool::new(false);
+
+/// Keep every thread at normal priority and never hold one back, for the rest of the process.
+pub fn never() {
+    NEVER.store(true, Relaxed);
+}
+
+impl Yielding {
+    /// Start yielding on the calling thread (when it could stop yielding again); its first turn
+    /// is overdue after `first`. `backlog`: what it drains, when the watchdog can read its fill;
+    /// `urgent`: a count that lets it go when it moves while held.
+    pub fn start(name: &'static str, first: Duration, backlog: Option<RingFill>, urgent: Option<Urgent>) -> Yielding {
+        // SAFETY: geteuid and gettid have no preconditions.
+        let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
+        let may = (euid == 0 || effective_caps() & CAP_SYS_NICE != 0) && !NEVER.load(Relaxed);
+        let now = crate::monotonic_ns();
+        let holdable = backlog.is_some();
+        let beat = Arc::new(Heartbeat {
+            tid,
+            last_ns: now.into(),
+            due_ns: (first.as_nanos() as u64).into(),
+            raised: false.into(),
+            busy: false.into(),
+            done: false.into(),
+            backlog,
+            last_fill: 0f64.to_bits().into(),
+            born_ns: now,
+            held: false.into(),
+            holdable: holdable.into(),
+            saturated: false.into(),
+            release: tokio::sync::Notify::new(),
+            urgent_seen: urgent.as_ref().map_or(0, |c| c()).into(),
+            urgent,
+            free_until_ns: 0.into(),
+        });
+        if may {
+            // A drain whose backlog can wait is held from its first turn when every CPU is busy
+            // (the records of a request in flight at attach wait in the ring).
+            if beat.backlog.is_some() && saturated(now) {
+                beat.held.store(true, Relaxed);
+                beat.saturated.store(true, Relaxed);
+            }
+            let (list, wake) = watchdog();
+            list.lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
+            wake.notify_one();
+        }
+        // Normal priority first: a trace's first second holds the burst of records right after
+        // attach while the collector still loads unwind tables. Started at idle priority, a
+        // drain lost 800 events under a compile on both CPUs and a memory thrash (CI), and
+        // before the watchdog's first look a decode's thread pool switching 26,000 times a
+        // second filled the ring in a tenth of a second. It yields once turns keep up and the
+        // calm has passed ([`Policy`]); the watchdog looks every 10 ms meanwhile.
+        Yielding { name, may, policy: Policy::new(false, now), beat, behind_turns: 0 }
+    }
+
+    /// After a turn: `behind`, it fell behind (normal priority from now on); else it kept up.
+    /// `busy`: it had work this turn (the watchdog looks more often).
+    /// `next`: when the next turn is overdue (the watchdog raises the thread then); None: no turn
+    /// is expected (nothing to keep up with).
+    pub fn turn(&mut self, behind: bool, busy: bool, next: Option<Duration>) {
+        let now = crate::monotonic_ns();
+        self.beat.busy.store(busy, Relaxed);
+        self.beat.last_ns.store(now, Relaxed);
+        self.beat.due_ns.store(next.map_or(0, |d| d.as_nanos() as u64), Relaxed);
+        let raised = self.beat.raised.swap(false, Relaxed);
+        // At idle priority a turn that found more than it could take is not yet behind when
+        // the watchdog sees what is left (a ring's fill): the records wait there while the server
+        // keeps every CPU busy, and the drain takes them at idle priority, or raised once the
+        // ring is half full. Raised already, a turn left behind keeps it raised.
+        let behind = behind && (self.beat.backlog.is_none() || !self.policy.idle);
+        if behind || raised {
+            self.behind_turns += 1;
+        }
+        match self.policy.turn(now, behind || raised, self.may) {
+            Change::Stay => {}
+            Change::Raise if raised => {
+                log::info!("{}: overdue at idle priority: raised to normal for at least {} ms", self.name, self.policy.calm_ns / 1_000_000)
+            }
+            Change::Raise => match set_policy(libc::SCHED_OTHER) {
+                Ok(()) => {
+                    log::info!("{}: fell behind at idle priority: normal for at least {} ms", self.name, self.policy.calm_ns / 1_000_000)
+                }
+                Err(e) => log::warn!("{}: fell behind at idle priority and cannot leave it: {e}", self.name),
+            },
+            Change::Lower => {
+                if set_policy(libc::SCHED_IDLE).is_err() {
+                    self.policy.idle = false;
+                }
+            }
+        }
+    }
+
+    /// Never held back (the drain while a live view shows: the screen is made from the records
+    /// as they come); it still yields at idle priority.
+    pub fn never_held(self) -> Yielding {
+        self.beat.holdable.store(false, Relaxed);
+        self.beat.held.store(false, Relaxed);
+        self.beat.saturated.store(false, Relaxed);
+        self.beat.release.notify_one();
+        self
+    }
+
+    /// Let the watchdog hold this thread while every CPU is busy, though what it keeps up with
+    /// cannot be seen (the samplers: a reading waits, once 3 s overdue it is taken). A thread
+    /// with a queue that overflows (a hub member's) is not held.
+    pub fn hold_when_busy(self) -> Yielding {
+        self.beat.holdable.store(true, Relaxed);
+        self
+    }
+
+    /// Whether the watchdog holds this thread back: its backlog can wait while the server keeps
+    /// every CPU busy. A held thread waits for [`Yielding::released`] instead of its next turn.
+    pub fn held(&self) -> bool {
+        self.beat.held.load(Relaxed)
+    }
+
+    /// Whether a drain should copy its backlog out unread rather than read it: every CPU is
+    /// busy (it runs because its ring filled, not because a CPU is free).
+    pub fn spill(&self) -> bool {
+        self.beat.backlog.is_some() && self.beat.holdable.load(Relaxed) && self.beat.saturated.load(Relaxed)
+    }
+
+    /// Bytes written to the ring this thread drains, since it was made (None: no ring in sight).
+    pub fn produced(&self) -> Option<u64> {
+        self.beat.backlog.as_ref().map(RingFill::produced)
+    }
+
+    /// Resolves when the watchdog lets the thread go (at once when it was let go since it was
+    /// last seen held).
+    pub async fn released(&self) {
+        self.beat.release.notified().await;
+    }
+
+    /// Normal priority for good (the end of a trace: its last drain and report should not wait).
+    pub fn stop(&mut self) {
+        self.beat.held.store(false, Relaxed);
+        self.beat.due_ns.store(0, Relaxed);
+        if self.policy.idle && set_policy(libc::SCHED_OTHER).is_ok() {
+            self.policy.idle = false;
+        }
+        self.may = false;
+    }
+}
+
+impl Drop for Yielding {
+    fn drop(&mut self) {
+        self.beat.due_ns.store(0, Relaxed);
+        self.beat.done.store(true, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    /// Five turns that keep up and a second of calm, then idle; a fall soon after doubles the
+    /// calm each time (up to 32 s); a long idle stretch before a fall starts it over.
+    #[test]
+    fn a_thread_that_keeps_falling_behind_stays_raised_longer() {
+        let mut p = Policy::new(true, 0);
+        assert_eq!(p.turn(S / 10, true, true), Change::Raise);
+        assert_eq!(p.calm_ns, 2 * S, "a fall 100 ms after starting idle doubles the calm");
+        // Kept up, but not yet calm for 2 s.
+        for i in 1..=10 {
+            assert_eq!(p.turn(S / 10 + i * S / 10, false, true), Change::Stay);
+        }
+        assert_eq!(p.turn(S / 10 + 2 * S, false, true), Change::Lower);
+        // Starved again at once: 4 s now, then 8, 16, 32, 32.
+        let mut t = 3 * S;
+        for want in [4, 8, 16, 32, 32] {
+            assert_eq!(p.turn(t, true, true), Change::Raise);
+            assert_eq!(p.calm_ns, want * S);
+            for k in 0..KEEP_UP as u64 {
+                assert_eq!(p.turn(t + k * 1000, false, true), Change::Stay, "yielded {k} turns after a fall");
+            }
+            t += want * S;
+            assert_eq!(p.turn(t, false, true), Change::Lower);
+            t += S / 2;
+        }
+        // A fall after a long idle stretch starts over at 1 s.
+        t += 1000 * S;
+        assert_eq!(p.turn(t, true, true), Change::Raise);
+        assert_eq!(p.calm_ns, S);
+        // A fall while already raised changes nothing but the clock; without the right to leave
+        // idle priority again it never yields.
+        assert_eq!(p.turn(t + 1, true, true), Change::Stay);
+        let mut q = Policy::new(false, 0);
+        for k in 0..100 {
+            assert_eq!(q.turn(k * S, false, false), Change::Stay);
+        }
+    }
+
+    #[test]
+    fn idle_time_is_idle_and_iowait() {
+        assert_eq!(parse_idle_ms("cpu  100 0 50 9000 10 0 5 250 0 0", 100), Some(90_100));
+        assert_eq!(parse_idle_ms("cpu0 100 0 50 9000 10", 100), None, "one CPU's line");
+        assert_eq!(parse_idle_ms("cpu  1 2", 100), None);
+        let mut c = CpuIdle::new();
+        assert!(!c.saturated(crate::monotonic_ns()), "no window yet");
+    }
+
+    /// Saturated over a window with less than a twentieth of a CPU idle, not before the window.
+    #[test]
+    fn the_cpus_are_saturated_without_idle_time() {
+        let mut c = CpuIdle { file: None, seen: Default::default(), last: false };
+        let ms = 1_000_000u64;
+        assert!(!c.observe(0, 1000));
+        assert!(!c.observe(30 * ms, 1000), "a window not yet long enough");
+        assert!(c.observe(60 * ms, 1001), "1 ms idle in 60 ms: busy");
+        assert!(!c.observe(120 * ms, 1031), "30 ms idle in the last 60: a CPU to spare");
+        assert!(c.seen.len() <= 3, "only the window is kept: {:?}", c.seen);
+        let mut d = CpuIdle { file: None, seen: Default::default(), last: false };
+        d.observe(0, 1000);
+        assert!(!d.observe(60 * ms, 1010), "10 ms idle in 60: a CPU to spare");
+    }
+
+    /// Half full, or filling fast enough to pass three quarters within two more looks.
+    #[test]
+    fn a_ring_filling_fast_is_raised_before_half_full() {
+        assert!(filling(0.51, 0.51));
+        assert!(!filling(0.3, 0.3), "a steady backlog under half is left to the drain");
+        assert!(filling(0.4, 0.2), "0.2 a look: 0.6 at the next, past three quarters after that");
+        assert!(!filling(0.1, 0.05));
+        assert!(!filling(0.0, 0.4), "an emptied ring is not filling");
+    }
+}

@@ -1,0 +1,498 @@
+//! The samplers' records, typed: what `crate::sampler` writes (a frame each, `type` naming the
+//! variant) and `crate::analysis::system`, the timeline, the bundle and watch's gauges read back.
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One sampler record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Sample {
+    /// Which sources this machine has, once at the start.
+    Samplers(Sources),
+    Gpu(GpuReading),
+    Cpufreq(CpuFreqReading),
+    Mem(MemReading),
+    Cpuidle(CpuIdleReading),
+    Residency(ResidencyReading),
+    Endpoint(EndpointPoll),
+    /// The target as probe found it right after arming (once).
+    Attach(AttachState),
+}
+
+/// The `type` names of [`Sample`]'s variants, as their frames hold them.
+pub const KINDS: [&str; 8] = ["samplers", "gpu", "cpufreq", "mem", "cpuidle", "residency", "endpoint", "attach"];
+
+impl Sample {
+    /// Its `type`, as its frame holds it.
+    pub fn kind(&self) -> &'static str {
+        KINDS[match self {
+            Sample::Samplers(_) => 0,
+            Sample::Gpu(_) => 1,
+            Sample::Cpufreq(_) => 2,
+            Sample::Mem(_) => 3,
+            Sample::Cpuidle(_) => 4,
+            Sample::Residency(_) => 5,
+            Sample::Endpoint(_) => 6,
+            Sample::Attach(_) => 7,
+        }]
+    }
+
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Sample::Samplers(s) => s.ts_ns,
+            Sample::Gpu(s) => s.ts_ns,
+            Sample::Cpufreq(s) => s.ts_ns,
+            Sample::Mem(s) => s.ts_ns,
+            Sample::Cpuidle(s) => s.ts_ns,
+            Sample::Residency(s) => s.ts_ns,
+            Sample::Endpoint(s) => s.ts_ns,
+            Sample::Attach(s) => s.ts_ns,
+        }
+    }
+}
+
+/// The sources the samplers found, and why each missing one is missing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Sources {
+    pub ts_ns: u64,
+    pub hz: f64,
+    /// Each CPU's highest frequency (None: no cpufreq).
+    pub cpufreq_max_khz: Option<Vec<u64>>,
+    /// /proc/pressure/memory exists.
+    pub psi: bool,
+    pub memory_cgroup: Option<String>,
+    /// The swap areas (/proc/swaps: file or device), at the start.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub swaps: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<Vec<GpuDevice>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_absent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpufreq_absent: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GpuReading {
+    pub ts_ns: u64,
+    pub gpus: Vec<GpuSample>,
+    /// The devices' PCI power states (sysfs, read without waking them), when they changed: at
+    /// attach, while idle, at the target's first busy moment (a request's arrival) and after NVML
+    /// opened.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pci: Vec<PciPower>,
+    /// The devices as NVML names them, in the first reading after it was opened.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<GpuDevice>>,
+    /// How long opening NVML took (ms): a suspended device resumes to answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub opened_ms: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CpuFreqReading {
+    pub ts_ns: u64,
+    pub cur_khz: Vec<u64>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemReading {
+    #[serde(default)]
+    pub ts_ns: u64,
+    #[serde(flatten)]
+    pub mem: Mem,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CpuIdleReading {
+    #[serde(default)]
+    pub ts_ns: u64,
+    #[serde(flatten)]
+    pub idle: CpuIdle,
+}
+
+/// The target right after the probes were armed: what came before attach is described by it,
+/// never guessed (see `crate::kernel::attach`). One bounded read.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AttachState {
+    pub ts_ns: u64,
+    /// Each target thread's state and what it was blocked in.
+    pub threads: Vec<ThreadAtAttach>,
+    /// /proc/PID/io `read_bytes` of the main target (bytes it had made the disk read so far).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_bytes: Option<u64>,
+    /// The IO limits of the target's cgroups, per device.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub io_limits: Vec<IoLimit>,
+    /// The target's connections in the middle of a request, by the kernel's TCP state.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub in_flight: Vec<ConnAtAttach>,
+    /// Why the connections could not be asked, when they could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_flight_absent: Option<String>,
+}
+
+/// One thread at attach: /proc/PID/task/TID/stat's state letter, and wchan.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ThreadAtAttach {
+    pub tid: u32,
+    pub comm: String,
+    /// R running, S sleeping, D uninterruptible (IO, a file fault), ...
+    pub state: String,
+    /// The kernel function it sleeps in (`/proc/PID/task/TID/wchan`), when the kernel says.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wchan: Option<String>,
+}
+
+/// An IO limit of a cgroup on one device, as its own file sets it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct IoLimit {
+    /// The cgroup's directory.
+    pub cgroup: String,
+    /// "MAJ:MIN".
+    pub dev: String,
+    /// Where it was read: "blkio.throttle" (v1) or "io.max" (v2).
+    pub source: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_bps: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_bps: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_iops: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_iops: Option<u64>,
+    /// Bytes read on that device by the cgroup so far (blkio.throttle.io_service_bytes, io.stat rbytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_bytes: Option<u64>,
+}
+
+/// A connection of the target found mid-request at attach.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ConnAtAttach {
+    pub local: String,
+    pub peer: String,
+    /// "unread" (request bytes wait in the receive queue, or in the listener's accept queue),
+    /// "waiting" (read, no response byte since), "responding" (a response began after it).
+    pub state: String,
+    /// ms since the last request bytes arrived, and since the server last sent (tcp_info).
+    pub last_recv_ms: u32,
+    pub last_sent_ms: u32,
+    pub rqueue: u32,
+}
+
+/// Why a residency reading was taken.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResidencyWhy {
+    #[default]
+    Periodic,
+    /// At the end of the trace.
+    End,
+    /// On SIGUSR1.
+    OnDemand,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ResidencyReading {
+    pub ts_ns: u64,
+    pub why: ResidencyWhy,
+    pub files: Vec<Residency>,
+}
+
+/// What a port answers as.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Kind {
+    #[serde(rename = "llama.cpp")]
+    LlamaCpp,
+    #[serde(rename = "vllm")]
+    Vllm,
+    #[serde(rename = "ollama")]
+    Ollama,
+    /// Answers HTTP but none of the known endpoints.
+    #[default]
+    #[serde(rename = "other")]
+    Other,
+    /// Does not answer HTTP (or not on loopback): asked once, then left alone.
+    #[serde(rename = "none")]
+    NotHttp,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::LlamaCpp => "llama.cpp",
+            Kind::Vllm => "vllm",
+            Kind::Ollama => "ollama",
+            Kind::Other => "other",
+            Kind::NotHttp => "none",
+        }
+    }
+}
+
+/// One poll of one of the server's ports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EndpointPoll {
+    pub ts_ns: u64,
+    pub addr: String,
+    /// Polled inside the target's network namespace.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub netns: bool,
+    pub kind: Kind,
+    /// Prometheus series `name{labels}` → value (histogram buckets left out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<BTreeMap<String, f64>>,
+    /// The HTTP status of /metrics when it was not 200.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub props: Option<LlamaProps>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ps: Option<Vec<LoadedModel>>,
+    /// probe's own local ports for this poll: the report leaves requests from them out.
+    pub local_ports: Vec<u16>,
+}
+
+impl EndpointPoll {
+    /// The poll found a server (not a port that does not answer HTTP).
+    pub fn answered(&self) -> bool {
+        self.kind != Kind::NotHttp
+    }
+
+    pub fn sleeping(&self) -> Option<bool> {
+        self.props.as_ref().and_then(|p| p.is_sleeping)
+    }
+
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        self.metrics.as_ref()?.get(series).copied()
+    }
+}
+
+/// llama.cpp's /props, the fields probe keeps.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LlamaProps {
+    pub is_sleeping: Option<bool>,
+    pub total_slots: Option<u64>,
+    pub n_ctx_slot: Option<u64>,
+    pub model_path: Option<String>,
+    pub build_info: Option<String>,
+}
+
+/// An Ollama model loaded at the poll (/api/ps).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoadedModel {
+    pub name: Option<String>,
+    pub size: Option<u64>,
+    pub size_vram: Option<u64>,
+    pub expires_at: Option<String>,
+}
+
+/// A GPU's PCI power state as sysfs has it without waking the device.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PciPower {
+    /// The PCI address (0000:01:00.0).
+    pub addr: String,
+    /// `power/runtime_status`: active, suspended, suspending, resuming, or unsupported (no
+    /// runtime power management: the device stays in D0).
+    pub runtime: String,
+    /// `power_state` (D0, D3hot, D3cold: Linux 5.19 and later), where the kernel has it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// `power/control` is `auto`: the kernel suspends the device when nothing holds it (an open
+    /// NVML handle does).
+    pub runtime_pm: bool,
+}
+
+impl PciPower {
+    /// Suspended (runtime PM) or in a D3 state.
+    pub fn asleep(&self) -> bool {
+        matches!(self.runtime.as_str(), "suspended" | "suspending") || self.state.as_deref().is_some_and(|s| s.starts_with("D3"))
+    }
+
+    /// How it is said: "D3cold", else the runtime status.
+    pub fn said(&self) -> &str {
+        self.state.as_deref().filter(|s| *s != "D0" || self.runtime == "active").unwrap_or(&self.runtime)
+    }
+}
+
+/// A GPU as it is at the start of the trace.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuDevice {
+    pub index: u32,
+    pub name: String,
+    pub uuid: String,
+    pub driver: String,
+    /// Highest SM (graphics) and memory clocks the device supports, MHz.
+    pub max_sm_mhz: Option<u32>,
+    pub max_mem_mhz: Option<u32>,
+    pub power_limit_w: Option<f64>,
+    pub vram_total: Option<u64>,
+}
+
+/// One reading of one GPU. Fields NVML cannot give on this device are `None`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuSample {
+    pub index: u32,
+    pub sm_mhz: Option<u32>,
+    pub mem_mhz: Option<u32>,
+    /// Performance state: 0 (P0, full speed) .. 15 (P15, idle).
+    pub pstate: Option<u32>,
+    pub power_w: Option<f64>,
+    /// % of the last sample period a kernel ran / device memory was busy.
+    pub util_gpu: Option<u32>,
+    pub util_mem: Option<u32>,
+    pub vram_used: Option<u64>,
+    pub vram_free: Option<u64>,
+    /// Why clocks are held down now (clock-event reasons), e.g. gpu_idle, sw_power_cap.
+    #[serde(default)]
+    pub reasons: Vec<String>,
+    /// GPU memory used by the traced processes on this device.
+    pub target_vram: Option<u64>,
+}
+
+/// Memory pressure, system-wide and for the target.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Mem {
+    /// PSI memory "some" and "full" stall totals, µs since boot.
+    pub psi_some_us: Option<u64>,
+    pub psi_full_us: Option<u64>,
+    /// PSI io "some" total, µs.
+    pub psi_io_some_us: Option<u64>,
+    /// /proc/vmstat counters (pages / events since boot).
+    pub pgscan_direct: u64,
+    pub allocstall: u64,
+    pub compact_stall: u64,
+    pub pswpin: u64,
+    pub pgmajfault: u64,
+    pub oom_kill: u64,
+    pub mem_available_kib: Option<u64>,
+    /// The target's resident memory (KiB): all, file-backed, anonymous.
+    pub rss_kib: Option<u64>,
+    pub rss_file_kib: Option<u64>,
+    pub rss_anon_kib: Option<u64>,
+    /// The target's memory cgroup: usage and limit (bytes), failcnt / max events.
+    pub cgroup: Option<String>,
+    pub cgroup_usage: Option<u64>,
+    pub cgroup_limit: Option<u64>,
+    pub cgroup_limit_hits: Option<u64>,
+    /// The target's memory in swap (VmSwap, KiB): it falls as pages are faulted back in.
+    pub swap_kib: Option<u64>,
+    /// The target's CPU cgroup and its CFS bandwidth limit: quota and period (µs; no quota: None),
+    /// and how often and how long (ns) it was throttled, cumulative (cpu.stat).
+    pub cpu_cgroup: Option<String>,
+    pub cpu_quota_us: Option<u64>,
+    pub cpu_period_us: Option<u64>,
+    pub nr_throttled: Option<u64>,
+    pub throttled_ns: Option<u64>,
+    /// The host's steal over every CPU, ms since boot (/proc/stat's `cpu` line; a VM's host
+    /// running something else on its CPUs). Not per target: the machine's.
+    pub steal_ms: Option<u64>,
+}
+
+/// CPU idle states (cpuidle sysfs), summed over CPUs: per state its name, exit latency (µs), time
+/// spent in it (µs) and entries, cumulative.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct CpuIdle {
+    pub cpus: u32,
+    pub names: Vec<String>,
+    pub latency_us: Vec<u64>,
+    pub time_us: Vec<u64>,
+    pub usage: Vec<u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Residency {
+    pub path: String,
+    pub bytes: u64,
+    pub pages: u64,
+    pub resident: u64,
+    /// Pages of the file evicted from the cache (cachestat only; since boot, per inode history).
+    pub evicted: Option<u64>,
+    /// Which file it is (`probe diff` compares model files by these, never by a hash: reading
+    /// the file would warm the page cache being compared).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub inode: u64,
+    #[serde(default, skip_serializing_if = "is_zero_i")]
+    pub mtime_unix_s: i64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_zero_i(n: &i64) -> bool {
+    *n == 0
+}
+
+impl Residency {
+    pub fn share(&self) -> f64 {
+        if self.pages == 0 { 1.0 } else { self.resident as f64 / self.pages as f64 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_round_trips_and_carries_its_type() {
+        let all = [
+            Sample::Samplers(Sources {
+                ts_ns: 1,
+                hz: 10.0,
+                cpufreq_max_khz: Some(vec![3_000_000]),
+                gpu_absent: Some("no".into()),
+                ..Default::default()
+            }),
+            Sample::Gpu(GpuReading {
+                ts_ns: 2,
+                gpus: vec![GpuSample { index: 0, sm_mhz: Some(1500), reasons: vec!["gpu_idle".into()], ..Default::default() }],
+                ..Default::default()
+            }),
+            Sample::Cpufreq(CpuFreqReading { ts_ns: 3, cur_khz: vec![1, 2] }),
+            Sample::Mem(MemReading { ts_ns: 4, mem: Mem { rss_kib: Some(5), pswpin: 7, ..Default::default() } }),
+            Sample::Cpuidle(CpuIdleReading {
+                ts_ns: 5,
+                idle: CpuIdle { cpus: 2, names: vec!["C1".into()], latency_us: vec![2], time_us: vec![9], usage: vec![3] },
+            }),
+            Sample::Residency(ResidencyReading {
+                ts_ns: 6,
+                why: ResidencyWhy::OnDemand,
+                files: vec![Residency { path: "/m".into(), bytes: 8, pages: 2, resident: 1, evicted: None, inode: 5, mtime_unix_s: 6 }],
+            }),
+            Sample::Endpoint(EndpointPoll {
+                ts_ns: 7,
+                addr: "127.0.0.1:8080".into(),
+                kind: Kind::LlamaCpp,
+                metrics: Some([("llamacpp:requests_deferred".to_string(), 1.0)].into()),
+                props: Some(LlamaProps { is_sleeping: Some(true), ..Default::default() }),
+                local_ports: vec![40000],
+                ..Default::default()
+            }),
+        ];
+        for (s, kind) in all.iter().zip(KINDS) {
+            let v = serde_json::to_value(s).unwrap();
+            assert_eq!((v["type"].as_str(), s.kind()), (Some(kind), kind));
+            assert_eq!(&serde_json::from_value::<Sample>(v).unwrap(), s);
+        }
+        // Older or sparser frames read with defaults.
+        let s: Sample = serde_json::from_str(r#"{"type":"mem","ts_ns":9,"rss_kib":3}"#).unwrap();
+        assert!(matches!(s, Sample::Mem(m) if m.mem.rss_kib == Some(3) && m.ts_ns == 9));
+        let s: Sample = serde_json::from_str(r#"{"type":"endpoint","ts_ns":1,"kind":"none","local_ports":[5]}"#).unwrap();
+        assert!(matches!(s, Sample::Endpoint(e) if !e.answered() && e.local_ports == [5]));
+    }
+}

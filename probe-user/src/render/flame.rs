@@ -1,0 +1,37 @@
+//! Folded stacks → text and an interactive SVG (inferno): the last of the flamegraph's three
+//! stages (`analysis::flame` names and folds).
+use std::collections::BTreeMap;
+
+use crate::analysis::flame::{Flames, Kind, folded_text};
+
+/// An interactive SVG (inferno), deterministic for the same input.
+pub fn svg(f: &BTreeMap<String, u64>, kind: Kind, title: &str) -> std::io::Result<Vec<u8>> {
+    let mut opts = inferno::flamegraph::Options::default();
+    opts.title = title.to_string();
+    opts.count_name = kind.unit().to_string();
+    opts.deterministic = true;
+    opts.hash = true;
+    if kind == Kind::Offcpu {
+        opts.colors = inferno::flamegraph::color::Palette::Basic(inferno::flamegraph::color::BasicPalette::Blue);
+    }
+    let text = folded_text(f);
+    let mut out = Vec::new();
+    inferno::flamegraph::from_lines(&mut opts, text.lines(), &mut out)?;
+    Ok(out)
+}
+
+/// Write `<dir>/flame-<kind>.svg` and `.folded` for every kind that has stacks; returns what
+/// was written (path, stacks weight).
+pub fn write_defaults(flames: &Flames, dir: &crate::util::output::OutDir) -> anyhow::Result<Vec<(std::path::PathBuf, u64)>> {
+    let mut written = Vec::new();
+    for kind in Kind::ALL {
+        let f = flames.get(kind);
+        if f.is_empty() {
+            continue;
+        }
+        let path = dir.write(&format!("flame-{}.svg", kind.name()), &svg(&f, kind, &format!("probe: {} stacks", kind.name()))?)?;
+        dir.write(&format!("flame-{}.folded", kind.name()), folded_text(&f).as_bytes())?;
+        written.push((path, f.values().sum()));
+    }
+    Ok(written)
+}
