@@ -901,7 +901,7 @@ fn diff_cmd(
             let ib = diff::Input { analysis: &x, dir: name(&a), label: label_b, ids: vec![slow] };
             {
                 let d = diff::compare(&ia, &ib, false, force)?;
-                let drawn = diff::draw(&d, &ia, &ib, &|s: &str| s.to_string())?;
+                let drawn = probe_user::render::diff::draw(&d, &ia, &ib, &|s: &str| s.to_string())?;
                 (d, out, drawn)
             }
         }
@@ -947,7 +947,7 @@ fn diff_cmd(
             let ib = diff::Input { analysis: &xb, dir: name(bdir), label: label(&idb), ids: idb.clone() };
             {
                 let d = diff::compare(&ia, &ib, !by_request, force)?;
-                let drawn = diff::draw(&d, &ia, &ib, &|s: &str| s.to_string())?;
+                let drawn = probe_user::render::diff::draw(&d, &ia, &ib, &|s: &str| s.to_string())?;
                 (d, out, drawn)
             }
         }
@@ -955,12 +955,12 @@ fn diff_cmd(
     for (name, bytes) in &drawn {
         out_dir.write(name, bytes)?;
     }
-    let md = out_dir.write("diff.md", diff::markdown(&d).as_bytes())?;
+    let md = out_dir.write("diff.md", probe_user::render::diff::markdown(&d).as_bytes())?;
     let js = out_dir.write("diff.json", &serde_json::to_vec_pretty(&d)?)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&d)?);
     } else {
-        print!("{}", terminal(&diff::text(&d)));
+        print!("{}", terminal(&probe_user::render::diff::text(&d)));
         println!("\n{}\n{}", md.display(), js.display());
         for f in &d.flames {
             println!("{}", out_dir.path().join(&f.svg).display());

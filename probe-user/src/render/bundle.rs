@@ -52,7 +52,7 @@ pub fn markdown(r: &Report) -> String {
         }
         let _ = writeln!(o);
     }
-    let system = crate::analysis::system::render(&r.system);
+    let system = crate::render::system::render(&r.system);
     let _ = writeln!(o, "### System\n\n{}\n", md_block(system.trim_start_matches("\nSystem:\n")));
     if r.files.is_empty() {
         let _ = writeln!(o, "### Files read\n\nNone: nothing was read from storage through the page cache.");
@@ -204,7 +204,7 @@ pub fn write(a: &Analysis, out: &Path, masked: bool, force: bool) -> anyhow::Res
     let mut section = None;
     if let Some((d, drawn)) = html::diff_of(a, &clean) {
         let d: crate::analysis::diff::Diff = redact::clean_values(&d, &clean).context("cleaned diff")?;
-        files.push(("diff.md".into(), crate::analysis::diff::markdown(&d).into_bytes()));
+        files.push(("diff.md".into(), crate::render::diff::markdown(&d).into_bytes()));
         files.push(("diff.json".into(), serde_json::to_vec_pretty(&d)?));
         let mut svgs = vec![];
         for (name, bytes) in drawn {

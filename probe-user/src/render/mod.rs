@@ -2,9 +2,11 @@
 //! and the bug-report bundle, the Perfetto timeline, flamegraphs, pprof and OTLP, and the live
 //! view of `probe trace` on a terminal.
 pub mod bundle;
+pub mod diff;
 pub mod export;
 pub mod flame;
 pub mod html;
 pub mod live;
 pub mod perfetto;
+pub mod system;
 pub mod text;

@@ -53,7 +53,7 @@ pub fn render(r: &Report) -> String {
     if let Some(e) = &r.engine {
         let _ = writeln!(o, "\nEngine (llama.cpp, by uprobe): {}", e.words());
     }
-    o.push_str(&crate::analysis::system::render(&r.system));
+    o.push_str(&crate::render::system::render(&r.system));
     let forked: Vec<String> =
         r.target.processes.iter().filter(|p| p.pid != r.target.pid).map(|p| format!("{} ({})", p.pid, p.comm)).collect();
     if !forked.is_empty() {

@@ -465,7 +465,7 @@ pub struct DiffSection<'a> {
 pub fn diff_of(
     a: &crate::analysis::Analysis,
     clean: &dyn Fn(&str) -> String,
-) -> Option<(crate::analysis::diff::Diff, crate::analysis::diff::Drawn)> {
+) -> Option<(crate::analysis::diff::Diff, crate::render::diff::Drawn)> {
     use crate::analysis::diff;
     let (warm, slow) = diff::default_pair(&a.report).ok()?;
     let label = |w: &[u64]| format!("the warm baseline: request(s) {}", w.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
@@ -477,7 +477,7 @@ pub fn diff_of(
         ids: vec![slow],
     };
     let d = diff::compare(&ia, &ib, false, true).ok()?;
-    let drawn = diff::draw(&d, &ia, &ib, clean).ok()?;
+    let drawn = crate::render::diff::draw(&d, &ia, &ib, clean).ok()?;
     Some((d, drawn))
 }
 
@@ -509,7 +509,7 @@ fn diff_section(o: &mut String, s: &DiffSection<'_>) {
             escape(&f.kind),
             escape(&f.unit),
             escape(&f.normalised),
-            escape(&crate::analysis::diff::flame_words(f))
+            escape(&crate::render::diff::flame_words(f))
         );
     }
     for (name, svg) in &s.svgs {
@@ -550,7 +550,7 @@ pub fn render(
     );
     header(&mut o, r);
     verdicts(&mut o, r);
-    let system = crate::analysis::system::render(&r.system);
+    let system = crate::render::system::render(&r.system);
     let _ = writeln!(o, "<h2 id=\"system\">System</h2>\n<pre>{}</pre>", escape(system.trim_start_matches("\nSystem:\n").trim_end()));
     let chart = chart::svg(&timeline.events);
     let _ = writeln!(o, "<h2 id=\"timeline\">Timeline</h2>");
