@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
     // Symbolization opens the files the recording names: not here (the input names any path).
     rec.records.retain(|u| !matches!(u, UserRecord::Module(_)));
     let flames = flame::Flames::of(&rec, flame::Window::default());
-    let page = html::render(&r, &trace, &html::flamegraphs(&flames, None), None);
+    let page = html::render(&r, &trace, &html::flamegraphs(&probe_user::render::flame::draw_all(&flames)), None);
     assert!(page.ends_with("</body></html>\n"));
     // Text from the recording (names, paths, the server's JSON) is escaped: one script, the page's.
     assert_eq!(page.to_ascii_lowercase().matches("<script").count(), 1, "markup from the recording reached the page");

@@ -15,16 +15,13 @@ fn data(p: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data").join(p)
 }
 
-/// A fresh temporary directory with a copy of the recording's files (the page is written there).
+/// A fresh temporary directory with a copy of the recording (the page is written there; its
+/// flamegraphs are drawn from the recording's stacks).
 fn scratch(name: &str, from: &Path) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("probe-html-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    for f in ["events.bin", "flame-cpu.svg", "flame-offcpu.svg", "flame-faults.svg", "flame-io.svg"] {
-        if from.join(f).exists() {
-            std::fs::copy(from.join(f), dir.join(f)).unwrap();
-        }
-    }
+    std::fs::copy(from.join("events.bin"), dir.join("events.bin")).unwrap();
     dir
 }
 

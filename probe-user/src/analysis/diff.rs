@@ -266,6 +266,18 @@ fn per_token(qs: &[&Request]) -> Option<f64> {
     (n > 0).then(|| ms / n as f64)
 }
 
+/// The slowest request of an analysis against its warm baseline, when it has both (the page's
+/// and the bundle's diff section): the diff and its two sides.
+pub fn against_baseline(a: &Analysis) -> Option<(Diff, Input<'_>, Input<'_>)> {
+    let (warm, slow) = default_pair(&a.report).ok()?;
+    let label = |w: &[u64]| format!("the warm baseline: request(s) {}", w.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
+    let ia = Input { analysis: a, dir: "this recording".into(), label: label(&warm), ids: warm };
+    let ib =
+        Input { analysis: a, dir: "this recording".into(), label: format!("request {slow} (the slowest first token)"), ids: vec![slow] };
+    let d = compare(&ia, &ib, false, true).ok()?;
+    Some((d, ia, ib))
+}
+
 /// Compare B against A. `recordings`: each side is a whole recording (its flamegraphs are the
 /// recording's, per generated token); else each side is its requests' windows, per request.
 /// Two recordings of different builds or model files are refused unless `force`.

@@ -288,6 +288,10 @@ pub struct Verdict {
     pub ttft_ms: Option<Split>,
     pub slow_cause: SlowCause,
     pub stop_cause: StopCause,
+    /// What the stop cause rests on, in words, when more than its name (also the evidence's line):
+    /// "the client closed the connection 2.0 s after the request".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_detail: Option<String>,
     /// One line per fact the verdict rests on, with numbers and names.
     pub evidence: Vec<String>,
     pub data_quality: Vec<String>,
@@ -500,19 +504,9 @@ pub fn first_token_ms(q: &RequestRecord) -> Option<f64> {
     Some((ttft - generated.unwrap_or(0.0)).max(0.0))
 }
 
-/// Tokens the server produced: its usage or timings, else the content chunks seen.
-pub fn produced(q: &RequestRecord) -> u64 {
-    let s = &q.stop;
-    s.usage
-        .as_ref()
-        .and_then(|u| u["completion_tokens"].as_u64())
-        .or_else(|| s.server_timings.as_ref().and_then(|t| t["predicted_n"].as_u64().or(t["eval_count"].as_u64())))
-        .unwrap_or(q.chunks)
-}
-
 /// The stop the server itself reported, from any server's stop fields.
 fn server_stop(q: &RequestRecord) -> Option<StopCause> {
-    server_word(&q.stop, produced(q), q.max_tokens.and_then(|m| u64::try_from(m).ok()))
+    server_word(&q.stop, q.produced(), q.max_tokens.and_then(|m| u64::try_from(m).ok()))
 }
 
 /// The stop a server's own fields say (llama.cpp, OpenAI, Ollama, vLLM words), given how many
@@ -542,7 +536,7 @@ pub fn server_word(s: &crate::stream::payload::Stop, produced: u64, max_tokens: 
 /// that went away) or the server's own close (a crash); then what the transport shows.
 pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
     use StopCause::*;
-    let n = produced(q);
+    let n = q.produced();
     let context_ran_out = q.stop.error.as_ref().is_some_and(|e| e["reason"] == "context_exceeded");
     let cause = if context_ran_out {
         // llama-server with one KV pool for all slots ends a stream with an error when the pool
@@ -797,6 +791,7 @@ fn stop_and_quality(q: &RequestRecord, w: &Window<'_>, v: &mut Verdict) {
         }
     }
     v.stop_cause = stop;
+    v.stop_detail.clone_from(&why);
     v.evidence.extend(why);
     if stop == StopCause::Deadline {
         v.evidence.push(keep_open(w.server_kind));

@@ -277,6 +277,7 @@ macro_rules! say {
 }
 
 pub mod hub;
+pub mod live;
 pub mod peer;
 pub mod segments;
 mod session;
@@ -343,7 +344,7 @@ struct State {
     max_bytes: Option<u64>,
     watch: Option<std::sync::Arc<crate::collector::segments::Link>>,
     /// The live view's figures (on a terminal only).
-    live: Option<crate::render::live::Live>,
+    live: Option<crate::collector::live::Live>,
 }
 // What the collector keeps per process (`last_maps`, `last_file_scan`, `dirty_*`, the
 // threads and off-CPU stacks of its threads) goes when the process exits. What stays for the

@@ -144,7 +144,7 @@ pub(super) async fn run(opts: TraceOptions, kernel: super::Kernel, out_dir: &cra
         say!("probe: recording to {} (Ctrl-C to stop; SIGUSR1 measures the model files' page-cache residency)", opts.out.display());
     }
     // A daemon's log (journald) gets lines, never the live view.
-    let mut screen = st.live.is_some().then(crate::render::live::Screen::default);
+    let mut screen = st.live.is_some().then(crate::collector::live::Screen::default);
     let (reason, hung_up) = follow(&opts, &mut st, &mut se, &sampler, out_dir, &mut screen, &mut signals).await?;
     if let Some(s) = &mut screen
         && !hung_up
@@ -262,7 +262,7 @@ fn arm(opts: &TraceOptions, kernel: super::Kernel, out_dir: &crate::util::output
     st.streams.seed(seeds);
     // The live view (a terminal, not `--quiet`, not a service) names the cgroup's IO limits.
     if std::io::stderr().is_terminal() && opts.watch.is_none() && !opts.quiet {
-        st.live = Some(crate::render::live::Live::new(&at_attach.io_limits, monotonic_ns()));
+        st.live = Some(crate::collector::live::Live::new(&at_attach.io_limits, monotonic_ns()));
     }
     st.writer.sample(&crate::record::samples::Sample::Attach(at_attach))?;
     st.refresh()?;
@@ -386,6 +386,8 @@ fn meta(opts: &TraceOptions, attached: &Armed, start_ns: u64, armed_ms: f64, arm
         cgroup: opts.cgroup.as_ref().map(|c| c.display().to_string()),
         cpu_hz: if attached.status.iter().any(|p| p.name == records::Subsystem::Cpu && p.live) { opts.sample_hz } else { 0 },
         kernel: uname.trim().into(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()),
+        machine: Some(crate::sampler::host::machine()),
         armed_ms,
         arm_stages,
         probes: attached.status.clone(),
@@ -417,7 +419,7 @@ async fn follow(
     se: &mut Session,
     sampler: &Sampler,
     out_dir: &crate::util::output::OutDir,
-    screen: &mut Option<crate::render::live::Screen>,
+    screen: &mut Option<crate::collector::live::Screen>,
     signals: &mut Signals,
 ) -> anyhow::Result<(String, bool)> {
     let Signals { int: sigint, term: sigterm, hup: sighup, usr1: sigusr1 } = signals;
@@ -676,7 +678,7 @@ impl Second {
         se: &mut Session,
         sampler: &Sampler,
         out_dir: &crate::util::output::OutDir,
-        screen: Option<&mut crate::render::live::Screen>,
+        screen: Option<&mut crate::collector::live::Screen>,
     ) -> anyhow::Result<()> {
         self.produced_at = None;
         let lost = se.kernel.lost();
@@ -919,11 +921,12 @@ fn write_outputs(
         report_written?;
     }
     drop(st);
-    match crate::render::html::write_for(&analysis, out_dir) {
+    let drawn = crate::render::flame::draw_all(&analysis.flames);
+    match crate::render::html::write_for(&analysis, &drawn, out_dir) {
         Ok(page) => say!("probe: {}", page.display()),
         Err(e) => say!("probe: report.html not written: {e:#}"),
     }
-    match crate::render::flame::write_defaults(&analysis.flames, out_dir) {
+    match crate::render::flame::write_defaults(&analysis.flames, &drawn, out_dir) {
         Ok(written) => {
             for (path, weight) in written {
                 say!("probe: flamegraph {} (weight {weight})", path.display());

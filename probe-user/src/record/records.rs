@@ -141,6 +141,13 @@ pub struct Meta {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cpu_hz: u64,
     pub kernel: String,
+    /// The machine's name at attach (`/proc/sys/kernel/hostname`): OTLP's `host.name`. Absent in
+    /// older recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// The machine at attach (`probe bundle`'s environment.txt). Absent in older recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<Machine>,
     pub armed_ms: f64,
     /// What arming took, stage by stage: `[name, ms]` (the three slowest programs last).
     #[serde(default)]
@@ -153,6 +160,18 @@ pub struct Meta {
     pub capture_text: bool,
     /// `"major:minor"` → device name.
     pub block_devices: BTreeMap<String, String>,
+}
+
+/// The machine a recording was made on, read at attach: its CPU model and count, its memory and
+/// the NVIDIA driver's version line (when a driver is loaded).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Machine {
+    pub cpu_model: String,
+    pub cpus: u32,
+    pub mem_total_kib: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvidia_driver: Option<String>,
 }
 
 /// The file-backed lines of /proc/PID/maps at a time.

@@ -93,13 +93,11 @@ pub fn markdown(r: &Report) -> String {
 /// Facts about the machine and the server, for the issue.
 fn environment(rec: &Recording) -> String {
     let meta = rec.meta().cloned().unwrap_or_default();
-    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let cpu = read("/proc/cpuinfo")
-        .lines()
-        .find_map(|l| l.strip_prefix("model name"))
-        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
-        .unwrap_or_default();
-    let mem = read("/proc/meminfo").lines().next().unwrap_or_default().to_string();
+    // The machine the recording was made on (its meta), not the one bundling it.
+    let (cpu, mem) = match &meta.machine {
+        Some(m) => (format!("cpu {} x {}", m.cpu_model, m.cpus), format!("MemTotal: {} kB", m.mem_total_kib)),
+        None => ("cpu not recorded (a recording from an older probe)".to_string(), "memory not recorded".to_string()),
+    };
     let sources = rec.samples().find_map(|v| if let Sample::Samplers(s) = v { Some(s) } else { None });
     let mut gpu: Vec<String> = sources
         .and_then(|s| s.gpus.as_ref())
@@ -119,11 +117,7 @@ fn environment(rec: &Recording) -> String {
         .collect();
     if gpu.is_empty() {
         gpu.push(sources.and_then(|s| s.gpu_absent.clone()).unwrap_or_else(|| {
-            if Path::new("/proc/driver/nvidia/version").exists() {
-                read("/proc/driver/nvidia/version")
-            } else {
-                "no NVIDIA GPU driver".into()
-            }
+            meta.machine.as_ref().and_then(|m| m.nvidia_driver.clone()).unwrap_or_else(|| "no NVIDIA GPU driver".into())
         }));
     }
     let gpu = gpu.join("\n    ");
@@ -151,10 +145,9 @@ fn environment(rec: &Recording) -> String {
         })
         .collect();
     format!(
-        "probe {}\nkernel {}\ncpu {cpu} x {}\n{mem}\ngpu {}\ntarget {} (pid {}), binary {}\nserver: {}\ncommand line: {}\nprobes: {}\n",
+        "probe {}\nkernel {}\n{cpu}\n{mem}\ngpu {}\ntarget {} (pid {}), binary {}\nserver: {}\ncommand line: {}\nprobes: {}\n",
         env!("CARGO_PKG_VERSION"),
         meta.kernel,
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         gpu.trim(),
         meta.comm,
         meta.pid,

@@ -20,16 +20,28 @@ pub fn svg(f: &BTreeMap<String, u64>, kind: Kind, title: &str) -> std::io::Resul
     Ok(out)
 }
 
-/// Write `<dir>/flame-<kind>.svg` and `.folded` for every kind that has stacks; returns what
-/// was written (path, stacks weight).
-pub fn write_defaults(flames: &Flames, dir: &crate::util::output::OutDir) -> anyhow::Result<Vec<(std::path::PathBuf, u64)>> {
+/// Every kind's flamegraph that has stacks, drawn once: (kind, SVG) for the files and the page.
+pub fn draw_all(flames: &Flames) -> Vec<(Kind, Vec<u8>)> {
+    Kind::ALL
+        .into_iter()
+        .filter_map(|kind| {
+            let f = flames.get(kind);
+            (!f.is_empty()).then(|| svg(&f, kind, &format!("probe: {} stacks", kind.name())).ok().map(|s| (kind, s))).flatten()
+        })
+        .collect()
+}
+
+/// Write `<dir>/flame-<kind>.svg` (as `drawn`, from [`draw_all`]) and `.folded` for every kind
+/// that has stacks; returns what was written (path, stacks weight).
+pub fn write_defaults(
+    flames: &Flames,
+    drawn: &[(Kind, Vec<u8>)],
+    dir: &crate::util::output::OutDir,
+) -> anyhow::Result<Vec<(std::path::PathBuf, u64)>> {
     let mut written = Vec::new();
-    for kind in Kind::ALL {
-        let f = flames.get(kind);
-        if f.is_empty() {
-            continue;
-        }
-        let path = dir.write(&format!("flame-{}.svg", kind.name()), &svg(&f, kind, &format!("probe: {} stacks", kind.name()))?)?;
+    for (kind, svg) in drawn {
+        let f = flames.get(*kind);
+        let path = dir.write(&format!("flame-{}.svg", kind.name()), svg)?;
         dir.write(&format!("flame-{}.folded", kind.name()), folded_text(&f).as_bytes())?;
         written.push((path, f.values().sum()));
     }

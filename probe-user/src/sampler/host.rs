@@ -244,6 +244,26 @@ pub fn mem(pid: u32, cgroup: Option<&std::path::Path>, cpu: Option<&std::path::P
     m
 }
 
+/// The machine at attach, for the recording's meta: /proc/cpuinfo's model name, the CPUs this
+/// process may run on, /proc/meminfo's MemTotal and /proc/driver/nvidia/version's first line.
+pub fn machine() -> crate::record::records::Machine {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    crate::record::records::Machine {
+        cpu_model: read("/proc/cpuinfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
+            .unwrap_or_default(),
+        cpus: std::thread::available_parallelism().map_or(0, |n| n.get() as u32),
+        mem_total_kib: read("/proc/meminfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0),
+        nvidia_driver: std::fs::read_to_string("/proc/driver/nvidia/version").ok().and_then(|v| v.lines().next().map(str::to_string)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -322,6 +322,16 @@ pub struct RequestRecord {
 }
 
 impl RequestRecord {
+    /// Tokens the server produced: its usage or timings, else the content chunks seen.
+    pub fn produced(&self) -> u64 {
+        let s = &self.stop;
+        s.usage
+            .as_ref()
+            .and_then(|u| u["completion_tokens"].as_u64())
+            .or_else(|| s.server_timings.as_ref().and_then(|t| t["predicted_n"].as_u64().or(t["eval_count"].as_u64())))
+            .unwrap_or(self.chunks)
+    }
+
     /// How the connection ended for this request, in words: who closed, and a reset if there was one.
     pub fn ended(&self) -> String {
         let who = match self.closed_by {

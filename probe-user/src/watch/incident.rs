@@ -131,7 +131,7 @@ impl Watcher {
             return;
         }
         let (stop, _) = verdict::stop_cause(&q);
-        let tokens = verdict::produced(&q);
+        let tokens = q.produced();
         // The TTFT every output states (the report's, the span's, the log's); only the slow rule
         // discounts a whole answer's generation time, so a long non-streamed answer is not slow.
         self.metrics.request(stop, q.path.as_deref(), q.ttft_ms.map(|t| t / 1e3), tokens);
@@ -408,8 +408,9 @@ fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8], labels
     }
     let a = crate::analysis::Analysis::of_dir(&path, crate::analysis::Needs::ALL)?;
     out.write("report.json", &serde_json::to_vec_pretty(&a.report)?)?;
-    crate::render::html::write_for(&a, &out)?;
-    crate::render::flame::write_defaults(&a.flames, &out)?;
+    let drawn = crate::render::flame::draw_all(&a.flames);
+    crate::render::html::write_for(&a, &drawn, &out)?;
+    crate::render::flame::write_defaults(&a.flames, &drawn, &out)?;
     crate::render::bundle::write(&a, &path.join("bundle.tar.gz"), false, false)?;
     Ok(path)
 }

@@ -115,8 +115,8 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
     if let Some(name) = meta.exe.rsplit('/').next().filter(|n| !n.is_empty()) {
         resource.push(("process.executable.name".into(), s(name)));
     }
-    if let Ok(h) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
-        resource.push(("host.name".into(), s(h.trim())));
+    if let Some(h) = meta.hostname.as_deref().filter(|h| !h.is_empty()) {
+        resource.push(("host.name".into(), s(h)));
     }
     let mut spans = Vec::new();
     for q in &report.requests {
@@ -133,7 +133,7 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
             None => format!("{method} {path}"),
         };
         let end_rel = q.end_ms.or(q.closed_ms).or(q.ttft_ms).unwrap_or(0.0);
-        let (stop, stop_detail) = verdict::stop_cause(q);
+        let (stop, stop_detail) = q.verdict.as_ref().map_or((verdict::StopCause::Unknown, None), |v| (v.stop_cause, v.stop_detail.clone()));
         let mut a: Attrs = Vec::new();
         let mut put = |k: &str, v: Val| a.push((k.to_string(), v));
         if let Some(op) = op {
@@ -166,7 +166,7 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
         if q.path_inferred {
             put("probe.path_inferred", Val::B(true));
         }
-        put("gen_ai.usage.output_tokens", Val::I(verdict::produced(q) as i64));
+        put("gen_ai.usage.output_tokens", Val::I(q.produced() as i64));
         let input = q
             .stop
             .usage

@@ -466,17 +466,7 @@ pub fn diff_of(
     a: &crate::analysis::Analysis,
     clean: &dyn Fn(&str) -> String,
 ) -> Option<(crate::analysis::diff::Diff, crate::render::diff::Drawn)> {
-    use crate::analysis::diff;
-    let (warm, slow) = diff::default_pair(&a.report).ok()?;
-    let label = |w: &[u64]| format!("the warm baseline: request(s) {}", w.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
-    let ia = diff::Input { analysis: a, dir: "this recording".into(), label: label(&warm), ids: warm };
-    let ib = diff::Input {
-        analysis: a,
-        dir: "this recording".into(),
-        label: format!("request {slow} (the slowest first token)"),
-        ids: vec![slow],
-    };
-    let d = diff::compare(&ia, &ib, false, true).ok()?;
+    let (d, ia, ib) = crate::analysis::diff::against_baseline(a)?;
     let drawn = crate::render::diff::draw(&d, &ia, &ib, clean).ok()?;
     Some((d, drawn))
 }
@@ -571,30 +561,19 @@ pub fn render(
     o
 }
 
-/// The flamegraphs for the page: `dir/flame-KIND.svg` where present, else drawn from the
-/// recording's stacks (in memory; nothing is written).
-pub fn flamegraphs(flames: &flame::Flames, dir: Option<&Path>) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for kind in flame::Kind::ALL {
-        if let Some(svg) =
-            dir.and_then(|d| crate::util::output::read_recording_text(&d.join(format!("flame-{}.svg", kind.name())), 64 << 20).ok())
-        {
-            out.push((kind.name().to_string(), svg));
-            continue;
-        }
-        let folded = flames.get(kind);
-        if folded.is_empty() {
-            continue;
-        }
-        if let Ok(svg) = crate::render::flame::svg(&folded, kind, &format!("probe: {} stacks", kind.name())) {
-            out.push((kind.name().to_string(), String::from_utf8_lossy(&svg).into_owned()));
-        }
-    }
-    out
+/// The flamegraphs for the page, from the SVGs drawn once for the files beside it
+/// (`render::flame::draw_all`): (kind, SVG text).
+pub fn flamegraphs(drawn: &[(flame::Kind, Vec<u8>)]) -> Vec<(String, String)> {
+    drawn.iter().map(|(kind, svg)| (kind.name().to_string(), String::from_utf8_lossy(svg).into_owned())).collect()
 }
 
-/// Write `dir/report.html` for a recording already analysed; returns its path.
-pub fn write_for(a: &crate::analysis::Analysis, dir: &crate::util::output::OutDir) -> anyhow::Result<PathBuf> {
+/// Write `dir/report.html` for a recording already analysed, with its flamegraphs as drawn
+/// (`render::flame::draw_all`); returns its path.
+pub fn write_for(
+    a: &crate::analysis::Analysis,
+    drawn: &[(flame::Kind, Vec<u8>)],
+    dir: &crate::util::output::OutDir,
+) -> anyhow::Result<PathBuf> {
     let diff = diff_of(a, &|s: &str| s.to_string());
     let section = diff.as_ref().map(|(d, drawn)| DiffSection {
         diff: d,
@@ -604,7 +583,7 @@ pub fn write_for(a: &crate::analysis::Analysis, dir: &crate::util::output::OutDi
             .map(|(n, b)| (n.clone(), String::from_utf8_lossy(b).into_owned()))
             .collect(),
     });
-    let page = render(&a.report, &crate::render::perfetto::of(a), &flamegraphs(&a.flames, Some(dir.path())), section.as_ref());
+    let page = render(&a.report, &crate::render::perfetto::of(a), &flamegraphs(drawn), section.as_ref());
     dir.write(FILE_NAME, page.as_bytes())
 }
 
@@ -613,7 +592,7 @@ pub fn write(dir: &Path) -> anyhow::Result<(PathBuf, Report)> {
     let a = crate::analysis::Analysis::of_dir(dir, crate::analysis::Needs::ALL)
         .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
     let out = crate::util::output::OutDir::open(dir)?;
-    Ok((write_for(&a, &out)?, a.report))
+    Ok((write_for(&a, &crate::render::flame::draw_all(&a.flames), &out)?, a.report))
 }
 
 #[cfg(test)]

@@ -154,7 +154,7 @@ impl Live {
             _ => l += " done",
         }
         let (cause, _) = crate::analysis::verdict::stop_cause(r);
-        l += &format!(", {} tokens, stop {}", crate::analysis::verdict::produced(r).max(r.chunks), cause.name());
+        l += &format!(", {} tokens, stop {}", r.produced().max(r.chunks), cause.name());
         // The longest first; of equal ones the earliest.
         let mut w: Vec<&(Wait, u32)> = waited.iter().filter(|(w, _)| *w != Wait::NoToken).collect();
         w.sort_by_key(|w| std::cmp::Reverse(w.1));
