@@ -13,8 +13,26 @@ use crate::{
     analysis::Analysis,
     analysis::flame::{Folded, Kind},
     analysis::report::{Report, Request},
-    analysis::verdict::{SlowCause, Split},
+    analysis::verdict::{SlowCause, Split, SplitPart},
 };
+
+crate::closed_set! {
+    /// What a diff compares: requests of one recording, or two recordings.
+    Mode {
+        #[default]
+        Requests = "requests",
+        Recordings = "recordings",
+    }
+}
+
+crate::closed_set! {
+    /// What a differential flamegraph's weights are divided by on each side.
+    Normalised {
+        #[default]
+        PerRequest = "per request",
+        PerGeneratedToken = "per generated token",
+    }
+}
 
 /// diff.json's layout version.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -64,7 +82,7 @@ impl Delta {
 /// One part of the TTFT split (crate::analysis::verdict::Split), mean per request, ms.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Part {
-    pub part: String,
+    pub part: SplitPart,
     #[serde(flatten)]
     pub ms: Delta,
 }
@@ -125,7 +143,7 @@ pub struct FlameDiff {
     /// samples, us.
     pub unit: String,
     /// "per request" or "per generated token": what each side's weights are divided by.
-    pub normalised: String,
+    pub normalised: Normalised,
     /// Those numbers: requests or generated tokens of each side.
     pub a_n: f64,
     pub b_n: f64,
@@ -148,7 +166,7 @@ pub struct FlameDiff {
 pub struct Diff {
     pub schema_version: u32,
     /// "requests" (sides chosen by request) or "recordings" (every request of each).
-    pub mode: String,
+    pub mode: Mode,
     pub a: Side,
     pub b: Side,
     /// The one sentence a maintainer can act on.
@@ -157,7 +175,7 @@ pub struct Diff {
     pub ttft_ms: Option<Delta>,
     pub split: Vec<Part>,
     /// The part that explains most of the TTFT change, and how much of it.
-    pub explained_by: Option<String>,
+    pub explained_by: Option<SplitPart>,
     pub explained_share: Option<f64>,
     /// Decode time per generated token after the first (content chunk times), ms.
     pub per_token_ms: Option<Delta>,
@@ -291,7 +309,7 @@ pub fn compare(a: &Input<'_>, b: &Input<'_>, recordings: bool, force: bool) -> a
     };
     let mut d = Diff {
         schema_version: SCHEMA_VERSION,
-        mode: if recordings { "recordings" } else { "requests" }.into(),
+        mode: if recordings { Mode::Recordings } else { Mode::Requests },
         a: side(a, &qa),
         b: side(b, &qb),
         ..Default::default()
@@ -308,7 +326,7 @@ pub fn compare(a: &Input<'_>, b: &Input<'_>, recordings: bool, force: bool) -> a
         (!parts.is_empty()).then(|| std::array::from_fn(|i| parts.iter().map(|p| p[i]).sum::<f64>() / parts.len() as f64))
     };
     if let (Some(pa), Some(pb)) = (split(&qa), split(&qb)) {
-        d.split = Split::NAMES.iter().enumerate().map(|(i, n)| Part { part: n.to_string(), ms: Delta::of(pa[i], pb[i]) }).collect();
+        d.split = SplitPart::ALL.iter().enumerate().map(|(i, &part)| Part { part, ms: Delta::of(pa[i], pb[i]) }).collect();
     }
     causes(&mut d, &qa, &qb);
     around(&mut d, &qa, &qb);
@@ -557,9 +575,9 @@ fn flames(d: &mut Diff, a: &Input<'_>, b: &Input<'_>, qa: &[&Request], qb: &[&Re
     // Per generated token for recordings (the same prompts may give other lengths of answer);
     // per request for requests.
     let (na, nb, per) = if recordings && d.a.tokens > 0 && d.b.tokens > 0 {
-        (d.a.tokens as f64, d.b.tokens as f64, "per generated token")
+        (d.a.tokens as f64, d.b.tokens as f64, Normalised::PerGeneratedToken)
     } else {
-        (qa.len().max(1) as f64, qb.len().max(1) as f64, "per request")
+        (qa.len().max(1) as f64, qb.len().max(1) as f64, Normalised::PerRequest)
     };
     let mut why_none = vec![];
     for kind in [Kind::Cpu, Kind::Offcpu] {
@@ -574,7 +592,7 @@ fn flames(d: &mut Diff, a: &Input<'_>, b: &Input<'_>, qa: &[&Request], qb: &[&Re
             continue;
         }
         let mut f = frame_diff(&fa, &fb, na, nb, kind);
-        (f.normalised, f.a_n, f.b_n) = (per.into(), na, nb);
+        (f.normalised, f.a_n, f.b_n) = (per, na, nb);
         (f.folded, f.svg) = (format!("diff-{}.folded", kind.name()), format!("diff-{}.svg", kind.name()));
         d.flames.push(f);
     }
@@ -689,7 +707,7 @@ fn headline(d: &mut Diff) -> String {
         let best = d
             .split
             .iter()
-            .filter(|p| p.part != "unexplained")
+            .filter(|p| p.part != SplitPart::Unexplained)
             .max_by(|x, y| (x.ms.delta * t.delta.signum()).total_cmp(&(y.ms.delta * t.delta.signum())));
         let named = best.filter(|p| {
             p.ms.delta.abs() >= MIN_PART_MS && p.ms.delta.abs() >= 0.25 * t.delta.abs() && p.ms.delta.signum() == t.delta.signum()
@@ -698,12 +716,12 @@ fn headline(d: &mut Diff) -> String {
         if t.delta.abs() < MIN_PART_MS.max(0.05 * t.a) {
             out.push(format!("the first token took about as long ({:.0} → {:.0} ms)", t.a, t.b));
         } else if let Some(p) = named {
-            d.explained_by = Some(p.part.clone());
+            d.explained_by = Some(p.part);
             d.explained_share = Some(p.ms.delta / t.delta);
-            let why = part_words(d, &p.part);
+            let why = part_words(d, p.part);
             // disk and load together are one story (a model read back): say both.
-            let pair = if matches!(p.part.as_str(), "disk" | "load") {
-                let other = if p.part == "disk" { "load" } else { "disk" };
+            let pair = if matches!(p.part, SplitPart::Disk | SplitPart::Load) {
+                let other = if p.part == SplitPart::Disk { SplitPart::Load } else { SplitPart::Disk };
                 d.split
                     .iter()
                     .find(|x| x.part == other)
@@ -713,7 +731,7 @@ fn headline(d: &mut Diff) -> String {
             } else {
                 String::new()
             };
-            out.push(format!("{first}: {} {:+.0} ms{pair}{why}", p.part.replace('_', " "), p.ms.delta));
+            out.push(format!("{first}: {} {:+.0} ms{pair}{why}", p.part.words(), p.ms.delta));
         } else {
             out.push(format!("{first}, spread over the parts of the split: no one part explains it (see the table)"));
         }
@@ -744,9 +762,9 @@ fn headline(d: &mut Diff) -> String {
 }
 
 /// What the evidence says about a part's change: the file read back, the competitor, ...
-fn part_words(d: &Diff, part: &str) -> String {
+fn part_words(d: &Diff, part: SplitPart) -> String {
     match part {
-        "disk" | "load" => match d.files.iter().find(|f| f.b_bytes > f.a_bytes) {
+        SplitPart::Disk | SplitPart::Load => match d.files.iter().find(|f| f.b_bytes > f.a_bytes) {
             Some(f) => {
                 let cached = d
                     .model_resident
@@ -757,17 +775,17 @@ fn part_words(d: &Diff, part: &str) -> String {
                     .unwrap_or_default();
                 format!(": {} was read from disk ({} vs {}{cached})", f.path, mib(f.b_bytes), mib(f.a_bytes))
             }
-            None if part == "load" => ": the model was loaded again (mapped from the page cache)".into(),
+            None if part == SplitPart::Load => ": the model was loaded again (mapped from the page cache)".into(),
             None => String::new(),
         },
-        "cpu_contention" => match d.competitors.iter().find(|c| c.b_ms > c.a_ms) {
+        SplitPart::CpuContention => match d.competitors.iter().find(|c| c.b_ms > c.a_ms) {
             Some(c) => format!(": other processes held the CPUs, most of all {} ({:.0} ms vs {:.0} ms)", c.who, c.b_ms, c.a_ms),
             None => ": waiting for a CPU".into(),
         },
-        "memory" => ": faulting memory back in (swap) or reclaiming it".into(),
-        "queue" => ": waiting behind other requests".into(),
-        "power" => ": the clocks ramping up from idle".into(),
-        "compute" => {
+        SplitPart::Memory => ": faulting memory back in (swap) or reclaiming it".into(),
+        SplitPart::Queue => ": waiting behind other requests".into(),
+        SplitPart::Power => ": the clocks ramping up from idle".into(),
+        SplitPart::Compute => {
             let p = d.per_token_ms.map(|p| format!("; the decode time per token went {:.1} → {:.1} ms", p.a, p.b)).unwrap_or_default();
             format!(": the server's own prompt work{p}")
         }

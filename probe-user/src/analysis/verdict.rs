@@ -230,10 +230,28 @@ fn is_zero_ms(v: &f64) -> bool {
     *v == 0.0
 }
 
+crate::closed_set! {
+    /// A part of the TTFT split, in the order every output lists them.
+    SplitPart {
+        #[default]
+        Queue = "queue",
+        Disk = "disk",
+        Memory = "memory",
+        CpuContention = "cpu_contention",
+        Power = "power",
+        Load = "load",
+        Compute = "compute",
+        Unexplained = "unexplained",
+        BeforeAttach = "before_attach",
+        Steal = "steal",
+    }
+}
+
 impl Split {
-    /// The parts' names, in the order every output lists them.
-    pub const NAMES: [&'static str; 10] =
-        ["queue", "disk", "memory", "cpu_contention", "power", "load", "compute", "unexplained", "before_attach", "steal"];
+    /// Each part with its ms, in [`SplitPart::ALL`] order.
+    pub fn by_part(&self) -> impl Iterator<Item = (SplitPart, f64)> {
+        SplitPart::ALL.iter().copied().zip(self.parts())
+    }
 
     /// The largest part that is not the request's own work (disk, memory, cpu_contention, load,
     /// power, queue) and its ms; (None, 0) when all are 0.
@@ -251,7 +269,7 @@ impl Split {
         .fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a })
     }
 
-    /// The parts in [`Split::NAMES`] order, ms.
+    /// The parts in [`SplitPart::ALL`] order, ms.
     pub fn parts(&self) -> [f64; 10] {
         [
             self.queue,
@@ -380,40 +398,7 @@ impl Competitor {
     }
 }
 
-/// A closed set of values serialized as the documented snake_case words: `name()` gives the
-/// word, `words()` the word with spaces for people, and it compares equal to its word.
-macro_rules! closed_set {
-    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $w:literal),+ $(,)? }) => {
-        $(#[$m])*
-        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-        pub enum $name {
-            $($(#[$vm])* #[serde(rename = $w)] $v,)+
-        }
-        impl $name {
-            pub const ALL: &[$name] = &[$($name::$v),+];
-            pub fn name(self) -> &'static str {
-                match self { $($name::$v => $w),+ }
-            }
-            /// The word for people: `client_disconnect` → "client disconnect".
-            pub fn words(self) -> String {
-                self.name().replace('_', " ")
-            }
-        }
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.name())
-            }
-        }
-        impl std::str::FromStr for $name {
-            type Err = String;
-            fn from_str(s: &str) -> Result<Self, String> {
-                $name::ALL.iter().copied().find(|c| c.name() == s).ok_or_else(|| format!("`{s}` is not a {}", stringify!($name)))
-            }
-        }
-    };
-}
-
-closed_set! {
+crate::closed_set! {
     /// Why a response stopped (see [`stop_cause`]).
     StopCause {
         Eos = "eos",
@@ -430,7 +415,7 @@ closed_set! {
     }
 }
 
-closed_set! {
+crate::closed_set! {
     /// What made the first token slow (see [`attribute`]).
     SlowCause {
         Disk = "disk",

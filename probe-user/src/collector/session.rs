@@ -492,7 +492,10 @@ async fn follow(
                     // The target's state for the samplers and the endpoint poller, which go by
                     // it (a reading at a request's arrival, vLLM's counters every 2 s while
                     // busy): from what the kernel wrote to the ring, its records waiting unread.
-                    second.held_turn(st, sampler, yielding.produced());
+                    second.held_turn(opts, st, se, sampler, yielding.produced());
+                    if st.root_exited {
+                        break "target exited".to_string();
+                    }
                     continue;
                 }
                 more = drain_turn(se.records(), st, sampler, yielding.spill())?;
@@ -661,12 +664,14 @@ impl Second {
     /// The once-a-second look while the drain is held (every CPU busy, the records wait in the
     /// ring): the target is busy when a request was in flight at the last read, or when the
     /// kernel wrote at least `BUSY_BYTES` to the ring since the last held look (the first
-    /// leaves the state the last read turn found). Costs two loads.
-    fn held_turn(&mut self, st: &State, sampler: &Sampler, produced: Option<u64>) {
+    /// leaves the state the last read turn found); and the targets are followed (a process
+    /// joining the cgroup, the root's exit).
+    fn held_turn(&mut self, opts: &TraceOptions, st: &mut State, se: &mut Session, sampler: &Sampler, produced: Option<u64>) {
         if let (Some(now), Some(then)) = (produced, self.produced_at) {
             sampler.set_busy(st.streams.in_flight() > 0 || now.saturating_sub(then) >= BUSY_BYTES);
         }
         self.produced_at = produced;
+        follow_targets(opts, st, se);
     }
 
     /// Once a second: counters into the recording, the samplers' pace, the next segment, the
@@ -722,29 +727,36 @@ impl Second {
         }
         self.last_events = st.events;
         self.events_at_sec = st.events;
-        match &opts.cgroup {
-            Some(cg) => {
-                let now = crate::os::cgroup::procs(cg);
-                let known: HashSet<u32> = st.targets.lock().map(|t| t.iter().copied().collect()).unwrap_or_default();
-                for pid in now.iter().copied().filter(|p| !known.contains(p)) {
-                    // A process that joined the cgroup without a target forking it (a target's
-                    // new child is already followed; its fork event is on its way).
-                    let added = match &mut se.kernel {
-                        Source::Own { attached, .. } => probes::add_target(&mut attached.ebpf, pid, opts.sample_hz),
-                        Source::Member(m) => m.add_target(pid),
-                    };
-                    match added {
-                        Ok(true) => st.add_target(pid),
-                        Ok(false) => {}
-                        Err(e) => log::warn!("pid {pid} joined {} but cannot be traced: {e:#}", cg.display()),
-                    }
-                }
-                st.root_exited = now.is_empty();
-            }
-            None if !procfs::exists(opts.pid) => st.root_exited = true,
-            None => {}
-        }
+        follow_targets(opts, st, se);
         Ok(())
+    }
+}
+
+/// Processes that joined the traced cgroup (traced from now on), and the end of the targets: a
+/// cgroup left empty, or the root process gone. Once a second, held or not: a process that
+/// joined while every CPU was busy is traced before its records would be lost.
+fn follow_targets(opts: &TraceOptions, st: &mut State, se: &mut Session) {
+    match &opts.cgroup {
+        Some(cg) => {
+            let now = crate::os::cgroup::procs(cg);
+            let known: HashSet<u32> = st.targets.lock().map(|t| t.iter().copied().collect()).unwrap_or_default();
+            for pid in now.iter().copied().filter(|p| !known.contains(p)) {
+                // A process that joined the cgroup without a target forking it (a target's
+                // new child is already followed; its fork event is on its way).
+                let added = match &mut se.kernel {
+                    Source::Own { attached, .. } => probes::add_target(&mut attached.ebpf, pid, opts.sample_hz),
+                    Source::Member(m) => m.add_target(pid),
+                };
+                match added {
+                    Ok(true) => st.add_target(pid),
+                    Ok(false) => {}
+                    Err(e) => log::warn!("pid {pid} joined {} but cannot be traced: {e:#}", cg.display()),
+                }
+            }
+            st.root_exited = now.is_empty();
+        }
+        None if !procfs::exists(opts.pid) => st.root_exited = true,
+        None => {}
     }
 }
 

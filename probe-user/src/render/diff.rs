@@ -12,7 +12,7 @@ pub type Drawn = Vec<(String, Vec<u8>)>;
 /// folded text and SVG, under the names `diff.flames` gives them. `clean` renames frames (the
 /// bundle's masking; identity otherwise).
 pub fn draw(d: &Diff, a: &Input<'_>, b: &Input<'_>, clean: &dyn Fn(&str) -> String) -> std::io::Result<Drawn> {
-    let recordings = d.mode == "recordings";
+    let recordings = d.mode == crate::analysis::diff::Mode::Recordings;
     let mut out = vec![];
     for f in &d.flames {
         let Some(kind) = Kind::parse(&f.kind) else { continue };
@@ -71,7 +71,7 @@ pub fn markdown(d: &Diff) -> String {
     row(&mut s, "**TTFT** (mean)", &d.ttft_ms, "ms", 0);
     for p in &d.split {
         if p.ms.a.abs() >= 0.5 || p.ms.b.abs() >= 0.5 {
-            let name = if d.explained_by.as_deref() == Some(&p.part) { format!("↳ **{}**", p.part) } else { format!("↳ {}", p.part) };
+            let name = if d.explained_by == Some(p.part) { format!("↳ **{}**", p.part) } else { format!("↳ {}", p.part) };
             row(&mut s, &name, &Some(p.ms), "ms", 0);
         }
     }
@@ -131,7 +131,7 @@ pub fn markdown(d: &Diff) -> String {
 /// "4.1 → 4.3 samples per token (+5%): nearly unchanged", or what grew and shrank.
 pub fn flame_words(f: &FlameDiff) -> String {
     let pct = f.total.pct().map(|p| format!(" ({p:+.0}%)")).unwrap_or_default();
-    let unit = if f.normalised == "per generated token" { "per token" } else { "per request" };
+    let unit = if f.normalised == crate::analysis::diff::Normalised::PerGeneratedToken { "per token" } else { "per request" };
     let total = format!("{:.1} → {:.1} {} {unit}{pct}", f.total.a, f.total.b, f.unit);
     if f.nearly_unchanged {
         return format!("{total}: nearly unchanged, no frame moved by {:.0}% of the total or more", FRAME_SHARE * 100.0);

@@ -79,71 +79,51 @@ impl Ids {
     }
 }
 
-/// Which end of the request the target was: it received it (it serves it), or sent it (a
-/// gateway to its upstream, a front to its runner).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    #[default]
-    Server,
-    Client,
+crate::closed_set! {
+    /// Which end of the request the target was: it received it (it serves it), or sent it (a
+    /// gateway to its upstream, a front to its runner).
+    Role {
+        #[default]
+        Server = "server",
+        Client = "client",
+    }
 }
 
-/// Who closed the connection while a request was its current one.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ClosedBy {
-    /// The client (whichever end sent the first FIN or reset).
-    Client,
-    Server,
-    /// The response ended and the connection stayed open (keep-alive).
-    #[default]
-    None,
-    /// In flight when the trace ended.
-    Open,
+crate::closed_set! {
+    /// Who closed the connection while a request was its current one.
+    ClosedBy {
+        /// The client (whichever end sent the first FIN or reset).
+        Client = "client",
+        Server = "server",
+        /// The response ended and the connection stayed open (keep-alive).
+        #[default]
+        None = "none",
+        /// In flight when the trace ended.
+        Open = "open",
+    }
 }
 
-/// A reset on the connection, and which end sent it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Reset {
-    #[default]
-    None,
-    ByClient,
-    ByServer,
+crate::closed_set! {
+    /// A reset on the connection, and which end sent it.
+    Reset {
+        #[default]
+        None = "none",
+        ByClient = "by_client",
+        ByServer = "by_server",
+    }
 }
 
-macro_rules! names {
-    ($t:ty { $($v:ident => $n:literal),* $(,)? }) => {
-        impl $t {
-            /// Its word in recordings and report.json.
-            pub fn name(self) -> &'static str {
-                match self { $(Self::$v => $n),* }
-            }
-        }
-        impl std::fmt::Display for $t {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.name())
-            }
-        }
-    };
+crate::closed_set! {
+    /// Where a request's arrival time came from.
+    Arrival {
+        /// Its head was read while probe watched.
+        #[default]
+        Seen = "seen",
+        /// It was in flight at attach: the kernel's TCP state dated its last request bytes
+        /// (`tcp_info.tcpi_last_data_recv`, jiffy granularity).
+        TcpState = "tcp_state",
+    }
 }
-names!(Role { Server => "server", Client => "client" });
-names!(ClosedBy { Client => "client", Server => "server", None => "none", Open => "open" });
-names!(Reset { None => "none", ByClient => "by_client", ByServer => "by_server" });
-
-/// Where a request's arrival time came from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Arrival {
-    /// Its head was read while probe watched.
-    #[default]
-    Seen,
-    /// It was in flight at attach: the kernel's TCP state dated its last request bytes
-    /// (`tcp_info.tcpi_last_data_recv`, jiffy granularity).
-    TcpState,
-}
-names!(Arrival { Seen => "seen", TcpState => "tcp_state" });
 
 impl Arrival {
     fn is_seen(&self) -> bool {

@@ -1,5 +1,41 @@
 //! Small pieces every layer uses: text for terminals and Markdown, percentiles, files written
 //! safely as root, secrets scrubbed, HTTP on the wire and probe's own HTTP client.
+/// A closed set of values serialized as the documented words, the one way probe names an enum:
+/// `name()` gives the word, `words()` the word with spaces for people, `ALL` every value in
+/// order, `FromStr` reads a word back (at the edge: flags, older files). Compare the values,
+/// never their words.
+#[macro_export]
+macro_rules! closed_set {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $w:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+        pub enum $name {
+            $($(#[$vm])* #[serde(rename = $w)] $v,)+
+        }
+        impl $name {
+            pub const ALL: &[$name] = &[$($name::$v),+];
+            pub fn name(self) -> &'static str {
+                match self { $($name::$v => $w),+ }
+            }
+            /// The word for people: `client_disconnect` → "client disconnect".
+            pub fn words(self) -> String {
+                self.name().replace('_', " ")
+            }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+        impl std::str::FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                $name::ALL.iter().copied().find(|c| c.name() == s).ok_or_else(|| format!("`{s}` is not a {}", stringify!($name)))
+            }
+        }
+    };
+}
+
 pub mod http;
 pub mod httpc;
 pub mod output;

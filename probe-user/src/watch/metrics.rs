@@ -45,7 +45,6 @@ pub fn path_label(path: Option<&str>) -> &'static str {
 }
 
 /// The TTFT causes of the split (verdict::Split's fields).
-pub const TTFT_CAUSES: [&str; 10] = crate::analysis::verdict::Split::NAMES;
 
 #[derive(Default)]
 struct State {
@@ -53,8 +52,8 @@ struct State {
     ttft_buckets: [u64; TTFT_BUCKETS.len()],
     ttft_count: u64,
     ttft_sum: f64,
-    ttft_cause: BTreeMap<&'static str, f64>,
-    slow: BTreeMap<&'static str, u64>,
+    ttft_cause: BTreeMap<crate::analysis::verdict::SplitPart, f64>,
+    slow: BTreeMap<SlowCause, u64>,
     analysed: u64,
     output_tokens: u64,
     incidents: BTreeMap<&'static str, u64>,
@@ -110,9 +109,9 @@ impl Metrics {
     pub fn verdict(&self, v: &crate::analysis::verdict::Verdict) {
         self.with(|s| {
             s.analysed += 1;
-            *s.slow.entry(v.slow_cause.name()).or_default() += 1;
+            *s.slow.entry(v.slow_cause).or_default() += 1;
             if let Some(t) = &v.ttft_ms {
-                for (k, ms) in TTFT_CAUSES.iter().zip(t.parts()) {
+                for (k, ms) in t.by_part() {
                     *s.ttft_cause.entry(k).or_default() += ms.max(0.0) / 1e3;
                 }
             }
@@ -203,13 +202,12 @@ impl Metrics {
         let _ = writeln!(o, "probe_ttft_seconds_bucket{{le=\"+Inf\"}} {}", s.ttft_count);
         let _ = writeln!(o, "probe_ttft_seconds_sum {}\nprobe_ttft_seconds_count {}", s.ttft_sum, s.ttft_count);
         head(&mut o, "probe_ttft_cause_seconds_total", "counter", "Time to first token of analysed requests, split by cause, seconds.");
-        for c in TTFT_CAUSES {
+        for c in crate::analysis::verdict::SplitPart::ALL {
             let _ = writeln!(o, "probe_ttft_cause_seconds_total{{cause=\"{c}\"}} {}", s.ttft_cause.get(c).copied().unwrap_or(0.0));
         }
         head(&mut o, "probe_analysed_requests_total", "counter", "Analysed requests, by what made the first token slow (none: not slow).");
         for c in SlowCause::ALL {
-            let _ =
-                writeln!(o, "probe_analysed_requests_total{{slow_cause=\"{}\"}} {}", c.name(), s.slow.get(c.name()).copied().unwrap_or(0));
+            let _ = writeln!(o, "probe_analysed_requests_total{{slow_cause=\"{}\"}} {}", c.name(), s.slow.get(c).copied().unwrap_or(0));
         }
         head(&mut o, "probe_output_tokens_total", "counter", "Tokens the server produced in finished requests.");
         let _ = writeln!(o, "probe_output_tokens_total {}", s.output_tokens);

@@ -199,7 +199,7 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
         if let Some(v) = &q.verdict {
             put("probe.slow_cause", s(v.slow_cause.name()));
             if let Some(t) = &v.ttft_ms {
-                for (k, ms) in crate::analysis::verdict::Split::NAMES.into_iter().zip(t.parts()) {
+                for (k, ms) in t.by_part() {
                     put(&format!("probe.ttft.{k}_ms"), Val::D(ms));
                 }
             }

@@ -498,7 +498,7 @@ fn diff_section(o: &mut String, s: &DiffSection<'_>) {
             "<p>{} ({}, {}): {}</p>",
             escape(&f.kind),
             escape(&f.unit),
-            escape(&f.normalised),
+            f.normalised,
             escape(&crate::render::diff::flame_words(f))
         );
     }
