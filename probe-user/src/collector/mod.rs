@@ -616,7 +616,7 @@ impl State {
         let mut tops: Vec<Top> = self.cut_tops.iter().map(|(k, n)| (*k, *n)).collect();
         tops.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut chosen: Vec<Top> = Vec::new();
-        for kind in record::StackKind::ALL {
+        for &kind in record::StackKind::ALL {
             chosen.extend(tops.iter().filter(|t| t.0.0 == kind).take(CUT_FRAMES_PER_KIND).copied());
         }
         let small = |id: &i64| self.module_paths.get(id).and_then(|p| std::fs::metadata(p).ok()).is_some_and(|m| m.len() <= CUT_MODULE_MAX);

@@ -153,30 +153,18 @@ impl StackRecord {
     }
 }
 
-/// What a stack sample is of (serialized as today's words).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StackKind {
-    /// On-CPU samples at the sampling frequency.
-    #[default]
-    Cpu,
-    /// Blocked time: the stack at the switch-out, weighted by the time off the CPU.
-    Offcpu,
-    /// Major page faults.
-    Fault,
-    /// Block IO requests, at issue.
-    Io,
-}
-
-impl StackKind {
-    pub const ALL: [StackKind; 4] = [StackKind::Cpu, StackKind::Offcpu, StackKind::Fault, StackKind::Io];
-    pub fn name(self) -> &'static str {
-        match self {
-            StackKind::Cpu => "cpu",
-            StackKind::Offcpu => "offcpu",
-            StackKind::Fault => "fault",
-            StackKind::Io => "io",
-        }
+crate::closed_set! {
+    /// What a stack sample is of (serialized as today's words).
+    StackKind {
+        /// On-CPU samples at the sampling frequency.
+        #[default]
+        Cpu = "cpu",
+        /// Blocked time: the stack at the switch-out, weighted by the time off the CPU.
+        Offcpu = "offcpu",
+        /// Major page faults.
+        Fault = "fault",
+        /// Block IO requests, at issue.
+        Io = "io",
     }
 }
 

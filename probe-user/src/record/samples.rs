@@ -208,33 +208,17 @@ pub struct ResidencyReading {
     pub files: Vec<Residency>,
 }
 
-/// What a port answers as.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Kind {
-    #[serde(rename = "llama.cpp")]
-    LlamaCpp,
-    #[serde(rename = "vllm")]
-    Vllm,
-    #[serde(rename = "ollama")]
-    Ollama,
-    /// Answers HTTP but none of the known endpoints.
-    #[default]
-    #[serde(rename = "other")]
-    Other,
-    /// Does not answer HTTP (or not on loopback): asked once, then left alone.
-    #[serde(rename = "none")]
-    NotHttp,
-}
-
-impl Kind {
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::LlamaCpp => "llama.cpp",
-            Kind::Vllm => "vllm",
-            Kind::Ollama => "ollama",
-            Kind::Other => "other",
-            Kind::NotHttp => "none",
-        }
+crate::closed_set! {
+    /// What a port answers as.
+    Kind {
+        LlamaCpp = "llama.cpp",
+        Vllm = "vllm",
+        Ollama = "ollama",
+        /// Answers HTTP but none of the known endpoints.
+        #[default]
+        Other = "other",
+        /// Does not answer HTTP (or not on loopback): asked once, then left alone.
+        NotHttp = "none",
     }
 }
 

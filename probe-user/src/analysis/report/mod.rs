@@ -344,44 +344,24 @@ pub struct Connection {
     pub states: Vec<String>,
 }
 
-/// Which end of a connection closed it first (a FIN or a reset), as the target's socket saw it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Closer {
-    Local,
-    Peer,
-    /// Still open when the trace ended.
-    #[default]
-    None,
-}
-
-/// A reset on a connection, from the target's side.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ResetSeen {
-    #[default]
-    None,
-    Sent,
-    Received,
-}
-
-impl Closer {
-    pub fn name(self) -> &'static str {
-        match self {
-            Closer::Local => "local",
-            Closer::Peer => "peer",
-            Closer::None => "none",
-        }
+crate::closed_set! {
+    /// Which end of a connection closed it first (a FIN or a reset), as the target's socket saw it.
+    Closer {
+        Local = "local",
+        Peer = "peer",
+        /// Still open when the trace ended.
+        #[default]
+        None = "none",
     }
 }
 
-impl ResetSeen {
-    pub fn name(self) -> &'static str {
-        match self {
-            ResetSeen::None => "none",
-            ResetSeen::Sent => "sent",
-            ResetSeen::Received => "received",
-        }
+crate::closed_set! {
+    /// A reset on a connection, from the target's side.
+    ResetSeen {
+        #[default]
+        None = "none",
+        Sent = "sent",
+        Received = "received",
     }
 }
 
