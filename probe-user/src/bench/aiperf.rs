@@ -207,7 +207,7 @@ fn children_cpu_s() -> f64 {
 }
 
 pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide> {
-    let levels: Vec<&Level> = run.levels.iter().filter(|l| l.sweep == "concurrency").collect();
+    let levels: Vec<&Level> = run.levels.iter().filter(|l| l.sweep == crate::bench::metrics::Sweep::Concurrency).collect();
     if levels.is_empty() {
         bail!("it compares the concurrency sweep: add --sweep concurrency");
     }

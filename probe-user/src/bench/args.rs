@@ -2,26 +2,7 @@
 //! deadline, goodput targets, tracing and the output directory.
 use std::{path::PathBuf, time::Duration};
 
-use super::api::Api;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Sweep {
-    /// The same prompts at rising concurrency (--levels).
-    Concurrency,
-    /// Prompt-length buckets (--buckets), one user then rising concurrency (--prompt-levels).
-    Prompt,
-    /// A fixed short prompt after each idle interval (--idle), with optional layers.
-    Idle,
-    /// Open-loop Poisson arrivals at each --rate (requests/s), not a fixed concurrency.
-    Rate,
-    /// Requests sharing a long system prompt (--prefix-tokens), the server's prompt cache on:
-    /// the cached tokens each request reuses, per --levels concurrency.
-    Prefix,
-    /// Conversations whose turns grow (--turns), each turn carrying the history; --levels
-    /// conversations at once.
-    Multiturn,
-}
+use super::{api::Api, metrics::Sweep};
 
 /// Which other benchmark `--compare-with` runs on the same server and workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]

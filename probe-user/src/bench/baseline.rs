@@ -20,7 +20,7 @@ pub const MIN_CHANGE_PCT: f64 = 10.0;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Change {
-    pub sweep: String,
+    pub sweep: crate::bench::metrics::Sweep,
     pub level: String,
     pub figure: String,
     pub before: f64,
@@ -91,7 +91,7 @@ pub fn compare(base: &(PathBuf, Value), levels: &[Level]) -> Comparison {
         machine: Vec::new(),
     };
     for l in levels {
-        let Some(o) = old.iter().find(|o| o["sweep"] == l.sweep.as_str() && o["level"] == l.level.as_str()) else {
+        let Some(o) = old.iter().find(|o| o["sweep"] == l.sweep.name() && o["level"] == l.level.as_str()) else {
             c.unmatched.push(format!("{} {}", l.sweep, l.level));
             continue;
         };
@@ -107,7 +107,7 @@ pub fn compare(base: &(PathBuf, Value), levels: &[Level]) -> Comparison {
             let worse = if worse_when_higher(f) { after > before } else { after < before };
             c.compared += 1;
             c.figures.push(Change {
-                sweep: l.sweep.clone(),
+                sweep: l.sweep,
                 level: l.level.clone(),
                 figure: f.to_string(),
                 before,

@@ -1,6 +1,7 @@
 //! Conclusions in words, pure: what changed between levels of a sweep (output length, TTFT,
 //! errors) and the stop reasons and verdicts that explain it, e.g. "output length falls at
 //! concurrency 4: 4 of 4 requests stopped at a server-imposed limit (256-token slot context), not EOS".
+use crate::bench::metrics::Sweep;
 use std::collections::BTreeMap;
 
 use super::metrics::{Level, Row};
@@ -61,12 +62,12 @@ pub fn conclude(levels: &[Level], rows: &[Row], slot_ctx: Option<u64>) -> Vec<St
             continue;
         }
         match sweep {
-            "concurrency" => concurrency(&ls, slot_ctx, &mut out),
-            "prompt" => prompt(&ls, rows, slot_ctx, &mut out),
-            "rate" => rate(&ls, rows, &mut out),
-            "prefix" => prefix(&ls, &mut out),
-            "multiturn" => multiturn(&ls, rows, &mut out),
-            _ => idle(&ls, rows, &mut out),
+            Sweep::Concurrency => concurrency(&ls, slot_ctx, &mut out),
+            Sweep::Prompt => prompt(&ls, rows, slot_ctx, &mut out),
+            Sweep::Rate => rate(&ls, rows, &mut out),
+            Sweep::Prefix => prefix(&ls, &mut out),
+            Sweep::Multiturn => multiturn(&ls, rows, &mut out),
+            Sweep::Idle => idle(&ls, rows, &mut out),
         }
     }
     out
@@ -219,7 +220,7 @@ pub fn goodput(levels: &[Level], slo: super::metrics::Slo, pct: f64) -> Vec<Stri
     if slo.is_empty() {
         return out;
     }
-    for sweep in ["concurrency", "rate", "prefix", "multiturn"] {
+    for sweep in [Sweep::Concurrency, Sweep::Rate, Sweep::Prefix, Sweep::Multiturn] {
         let mut ls: Vec<&Level> = levels.iter().filter(|l| l.sweep == sweep && l.goodput_pct.is_some()).collect();
         if ls.is_empty() {
             continue;
@@ -370,7 +371,7 @@ mod tests {
 
     fn level(sweep: &str, name: &str, out: f64, stops: &[(&str, u64)], ttft: f64) -> Level {
         Level {
-            sweep: sweep.into(),
+            sweep: sweep.parse().unwrap(),
             level: name.into(),
             concurrency: name.parse().unwrap_or(1),
             requests: stops.iter().map(|s| s.1).sum(),
@@ -424,7 +425,8 @@ mod tests {
         b.bucket_tokens = Some(16384);
         b.rejected = 1;
         b.ttft_ms_p50 = None;
-        let rows = vec![Row { sweep: "prompt".into(), level: "16384 @1".into(), status: Some(400), ..Default::default() }];
+        let rows =
+            vec![Row { sweep: crate::bench::metrics::Sweep::Prompt, level: "16384 @1".into(), status: Some(400), ..Default::default() }];
         assert_eq!(
             conclude(&[b], &rows, Some(1024)),
             vec!["prompt bucket 16384 was rejected by the server (HTTP 400): longer than the 1024-token slot context"]
@@ -438,7 +440,7 @@ mod tests {
         let split = Split { disk: 600.0, compute: 40.0, unexplained: 60.0, ..Default::default() };
         cold.seq = 1;
         let rows = vec![Row {
-            sweep: "idle".into(),
+            sweep: crate::bench::metrics::Sweep::Idle,
             level: "5s".into(),
             seq: 1,
             verdict: Some(RowVerdict { ttft_ms: Some(split), slow_cause: crate::analysis::verdict::SlowCause::Disk, ..Default::default() }),

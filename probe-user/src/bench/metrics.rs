@@ -8,6 +8,28 @@ use serde::Serialize;
 use super::client::Exchange;
 use crate::analysis::verdict::{SlowCause, Split, StopCause};
 
+crate::closed_set! {
+    /// Which experiment a level belongs to (`--sweep`).
+    #[derive(clap::ValueEnum)]
+    Sweep {
+        /// The same prompts at rising concurrency (--levels).
+        #[default]
+        Concurrency = "concurrency",
+        /// Prompt-length buckets (--buckets), one user then rising concurrency (--prompt-levels).
+        Prompt = "prompt",
+        /// A fixed short prompt after each idle interval (--idle), with optional layers.
+        Idle = "idle",
+        /// Open-loop Poisson arrivals at each --rate (requests/s), not a fixed concurrency.
+        Rate = "rate",
+        /// Requests sharing a long system prompt (--prefix-tokens), the server's prompt cache on:
+        /// the cached tokens each request reuses, per --levels concurrency.
+        Prefix = "prefix",
+        /// Conversations whose turns grow (--turns), each turn carrying the history; --levels
+        /// conversations at once.
+        Multiturn = "multiturn",
+    }
+}
+
 /// How a benchmark response ended: the verdict's stop causes (one classifier, `crate::analysis::verdict`),
 /// and `rejected`, a 4xx answer before any token, which only the client sees as such.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -104,7 +126,7 @@ pub struct RowVerdict {
 /// One request of the benchmark. No prompt or response text: the prompt's hash and token count.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Row {
-    pub sweep: String,
+    pub sweep: crate::bench::metrics::Sweep,
     /// The level's label: concurrency ("4"), bucket ("2048 @1"), idle interval ("10s").
     pub level: String,
     pub concurrency: u64,
@@ -258,7 +280,7 @@ pub fn fill_latency(row: &mut Row, x: &Exchange) {
 /// One level of one sweep, summarized.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Level {
-    pub sweep: String,
+    pub sweep: crate::bench::metrics::Sweep,
     pub level: String,
     pub concurrency: u64,
     pub bucket_tokens: Option<u64>,
@@ -451,7 +473,7 @@ pub fn pool(runs: &[&Level], rows: &[&Row], slo: Slo) -> Level {
     let duration: f64 = runs.iter().map(|l| l.duration_s).sum();
     let mut l = summarize(rows, duration, slo);
     let first = runs[0];
-    l.sweep = first.sweep.clone();
+    l.sweep = first.sweep;
     l.level = first.level.clone();
     l.concurrency = first.concurrency;
     l.bucket_tokens = first.bucket_tokens;
@@ -528,7 +550,7 @@ pub fn summarize(rows: &[&Row], duration_s: f64, slo: Slo) -> Level {
         later.iter().filter_map(|r| Some(r.cached_tokens? as f64 * 100.0 / r.prompt_tokens.filter(|&p| p > 0)? as f64)).collect();
     let per_s = |n: f64| (duration_s > 0.0).then(|| n / duration_s);
     Level {
-        sweep: first.sweep.clone(),
+        sweep: first.sweep,
         level: first.level.clone(),
         concurrency: first.concurrency,
         bucket_tokens: first.bucket_tokens,
@@ -624,7 +646,7 @@ pub fn csv(rows: &[Row]) -> String {
     for r in rows {
         let split = r.verdict.as_ref().and_then(|v| v.ttft_ms.clone());
         let fields = [
-            r.sweep.clone(),
+            r.sweep.name().to_string(),
             r.level.clone(),
             r.concurrency.to_string(),
             n(r.bucket_tokens),
@@ -753,7 +775,7 @@ mod tests {
     #[test]
     fn levels_pool_itl_and_count_goodput() {
         let mk = |ttft: f64, stop: &str, itl: Vec<f64>| Row {
-            sweep: "concurrency".into(),
+            sweep: crate::bench::metrics::Sweep::Concurrency,
             level: "2".into(),
             concurrency: 2,
             status: Some(200),
@@ -800,7 +822,7 @@ mod tests {
     fn repeated_runs_pool_and_get_intervals() {
         let run = |ttft: f64, seq: usize| {
             let r = Row {
-                sweep: "concurrency".into(),
+                sweep: crate::bench::metrics::Sweep::Concurrency,
                 level: "1".into(),
                 status: Some(200),
                 ttft_ms: Some(ttft),
@@ -831,7 +853,12 @@ mod tests {
 
     #[test]
     fn csv_quotes_and_has_one_line_per_row() {
-        let r = Row { sweep: "prompt".into(), level: "512 @1".into(), error: Some("a, \"b\"".into()), ..Default::default() };
+        let r = Row {
+            sweep: crate::bench::metrics::Sweep::Prompt,
+            level: "512 @1".into(),
+            error: Some("a, \"b\"".into()),
+            ..Default::default()
+        };
         let text = csv(&[r.clone(), r]);
         assert_eq!(text.lines().count(), 3);
         assert!(text.contains("\"a, \"\"b\"\"\""), "{text}");

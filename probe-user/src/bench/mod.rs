@@ -31,7 +31,6 @@ use std::{
 
 use anyhow::{Context, bail};
 
-pub use self::args::{BenchArgs, Sweep};
 use self::{
     api::{Api, Sampling, ServerInfo},
     args::label,
@@ -40,6 +39,7 @@ use self::{
     results::Results,
     sweep::{Ctx, Progress},
 };
+pub use self::{args::BenchArgs, metrics::Sweep};
 
 /// Set by SIGINT: stop sending; requests in flight get [`GRACE`] to finish.
 pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -142,7 +142,7 @@ impl Run {
     }
 
     /// Pool the runs into one level per (sweep, level) in the order the plans list them.
-    fn pool(&mut self, order: &[(String, String)]) {
+    fn pool(&mut self, order: &[(Sweep, String)]) {
         let mut levels = Vec::new();
         let mut seen = std::collections::HashSet::new();
         // A label given twice (`--idle 3s,3s`) is one level run twice: its runs pool.
@@ -352,7 +352,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
                 break;
             }
             let planned = plan(&mut run, *s)?;
-            order_all.extend(planned.plans.iter().map(|(l, _)| (sweep_name(*s).to_string(), l.clone())));
+            order_all.extend(planned.plans.iter().map(|(l, _)| (*s, l.clone())));
             // The idle sweep with restarts starts its own segments (one per server process).
             if *s != Sweep::Idle || run.args.restart_cmd.is_none() {
                 run.start_trace()?;
@@ -471,21 +471,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
 }
 
 /// Every sweep's name, in the order outputs list them.
-pub const SWEEPS: [&str; 6] = ["concurrency", "rate", "prompt", "prefix", "multiturn", "idle"];
+pub const SWEEPS: [Sweep; 6] = [Sweep::Concurrency, Sweep::Rate, Sweep::Prompt, Sweep::Prefix, Sweep::Multiturn, Sweep::Idle];
 
-pub fn sweep_name(s: Sweep) -> &'static str {
-    match s {
-        Sweep::Concurrency => "concurrency",
-        Sweep::Prompt => "prompt",
-        Sweep::Idle => "idle",
-        Sweep::Rate => "rate",
-        Sweep::Prefix => "prefix",
-        Sweep::Multiturn => "multiturn",
-    }
-}
-
-fn template(sweep: &str, level: String, concurrency: u64) -> Row {
-    Row { sweep: sweep.into(), level, concurrency, ..Default::default() }
+fn template(sweep: Sweep, level: String, concurrency: u64) -> Row {
+    Row { sweep, level, concurrency, ..Default::default() }
 }
 
 /// One level of a sweep, ready to run (again, with --repeat).
@@ -632,20 +621,25 @@ fn execute(run: &mut Run, planned: &Planned, i: usize) -> anyhow::Result<()> {
         Plan::Concurrency { c, n } => {
             let s = run.sampling(run.args.max_tokens);
             let (rows, level) =
-                sweep::level(&run.ctx(), &template("concurrency", label.clone(), *c), &planned.prompts, *n, *c as usize, &s);
+                sweep::level(&run.ctx(), &template(Sweep::Concurrency, label.clone(), *c), &planned.prompts, *n, *c as usize, &s);
             run.push(rows, level);
         }
         Plan::Rate { rate, n } => {
             let s = run.sampling(run.args.max_tokens);
             let at_ms = sweep::poisson_ms(*rate, *n, seed);
-            let (rows, mut level) =
-                sweep::run_level(&run.ctx(), &template("rate", label.clone(), 0), &planned.prompts, &sweep::Schedule::Open { at_ms }, &s);
+            let (rows, mut level) = sweep::run_level(
+                &run.ctx(),
+                &template(Sweep::Rate, label.clone(), 0),
+                &planned.prompts,
+                &sweep::Schedule::Open { at_ms },
+                &s,
+            );
             level.rate_rps = Some(*rate);
             run.push(rows, level);
         }
         Plan::Prompt { bucket, c, n } => {
             let s = run.sampling(run.args.bucket_max_tokens);
-            let mut t = template("prompt", label.clone(), *c);
+            let mut t = template(Sweep::Prompt, label.clone(), *c);
             t.bucket_tokens = Some(*bucket);
             let p = planned.buckets[bucket].clone();
             let (rows, level) = sweep::level(&run.ctx(), &t, std::slice::from_ref(&p), *n, *c as usize, &s);
@@ -673,14 +667,14 @@ fn execute(run: &mut Run, planned: &Planned, i: usize) -> anyhow::Result<()> {
                 })
                 .collect();
             let s = Sampling { cache_prompt: true, ..run.sampling(run.args.max_tokens) };
-            let t = template("prefix", label.clone(), *c);
+            let t = template(Sweep::Prefix, label.clone(), *c);
             let sched = sweep::Schedule::Closed { n: *n, concurrency: *c as usize, first_alone: true };
             let (rows, level) = sweep::run_level(&run.ctx(), &t, &prompts, &sched, &s);
             run.push(rows, level);
         }
         Plan::Multiturn { c, turns } => {
             let s = Sampling { cache_prompt: true, ..run.sampling(run.args.max_tokens) };
-            let t = template("multiturn", label.clone(), *c);
+            let t = template(Sweep::Multiturn, label.clone(), *c);
             let sched = sweep::Schedule::Conversations { conversations: *c as usize, turns: *turns };
             let (rows, level) = sweep::run_level(&run.ctx(), &t, &planned.prompts, &sched, &s);
             run.push(rows, level);
@@ -794,7 +788,7 @@ fn idle_one(run: &mut Run, setup: &IdleSetup, d: Duration) -> anyhow::Result<()>
     if pings > 0 {
         notes.push(format!("keep-warm sent {pings} requests during the idle wait"));
     }
-    let mut t = template("idle", label(d), 1);
+    let mut t = template(Sweep::Idle, label(d), 1);
     t.idle_s = Some(d.as_secs_f64());
     t.layers = setup.layers.clone();
     t.model_resident_pct = resident;

@@ -14,7 +14,7 @@ fn f(v: Option<f64>, prec: usize) -> String {
 }
 
 /// The terminal table of one sweep.
-pub fn table(levels: &[Level], sweep: &str) -> String {
+pub fn table(levels: &[Level], sweep: crate::bench::metrics::Sweep) -> String {
     let ls: Vec<&Level> = levels.iter().filter(|l| l.sweep == sweep).collect();
     if ls.is_empty() {
         return String::new();
@@ -358,7 +358,7 @@ pub fn svg(panels: &[String], w: f64, h: f64) -> String {
 pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
     let (w, h) = (420.0, 300.0);
     let mut out = Vec::new();
-    let of = |s: &str| -> Vec<&Level> { levels.iter().filter(|l| l.sweep == s).collect() };
+    let of = |s: crate::bench::metrics::Sweep| -> Vec<&Level> { levels.iter().filter(|l| l.sweep == s).collect() };
     let cats = |ls: &[&Level]| -> Vec<String> { ls.iter().map(|l| l.level.clone()).collect() };
     let vals = |ls: &[&Level], g: &dyn Fn(&Level) -> Option<f64>| -> Vec<f64> { ls.iter().map(|l| g(l).unwrap_or(0.0)).collect() };
     let mix = |ls: &[&Level]| -> Vec<(String, Vec<f64>)> {
@@ -368,7 +368,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
         names.into_iter().map(|n| (n.clone(), ls.iter().map(|l| l.stops.get(&n).copied().unwrap_or(0) as f64).collect())).collect()
     };
     let ci = |ls: &[&Level], f: &str| -> Vec<Option<(f64, f64)>> { ls.iter().map(|l| l.intervals.get(f).map(|i| (i.lo, i.hi))).collect() };
-    let c = of("concurrency");
+    let c = of(crate::bench::metrics::Sweep::Concurrency);
     if !c.is_empty() {
         let a = panel_ci(
             (0.0, 0.0, w, h),
@@ -390,7 +390,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
             svg(&[panel((0.0, 0.0, w, h), "stop reasons by concurrency (requests)", &cats(&c), &mix(&c), true)], w, h),
         ));
     }
-    let r = of("rate");
+    let r = of(crate::bench::metrics::Sweep::Rate);
     if !r.is_empty() {
         let a = panel_ci(
             (0.0, 0.0, w, h),
@@ -415,7 +415,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
         );
         out.push(("rate-latency.svg".into(), svg(&[a, b, g], w, h)));
     }
-    let x = of("prefix");
+    let x = of(crate::bench::metrics::Sweep::Prefix);
     if !x.is_empty() {
         let a = panel(
             (0.0, 0.0, w, h),
@@ -433,10 +433,11 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
         );
         out.push(("prefix-cache.svg".into(), svg(&[a, b], w, h)));
     }
-    let m = of("multiturn");
+    let m = of(crate::bench::metrics::Sweep::Multiturn);
     if !m.is_empty() {
         let turns: Vec<u64> = {
-            let mut t: Vec<u64> = rows.iter().filter(|r| r.sweep == "multiturn").filter_map(|r| r.turn).collect();
+            let mut t: Vec<u64> =
+                rows.iter().filter(|r| r.sweep == crate::bench::metrics::Sweep::Multiturn).filter_map(|r| r.turn).collect();
             t.sort();
             t.dedup();
             t
@@ -447,7 +448,11 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
                 .iter()
                 .map(|t| {
                     super::metrics::mean(
-                        &rows.iter().filter(|r| r.sweep == "multiturn" && r.turn == Some(*t)).filter_map(g).collect::<Vec<_>>(),
+                        &rows
+                            .iter()
+                            .filter(|r| r.sweep == crate::bench::metrics::Sweep::Multiturn && r.turn == Some(*t))
+                            .filter_map(g)
+                            .collect::<Vec<_>>(),
                     )
                     .unwrap_or(0.0)
                 })
@@ -463,7 +468,7 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
         );
         out.push(("multiturn-turns.svg".into(), svg(&[a, b], w, h)));
     }
-    let p = of("prompt");
+    let p = of(crate::bench::metrics::Sweep::Prompt);
     if !p.is_empty() {
         let a = panel(
             (0.0, 0.0, w, h),
@@ -525,10 +530,10 @@ pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
         let n = panels.len() as f64;
         out.push(("engine-steps.svg".into(), svg(&panels, n * w, h)));
     }
-    let i = of("idle");
+    let i = of(crate::bench::metrics::Sweep::Idle);
     if !i.is_empty() {
         let names = ["queue", "disk", "memory", "cpu_contention", "load", "compute", "unexplained"];
-        let traced = rows.iter().any(|r| r.sweep == "idle" && r.verdict.is_some());
+        let traced = rows.iter().any(|r| r.sweep == crate::bench::metrics::Sweep::Idle && r.verdict.is_some());
         let series: Vec<(String, Vec<f64>)> = if traced {
             names
                 .iter()
@@ -637,7 +642,7 @@ mod tests {
     #[test]
     fn tables_align_columns() {
         let l = Level {
-            sweep: "concurrency".into(),
+            sweep: crate::bench::metrics::Sweep::Concurrency,
             level: "4".into(),
             requests: 4,
             ok: 4,
@@ -646,9 +651,9 @@ mod tests {
             output_tokens_max: Some(14),
             ..Default::default()
         };
-        let t = table(&[l], "concurrency");
+        let t = table(&[l], crate::bench::metrics::Sweep::Concurrency);
         assert!(t.contains("12 (10-14)"), "{t}");
         assert_eq!(t.lines().count(), 3);
-        assert!(table(&[], "idle").is_empty());
+        assert!(table(&[], crate::bench::metrics::Sweep::Idle).is_empty());
     }
 }

@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::{
     api::{Api, ServerInfo},
-    args::Sweep,
+    metrics::Sweep,
     metrics::{Level, Row},
 };
 
