@@ -14,38 +14,6 @@ fn sources(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
     }
 }
 
-/// Top-level names a piece of code takes from `crate::`.
-fn used(code: &str) -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
-    for (i, _) in code.match_indices("crate::") {
-        let rest = &code[i + 7..];
-        if let Some(group) = rest.strip_prefix('{') {
-            // `use crate::{a::b, c, d::{e, f}}`: the names at depth 0.
-            let (mut depth, mut start) = (0, 0);
-            for (j, ch) in group.char_indices() {
-                match ch {
-                    '{' => depth += 1,
-                    '}' if depth == 0 => {
-                        names.insert(ident(group[start..j].trim()));
-                        break;
-                    }
-                    '}' => depth -= 1,
-                    ',' if depth == 0 => {
-                        names.insert(ident(group[start..j].trim()));
-                        start = j + 1;
-                    }
-                    _ => {}
-                }
-            }
-        } else {
-            names.insert(ident(rest));
-        }
-    }
-    names.retain(|n| !n.is_empty());
-    names
-}
-
 /// No cycles between probe-user's modules (a folder's children are modules of their own:
 /// `analysis/verdict`, `render/html`), whatever their layers.
 #[test]
@@ -119,7 +87,7 @@ fn siblings_used(code: &str, parent: &str) -> BTreeSet<String> {
             // This path alone: up to the end of its statement, and before any other path.
             let rest = &code[i + prefix.len()..];
             let end = [rest.find(';'), rest.find("crate::"), rest.find("super::")].into_iter().flatten().min().unwrap_or(rest.len());
-            names.extend(used(&format!("crate::{}", &rest[..end])));
+            names.extend(paths(&format!("crate::{}", &rest[..end]), None).iter().filter_map(|p| p.split("::").next().map(str::to_string)));
         }
     }
     names
