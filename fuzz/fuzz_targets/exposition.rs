@@ -10,7 +10,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use probe_fuzz::{Input, cuts};
-use probe_user::{util::httpc::Response, sampler::endpoints::parse_prometheus, watch::metrics};
+use probe_user::{sampler::endpoints::parse_prometheus, util::httpc::Response, watch::metrics};
 
 type Got = Result<Option<(u16, Vec<u8>)>, String>;
 

@@ -13,8 +13,8 @@
 use libfuzzer_sys::fuzz_target;
 use probe_fuzz::{Input, cuts};
 use probe_user::{
-    util::redact,
     util::http::{self, Body, Framing, Parsed},
+    util::redact,
 };
 
 fn any_body(inp: &mut Input) {

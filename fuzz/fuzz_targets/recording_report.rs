@@ -5,9 +5,12 @@
 
 use libfuzzer_sys::fuzz_target;
 use probe_user::{
-    analysis::flame, render::html, analysis::ksyms, render::perfetto,
-    record::{self, records::UserRecord},
+    analysis::flame,
+    analysis::ksyms,
     analysis::report,
+    record::{self, records::UserRecord},
+    render::html,
+    render::perfetto,
 };
 
 fuzz_target!(|data: &[u8]| {
