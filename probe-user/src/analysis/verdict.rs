@@ -301,6 +301,7 @@ impl Split {
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Verdict {
     /// TTFT split by cause, ms (null when the request has no TTFT).
     pub ttft_ms: Option<Split>,

@@ -4,7 +4,9 @@
 //! aggregation itself stays in Prometheus and the collector: this only reads folders.
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+use crate::analysis::verdict::{SlowCause, StopCause, Verdict};
 
 /// One incident found under the tree.
 #[derive(Clone, Debug, Serialize)]
@@ -18,10 +20,26 @@ pub struct Incident {
     pub time: String,
     pub request: Option<u64>,
     pub ttft_ms: Option<f64>,
-    pub slow_cause: Option<String>,
-    pub stop_cause: Option<String>,
+    pub slow_cause: Option<SlowCause>,
+    pub stop_cause: Option<StopCause>,
     /// The verdict's first lines of evidence.
     pub evidence: Vec<String>,
+}
+
+/// What an incident's report.json tells the listing: its requests' ids, TTFTs and verdicts
+/// (read typed; the rest of the report is not needed here).
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct ReportView {
+    requests: Vec<RequestView>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct RequestView {
+    id: u64,
+    ttft_ms: Option<f64>,
+    verdict: Option<Verdict>,
 }
 
 /// How deep incident folders are looked for under the tree.
@@ -95,16 +113,16 @@ pub fn read(root: &Path, dir: &Path) -> Incident {
         stop_cause: None,
         evidence: vec![],
     };
-    let report: serde_json::Value = crate::util::output::read_recording_text(&dir.join("report.json"), 256 << 20)
+    let report: ReportView = crate::util::output::read_recording_text(&dir.join("report.json"), 256 << 20)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
-    if let Some(q) = report["requests"].as_array().into_iter().flatten().find(|q| request.is_some() && q["id"].as_u64() == request) {
-        i.ttft_ms = q["ttft_ms"].as_f64();
-        i.slow_cause = q["verdict"]["slow_cause"].as_str().map(String::from);
-        i.stop_cause = q["verdict"]["stop_cause"].as_str().map(String::from);
-        i.evidence =
-            q["verdict"]["evidence"].as_array().into_iter().flatten().filter_map(|e| e.as_str().map(String::from)).take(3).collect();
+    if let Some(q) = report.requests.into_iter().find(|q| Some(q.id) == request) {
+        i.ttft_ms = q.ttft_ms;
+        if let Some(v) = q.verdict {
+            (i.slow_cause, i.stop_cause) = (Some(v.slow_cause), Some(v.stop_cause));
+            i.evidence = v.evidence.into_iter().take(3).collect();
+        }
     }
     i
 }
@@ -141,7 +159,8 @@ pub fn render(root: &Path, all: &[Incident]) -> String {
     let mut by: std::collections::BTreeMap<(String, String), u64> = std::collections::BTreeMap::new();
     for i in all {
         let node = i.labels.get(super::place::NODE).cloned().unwrap_or_else(|| "?".into());
-        *by.entry((node, i.slow_cause.clone().filter(|c| c != "none").unwrap_or_else(|| i.kind.clone()))).or_default() += 1;
+        let cause = i.slow_cause.filter(|c| *c != SlowCause::None).map_or_else(|| i.kind.clone(), |c| c.name().to_string());
+        *by.entry((node, cause)).or_default() += 1;
     }
     let _ = writeln!(o, "probe report: {} incident(s) under {}", all.len(), root.display());
     for ((node, cause), n) in &by {
@@ -149,8 +168,8 @@ pub fn render(root: &Path, all: &[Incident]) -> String {
     }
     for i in all {
         let ttft = i.ttft_ms.map(|t| format!(", TTFT {t:.0} ms")).unwrap_or_default();
-        let slow = i.slow_cause.as_deref().map(|c| format!(", slow: {c}")).unwrap_or_default();
-        let stop = i.stop_cause.as_deref().map(|c| format!(", stopped: {}", c.replace('_', " "))).unwrap_or_default();
+        let slow = i.slow_cause.map(|c| format!(", slow: {c}")).unwrap_or_default();
+        let stop = i.stop_cause.map(|c| format!(", stopped: {}", c.words())).unwrap_or_default();
         let req = i.request.map(|r| format!(" request {r}")).unwrap_or_default();
         let _ = writeln!(o, "\n{} {}{req} on {}{ttft}{slow}{stop}", i.time, i.kind, place_words(&i.labels));
         for e in &i.evidence {
@@ -181,7 +200,7 @@ mod tests {
         assert!(is_tree(&root));
         let all = list(&root);
         assert_eq!(all.len(), 2);
-        assert_eq!((all[0].kind.as_str(), all[0].request, all[0].slow_cause.as_deref()), ("slow_ttft", Some(7), Some("load")));
+        assert_eq!((all[0].kind.as_str(), all[0].request, all[0].slow_cause), ("slow_ttft", Some(7), Some(SlowCause::Load)));
         assert_eq!(all[0].labels["node"], "gpu-1", "labels.json wins over the folder");
         assert_eq!((all[1].kind.as_str(), all[1].labels["node"].as_str()), ("server_exit", "node-b"));
         let text = render(&root, &all);
