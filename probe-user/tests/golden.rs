@@ -66,8 +66,9 @@ fn truncated_recording() {
     let cut = record::parse(&bytes[..bytes.len() * 2 / 3 + 3], "demo").unwrap();
     assert!(cut.events.len() > full.events.len() / 2 && cut.events.len() < full.events.len());
     let r = report::build(&cut);
-    assert!(r.problems.iter().any(|p| p.contains("ends mid-record")), "{:?}", r.problems);
-    assert!(r.problems.iter().any(|p| p.contains("no end record")), "{:?}", r.problems);
+    use probe_user::record::problem::Problem;
+    assert!(r.problems.iter().any(|p| matches!(p, Problem::TornTail { .. })), "{:?}", r.problems);
+    assert!(r.problems.contains(&Problem::NoEnd), "{:?}", r.problems);
 }
 
 /// The demo recording as a Perfetto timeline: every block request a slice with its latency,

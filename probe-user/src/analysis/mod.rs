@@ -204,7 +204,7 @@ impl Analysis {
                 let n = pass1.undecodable + json_undecodable;
                 let mut p = frame_problems.clone();
                 if n > 0 {
-                    p.push(format!("{n} records could not be decoded and were skipped"));
+                    p.push(crate::record::problem::Problem::Undecodable(n));
                 }
                 k.finish(p, n)
             })

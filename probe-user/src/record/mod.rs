@@ -20,9 +20,10 @@ use std::{
 
 use probe_common::{EventHeader, EventKind};
 
-use self::decode::Event;
+use self::{decode::Event, problem::Problem};
 
 pub mod decode;
+pub mod problem;
 pub mod records;
 pub mod samples;
 pub mod synth;
@@ -984,7 +985,7 @@ pub struct Reader<R> {
     prev_stack_ts: u64,
     done: bool,
     /// Human-readable problems: torn tail, corrupt frame, undecodable records (counted).
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
     pub undecodable: u64,
     /// Bytes on disk of the frame [`Reader::next_frame`] returned last, its head included.
     pub frame_bytes: u64,
@@ -1037,14 +1038,12 @@ impl<R: BufRead> Reader<R> {
     }
 
     fn torn(&mut self, at: u64) {
-        let lost = self.len.map_or(String::new(), |l| format!(": the last {} bytes were ignored", l.saturating_sub(at)));
-        self.problems.push(format!("recording ends mid-record at byte {at} (probe was killed or the disk filled){lost}"));
+        self.problems.push(Problem::TornTail { at, ignored: self.len.map(|l| l.saturating_sub(at)) });
         self.done = true;
     }
 
     fn corrupt(&mut self, at: u64, ty: u32, len: u64) {
-        let after = self.len.map_or(String::new(), |l| format!(": the {} bytes after it were ignored", l.saturating_sub(at)));
-        self.problems.push(format!("corrupt frame at byte {at} (type {ty}, length {len}){after}"));
+        self.problems.push(Problem::CorruptFrame { at, ty, len, ignored: self.len.map(|l| l.saturating_sub(at)) });
         self.done = true;
     }
 
@@ -1196,10 +1195,10 @@ impl<R: BufRead> Reader<R> {
     }
 
     /// Problems after the last frame was read: the torn tail, corruption, undecodable records.
-    pub fn finish(&mut self) -> Vec<String> {
+    pub fn finish(&mut self) -> Vec<Problem> {
         let mut p = std::mem::take(&mut self.problems);
         if self.undecodable > 0 {
-            p.push(format!("{} records could not be decoded and were skipped", self.undecodable));
+            p.push(Problem::Undecodable(self.undecodable));
         }
         p
     }
@@ -1221,7 +1220,7 @@ pub struct Recording {
     /// Userspace records other than stack samples, typed (the samplers' records in `Sample`).
     pub records: Vec<records::UserRecord>,
     /// Human-readable problems: torn tail, corrupt frame, undecodable records (counted).
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
     pub undecodable: u64,
     /// Userspace records that are JSON but not of their type's shape: (type, why), in file order.
     /// The report says each (as the streamed report does), instead of counting it undecodable.
@@ -1273,20 +1272,19 @@ impl Keeper {
     }
 
     /// The recording, with the reader's problems and undecodable count.
-    pub fn finish(mut self, problems: Vec<String>, undecodable: u64) -> Recording {
+    pub fn finish(mut self, problems: Vec<Problem>, undecodable: u64) -> Recording {
         let mut rec = std::mem::take(&mut self.rec);
         rec.events = self.events.into();
         rec.stacks.extend(self.stacks);
         rec.undecodable = undecodable;
         rec.problems = problems;
         if rec.events_not_kept + rec.stacks_not_kept > 0 {
-            rec.problems.push(format!(
-                "a long recording: its timeline shows the last {} kernel events and {} stack samples ({} and {} before them are in the report's counts and the flamegraphs)",
-                rec.events.len(),
-                rec.stacks.len(),
-                rec.events_not_kept,
-                rec.stacks_not_kept
-            ));
+            rec.problems.push(Problem::LongRecording {
+                events: rec.events.len(),
+                stacks: rec.stacks.len(),
+                events_before: rec.events_not_kept,
+                stacks_before: rec.stacks_not_kept,
+            });
         }
         rec
     }
@@ -1357,7 +1355,7 @@ impl Recording {
 
 /// Copy the recording in `from` to `to` in this probe's format, frame by frame and in order
 /// (an older recording rewritten; tests). Returns the problems the reader met.
-pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<String>, ReadError> {
+pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<Problem>, ReadError> {
     let mut r = Reader::open(from)?;
     let io = |err| ReadError::Io { path: to.display().to_string(), err };
     let mut w = Writer::create(to).map_err(|e| io(std::io::Error::other(format!("{e:#}"))))?;
@@ -1591,7 +1589,7 @@ mod tests {
         let r = parse(&bytes, "x").unwrap();
         assert_eq!(r.events.len(), 0);
         assert_eq!(r.records.len(), 1);
-        assert!(r.problems[0].contains(&format!("corrupt frame at byte {}", ends[0])), "{:?}", r.problems);
+        assert!(r.problems[0].to_string().contains(&format!("corrupt frame at byte {}", ends[0])), "{:?}", r.problems);
         assert!(matches!(parse(b"hello world, not a recording", "x"), Err(ReadError::BadMagic { .. })));
         assert!(matches!(parse(b"PROBE", "x"), Err(ReadError::BadMagic { .. })));
         let mut future = bytes.clone();
@@ -1659,7 +1657,7 @@ mod tests {
         assert_eq!(rec.events.iter().map(|e| e.header().ts_ns).collect::<Vec<_>>(), [6, 7, 8, 9]);
         assert_eq!(rec.stacks.iter().map(|s| s.ts_ns).collect::<Vec<_>>(), [7, 8, 9]);
         assert_eq!((rec.events_not_kept, rec.stacks_not_kept), (6, 7));
-        assert!(rec.problems[0].contains("last 4 kernel events and 3 stack samples"), "{:?}", rec.problems);
+        assert!(rec.problems[0].to_string().contains("last 4 kernel events and 3 stack samples"), "{:?}", rec.problems);
         std::fs::remove_dir_all(&dir).ok();
     }
 

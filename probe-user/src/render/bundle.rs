@@ -81,7 +81,7 @@ pub fn markdown(r: &Report) -> String {
         let _ = writeln!(o, "Stacks unwound to the end: {:.0}% of {}.", r.unwind.success_rate * 100.0, r.unwind.samples);
     }
     for p in &r.problems {
-        let _ = writeln!(o, "\n> note: {}", md_text(p));
+        let _ = writeln!(o, "\n> note: {}", md_text(&p.to_string()));
     }
     let _ = writeln!(
         o,

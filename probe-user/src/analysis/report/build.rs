@@ -10,6 +10,7 @@ use crate::{
     record::decode::Event,
     record::{
         Recording, StackKind, StackRecord,
+        problem::Problem,
         records::{Meta, Stats, UserRecord},
         samples::{EndpointPoll, Sample},
     },
@@ -244,7 +245,7 @@ impl Builder {
                 return;
             }
             Err((ty, e)) => {
-                self.r.problems.push(format!("a {ty} record could not be read: {e}"));
+                self.r.problems.push(Problem::RecordUnreadable { ty: ty.to_string(), error: e.to_string() });
                 return;
             }
         };
@@ -383,7 +384,7 @@ impl Builder {
         }
         let r = &mut self.r;
         if self.meta.is_none() {
-            r.problems.push("the recording has no meta record: target details are unknown".into());
+            r.problems.push(Problem::NoMeta);
         }
         let meta = self.meta.clone().unwrap_or_default();
         self.start = meta.start_ns;
@@ -419,11 +420,10 @@ impl Builder {
             snaps.sort_by_key(|(t, _)| *t);
         }
         if self.bad_stacks > 0 {
-            r.problems.push(format!("{} stack records could not be read and were skipped", self.bad_stacks));
+            r.problems.push(Problem::BadStacks(self.bad_stacks));
         }
         if !self.has_end {
-            r.problems
-                .push("the recording has no end record: probe did not stop cleanly (killed?); the report covers what was written".into());
+            r.problems.push(Problem::NoEnd);
         }
         // probe's own polls of the server's endpoints are not the server's traffic.
         let polls = crate::analysis::system::poll_ports(&self.samples);
@@ -681,7 +681,7 @@ impl Builder {
         }
     }
 
-    pub(crate) fn finish(mut self, problems: Vec<String>) -> Report {
+    pub(crate) fn finish(mut self, problems: Vec<Problem>) -> Report {
         let mut r = std::mem::take(&mut self.r);
         if let Some(a) = self.samples.iter().find_map(|v| if let Sample::Attach(a) = v { Some(a) } else { None }) {
             r.blockio.limits = a.io_limits.clone();
@@ -694,7 +694,7 @@ impl Builder {
         r.schema_version = SCHEMA_VERSION;
         r.problems.splice(0..0, problems);
         if let Some(why) = r.python.as_ref().and_then(|p| p.off.clone()) {
-            r.problems.push(why);
+            r.problems.push(Problem::PythonOff(why));
         }
         let from = self.meta.as_ref().and_then(|m| m.window_start_ns).unwrap_or(self.start).max(self.start);
         r.duration_s = self.end_ts.saturating_sub(from) as f64 / 1e9;
@@ -749,18 +749,10 @@ impl Builder {
         self.verdicts(&mut r);
         let lost: u64 = r.lost_events.values().sum();
         if lost > 0 {
-            r.problems
-                .push(format!("{lost} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb"));
+            r.problems.push(Problem::LostEvents(lost));
         }
         if let Some(l) = r.stream_limits.as_ref().filter(|l| l.conns_evicted > 0) {
-            r.problems.push(format!(
-                "probe stopped following {} connections to stay bounded (more than {} at once, over {} MiB of buffered bytes, or over {} pipelined requests); {} requests in flight on them are marked evicted",
-                l.conns_evicted,
-                crate::stream::MAX_CONNS,
-                crate::stream::MAX_HELD >> 20,
-                crate::stream::MAX_PENDING,
-                l.requests_evicted
-            ));
+            r.problems.push(Problem::ConnsEvicted { conns: l.conns_evicted, requests: l.requests_evicted });
         }
         let measured: Vec<&Stats> = self.stats.iter().filter(|s| s.cost.is_some()).collect();
         if let (Some(a), Some(b)) = (measured.first(), measured.last()) {
@@ -768,11 +760,8 @@ impl Builder {
         }
         let skipped: u64 = r.skipped_runs.values().sum();
         if skipped > 0 {
-            let per: Vec<String> = r.skipped_runs.iter().map(|(k, n)| format!("{k} {n}")).collect();
-            r.problems.push(format!(
-                "the kernel skipped {skipped} program runs because another BPF program was already running on that CPU ({}): those events were never made; other BPF tools running at the same time make this likelier",
-                per.join(", ")
-            ));
+            let per = r.skipped_runs.iter().map(|(k, n)| (k.clone(), *n)).collect();
+            r.problems.push(Problem::SkippedRuns { total: skipped, per });
         }
         r
     }
@@ -1609,8 +1598,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let streamed = crate::analysis::Analysis::report_bytes(&bytes).unwrap();
         assert_eq!(build(&crate::record::parse(&bytes, "x").unwrap()), streamed);
-        assert!(streamed.problems.iter().any(|p| p.starts_with("a ksyms record could not be read")), "{:?}", streamed.problems);
-        assert!(streamed.problems.iter().any(|p| p == "1 records could not be decoded and were skipped"), "{:?}", streamed.problems);
+        assert!(streamed.problems.iter().any(|p| p.to_string().starts_with("a ksyms record could not be read")), "{:?}", streamed.problems);
+        assert!(streamed.problems.contains(&crate::record::problem::Problem::Undecodable(1)), "{:?}", streamed.problems);
     }
 
     /// Only the last request of a connection takes its close; one whose connection carried

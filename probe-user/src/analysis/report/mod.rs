@@ -82,7 +82,7 @@ pub struct Report {
     pub cost: Option<Cost>,
     #[serde(default)]
     pub probes: Vec<crate::record::records::SubsystemStatus>,
-    pub problems: Vec<String>,
+    pub problems: Vec<crate::record::problem::Problem>,
 }
 
 /// A request as the report shows it: the recorded request (its fields, flattened in

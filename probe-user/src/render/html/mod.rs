@@ -231,7 +231,7 @@ fn header(o: &mut String, r: &Report) {
         ),
     );
     if !r.problems.is_empty() {
-        row(o, "problems", list(&r.problems));
+        row(o, "problems", list(&r.problems.iter().map(ToString::to_string).collect::<Vec<_>>()));
     }
     let _ = writeln!(o, "</table>");
 }
@@ -698,7 +698,7 @@ mod tests {
         let mut r = Report::default();
         r.target.comm = "<b>srv</b>".into();
         r.target.cmdline = "llama-server -m \"/m/<x>.gguf\" --alias 'a&b'".into();
-        r.problems.push("<img src=x onerror=alert(1)>".into());
+        r.problems.push(crate::record::problem::Problem::Said("<img src=x onerror=alert(1)>".into()));
         let tl = json!({"traceEvents": [{"ph": "X", "name": "<script>", "pid": 1, "tid": 1, "ts": 0, "dur": 5}]});
         let tl: crate::render::perfetto::Trace = serde_json::from_value(tl).unwrap();
         let page = render(&r, &tl, &[("cpu".into(), "<svg xmlns=\"http://www.w3.org/2000/svg\"/>".into())], None);
