@@ -4,7 +4,6 @@ use crate::{
     util::text::bytes,
 };
 
-/// The human summary printed by `probe trace` and `probe report`.
 /// Why a trace has no requests to give verdicts on, in the words a person can act on.
 pub fn no_requests(r: &Report) -> String {
     let served: Vec<&str> = r.system.server.iter().map(|e| e.addr.as_str()).collect();
@@ -18,6 +17,7 @@ pub fn no_requests(r: &Report) -> String {
     }
 }
 
+/// The human summary printed by `probe trace` and `probe report`, section by section.
 pub fn render(r: &Report) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();
@@ -30,6 +30,20 @@ pub fn render(r: &Report) -> String {
         r.events_phrase(),
         r.target.end_reason.as_ref().map(|e| format!(", stopped: {e}")).unwrap_or_default()
     );
+    verdicts(&mut o, r);
+    machine(&mut o, r);
+    files(&mut o, r);
+    connections(&mut o, r);
+    stacks(&mut o, r);
+    cost(&mut o, r);
+    requests(&mut o, r);
+    losses(&mut o, r);
+    o
+}
+
+/// The verdicts first, one line each with the evidence behind them.
+fn verdicts(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     if !r.requests.is_empty() {
         let _ = writeln!(o, "\nVerdicts:");
         for q in r.requests.iter().take(50) {
@@ -50,6 +64,11 @@ pub fn render(r: &Report) -> String {
     } else {
         let _ = writeln!(o, "\n{}", no_requests(r));
     }
+}
+
+/// The engine, the machine and the processes traced.
+fn machine(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     if let Some(e) = &r.engine {
         let _ = writeln!(o, "\nEngine (llama.cpp, by uprobe): {}", e.words());
     }
@@ -59,6 +78,11 @@ pub fn render(r: &Report) -> String {
     if !forked.is_empty() {
         let _ = writeln!(o, "  also traced: {}", forked.join(", "));
     }
+}
+
+/// Files read, block IO per device, page faults and memory maps.
+fn files(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     let _ = writeln!(o, "\nFiles read (largest first):");
     if r.files.is_empty() {
         let _ = writeln!(o, "  none: nothing was read from storage through the page cache");
@@ -101,6 +125,11 @@ pub fn render(r: &Report) -> String {
     for m in r.mmaps.iter().filter(|m| m.path.is_some() && m.op.op() == Some(probe_common::mmap::MmapOp::Mmap)).take(10) {
         let _ = writeln!(o, "  +{:.3} s pid {} mmap {} {}", m.t_ms / 1e3, m.pid, bytes(m.len), m.path.as_deref().unwrap_or(""));
     }
+}
+
+/// The TCP connections and how each ended.
+fn connections(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     let _ = writeln!(o, "\nTCP connections: {}", r.connections.len());
     for c in r.connections.iter().take(30) {
         let how = match (c.closed_by, c.reset) {
@@ -113,6 +142,11 @@ pub fn render(r: &Report) -> String {
     if r.connections.len() > 30 {
         let _ = writeln!(o, "  ... {} more in report.json", r.connections.len() - 30);
     }
+}
+
+/// The stack samples: how many, how deep, why the cut ones stop.
+fn stacks(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     if !r.stacks.is_empty() {
         let per: Vec<String> = r.stacks.iter().map(|(k, s)| format!("{} {k} (median depth {})", s.stacks, s.median_depth)).collect();
         let _ = writeln!(
@@ -146,6 +180,11 @@ pub fn render(r: &Report) -> String {
             let _ = writeln!(o, "  cut {k} stacks stop under {}", under.join(", "));
         }
     }
+}
+
+/// What tracing cost while it ran.
+fn cost(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     if let Some(c) = &r.cost {
         let top: Vec<String> = c
             .programs
@@ -163,6 +202,11 @@ pub fn render(r: &Report) -> String {
             c.pct_of_core, c.wall_s, c.probe_pct
         );
     }
+}
+
+/// The requests table.
+fn requests(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     if !r.requests.is_empty() {
         let _ = writeln!(o, "\nRequests: {}", r.requests.len());
         let _ = writeln!(
@@ -203,6 +247,11 @@ pub fn render(r: &Report) -> String {
             let _ = writeln!(o, "  ... {} more in report.json", r.requests.len() - 50);
         }
     }
+}
+
+/// What was lost or skipped, and the recording's problems.
+fn losses(o: &mut String, r: &Report) {
+    use std::fmt::Write as _;
     let lost: u64 = r.lost_events.values().sum();
     if lost == 0 {
         let _ = writeln!(o, "\nLost events: none");
@@ -224,5 +273,4 @@ pub fn render(r: &Report) -> String {
     for p in &r.problems {
         let _ = writeln!(o, "Note: {p}");
     }
-    o
 }
