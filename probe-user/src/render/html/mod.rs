@@ -269,6 +269,15 @@ fn flames(o: &mut String, flames: &[(String, String)]) {
 }
 
 fn tables(o: &mut String, r: &Report) {
+    files_table(o, r);
+    blockio_table(o, r);
+    connections_table(o, r);
+    requests_table(o, r);
+    stacks_line(o, r);
+}
+
+/// Files read, largest first.
+fn files_table(o: &mut String, r: &Report) {
     let _ = writeln!(o, "<h2 id=\"files\">Files read</h2>");
     if r.files.is_empty() {
         let _ = writeln!(o, "<p class=\"muted\">Nothing was read from storage through the page cache.</p>");
@@ -293,6 +302,10 @@ fn tables(o: &mut String, r: &Report) {
             let _ = writeln!(o, "<p class=\"muted\">{} more in report.json</p>", r.files.len() - 100);
         }
     }
+}
+
+/// Block IO per device, page faults and memory maps.
+fn blockio_table(o: &mut String, r: &Report) {
     let b = &r.blockio;
     let _ = writeln!(
         o,
@@ -349,6 +362,10 @@ fn tables(o: &mut String, r: &Report) {
         }
         let _ = writeln!(o, "</tbody></table>");
     }
+}
+
+/// The TCP connections and how each ended.
+fn connections_table(o: &mut String, r: &Report) {
     let _ = writeln!(o, "<h2 id=\"connections\">TCP connections: {}</h2>", r.connections.len());
     if !r.connections.is_empty() {
         let _ = writeln!(
@@ -370,6 +387,10 @@ fn tables(o: &mut String, r: &Report) {
         }
         let _ = writeln!(o, "</tbody></table>");
     }
+}
+
+/// The requests table.
+fn requests_table(o: &mut String, r: &Report) {
     if !r.requests.is_empty() {
         let _ = writeln!(o, "<h2 id=\"requests\">Requests: {}</h2>", r.requests.len());
         let _ = writeln!(
@@ -414,6 +435,10 @@ fn tables(o: &mut String, r: &Report) {
         }
         let _ = writeln!(o, "</tbody></table>");
     }
+}
+
+/// The stack samples: how many, how deep, how many unwound to the end.
+fn stacks_line(o: &mut String, r: &Report) {
     if !r.stacks.is_empty() {
         let per: Vec<String> =
             r.stacks.iter().map(|(k, s)| format!("{} {} (median depth {})", s.stacks, escape(k), s.median_depth)).collect();
