@@ -27,7 +27,7 @@ pub struct Args {
 /// `probe bundle DIR`: the tarball to attach to an issue.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let Args { dir, output, mask, force } = args;
-    let a = Analysis::of_dir(&dir, Needs::ALL).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let a = Analysis::of_dir(&dir, Needs::ALL).with_context(|| super::cannot_read(&dir))?;
     let name =
         dir.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "probe".into());
     let out = output.unwrap_or_else(|| dir.with_file_name(format!("{name}.tar.gz")));

@@ -40,8 +40,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let read = |dir: &PathBuf, whole: bool| {
         // Once each: the report, and the stacks folded per request (and for the whole recording
         // when two recordings are compared).
-        Analysis::of_dir(dir, Needs { flames: whole, per_request: true, ..Needs::REPORT })
-            .with_context(|| format!("cannot read the recording in {}", dir.display()))
+        Analysis::of_dir(dir, Needs { flames: whole, per_request: true, ..Needs::REPORT }).with_context(|| super::cannot_read(dir))
     };
     // A recording with labels (an incident of `watch --all`, pulled from a node) says where.
     let name = |d: &PathBuf| match crate::watch::fleet::labels_of(d) {

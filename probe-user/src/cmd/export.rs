@@ -40,7 +40,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let Args { dir, format, output, force, otlp } = args;
     // clap asks for --format unless --otlp is given: sending spans is exporting them as OTLP.
     let format = format.unwrap_or(ExportFormat::OtlpJson);
-    let read = || format!("cannot read the recording in {}", dir.display());
+    let read = || super::cannot_read(&dir);
     let pprof = matches!(format, ExportFormat::Pprof);
     let a = Analysis::of_dir(&dir, Needs { flames: pprof, pprof, ..Needs::REPORT }).with_context(read)?;
     let (r, meta) = (&a.report, &a.meta);

@@ -37,7 +37,7 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let Args { dir, kind, request, from, to, output, force } = args;
     let kind = flame::Kind::parse(&kind).with_context(|| format!("unknown kind `{kind}`: choose cpu, offcpu, faults or io"))?;
-    let meta = record::read_meta(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let meta = record::read_meta(&dir).with_context(|| super::cannot_read(&dir))?;
     let start = meta.map_or(0, |m| m.start_ns);
     let secs = |s: f64| start + (s * 1e9) as u64;
     let scope = match request {
@@ -46,8 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     };
     // Streamed: every stack of the recording, however long (two passes: the request's
     // window is known only once its record was read).
-    let a = Analysis::of_dir(&dir, Needs { flames: true, scope, ..Needs::REPORT })
-        .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let a = Analysis::of_dir(&dir, Needs { flames: true, scope, ..Needs::REPORT }).with_context(|| super::cannot_read(&dir))?;
     if let Some(e) = &a.scope_error {
         anyhow::bail!("{e} (see `probe report {}`)", dir.display());
     }

@@ -14,6 +14,11 @@ pub mod watch;
 
 /// The highest `--hz`: perf refuses rates above its `perf_event_max_sample_rate`, and more than
 /// this per thread only measures probe itself.
+/// The context of every command's error when a recording directory cannot be read.
+pub fn cannot_read(dir: &std::path::Path) -> String {
+    format!("cannot read the recording in {}", dir.display())
+}
+
 pub const MAX_HZ: u64 = 10_000;
 
 /// The largest ring buffer (`--ring-mb`); `ring_mb << 20` must fit the kernel's u32.

@@ -24,7 +24,7 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let Args { dir, json, html, sizes } = args;
     if sizes {
-        let s = record::sizes(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+        let s = record::sizes(&dir).with_context(|| super::cannot_read(&dir))?;
         println!("{:<16} {:>12} {:>14} {:>10}", "kind", "records", "bytes", "per record");
         for (k, (n, b)) in &s {
             println!("{k:<16} {n:>12} {b:>14} {:>10.1}", *b as f64 / (*n).max(1) as f64);
@@ -48,7 +48,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         r
     } else {
         // Streamed: memory does not grow with the recording.
-        Analysis::report_dir(&dir).with_context(|| format!("cannot read the recording in {}", dir.display()))?
+        Analysis::report_dir(&dir).with_context(|| super::cannot_read(&dir))?
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);

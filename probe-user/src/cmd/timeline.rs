@@ -24,8 +24,7 @@ pub struct Args {
 /// `probe timeline DIR`: timeline.json for the Perfetto UI.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let Args { dir, output, force } = args;
-    let a = Analysis::of_dir(&dir, Needs { recording: true, ..Needs::REPORT })
-        .with_context(|| format!("cannot read the recording in {}", dir.display()))?;
+    let a = Analysis::of_dir(&dir, Needs { recording: true, ..Needs::REPORT }).with_context(|| super::cannot_read(&dir))?;
     let trace = crate::render::perfetto::of(&a);
     let bytes = serde_json::to_vec(&trace)?;
     let out = match output {
