@@ -269,6 +269,11 @@ impl Split {
         .fold((SlowCause::None, 0.0), |a, b| if b.1 > a.1 { b } else { a })
     }
 
+    /// All the parts that are not the request's own work, ms (watched ones only: not before_attach).
+    pub fn stalls(&self) -> f64 {
+        self.disk + self.memory + self.cpu_contention + self.load + self.power + self.queue + self.steal
+    }
+
     /// The parts in [`SplitPart::ALL`] order, ms.
     pub fn parts(&self) -> [f64; 10] {
         [
@@ -734,16 +739,20 @@ pub fn attribute(q: &RequestRecord, w: &Window<'_>) -> Verdict {
     evidence(&b, w, &mut v);
     path_evidence(w, ttft, &mut v);
     let s = &b.split;
-    // The cause: the largest share that is not normal work, if it matters (≥ 25% and ≥ 20 ms).
+    // The cause: the largest share that is not normal work, if it matters: ≥ 20 ms, and it, or
+    // the stalls together, ≥ 25% of the wait (disk and memory reclaim of one squeeze, each just
+    // under a quarter, are still why the request was slow).
     // The time before attach counts for the cause the state at attach shows, with what was
     // watched of that cause.
     let (mut cause, mut ms) = s.largest_stall();
-    if let Some(c) = w.at_attach.as_ref().and_then(|a| a.cause)
-        && before + s.part(c) > ms
-    {
-        (cause, ms) = (c, before + s.part(c));
+    let mut stalls = s.stalls();
+    if let Some(c) = w.at_attach.as_ref().and_then(|a| a.cause) {
+        stalls += before;
+        if before + s.part(c) > ms {
+            (cause, ms) = (c, before + s.part(c));
+        }
     }
-    v.slow_cause = if ms >= 20.0 && ms >= 0.25 * ttft {
+    v.slow_cause = if ms >= 20.0 && (ms >= 0.25 * ttft || stalls >= 0.25 * ttft) {
         cause
     } else if s.compute >= 0.5 * ttft && ttft >= 200.0 {
         SlowCause::Compute
@@ -1255,6 +1264,29 @@ mod tests {
             v.evidence
         );
         assert!(!v.evidence.iter().any(|e| e.contains("reclaim") || e.contains("no file")), "{:?}", v.evidence);
+    }
+
+    /// Two stalls of one squeeze (disk and memory), each just under a quarter of the wait,
+    /// together nearly half of it: the request was slow for them, and the larger is named. One
+    /// such stall alone, with the rest the request's own work, is not the cause: the work is.
+    #[test]
+    fn stalls_that_together_matter_name_the_largest() {
+        let ms = 1_000_000u64;
+        let mut q = req(200.0);
+        q.stop.server_timings = Some(serde_json::json!({"prompt_ms": 200.0}));
+        let w = Window {
+            arrival_ns: 0,
+            io_waits: &[(10 * ms, 57 * ms)],
+            swap_waits: &[(100 * ms, 149 * ms)],
+            offcpu_probe: true,
+            ..Default::default()
+        };
+        let v = attribute(&q, &w);
+        let s = v.ttft_ms.clone().unwrap();
+        assert_eq!((s.disk, s.memory), (47.0, 49.0));
+        assert_eq!(v.slow_cause, SlowCause::Memory, "{:?}", v.evidence);
+        let one = Window { io_waits: &[], ..w };
+        assert_eq!(attribute(&q, &one).slow_cause, SlowCause::Compute);
     }
 
     /// Throttled by its CPU quota: the waits behind an idle CPU are cpu_contention, and the
