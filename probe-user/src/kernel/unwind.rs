@@ -26,9 +26,16 @@ pub const MAX_FRAMES: usize = 128;
 /// The most bytes of unwind sections (`.text`, `.eh_frame`, `.eh_frame_hdr` copies) kept for
 /// every traced process together: a target that maps many distinct executables cannot grow
 /// probe without bound. A module past it is unwound without (its frames end the stack there),
-/// and counted. Sections are released when no process maps their file any more (unmapped, or
+/// and counted. `.text` only helps (framehop's look at a prologue or epilogue; `.eh_frame`
+/// already says how to step every instruction) and is most of the bytes (libtorch_cpu.so's is
+/// 267 MiB, its `.eh_frame` 16 MiB): it may take at most [`TEXT_SHARE`] of the budget, so that
+/// the modules mapped later (a Python server's own interpreter among a hundred of torch's
+/// libraries) still have their CFI. Sections are released when no process maps their file any more (unmapped, or
 /// the process exited). `PROBE_UNWIND_BUDGET` (bytes) sets another.
 pub const UNWIND_BUDGET: u64 = 256 << 20;
+
+/// The part of the budget `.text` copies may take, all modules together.
+pub const TEXT_SHARE: u64 = 4;
 
 fn unwind_budget() -> u64 {
     std::env::var("PROBE_UNWIND_BUDGET").ok().and_then(|v| v.parse().ok()).unwrap_or(UNWIND_BUDGET)
@@ -49,6 +56,11 @@ impl Elf {
     fn bytes(&self) -> u64 {
         [&self.text, &self.eh_frame, &self.eh_frame_hdr].iter().filter_map(|s| s.as_ref()).map(|s| s.1.len() as u64).sum()
     }
+
+    /// Bytes of its `.text` copy.
+    fn text_bytes(&self) -> u64 {
+        self.text.as_ref().map_or(0, |t| t.1.len() as u64)
+    }
 }
 
 /// Why a module's unwind sections were not loaded.
@@ -63,8 +75,9 @@ enum NotLoaded {
 /// mapped file itself, regular, at most 4 GiB) and read on demand (object's ReadCache): only the
 /// headers and the sections kept here, never the whole file. Not mmapped: the target could truncate the file
 /// under the mapping, and the next read would kill probe with SIGBUS.
-/// Only `room` bytes of sections may be read: the section headers say their sizes first.
-fn load_elf(pid: u32, m: &Mapping, room: u64) -> Result<Elf, NotLoaded> {
+/// Only `room` bytes of sections may be read, of them at most `text_room` of `.text` (left out
+/// past it): the section headers say their sizes first.
+fn load_elf(pid: u32, m: &Mapping, room: u64, text_room: u64) -> Result<Elf, NotLoaded> {
     let f = match target_file::open_mapping(Some(pid), m, target_file::MAX_ELF_BYTES) {
         Ok(f) => f,
         Err(e) => {
@@ -74,10 +87,12 @@ fn load_elf(pid: u32, m: &Mapping, room: u64) -> Result<Elf, NotLoaded> {
     };
     let cache = object::ReadCache::new(f.file);
     let file = object::File::parse(&cache).map_err(|_| NotLoaded::Unreadable)?;
-    let wanted: u64 = [".text", ".eh_frame", ".eh_frame_hdr"].iter().filter_map(|n| file.section_by_name(n)).map(|s| s.size()).sum();
-    if wanted > room {
-        return Err(NotLoaded::OverBudget(wanted));
+    let size = |name: &str| file.section_by_name(name).map_or(0, |s| s.size());
+    let cfi = size(".eh_frame") + size(".eh_frame_hdr");
+    if cfi > room {
+        return Err(NotLoaded::OverBudget(cfi));
     }
+    let with_text = size(".text") <= text_room.min(room - cfi);
     let section = |name: &str| {
         let s = file.section_by_name(name)?;
         let bytes = s.data().ok()?;
@@ -85,7 +100,7 @@ fn load_elf(pid: u32, m: &Mapping, room: u64) -> Result<Elf, NotLoaded> {
     };
     Ok(Elf {
         segments: file.segments().map(|s| (s.address(), s.file_range().0, s.file_range().1)).collect(),
-        text: section(".text"),
+        text: if with_text { section(".text") } else { None },
         eh_frame: section(".eh_frame"),
         eh_frame_hdr: section(".eh_frame_hdr"),
         got: file.section_by_name(".got").map(|s| s.address()..s.address() + s.size()),
@@ -212,8 +227,10 @@ pub struct Unwinders {
     pub nanos: u64,
     /// Time spent reading ELF files and building unwinders, ns (once per process and mapping change).
     pub load_nanos: u64,
-    /// Bytes of unwind sections held now, and the most allowed ([`UNWIND_BUDGET`]; 0: not read yet).
+    /// Bytes of unwind sections held now, of them `.text` copies, and the most allowed
+    /// ([`UNWIND_BUDGET`]; 0: not read yet).
     held: u64,
+    held_text: u64,
     budget: u64,
     /// Distinct modules unwound without their sections because of the budget.
     pub left_out: u64,
@@ -279,6 +296,7 @@ impl Unwinders {
         let live: std::collections::HashSet<usize> = self.elves.values().flatten().map(|a| Arc::as_ptr(a) as usize).collect();
         self.drap.retain(|(elf, _), _| live.contains(elf));
         self.held = self.elves.values().flatten().map(|a| a.bytes()).sum();
+        self.held_text = self.elves.values().flatten().map(|a| a.text_bytes()).sum();
     }
 
     /// Bytes of unwind sections held now.
@@ -317,11 +335,14 @@ impl Unwinders {
         if self.budget == 0 {
             self.budget = unwind_budget();
         }
-        let mut got = load_elf(pid, m, self.budget.saturating_sub(self.held));
+        let room = |u: &Self| (u.budget.saturating_sub(u.held), (u.budget / TEXT_SHARE).saturating_sub(u.held_text));
+        let (all, text) = room(self);
+        let mut got = load_elf(pid, m, all, text);
         if matches!(got, Err(NotLoaded::OverBudget(_))) {
             // What nobody maps any more may make room.
             self.release();
-            got = load_elf(pid, m, self.budget.saturating_sub(self.held));
+            let (all, text) = room(self);
+            got = load_elf(pid, m, all, text);
         }
         let elf = match got {
             Ok(e) => Some(Arc::new(e)),
@@ -339,6 +360,7 @@ impl Unwinders {
             Err(NotLoaded::Unreadable) => None,
         };
         self.held += elf.as_ref().map_or(0, |e| e.bytes());
+        self.held_text += elf.as_ref().map_or(0, |e| e.text_bytes());
         self.elves.insert(key, elf.clone());
         elf
     }
@@ -494,6 +516,25 @@ mod tests {
         assert_eq!(breg6(&[0x76, 0x80, 0x01]), Some((128, false)));
         assert_eq!(breg6(&[0x77, 0x00]), None);
         assert_eq!(breg6(&[0x76, 0x68, 0x06, 0x06]), None);
+    }
+
+    /// The `.text` copy is left out past its share, the CFI kept: the unwinder of this very
+    /// test binary, from its own mapping.
+    #[test]
+    fn text_past_its_share_is_left_out_and_the_cfi_kept() {
+        let me = std::process::id();
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let maps = procfs::read_maps(me).unwrap();
+        let m = maps.iter().find(|m| m.perms.contains('x') && std::path::Path::new(&m.path) == exe).unwrap();
+        let full = load_elf(me, m, u64::MAX, u64::MAX).ok().unwrap();
+        assert!(full.text.is_some() && full.eh_frame.is_some() && full.eh_frame_hdr.is_some());
+        let lean = load_elf(me, m, u64::MAX, full.text_bytes() - 1).ok().unwrap();
+        assert!(lean.text.is_none() && lean.eh_frame.is_some() && lean.eh_frame_hdr.is_some());
+        assert_eq!(lean.bytes(), full.bytes() - full.text_bytes());
+        // Room for the CFI but not its text: loaded without; not even for the CFI: over budget.
+        let cfi = lean.bytes();
+        assert!(load_elf(me, m, cfi, u64::MAX).is_ok_and(|e| e.text.is_none()));
+        assert!(matches!(load_elf(me, m, cfi - 1, u64::MAX), Err(NotLoaded::OverBudget(b)) if b == cfi));
     }
 
     #[test]
