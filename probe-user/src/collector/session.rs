@@ -665,12 +665,17 @@ impl Second {
     /// ring): the target is busy when a request was in flight at the last read, or when the
     /// kernel wrote at least `BUSY_BYTES` to the ring since the last held look (the first
     /// leaves the state the last read turn found); and the targets are followed (a process
-    /// joining the cgroup, the root's exit).
+    /// joining the cgroup, the root's exit) and so are their Python threads (the kernel walks
+    /// the frames of the threads in its map only: a thread that started, or an interpreter
+    /// found, while every CPU was busy would have none until the drain was let go; a Python
+    /// server spinning on every CPU had none at all).
     fn held_turn(&mut self, opts: &TraceOptions, st: &mut State, se: &mut Session, sampler: &Sampler, produced: Option<u64>) {
         if let (Some(now), Some(then)) = (produced, self.produced_at) {
             sampler.set_busy(st.streams.in_flight() > 0 || now.saturating_sub(then) >= BUSY_BYTES);
         }
         self.produced_at = produced;
+        python_budget(st, &se.kernel.counters());
+        follow_python(st);
         follow_targets(opts, st, se);
     }
 
