@@ -9,12 +9,18 @@ use serde::{Deserialize, Serialize};
 use crate::stream::RequestRecord;
 
 pub(crate) mod build;
+mod files;
 pub(crate) mod prompt;
+mod reorder;
 mod sock;
+mod verdicts;
+mod warm;
 
 pub use build::build;
-pub(crate) use build::{Builder, Reorder, WindowIndex, prompt_size, similar_size};
+pub(crate) use build::{Builder, WindowIndex};
+pub(crate) use reorder::Reorder;
 pub use sock::state_name;
+pub(crate) use warm::{prompt_size, similar_size};
 
 /// report.json's layout version: 2 since recordings went binary and percentiles interpolate.
 pub const SCHEMA_VERSION: u32 = 2;
