@@ -13,6 +13,7 @@ use super::{
     *,
 };
 use crate::{
+    analysis::ksyms::Wait,
     record::decode::Event,
     record::{
         Recording, StackKind, StackRecord,
@@ -388,20 +389,20 @@ impl Builder {
         // mapping it), the part of a swap-in its off-CPU waits do not hold. The sample stands
         // for one sampling period of the thread's time before it (perf's frequency estimate).
         // Reclaim on the CPU is already timed by its tracepoints (direct and cgroup reclaim).
-        if s.what == StackKind::Cpu && self.cpu_period_ns > 0 && !s.kernel.is_empty() && self.knames.wait_of_stack(s) == "[swap wait]" {
+        if s.what == StackKind::Cpu && self.cpu_period_ns > 0 && !s.kernel.is_empty() && self.knames.wait_kind_of_stack(s) == Wait::Swap {
             let from = ts.saturating_sub(self.cpu_period_ns);
             self.swap_waits.push((from, ts));
             self.threads.memory_on_cpu(s.tid, from, ts);
         }
         if s.what == StackKind::Offcpu {
             let Some(b) = s.blocked_ns else { return };
-            let wait = self.knames.wait_of_stack(s);
-            let site = self.threads.site(&wait_site(wait, &s.user, &self.py_frames));
+            let wait = self.knames.wait_kind_of_stack(s);
+            let site = self.threads.site(&wait_site(wait.name(), &s.user, &self.py_frames));
             self.threads.blocked(s.tid, ts, ts.saturating_add(b), crate::analysis::critical::Class::of(wait), s.waker, Some(site));
             match wait {
-                "[io wait]" | "[page-fault wait]" => self.io_waits.push((ts, ts + b)),
-                "[memory wait]" => self.mem_waits.push((ts, ts + b)),
-                "[swap wait]" => self.swap_waits.push((ts, ts + b)),
+                Wait::Io | Wait::PageFault => self.io_waits.push((ts, ts + b)),
+                Wait::Memory => self.mem_waits.push((ts, ts + b)),
+                Wait::Swap => self.swap_waits.push((ts, ts + b)),
                 _ => {}
             }
         }

@@ -1,7 +1,9 @@
 //! The analysis: a recording in, a [`Report`] out (pure), and its human summary. `probe trace`
 //! and `probe report DIR` both go through [`build_dir`] (or [`build`] for a recording already in
-//! memory), so the two always agree. The model (this file), the two-pass builder (`build`), the
-//! TCP state machine of the connections table (`sock`); its text summary is `render::text`.
+//! memory), so the two always agree. The model (this file), the two-pass builder (`build`), with
+//! its file and IO tables (`files`), the kernel records' reordering (`reorder`), the per-request
+//! verdicts (`verdicts`) and the warm baseline (`warm`); the TCP state machine of the connections
+//! table (`sock`); its text summary is `render::text`.
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
