@@ -35,11 +35,12 @@ pub enum Class {
 }
 
 impl Class {
-    pub fn of(wait: &str) -> Class {
+    pub fn of(wait: crate::analysis::ksyms::Wait) -> Class {
+        use crate::analysis::ksyms::Wait;
         match wait {
-            "[io wait]" | "[page-fault wait]" => Class::Disk,
-            "[memory wait]" | "[swap wait]" => Class::Memory,
-            "[lock wait]" => Class::Lock,
+            Wait::Io | Wait::PageFault => Class::Disk,
+            Wait::Memory | Wait::Swap => Class::Memory,
+            Wait::Lock => Class::Lock,
             _ => Class::Outside,
         }
     }

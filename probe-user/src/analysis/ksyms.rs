@@ -23,6 +23,29 @@ pub const WAITS: [&str; 9] = [
     "[other wait]",
 ];
 
+crate::closed_set! {
+    /// An off-CPU wait's class ([`WAITS`], the words the recording stores), to compare as a value.
+    Wait {
+        Memory = "[memory wait]",
+        Swap = "[swap wait]",
+        PageFault = "[page-fault wait]",
+        Io = "[io wait]",
+        Lock = "[lock wait]",
+        Sleep = "[sleep]",
+        Poll = "[poll wait]",
+        Network = "[network wait]",
+        #[default]
+        Other = "[other wait]",
+    }
+}
+
+impl Wait {
+    /// The class a word names; a word outside [`WAITS`] is `[other wait]`.
+    pub fn of(word: &str) -> Wait {
+        word.parse().unwrap_or(Wait::Other)
+    }
+}
+
 /// Classify a wait by its kernel frames (names, innermost first).
 pub fn wait_class<S: AsRef<str>>(kernel: &[S]) -> &'static str {
     let has = |s: &str| kernel.iter().any(|f| f.as_ref().contains(s));
@@ -304,6 +327,11 @@ impl Names {
         let names: Vec<&str> = s.kernel.iter().filter_map(|a| self.by_addr.get(a).map(String::as_str)).collect();
         wait_class(&names)
     }
+
+    /// [`Names::wait_of_stack`] as a [`Wait`].
+    pub fn wait_kind_of_stack(&self, s: &crate::record::StackRecord) -> Wait {
+        Wait::of(self.wait_of_stack(s))
+    }
 }
 
 #[cfg(test)]
@@ -324,6 +352,10 @@ mod tests {
         assert_eq!(wait_class(&charge), "[memory wait]");
         assert_eq!(wait_class(&["__schedule", "io_schedule", "blk_mq_submit_bio", "ext4_file_read_iter"]), "[io wait]");
         assert!(WAITS.contains(&wait_class(&swap_in)));
+        // The enum and the words are one set.
+        assert_eq!(Wait::ALL.iter().map(|w| w.name()).collect::<Vec<_>>(), WAITS);
+        assert_eq!(Wait::of("[swap wait]"), Wait::Swap);
+        assert_eq!(Wait::of("[made up]"), Wait::Other);
     }
 
     /// kallsyms lines: text symbols only, by address whatever the order, module names after a

@@ -142,112 +142,26 @@ impl Analysis {
 
     /// The two passes; `open` gives a reader from the start of the recording each time.
     fn of_frames<R: std::io::BufRead>(open: impl Fn() -> Result<Reader<R>, ReadError>, needs: Needs) -> Result<Analysis, ReadError> {
-        let mut b = Builder::new();
-        let mut wanted = Wanted::default();
-        let mut keep = needs.recording.then(|| record::Keeper::new(record::KEEP_EVENTS, record::KEEP_STACKS));
-        // Pass 1: the userspace records, the file mappings, the stacks' frames. Without the
-        // recording's tail to keep, the only kernel records it needs are the mappings: the others
-        // are checked and skipped, not decoded (pass 2 decodes them, and counts what does not).
-        let mut pass1 = open()?;
-        if !needs.recording {
-            pass1.kinds = 1 << probe_common::EventKind::Mmap as u32;
-        }
         // The report needs the stacks' user frames counted, not read: flame graphs, pprof and
         // the recording's tail read them.
         let fold = needs.flames || needs.per_request;
         let user_frames = fold || needs.pprof || needs.recording;
-        pass1.user_frames = user_frames;
-        let mut json_undecodable = 0u64;
-        while let Some(f) = pass1.next_frame() {
-            match f {
-                Frame::Kernel(ev) => {
-                    if let Event::Mmap(m) = &ev {
-                        b.mapping(m);
-                    }
-                    if let Some(k) = keep.as_mut() {
-                        k.kernel(ev);
-                    }
-                }
-                Frame::Stack(s) => {
-                    b.stack_seen(&s);
-                    if fold {
-                        wanted.stack(&s);
-                    }
-                    if let Some(k) = keep.as_mut() {
-                        k.stack(s);
-                    }
-                }
-                Frame::Json(bytes) => match record::user_record(&bytes) {
-                    Some(rec) => {
-                        if let Ok(r) = &rec
-                            && fold
-                        {
-                            match r {
-                                record::records::UserRecord::Stack(s) => wanted.stack(s),
-                                r => wanted.record(r),
-                            }
-                        }
-                        if let Some(k) = keep.as_mut() {
-                            k.record(rec.clone());
-                        }
-                        b.user(rec);
-                    }
-                    None => json_undecodable += 1,
-                },
-            }
-        }
-        // Torn tails and corrupt frames are the same in both passes; what did not decode is
-        // counted where it was decoded (JSON records here, kernel records and stacks in pass 2).
-        let frame_problems = std::mem::take(&mut pass1.problems);
-        let recording = keep
-            .map(|k| {
-                let n = pass1.undecodable + json_undecodable;
-                let mut p = frame_problems.clone();
-                if n > 0 {
-                    p.push(crate::record::problem::Problem::Undecodable(n));
-                }
-                k.finish(p, n)
-            })
-            .unwrap_or_default();
+        let FirstPass { mut b, wanted, recording, frame_problems, json_undecodable } = first_pass(open()?, needs, fold, user_frames);
         b.prepare();
         let meta = b.meta().cloned().unwrap_or_default();
         let names = b.kernel_names().clone();
         // Between the passes: what pass 2 charges stacks to.
-        let (window, scope_error) = match needs.scope {
-            Scope::All => (Window::default(), None),
-            Scope::Window(w) => (w, None),
-            Scope::Request(id) => match b.requests().iter().find(|q| q.id == id) {
-                None => (Window::default(), Some(ScopeError::NoRequest(id))),
-                Some(q) => match q.arrival_ms {
-                    None => (Window::default(), Some(ScopeError::InFlightAtAttach(id))),
-                    Some(a) => {
-                        let from = meta.start_ns.saturating_add((a * 1e6) as u64);
-                        let to = meta.start_ns.saturating_add(((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
-                        (Window { from_ns: Some(from), to_ns: Some(to), request: true }, None)
-                    }
-                },
-            },
-        };
+        let (window, scope_error) = scope_window(needs.scope, b.requests(), &meta);
         let symbols = fold.then(|| Symbols::of(wanted, names.clone()));
         let mut folder = symbols.as_ref().filter(|_| scope_error.is_none() && needs.flames).map(|s| Folder::new(s, Some(&meta), window));
-        // One folder per request whose start was seen, found by time (its window, as `Scope::Request`).
-        let mut per_request: Vec<(u64, Folder)> = Vec::new();
-        let mut spans: Vec<Option<(u64, u64)>> = Vec::new();
-        if let (true, Some(syms)) = (needs.per_request, symbols.as_ref()) {
-            for q in b.requests().iter().filter(|q| !q.probe_poll) {
-                let Some(a) = q.arrival_ms else { continue };
-                let from = meta.start_ns.saturating_add((a * 1e6) as u64);
-                let to = meta.start_ns.saturating_add(((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
-                spans.push(Some((from, to)));
-                per_request.push((q.id, Folder::new(syms, Some(&meta), Window { from_ns: Some(from), to_ns: Some(to), request: true })));
-            }
-        }
-        let by_time = crate::analysis::report::WindowIndex::new(&spans);
+        let (mut per_request, by_time) = match (needs.per_request, symbols.as_ref()) {
+            (true, Some(syms)) => request_folders(b.requests(), syms, &meta),
+            _ => (Vec::new(), crate::analysis::report::WindowIndex::new(&[])),
+        };
         let mut samples = needs.pprof.then(|| samples::Samples::new(b.requests(), meta.start_ns));
         // Pass 2: the kernel records in time order, the stacks charged and folded.
         let mut pass2 = open()?;
         pass2.user_frames = user_frames;
-        let mut order = Reorder::default();
         let mut stack = |b: &mut Builder, s: &record::StackRecord| {
             b.stack(s);
             if let Some(f) = folder.as_mut() {
@@ -265,21 +179,7 @@ impl Analysis {
                 p.add(s, &names);
             }
         };
-        while let Some(f) = pass2.next_frame() {
-            match f {
-                Frame::Kernel(ev) => order.push(ev, &mut |e| b.kernel(e)),
-                Frame::Stack(s) => stack(&mut b, &s),
-                // v1 recordings kept stacks as JSON records; nothing else matters in this pass.
-                Frame::Json(bytes) => {
-                    if is_v1_stack(&bytes)
-                        && let Ok(s) = serde_json::from_slice::<record::StackRecord>(&bytes)
-                    {
-                        stack(&mut b, &s);
-                    }
-                }
-            }
-        }
-        order.drain(&mut |e| b.kernel(e));
+        second_pass(&mut pass2, &mut b, &mut stack);
         pass2.undecodable += json_undecodable;
         let problems = pass2.finish();
         debug_assert!(problems.starts_with(&frame_problems), "{problems:?} vs {frame_problems:?}");
@@ -293,6 +193,141 @@ impl Analysis {
     pub fn folded(&self, kind: flame::Kind) -> flame::Folded {
         self.flames.get(kind)
     }
+}
+
+/// What pass 1 leaves for pass 2: the builder (its first pass read), the frames the flame graphs
+/// want, the recording's kept tail, the frames' problems and the JSON records that did not decode.
+struct FirstPass {
+    b: Builder,
+    wanted: Wanted,
+    recording: Recording,
+    frame_problems: Vec<record::problem::Problem>,
+    json_undecodable: u64,
+}
+
+/// Pass 1: the userspace records, the file mappings, the stacks' frames. Without the
+/// recording's tail to keep, the only kernel records it needs are the mappings: the others
+/// are checked and skipped, not decoded (pass 2 decodes them, and counts what does not).
+fn first_pass<R: std::io::BufRead>(mut pass1: Reader<R>, needs: Needs, fold: bool, user_frames: bool) -> FirstPass {
+    let mut b = Builder::new();
+    let mut wanted = Wanted::default();
+    let mut keep = needs.recording.then(|| record::Keeper::new(record::KEEP_EVENTS, record::KEEP_STACKS));
+    if !needs.recording {
+        pass1.kinds = 1 << probe_common::EventKind::Mmap as u32;
+    }
+    pass1.user_frames = user_frames;
+    let mut json_undecodable = 0u64;
+    while let Some(f) = pass1.next_frame() {
+        match f {
+            Frame::Kernel(ev) => {
+                if let Event::Mmap(m) = &ev {
+                    b.mapping(m);
+                }
+                if let Some(k) = keep.as_mut() {
+                    k.kernel(ev);
+                }
+            }
+            Frame::Stack(s) => {
+                b.stack_seen(&s);
+                if fold {
+                    wanted.stack(&s);
+                }
+                if let Some(k) = keep.as_mut() {
+                    k.stack(s);
+                }
+            }
+            Frame::Json(bytes) => match record::user_record(&bytes) {
+                Some(rec) => {
+                    if let Ok(r) = &rec
+                        && fold
+                    {
+                        match r {
+                            record::records::UserRecord::Stack(s) => wanted.stack(s),
+                            r => wanted.record(r),
+                        }
+                    }
+                    if let Some(k) = keep.as_mut() {
+                        k.record(rec.clone());
+                    }
+                    b.user(rec);
+                }
+                None => json_undecodable += 1,
+            },
+        }
+    }
+    // Torn tails and corrupt frames are the same in both passes; what did not decode is
+    // counted where it was decoded (JSON records here, kernel records and stacks in pass 2).
+    let frame_problems = std::mem::take(&mut pass1.problems);
+    let recording = keep
+        .map(|k| {
+            let n = pass1.undecodable + json_undecodable;
+            let mut p = frame_problems.clone();
+            if n > 0 {
+                p.push(crate::record::problem::Problem::Undecodable(n));
+            }
+            k.finish(p, n)
+        })
+        .unwrap_or_default();
+    FirstPass { b, wanted, recording, frame_problems, json_undecodable }
+}
+
+/// The window the flame graphs fold for `scope` (a request's: arrival to last byte), or why a
+/// request's cannot be.
+fn scope_window(scope: Scope, requests: &[report::Request], meta: &Meta) -> (Window, Option<ScopeError>) {
+    match scope {
+        Scope::All => (Window::default(), None),
+        Scope::Window(w) => (w, None),
+        Scope::Request(id) => match requests.iter().find(|q| q.id == id) {
+            None => (Window::default(), Some(ScopeError::NoRequest(id))),
+            Some(q) => match q.arrival_ms {
+                None => (Window::default(), Some(ScopeError::InFlightAtAttach(id))),
+                Some(a) => {
+                    let from = meta.start_ns.saturating_add((a * 1e6) as u64);
+                    let to = meta.start_ns.saturating_add(((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
+                    (Window { from_ns: Some(from), to_ns: Some(to), request: true }, None)
+                }
+            },
+        },
+    }
+}
+
+/// One folder per request whose start was seen (its window, as `Scope::Request`), and the
+/// index that finds them by time.
+fn request_folders<'a>(
+    requests: &[report::Request],
+    syms: &'a Symbols,
+    meta: &'a Meta,
+) -> (Vec<(u64, Folder<'a>)>, crate::analysis::report::WindowIndex) {
+    let mut per_request: Vec<(u64, Folder)> = Vec::new();
+    let mut spans: Vec<Option<(u64, u64)>> = Vec::new();
+    for q in requests.iter().filter(|q| !q.probe_poll) {
+        let Some(a) = q.arrival_ms else { continue };
+        let from = meta.start_ns.saturating_add((a * 1e6) as u64);
+        let to = meta.start_ns.saturating_add(((a + q.end_ms.unwrap_or(0.0)) * 1e6) as u64);
+        spans.push(Some((from, to)));
+        per_request.push((q.id, Folder::new(syms, Some(meta), Window { from_ns: Some(from), to_ns: Some(to), request: true })));
+    }
+    (per_request, crate::analysis::report::WindowIndex::new(&spans))
+}
+
+/// Pass 2: the kernel records put back in time order into the builder, the stacks to `stack`.
+fn second_pass<R: std::io::BufRead>(pass2: &mut Reader<R>, b: &mut Builder, stack: &mut impl FnMut(&mut Builder, &record::StackRecord)) {
+    let mut order = Reorder::default();
+    while let Some(f) = pass2.next_frame() {
+        match f {
+            Frame::Kernel(ev) => order.push(ev, &mut |e| b.kernel(e)),
+            Frame::Stack(s) => stack(b, &s),
+            // v1 recordings kept stacks as JSON records; nothing else matters in this pass.
+            Frame::Json(bytes) => {
+                if is_v1_stack(&bytes)
+                    && let Ok(s) = serde_json::from_slice::<record::StackRecord>(&bytes)
+                {
+                    stack(b, &s);
+                }
+            }
+        }
+    }
+    order.drain(&mut |e| b.kernel(e));
 }
 
 /// A JSON frame that holds a v1 stack record (peeks at the type before parsing the rest).

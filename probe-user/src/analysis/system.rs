@@ -4,7 +4,9 @@
 //! Pure: records in, summary out (`render::system` writes it for people).
 use std::collections::{BTreeMap, HashSet};
 
-use crate::record::samples::{CpuFreqReading, CpuIdleReading, EndpointPoll, GpuDevice, GpuSample, LoadedModel, Mem, Sample};
+use crate::record::samples::{
+    CpuFreqReading, CpuIdleReading, EndpointPoll, GpuDevice, GpuSample, LoadedModel, Mem, ResidencyReading, Sample,
+};
 use probe_common::mem::{MEM_COMPACTION, MEM_DIRECT_RECLAIM, MEM_MEMCG_RECLAIM, MEM_OOM_VICTIM, MemEvent};
 use serde::{Deserialize, Serialize};
 
@@ -247,7 +249,6 @@ fn memory_deltas(m: &mut Memory, a: &Mem, b: &Mem) {
 }
 
 pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System {
-    let ms = |ts: u64| ts.saturating_sub(start) as f64 / 1e6;
     let mut s = System::default();
     let mut first_mem: Option<&Mem> = None;
     let mut last_mem: Option<&Mem> = None;
@@ -313,27 +314,7 @@ pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System
                 first_idle.get_or_insert(v);
                 last_idle = Some(v);
             }
-            Sample::Residency(v) => {
-                for r in &v.files {
-                    let share = r.share();
-                    let f = files.entry(r.path.clone()).or_insert_with(|| ModelFile {
-                        path: r.path.clone(),
-                        bytes: r.bytes,
-                        resident_start: share,
-                        resident_min: share,
-                        inode: (r.inode != 0).then_some(r.inode),
-                        mtime_unix_s: (r.inode != 0).then_some(r.mtime_unix_s),
-                        ..Default::default()
-                    });
-                    f.resident_end = share;
-                    f.resident_min = f.resident_min.min(share);
-                    f.readings += 1;
-                    if let Some(e) = r.evicted {
-                        let first = *first_evicted.entry(r.path.clone()).or_insert(e);
-                        f.evicted = Some(e.saturating_sub(first));
-                    }
-                }
-            }
+            Sample::Residency(v) => residency(&mut files, &mut first_evicted, v),
             Sample::Endpoint(v) if v.answered() => endpoint(&mut eps, v),
             Sample::Endpoint(_) | Sample::Attach(_) => {}
         }
@@ -344,14 +325,49 @@ pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System
     if let (Some(a), Some(b)) = (first_mem, last_mem) {
         memory_deltas(&mut s.memory, a, b);
     }
+    memory_stalls(&mut s.memory, mem_events, start);
+    s.model_files = files.into_values().collect();
+    s.model_files.sort_by_key(|f| std::cmp::Reverse(f.bytes));
+    s.server = eps.into_values().collect();
+    s
+}
+
+/// One residency reading into the model files' table: each file's residency at the start, its
+/// lowest, at the end, and the pages evicted since its first reading.
+fn residency(files: &mut BTreeMap<String, ModelFile>, first_evicted: &mut BTreeMap<String, u64>, v: &ResidencyReading) {
+    for r in &v.files {
+        let share = r.share();
+        let f = files.entry(r.path.clone()).or_insert_with(|| ModelFile {
+            path: r.path.clone(),
+            bytes: r.bytes,
+            resident_start: share,
+            resident_min: share,
+            inode: (r.inode != 0).then_some(r.inode),
+            mtime_unix_s: (r.inode != 0).then_some(r.mtime_unix_s),
+            ..Default::default()
+        });
+        f.resident_end = share;
+        f.resident_min = f.resident_min.min(share);
+        f.readings += 1;
+        if let Some(e) = r.evicted {
+            let first = *first_evicted.entry(r.path.clone()).or_insert(e);
+            f.evicted = Some(e.saturating_sub(first));
+        }
+    }
+}
+
+/// The kernel's memory events into the memory section: reclaim and compaction stalls (count,
+/// time, pages), and OOM kills (ms from `start`).
+fn memory_stalls(m: &mut Memory, mem_events: &[&MemEvent], start: u64) {
+    let ms = |ts: u64| ts.saturating_sub(start) as f64 / 1e6;
     for e in mem_events {
         let dur = e.hdr.ts_ns.saturating_sub(e.begin_ns) as f64 / 1e6;
         let stall = match e.what {
-            MEM_DIRECT_RECLAIM => &mut s.memory.direct_reclaim,
-            MEM_MEMCG_RECLAIM => &mut s.memory.memcg_reclaim,
-            MEM_COMPACTION => &mut s.memory.compaction,
+            MEM_DIRECT_RECLAIM => &mut m.direct_reclaim,
+            MEM_MEMCG_RECLAIM => &mut m.memcg_reclaim,
+            MEM_COMPACTION => &mut m.compaction,
             MEM_OOM_VICTIM => {
-                s.memory.oom_kills.push(OomKill { t_ms: ms(e.hdr.ts_ns), pid: e.victim, rss_kib: e.nr });
+                m.oom_kills.push(OomKill { t_ms: ms(e.hdr.ts_ns), pid: e.victim, rss_kib: e.nr });
                 continue;
             }
             _ => continue,
@@ -363,10 +379,6 @@ pub fn build(samples: &[Sample], mem_events: &[&MemEvent], start: u64) -> System
             stall.pages += e.nr;
         }
     }
-    s.model_files = files.into_values().collect();
-    s.model_files.sort_by_key(|f| std::cmp::Reverse(f.bytes));
-    s.server = eps.into_values().collect();
-    s
 }
 
 fn cpu_max(samples: &[Sample]) -> Vec<f64> {

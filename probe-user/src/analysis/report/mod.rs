@@ -1,7 +1,9 @@
 //! The analysis: a recording in, a [`Report`] out (pure), and its human summary. `probe trace`
 //! and `probe report DIR` both go through [`build_dir`] (or [`build`] for a recording already in
-//! memory), so the two always agree. The model (this file), the two-pass builder (`build`), the
-//! TCP state machine of the connections table (`sock`); its text summary is `render::text`.
+//! memory), so the two always agree. The model (this file), the two-pass builder (`build`), with
+//! its file and IO tables (`files`), the kernel records' reordering (`reorder`), the per-request
+//! verdicts (`verdicts`) and the warm baseline (`warm`); the TCP state machine of the connections
+//! table (`sock`); its text summary is `render::text`.
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -9,12 +11,18 @@ use serde::{Deserialize, Serialize};
 use crate::stream::RequestRecord;
 
 pub(crate) mod build;
+mod files;
 pub(crate) mod prompt;
+mod reorder;
 mod sock;
+mod verdicts;
+mod warm;
 
 pub use build::build;
-pub(crate) use build::{Builder, Reorder, WindowIndex, prompt_size, similar_size};
+pub(crate) use build::{Builder, WindowIndex};
+pub(crate) use reorder::Reorder;
 pub use sock::state_name;
+pub(crate) use warm::{prompt_size, similar_size};
 
 /// report.json's layout version: 2 since recordings went binary and percentiles interpolate.
 pub const SCHEMA_VERSION: u32 = 2;
