@@ -6,9 +6,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{MapData, PerCpuArray, RingBuf};
+use aya::maps::MapData;
 use probe_common::{
-    Counter, EventKind,
     mmap::MmapOp,
     proc::{PROC_EXIT, PROC_FORK},
 };
@@ -23,7 +22,6 @@ use crate::{
     record::{
         self, Writer,
         records::{self, UserRecord},
-        samples::Sample,
     },
     stream,
 };
@@ -180,81 +178,6 @@ pub enum Kernel {
     Member(hub::Member),
 }
 
-/// Records one at a time, from the ring or from the hub's queue for a member.
-pub(crate) trait Records {
-    /// Hand the next record to `f`; None when none waits.
-    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>>;
-}
-
-impl Records for RingBuf<MapData> {
-    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
-        let item = self.next()?;
-        Some(f(&item))
-    }
-}
-
-impl Records for hub::Member {
-    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
-        let item = self.next_record()?;
-        Some(f(&item))
-    }
-}
-
-/// Records copied out of the ring buffer unread: while every CPU is busy and the ring fills, the
-/// drain copies them here (a memcpy, a tenth of reading them) and reads them once a CPU idles,
-/// before what came after them. At most [`SPILL_MAX`] bytes: past that they are read at once.
-#[derive(Default)]
-pub(crate) struct Spill {
-    /// Records, each after its length (u32, native order).
-    buf: Vec<u8>,
-    /// Where the next record to read starts.
-    at: usize,
-}
-
-/// The most bytes of records kept unread (the ring's own size comes first: 32 MiB by default). A
-/// flood past it is read at once: probe's memory stays bounded (tests/load.rs: under 256 MiB
-/// while adversarial clients send 1 GB; a 256 MiB spill passed that).
-pub(crate) const SPILL_MAX: usize = 64 << 20;
-/// The most memory kept for the next spill once one was read through (a spill is about half the
-/// ring: 16 MiB by default).
-const SPILL_KEEP: usize = 32 << 20;
-
-impl Spill {
-    pub(crate) fn has_room(&self) -> bool {
-        self.buf.len() < SPILL_MAX
-    }
-
-    pub(crate) fn push(&mut self, rec: &[u8]) {
-        let Ok(len) = u32::try_from(rec.len()) else { return };
-        self.buf.extend_from_slice(&len.to_ne_bytes());
-        self.buf.extend_from_slice(rec);
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.at >= self.buf.len()
-    }
-}
-
-impl Records for Spill {
-    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
-        let len = self.buf.get(self.at..self.at + 4)?;
-        let len = u32::from_ne_bytes(len.try_into().ok()?) as usize;
-        let (from, to) = (self.at + 4, (self.at + 4 + len).min(self.buf.len()));
-        self.at = to;
-        let r = f(&self.buf[from..to]);
-        if self.is_empty() {
-            // Read through: kept for the next spill (its pages already faulted in) up to
-            // SPILL_KEEP; a larger one goes back (a spill of a busy minute is hundreds of MB).
-            self.buf.clear();
-            self.at = 0;
-            if self.buf.capacity() > SPILL_KEEP {
-                *self = Spill::default();
-            }
-        }
-        Some(r)
-    }
-}
-
 fn reserve_error(out: &std::path::Path, e: std::io::Error) -> anyhow::Error {
     if record::is_disk_full(&e) {
         anyhow::anyhow!(
@@ -276,11 +199,19 @@ macro_rules! say {
     }};
 }
 
+mod counters;
+mod drain;
 pub mod hub;
 pub mod live;
 pub mod peer;
 pub mod segments;
 mod session;
+mod stacks;
+
+pub use counters::own_cpu_ns;
+use counters::{stats, sum};
+use drain::drain_turn;
+pub(crate) use drain::{Records, Spill};
 
 struct State {
     writer: Writer,
@@ -515,152 +446,6 @@ impl State {
         Ok(())
     }
 
-    /// Unwind a stack sample and write its frames (off-CPU ones once the thread runs again).
-    fn on_stack(&mut self, s: &probe_common::stack::StackEvent, ustack: &[u8]) -> std::io::Result<()> {
-        use probe_common::stack::STACK_SAME_USER;
-        let offcpu = s.what & !STACK_SAME_USER == probe_common::stack::STACK_OFFCPU;
-        // An off-CPU stack the kernel left out as the same as this thread's last: its frames.
-        let u = match self.last_offcpu_user.get(&s.hdr.tid) {
-            Some((pid, last)) if s.what & STACK_SAME_USER != 0 && *pid == s.hdr.pid => {
-                self.unwinders.reused += 1;
-                last.clone()
-            }
-            _ => {
-                let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
-                self.learn_need(s.hdr.tid, &u, ustack.len());
-                if offcpu {
-                    // Threads that exited leave entries until their process does: bounded like
-                    // the kernel's map (a thread forgotten here is unwound from its ip alone once).
-                    if self.last_offcpu_user.len() >= LAST_USER_STACKS && !self.last_offcpu_user.contains_key(&s.hdr.tid) {
-                        self.last_offcpu_user.clear();
-                    }
-                    self.last_offcpu_user.insert(s.hdr.tid, (s.hdr.pid, u.clone()));
-                }
-                u
-            }
-        };
-        for (id, path) in self.unwinders.take_new_modules() {
-            self.module_paths.insert(id, path.clone());
-            self.writer.record(&UserRecord::Module(records::Module { id, path }))?;
-        }
-        // A CPython thread's Python frames in place of the interpreter's evaluation frames.
-        let native_top = u.frames.last().copied();
-        let paths = &self.module_paths;
-        let user = self.python.merge_into(
-            crate::kernel::python::StackAt {
-                pid: s.hdr.pid,
-                tid: s.hdr.tid,
-                ts_ns: s.hdr.ts_ns,
-                offcpu,
-                same: s.what & STACK_SAME_USER != 0,
-            },
-            u.frames,
-            |id, path| paths.get(&id).is_some_and(|p| p == path),
-        );
-        if !self.python.new_names.is_empty() {
-            let frames = std::mem::take(&mut self.python.new_names);
-            self.writer.record(&UserRecord::PyFrames(records::PyFrames { frames }))?;
-        }
-        let kernel: Vec<u64> = if s.kstack_bytes > 0 {
-            s.kstack.iter().take(s.kstack_bytes as usize / 8).copied().take_while(|&a| a != 0).collect()
-        } else {
-            Vec::new()
-        };
-        let what = match s.what & !STACK_SAME_USER {
-            probe_common::stack::STACK_CPU => record::StackKind::Cpu,
-            probe_common::stack::STACK_OFFCPU => record::StackKind::Offcpu,
-            probe_common::stack::STACK_FAULT => record::StackKind::Fault,
-            _ => record::StackKind::Io,
-        };
-        if let Some(names) = self.ksyms.learn(&kernel) {
-            self.writer.record(&UserRecord::Ksyms(names))?;
-        }
-        if !u.complete
-            && let Some(top) = native_top
-            && (self.cut_tops.len() < MAX_CUT_TOPS || self.cut_tops.contains_key(&(what, top)))
-        {
-            *self.cut_tops.entry((what, top)).or_default() += 1;
-        }
-        let mut v = record::StackRecord {
-            what,
-            pid: s.hdr.pid,
-            tid: s.hdr.tid,
-            ts_ns: s.hdr.ts_ns,
-            user,
-            complete: u.complete,
-            cut: u.cut,
-            addr: s.addr,
-            state: s.state,
-            ..Default::default()
-        };
-        if offcpu {
-            v.wait = Some(self.ksyms.wait_class(&kernel).into());
-            v.kernel = kernel;
-            if let Some(old) = self.offcpu.insert(s.hdr.tid, v) {
-                self.writer.stack(&old)?;
-            }
-            return Ok(());
-        }
-        v.kernel = kernel;
-        self.writer.stack(&v)
-    }
-
-    /// The record naming where cut user stacks stop: the most common outermost frames of each
-    /// kind, symbolized now from their modules (up to [`CUT_MODULE_MAX`] bytes each: this runs
-    /// as the trace stops).
-    pub(crate) fn cut_frames(&self) -> Option<UserRecord> {
-        if self.cut_tops.is_empty() {
-            return None;
-        }
-        type Top = ((record::StackKind, (i64, u64)), u64);
-        let mut tops: Vec<Top> = self.cut_tops.iter().map(|(k, n)| (*k, *n)).collect();
-        tops.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut chosen: Vec<Top> = Vec::new();
-        for &kind in record::StackKind::ALL {
-            chosen.extend(tops.iter().filter(|t| t.0.0 == kind).take(CUT_FRAMES_PER_KIND).copied());
-        }
-        let small = |id: &i64| self.module_paths.get(id).and_then(|p| std::fs::metadata(p).ok()).is_some_and(|m| m.len() <= CUT_MODULE_MAX);
-        let modules: HashMap<i64, String> = self.module_paths.iter().filter(|(id, _)| small(id)).map(|(i, p)| (*i, p.clone())).collect();
-        let wanted = crate::analysis::flame::symbols::Wanted::frames(modules, chosen.iter().map(|c| c.0.1));
-        let symbols = crate::analysis::flame::symbols::Symbols::of(wanted, Default::default());
-        let frames = chosen
-            .into_iter()
-            .map(|((kind, (module, offset)), stacks)| {
-                let name = match self.module_paths.get(&module).filter(|_| small(&module)) {
-                    Some(_) => symbols.user(module, offset),
-                    None => {
-                        let base = self.module_paths.get(&module).map_or("[unknown]", |p| p.rsplit('/').next().unwrap_or(p));
-                        format!("{base}+{offset:#x}")
-                    }
-                };
-                records::CutFrame { kind: kind.name().into(), module, offset, name, stacks }
-            })
-            .collect();
-        Some(UserRecord::CutFrames(records::CutFrames { frames }))
-    }
-
-    /// Tell the kernel how many user-stack bytes `tid`'s stacks need, from what unwinding this
-    /// one used: a quarter more, in powers of two from 1 KiB, only ever growing; double when the
-    /// unwinder ran out of bytes. The copy is most of a stack sample's cost in the kernel
-    /// (64 KiB for 18 us; llama-server's workers unwind in 2 KiB).
-    fn learn_need(&mut self, tid: u32, u: &crate::kernel::unwind::Unwound, given: usize) {
-        let Some(map) = self.ustack_need.as_mut() else { return };
-        let cap = probe_common::stack::USTACK_CAP as u64;
-        let class = |b: u64| b.next_power_of_two().clamp(1024, cap + 8).min(cap) as u32;
-        let told = self.need_told.get(&tid).copied().unwrap_or(0);
-        let want = if u.short { class(given as u64 * 2) } else { class(u.used_bytes + u.used_bytes / 4) };
-        if want <= told || (!u.short && u.used_bytes == 0) {
-            return;
-        }
-        if self.need_told.len() >= LAST_USER_STACKS && !self.need_told.contains_key(&tid) {
-            self.need_told.clear();
-        }
-        if map.insert(tid, want, 0).is_ok() {
-            log::debug!("thread {tid}: user stacks need {want} bytes (used {}, short {}, given {given})", u.used_bytes, u.short);
-            self.need_told.insert(tid, want);
-        }
-    }
-
     /// The process `pid` exited: drop what was kept for it. Its threads' off-CPU stacks still
     /// waiting are written, blocked until the exit.
     fn forget(&mut self, pid: u32, ts_ns: u64) -> std::io::Result<()> {
@@ -815,136 +600,9 @@ impl State {
     }
 }
 
-fn sum(map: &PerCpuArray<MapData, u64>) -> Vec<u64> {
-    (0..probe_common::MAX_KINDS).map(|i| map.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0)).collect()
-}
-
-/// probe's own CPU time so far (user + system, every thread, ended ones included), ns.
-pub fn own_cpu_ns() -> u64 {
-    // SAFETY: an all-zero rusage is valid; getrusage fills it.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid pointer to a local.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return 0;
-    }
-    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
-}
-
-/// The `cost` of a stats record: probe's CPU and its programs' runs, cumulative.
-fn cost(runs: &std::collections::BTreeMap<String, probes::ProgRuns>, bpf_unmeasured: Option<&str>) -> record::records::Cost {
-    record::records::Cost {
-        cpu_ns: own_cpu_ns(),
-        bpf: runs.iter().map(|(k, r)| (k.clone(), record::records::ProgCost { runs: r.runs, ns: r.run_ns })).collect(),
-        bpf_unmeasured: bpf_unmeasured.map(str::to_string),
-    }
-}
-
-fn stats(
-    lost: &[u64],
-    counters: &[u64],
-    st: &State,
-    runs: &std::collections::BTreeMap<String, probes::ProgRuns>,
-    bpf_unmeasured: Option<&str>,
-) -> UserRecord {
-    let by_kind = |n: &[u64]| EventKind::ALL.iter().map(|k| (k.name().to_string(), n[*k as usize])).collect();
-    let mut lost: std::collections::BTreeMap<String, u64> = by_kind(lost);
-    // Records the writer did not write count as lost too (every report shows them).
-    let d = st.writer.dropped;
-    for (name, n) in [("oversized_record", d.oversized), ("disk_full", d.disk_full)] {
-        if n > 0 {
-            lost.insert(name.into(), n);
-        }
-    }
-    let u = &st.unwinders;
-    UserRecord::Stats(Box::new(records::Stats {
-        ts_ns: monotonic_ns(),
-        lost,
-        counters: Counter::ALL.iter().map(|c| (c.name().to_string(), counters[*c as usize])).collect(),
-        events: by_kind(&st.per_kind),
-        skipped_runs: probes::skipped_runs(runs),
-        unwind: records::UnwindCounters {
-            samples: u.samples,
-            complete: u.complete,
-            ns: u.nanos,
-            load_ns: u.load_nanos,
-            reused: u.reused,
-            left_out: u.left_out,
-            held_bytes: u.held_bytes(),
-        },
-        streams: Some(st.streams.limits().clone()),
-        cost: Some(cost(runs, bpf_unmeasured)),
-        python: st.python.any_seen().then(|| records::PythonStats {
-            merged: st.python.merged,
-            unnamed: st.python.unnamed,
-            work_ns: st.python.work_ns,
-            off: st.python.off.clone(),
-        }),
-    }))
-}
-
-/// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`] (those copied out
-/// earlier first, [`Spill`]), then the samplers' records and the /proc refresh. True when it
-/// stopped early (more may be waiting). `spill`: every CPU is busy and the ring fills: copy its
-/// records out unread instead, and leave the rest for a turn with a CPU to spare.
-fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::Sampler, spill: bool) -> std::io::Result<bool> {
-    if spill {
-        while st.spill.has_room() {
-            let spilled = &mut st.spill;
-            match src.take(&mut |item| {
-                spilled.push(item);
-                Ok(())
-            }) {
-                None => return Ok(false),
-                Some(r) => r?,
-            }
-        }
-    }
-    let t0 = Instant::now();
-    let mut n = 0usize;
-    let mut more = false;
-    if !st.spill.is_empty() {
-        let mut spilled = std::mem::take(&mut st.spill);
-        more = take_records(&mut spilled, st, &mut n, t0)?;
-        st.spill = spilled;
-    }
-    if !more {
-        more = take_records(src, st, &mut n, t0)?;
-    }
-    for v in sampler.drain() {
-        st.writer.sample(&v)?;
-        if let (Some(l), Sample::Residency(r)) = (&mut st.live, &v) {
-            l.residency(r);
-        }
-        if let Some(w) = &st.watch
-            && matches!(v, Sample::Residency(_) | Sample::Endpoint(_))
-        {
-            w.send(crate::collector::segments::Msg::Sample(Box::new(v)));
-        }
-    }
-    st.refresh()?;
-    Ok(more)
-}
-
-/// Read records from `src` while the turn's budget lasts (`n` records taken so far this turn,
-/// which began at `t0`): true when it stopped with records left.
-fn take_records(src: &mut dyn Records, st: &mut State, n: &mut usize, t0: Instant) -> std::io::Result<bool> {
-    while !st.stop_writing() {
-        match src.take(&mut |item| st.on_record(item)) {
-            None => return Ok(false),
-            Some(r) => r?,
-        }
-        *n += 1;
-        if *n >= DRAIN_RECORDS || (n.is_multiple_of(64) && t0.elapsed() >= DRAIN_TIME) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
 #[cfg(test)]
 mod tests {
-    use probe_common::{EventHeader, fault::FaultEvent, proc::ProcEvent};
+    use probe_common::{EventHeader, EventKind, fault::FaultEvent, proc::ProcEvent};
 
     use super::*;
 

@@ -2,6 +2,9 @@
 //! target's unwind tables and Python frames.
 pub mod attach;
 pub mod engine;
+mod loaded;
 pub mod probes;
+mod programs;
 pub mod python;
+mod table;
 pub mod unwind;

@@ -498,69 +498,21 @@ pub fn tcp_socket(local: std::net::SocketAddr, peer: std::net::SocketAddr) -> Op
     found.into_iter().next()
 }
 
+/// sock_diag's numbers (linux/netlink.h, linux/sock_diag.h, linux/inet_diag.h).
+const NETLINK_SOCK_DIAG: i32 = 4;
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_DUMP: u16 = 0x300;
+const NLMSG_DONE: u16 = 3;
+const NLMSG_ERROR: u16 = 2;
+const INET_DIAG_INFO: u16 = 2;
+
 fn tcp_query(states: u32, info: bool, exact: Option<(std::net::SocketAddr, std::net::SocketAddr)>) -> Option<Vec<TcpSocket>> {
-    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
-    const NETLINK_SOCK_DIAG: i32 = 4;
-    const SOCK_DIAG_BY_FAMILY: u16 = 20;
-    const NLM_F_REQUEST: u16 = 1;
-    const NLM_F_DUMP: u16 = 0x300;
-    const NLMSG_DONE: u16 = 3;
-    const NLMSG_ERROR: u16 = 2;
-    const INET_DIAG_INFO: u16 = 2;
-    // SAFETY: socket(2) with constant arguments; the fd is owned right away.
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: a fresh fd of ours.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
-    // SAFETY: a valid timeval for SO_RCVTIMEO: a kernel that never answers cannot hang probe.
-    unsafe {
-        libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const tv).cast(), size_of::<libc::timeval>() as u32)
-    };
+    use std::os::fd::AsRawFd as _;
+    let fd = diag_socket()?;
     let mut out = Vec::new();
-    let addr = |family: u8, b: &[u8], port: u16| -> Option<std::net::SocketAddr> {
-        let ip: std::net::IpAddr = if family == libc::AF_INET as u8 {
-            std::net::Ipv4Addr::from(<[u8; 4]>::try_from(b.get(..4)?).ok()?).into()
-        } else {
-            std::net::Ipv6Addr::from(<[u8; 16]>::try_from(b.get(..16)?).ok()?).into()
-        };
-        Some(std::net::SocketAddr::new(ip, port))
-    };
-    // The address as sock_diag's inet_diag_sockid holds it (16 bytes), in `family`.
-    let ip_bytes = |ip: std::net::IpAddr, family: u8| -> Option<[u8; 16]> {
-        let mut b = [0u8; 16];
-        match (ip, family == libc::AF_INET as u8) {
-            (std::net::IpAddr::V4(v4), true) => b[..4].copy_from_slice(&v4.octets()),
-            (std::net::IpAddr::V4(v4), false) => b = v4.to_ipv6_mapped().octets(),
-            (std::net::IpAddr::V6(v6), false) => b = v6.octets(),
-            (std::net::IpAddr::V6(_), true) => return None,
-        }
-        Some(b)
-    };
     for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
-        // nlmsghdr (16 bytes) + inet_diag_req_v2 (56 bytes).
-        let mut req = [0u8; 72];
-        req[0..4].copy_from_slice(&72u32.to_ne_bytes());
-        req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-        let flags = if exact.is_some() { NLM_F_REQUEST } else { NLM_F_REQUEST | NLM_F_DUMP };
-        req[6..8].copy_from_slice(&flags.to_ne_bytes());
-        req[8..12].copy_from_slice(&1u32.to_ne_bytes());
-        req[16] = family;
-        req[17] = libc::IPPROTO_TCP as u8;
-        // idiag_ext: the attributes wanted, a bit each (1 << (attribute - 1)).
-        req[18] = if info { 1 << (INET_DIAG_INFO - 1) } else { 0 };
-        req[20..24].copy_from_slice(&states.to_ne_bytes());
-        if let Some((local, peer)) = exact {
-            // inet_diag_sockid: sport, dport (big-endian), src, dst, interface, cookie (none).
-            let (Some(src), Some(dst)) = (ip_bytes(local.ip(), family), ip_bytes(peer.ip(), family)) else { continue };
-            req[24..26].copy_from_slice(&local.port().to_be_bytes());
-            req[26..28].copy_from_slice(&peer.port().to_be_bytes());
-            req[28..44].copy_from_slice(&src);
-            req[44..60].copy_from_slice(&dst);
-            req[64..72].copy_from_slice(&[0xff; 8]);
-        }
+        let Some(req) = diag_request(family, states, info, exact) else { continue };
         // SAFETY: sending our own buffer on our own socket (to the kernel: address 0).
         if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } != req.len() as isize {
             return None;
@@ -584,43 +536,7 @@ fn tcp_query(states: u32, info: bool, exact: Option<(std::net::SocketAddr, std::
                     // One socket asked for: none (ENOENT) is an answer, tried in the next family.
                     NLMSG_ERROR if exact.is_some() => break 'dump,
                     NLMSG_ERROR => return None,
-                    SOCK_DIAG_BY_FAMILY => {
-                        // inet_diag_msg (72 bytes): family, state, timer, retrans, then
-                        // inet_diag_sockid (sport and dport big-endian, src[16], dst[16], if,
-                        // cookie[2]), expires, rqueue, wqueue, uid, inode; then attributes.
-                        let m = &msgs[16..len];
-                        if m.len() >= 72 {
-                            let u32_at = |o: usize| u32::from_ne_bytes([m[o], m[o + 1], m[o + 2], m[o + 3]]);
-                            let mut tcp = None;
-                            let mut attrs = &m[72..];
-                            while attrs.len() >= 4 {
-                                let alen = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
-                                let aty = u16::from_ne_bytes([attrs[2], attrs[3]]);
-                                if alen < 4 || alen > attrs.len() {
-                                    break;
-                                }
-                                if aty == INET_DIAG_INFO {
-                                    tcp = TcpInfo::parse(&attrs[4..alen]);
-                                }
-                                attrs = &attrs[((alen + 3) & !3).min(attrs.len())..];
-                            }
-                            if let (Some(local), Some(peer)) = (
-                                addr(m[0], &m[8..24], u16::from_be_bytes([m[4], m[5]])),
-                                addr(m[0], &m[24..40], u16::from_be_bytes([m[6], m[7]])),
-                            ) {
-                                out.push(TcpSocket {
-                                    local,
-                                    peer,
-                                    state: m[1],
-                                    rqueue: u32_at(56),
-                                    wqueue: u32_at(60),
-                                    inode: u64::from(u32_at(68)),
-                                    uid: u32_at(64),
-                                    info: tcp,
-                                });
-                            }
-                        }
-                    }
+                    SOCK_DIAG_BY_FAMILY => out.extend(diag_msg(&msgs[16..len])),
                     _ => {}
                 }
                 msgs = &msgs[((len + 3) & !3).min(msgs.len())..];
@@ -637,6 +553,108 @@ fn tcp_query(states: u32, info: bool, exact: Option<(std::net::SocketAddr, std::
     Some(out)
 }
 
+/// A sock_diag netlink socket, its answers awaited at most a second.
+fn diag_socket() -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: socket(2) with constant arguments; the fd is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: a fresh fd of ours.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
+    // SAFETY: a valid timeval for SO_RCVTIMEO: a kernel that never answers cannot hang probe.
+    unsafe {
+        libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const tv).cast(), size_of::<libc::timeval>() as u32)
+    };
+    Some(fd)
+}
+
+/// The request for the TCP sockets of `family` in `states` (a bit each), with their `tcp_info`
+/// when `info`: a dump, or the one socket `exact` names (None: it has no address in `family`).
+fn diag_request(family: u8, states: u32, info: bool, exact: Option<(std::net::SocketAddr, std::net::SocketAddr)>) -> Option<[u8; 72]> {
+    // nlmsghdr (16 bytes) + inet_diag_req_v2 (56 bytes).
+    let mut req = [0u8; 72];
+    req[0..4].copy_from_slice(&72u32.to_ne_bytes());
+    req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    let flags = if exact.is_some() { NLM_F_REQUEST } else { NLM_F_REQUEST | NLM_F_DUMP };
+    req[6..8].copy_from_slice(&flags.to_ne_bytes());
+    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    req[16] = family;
+    req[17] = libc::IPPROTO_TCP as u8;
+    // idiag_ext: the attributes wanted, a bit each (1 << (attribute - 1)).
+    req[18] = if info { 1 << (INET_DIAG_INFO - 1) } else { 0 };
+    req[20..24].copy_from_slice(&states.to_ne_bytes());
+    if let Some((local, peer)) = exact {
+        // inet_diag_sockid: sport, dport (big-endian), src, dst, interface, cookie (none).
+        let (Some(src), Some(dst)) = (diag_ip_bytes(local.ip(), family), diag_ip_bytes(peer.ip(), family)) else { return None };
+        req[24..26].copy_from_slice(&local.port().to_be_bytes());
+        req[26..28].copy_from_slice(&peer.port().to_be_bytes());
+        req[28..44].copy_from_slice(&src);
+        req[44..60].copy_from_slice(&dst);
+        req[64..72].copy_from_slice(&[0xff; 8]);
+    }
+    Some(req)
+}
+
+/// One socket of an answer: inet_diag_msg (72 bytes: family, state, timer, retrans, then
+/// inet_diag_sockid (sport and dport big-endian, src[16], dst[16], if, cookie[2]), expires,
+/// rqueue, wqueue, uid, inode), then its attributes. None when it is short or its addresses are.
+fn diag_msg(m: &[u8]) -> Option<TcpSocket> {
+    if m.len() < 72 {
+        return None;
+    }
+    let u32_at = |o: usize| u32::from_ne_bytes([m[o], m[o + 1], m[o + 2], m[o + 3]]);
+    let mut tcp = None;
+    let mut attrs = &m[72..];
+    while attrs.len() >= 4 {
+        let alen = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
+        let aty = u16::from_ne_bytes([attrs[2], attrs[3]]);
+        if alen < 4 || alen > attrs.len() {
+            break;
+        }
+        if aty == INET_DIAG_INFO {
+            tcp = TcpInfo::parse(&attrs[4..alen]);
+        }
+        attrs = &attrs[((alen + 3) & !3).min(attrs.len())..];
+    }
+    let local = diag_addr(m[0], &m[8..24], u16::from_be_bytes([m[4], m[5]]))?;
+    let peer = diag_addr(m[0], &m[24..40], u16::from_be_bytes([m[6], m[7]]))?;
+    Some(TcpSocket {
+        local,
+        peer,
+        state: m[1],
+        rqueue: u32_at(56),
+        wqueue: u32_at(60),
+        inode: u64::from(u32_at(68)),
+        uid: u32_at(64),
+        info: tcp,
+    })
+}
+
+/// The address sock_diag holds in 16 bytes `b`, in `family`, with `port`.
+fn diag_addr(family: u8, b: &[u8], port: u16) -> Option<std::net::SocketAddr> {
+    let ip: std::net::IpAddr = if family == libc::AF_INET as u8 {
+        std::net::Ipv4Addr::from(<[u8; 4]>::try_from(b.get(..4)?).ok()?).into()
+    } else {
+        std::net::Ipv6Addr::from(<[u8; 16]>::try_from(b.get(..16)?).ok()?).into()
+    };
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
+/// The address as sock_diag's inet_diag_sockid holds it (16 bytes), in `family`.
+fn diag_ip_bytes(ip: std::net::IpAddr, family: u8) -> Option<[u8; 16]> {
+    let mut b = [0u8; 16];
+    match (ip, family == libc::AF_INET as u8) {
+        (std::net::IpAddr::V4(v4), true) => b[..4].copy_from_slice(&v4.octets()),
+        (std::net::IpAddr::V4(v4), false) => b = v4.to_ipv6_mapped().octets(),
+        (std::net::IpAddr::V6(v6), false) => b = v6.octets(),
+        (std::net::IpAddr::V6(_), true) => return None,
+    }
+    Some(b)
+}
+
 /// Tests that open listening sockets and then compare this process's listeners: one at a time.
 #[cfg(test)]
 pub(crate) static TEST_LISTENERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -651,6 +669,46 @@ pub fn clock_ticks() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A dump asks for every socket of the family; one socket's lookup names it, and has no
+    /// request in a family its addresses are not of.
+    #[test]
+    fn sock_diag_requests_dump_or_name_one_socket() {
+        let dump = diag_request(libc::AF_INET as u8, 1 << 1, true, None).unwrap();
+        assert_eq!(u32::from_ne_bytes(dump[0..4].try_into().unwrap()), 72);
+        assert_eq!(u16::from_ne_bytes(dump[6..8].try_into().unwrap()), NLM_F_REQUEST | NLM_F_DUMP);
+        assert_eq!((dump[16], dump[17], dump[18]), (libc::AF_INET as u8, libc::IPPROTO_TCP as u8, 2));
+        assert_eq!(u32::from_ne_bytes(dump[20..24].try_into().unwrap()), 2);
+        let local: std::net::SocketAddr = "10.0.0.1:8080".parse().unwrap();
+        let peer: std::net::SocketAddr = "10.0.0.2:40000".parse().unwrap();
+        let one = diag_request(libc::AF_INET6 as u8, !0, false, Some((local, peer))).unwrap();
+        assert_eq!(u16::from_ne_bytes(one[6..8].try_into().unwrap()), NLM_F_REQUEST);
+        assert_eq!(&one[24..28], &[0x1f, 0x90, 0x9c, 0x40]);
+        assert_eq!(&one[28..44], &std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped().octets());
+        let v6: std::net::SocketAddr = "[::1]:8080".parse().unwrap();
+        assert_eq!(diag_request(libc::AF_INET as u8, !0, false, Some((v6, v6))), None);
+    }
+
+    /// An answer's socket: its addresses, state and queues from inet_diag_msg; a short one is none.
+    #[test]
+    fn sock_diag_messages_are_read_as_sockets() {
+        let mut m = [0u8; 72];
+        m[0] = libc::AF_INET as u8;
+        m[1] = 1;
+        m[4..6].copy_from_slice(&8080u16.to_be_bytes());
+        m[6..8].copy_from_slice(&40000u16.to_be_bytes());
+        m[8..12].copy_from_slice(&[127, 0, 0, 1]);
+        m[24..28].copy_from_slice(&[127, 0, 0, 2]);
+        m[56..60].copy_from_slice(&5u32.to_ne_bytes());
+        m[60..64].copy_from_slice(&6u32.to_ne_bytes());
+        m[64..68].copy_from_slice(&1000u32.to_ne_bytes());
+        m[68..72].copy_from_slice(&4242u32.to_ne_bytes());
+        let s = diag_msg(&m).unwrap();
+        assert_eq!(s.local, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(s.peer, "127.0.0.2:40000".parse().unwrap());
+        assert_eq!((s.state, s.rqueue, s.wqueue, s.uid, s.inode, s.info), (1, 5, 6, 1000, 4242, None));
+        assert_eq!(diag_msg(&m[..71]), None);
+    }
 
     /// sock_diag finds a listener of ours with its port and inode, and not a connected socket.
     #[test]

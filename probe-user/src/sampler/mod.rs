@@ -17,7 +17,7 @@ use crate::{
     monotonic_ns,
     os::procfs,
     record::samples::{
-        CpuFreqReading, CpuIdleReading, EndpointPoll, GpuReading, MemReading, ResidencyReading, ResidencyWhy, Sample, Sources,
+        CpuFreqReading, CpuIdleReading, EndpointPoll, GpuReading, Mem, MemReading, ResidencyReading, ResidencyWhy, Sample, Sources,
     },
 };
 
@@ -271,32 +271,17 @@ impl Gpus {
     }
 }
 
+/// The samplers' thread: the fast readings (GPU, CPU clocks, memory) at `opts.hz` while the target
+/// is busy, the slow ones (C-states, the model files' residency) every second, until the stop.
 fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snapshot: &AtomicBool) {
     let mut gpu = Gpus::new();
     let freq = host::cpufreq();
     let cgroup = host::memory_cgroup(opts.pid);
     let cpu_cgroup = host::cpu_cgroup(opts.pid);
-    let mut info = Sources {
-        ts_ns: monotonic_ns(),
-        hz: opts.hz,
-        cpufreq_max_khz: freq.as_ref().map(|f| f.max_khz.clone()),
-        psi: std::path::Path::new("/proc/pressure/memory").exists(),
-        memory_cgroup: cgroup.as_ref().map(|c| c.display().to_string()),
-        swaps: host::swaps(),
-        ..Default::default()
-    };
-    // The devices are named by NVML's first reading, once the target is busy (opening NVML at an
-    // idle moment would wake a sleeping GPU); their power states come from sysfs meanwhile.
-    info.gpu_absent = gpu.absent.clone();
-    if freq.is_none() {
-        info.cpufreq_absent = Some("no cpufreq in this kernel (VM or driver): CPU clocks not sampled".into());
-    }
-    let _ = tx.send(Sample::Samplers(info));
-    let mut files: Vec<residency::Watched> = Vec::new();
+    let _ = tx.send(Sample::Samplers(sources(opts, &gpu, freq.as_ref(), cgroup.as_deref())));
+    let mut files = ModelFiles::default();
     let mut pids = targets(opts);
     let mut last_slow: Option<Instant> = None;
-    let mut last_file_scan: Option<Instant> = None;
-    let (mut last_residency, mut all_resident): (Option<Instant>, bool) = (None, false);
     let period = if opts.hz > 0.0 { Duration::from_secs_f64(1.0 / opts.hz) } else { Duration::from_secs(1) };
     let mut last_fast: Option<Instant> = None;
     // Idle priority (`yielding::Yielding`): while the server keeps every CPU busy a reading comes
@@ -342,20 +327,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             {
                 let _ = tx.send(Sample::Cpufreq(CpuFreqReading { ts_ns: monotonic_ns(), cur_khz: f.cur_khz }));
             }
-            let mut m = host::mem(opts.pid, cgroup.as_deref(), cpu_cgroup.as_deref());
-            m.steal_ms = host::steal_ms();
-            // Children (Ollama's runner) count towards the target's memory.
-            for &p in pids.iter().filter(|&&p| p != opts.pid) {
-                let c = host::mem(p, None, None);
-                for (a, b) in [
-                    (&mut m.rss_kib, c.rss_kib),
-                    (&mut m.rss_file_kib, c.rss_file_kib),
-                    (&mut m.rss_anon_kib, c.rss_anon_kib),
-                    (&mut m.swap_kib, c.swap_kib),
-                ] {
-                    *a = Some(a.unwrap_or(0) + b.unwrap_or(0));
-                }
-            }
+            let m = targets_mem(opts, &pids, cgroup.as_deref(), cpu_cgroup.as_deref());
             let _ = tx.send(Sample::Mem(MemReading { ts_ns: monotonic_ns(), mem: m }));
         }
         let on_demand = snapshot.swap(false, Ordering::Relaxed);
@@ -365,35 +337,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             let _ = tx.send(Sample::Cpuidle(CpuIdleReading { ts_ns: monotonic_ns(), idle: c }));
         }
         if slow_due || stopping || on_demand {
-            let before = files.len();
-            if last_file_scan.is_none_or(|t| t.elapsed() >= FILE_SCAN_EVERY) || stopping || on_demand {
-                last_file_scan = Some(Instant::now());
-                for &p in &pids {
-                    let known: Vec<_> = files.iter().map(|f| f.ident).collect();
-                    files.extend(residency::big_files(p, MODEL_FILE_MIN_BYTES, &known));
-                }
-            }
-            // Files wholly in the page cache are measured every FILE_SCAN_EVERY (cachestat walks
-            // the file's page tree: a tenth of probe's CPU at 1 Hz on a 100 MB model); once one is
-            // not, every second: a model leaving the cache or loading back is followed closely.
-            let due = stopping
-                || on_demand
-                || files.len() != before
-                || !all_resident
-                || last_residency.is_none_or(|t: Instant| t.elapsed() >= FILE_SCAN_EVERY);
-            if !files.is_empty() && due {
-                last_residency = Some(Instant::now());
-                let r: Vec<crate::record::samples::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
-                all_resident = r.len() == files.len() && r.iter().all(|x| x.resident >= x.pages);
-                let why = if stopping {
-                    ResidencyWhy::End
-                } else if on_demand {
-                    ResidencyWhy::OnDemand
-                } else {
-                    ResidencyWhy::Periodic
-                };
-                let _ = tx.send(Sample::Residency(ResidencyReading { ts_ns: monotonic_ns(), why, files: r }));
-            }
+            files.turn(&pids, stopping, on_demand, tx);
         }
         if stopping {
             break;
@@ -405,6 +349,97 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             (false, _) => next_slow,
         };
         signal.nap(next_slow.min(next_fast));
+    }
+}
+
+/// The `samplers` record: what this machine has to sample and what it lacks.
+fn sources(opts: &Options, gpu: &Gpus, freq: Option<&host::CpuFreq>, cgroup: Option<&std::path::Path>) -> Sources {
+    let mut info = Sources {
+        ts_ns: monotonic_ns(),
+        hz: opts.hz,
+        cpufreq_max_khz: freq.map(|f| f.max_khz.clone()),
+        psi: std::path::Path::new("/proc/pressure/memory").exists(),
+        memory_cgroup: cgroup.map(|c| c.display().to_string()),
+        swaps: host::swaps(),
+        ..Default::default()
+    };
+    // The devices are named by NVML's first reading, once the target is busy (opening NVML at an
+    // idle moment would wake a sleeping GPU); their power states come from sysfs meanwhile.
+    info.gpu_absent = gpu.absent.clone();
+    if freq.is_none() {
+        info.cpufreq_absent = Some("no cpufreq in this kernel (VM or driver): CPU clocks not sampled".into());
+    }
+    info
+}
+
+/// The target's memory reading, its children's resident and swapped memory added in.
+fn targets_mem(opts: &Options, pids: &[u32], cgroup: Option<&std::path::Path>, cpu_cgroup: Option<&std::path::Path>) -> Mem {
+    let mut m = host::mem(opts.pid, cgroup, cpu_cgroup);
+    m.steal_ms = host::steal_ms();
+    // Children (Ollama's runner) count towards the target's memory.
+    for &p in pids.iter().filter(|&&p| p != opts.pid) {
+        add_child_mem(&mut m, &host::mem(p, None, None));
+    }
+    m
+}
+
+/// A child's resident (all, file-backed, anonymous) and swapped memory added to `m`'s (a side
+/// neither read counts as 0 once the other is added).
+fn add_child_mem(m: &mut Mem, c: &Mem) {
+    for (a, b) in [
+        (&mut m.rss_kib, c.rss_kib),
+        (&mut m.rss_file_kib, c.rss_file_kib),
+        (&mut m.rss_anon_kib, c.rss_anon_kib),
+        (&mut m.swap_kib, c.swap_kib),
+    ] {
+        *a = Some(a.unwrap_or(0) + b.unwrap_or(0));
+    }
+}
+
+/// The model files watched for page-cache residency: found among the targets' big files every
+/// [`FILE_SCAN_EVERY`] (and at the end and on demand), measured as [`ModelFiles::turn`] says.
+#[derive(Default)]
+struct ModelFiles {
+    files: Vec<residency::Watched>,
+    last_file_scan: Option<Instant>,
+    last_residency: Option<Instant>,
+    all_resident: bool,
+}
+
+impl ModelFiles {
+    /// The once-a-second turn (also the last one, `stopping`, and a SIGUSR1's, `on_demand`): look
+    /// for new big files when a scan is due, and send their residency when it is due.
+    fn turn(&mut self, pids: &[u32], stopping: bool, on_demand: bool, tx: &mpsc::Sender<Sample>) {
+        let files = &mut self.files;
+        let before = files.len();
+        if self.last_file_scan.is_none_or(|t| t.elapsed() >= FILE_SCAN_EVERY) || stopping || on_demand {
+            self.last_file_scan = Some(Instant::now());
+            for &p in pids {
+                let known: Vec<_> = files.iter().map(|f| f.ident).collect();
+                files.extend(residency::big_files(p, MODEL_FILE_MIN_BYTES, &known));
+            }
+        }
+        // Files wholly in the page cache are measured every FILE_SCAN_EVERY (cachestat walks
+        // the file's page tree: a tenth of probe's CPU at 1 Hz on a 100 MB model); once one is
+        // not, every second: a model leaving the cache or loading back is followed closely.
+        let due = stopping
+            || on_demand
+            || files.len() != before
+            || !self.all_resident
+            || self.last_residency.is_none_or(|t: Instant| t.elapsed() >= FILE_SCAN_EVERY);
+        if !files.is_empty() && due {
+            self.last_residency = Some(Instant::now());
+            let r: Vec<crate::record::samples::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
+            self.all_resident = r.len() == files.len() && r.iter().all(|x| x.resident >= x.pages);
+            let why = if stopping {
+                ResidencyWhy::End
+            } else if on_demand {
+                ResidencyWhy::OnDemand
+            } else {
+                ResidencyWhy::Periodic
+            };
+            let _ = tx.send(Sample::Residency(ResidencyReading { ts_ns: monotonic_ns(), why, files: r }));
+        }
     }
 }
 
@@ -509,5 +544,20 @@ fn poll_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal) {
             }
             signal.nap(left);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A child's resident and swapped memory adds to the target's; a side neither read counts
+    /// as 0 once the other is added (as before: the sum is always read).
+    #[test]
+    fn a_childs_memory_adds_to_the_targets() {
+        let mut m = Mem { rss_kib: Some(100), swap_kib: Some(5), ..Default::default() };
+        let c = Mem { rss_kib: Some(20), rss_file_kib: Some(7), ..Default::default() };
+        add_child_mem(&mut m, &c);
+        assert_eq!((m.rss_kib, m.rss_file_kib, m.rss_anon_kib, m.swap_kib), (Some(120), Some(7), Some(0), Some(5)));
     }
 }

@@ -1,0 +1,142 @@
+//! The drain: records one at a time from the ring, the hub's queue or the spill (records copied
+//! out of the ring unread while every CPU is busy), taken in turns of bounded length.
+use std::time::Instant;
+
+use aya::maps::{MapData, RingBuf};
+
+use super::{DRAIN_RECORDS, DRAIN_TIME, State, hub};
+use crate::record::samples::Sample;
+
+/// Records one at a time, from the ring or from the hub's queue for a member.
+pub(crate) trait Records {
+    /// Hand the next record to `f`; None when none waits.
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>>;
+}
+
+impl Records for RingBuf<MapData> {
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let item = self.next()?;
+        Some(f(&item))
+    }
+}
+
+impl Records for hub::Member {
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let item = self.next_record()?;
+        Some(f(&item))
+    }
+}
+
+/// Records copied out of the ring buffer unread: while every CPU is busy and the ring fills, the
+/// drain copies them here (a memcpy, a tenth of reading them) and reads them once a CPU idles,
+/// before what came after them. At most [`SPILL_MAX`] bytes: past that they are read at once.
+#[derive(Default)]
+pub(crate) struct Spill {
+    /// Records, each after its length (u32, native order).
+    buf: Vec<u8>,
+    /// Where the next record to read starts.
+    pub(super) at: usize,
+}
+
+/// The most bytes of records kept unread (the ring's own size comes first: 32 MiB by default). A
+/// flood past it is read at once: probe's memory stays bounded (tests/load.rs: under 256 MiB
+/// while adversarial clients send 1 GB; a 256 MiB spill passed that).
+pub(crate) const SPILL_MAX: usize = 64 << 20;
+/// The most memory kept for the next spill once one was read through (a spill is about half the
+/// ring: 16 MiB by default).
+const SPILL_KEEP: usize = 32 << 20;
+
+impl Spill {
+    pub(crate) fn has_room(&self) -> bool {
+        self.buf.len() < SPILL_MAX
+    }
+
+    pub(crate) fn push(&mut self, rec: &[u8]) {
+        let Ok(len) = u32::try_from(rec.len()) else { return };
+        self.buf.extend_from_slice(&len.to_ne_bytes());
+        self.buf.extend_from_slice(rec);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.at >= self.buf.len()
+    }
+}
+
+impl Records for Spill {
+    fn take(&mut self, f: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let len = self.buf.get(self.at..self.at + 4)?;
+        let len = u32::from_ne_bytes(len.try_into().ok()?) as usize;
+        let (from, to) = (self.at + 4, (self.at + 4 + len).min(self.buf.len()));
+        self.at = to;
+        let r = f(&self.buf[from..to]);
+        if self.is_empty() {
+            // Read through: kept for the next spill (its pages already faulted in) up to
+            // SPILL_KEEP; a larger one goes back (a spill of a busy minute is hundreds of MB).
+            self.buf.clear();
+            self.at = 0;
+            if self.buf.capacity() > SPILL_KEEP {
+                *self = Spill::default();
+            }
+        }
+        Some(r)
+    }
+}
+
+/// One turn of the drain: at most [`DRAIN_RECORDS`] records or [`DRAIN_TIME`] (those copied out
+/// earlier first, [`Spill`]), then the samplers' records and the /proc refresh. True when it
+/// stopped early (more may be waiting). `spill`: every CPU is busy and the ring fills: copy its
+/// records out unread instead, and leave the rest for a turn with a CPU to spare.
+pub(super) fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::Sampler, spill: bool) -> std::io::Result<bool> {
+    if spill {
+        while st.spill.has_room() {
+            let spilled = &mut st.spill;
+            match src.take(&mut |item| {
+                spilled.push(item);
+                Ok(())
+            }) {
+                None => return Ok(false),
+                Some(r) => r?,
+            }
+        }
+    }
+    let t0 = Instant::now();
+    let mut n = 0usize;
+    let mut more = false;
+    if !st.spill.is_empty() {
+        let mut spilled = std::mem::take(&mut st.spill);
+        more = take_records(&mut spilled, st, &mut n, t0)?;
+        st.spill = spilled;
+    }
+    if !more {
+        more = take_records(src, st, &mut n, t0)?;
+    }
+    for v in sampler.drain() {
+        st.writer.sample(&v)?;
+        if let (Some(l), Sample::Residency(r)) = (&mut st.live, &v) {
+            l.residency(r);
+        }
+        if let Some(w) = &st.watch
+            && matches!(v, Sample::Residency(_) | Sample::Endpoint(_))
+        {
+            w.send(crate::collector::segments::Msg::Sample(Box::new(v)));
+        }
+    }
+    st.refresh()?;
+    Ok(more)
+}
+
+/// Read records from `src` while the turn's budget lasts (`n` records taken so far this turn,
+/// which began at `t0`): true when it stopped with records left.
+fn take_records(src: &mut dyn Records, st: &mut State, n: &mut usize, t0: Instant) -> std::io::Result<bool> {
+    while !st.stop_writing() {
+        match src.take(&mut |item| st.on_record(item)) {
+            None => return Ok(false),
+            Some(r) => r?,
+        }
+        *n += 1;
+        if *n >= DRAIN_RECORDS || (n.is_multiple_of(64) && t0.elapsed() >= DRAIN_TIME) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}

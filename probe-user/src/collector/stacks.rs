@@ -1,0 +1,158 @@
+//! The collector's stack records: each stack sample unwound and written (an off-CPU one once its
+//! thread runs again, Python frames merged in), the user-stack bytes each thread needs told to the
+//! kernel, and the record naming where cut stacks stop.
+use std::collections::HashMap;
+
+use super::{CUT_FRAMES_PER_KIND, CUT_MODULE_MAX, LAST_USER_STACKS, MAX_CUT_TOPS, State};
+use crate::record::{
+    self,
+    records::{self, UserRecord},
+};
+
+impl State {
+    /// Unwind a stack sample and write its frames (off-CPU ones once the thread runs again).
+    pub(super) fn on_stack(&mut self, s: &probe_common::stack::StackEvent, ustack: &[u8]) -> std::io::Result<()> {
+        use probe_common::stack::STACK_SAME_USER;
+        let offcpu = s.what & !STACK_SAME_USER == probe_common::stack::STACK_OFFCPU;
+        // An off-CPU stack the kernel left out as the same as this thread's last: its frames.
+        let u = match self.last_offcpu_user.get(&s.hdr.tid) {
+            Some((pid, last)) if s.what & STACK_SAME_USER != 0 && *pid == s.hdr.pid => {
+                self.unwinders.reused += 1;
+                last.clone()
+            }
+            _ => {
+                let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
+                self.learn_need(s.hdr.tid, &u, ustack.len());
+                if offcpu {
+                    // Threads that exited leave entries until their process does: bounded like
+                    // the kernel's map (a thread forgotten here is unwound from its ip alone once).
+                    if self.last_offcpu_user.len() >= LAST_USER_STACKS && !self.last_offcpu_user.contains_key(&s.hdr.tid) {
+                        self.last_offcpu_user.clear();
+                    }
+                    self.last_offcpu_user.insert(s.hdr.tid, (s.hdr.pid, u.clone()));
+                }
+                u
+            }
+        };
+        for (id, path) in self.unwinders.take_new_modules() {
+            self.module_paths.insert(id, path.clone());
+            self.writer.record(&UserRecord::Module(records::Module { id, path }))?;
+        }
+        // A CPython thread's Python frames in place of the interpreter's evaluation frames.
+        let native_top = u.frames.last().copied();
+        let paths = &self.module_paths;
+        let user = self.python.merge_into(
+            crate::kernel::python::StackAt {
+                pid: s.hdr.pid,
+                tid: s.hdr.tid,
+                ts_ns: s.hdr.ts_ns,
+                offcpu,
+                same: s.what & STACK_SAME_USER != 0,
+            },
+            u.frames,
+            |id, path| paths.get(&id).is_some_and(|p| p == path),
+        );
+        if !self.python.new_names.is_empty() {
+            let frames = std::mem::take(&mut self.python.new_names);
+            self.writer.record(&UserRecord::PyFrames(records::PyFrames { frames }))?;
+        }
+        let kernel: Vec<u64> = if s.kstack_bytes > 0 {
+            s.kstack.iter().take(s.kstack_bytes as usize / 8).copied().take_while(|&a| a != 0).collect()
+        } else {
+            Vec::new()
+        };
+        let what = match s.what & !STACK_SAME_USER {
+            probe_common::stack::STACK_CPU => record::StackKind::Cpu,
+            probe_common::stack::STACK_OFFCPU => record::StackKind::Offcpu,
+            probe_common::stack::STACK_FAULT => record::StackKind::Fault,
+            _ => record::StackKind::Io,
+        };
+        if let Some(names) = self.ksyms.learn(&kernel) {
+            self.writer.record(&UserRecord::Ksyms(names))?;
+        }
+        if !u.complete
+            && let Some(top) = native_top
+            && (self.cut_tops.len() < MAX_CUT_TOPS || self.cut_tops.contains_key(&(what, top)))
+        {
+            *self.cut_tops.entry((what, top)).or_default() += 1;
+        }
+        let mut v = record::StackRecord {
+            what,
+            pid: s.hdr.pid,
+            tid: s.hdr.tid,
+            ts_ns: s.hdr.ts_ns,
+            user,
+            complete: u.complete,
+            cut: u.cut,
+            addr: s.addr,
+            state: s.state,
+            ..Default::default()
+        };
+        if offcpu {
+            v.wait = Some(self.ksyms.wait_class(&kernel).into());
+            v.kernel = kernel;
+            if let Some(old) = self.offcpu.insert(s.hdr.tid, v) {
+                self.writer.stack(&old)?;
+            }
+            return Ok(());
+        }
+        v.kernel = kernel;
+        self.writer.stack(&v)
+    }
+
+    /// The record naming where cut user stacks stop: the most common outermost frames of each
+    /// kind, symbolized now from their modules (up to [`CUT_MODULE_MAX`] bytes each: this runs
+    /// as the trace stops).
+    pub(crate) fn cut_frames(&self) -> Option<UserRecord> {
+        if self.cut_tops.is_empty() {
+            return None;
+        }
+        type Top = ((record::StackKind, (i64, u64)), u64);
+        let mut tops: Vec<Top> = self.cut_tops.iter().map(|(k, n)| (*k, *n)).collect();
+        tops.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut chosen: Vec<Top> = Vec::new();
+        for &kind in record::StackKind::ALL {
+            chosen.extend(tops.iter().filter(|t| t.0.0 == kind).take(CUT_FRAMES_PER_KIND).copied());
+        }
+        let small = |id: &i64| self.module_paths.get(id).and_then(|p| std::fs::metadata(p).ok()).is_some_and(|m| m.len() <= CUT_MODULE_MAX);
+        let modules: HashMap<i64, String> = self.module_paths.iter().filter(|(id, _)| small(id)).map(|(i, p)| (*i, p.clone())).collect();
+        let wanted = crate::analysis::flame::symbols::Wanted::frames(modules, chosen.iter().map(|c| c.0.1));
+        let symbols = crate::analysis::flame::symbols::Symbols::of(wanted, Default::default());
+        let frames = chosen
+            .into_iter()
+            .map(|((kind, (module, offset)), stacks)| {
+                let name = match self.module_paths.get(&module).filter(|_| small(&module)) {
+                    Some(_) => symbols.user(module, offset),
+                    None => {
+                        let base = self.module_paths.get(&module).map_or("[unknown]", |p| p.rsplit('/').next().unwrap_or(p));
+                        format!("{base}+{offset:#x}")
+                    }
+                };
+                records::CutFrame { kind: kind.name().into(), module, offset, name, stacks }
+            })
+            .collect();
+        Some(UserRecord::CutFrames(records::CutFrames { frames }))
+    }
+
+    /// Tell the kernel how many user-stack bytes `tid`'s stacks need, from what unwinding this
+    /// one used: a quarter more, in powers of two from 1 KiB, only ever growing; double when the
+    /// unwinder ran out of bytes. The copy is most of a stack sample's cost in the kernel
+    /// (64 KiB for 18 us; llama-server's workers unwind in 2 KiB).
+    fn learn_need(&mut self, tid: u32, u: &crate::kernel::unwind::Unwound, given: usize) {
+        let Some(map) = self.ustack_need.as_mut() else { return };
+        let cap = probe_common::stack::USTACK_CAP as u64;
+        let class = |b: u64| b.next_power_of_two().clamp(1024, cap + 8).min(cap) as u32;
+        let told = self.need_told.get(&tid).copied().unwrap_or(0);
+        let want = if u.short { class(given as u64 * 2) } else { class(u.used_bytes + u.used_bytes / 4) };
+        if want <= told || (!u.short && u.used_bytes == 0) {
+            return;
+        }
+        if self.need_told.len() >= LAST_USER_STACKS && !self.need_told.contains_key(&tid) {
+            self.need_told.clear();
+        }
+        if map.insert(tid, want, 0).is_ok() {
+            log::debug!("thread {tid}: user stacks need {want} bytes (used {}, short {}, given {given})", u.used_bytes, u.short);
+            self.need_told.insert(tid, want);
+        }
+    }
+}

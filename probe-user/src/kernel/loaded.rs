@@ -1,0 +1,177 @@
+//! Probe's programs once loaded: what the kernel counts for each (runs, run time, runs skipped),
+//! and their end: the off switch, the hand-off to a child, the detach.
+use aya::{Ebpf, maps::HashMap};
+
+use crate::record::records::SubsystemStatus;
+
+/// What [`attach`](super::probes::attach) made: the loaded object with its programs attached, and what
+/// attached of each subsystem.
+pub struct Attached {
+    pub ebpf: Ebpf,
+    pub status: Vec<SubsystemStatus>,
+    /// The processes traced from the start: the target and its live descendants.
+    pub targets: Vec<u32>,
+    /// Keeps the kernel counting the programs' run time while it is open; why not, when not.
+    pub run_time_stats: Result<std::os::fd::OwnedFd, String>,
+    /// What attaching took, stage by stage (ms), the slowest programs last.
+    pub stages: Vec<(String, f64)>,
+    /// Executable files the engine probe already searched (a later mapping of another is searched
+    /// as it appears: a runner started after attach, a library loaded later).
+    pub engine_seen: Vec<crate::os::target_file::Ident>,
+}
+
+/// What the kernel counts for one loaded program (`struct bpf_prog_info`): runs and run time
+/// (counted only while bpf_stats is on: [`enable_run_time_stats`]), and runs it skipped.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProgRuns {
+    pub runs: u64,
+    pub run_ns: u64,
+    /// Runs skipped because a BPF program was already running on that CPU
+    /// (`recursion_misses`, Linux 5.12+): events lost before they were made.
+    pub skipped: u64,
+}
+
+/// [`ProgRuns`] of every loaded program, by name (cumulative since load).
+pub fn prog_runs(ebpf: &Ebpf) -> std::collections::BTreeMap<String, ProgRuns> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    /// Offsets in `struct bpf_prog_info` (include/uapi/linux/bpf.h).
+    const RUN_TIME_NS: usize = 192;
+    const RUN_CNT: usize = 200;
+    const RECURSION_MISSES: usize = 208;
+    #[repr(C, align(8))]
+    struct Info([u8; 256]);
+    #[repr(C)]
+    struct Attr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for (name, prog) in ebpf.programs() {
+        let Ok(fd) = prog.fd() else { continue };
+        let mut info = Info([0; 256]);
+        let mut attr = Attr { bpf_fd: fd.as_fd().as_raw_fd() as u32, info_len: 256, info: info.0.as_mut_ptr() as u64 };
+        // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most info_len bytes into `info` and the
+        // written length into attr.info_len; both live for the call.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &mut attr as *mut Attr, std::mem::size_of::<Attr>()) };
+        if rc != 0 {
+            continue;
+        }
+        let len = attr.info_len as usize;
+        let at = |off: usize| -> u64 {
+            if len < off + 8 {
+                return 0;
+            }
+            u64::from_ne_bytes(info.0[off..off + 8].try_into().expect("8 bytes"))
+        };
+        out.insert(name.to_string(), ProgRuns { runs: at(RUN_CNT), run_ns: at(RUN_TIME_NS), skipped: at(RECURSION_MISSES) });
+    }
+    out
+}
+
+/// Runs each program skipped ([`ProgRuns::skipped`]); programs with none are left out.
+pub fn skipped_runs(runs: &std::collections::BTreeMap<String, ProgRuns>) -> std::collections::BTreeMap<String, u64> {
+    runs.iter().filter(|(_, r)| r.skipped > 0).map(|(k, r)| (k.clone(), r.skipped)).collect()
+}
+
+/// Turn on the kernel's per-program run-time counting (BPF_ENABLE_STATS, Linux 5.8+) for as long
+/// as the returned fd is open: what each program costs, for the report's `cost` section. It adds
+/// two clock reads to every program run (tens of ns), and ends with probe, whatever way it ends.
+pub fn enable_run_time_stats() -> Result<std::os::fd::OwnedFd, String> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|e| format!("bpf_stats not enabled ({e})"))
+}
+
+/// The off switch, thrown the moment the trace stops: the target set is emptied, so every program
+/// that asks whether the current task is traced (all but the socket and wake-up ones, which look
+/// up maps of the target's own sockets and threads) returns at once and produces nothing more.
+pub fn switch_off(ebpf: &mut Ebpf) {
+    let Some(m) = ebpf.map_mut(probe_common::maps::TARGETS) else { return };
+    let Ok(mut map) = HashMap::<_, u32, u8>::try_from(m) else { return };
+    let pids: Vec<u32> = map.keys().filter_map(Result::ok).collect();
+    for pid in pids {
+        let _ = map.remove(&pid);
+    }
+}
+
+/// Hand the programs to a child process that lets them go once probe has exited: closing a
+/// classic tracepoint waits for an RCU grace period, one after another (about 2 s for 66
+/// programs on a 2-CPU VM), and the process that closes the last descriptor of each pays for it.
+/// The child holds the same descriptors and waits for probe's end (a pipe only probe holds open),
+/// then exits, and the kernel detaches everything. probe itself exits at once; kill -9 of either
+/// still leaves nothing attached. Without a child (fork refused), they are detached here.
+pub fn hand_off(attached: Attached) {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 writes two descriptors into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return detach(attached);
+    }
+    // SAFETY: the child calls only async-signal-safe functions (close, read, _exit).
+    match unsafe { libc::fork() } {
+        0 => {
+            // The child: let go of the terminal and of probe's output pipes (whoever reads them
+            // sees their end with probe's), wait for probe to exit (the pipe's write end closes),
+            // then exit.
+            // SAFETY: plain descriptor calls on descriptors this process owns.
+            unsafe {
+                for fd in [0, 1, 2, fds[1]] {
+                    libc::close(fd);
+                }
+                let mut b = 0u8;
+                while libc::read(fds[0], (&raw mut b).cast(), 1) != 0 {}
+                libc::_exit(0);
+            }
+        }
+        -1 => {
+            // SAFETY: closing the pipe this function made.
+            unsafe {
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+            }
+            detach(attached)
+        }
+        child => {
+            log::info!("programs handed to pid {child}, detached when probe exits");
+            // SAFETY: the read end is the child's.
+            unsafe { libc::close(fds[0]) };
+            // Our descriptors close with the process; the child's are the last ones.
+            std::mem::forget(attached);
+        }
+    }
+}
+
+/// Detach and unload every program, all at once: closing a classic tracepoint's last perf
+/// event waits for the kernel's RCU grace periods (30 ms idle, 500 ms under load, one
+/// tracepoint after another), which made a stop take seconds (4.2 s for 64 programs on an idle
+/// 2-CPU VM; 138 ms in parallel). Maps taken out of the `Ebpf` before stay.
+pub fn detach(attached: Attached) {
+    let Attached { mut ebpf, .. } = attached;
+    let t = std::time::Instant::now();
+    let progs: Vec<(&str, &mut aya::programs::Program)> = ebpf.programs_mut().collect();
+    let n = progs.len();
+    std::thread::scope(|s| {
+        for (name, p) in progs {
+            // A program whose thread cannot be made is detached with the `Ebpf` below.
+            let spawned = std::thread::Builder::new().name("probe-detach".into()).spawn_scoped(s, move || {
+                let t = std::time::Instant::now();
+                unload(p);
+                log::debug!("detached {name} in {:?}", t.elapsed());
+            });
+            if let Err(e) = spawned {
+                log::debug!("no thread to detach {name} ({e})");
+            }
+        }
+    });
+    drop(ebpf);
+    log::info!("{n} programs detached in {:?}", t.elapsed());
+}
+
+fn unload(p: &mut aya::programs::Program) {
+    use aya::programs::Program as P;
+    let _ = match p {
+        P::TracePoint(p) => p.unload(),
+        P::RawTracePoint(p) => p.unload(),
+        P::PerfEvent(p) => p.unload(),
+        _ => Ok(()),
+    };
+}
