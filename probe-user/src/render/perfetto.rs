@@ -21,6 +21,18 @@ const SYSTEM_PID: u64 = 4;
 /// The engine's decode steps (llama.cpp, by uprobe): one track per context.
 const ENGINE_PID: u64 = 5;
 
+crate::closed_set! {
+    /// The marks on a request's track that the page's chart draws its own way: the wait for the
+    /// first token (its TTFT written beside it), the first token (a strong tick) and the others.
+    /// The chart reads them back by these names, from timelines read back too.
+    RequestMark {
+        #[default]
+        UntilFirstToken = "until first token",
+        FirstToken = "first token",
+        Token = "token",
+    }
+}
+
 /// What an event is, in the trace-event format's letters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Phase {
@@ -217,11 +229,11 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::analysis::ksym
         ev.push(TraceEvent::slice(name, REQUESTS_PID, q.id, at, q.end_ms.unwrap_or(0.0) * 1e3, Some(args)));
         if let Some(t) = q.ttft_ms {
             let args = json!({ "ttft_ms": v.and_then(|v| v.ttft_ms.clone()) });
-            ev.push(TraceEvent::slice("until first token", REQUESTS_PID, q.id, at, t * 1e3, Some(args)));
-            ev.push(TraceEvent::instant("first token", REQUESTS_PID, q.id, at + t * 1e3, false, None));
+            ev.push(TraceEvent::slice(RequestMark::UntilFirstToken.name(), REQUESTS_PID, q.id, at, t * 1e3, Some(args)));
+            ev.push(TraceEvent::instant(RequestMark::FirstToken.name(), REQUESTS_PID, q.id, at + t * 1e3, false, None));
         }
         for c in q.chunk_times_ms.iter().skip(1) {
-            ev.push(TraceEvent::instant("token", REQUESTS_PID, q.id, at + c * 1e3, false, None));
+            ev.push(TraceEvent::instant(RequestMark::Token.name(), REQUESTS_PID, q.id, at + c * 1e3, false, None));
         }
     }
     // Off-CPU time of each target thread, named by what it waited for.
