@@ -78,7 +78,7 @@ pub fn markdown(r: &Report) -> String {
         r.lost_events.values().sum::<u64>()
     );
     if !r.stacks.is_empty() {
-        let _ = writeln!(o, "Stacks unwound to the end: {:.0}% of {}.", r.unwind.success_rate * 100.0, r.unwind.samples);
+        let _ = writeln!(o, "Stacks unwound to the end: {}.", crate::render::unwound_share(&r.unwind));
     }
     for p in &r.problems {
         let _ = writeln!(o, "\n> note: {}", md_text(&p.to_string()));

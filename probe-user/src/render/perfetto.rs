@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use probe_common::{fault::FAULT_MAJOR, mmap::MmapOp, sock::SOCK_STATE};
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::{
     analysis::report,
@@ -20,6 +20,18 @@ const TCP_PID: u64 = 3;
 const SYSTEM_PID: u64 = 4;
 /// The engine's decode steps (llama.cpp, by uprobe): one track per context.
 const ENGINE_PID: u64 = 5;
+
+crate::closed_set! {
+    /// The marks on a request's track that the page's chart draws its own way: the wait for the
+    /// first token (its TTFT written beside it), the first token (a strong tick) and the others.
+    /// The chart reads them back by these names, from timelines read back too.
+    RequestMark {
+        #[default]
+        UntilFirstToken = "until first token",
+        FirstToken = "first token",
+        Token = "token",
+    }
+}
 
 /// What an event is, in the trace-event format's letters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,7 +53,9 @@ pub enum Phase {
 /// One trace event. The fields are in the order timeline.json has always written them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TraceEvent {
-    /// Details: a name for `M`, values for `C`, anything for a slice or instant.
+    /// Details: a name for `M`, values for `C`, anything for a slice or instant. Kept as JSON:
+    /// the page's chart reads back any trace's details, other programs' too; probe writes them
+    /// from the typed structs below ([`details`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args: Option<Value>,
     /// µs.
@@ -70,6 +84,122 @@ impl TraceEvent {
     }
 }
 
+/// An event's details as the trace keeps them, from one of the typed structs below. Their
+/// JSON is an object (keys in order), so the fields are in alphabetical order as written.
+fn details(d: impl Serialize) -> Option<Value> {
+    serde_json::to_value(d).ok()
+}
+
+/// A process or thread name (`M`).
+#[derive(Serialize)]
+struct NameArgs<'a> {
+    name: &'a str,
+}
+
+/// A request's slice: its answer and the verdict's causes.
+#[derive(Serialize)]
+struct RequestArgs {
+    chunks: u64,
+    closed_by: crate::stream::ClosedBy,
+    slow_cause: Option<crate::analysis::verdict::SlowCause>,
+    status: Option<u16>,
+    stop_cause: Option<crate::analysis::verdict::StopCause>,
+}
+
+/// The wait for the first token: the verdict's split of it.
+#[derive(Serialize)]
+struct TtftArgs<'a> {
+    ttft_ms: Option<&'a crate::analysis::verdict::Split>,
+}
+
+/// An off-CPU slice: the thread that woke it.
+#[derive(Serialize)]
+struct WokenArgs {
+    woken_by_tid: u32,
+}
+
+/// A block request.
+#[derive(Serialize)]
+struct BlockIoArgs {
+    bytes: u32,
+    issuer_tid: u32,
+    queue_us: f64,
+    sector: u64,
+}
+
+/// A GPU's clocks, MHz.
+#[derive(Serialize)]
+struct ClockArgs {
+    mem: Option<u32>,
+    sm: Option<u32>,
+}
+
+/// VRAM in use, MiB: all of it and the target's.
+#[derive(Serialize)]
+struct VramArgs {
+    target: Option<u64>,
+    used: Option<u64>,
+}
+
+/// Memory pressure stall, ms per second: some task, or every task, stalled.
+#[derive(Serialize)]
+struct PsiArgs {
+    full: f64,
+    some: f64,
+}
+
+/// The target's RSS, MiB: all of it and its file-backed part.
+#[derive(Serialize)]
+struct RssArgs {
+    all: u64,
+    file: Option<u64>,
+}
+
+/// A counter with one series, `key`.
+fn one<T: Serialize>(key: &str, value: T) -> BTreeMap<&str, T> {
+    BTreeMap::from([(key, value)])
+}
+
+/// A major fault: the address, in hex.
+#[derive(Serialize)]
+struct FaultArgs {
+    addr: String,
+}
+
+/// A memory-map call.
+#[derive(Serialize)]
+struct MmapArgs {
+    len: u64,
+}
+
+/// A memory stall (reclaim, compaction): pages scanned or its status.
+#[derive(Serialize)]
+struct MemArgs {
+    pages_or_status: u64,
+}
+
+/// A TCP event: the peer's port.
+#[derive(Serialize)]
+struct SockArgs {
+    dport: u16,
+}
+
+/// A decode step: its tokens, per sequence, and what the engine returned.
+#[derive(Serialize)]
+struct StepArgs {
+    ret: i32,
+    sequences: BTreeMap<String, u16>,
+    tokens: u32,
+}
+
+/// A cache sequence removed: which, and the positions.
+#[derive(Serialize)]
+struct SeqRmArgs {
+    p0: i32,
+    p1: i32,
+    seq: i32,
+}
+
 /// The timeline: Chrome trace-event JSON as the Perfetto UI and chrome://tracing open it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Trace {
@@ -92,14 +222,14 @@ fn meta(pid: u64, tid: Option<u64>, name: &str) -> TraceEvent {
         None => ("process_name", 0),
         Some(t) => ("thread_name", t),
     };
-    TraceEvent { args: Some(json!({ "name": name })), dur: None, name: kind.into(), ph: Phase::Meta, pid, s: None, tid, ts: None }
+    TraceEvent { args: details(NameArgs { name }), dur: None, name: kind.into(), ph: Phase::Meta, pid, s: None, tid, ts: None }
 }
 
 /// Counter tracks from the sampler records: GPU clocks, power and VRAM, CPU frequency, memory
 /// pressure (PSI stall ms per second, RSS), the model files' residency, the server's queue.
 fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) {
-    let c = |name: String, ts: f64, args: Value| TraceEvent {
-        args: Some(args),
+    let c = |name: String, ts: f64, values: Option<Value>| TraceEvent {
+        args: values,
         dur: None,
         name,
         ph: Phase::Counter,
@@ -117,13 +247,13 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) 
             Sample::Gpu(v) => {
                 for g in &v.gpus {
                     let i = g.index;
-                    ev.push(c(format!("GPU {i} clock MHz"), ts, json!({"sm": g.sm_mhz, "mem": g.mem_mhz})));
-                    ev.push(c(format!("GPU {i} P-state"), ts, json!({"P": g.pstate})));
-                    ev.push(c(format!("GPU {i} power W"), ts, json!({"W": g.power_w})));
+                    ev.push(c(format!("GPU {i} clock MHz"), ts, details(ClockArgs { mem: g.mem_mhz, sm: g.sm_mhz })));
+                    ev.push(c(format!("GPU {i} P-state"), ts, details(one("P", g.pstate))));
+                    ev.push(c(format!("GPU {i} power W"), ts, details(one("W", g.power_w))));
                     ev.push(c(
                         format!("GPU {i} VRAM MiB"),
                         ts,
-                        json!({"used": g.vram_used.map(|b| b >> 20), "target": g.target_vram.map(|b| b >> 20)}),
+                        details(VramArgs { target: g.target_vram.map(|b| b >> 20), used: g.vram_used.map(|b| b >> 20) }),
                     ));
                 }
             }
@@ -133,7 +263,7 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) 
                     ev.push(c(
                         "CPU MHz (mean)".into(),
                         ts,
-                        json!({"MHz": khz.iter().map(|&k| k as f64).sum::<f64>() / khz.len() as f64 / 1e3}),
+                        details(one("MHz", khz.iter().map(|&k| k as f64).sum::<f64>() / khz.len() as f64 / 1e3)),
                     ));
                 }
             }
@@ -141,12 +271,12 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) 
                 let time = &v.idle.time_us;
                 if let Some((t0, prev)) = last_idle {
                     let wall = (t.saturating_sub(t0) as f64 / 1e3 * f64::from(v.idle.cpus)).max(1.0);
-                    let mut args = serde_json::Map::new();
+                    let mut shares: BTreeMap<&str, f64> = BTreeMap::new();
                     for (i, name) in v.idle.names.iter().enumerate() {
                         let d = time.get(i).zip(prev.get(i)).map_or(0, |(a, b)| a.saturating_sub(*b));
-                        args.insert(name.clone(), json!((d as f64 / wall * 100.0).min(100.0)));
+                        shares.insert(name, (d as f64 / wall * 100.0).min(100.0));
                     }
-                    ev.push(c("CPU idle % by state".into(), ts, Value::Object(args)));
+                    ev.push(c("CPU idle % by state".into(), ts, details(shares)));
                 }
                 last_idle = Some((t, time));
             }
@@ -155,18 +285,29 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) 
                 if let (Some(some), Some(full)) = (v.psi_some_us, v.psi_full_us) {
                     if let Some((t0, s0, f0)) = last_psi {
                         let secs = (t.saturating_sub(t0) as f64 / 1e9).max(1e-3);
-                        ev.push(c("memory stall ms/s (PSI)".into(), ts, json!({"some": some.saturating_sub(s0) as f64 / 1e3 / secs, "full": full.saturating_sub(f0) as f64 / 1e3 / secs})));
+                        ev.push(c(
+                            "memory stall ms/s (PSI)".into(),
+                            ts,
+                            details(PsiArgs {
+                                full: full.saturating_sub(f0) as f64 / 1e3 / secs,
+                                some: some.saturating_sub(s0) as f64 / 1e3 / secs,
+                            }),
+                        ));
                     }
                     last_psi = Some((t, some, full));
                 }
                 if let Some(rss) = v.rss_kib {
-                    ev.push(c("target RSS MiB".into(), ts, json!({"all": rss >> 10, "file": v.rss_file_kib.map(|k| k >> 10)})));
+                    ev.push(c("target RSS MiB".into(), ts, details(RssArgs { all: rss >> 10, file: v.rss_file_kib.map(|k| k >> 10) })));
                 }
             }
             Sample::Residency(v) => {
                 for f in &v.files {
                     let name = f.path.rsplit('/').next().unwrap_or("?").to_string();
-                    ev.push(c(format!("{name} in page cache %"), ts, json!({"%": f.resident as f64 / (f.pages as f64).max(1.0) * 100.0})));
+                    ev.push(c(
+                        format!("{name} in page cache %"),
+                        ts,
+                        details(one("%", f.resident as f64 / (f.pages as f64).max(1.0) * 100.0)),
+                    ));
                 }
             }
             Sample::Endpoint(v) => {
@@ -177,11 +318,11 @@ fn counters(rec: &Recording, us: &dyn Fn(u64) -> f64, ev: &mut Vec<TraceEvent>) 
                     ("vllm:num_requests_waiting", "waiting"),
                 ] {
                     if let Some(x) = v.metric(k) {
-                        ev.push(c(format!("server requests {label}"), ts, json!({label: x})));
+                        ev.push(c(format!("server requests {label}"), ts, details(one(label, x))));
                     }
                 }
                 if let Some(sleeping) = v.sleeping() {
-                    ev.push(c("server sleeping (1 = asleep)".into(), ts, json!({"sleeping": u8::from(sleeping)})));
+                    ev.push(c("server sleeping (1 = asleep)".into(), ts, details(one("sleeping", u8::from(sleeping)))));
                 }
             }
             Sample::Samplers(_) | Sample::Attach(_) => {}
@@ -213,15 +354,21 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::analysis::ksym
         let Some(a) = q.arrival_ms else { continue };
         let at = a * 1e3 - (origin - start) as f64 / 1e3;
         let v = q.verdict.as_ref();
-        let args = json!({"status": q.status, "chunks": q.chunks, "stop_cause": v.map(|v| v.stop_cause), "slow_cause": v.map(|v| v.slow_cause), "closed_by": q.closed_by});
-        ev.push(TraceEvent::slice(name, REQUESTS_PID, q.id, at, q.end_ms.unwrap_or(0.0) * 1e3, Some(args)));
+        let args = RequestArgs {
+            chunks: q.chunks,
+            closed_by: q.closed_by,
+            slow_cause: v.map(|v| v.slow_cause),
+            status: q.status,
+            stop_cause: v.map(|v| v.stop_cause),
+        };
+        ev.push(TraceEvent::slice(name, REQUESTS_PID, q.id, at, q.end_ms.unwrap_or(0.0) * 1e3, details(args)));
         if let Some(t) = q.ttft_ms {
-            let args = json!({ "ttft_ms": v.and_then(|v| v.ttft_ms.clone()) });
-            ev.push(TraceEvent::slice("until first token", REQUESTS_PID, q.id, at, t * 1e3, Some(args)));
-            ev.push(TraceEvent::instant("first token", REQUESTS_PID, q.id, at + t * 1e3, false, None));
+            let args = details(TtftArgs { ttft_ms: v.and_then(|v| v.ttft_ms.as_ref()) });
+            ev.push(TraceEvent::slice(RequestMark::UntilFirstToken.name(), REQUESTS_PID, q.id, at, t * 1e3, args));
+            ev.push(TraceEvent::instant(RequestMark::FirstToken.name(), REQUESTS_PID, q.id, at + t * 1e3, false, None));
         }
         for c in q.chunk_times_ms.iter().skip(1) {
-            ev.push(TraceEvent::instant("token", REQUESTS_PID, q.id, at + c * 1e3, false, None));
+            ev.push(TraceEvent::instant(RequestMark::Token.name(), REQUESTS_PID, q.id, at + c * 1e3, false, None));
         }
     }
     // Off-CPU time of each target thread, named by what it waited for.
@@ -229,7 +376,7 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::analysis::ksym
     for s in rec.stacks.iter().filter(|s| s.what == crate::record::StackKind::Offcpu) {
         let Some(b) = s.blocked_ns else { continue };
         threads.insert((u64::from(s.pid), u64::from(s.tid)), ());
-        let args = s.waker.map(|w| json!({"woken_by_tid": w}));
+        let args = s.waker.and_then(|w| details(WokenArgs { woken_by_tid: w }));
         ev.push(TraceEvent::slice(kernel.wait_of_stack(s), s.pid, s.tid, us(s.ts_ns), b as f64 / 1e3, args));
     }
     let mut devices: BTreeMap<u32, u64> = BTreeMap::new();
@@ -242,20 +389,20 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::analysis::ksym
                 let begin = if b.insert_ns != 0 { b.insert_ns } else { b.issue_ns };
                 let rwbs = String::from_utf8_lossy(b.rwbs.split(|&c| c == 0).next().unwrap_or_default()).to_string();
                 let queue_us = if b.insert_ns != 0 { b.issue_ns.saturating_sub(b.insert_ns) as f64 / 1e3 } else { 0.0 };
-                let args = json!({"sector": b.sector, "bytes": b.bytes, "issuer_tid": b.hdr.tid, "queue_us": queue_us});
+                let args = details(BlockIoArgs { bytes: b.bytes, issuer_tid: b.hdr.tid, queue_us, sector: b.sector });
                 let dur = b.complete_ns.saturating_sub(begin) as f64 / 1e3;
-                ev.push(TraceEvent::slice(format!("{rwbs} {} KiB", b.bytes / 1024), BLOCKIO_PID, tid, us(begin), dur, Some(args)));
+                ev.push(TraceEvent::slice(format!("{rwbs} {} KiB", b.bytes / 1024), BLOCKIO_PID, tid, us(begin), dur, args));
             }
             Event::Fault(f) if f.flags & FAULT_MAJOR != 0 => {
                 threads.insert((f.hdr.pid as u64, f.hdr.tid as u64), ());
-                let args = json!({ "addr": format!("{:#x}", f.addr) });
-                ev.push(TraceEvent::instant("major fault", f.hdr.pid, f.hdr.tid, us(f.hdr.ts_ns), false, Some(args)));
+                let args = details(FaultArgs { addr: format!("{:#x}", f.addr) });
+                ev.push(TraceEvent::instant("major fault", f.hdr.pid, f.hdr.tid, us(f.hdr.ts_ns), false, args));
             }
             Event::Mmap(m) => {
                 threads.insert((m.hdr.pid as u64, m.hdr.tid as u64), ());
                 let op = MmapOp::try_from(m.op).map(|o| o.name()).unwrap_or("mmap?");
                 let dur = m.hdr.ts_ns.saturating_sub(m.enter_ns) as f64 / 1e3;
-                ev.push(TraceEvent::slice(op, m.hdr.pid, m.hdr.tid, us(m.enter_ns), dur, Some(json!({ "len": m.len }))));
+                ev.push(TraceEvent::slice(op, m.hdr.pid, m.hdr.tid, us(m.enter_ns), dur, details(MmapArgs { len: m.len })));
             }
             Event::Engine(e) => engine_event(e, &us, &mut ev, &mut engine_tracks),
             Event::Mem(m) if m.what == probe_common::mem::MEM_OOM_VICTIM => {
@@ -264,8 +411,8 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::analysis::ksym
             Event::Mem(m) => {
                 threads.insert((m.hdr.pid as u64, m.hdr.tid as u64), ());
                 let dur = m.hdr.ts_ns.saturating_sub(m.begin_ns) as f64 / 1e3;
-                let args = json!({ "pages_or_status": m.nr });
-                ev.push(TraceEvent::slice(probe_common::mem::mem_name(m.what), m.hdr.pid, m.hdr.tid, us(m.begin_ns), dur, Some(args)));
+                let args = details(MemArgs { pages_or_status: m.nr });
+                ev.push(TraceEvent::slice(probe_common::mem::mem_name(m.what), m.hdr.pid, m.hdr.tid, us(m.begin_ns), dur, args));
             }
             Event::Sock(s) => {
                 let name = if s.what == SOCK_STATE {
@@ -275,7 +422,7 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::analysis::ksym
                 } else {
                     "reset sent".to_string()
                 };
-                ev.push(TraceEvent::instant(name, TCP_PID, s.sport, us(s.hdr.ts_ns), false, Some(json!({ "dport": s.dport }))));
+                ev.push(TraceEvent::instant(name, TCP_PID, s.sport, us(s.hdr.ts_ns), false, details(SockArgs { dport: s.dport })));
             }
             _ => {}
         }
@@ -319,16 +466,15 @@ fn engine_event(
     let dur = e.hdr.ts_ns.saturating_sub(e.begin_ns) as f64 / 1e3;
     match e.what {
         ENGINE_SEQ_RM => {
-            let args = json!({"seq": e.seq, "p0": e.p0, "p1": e.p1});
-            ev.push(TraceEvent::instant("cache: sequence removed", ENGINE_PID, track, us(e.begin_ns), false, Some(args)));
+            let args = details(SeqRmArgs { p0: e.p0, p1: e.p1, seq: e.seq });
+            ev.push(TraceEvent::instant("cache: sequence removed", ENGINE_PID, track, us(e.begin_ns), false, args));
         }
         ENGINE_CLEAR => ev.push(TraceEvent::instant("cache cleared", ENGINE_PID, track, us(e.begin_ns), false, None)),
         _ => {
-            let seqs: serde_json::Map<String, serde_json::Value> =
-                (0..SEQS).filter(|&s| e.seq_tokens[s] > 0).map(|s| (format!("seq {s}"), json!(e.seq_tokens[s]))).collect();
-            let args = json!({"tokens": e.n_tokens, "sequences": seqs, "ret": e.ret as i32});
+            let sequences = (0..SEQS).filter(|&s| e.seq_tokens[s] > 0).map(|s| (format!("seq {s}"), e.seq_tokens[s])).collect();
+            let args = details(StepArgs { ret: e.ret as i32, sequences, tokens: e.n_tokens });
             let name = format!("{} {} tok", what_name(e.what), e.n_tokens);
-            ev.push(TraceEvent::slice(name, ENGINE_PID, track, us(e.begin_ns), dur, Some(args)));
+            ev.push(TraceEvent::slice(name, ENGINE_PID, track, us(e.begin_ns), dur, args));
         }
     }
 }

@@ -11,6 +11,19 @@ pub fn render(s: &System) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();
     let _ = writeln!(o, "\nSystem:");
+    gpu(&mut o, s);
+    cpu(&mut o, s);
+    memory(&mut o, s);
+    model_files(&mut o, s);
+    for e in &s.server {
+        server(&mut o, e);
+    }
+    o
+}
+
+/// One line per GPU: its clocks, power states, power and VRAM, what held its clocks.
+fn gpu(o: &mut String, s: &System) {
+    use std::fmt::Write as _;
     match &s.gpu.absent {
         Some(why) => {
             let _ = writeln!(o, "  GPU: {why}");
@@ -43,6 +56,11 @@ pub fn render(s: &System) -> String {
             }
         }
     }
+}
+
+/// The CPUs' frequency against their maximum, and how long they sat in each idle state.
+fn cpu(o: &mut String, s: &System) {
+    use std::fmt::Write as _;
     match (&s.cpu_freq.absent, s.cpu_freq.share_min, s.cpu_freq.share_max) {
         (Some(why), _, _) => {
             let _ = writeln!(o, "  CPU: {why}");
@@ -67,6 +85,12 @@ pub fn render(s: &System) -> String {
             .collect();
         let _ = writeln!(o, "  CPU idle states: {}", states.join(", "));
     }
+}
+
+/// The target's reclaim and compaction stalls, the system's pressure, RSS, its memory cgroup
+/// and OOM kills.
+fn memory(o: &mut String, s: &System) {
+    use std::fmt::Write as _;
     let m = &s.memory;
     let stall = |name: &str, st: &Stall| {
         if st.count == 0 {
@@ -105,6 +129,11 @@ pub fn render(s: &System) -> String {
     for k in &m.oom_kills {
         let _ = writeln!(o, "  OOM kill: pid {} at +{:.3} s ({} resident)", k.pid, k.t_ms / 1e3, mib(k.rss_kib << 10));
     }
+}
+
+/// How much of each model file was in the page cache, and what was evicted while tracing.
+fn model_files(o: &mut String, s: &System) {
+    use std::fmt::Write as _;
     for f in &s.model_files {
         let _ = writeln!(
             o,
@@ -117,44 +146,46 @@ pub fn render(s: &System) -> String {
             f.evicted.filter(|&e| e > 0).map(|e| format!(", {e} pages evicted while tracing")).unwrap_or_default()
         );
     }
-    for e in &s.server {
-        let pick = |k: &str| e.series.get(k).map(|x| format!("{:.0}", x.max));
-        let mut facts = Vec::new();
-        if let (Some(n), Some(c)) = (e.total_slots, e.n_ctx_slot) {
-            facts.push(format!("{n} slots x {c} tokens"));
-        }
-        for (k, label) in [
-            ("llamacpp:requests_processing", "processing max"),
-            ("llamacpp:requests_deferred", "deferred max"),
-            ("vllm:num_requests_waiting", "waiting max"),
-            ("vllm:num_requests_running", "running max"),
-        ] {
-            if let Some(v) = pick(k) {
-                facts.push(format!("{label} {v}"));
-            }
-        }
-        if let Some(p) = e.series.iter().find(|(k, _)| k.starts_with("vllm:num_preemptions")) {
-            facts.push(format!("preemptions {:.0}", p.1.last - p.1.first));
-        }
-        if e.sleeping_polls > 0 {
-            facts.push(format!("sleeping in {} of {} polls", e.sleeping_polls, e.polls));
-        }
-        if let Some(st @ (401 | 403)) = e.metrics_status {
-            facts.push(format!("/metrics answered {st}: the server wants a key (give probe --api-key or PROBE_API_KEY)"));
-        } else if e.metrics_status.is_some() && e.kind == crate::record::samples::Kind::LlamaCpp {
-            facts.push("no /metrics (start it with --metrics for queue depth)".into());
-        }
-        for m in &e.loaded_models {
-            facts.push(format!("loaded {} until {}", m.name.as_deref().unwrap_or("?"), m.expires_at.as_deref().unwrap_or("?")));
-        }
-        let _ = writeln!(
-            o,
-            "  Server {} at {}{}: {}",
-            e.kind.name(),
-            e.addr,
-            if e.netns { " (in its own network namespace)" } else { "" },
-            if facts.is_empty() { format!("{} polls", e.polls) } else { facts.join(", ") }
-        );
+}
+
+/// One line per server endpoint polled: its slots, queue maxima, preemptions, sleep, models.
+fn server(o: &mut String, e: &crate::analysis::system::Endpoint) {
+    use std::fmt::Write as _;
+    let pick = |k: &str| e.series.get(k).map(|x| format!("{:.0}", x.max));
+    let mut facts = Vec::new();
+    if let (Some(n), Some(c)) = (e.total_slots, e.n_ctx_slot) {
+        facts.push(format!("{n} slots x {c} tokens"));
     }
-    o
+    for (k, label) in [
+        ("llamacpp:requests_processing", "processing max"),
+        ("llamacpp:requests_deferred", "deferred max"),
+        ("vllm:num_requests_waiting", "waiting max"),
+        ("vllm:num_requests_running", "running max"),
+    ] {
+        if let Some(v) = pick(k) {
+            facts.push(format!("{label} {v}"));
+        }
+    }
+    if let Some(p) = e.series.iter().find(|(k, _)| k.starts_with("vllm:num_preemptions")) {
+        facts.push(format!("preemptions {:.0}", p.1.last - p.1.first));
+    }
+    if e.sleeping_polls > 0 {
+        facts.push(format!("sleeping in {} of {} polls", e.sleeping_polls, e.polls));
+    }
+    if let Some(st @ (401 | 403)) = e.metrics_status {
+        facts.push(format!("/metrics answered {st}: the server wants a key (give probe --api-key or PROBE_API_KEY)"));
+    } else if e.metrics_status.is_some() && e.kind == crate::record::samples::Kind::LlamaCpp {
+        facts.push("no /metrics (start it with --metrics for queue depth)".into());
+    }
+    for m in &e.loaded_models {
+        facts.push(format!("loaded {} until {}", m.name.as_deref().unwrap_or("?"), m.expires_at.as_deref().unwrap_or("?")));
+    }
+    let _ = writeln!(
+        o,
+        "  Server {} at {}{}: {}",
+        e.kind.name(),
+        e.addr,
+        if e.netns { " (in its own network namespace)" } else { "" },
+        if facts.is_empty() { format!("{} polls", e.polls) } else { facts.join(", ") }
+    );
 }

@@ -149,14 +149,7 @@ fn stacks(o: &mut String, r: &Report) {
     use std::fmt::Write as _;
     if !r.stacks.is_empty() {
         let per: Vec<String> = r.stacks.iter().map(|(k, s)| format!("{} {k} (median depth {})", s.stacks, s.median_depth)).collect();
-        let _ = writeln!(
-            o,
-            "\nStacks: {}; user stacks unwound to the end: {:.0}% of {} ({:.1} us each)",
-            per.join(", "),
-            r.unwind.success_rate * 100.0,
-            r.unwind.samples,
-            r.unwind.us_per_sample
-        );
+        let _ = writeln!(o, "\nStacks: {}; {}", per.join(", "), crate::render::unwound(&r.unwind, "us"));
         if r.unwind.left_out_modules > 0 {
             let _ = writeln!(
                 o,

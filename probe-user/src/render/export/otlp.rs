@@ -11,10 +11,15 @@
 //! new traces). No prompt or response text is in a span: the report has none.
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 use super::proto::Msg;
-use crate::{analysis::report::Report, analysis::verdict, record::records::Meta};
+use crate::{
+    analysis::report::{Report, Request},
+    analysis::verdict,
+    record::records::Meta,
+};
 
 /// An attribute value (the subset of OTLP's AnyValue probe uses).
 #[derive(Clone, Debug, PartialEq)]
@@ -106,6 +111,14 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
     let start_unix_ns = meta.start_unix_ms.saturating_mul(1_000_000);
     // A request that arrived before attach starts before the trace (negative ms).
     let at = |ms: f64| (i128::from(start_unix_ns) + (ms * 1e6) as i128).max(0) as u64;
+    let served = |q: &&Request| !q.probe_poll && q.role == crate::stream::Role::Server && ids.is_none_or(|ids| ids.contains(&q.id));
+    let spans = report.requests.iter().filter(served).filter_map(|q| span(q, meta, &at)).collect();
+    Export { resource: resource(meta), spans, logs: vec![] }
+}
+
+/// The traced process as OTLP's resource: the service (its command), pid, probe as the SDK,
+/// the executable and the host.
+fn resource(meta: &Meta) -> Attrs {
     let mut resource = vec![
         ("service.name".to_string(), s(if meta.comm.is_empty() { "llm-server" } else { meta.comm.as_str() })),
         ("process.pid".to_string(), Val::I(i64::from(meta.pid))),
@@ -118,138 +131,265 @@ pub fn from_report(report: &Report, meta: &Meta, ids: Option<&[u64]>) -> Export 
     if let Some(h) = meta.hostname.as_deref().filter(|h| !h.is_empty()) {
         resource.push(("host.name".into(), s(h)));
     }
-    let mut spans = Vec::new();
-    for q in &report.requests {
-        if q.probe_poll || q.role != crate::stream::Role::Server || ids.is_some_and(|ids| !ids.contains(&q.id)) {
-            continue;
-        }
-        let Some(arrival) = q.arrival_ms else { continue };
-        let path = crate::util::redact::scrub(q.path.as_deref().unwrap_or(""));
-        let path = path.split('?').next().unwrap_or("").to_string();
-        let op = operation(&path);
-        let method = q.method.clone().unwrap_or_else(|| "POST".into());
-        let name = match op {
-            Some(op) => op.to_string(),
-            None => format!("{method} {path}"),
-        };
-        let end_rel = q.end_ms.or(q.closed_ms).or(q.ttft_ms).unwrap_or(0.0);
-        let (stop, stop_detail) = q.verdict.as_ref().map_or((verdict::StopCause::Unknown, None), |v| (v.stop_cause, v.stop_detail.clone()));
-        let mut a: Attrs = Vec::new();
-        let mut put = |k: &str, v: Val| a.push((k.to_string(), v));
-        if let Some(op) = op {
-            put("gen_ai.operation.name", s(op));
-        }
-        put("http.request.method", s(method));
-        put("url.path", s(path.clone()));
-        if let Some(st) = q.status {
-            put("http.response.status_code", Val::I(i64::from(st)));
-        }
-        let addr = |a: &str| a.rsplit_once(':').map(|(h, p)| (h.trim_matches(['[', ']']).to_string(), p.parse::<i64>().unwrap_or(0)));
-        if let Some((h, p)) = addr(&q.local) {
-            put("server.address", s(h));
-            put("server.port", Val::I(p));
-        }
-        if let Some((h, p)) = addr(&q.peer) {
-            put("client.address", s(h));
-            put("client.port", Val::I(p));
-        }
-        let reason = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.stopped.clone());
-        if let Some(r) = reason {
-            put("gen_ai.response.finish_reasons", Val::A(vec![s(r)]));
-        }
-        if let Some(m) = q.max_tokens {
-            put("gen_ai.request.max_tokens", Val::I(m));
-        }
-        // Where the span's start came from: the request's first byte seen, or the kernel's TCP
-        // state at attach (an estimate); a name inferred from the response says so.
-        put("probe.arrival_source", s(q.arrival_by.name()));
-        if q.path_inferred {
-            put("probe.path_inferred", Val::B(true));
-        }
-        put("gen_ai.usage.output_tokens", Val::I(q.produced() as i64));
-        let input = q
-            .stop
-            .usage
-            .as_ref()
-            .and_then(|u| u["prompt_tokens"].as_i64())
-            .or_else(|| q.stop.server_timings.as_ref().and_then(|t| t["prompt_n"].as_i64().or(t["prompt_eval_count"].as_i64())));
-        if let Some(n) = input {
-            put("gen_ai.usage.input_tokens", Val::I(n));
-        }
-        // The report's TTFT (arrival to the first byte of content, as the client saw it): the
-        // span's first-token event, the summary and watch's metrics say the same number.
-        if let Some(t) = q.ttft_ms {
-            put("gen_ai.server.time_to_first_token", Val::D(t / 1e3));
-        }
-        if let Some(st) = q.stream {
-            put("probe.stream", Val::B(st));
-        }
-        put("probe.request.id", Val::I(q.id as i64));
-        put("probe.stop_cause", s(stop.name()));
-        if let Some(d) = &stop_detail {
-            put("probe.stop_detail", s(d.clone()));
-        }
-        put("probe.closed_by", s(q.closed_by.name()));
-        put("probe.content_complete", Val::B(q.content_complete));
-        put("probe.transport_complete", Val::B(q.transport_complete));
-        put("probe.chunks", Val::I(q.chunks as i64));
-        if q.partial {
-            put("probe.partial", Val::B(true));
-        }
-        if let Some(v) = &q.verdict {
-            put("probe.slow_cause", s(v.slow_cause.name()));
-            if let Some(t) = &v.ttft_ms {
-                for (k, ms) in t.by_part() {
-                    put(&format!("probe.ttft.{k}_ms"), Val::D(ms));
-                }
-            }
-            put("probe.evidence", Val::A(v.evidence.iter().map(|e| s(e.clone())).collect()));
-            if !v.data_quality.is_empty() {
-                put("probe.data_quality", Val::A(v.data_quality.iter().map(|e| s(e.clone())).collect()));
-            }
-        }
-        let mut events = Vec::new();
-        if let Some(t) = q.ttft_ms {
-            events.push(Event { time_ns: at(arrival + t), name: "gen_ai.first_token".into(), attrs: vec![] });
-        }
-        events.push(Event {
-            time_ns: at(arrival + q.final_ms.unwrap_or(end_rel)),
-            name: "probe.stop".into(),
-            attrs: vec![("probe.stop_cause".into(), s(stop.name()))],
-        });
-        let error = matches!(stop.name(), "server_error" | "crash" | "oom" | "deadline") || q.status.is_some_and(|s| s >= 500);
-        spans.push(Span {
-            trace_id: id_bytes::<16>(&[meta.start_unix_ms, u64::from(q.pid), q.id]),
-            span_id: id_bytes::<8>(&[meta.start_ns, u64::from(q.pid), q.id]),
-            name,
-            start_ns: at(arrival),
-            end_ns: at(arrival + end_rel),
-            attrs: a,
-            events,
-            status: if error { 2 } else { 0 },
-            status_message: if error { stop.words() } else { String::new() },
-        });
+    resource
+}
+
+/// One request's span (None: it has no arrival): named by its GenAI operation, or its method
+/// and path; from arrival to its end (`at` gives a time after the trace's start in Unix ns);
+/// the first token and the stop as events; an error status when it stopped on an error.
+fn span(q: &Request, meta: &Meta, at: &dyn Fn(f64) -> u64) -> Option<Span> {
+    let arrival = q.arrival_ms?;
+    let path = crate::util::redact::scrub(q.path.as_deref().unwrap_or(""));
+    let path = path.split('?').next().unwrap_or("").to_string();
+    let op = operation(&path);
+    let method = q.method.clone().unwrap_or_else(|| "POST".into());
+    let name = match op {
+        Some(op) => op.to_string(),
+        None => format!("{method} {path}"),
+    };
+    let end_rel = q.end_ms.or(q.closed_ms).or(q.ttft_ms).unwrap_or(0.0);
+    let (stop, stop_detail) = q.verdict.as_ref().map_or((verdict::StopCause::Unknown, None), |v| (v.stop_cause, v.stop_detail.clone()));
+    let mut a: Attrs = Vec::new();
+    http_attrs(&mut a, q, op, method, path);
+    token_attrs(&mut a, q);
+    verdict_attrs(&mut a, q, stop, stop_detail);
+    let mut events = Vec::new();
+    if let Some(t) = q.ttft_ms {
+        events.push(Event { time_ns: at(arrival + t), name: "gen_ai.first_token".into(), attrs: vec![] });
     }
-    Export { resource, spans, logs: vec![] }
+    events.push(Event {
+        time_ns: at(arrival + q.final_ms.unwrap_or(end_rel)),
+        name: "probe.stop".into(),
+        attrs: vec![("probe.stop_cause".into(), s(stop.name()))],
+    });
+    use verdict::StopCause;
+    let error = matches!(stop, StopCause::ServerError | StopCause::Crash | StopCause::Oom | StopCause::Deadline)
+        || q.status.is_some_and(|s| s >= 500);
+    Some(Span {
+        trace_id: id_bytes::<16>(&[meta.start_unix_ms, u64::from(q.pid), q.id]),
+        span_id: id_bytes::<8>(&[meta.start_ns, u64::from(q.pid), q.id]),
+        name,
+        start_ns: at(arrival),
+        end_ns: at(arrival + end_rel),
+        attrs: a,
+        events,
+        status: if error { 2 } else { 0 },
+        status_message: if error { stop.words() } else { String::new() },
+    })
+}
+
+/// The request and its answer as HTTP and GenAI name them: operation, method, path, status,
+/// both ends' addresses, why it finished, the tokens asked for.
+fn http_attrs(a: &mut Attrs, q: &Request, op: Option<&str>, method: String, path: String) {
+    let mut put = |k: &str, v: Val| a.push((k.to_string(), v));
+    if let Some(op) = op {
+        put("gen_ai.operation.name", s(op));
+    }
+    put("http.request.method", s(method));
+    put("url.path", s(path));
+    if let Some(st) = q.status {
+        put("http.response.status_code", Val::I(i64::from(st)));
+    }
+    let addr = |a: &str| a.rsplit_once(':').map(|(h, p)| (h.trim_matches(['[', ']']).to_string(), p.parse::<i64>().unwrap_or(0)));
+    if let Some((h, p)) = addr(&q.local) {
+        put("server.address", s(h));
+        put("server.port", Val::I(p));
+    }
+    if let Some((h, p)) = addr(&q.peer) {
+        put("client.address", s(h));
+        put("client.port", Val::I(p));
+    }
+    let reason = q.stop.finish_reason.clone().or(q.stop.stop_type.clone()).or(q.stop.done_reason.clone()).or(q.stop.stopped.clone());
+    if let Some(r) = reason {
+        put("gen_ai.response.finish_reasons", Val::A(vec![s(r)]));
+    }
+    if let Some(m) = q.max_tokens {
+        put("gen_ai.request.max_tokens", Val::I(m));
+    }
+}
+
+/// Where the span's start came from, the tokens in and out, the TTFT, whether it streamed.
+fn token_attrs(a: &mut Attrs, q: &Request) {
+    let mut put = |k: &str, v: Val| a.push((k.to_string(), v));
+    // Where the span's start came from: the request's first byte seen, or the kernel's TCP
+    // state at attach (an estimate); a name inferred from the response says so.
+    put("probe.arrival_source", s(q.arrival_by.name()));
+    if q.path_inferred {
+        put("probe.path_inferred", Val::B(true));
+    }
+    put("gen_ai.usage.output_tokens", Val::I(q.produced() as i64));
+    let input = q
+        .stop
+        .usage
+        .as_ref()
+        .and_then(|u| u["prompt_tokens"].as_i64())
+        .or_else(|| q.stop.server_timings.as_ref().and_then(|t| t["prompt_n"].as_i64().or(t["prompt_eval_count"].as_i64())));
+    if let Some(n) = input {
+        put("gen_ai.usage.input_tokens", Val::I(n));
+    }
+    // The report's TTFT (arrival to the first byte of content, as the client saw it): the
+    // span's first-token event, the summary and watch's metrics say the same number.
+    if let Some(t) = q.ttft_ms {
+        put("gen_ai.server.time_to_first_token", Val::D(t / 1e3));
+    }
+    if let Some(st) = q.stream {
+        put("probe.stream", Val::B(st));
+    }
+}
+
+/// probe's own facts: the request's id, why it stopped, how it closed and whether it was whole,
+/// and the verdict (why it was slow, the TTFT split, the evidence).
+fn verdict_attrs(a: &mut Attrs, q: &Request, stop: verdict::StopCause, stop_detail: Option<String>) {
+    let mut put = |k: &str, v: Val| a.push((k.to_string(), v));
+    put("probe.request.id", Val::I(q.id as i64));
+    put("probe.stop_cause", s(stop.name()));
+    if let Some(d) = stop_detail {
+        put("probe.stop_detail", s(d));
+    }
+    put("probe.closed_by", s(q.closed_by.name()));
+    put("probe.content_complete", Val::B(q.content_complete));
+    put("probe.transport_complete", Val::B(q.transport_complete));
+    put("probe.chunks", Val::I(q.chunks as i64));
+    if q.partial {
+        put("probe.partial", Val::B(true));
+    }
+    if let Some(v) = &q.verdict {
+        put("probe.slow_cause", s(v.slow_cause.name()));
+        if let Some(t) = &v.ttft_ms {
+            for (k, ms) in t.by_part() {
+                put(&format!("probe.ttft.{k}_ms"), Val::D(ms));
+            }
+        }
+        put("probe.evidence", Val::A(v.evidence.iter().map(|e| s(e.clone())).collect()));
+        if !v.data_quality.is_empty() {
+            put("probe.data_quality", Val::A(v.data_quality.iter().map(|e| s(e.clone())).collect()));
+        }
+    }
 }
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn val_json(v: &Val) -> Value {
-    match v {
-        Val::S(x) => json!({"stringValue": x}),
-        Val::B(x) => json!({"boolValue": x}),
-        // OTLP/JSON writes 64-bit integers as strings.
-        Val::I(x) => json!({"intValue": x.to_string()}),
-        Val::D(x) => json!({"doubleValue": x}),
-        Val::A(xs) => json!({"arrayValue": {"values": xs.iter().map(val_json).collect::<Vec<_>>()}}),
+/// OTLP/JSON's AnyValue: one key naming its type; 64-bit integers are written as strings.
+#[derive(Serialize)]
+enum AnyValue<'a> {
+    #[serde(rename = "stringValue")]
+    String(&'a str),
+    #[serde(rename = "boolValue")]
+    Bool(bool),
+    #[serde(rename = "intValue")]
+    Int(String),
+    #[serde(rename = "doubleValue")]
+    Double(f64),
+    #[serde(rename = "arrayValue")]
+    Array { values: Vec<AnyValue<'a>> },
+}
+
+impl<'a> From<&'a Val> for AnyValue<'a> {
+    fn from(v: &'a Val) -> Self {
+        match v {
+            Val::S(x) => AnyValue::String(x),
+            Val::B(x) => AnyValue::Bool(*x),
+            Val::I(x) => AnyValue::Int(x.to_string()),
+            Val::D(x) => AnyValue::Double(*x),
+            Val::A(xs) => AnyValue::Array { values: xs.iter().map(AnyValue::from).collect() },
+        }
     }
 }
 
-fn attrs_json(a: &Attrs) -> Value {
-    Value::Array(a.iter().map(|(k, v)| json!({"key": k, "value": val_json(v)})).collect())
+/// One attribute in OTLP/JSON.
+#[derive(Serialize)]
+struct KeyValue<'a> {
+    key: &'a str,
+    value: AnyValue<'a>,
+}
+
+fn attrs_json(a: &Attrs) -> Vec<KeyValue<'_>> {
+    a.iter().map(|(k, v)| KeyValue { key: k, value: v.into() }).collect()
+}
+
+/// An ExportTraceServiceRequest in OTLP/JSON: the resource, probe as the scope, the spans.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct TracesJson<'a> {
+    resource_spans: [ResourceSpansJson<'a>; 1],
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ResourceSpansJson<'a> {
+    resource: ResourceJson<'a>,
+    scope_spans: [ScopeSpansJson<'a>; 1],
+}
+
+#[derive(Serialize)]
+struct ResourceJson<'a> {
+    attributes: Vec<KeyValue<'a>>,
+}
+
+#[derive(Serialize)]
+struct ScopeSpansJson<'a> {
+    scope: ScopeJson,
+    spans: Vec<SpanJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct ScopeJson {
+    name: &'static str,
+    version: &'static str,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SpanJson<'a> {
+    trace_id: String,
+    span_id: String,
+    name: &'a str,
+    kind: u64,
+    start_time_unix_nano: String,
+    end_time_unix_nano: String,
+    attributes: Vec<KeyValue<'a>>,
+    events: Vec<EventJson<'a>>,
+    status: StatusJson<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct EventJson<'a> {
+    time_unix_nano: String,
+    name: &'a str,
+    attributes: Vec<KeyValue<'a>>,
+}
+
+/// A span's status: empty when unset, else its code and message.
+#[derive(Serialize)]
+struct StatusJson<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    code: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<&'a str>,
+}
+
+impl<'a> SpanJson<'a> {
+    fn of(sp: &'a Span) -> Self {
+        let set = sp.status != 0;
+        SpanJson {
+            trace_id: hex(&sp.trace_id),
+            span_id: hex(&sp.span_id),
+            name: &sp.name,
+            kind: KIND_SERVER,
+            start_time_unix_nano: sp.start_ns.to_string(),
+            end_time_unix_nano: sp.end_ns.to_string(),
+            attributes: attrs_json(&sp.attrs),
+            events: sp
+                .events
+                .iter()
+                .map(|e| EventJson { time_unix_nano: e.time_ns.to_string(), name: &e.name, attributes: attrs_json(&e.attrs) })
+                .collect(),
+            status: StatusJson { code: set.then_some(sp.status), message: set.then_some(sp.status_message.as_str()) },
+        }
+    }
 }
 
 fn scope() -> (&'static str, &'static str) {
@@ -258,25 +398,16 @@ fn scope() -> (&'static str, &'static str) {
 
 impl Export {
     /// OTLP/JSON: an ExportTraceServiceRequest, as the OTLP file exporter writes one a line.
+    /// (As a JSON value: its keys are written in order.)
     pub fn to_json(&self) -> Value {
-        let spans: Vec<Value> = self
-            .spans
-            .iter()
-            .map(|sp| {
-                json!({
-                    "traceId": hex(&sp.trace_id), "spanId": hex(&sp.span_id), "name": sp.name, "kind": KIND_SERVER,
-                    "startTimeUnixNano": sp.start_ns.to_string(), "endTimeUnixNano": sp.end_ns.to_string(),
-                    "attributes": attrs_json(&sp.attrs),
-                    "events": sp.events.iter().map(|e| json!({"timeUnixNano": e.time_ns.to_string(), "name": e.name, "attributes": attrs_json(&e.attrs)})).collect::<Vec<_>>(),
-                    "status": if sp.status == 0 { json!({}) } else { json!({"code": sp.status, "message": sp.status_message}) },
-                })
-            })
-            .collect();
         let (name, version) = scope();
-        json!({"resourceSpans": [{
-            "resource": {"attributes": attrs_json(&self.resource)},
-            "scopeSpans": [{"scope": {"name": name, "version": version}, "spans": spans}],
-        }]})
+        let traces = TracesJson {
+            resource_spans: [ResourceSpansJson {
+                resource: ResourceJson { attributes: attrs_json(&self.resource) },
+                scope_spans: [ScopeSpansJson { scope: ScopeJson { name, version }, spans: self.spans.iter().map(SpanJson::of).collect() }],
+            }],
+        };
+        serde_json::to_value(traces).expect("OTLP/JSON has string keys only")
     }
 
     /// OTLP protobuf: an ExportTraceServiceRequest.

@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde_json::Value;
 
-use crate::render::perfetto::{Phase, TraceEvent};
+use crate::render::perfetto::{Phase, RequestMark, TraceEvent};
 
 use super::escape;
 
@@ -35,14 +35,51 @@ struct Slice {
     ts: f64,
     dur: f64,
     name: String,
+    /// What the slice is on a request's track, when the chart draws it its own way.
+    mark: Option<RequestMark>,
     args: Value,
     depth: usize,
+}
+
+struct Instant {
+    ts: f64,
+    name: String,
+    /// What the instant is on a request's track, when the chart draws it its own way.
+    mark: Option<RequestMark>,
 }
 
 #[derive(Default)]
 struct Lane {
     slices: Vec<Slice>,
-    instants: Vec<(f64, String)>,
+    instants: Vec<Instant>,
+}
+
+/// How a counter series is labelled: by its counter's name alone, or the name and its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Label {
+    Name,
+    NameAndKey,
+}
+
+impl Label {
+    /// One series named as its lane ("server requests deferred" / "deferred", the counter's own
+    /// name, or the generic "value" of other programs' traces) says it once.
+    fn of(name: &str, key: &str) -> Label {
+        if key == name || key == "value" || name.split_whitespace().any(|w| w == key) { Label::Name } else { Label::NameAndKey }
+    }
+
+    fn text(self, name: &str, key: &str) -> String {
+        match self {
+            Label::Name => name.to_string(),
+            Label::NameAndKey => format!("{name} {key}"),
+        }
+    }
+}
+
+/// A counter series: its label, set as it is read, and its (ts, value) samples.
+struct Series {
+    label: Label,
+    points: Vec<(f64, f64)>,
 }
 
 #[derive(Default)]
@@ -50,8 +87,8 @@ struct Process {
     name: Option<String>,
     threads: BTreeMap<u64, String>,
     lanes: BTreeMap<u64, Lane>,
-    /// (counter name, series key) → (ts, value) samples.
-    counters: BTreeMap<(String, String), Vec<(f64, f64)>>,
+    /// (counter name, series key) → its samples.
+    counters: BTreeMap<(String, String), Series>,
 }
 
 const PALETTE: [&str; 10] = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
@@ -137,17 +174,21 @@ fn parse(events: &[TraceEvent]) -> (BTreeMap<u64, Process>, f64) {
             Phase::Complete => {
                 let dur = e.dur.unwrap_or(0.0).max(0.0);
                 end = end.max(ts + dur);
-                p.lanes.entry(tid).or_default().slices.push(Slice { ts, dur, name, args: e.args.clone().unwrap_or(Value::Null), depth: 0 });
+                let mark = name.parse().ok();
+                let args = e.args.clone().unwrap_or(Value::Null);
+                p.lanes.entry(tid).or_default().slices.push(Slice { ts, dur, name, mark, args, depth: 0 });
             }
             Phase::Instant => {
                 end = end.max(ts);
-                p.lanes.entry(tid).or_default().instants.push((ts, name));
+                let mark = name.parse().ok();
+                p.lanes.entry(tid).or_default().instants.push(Instant { ts, name, mark });
             }
             Phase::Counter => {
                 end = end.max(ts);
                 for (key, v) in e.args.as_ref().and_then(Value::as_object).into_iter().flatten() {
                     if let Some(v) = v.as_f64().filter(|v| v.is_finite()) {
-                        p.counters.entry((name.clone(), key.clone())).or_default().push((ts, v));
+                        let series = p.counters.entry((name.clone(), key.clone()));
+                        series.or_insert_with(|| Series { label: Label::of(&name, key), points: Vec::new() }).points.push((ts, v));
                     }
                 }
             }
@@ -163,10 +204,10 @@ fn parse(events: &[TraceEvent]) -> (BTreeMap<u64, Process>, f64) {
                 s.depth = open.len().min(MAX_DEPTH);
                 open.push(s.ts + s.dur);
             }
-            lane.instants.sort_by(|a, b| a.0.total_cmp(&b.0));
+            lane.instants.sort_by(|a, b| a.ts.total_cmp(&b.ts));
         }
         for v in p.counters.values_mut() {
-            v.sort_by(|a, b| a.0.total_cmp(&b.0));
+            v.points.sort_by(|a, b| a.0.total_cmp(&b.0));
         }
     }
     procs.retain(|_, p| !p.lanes.is_empty() || !p.counters.is_empty());
@@ -175,7 +216,7 @@ fn parse(events: &[TraceEvent]) -> (BTreeMap<u64, Process>, f64) {
 
 /// First and last time (µs) of anything in a lane.
 fn extent(lane: &Lane) -> (f64, f64) {
-    let times = lane.slices.iter().flat_map(|s| [s.ts, s.ts + s.dur]).chain(lane.instants.iter().map(|i| i.0));
+    let times = lane.slices.iter().flat_map(|s| [s.ts, s.ts + s.dur]).chain(lane.instants.iter().map(|i| i.ts));
     times.fold((f64::INFINITY, 0.0), |(a, b), t| (a.min(t), b.max(t)))
 }
 
@@ -320,12 +361,12 @@ fn draw_slices(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
 }
 
 fn draw_instants(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
-    let mut by: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    for (ts, name) in &lane.instants {
-        by.entry(name.as_str()).or_default().push(*ts);
+    let mut by: BTreeMap<&str, (Option<RequestMark>, Vec<f64>)> = BTreeMap::new();
+    for i in &lane.instants {
+        by.entry(i.name.as_str()).or_insert((i.mark, Vec::new())).1.push(i.ts);
     }
-    for (name, times) in by {
-        let strong = name == "first token";
+    for (name, (mark, times)) in by {
+        let strong = mark == Some(RequestMark::FirstToken);
         let mut i = 0;
         while i < times.len() {
             // Everything within a pixel of the first: one tick.
@@ -412,6 +453,17 @@ fn draw_counter(o: &mut Out, label: &str, pts: &[(f64, f64)], y: f64, scale: f64
     }
 }
 
+/// Where the drawing is: the next lane's top, the lanes drawn and left out, the legend so far.
+struct Cursor {
+    y: f64,
+    lanes: usize,
+    lanes_left: usize,
+    /// Legend name → colour, of everything drawn.
+    used: BTreeMap<String, &'static str>,
+    /// Counter series drawn so far: each takes the next colour of the palette.
+    counter_index: usize,
+}
+
 /// Draw the trace. Never fails: an empty or foreign document gives an empty chart and a note.
 pub fn svg(events: &[TraceEvent]) -> Chart {
     let (procs, end) = parse(events);
@@ -424,108 +476,133 @@ pub fn svg(events: &[TraceEvent]) -> Chart {
     let scale = WIDTH / end;
     let mut order: Vec<(&u64, &Process)> = procs.iter().collect();
     order.sort_by_key(|(pid, p)| (rank(p.name.as_deref()), **pid));
-    let mut y = AXIS;
-    let mut lanes = 0usize;
-    let mut lanes_left = 0usize;
-    let mut used: BTreeMap<String, &'static str> = BTreeMap::new();
-    let mut counter_index = 0usize;
+    let mut c = Cursor { y: AXIS, lanes: 0, lanes_left: 0, used: BTreeMap::new(), counter_index: 0 };
     for (pid, p) in order {
-        let group = p.name.clone().unwrap_or_else(|| format!("pid {pid}"));
-        if lanes >= MAX_LANES {
-            lanes_left += p.lanes.len() + p.counters.len();
+        draw_process(&mut o, &mut c, *pid, p, scale);
+    }
+    let height = c.y + 4.0;
+    let axis = axis(end, scale, height);
+    if o.dropped > 0 {
+        notes.push(format!(
+            "{} more elements not drawn (at most {MAX_ELEMENTS}): open timeline.json in the Perfetto UI for everything",
+            o.dropped
+        ));
+    }
+    if c.lanes_left > 0 {
+        notes.push(format!("{} more lanes not drawn (at most {MAX_LANES})", c.lanes_left));
+    }
+    let legend: Vec<String> =
+        c.used.iter().map(|(name, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(name))).collect();
+    let total = LABEL + WIDTH + 10.0;
+    let svg = format!(
+        "<div class=\"legend\">{}</div><svg class=\"timeline\" data-label-width=\"{LABEL:.0}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{total:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {total:.0} {height:.0}\" role=\"img\" aria-label=\"timeline\">{axis}{}</svg>",
+        legend.join(" "),
+        o.body
+    );
+    Chart { svg, elements: o.elements, notes }
+}
+
+/// One process's group: its name, a row per lane (or per packed row of lanes), then a small
+/// chart per counter series; past the caps, lanes are counted as left out.
+fn draw_process(o: &mut Out, c: &mut Cursor, pid: u64, p: &Process, scale: f64) {
+    let group = p.name.clone().unwrap_or_else(|| format!("pid {pid}"));
+    if c.lanes >= MAX_LANES {
+        c.lanes_left += p.lanes.len() + p.counters.len();
+        return;
+    }
+    if o.room() {
+        let _ = write!(o.body, "<text x=\"2\" y=\"{:.1}\" class=\"grp\">{}</text>", c.y + GROUP - 5.0, escape(&group));
+    }
+    c.y += GROUP;
+    let label = |tid: &u64| {
+        p.threads.get(tid).cloned().unwrap_or_else(|| match (group.as_str(), tid) {
+            ("TCP", 0) => "port not seen".into(),
+            ("TCP", _) => format!("port {tid}"),
+            _ => format!("tid {tid}"),
+        })
+    };
+    let rows = rows(p, scale);
+    let packed = rows.len() < p.lanes.len();
+    let mut group_rows = 0;
+    for row in &rows {
+        if c.lanes >= MAX_LANES || group_rows >= MAX_GROUP_ROWS {
+            c.lanes_left += row.len();
             continue;
         }
+        c.lanes += 1;
+        group_rows += 1;
+        let mut text = label(row[0].0);
+        if row.len() > 1 {
+            text = format!("{} +{}", text.chars().take(22).collect::<String>(), row.len() - 1);
+        }
         if o.room() {
-            let _ = write!(o.body, "<text x=\"2\" y=\"{:.1}\" class=\"grp\">{}</text>", y + GROUP - 5.0, escape(&group));
+            let _ = write!(
+                o.body,
+                "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>",
+                c.y + LANE - 4.0,
+                escape(&text.chars().take(30).collect::<String>())
+            );
         }
-        y += GROUP;
-        let label = |tid: &u64| {
-            p.threads.get(tid).cloned().unwrap_or_else(|| match (group.as_str(), tid) {
-                ("TCP", 0) => "port not seen".into(),
-                ("TCP", _) => format!("port {tid}"),
-                _ => format!("tid {tid}"),
-            })
+        for (_, lane) in row {
+            for n in lane.slices.iter().map(|s| &s.name).chain(lane.instants.iter().map(|i| &i.name)) {
+                c.used.entry(legend_name(n)).or_insert_with(|| color(n));
+            }
+            draw_slices(o, lane, c.y, scale);
+            draw_instants(o, lane, c.y, scale);
+            if !packed {
+                draw_ttft(o, lane, c.y, scale);
+            }
+        }
+        c.y += LANE;
+    }
+    for ((name, key), series) in &p.counters {
+        if c.lanes >= MAX_LANES || group_rows >= MAX_GROUP_ROWS {
+            c.lanes_left += 1;
+            continue;
+        }
+        c.lanes += 1;
+        group_rows += 1;
+        let label = series.label.text(name, key);
+        if o.room() {
+            let _ = write!(
+                o.body,
+                "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>",
+                c.y + 12.0,
+                escape(&label.chars().take(30).collect::<String>())
+            );
+        }
+        draw_counter(o, &label, &series.points, c.y, scale, PALETTE[c.counter_index % PALETTE.len()]);
+        c.counter_index += 1;
+        c.y += COUNTER;
+    }
+}
+
+/// The TTFT in words, right of everything in the lane (or left of it), never over it.
+fn draw_ttft(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
+    let (first, last) = extent(lane);
+    let (first, last) = (first * scale, last * scale);
+    for s in lane.slices.iter().filter(|s| s.mark == Some(RequestMark::UntilFirstToken)) {
+        let at = if last + 70.0 < WIDTH {
+            Some((last + 4.0, "start"))
+        } else if first > 70.0 {
+            Some((first - 4.0, "end"))
+        } else {
+            None
         };
-        let rows = rows(p, scale);
-        let packed = rows.len() < p.lanes.len();
-        let mut group_rows = 0;
-        for row in &rows {
-            if lanes >= MAX_LANES || group_rows >= MAX_GROUP_ROWS {
-                lanes_left += row.len();
-                continue;
-            }
-            lanes += 1;
-            group_rows += 1;
-            let mut text = label(row[0].0);
-            if row.len() > 1 {
-                text = format!("{} +{}", text.chars().take(22).collect::<String>(), row.len() - 1);
-            }
-            if o.room() {
-                let _ = write!(
-                    o.body,
-                    "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>",
-                    y + LANE - 4.0,
-                    escape(&text.chars().take(30).collect::<String>())
-                );
-            }
-            for (_, lane) in row {
-                for n in lane.slices.iter().map(|s| &s.name).chain(lane.instants.iter().map(|i| &i.1)) {
-                    used.entry(legend_name(n)).or_insert_with(|| color(n));
-                }
-                draw_slices(&mut o, lane, y, scale);
-                draw_instants(&mut o, lane, y, scale);
-                if packed {
-                    continue;
-                }
-                // The TTFT in words, right of everything in the lane (or left of it), never over it.
-                let (first, last) = extent(lane);
-                let (first, last) = (first * scale, last * scale);
-                for s in lane.slices.iter().filter(|s| s.name == "until first token") {
-                    let at = if last + 70.0 < WIDTH {
-                        Some((last + 4.0, "start"))
-                    } else if first > 70.0 {
-                        Some((first - 4.0, "end"))
-                    } else {
-                        None
-                    };
-                    if let Some((x, anchor)) = at.filter(|_| o.room()) {
-                        let _ = write!(
-                            o.body,
-                            "<text x=\"{:.1}\" y=\"{:.1}\" class=\"ttft\" text-anchor=\"{anchor}\">TTFT {}</text>",
-                            LABEL + x,
-                            y + LANE - 4.0,
-                            ms(s.dur)
-                        );
-                    }
-                }
-            }
-            y += LANE;
-        }
-        for ((name, key), pts) in &p.counters {
-            if lanes >= MAX_LANES || group_rows >= MAX_GROUP_ROWS {
-                lanes_left += 1;
-                continue;
-            }
-            lanes += 1;
-            group_rows += 1;
-            // One series named as its lane ("server requests deferred" / "deferred") says it once.
-            let said = key == name || key == "value" || name.split_whitespace().any(|w| w == key);
-            let label = if said { name.clone() } else { format!("{name} {key}") };
-            if o.room() {
-                let _ = write!(
-                    o.body,
-                    "<text x=\"8\" y=\"{:.1}\" class=\"lbl\">{}</text>",
-                    y + 12.0,
-                    escape(&label.chars().take(30).collect::<String>())
-                );
-            }
-            draw_counter(&mut o, &label, pts, y, scale, PALETTE[counter_index % PALETTE.len()]);
-            counter_index += 1;
-            y += COUNTER;
+        if let Some((x, anchor)) = at.filter(|_| o.room()) {
+            let _ = write!(
+                o.body,
+                "<text x=\"{:.1}\" y=\"{:.1}\" class=\"ttft\" text-anchor=\"{anchor}\">TTFT {}</text>",
+                LABEL + x,
+                y + LANE - 4.0,
+                ms(s.dur)
+            );
         }
     }
-    let height = y + 4.0;
-    // Time axis: ticks and grid lines.
+}
+
+/// The time axis over `end` µs: ticks with their time and grid lines down to `height`.
+fn axis(end: f64, scale: f64, height: f64) -> String {
     let step = tick_step(end, 8.0);
     let mut axis = String::new();
     let mut t = 0.0;
@@ -545,22 +622,19 @@ pub fn svg(events: &[TraceEvent]) -> Chart {
         );
         t += step;
     }
-    if o.dropped > 0 {
-        notes.push(format!(
-            "{} more elements not drawn (at most {MAX_ELEMENTS}): open timeline.json in the Perfetto UI for everything",
-            o.dropped
-        ));
+    axis
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_series_named_by_its_counter_says_it_once() {
+        assert_eq!(Label::of("server requests deferred", "deferred"), Label::Name);
+        assert_eq!(Label::of("CPU MHz (mean)", "MHz"), Label::Name);
+        assert_eq!(Label::of("queue", "value"), Label::Name);
+        assert_eq!(Label::of("GPU 0 clock MHz", "sm"), Label::NameAndKey);
+        assert_eq!(Label::NameAndKey.text("GPU 0 clock MHz", "sm"), "GPU 0 clock MHz sm");
     }
-    if lanes_left > 0 {
-        notes.push(format!("{lanes_left} more lanes not drawn (at most {MAX_LANES})"));
-    }
-    let legend: Vec<String> =
-        used.iter().map(|(name, c)| format!("<span class=\"sw\" style=\"background:{c}\"></span>{}", escape(name))).collect();
-    let total = LABEL + WIDTH + 10.0;
-    let svg = format!(
-        "<div class=\"legend\">{}</div><svg class=\"timeline\" data-label-width=\"{LABEL:.0}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{total:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {total:.0} {height:.0}\" role=\"img\" aria-label=\"timeline\">{axis}{}</svg>",
-        legend.join(" "),
-        o.body
-    );
-    Chart { svg, elements: o.elements, notes }
 }

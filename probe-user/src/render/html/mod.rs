@@ -442,14 +442,7 @@ fn stacks_line(o: &mut String, r: &Report) {
     if !r.stacks.is_empty() {
         let per: Vec<String> =
             r.stacks.iter().map(|(k, s)| format!("{} {} (median depth {})", s.stacks, escape(k), s.median_depth)).collect();
-        let _ = writeln!(
-            o,
-            "<h2 id=\"stacks\">Stacks</h2><p>{}; user stacks unwound to the end: {:.0}% of {} ({:.1} µs each)</p>",
-            per.join(", "),
-            r.unwind.success_rate * 100.0,
-            r.unwind.samples,
-            r.unwind.us_per_sample
-        );
+        let _ = writeln!(o, "<h2 id=\"stacks\">Stacks</h2><p>{}; {}</p>", per.join(", "), crate::render::unwound(&r.unwind, "µs"));
     }
 }
 
