@@ -13,7 +13,12 @@ use std::{
 
 use anyhow::{Context, bail};
 
-use crate::{Llama, bin, generate_256, soak::cpu_secs, wait_for};
+use crate::{
+    bench::generate_256,
+    setup::bin,
+    soak::cpu_secs,
+    workload::{Llama, wait_for},
+};
 
 /// Rounds of (probe, bpftrace), interleaved; each round measures both windows.
 const ROUNDS: usize = 3;
@@ -427,6 +432,35 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     // Other work on the machine shows in the tokens/s (and in the spread) more than in the cost.
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split(' ').next().unwrap_or("?").to_string();
+    let (mut tools, script) = tools_to_compare();
+    let srv = Llama::start(&["-c", "2048", "-np", "1"], None)?;
+    let pid: u32 = srv.pid().parse()?;
+    generate_256(&srv.addr)?; // warm up
+    let stats = BpfStats::enable()?;
+    let mut m = Measured::new();
+    for round in 0..ROUNDS {
+        for &tool in &tools.clone() {
+            let tracer = match start(tool, pid, &dir, round, &script) {
+                Ok(t) => t,
+                Err(e) if tool == Tool::Bpftrace => {
+                    println!("tracing cost: bpftrace failed ({e:#}): its column is left out");
+                    tools.retain(|&t| t != Tool::Bpftrace);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            m.measure(tool, tracer, &srv.addr)?;
+        }
+    }
+    drop(stats);
+    m.print(&tools, &load);
+    goals(&dir, pid, &srv.addr, &m.idle, &m.busy, &m.engine_ret)?;
+    Ok(())
+}
+
+/// The tools compared (a baseline probe with `PROBE_COST_BASELINE`, bpftrace when installed),
+/// and the bpftrace script.
+fn tools_to_compare() -> (Vec<Tool>, String) {
     let mut tools = vec![Tool::Probe, Tool::Live, Tool::Watch];
     if let Some(b) = baseline() {
         println!("tracing cost: baseline is {} (PROBE_COST_BASELINE)", b.display());
@@ -443,108 +477,120 @@ pub(crate) fn bench_cost(dir: &Path) -> anyhow::Result<()> {
     } else {
         println!("tracing cost: bpftrace is not installed (scripts/setup.sh installs it as root): probe only");
     }
-    let srv = Llama::start(&["-c", "2048", "-np", "1"], None)?;
-    let pid: u32 = srv.pid().parse()?;
-    generate_256(&srv.addr)?; // warm up
-    let stats = BpfStats::enable()?;
-    // Per tool: idle windows, generating windows, tokens/s, top programs.
-    let mut idle: HashMap<&str, Vec<Window>> = HashMap::new();
-    let mut busy: HashMap<&str, Vec<Window>> = HashMap::new();
-    let mut tps: HashMap<&str, Vec<f64>> = HashMap::new();
-    let mut settle: HashMap<&str, Vec<Window>> = HashMap::new();
-    let mut top: HashMap<&str, Top> = HashMap::new();
-    let mut engine_ret: HashMap<&str, (u64, u64)> = HashMap::new();
-    let mut named = true;
-    for round in 0..ROUNDS {
-        for &tool in &tools.clone() {
-            let tracer = match start(tool, pid, &dir, round, &script) {
-                Ok(t) => t,
-                Err(e) if tool == Tool::Bpftrace => {
-                    println!("tracing cost: bpftrace failed ({e:#}): its column is left out");
-                    tools.retain(|&t| t != Tool::Bpftrace);
-                    continue;
-                }
-                Err(e) => return Err(e),
+    (tools, script)
+}
+
+/// What the rounds measured, per tool (by name): idle windows, generating windows, tokens/s,
+/// the first seconds after armed, top programs, and engine_ret's (runs, ns).
+struct Measured {
+    idle: HashMap<&'static str, Vec<Window>>,
+    busy: HashMap<&'static str, Vec<Window>>,
+    tps: HashMap<&'static str, Vec<f64>>,
+    settle: HashMap<&'static str, Vec<Window>>,
+    top: HashMap<&'static str, Top>,
+    engine_ret: HashMap<&'static str, (u64, u64)>,
+    /// bpftool named the programs in every window.
+    named: bool,
+}
+
+impl Measured {
+    fn new() -> Measured {
+        Measured {
+            idle: HashMap::new(),
+            busy: HashMap::new(),
+            tps: HashMap::new(),
+            settle: HashMap::new(),
+            top: HashMap::new(),
+            engine_ret: HashMap::new(),
+            named: true,
+        }
+    }
+
+    /// One round of `tool` (running as `tracer`): settle, idle, then generate on the server at
+    /// `addr`; the tracer is stopped at the end.
+    fn measure(&mut self, tool: Tool, tracer: Tracer, addr: &str) -> anyhow::Result<()> {
+        let tp = tracer.pid();
+        // The first seconds after armed (unwind tables, the first /proc snapshots) are
+        // measured apart: what starting costs, once, not what staying on costs.
+        let s0 = snap(tp);
+        std::thread::sleep(SETTLE);
+        let a = snap(tp);
+        self.settle.entry(tool.name()).or_default().push(Window::between(&s0, &a));
+        std::thread::sleep(IDLE);
+        let b = snap(tp);
+        let mut t = 0.0;
+        for _ in 0..GENERATIONS {
+            t += generate_256(addr)? / GENERATIONS as f64;
+        }
+        let c = snap(tp);
+        let names = bpftool_names();
+        self.named &= names.is_some();
+        let (wi, wg) = (Window::between(&a, &b), Window::between(&b, &c));
+        if wg.progs.iter().all(|p| p.2 == 0) {
+            println!("tracing cost: warning: {}'s BPF programs did not run while generating ({} open)", tool.name(), wg.progs.len());
+        }
+        self.top.entry(tool.name()).or_default().add(&wg, names.as_ref());
+        for (id, _, r, t) in &wg.progs {
+            if names.as_ref().and_then(|m| m.get(id)).is_some_and(|n| n.starts_with("engine_ret")) {
+                let e = self.engine_ret.entry(tool.name()).or_insert((0, 0));
+                e.0 += r;
+                e.1 += t;
+            }
+        }
+        self.idle.entry(tool.name()).or_default().push(wi);
+        self.busy.entry(tool.name()).or_default().push(wg);
+        self.tps.entry(tool.name()).or_default().push(t);
+        tracer.stop().with_context(|| format!("{} did not exit cleanly", tool.name()))?;
+        Ok(())
+    }
+
+    /// The table: per tool, idle and generating cost, the traced generation's speed, then the
+    /// first seconds after armed and the top programs.
+    fn print(&self, tools: &[Tool], load: &str) {
+        println!(
+            "tracing cost (llama-server SmolLM2-135M, % of one core = process CPU + BPF run time per wall second; median of {ROUNDS} [min–max]; load average {load} at the start on {} cores):",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        );
+        println!(
+            "  {:<10} {:<48} {:<48} traced generation (server's tokens/s; request time)",
+            "",
+            format!("idle {} s", IDLE.as_secs()),
+            format!("generating {GENERATIONS} × 256 tokens")
+        );
+        let empty = Vec::new();
+        for tool in tools {
+            let n = tool.name();
+            let (i, g, t) =
+                (self.idle.get(n).unwrap_or(&empty), self.busy.get(n).unwrap_or(&empty), self.tps.get(n).cloned().unwrap_or_default());
+            let speed = match (t.iter().cloned().reduce(f64::min), t.iter().cloned().reduce(f64::max)) {
+                (Some(lo), Some(hi)) => format!(
+                    "{:.1} tok/s [{lo:.1}–{hi:.1}]; {:.1} s",
+                    crate::bench::median(t.clone()),
+                    crate::bench::median(g.iter().map(|w| w.wall).collect())
+                ),
+                _ => "-".to_string(),
             };
-            let tp = tracer.pid();
-            // The first seconds after armed (unwind tables, the first /proc snapshots) are
-            // measured apart: what starting costs, once, not what staying on costs.
-            let s0 = snap(tp);
-            std::thread::sleep(SETTLE);
-            let a = snap(tp);
-            settle.entry(tool.name()).or_default().push(Window::between(&s0, &a));
-            std::thread::sleep(IDLE);
-            let b = snap(tp);
-            let mut t = 0.0;
-            for _ in 0..GENERATIONS {
-                t += generate_256(&srv.addr)? / GENERATIONS as f64;
+            println!("  {n:<10} {:<48} {:<48} {speed}", summary(i), summary(g));
+        }
+        for tool in tools {
+            let w = self.settle.get(tool.name()).unwrap_or(&empty);
+            let ms: Vec<f64> = w.iter().map(|w| (w.proc + w.bpf) * 1e3).collect();
+            if !ms.is_empty() {
+                println!(
+                    "  {:<10} first {} s after armed (once per trace, not in the windows above): {:.0} ms of CPU, median of {}",
+                    tool.name(),
+                    SETTLE.as_secs(),
+                    crate::bench::median(ms.clone()),
+                    ms.len()
+                );
             }
-            let c = snap(tp);
-            let names = bpftool_names();
-            named &= names.is_some();
-            let (wi, wg) = (Window::between(&a, &b), Window::between(&b, &c));
-            if wg.progs.iter().all(|p| p.2 == 0) {
-                println!("tracing cost: warning: {}'s BPF programs did not run while generating ({} open)", tool.name(), wg.progs.len());
+        }
+        for tool in tools {
+            if let Some(t) = self.top.get(tool.name()) {
+                t.print(tool.name(), self.named);
             }
-            top.entry(tool.name()).or_default().add(&wg, names.as_ref());
-            for (id, _, r, t) in &wg.progs {
-                if names.as_ref().and_then(|m| m.get(id)).is_some_and(|n| n.starts_with("engine_ret")) {
-                    let e = engine_ret.entry(tool.name()).or_insert((0, 0));
-                    e.0 += r;
-                    e.1 += t;
-                }
-            }
-            idle.entry(tool.name()).or_default().push(wi);
-            busy.entry(tool.name()).or_default().push(wg);
-            tps.entry(tool.name()).or_default().push(t);
-            tracer.stop().with_context(|| format!("{} did not exit cleanly", tool.name()))?;
         }
     }
-    drop(stats);
-    println!(
-        "tracing cost (llama-server SmolLM2-135M, % of one core = process CPU + BPF run time per wall second; median of {ROUNDS} [min–max]; load average {load} at the start on {} cores):",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    );
-    println!(
-        "  {:<10} {:<48} {:<48} traced generation (server's tokens/s; request time)",
-        "",
-        format!("idle {} s", IDLE.as_secs()),
-        format!("generating {GENERATIONS} × 256 tokens")
-    );
-    let empty = Vec::new();
-    for tool in &tools {
-        let n = tool.name();
-        let (i, g, t) = (idle.get(n).unwrap_or(&empty), busy.get(n).unwrap_or(&empty), tps.get(n).cloned().unwrap_or_default());
-        let speed = match (t.iter().cloned().reduce(f64::min), t.iter().cloned().reduce(f64::max)) {
-            (Some(lo), Some(hi)) => format!(
-                "{:.1} tok/s [{lo:.1}–{hi:.1}]; {:.1} s",
-                crate::median(t.clone()),
-                crate::median(g.iter().map(|w| w.wall).collect())
-            ),
-            _ => "-".to_string(),
-        };
-        println!("  {n:<10} {:<48} {:<48} {speed}", summary(i), summary(g));
-    }
-    for tool in &tools {
-        let w = settle.get(tool.name()).unwrap_or(&empty);
-        let ms: Vec<f64> = w.iter().map(|w| (w.proc + w.bpf) * 1e3).collect();
-        if !ms.is_empty() {
-            println!(
-                "  {:<10} first {} s after armed (once per trace, not in the windows above): {:.0} ms of CPU, median of {}",
-                tool.name(),
-                SETTLE.as_secs(),
-                crate::median(ms.clone()),
-                ms.len()
-            );
-        }
-    }
-    for tool in &tools {
-        if let Some(t) = top.get(tool.name()) {
-            t.print(tool.name(), named);
-        }
-    }
-    goals(&dir, pid, &srv.addr, &idle, &busy, &engine_ret)?;
-    Ok(())
 }
 
 /// Arming runs: this long apart, as the kernel finishes tearing down the last trace's programs
@@ -636,10 +682,10 @@ fn goals(
     if let Some(b) = baseline() {
         tools.push(("baseline", b));
     }
-    let python = crate::llama_python().ok().filter(|p| Path::new(p).exists());
+    let python = crate::setup::llama_python().ok().filter(|p| Path::new(p).exists());
     let py = python.as_ref().and_then(|py| {
         let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
-        let model = crate::llama().ok()?.1;
+        let model = crate::setup::llama().ok()?.1;
         let child = Command::new(py)
             .args([
                 "-m",
@@ -662,7 +708,7 @@ fn goals(
             .spawn()
             .ok()?;
         let t = Instant::now();
-        while !crate::http_get_ok(&format!("127.0.0.1:{port}"), "/v1/models") && t.elapsed() < Duration::from_secs(120) {
+        while !crate::workload::http_get_ok(&format!("127.0.0.1:{port}"), "/v1/models") && t.elapsed() < Duration::from_secs(120) {
             std::thread::sleep(Duration::from_millis(200));
         }
         Some(Tracer { child, inner: None })
@@ -686,7 +732,7 @@ fn goals(
         } else {
             format!(
                 "{:.0} ms [{:.0}–{:.0}]",
-                crate::median(v.to_vec()),
+                crate::bench::median(v.to_vec()),
                 v.iter().cloned().fold(f64::MAX, f64::min),
                 v.iter().cloned().fold(0.0, f64::max)
             )

@@ -46,7 +46,7 @@ fn spawn(name: &'static str, mut cmd: Command, port: u16, ready: &str) -> anyhow
     let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().with_context(|| format!("cannot start {name}"))?;
     let s = Server { name, child, addr: format!("127.0.0.1:{port}") };
     let t = Instant::now();
-    while !crate::http_get_ok(&s.addr, ready) {
+    while !crate::workload::http_get_ok(&s.addr, ready) {
         if t.elapsed() > Duration::from_secs(300) {
             bail!("{name} did not answer {ready} within 300 s");
         }
@@ -56,25 +56,25 @@ fn spawn(name: &'static str, mut cmd: Command, port: u16, ready: &str) -> anyhow
 }
 
 fn plugin_dir() -> PathBuf {
-    crate::root().join("tests/data/python")
+    crate::setup::root().join("tests/data/python")
 }
 
 fn llama_cpp_python() -> anyhow::Result<Server> {
     let port = free_port()?;
-    let mut cmd = Command::new(crate::llama_python()?);
-    cmd.arg(plugin_dir().join("llama_cpp_server.py")).arg(crate::llama()?.1).arg(port.to_string());
+    let mut cmd = Command::new(crate::setup::llama_python()?);
+    cmd.arg(plugin_dir().join("llama_cpp_server.py")).arg(crate::setup::llama()?.1).arg(port.to_string());
     spawn("llama-cpp-python", cmd, port, "/v1/models")
 }
 
 fn vllm() -> anyhow::Result<Server> {
     let port = free_port()?;
-    let (python, model) = crate::vllm(&crate::llama()?.1)?;
+    let (python, model) = crate::setup::vllm(&crate::setup::llama()?.1)?;
     let mut cmd = Command::new(python);
     cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model", &model, "--served-model-name", "model", "--host", "127.0.0.1"]);
     cmd.args(["--port", &port.to_string(), "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256"]);
     cmd.args(["--middleware", "probe_plugin.ProbeTestMiddleware"]);
     cmd.env("PYTHONPATH", plugin_dir()).envs([("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1")]);
-    cmd.env("VLLM_CACHE_ROOT", crate::root().join("target/tmp/vllm-cache"));
+    cmd.env("VLLM_CACHE_ROOT", crate::setup::root().join("target/tmp/vllm-cache"));
     spawn("vLLM", cmd, port, "/health")
 }
 
@@ -111,7 +111,7 @@ fn load(addr: &str) -> anyhow::Result<()> {
 fn traced(s: &Server, python: bool, dir: &Path, name: &str) -> anyhow::Result<serde_json::Value> {
     let rec = dir.join(name);
     let _ = std::fs::remove_dir_all(&rec);
-    let mut cmd = Command::new(crate::bin("probe"));
+    let mut cmd = Command::new(crate::setup::bin("probe"));
     cmd.args(["trace", "-q", "--hz", "99", "--pid", &s.child.id().to_string(), "--out"]).arg(&rec);
     if python {
         cmd.args(["--python-budget", "0"]);
@@ -144,7 +144,7 @@ fn prog(cost: &serde_json::Value, name: &str) -> (f64, f64) {
 }
 
 pub fn bench_python() -> anyhow::Result<()> {
-    let dir = crate::root().join("target/bench/python");
+    let dir = crate::setup::root().join("target/bench/python");
     std::fs::create_dir_all(&dir)?;
     println!("Python frames: cost at 99 Hz, the same load traced with and without (--no-python-frames), alternately");
     println!(

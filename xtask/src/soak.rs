@@ -13,7 +13,10 @@ use std::{
 
 use anyhow::Context as _;
 
-use crate::{Llama, bin, build, http, require_root, root, wait_for};
+use crate::{
+    setup::{bin, build, require_root, root},
+    workload::{Llama, http, wait_for},
+};
 
 /// A field of /proc/PID/status, KiB.
 fn status_kib(pid: u32, key: &str) -> u64 {
@@ -146,7 +149,7 @@ pub fn stress() -> anyhow::Result<()> {
     let secs = 3.0;
     // (syscalls/s the target made, events/s probe drained, events lost).
     let run = |args: &[&str], probes: &str, ring_mb: u32| -> anyhow::Result<(f64, f64, u64)> {
-        let (mut w, pid, lines) = crate::start_workload(args)?;
+        let (mut w, pid, lines) = crate::workload::start_workload(args)?;
         let rec = dir.join(format!("{}-{ring_mb}", args.join("-")));
         let mut probe = Command::new(bin("probe"))
             .args(["trace", "--pid", &pid.to_string(), "--probes", probes, "--ring-mb", &ring_mb.to_string(), "--no-poll", "--out"])

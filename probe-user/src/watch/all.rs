@@ -70,127 +70,165 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     drop(state);
     let servers_dir = o.dir.join("servers");
     crate::util::output::OutDir::create_or_open(&servers_dir)?;
-    let followers: Arc<Mutex<HashMap<u32, Follower>>> = Arc::new(Mutex::new(HashMap::new()));
-    let scans = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let node = Arc::new(crate::collector::hub::Node::default());
+    let metrics_addr = o.metrics_addr;
+    let scan_every = o.scan_every;
+    let mut agent = Agent::new(o, servers_dir);
     // The signals first: once the metrics answer (the readiness probe, a test's scrape), a
     // SIGTERM must stop the agent cleanly, not kill it before its handler is there.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (mut sigint, mut sigterm) = rt.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
-    })?;
-    if let Some(addr) = o.metrics_addr {
-        let (f, n, r, k) = (followers.clone(), scans.clone(), refused.clone(), node.clone());
+    let mut signals = super::Signals::listen(None)?;
+    if let Some(addr) = metrics_addr {
+        let (f, n, r, k) = (agent.followers.clone(), agent.scans.clone(), agent.refused.clone(), agent.node.clone());
         let bound = metrics::serve_with(addr, Arc::new(move || render(&f, &n, &r, &k)))
             .with_context(|| format!("cannot serve metrics on {addr}"))?;
         log_line!("probe watch: metrics on http://{bound}/metrics");
     }
-    let mut stopped = |d: Duration| {
-        rt.block_on(async {
-            tokio::select! {
-                _ = sigint.recv() => true,
-                _ = sigterm.recv() => true,
-                _ = tokio::time::sleep(d) => false,
-            }
-        })
-    };
-    log_line!("probe watch: looking for LLM servers on this node (every {} s)", o.scan_every.as_secs_f64());
-    let me = crate::os::procfs::self_pid();
-    let mut owners = HashMap::new();
-    let mut closed = HashMap::new();
-    let mut scopes = Scopes::new(o.scopes.clone());
-    let mut asker = Asker::default();
-    // Listeners asked with a definite answer, by (pid, port); failed followers, by pid.
-    let mut answered: HashMap<(u32, u16), Answer> = HashMap::new();
-    let mut failed: HashMap<u32, Instant> = HashMap::new();
-    let mut refused_said = false;
+    log_line!("probe watch: looking for LLM servers on this node (every {} s)", scan_every.as_secs_f64());
     'scans: loop {
-        scans.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // Servers whose following ended (they exited, or could not be traced).
-        {
-            let mut f = followers.lock().unwrap_or_else(|e| e.into_inner());
-            let ended: Vec<u32> = f.iter().filter(|(_, x)| x.thread.is_finished()).map(|(p, _)| *p).collect();
-            for p in ended {
-                if let Some(x) = f.remove(&p) {
-                    let _ = x.thread.join();
-                    log_line!("probe watch [{}]: no longer followed; its incidents stay in {}", x.key, servers_dir.join(&x.key).display());
-                    if crate::os::procfs::exists(p) {
-                        failed.insert(p, Instant::now());
-                    }
-                }
-            }
-        }
-        // No server left on the programs: they go until the next one comes.
-        node.release_idle();
-        let skip: HashSet<u32> = HashSet::from([me]);
-        let followed: HashSet<u32> = followers.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
-        failed.retain(|p, t| t.elapsed() < Duration::from_secs(30) && crate::os::procfs::exists(*p));
-        let found = scan(&mut owners, &skip, &mut closed);
-        let live: HashSet<(u32, u16)> = found.iter().map(|l| (l.pid, l.addr.port())).collect();
-        answered.retain(|k, _| live.contains(k));
-        asker.retain(&live);
-        for l in &found {
-            if !followed.contains(&l.pid) && !failed.contains_key(&l.pid) && !answered.contains_key(&(l.pid, l.addr.port())) {
-                asker.start(l);
-            }
-        }
+        agent.scans.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        agent.reap();
+        agent.scan();
         // Until the next scan, follow each server as its answer comes.
-        let next = Instant::now() + o.scan_every;
+        let next = Instant::now() + scan_every;
         loop {
-            for (l, a) in asker.answers() {
-                if matches!(a, Answer::Later | Answer::Slow) {
-                    continue;
-                }
-                answered.insert((l.pid, l.addr.port()), a);
-                if a == Answer::NotServer || !crate::os::procfs::exists(l.pid) {
-                    continue;
-                }
-                // One server per process: another of its ports found it already.
-                let n = followers.lock().unwrap_or_else(|e| e.into_inner()).len();
-                if followers.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&l.pid) {
-                    continue;
-                }
-                if n >= MAX_SERVERS {
-                    refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if !std::mem::replace(&mut refused_said, true) {
-                        log_line!(
-                            "probe watch: already following {MAX_SERVERS} servers, the most one agent follows: pid {} on port {} and any more are left alone (probe_servers_refused_total counts them)",
-                            l.pid,
-                            l.addr.port()
-                        );
-                    }
-                    continue;
-                }
-                follow(&o, &node, &servers_dir, &l, a, &mut scopes, &followers, &mut failed);
-            }
+            agent.follow_answers();
             let left = next.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            if stopped(left.min(Duration::from_millis(100))) {
+            if signals.stopped(left.min(Duration::from_millis(100))) {
                 break 'scans;
             }
         }
     }
     log_line!("probe watch: stopping");
-    let all: Vec<Follower> = followers.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, f)| f).collect();
-    for f in &all {
-        f.stop.store(true, Ordering::Relaxed);
-    }
-    // Each server's session ends its window and hands it over; one that does not within 10 s is
-    // left (the process exits, and the programs with it).
-    let until = Instant::now() + Duration::from_secs(10);
-    for f in all {
-        while !f.thread.is_finished() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if f.thread.is_finished() {
-            let _ = f.thread.join();
-        }
-    }
+    agent.stop_all();
     Ok(crate::exit::OK)
+}
+
+/// The node agent's state between scans: the servers it follows, the listeners it asked, and
+/// what its metrics count.
+struct Agent {
+    o: Options,
+    servers_dir: PathBuf,
+    followers: Arc<Mutex<HashMap<u32, Follower>>>,
+    scans: Arc<std::sync::atomic::AtomicU64>,
+    refused: Arc<std::sync::atomic::AtomicU64>,
+    node: Arc<crate::collector::hub::Node>,
+    me: u32,
+    owners: HashMap<u64, Option<u32>>,
+    closed: HashMap<Option<u64>, Instant>,
+    scopes: Scopes,
+    asker: Asker,
+    /// Listeners asked with a definite answer, by (pid, port).
+    answered: HashMap<(u32, u16), Answer>,
+    /// Failed followers, by pid.
+    failed: HashMap<u32, Instant>,
+    refused_said: bool,
+}
+
+impl Agent {
+    fn new(o: Options, servers_dir: PathBuf) -> Agent {
+        let scopes = Scopes::new(o.scopes.clone());
+        Agent {
+            o,
+            servers_dir,
+            followers: Arc::new(Mutex::new(HashMap::new())),
+            scans: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            refused: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            node: Arc::new(crate::collector::hub::Node::default()),
+            me: crate::os::procfs::self_pid(),
+            owners: HashMap::new(),
+            closed: HashMap::new(),
+            scopes,
+            asker: Asker::default(),
+            answered: HashMap::new(),
+            failed: HashMap::new(),
+            refused_said: false,
+        }
+    }
+
+    /// Servers whose following ended (they exited, or could not be traced).
+    fn reap(&mut self) {
+        let mut f = self.followers.lock().unwrap_or_else(|e| e.into_inner());
+        let ended: Vec<u32> = f.iter().filter(|(_, x)| x.thread.is_finished()).map(|(p, _)| *p).collect();
+        for p in ended {
+            if let Some(x) = f.remove(&p) {
+                let _ = x.thread.join();
+                log_line!("probe watch [{}]: no longer followed; its incidents stay in {}", x.key, self.servers_dir.join(&x.key).display());
+                if crate::os::procfs::exists(p) {
+                    self.failed.insert(p, Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Scan the node's listeners and ask those not followed, not failed and not answered yet
+    /// whether they are LLM servers.
+    fn scan(&mut self) {
+        // No server left on the programs: they go until the next one comes.
+        self.node.release_idle();
+        let skip: HashSet<u32> = HashSet::from([self.me]);
+        let followed: HashSet<u32> = self.followers.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        self.failed.retain(|p, t| t.elapsed() < Duration::from_secs(30) && crate::os::procfs::exists(*p));
+        let found = scan(&mut self.owners, &skip, &mut self.closed);
+        let live: HashSet<(u32, u16)> = found.iter().map(|l| (l.pid, l.addr.port())).collect();
+        self.answered.retain(|k, _| live.contains(k));
+        self.asker.retain(&live);
+        for l in &found {
+            if !followed.contains(&l.pid) && !self.failed.contains_key(&l.pid) && !self.answered.contains_key(&(l.pid, l.addr.port())) {
+                self.asker.start(l);
+            }
+        }
+    }
+
+    /// Follow each listener that answered it is a server (up to [`MAX_SERVERS`]).
+    fn follow_answers(&mut self) {
+        for (l, a) in self.asker.answers() {
+            if matches!(a, Answer::Later | Answer::Slow) {
+                continue;
+            }
+            self.answered.insert((l.pid, l.addr.port()), a);
+            if a == Answer::NotServer || !crate::os::procfs::exists(l.pid) {
+                continue;
+            }
+            // One server per process: another of its ports found it already.
+            let n = self.followers.lock().unwrap_or_else(|e| e.into_inner()).len();
+            if self.followers.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&l.pid) {
+                continue;
+            }
+            if n >= MAX_SERVERS {
+                self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if !std::mem::replace(&mut self.refused_said, true) {
+                    log_line!(
+                        "probe watch: already following {MAX_SERVERS} servers, the most one agent follows: pid {} on port {} and any more are left alone (probe_servers_refused_total counts them)",
+                        l.pid,
+                        l.addr.port()
+                    );
+                }
+                continue;
+            }
+            follow(&self.o, &self.node, &self.servers_dir, &l, a, &mut self.scopes, &self.followers, &mut self.failed);
+        }
+    }
+
+    /// Stop every follower and wait for them.
+    fn stop_all(&self) {
+        let all: Vec<Follower> = self.followers.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, f)| f).collect();
+        for f in &all {
+            f.stop.store(true, Ordering::Relaxed);
+        }
+        // Each server's session ends its window and hands it over; one that does not within 10 s is
+        // left (the process exits, and the programs with it).
+        let until = Instant::now() + Duration::from_secs(10);
+        for f in all {
+            while !f.thread.is_finished() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if f.thread.is_finished() {
+                let _ = f.thread.join();
+            }
+        }
+    }
 }
 
 /// Follow a server that answered: its labels, its follower, the credentials if a scope grants

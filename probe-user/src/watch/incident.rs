@@ -11,7 +11,7 @@ use std::{
 
 use super::{Link, Msg, Segment, SlowTtft, log_line, metrics::Metrics};
 use crate::{
-    analysis::verdict::{self, StopCause},
+    analysis::verdict::{self, SlowCause, StopCause},
     stream::RequestRecord,
 };
 
@@ -27,11 +27,51 @@ fn abnormal(stop: StopCause) -> bool {
     matches!(stop, ServerLimit | ClientDisconnect | Deadline | Oom | Crash | ServerError)
 }
 
+/// What an incident is about. Its name is in the incident directory's name, the log, the
+/// `probe_incidents_total` cause label and the OTLP log record, as it always was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IncidentKind {
+    /// The first token came later than `--slow-ttft`: `slow_ttft`.
+    SlowTtft,
+    /// The request stopped abnormally (see [`abnormal`]): the stop cause's name.
+    Stop(StopCause),
+    /// The server exited: `server_exit`.
+    ServerExit,
+}
+
+impl IncidentKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            IncidentKind::SlowTtft => "slow_ttft",
+            IncidentKind::Stop(c) => c.name(),
+            IncidentKind::ServerExit => "server_exit",
+        }
+    }
+
+    /// What the incident is put down to, for the rate limit and the log: a slow request's slow
+    /// cause (none and compute are both its own work, one cause: the threshold between them is
+    /// not a new problem; `unknown` without a verdict), else the kind itself.
+    pub fn cause(self, slow: Option<SlowCause>) -> &'static str {
+        match (self, slow) {
+            (IncidentKind::SlowTtft, Some(SlowCause::None | SlowCause::Compute)) => "own work",
+            (IncidentKind::SlowTtft, Some(slow)) => slow.name(),
+            (IncidentKind::SlowTtft, None) => "unknown",
+            (kind, _) => kind.name(),
+        }
+    }
+}
+
+impl std::fmt::Display for IncidentKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A request waiting for its segment to close.
 struct Pending {
     q: Box<RequestRecord>,
-    /// The incidents it makes (kinds: `slow_ttft`, an abnormal stop's name), none for most.
-    incidents: Vec<&'static str>,
+    /// The incidents it makes (slow, an abnormal stop), none for most.
+    incidents: Vec<IncidentKind>,
 }
 
 pub struct Watcher {
@@ -48,7 +88,7 @@ pub struct Watcher {
     pending: Vec<Pending>,
     ttfts: VecDeque<f64>,
     /// When an incident of each (kind, cause) was last saved: one per pair per `--incident-gap`.
-    last_incident: HashMap<(&'static str, String), Instant>,
+    last_incident: HashMap<(IncidentKind, &'static str), Instant>,
     otlp: Option<Arc<crate::render::export::otlp::Sender>>,
     /// The server's warm requests of earlier sessions, kept in the watch directory.
     baseline: super::baseline::Baseline,
@@ -106,7 +146,8 @@ impl Watcher {
                     self.analyse();
                     if target_exited {
                         let what = format!("pid {} exited ({reason}); {lost} events lost in the session", self.pid);
-                        self.incident("server_exit", "server_exit", None, None, &what);
+                        let kind = IncidentKind::ServerExit;
+                        self.incident(kind, kind.cause(None), None, None, &what);
                     }
                     self.metrics.session_ended();
                     break;
@@ -140,10 +181,10 @@ impl Watcher {
         // Slow and stopped abnormally: an incident of each kind.
         let mut incidents = Vec::new();
         if first.is_some_and(|t| t > slow_at) {
-            incidents.push("slow_ttft");
+            incidents.push(IncidentKind::SlowTtft);
         }
         if abnormal(stop) {
-            incidents.push(stop.name());
+            incidents.push(IncidentKind::Stop(stop));
         }
         if let Some(t) = first {
             if self.ttfts.len() >= MEDIAN_OF {
@@ -220,7 +261,8 @@ impl Watcher {
                 self.metrics.verdict(v);
             }
             for &kind in &p.incidents {
-                let slow = v.as_ref().map(|v| v.slow_cause.name()).unwrap_or("unknown");
+                let slow_cause = v.as_ref().map(|v| v.slow_cause);
+                let slow = slow_cause.map_or("unknown", SlowCause::name);
                 let what = format!(
                     "request {} {} {}: ttft {}, stop {}, slow cause {slow}{}",
                     p.q.id,
@@ -230,24 +272,18 @@ impl Watcher {
                     verdict::stop_cause(&p.q).0,
                     v.as_ref().map(|v| evidence(&v.evidence)).unwrap_or_default(),
                 );
-                // A slow request's cause is its slow cause (none and compute are both its own work,
-                // one cause: the threshold between them is not a new problem); a stop's, the stop.
-                let cause = match (kind, slow) {
-                    ("slow_ttft", "none" | "compute") => "own work",
-                    ("slow_ttft", slow) => slow,
-                    (kind, _) => kind,
-                };
-                self.incident(kind, cause, Some(&p.q), v.as_ref(), &what);
+                // A slow request's cause is its slow cause; a stop's, the stop.
+                self.incident(kind, kind.cause(slow_cause), Some(&p.q), v.as_ref(), &what);
             }
         }
     }
 
     /// Save an incident of `kind` (unless one of the same kind and cause was saved within the
     /// gap: a different cause is another incident).
-    fn incident(&mut self, kind: &'static str, cause: &str, q: Option<&RequestRecord>, v: Option<&verdict::Verdict>, what: &str) {
-        let key = (kind, cause.to_string());
+    fn incident(&mut self, kind: IncidentKind, cause: &'static str, q: Option<&RequestRecord>, v: Option<&verdict::Verdict>, what: &str) {
+        let key = (kind, cause);
         if self.last_incident.get(&key).is_some_and(|t| t.elapsed() < self.gap) {
-            self.metrics.incident(kind, false);
+            self.metrics.incident(kind.name(), false);
             log_line!(
                 "probe watch: incident {kind} ({cause}) not saved (another within {} s; --incident-gap): {}",
                 self.gap.as_secs(),
@@ -263,9 +299,9 @@ impl Watcher {
         }
         let end = crate::record::records::End { ts_ns: crate::monotonic_ns(), reason: format!("incident: {kind}") };
         bytes.extend_from_slice(&crate::record::standalone(&crate::record::records::UserRecord::End(end)));
-        match write_incident(&self.dir, kind, q.map(|q| q.id), &bytes, &self.labels) {
+        match write_incident(&self.dir, kind.name(), q.map(|q| q.id), &bytes, &self.labels) {
             Ok(dir) => {
-                self.metrics.incident(kind, true);
+                self.metrics.incident(kind.name(), true);
                 log_line!("probe watch: incident {kind}: {}; saved {}", crate::util::text::terminal(what), dir.display());
                 self.rotate_incidents(&dir);
                 if let Some(otlp) = &self.otlp {
@@ -280,7 +316,7 @@ impl Watcher {
     /// server and where it runs as the resource.
     fn incident_log(
         &self,
-        kind: &str,
+        kind: IncidentKind,
         cause: &str,
         q: Option<&RequestRecord>,
         v: Option<&verdict::Verdict>,
@@ -299,7 +335,7 @@ impl Watcher {
             resource.push((super::place::otel_name(k).to_string(), s(v)));
         }
         let mut attrs = vec![
-            ("probe.incident.kind".to_string(), s(kind)),
+            ("probe.incident.kind".to_string(), s(kind.name())),
             ("probe.incident.cause".to_string(), s(cause)),
             ("probe.incident.dir".to_string(), s(&dir.display().to_string())),
         ];
@@ -403,7 +439,8 @@ fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8], labels
     out.write(crate::record::FILE_NAME, bytes)?;
     // Where it happened (node, container, pod), for incidents pulled from many nodes.
     if !labels.is_empty() {
-        let m: serde_json::Map<String, serde_json::Value> = labels.iter().map(|(k, v)| (k.clone(), v.clone().into())).collect();
+        // Sorted by name, a later duplicate winning (as fleet::labels_of reads it back).
+        let m: std::collections::BTreeMap<&str, &str> = labels.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         out.write(super::place::LABELS_FILE, &serde_json::to_vec_pretty(&m)?)?;
     }
     let a = crate::analysis::Analysis::of_dir(&path, crate::analysis::Needs::ALL)?;
@@ -413,4 +450,22 @@ fn write_incident(dir: &Path, cause: &str, id: Option<u64>, bytes: &[u8], labels
     crate::render::flame::write_defaults(&a.flames, &drawn, &out)?;
     crate::render::bundle::write(&a, &path.join("bundle.tar.gz"), false, false)?;
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn incident_kinds_keep_their_names_and_causes() {
+        let (slow, stop, exit) = (IncidentKind::SlowTtft, IncidentKind::Stop(StopCause::ClientDisconnect), IncidentKind::ServerExit);
+        assert_eq!([slow.name(), stop.name(), exit.name()], ["slow_ttft", "client_disconnect", "server_exit"]);
+        assert_eq!(stop.to_string(), "client_disconnect");
+        assert_eq!(slow.cause(Some(SlowCause::None)), "own work");
+        assert_eq!(slow.cause(Some(SlowCause::Compute)), "own work");
+        assert_eq!(slow.cause(Some(SlowCause::Disk)), "disk");
+        assert_eq!(slow.cause(None), "unknown");
+        assert_eq!(stop.cause(Some(SlowCause::Disk)), "client_disconnect");
+        assert_eq!(exit.cause(None), "server_exit");
+    }
 }

@@ -44,8 +44,6 @@ pub fn path_label(path: Option<&str>) -> &'static str {
     PATHS.iter().copied().find(|k| *k == p).unwrap_or("other")
 }
 
-/// The TTFT causes of the split (verdict::Split's fields).
-
 #[derive(Default)]
 struct State {
     requests: BTreeMap<(&'static str, &'static str), u64>,
@@ -118,6 +116,8 @@ impl Metrics {
         });
     }
 
+    /// An incident saved (`written`) or not (the rate limit), counted by its kind's name
+    /// (`incident::IncidentKind::name`: the `cause` label).
     pub fn incident(&self, cause: &'static str, written: bool) {
         self.with(|s| *(if written { &mut s.incidents } else { &mut s.suppressed }).entry(cause).or_default() += 1);
     }

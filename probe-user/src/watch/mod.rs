@@ -126,6 +126,43 @@ pub(crate) use log_line;
 /// Wait this long between looks for a target that is not there (yet, or again).
 const FIND_EVERY: Duration = Duration::from_secs(1);
 
+/// SIGINT and SIGTERM, listened for from the start: a trace session sees them itself and ends
+/// with them, and between sessions the waits here do. Listening from the start also keeps the
+/// default action (death) away for good. A server of the node agent's also stops on the agent's
+/// flag.
+pub(crate) struct Signals {
+    rt: tokio::runtime::Runtime,
+    sigint: tokio::signal::unix::Signal,
+    sigterm: tokio::signal::unix::Signal,
+    stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+}
+
+impl Signals {
+    pub(crate) fn listen(stop: Option<Arc<std::sync::atomic::AtomicBool>>) -> anyhow::Result<Signals> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let (sigint, sigterm) = rt.block_on(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
+        })?;
+        Ok(Signals { rt, sigint, sigterm, stop })
+    }
+
+    /// Wait `d`, or less if told to stop: whether told to stop.
+    pub(crate) fn stopped(&mut self, d: Duration) -> bool {
+        if self.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+            return true;
+        }
+        let Signals { rt, sigint, sigterm, .. } = self;
+        rt.block_on(async {
+            tokio::select! {
+                _ = sigint.recv() => true,
+                _ = sigterm.recv() => true,
+                _ = tokio::time::sleep(d) => false,
+            }
+        })
+    }
+}
+
 /// Run until SIGINT/SIGTERM. Returns the exit code.
 pub fn run(o: Options) -> anyhow::Result<i32> {
     // Said once, now, rather than at every attempt to attach.
@@ -134,32 +171,8 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
     drop(state);
     let incidents = o.dir.join("incidents");
     crate::util::output::OutDir::create_or_open(&incidents)?;
-    let metrics = o.member.as_ref().map_or_else(|| Arc::new(metrics::Metrics::default()), |m| m.metrics.clone());
-    metrics.set_labels(o.labels.clone());
-    if let Some(addr) = o.metrics_addr {
-        let bound = metrics::serve(addr, metrics.clone()).with_context(|| format!("cannot serve metrics on {addr}"))?;
-        log_line!("probe watch: metrics on http://{bound}/metrics");
-    }
-    // Ctrl-C and SIGTERM while no session runs (a session sees them itself and ends with
-    // them). Listening from the start also keeps the default action (death) away for good.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (mut sigint, mut sigterm) = rt.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
-    })?;
-    let stop = o.member.as_ref().map(|m| m.stop.clone());
-    let mut stopped = |d: Duration| {
-        if stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
-            return true;
-        }
-        rt.block_on(async {
-            tokio::select! {
-                _ = sigint.recv() => true,
-                _ = sigterm.recv() => true,
-                _ = tokio::time::sleep(d) => false,
-            }
-        })
-    };
+    let metrics = start_metrics(&o)?;
+    let mut signals = Signals::listen(o.member.as_ref().map(|m| m.stop.clone()))?;
     let otlp = o.otlp.clone().map(|e| Arc::new(crate::render::export::otlp::Sender::start(e)));
     if let Some(s) = &otlp {
         metrics.set_otlp(s.sent.clone(), s.dropped.clone());
@@ -174,7 +187,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 waiting_said = true;
             }
             metrics.set_target(None);
-            if stopped(FIND_EVERY) {
+            if signals.stopped(FIND_EVERY) {
                 log_line!("probe watch: stopped while waiting");
                 break;
             }
@@ -186,58 +199,9 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         }
         sessions += 1;
         metrics.set_target(Some(pid));
-        let live = o.dir.join(format!("live-{pid}"));
-        remove_live(&live);
-        let (tx, rx) = mpsc::channel();
-        let m = metrics.clone();
-        let link = Arc::new(Link::new(
-            tx,
-            Rotation { every: o.segment, max_bytes: (o.window_bytes / 4).max(1 << 20) },
-            Box::new(move |lost, bpf_ns| m.set_cost(lost, bpf_ns)),
-        ));
-        let watcher = incident::Watcher::new(&o, pid, incidents.clone(), metrics.clone(), link.clone(), otlp.clone(), &follow.describe());
-        let key = crate::util::text::log_key();
-        let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || {
-            crate::util::text::set_log_key(key);
-            // Analysis and incident writing wait for a free CPU: never ahead of the server.
-            crate::os::procfs::idle_priority();
-            watcher.run(rx)
-        })?;
-        log_line!("probe watch: following pid {pid} ({})", crate::util::text::terminal(&crate::os::procfs::comm(pid)));
-        let outcome = crate::collector::trace(crate::collector::TraceOptions {
-            pid,
-            duration: None,
-            out: live.clone(),
-            force: false,
-            only: None,
-            ring_bytes: o.ring_bytes,
-            capture_text: false,
-            python_frames: true,
-            python_budget: 1.0,
-            sample_hz: o.hz,
-            host_hz: o.host_hz,
-            poll: o.poll,
-            started: if sessions == 1 { o.started } else { Instant::now() },
-            max_size: None,
-            watch: Some(link.clone()),
-            offcpu_d_only: o.offcpu_d_only,
-            otlp: None,
-            cgroup: match &o.select {
-                target::Select::Cgroup(c) => Some(c.clone()),
-                _ => None,
-            },
-            quiet: true,
-            verbose: false,
-            node: o.member.as_ref().map(|m| m.node.clone()),
-            stop: o.member.as_ref().map(|m| m.stop.clone()),
-            headers: o.member.as_ref().map(|m| m.headers.clone()),
-        });
-        let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
-        link.send(Msg::Ended { reason, target_exited: false, lost: 0 });
-        drop(link);
-        let _ = worker.join();
-        remove_live(&live);
-        match outcome {
+        let started = if sessions == 1 { o.started } else { Instant::now() };
+        let session = Session { o: &o, pid, incidents: &incidents, metrics: &metrics, otlp: &otlp, started };
+        match session.run(&follow.describe())? {
             Ok(out) if out.target_exited && o.once => {
                 log_line!("probe watch: pid {pid} exited");
                 break;
@@ -258,7 +222,7 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
                 if o.once {
                     break;
                 }
-                if stopped(FIND_EVERY) {
+                if signals.stopped(FIND_EVERY) {
                     break;
                 }
             }
@@ -271,6 +235,97 @@ pub fn run(o: Options) -> anyhow::Result<i32> {
         }
     }
     Ok(crate::exit::OK)
+}
+
+/// The metrics this watch counts in (the node agent's share of them for one of its servers),
+/// labelled, and served on `--metrics-addr` if given.
+fn start_metrics(o: &Options) -> anyhow::Result<Arc<metrics::Metrics>> {
+    let metrics = o.member.as_ref().map_or_else(|| Arc::new(metrics::Metrics::default()), |m| m.metrics.clone());
+    metrics.set_labels(o.labels.clone());
+    if let Some(addr) = o.metrics_addr {
+        let bound = metrics::serve(addr, metrics.clone()).with_context(|| format!("cannot serve metrics on {addr}"))?;
+        log_line!("probe watch: metrics on http://{bound}/metrics");
+    }
+    Ok(metrics)
+}
+
+/// One trace session of a found target: the collector writes the live window while the
+/// [`incident::Watcher`] thread takes what it sends.
+struct Session<'a> {
+    o: &'a Options,
+    pid: u32,
+    incidents: &'a PathBuf,
+    metrics: &'a Arc<metrics::Metrics>,
+    otlp: &'a Option<Arc<crate::render::export::otlp::Sender>>,
+    /// When the session counts from (the watch's start for the first).
+    started: Instant,
+}
+
+impl Session<'_> {
+    /// Trace the target until it exits or probe is stopped; the outer error is the watcher
+    /// thread's that could not start, the inner the trace's.
+    fn run(self, server: &str) -> anyhow::Result<anyhow::Result<crate::collector::TraceOutcome>> {
+        let (o, pid) = (self.o, self.pid);
+        let live = o.dir.join(format!("live-{pid}"));
+        remove_live(&live);
+        let (tx, rx) = mpsc::channel();
+        let m = self.metrics.clone();
+        let link = Arc::new(Link::new(
+            tx,
+            Rotation { every: o.segment, max_bytes: (o.window_bytes / 4).max(1 << 20) },
+            Box::new(move |lost, bpf_ns| m.set_cost(lost, bpf_ns)),
+        ));
+        let watcher = incident::Watcher::new(o, pid, self.incidents.clone(), self.metrics.clone(), link.clone(), self.otlp.clone(), server);
+        let key = crate::util::text::log_key();
+        let worker = std::thread::Builder::new().name("probe-watcher".into()).spawn(move || {
+            crate::util::text::set_log_key(key);
+            // Analysis and incident writing wait for a free CPU: never ahead of the server.
+            crate::os::procfs::idle_priority();
+            watcher.run(rx)
+        })?;
+        log_line!("probe watch: following pid {pid} ({})", crate::util::text::terminal(&crate::os::procfs::comm(pid)));
+        let outcome = crate::collector::trace(self.trace_options(live.clone(), link.clone()));
+        let reason = outcome.as_ref().map_or_else(|e| format!("{e:#}"), |o| o.reason.clone());
+        link.send(Msg::Ended { reason, target_exited: false, lost: 0 });
+        drop(link);
+        let _ = worker.join();
+        remove_live(&live);
+        Ok(outcome)
+    }
+
+    /// The collector's options for a session of `watch`: quiet, the live window in `live`,
+    /// the segments sent through `link`.
+    fn trace_options(&self, live: PathBuf, link: Arc<Link>) -> crate::collector::TraceOptions {
+        let o = self.o;
+        crate::collector::TraceOptions {
+            pid: self.pid,
+            duration: None,
+            out: live,
+            force: false,
+            only: None,
+            ring_bytes: o.ring_bytes,
+            capture_text: false,
+            python_frames: true,
+            python_budget: 1.0,
+            sample_hz: o.hz,
+            host_hz: o.host_hz,
+            poll: o.poll,
+            started: self.started,
+            max_size: None,
+            watch: Some(link),
+            offcpu_d_only: o.offcpu_d_only,
+            otlp: None,
+            cgroup: match &o.select {
+                target::Select::Cgroup(c) => Some(c.clone()),
+                _ => None,
+            },
+            quiet: true,
+            verbose: false,
+            node: o.member.as_ref().map(|m| m.node.clone()),
+            stop: o.member.as_ref().map(|m| m.stop.clone()),
+            headers: o.member.as_ref().map(|m| m.headers.clone()),
+        }
+    }
 }
 
 /// Remove a live window directory (ours: made 0700 by this process in its own state directory).
