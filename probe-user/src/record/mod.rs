@@ -42,32 +42,20 @@ pub static PASSES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 pub const OLDEST: u32 = 1;
 pub const FRAME_KERNEL: u8 = 1;
 pub const FRAME_JSON: u8 = 2;
-/// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order. The docs
-/// test checks the page against this list, and every real trace in the test suite checks that
-/// its recording holds no other.
-pub const USER_RECORD_TYPES: [&str; 21] = [
-    "meta",
-    "maps",
-    "files",
-    "module",
-    "ksyms",
-    "pyframes",
-    "threads",
-    "procs",
-    "request",
-    "stats",
-    "samplers",
-    "gpu",
-    "cpufreq",
-    "mem",
-    "cpuidle",
-    "residency",
-    "endpoint",
-    "attach",
-    "end",
-    "cut_frames",
-    "warm_baseline",
-];
+/// Every `type` of userspace (JSON) record probe writes, in docs/recording.md's order: the
+/// record types ([`records::RecordType`]) but v1's `stack`, the last. The docs test checks the
+/// page against this list, and every real trace in the test suite checks that its recording
+/// holds no other.
+pub const USER_RECORD_TYPES: [&str; 21] = {
+    let mut out = [""; 21];
+    let mut i = 0;
+    while i < out.len() {
+        out[i] = records::RecordType::WORDS[i];
+        i += 1;
+    }
+    out
+};
+const _: () = assert!(records::RecordType::WORDS.len() == USER_RECORD_TYPES.len() + 1);
 /// v2: one unwound stack sample ([`StackRecord`]), binary.
 pub const FRAME_STACK: u8 = 3;
 /// No frame is larger than this; a larger length means the file is corrupt. The writer refuses

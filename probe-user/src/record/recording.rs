@@ -24,7 +24,7 @@ pub struct Recording {
     pub undecodable: u64,
     /// Userspace records that are JSON but not of their type's shape: (type, why), in file order.
     /// The report says each (as the streamed report does), instead of counting it undecodable.
-    pub unreadable: Vec<(String, String)>,
+    pub unreadable: Vec<(records::RecordType, String)>,
     /// Kernel events and stack samples past [`KEEP_EVENTS`] / [`KEEP_STACKS`], not held.
     pub events_not_kept: u64,
     pub stacks_not_kept: u64,
@@ -63,7 +63,7 @@ impl Keeper {
     }
 
     /// A userspace record, typed, or its type and why it is not of its type's shape.
-    pub fn record(&mut self, r: Result<records::UserRecord, (String, String)>) {
+    pub fn record(&mut self, r: Result<records::UserRecord, (records::RecordType, String)>) {
         match r {
             Ok(records::UserRecord::Stack(s)) => self.stack(*s),
             Ok(u) => self.rec.records.push(u),
@@ -92,10 +92,9 @@ impl Keeper {
 
 /// A userspace record from its JSON text: typed; its type and why, when it is JSON of the wrong
 /// shape; None when it is not JSON at all (undecodable).
-pub fn user_record(bytes: &[u8]) -> Option<Result<records::UserRecord, (String, String)>> {
+pub fn user_record(bytes: &[u8]) -> Option<Result<records::UserRecord, (records::RecordType, String)>> {
     let v = serde_json::from_slice::<serde_json::Value>(bytes).ok()?;
-    let ty = v["type"].as_str().unwrap_or_default().to_string();
-    Some(records::UserRecord::from_value(v).map_err(|e| (ty, e.to_string())))
+    Some(records::UserRecord::read(v).map_err(|(ty, e)| (ty, e.to_string())))
 }
 
 impl Recording {
@@ -164,11 +163,8 @@ pub fn rewrite(from: &Path, to: &Path) -> Result<Vec<Problem>, ReadError> {
             Frame::Kernel(ev) => w.kernel(&decode::encode_event(&ev)),
             Frame::Stack(s) => w.stack(&s),
             // v1 stack records become binary ones.
-            Frame::Json(b) => match serde_json::from_slice::<serde_json::Value>(&b) {
-                Ok(v) if v.get("type").and_then(|t| t.as_str()) == Some("stack") => match serde_json::from_value::<StackRecord>(v) {
-                    Ok(s) => w.stack(&s),
-                    Err(_) => w.json_bytes(&b),
-                },
+            Frame::Json(b) => match records::UserRecord::parse(&b) {
+                Ok(records::UserRecord::Stack(s)) => w.stack(&s),
                 _ => w.json_bytes(&b),
             },
         }
