@@ -375,6 +375,50 @@ pub struct End {
     pub reason: String,
 }
 
+/// Defines [`RecordType`] and its words ([`RecordType::WORDS`]) from one list.
+macro_rules! record_types {
+    ($($(#[$m:meta])* $v:ident = $w:literal),+ $(,)?) => {
+        crate::closed_set! {
+            /// The `type` of a userspace (JSON) record: the one list of them, in
+            /// docs/recording.md's order, v1's `stack` (read, no longer written) last. The reader
+            /// dispatches on it ([`UserRecord::read`]); a type not in it is a later probe's.
+            RecordType { $($(#[$m])* $v = $w),+ }
+        }
+
+        impl RecordType {
+            /// Every type's word, in [`RecordType::ALL`]'s order.
+            pub const WORDS: &[&str] = &[$($w),+];
+        }
+    };
+}
+
+record_types! {
+    #[default]
+    Meta = "meta",
+    Maps = "maps",
+    Files = "files",
+    Module = "module",
+    Ksyms = "ksyms",
+    PyFrames = "pyframes",
+    Threads = "threads",
+    Procs = "procs",
+    Request = "request",
+    Stats = "stats",
+    Samplers = "samplers",
+    Gpu = "gpu",
+    Cpufreq = "cpufreq",
+    Mem = "mem",
+    Cpuidle = "cpuidle",
+    Residency = "residency",
+    Endpoint = "endpoint",
+    Attach = "attach",
+    End = "end",
+    CutFrames = "cut_frames",
+    WarmBaseline = "warm_baseline",
+    /// A v1 stack sample (JSON then; binary frames since v2).
+    Stack = "stack",
+}
+
 /// One userspace record.
 #[derive(Clone, Debug, PartialEq)]
 pub enum UserRecord {
@@ -403,30 +447,50 @@ pub enum UserRecord {
 }
 
 impl UserRecord {
-    /// A record from its JSON. Older request records are upgraded to today's fields.
-    pub fn from_value(mut v: Value) -> Result<UserRecord, serde_json::Error> {
+    /// A record from its JSON: typed by its `type`; a type this version does not know (a later
+    /// probe's) is kept by name ([`UserRecord::Other`]), never an error. On an error, the type
+    /// whose shape the JSON is not.
+    pub fn read(v: Value) -> Result<UserRecord, (RecordType, serde_json::Error)> {
+        let word = v.get("type").and_then(Value::as_str).unwrap_or_default();
+        let Ok(ty) = word.parse::<RecordType>() else { return Ok(UserRecord::Other(word.to_string())) };
+        UserRecord::typed(ty, v).map_err(|e| (ty, e))
+    }
+
+    /// A record from its JSON ([`UserRecord::read`], the error alone).
+    pub fn from_value(v: Value) -> Result<UserRecord, serde_json::Error> {
+        UserRecord::read(v).map_err(|(_, e)| e)
+    }
+
+    /// The record of type `ty` from its JSON. Older request records are upgraded to today's
+    /// fields.
+    fn typed(ty: RecordType, mut v: Value) -> Result<UserRecord, serde_json::Error> {
         use serde_json::from_value as from;
-        let ty = v.get("type").and_then(Value::as_str).unwrap_or_default().to_string();
-        Ok(match ty.as_str() {
-            "meta" => UserRecord::Meta(Box::new(from(v)?)),
-            "maps" => UserRecord::Maps(from(v)?),
-            "files" => UserRecord::Files(from(v)?),
-            "module" => UserRecord::Module(from(v)?),
-            "ksyms" => UserRecord::Ksyms(from(v)?),
-            "pyframes" => UserRecord::PyFrames(from(v)?),
-            "threads" => UserRecord::Threads(from(v)?),
-            "procs" => UserRecord::Procs(from(v)?),
-            "request" => {
+        Ok(match ty {
+            RecordType::Meta => UserRecord::Meta(Box::new(from(v)?)),
+            RecordType::Maps => UserRecord::Maps(from(v)?),
+            RecordType::Files => UserRecord::Files(from(v)?),
+            RecordType::Module => UserRecord::Module(from(v)?),
+            RecordType::Ksyms => UserRecord::Ksyms(from(v)?),
+            RecordType::PyFrames => UserRecord::PyFrames(from(v)?),
+            RecordType::Threads => UserRecord::Threads(from(v)?),
+            RecordType::Procs => UserRecord::Procs(from(v)?),
+            RecordType::Request => {
                 RequestRecord::upgrade_legacy(&mut v);
                 UserRecord::Request(Box::new(from(v)?))
             }
-            "stats" => UserRecord::Stats(Box::new(from(v)?)),
-            "end" => UserRecord::End(from(v)?),
-            "stack" => UserRecord::Stack(Box::new(from(v)?)),
-            "warm_baseline" => UserRecord::WarmBaseline(from(v)?),
-            "cut_frames" => UserRecord::CutFrames(from(v)?),
-            k if super::samples::KINDS.contains(&k) => UserRecord::Sample(Box::new(from(v)?)),
-            _ => UserRecord::Other(ty),
+            RecordType::Stats => UserRecord::Stats(Box::new(from(v)?)),
+            RecordType::End => UserRecord::End(from(v)?),
+            RecordType::Stack => UserRecord::Stack(Box::new(from(v)?)),
+            RecordType::WarmBaseline => UserRecord::WarmBaseline(from(v)?),
+            RecordType::CutFrames => UserRecord::CutFrames(from(v)?),
+            RecordType::Samplers
+            | RecordType::Gpu
+            | RecordType::Cpufreq
+            | RecordType::Mem
+            | RecordType::Cpuidle
+            | RecordType::Residency
+            | RecordType::Endpoint
+            | RecordType::Attach => UserRecord::Sample(Box::new(from(v)?)),
         })
     }
 
@@ -437,26 +501,51 @@ impl UserRecord {
     /// The record as its JSON frame holds it: its fields and its `type` (what the reader's
     /// [`UserRecord::from_value`] reads back).
     pub fn to_value(&self) -> Result<Value, serde_json::Error> {
-        let (ty, mut v) = match self {
-            UserRecord::Meta(m) => ("meta", serde_json::to_value(m)?),
-            UserRecord::Maps(m) => ("maps", serde_json::to_value(m)?),
-            UserRecord::Files(f) => ("files", serde_json::to_value(f)?),
-            UserRecord::Module(m) => ("module", serde_json::to_value(m)?),
-            UserRecord::Ksyms(k) => ("ksyms", serde_json::to_value(k)?),
-            UserRecord::PyFrames(p) => ("pyframes", serde_json::to_value(p)?),
-            UserRecord::Threads(t) => ("threads", serde_json::to_value(t)?),
-            UserRecord::Procs(p) => ("procs", serde_json::to_value(p)?),
-            UserRecord::Request(q) => ("request", serde_json::to_value(q)?),
-            UserRecord::Stats(s) => ("stats", serde_json::to_value(s)?),
-            UserRecord::End(e) => ("end", serde_json::to_value(e)?),
-            UserRecord::Stack(s) => ("stack", serde_json::to_value(s)?),
-            UserRecord::WarmBaseline(w) => ("warm_baseline", serde_json::to_value(w)?),
-            UserRecord::CutFrames(c) => ("cut_frames", serde_json::to_value(c)?),
+        let mut v = match self {
+            UserRecord::Meta(m) => serde_json::to_value(m)?,
+            UserRecord::Maps(m) => serde_json::to_value(m)?,
+            UserRecord::Files(f) => serde_json::to_value(f)?,
+            UserRecord::Module(m) => serde_json::to_value(m)?,
+            UserRecord::Ksyms(k) => serde_json::to_value(k)?,
+            UserRecord::PyFrames(p) => serde_json::to_value(p)?,
+            UserRecord::Threads(t) => serde_json::to_value(t)?,
+            UserRecord::Procs(p) => serde_json::to_value(p)?,
+            UserRecord::Request(q) => serde_json::to_value(q)?,
+            UserRecord::Stats(s) => serde_json::to_value(s)?,
+            UserRecord::End(e) => serde_json::to_value(e)?,
+            UserRecord::Stack(s) => serde_json::to_value(s)?,
+            UserRecord::WarmBaseline(w) => serde_json::to_value(w)?,
+            UserRecord::CutFrames(c) => serde_json::to_value(c)?,
+            // Tagged by serde with its own `type`.
             UserRecord::Sample(s) => return serde_json::to_value(s),
             UserRecord::Other(ty) => return Ok(serde_json::json!({ "type": ty })),
         };
-        v["type"] = ty.into();
+        if let Some(ty) = self.record_type() {
+            v["type"] = ty.name().into();
+        }
         Ok(v)
+    }
+
+    /// Its `type`; None for a type this version does not know.
+    pub fn record_type(&self) -> Option<RecordType> {
+        Some(match self {
+            UserRecord::Meta(_) => RecordType::Meta,
+            UserRecord::Maps(_) => RecordType::Maps,
+            UserRecord::Files(_) => RecordType::Files,
+            UserRecord::Module(_) => RecordType::Module,
+            UserRecord::Ksyms(_) => RecordType::Ksyms,
+            UserRecord::PyFrames(_) => RecordType::PyFrames,
+            UserRecord::Threads(_) => RecordType::Threads,
+            UserRecord::Procs(_) => RecordType::Procs,
+            UserRecord::Request(_) => RecordType::Request,
+            UserRecord::Stats(_) => RecordType::Stats,
+            UserRecord::End(_) => RecordType::End,
+            UserRecord::Stack(_) => RecordType::Stack,
+            UserRecord::WarmBaseline(_) => RecordType::WarmBaseline,
+            UserRecord::CutFrames(_) => RecordType::CutFrames,
+            UserRecord::Sample(s) => s.record_type(),
+            UserRecord::Other(_) => return None,
+        })
     }
 
     /// Its time, for records that carry one.
@@ -471,6 +560,28 @@ impl UserRecord {
             UserRecord::Stack(s) => Some(s.ts_ns),
             UserRecord::Sample(s) => Some(s.ts_ns()),
             _ => None,
+        }
+    }
+}
+
+/// A sampler record's `type` (here with the other types: `samples` does not name `records`).
+impl Sample {
+    /// Its `type`, as its frame holds it.
+    pub fn kind(&self) -> &'static str {
+        self.record_type().name()
+    }
+
+    /// Its `type` ([`Sample`]'s serde tag words are the same).
+    pub fn record_type(&self) -> RecordType {
+        match self {
+            Sample::Samplers(_) => RecordType::Samplers,
+            Sample::Gpu(_) => RecordType::Gpu,
+            Sample::Cpufreq(_) => RecordType::Cpufreq,
+            Sample::Mem(_) => RecordType::Mem,
+            Sample::Cpuidle(_) => RecordType::Cpuidle,
+            Sample::Residency(_) => RecordType::Residency,
+            Sample::Endpoint(_) => RecordType::Endpoint,
+            Sample::Attach(_) => RecordType::Attach,
         }
     }
 }
@@ -560,6 +671,18 @@ mod tests {
             // And through the bytes of a JSON frame.
             assert_eq!(UserRecord::parse(&serde_json::to_vec(&v).unwrap()).unwrap(), r);
         }
+    }
+
+    /// The record types are one list: their words, the written ones, the reader's dispatch.
+    #[test]
+    fn record_types_are_one_list() {
+        let names: Vec<&str> = RecordType::ALL.iter().map(|t| t.name()).collect();
+        assert_eq!(names, RecordType::WORDS);
+        assert_eq!(&RecordType::WORDS[..RecordType::WORDS.len() - 1], &crate::record::USER_RECORD_TYPES[..]);
+        // A later probe's type is kept by name, never an error; a known type of the wrong shape
+        // says which type it is.
+        assert_eq!(UserRecord::read(serde_json::json!({"type": "later"})).unwrap(), UserRecord::Other("later".into()));
+        assert_eq!(UserRecord::read(serde_json::json!({"type": "stack", "pid": "x"})).unwrap_err().0, RecordType::Stack);
     }
 
     #[test]

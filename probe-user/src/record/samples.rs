@@ -20,24 +20,7 @@ pub enum Sample {
     Attach(AttachState),
 }
 
-/// The `type` names of [`Sample`]'s variants, as their frames hold them.
-pub const KINDS: [&str; 8] = ["samplers", "gpu", "cpufreq", "mem", "cpuidle", "residency", "endpoint", "attach"];
-
 impl Sample {
-    /// Its `type`, as its frame holds it.
-    pub fn kind(&self) -> &'static str {
-        KINDS[match self {
-            Sample::Samplers(_) => 0,
-            Sample::Gpu(_) => 1,
-            Sample::Cpufreq(_) => 2,
-            Sample::Mem(_) => 3,
-            Sample::Cpuidle(_) => 4,
-            Sample::Residency(_) => 5,
-            Sample::Endpoint(_) => 6,
-            Sample::Attach(_) => 7,
-        }]
-    }
-
     pub fn ts_ns(&self) -> u64 {
         match self {
             Sample::Samplers(s) => s.ts_ns,
@@ -468,7 +451,8 @@ mod tests {
                 ..Default::default()
             }),
         ];
-        for (s, kind) in all.iter().zip(KINDS) {
+        for s in &all {
+            let kind = s.kind();
             let v = serde_json::to_value(s).unwrap();
             assert_eq!((v["type"].as_str(), s.kind()), (Some(kind), kind));
             assert_eq!(&serde_json::from_value::<Sample>(v).unwrap(), s);

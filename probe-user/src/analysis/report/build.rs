@@ -205,10 +205,10 @@ impl Builder {
     }
 
     /// Pass 1: one userspace record, or why it could not be read.
-    pub(crate) fn user(&mut self, rec: Result<UserRecord, (String, String)>) {
+    pub(crate) fn user(&mut self, rec: Result<UserRecord, (crate::record::records::RecordType, String)>) {
         let rec = match rec {
             Ok(rec) => rec,
-            Err((ty, _)) if ty == "stack" => {
+            Err((crate::record::records::RecordType::Stack, _)) => {
                 self.bad_stacks += 1;
                 return;
             }
@@ -656,7 +656,7 @@ pub fn build(rec: &Recording) -> Report {
         b.user(Ok(r.clone()));
     }
     for (ty, why) in &rec.unreadable {
-        b.user(Err((ty.clone(), why.clone())));
+        b.user(Err((*ty, why.clone())));
     }
     for s in &rec.stacks {
         b.stack_seen(s);
