@@ -194,6 +194,15 @@ pub fn explain_itl(p: &Pair) -> Option<String> {
     ))
 }
 
+crate::closed_set! {
+    /// AIPerf's `--endpoint-type`: the OpenAI route probe's `--api` sends to.
+    Endpoint {
+        #[default]
+        Completions = "completions",
+        Chat = "chat",
+    }
+}
+
 /// CPU seconds of this process's children that ended and were waited for (AIPerf and the
 /// processes it waited for), so far.
 fn children_cpu_s() -> f64 {
@@ -218,8 +227,8 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
     }
     let model = run.info.model.clone().or(args.model.clone()).unwrap_or_else(|| "model".into());
     let endpoint = match args.api {
-        super::api::Api::Openai => "completions",
-        super::api::Api::Chat => "chat",
+        super::api::Api::Openai => Endpoint::Completions,
+        super::api::Api::Chat => Endpoint::Chat,
         other => bail!("AIPerf speaks the OpenAI routes: run with --api openai or chat (not {other:?})"),
     };
     let top = args.levels.iter().copied().max().unwrap_or(1);
@@ -238,7 +247,7 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
         let mut lines = String::new();
         for i in 0..l.requests as usize {
             let p = &prompts[i % prompts.len()];
-            let text = if endpoint == "chat" { p.text.split("\n\n").next().unwrap_or(&p.text) } else { p.text.as_str() };
+            let text = if endpoint == Endpoint::Chat { p.text.split("\n\n").next().unwrap_or(&p.text) } else { p.text.as_str() };
             lines.push_str(&serde_json::json!({"text": text, "output_length": args.max_tokens}).to_string());
             lines.push('\n');
         }
@@ -254,7 +263,7 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
             "--url".into(),
             args.url.clone(),
             "--endpoint-type".into(),
-            endpoint.into(),
+            endpoint.name().into(),
             "--streaming".into(),
             "--concurrency".into(),
             l.concurrency.to_string(),
@@ -291,7 +300,7 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
             "--export-level".into(),
             "raw".into(),
         ];
-        if endpoint == "chat" {
+        if endpoint == Endpoint::Chat {
             cmd.push("--use-legacy-max-tokens".into());
         }
         if args.ignore_eos {

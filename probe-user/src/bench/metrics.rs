@@ -247,11 +247,20 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
     }
 }
 
+crate::closed_set! {
+    /// Which server limit stopped a response (a row's `server_limit`).
+    ServerLimit {
+        #[default]
+        SlotContext = "slot_context",
+        KvPool = "kv_pool",
+    }
+}
+
 /// Which server limit stopped a response: the slot's own context when prompt + output filled at
 /// least 90% of it, else a KV pool shared between slots (llama-server --kv-unified, vLLM).
-pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64>) -> Option<&'static str> {
+pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64>) -> Option<ServerLimit> {
     let (p, c) = (prompt_tokens?, slot_ctx?);
-    Some(if (p + output) * 10 >= c * 9 { "slot_context" } else { "kv_pool" })
+    Some(if (p + output) * 10 >= c * 9 { ServerLimit::SlotContext } else { ServerLimit::KvPool })
 }
 
 pub use crate::util::stats::{mean, percentile};
@@ -750,8 +759,8 @@ mod tests {
             normalize_stop(&refused, 0, 16, None),
             (RowStop::Cause(StopCause::ServerError), "cannot connect to 127.0.0.1:9: Connection refused".into())
         );
-        assert_eq!(which_limit(Some(9), 248, Some(1024)), Some("kv_pool"));
-        assert_eq!(which_limit(Some(30), 226, Some(256)), Some("slot_context"));
+        assert_eq!(which_limit(Some(9), 248, Some(1024)), Some(ServerLimit::KvPool));
+        assert_eq!(which_limit(Some(30), 226, Some(256)), Some(ServerLimit::SlotContext));
         assert_eq!(which_limit(None, 226, Some(256)), None);
     }
 
