@@ -337,23 +337,7 @@ pub fn run_level(ctx: &Ctx, template: &Row, prompts: &[Prompt], schedule: &Sched
         // Not at concurrency 1: a poll during a lone request is another request the server
         // serves (and a traced verdict would count it as queueing).
         if ctx.metrics && concurrency > 1 {
-            sc.spawn(|| {
-                while !finished.load(Ordering::Relaxed) {
-                    let (now, _) = api::counters(ctx.url, ctx.api);
-                    let mut p = peak.lock().unwrap_or_else(|e| e.into_inner());
-                    for (k, v) in now {
-                        let e = p.entry(k).or_insert(v);
-                        *e = e.max(v);
-                    }
-                    drop(p);
-                    for _ in 0..5 {
-                        if finished.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                }
-            });
+            sc.spawn(|| poll_peaks(ctx, &finished, &peak));
         }
         let mut workers = Vec::new();
         match schedule {
@@ -397,34 +381,7 @@ pub fn run_level(ctx: &Ctx, template: &Row, prompts: &[Prompt], schedule: &Sched
             Schedule::Conversations { conversations, turns } => {
                 for c in 0..*conversations {
                     let opener = &prompts[c % prompts.len()];
-                    workers.push(sc.spawn(move || {
-                        let mut history: Vec<(String, String)> = opener.messages.clone();
-                        for t in 0..*turns {
-                            if client::interrupted() {
-                                break;
-                            }
-                            let ask = if t == 0 {
-                                // The instruction only (PROMPTS carry an answer opener for raw routes).
-                                opener.text.split("\n\n").next().unwrap_or(&opener.text).to_string()
-                            } else {
-                                format!("Thank you. Now continue with part {} of it, in as much detail.", t + 1)
-                            };
-                            history.push(("user".into(), ask));
-                            let text: String = history.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n");
-                            let p =
-                                Prompt { hash: hash(&text), text, messages: history.clone(), tokens: None, source: PromptSource::Server };
-                            let mut tpl = template.clone();
-                            tpl.conversation = Some(c as u64);
-                            tpl.turn = Some(t as u64 + 1);
-                            let (row, answer) = one_answer(ctx, &tpl, (c * turns + t) as u64, &p, s);
-                            let failed = row.status.is_none_or(|s| s >= 400) || row.error.is_some();
-                            record(row);
-                            if failed {
-                                break;
-                            }
-                            history.push(("assistant".into(), answer));
-                        }
-                    }));
+                    workers.push(sc.spawn(move || converse(ctx, template, opener, c, *turns, s, record)));
                 }
             }
         }
@@ -452,6 +409,55 @@ pub fn run_level(ctx: &Ctx, template: &Row, prompts: &[Prompt], schedule: &Sched
     l.contended = m.contended();
     l.machine = Some(m);
     (rows, l)
+}
+
+/// Poll the server's counters every 500 ms until `finished`, keeping each counter's highest value.
+fn poll_peaks(ctx: &Ctx, finished: &AtomicBool, peak: &Mutex<BTreeMap<String, f64>>) {
+    while !finished.load(Ordering::Relaxed) {
+        let (now, _) = api::counters(ctx.url, ctx.api);
+        let mut p = peak.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, v) in now {
+            let e = p.entry(k).or_insert(v);
+            *e = e.max(v);
+        }
+        drop(p);
+        for _ in 0..5 {
+            if finished.load(Ordering::Relaxed) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Conversation `c` of the multi-turn workload: `turns` turns opened by `opener`, each sending
+/// the conversation so far; it ends early at a failed turn or Ctrl-C.
+fn converse(ctx: &Ctx, template: &Row, opener: &Prompt, c: usize, turns: usize, s: &Sampling, record: &(dyn Fn(Row) + Sync)) {
+    let mut history: Vec<(String, String)> = opener.messages.clone();
+    for t in 0..turns {
+        if client::interrupted() {
+            break;
+        }
+        let ask = if t == 0 {
+            // The instruction only (PROMPTS carry an answer opener for raw routes).
+            opener.text.split("\n\n").next().unwrap_or(&opener.text).to_string()
+        } else {
+            format!("Thank you. Now continue with part {} of it, in as much detail.", t + 1)
+        };
+        history.push(("user".into(), ask));
+        let text: String = history.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n");
+        let p = Prompt { hash: hash(&text), text, messages: history.clone(), tokens: None, source: PromptSource::Server };
+        let mut tpl = template.clone();
+        tpl.conversation = Some(c as u64);
+        tpl.turn = Some(t as u64 + 1);
+        let (row, answer) = one_answer(ctx, &tpl, (c * turns + t) as u64, &p, s);
+        let failed = row.status.is_none_or(|s| s >= 400) || row.error.is_some();
+        record(row);
+        if failed {
+            break;
+        }
+        history.push(("assistant".into(), answer));
+    }
 }
 
 #[cfg(test)]
