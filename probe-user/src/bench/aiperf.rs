@@ -5,7 +5,7 @@
 //! processes otherwise slow the server it measures. The server's own per-token time (its
 //! `timings`, when it reports them) is printed beside both, so a gap between the tools can be told
 //! from the server running slower under the other tool's load.
-use std::process::Command;
+use std::{path::Path, process::Command};
 
 use anyhow::{Context, bail};
 use serde::Serialize;
@@ -194,6 +194,15 @@ pub fn explain_itl(p: &Pair) -> Option<String> {
     ))
 }
 
+crate::closed_set! {
+    /// AIPerf's `--endpoint-type`: the OpenAI route probe's `--api` sends to.
+    Endpoint {
+        #[default]
+        Completions = "completions",
+        Chat = "chat",
+    }
+}
+
 /// CPU seconds of this process's children that ended and were waited for (AIPerf and the
 /// processes it waited for), so far.
 fn children_cpu_s() -> f64 {
@@ -218,8 +227,8 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
     }
     let model = run.info.model.clone().or(args.model.clone()).unwrap_or_else(|| "model".into());
     let endpoint = match args.api {
-        super::api::Api::Openai => "completions",
-        super::api::Api::Chat => "chat",
+        super::api::Api::Openai => Endpoint::Completions,
+        super::api::Api::Chat => Endpoint::Chat,
         other => bail!("AIPerf speaks the OpenAI routes: run with --api openai or chat (not {other:?})"),
     };
     let top = args.levels.iter().copied().max().unwrap_or(1);
@@ -238,65 +247,12 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
         let mut lines = String::new();
         for i in 0..l.requests as usize {
             let p = &prompts[i % prompts.len()];
-            let text = if endpoint == "chat" { p.text.split("\n\n").next().unwrap_or(&p.text) } else { p.text.as_str() };
+            let text = if endpoint == Endpoint::Chat { p.text.split("\n\n").next().unwrap_or(&p.text) } else { p.text.as_str() };
             lines.push_str(&serde_json::json!({"text": text, "output_length": args.max_tokens}).to_string());
             lines.push('\n');
         }
         crate::util::output::write_file(&input, lines.as_bytes(), true)?;
-        let mut cmd: Vec<String> = vec![
-            "nice".into(),
-            "-n".into(),
-            "10".into(),
-            args.aiperf.clone(),
-            "profile".into(),
-            "--model".into(),
-            model.clone(),
-            "--url".into(),
-            args.url.clone(),
-            "--endpoint-type".into(),
-            endpoint.into(),
-            "--streaming".into(),
-            "--concurrency".into(),
-            l.concurrency.to_string(),
-            "--request-count".into(),
-            l.requests.to_string(),
-            "--input-file".into(),
-            input.display().to_string(),
-            "--custom-dataset-type".into(),
-            "single_turn".into(),
-            // Output tokens as the server counts them (probe's source too), not re-tokenized text.
-            "--use-server-token-count".into(),
-            "--extra-inputs".into(),
-            "cache_prompt:false".into(),
-            "--extra-inputs".into(),
-            format!("seed:{}", args.seed),
-            "--extra-inputs".into(),
-            format!("temperature:{}", args.temperature),
-            "--random-seed".into(),
-            args.seed.to_string(),
-            "--tokenizer".into(),
-            tokenizer.display().to_string(),
-            "--artifact-dir".into(),
-            dir.display().to_string(),
-            "--workers-max".into(),
-            "1".into(),
-            "--record-processor-service-count".into(),
-            "1".into(),
-            "--no-gpu-telemetry".into(),
-            "--no-server-metrics".into(),
-            "--ui-type".into(),
-            "none".into(),
-            // The raw export holds the server's answers, its `timings` among them (read, then
-            // deleted: it holds the answers' text too).
-            "--export-level".into(),
-            "raw".into(),
-        ];
-        if endpoint == "chat" {
-            cmd.push("--use-legacy-max-tokens".into());
-        }
-        if args.ignore_eos {
-            cmd.extend(["--extra-inputs".into(), "ignore_eos:true".into()]);
-        }
+        let cmd = command(args, &model, endpoint, l, &input, &tokenizer, &dir);
         if out.command.is_empty() {
             out.command = cmd.clone();
         }
@@ -333,32 +289,7 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
         let aiperf_prompt = super::metrics::mean(&server_timing(&raw_text, "prompt_ms"));
         let aiperf_tpot = super::metrics::mean(&server_timing(&raw_text, "predicted_per_token_ms"));
         let _ = std::fs::remove_file(&raw);
-        let itl: Vec<f64> = rows.iter().flat_map(|r| r.itl.iter().copied()).collect();
-        let probe_prompt = super::metrics::mean(&rows.iter().filter_map(|r| r.prompt_ms).collect::<Vec<_>>());
-        let probe_tpot = super::metrics::mean(&rows.iter().filter_map(|r| r.server_tpot_ms).collect::<Vec<_>>());
-        out.levels.push(Pair {
-            level: l.level.clone(),
-            concurrency: l.concurrency,
-            requests: l.requests,
-            probe_ttft_ms_mean: l.ttft_ms_mean,
-            aiperf_ttft_ms_mean: metric(&v, "time_to_first_token", "avg"),
-            probe_ttft_ms_p50: l.ttft_ms_p50,
-            aiperf_ttft_ms_p50: metric(&v, "time_to_first_token", "p50"),
-            probe_itl_ms_mean: super::metrics::mean(&itl),
-            aiperf_itl_ms_mean: metric(&v, "inter_token_latency", "avg"),
-            probe_output_tps: l.throughput_output_tps,
-            aiperf_output_tps: metric(&v, "output_token_throughput", "avg"),
-            probe_output_tokens_mean: l.output_tokens_mean,
-            aiperf_output_tokens_mean: metric(&v, "output_sequence_length", "avg"),
-            probe_server_prompt_ms: probe_prompt,
-            aiperf_server_prompt_ms: aiperf_prompt,
-            probe_server_tpot_ms: probe_tpot,
-            aiperf_server_tpot_ms: aiperf_tpot,
-            explained: None,
-            explained_itl: None,
-            aiperf_cores: (cores > 0.0).then_some(cores),
-            export: file.display().to_string(),
-        });
+        out.levels.push(pair(l, &rows, &v, aiperf_prompt, aiperf_tpot, cores, &file));
     }
     for p in out.levels.iter_mut() {
         p.explained = explain(p);
@@ -370,6 +301,105 @@ pub(super) fn compare(run: &Run, args: &BenchArgs) -> anyhow::Result<SideBySide>
         args.out.display()
     ));
     Ok(out)
+}
+
+/// AIPerf's command line for one level: the level's concurrency and request count, the prompts
+/// in `input`, probe's sampling, the server's token counts, its exports into `dir`.
+fn command(args: &BenchArgs, model: &str, endpoint: Endpoint, l: &Level, input: &Path, tokenizer: &Path, dir: &Path) -> Vec<String> {
+    let mut cmd: Vec<String> = vec![
+        "nice".into(),
+        "-n".into(),
+        "10".into(),
+        args.aiperf.clone(),
+        "profile".into(),
+        "--model".into(),
+        model.to_string(),
+        "--url".into(),
+        args.url.clone(),
+        "--endpoint-type".into(),
+        endpoint.name().into(),
+        "--streaming".into(),
+        "--concurrency".into(),
+        l.concurrency.to_string(),
+        "--request-count".into(),
+        l.requests.to_string(),
+        "--input-file".into(),
+        input.display().to_string(),
+        "--custom-dataset-type".into(),
+        "single_turn".into(),
+        // Output tokens as the server counts them (probe's source too), not re-tokenized text.
+        "--use-server-token-count".into(),
+        "--extra-inputs".into(),
+        "cache_prompt:false".into(),
+        "--extra-inputs".into(),
+        format!("seed:{}", args.seed),
+        "--extra-inputs".into(),
+        format!("temperature:{}", args.temperature),
+        "--random-seed".into(),
+        args.seed.to_string(),
+        "--tokenizer".into(),
+        tokenizer.display().to_string(),
+        "--artifact-dir".into(),
+        dir.display().to_string(),
+        "--workers-max".into(),
+        "1".into(),
+        "--record-processor-service-count".into(),
+        "1".into(),
+        "--no-gpu-telemetry".into(),
+        "--no-server-metrics".into(),
+        "--ui-type".into(),
+        "none".into(),
+        // The raw export holds the server's answers, its `timings` among them (read, then
+        // deleted: it holds the answers' text too).
+        "--export-level".into(),
+        "raw".into(),
+    ];
+    if endpoint == Endpoint::Chat {
+        cmd.push("--use-legacy-max-tokens".into());
+    }
+    if args.ignore_eos {
+        cmd.extend(["--extra-inputs".into(), "ignore_eos:true".into()]);
+    }
+    cmd
+}
+
+/// One level's figures side by side: probe's from its level and rows, AIPerf's from its export
+/// `v` and the server timings of its raw export.
+fn pair(
+    l: &Level,
+    rows: &[&super::metrics::Row],
+    v: &Value,
+    aiperf_prompt: Option<f64>,
+    aiperf_tpot: Option<f64>,
+    cores: f64,
+    file: &Path,
+) -> Pair {
+    let itl: Vec<f64> = rows.iter().flat_map(|r| r.itl.iter().copied()).collect();
+    let probe_prompt = super::metrics::mean(&rows.iter().filter_map(|r| r.prompt_ms).collect::<Vec<_>>());
+    let probe_tpot = super::metrics::mean(&rows.iter().filter_map(|r| r.server_tpot_ms).collect::<Vec<_>>());
+    Pair {
+        level: l.level.clone(),
+        concurrency: l.concurrency,
+        requests: l.requests,
+        probe_ttft_ms_mean: l.ttft_ms_mean,
+        aiperf_ttft_ms_mean: metric(v, "time_to_first_token", "avg"),
+        probe_ttft_ms_p50: l.ttft_ms_p50,
+        aiperf_ttft_ms_p50: metric(v, "time_to_first_token", "p50"),
+        probe_itl_ms_mean: super::metrics::mean(&itl),
+        aiperf_itl_ms_mean: metric(v, "inter_token_latency", "avg"),
+        probe_output_tps: l.throughput_output_tps,
+        aiperf_output_tps: metric(v, "output_token_throughput", "avg"),
+        probe_output_tokens_mean: l.output_tokens_mean,
+        aiperf_output_tokens_mean: metric(v, "output_sequence_length", "avg"),
+        probe_server_prompt_ms: probe_prompt,
+        aiperf_server_prompt_ms: aiperf_prompt,
+        probe_server_tpot_ms: probe_tpot,
+        aiperf_server_tpot_ms: aiperf_tpot,
+        explained: None,
+        explained_itl: None,
+        aiperf_cores: (cores > 0.0).then_some(cores),
+        export: file.display().to_string(),
+    }
 }
 
 #[cfg(test)]

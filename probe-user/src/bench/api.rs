@@ -35,6 +35,67 @@ pub struct Sampling {
     pub cache_prompt: bool,
 }
 
+/// A generation request's body, every API's fields in one: a field an API does not send stays
+/// None (left out). Declared in sorted order: the bodies are byte for byte what a JSON map of
+/// the same keys (sorted) wrote before.
+#[derive(Debug, Default, serde::Serialize)]
+struct Body<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_prompt: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ignore_eos: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    n_predict: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    options: Option<OllamaOptions>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    raw: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<StreamOptions>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f64>,
+}
+
+impl Body<'_> {
+    /// What every OpenAI-style and llama.cpp body carries: the fixed sampling, streamed.
+    fn sampled(s: &Sampling) -> Self {
+        Body { seed: Some(s.seed), temperature: Some(s.temperature), stream: true, ..Default::default() }
+    }
+}
+
+/// One chat message (keys in sorted order, as above).
+#[derive(Debug, serde::Serialize)]
+struct Message<'a> {
+    content: &'a str,
+    role: &'a str,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// Ollama's sampling `options` (keys in sorted order).
+#[derive(Debug, serde::Serialize)]
+struct OllamaOptions {
+    num_predict: u64,
+    seed: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop: Option<Vec<String>>,
+    temperature: f64,
+}
+
 impl Api {
     /// The `--api` value and what it speaks: "openai: /v1/completions".
     pub fn describe(self) -> &'static str {
@@ -48,50 +109,56 @@ impl Api {
 
     /// The route and JSON body of one streamed generation request.
     pub fn generate(self, prompt: &str, s: &Sampling) -> (&'static str, String) {
+        // The instruction only: the answer openers of PROMPTS are for raw completion routes.
+        let instruction = prompt.split("\n\n").next().unwrap_or(prompt);
+        self.request(prompt, vec![Message { role: "user", content: instruction }], s)
+    }
+
+    /// The route and body: `prompt` on the completion routes, `messages` on the chat route.
+    fn request(self, prompt: &str, messages: Vec<Message<'_>>, s: &Sampling) -> (&'static str, String) {
+        let ignore_eos = s.ignore_eos.then_some(true);
         let body = match self {
-            Api::Openai => {
-                let mut b = json!({"prompt": prompt, "max_tokens": s.max_tokens, "temperature": s.temperature, "seed": s.seed,
-                    "stream": true, "stream_options": {"include_usage": true}});
-                if let Some(m) = &s.model {
-                    b["model"] = json!(m);
-                }
-                if s.ignore_eos {
-                    b["ignore_eos"] = json!(true);
-                }
+            Api::Openai => Body {
+                prompt: Some(prompt),
+                max_tokens: Some(s.max_tokens),
+                stream_options: Some(StreamOptions { include_usage: true }),
+                model: s.model.as_deref(),
+                ignore_eos,
                 // llama-server: no prompt cache reuse between the same prompts at different levels
                 // (unless the workload is about the cache).
-                b["cache_prompt"] = json!(s.cache_prompt);
-                b
-            }
-            Api::Chat => {
-                // The instruction only: the answer openers of PROMPTS are for raw completion routes.
-                let instruction = prompt.split("\n\n").next().unwrap_or(prompt);
-                let mut b = json!({"messages": [{"role": "user", "content": instruction}], "max_tokens": s.max_tokens, "temperature": s.temperature,
-                    "seed": s.seed, "stream": true, "stream_options": {"include_usage": true}, "cache_prompt": s.cache_prompt});
-                if let Some(m) = &s.model {
-                    b["model"] = json!(m);
-                }
-                if s.ignore_eos {
-                    b["ignore_eos"] = json!(true);
-                }
-                b
-            }
-            Api::Llamacpp => {
-                let mut b = json!({"prompt": prompt, "n_predict": s.max_tokens, "temperature": s.temperature, "seed": s.seed,
-                    "stream": true, "cache_prompt": s.cache_prompt});
-                if s.ignore_eos {
-                    b["ignore_eos"] = json!(true);
-                }
-                b
-            }
-            Api::Ollama => {
-                let mut opts = json!({"num_predict": s.max_tokens, "temperature": s.temperature, "seed": s.seed});
-                if s.ignore_eos {
+                cache_prompt: Some(s.cache_prompt),
+                ..Body::sampled(s)
+            },
+            Api::Chat => Body {
+                messages: Some(messages),
+                max_tokens: Some(s.max_tokens),
+                stream_options: Some(StreamOptions { include_usage: true }),
+                model: s.model.as_deref(),
+                ignore_eos,
+                cache_prompt: Some(s.cache_prompt),
+                ..Body::sampled(s)
+            },
+            Api::Llamacpp => Body {
+                prompt: Some(prompt),
+                n_predict: Some(s.max_tokens),
+                ignore_eos,
+                cache_prompt: Some(s.cache_prompt),
+                ..Body::sampled(s)
+            },
+            Api::Ollama => Body {
+                model: Some(s.model.as_deref().unwrap_or_default()),
+                prompt: Some(prompt),
+                raw: Some(true),
+                options: Some(OllamaOptions {
+                    num_predict: s.max_tokens,
+                    seed: s.seed,
                     // Ollama has no ignore_eos; dropping the stop words is the closest it offers.
-                    opts["stop"] = json!([]);
-                }
-                json!({"model": s.model.clone().unwrap_or_default(), "prompt": prompt, "stream": true, "raw": true, "options": opts})
-            }
+                    stop: s.ignore_eos.then(Vec::new),
+                    temperature: s.temperature,
+                }),
+                stream: true,
+                ..Default::default()
+            },
         };
         let path = match self {
             Api::Openai => "/v1/completions",
@@ -99,17 +166,14 @@ impl Api {
             Api::Llamacpp => "/completion",
             Api::Ollama => "/api/generate",
         };
-        (path, body.to_string())
+        (path, serde_json::to_string(&body).unwrap_or_default())
     }
 
     /// A conversation (role, text) as one request: messages on the chat route, a plain
     /// transcript ("System: …\n\nUser: …\nAssistant:") on the completion routes.
     pub fn generate_messages(self, messages: &[(&str, &str)], s: &Sampling) -> (&'static str, String) {
         if self == Api::Chat {
-            let (path, body) = self.generate("", s);
-            let mut b: Value = serde_json::from_str(&body).unwrap_or_default();
-            b["messages"] = messages.iter().map(|(r, t)| json!({"role": r, "content": t})).collect();
-            return (path, b.to_string());
+            return self.request("", messages.iter().map(|&(role, content)| Message { role, content }).collect(), s);
         }
         let mut text = String::new();
         for (role, t) in messages {
@@ -356,5 +420,25 @@ mod tests {
         let (p, b) = Api::Chat.generate("Write a story.\n\nOnce upon a time,", &s);
         let v: Value = serde_json::from_str(&b).unwrap();
         assert_eq!((p, v["messages"][0]["content"].as_str()), ("/v1/chat/completions", Some("Write a story.")));
+    }
+
+    #[test]
+    fn bodies_are_written_in_sorted_key_order_as_a_json_map_was() {
+        for ignore_eos in [false, true] {
+            let s = Sampling { max_tokens: 8, seed: 1, temperature: 0.5, ignore_eos, model: Some("m".into()), cache_prompt: true };
+            for api in [Api::Openai, Api::Chat, Api::Llamacpp, Api::Ollama] {
+                let (_, b) = api.generate("hi", &s);
+                // A serde_json map sorts its keys: the same text means the same bytes as before.
+                assert_eq!(b, serde_json::from_str::<Value>(&b).unwrap().to_string(), "{api:?}");
+            }
+            let (_, b) = Api::Chat.generate_messages(&[("system", "a"), ("user", "b")], &s);
+            assert_eq!(b, serde_json::from_str::<Value>(&b).unwrap().to_string());
+            assert!(b.contains(r#""messages":[{"content":"a","role":"system"},{"content":"b","role":"user"}]"#), "{b}");
+        }
+        let s = Sampling { max_tokens: 8, seed: 1, temperature: 0.0, ignore_eos: true, model: None, cache_prompt: false };
+        assert_eq!(
+            Api::Ollama.generate("hi", &s).1,
+            r#"{"model":"","options":{"num_predict":8,"seed":1,"stop":[],"temperature":0.0},"prompt":"hi","raw":true,"stream":true}"#
+        );
     }
 }

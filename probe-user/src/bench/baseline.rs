@@ -6,10 +6,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use serde::Serialize;
-use serde_json::Value;
+use serde::{Deserialize, Serialize};
 
-use super::metrics::{INTERVAL_FIGURES, Level};
+use super::{
+    machine::Machine,
+    metrics::{Figure, INTERVAL_FIGURES, Level},
+};
 use crate::util::stats::Interval;
 
 /// A figure is called changed only when it also moved by at least this much, %. Three runs'
@@ -22,7 +24,7 @@ pub const MIN_CHANGE_PCT: f64 = 10.0;
 pub struct Change {
     pub sweep: crate::bench::metrics::Sweep,
     pub level: String,
-    pub figure: String,
+    pub figure: Figure,
     pub before: f64,
     pub after: f64,
     pub change_pct: f64,
@@ -48,42 +50,46 @@ pub struct Comparison {
     pub machine: Vec<String>,
 }
 
+/// An earlier run: where its results.json is, and its levels as it wrote them.
+#[derive(Clone, Debug)]
+pub struct Baseline {
+    pub path: PathBuf,
+    pub levels: Vec<Level>,
+}
+
+/// The part of a results.json a comparison reads (the rest is not looked at).
+#[derive(Deserialize)]
+struct Earlier {
+    levels: Option<Vec<Level>>,
+}
+
 /// The earlier run's results.json (the file, or the directory holding it).
-pub fn load(path: &Path) -> anyhow::Result<(PathBuf, Value)> {
+pub fn load(path: &Path) -> anyhow::Result<Baseline> {
     let file = if path.is_dir() { path.join("results.json") } else { path.to_path_buf() };
     let bytes = std::fs::read(&file).with_context(|| format!("--baseline: cannot read {}", file.display()))?;
-    let v: Value = serde_json::from_slice(&bytes)
-        .with_context(|| format!("--baseline: {} is not a probe bench results.json (not JSON)", file.display()))?;
-    if !v["levels"].is_array() {
+    let earlier: Earlier = match serde_json::from_slice(&bytes) {
+        Ok(e) => e,
+        // JSON, but its levels are not a probe bench run's.
+        Err(e) if e.is_data() => Earlier { levels: None },
+        Err(e) => {
+            return Err(
+                anyhow::Error::new(e).context(format!("--baseline: {} is not a probe bench results.json (not JSON)", file.display()))
+            );
+        }
+    };
+    let Some(levels) = earlier.levels else {
         anyhow::bail!("--baseline: {} has no levels: not a probe bench results.json", file.display());
-    }
-    Ok((file, v))
+    };
+    Ok(Baseline { path: file, levels })
 }
 
-fn worse_when_higher(figure: &str) -> bool {
-    figure.contains("_ms")
+pub fn nice(figure: Figure) -> &'static str {
+    figure.nice()
 }
 
-pub fn nice(figure: &str) -> &str {
-    match figure {
-        "ttft_ms_mean" => "TTFT mean",
-        "ttft_ms_p50" => "TTFT p50",
-        "ttft_ms_p99" => "TTFT p99",
-        "tpot_ms_mean" => "TPOT",
-        "itl_ms_p50" => "ITL p50",
-        "e2e_ms_mean" => "E2E mean",
-        "output_tokens_mean" => "output tokens",
-        "throughput_output_tps" => "output tok/s",
-        "goodput_rps" => "goodput req/s",
-        f => f,
-    }
-}
-
-pub fn compare(base: &(PathBuf, Value), levels: &[Level]) -> Comparison {
-    let (path, v) = base;
-    let old = v["levels"].as_array().cloned().unwrap_or_default();
+pub fn compare(base: &Baseline, levels: &[Level]) -> Comparison {
     let mut c = Comparison {
-        path: path.display().to_string(),
+        path: base.path.display().to_string(),
         compared: 0,
         levels: 0,
         unmatched: Vec::new(),
@@ -91,25 +97,25 @@ pub fn compare(base: &(PathBuf, Value), levels: &[Level]) -> Comparison {
         machine: Vec::new(),
     };
     for l in levels {
-        let Some(o) = old.iter().find(|o| o["sweep"] == l.sweep.name() && o["level"] == l.level.as_str()) else {
+        let Some(o) = base.levels.iter().find(|o| o.sweep == l.sweep && o.level == l.level) else {
             c.unmatched.push(format!("{} {}", l.sweep, l.level));
             continue;
         };
         c.levels += 1;
-        for f in INTERVAL_FIGURES {
-            let (Some(before), Some(after)) = (o[*f].as_f64(), l.figure(f)) else { continue };
-            let bi: Option<Interval> = serde_json::from_value(o["intervals"][*f].clone()).ok();
-            let ai = l.intervals.get(*f).cloned();
+        for &f in INTERVAL_FIGURES {
+            let (Some(before), Some(after)) = (o.figure(f), l.figure(f)) else { continue };
+            let bi = o.intervals.get(f.name()).cloned();
+            let ai = l.intervals.get(f.name()).cloned();
             let change_pct = if before.abs() > 1e-9 { (after - before) / before * 100.0 } else { 0.0 };
             // Apart, and by more than MIN_CHANGE_PCT: with few runs an interval can come out
             // narrow by chance, and a 1% shift between two tight intervals is not a regression.
             let beyond = matches!((&bi, &ai), (Some(b), Some(a)) if a.apart(b)) && change_pct.abs() >= MIN_CHANGE_PCT;
-            let worse = if worse_when_higher(f) { after > before } else { after < before };
+            let worse = if f.lower_is_better() { after > before } else { after < before };
             c.compared += 1;
             c.figures.push(Change {
                 sweep: l.sweep,
                 level: l.level.clone(),
-                figure: f.to_string(),
+                figure: f,
                 before,
                 after,
                 change_pct,
@@ -119,39 +125,40 @@ pub fn compare(base: &(PathBuf, Value), levels: &[Level]) -> Comparison {
                 worse,
             });
         }
-        // The machine: contention here and not there, the clock, the governor.
-        let om = &o["machine"];
         if let Some(m) = &l.machine {
-            let was = om["why"].as_array().is_some_and(|w| !w.is_empty());
-            if m.contended() && !was {
-                c.machine.push(format!(
-                    "{} {} ran under contention in this run and not in the baseline: {}",
-                    l.sweep,
-                    l.level,
-                    m.why.join("; ")
-                ));
-            } else if !m.contended() && was {
-                c.machine.push(format!(
-                    "{} {} ran under contention in the baseline and not in this run: {}",
-                    l.sweep,
-                    l.level,
-                    om["why"].as_array().map(|w| w.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join("; ")).unwrap_or_default()
-                ));
-            }
-            if let (Some(a), Some(b)) = (m.cpu_mhz_mean, om["cpu_mhz_mean"].as_f64())
-                && (a - b).abs() > 0.1 * b
-            {
-                c.machine.push(format!("{} {}: CPU clock {:.2} GHz against {:.2} GHz in the baseline", l.sweep, l.level, a / 1e3, b / 1e3));
-            }
-            if let (Some(a), Some(b)) = (m.governor.as_deref(), om["governor"].as_str())
-                && a != b
-                && !c.machine.iter().any(|x| x.contains("governor"))
-            {
-                c.machine.push(format!("CPU governor {a} against {b} in the baseline"));
-            }
+            c.machine.extend(machine_differences(l, m, o.machine.as_ref(), &c.machine));
         }
     }
     c
+}
+
+/// The machine: contention here and not there, the clock, the governor (`said`: the
+/// differences already found, so that the governor is named once).
+fn machine_differences(l: &Level, m: &Machine, om: Option<&Machine>, said: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let was = om.is_some_and(|o| o.contended());
+    if m.contended() && !was {
+        out.push(format!("{} {} ran under contention in this run and not in the baseline: {}", l.sweep, l.level, m.why.join("; ")));
+    } else if !m.contended() && was {
+        out.push(format!(
+            "{} {} ran under contention in the baseline and not in this run: {}",
+            l.sweep,
+            l.level,
+            om.map(|o| o.why.join("; ")).unwrap_or_default()
+        ));
+    }
+    if let (Some(a), Some(b)) = (m.cpu_mhz_mean, om.and_then(|o| o.cpu_mhz_mean))
+        && (a - b).abs() > 0.1 * b
+    {
+        out.push(format!("{} {}: CPU clock {:.2} GHz against {:.2} GHz in the baseline", l.sweep, l.level, a / 1e3, b / 1e3));
+    }
+    if let (Some(a), Some(b)) = (m.governor.as_deref(), om.and_then(|o| o.governor.as_deref()))
+        && a != b
+        && !said.iter().chain(&out).any(|x| x.contains("governor"))
+    {
+        out.push(format!("CPU governor {a} against {b} in the baseline"));
+    }
+    out
 }
 
 impl Comparison {
@@ -175,7 +182,7 @@ impl Comparison {
         let what: Vec<String> = r
             .iter()
             .take(6)
-            .map(|f| format!("{} {} {} {:.1} against {:.1} ({:+.0}%)", f.sweep, f.level, nice(&f.figure), f.after, f.before, f.change_pct))
+            .map(|f| format!("{} {} {} {:.1} against {:.1} ({:+.0}%)", f.sweep, f.level, nice(f.figure), f.after, f.before, f.change_pct))
             .collect();
         let machine = if self.machine.is_empty() {
             "no machine-state difference seen between the runs".to_string()
@@ -217,7 +224,7 @@ impl Comparison {
                         "{} {} {} {:.1}{} against {:.1}{} ({:+.0}%, {})",
                         f.sweep,
                         f.level,
-                        nice(&f.figure),
+                        nice(f.figure),
                         f.after,
                         iv(&f.after_interval),
                         f.before,
@@ -238,5 +245,41 @@ impl Comparison {
         }
         out.extend(self.machine.iter().map(|m| format!("against the baseline: {m}")));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_earlier_results_json_is_read_typed_and_compared() {
+        let dir = std::env::temp_dir().join(format!("probe-baseline-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // An older file: fields missing, others unknown; only the levels are read.
+        let old = r#"{"tool":"probe bench 0.0.1","levels":[{"sweep":"concurrency","level":"1","ttft_ms_p50":100.0,
+            "throughput_output_tps":50.0,"machine":{"why":["other processes used 1.00 cores"],"governor":"powersave"},"new_field":1}]}"#;
+        std::fs::write(dir.join("results.json"), old).unwrap();
+        let b = load(&dir).unwrap();
+        assert_eq!((b.levels.len(), b.levels[0].level.as_str(), b.levels[0].ttft_ms_p50), (1, "1", Some(100.0)));
+        let now = Level {
+            sweep: crate::bench::metrics::Sweep::Concurrency,
+            level: "1".into(),
+            ttft_ms_p50: Some(150.0),
+            throughput_output_tps: Some(60.0),
+            machine: Some(Machine { governor: Some("performance".into()), ..Default::default() }),
+            ..Default::default()
+        };
+        let c = compare(&b, &[now]);
+        assert_eq!((c.levels, c.compared), (1, 2));
+        let worse: Vec<(Figure, bool)> = c.figures.iter().map(|f| (f.figure, f.worse)).collect();
+        assert_eq!(worse, [(Figure::TtftMsP50, true), (Figure::ThroughputOutputTps, false)]);
+        assert_eq!(c.machine.len(), 2, "{:?}", c.machine);
+        assert!(c.machine[1].contains("governor performance against powersave"));
+        std::fs::write(dir.join("results.json"), r#"{"levels": 3}"#).unwrap();
+        assert!(format!("{:#}", load(&dir).unwrap_err()).contains("has no levels"));
+        std::fs::write(dir.join("results.json"), "not json").unwrap();
+        assert!(format!("{:#}", load(&dir).unwrap_err()).contains("(not JSON)"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -148,7 +148,7 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
     for l in &ls[1..] {
         let o = l.output_tokens_mean.unwrap_or(0.0);
         // With intervals (--repeat), a change inside the noise is never called one.
-        let out_differs = l.differs(base, "output_tokens_mean", |_, _| true);
+        let out_differs = l.differs(base, super::metrics::Figure::OutputTokensMean, |_, _| true);
         if base_out > 0.0 && o < 0.9 * base_out && out_differs {
             changed = true;
             let why =
@@ -164,7 +164,7 @@ fn concurrency(ls: &[&Level], slot_ctx: Option<u64>, out: &mut Vec<String>) {
         if let (Some(a), Some(b)) = (base.ttft_ms_p50, l.ttft_ms_p50)
             && b > 2.0 * a
             && b - a >= 20.0
-            && l.differs(base, "ttft_ms_p50", |_, _| true)
+            && l.differs(base, super::metrics::Figure::TtftMsP50, |_, _| true)
         {
             changed = true;
             out.push(format!(

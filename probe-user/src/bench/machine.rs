@@ -22,7 +22,8 @@ pub const CONTENDED_CORES: f64 = 0.5;
 pub const CONTENDED_MEM_PSI: f64 = 10.0;
 const EVERY: Duration = Duration::from_millis(250);
 
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Competitor {
     pub pid: u32,
     pub comm: String,
@@ -30,7 +31,8 @@ pub struct Competitor {
     pub cores: f64,
 }
 
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
 pub struct GpuState {
     pub index: u32,
     pub sm_mhz_mean: Option<f64>,
@@ -41,7 +43,8 @@ pub struct GpuState {
     pub reasons: Vec<String>,
 }
 
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Machine {
     pub cpus: usize,
     /// Mean current frequency over the CPUs and the samples, and the highest they offer, MHz.

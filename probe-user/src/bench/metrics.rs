@@ -247,11 +247,20 @@ pub fn normalize_stop(x: &Exchange, output: u64, max_tokens: u64, slot_ctx: Opti
     }
 }
 
+crate::closed_set! {
+    /// Which server limit stopped a response (a row's `server_limit`).
+    ServerLimit {
+        #[default]
+        SlotContext = "slot_context",
+        KvPool = "kv_pool",
+    }
+}
+
 /// Which server limit stopped a response: the slot's own context when prompt + output filled at
 /// least 90% of it, else a KV pool shared between slots (llama-server --kv-unified, vLLM).
-pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64>) -> Option<&'static str> {
+pub fn which_limit(prompt_tokens: Option<u64>, output: u64, slot_ctx: Option<u64>) -> Option<ServerLimit> {
     let (p, c) = (prompt_tokens?, slot_ctx?);
-    Some(if (p + output) * 10 >= c * 9 { "slot_context" } else { "kv_pool" })
+    Some(if (p + output) * 10 >= c * 9 { ServerLimit::SlotContext } else { ServerLimit::KvPool })
 }
 
 pub use crate::util::stats::{mean, percentile};
@@ -277,8 +286,10 @@ pub fn fill_latency(row: &mut Row, x: &Exchange) {
     };
 }
 
-/// One level of one sweep, summarized.
-#[derive(Clone, Debug, Default, Serialize)]
+/// One level of one sweep, summarized (written to results.json, and read back from an earlier
+/// run's as a baseline: a field an older file lacks is left at its default).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Level {
     pub sweep: crate::bench::metrics::Sweep,
     pub level: String,
@@ -425,41 +436,82 @@ pub fn parse_slo(s: &str) -> Result<Slo, String> {
 }
 
 /// The figures a level's repeated runs get intervals for (Level field names).
-pub const INTERVAL_FIGURES: &[&str] = &[
-    "ttft_ms_mean",
-    "ttft_ms_p50",
-    "ttft_ms_p99",
-    "tpot_ms_mean",
-    "itl_ms_p50",
-    "e2e_ms_mean",
-    "output_tokens_mean",
-    "throughput_output_tps",
-    "goodput_rps",
-];
+pub const INTERVAL_FIGURES: &[Figure] = Figure::ALL;
+
+crate::closed_set! {
+    /// The figures a level is compared by (between its runs, against a baseline), by their
+    /// results.json names.
+    Figure {
+        #[default]
+        TtftMsMean = "ttft_ms_mean",
+        TtftMsP50 = "ttft_ms_p50",
+        TtftMsP99 = "ttft_ms_p99",
+        TpotMsMean = "tpot_ms_mean",
+        ItlMsP50 = "itl_ms_p50",
+        E2eMsMean = "e2e_ms_mean",
+        OutputTokensMean = "output_tokens_mean",
+        ThroughputOutputTps = "throughput_output_tps",
+        GoodputRps = "goodput_rps",
+    }
+}
+
+impl Figure {
+    /// What the figure counts in.
+    pub fn unit(self) -> &'static str {
+        use Figure::*;
+        match self {
+            TtftMsMean | TtftMsP50 | TtftMsP99 | TpotMsMean | ItlMsP50 | E2eMsMean => "ms",
+            OutputTokensMean => "tokens",
+            ThroughputOutputTps => "tokens/s",
+            GoodputRps => "requests/s",
+        }
+    }
+
+    /// Latencies are better lower; token counts and rates higher.
+    pub fn lower_is_better(self) -> bool {
+        self.unit() == "ms"
+    }
+
+    /// Its name for people.
+    pub fn nice(self) -> &'static str {
+        use Figure::*;
+        match self {
+            TtftMsMean => "TTFT mean",
+            TtftMsP50 => "TTFT p50",
+            TtftMsP99 => "TTFT p99",
+            TpotMsMean => "TPOT",
+            ItlMsP50 => "ITL p50",
+            E2eMsMean => "E2E mean",
+            OutputTokensMean => "output tokens",
+            ThroughputOutputTps => "output tok/s",
+            GoodputRps => "goodput req/s",
+        }
+    }
+}
 
 impl Level {
-    /// A figure by its field name (INTERVAL_FIGURES).
-    pub fn figure(&self, name: &str) -> Option<f64> {
-        match name {
-            "ttft_ms_mean" => self.ttft_ms_mean,
-            "ttft_ms_p50" => self.ttft_ms_p50,
-            "ttft_ms_p99" => self.ttft_ms_p99,
-            "tpot_ms_mean" => self.tpot_ms_mean,
-            "itl_ms_p50" => self.itl_ms_p50,
-            "e2e_ms_mean" => self.e2e_ms_mean,
-            "output_tokens_mean" => self.output_tokens_mean,
-            "throughput_output_tps" => self.throughput_output_tps,
-            "goodput_rps" => self.goodput_rps,
-            _ => None,
+    /// A figure of the level.
+    pub fn figure(&self, f: Figure) -> Option<f64> {
+        use Figure::*;
+        match f {
+            TtftMsMean => self.ttft_ms_mean,
+            TtftMsP50 => self.ttft_ms_p50,
+            TtftMsP99 => self.ttft_ms_p99,
+            TpotMsMean => self.tpot_ms_mean,
+            ItlMsP50 => self.itl_ms_p50,
+            E2eMsMean => self.e2e_ms_mean,
+            OutputTokensMean => self.output_tokens_mean,
+            ThroughputOutputTps => self.throughput_output_tps,
+            GoodputRps => self.goodput_rps,
         }
     }
 
     /// Whether this level's figure differs from another's: with intervals on both sides, only
     /// when they are apart; otherwise by `fallback` (single runs keep the older thresholds).
-    pub fn differs(&self, o: &Level, name: &str, fallback: impl Fn(f64, f64) -> bool) -> bool {
-        match (self.intervals.get(name), o.intervals.get(name)) {
+    pub fn differs(&self, o: &Level, f: Figure, fallback: impl Fn(f64, f64) -> bool) -> bool {
+        match (self.intervals.get(f.name()), o.intervals.get(f.name())) {
             (Some(a), Some(b)) => a.apart(b),
-            _ => match (self.figure(name), o.figure(name)) {
+            _ => match (self.figure(f), o.figure(f)) {
                 (Some(a), Some(b)) => fallback(a, b),
                 _ => false,
             },
@@ -495,11 +547,11 @@ pub fn pool(runs: &[&Level], rows: &[&Row], slo: Slo) -> Level {
     }
     if runs.len() >= 2 {
         for f in INTERVAL_FIGURES {
-            let v: Vec<f64> = runs.iter().filter_map(|r| r.figure(f)).collect();
+            let v: Vec<f64> = runs.iter().filter_map(|r| r.figure(*f)).collect();
             if v.len() == runs.len()
                 && let Some(i) = crate::util::stats::interval(&v)
             {
-                l.intervals.insert(f.to_string(), i);
+                l.intervals.insert(f.name().to_string(), i);
             }
         }
     }
@@ -705,6 +757,17 @@ fn csv_field(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn figures_are_better_lower_when_they_are_times() {
+        // As the baseline judged them by name: a figure in ms is worse when higher.
+        for f in Figure::ALL {
+            assert_eq!(f.lower_is_better(), f.name().contains("_ms"), "{f}");
+        }
+        assert_eq!((Figure::GoodputRps.unit(), Figure::GoodputRps.nice()), ("requests/s", "goodput req/s"));
+        let l = Level { tpot_ms_mean: Some(12.5), ..Default::default() };
+        assert_eq!((l.figure(Figure::TpotMsMean), l.figure(Figure::GoodputRps)), (Some(12.5), None));
+    }
     use crate::stream::payload::Stop;
 
     fn x(stop: Stop) -> Exchange {
@@ -750,8 +813,8 @@ mod tests {
             normalize_stop(&refused, 0, 16, None),
             (RowStop::Cause(StopCause::ServerError), "cannot connect to 127.0.0.1:9: Connection refused".into())
         );
-        assert_eq!(which_limit(Some(9), 248, Some(1024)), Some("kv_pool"));
-        assert_eq!(which_limit(Some(30), 226, Some(256)), Some("slot_context"));
+        assert_eq!(which_limit(Some(9), 248, Some(1024)), Some(ServerLimit::KvPool));
+        assert_eq!(which_limit(Some(30), 226, Some(256)), Some(ServerLimit::SlotContext));
         assert_eq!(which_limit(None, 226, Some(256)), None);
     }
 
@@ -845,10 +908,10 @@ mod tests {
         let (r4, l4) = run(300.0, 3);
         let (r5, l5) = run(310.0, 4);
         let q = pool(&[&l4, &l5], &[&r4, &r5], Slo::default());
-        assert!(p.differs(&q, "ttft_ms_p50", |_, _| false));
+        assert!(p.differs(&q, Figure::TtftMsP50, |_, _| false));
         // One run alone has no interval: the caller's rule decides.
-        assert!(l1.differs(&l4, "ttft_ms_p50", |a, b| b > 2.0 * a));
-        assert!(!l1.differs(&l2, "ttft_ms_p50", |a, b| b > 2.0 * a));
+        assert!(l1.differs(&l4, Figure::TtftMsP50, |a, b| b > 2.0 * a));
+        assert!(!l1.differs(&l2, Figure::TtftMsP50, |a, b| b > 2.0 * a));
     }
 
     #[test]

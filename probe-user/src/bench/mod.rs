@@ -14,6 +14,7 @@ pub mod args;
 pub mod baseline;
 pub mod client;
 pub mod conclude;
+mod idle;
 pub mod machine;
 pub mod metrics;
 pub mod output;
@@ -23,7 +24,6 @@ pub mod trace;
 pub mod vllm;
 
 use std::{
-    path::PathBuf,
     process::Command,
     sync::atomic::{AtomicBool, AtomicU64, Ordering},
     time::{Duration, Instant},
@@ -35,6 +35,7 @@ use self::{
     api::{Api, Sampling, ServerInfo},
     args::label,
     client::Url,
+    idle::{IdleSetup, idle_one, idle_setup},
     metrics::{Level, Row, Slo},
     results::Results,
     sweep::{Ctx, Progress},
@@ -237,28 +238,8 @@ fn shell(cmd: &str, what: &str) -> anyhow::Result<()> {
 pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     args.auth.install();
     let url = Url::parse(&args.url).map_err(anyhow::Error::msg)?;
-    if args.trace_pid.is_some() && args.trace {
-        bail!("--trace-pid and --trace: choose one (--trace finds the pid by the URL's port)");
-    }
-    if args.trace_pid.is_some() && args.restart_cmd.is_some() {
-        bail!("--trace-pid with --restart-cmd: the pid changes at each restart; use --trace to follow the server by its port");
-    }
-    if args.stop_cmd.is_some() && args.restart_cmd.is_none() {
-        bail!("--stop-cmd needs --restart-cmd (which starts the server again)");
-    }
-    let tracing = args.trace || args.trace_pid.is_some();
-    // SAFETY: geteuid has no preconditions.
-    if tracing && unsafe { libc::geteuid() } != 0 {
-        bail!("--trace/--trace-pid load BPF programs: run probe bench as root (or drop the tracing flags)");
-    }
-    let asked =
-        if args.sweep.is_empty() { vec![if args.rate.is_empty() { Sweep::Concurrency } else { Sweep::Rate }] } else { args.sweep.clone() };
-    let sweeps: Vec<Sweep> = asked.iter().fold(Vec::new(), |mut v, s| {
-        if !v.contains(s) {
-            v.push(*s);
-        }
-        v
-    });
+    let tracing = check_flags(&args)?;
+    let sweeps = sweeps_asked(&args);
     // Reach the server first: a clear error rather than a table of failed rows.
     match client::request(&url, "GET", args.api.health_path(), None, Duration::from_secs(10)) {
         Ok(_) => {}
@@ -271,18 +252,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     }
     // SAFETY: installing an async-signal-safe handler (atomics only).
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
-    let own_prompts: Vec<String> = match &args.prompts {
-        Some(f) => std::fs::read_to_string(f)
-            .with_context(|| format!("cannot read --prompts {}", f.display()))?
-            .lines()
-            .map(|l| l.replace("\\n", "\n"))
-            .filter(|l| !l.trim().is_empty())
-            .collect(),
-        None => Vec::new(),
-    };
-    if args.prompts.is_some() && own_prompts.is_empty() {
-        bail!("--prompts {}: no prompts in it (one a line)", args.prompts.as_deref().unwrap_or(std::path::Path::new("")).display());
-    }
+    let own_prompts = read_prompts(&args)?;
     let info = api::server_info(&url, args.api, args.model.clone());
     if matches!(args.api, Api::Ollama) && info.model.is_none() {
         bail!("--api ollama needs a model: pass --model (no model is loaded or listed)");
@@ -319,56 +289,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         gpu,
         repeat: 0,
     };
-    run.notes.extend(run.info.notes.iter().map(|n| format!("server: {n}")));
-    if metrics {
-        run.notes.push(format!(
-            "server counters: /metrics read before and after each level{}",
-            if tracing {
-                " (not polled during levels while tracing: a poll is a request the verdicts would count)"
-            } else {
-                ", and every 500 ms during levels above concurrency 1 (peaks)"
-            }
-        ));
-    }
-    run.notes.push("requests are plain HTTP/1.1, one connection each (Connection: close); prompts and answers are not stored (prompt hash and token count only)".into());
-    if run.args.api != Api::Ollama {
-        run.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server); the prefix and multiturn workloads turn the cache on (they are about it)".into());
-    }
-    if args.repeat > 1 {
-        run.notes.push(format!(
-            "--repeat {}: each level ran {} times, the runs of a sweep's levels in a shuffled order (seed {}); figures pool every run, intervals are over the runs' own figures",
-            args.repeat, args.repeat, args.seed
-        ));
-    }
-    run.notes.push(format!(
-        "machine state per level: CPU frequency{}, idle states, PSI, other processes' CPU (/proc){}",
-        if crate::sampler::host::cpufreq().is_some() { "" } else { " (no cpufreq here)" },
-        if gpu { ", GPU clocks and power (NVML)" } else { "; no GPU clocks (NVML did not answer)" }
-    ));
+    run.setup_notes(tracing);
     let mut order_all = Vec::new();
-    let result = (|| -> anyhow::Result<()> {
-        for s in &sweeps {
-            if client::interrupted() {
-                break;
-            }
-            let planned = plan(&mut run, *s)?;
-            order_all.extend(planned.plans.iter().map(|(l, _)| (*s, l.clone())));
-            // The idle sweep with restarts starts its own segments (one per server process).
-            if *s != Sweep::Idle || run.args.restart_cmd.is_none() {
-                run.start_trace()?;
-            }
-            let total: usize = planned.plans.iter().map(|(_, p)| p.requests()).sum::<usize>() * run.args.repeat as usize;
-            run.progress.total.fetch_add(total, std::sync::atomic::Ordering::Relaxed);
-            for (i, r) in schedule(planned.plans.len(), run.args.repeat, run.args.seed ^ *s as u64) {
-                if client::interrupted() {
-                    break;
-                }
-                run.repeat = r;
-                execute(&mut run, &planned, i)?;
-            }
-        }
-        Ok(())
-    })();
+    let result = run_sweeps(&mut run, &sweeps, &mut order_all);
     run.stop_trace();
     run.pool(&order_all);
     if let Err(e) = &result {
@@ -406,37 +329,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         url: args.url.clone(),
         api: args.api,
         started_unix_s,
-        config: results::Config {
-            sweeps,
-            levels: args.levels.clone(),
-            requests_per_level: args.requests_per_level,
-            max_tokens: args.max_tokens,
-            buckets: args.buckets.clone(),
-            prompt_levels: args.prompt_levels.clone(),
-            bucket_max_tokens: args.bucket_max_tokens,
-            idle_s: args.idle.iter().map(|d| d.as_secs_f64()).collect(),
-            idle_max_tokens: args.idle_max_tokens,
-            restart_cmd: args.restart_cmd.is_some(),
-            stop_cmd: args.stop_cmd.is_some(),
-            drop_cache: args.drop_cache,
-            keep_warm: args.keep_warm,
-            keep_warm_every_s: args.keep_warm_every.as_secs_f64(),
-            seed: args.seed,
-            temperature: args.temperature,
-            ignore_eos: args.ignore_eos,
-            timeout_s: args.timeout.as_secs_f64(),
-            goodput_ttft_ms: slo.ttft_ms,
-            goodput_tpot_ms: slo.tpot_ms,
-            trace: tracing,
-            model: run.info.model.clone(),
-            repeat: args.repeat,
-            slo: (!slo.is_empty()).then_some(slo),
-            goodput_pct: args.goodput_pct,
-            rates: args.rate.clone(),
-            prefix_tokens: args.prefix_tokens,
-            prefix_requests: args.prefix_requests,
-            turns: args.turns,
-        },
+        config: config(&args, sweeps, slo, tracing, run.info.model.clone()),
         definitions: metrics::DEFINITIONS.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         server: run.info.clone(),
         interrupted,
@@ -451,6 +344,158 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
     };
     let files = output::write_all(&args.out, &results)?;
     run.progress.line(&format!("wrote {} in {}", files.join(", "), args.out.display()));
+    print_results(&results, &args);
+    result?;
+    if let Some(g) = gate {
+        eprintln!("probe bench: {}", crate::util::text::terminal(&g));
+        return Ok(crate::exit::REGRESSION);
+    }
+    Ok(if interrupted { crate::exit::PARTIAL } else { crate::exit::OK })
+}
+
+/// The flag combinations clap cannot check (and root for tracing); true when the run traces.
+fn check_flags(args: &BenchArgs) -> anyhow::Result<bool> {
+    if args.trace_pid.is_some() && args.trace {
+        bail!("--trace-pid and --trace: choose one (--trace finds the pid by the URL's port)");
+    }
+    if args.trace_pid.is_some() && args.restart_cmd.is_some() {
+        bail!("--trace-pid with --restart-cmd: the pid changes at each restart; use --trace to follow the server by its port");
+    }
+    if args.stop_cmd.is_some() && args.restart_cmd.is_none() {
+        bail!("--stop-cmd needs --restart-cmd (which starts the server again)");
+    }
+    let tracing = args.trace || args.trace_pid.is_some();
+    // SAFETY: geteuid has no preconditions.
+    if tracing && unsafe { libc::geteuid() } != 0 {
+        bail!("--trace/--trace-pid load BPF programs: run probe bench as root (or drop the tracing flags)");
+    }
+    Ok(tracing)
+}
+
+/// The sweeps to run, each once, in the order asked (default: concurrency, or rate with --rate).
+fn sweeps_asked(args: &BenchArgs) -> Vec<Sweep> {
+    let asked =
+        if args.sweep.is_empty() { vec![if args.rate.is_empty() { Sweep::Concurrency } else { Sweep::Rate }] } else { args.sweep.clone() };
+    asked.iter().fold(Vec::new(), |mut v, s| {
+        if !v.contains(s) {
+            v.push(*s);
+        }
+        v
+    })
+}
+
+/// --prompts: the user's prompts, one a line (`\n` for a newline); none without the flag.
+fn read_prompts(args: &BenchArgs) -> anyhow::Result<Vec<String>> {
+    let own_prompts: Vec<String> = match &args.prompts {
+        Some(f) => std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read --prompts {}", f.display()))?
+            .lines()
+            .map(|l| l.replace("\\n", "\n"))
+            .filter(|l| !l.trim().is_empty())
+            .collect(),
+        None => Vec::new(),
+    };
+    if args.prompts.is_some() && own_prompts.is_empty() {
+        bail!("--prompts {}: no prompts in it (one a line)", args.prompts.as_deref().unwrap_or(std::path::Path::new("")).display());
+    }
+    Ok(own_prompts)
+}
+
+impl Run {
+    /// The notes every run states up front: counters, request form, repeats, machine state.
+    fn setup_notes(&mut self, tracing: bool) {
+        self.notes.extend(self.info.notes.iter().map(|n| format!("server: {n}")));
+        if self.metrics {
+            self.notes.push(format!(
+                "server counters: /metrics read before and after each level{}",
+                if tracing {
+                    " (not polled during levels while tracing: a poll is a request the verdicts would count)"
+                } else {
+                    ", and every 500 ms during levels above concurrency 1 (peaks)"
+                }
+            ));
+        }
+        self.notes.push("requests are plain HTTP/1.1, one connection each (Connection: close); prompts and answers are not stored (prompt hash and token count only)".into());
+        if self.args.api != Api::Ollama {
+            self.notes.push("cache_prompt=false on every request, so the same prompt at another level is prefilled again (llama-server); the prefix and multiturn workloads turn the cache on (they are about it)".into());
+        }
+        if self.args.repeat > 1 {
+            self.notes.push(format!(
+                "--repeat {}: each level ran {} times, the runs of a sweep's levels in a shuffled order (seed {}); figures pool every run, intervals are over the runs' own figures",
+                self.args.repeat, self.args.repeat, self.args.seed
+            ));
+        }
+        self.notes.push(format!(
+            "machine state per level: CPU frequency{}, idle states, PSI, other processes' CPU (/proc){}",
+            if crate::sampler::host::cpufreq().is_some() { "" } else { " (no cpufreq here)" },
+            if self.gpu { ", GPU clocks and power (NVML)" } else { "; no GPU clocks (NVML did not answer)" }
+        ));
+    }
+}
+
+/// Plan and run every sweep, its levels in the scheduled order, until done, an error or Ctrl-C;
+/// `order_all` gets every planned (sweep, level), for pooling, even when the run stops early.
+fn run_sweeps(run: &mut Run, sweeps: &[Sweep], order_all: &mut Vec<(Sweep, String)>) -> anyhow::Result<()> {
+    for s in sweeps {
+        if client::interrupted() {
+            break;
+        }
+        let planned = plan(run, *s)?;
+        order_all.extend(planned.plans.iter().map(|(l, _)| (*s, l.clone())));
+        // The idle sweep with restarts starts its own segments (one per server process).
+        if *s != Sweep::Idle || run.args.restart_cmd.is_none() {
+            run.start_trace()?;
+        }
+        let total: usize = planned.plans.iter().map(|(_, p)| p.requests()).sum::<usize>() * run.args.repeat as usize;
+        run.progress.total.fetch_add(total, std::sync::atomic::Ordering::Relaxed);
+        for (i, r) in schedule(planned.plans.len(), run.args.repeat, run.args.seed ^ *s as u64) {
+            if client::interrupted() {
+                break;
+            }
+            run.repeat = r;
+            execute(run, &planned, i)?;
+        }
+    }
+    Ok(())
+}
+
+/// The run's settings as results.json's `config` records them.
+fn config(args: &BenchArgs, sweeps: Vec<Sweep>, slo: Slo, tracing: bool, model: Option<String>) -> results::Config {
+    results::Config {
+        sweeps,
+        levels: args.levels.clone(),
+        requests_per_level: args.requests_per_level,
+        max_tokens: args.max_tokens,
+        buckets: args.buckets.clone(),
+        prompt_levels: args.prompt_levels.clone(),
+        bucket_max_tokens: args.bucket_max_tokens,
+        idle_s: args.idle.iter().map(|d| d.as_secs_f64()).collect(),
+        idle_max_tokens: args.idle_max_tokens,
+        restart_cmd: args.restart_cmd.is_some(),
+        stop_cmd: args.stop_cmd.is_some(),
+        drop_cache: args.drop_cache,
+        keep_warm: args.keep_warm,
+        keep_warm_every_s: args.keep_warm_every.as_secs_f64(),
+        seed: args.seed,
+        temperature: args.temperature,
+        ignore_eos: args.ignore_eos,
+        timeout_s: args.timeout.as_secs_f64(),
+        goodput_ttft_ms: slo.ttft_ms,
+        goodput_tpot_ms: slo.tpot_ms,
+        trace: tracing,
+        model,
+        repeat: args.repeat,
+        slo: (!slo.is_empty()).then_some(slo),
+        goodput_pct: args.goodput_pct,
+        rates: args.rate.clone(),
+        prefix_tokens: args.prefix_tokens,
+        prefix_requests: args.prefix_requests,
+        turns: args.turns,
+    }
+}
+
+/// The terminal's part: each sweep's table, the other tool's, the conclusions.
+fn print_results(results: &Results, args: &BenchArgs) {
     for s in SWEEPS {
         print!("{}", crate::util::text::terminal(&output::table(&results.levels, s)));
     }
@@ -462,12 +507,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<i32> {
         println!("  - {}", crate::util::text::terminal(c));
     }
     println!("\n(definitions and notes in {})", args.out.join("summary.txt").display());
-    result?;
-    if let Some(g) = gate {
-        eprintln!("probe bench: {}", crate::util::text::terminal(&g));
-        return Ok(crate::exit::REGRESSION);
-    }
-    Ok(if interrupted { crate::exit::PARTIAL } else { crate::exit::OK })
 }
 
 /// Every sweep's name, in the order outputs list them.
@@ -578,7 +617,7 @@ fn plan(run: &mut Run, s: Sweep) -> anyhow::Result<Planned> {
                 }
                 run.progress.update(&format!("sizing a {b}-token prompt"));
                 let pr = sweep::sized_prompt(&run.url, b, run.args.seed, run.info.model.as_deref());
-                if pr.source == "estimate" && !run.notes.iter().any(|n| n.contains("no tokenizer")) {
+                if pr.source == sweep::PromptSource::Estimate && !run.notes.iter().any(|n| n.contains("no tokenizer")) {
                     run.notes.push("the server has no tokenizer endpoint: prompt buckets are estimated at 4 characters a token".into());
                 }
                 let tokens = pr.tokens.unwrap_or(b);
@@ -684,120 +723,6 @@ fn execute(run: &mut Run, planned: &Planned, i: usize) -> anyhow::Result<()> {
             idle_one(run, setup, *d)?;
         }
     }
-    Ok(())
-}
-
-/// Sleep `d`, in steps, stopping on Ctrl-C; with keep-warm, a 1-token request every `every`.
-fn idle_wait(run: &Run, d: Duration, keep_warm: bool, pings: &mut u64) {
-    let start = Instant::now();
-    let mut last = Instant::now();
-    let s = Sampling { max_tokens: 1, ..run.sampling(1) };
-    while start.elapsed() < d && !client::interrupted() {
-        if keep_warm && last.elapsed() >= run.args.keep_warm_every {
-            let (path, body) = run.args.api.generate("Hi", &s);
-            let _ = client::stream(&run.url, path, &body, Duration::from_secs(60));
-            *pings += 1;
-            last = Instant::now();
-        }
-        run.progress.update(&format!("idle {:.0}/{:.0} s", start.elapsed().as_secs_f64(), d.as_secs_f64()));
-        std::thread::sleep(Duration::from_millis(100).min(d.saturating_sub(start.elapsed())).max(Duration::from_millis(1)));
-    }
-}
-
-/// What every idle level shares: its layers, the model file to drop, the prompt.
-struct IdleSetup {
-    layers: Vec<String>,
-    model_file: Option<PathBuf>,
-    prompts: Vec<sweep::Prompt>,
-}
-
-fn idle_setup(run: &mut Run) -> anyhow::Result<IdleSetup> {
-    let mut layers = Vec::new();
-    if run.args.restart_cmd.is_some() {
-        layers.push("restart".to_string());
-    }
-    if run.args.drop_cache {
-        layers.push("drop_cache".to_string());
-    }
-    if run.args.keep_warm {
-        layers.push("keep_warm".to_string());
-    }
-    let model_file = if run.args.drop_cache {
-        let f = run
-            .args
-            .model_file
-            .clone()
-            .or_else(|| run.info.model_path.clone().map(PathBuf::from).filter(|p| p.is_file()))
-            .or_else(|| run.server_pid().and_then(trace::largest_mapped_file))
-            .context("--drop-cache: cannot find the model file (pass --model-file)")?;
-        run.notes.push(format!(
-            "--drop-cache: posix_fadvise(DONTNEED) on {} before each idle request{}. DONTNEED cannot evict pages a live process maps: the model only goes cold when no process maps it (after --stop-cmd, or while the server has unloaded the model: llama-server --sleep-idle-seconds, Ollama keep_alive); model_resident_pct shows what was in the page cache just before each request",
-            f.display(),
-            if run.args.stop_cmd.is_some() { " and between --stop-cmd and --restart-cmd" } else { "" }
-        ));
-        Some(f)
-    } else {
-        None
-    };
-    if run.args.keep_warm {
-        run.notes.push(format!(
-            "--keep-warm (pinned worker): a 1-token request every {:?} during each idle wait, not recorded as rows",
-            run.args.keep_warm_every
-        ));
-    }
-    let prompts = sweep::instruction_prompts(&run.url, 1, run.info.model.as_deref(), true, &run.own_prompts);
-    Ok(IdleSetup { layers, model_file, prompts })
-}
-
-fn idle_one(run: &mut Run, setup: &IdleSetup, d: Duration) -> anyhow::Result<()> {
-    let s = run.sampling(run.args.idle_max_tokens);
-    let model_file = &setup.model_file;
-    let mut pings = 0;
-    if let Some(cmd) = run.args.restart_cmd.clone() {
-        run.stop_trace();
-        if let Some(stop) = run.args.stop_cmd.clone() {
-            run.progress.update("stopping the server");
-            shell(&stop, "--stop-cmd")?;
-            let t = Instant::now();
-            while trace::pid_listening(run.url.port).is_some() && t.elapsed() < run.args.health_timeout {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if let Some(f) = model_file {
-                trace::drop_cache(f)?;
-            }
-        }
-        run.progress.update("restarting the server");
-        shell(&cmd, "--restart-cmd")?;
-        run.wait_healthy()?;
-        run.start_trace()?;
-    }
-    idle_wait(run, d, run.args.keep_warm, &mut pings);
-    if client::interrupted() {
-        return Ok(());
-    }
-    let mut notes = Vec::new();
-    if let Some(f) = model_file {
-        trace::drop_cache(f)?;
-    }
-    let resident = model_file.as_deref().or(run.args.model_file.as_deref()).and_then(trace::resident_pct);
-    let pid = run.server_pid();
-    let (age, rss) = pid.map(trace::process_facts).unwrap_or((None, None));
-    if let Some(r) = resident {
-        notes.push(format!("model file {r:.0}% in the page cache before the request"));
-    }
-    if pings > 0 {
-        notes.push(format!("keep-warm sent {pings} requests during the idle wait"));
-    }
-    let mut t = template(Sweep::Idle, label(d), 1);
-    t.idle_s = Some(d.as_secs_f64());
-    t.layers = setup.layers.clone();
-    t.model_resident_pct = resident;
-    t.server_pid = pid;
-    t.process_age_s = age;
-    t.server_rss_mib = rss;
-    let (rows, mut level) = sweep::level(&run.ctx(), &t, &setup.prompts, 1, 1, &s);
-    level.notes.extend(notes);
-    run.push(rows, level);
     Ok(())
 }
 

@@ -356,231 +356,283 @@ pub fn svg(panels: &[String], w: f64, h: f64) -> String {
 
 /// The charts for the sweeps present: (file name, SVG).
 pub fn charts(levels: &[Level], rows: &[Row]) -> Vec<(String, String)> {
-    let (w, h) = (420.0, 300.0);
     let mut out = Vec::new();
     let of = |s: crate::bench::metrics::Sweep| -> Vec<&Level> { levels.iter().filter(|l| l.sweep == s).collect() };
-    let cats = |ls: &[&Level]| -> Vec<String> { ls.iter().map(|l| l.level.clone()).collect() };
-    let vals = |ls: &[&Level], g: &dyn Fn(&Level) -> Option<f64>| -> Vec<f64> { ls.iter().map(|l| g(l).unwrap_or(0.0)).collect() };
-    let mix = |ls: &[&Level]| -> Vec<(String, Vec<f64>)> {
-        let mut names: Vec<String> = ls.iter().flat_map(|l| l.stops.keys().cloned()).collect();
-        names.sort();
-        names.dedup();
-        names.into_iter().map(|n| (n.clone(), ls.iter().map(|l| l.stops.get(&n).copied().unwrap_or(0) as f64).collect())).collect()
-    };
-    let ci = |ls: &[&Level], f: &str| -> Vec<Option<(f64, f64)>> { ls.iter().map(|l| l.intervals.get(f).map(|i| (i.lo, i.hi))).collect() };
     let c = of(crate::bench::metrics::Sweep::Concurrency);
     if !c.is_empty() {
-        let a = panel_ci(
-            (0.0, 0.0, w, h),
-            "TTFT p50 (ms) by concurrency",
-            &cats(&c),
-            ("TTFT p50".into(), vals(&c, &|l| l.ttft_ms_p50)),
-            &ci(&c, "ttft_ms_p50"),
-        );
-        let b = panel_ci(
-            (w, 0.0, w, h),
-            "output tokens (mean) by concurrency",
-            &cats(&c),
-            ("output tokens".into(), vals(&c, &|l| l.output_tokens_mean)),
-            &ci(&c, "output_tokens_mean"),
-        );
-        out.push(("concurrency-ttft-output.svg".into(), svg(&[a, b], w, h)));
-        out.push((
-            "concurrency-stops.svg".into(),
-            svg(&[panel((0.0, 0.0, w, h), "stop reasons by concurrency (requests)", &cats(&c), &mix(&c), true)], w, h),
-        ));
+        concurrency_charts(&c, &mut out);
     }
     let r = of(crate::bench::metrics::Sweep::Rate);
     if !r.is_empty() {
-        let a = panel_ci(
-            (0.0, 0.0, w, h),
-            "TTFT p50 (ms) by arrival rate",
-            &cats(&r),
-            ("TTFT p50".into(), vals(&r, &|l| l.ttft_ms_p50)),
-            &ci(&r, "ttft_ms_p50"),
-        );
-        let b = panel_ci(
-            (w, 0.0, w, h),
-            "TPOT (ms) by arrival rate",
-            &cats(&r),
-            ("TPOT".into(), vals(&r, &|l| l.tpot_ms_mean)),
-            &ci(&r, "tpot_ms_mean"),
-        );
-        let g = panel(
-            (2.0 * w, 0.0, w, h),
-            "requests/s by arrival rate",
-            &cats(&r),
-            &[("served".into(), vals(&r, &|l| l.request_rate)), ("goodput".into(), vals(&r, &|l| l.goodput_rps))],
-            false,
-        );
-        out.push(("rate-latency.svg".into(), svg(&[a, b, g], w, h)));
+        out.push(("rate-latency.svg".into(), rate_chart(&r)));
     }
     let x = of(crate::bench::metrics::Sweep::Prefix);
     if !x.is_empty() {
-        let a = panel(
-            (0.0, 0.0, w, h),
-            "prompt tokens after the first (mean) by concurrency",
-            &cats(&x),
-            &[("cached".into(), vals(&x, &|l| l.cached_tokens_mean)), ("prompt".into(), vals(&x, &|l| l.prompt_tokens_mean))],
-            false,
-        );
-        let b = panel_ci(
-            (w, 0.0, w, h),
-            "TTFT p50 (ms) by concurrency",
-            &cats(&x),
-            ("TTFT p50".into(), vals(&x, &|l| l.ttft_ms_p50)),
-            &ci(&x, "ttft_ms_p50"),
-        );
-        out.push(("prefix-cache.svg".into(), svg(&[a, b], w, h)));
+        out.push(("prefix-cache.svg".into(), prefix_chart(&x)));
     }
     let m = of(crate::bench::metrics::Sweep::Multiturn);
     if !m.is_empty() {
-        let turns: Vec<u64> = {
-            let mut t: Vec<u64> =
-                rows.iter().filter(|r| r.sweep == crate::bench::metrics::Sweep::Multiturn).filter_map(|r| r.turn).collect();
-            t.sort();
-            t.dedup();
-            t
-        };
-        let tcats: Vec<String> = turns.iter().map(|t| format!("turn {t}")).collect();
-        let by = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> {
-            turns
-                .iter()
-                .map(|t| {
-                    super::metrics::mean(
-                        &rows
-                            .iter()
-                            .filter(|r| r.sweep == crate::bench::metrics::Sweep::Multiturn && r.turn == Some(*t))
-                            .filter_map(g)
-                            .collect::<Vec<_>>(),
-                    )
-                    .unwrap_or(0.0)
-                })
-                .collect()
-        };
-        let a = panel((0.0, 0.0, w, h), "TTFT (ms, mean) by turn", &tcats, &[("TTFT".into(), by(&|r| r.ttft_ms))], false);
-        let b = panel(
-            (w, 0.0, w, h),
-            "prompt tokens (mean) by turn",
-            &tcats,
-            &[("prompt".into(), by(&|r| r.prompt_tokens.map(|n| n as f64))), ("cached".into(), by(&|r| r.cached_tokens.map(|n| n as f64)))],
-            false,
-        );
-        out.push(("multiturn-turns.svg".into(), svg(&[a, b], w, h)));
+        out.push(("multiturn-turns.svg".into(), multiturn_chart(rows)));
     }
     let p = of(crate::bench::metrics::Sweep::Prompt);
     if !p.is_empty() {
-        let a = panel(
-            (0.0, 0.0, w, h),
-            "prompt tokens/s by bucket",
-            &cats(&p),
-            &[("prompt tok/s".into(), vals(&p, &|l| l.prompt_tps_mean))],
-            false,
-        );
-        let b = panel(
-            (w, 0.0, w, h),
-            "output tokens/s by bucket",
-            &cats(&p),
-            &[("output tok/s".into(), vals(&p, &|l| l.throughput_output_tps))],
-            false,
-        );
-        let t =
-            panel((2.0 * w, 0.0, w, h), "TTFT p50 (ms) by bucket", &cats(&p), &[("TTFT p50".into(), vals(&p, &|l| l.ttft_ms_p50))], false);
-        out.push(("prompt-throughput.svg".into(), svg(&[a, b, t], w, h)));
-        out.push((
-            "prompt-stops.svg".into(),
-            svg(&[panel((0.0, 0.0, w, h), "stop reasons by bucket (requests)", &cats(&p), &mix(&p), true)], w, h),
-        ));
+        prompt_charts(&p, &mut out);
     }
     // The engine's steps (a traced llama.cpp server): sequences per step by concurrency, and the
     // decode step's time by prompt bucket: the context's cost, measured inside the engine.
     let engine = |ls: &[&Level]| ls.iter().any(|l| l.engine_step_ms_p50.is_some());
     if engine(&c) || engine(&p) {
-        let mut panels = Vec::new();
-        if engine(&c) {
-            let x = panels.len() as f64 * w;
-            panels.push(panel(
-                (x, 0.0, w, h),
-                "engine: sequences per decode step by concurrency",
-                &cats(&c),
-                &[("batch".into(), vals(&c, &|l| l.engine_batch_seqs))],
-                false,
-            ));
-            let x = panels.len() as f64 * w;
-            panels.push(panel(
-                (x, 0.0, w, h),
-                "engine: decode step p50 (ms) by concurrency",
-                &cats(&c),
-                &[("step ms".into(), vals(&c, &|l| l.engine_step_ms_p50))],
-                false,
-            ));
-        }
-        if engine(&p) {
-            let x = panels.len() as f64 * w;
-            let kv: Vec<String> =
-                p.iter().map(|l| l.engine_kv_len.map_or_else(|| l.level.clone(), |k| format!("{} (KV {k:.0})", l.level))).collect();
-            panels.push(panel(
-                (x, 0.0, w, h),
-                "engine: decode step p50 (ms) by prompt bucket",
-                &kv,
-                &[("step ms".into(), vals(&p, &|l| l.engine_step_ms_p50))],
-                false,
-            ));
-        }
-        let n = panels.len() as f64;
-        out.push(("engine-steps.svg".into(), svg(&panels, n * w, h)));
+        out.push(("engine-steps.svg".into(), engine_chart(&c, engine(&c), &p, engine(&p))));
     }
     let i = of(crate::bench::metrics::Sweep::Idle);
     if !i.is_empty() {
-        let names = ["queue", "disk", "memory", "cpu_contention", "load", "compute", "unexplained"];
-        let traced = rows.iter().any(|r| r.sweep == crate::bench::metrics::Sweep::Idle && r.verdict.is_some());
-        let series: Vec<(String, Vec<f64>)> = if traced {
-            names
-                .iter()
-                .map(|n| {
-                    let v = i
-                        .iter()
-                        .map(|l| {
-                            let parts: Vec<f64> = rows
-                                .iter()
-                                .filter(|r| r.seq == l.seq)
-                                .filter_map(|r| {
-                                    r.verdict.as_ref()?.ttft_ms.as_ref().map(|s| match *n {
-                                        "queue" => s.queue,
-                                        "disk" => s.disk,
-                                        "memory" => s.memory,
-                                        "cpu_contention" => s.cpu_contention,
-                                        "load" => s.load,
-                                        "compute" => s.compute,
-                                        _ => s.unexplained + s.power,
-                                    })
-                                })
-                                .collect();
-                            super::metrics::mean(&parts).unwrap_or(0.0)
-                        })
-                        .collect();
-                    (n.to_string(), v)
-                })
-                .collect()
-        } else {
-            let per = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> {
-                i.iter()
-                    .map(|l| super::metrics::mean(&rows.iter().filter(|r| r.seq == l.seq).filter_map(g).collect::<Vec<_>>()).unwrap_or(0.0))
-                    .collect()
-            };
-            vec![
-                ("compute".into(), per(&|r| r.prompt_ms.zip(r.ttft_ms).map(|(p, t)| p.min(t)))),
-                ("other".into(), per(&|r| r.ttft_ms.map(|t| (t - r.prompt_ms.unwrap_or(0.0)).max(0.0)))),
-            ]
-        };
-        let title = if traced {
-            "TTFT (ms) by idle interval, split by traced cause"
-        } else {
-            "TTFT (ms) by idle interval (server prompt time + rest; --trace splits it)"
-        };
-        out.push(("idle-ttft.svg".into(), svg(&[panel((0.0, 0.0, 2.0 * w, h), title, &cats(&i), &series, true)], 2.0 * w, h)));
+        out.push(("idle-ttft.svg".into(), idle_chart(&i, rows)));
     }
     out
+}
+
+/// A chart panel's size, px (charts put panels side by side).
+const W: f64 = 420.0;
+const H: f64 = 300.0;
+
+/// The levels' names: a panel's categories.
+fn cats(ls: &[&Level]) -> Vec<String> {
+    ls.iter().map(|l| l.level.clone()).collect()
+}
+
+/// A figure of each level (0 where a level has none).
+fn vals(ls: &[&Level], g: &dyn Fn(&Level) -> Option<f64>) -> Vec<f64> {
+    ls.iter().map(|l| g(l).unwrap_or(0.0)).collect()
+}
+
+/// The stop reasons' counts by level, one series a reason (sorted by name).
+fn mix(ls: &[&Level]) -> Vec<(String, Vec<f64>)> {
+    let mut names: Vec<String> = ls.iter().flat_map(|l| l.stops.keys().cloned()).collect();
+    names.sort();
+    names.dedup();
+    names.into_iter().map(|n| (n.clone(), ls.iter().map(|l| l.stops.get(&n).copied().unwrap_or(0) as f64).collect())).collect()
+}
+
+/// Each level's 95% interval of figure `f` (with --repeat).
+fn ci(ls: &[&Level], f: &str) -> Vec<Option<(f64, f64)>> {
+    ls.iter().map(|l| l.intervals.get(f).map(|i| (i.lo, i.hi))).collect()
+}
+
+/// The concurrency sweep: TTFT and output length, then the stop reasons.
+fn concurrency_charts(c: &[&Level], out: &mut Vec<(String, String)>) {
+    let (w, h) = (W, H);
+    let a = panel_ci(
+        (0.0, 0.0, w, h),
+        "TTFT p50 (ms) by concurrency",
+        &cats(c),
+        ("TTFT p50".into(), vals(c, &|l| l.ttft_ms_p50)),
+        &ci(c, "ttft_ms_p50"),
+    );
+    let b = panel_ci(
+        (w, 0.0, w, h),
+        "output tokens (mean) by concurrency",
+        &cats(c),
+        ("output tokens".into(), vals(c, &|l| l.output_tokens_mean)),
+        &ci(c, "output_tokens_mean"),
+    );
+    out.push(("concurrency-ttft-output.svg".into(), svg(&[a, b], w, h)));
+    out.push((
+        "concurrency-stops.svg".into(),
+        svg(&[panel((0.0, 0.0, w, h), "stop reasons by concurrency (requests)", &cats(c), &mix(c), true)], w, h),
+    ));
+}
+
+/// The rate sweep: TTFT, TPOT, and requests served against goodput.
+fn rate_chart(r: &[&Level]) -> String {
+    let (w, h) = (W, H);
+    let a = panel_ci(
+        (0.0, 0.0, w, h),
+        "TTFT p50 (ms) by arrival rate",
+        &cats(r),
+        ("TTFT p50".into(), vals(r, &|l| l.ttft_ms_p50)),
+        &ci(r, "ttft_ms_p50"),
+    );
+    let b = panel_ci(
+        (w, 0.0, w, h),
+        "TPOT (ms) by arrival rate",
+        &cats(r),
+        ("TPOT".into(), vals(r, &|l| l.tpot_ms_mean)),
+        &ci(r, "tpot_ms_mean"),
+    );
+    let g = panel(
+        (2.0 * w, 0.0, w, h),
+        "requests/s by arrival rate",
+        &cats(r),
+        &[("served".into(), vals(r, &|l| l.request_rate)), ("goodput".into(), vals(r, &|l| l.goodput_rps))],
+        false,
+    );
+    svg(&[a, b, g], w, h)
+}
+
+/// The shared-prefix workload: cached against prompt tokens, and TTFT.
+fn prefix_chart(x: &[&Level]) -> String {
+    let (w, h) = (W, H);
+    let a = panel(
+        (0.0, 0.0, w, h),
+        "prompt tokens after the first (mean) by concurrency",
+        &cats(x),
+        &[("cached".into(), vals(x, &|l| l.cached_tokens_mean)), ("prompt".into(), vals(x, &|l| l.prompt_tokens_mean))],
+        false,
+    );
+    let b = panel_ci(
+        (w, 0.0, w, h),
+        "TTFT p50 (ms) by concurrency",
+        &cats(x),
+        ("TTFT p50".into(), vals(x, &|l| l.ttft_ms_p50)),
+        &ci(x, "ttft_ms_p50"),
+    );
+    svg(&[a, b], w, h)
+}
+
+/// The multi-turn workload, by turn over its rows: TTFT, and prompt against cached tokens.
+fn multiturn_chart(rows: &[Row]) -> String {
+    let (w, h) = (W, H);
+    let turns: Vec<u64> = {
+        let mut t: Vec<u64> = rows.iter().filter(|r| r.sweep == crate::bench::metrics::Sweep::Multiturn).filter_map(|r| r.turn).collect();
+        t.sort();
+        t.dedup();
+        t
+    };
+    let tcats: Vec<String> = turns.iter().map(|t| format!("turn {t}")).collect();
+    let by = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> {
+        turns
+            .iter()
+            .map(|t| {
+                super::metrics::mean(
+                    &rows
+                        .iter()
+                        .filter(|r| r.sweep == crate::bench::metrics::Sweep::Multiturn && r.turn == Some(*t))
+                        .filter_map(g)
+                        .collect::<Vec<_>>(),
+                )
+                .unwrap_or(0.0)
+            })
+            .collect()
+    };
+    let a = panel((0.0, 0.0, w, h), "TTFT (ms, mean) by turn", &tcats, &[("TTFT".into(), by(&|r| r.ttft_ms))], false);
+    let b = panel(
+        (w, 0.0, w, h),
+        "prompt tokens (mean) by turn",
+        &tcats,
+        &[("prompt".into(), by(&|r| r.prompt_tokens.map(|n| n as f64))), ("cached".into(), by(&|r| r.cached_tokens.map(|n| n as f64)))],
+        false,
+    );
+    svg(&[a, b], w, h)
+}
+
+/// The prompt sweep: prompt and output tokens/s and TTFT by bucket, then the stop reasons.
+fn prompt_charts(p: &[&Level], out: &mut Vec<(String, String)>) {
+    let (w, h) = (W, H);
+    let a =
+        panel((0.0, 0.0, w, h), "prompt tokens/s by bucket", &cats(p), &[("prompt tok/s".into(), vals(p, &|l| l.prompt_tps_mean))], false);
+    let b = panel(
+        (w, 0.0, w, h),
+        "output tokens/s by bucket",
+        &cats(p),
+        &[("output tok/s".into(), vals(p, &|l| l.throughput_output_tps))],
+        false,
+    );
+    let t = panel((2.0 * w, 0.0, w, h), "TTFT p50 (ms) by bucket", &cats(p), &[("TTFT p50".into(), vals(p, &|l| l.ttft_ms_p50))], false);
+    out.push(("prompt-throughput.svg".into(), svg(&[a, b, t], w, h)));
+    out.push((
+        "prompt-stops.svg".into(),
+        svg(&[panel((0.0, 0.0, w, h), "stop reasons by bucket (requests)", &cats(p), &mix(p), true)], w, h),
+    ));
+}
+
+/// The engine's steps: batch and step time by concurrency (`by_c`), step time by bucket (`by_p`).
+fn engine_chart(c: &[&Level], by_c: bool, p: &[&Level], by_p: bool) -> String {
+    let (w, h) = (W, H);
+    let mut panels = Vec::new();
+    if by_c {
+        let x = panels.len() as f64 * w;
+        panels.push(panel(
+            (x, 0.0, w, h),
+            "engine: sequences per decode step by concurrency",
+            &cats(c),
+            &[("batch".into(), vals(c, &|l| l.engine_batch_seqs))],
+            false,
+        ));
+        let x = panels.len() as f64 * w;
+        panels.push(panel(
+            (x, 0.0, w, h),
+            "engine: decode step p50 (ms) by concurrency",
+            &cats(c),
+            &[("step ms".into(), vals(c, &|l| l.engine_step_ms_p50))],
+            false,
+        ));
+    }
+    if by_p {
+        let x = panels.len() as f64 * w;
+        let kv: Vec<String> =
+            p.iter().map(|l| l.engine_kv_len.map_or_else(|| l.level.clone(), |k| format!("{} (KV {k:.0})", l.level))).collect();
+        panels.push(panel(
+            (x, 0.0, w, h),
+            "engine: decode step p50 (ms) by prompt bucket",
+            &kv,
+            &[("step ms".into(), vals(p, &|l| l.engine_step_ms_p50))],
+            false,
+        ));
+    }
+    let n = panels.len() as f64;
+    svg(&panels, n * w, h)
+}
+
+/// The idle sweep: TTFT by interval, split by traced cause (or server prompt time + the rest).
+fn idle_chart(i: &[&Level], rows: &[Row]) -> String {
+    let (w, h) = (W, H);
+    let names = ["queue", "disk", "memory", "cpu_contention", "load", "compute", "unexplained"];
+    let traced = rows.iter().any(|r| r.sweep == crate::bench::metrics::Sweep::Idle && r.verdict.is_some());
+    let series: Vec<(String, Vec<f64>)> = if traced {
+        names
+            .iter()
+            .map(|n| {
+                let v = i
+                    .iter()
+                    .map(|l| {
+                        let parts: Vec<f64> = rows
+                            .iter()
+                            .filter(|r| r.seq == l.seq)
+                            .filter_map(|r| {
+                                r.verdict.as_ref()?.ttft_ms.as_ref().map(|s| match *n {
+                                    "queue" => s.queue,
+                                    "disk" => s.disk,
+                                    "memory" => s.memory,
+                                    "cpu_contention" => s.cpu_contention,
+                                    "load" => s.load,
+                                    "compute" => s.compute,
+                                    _ => s.unexplained + s.power,
+                                })
+                            })
+                            .collect();
+                        super::metrics::mean(&parts).unwrap_or(0.0)
+                    })
+                    .collect();
+                (n.to_string(), v)
+            })
+            .collect()
+    } else {
+        let per = |g: &dyn Fn(&Row) -> Option<f64>| -> Vec<f64> {
+            i.iter()
+                .map(|l| super::metrics::mean(&rows.iter().filter(|r| r.seq == l.seq).filter_map(g).collect::<Vec<_>>()).unwrap_or(0.0))
+                .collect()
+        };
+        vec![
+            ("compute".into(), per(&|r| r.prompt_ms.zip(r.ttft_ms).map(|(p, t)| p.min(t)))),
+            ("other".into(), per(&|r| r.ttft_ms.map(|t| (t - r.prompt_ms.unwrap_or(0.0)).max(0.0)))),
+        ]
+    };
+    let title = if traced {
+        "TTFT (ms) by idle interval, split by traced cause"
+    } else {
+        "TTFT (ms) by idle interval (server prompt time + rest; --trace splits it)"
+    };
+    svg(&[panel((0.0, 0.0, 2.0 * w, h), title, &cats(i), &series, true)], 2.0 * w, h)
 }
 
 /// Write results.json, results.csv, summary.txt and the charts into `dir`.

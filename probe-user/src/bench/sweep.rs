@@ -25,9 +25,20 @@ pub struct Prompt {
     /// A conversation in place of `text` (shared-prefix and multi-turn workloads): (role, text).
     pub messages: Vec<(String, String)>,
     pub tokens: Option<u64>,
-    /// tokenizer | estimate
-    pub source: &'static str,
+    /// Where `tokens` came from.
+    pub source: PromptSource,
     pub hash: String,
+}
+
+crate::closed_set! {
+    /// Where a prompt's token count came from: the server's tokenizer, an estimate at 4
+    /// characters a token, or the server's own count (a conversation's later turns).
+    PromptSource {
+        #[default]
+        Tokenizer = "tokenizer",
+        Estimate = "estimate",
+        Server = "server",
+    }
 }
 
 /// FNV-1a 64, hex: names a prompt in the outputs without its text.
@@ -97,7 +108,7 @@ pub fn sized_prompt(url: &Url, target: u64, seed: u64, model: Option<&str>) -> P
         words = if next == words { if n > target { words - 1 } else { words + 1 } } else { next.max(1) };
     }
     match best {
-        Some((n, text)) => Prompt { hash: hash(&text), text, tokens: Some(n), source: "tokenizer", ..Default::default() },
+        Some((n, text)) => Prompt { hash: hash(&text), text, tokens: Some(n), source: PromptSource::Tokenizer, ..Default::default() },
         None => {
             let mut text = String::new();
             let mut w = target as usize / 4;
@@ -106,7 +117,7 @@ pub fn sized_prompt(url: &Url, target: u64, seed: u64, model: Option<&str>) -> P
                 w = w * 5 / 4 + 1;
             }
             text.truncate(target as usize * 4);
-            Prompt { hash: hash(&text), tokens: Some(target), source: "estimate", text, ..Default::default() }
+            Prompt { hash: hash(&text), tokens: Some(target), source: PromptSource::Estimate, text, ..Default::default() }
         }
     }
 }
@@ -121,10 +132,14 @@ pub fn instruction_prompts(url: &Url, n: usize, model: Option<&str>, idle: bool,
     texts
         .into_iter()
         .map(|t| match api::tokenize(url, t, model) {
-            Some(k) => Prompt { text: t.into(), tokens: Some(k), source: "tokenizer", hash: hash(t), ..Default::default() },
-            None => {
-                Prompt { text: t.into(), tokens: Some(t.len().div_ceil(4) as u64), source: "estimate", hash: hash(t), ..Default::default() }
-            }
+            Some(k) => Prompt { text: t.into(), tokens: Some(k), source: PromptSource::Tokenizer, hash: hash(t), ..Default::default() },
+            None => Prompt {
+                text: t.into(),
+                tokens: Some(t.len().div_ceil(4) as u64),
+                source: PromptSource::Estimate,
+                hash: hash(t),
+                ..Default::default()
+            },
         })
         .collect()
 }
@@ -254,7 +269,7 @@ pub fn one_answer(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sa
         index,
         prompt_hash: prompt.hash.clone(),
         prompt_tokens: server_prompt.or(prompt.tokens),
-        prompt_tokens_source: if server_prompt.is_some() { "server".into() } else { prompt.source.into() },
+        prompt_tokens_source: if server_prompt.is_some() { "server".into() } else { prompt.source.name().into() },
         max_tokens: s.max_tokens,
         output_tokens: output,
         output_tokens_source: source.into(),
@@ -276,12 +291,12 @@ pub fn one_answer(ctx: &Ctx, template: &Row, index: u64, prompt: &Prompt, s: &Sa
     {
         let used = row.prompt_tokens.unwrap_or(0) + output;
         let c = ctx.slot_ctx.unwrap_or(0);
-        if kind == "kv_pool" {
+        if kind == super::metrics::ServerLimit::KvPool {
             row.stop_detail.push_str(&format!(
                 "; prompt + output = {used} tokens, well below the {c}-token slot context: a KV pool shared by the slots ran out"
             ));
         }
-        row.server_limit = Some(kind.into());
+        row.server_limit = Some(kind.name().into());
     }
     row.cached_tokens = api::cached_tokens(&x.stop);
     row.server_tpot_ms = x.stop.server_timings.as_ref().and_then(|t| t["predicted_per_token_ms"].as_f64());
@@ -322,23 +337,7 @@ pub fn run_level(ctx: &Ctx, template: &Row, prompts: &[Prompt], schedule: &Sched
         // Not at concurrency 1: a poll during a lone request is another request the server
         // serves (and a traced verdict would count it as queueing).
         if ctx.metrics && concurrency > 1 {
-            sc.spawn(|| {
-                while !finished.load(Ordering::Relaxed) {
-                    let (now, _) = api::counters(ctx.url, ctx.api);
-                    let mut p = peak.lock().unwrap_or_else(|e| e.into_inner());
-                    for (k, v) in now {
-                        let e = p.entry(k).or_insert(v);
-                        *e = e.max(v);
-                    }
-                    drop(p);
-                    for _ in 0..5 {
-                        if finished.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                }
-            });
+            sc.spawn(|| poll_peaks(ctx, &finished, &peak));
         }
         let mut workers = Vec::new();
         match schedule {
@@ -382,33 +381,7 @@ pub fn run_level(ctx: &Ctx, template: &Row, prompts: &[Prompt], schedule: &Sched
             Schedule::Conversations { conversations, turns } => {
                 for c in 0..*conversations {
                     let opener = &prompts[c % prompts.len()];
-                    workers.push(sc.spawn(move || {
-                        let mut history: Vec<(String, String)> = opener.messages.clone();
-                        for t in 0..*turns {
-                            if client::interrupted() {
-                                break;
-                            }
-                            let ask = if t == 0 {
-                                // The instruction only (PROMPTS carry an answer opener for raw routes).
-                                opener.text.split("\n\n").next().unwrap_or(&opener.text).to_string()
-                            } else {
-                                format!("Thank you. Now continue with part {} of it, in as much detail.", t + 1)
-                            };
-                            history.push(("user".into(), ask));
-                            let text: String = history.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n");
-                            let p = Prompt { hash: hash(&text), text, messages: history.clone(), tokens: None, source: "server" };
-                            let mut tpl = template.clone();
-                            tpl.conversation = Some(c as u64);
-                            tpl.turn = Some(t as u64 + 1);
-                            let (row, answer) = one_answer(ctx, &tpl, (c * turns + t) as u64, &p, s);
-                            let failed = row.status.is_none_or(|s| s >= 400) || row.error.is_some();
-                            record(row);
-                            if failed {
-                                break;
-                            }
-                            history.push(("assistant".into(), answer));
-                        }
-                    }));
+                    workers.push(sc.spawn(move || converse(ctx, template, opener, c, *turns, s, record)));
                 }
             }
         }
@@ -436,6 +409,55 @@ pub fn run_level(ctx: &Ctx, template: &Row, prompts: &[Prompt], schedule: &Sched
     l.contended = m.contended();
     l.machine = Some(m);
     (rows, l)
+}
+
+/// Poll the server's counters every 500 ms until `finished`, keeping each counter's highest value.
+fn poll_peaks(ctx: &Ctx, finished: &AtomicBool, peak: &Mutex<BTreeMap<String, f64>>) {
+    while !finished.load(Ordering::Relaxed) {
+        let (now, _) = api::counters(ctx.url, ctx.api);
+        let mut p = peak.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, v) in now {
+            let e = p.entry(k).or_insert(v);
+            *e = e.max(v);
+        }
+        drop(p);
+        for _ in 0..5 {
+            if finished.load(Ordering::Relaxed) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Conversation `c` of the multi-turn workload: `turns` turns opened by `opener`, each sending
+/// the conversation so far; it ends early at a failed turn or Ctrl-C.
+fn converse(ctx: &Ctx, template: &Row, opener: &Prompt, c: usize, turns: usize, s: &Sampling, record: &(dyn Fn(Row) + Sync)) {
+    let mut history: Vec<(String, String)> = opener.messages.clone();
+    for t in 0..turns {
+        if client::interrupted() {
+            break;
+        }
+        let ask = if t == 0 {
+            // The instruction only (PROMPTS carry an answer opener for raw routes).
+            opener.text.split("\n\n").next().unwrap_or(&opener.text).to_string()
+        } else {
+            format!("Thank you. Now continue with part {} of it, in as much detail.", t + 1)
+        };
+        history.push(("user".into(), ask));
+        let text: String = history.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n");
+        let p = Prompt { hash: hash(&text), text, messages: history.clone(), tokens: None, source: PromptSource::Server };
+        let mut tpl = template.clone();
+        tpl.conversation = Some(c as u64);
+        tpl.turn = Some(t as u64 + 1);
+        let (row, answer) = one_answer(ctx, &tpl, (c * turns + t) as u64, &p, s);
+        let failed = row.status.is_none_or(|s| s >= 400) || row.error.is_some();
+        record(row);
+        if failed {
+            break;
+        }
+        history.push(("assistant".into(), answer));
+    }
 }
 
 #[cfg(test)]
@@ -474,7 +496,7 @@ mod tests {
         let own = vec!["a b c d".to_string(), "e".to_string()];
         let p = instruction_prompts(&url, 3, None, false, &own);
         assert_eq!(p.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(), ["a b c d", "e", "a b c d"]);
-        assert_eq!((p[0].tokens, p[0].source), (Some(2), "estimate"));
+        assert_eq!((p[0].tokens, p[0].source), (Some(2), PromptSource::Estimate));
         assert_eq!(instruction_prompts(&url, 3, None, true, &[])[0].text, IDLE_PROMPT);
         assert_eq!(instruction_prompts(&url, 2, None, false, &[])[1].text, PROMPTS[1]);
     }
@@ -484,6 +506,6 @@ mod tests {
         // Nothing listens on port 9 of loopback: no tokenizer.
         let url = Url::parse("http://127.0.0.1:9").unwrap();
         let p = sized_prompt(&url, 100, 7, None);
-        assert_eq!((p.source, p.tokens, p.text.len()), ("estimate", Some(100), 400));
+        assert_eq!((p.source, p.tokens, p.text.len()), (PromptSource::Estimate, Some(100), 400));
     }
 }
