@@ -4,21 +4,28 @@
 use crate::bench::metrics::Sweep;
 use std::collections::BTreeMap;
 
-use super::metrics::{Level, Row};
+use super::metrics::{Level, Row, RowStop, ServerLimit};
 
-/// Human names of normalized stop reasons.
+/// Human names of normalized stop reasons (a results.json key, read at the edge).
 pub fn stop_words(stop: &str) -> &'static str {
-    match stop {
-        "eos" => "at EOS",
-        "requested_limit" => "at the requested limit",
-        "server_limit" => "at a server-imposed limit",
-        "stop_word" => "at a stop word",
-        "client_disconnect" => "because the client left",
-        "deadline" => "at the client deadline",
-        "server_error" => "with a server error",
-        "rejected" => "rejected by the server",
+    use crate::analysis::verdict::StopCause as C;
+    match stop.parse::<RowStop>() {
+        Ok(RowStop::Cause(C::Eos)) => "at EOS",
+        Ok(RowStop::Cause(C::RequestedLimit)) => "at the requested limit",
+        Ok(RowStop::Cause(C::ServerLimit)) => "at a server-imposed limit",
+        Ok(RowStop::Cause(C::StopWord)) => "at a stop word",
+        Ok(RowStop::Cause(C::ClientDisconnect)) => "because the client left",
+        Ok(RowStop::Cause(C::Deadline)) => "at the client deadline",
+        Ok(RowStop::Cause(C::ServerError)) => "with a server error",
+        Ok(RowStop::Rejected) => "rejected by the server",
         _ => "for an unknown reason",
     }
+}
+
+/// Whether a results.json stop key is a normal end (EOS or the requested limit).
+fn normal_stop(stop: &str) -> bool {
+    use crate::analysis::verdict::StopCause as C;
+    matches!(stop.parse::<RowStop>(), Ok(RowStop::Cause(C::Eos | C::RequestedLimit)))
 }
 
 fn most(m: &BTreeMap<String, u64>) -> Option<(&str, u64)> {
@@ -31,22 +38,23 @@ fn ms(v: Option<f64>) -> String {
 
 /// Why requests at a level stopped short: the leading non-normal stop reason with its count.
 fn short_stop(l: &Level, slot_ctx: Option<u64>) -> Option<String> {
-    let abnormal: BTreeMap<String, u64> =
-        l.stops.iter().filter(|(k, _)| !["eos", "requested_limit"].contains(&k.as_str())).map(|(k, v)| (k.clone(), *v)).collect();
+    let abnormal: BTreeMap<String, u64> = l.stops.iter().filter(|(k, _)| !normal_stop(k)).map(|(k, v)| (k.clone(), *v)).collect();
     let (stop, n) = most(&abnormal)?;
-    let pool = l.server_limits.get("kv_pool").copied().unwrap_or(0);
-    let ctx = match (stop, slot_ctx) {
-        ("server_limit", Some(c)) if pool * 2 > n => {
+    let pool = l.server_limits.get(ServerLimit::KvPool.name()).copied().unwrap_or(0);
+    let server_limit = matches!(stop.parse::<RowStop>(), Ok(RowStop::Cause(crate::analysis::verdict::StopCause::ServerLimit)));
+    let ctx = match (server_limit, slot_ctx) {
+        (true, Some(c)) if pool * 2 > n => {
             format!(" (the KV pool the slots share ran out, well below the {c}-token slot context)")
         }
-        ("server_limit", Some(c)) => format!(" ({c}-token slot context)"),
+        (true, Some(c)) => format!(" ({c}-token slot context)"),
         _ => String::new(),
     };
     Some(format!("{n} of {} requests stopped {}{ctx}, not EOS", l.requests, stop_words(stop)))
 }
 
 fn verdicts(l: &Level) -> String {
-    match most(&l.slow_causes.iter().filter(|(k, _)| k.as_str() != "none").map(|(k, v)| (k.clone(), *v)).collect()) {
+    let slow = |k: &str| k.parse::<crate::analysis::verdict::SlowCause>() != Ok(crate::analysis::verdict::SlowCause::None);
+    match most(&l.slow_causes.iter().filter(|(k, _)| slow(k)).map(|(k, v)| (k.clone(), *v)).collect()) {
         Some((cause, n)) => format!("; traced: {n} of {} first tokens were slow for {cause}", l.requests),
         None if !l.slow_causes.is_empty() => "; traced: no slow cause beyond normal work".into(),
         None => String::new(),
@@ -354,7 +362,9 @@ fn idle(ls: &[&Level], rows: &[Row], out: &mut Vec<String>) {
             format!("after {} idle: TTFT {}", l.level, ms(Some(t)))
         };
         s.push_str(&verdicts(l));
-        if let Some(w) = split_words(rows, l).filter(|_| l.slow_causes.keys().any(|k| k != "none")) {
+        if let Some(w) = split_words(rows, l).filter(|_| {
+            l.slow_causes.keys().any(|k| k.parse::<crate::analysis::verdict::SlowCause>() != Ok(crate::analysis::verdict::SlowCause::None))
+        }) {
             s.push_str(&format!(" ({w})"));
         }
         for n in l.notes.iter().filter(|n| n.contains("page cache")) {

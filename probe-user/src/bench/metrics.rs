@@ -469,7 +469,8 @@ impl Figure {
 
     /// Latencies are better lower; token counts and rates higher.
     pub fn lower_is_better(self) -> bool {
-        self.unit() == "ms"
+        use Figure::*;
+        matches!(self, TtftMsMean | TtftMsP50 | TtftMsP99 | TpotMsMean | ItlMsP50 | E2eMsMean)
     }
 
     /// Its name for people.

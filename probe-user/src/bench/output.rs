@@ -586,7 +586,8 @@ fn engine_chart(c: &[&Level], by_c: bool, p: &[&Level], by_p: bool) -> String {
 /// The idle sweep: TTFT by interval, split by traced cause (or server prompt time + the rest).
 fn idle_chart(i: &[&Level], rows: &[Row]) -> String {
     let (w, h) = (W, H);
-    let names = ["queue", "disk", "memory", "cpu_contention", "load", "compute", "unexplained"];
+    use crate::analysis::verdict::SplitPart as P;
+    let names = [P::Queue, P::Disk, P::Memory, P::CpuContention, P::Load, P::Compute, P::Unexplained];
     let traced = rows.iter().any(|r| r.sweep == crate::bench::metrics::Sweep::Idle && r.verdict.is_some());
     let series: Vec<(String, Vec<f64>)> = if traced {
         names
@@ -600,12 +601,12 @@ fn idle_chart(i: &[&Level], rows: &[Row]) -> String {
                             .filter(|r| r.seq == l.seq)
                             .filter_map(|r| {
                                 r.verdict.as_ref()?.ttft_ms.as_ref().map(|s| match *n {
-                                    "queue" => s.queue,
-                                    "disk" => s.disk,
-                                    "memory" => s.memory,
-                                    "cpu_contention" => s.cpu_contention,
-                                    "load" => s.load,
-                                    "compute" => s.compute,
+                                    P::Queue => s.queue,
+                                    P::Disk => s.disk,
+                                    P::Memory => s.memory,
+                                    P::CpuContention => s.cpu_contention,
+                                    P::Load => s.load,
+                                    P::Compute => s.compute,
                                     _ => s.unexplained + s.power,
                                 })
                             })
@@ -613,7 +614,7 @@ fn idle_chart(i: &[&Level], rows: &[Row]) -> String {
                         super::metrics::mean(&parts).unwrap_or(0.0)
                     })
                     .collect();
-                (n.to_string(), v)
+                (n.name().to_string(), v)
             })
             .collect()
     } else {

@@ -173,7 +173,7 @@ impl Live {
         in_flight: &[InFlight],
         now_ns: u64,
         start_ns: u64,
-        threads: &dyn Fn() -> Vec<(String, String)>,
+        threads: &dyn Fn() -> Vec<String>,
     ) -> Frame {
         let second = (now_ns.saturating_sub(self.last_frame_ns) as f64 / 1e9).max(0.05);
         self.last_frame_ns = now_ns;
@@ -302,9 +302,10 @@ impl Live {
     }
 }
 
-/// The kernel's wait of the first thread in uninterruptible sleep (D), from (state, wchan) pairs.
-fn uninterruptible(threads: &[(String, String)]) -> Option<String> {
-    threads.iter().find(|(s, w)| s == "D" && !w.is_empty()).map(|(_, w)| w.clone())
+/// The kernel's wait of the first thread in uninterruptible sleep (D) that names one, from the
+/// waits of those threads.
+fn uninterruptible(threads: &[String]) -> Option<String> {
+    threads.iter().find(|w| !w.is_empty()).cloned()
 }
 
 fn name(method: Option<&str>, path: Option<&str>, inferred: bool) -> String {
@@ -430,7 +431,7 @@ mod tests {
         // The next second nothing was read and nothing else is known: no IO is claimed.
         let f = l.frame("h".into(), &[q(1, -1500.0, 0)], 2 * S, 0, &Vec::new);
         assert!(f.live[1].ends_with("computing or waiting (no IO, no CPU wait)"), "{f:?}");
-        let f = l.frame("h".into(), &[q(1, -1500.0, 0)], 3 * S, 0, &|| vec![("D".into(), "folio_wait_bit".into())]);
+        let f = l.frame("h".into(), &[q(1, -1500.0, 0)], 3 * S, 0, &|| vec!["folio_wait_bit".into()]);
         assert!(f.live[1].ends_with("a thread blocked in folio_wait_bit"), "{f:?}");
         // Its head was read before attach and nothing was answered yet: named by its client.
         let unnamed = InFlight { method: None, path: None, ..q(1, -1500.0, 0) };

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 
 use crate::{
     os::procfs::{self, TcpSocket},
-    record::samples::{AttachState, ConnAtAttach, IoLimit, ThreadAtAttach},
+    record::samples::{AttachState, ConnAtAttach, IoLimit, LimitSource, ThreadAtAttach, ThreadState},
     stream::{Seed, SeedState},
 };
 
@@ -52,7 +52,7 @@ pub(crate) fn threads(targets: &[u32]) -> Vec<ThreadAtAttach> {
             let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")) else { continue };
             let Some((head, rest)) = stat.rsplit_once(')') else { continue };
             let comm = head.split_once('(').map_or("", |x| x.1).to_string();
-            let state = rest.split_whitespace().next().unwrap_or("?").to_string();
+            let state = ThreadState::of(rest.split_whitespace().next().unwrap_or("?"));
             let wchan = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/wchan"))
                 .ok()
                 .map(|w| w.trim().to_string())
@@ -71,7 +71,7 @@ pub fn read_bytes(pid: u32) -> Option<u64> {
 
 /// The directories of `pid`'s block cgroups: its v1 blkio cgroup and its v2 cgroup, where they
 /// are below their hierarchy's root (every process is in the root, which limits nothing).
-pub fn block_cgroups(pid: u32) -> Vec<(std::path::PathBuf, &'static str)> {
+pub fn block_cgroups(pid: u32) -> Vec<(std::path::PathBuf, LimitSource)> {
     let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { return vec![] };
     let mut out = Vec::new();
     for l in text.lines() {
@@ -82,11 +82,11 @@ pub fn block_cgroups(pid: u32) -> Vec<(std::path::PathBuf, &'static str)> {
         }
         let rel = path.trim_start_matches('/');
         if ctrl.split(',').any(|c| c == "blkio") {
-            out.push((std::path::Path::new("/sys/fs/cgroup/blkio").join(rel), "blkio.throttle"));
+            out.push((std::path::Path::new("/sys/fs/cgroup/blkio").join(rel), LimitSource::BlkioThrottle));
         } else if ctrl.is_empty()
             && let Some(root) = v2_root()
         {
-            out.push((root.join(rel), "io.max"));
+            out.push((root.join(rel), LimitSource::IoMax));
         }
     }
     out.retain(|(d, _)| d.is_dir());
@@ -108,13 +108,19 @@ fn v2_root() -> Option<std::path::PathBuf> {
 pub fn io_limits(pid: u32) -> Vec<IoLimit> {
     let mut out = Vec::new();
     for (dir, source) in block_cgroups(pid) {
-        let top = if source == "io.max" { v2_root() } else { Some("/sys/fs/cgroup/blkio".into()) };
+        let top = match source {
+            LimitSource::IoMax => v2_root(),
+            LimitSource::BlkioThrottle => Some("/sys/fs/cgroup/blkio".into()),
+        };
         let mut d = Some(dir.as_path());
         while let Some(here) = d {
             if top.as_deref().is_some_and(|t| here == t || !here.starts_with(t)) {
                 break;
             }
-            let limits = if source == "io.max" { v2_limits(here) } else { v1_limits(here) };
+            let limits = match source {
+                LimitSource::IoMax => v2_limits(here),
+                LimitSource::BlkioThrottle => v1_limits(here),
+            };
             out.extend(limits);
             d = here.parent();
         }
@@ -146,7 +152,12 @@ fn v1_limits(dir: &std::path::Path) -> Vec<IoLimit> {
             let i = match out.iter().position(|l| l.dev == dev) {
                 Some(i) => i,
                 None => {
-                    out.push(IoLimit { cgroup: cgroup.clone(), dev: dev.clone(), source: "blkio.throttle".into(), ..Default::default() });
+                    out.push(IoLimit {
+                        cgroup: cgroup.clone(),
+                        dev: dev.clone(),
+                        source: LimitSource::BlkioThrottle,
+                        ..Default::default()
+                    });
                     out.len() - 1
                 }
             };
@@ -172,7 +183,7 @@ fn v2_limits(dir: &std::path::Path) -> Vec<IoLimit> {
         .filter_map(|line| {
             let mut f = line.split_whitespace();
             let dev = f.next()?.to_string();
-            let mut l = IoLimit { cgroup: dir.display().to_string(), dev: dev.clone(), source: "io.max".into(), ..Default::default() };
+            let mut l = IoLimit { cgroup: dir.display().to_string(), dev: dev.clone(), source: LimitSource::IoMax, ..Default::default() };
             for kv in f {
                 let Some((k, v)) = kv.split_once('=') else { continue };
                 let v = v.parse::<u64>().ok();
@@ -272,13 +283,13 @@ fn sockets_of(pid: u32) -> Result<Vec<TcpSocket>, String> {
         .ok_or_else(|| "the kernel's socket diagnostics (sock_diag) did not answer in the target's network namespace".to_string())
 }
 
-/// The target's threads in uninterruptible sleep, as (state, wchan) (the reader of the snapshot
-/// at attach).
-pub fn threads_of(targets: &[u32]) -> Vec<(String, String)> {
+/// The kernel functions the target's threads in uninterruptible sleep wait in (wchan; empty
+/// where the kernel does not say), the reader of the snapshot at attach.
+pub fn threads_of(targets: &[u32]) -> Vec<String> {
     threads(targets)
         .into_iter()
-        .filter(|t| t.state == "D")
-        .map(|t| (t.state, crate::util::text::terminal(t.wchan.as_deref().unwrap_or_default()).into_owned()))
+        .filter(|t| t.state == ThreadState::DiskSleep)
+        .map(|t| crate::util::text::terminal(t.wchan.as_deref().unwrap_or_default()).into_owned())
         .collect()
 }
 

@@ -126,11 +126,70 @@ pub struct AttachState {
 pub struct ThreadAtAttach {
     pub tid: u32,
     pub comm: String,
-    /// R running, S sleeping, D uninterruptible (IO, a file fault), ...
-    pub state: String,
+    pub state: ThreadState,
     /// The kernel function it sleeps in (`/proc/PID/task/TID/wchan`), when the kernel says.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wchan: Option<String>,
+}
+
+/// A thread's state as /proc/PID/task/TID/stat says it, by its letter (written as that letter):
+/// the ones probe tells apart, and any other the kernel has (T stopped, Z zombie, I idle, ...).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum ThreadState {
+    /// R: running or runnable.
+    Running,
+    /// S: sleeping, interruptible (a futex, a socket, epoll).
+    Sleeping,
+    /// D: uninterruptible sleep (IO, a file page fault, a lock in the kernel).
+    DiskSleep,
+    #[default]
+    Unknown,
+    Other(char),
+}
+
+impl ThreadState {
+    /// The state of /proc's letter (its first character).
+    pub fn of(letter: &str) -> ThreadState {
+        match letter.chars().next() {
+            Some('R') => ThreadState::Running,
+            Some('S') => ThreadState::Sleeping,
+            Some('D') => ThreadState::DiskSleep,
+            Some(c) if c != '?' => ThreadState::Other(c),
+            _ => ThreadState::Unknown,
+        }
+    }
+
+    pub fn letter(self) -> char {
+        match self {
+            ThreadState::Running => 'R',
+            ThreadState::Sleeping => 'S',
+            ThreadState::DiskSleep => 'D',
+            ThreadState::Unknown => '?',
+            ThreadState::Other(c) => c,
+        }
+    }
+}
+
+impl From<String> for ThreadState {
+    fn from(s: String) -> ThreadState {
+        ThreadState::of(&s)
+    }
+}
+
+impl From<ThreadState> for String {
+    fn from(s: ThreadState) -> String {
+        s.letter().to_string()
+    }
+}
+
+crate::closed_set! {
+    /// Which file of the cgroup set an IO limit: v1's blkio.throttle.* or v2's io.max.
+    LimitSource {
+        #[default]
+        BlkioThrottle = "blkio.throttle",
+        IoMax = "io.max",
+    }
 }
 
 /// An IO limit of a cgroup on one device, as its own file sets it.
@@ -141,8 +200,8 @@ pub struct IoLimit {
     pub cgroup: String,
     /// "MAJ:MIN".
     pub dev: String,
-    /// Where it was read: "blkio.throttle" (v1) or "io.max" (v2).
-    pub source: String,
+    /// Where it was read.
+    pub source: LimitSource,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub read_bps: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -462,5 +521,25 @@ mod tests {
         assert!(matches!(s, Sample::Mem(m) if m.mem.rss_kib == Some(3) && m.ts_ns == 9));
         let s: Sample = serde_json::from_str(r#"{"type":"endpoint","ts_ns":1,"kind":"none","local_ports":[5]}"#).unwrap();
         assert!(matches!(s, Sample::Endpoint(e) if !e.answered() && e.local_ports == [5]));
+    }
+
+    /// A thread's state is written as /proc's letter and read back as the same state, any letter
+    /// the kernel has included; an IO limit's source as its file's name.
+    #[test]
+    fn thread_states_and_limit_sources_keep_their_words() {
+        for (letter, state) in
+            [("R", ThreadState::Running), ("S", ThreadState::Sleeping), ("D", ThreadState::DiskSleep), ("I", ThreadState::Other('I'))]
+        {
+            let t = ThreadAtAttach { tid: 1, state: ThreadState::of(letter), ..Default::default() };
+            assert_eq!(t.state, state);
+            let v = serde_json::to_value(&t).unwrap();
+            assert_eq!(v["state"], letter);
+            assert_eq!(serde_json::from_value::<ThreadAtAttach>(v).unwrap(), t);
+        }
+        assert_eq!(ThreadState::of(""), ThreadState::Unknown);
+        let l = IoLimit { source: LimitSource::IoMax, ..Default::default() };
+        assert_eq!(serde_json::to_value(&l).unwrap()["source"], "io.max");
+        let old: IoLimit = serde_json::from_str(r#"{"cgroup":"/x","dev":"8:0","source":"blkio.throttle"}"#).unwrap();
+        assert_eq!(old.source, LimitSource::BlkioThrottle);
     }
 }

@@ -361,7 +361,8 @@ fn at_attach(
     sleeping: bool,
 ) -> crate::analysis::verdict::AtAttach {
     let mut words = Vec::new();
-    let blocked: Vec<&crate::record::samples::ThreadAtAttach> = st.threads.iter().filter(|t| t.state == "D").collect();
+    let blocked: Vec<&crate::record::samples::ThreadAtAttach> =
+        st.threads.iter().filter(|t| t.state == crate::record::samples::ThreadState::DiskSleep).collect();
     // A thread in uninterruptible sleep in the page cache or the block layer waits for a file's
     // pages (a fault or a read); the stack names the wait, the file comes from what was read.
     let file_wait =

@@ -145,7 +145,10 @@ pub(super) fn evidence(b: &Breakdown<'_>, w: &Window<'_>, v: &mut Verdict) {
                 (None, Some(n)) => format!("{n} reads/s"),
                 (None, None) => continue,
             };
-            let file = if l.source == "io.max" { "io.max" } else { "blkio.throttle.read_*_device" };
+            let file = match l.source {
+                crate::record::samples::LimitSource::IoMax => "io.max",
+                crate::record::samples::LimitSource::BlkioThrottle => "blkio.throttle.read_*_device",
+            };
             v.evidence.push(format!("disk: reads throttled by the cgroup's limit ({rate} on device {}; {file} of {})", l.dev, l.cgroup));
         }
     }
