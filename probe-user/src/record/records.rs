@@ -375,48 +375,36 @@ pub struct End {
     pub reason: String,
 }
 
-/// Defines [`RecordType`] and its words ([`RecordType::WORDS`]) from one list.
-macro_rules! record_types {
-    ($($(#[$m:meta])* $v:ident = $w:literal),+ $(,)?) => {
-        crate::closed_set! {
-            /// The `type` of a userspace (JSON) record: the one list of them, in
-            /// docs/recording.md's order, v1's `stack` (read, no longer written) last. The reader
-            /// dispatches on it ([`UserRecord::read`]); a type not in it is a later probe's.
-            RecordType { $($(#[$m])* $v = $w),+ }
-        }
-
-        impl RecordType {
-            /// Every type's word, in [`RecordType::ALL`]'s order.
-            pub const WORDS: &[&str] = &[$($w),+];
-        }
-    };
-}
-
-record_types! {
-    #[default]
-    Meta = "meta",
-    Maps = "maps",
-    Files = "files",
-    Module = "module",
-    Ksyms = "ksyms",
-    PyFrames = "pyframes",
-    Threads = "threads",
-    Procs = "procs",
-    Request = "request",
-    Stats = "stats",
-    Samplers = "samplers",
-    Gpu = "gpu",
-    Cpufreq = "cpufreq",
-    Mem = "mem",
-    Cpuidle = "cpuidle",
-    Residency = "residency",
-    Endpoint = "endpoint",
-    Attach = "attach",
-    End = "end",
-    CutFrames = "cut_frames",
-    WarmBaseline = "warm_baseline",
-    /// A v1 stack sample (JSON then; binary frames since v2).
-    Stack = "stack",
+crate::closed_set! {
+    /// The `type` of a userspace (JSON) record: the one list of them, in docs/recording.md's
+    /// order, v1's `stack` (read, no longer written) last. The reader dispatches on it
+    /// ([`UserRecord::read`]); a type not in it is a later probe's.
+    RecordType {
+        #[default]
+        Meta = "meta",
+        Maps = "maps",
+        Files = "files",
+        Module = "module",
+        Ksyms = "ksyms",
+        PyFrames = "pyframes",
+        Threads = "threads",
+        Procs = "procs",
+        Request = "request",
+        Stats = "stats",
+        Samplers = "samplers",
+        Gpu = "gpu",
+        Cpufreq = "cpufreq",
+        Mem = "mem",
+        Cpuidle = "cpuidle",
+        Residency = "residency",
+        Endpoint = "endpoint",
+        Attach = "attach",
+        End = "end",
+        CutFrames = "cut_frames",
+        WarmBaseline = "warm_baseline",
+        /// A v1 stack sample (JSON then; binary frames since v2).
+        Stack = "stack",
+    }
 }
 
 /// One userspace record.

@@ -2,8 +2,8 @@
 //! safely as root, secrets scrubbed, HTTP on the wire and probe's own HTTP client.
 /// A closed set of values serialized as the documented words, the one way probe names an enum:
 /// `name()` gives the word, `words()` the word with spaces for people, `ALL` every value in
-/// order, `FromStr` reads a word back (at the edge: flags, older files). Compare the values,
-/// never their words.
+/// order and `WORDS` their words, `FromStr` reads a word back (at the edge: flags, older files).
+/// Compare the values, never their words.
 #[macro_export]
 macro_rules! closed_set {
     ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $w:literal),+ $(,)? }) => {
@@ -14,6 +14,8 @@ macro_rules! closed_set {
         }
         impl $name {
             pub const ALL: &[$name] = &[$($name::$v),+];
+            /// Every word, in [`Self::ALL`]'s order.
+            pub const WORDS: &[&str] = &[$($w),+];
             pub fn name(self) -> &'static str {
                 match self { $($name::$v => $w),+ }
             }
