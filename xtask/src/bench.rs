@@ -8,7 +8,9 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use serde::Deserialize;
 
+use crate::report::Report;
 use crate::setup::{bin, build, llama, require_root, root, run};
 use crate::workload::{Llama, start_workload, wait_for};
 
@@ -82,10 +84,9 @@ pub(crate) fn bench() -> anyhow::Result<()> {
     let (mut stages, mut slowest): (Vec<(String, Vec<f64>)>, Vec<String>) = (Vec::new(), Vec::new());
     for i in 0..10 {
         let Ok(text) = std::fs::read(dir.join(format!("armed-{i}/report.json"))) else { continue };
-        let r: serde_json::Value = serde_json::from_slice(&text)?;
+        let r: Report = serde_json::from_slice(&text)?;
         let mut slowest_seen = false;
-        for st in r["armed"]["stages"].as_array().into_iter().flatten() {
-            let (Some(name), Some(ms)) = (st[0].as_str(), st[1].as_f64()) else { continue };
+        for (name, ms) in r.armed.stages {
             let name = match name.strip_prefix("program ") {
                 Some(_) if slowest_seen => continue,
                 Some(p) => {
@@ -95,7 +96,7 @@ pub(crate) fn bench() -> anyhow::Result<()> {
                     }
                     "slowest program".to_string()
                 }
-                None => name.to_string(),
+                None => name,
             };
             match stages.iter_mut().find(|(n, _)| *n == name) {
                 Some((_, v)) => v.push(ms),
@@ -114,7 +115,7 @@ pub(crate) fn bench() -> anyhow::Result<()> {
         let kv = |k: &str| out.split_whitespace().find_map(|w| w.strip_prefix(k)).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
         (kv("calls=") / kv("secs=").max(1e-9), kv("secs="))
     };
-    let run_loop = |traced: bool| -> anyhow::Result<((f64, f64), Option<serde_json::Value>)> {
+    let run_loop = |traced: bool| -> anyhow::Result<((f64, f64), Option<Report>)> {
         let (mut w, pid, lines) = start_workload(&["mmap-loop", &secs.to_string()])?;
         let rec = dir.join(format!("rate-{traced}"));
         let mut probe = None;
@@ -135,7 +136,7 @@ pub(crate) fn bench() -> anyhow::Result<()> {
         let report = match probe {
             Some(mut p) => {
                 p.wait()?;
-                Some(serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?)
+                Some(Report::read(&rec)?)
             }
             None => None,
         };
@@ -144,8 +145,7 @@ pub(crate) fn bench() -> anyhow::Result<()> {
     let ((base, _), _) = run_loop(false)?;
     let ((traced, ran), report) = run_loop(true)?;
     let report = report.context("no report")?;
-    let events = report["events"].as_u64().unwrap_or(0);
-    let lost: u64 = report["lost_events"].as_object().map(|o| o.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
+    let (events, lost) = (report.events, report.lost());
     println!("high event rate (mmap+munmap loop, one record per syscall, {secs} s):");
     println!("  untraced: {:.0} syscalls/s", base);
     println!("  traced:   {:.0} syscalls/s  (ratio {:.2} against untraced)", traced, traced / base.max(1.0));
@@ -346,9 +346,24 @@ pub(crate) fn generate_256(addr: &str) -> anyhow::Result<f64> {
     write!(s, "POST /completion HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
     let mut text = String::new();
     s.read_to_string(&mut text)?;
-    let json = text.split("\r\n\r\n").nth(1).context("no body")?;
-    let v: serde_json::Value = serde_json::from_str(json)?;
-    v["timings"]["predicted_per_second"].as_f64().context("no timings")
+    predicted_per_second(text.split("\r\n\r\n").nth(1).context("no body")?)
+}
+
+/// The generation speed in a /completion answer's body.
+fn predicted_per_second(json: &str) -> anyhow::Result<f64> {
+    let v: Completion = serde_json::from_str(json)?;
+    v.timings.and_then(|t| t.predicted_per_second).context("no timings")
+}
+
+/// The part of llama-server's /completion answer read here (its `timings`).
+#[derive(Deserialize)]
+struct Completion {
+    timings: Option<Timings>,
+}
+
+#[derive(Deserialize)]
+struct Timings {
+    predicted_per_second: Option<f64>,
 }
 
 /// Generation speed of a real llama-server untraced and traced (all probes, 99 Hz CPU stacks
@@ -372,10 +387,10 @@ pub(crate) fn bench_llama(dir: &Path) -> anyhow::Result<()> {
         traced.push(generate()?);
         Command::new("kill").args(["-INT", &p.id().to_string()]).status()?;
         p.wait()?;
-        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
-        unwind_us.push(r["unwind"]["us_per_sample"].as_f64().unwrap_or(0.0));
-        load_ms.push(r["unwind"]["load_ms"].as_f64().unwrap_or(0.0));
-        samples += r["stacks"]["cpu"]["stacks"].as_u64().unwrap_or(0);
+        let r = Report::read(&rec)?;
+        unwind_us.push(r.unwind.us_per_sample);
+        load_ms.push(r.unwind.load_ms);
+        samples += r.stacks.get("cpu").map_or(0, |s| s.stacks);
     }
     let (p, t) = (median(plain.clone()), median(traced.clone()));
     let pairs: Vec<f64> = plain.iter().zip(&traced).map(|(a, b)| b / a).collect();
@@ -394,4 +409,20 @@ pub(crate) fn bench_llama(dir: &Path) -> anyhow::Result<()> {
         median(load_ms)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama-server's /completion answer: its speed, or "no timings" without one.
+    #[test]
+    fn completion_speed() {
+        let body = r#"{"content":" The","tokens_predicted":256,"timings":{"prompt_n":14,"predicted_n":256,"predicted_per_second":187.5}}"#;
+        assert_eq!(predicted_per_second(body).unwrap(), 187.5);
+        for body in [r#"{"content":""}"#, r#"{"timings":{"prompt_n":14}}"#] {
+            assert_eq!(predicted_per_second(body).unwrap_err().to_string(), "no timings");
+        }
+        assert!(predicted_per_second("not json").is_err());
+    }
 }

@@ -12,9 +12,11 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use serde::Deserialize;
 
 use crate::{
     bench::generate_256,
+    report::Report,
     setup::bin,
     soak::cpu_secs,
     workload::{Llama, wait_for},
@@ -361,13 +363,20 @@ fn bpftool_names() -> Option<HashMap<u32, String>> {
     if !out.status.success() {
         return None;
     }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    Some(
-        v.as_array()?
-            .iter()
-            .filter_map(|p| Some((p["id"].as_u64()? as u32, p["name"].as_str().unwrap_or("(no name)").to_string())))
-            .collect(),
-    )
+    prog_names(&out.stdout)
+}
+
+/// Program names by id from bpftool's JSON list; None when it is not one.
+fn prog_names(json: &[u8]) -> Option<HashMap<u32, String>> {
+    let progs: Vec<BpftoolProg> = serde_json::from_slice(json).ok()?;
+    Some(progs.into_iter().filter_map(|p| Some((p.id?, p.name.unwrap_or_else(|| "(no name)".to_string())))).collect())
+}
+
+/// A program as `bpftool -j prog show` lists it: the fields read here.
+#[derive(Deserialize)]
+struct BpftoolProg {
+    id: Option<u32>,
+    name: Option<String>,
 }
 
 /// Per program over every generating window of one tool: label → (runs, run ns, ids seen).
@@ -644,21 +653,19 @@ fn short_trace(exe: &Path, pid: u32, addr: &str, dir: &Path, name: &str) -> anyh
     let s = snap(probe_pid);
     let pct = (s.cpu + s.progs.values().map(|p| p.run_ns).sum::<u64>() as f64 / 1e9) / s.at.duration_since(t0).as_secs_f64() * 100.0;
     tracer.stop()?;
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(rec.join("report.json"))?)?;
+    let report = Report::read(&rec)?;
     // The verdict's competitors for the CPU: probe's own process, by its pid.
-    let named = report["requests"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let named = report
+        .requests
+        .iter()
         .map(|r| {
-            r["verdict"]["competitors"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|c| c["pid"].as_u64() == Some(u64::from(probe_pid)))
+            r.verdict
+                .iter()
+                .flat_map(|v| &v.competitors)
+                .filter(|c| c.pid == probe_pid)
                 // The time probe held the CPU a server thread waited for (the waits it ended,
                 // from a binary before the kernel said how long the task replaced had run).
-                .filter_map(|c| c["held_ms"].as_f64().or(c["ms"].as_f64()))
+                .filter_map(|c| c.held_ms.or(c.ms))
                 .sum::<f64>()
                 + 0.0
         })
@@ -772,4 +779,21 @@ fn goals(
         println!("  {what:<50} {goal:<9} {}", vals.iter().map(|v| format!("{v:<44}")).collect::<String>());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bpftool's list, as `bpftool -j prog show` prints it: a program without a name is named
+    /// so, one without an id is left out.
+    #[test]
+    fn bpftool_list() {
+        let json = br#"[{"id":12,"type":"kprobe","name":"sched_switch","tag":"a1","gpl_compatible":true,"run_time_ns":5,"run_cnt":2},
+            {"id":13,"type":"cgroup_skb","tag":"b2"},{"type":"xdp","name":"odd"}]"#;
+        let names = prog_names(json).unwrap();
+        assert_eq!(names.len(), 2);
+        assert_eq!((names[&12].as_str(), names[&13].as_str()), ("sched_switch", "(no name)"));
+        assert!(prog_names(b"{}").is_none());
+    }
 }

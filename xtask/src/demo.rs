@@ -6,6 +6,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use serde::Deserialize;
 
 use crate::setup::{bin, build, elevated, give_back_files, llama, root, sudo_ready};
 use crate::workload::{Llama, http, http_get, wait_for};
@@ -66,7 +67,7 @@ pub(crate) fn demo() -> anyhow::Result<()> {
     // A prompt longer than a slot's context (-c 2048 over -np 2 slots: 1024 tokens each): the
     // server refuses it, and says both sizes.
     let long = "The lighthouse keeper wrote in his log every night. ".repeat(150);
-    let body = serde_json::json!({"messages": [{"role": "user", "content": long}], "max_tokens": 8, "stream": false}).to_string();
+    let body = long_body(&long)?;
     let (status, _) = http(&addr, "/v1/chat/completions", &body, None)?;
     println!("demo: a prompt longer than a slot's context: {status}");
     std::thread::sleep(Duration::from_millis(500));
@@ -81,10 +82,24 @@ pub(crate) fn demo() -> anyhow::Result<()> {
 
 /// The demo's morning request: a short question (the reload, not the prompt, is the wait), a
 /// short answer, not streamed, its prompt computed every time (the warm repeat did as much work).
+/// Both bodies are written out byte for byte as a `json!` value printed them (keys in order): the
+/// recording holds what the server was sent.
 pub(crate) fn morning_body() -> String {
     let prompt = "Good morning. What should the lighthouse keeper write in his log tonight?";
-    serde_json::json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0, "stream": false, "cache_prompt": false})
-        .to_string()
+    format!(r#"{{"cache_prompt":false,"max_tokens":8,"messages":[{{"content":"{prompt}","role":"user"}}],"stream":false,"temperature":0}}"#)
+}
+
+/// A request for at most 8 tokens after `prompt`, not streamed.
+fn long_body(prompt: &str) -> anyhow::Result<String> {
+    let content = serde_json::to_string(prompt)?;
+    Ok(format!(r#"{{"max_tokens":8,"messages":[{{"content":{content},"role":"user"}}],"stream":false}}"#))
+}
+
+/// The one field of llama-server's /props the demo waits on.
+#[derive(Deserialize)]
+struct Props {
+    #[serde(default)]
+    is_sleeping: bool,
 }
 
 /// Wait until llama-server says it sleeps (`--sleep-idle-seconds`: its model unmapped), then drop
@@ -93,8 +108,8 @@ pub(crate) fn morning_body() -> String {
 pub(crate) fn asleep_and_evicted(addr: &str, model: &str) -> anyhow::Result<()> {
     let t = Instant::now();
     loop {
-        let props = http_get(addr, "/props").and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok());
-        if props.is_some_and(|p| p["is_sleeping"] == true) {
+        let props = http_get(addr, "/props").and_then(|b| serde_json::from_str::<Props>(&b).ok());
+        if props.is_some_and(|p| p.is_sleeping) {
             break;
         }
         if t.elapsed() > Duration::from_secs(60) {
@@ -129,5 +144,32 @@ impl Drop for CpuHogs {
             let _ = k.kill();
             let _ = k.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The request bodies are the bytes the `json!` values gave before.
+    #[test]
+    fn bodies_as_before() {
+        let prompt = "Good morning. What should the lighthouse keeper write in his log tonight?";
+        let morning = serde_json::json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0, "stream": false, "cache_prompt": false});
+        assert_eq!(morning_body(), morning.to_string());
+        for long in ["The lighthouse keeper wrote in his log every night. ".repeat(150), "a \"quoted\"\nline".to_string()] {
+            let body = serde_json::json!({"messages": [{"role": "user", "content": long}], "max_tokens": 8, "stream": false});
+            assert_eq!(long_body(&long).unwrap(), body.to_string());
+        }
+    }
+
+    /// llama-server's /props: asleep only when it says so.
+    #[test]
+    fn props_sleeping() {
+        let sleeping = |b: &str| serde_json::from_str::<Props>(b).ok().is_some_and(|p| p.is_sleeping);
+        assert!(sleeping(r#"{"is_sleeping":true,"total_slots":2}"#));
+        assert!(!sleeping(r#"{"is_sleeping":false}"#));
+        assert!(!sleeping(r#"{"total_slots":2}"#));
+        assert!(!sleeping("not json"));
     }
 }

@@ -9,6 +9,7 @@ mod cost;
 mod demo;
 mod fuzz;
 mod python_cost;
+mod report;
 mod setup;
 mod soak;
 mod test;

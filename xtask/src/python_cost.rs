@@ -13,6 +13,8 @@ use std::{
 
 use anyhow::{Context, bail};
 
+use crate::report::Report;
+
 const LOAD: Duration = Duration::from_secs(10);
 const RUNS: usize = 2;
 
@@ -108,7 +110,7 @@ fn load(addr: &str) -> anyhow::Result<()> {
 
 /// One traced stretch of load: its report. Python frames without their budget (`--python-budget
 /// 0`): the figure is what they cost, and whether it fits the default budget is printed.
-fn traced(s: &Server, python: bool, dir: &Path, name: &str) -> anyhow::Result<serde_json::Value> {
+fn traced(s: &Server, python: bool, dir: &Path, name: &str) -> anyhow::Result<Report> {
     let rec = dir.join(name);
     let _ = std::fs::remove_dir_all(&rec);
     let mut cmd = Command::new(crate::setup::bin("probe"));
@@ -132,15 +134,7 @@ fn traced(s: &Server, python: bool, dir: &Path, name: &str) -> anyhow::Result<se
     // SAFETY: signalling the probe child started here.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     child.wait()?;
-    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
-    Ok(r)
-}
-
-fn prog(cost: &serde_json::Value, name: &str) -> (f64, f64) {
-    cost["programs"]
-        .as_array()
-        .and_then(|ps| ps.iter().find(|p| p["name"] == name))
-        .map_or((0.0, 0.0), |p| (p["ns_per_run"].as_f64().unwrap_or(0.0), p["runs_per_s"].as_f64().unwrap_or(0.0)))
+    Report::read(&rec)
 }
 
 pub fn bench_python() -> anyhow::Result<()> {
@@ -156,17 +150,16 @@ pub fn bench_python() -> anyhow::Result<()> {
         for i in 0..RUNS {
             for python in [true, false] {
                 let r = traced(&s, python, &dir, &format!("{}-{}-{i}", s.name, if python { "on" } else { "off" }))?;
-                let c = &r["cost"];
+                let c = &r.cost;
                 // The Python frames' own work, as their budget counts it: the kernel's walks
                 // and probe's reading and naming, a share of one core.
-                let secs = r["duration_s"].as_f64().unwrap_or(0.0).max(1e-9);
-                let walks = r["counters"]["python_walks"].as_f64().unwrap_or(0.0);
-                let walk_ns = r["counters"]["python_walk_ns"].as_f64().unwrap_or(0.0);
-                let work_ns = r["python"]["work_ns"].as_f64().unwrap_or(0.0);
+                let secs = r.duration_s.max(1e-9);
+                let walks = r.counter("python_walks") as f64;
+                let walk_ns = r.counter("python_walk_ns") as f64;
+                let work_ns = r.python.work_ns as f64;
                 let own = (walk_ns + work_ns) / secs / 1e7;
-                let (cpu_ns, cpu_rate) = prog(c, "cpu_sample");
-                let (sw_ns, sw_rate) = prog(c, "sched_switch");
-                let pct = |k: &str| c[k].as_f64().unwrap_or(0.0);
+                let (cpu_ns, cpu_rate) = c.program("cpu_sample");
+                let (sw_ns, sw_rate) = c.program("sched_switch");
                 println!(
                     "{:<18} {:<7} {:>12.1} × {:>7.0} {:>14.1} × {:>7.0} {:>8.2}% {:>7.2}% {:>7.2}% {:>10.1} × {:>7.0} {:>8.2}%",
                     s.name,
@@ -175,9 +168,9 @@ pub fn bench_python() -> anyhow::Result<()> {
                     cpu_rate,
                     sw_ns / 1e3,
                     sw_rate,
-                    pct("probe_pct"),
-                    pct("bpf_pct"),
-                    pct("pct_of_core"),
+                    c.probe_pct,
+                    c.bpf_pct,
+                    c.pct_of_core,
                     if walks > 0.0 { walk_ns / walks / 1e3 } else { 0.0 },
                     walks / secs,
                     own

@@ -14,6 +14,7 @@ use std::{
 use anyhow::Context as _;
 
 use crate::{
+    report::Report,
     setup::{bin, build, require_root, root},
     workload::{Llama, http, wait_for},
 };
@@ -110,10 +111,9 @@ pub fn soak(minutes: f64, clients: usize) -> anyhow::Result<()> {
     Command::new("kill").args(["-INT", &pid.to_string()]).status()?;
     let status = probe.wait()?;
     let stopped = t_int.elapsed().as_secs_f64();
-    let report: serde_json::Value =
+    let report: Report =
         serde_json::from_slice(&std::fs::read(rec.join("report.json")).context("probe wrote no report.json (see target/soak/probe.log)")?)?;
-    let sum = |v: &serde_json::Value| v.as_object().map_or(0, |o| o.values().filter_map(|x| x.as_u64()).sum::<u64>());
-    let (lost, skipped) = (sum(&report["lost_events"]), sum(&report["skipped_runs"]));
+    let (lost, skipped) = (report.lost(), report.skipped());
     let window = (minutes / 2.0).min(5.0);
     let tail: Vec<(f64, f64)> = samples.iter().filter(|s| s.0 >= minutes - window).map(|s| (s.0, s.1)).collect();
     let (first, last) = (tail.first().map_or(0.0, |s| s.1), tail.last().map_or(0.0, |s| s.1));
@@ -123,16 +123,16 @@ pub fn soak(minutes: f64, clients: usize) -> anyhow::Result<()> {
         "  requests: {} served to the clients ({} failed), {} in the recording",
         served.load(Ordering::Relaxed),
         failed.load(Ordering::Relaxed),
-        report["requests"].as_array().map_or(0, |a| a.len())
+        report.requests.len()
     );
     println!(
         "  probe RSS: peak {peak:.1} MiB; over the last {window:.1} min {first:.1} → {last:.1} MiB, slope {:+.3} MiB/min",
         slope(&tail)
     );
-    println!("  events: {} recorded, {lost} lost, {skipped} program runs skipped by the kernel", report["events"].as_u64().unwrap_or(0));
+    println!("  events: {} recorded, {lost} lost, {skipped} program runs skipped by the kernel", report.events);
     println!("  recording: {size:.1} MiB, {:.1} MiB per minute", size / minutes.max(1e-9));
     println!("  probe CPU: {:.1}% of one core ({cpu:.1} s over {wall:.0} s)", cpu / wall * 100.0);
-    println!("  stream tracker: {}", report["stream_limits"]);
+    println!("  stream tracker: {}", serde_json::to_string(&report.stream_limits)?);
     println!("  stop: SIGINT → exit ({status}) in {stopped:.2} s, report written");
     Ok(())
 }
@@ -172,8 +172,7 @@ pub fn stress() -> anyhow::Result<()> {
             .unwrap_or(0.0);
         let kv = |k: &str| done.split_whitespace().find_map(|x| x.strip_prefix(k)).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
         let ran = kv("secs=").max(1e-9);
-        let report: serde_json::Value = serde_json::from_slice(&std::fs::read(rec.join("report.json"))?)?;
-        let lost = report["lost_events"].as_object().map_or(0, |o| o.values().filter_map(|v| v.as_u64()).sum());
+        let lost = Report::read(&rec)?.lost();
         let _ = std::fs::remove_dir_all(&rec);
         Ok((kv("calls=") / ran, received / ran, lost))
     };
