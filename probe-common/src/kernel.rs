@@ -97,6 +97,9 @@ pub const OFFCPU_D_ONLY_SYMBOL: &str = "OFFCPU_D_ONLY";
 /// per target thread, and must keep the targets' events only (u32, 1 = per CPU): set by
 /// userspace before load when probe runs in a PID namespace of its own.
 pub const PERF_PER_CPU_SYMBOL: &str = "PERF_PER_CPU";
+/// The global that says how often the ring's producer wakes the drain (u32: one forced wakeup
+/// per `1 << shift` bytes of backlog, [`crate::wakeup_shift`]): set by userspace before load.
+pub const WAKEUP_SHIFT_SYMBOL: &str = "WAKEUP_SHIFT";
 
 /// Bytes of a file's base name carried in records.
 pub const NAME_LEN: usize = 48;

@@ -52,9 +52,22 @@ pub mod maps {
 
 /// Ring buffer size in bytes unless the user asks for another (must be a power of two pages).
 pub const DEFAULT_RING_BYTES: u32 = 16 << 20;
-/// Once this much data waits in the ring, the producer forces one wakeup (measured: waking the
-/// consumer per event halves throughput; a 20 ms timer drains the rest).
-pub const WAKEUP_BACKLOG_BYTES: u64 = 256 << 10;
+/// Once the ring's backlog crosses a multiple of `1 << wakeup_shift(ring bytes)` bytes, the
+/// producer forces one wakeup of the drain (waking it per event halves throughput; its timer,
+/// every 100 ms while records flow, reads the rest): a sixteenth of the ring, from 64 KiB to
+/// 1 MiB. Each wake-up costs the drain tens of µs of CPU on a VM (a switch between address
+/// spaces), so a 32 MiB ring filling at 7 MB/s wakes it 7 times a second, not 28. Set by
+/// userspace before load ([`kernel::WAKEUP_SHIFT_SYMBOL`]).
+pub const fn wakeup_shift(ring_bytes: u32) -> u32 {
+    let s = if ring_bytes >= 32 { (ring_bytes / 16).ilog2() } else { 0 };
+    if s < 16 {
+        16
+    } else if s > 20 {
+        20
+    } else {
+        s
+    }
+}
 /// Size of the `LOST` and `COUNTERS` arrays.
 pub const MAX_KINDS: u32 = 16;
 pub const MAX_TARGETS: u32 = 4096;
@@ -247,4 +260,17 @@ mod pod {
     unsafe impl aya::Pod for crate::python::PyThread {}
     unsafe impl aya::Pod for crate::python::PyStackEvent {}
     unsafe impl aya::Pod for crate::blockio::FileId {}
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_wakeup_backlog_is_a_sixteenth_of_the_ring_from_64_kib_to_1_mib() {
+        assert_eq!(super::wakeup_shift(32 << 20), 20);
+        assert_eq!(super::wakeup_shift(16 << 20), 20);
+        assert_eq!(super::wakeup_shift(4 << 20), 18);
+        assert_eq!(super::wakeup_shift(1 << 20), 16);
+        assert_eq!(super::wakeup_shift(4096), 16);
+        assert_eq!(super::wakeup_shift(u32::MAX), 20);
+    }
 }

@@ -93,19 +93,38 @@ fn begin(ctx: &ProbeContext, what: u32, fill: impl FnOnce(&mut Call)) {
         c.ret_slot = 0;
     }
     fill(&mut c);
-    insert_lru(&ENGINE_CALL, &tid, &c);
+    // The thread's entry from its last call is written over in place (the return leaves it,
+    // marked done): a remove and an insert per step cost an LRU list lock each.
+    match ENGINE_CALL.get_ptr_mut(&tid) {
+        // SAFETY: this thread's map value; only this thread's programs write it.
+        Some(p) => unsafe { *p = c },
+        None => insert_lru(&ENGINE_CALL, &tid, &c),
+    }
 }
 
 /// The call returns: its record, written in place in the ring buffer.
 #[inline(always)]
 fn end(ret: i64) {
-    let Some((pid, tid)) = current_target() else { return };
-    // SAFETY: copied out of the map before the remove.
-    let Some(c) = (unsafe { ENGINE_CALL.get(&tid) }).copied() else {
-        crate::count(probe_common::Counter::Unmatched);
-        return;
+    let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
+    let (pid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    // A call in progress is a target's (only a target's entry makes one): the target set is
+    // asked only when there is none, to tell a target's unmatched return from another process's.
+    let c = match ENGINE_CALL.get_ptr_mut(&tid) {
+        // SAFETY: this thread's map value; copied out, then marked done (`what` 0, and no return
+        // address for stack.rs to put back) for the next call to write over.
+        Some(p) if unsafe { (*p).what } != 0 => unsafe {
+            let c = *p;
+            (*p).what = 0;
+            (*p).ret_slot = 0;
+            c
+        },
+        _ => {
+            if current_target().is_some() {
+                crate::count(probe_common::Counter::Unmatched);
+            }
+            return;
+        }
     };
-    let _ = ENGINE_CALL.remove(&tid);
     let size = core::mem::size_of::<EngineEvent>() as u64;
     let flags = ringbuf_flags(size);
     let Some(mut slot) = EVENTS.reserve::<EngineEvent>(0) else {

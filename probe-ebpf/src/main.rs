@@ -22,7 +22,7 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
-use probe_common::{Counter, EventHeader, MAX_KINDS, MAX_TARGETS, Record, WAKEUP_BACKLOG_BYTES};
+use probe_common::{Counter, EventHeader, MAX_KINDS, MAX_TARGETS, Record};
 
 #[map(name = "EVENTS")]
 static EVENTS: RingBuf = RingBuf::with_byte_size(probe_common::DEFAULT_RING_BYTES, 0);
@@ -93,13 +93,21 @@ fn emit<T: Record + 'static>(ev: &T) {
     }
 }
 
+/// One forced wakeup of the drain per `1 << WAKEUP_SHIFT` bytes of backlog
+/// (`probe_common::wakeup_shift`: a sixteenth of the ring, 64 KiB to 1 MiB). Set by userspace
+/// before load; 256 KiB if it is not.
+#[unsafe(no_mangle)]
+static WAKEUP_SHIFT: u32 = 18;
+
 /// Submit flags for a record of `size` bytes: wake the consumer only when this record makes the
-/// backlog cross a multiple of `WAKEUP_BACKLOG_BYTES` (one wake-up per 256 KiB of records; a
-/// crossing missed in a race between CPUs is caught at the next one, not left to the timer).
+/// backlog cross a multiple of `1 << WAKEUP_SHIFT` (a crossing missed in a race between CPUs is
+/// caught at the next one, not left to the timer).
 #[inline(always)]
 fn ringbuf_flags(size: u64) -> u64 {
+    // SAFETY: a read of a global the loader set; volatile so the compiler keeps the load.
+    let shift = unsafe { core::ptr::read_volatile(&raw const WAKEUP_SHIFT) } & 31;
     let before = EVENTS.query(BPF_RB_AVAIL_DATA);
-    if before / WAKEUP_BACKLOG_BYTES != (before + size + 8) / WAKEUP_BACKLOG_BYTES { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP }
+    if before >> shift != (before + size + 8) >> shift { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP }
 }
 
 /// Read a tracepoint field; a failed read is counted and turned into `Err`.

@@ -110,8 +110,11 @@ const MAX_FILES_TOLD: usize = 4000;
 const SNAPSHOT_AGE_NS: u64 = 500_000_000;
 /// How often the requests in flight are looked at for snapshots.
 const SNAPSHOT_EVERY: Duration = Duration::from_millis(250);
-/// How often the ring is drained while records flow, and after a turn that found none.
-const DRAIN_TICK: Duration = Duration::from_millis(20);
+/// How often the ring is drained while records flow, and after a turn that found none. Each turn
+/// is a wake-up (tens of µs on a VM before any work): 100 ms while records flow (the kernel wakes
+/// the drain sooner for a backlog, `probe_common::wakeup_shift`), as a request's arrival is seen
+/// within IDLE_DRAIN anyway.
+const DRAIN_TICK: Duration = Duration::from_millis(100);
 const IDLE_DRAIN: Duration = Duration::from_millis(200);
 /// The cumulative `stats` record is written every second while records flow, this often while
 /// none do (and always at the stop).
@@ -473,7 +476,7 @@ impl State {
     /// Write the requests that finished, and a snapshot of each one in flight for half a second
     /// (kept if the recording is torn before it ends).
     fn write_requests(&mut self) -> std::io::Result<()> {
-        // Not every drain turn (20 ms while busy): the scan walks every pending request.
+        // Not every drain turn (100 ms while busy): the scan walks every pending request.
         if self.last_snapshot.elapsed() >= SNAPSHOT_EVERY {
             self.last_snapshot = Instant::now();
             self.streams.expire_seeds(crate::monotonic_ns());

@@ -193,6 +193,7 @@ fn load_object(opts: &Options, koff: &probe_common::kernel::KernelOffsets) -> an
         .override_global(probe_common::kernel::KOFF_SYMBOL, koff, true)
         .override_global(probe_common::kernel::OFFCPU_D_ONLY_SYMBOL, &u32::from(opts.offcpu_d_only), true)
         .override_global(probe_common::kernel::PERF_PER_CPU_SYMBOL, &u32::from(in_own_pid_namespace()), true)
+        .override_global(probe_common::kernel::WAKEUP_SHIFT_SYMBOL, &probe_common::wakeup_shift(opts.ring_bytes), true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")
 }

@@ -203,7 +203,7 @@ async fn follow(
     // A drain held back for seconds takes one turn when let go, not one per second missed.
     sec_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Small records wait in the ring for this timer (the kernel wakes probe only for a backlog):
-    // every 20 ms while records flow, every IDLE_DRAIN after a quiet turn (an idle server then
+    // every DRAIN_TICK (100 ms) while records flow, every IDLE_DRAIN after a quiet turn (an idle server then
     // costs probe a few wake-ups a second, not fifty).
     let mut tick = DRAIN_TICK;
     let mut second = Second { started: Some(Instant::now()), ..Default::default() };
