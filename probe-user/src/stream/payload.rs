@@ -643,16 +643,18 @@ mod salvage_tests {
     /// A context error is kept as probe's word (not the message's text) and read back typed.
     #[test]
     fn context_errors_are_worded() {
-        let mut stop = Stop::default();
-        let msg = serde_json::json!({"error": {"code": 400, "type": "exceed_context_size_error", "message": "the request exceeds the available context size", "n_ctx": 4096}});
-        apply(&msg, &mut stop, false);
-        assert!(stop.context_exceeded());
-        assert_eq!(
-            stop.error,
-            Some(serde_json::json!({"code": 400, "type": "exceed_context_size_error", "n_ctx": 4096, "reason": "context_exceeded"}))
+        let read = |text: &str| {
+            let mut stop = Stop::default();
+            apply(&serde_json::from_str(text).unwrap(), &mut stop, false);
+            stop
+        };
+        let stop = read(
+            r#"{"error":{"code":400,"type":"exceed_context_size_error","message":"the request exceeds the available context size","n_ctx":4096}}"#,
         );
-        let mut other = Stop::default();
-        apply(&serde_json::json!({"error": {"code": 500, "message": "boom"}}), &mut other, false);
+        assert!(stop.context_exceeded());
+        let kept = r#"{"code":400,"n_ctx":4096,"reason":"context_exceeded","type":"exceed_context_size_error"}"#;
+        assert_eq!(serde_json::to_string(&stop.error).unwrap(), kept);
+        let other = read(r#"{"error":{"code":500,"message":"boom"}}"#);
         assert!(other.error.is_some() && !other.context_exceeded());
     }
 
