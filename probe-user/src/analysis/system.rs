@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use crate::record::samples::{
-    CpuFreqReading, CpuIdleReading, EndpointPoll, GpuDevice, GpuSample, LoadedModel, Mem, ResidencyReading, Sample,
+    ClockReason, CpuFreqReading, CpuIdleReading, EndpointPoll, GpuDevice, GpuSample, LoadedModel, Mem, ResidencyReading, Sample,
 };
 use probe_common::mem::{MEM_COMPACTION, MEM_DIRECT_RECLAIM, MEM_MEMCG_RECLAIM, MEM_OOM_VICTIM, MemEvent};
 use serde::{Deserialize, Serialize};
@@ -39,7 +39,7 @@ pub struct GpuStats {
     pub vram_used_max: Option<u64>,
     pub target_vram_max: Option<u64>,
     /// Clock-event reasons seen, with how many samples had each.
-    pub reasons: BTreeMap<String, u64>,
+    pub reasons: BTreeMap<ClockReason, u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

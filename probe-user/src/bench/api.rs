@@ -118,23 +118,16 @@ impl Api {
     fn request(self, prompt: &str, messages: Vec<Message<'_>>, s: &Sampling) -> (&'static str, String) {
         let ignore_eos = s.ignore_eos.then_some(true);
         let body = match self {
-            Api::Openai => Body {
-                prompt: Some(prompt),
+            // The two OpenAI routes differ only in `prompt` (completions) or `messages` (chat).
+            Api::Openai | Api::Chat => Body {
+                prompt: (self == Api::Openai).then_some(prompt),
+                messages: (self == Api::Chat).then_some(messages),
                 max_tokens: Some(s.max_tokens),
                 stream_options: Some(StreamOptions { include_usage: true }),
                 model: s.model.as_deref(),
                 ignore_eos,
                 // llama-server: no prompt cache reuse between the same prompts at different levels
                 // (unless the workload is about the cache).
-                cache_prompt: Some(s.cache_prompt),
-                ..Body::sampled(s)
-            },
-            Api::Chat => Body {
-                messages: Some(messages),
-                max_tokens: Some(s.max_tokens),
-                stream_options: Some(StreamOptions { include_usage: true }),
-                model: s.model.as_deref(),
-                ignore_eos,
                 cache_prompt: Some(s.cache_prompt),
                 ..Body::sampled(s)
             },

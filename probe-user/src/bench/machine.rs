@@ -14,7 +14,10 @@ use std::{
 
 use serde::Serialize;
 
-use crate::sampler::{gpu, host, procs};
+use crate::{
+    record::samples::ClockReason,
+    sampler::{gpu, host, procs},
+};
 
 /// Others' CPU use (cores, averaged over the level) from which a level is contended.
 pub const CONTENDED_CORES: f64 = 0.5;
@@ -39,8 +42,8 @@ pub struct GpuState {
     pub sm_mhz_min: Option<f64>,
     pub power_w_mean: Option<f64>,
     pub pstate_max: Option<u32>,
-    /// Clock-event reasons seen in any sample (e.g. sw_power_cap, hw_slowdown).
-    pub reasons: Vec<String>,
+    /// Clock-event reasons seen in any sample (e.g. sw_power_cap, hw_slowdown), idle left out.
+    pub reasons: Vec<ClockReason>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
@@ -164,7 +167,11 @@ impl Machine {
                     "GPU{} {sm:.0} MHz{}{}",
                     g.index,
                     g.power_w_mean.map(|w| format!(" {w:.0} W")).unwrap_or_default(),
-                    if g.reasons.is_empty() { String::new() } else { format!(" ({})", g.reasons.join(", ")) }
+                    if g.reasons.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", g.reasons.iter().map(ClockReason::name).collect::<Vec<_>>().join(", "))
+                    }
                 ));
             }
         }
@@ -281,7 +288,8 @@ impl Watch {
             let f = |g: &dyn Fn(&crate::record::samples::GpuSample) -> Option<f64>| -> Vec<f64> { v.iter().filter_map(g).collect() };
             let sm = f(&|s| s.sm_mhz.map(f64::from));
             let pw = f(&|s| s.power_w);
-            let mut reasons: Vec<String> = v.iter().flat_map(|s| s.reasons.iter().cloned()).filter(|r| r != "gpu_idle").collect();
+            let mut reasons: Vec<ClockReason> =
+                v.iter().flat_map(|s| s.reasons.iter().cloned()).filter(|r| *r != ClockReason::GpuIdle).collect();
             reasons.sort();
             reasons.dedup();
             m.gpus.push(GpuState {
@@ -324,7 +332,7 @@ mod tests {
         assert_eq!((g.index, g.sm_mhz_min, g.pstate_max), (0, Some(1200.0), Some(2)), "{g:?}");
         let mean = g.sm_mhz_mean.unwrap();
         assert!(mean > 1200.0 && mean < 1980.0, "{g:?}");
-        assert_eq!(g.reasons, ["sw_power_cap"], "idle is not a throttle reason: {g:?}");
+        assert_eq!(g.reasons, [ClockReason::SwPowerCap], "idle is not a throttle reason: {g:?}");
         assert!(m.words().contains("GPU0") && m.words().contains("sw_power_cap"), "{}", m.words());
     }
 

@@ -29,69 +29,109 @@ use crate::{os::procfs, os::target_file};
 /// What an entry point is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Role {
-    Step,
-    Fill,
+    /// `llama_process`: a step on an opaque `llama_batch_ext`, whose composition the fills give.
+    ExtStep,
+    /// `llama_decode`: a step on the public `llama_batch`; an object that has it without
+    /// `llama_batch_init` is older than that struct.
+    Decode,
+    /// `llama_encode`: a step on the public `llama_batch`, of the encoder.
+    Encode,
+    /// `llama_batch_ext_clear`: a fill starts (not probed where `llama_process` forgets it).
+    FillClear,
+    /// `llama_batch_ext_add_token`.
+    FillToken,
+    /// `llama_batch_ext_add_embd`.
+    FillEmbd,
     Memory,
     Init,
+}
+
+impl Role {
+    fn step(self) -> bool {
+        matches!(self, Role::ExtStep | Role::Decode | Role::Encode)
+    }
+
+    fn fill(self) -> bool {
+        matches!(self, Role::FillClear | Role::FillToken | Role::FillEmbd)
+    }
+}
+
+crate::closed_set! {
+    /// Every program of the engine probe (probe-ebpf/src/engine.rs), by its name in the object;
+    /// loaded only when an entry point is found.
+    Prog {
+        #[default]
+        Process = "engine_process",
+        Decode = "engine_decode",
+        /// `llama_decode`'s and `llama_encode`'s entry where the object's `llama_batch` is older
+        /// than the layout probe reads: steps timed, batches left out.
+        DecodeOpaque = "engine_decode_opaque",
+        Encode = "engine_encode",
+        Ret = "engine_ret",
+        RetI32 = "engine_ret_i32",
+        BatchClear = "engine_batch_clear",
+        BatchAdd = "engine_batch_add",
+        SeqRm = "engine_seq_rm",
+        Clear = "engine_clear",
+        ModelLoad = "engine_model_load",
+        ContextInit = "engine_context_init",
+    }
 }
 
 /// One entry point: its names (newest first: the first found is attached; an older name is
 /// often a wrapper of the newer one), the entry program, the return program.
 struct Entry {
     names: &'static [&'static str],
-    enter: &'static str,
-    ret: Option<&'static str>,
+    enter: Prog,
+    ret: Option<Prog>,
     role: Role,
 }
 
 const ENTRIES: &[Entry] = &[
-    Entry { names: &["llama_process"], enter: "engine_process", ret: Some("engine_ret_i32"), role: Role::Step },
-    Entry { names: &["llama_decode"], enter: "engine_decode", ret: Some("engine_ret_i32"), role: Role::Step },
-    Entry { names: &["llama_encode"], enter: "engine_encode", ret: Some("engine_ret_i32"), role: Role::Step },
-    Entry { names: &["llama_batch_ext_clear"], enter: "engine_batch_clear", ret: None, role: Role::Fill },
-    Entry { names: &["llama_batch_ext_add_token"], enter: "engine_batch_add", ret: None, role: Role::Fill },
-    Entry { names: &["llama_batch_ext_add_embd"], enter: "engine_batch_add", ret: None, role: Role::Fill },
+    Entry { names: &["llama_process"], enter: Prog::Process, ret: Some(Prog::RetI32), role: Role::ExtStep },
+    Entry { names: &["llama_decode"], enter: Prog::Decode, ret: Some(Prog::RetI32), role: Role::Decode },
+    Entry { names: &["llama_encode"], enter: Prog::Encode, ret: Some(Prog::RetI32), role: Role::Encode },
+    Entry { names: &["llama_batch_ext_clear"], enter: Prog::BatchClear, ret: None, role: Role::FillClear },
+    Entry { names: &["llama_batch_ext_add_token"], enter: Prog::BatchAdd, ret: None, role: Role::FillToken },
+    Entry { names: &["llama_batch_ext_add_embd"], enter: Prog::BatchAdd, ret: None, role: Role::FillEmbd },
     Entry {
         names: &["llama_memory_seq_rm", "llama_kv_self_seq_rm", "llama_kv_cache_seq_rm"],
-        enter: "engine_seq_rm",
-        ret: Some("engine_ret"),
+        enter: Prog::SeqRm,
+        ret: Some(Prog::Ret),
         role: Role::Memory,
     },
     Entry {
         names: &["llama_memory_clear", "llama_kv_self_clear", "llama_kv_cache_clear"],
-        enter: "engine_clear",
+        enter: Prog::Clear,
         ret: None,
         role: Role::Memory,
     },
     Entry {
         names: &["llama_model_load_from_file", "llama_load_model_from_file"],
-        enter: "engine_model_load",
-        ret: Some("engine_ret"),
+        enter: Prog::ModelLoad,
+        ret: Some(Prog::Ret),
         role: Role::Init,
     },
     Entry {
         names: &["llama_init_from_model", "llama_new_context_with_model"],
-        enter: "engine_context_init",
-        ret: Some("engine_ret"),
+        enter: Prog::ContextInit,
+        ret: Some(Prog::Ret),
         role: Role::Init,
     },
 ];
 
-/// Every program of the engine probe (loaded only when an entry point is found).
-pub const PROGRAMS: &[&str] = &[
-    "engine_process",
-    "engine_decode",
-    "engine_decode_opaque",
-    "engine_encode",
-    "engine_ret",
-    "engine_ret_i32",
-    "engine_batch_clear",
-    "engine_batch_add",
-    "engine_seq_rm",
-    "engine_clear",
-    "engine_model_load",
-    "engine_context_init",
-];
+/// The symbol whose presence dates an object's `llama_batch` (llama.h since 2023): not attached.
+const BATCH_INIT: &str = "llama_batch_init";
+
+/// A symbol the search looks for: a name of an entry point, or [`BATCH_INIT`].
+#[derive(Clone, Copy)]
+enum Wanted {
+    Entry,
+    BatchInit,
+}
+
+/// Every program of the engine probe, by name (`probes::attach` sets them apart).
+pub const PROGRAMS: &[&str] = Prog::WORDS;
 
 /// Objects bigger than this are not searched for entry points (bytes of string table read).
 const MAX_STRTAB: u64 = 64 << 20;
@@ -113,8 +153,9 @@ pub struct Found {
 }
 
 impl Found {
-    fn has(&self, name: &str) -> bool {
-        self.entries.values().any(|(n, _)| *n == name)
+    /// It has the entry point of this role.
+    fn has(&self, role: Role) -> bool {
+        self.entries.keys().any(|&i| ENTRIES[i].role == role)
     }
 }
 
@@ -183,16 +224,23 @@ fn entry_points(f: &target_file::TargetFile) -> anyhow::Result<(Entries, bool)> 
         return Ok((out, false));
     }
     let mut batch_init = false;
-    let wanted: HashMap<&str, usize> = ENTRIES.iter().enumerate().flat_map(|(i, e)| e.names.iter().map(move |n| (*n, i))).collect();
+    let wanted: HashMap<&'static str, Wanted> =
+        ENTRIES.iter().flat_map(|e| e.names.iter().map(|n| (*n, Wanted::Entry))).chain([(BATCH_INIT, Wanted::BatchInit)]).collect();
     let mut by_name: HashMap<&'static str, u64> = HashMap::new();
     for sym in elf.symbols().chain(elf.dynamic_symbols()) {
         if !sym.is_definition() || sym.kind() != object::SymbolKind::Text {
             continue;
         }
         let Ok(name) = sym.name() else { continue };
-        batch_init |= name == "llama_batch_init";
-        let Some(&i) = wanted.get(name) else { continue };
-        let Some(&name) = ENTRIES[i].names.iter().find(|n| **n == name) else { continue };
+        // The table's own name (static) for the file's.
+        let name = match wanted.get_key_value(name) {
+            Some((&name, Wanted::Entry)) => name,
+            Some((_, Wanted::BatchInit)) => {
+                batch_init = true;
+                continue;
+            }
+            None => continue,
+        };
         if let Some(off) = file_offset(&elf, sym.address()) {
             by_name.insert(name, off);
         }
@@ -232,18 +280,18 @@ pub struct Attached {
 /// Where the engine's programs are found: the whole object, or the share of it a thread was given
 /// (`probes::attach` verifies them beside the other programs).
 pub trait Programs {
-    fn program_mut(&mut self, name: &str) -> Option<&mut Program>;
+    fn program_mut(&mut self, p: Prog) -> Option<&mut Program>;
 }
 
 impl Programs for Ebpf {
-    fn program_mut(&mut self, name: &str) -> Option<&mut Program> {
-        Ebpf::program_mut(self, name)
+    fn program_mut(&mut self, p: Prog) -> Option<&mut Program> {
+        Ebpf::program_mut(self, p.name())
     }
 }
 
 impl Programs for HashMap<&str, &mut Program> {
-    fn program_mut(&mut self, name: &str) -> Option<&mut Program> {
-        self.get_mut(name).map(|p| &mut **p)
+    fn program_mut(&mut self, p: Prog) -> Option<&mut Program> {
+        self.get_mut(p.name()).map(|p| &mut **p)
     }
 }
 
@@ -261,14 +309,14 @@ pub fn attach(ebpf: &mut impl Programs, s: &Search) -> Attached {
         return out;
     }
     // Programs the kernel refused: not tried again for the next object.
-    let mut refused: HashSet<&str> = HashSet::new();
+    let mut refused: HashSet<Prog> = HashSet::new();
     for f in &s.found {
         let base = f.path.rsplit('/').next().unwrap_or(&f.path);
-        let ext = f.has("llama_process");
-        let fill_ok = ["llama_batch_ext_clear", "llama_batch_ext_add_token"].iter().all(|n| f.has(n));
+        let ext = f.has(Role::ExtStep);
+        let fill_ok = f.has(Role::FillClear) && f.has(Role::FillToken);
         // The classic `llama_batch` layout is the one probe reads when the object has the API that
         // introduced it (`llama_batch_init`, with `llama_decode`, in llama.h since Sept. 2023).
-        let classic_ok = !f.has("llama_decode") || f.batch_init;
+        let classic_ok = !f.has(Role::Decode) || f.batch_init;
         let missing: Vec<&str> = ENTRIES.iter().enumerate().filter(|(i, _)| !f.entries.contains_key(i)).map(|(_, e)| e.names[0]).collect();
         if !missing.is_empty() {
             out.skipped.push(format!("engine probes: {} not found in {base}", missing.join(", ")));
@@ -286,18 +334,19 @@ pub fn attach(ebpf: &mut impl Programs, s: &Search) -> Attached {
         let fd_path = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&f.file.file)));
         for (&i, &(name, off)) in &f.entries {
             let e = &ENTRIES[i];
-            if e.role == Role::Fill && !fill_ok {
+            if e.role.fill() && !fill_ok {
                 continue;
             }
             // llama_process takes (and forgets) its batch's fill: no probe on the clear.
-            if name == "llama_batch_ext_clear" && ext {
+            if e.role == Role::FillClear && ext {
                 continue;
             }
-            let enter = if e.enter != "engine_process" && e.role == Role::Step && !classic_ok { "engine_decode_opaque" } else { e.enter };
-            let programs: Vec<&str> = std::iter::once(enter).chain(e.ret).collect();
+            let classic = matches!(e.role, Role::Decode | Role::Encode);
+            let enter = if classic && !classic_ok { Prog::DecodeOpaque } else { e.enter };
+            let programs: Vec<Prog> = std::iter::once(enter).chain(e.ret).collect();
             let mut ok = true;
-            for prog in &programs {
-                if refused.contains(prog) {
+            for &prog in &programs {
+                if refused.contains(&prog) {
                     ok = false;
                     break;
                 }
@@ -315,14 +364,14 @@ pub fn attach(ebpf: &mut impl Programs, s: &Search) -> Attached {
             }
             if ok {
                 out.attached.push(format!("{name} in {base}"));
-                out.live |= e.role == Role::Step;
+                out.live |= e.role.step();
             }
         }
     }
     out
 }
 
-fn attach_one(ebpf: &mut impl Programs, program: &str, offset: u64, target: &std::path::Path) -> anyhow::Result<()> {
+fn attach_one(ebpf: &mut impl Programs, program: Prog, offset: u64, target: &std::path::Path) -> anyhow::Result<()> {
     let p: &mut UProbe = ebpf.program_mut(program).with_context(|| format!("program {program} missing from the object"))?.try_into()?;
     if p.fd().is_err() {
         p.load().with_context(|| format!("the verifier refused {program}"))?;

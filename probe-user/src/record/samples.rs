@@ -324,18 +324,54 @@ pub struct LoadedModel {
     pub expires_at: Option<String>,
 }
 
+crate::closed_set! {
+    /// A device's `power/runtime_status` (runtime power management), as sysfs writes it.
+    RuntimeStatus {
+        Active = "active",
+        Suspended = "suspended",
+        Suspending = "suspending",
+        Resuming = "resuming",
+        Error = "error",
+        /// No runtime power management (the file says so, or there is none): the device stays in D0.
+        Unsupported = "unsupported",
+    }
+    /// A word a later kernel has.
+    Other(String)
+}
+
+/// A recording without the field reads as no word, as the string it was read into did.
+impl Default for RuntimeStatus {
+    fn default() -> Self {
+        RuntimeStatus::Other(String::new())
+    }
+}
+
+crate::closed_set! {
+    /// A PCI device's `power_state` (Linux 5.19 and later), as sysfs writes it.
+    PowerState {
+        D0 = "D0",
+        D1 = "D1",
+        D2 = "D2",
+        D3hot = "D3hot",
+        D3cold = "D3cold",
+        Unknown = "unknown",
+        Error = "error",
+    }
+    /// A word a later kernel has.
+    Other(String)
+}
+
 /// A GPU's PCI power state as sysfs has it without waking the device.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
 pub struct PciPower {
     /// The PCI address (0000:01:00.0).
     pub addr: String,
-    /// `power/runtime_status`: active, suspended, suspending, resuming, or unsupported (no
-    /// runtime power management: the device stays in D0).
-    pub runtime: String,
-    /// `power_state` (D0, D3hot, D3cold: Linux 5.19 and later), where the kernel has it.
+    /// `power/runtime_status`; unsupported where the file is missing.
+    pub runtime: RuntimeStatus,
+    /// `power_state`, where the kernel has it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub state: Option<String>,
+    pub state: Option<PowerState>,
     /// `power/control` is `auto`: the kernel suspends the device when nothing holds it (an open
     /// NVML handle does).
     pub runtime_pm: bool,
@@ -344,12 +380,16 @@ pub struct PciPower {
 impl PciPower {
     /// Suspended (runtime PM) or in a D3 state.
     pub fn asleep(&self) -> bool {
-        matches!(self.runtime.as_str(), "suspended" | "suspending") || self.state.as_deref().is_some_and(|s| s.starts_with("D3"))
+        matches!(self.runtime, RuntimeStatus::Suspended | RuntimeStatus::Suspending)
+            || matches!(self.state, Some(PowerState::D3hot | PowerState::D3cold))
     }
 
     /// How it is said: "D3cold", else the runtime status.
     pub fn said(&self) -> &str {
-        self.state.as_deref().filter(|s| *s != "D0" || self.runtime == "active").unwrap_or(&self.runtime)
+        self.state
+            .as_ref()
+            .filter(|s| **s != PowerState::D0 || self.runtime == RuntimeStatus::Active)
+            .map_or(self.runtime.name(), PowerState::name)
     }
 }
 
@@ -365,6 +405,24 @@ pub struct GpuDevice {
     pub max_mem_mhz: Option<u32>,
     pub power_limit_w: Option<f64>,
     pub vram_total: Option<u64>,
+}
+
+crate::closed_set! {
+    /// Why a GPU's clocks are held down (NVML's clock-event reasons, by their names in lower case).
+    ClockReason {
+        /// Nothing runs on the GPU: not a throttle.
+        GpuIdle = "gpu_idle",
+        ApplicationsClocksSetting = "applications_clocks_setting",
+        SwPowerCap = "sw_power_cap",
+        HwSlowdown = "hw_slowdown",
+        SyncBoost = "sync_boost",
+        SwThermalSlowdown = "sw_thermal_slowdown",
+        HwThermalSlowdown = "hw_thermal_slowdown",
+        HwPowerBrakeSlowdown = "hw_power_brake_slowdown",
+        DisplayClockSetting = "display_clock_setting",
+    }
+    /// A reason a later NVML names.
+    Other(String)
 }
 
 /// One reading of one GPU. Fields NVML cannot give on this device are `None`.
@@ -383,7 +441,7 @@ pub struct GpuSample {
     pub vram_free: Option<u64>,
     /// Why clocks are held down now (clock-event reasons), e.g. gpu_idle, sw_power_cap.
     #[serde(default)]
-    pub reasons: Vec<String>,
+    pub reasons: Vec<ClockReason>,
     /// GPU memory used by the traced processes on this device.
     pub target_vram: Option<u64>,
 }
@@ -541,5 +599,30 @@ mod tests {
         assert_eq!(serde_json::to_value(&l).unwrap()["source"], "io.max");
         let old: IoLimit = serde_json::from_str(r#"{"cgroup":"/x","dev":"8:0","source":"blkio.throttle"}"#).unwrap();
         assert_eq!(old.source, LimitSource::BlkioThrottle);
+    }
+
+    /// sysfs's power words and NVML's reasons are read into their sets and written back as the
+    /// same words, a word this version does not list included; values order by their words.
+    #[test]
+    fn power_states_and_clock_reasons_keep_their_words() {
+        let line = r#"{"addr":"0000:01:00.0","runtime":"suspended","state":"D3cold","runtime_pm":true}"#;
+        let p: PciPower = serde_json::from_str(line).unwrap();
+        assert_eq!((&p.runtime, &p.state), (&RuntimeStatus::Suspended, &Some(PowerState::D3cold)));
+        assert!(p.asleep() && p.said() == "D3cold");
+        assert_eq!(serde_json::to_string(&p).unwrap(), line);
+        let later = r#"{"addr":"a","runtime":"frozen","state":"D4","runtime_pm":false}"#;
+        let p: PciPower = serde_json::from_str(later).unwrap();
+        assert_eq!((&p.runtime, &p.state), (&RuntimeStatus::Other("frozen".into()), &Some(PowerState::Other("D4".into()))));
+        assert!(!p.asleep() && p.said() == "D4");
+        assert_eq!(serde_json::to_string(&p).unwrap(), later);
+        let on = PciPower { runtime: RuntimeStatus::Active, state: Some(PowerState::D0), ..Default::default() };
+        let held = PciPower { runtime: RuntimeStatus::Unsupported, ..on.clone() };
+        assert_eq!((on.said(), held.said()), ("D0", "unsupported"));
+        let g: GpuSample = serde_json::from_str(r#"{"index":0,"reasons":["sw_power_cap","gpu_idle","new_reason"]}"#).unwrap();
+        assert_eq!(g.reasons, [ClockReason::SwPowerCap, ClockReason::GpuIdle, ClockReason::Other("new_reason".into())]);
+        assert_eq!(serde_json::to_value(&g).unwrap()["reasons"], serde_json::json!(["sw_power_cap", "gpu_idle", "new_reason"]));
+        let mut sorted = g.reasons.clone();
+        sorted.sort();
+        assert_eq!(sorted.iter().map(ClockReason::name).collect::<Vec<_>>(), ["gpu_idle", "new_reason", "sw_power_cap"]);
     }
 }

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::record::samples::{GpuDevice, GpuSample, PciPower};
+use crate::record::samples::{GpuDevice, GpuSample, PciPower, PowerState, RuntimeStatus};
 
 const PCI_DEVICES: &str = "/sys/bus/pci/devices";
 /// Another sysfs PCI device directory to read (tests: these machines have no GPU).
@@ -56,8 +56,8 @@ pub fn pci_power(devices: &[std::path::PathBuf]) -> Vec<PciPower> {
         .iter()
         .map(|d| PciPower {
             addr: d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
-            runtime: read(&d.join("power/runtime_status")).unwrap_or_else(|| "unsupported".into()),
-            state: read(&d.join("power_state")),
+            runtime: read(&d.join("power/runtime_status")).map_or(RuntimeStatus::Unsupported, RuntimeStatus::from),
+            state: read(&d.join("power_state")).map(PowerState::from),
             runtime_pm: read(&d.join("power/control")).is_some_and(|c| c == "auto"),
         })
         .collect()
@@ -118,6 +118,7 @@ mod nvml {
     };
 
     use super::{GpuDevice, GpuSample, GpuSource};
+    use crate::record::samples::ClockReason;
 
     pub struct Nvml {
         lib: Lib,
@@ -209,7 +210,7 @@ mod nvml {
                         .sum();
                     let reasons = d
                         .current_throttle_reasons()
-                        .map(|r| r.iter_names().map(|(n, _)| n.to_ascii_lowercase()).collect())
+                        .map(|r| r.iter_names().map(|(n, _)| ClockReason::from(n.to_ascii_lowercase())).collect())
                         .unwrap_or_default();
                     Some(GpuSample {
                         index: i,

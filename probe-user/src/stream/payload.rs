@@ -344,6 +344,31 @@ impl Stop {
             || self.done_marker
             || self.error.is_some()
     }
+
+    /// The server's error said its context (a slot's, or the shared KV pool) ran out.
+    pub fn context_exceeded(&self) -> bool {
+        self.error_reason() == Some(ErrorReason::ContextExceeded)
+    }
+
+    /// What probe read in the server's error message ([`apply`] wrote it), if anything.
+    pub fn error_reason(&self) -> Option<ErrorReason> {
+        self.error.as_ref()?.get(ErrorReason::KEY)?.as_str()?.parse().ok()
+    }
+}
+
+crate::closed_set! {
+    /// What a server's error message says, as probe words it in [`Stop::error`] (under
+    /// [`ErrorReason::KEY`]): the message itself stays out unless the user asked for it.
+    ErrorReason {
+        /// The server's context (a slot's, or the shared KV pool) ran out.
+        #[default]
+        ContextExceeded = "context_exceeded",
+    }
+}
+
+impl ErrorReason {
+    /// The key it is written under in the error object.
+    pub const KEY: &str = "reason";
 }
 
 /// Output tokens and where the number came from: the server's usage, its timings, Ollama's
@@ -443,7 +468,7 @@ pub fn apply(v: &Value, stop: &mut Stop, keep_text: bool) -> bool {
         // What the message says, as a word from a closed set: the text itself stays out unless
         // the user asked for it (it may quote the prompt).
         if message.and_then(Value::as_str).is_some_and(context_exceeded) {
-            e.insert("reason".into(), Value::String("context_exceeded".into()));
+            e.insert(ErrorReason::KEY.into(), Value::String(ErrorReason::ContextExceeded.name().into()));
         }
         if keep_text && let Some(m) = message {
             e.insert("message".into(), m.clone());
@@ -613,6 +638,24 @@ mod salvage_tests {
         assert_eq!(stop.finish_reason.as_deref(), Some("length"));
         assert_eq!(stop.usage.unwrap()["completion_tokens"], 400);
         assert_eq!(salvage(b"just some text \"x\": 1"), None);
+    }
+
+    /// A context error is kept as probe's word (not the message's text) and read back typed.
+    #[test]
+    fn context_errors_are_worded() {
+        let read = |text: &str| {
+            let mut stop = Stop::default();
+            apply(&serde_json::from_str(text).unwrap(), &mut stop, false);
+            stop
+        };
+        let stop = read(
+            r#"{"error":{"code":400,"type":"exceed_context_size_error","message":"the request exceeds the available context size","n_ctx":4096}}"#,
+        );
+        assert!(stop.context_exceeded());
+        let kept = r#"{"code":400,"n_ctx":4096,"reason":"context_exceeded","type":"exceed_context_size_error"}"#;
+        assert_eq!(serde_json::to_string(&stop.error).unwrap(), kept);
+        let other = read(r#"{"error":{"code":500,"message":"boom"}}"#);
+        assert!(other.error.is_some() && !other.context_exceeded());
     }
 
     /// Found by fuzzing: Ollama's final message kept whatever its timing fields held.

@@ -65,7 +65,7 @@ pub fn server_word(s: &crate::stream::payload::Stop, produced: u64, max_tokens: 
 pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
     use StopCause::*;
     let n = q.produced();
-    let context_ran_out = q.stop.error.as_ref().is_some_and(|e| e["reason"] == "context_exceeded");
+    let context_ran_out = q.stop.context_exceeded();
     let cause = if context_ran_out {
         // llama-server with one KV pool for all slots ends a stream with an error when the pool
         // is full: a limit the server imposed, not a fault.
