@@ -62,6 +62,18 @@ struct Heartbeat {
     urgent_seen: AtomicU64,
     /// Not held before this (monotonic ns).
     free_until_ns: AtomicU64,
+    /// The backlog's producer position at the watchdog's last look (the watchdog's own).
+    last_produced: AtomicU64,
+}
+
+impl Heartbeat {
+    /// Nothing to watch closely: not busy, held or raised, and nothing written to its ring since
+    /// the last look (a ring starting to fill brings the watchdog back to its quarter-second).
+    fn quiet(&self) -> bool {
+        let produced = self.backlog.as_ref().map_or(0, RingFill::produced);
+        let moved = self.last_produced.swap(produced, Relaxed) != produced;
+        !moved && !self.busy.load(Relaxed) && !self.held.load(Relaxed) && !self.raised.load(Relaxed)
+    }
 }
 
 /// Reads a count the watchdog watches ([`Heartbeat::urgent`]).
@@ -143,6 +155,11 @@ const RAISE_AHEAD: f64 = 0.75;
 const CAP_SYS_NICE: u64 = 1 << 23;
 const WATCH_EVERY: Duration = Duration::from_millis(100);
 const WATCH_IDLE: Duration = Duration::from_millis(250);
+/// How often the watchdog looks while nothing happens: no watched thread busy or held, the CPUs
+/// not saturated at the last look and nothing written to a watched ring since. Nothing is held
+/// then, so a look that comes late only holds late (a drain at idle priority meanwhile); each
+/// look is a wake-up (tens of µs on a VM) and a read of /proc/stat.
+const WATCH_QUIET: Duration = Duration::from_secs(1);
 /// How often the watchdog looks in a thread's first [`START_NS`]: right after attach a ring can
 /// fill in a tenth of a second (a decode's thread pool switching 26,000 times a second) while
 /// the drain, at idle priority from its start, waits behind the server it must not delay.
@@ -302,13 +319,14 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
             let mut every = WATCH_EVERY;
             let (list, wake) = watchdog();
             let mut beats = list.lock().unwrap_or_else(|e| e.into_inner());
+            let mut was_saturated = false;
             loop {
                 beats = wake.wait_timeout(beats, every).unwrap_or_else(|e| e.into_inner()).0;
                 let now = crate::monotonic_ns();
                 beats.retain(|b| !b.done.load(Relaxed));
                 // Every 10 ms in a thread's first second, every 100 ms while a watched thread
                 // has work flowing, every 250 ms otherwise (a ring filling from idle at 16 MB/s
-                // is then seen at most 4 MB past half full).
+                // is then seen at most 4 MB past half full), every second while nothing happens.
                 every = if beats.iter().any(|b| now.saturating_sub(b.born_ns) < START_NS) {
                     WATCH_START
                 } else if beats.iter().any(|b| b.busy.load(Relaxed)) {
@@ -316,8 +334,13 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                 } else {
                     WATCH_IDLE
                 };
+                let quiet = every == WATCH_IDLE && !was_saturated && beats.iter().all(|b| b.quiet());
+                if quiet {
+                    every = WATCH_QUIET;
+                }
                 // /proc/stat's first line: 6 µs a read, at most 40 a second.
                 let saturated = !beats.is_empty() && saturated(now);
+                was_saturated = saturated;
                 for b in beats.iter() {
                     let due = b.due_ns.load(Relaxed);
                     let fill = b.backlog.as_ref().map_or(0.0, RingFill::fill);
@@ -400,6 +423,7 @@ impl Yielding {
             urgent_seen: urgent.as_ref().map_or(0, |c| c()).into(),
             urgent,
             free_until_ns: 0.into(),
+            last_produced: 0.into(),
         });
         if may {
             // A drain whose backlog can wait is held from its first turn when every CPU is busy
