@@ -554,14 +554,8 @@ pub fn build(rec: &Recording, r: &report::Report, kernel: &crate::analysis::ksym
                 } else {
                     SockMark::ResetSent.name().to_string()
                 };
-                ev.push(TraceEvent::instant(
-                    name,
-                    TCP_PID,
-                    s.sport,
-                    us(s.hdr.ts_ns),
-                    false,
-                    Some(Details::Sock(SockArgs { dport: s.dport })),
-                ));
+                let args = Some(Details::Sock(SockArgs { dport: s.dport }));
+                ev.push(TraceEvent::instant(name, TCP_PID, s.sport, us(s.hdr.ts_ns), false, args));
             }
             _ => {}
         }
