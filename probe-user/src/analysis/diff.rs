@@ -455,14 +455,10 @@ fn setup(d: &mut Diff, a: &Report, b: &Report, ma: &crate::record::records::Meta
     let mhz = |r: &Report| r.system.cpu_freq.max_mhz.map_or("?".into(), |m| format!("{m:.0} MHz"));
     ch("CPU max clock", mhz(a), mhz(b));
     let share = |r: &Report| {
-        r.system
-            .cpu_freq
-            .share_min
-            .zip(r.system.cpu_freq.share_max)
-            .map_or("?".into(), |(l, h)| format!("{:.0}–{:.0}% of max", l * 100.0, h * 100.0))
+        let f = &r.system.cpu_freq;
+        f.share_min.zip(f.share_max).map(|(l, h)| format!("{:.0}–{:.0}% of max", l * 100.0, h * 100.0))
     };
-    let (sa, sb) = (share(a), share(b));
-    if sa != "?" && sb != "?" {
+    if let (Some(sa), Some(sb)) = (share(a), share(b)) {
         ch("CPU clock while tracing", sa, sb);
     }
     let gpu = |r: &Report| {

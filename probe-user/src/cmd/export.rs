@@ -62,7 +62,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         }
         ExportFormat::OtlpJson => {
             let e = crate::render::export::otlp::from_report(r, meta, None);
-            let bytes = serde_json::to_vec(&e.to_json())?;
+            let bytes = e.to_json()?;
             let p = match output {
                 Some(o) => {
                     output::write_file(&o, &bytes, force)?;

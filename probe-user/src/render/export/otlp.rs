@@ -12,7 +12,6 @@
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use serde_json::Value;
 
 use super::proto::Msg;
 use crate::{
@@ -343,23 +342,23 @@ struct ScopeJson {
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct SpanJson<'a> {
-    trace_id: String,
-    span_id: String,
-    name: &'a str,
-    kind: u64,
-    start_time_unix_nano: String,
-    end_time_unix_nano: String,
     attributes: Vec<KeyValue<'a>>,
+    end_time_unix_nano: String,
     events: Vec<EventJson<'a>>,
+    kind: u64,
+    name: &'a str,
+    span_id: String,
+    start_time_unix_nano: String,
     status: StatusJson<'a>,
+    trace_id: String,
 }
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct EventJson<'a> {
-    time_unix_nano: String,
-    name: &'a str,
     attributes: Vec<KeyValue<'a>>,
+    name: &'a str,
+    time_unix_nano: String,
 }
 
 /// A span's status: empty when unset, else its code and message.
@@ -385,7 +384,7 @@ impl<'a> SpanJson<'a> {
             events: sp
                 .events
                 .iter()
-                .map(|e| EventJson { time_unix_nano: e.time_ns.to_string(), name: &e.name, attributes: attrs_json(&e.attrs) })
+                .map(|e| EventJson { attributes: attrs_json(&e.attrs), name: &e.name, time_unix_nano: e.time_ns.to_string() })
                 .collect(),
             status: StatusJson { code: set.then_some(sp.status), message: set.then_some(sp.status_message.as_str()) },
         }
@@ -398,8 +397,9 @@ fn scope() -> (&'static str, &'static str) {
 
 impl Export {
     /// OTLP/JSON: an ExportTraceServiceRequest, as the OTLP file exporter writes one a line.
-    /// (As a JSON value: its keys are written in order.)
-    pub fn to_json(&self) -> Value {
+    /// Every object's keys are in alphabetical order (the structs' fields are), as otlp.json
+    /// has always had them.
+    pub fn to_json(&self) -> serde_json::Result<Vec<u8>> {
         let (name, version) = scope();
         let traces = TracesJson {
             resource_spans: [ResourceSpansJson {
@@ -407,7 +407,7 @@ impl Export {
                 scope_spans: [ScopeSpansJson { scope: ScopeJson { name, version }, spans: self.spans.iter().map(SpanJson::of).collect() }],
             }],
         };
-        serde_json::to_value(traces).expect("OTLP/JSON has string keys only")
+        serde_json::to_vec(&traces)
     }
 
     /// OTLP protobuf: an ExportTraceServiceRequest.
@@ -711,5 +711,27 @@ mod tests {
         assert_eq!(Endpoint::parse("http://c:4318/otlp/v1/traces").unwrap().path, "/otlp/v1/traces");
         assert_eq!(Endpoint::parse("http://127.0.0.1:4318").unwrap().logs_path, "/v1/logs");
         assert_eq!(Endpoint::parse("http://c:4318/otlp/v1/traces").unwrap().logs_path, "/otlp/v1/logs");
+    }
+
+    /// otlp.json has its keys in alphabetical order in every object (once written through a
+    /// sorted JSON map): the structs keep their fields so.
+    #[test]
+    fn json_keys_are_sorted() {
+        let attrs = vec![("b".to_string(), Val::A(vec![Val::I(1), Val::D(0.5)])), ("a".to_string(), Val::B(true))];
+        let span = |status| Span {
+            trace_id: [1; 16],
+            span_id: [2; 8],
+            name: "chat".into(),
+            start_ns: 1,
+            end_ns: 2,
+            attrs: attrs.clone(),
+            events: vec![Event { time_ns: 1, name: "first token".into(), attrs: attrs.clone() }],
+            status,
+            status_message: "stopped".into(),
+        };
+        let e = Export { resource: attrs.clone(), spans: vec![span(0), span(2)], logs: vec![] };
+        let bytes = e.to_json().unwrap();
+        let sorted = serde_json::to_vec(&serde_json::from_slice::<serde_json::Value>(&bytes).unwrap()).unwrap();
+        assert_eq!(String::from_utf8(bytes).unwrap(), String::from_utf8(sorted).unwrap());
     }
 }

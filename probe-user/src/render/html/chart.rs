@@ -6,9 +6,10 @@
 //! said in the hover title or under the chart. Times in the trace are µs.
 use std::{collections::BTreeMap, fmt::Write as _};
 
-use serde_json::Value;
-
-use crate::render::perfetto::{Phase, RequestMark, TraceEvent};
+use crate::{
+    analysis::ksyms::Wait,
+    render::perfetto::{Details, MetaName, Num, Phase, RequestMark, SockMark, TraceEvent, Track},
+};
 
 use super::escape;
 
@@ -35,17 +36,52 @@ struct Slice {
     ts: f64,
     dur: f64,
     name: String,
-    /// What the slice is on a request's track, when the chart draws it its own way.
-    mark: Option<RequestMark>,
-    args: Value,
+    kind: Kind,
+    args: Option<Details>,
     depth: usize,
 }
 
 struct Instant {
     ts: f64,
     name: String,
-    /// What the instant is on a request's track, when the chart draws it its own way.
-    mark: Option<RequestMark>,
+    kind: Kind,
+}
+
+/// What a slice or instant is, for its colour, its legend and how it is drawn: read from the
+/// kind of its details and the closed sets its name comes from. Anything else (a memory stall,
+/// an engine step) is coloured by its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// A request's slice, named "#id method path".
+    Request,
+    /// A mark on a request's track: the wait for the first token, the first token, a token.
+    Mark(RequestMark),
+    /// A target thread off the CPU.
+    Wait(Wait),
+    MajorFault,
+    /// A TCP reset, received or sent.
+    Reset,
+    /// A TCP state change, named "from → to".
+    StateChange,
+    /// A memory-map call.
+    Mmap,
+    /// A block request, named "RWBS size KiB".
+    BlockIo,
+    Other,
+}
+
+impl Kind {
+    fn of(name: &str, args: Option<&Details>) -> Kind {
+        match args {
+            Some(Details::Request(_)) => Kind::Request,
+            Some(Details::Fault(_)) => Kind::MajorFault,
+            Some(Details::Mmap(_)) => Kind::Mmap,
+            Some(Details::BlockIo(_)) => Kind::BlockIo,
+            Some(Details::Sock(_)) if name.parse::<SockMark>().is_ok() => Kind::Reset,
+            Some(Details::Sock(_)) => Kind::StateChange,
+            _ => name.parse().map(Kind::Mark).or_else(|_| name.parse().map(Kind::Wait)).unwrap_or(Kind::Other),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -62,10 +98,10 @@ enum Label {
 }
 
 impl Label {
-    /// One series named as its lane ("server requests deferred" / "deferred", the counter's own
-    /// name, or the generic "value" of other programs' traces) says it once.
+    /// A series whose key is a word of its counter's name ("server requests deferred" /
+    /// "deferred", "GPU 0 power W" / "W") says it once.
     fn of(name: &str, key: &str) -> Label {
-        if key == name || key == "value" || name.split_whitespace().any(|w| w == key) { Label::Name } else { Label::NameAndKey }
+        if name.split_whitespace().any(|w| w == key) { Label::Name } else { Label::NameAndKey }
     }
 
     fn text(self, name: &str, key: &str) -> String {
@@ -85,6 +121,8 @@ struct Series {
 #[derive(Default)]
 struct Process {
     name: Option<String>,
+    /// The timeline's own track this process is, by its name.
+    track: Option<Track>,
     threads: BTreeMap<u64, String>,
     lanes: BTreeMap<u64, Lane>,
     /// (counter name, series key) → its samples.
@@ -93,62 +131,67 @@ struct Process {
 
 const PALETTE: [&str; 10] = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
 
-/// Colours for the names probe's timeline uses; any other name gets one from its hash.
-pub fn color(name: &str) -> &'static str {
-    match name {
-        "until first token" => "#f28e2b",
-        "first token" => "#000000",
-        "token" => "#555555",
-        "[io wait]" => "#d62728",
-        "[page-fault wait]" => "#ff7f0e",
-        "[memory wait]" => "#9467bd",
-        "[swap wait]" => "#c5b0d5",
-        "[lock wait]" => "#8c8c8c",
-        "[sleep]" => "#bcbd22",
-        "[poll wait]" => "#17becf",
-        "[network wait]" => "#1f77b4",
-        "[other wait]" => "#c7c7c7",
-        "major fault" => "#ff7f0e",
-        "reset received" | "reset sent" => "#d62728",
-        n if n.starts_with('#') => "#c6dbef",
-        // A state change ("A → B"): coloured by the state it enters.
-        n if n.contains(" → ") => color(n.rsplit(" → ").next().unwrap_or(n)),
-        n if is_mmap(n) => "#8d6e63",
-        n => {
-            // Block IO is named "RWBS size": colour by the operation, not the size.
-            let key = if n.ends_with(" KiB") { n.split(' ').next().unwrap_or(n) } else { n };
-            let h = key.bytes().fold(2166136261u32, |h, b| (h ^ b as u32).wrapping_mul(16777619));
-            PALETTE[h as usize % PALETTE.len()]
-        }
+/// The colour of a slice or instant: its kind's, or one from its name's hash.
+fn color(kind: Kind, name: &str) -> &'static str {
+    match kind {
+        Kind::Mark(RequestMark::UntilFirstToken) => "#f28e2b",
+        Kind::Mark(RequestMark::FirstToken) => "#000000",
+        Kind::Mark(RequestMark::Token) => "#555555",
+        Kind::Wait(Wait::Io) => "#d62728",
+        Kind::Wait(Wait::PageFault) => "#ff7f0e",
+        Kind::Wait(Wait::Memory) => "#9467bd",
+        Kind::Wait(Wait::Swap) => "#c5b0d5",
+        Kind::Wait(Wait::Lock) => "#8c8c8c",
+        Kind::Wait(Wait::Sleep) => "#bcbd22",
+        Kind::Wait(Wait::Poll) => "#17becf",
+        Kind::Wait(Wait::Network) => "#1f77b4",
+        Kind::Wait(Wait::Other) => "#c7c7c7",
+        Kind::MajorFault => "#ff7f0e",
+        Kind::Reset => "#d62728",
+        Kind::Request => "#c6dbef",
+        // A state change: coloured by the state it enters.
+        Kind::StateChange => hashed(entered(name)),
+        Kind::Mmap => "#8d6e63",
+        // Colour by the operation, not the size.
+        Kind::BlockIo => hashed(operation(name)),
+        Kind::Other => hashed(name),
     }
+}
+
+/// A colour of the palette from a name's hash.
+fn hashed(name: &str) -> &'static str {
+    let h = name.bytes().fold(2166136261u32, |h, b| (h ^ b as u32).wrapping_mul(16777619));
+    PALETTE[h as usize % PALETTE.len()]
+}
+
+/// The state a TCP state change ("A → B") enters.
+fn entered(name: &str) -> &str {
+    name.rsplit_once(" → ").map_or(name, |(_, to)| to)
+}
+
+/// A block request's operation: its name's first word.
+fn operation(name: &str) -> &str {
+    name.split(' ').next().unwrap_or(name)
 }
 
 /// What a colour stands for in the legend.
-fn legend_name(name: &str) -> String {
-    if name.starts_with('#') {
-        "request".into()
-    } else if is_mmap(name) {
-        "memory-map calls".into()
-    } else if let Some((_, to)) = name.rsplit_once(" → ") {
-        format!("→ {to}")
-    } else if name.ends_with(" KiB") {
-        format!("block {}", name.split(' ').next().unwrap_or(name))
-    } else {
-        name.into()
+fn legend_name(kind: Kind, name: &str) -> String {
+    match kind {
+        Kind::Request => "request".into(),
+        Kind::Mmap => "memory-map calls".into(),
+        Kind::StateChange => format!("→ {}", entered(name)),
+        Kind::BlockIo => format!("block {}", operation(name)),
+        _ => name.into(),
     }
-}
-
-fn is_mmap(name: &str) -> bool {
-    matches!(name, "mmap" | "munmap" | "mremap" | "madvise" | "mlock" | "munlock" | "mlock2" | "mprotect" | "mmap?")
 }
 
 /// The group a process's lanes go in: requests first, then the target's threads, block IO,
 /// TCP, anything else.
-fn rank(name: Option<&str>) -> u8 {
-    match name {
-        Some("requests") => 0,
-        Some("block IO") => 2,
-        Some("TCP") => 3,
+fn rank(track: Option<Track>) -> u8 {
+    match track {
+        Some(Track::Requests) => 0,
+        Some(Track::BlockIo) => 2,
+        Some(Track::Tcp) => 3,
         _ => 1,
     }
 }
@@ -162,31 +205,34 @@ fn parse(events: &[TraceEvent]) -> (BTreeMap<u64, Process>, f64) {
         let p = procs.entry(pid).or_default();
         match e.ph {
             Phase::Meta => {
-                let label = e.args.as_ref().and_then(|a| a["name"].as_str()).map(String::from);
-                match (name.as_str(), label) {
-                    ("process_name", Some(l)) => p.name = Some(l),
-                    ("thread_name", Some(l)) => {
-                        p.threads.insert(tid, l);
+                let Some(Details::Name(label)) = &e.args else { continue };
+                match name.parse() {
+                    Ok(MetaName::ProcessName) => {
+                        p.track = label.name.parse().ok();
+                        p.name = Some(label.name.clone());
                     }
-                    _ => {}
+                    Ok(MetaName::ThreadName) => {
+                        p.threads.insert(tid, label.name.clone());
+                    }
+                    Err(_) => {}
                 }
             }
             Phase::Complete => {
                 let dur = e.dur.unwrap_or(0.0).max(0.0);
                 end = end.max(ts + dur);
-                let mark = name.parse().ok();
-                let args = e.args.clone().unwrap_or(Value::Null);
-                p.lanes.entry(tid).or_default().slices.push(Slice { ts, dur, name, mark, args, depth: 0 });
+                let kind = Kind::of(&name, e.args.as_ref());
+                p.lanes.entry(tid).or_default().slices.push(Slice { ts, dur, name, kind, args: e.args.clone(), depth: 0 });
             }
             Phase::Instant => {
                 end = end.max(ts);
-                let mark = name.parse().ok();
-                p.lanes.entry(tid).or_default().instants.push(Instant { ts, name, mark });
+                let kind = Kind::of(&name, e.args.as_ref());
+                p.lanes.entry(tid).or_default().instants.push(Instant { ts, name, kind });
             }
             Phase::Counter => {
                 end = end.max(ts);
-                for (key, v) in e.args.as_ref().and_then(Value::as_object).into_iter().flatten() {
-                    if let Some(v) = v.as_f64().filter(|v| v.is_finite()) {
+                let Some(Details::Counter(values)) = &e.args else { continue };
+                for (key, v) in values {
+                    if let Some(v) = v.map(Num::as_f64).filter(|v| v.is_finite()) {
                         let series = p.counters.entry((name.clone(), key.clone()));
                         series.or_insert_with(|| Series { label: Label::of(&name, key), points: Vec::new() }).points.push((ts, v));
                     }
@@ -252,10 +298,13 @@ fn ms(us: f64) -> String {
     }
 }
 
-/// A short, escaped summary of an event's args for its hover title.
-fn args_text(args: &Value) -> String {
-    let Some(o) = args.as_object().filter(|o| !o.is_empty()) else { return String::new() };
-    let mut t: String = o.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ");
+/// A short summary of an event's details for its hover title.
+fn args_text(args: Option<&Details>) -> String {
+    let fields = args.map(Details::fields).unwrap_or_default();
+    if fields.is_empty() {
+        return String::new();
+    }
+    let mut t: String = fields.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ");
     if t.chars().count() > 300 {
         t = t.chars().take(300).collect::<String>() + "…";
     }
@@ -306,11 +355,11 @@ struct Run<'a> {
 
 fn draw_slices(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
     // Group by (depth, name) in time order, so runs never merge different things.
-    let mut by: BTreeMap<(usize, &str), Vec<&Slice>> = BTreeMap::new();
+    let mut by: BTreeMap<(usize, &str), (Kind, Vec<&Slice>)> = BTreeMap::new();
     for s in &lane.slices {
-        by.entry((s.depth, s.name.as_str())).or_default().push(s);
+        by.entry((s.depth, s.name.as_str())).or_insert((s.kind, Vec::new())).1.push(s);
     }
-    for ((depth, name), slices) in by {
+    for ((depth, name), (kind, slices)) in by {
         let inset = 1.0 + depth as f64 * 3.0;
         let h = (LANE - 2.0 * inset).max(3.0);
         let flush = |o: &mut Out, r: &Run| {
@@ -322,7 +371,7 @@ fn draw_slices(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
             let density = (r.busy * scale / w).clamp(0.15, 1.0);
             let opacity = if density < 0.95 { format!(" fill-opacity=\"{density:.2}\"") } else { String::new() };
             let title = if r.n == 1 {
-                format!("{}: {} at {}{}", r.first.name, ms(r.first.dur), ms(r.first.ts), args_text(&r.first.args))
+                format!("{}: {} at {}{}", r.first.name, ms(r.first.dur), ms(r.first.ts), args_text(r.first.args.as_ref()))
             } else {
                 format!("{} × {}: {} in total, {} to {}", r.n, r.first.name, ms(r.busy), ms(r.first.ts), ms(r.last_end))
             };
@@ -331,7 +380,7 @@ fn draw_slices(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
                 "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{w:.1}\" height=\"{h:.1}\" fill=\"{}\"{opacity}><title>{}</title></rect>",
                 LABEL + r.x0,
                 y + inset,
-                color(name),
+                color(kind, name),
                 escape(&title)
             );
         };
@@ -361,12 +410,12 @@ fn draw_slices(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
 }
 
 fn draw_instants(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
-    let mut by: BTreeMap<&str, (Option<RequestMark>, Vec<f64>)> = BTreeMap::new();
+    let mut by: BTreeMap<&str, (Kind, Vec<f64>)> = BTreeMap::new();
     for i in &lane.instants {
-        by.entry(i.name.as_str()).or_insert((i.mark, Vec::new())).1.push(i.ts);
+        by.entry(i.name.as_str()).or_insert((i.kind, Vec::new())).1.push(i.ts);
     }
-    for (name, (mark, times)) in by {
-        let strong = mark == Some(RequestMark::FirstToken);
+    for (name, (kind, times)) in by {
+        let strong = kind == Kind::Mark(RequestMark::FirstToken);
         let mut i = 0;
         while i < times.len() {
             // Everything within a pixel of the first: one tick.
@@ -384,7 +433,7 @@ fn draw_instants(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
                     "<line x1=\"{x:.1}\" x2=\"{x:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"{}\" stroke-width=\"{}\"><title>{}</title></line>",
                     y + if strong { 0.0 } else { 3.0 },
                     y + LANE - if strong { 0.0 } else { 3.0 },
-                    color(name),
+                    color(kind, name),
                     if strong { 2 } else { 1 },
                     escape(&title)
                 );
@@ -475,7 +524,7 @@ pub fn svg(events: &[TraceEvent]) -> Chart {
     }
     let scale = WIDTH / end;
     let mut order: Vec<(&u64, &Process)> = procs.iter().collect();
-    order.sort_by_key(|(pid, p)| (rank(p.name.as_deref()), **pid));
+    order.sort_by_key(|(pid, p)| (rank(p.track), **pid));
     let mut c = Cursor { y: AXIS, lanes: 0, lanes_left: 0, used: BTreeMap::new(), counter_index: 0 };
     for (pid, p) in order {
         draw_process(&mut o, &mut c, *pid, p, scale);
@@ -515,9 +564,9 @@ fn draw_process(o: &mut Out, c: &mut Cursor, pid: u64, p: &Process, scale: f64) 
     }
     c.y += GROUP;
     let label = |tid: &u64| {
-        p.threads.get(tid).cloned().unwrap_or_else(|| match (group.as_str(), tid) {
-            ("TCP", 0) => "port not seen".into(),
-            ("TCP", _) => format!("port {tid}"),
+        p.threads.get(tid).cloned().unwrap_or_else(|| match (p.track, tid) {
+            (Some(Track::Tcp), 0) => "port not seen".into(),
+            (Some(Track::Tcp), _) => format!("port {tid}"),
             _ => format!("tid {tid}"),
         })
     };
@@ -544,8 +593,8 @@ fn draw_process(o: &mut Out, c: &mut Cursor, pid: u64, p: &Process, scale: f64) 
             );
         }
         for (_, lane) in row {
-            for n in lane.slices.iter().map(|s| &s.name).chain(lane.instants.iter().map(|i| &i.name)) {
-                c.used.entry(legend_name(n)).or_insert_with(|| color(n));
+            for (kind, n) in lane.slices.iter().map(|s| (s.kind, &s.name)).chain(lane.instants.iter().map(|i| (i.kind, &i.name))) {
+                c.used.entry(legend_name(kind, n)).or_insert_with(|| color(kind, n));
             }
             draw_slices(o, lane, c.y, scale);
             draw_instants(o, lane, c.y, scale);
@@ -581,7 +630,7 @@ fn draw_process(o: &mut Out, c: &mut Cursor, pid: u64, p: &Process, scale: f64) 
 fn draw_ttft(o: &mut Out, lane: &Lane, y: f64, scale: f64) {
     let (first, last) = extent(lane);
     let (first, last) = (first * scale, last * scale);
-    for s in lane.slices.iter().filter(|s| s.mark == Some(RequestMark::UntilFirstToken)) {
+    for s in lane.slices.iter().filter(|s| s.kind == Kind::Mark(RequestMark::UntilFirstToken)) {
         let at = if last + 70.0 < WIDTH {
             Some((last + 4.0, "start"))
         } else if first > 70.0 {
@@ -633,7 +682,6 @@ mod tests {
     fn a_series_named_by_its_counter_says_it_once() {
         assert_eq!(Label::of("server requests deferred", "deferred"), Label::Name);
         assert_eq!(Label::of("CPU MHz (mean)", "MHz"), Label::Name);
-        assert_eq!(Label::of("queue", "value"), Label::Name);
         assert_eq!(Label::of("GPU 0 clock MHz", "sm"), Label::NameAndKey);
         assert_eq!(Label::NameAndKey.text("GPU 0 clock MHz", "sm"), "GPU 0 clock MHz sm");
     }
