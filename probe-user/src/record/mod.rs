@@ -95,7 +95,7 @@ fn take_varint(b: &[u8]) -> Option<(u64, &[u8])> {
 /// A recording of one userspace record (header and frame): appended to joined segments, it
 /// reads as their last record (the `end` of an incident).
 pub fn standalone(r: &records::UserRecord) -> Vec<u8> {
-    let body = r.to_value().and_then(|v| serde_json::to_vec(&v)).unwrap_or_default();
+    let body = r.to_json().unwrap_or_default();
     let mut out = Vec::with_capacity(body.len() + 32);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_ne_bytes());
@@ -151,7 +151,7 @@ pub fn first_meta(joined: &[u8]) -> Option<records::Meta> {
 pub fn with_meta(joined: &[u8], f: impl FnOnce(&mut records::Meta)) -> Option<Vec<u8>> {
     let (mut m, after) = first_frame(joined)?;
     f(&mut m);
-    let body2 = serde_json::to_vec(&records::UserRecord::Meta(Box::new(m)).to_value().ok()?).ok()?;
+    let body2 = records::UserRecord::Meta(Box::new(m)).to_json().ok()?;
     let mut out = Vec::with_capacity(joined.len() + 32);
     out.extend_from_slice(&joined[..16]);
     put_varint(&mut out, body2.len() as u64);
@@ -218,6 +218,10 @@ mod tests {
         w.stack(&StackRecord { what: StackKind::Cpu, pid: 1, tid: 1, ts_ns: 2_000_000, user: vec![(3, 0x10)], ..Default::default() })
             .unwrap();
         w.json(&serde_json::json!({"type": "request", "id": 1})).unwrap();
+        // The latest stats and samplers' records, after the mappings in their types' words' order.
+        w.json(&serde_json::json!({"type": "stats", "ts_ns": 4})).unwrap();
+        w.json(&serde_json::json!({"type": "gpu", "ts_ns": 4})).unwrap();
+        w.sample(&samples::Sample::Cpufreq(samples::CpuFreqReading { ts_ns: 4, cur_khz: vec![] })).unwrap();
         w.rotate(out.create("b.bin").unwrap()).unwrap();
         for i in 3..6 {
             w.kernel(&fault(i)).unwrap();
@@ -244,7 +248,11 @@ mod tests {
         };
         let b = std::fs::read(dir.join("b.bin")).unwrap();
         let (types, faults) = read(&b);
-        assert_eq!(types, ["meta", "module", "maps", "stack@3000000"], "the second segment starts with the context, once");
+        assert_eq!(
+            types,
+            ["meta", "module", "maps", "cpufreq", "gpu", "stats", "stack@3000000"],
+            "the second segment starts with the context, once"
+        );
         assert_eq!(faults, (3..6).map(|i| 0x7f00_0000_1000 * (i + 1)).collect::<Vec<u64>>());
         let mut joined = std::fs::read(dir.join("a.bin")).unwrap();
         joined.extend_from_slice(&b);

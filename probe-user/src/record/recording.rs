@@ -93,8 +93,21 @@ impl Keeper {
 /// A userspace record from its JSON text: typed; its type and why, when it is JSON of the wrong
 /// shape; None when it is not JSON at all (undecodable).
 pub fn user_record(bytes: &[u8]) -> Option<Result<records::UserRecord, (records::RecordType, String)>> {
-    let v = serde_json::from_slice::<serde_json::Value>(bytes).ok()?;
-    Some(records::UserRecord::read(v).map_err(|(ty, e)| (ty, e.to_string())))
+    match records::UserRecord::read(bytes) {
+        Ok(r) => Some(Ok(r)),
+        Err((Some(ty), e)) => Some(Err((ty, why(&e)))),
+        Err((None, _)) => None,
+    }
+}
+
+/// Why a record is not of its type's shape, as the report says it: serde's words without the
+/// place in the record's text (the report names the record; the words were always said so).
+fn why(e: &serde_json::Error) -> String {
+    let said = e.to_string();
+    match said.strip_suffix(&format!(" at line {} column {}", e.line(), e.column())) {
+        Some(words) if e.line() > 0 => words.to_string(),
+        _ => said,
+    }
 }
 
 impl Recording {
@@ -118,11 +131,12 @@ impl Recording {
         k.finish(r.finish(), undecodable)
     }
 
-    /// A recording of userspace records (tests, tools).
-    pub fn from_json(values: Vec<serde_json::Value>) -> Recording {
+    /// A recording of userspace records, each anything that serializes to a record's JSON
+    /// (tests, tools).
+    pub fn from_json<T: serde::Serialize>(values: Vec<T>) -> Recording {
         let mut rec = Recording::default();
         for v in values {
-            match records::UserRecord::from_value(v) {
+            match serde_json::to_vec(&v).and_then(|json| records::UserRecord::parse(&json)) {
                 Ok(records::UserRecord::Stack(s)) => rec.stacks.push(*s),
                 Ok(u) => rec.records.push(u),
                 Err(_) => rec.undecodable += 1,

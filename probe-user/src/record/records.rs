@@ -3,12 +3,11 @@
 //! `residency`, `endpoint`) stay JSON objects for `crate::analysis::system`, which summarises them.
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde::{Deserialize, Serialize, de::IgnoredAny};
 
 use super::{StackRecord, samples::Sample};
 pub use crate::os::procfs::OpenFile;
-use crate::{os::procfs::Mapping, stream::RequestRecord};
+use crate::{os::procfs::Mapping, stream::RequestRecord, util::Lenient};
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
@@ -407,6 +406,50 @@ crate::closed_set! {
     }
 }
 
+/// A record's `type`, read from its JSON text before the record (its other fields are skipped,
+/// not held), as a map read it: the last `type` key's string; "" when there is none or it is not
+/// a string. Only a JSON object has one.
+struct Tag(String);
+
+impl<'de> Deserialize<'de> for Tag {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Tag, D::Error> {
+        /// A key, told without copying it.
+        #[derive(Deserialize)]
+        #[serde(field_identifier)]
+        enum Key {
+            #[serde(rename = "type")]
+            Type,
+            #[serde(other)]
+            Other,
+        }
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = Tag;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Tag, A::Error> {
+                let mut word = None;
+                while let Some(key) = map.next_key()? {
+                    match key {
+                        Key::Type => word = map.next_value::<Lenient<String>>()?.ok(),
+                        Key::Other => _ = map.next_value::<IgnoredAny>()?,
+                    }
+                }
+                Ok(Tag(word.unwrap_or_default()))
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+/// The frame of a record of a type this version does not know: its `type` alone.
+#[derive(Serialize)]
+struct TypeOnly<'a> {
+    #[serde(rename = "type")]
+    word: &'a str,
+}
+
 /// One userspace record.
 #[derive(Clone, Debug, PartialEq)]
 pub enum UserRecord {
@@ -435,60 +478,66 @@ pub enum UserRecord {
 }
 
 impl UserRecord {
-    /// A record from its JSON: typed by its `type`; a type this version does not know (a later
-    /// probe's) is kept by name ([`UserRecord::Other`]), never an error. On an error, the type
-    /// whose shape the JSON is not.
-    pub fn read(v: Value) -> Result<UserRecord, (RecordType, serde_json::Error)> {
-        let word = v.get("type").and_then(Value::as_str).unwrap_or_default();
-        let Ok(ty) = word.parse::<RecordType>() else { return Ok(UserRecord::Other(word.to_string())) };
-        UserRecord::typed(ty, v).map_err(|e| (ty, e))
+    /// A record from its JSON text: typed by its `type`, read first from the same text (the
+    /// record is then read as its type, with no untyped tree between); a type this version does
+    /// not know (a later probe's) is kept by name ([`UserRecord::Other`]), never an error. On an
+    /// error, the type whose shape the JSON is not, or none when the text is not JSON at all.
+    pub fn read(bytes: &[u8]) -> Result<UserRecord, (Option<RecordType>, serde_json::Error)> {
+        // Text first: a string is then read in place, not checked again.
+        let text = std::str::from_utf8(bytes).map_err(|e| (None, serde::de::Error::custom(e)))?;
+        let word = match serde_json::from_str::<Tag>(text) {
+            Ok(Tag(word)) => word,
+            // JSON but not an object: a record with no type.
+            Err(e) => match serde_json::from_str::<IgnoredAny>(text) {
+                Ok(_) => String::new(),
+                Err(_) => return Err((None, e)),
+            },
+        };
+        let Ok(ty) = word.parse::<RecordType>() else { return Ok(UserRecord::Other(word)) };
+        UserRecord::typed(ty, text).map_err(|e| (Some(ty), e))
     }
 
-    /// A record from its JSON ([`UserRecord::read`], the error alone).
-    pub fn from_value(v: Value) -> Result<UserRecord, serde_json::Error> {
-        UserRecord::read(v).map_err(|(_, e)| e)
+    /// A record from its JSON text ([`UserRecord::read`], the error alone).
+    pub fn parse(bytes: &[u8]) -> Result<UserRecord, serde_json::Error> {
+        UserRecord::read(bytes).map_err(|(_, e)| e)
     }
 
-    /// The record of type `ty` from its JSON. Older request records are upgraded to today's
-    /// fields.
-    fn typed(ty: RecordType, mut v: Value) -> Result<UserRecord, serde_json::Error> {
-        use serde_json::from_value as from;
+    /// The record of type `ty` from its JSON text. Older request records read with today's
+    /// fields ([`RequestRecord::read`]); a sampler's record is read as its variant, by its type
+    /// (not through [`Sample`]'s tag, which would hold the record untyped first).
+    fn typed(ty: RecordType, text: &str) -> Result<UserRecord, serde_json::Error> {
+        use serde_json::from_str as from;
+        let sample = |s: Sample| UserRecord::Sample(Box::new(s));
         Ok(match ty {
-            RecordType::Meta => UserRecord::Meta(Box::new(from(v)?)),
-            RecordType::Maps => UserRecord::Maps(from(v)?),
-            RecordType::Files => UserRecord::Files(from(v)?),
-            RecordType::Module => UserRecord::Module(from(v)?),
-            RecordType::Ksyms => UserRecord::Ksyms(from(v)?),
-            RecordType::PyFrames => UserRecord::PyFrames(from(v)?),
-            RecordType::Threads => UserRecord::Threads(from(v)?),
-            RecordType::Procs => UserRecord::Procs(from(v)?),
-            RecordType::Request => {
-                RequestRecord::upgrade_legacy(&mut v);
-                UserRecord::Request(Box::new(from(v)?))
-            }
-            RecordType::Stats => UserRecord::Stats(Box::new(from(v)?)),
-            RecordType::End => UserRecord::End(from(v)?),
-            RecordType::Stack => UserRecord::Stack(Box::new(from(v)?)),
-            RecordType::WarmBaseline => UserRecord::WarmBaseline(from(v)?),
-            RecordType::CutFrames => UserRecord::CutFrames(from(v)?),
-            RecordType::Samplers
-            | RecordType::Gpu
-            | RecordType::Cpufreq
-            | RecordType::Mem
-            | RecordType::Cpuidle
-            | RecordType::Residency
-            | RecordType::Endpoint
-            | RecordType::Attach => UserRecord::Sample(Box::new(from(v)?)),
+            RecordType::Meta => UserRecord::Meta(Box::new(from(text)?)),
+            RecordType::Maps => UserRecord::Maps(from(text)?),
+            RecordType::Files => UserRecord::Files(from(text)?),
+            RecordType::Module => UserRecord::Module(from(text)?),
+            RecordType::Ksyms => UserRecord::Ksyms(from(text)?),
+            RecordType::PyFrames => UserRecord::PyFrames(from(text)?),
+            RecordType::Threads => UserRecord::Threads(from(text)?),
+            RecordType::Procs => UserRecord::Procs(from(text)?),
+            RecordType::Request => UserRecord::Request(Box::new(RequestRecord::read(text)?)),
+            RecordType::Stats => UserRecord::Stats(Box::new(from(text)?)),
+            RecordType::End => UserRecord::End(from(text)?),
+            RecordType::Stack => UserRecord::Stack(Box::new(from(text)?)),
+            RecordType::WarmBaseline => UserRecord::WarmBaseline(from(text)?),
+            RecordType::CutFrames => UserRecord::CutFrames(from(text)?),
+            RecordType::Samplers => sample(Sample::Samplers(from(text)?)),
+            RecordType::Gpu => sample(Sample::Gpu(from(text)?)),
+            RecordType::Cpufreq => sample(Sample::Cpufreq(from(text)?)),
+            RecordType::Mem => sample(Sample::Mem(from(text)?)),
+            RecordType::Cpuidle => sample(Sample::Cpuidle(from(text)?)),
+            RecordType::Residency => sample(Sample::Residency(from(text)?)),
+            RecordType::Endpoint => sample(Sample::Endpoint(from(text)?)),
+            RecordType::Attach => sample(Sample::Attach(from(text)?)),
         })
     }
 
-    pub fn parse(bytes: &[u8]) -> Result<UserRecord, serde_json::Error> {
-        UserRecord::from_value(serde_json::from_slice(bytes)?)
-    }
-
-    /// The record as its JSON frame holds it: its fields and its `type` (what the reader's
-    /// [`UserRecord::from_value`] reads back).
-    pub fn to_value(&self) -> Result<Value, serde_json::Error> {
+    /// The record as its JSON frame holds it: its fields and its `type` (what
+    /// [`UserRecord::read`] reads back). Written through serde_json's map, whose objects keep
+    /// their keys in order: recordings have always been written so.
+    pub fn to_json(&self) -> Result<Vec<u8>, serde_json::Error> {
         let mut v = match self {
             UserRecord::Meta(m) => serde_json::to_value(m)?,
             UserRecord::Maps(m) => serde_json::to_value(m)?,
@@ -505,13 +554,13 @@ impl UserRecord {
             UserRecord::WarmBaseline(w) => serde_json::to_value(w)?,
             UserRecord::CutFrames(c) => serde_json::to_value(c)?,
             // Tagged by serde with its own `type`.
-            UserRecord::Sample(s) => return serde_json::to_value(s),
-            UserRecord::Other(ty) => return Ok(serde_json::json!({ "type": ty })),
+            UserRecord::Sample(s) => return serde_json::to_vec(&serde_json::to_value(s)?),
+            UserRecord::Other(word) => return serde_json::to_vec(&TypeOnly { word }),
         };
         if let Some(ty) = self.record_type() {
             v["type"] = ty.name().into();
         }
-        Ok(v)
+        serde_json::to_vec(&v)
     }
 
     /// Its `type`; None for a type this version does not know.
@@ -653,11 +702,9 @@ mod tests {
             UserRecord::Other("later".into()),
         ];
         for r in all {
-            let v = r.to_value().unwrap();
-            let back = UserRecord::from_value(v.clone()).unwrap_or_else(|e| panic!("{v}: {e}"));
-            assert_eq!(back, r, "{v}");
-            // And through the bytes of a JSON frame.
-            assert_eq!(UserRecord::parse(&serde_json::to_vec(&v).unwrap()).unwrap(), r);
+            let json = r.to_json().unwrap();
+            let back = UserRecord::parse(&json).unwrap_or_else(|e| panic!("{}: {e}", String::from_utf8_lossy(&json)));
+            assert_eq!(back, r, "{}", String::from_utf8_lossy(&json));
         }
     }
 
@@ -669,25 +716,134 @@ mod tests {
         assert_eq!(&RecordType::WORDS[..RecordType::WORDS.len() - 1], &crate::record::USER_RECORD_TYPES[..]);
         // A later probe's type is kept by name, never an error; a known type of the wrong shape
         // says which type it is.
-        assert_eq!(UserRecord::read(serde_json::json!({"type": "later"})).unwrap(), UserRecord::Other("later".into()));
-        assert_eq!(UserRecord::read(serde_json::json!({"type": "stack", "pid": "x"})).unwrap_err().0, RecordType::Stack);
+        assert_eq!(UserRecord::read(br#"{"type": "later"}"#).unwrap(), UserRecord::Other("later".into()));
+        assert_eq!(UserRecord::read(br#"{"type": "stack", "pid": "x"}"#).unwrap_err().0, Some(RecordType::Stack));
+    }
+
+    /// Request records written before the two completeness fields (one `complete`, closes called
+    /// "server" and "server_abort") read with today's fields and words; today's read as written.
+    #[test]
+    fn older_request_records_read_with_todays_words() {
+        use crate::stream::{ClosedBy, Role};
+        let try_read = |extra: serde_json::Value| {
+            let mut v = serde_json::json!({"type": "request", "id": 1, "pid": 7, "local": "127.0.0.1:8080", "peer": "127.0.0.1:5000",
+                "role": "server", "chunks": 2, "chunk_times_ms": [1.5, 2.5], "done_marker": false, "reset": "none", "partial": false,
+                "request_bytes": 10, "response_bytes": 20, "bytes_not_captured": 0, "messages_unread": 0});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            UserRecord::read(&serde_json::to_vec(&v).unwrap()).map_err(|(ty, _)| ty)
+        };
+        let read = |extra: serde_json::Value| match try_read(extra.clone()) {
+            Ok(UserRecord::Request(q)) => *q,
+            r => panic!("{extra}: {r:?}"),
+        };
+        let words = |q: RequestRecord| (q.closed_by, q.content_complete, q.transport_complete);
+        // As the llama-demo recording holds them: a response that ended, the connection kept open.
+        let q = read(
+            serde_json::json!({"complete": true, "closed_by": "server", "done_marker": true, "finish_reason": "length", "error": null}),
+        );
+        assert_eq!(
+            q,
+            RequestRecord {
+                id: 1,
+                pid: 7,
+                local: "127.0.0.1:8080".into(),
+                peer: "127.0.0.1:5000".into(),
+                role: Role::Server,
+                chunks: 2,
+                chunk_times_ms: vec![1.5, 2.5],
+                stop: crate::stream::payload::Stop { done_marker: true, finish_reason: Some("length".into()), ..Default::default() },
+                closed_by: ClosedBy::None,
+                content_complete: true,
+                transport_complete: true,
+                request_bytes: 10,
+                response_bytes: 20,
+                ..Default::default()
+            }
+        );
+        // The server aborted, after its final message (a stop field) or before it.
+        assert_eq!(
+            words(read(serde_json::json!({"complete": false, "closed_by": "server_abort", "stop_type": "eos"}))),
+            (ClosedBy::Server, true, false)
+        );
+        assert_eq!(
+            words(read(serde_json::json!({"complete": false, "closed_by": "server_abort", "stop_type": null}))),
+            (ClosedBy::Server, false, false)
+        );
+        // The client closed; an error is a final message; a done marker is one.
+        assert_eq!(
+            words(read(serde_json::json!({"complete": false, "closed_by": "client", "error": {"code": 500}}))),
+            (ClosedBy::Client, true, false)
+        );
+        assert_eq!(
+            words(read(serde_json::json!({"complete": false, "closed_by": "client", "done_marker": true}))),
+            (ClosedBy::Client, true, false)
+        );
+        for said in ["finish_reason", "stopped", "done_reason"] {
+            assert_eq!(words(read(serde_json::json!({"closed_by": "client", said: "stop"}))), (ClosedBy::Client, true, false), "{said}");
+        }
+        // No close seen: open at the end; `complete` absent or not a bool is false; a
+        // `content_complete` an older record held is today's word, not its own.
+        assert_eq!(words(read(serde_json::json!({}))), (ClosedBy::Open, false, false));
+        assert_eq!(
+            words(read(serde_json::json!({"complete": "yes", "closed_by": null, "content_complete": true}))),
+            (ClosedBy::Open, false, false)
+        );
+        assert_eq!(words(read(serde_json::json!({"complete": true, "closed_by": 5}))), (ClosedBy::Open, true, true));
+        // Today's records: as written (`server` is the server closing), `complete` ignored.
+        assert_eq!(
+            words(read(serde_json::json!({"transport_complete": false, "closed_by": "server", "complete": true, "finish_reason": "stop"}))),
+            (ClosedBy::Server, false, false)
+        );
+        assert_eq!(
+            words(read(serde_json::json!({"transport_complete": true, "content_complete": true, "closed_by": "none"}))),
+            (ClosedBy::None, true, true)
+        );
+        // A word neither today's nor an older probe's is an error, in either shape; so is an
+        // older word in today's shape, and no word there.
+        let wrong = Err(Some(RecordType::Request));
+        assert_eq!(try_read(serde_json::json!({"closed_by": "later"})), wrong);
+        assert_eq!(try_read(serde_json::json!({"closed_by": "later", "transport_complete": true})), wrong);
+        assert_eq!(try_read(serde_json::json!({"closed_by": "server_abort", "transport_complete": true})), wrong);
+        assert_eq!(try_read(serde_json::json!({"transport_complete": true})), wrong);
+        assert_eq!(try_read(serde_json::json!({"closed_by": "client", "transport_complete": null})), wrong);
+    }
+
+    /// A record's JSON, read.
+    fn from_value(v: serde_json::Value) -> Result<UserRecord, serde_json::Error> {
+        UserRecord::parse(&serde_json::to_vec(&v).unwrap())
+    }
+
+    /// The `type` is read from the text as a map reads it: JSON that is not an object, or whose
+    /// `type` is not a string, has none (a record of no type this version knows); the last `type`
+    /// key counts; escapes are read. Text that is not JSON is no record at all.
+    #[test]
+    fn the_type_is_read_from_the_text() {
+        let read = |text: &[u8]| UserRecord::read(text).map_err(|(ty, _)| ty);
+        for no_type in [&b"5"[..], b"[\"meta\"]", b"[]", b"null", b"{}", br#"{"type": 3}"#, br#"{"type": ["meta"], "pid": 1}"#] {
+            assert_eq!(read(no_type), Ok(UserRecord::Other(String::new())), "{}", String::from_utf8_lossy(no_type));
+        }
+        assert_eq!(read(br#"{"type": "meta", "type": "end", "ts_ns": 1}"#), Ok(UserRecord::End(End { ts_ns: 1, ..Default::default() })));
+        assert_eq!(read(br#"{"type": "meta", "type": null}"#), Ok(UserRecord::Other(String::new())));
+        assert_eq!(read(br#"{"ts_ns": 2, "typ\u0065": "\u0065nd"}"#), Ok(UserRecord::End(End { ts_ns: 2, ..Default::default() })));
+        assert_eq!(read(br#"{"type": "la\"ter"}"#), Ok(UserRecord::Other("la\"ter".into())));
+        for not_json in [&b"{not json"[..], b"", b"{\"type\": \"end\"} x", b"{\"type\": \"end\", \"x\": \"\xff\"}"] {
+            assert_eq!(read(not_json), Err(None), "{}", String::from_utf8_lossy(not_json));
+        }
+        assert_eq!(read(br#"{"type": "end", "ts_ns": "x"}"#), Err(Some(RecordType::End)));
     }
 
     #[test]
     fn typed_records_read_what_the_collector_writes() {
         let v = serde_json::json!({"type": "stats", "ts_ns": 5, "lost": {"fault": 2}, "skipped_runs": {"x": 1}, "unwind": {"samples": 3}});
-        let UserRecord::Stats(s) = UserRecord::from_value(v).unwrap() else { panic!() };
+        let UserRecord::Stats(s) = from_value(v).unwrap() else { panic!() };
         assert_eq!((s.lost_total(), s.unwind.samples), (3, 3));
         let v = serde_json::json!({"type": "threads", "ts_ns": 1, "threads": [[1, 2, "llama-server"]]});
-        assert_eq!(
-            UserRecord::from_value(v).unwrap(),
-            UserRecord::Threads(Threads { ts_ns: 1, threads: vec![(1, 2, "llama-server".into())] })
-        );
+        assert_eq!(from_value(v).unwrap(), UserRecord::Threads(Threads { ts_ns: 1, threads: vec![(1, 2, "llama-server".into())] }));
         let v = serde_json::json!({"type": "meta", "pid": 7, "start_ns": 9});
-        let UserRecord::Meta(m) = UserRecord::from_value(v).unwrap() else { panic!() };
+        let UserRecord::Meta(m) = from_value(v).unwrap() else { panic!() };
         assert_eq!((m.pid, m.start_ns, m.page_size), (7, 9, 4096));
-        assert!(matches!(UserRecord::from_value(serde_json::json!({"type": "gpu", "ts_ns": 3})).unwrap(), UserRecord::Sample(_)));
-        assert_eq!(UserRecord::from_value(serde_json::json!({"type": "later", "x": 1})).unwrap(), UserRecord::Other("later".into()));
-        assert!(UserRecord::from_value(serde_json::json!({"type": "maps", "pid": "not a pid"})).is_err());
+        assert!(matches!(from_value(serde_json::json!({"type": "gpu", "ts_ns": 3})).unwrap(), UserRecord::Sample(_)));
+        assert_eq!(from_value(serde_json::json!({"type": "later", "x": 1})).unwrap(), UserRecord::Other("later".into()));
+        assert!(from_value(serde_json::json!({"type": "maps", "pid": "not a pid"})).is_err());
     }
 }

@@ -573,6 +573,9 @@ mod tests {
             let v = serde_json::to_value(s).unwrap();
             assert_eq!((v["type"].as_str(), s.kind()), (Some(kind), kind));
             assert_eq!(&serde_json::from_value::<Sample>(v).unwrap(), s);
+            // The recording's reader reads each by its type, as the variant.
+            let r = super::super::records::UserRecord::Sample(Box::new(s.clone()));
+            assert_eq!(super::super::records::UserRecord::parse(&r.to_json().unwrap()).unwrap(), r);
         }
         // Older or sparser frames read with defaults.
         let s: Sample = serde_json::from_str(r#"{"type":"mem","ts_ns":9,"rss_kib":3}"#).unwrap();

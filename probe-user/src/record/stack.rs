@@ -108,13 +108,6 @@ impl Cut {
 }
 
 impl StackRecord {
-    /// As the JSON record v1 recordings held (and the renderers read).
-    pub fn to_value(&self) -> serde_json::Value {
-        let mut v = serde_json::to_value(self).unwrap_or_default();
-        v["type"] = "stack".into();
-        v
-    }
-
     /// The binary form (frame type 3).
     pub(super) fn encode(&self, prev_ts: u64, out: &mut Vec<u8>) {
         let kind = self.what as u8 + 1;

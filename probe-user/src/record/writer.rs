@@ -6,7 +6,7 @@ use std::{
     path::Path,
 };
 
-use super::*;
+use super::{records::RecordType, *};
 
 #[derive(Debug)]
 pub struct DiskFull {
@@ -68,7 +68,7 @@ const CONTEXT_GROWN: usize = 16 << 20;
 struct Context {
     meta: Option<Vec<u8>>,
     /// (type, key) → the latest record: maps by pid, module by id, samples and stats by type.
-    latest: std::collections::BTreeMap<(&'static str, i64), Vec<u8>>,
+    latest: std::collections::BTreeMap<(RecordType, i64), Vec<u8>>,
     grown: std::collections::VecDeque<Vec<u8>>,
     grown_bytes: usize,
 }
@@ -81,8 +81,8 @@ impl Context {
                 self.meta = Some(bytes.to_vec());
                 return;
             }
-            U::Maps(m) => ("maps", i64::from(m.pid)),
-            U::Module(m) => ("module", m.id),
+            U::Maps(m) => (RecordType::Maps, i64::from(m.pid)),
+            U::Module(m) => (RecordType::Module, m.id),
             U::Files(_) | U::Ksyms(_) | U::PyFrames(_) | U::Threads(_) | U::Procs(_) => {
                 self.grown_bytes += bytes.len();
                 self.grown.push_back(bytes.to_vec());
@@ -92,22 +92,25 @@ impl Context {
                 }
                 return;
             }
-            U::Stats(_) => ("stats", 0),
-            U::Sample(s) => (s.kind(), 0),
+            U::Stats(_) => (RecordType::Stats, 0),
+            U::Sample(s) => (s.record_type(), 0),
             U::Request(_) | U::End(_) | U::Stack(_) | U::WarmBaseline(_) | U::CutFrames(_) | U::Other(_) => return,
         };
         self.latest.insert((ty, key), bytes.to_vec());
     }
 
-    /// The records in the order a reader wants them: meta, modules and mappings, the rest.
+    /// The records in the order a reader wants them: meta, modules and mappings, the rest (by
+    /// their types' words, as segments have always begun).
     fn records(&self) -> impl Iterator<Item = &Vec<u8>> {
-        let first = |t: &'static str| self.latest.iter().filter(move |((ty, _), _)| *ty == t).map(|(_, b)| b);
+        let first = |t: RecordType| self.latest.iter().filter(move |((ty, _), _)| *ty == t).map(|(_, b)| b);
+        let mut rest: Vec<_> = self.latest.iter().filter(|((ty, _), _)| !matches!(ty, RecordType::Module | RecordType::Maps)).collect();
+        rest.sort_by_key(|((ty, _), _)| ty.name());
         self.meta
             .iter()
-            .chain(first("module"))
-            .chain(first("maps"))
+            .chain(first(RecordType::Module))
+            .chain(first(RecordType::Maps))
             .chain(self.grown.iter())
-            .chain(self.latest.iter().filter(|((ty, _), _)| !matches!(*ty, "module" | "maps")).map(|(_, b)| b))
+            .chain(rest.into_iter().map(|(_, b)| b))
     }
 }
 
@@ -248,7 +251,7 @@ impl Writer {
     /// it for corruption and lose the rest of the file): it is counted in
     /// [`Dropped::oversized`] and the trace goes on.
     pub fn record(&mut self, r: &records::UserRecord) -> io::Result<()> {
-        let bytes = serde_json::to_vec(&r.to_value().map_err(io::Error::other)?).map_err(io::Error::other)?;
+        let bytes = r.to_json().map_err(io::Error::other)?;
         if let Some(c) = self.context.as_mut()
             && bytes.len() <= MAX_FRAME as usize
         {
@@ -263,18 +266,18 @@ impl Writer {
         if let Some(c) = self.context.as_mut()
             && bytes.len() <= MAX_FRAME as usize
         {
-            c.latest.insert((s.kind(), 0), bytes.clone());
+            c.latest.insert((s.record_type(), 0), bytes.clone());
         }
         self.json_bytes(&bytes)
     }
 
-    /// A record given as JSON (tests, `probe synth`): written as given; a record of a known
-    /// kind joins the context.
-    pub fn json(&mut self, value: &serde_json::Value) -> io::Result<()> {
+    /// A record given as anything that serializes to its JSON (tests): written as given; a
+    /// record of a known kind joins the context.
+    pub fn json(&mut self, value: &impl serde::Serialize) -> io::Result<()> {
         let bytes = serde_json::to_vec(value).map_err(io::Error::other)?;
         if let Some(c) = self.context.as_mut()
             && bytes.len() <= MAX_FRAME as usize
-            && let Ok(r) = records::UserRecord::from_value(value.clone())
+            && let Ok(r) = records::UserRecord::parse(&bytes)
         {
             c.note(&r, &bytes);
         }

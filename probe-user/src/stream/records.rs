@@ -2,9 +2,9 @@
 //! words it is told in ([`Role`], [`ClosedBy`], [`Reset`], [`Arrival`]), what the tracker gave up
 //! ([`Limits`]), and the connections found in flight at attach ([`Seed`]).
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 use super::payload::Stop;
+use crate::util::Lenient;
 
 /// What the tracker had to give up to stay bounded: written in the recording's stats records
 /// and reported as data quality.
@@ -196,6 +196,8 @@ pub struct RequestRecord {
     #[serde(flatten)]
     pub stop: Stop,
     /// The transport fact: who closed the connection while this request was its current one.
+    /// (`default`: a recording's reader takes the word itself, [`Stored`].)
+    #[serde(default)]
     pub closed_by: ClosedBy,
     pub reset: Reset,
     /// The server sent its final message (a stop reason, `[DONE]`, `"stop"/"done": true`, an
@@ -290,28 +292,59 @@ impl RequestRecord {
         }
     }
 
-    /// A record written by a probe before the two completeness fields (it had one `complete`
-    /// and called closes "server" / "server_abort"): read it with today's words.
-    pub fn upgrade_legacy(v: &mut Value) {
-        let Some(o) = v.as_object_mut() else { return };
-        if o.contains_key("transport_complete") {
-            return;
+    /// A request record from its JSON text, as recordings hold it ([`Stored`]): an older record
+    /// reads with today's fields and words.
+    pub fn read(text: &str) -> serde_json::Result<RequestRecord> {
+        use serde::de::{Error as _, Unexpected, value::StrDeserializer};
+        let Stored { mut record, transport_complete, complete, closed_by } = serde_json::from_str(text)?;
+        let word = |w: &str| ClosedBy::deserialize(StrDeserializer::<serde_json::Error>::new(w));
+        if let Some(transport) = transport_complete {
+            record.transport_complete = transport;
+            record.closed_by = match closed_by {
+                Some(Lenient::Is(w)) => word(&w)?,
+                Some(Lenient::Not(_)) => {
+                    return Err(serde_json::Error::invalid_type(Unexpected::Other("not a string"), &"a ClosedBy word"));
+                }
+                None => return Err(serde_json::Error::missing_field("closed_by")),
+            };
+            return Ok(record);
         }
-        let complete = o.remove("complete").and_then(|c| c.as_bool()).unwrap_or(false);
-        o.insert("transport_complete".into(), Value::Bool(complete));
+        let complete = complete.and_then(Lenient::ok).unwrap_or(false);
+        record.transport_complete = complete;
         // Stop fields in a record cut short were most likely read before the close.
-        let said =
-            ["finish_reason", "stop_type", "stopped", "done_reason", "error"].iter().any(|k| o.get(*k).is_some_and(|x| !x.is_null()))
-                || o.get("done_marker") == Some(&Value::Bool(true));
-        o.insert("content_complete".into(), Value::Bool(complete || said));
-        let by = match o.get("closed_by").and_then(Value::as_str) {
-            Some("server") => "none",
-            Some("server_abort") => "server",
-            Some(other) => other,
-            None => "open",
+        record.content_complete = complete || record.stop.is_final();
+        record.closed_by = match closed_by.and_then(Lenient::ok).as_deref() {
+            Some("server") => ClosedBy::None,
+            Some("server_abort") => ClosedBy::Server,
+            Some(other) => word(other)?,
+            None => ClosedBy::Open,
         };
-        o.insert("closed_by".into(), Value::String(by.into()));
+        Ok(record)
     }
+}
+
+/// A request record as recordings hold it, today's or older: probes before the two completeness
+/// fields wrote one `complete` and called closes "server" (the response ended and the
+/// connection stayed open) and "server_abort" (the server closed). The words are taken here, not
+/// by `record`, for [`RequestRecord::read`] to read them by the record's age.
+#[derive(Deserialize)]
+struct Stored {
+    #[serde(flatten)]
+    record: RequestRecord,
+    /// Written since the two completeness fields: its presence tells today's records from older ones.
+    #[serde(default, deserialize_with = "present")]
+    transport_complete: Option<bool>,
+    /// An older record's one completeness fact (anything but `true` is false).
+    #[serde(default)]
+    complete: Option<Lenient<bool>>,
+    /// Absent or not a word in an older record: open at the end.
+    #[serde(default)]
+    closed_by: Option<Lenient<String>>,
+}
+
+/// A field that is there (`null` too: then it is not a bool).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    bool::deserialize(d).map(Some)
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -1,5 +1,6 @@
 //! Small pieces every layer uses: text for terminals and Markdown, percentiles, files written
-//! safely as root, secrets scrubbed, HTTP on the wire and probe's own HTTP client.
+//! safely as root, secrets scrubbed, HTTP on the wire and probe's own HTTP client, JSON values
+//! read leniently.
 /// A closed set of values serialized as the documented words, the one way probe names an enum:
 /// `name()` gives the word, `words()` the word with spaces for people, `ALL` every value in
 /// order and `WORDS` their words, `FromStr` reads a word back (at the edge: flags, older files).
@@ -112,6 +113,25 @@ macro_rules! closed_set {
             }
         }
     };
+}
+
+/// A JSON value read as a `T` without failing: `Is` when it is one, `Not` when it is any other
+/// value (as `Value::as_str` and `as_bool` read one). For what must never fail a read: a
+/// record's `type`, the words of records older probes wrote.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+pub enum Lenient<T> {
+    Is(T),
+    Not(serde::de::IgnoredAny),
+}
+
+impl<T> Lenient<T> {
+    pub fn ok(self) -> Option<T> {
+        match self {
+            Lenient::Is(t) => Some(t),
+            Lenient::Not(_) => None,
+        }
+    }
 }
 
 pub mod http;
