@@ -63,54 +63,59 @@ pub(crate) fn container_id(dir_name: &str) -> Option<&str> {
     (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
 }
 
+/// Docker's `config.v2.json` of one container: the fields probe reads.
+#[derive(serde::Deserialize)]
+struct DockerConfig {
+    #[serde(rename = "ID")]
+    id: String,
+    #[serde(rename = "Name", default)]
+    name: String,
+}
+
+/// One container of Podman's `containers.json`: the fields probe reads.
+#[derive(serde::Deserialize)]
+struct PodmanContainer {
+    #[serde(default)]
+    id: String,
+    #[serde(default)]
+    names: Vec<String>,
+}
+
+const DOCKER_STATE: &str = "/var/lib/docker/containers";
+const PODMAN_STATE: [&str; 2] =
+    ["/var/lib/containers/storage/overlay-containers/containers.json", "/run/containers/storage/overlay-containers/containers.json"];
+
+/// A Docker container's config (read as a file, capped; None when absent or not Docker's shape).
+fn docker(dir: &Path) -> Option<DockerConfig> {
+    let t = crate::util::output::read_recording_text(&dir.join("config.v2.json"), 4 << 20).ok()?;
+    serde_json::from_str(&t).ok()
+}
+
+/// Podman's containers, from each of its state files that can be read.
+fn podman() -> impl Iterator<Item = PodmanContainer> {
+    PODMAN_STATE.iter().flat_map(|f| {
+        let t = crate::util::output::read_recording_text(Path::new(f), 64 << 20).ok();
+        t.and_then(|t| serde_json::from_str::<Vec<PodmanContainer>>(&t).ok()).unwrap_or_default()
+    })
+}
+
 /// Full container ids by name, from Docker's and Podman's state (read as files, no daemon asked).
 fn ids_by_name(name: &str) -> Vec<String> {
-    let mut out = Vec::new();
     let want = name.trim_start_matches('/');
-    for e in std::fs::read_dir("/var/lib/docker/containers").into_iter().flatten().flatten() {
-        let Ok(t) = crate::util::output::read_recording_text(&e.path().join("config.v2.json"), 4 << 20) else { continue };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&t) else { continue };
-        if v["Name"].as_str().map(|n| n.trim_start_matches('/')) == Some(want)
-            && let Some(id) = v["ID"].as_str()
-        {
-            out.push(id.to_string());
-        }
-    }
-    for f in
-        ["/var/lib/containers/storage/overlay-containers/containers.json", "/run/containers/storage/overlay-containers/containers.json"]
-    {
-        let Ok(t) = crate::util::output::read_recording_text(Path::new(f), 64 << 20) else { continue };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&t) else { continue };
-        for c in v.as_array().into_iter().flatten() {
-            if c["names"].as_array().is_some_and(|n| n.iter().any(|n| n == want))
-                && let Some(id) = c["id"].as_str()
-            {
-                out.push(id.to_string());
-            }
-        }
-    }
+    let docker = std::fs::read_dir(DOCKER_STATE).into_iter().flatten().flatten().filter_map(|e| docker(&e.path()));
+    let mut out: Vec<String> = docker.filter(|c| c.name.trim_start_matches('/') == want).map(|c| c.id).collect();
+    out.extend(podman().filter(|c| !c.id.is_empty() && c.names.iter().any(|n| n == want)).map(|c| c.id));
     out
 }
 
 /// A container's name by its full id, from Docker's and Podman's state (as [`ids_by_name`]).
 pub fn name_of_id(id: &str) -> Option<String> {
-    let docker = Path::new("/var/lib/docker/containers").join(id).join("config.v2.json");
-    if let Ok(t) = crate::util::output::read_recording_text(&docker, 4 << 20)
-        && let Ok(v) = serde_json::from_str::<serde_json::Value>(&t)
-        && let Some(n) = v["Name"].as_str()
+    if let Some(c) = docker(&Path::new(DOCKER_STATE).join(id))
+        && !c.name.is_empty()
     {
-        return Some(n.trim_start_matches('/').to_string());
+        return Some(c.name.trim_start_matches('/').to_string());
     }
-    for f in
-        ["/var/lib/containers/storage/overlay-containers/containers.json", "/run/containers/storage/overlay-containers/containers.json"]
-    {
-        let Ok(t) = crate::util::output::read_recording_text(Path::new(f), 64 << 20) else { continue };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&t) else { continue };
-        if let Some(n) = v.as_array().into_iter().flatten().find(|c| c["id"] == id).and_then(|c| c["names"][0].as_str()) {
-            return Some(n.to_string());
-        }
-    }
-    None
+    podman().find(|c| c.id == id).and_then(|c| c.names.into_iter().next())
 }
 
 /// Container cgroup directories under `root` (at most 8 levels down): (id, path).
@@ -180,5 +185,23 @@ mod tests {
         assert_eq!(container_id(&format!("libpod-conmon-{id}.scope")), None);
         assert_eq!(container_id("system.slice"), None);
         assert_eq!(container_id("user-1000.slice"), None);
+    }
+
+    #[test]
+    fn docker_and_podman_state_read_for_ids_and_names() {
+        let dir = std::env::temp_dir().join(format!("probe-docker-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let id = "b".repeat(64);
+        let config = format!(r#"{{"State":{{"Running":true}},"ID":"{id}","Name":"/llama","Config":{{"Env":["A=1"]}}}}"#);
+        std::fs::write(dir.join("config.v2.json"), config).unwrap();
+        let c = docker(&dir).unwrap();
+        assert_eq!((c.id.as_str(), c.name.as_str()), (id.as_str(), "/llama"));
+        std::fs::write(dir.join("config.v2.json"), r#"{"Name":"/no-id"}"#).unwrap();
+        assert!(docker(&dir).is_none(), "a config without an id is not a container's");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let podman: Vec<PodmanContainer> =
+            serde_json::from_str(r#"[{"id":"c1","names":["ollama"],"image":"x"},{"names":["no id"]},{"id":"c3"}]"#).unwrap();
+        let got: Vec<(&str, Vec<&str>)> = podman.iter().map(|c| (c.id.as_str(), c.names.iter().map(String::as_str).collect())).collect();
+        assert_eq!(got, [("c1", vec!["ollama"]), ("", vec!["no id"]), ("c3", vec![])]);
     }
 }
