@@ -5,7 +5,7 @@
 use std::{fmt::Write as _, path::Path};
 
 use super::{
-    metrics::{DEFINITIONS, Level, Row, csv},
+    metrics::{DEFINITIONS, Figure, Level, Row, csv},
     results::Results,
 };
 
@@ -19,50 +19,43 @@ pub fn table(levels: &[Level], sweep: crate::bench::metrics::Sweep) -> String {
     if ls.is_empty() {
         return String::new();
     }
-    let head = [
-        "level",
-        "reqs",
-        "ok",
-        "prompt tok",
-        "out tok",
-        "stops",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p50",
-        "TPOT",
-        "E2E",
-        "prompt t/s",
-        "out t/s",
-        "goodput/s",
-        "good %",
-        "cached",
-        "others CPU",
-        "batch",
-        "step ms",
-        "KV",
-        "slow (traced)",
-    ];
     // The traced slow causes only when a level has some (a run without --trace has none); the
     // engine's columns only when the engine probe saw steps (a traced llama.cpp server).
     let traced = ls.iter().any(|l| !l.slow_causes.is_empty());
     let engine = ls.iter().any(|l| l.engine_step_ms_p50.is_some());
     let cached = ls.iter().any(|l| l.cached_tokens_mean.is_some());
     let machine = ls.iter().any(|l| l.machine.is_some());
+    // Each column and whether it is shown.
+    let columns = [
+        ("level", true),
+        ("reqs", true),
+        ("ok", true),
+        ("prompt tok", true),
+        ("out tok", true),
+        ("stops", true),
+        ("TTFT p50", true),
+        ("TTFT p99", true),
+        ("ITL p50", true),
+        ("TPOT", true),
+        ("E2E", true),
+        ("prompt t/s", true),
+        ("out t/s", true),
+        ("goodput/s", true),
+        ("good %", true),
+        ("cached", cached),
+        ("others CPU", machine),
+        ("batch", engine),
+        ("step ms", engine),
+        ("KV", engine),
+        ("slow (traced)", traced),
+    ];
     // "412.0 ±13.2": the half-width of the figure's 95% interval, with --repeat.
-    let pm = |l: &Level, v: Option<f64>, name: &str, prec: usize| match l.intervals.get(name) {
+    let pm = |l: &Level, v: Option<f64>, figure: Figure, prec: usize| match l.intervals.get(figure.name()) {
         Some(i) => format!("{} ±{:.prec$}", f(v, prec), (i.hi - i.lo) / 2.0),
         None => f(v, prec),
     };
-    let keep: Vec<usize> = (0..head.len())
-        .filter(|&i| match head[i] {
-            "batch" | "step ms" | "KV" => engine,
-            "slow (traced)" => traced,
-            "cached" => cached,
-            "others CPU" => machine,
-            _ => true,
-        })
-        .collect();
-    let head: Vec<&str> = keep.iter().map(|&i| head[i]).collect();
+    let keep: Vec<usize> = (0..columns.len()).filter(|&i| columns[i].1).collect();
+    let head: Vec<&str> = keep.iter().map(|&i| columns[i].0).collect();
     let mut lines: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
     for l in &ls {
         lines.push(vec![
@@ -75,14 +68,14 @@ pub fn table(levels: &[Level], sweep: crate::bench::metrics::Sweep) -> String {
                 _ => f(l.output_tokens_mean, 0),
             },
             super::conclude::mix(l),
-            pm(l, l.ttft_ms_p50, "ttft_ms_p50", 1),
-            pm(l, l.ttft_ms_p99, "ttft_ms_p99", 1),
-            pm(l, l.itl_ms_p50, "itl_ms_p50", 1),
-            pm(l, l.tpot_ms_mean, "tpot_ms_mean", 1),
-            pm(l, l.e2e_ms_mean, "e2e_ms_mean", 0),
+            pm(l, l.ttft_ms_p50, Figure::TtftMsP50, 1),
+            pm(l, l.ttft_ms_p99, Figure::TtftMsP99, 1),
+            pm(l, l.itl_ms_p50, Figure::ItlMsP50, 1),
+            pm(l, l.tpot_ms_mean, Figure::TpotMsMean, 1),
+            pm(l, l.e2e_ms_mean, Figure::E2eMsMean, 0),
             f(l.prompt_tps_mean, 0),
-            pm(l, l.throughput_output_tps, "throughput_output_tps", 1),
-            pm(l, l.goodput_rps, "goodput_rps", 2),
+            pm(l, l.throughput_output_tps, Figure::ThroughputOutputTps, 1),
+            pm(l, l.goodput_rps, Figure::GoodputRps, 2),
             f(l.goodput_pct, 0),
             f(l.cached_tokens_mean, 0),
             l.machine.as_ref().map(|m| format!("{:.2}{}", m.others_cores, if l.contended { " !" } else { "" })).unwrap_or_default(),

@@ -234,8 +234,9 @@ fn attach_programs(
     koff: &probe_common::kernel::KernelOffsets,
     engine_search: EngineSearch,
 ) -> (Vec<Outcome>, EngineDone) {
-    let offsets_known = |spec: &Spec| match spec.program {
-        "block_rq_complete_raw" | "block_rq_issue_raw" => koff.blk_valid != 0,
+    // The raw block programs read `struct request` at BTF offsets of their own (`blk_valid`).
+    let offsets_known = |spec: &Spec| match (spec.subsystem, spec.how) {
+        (Subsystem::Blockio, How::Raw(_)) => koff.blk_valid != 0,
         _ => koff.valid != 0,
     };
     let has_raw_twin = |spec: &Spec| TABLE.iter().any(|t| t.program == format!("{}_raw", spec.program) && wanted(opts, t.subsystem));

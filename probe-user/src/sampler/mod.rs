@@ -404,7 +404,19 @@ struct ModelFiles {
     last_file_scan: Option<Instant>,
     last_residency: Option<Instant>,
     all_resident: bool,
+    /// What the last full measure took (cachestat walks each file's page tree: about 4 ms for a
+    /// 94 MiB model here, so hundreds for a 7 GB one).
+    last_cost: Duration,
+    /// Looks at sampled pages so far (their positions' seed).
+    looks: u64,
 }
+
+/// Pages looked at each second of a wholly resident model between full measures.
+const SAMPLED_PAGES: u64 = 16;
+/// The share of a core full measures may take: while a model is wholly resident (its sampled
+/// pages say when that ends), and while it is not (then every second up to this share).
+const RESIDENT_SHARE: f64 = 0.0002;
+const PARTIAL_SHARE: f64 = 0.005;
 
 impl ModelFiles {
     /// The once-a-second turn (also the last one, `stopping`, and a SIGUSR1's, `on_demand`): look
@@ -419,17 +431,33 @@ impl ModelFiles {
                 files.extend(residency::big_files(p, MODEL_FILE_MIN_BYTES, &known));
             }
         }
-        // Files wholly in the page cache are measured every FILE_SCAN_EVERY (cachestat walks
-        // the file's page tree: a tenth of probe's CPU at 1 Hz on a 100 MB model); once one is
-        // not, every second: a model leaving the cache or loading back is followed closely.
+        // A full measure walks each file's page tree (cachestat: its time grows with the
+        // model). While the files are wholly in the page cache, a few sampled pages are looked at
+        // every second, and a full measure comes when one is missing, else every FILE_SCAN_EVERY
+        // or as rarely as keeps full measures under RESIDENT_SHARE of a core; while one is not,
+        // every second (a model leaving the cache or loading back is followed closely) up to
+        // PARTIAL_SHARE of a core.
+        let since = self.last_residency.map(|t: Instant| t.elapsed());
+        let every = |floor: Duration, share: f64| floor.max(self.last_cost.div_f64(share));
         let due = stopping
             || on_demand
             || files.len() != before
-            || !self.all_resident
-            || self.last_residency.is_none_or(|t: Instant| t.elapsed() >= FILE_SCAN_EVERY);
+            || since.is_none_or(|s| {
+                if self.all_resident {
+                    s >= every(FILE_SCAN_EVERY, RESIDENT_SHARE) || {
+                        self.looks += 1;
+                        let seed = self.looks.wrapping_mul(SAMPLED_PAGES);
+                        !files.iter().all(|f| f.sampled_resident(SAMPLED_PAGES, seed).unwrap_or(s >= FILE_SCAN_EVERY))
+                    }
+                } else {
+                    s >= every(Duration::from_secs(1), PARTIAL_SHARE).saturating_sub(Duration::from_millis(50))
+                }
+            });
         if !files.is_empty() && due {
-            self.last_residency = Some(Instant::now());
+            let t = Instant::now();
+            self.last_residency = Some(t);
             let r: Vec<crate::record::samples::Residency> = files.iter().filter_map(residency::Watched::measure).collect();
+            self.last_cost = t.elapsed();
             self.all_resident = r.len() == files.len() && r.iter().all(|x| x.resident >= x.pages);
             let why = if stopping {
                 ResidencyWhy::End

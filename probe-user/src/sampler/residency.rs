@@ -41,6 +41,48 @@ impl Watched {
     pub fn measure(&self) -> Option<Residency> {
         measure(&self.file, &self.path)
     }
+
+    /// Whether `n` pages of the file, spread over it from `seed`, are all in the page cache: a
+    /// look at a wholly resident file that costs `n` one-page cachestat calls, not a walk of its
+    /// whole page tree. None where cachestat(2) is missing (then only a full measure tells).
+    pub fn sampled_resident(&self, n: u64, seed: u64) -> Option<bool> {
+        if std::env::var_os("PROBE_NO_CACHESTAT").is_some() {
+            return None;
+        }
+        let bytes = self.file.metadata().ok()?.len();
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+        let pages = bytes.div_ceil(page);
+        if pages == 0 {
+            return Some(true);
+        }
+        for i in 0..n {
+            // Evenly spaced strata, a position in each from the seed (a different one each look).
+            let stratum = pages.div_ceil(n).max(1);
+            let at = (i * stratum + splitmix(seed.wrapping_add(i)) % stratum).min(pages - 1);
+            let range = CachestatRange { off: at * page, len: page };
+            let mut cs = Cachestat::default();
+            // SAFETY: as in `measure`: valid fd, live structs of the syscall's layout, flags 0.
+            let rc = unsafe {
+                libc::syscall(SYS_CACHESTAT, self.file.as_raw_fd(), &range as *const CachestatRange, &mut cs as *mut Cachestat, 0)
+            };
+            if rc != 0 {
+                return None;
+            }
+            if cs.nr_cache == 0 {
+                return Some(false);
+            }
+        }
+        Some(true)
+    }
+}
+
+/// A 64-bit mix of `x` (splitmix64's finaliser): sample positions that differ from look to look.
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// The residency of the open file `f` (named `path` in the result).

@@ -12,7 +12,7 @@ use super::{
 use crate::{
     analysis::system::{GpuClock, PciState},
     analysis::verdict::{Pressure, SlowCause, Verdict, Window},
-    record::samples::{AttachState, EndpointPoll, ResidencyReading, Sample},
+    record::samples::{AttachState, EndpointPoll, Kind, ResidencyReading, Sample},
     stream::RequestRecord,
 };
 
@@ -34,7 +34,7 @@ struct Trace<'a> {
     polls: Vec<&'a EndpointPoll>,
     pressure: Vec<Pressure>,
     swaps: Vec<String>,
-    server_kind: Option<&'static str>,
+    server_kind: Option<Kind>,
     residency: Vec<&'a ResidencyReading>,
     attach: Option<&'a AttachState>,
     /// Requests in flight at attach: (id, arrival, last byte), ms from the trace's start.
@@ -73,7 +73,7 @@ impl<'a> Trace<'a> {
         pressure.sort_by_key(|p| p.ts_ns);
         let swaps: Vec<String> =
             samples.iter().find_map(|v| if let Sample::Samplers(s) = v { Some(s.swaps.clone()) } else { None }).unwrap_or_default();
-        let server_kind = polls.iter().rev().map(|v| v.kind.name()).find(|k| !matches!(*k, "other" | "none"));
+        let server_kind = polls.iter().rev().map(|v| v.kind).find(|k| !matches!(k, Kind::Other | Kind::NotHttp));
         let lost: u64 = r.lost_events.values().sum();
         let mut residency: Vec<&ResidencyReading> =
             samples.iter().filter_map(|v| if let Sample::Residency(x) = v { Some(x) } else { None }).collect();

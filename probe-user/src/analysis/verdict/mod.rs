@@ -191,8 +191,8 @@ pub struct Window<'a> {
     pub io_limits: &'a [crate::record::samples::IoLimit],
     /// When the trace ended (a request still in flight is judged up to there).
     pub trace_end_ns: u64,
-    /// What the server's own endpoints said it is ("llama.cpp", "vllm", "ollama"), when known.
-    pub server_kind: Option<&'a str>,
+    /// What the server's own endpoints said it is (llama.cpp, vLLM, Ollama), when known.
+    pub server_kind: Option<crate::record::samples::Kind>,
 }
 
 /// A user stack cut at this depth or deeper still shows the functions a request's work ran in:

@@ -152,16 +152,17 @@ pub fn stop_cause(q: &RequestRecord) -> (StopCause, Option<String>) {
 
 /// What keeps a silent stream open through a gateway's read timeout, for the server at hand
 /// (known from its own endpoints, never from a process name).
-pub fn keep_open(server_kind: Option<&str>) -> String {
+pub fn keep_open(server_kind: Option<crate::record::samples::Kind>) -> String {
+    use crate::record::samples::Kind;
     const TIMEOUT: &str = "the gateway's read timeout (nginx proxy_read_timeout, 60 s by default; see the README's table)";
     match server_kind {
-        Some("llama.cpp") => format!(
+        Some(Kind::LlamaCpp) => format!(
             "to keep it open: llama-server sends an SSE ping after --sse-ping-interval seconds without a token (30 by default, -1 turns it off); set it below {TIMEOUT}, or raise that timeout above the longest silence"
         ),
-        Some("vllm") => format!(
+        Some(Kind::Vllm) => format!(
             "to keep it open: vLLM sends nothing while a stream is silent (it has no ping): raise {TIMEOUT} above the longest silence"
         ),
-        Some("ollama") => format!(
+        Some(Kind::Ollama) => format!(
             "to keep it open: Ollama sends nothing while a stream is silent (it has no ping): raise {TIMEOUT} above the longest silence"
         ),
         _ => format!("to keep it open: raise {TIMEOUT} above the longest silence, or have the server send keep-alives more often than it"),
