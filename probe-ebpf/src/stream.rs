@@ -4,7 +4,7 @@
 use aya_ebpf::{
     helpers::{bpf_probe_read_user, generated::bpf_probe_read_user as probe_read_user_raw},
     macros::{map, tracepoint},
-    maps::{LruHashMap, PerCpuArray},
+    maps::{Array, LruHashMap, PerCpuArray},
     programs::TracePointContext,
 };
 use probe_common::{
@@ -21,6 +21,30 @@ use crate::{
 };
 
 const HDR: usize = core::mem::size_of::<DataEvent>();
+
+/// When the targets' sockets last carried data (any CPU): the first data after a quiet spell (a
+/// request's bytes at an idle server) wakes the drain at once, so that it need not look at the
+/// ring more than once a second while the server idles.
+#[map(name = "STREAM_LAST")]
+static STREAM_LAST: Array<u64> = Array::with_max_entries(1, 0);
+const STREAM_QUIET_NS: u64 = 50_000_000;
+
+/// Submit flags for a data record of `size` bytes at `now`: a forced wakeup after a quiet spell,
+/// else the backlog's ([`ringbuf_flags`]). While tokens stream (a write every few ms) nothing
+/// more wakes the drain.
+#[inline(always)]
+fn data_flags(size: u64, now: u64) -> u64 {
+    let quiet = match STREAM_LAST.get_ptr_mut(0) {
+        // SAFETY: the map's one slot; a racing CPU writes a time as recent, either is right.
+        Some(p) => unsafe {
+            let last = *p;
+            *p = now;
+            now.saturating_sub(last) > STREAM_QUIET_NS
+        },
+        None => false,
+    };
+    if quiet { crate::BPF_RB_FORCE_WAKEUP } else { ringbuf_flags(size) }
+}
 
 #[map(name = "DATA_ARGS")]
 static DATA_ARGS: LruHashMap<u32, DataArgs> = LruHashMap::with_max_entries(8192, 0);
@@ -127,7 +151,7 @@ fn exit(ctx: &TracePointContext) -> Result<(), i64> {
         }
         let total = HDR + (core::ptr::read_volatile(&raw const (*ev).captured) & DATA_MASK) as usize;
         let bytes = core::slice::from_raw_parts(buf.cast::<u8>(), total);
-        if EVENTS.output::<[u8]>(bytes, ringbuf_flags(total as u64)).is_err() {
+        if EVENTS.output::<[u8]>(bytes, data_flags(total as u64, (*ev).hdr.ts_ns)).is_err() {
             add(&LOST, DataEvent::KIND as u32, 1);
         }
         // The end of a large single-buffer call, in a second record.

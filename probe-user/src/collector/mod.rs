@@ -111,11 +111,13 @@ const SNAPSHOT_AGE_NS: u64 = 500_000_000;
 /// How often the requests in flight are looked at for snapshots.
 const SNAPSHOT_EVERY: Duration = Duration::from_millis(250);
 /// How often the ring is drained while records flow, and after a turn that found none. Each turn
-/// is a wake-up (tens of µs on a VM before any work): 100 ms while records flow (the kernel wakes
-/// the drain sooner for a backlog, `probe_common::wakeup_shift`), as a request's arrival is seen
-/// within IDLE_DRAIN anyway.
+/// is a wake-up (tens of µs on a VM before any work), so: every 100 ms while records flow (the
+/// kernel wakes the drain sooner for a backlog, `probe_common::wakeup_shift`, and for the first
+/// socket data after a quiet spell: a request's arrival is read at once).
 const DRAIN_TICK: Duration = Duration::from_millis(100);
-const IDLE_DRAIN: Duration = Duration::from_millis(200);
+/// After a quiet turn: once a second (each look at an idle ring is a wake-up, and a timer's
+/// deadline 200 ms out took two; a request's arrival wakes the drain at once).
+const IDLE_DRAIN: Duration = Duration::from_secs(1);
 /// The cumulative `stats` record is written every second while records flow, this often while
 /// none do (and always at the stop).
 const IDLE_STATS: Duration = Duration::from_secs(5);

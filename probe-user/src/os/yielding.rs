@@ -67,11 +67,12 @@ struct Heartbeat {
 }
 
 impl Heartbeat {
-    /// Nothing to watch closely: not busy, held or raised, and nothing written to its ring since
-    /// the last look (a ring starting to fill brings the watchdog back to its quarter-second).
+    /// Nothing to watch closely: not busy, held or raised, and no more than an idle server's
+    /// trickle written to its ring since the last look (a ring starting to fill brings the
+    /// watchdog back to its quarter-second).
     fn quiet(&self) -> bool {
         let produced = self.backlog.as_ref().map_or(0, RingFill::produced);
-        let moved = self.last_produced.swap(produced, Relaxed) != produced;
+        let moved = produced.saturating_sub(self.last_produced.swap(produced, Relaxed)) >= QUIET_BYTES;
         !moved && !self.busy.load(Relaxed) && !self.held.load(Relaxed) && !self.raised.load(Relaxed)
     }
 }
@@ -160,6 +161,9 @@ const WATCH_IDLE: Duration = Duration::from_millis(250);
 /// then, so a look that comes late only holds late (a drain at idle priority meanwhile); each
 /// look is a wake-up (tens of µs on a VM) and a read of /proc/stat.
 const WATCH_QUIET: Duration = Duration::from_secs(1);
+/// What a ring may take between two looks and still count as quiet (an idle server's threads
+/// waking now and then write a few KiB a second).
+const QUIET_BYTES: u64 = 64 << 10;
 /// How often the watchdog looks in a thread's first [`START_NS`]: right after attach a ring can
 /// fill in a tenth of a second (a decode's thread pool switching 26,000 times a second) while
 /// the drain, at idle priority from its start, waits behind the server it must not delay.

@@ -254,6 +254,11 @@ async fn follow(
             }
             _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => break "duration reached".to_string(),
         }
+        // A request's arrival (the kernel woke the drain for its first bytes): the samplers take
+        // their reading at the arrival (the GPU's power state then), not at the next second.
+        if st.streams.in_flight() > 0 {
+            sampler.set_busy(true);
+        }
         if st.python.due() {
             follow_python(st);
         }
@@ -270,7 +275,9 @@ async fn follow(
         let next = if flowing { busy_due } else { quiet_due };
         // A turn that stopped before the ring was empty (its record or time budget spent) was
         // behind: normal priority until turns empty it again.
-        yielding.turn(more || st.events.saturating_sub(events_before) >= DRAIN_RECORDS as u64, flowing, Some(next));
+        // Busy for the watchdog (a closer watch): more than an idle server's trickle this turn.
+        let taken = st.events.saturating_sub(events_before);
+        yielding.turn(more || taken >= DRAIN_RECORDS as u64, flowing && (more || taken >= QUIET_TURN), Some(next));
         if more {
             // Let the runtime look at signals and timers before the next turn.
             tokio::task::yield_now().await;
@@ -280,6 +287,10 @@ async fn follow(
     yielding.stop();
     Ok((reason, hung_up))
 }
+
+/// Records a turn may take and still leave the watchdog at its quiet pace (an idle llama-server's
+/// threads make about ten a second).
+const QUIET_TURN: u64 = 64;
 
 /// The drain's watchdog for [`follow`] (`yielding::Yielding`), and how long a turn may be overdue
 /// while records flow and while they do not.
