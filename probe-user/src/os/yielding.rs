@@ -338,7 +338,9 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                 } else {
                     WATCH_IDLE
                 };
-                let quiet = every == WATCH_IDLE && !was_saturated && beats.iter().all(|b| b.quiet());
+                // Every beat is asked (not `all`, which stops at the first busy one): each keeps
+                // its ring's position for the next look.
+                let quiet = every == WATCH_IDLE && !was_saturated && beats.iter().fold(true, |q, b| b.quiet() & q);
                 if quiet {
                     every = WATCH_QUIET;
                 }

@@ -56,9 +56,9 @@ impl Watched {
         if pages == 0 {
             return Some(true);
         }
+        // Evenly spaced strata, a position in each from the seed (a different one each look).
+        let stratum = pages.div_ceil(n.max(1)).max(1);
         for i in 0..n {
-            // Evenly spaced strata, a position in each from the seed (a different one each look).
-            let stratum = pages.div_ceil(n).max(1);
             let at = (i * stratum + splitmix(seed.wrapping_add(i)) % stratum).min(pages - 1);
             let range = CachestatRange { off: at * page, len: page };
             let mut cs = Cachestat::default();
@@ -227,5 +227,26 @@ mod tests {
         assert_eq!(r.bytes, 1 << 20);
         assert!(r.share() > 0.9, "{r:?}");
         assert_eq!(by_mincore, r.resident, "{r:?}");
+    }
+
+    /// The sampled look agrees with the kernel: a file just written is all in the page cache;
+    /// once its pages are dropped (written back, then POSIX_FADV_DONTNEED) a sampled page is
+    /// missing, and a full measure is asked for.
+    #[test]
+    fn sampled_pages_see_a_file_leave_the_page_cache() {
+        use std::os::fd::AsRawFd as _;
+        let p = std::env::temp_dir().join(format!("probe-sampled-{}", std::process::id()));
+        std::fs::write(&p, vec![7u8; 4 << 20]).unwrap();
+        let file = std::fs::File::open(&p).unwrap();
+        let w =
+            super::Watched { path: p.display().to_string(), ident: crate::os::target_file::Ident { major: 0, minor: 0, inode: 0 }, file };
+        assert_eq!(w.sampled_resident(16, 1), Some(true));
+        std::fs::File::open(&p).unwrap().sync_all().unwrap();
+        // SAFETY: fadvise on a descriptor we hold; it only drops clean cached pages.
+        assert_eq!(unsafe { libc::posix_fadvise(w.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) }, 0);
+        let full = w.measure().unwrap();
+        std::fs::remove_file(&p).unwrap();
+        assert!(full.resident < full.pages / 2, "the kernel kept the pages: {full:?}");
+        assert_eq!(w.sampled_resident(16, 2), Some(false));
     }
 }
