@@ -81,12 +81,27 @@ pub fn wait_class<S: AsRef<str>>(kernel: &[S]) -> &'static str {
 /// 36 ms of the kernel's time to print here, the first stack's naming was most of probe's CPU in
 /// the second after attach) once per boot and kernel module set, then kept in `/run/probe`
 /// ([`crate::os::kernel_cache`]): a later trace reads its own copy.
-#[derive(Debug, Default)]
+///
+/// The table is kept in one form, in memory or mapped from the kept file ([`Table::to_bytes`]):
+/// mapped, a trace's first kernel stack costs the few pages its lookups touch, where reading and
+/// unpacking the 3–4 MB file took 5–8 ms of the drain's first turn, at normal priority, while the
+/// request the user attached for was running.
 struct Table {
-    addrs: Vec<u64>,
-    /// Where each name starts in `names` (and ends: at the next start).
-    at: Vec<u32>,
-    names: String,
+    body: Body,
+    /// Symbols in the table.
+    n: usize,
+}
+
+/// Where a table's bytes are: built here from kallsyms, or mapped from the kept file.
+enum Body {
+    Owned(Vec<u8>),
+    Mapped(crate::os::kernel_cache::Mapped),
+}
+
+impl Default for Table {
+    fn default() -> Table {
+        Table { body: Body::Owned(0u64.to_ne_bytes().to_vec()), n: 0 }
+    }
 }
 
 const CACHE: &str = "kallsyms";
@@ -112,43 +127,60 @@ impl Table {
     /// holds, else read from kallsyms (and kept for the next).
     fn load(key: &str) -> Table {
         let dir = std::path::Path::new(crate::os::kernel_cache::DIR);
-        if let Some(t) = crate::os::kernel_cache::load_bytes(dir, CACHE, key, 256 << 20).and_then(|b| Table::from_bytes(&b)) {
+        if let Some(t) = crate::os::kernel_cache::map_bytes(dir, CACHE, key, 256 << 20).and_then(|m| Table::from_body(Body::Mapped(m))) {
             return t;
         }
         let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else { return Table::default() };
         let t = Table::parse(&text);
-        if !t.addrs.is_empty() {
-            crate::os::kernel_cache::store_bytes(dir, CACHE, key, &t.to_bytes());
+        if t.n > 0 {
+            crate::os::kernel_cache::store_bytes(dir, CACHE, key, t.to_bytes());
         }
         t
     }
 
     /// The kept form: the count (u64), the addresses (u64 each), where each name starts (u32
     /// each), the names; native byte order (the same machine reads it back). Read back without
-    /// parsing text: 2 ms where the 121,000 lines took 20.
-    fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(8 + self.addrs.len() * 12 + self.names.len());
-        b.extend_from_slice(&(self.addrs.len() as u64).to_ne_bytes());
-        b.extend(self.addrs.iter().flat_map(|a| a.to_ne_bytes()));
-        b.extend(self.at.iter().flat_map(|a| a.to_ne_bytes()));
-        b.extend_from_slice(self.names.as_bytes());
-        b
+    /// parsing text: 2 ms where the 121,000 lines took 20; mapped, without reading at all.
+    fn to_bytes(&self) -> &[u8] {
+        match &self.body {
+            Body::Owned(b) => b,
+            Body::Mapped(m) => m,
+        }
     }
 
-    /// [`Table::to_bytes`] read back; None when it does not hold together (sorted addresses,
-    /// name starts in order and inside the names).
-    fn from_bytes(b: &[u8]) -> Option<Table> {
+    /// A table in its kept form; None when it does not hold together (the sizes, sorted
+    /// addresses, name starts in order and inside the names). A name that is not UTF-8 is read as
+    /// none.
+    fn from_body(body: Body) -> Option<Table> {
+        let b = match &body {
+            Body::Owned(b) => &b[..],
+            Body::Mapped(m) => &m[..],
+        };
         let n = usize::try_from(u64::from_ne_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
-        let (addrs, rest) = b.get(8..)?.split_at_checked(n.checked_mul(8)?)?;
-        let (at, names) = rest.split_at_checked(n.checked_mul(4)?)?;
-        let addrs: Vec<u64> = addrs.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect();
-        let at: Vec<u32> = at.chunks_exact(4).map(|c| u32::from_ne_bytes(c.try_into().expect("4 bytes"))).collect();
-        let names = String::from_utf8(names.to_vec()).ok()?;
-        let fits = addrs.is_sorted()
-            && at.is_sorted()
-            && at.last().is_none_or(|&l| l as usize <= names.len())
-            && at.iter().all(|&a| names.is_char_boundary(a as usize));
-        fits.then_some(Table { addrs, at, names })
+        let names_at = n.checked_mul(12)?.checked_add(8)?;
+        if b.len() < names_at {
+            return None;
+        }
+        let t = Table { n, body: Body::Owned(Vec::new()) };
+        let (addr, at) = (|i| t.addr_in(b, i), |i| t.at_in(b, i));
+        let names = b.len() - names_at;
+        let fits = (1..n).all(|i| addr(i - 1) <= addr(i) && at(i - 1) <= at(i)) && (n == 0 || at(n - 1) as usize <= names);
+        fits.then_some(Table { body, n })
+    }
+
+    #[cfg(test)]
+    fn from_bytes(b: &[u8]) -> Option<Table> {
+        Table::from_body(Body::Owned(b.to_vec()))
+    }
+
+    fn addr_in(&self, b: &[u8], i: usize) -> u64 {
+        let o = 8 + 8 * i;
+        u64::from_ne_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+    }
+
+    fn at_in(&self, b: &[u8], i: usize) -> u32 {
+        let o = 8 + 8 * self.n + 4 * i;
+        u32::from_ne_bytes(b[o..o + 4].try_into().expect("4 bytes"))
     }
 
     /// kallsyms lines (`ADDR TYPE NAME [MODULE]`): text symbols (t, T, w, W) at a non-zero address
@@ -165,26 +197,45 @@ impl Table {
             })
             .collect();
         v.sort_by_key(|&(a, _)| a);
-        let mut t = Table { addrs: Vec::with_capacity(v.len()), at: Vec::with_capacity(v.len()), names: String::new() };
-        for (a, n) in v {
-            let Ok(at) = u32::try_from(t.names.len()) else { break };
-            t.addrs.push(a);
-            t.at.push(at);
-            t.names.push_str(n);
+        // Names past 4 GiB in all cannot be placed: the table ends before them.
+        let mut names = String::new();
+        let mut at = Vec::with_capacity(v.len());
+        for &(_, n) in &v {
+            let Ok(a) = u32::try_from(names.len()) else { break };
+            at.push(a);
+            names.push_str(n);
         }
-        t
+        let n = at.len();
+        let mut b = Vec::with_capacity(8 + n * 12 + names.len());
+        b.extend_from_slice(&(n as u64).to_ne_bytes());
+        b.extend(v.iter().take(n).flat_map(|(a, _)| a.to_ne_bytes()));
+        b.extend(at.iter().flat_map(|a| a.to_ne_bytes()));
+        b.extend_from_slice(names.as_bytes());
+        Table { body: Body::Owned(b), n }
     }
 
-    fn name(&self, i: usize) -> &str {
-        let from = self.at[i] as usize;
-        let to = self.at.get(i + 1).map_or(self.names.len(), |&e| e as usize);
-        &self.names[from..to]
+    fn name(&self, i: usize) -> Option<&str> {
+        let b = self.to_bytes();
+        let names = &b[8 + 12 * self.n..];
+        let from = self.at_in(b, i) as usize;
+        let to = if i + 1 < self.n { self.at_in(b, i + 1) as usize } else { names.len() };
+        std::str::from_utf8(names.get(from..to)?).ok()
     }
 
     /// The symbol holding `addr`: the last one at or below it.
     fn lookup(&self, addr: u64) -> Option<&str> {
-        let i = self.addrs.partition_point(|&a| a <= addr).checked_sub(1)?;
-        Some(self.name(i))
+        let b = self.to_bytes();
+        // The first symbol above `addr` (a binary search over the kept form).
+        let (mut lo, mut hi) = (0, self.n);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.addr_in(b, mid) <= addr {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        self.name(lo.checked_sub(1)?)
     }
 }
 
@@ -364,17 +415,25 @@ mod tests {
     fn a_frame_is_named_by_the_symbol_below_it() {
         let text = "ffffffffc0001000 t mod_fn\t[kvm]\nffffffff81000000 T _stext\nffffffff81000100 D some_data\nffffffff81000200 t io_schedule\n0000000000000000 T hidden\n";
         let t = Table::parse(text);
-        assert_eq!(t.addrs.len(), 3);
+        assert_eq!(t.n, 3);
         assert_eq!(t.lookup(0xffff_ffff_8100_0250), Some("io_schedule"));
         assert_eq!(t.lookup(0xffff_ffff_8100_0150), Some("_stext"), "data symbols do not name code");
         assert_eq!(t.lookup(0xffff_ffff_c000_1010), Some("mod_fn"));
         assert_eq!(t.lookup(0x1000), None);
-        let back = Table::from_bytes(&t.to_bytes()).unwrap();
-        assert_eq!((&back.addrs, &back.at, &back.names), (&t.addrs, &t.at, &t.names));
-        let mut bad = t.to_bytes();
+        let back = Table::from_bytes(t.to_bytes()).unwrap();
+        assert_eq!((back.n, back.to_bytes()), (t.n, t.to_bytes()));
+        assert_eq!(back.lookup(0xffff_ffff_8100_0250), Some("io_schedule"));
+        let mut bad = t.to_bytes().to_vec();
         bad[8..16].copy_from_slice(&u64::MAX.to_ne_bytes());
         assert!(Table::from_bytes(&bad).is_none(), "unsorted addresses are refused");
         assert!(Table::from_bytes(&t.to_bytes()[..20]).is_none(), "a truncated table is refused");
+        // Kept and mapped back, as a later trace of this boot reads it.
+        let dir = std::env::temp_dir().join(format!("probe-ksyms-{}", std::process::id()));
+        crate::os::kernel_cache::store_bytes(&dir, CACHE, "k", t.to_bytes());
+        let mapped = Table::from_body(Body::Mapped(crate::os::kernel_cache::map_bytes(&dir, CACHE, "k", 1 << 20).unwrap())).unwrap();
+        assert_eq!(mapped.lookup(0xffff_ffff_c000_1010), Some("mod_fn"));
+        assert_eq!(mapped.lookup(0xffff_ffff_8100_0150), Some("_stext"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -73,12 +73,58 @@ pub fn load(dir: &Path, key: &str) -> Option<KernelOffsets> {
     parse(&String::from_utf8(read(dir, NAME, 16 << 10)?).ok()?, key)
 }
 
-/// The bytes kept as `name` in `dir` for `key` (see [`store_bytes`]), if they are there and ours.
-pub fn load_bytes(dir: &Path, name: &str, key: &str, max: u64) -> Option<Vec<u8>> {
-    let mut bytes = read(dir, name, max)?;
+/// The bytes kept as `name` in `dir` for `key`, mapped rather than read: nothing is copied and
+/// only the pages a reader touches are faulted in (the kernel's symbol table is 3–4 MB, a few
+/// pages of which name the frames of a trace). Safe to keep: a kept file is replaced by rename,
+/// never written in place, so the mapped file does not change under the reader.
+pub fn map_bytes(dir: &Path, name: &str, key: &str, max: u64) -> Option<Mapped> {
+    let f = open_kept(dir, name, max)?;
+    let len = usize::try_from(f.metadata().ok()?.len()).ok().filter(|&l| l > 0)?;
+    // SAFETY: a read-only private mapping of a regular file we opened; checked for failure below,
+    // unmapped once by Mapped's drop.
+    let at = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, f.as_raw_fd(), 0) };
+    if at == libc::MAP_FAILED {
+        return None;
+    }
+    let mut m = Mapped { at: at.cast(), len, body: 0 };
     let head = format!("{MAGIC}\n{key}\n");
-    bytes.starts_with(head.as_bytes()).then(|| bytes.split_off(head.len()))
+    // Moved, not copied: a copy's fields would outlive this one's unmapping.
+    m.body = head.len();
+    m.all().starts_with(head.as_bytes()).then_some(m)
 }
+
+/// A kept file mapped read-only ([`map_bytes`]): its body, after the magic line and the key.
+pub struct Mapped {
+    at: *const u8,
+    len: usize,
+    body: usize,
+}
+
+impl Mapped {
+    fn all(&self) -> &[u8] {
+        // SAFETY: `len` bytes mapped at `at` for as long as self lives.
+        unsafe { std::slice::from_raw_parts(self.at, self.len) }
+    }
+}
+
+impl std::ops::Deref for Mapped {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.all()[self.body..]
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in map_bytes, unmapped once.
+        unsafe { libc::munmap(self.at.cast_mut().cast(), self.len) };
+    }
+}
+
+// SAFETY: a read-only mapping: shared reads from any thread are fine.
+unsafe impl Send for Mapped {}
+// SAFETY: as above.
+unsafe impl Sync for Mapped {}
 
 /// Keep `body` as `name` in `dir` for `key` (best effort, as [`store`]).
 pub fn store_bytes(dir: &Path, name: &str, key: &str, body: &[u8]) {
@@ -90,6 +136,14 @@ pub fn store_bytes(dir: &Path, name: &str, key: &str, body: &[u8]) {
 /// File `name` of `dir`, at most `max` bytes, when it is a regular file of the effective user's
 /// that no one else can write, in a directory that passes [`open_dir`].
 fn read(dir: &Path, name: &str, max: u64) -> Option<Vec<u8>> {
+    let mut f = open_kept(dir, name, max)?;
+    let mut bytes = Vec::with_capacity(f.metadata().ok()?.len() as usize);
+    f.read_to_end(&mut bytes).ok()?;
+    Some(bytes)
+}
+
+/// File `name` of `dir` opened, when it passes [`read`]'s checks.
+fn open_kept(dir: &Path, name: &str, max: u64) -> Option<File> {
     let d = open_dir(dir, false)?;
     let name = CString::new(name).ok()?;
     // SAFETY: a valid directory fd and NUL-terminated name; the returned fd is owned below.
@@ -98,15 +152,10 @@ fn read(dir: &Path, name: &str, max: u64) -> Option<Vec<u8>> {
         return None;
     }
     // SAFETY: fd was just opened and is owned by nothing else.
-    let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
     let m = f.metadata().ok()?;
     // SAFETY: geteuid cannot fail.
-    if !m.is_file() || m.uid() != unsafe { libc::geteuid() } || m.mode() & 0o022 != 0 || m.len() > max {
-        return None;
-    }
-    let mut bytes = Vec::with_capacity(m.len() as usize);
-    f.read_to_end(&mut bytes).ok()?;
-    Some(bytes)
+    (m.is_file() && m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0 && m.len() <= max).then_some(f)
 }
 
 fn parse(text: &str, key: &str) -> Option<KernelOffsets> {
@@ -220,9 +269,14 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("probe-kcache-bytes-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         store_bytes(&dir, "t", "boot 1", &[0, 1, 2, 255]);
-        assert_eq!(load_bytes(&dir, "t", "boot 1", 1 << 20).as_deref(), Some(&[0u8, 1, 2, 255][..]));
-        assert_eq!(load_bytes(&dir, "t", "boot 2", 1 << 20), None, "another boot");
-        assert_eq!(load_bytes(&dir, "t", "boot 1", 8), None, "over its bound");
+        assert_eq!(map_bytes(&dir, "t", "boot 1", 1 << 20).as_deref(), Some(&[0u8, 1, 2, 255][..]));
+        assert!(map_bytes(&dir, "t", "boot 2", 1 << 20).is_none(), "another boot");
+        assert!(map_bytes(&dir, "t", "boot 1", 8).is_none(), "over its bound");
+        // Replaced while mapped (by rename, as every store): the mapping keeps what it mapped.
+        let kept = map_bytes(&dir, "t", "boot 1", 1 << 20).unwrap();
+        store_bytes(&dir, "t", "boot 1", &[7; 4096]);
+        assert_eq!(&kept[..], &[0u8, 1, 2, 255][..]);
+        assert_eq!(map_bytes(&dir, "t", "boot 1", 1 << 20).map(|m| m.len()), Some(4096));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -64,6 +64,10 @@ struct Heartbeat {
     free_until_ns: AtomicU64,
     /// The backlog's producer position at the watchdog's last look (the watchdog's own).
     last_produced: AtomicU64,
+    /// The producer position and the time at the last busy look, for the ring's rate
+    /// ([`busy_pace`]; the watchdog's own).
+    pace_produced: AtomicU64,
+    pace_ns: AtomicU64,
 }
 
 impl Heartbeat {
@@ -152,6 +156,11 @@ const MAX_CALM: Duration = Duration::from_secs(32);
 /// lasts 500 ms; the watchdog looks every 100 ms). A ring filling faster is raised earlier: when
 /// at the rate since the last look it would pass `RAISE_AHEAD` within two more looks.
 const RAISE_AT_FILL: f64 = 0.5;
+/// The ring's fill from which a drain let go while every CPU is busy copies records out unread
+/// ([`Yielding::spill`]), to make room; below it, it reads them. The fill it is raised at: a
+/// drain let go for another reason (a CPU idled at the last look, busy again at this one, often
+/// by probe's own turn) has room to spare.
+const SPILL_AT_FILL: f64 = RAISE_AT_FILL;
 const RAISE_AHEAD: f64 = 0.75;
 const CAP_SYS_NICE: u64 = 1 << 23;
 const WATCH_EVERY: Duration = Duration::from_millis(100);
@@ -164,10 +173,17 @@ const WATCH_QUIET: Duration = Duration::from_secs(1);
 /// What a ring may take between two looks and still count as quiet (an idle server's threads
 /// waking now and then write a few KiB a second).
 const QUIET_BYTES: u64 = 64 << 10;
-/// How often the watchdog looks in a thread's first [`START_NS`]: right after attach a ring can
-/// fill in a tenth of a second (a decode's thread pool switching 26,000 times a second) while
-/// the drain, at idle priority from its start, waits behind the server it must not delay.
+/// How often, at most, the watchdog looks in a thread's first [`START_NS`]: right after attach
+/// a small ring can fill in a tenth of a second (a decode's thread pool switching 26,000 times a
+/// second) while the drain, held, waits behind the server it must not delay. It looks as often
+/// as a sixteenth of the smallest watched ring fills at [`FAST_FILL`] (every 65 ms for the
+/// default 32 MiB), never more often than this: each look is a wake-up of probe's at normal
+/// priority, which a server thread waking at the same tick waits behind (at 10 ms for every
+/// ring, those waits were 6 ms of a request started right after attach).
 const WATCH_START: Duration = Duration::from_millis(10);
+/// The fastest fill the first second's looks are paced for, bytes a second (twice the CPU-hog
+/// tests' 16 MB/s).
+const FAST_FILL: u64 = 32 << 20;
 const START_NS: u64 = 1_000_000_000;
 /// The CPUs count as saturated while less than this share of one CPU was idle over the last
 /// [`IDLE_WINDOW`]: a drain at idle priority then has no idle time to run in, only its small
@@ -304,6 +320,51 @@ pub fn prime() {
     saturated(crate::monotonic_ns());
 }
 
+/// How often the watchdog looks in a thread's first second ([`WATCH_START`]): as a sixteenth of
+/// the smallest watched ring fills at [`FAST_FILL`], between `WATCH_START` and [`WATCH_EVERY`].
+fn start_pace(beats: &[Arc<Heartbeat>]) -> Duration {
+    pace_for(beats.iter().filter_map(|b| b.backlog.as_ref()).map(|r| r.size).min())
+}
+
+/// How often the watchdog looks while a watched thread has work: as often as a sixteenth of its
+/// ring fills at the rate the kernel wrote to it since the last look, between [`WATCH_EVERY`]
+/// and [`WATCH_IDLE`] (a decode writing 3.5 MB a second to the default ring is looked at every
+/// 250 ms: four wake-ups of probe's a second at normal priority where there were ten). A thread
+/// without a ring in sight is looked at every `WATCH_EVERY` when its turns are due that often
+/// (a hub member's), else every `WATCH_IDLE` (the samplers: seconds of slack).
+fn busy_pace(beats: &[Arc<Heartbeat>], now: u64) -> Duration {
+    let mut pace = WATCH_IDLE;
+    for b in beats.iter().filter(|b| b.busy.load(Relaxed)) {
+        let p = match &b.backlog {
+            Some(r) => {
+                let produced = r.produced();
+                let (then, at) = (b.pace_produced.swap(produced, Relaxed), b.pace_ns.swap(now, Relaxed));
+                match now.checked_sub(at).filter(|&dt| at > 0 && dt > 0) {
+                    Some(dt) => pace_at(r.size, produced.saturating_sub(then) as f64 * 1e9 / dt as f64),
+                    None => WATCH_EVERY,
+                }
+            }
+            None if b.due_ns.load(Relaxed) < 1_000_000_000 => WATCH_EVERY,
+            None => WATCH_IDLE,
+        };
+        pace = pace.min(p);
+    }
+    pace
+}
+
+/// [`busy_pace`] for a ring of `size` bytes written at `per_s` bytes a second.
+fn pace_at(size: u64, per_s: f64) -> Duration {
+    if per_s <= 0.0 {
+        return WATCH_IDLE;
+    }
+    Duration::from_secs_f64(size as f64 / 16.0 / per_s).clamp(WATCH_EVERY, WATCH_IDLE)
+}
+
+/// [`start_pace`] for the smallest watched ring's size (None: no ring watched).
+fn pace_for(smallest: Option<u64>) -> Duration {
+    smallest.map_or(WATCH_EVERY, |size| Duration::from_secs_f64(size as f64 / 16.0 / FAST_FILL as f64).clamp(WATCH_START, WATCH_EVERY))
+}
+
 /// Idle + iowait of /proc/stat's `cpu` line, in ms (`hz` clock ticks a second).
 fn parse_idle_ms(line: &str, hz: u64) -> Option<u64> {
     let mut f = line.split_ascii_whitespace();
@@ -320,6 +381,13 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
     static BEATS: OnceLock<(Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar)> = OnceLock::new();
     BEATS.get_or_init(|| {
         let spawned = std::thread::Builder::new().name("probe-watchdog".into()).spawn(|| {
+            // Nice 19, not idle priority: it must run while the server keeps every CPU busy (to
+            // raise a drain that cannot), but it need not run the moment it wakes. At nice 0 each
+            // look (tens of µs here) preempted a server thread as it woke: the verdicts charged
+            // probe 50 µs at every look during a request. At nice 19 its wake-up waits for the
+            // running thread's slice (a few ms); a look every 100 ms is 0.1% of its share.
+            // SAFETY: setpriority on this thread (tid) only.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) };
             let mut every = WATCH_EVERY;
             let (list, wake) = watchdog();
             let mut beats = list.lock().unwrap_or_else(|e| e.into_inner());
@@ -328,13 +396,13 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                 beats = wake.wait_timeout(beats, every).unwrap_or_else(|e| e.into_inner()).0;
                 let now = crate::monotonic_ns();
                 beats.retain(|b| !b.done.load(Relaxed));
-                // Every 10 ms in a thread's first second, every 100 ms while a watched thread
-                // has work flowing, every 250 ms otherwise (a ring filling from idle at 16 MB/s
+                // Every 10–100 ms in a thread's first second (by its ring's size), every 100–250
+                // ms while a watched thread has work flowing (by its ring's rate), every 250 ms otherwise (a ring filling from idle at 16 MB/s
                 // is then seen at most 4 MB past half full), every second while nothing happens.
                 every = if beats.iter().any(|b| now.saturating_sub(b.born_ns) < START_NS) {
-                    WATCH_START
+                    start_pace(&beats)
                 } else if beats.iter().any(|b| b.busy.load(Relaxed)) {
-                    WATCH_EVERY
+                    busy_pace(&beats, now)
                 } else {
                     WATCH_IDLE
                 };
@@ -430,6 +498,8 @@ impl Yielding {
             urgent,
             free_until_ns: 0.into(),
             last_produced: 0.into(),
+            pace_produced: 0.into(),
+            pace_ns: 0.into(),
         });
         if may {
             // A drain whose backlog can wait is held from its first turn when every CPU is busy
@@ -447,7 +517,7 @@ impl Yielding {
         // drain lost 800 events under a compile on both CPUs and a memory thrash (CI), and
         // before the watchdog's first look a decode's thread pool switching 26,000 times a
         // second filled the ring in a tenth of a second. It yields once turns keep up and the
-        // calm has passed ([`Policy`]); the watchdog looks every 10 ms meanwhile.
+        // calm has passed ([`Policy`]); the watchdog looks closely meanwhile ([`WATCH_START`]).
         Yielding { name, may, policy: Policy::new(false, now), beat, behind_turns: 0 }
     }
 
@@ -488,6 +558,18 @@ impl Yielding {
         }
     }
 
+    /// At idle priority from the start, for a thread whose work can wait without loss (the
+    /// samplers: a reading carries the time it was read). Only the drain starts at normal
+    /// priority (its ring holds only so much); the samplers' first turn (the model files found
+    /// and measured, the memory files read) came at the moment probe armed, at normal priority,
+    /// while the request the user attached for was running.
+    pub fn idle_from_start(mut self) -> Yielding {
+        if self.may && !self.policy.idle && set_policy(libc::SCHED_IDLE).is_ok() {
+            self.policy = Policy::new(true, crate::monotonic_ns());
+        }
+        self
+    }
+
     /// Never held back (the drain while a live view shows: the screen is made from the records
     /// as they come); it still yields at idle priority.
     pub fn never_held(self) -> Yielding {
@@ -514,8 +596,14 @@ impl Yielding {
 
     /// Whether a drain should copy its backlog out unread rather than read it: every CPU is
     /// busy (it runs because its ring filled, not because a CPU is free).
+    /// Only once the ring is half full ([`SPILL_AT_FILL`]): below that the room is not needed
+    /// yet, and copying the records out costs more than reading them (the spill's fresh pages are
+    /// faulted in: 18–21 ms for 2,400 records, 8 MB, here at the end of a request, where reading
+    /// them took 5).
     pub fn spill(&self) -> bool {
-        self.beat.backlog.is_some() && self.beat.holdable.load(Relaxed) && self.beat.saturated.load(Relaxed)
+        self.beat.holdable.load(Relaxed)
+            && self.beat.saturated.load(Relaxed)
+            && self.beat.backlog.as_ref().is_some_and(|r| r.fill() >= SPILL_AT_FILL)
     }
 
     /// Bytes written to the ring this thread drains, since it was made (None: no ring in sight).
@@ -552,6 +640,24 @@ mod tests {
     use super::*;
 
     const S: u64 = 1_000_000_000;
+
+    /// The first second's looks: a sixteenth of the ring at 32 MB/s, between 10 and 100 ms.
+    #[test]
+    fn the_first_seconds_looks_follow_the_rings_size() {
+        assert_eq!(pace_for(Some(32 << 20)), Duration::from_micros(62_500));
+        assert_eq!(pace_for(Some(1 << 20)), WATCH_START);
+        assert_eq!(pace_for(Some(256 << 20)), WATCH_EVERY);
+        assert_eq!(pace_for(None), WATCH_EVERY);
+    }
+
+    /// While busy: a sixteenth of the ring at the rate it is written, between 100 and 250 ms.
+    #[test]
+    fn busy_looks_follow_the_rings_rate() {
+        assert_eq!(pace_at(32 << 20, 3.5e6), WATCH_IDLE, "a decode's off-CPU stacks");
+        assert_eq!(pace_at(32 << 20, 16e6), Duration::from_nanos(131_072_000), "the CPU-hog tests' rate");
+        assert_eq!(pace_at(32 << 20, 64e6), WATCH_EVERY);
+        assert_eq!(pace_at(32 << 20, 0.0), WATCH_IDLE);
+    }
 
     /// Five turns that keep up and a second of calm, then idle; a fall soon after doubles the
     /// calm each time (up to 32 s); a long idle stretch before a fall starts it over.

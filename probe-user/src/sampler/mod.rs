@@ -1,7 +1,7 @@
 //! Samplers that run beside the kernel probes, on the same CLOCK_MONOTONIC clock: GPU clocks and
 //! memory (NVML, behind a trait), CPU frequency, memory pressure and the target's RSS (10 Hz by
-//! default), page-cache residency of the model files (every second, at the end, and on SIGUSR1),
-//! and the server's own endpoints (every 2 s). Each reading becomes a JSON record in the
+//! default), page-cache residency of the model files (every second while busy, every 2 s while
+//! idle, at the end, and on SIGUSR1), and the server's own endpoints (every 2 s). Each reading becomes a JSON record in the
 //! recording; a source the machine lacks is described once in the `samplers` record, never an error.
 use std::{
     sync::{
@@ -62,8 +62,16 @@ pub struct Sampler {
 /// `hz` otherwise): an idle server changes slowly, and a request makes the collector call
 /// [`Sampler::set_busy`], which wakes the samplers at once.
 pub const IDLE_PERIOD: Duration = Duration::from_secs(5);
-/// How often a sampler held back by the watchdog (every CPU busy) looks whether it was let go.
-const HELD_NAP: Duration = Duration::from_millis(100);
+/// While the target is idle, C-states and the model files' residency are read this often (every
+/// second while busy): each turn is a wake-up of probe's (50–100 µs of CPU on a VM) and a few
+/// hundred µs of reads, the samplers' share of an idle trace's cost; a model leaving the page
+/// cache is still seen within 2 s, and a request's arrival is read at once.
+const IDLE_SLOW: Duration = Duration::from_secs(2);
+/// How often a sampler held back by the watchdog (every CPU busy) looks whether it was let go: a
+/// reading then waits anyway, and each look is a wake-up of probe's on a CPU the server wants
+/// (at 100 ms, ten a second, most of probe's wake-ups during a request; the verdicts charged
+/// probe for the server threads that woke as it ran). The target turning busy wakes it at once.
+const HELD_NAP: Duration = Duration::from_millis(500);
 
 /// What the sampler threads sleep on: they wake at once when probe stops, when the target turns
 /// busy, or on SIGUSR1, never to look at a flag (no periodic wake-ups while nothing happens).
@@ -113,7 +121,7 @@ fn targets(opts: &Options) -> Vec<u32> {
     opts.targets.lock().map(|t| t.clone()).unwrap_or_else(|_| vec![opts.pid])
 }
 
-/// The big-file list is refreshed this often (residency itself is measured every second).
+/// The big-file list is refreshed this often (residency itself is looked at every slow turn).
 const FILE_SCAN_EVERY: Duration = Duration::from_secs(5);
 
 impl Sampler {
@@ -272,7 +280,7 @@ impl Gpus {
 }
 
 /// The samplers' thread: the fast readings (GPU, CPU clocks, memory) at `opts.hz` while the target
-/// is busy, the slow ones (C-states, the model files' residency) every second, until the stop.
+/// is busy, the slow ones (C-states, the model files' residency) every second (every 2 s while idle), until the stop.
 fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snapshot: &AtomicBool) {
     let mut gpu = Gpus::new();
     let freq = host::cpufreq();
@@ -288,8 +296,9 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     // late rather than take a CPU from it (samples carry the time they were read); normal once a
     // reading is 3 s overdue (the watchdog: a thread at idle priority still gets a small share of
     // a busy CPU), until readings come on time again.
-    let mut yielding =
-        crate::os::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None).hold_when_busy();
+    let mut yielding = crate::os::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None)
+        .hold_when_busy()
+        .idle_from_start();
     let mut was_busy = false;
     loop {
         let stopping = signal.stopped();
@@ -298,15 +307,16 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             yielding.stop();
         } else if yielding.held() && (was_busy || !busy) {
             // Every CPU busy: the readings wait (the watchdog lets one through when it is
-            // overdue); a look every 100 ms costs microseconds. Not the one at the moment the
+            // overdue); a look every HELD_NAP. Not the one at the moment the
             // target turns busy: a request's arrival, the GPU's state then.
             signal.nap(HELD_NAP);
             continue;
         }
         was_busy = busy;
-        // Residency and C-states every second, busy or not: the model leaving the page cache while
-        // the server idles is what the slow morning request is about (a cachestat call is cheap).
-        let slow_every = Duration::from_secs(1);
+        // Residency and C-states every second while busy, every IDLE_SLOW while idle: the model
+        // leaving the page cache while the server idles is what the slow morning request is
+        // about (a look at sampled pages is cheap; the wake-up is most of the cost).
+        let slow_every = if busy { Duration::from_secs(1) } else { IDLE_SLOW };
         let slow_due = last_slow.is_none_or(|t| t.elapsed() >= slow_every);
         if slow_due || stopping {
             last_slow = Some(Instant::now());
@@ -411,7 +421,7 @@ struct ModelFiles {
     looks: u64,
 }
 
-/// Pages looked at each second of a wholly resident model between full measures.
+/// Pages looked at each slow turn of a wholly resident model between full measures.
 const SAMPLED_PAGES: u64 = 16;
 /// The share of a core full measures may take: while a model is wholly resident (its sampled
 /// pages say when that ends), and while it is not (then every second up to this share).
@@ -433,9 +443,9 @@ impl ModelFiles {
         }
         // A full measure walks each file's page tree (cachestat: its time grows with the
         // model). While the files are wholly in the page cache, a few sampled pages are looked at
-        // every second, and a full measure comes when one is missing, else every FILE_SCAN_EVERY
+        // every slow turn, and a full measure comes when one is missing, else every FILE_SCAN_EVERY
         // or as rarely as keeps full measures under RESIDENT_SHARE of a core; while one is not,
-        // every second (a model leaving the cache or loading back is followed closely) up to
+        // every slow turn (a model leaving the cache or loading back is followed closely) up to
         // PARTIAL_SHARE of a core.
         let since = self.last_residency.map(|t: Instant| t.elapsed());
         let every = |floor: Duration, share: f64| floor.max(self.last_cost.div_f64(share));
