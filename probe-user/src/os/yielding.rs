@@ -462,6 +462,15 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
     })
 }
 
+/// Raise thread `tid` of this process to normal priority now, for a reading that must be taken at
+/// a moment (a request's arrival): it lowers itself again ([`Yielding::settle`]). Best effort:
+/// leaving idle priority needs root or CAP_SYS_NICE.
+pub fn raise(tid: libc::pid_t) {
+    let p = libc::sched_param { sched_priority: 0 };
+    // SAFETY: a valid sched_param; a thread of this process (the caller's to name).
+    unsafe { libc::sched_setscheduler(tid, libc::SCHED_OTHER, &p) };
+}
+
 /// Set by [`never`]: no thread yields (`probe trace --no-yield`).
 static NEVER: AtomicBool = AtomicBool::new(false);
 
@@ -568,6 +577,13 @@ impl Yielding {
             self.policy = Policy::new(true, crate::monotonic_ns());
         }
         self
+    }
+
+    /// Back to the priority its policy says, after another thread raised it ([`raise`]).
+    pub fn settle(&mut self) {
+        if self.may && self.policy.idle && !self.beat.raised.load(Relaxed) && set_policy(libc::SCHED_IDLE).is_err() {
+            self.policy.idle = false;
+        }
     }
 
     /// Never held back (the drain while a live view shows: the screen is made from the records

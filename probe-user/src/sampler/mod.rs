@@ -80,6 +80,8 @@ struct Signal {
     /// (stopped, busy, pokes)
     state: Mutex<(bool, bool, u64)>,
     cv: Condvar,
+    /// The samplers' thread (0 until it starts): raised by the caller that turns the target busy.
+    tid: std::sync::atomic::AtomicI32,
 }
 
 impl Signal {
@@ -157,8 +159,17 @@ impl Sampler {
 
     /// The target is busy (a request in flight, events flowing) or idle again: busy, the samplers
     /// run at their full rates, and a change to busy wakes them now.
+    ///
+    /// The samplers run at idle priority: while other work keeps every CPU busy they would get
+    /// a CPU only seconds later, and the reading at a request's arrival (the GPU's power state
+    /// then) would come after the GPU woke. So the thread is raised to normal priority here, for
+    /// that one reading: it goes back to idle priority once taken.
     pub fn set_busy(&self, busy: bool) {
         if self.signal.busy() != busy {
+            let tid = self.signal.tid.load(Ordering::Relaxed);
+            if busy && tid > 0 {
+                crate::os::yielding::raise(tid);
+            }
             self.signal.update(|s| s.1 = busy);
         }
     }
@@ -299,6 +310,8 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     let mut yielding = crate::os::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None)
         .hold_when_busy()
         .idle_from_start();
+    // SAFETY: gettid has no preconditions.
+    signal.tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
     let mut was_busy = false;
     loop {
         let stopping = signal.stopped();
@@ -339,6 +352,8 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             }
             let m = targets_mem(opts, &pids, cgroup.as_deref(), cpu_cgroup.as_deref());
             let _ = tx.send(Sample::Mem(MemReading { ts_ns: monotonic_ns(), mem: m }));
+            // Raised for the reading at an arrival ([`Sampler::set_busy`]): idle again.
+            yielding.settle();
         }
         let on_demand = snapshot.swap(false, Ordering::Relaxed);
         if (slow_due || stopping)
@@ -360,6 +375,8 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         };
         signal.nap(next_slow.min(next_fast));
     }
+    // Not raised by tid once gone (a tid is reused by any process's next thread).
+    signal.tid.store(0, Ordering::Relaxed);
 }
 
 /// The `samplers` record: what this machine has to sample and what it lacks.
