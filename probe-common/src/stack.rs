@@ -54,23 +54,68 @@ impl Default for StackEvent {
 }
 
 /// Or'ed into `what` of an off-CPU record whose user stack was left out because it is the one the
-/// same thread sent last ([`SeenUstack`] matched): the collector reuses that one's frames.
+/// same thread sent last from the same place ([`SeenStacks`] matched a slot, [`stack_slot`]):
+/// the collector reuses that one's frames.
 pub const STACK_SAME_USER: u32 = 0x100;
+/// Or'ed into `what` with [`STACK_SAME_USER`]: the kernel stack was left out too (`kstack_bytes`
+/// 0), because the thread also entered the kernel the same way as for that record
+/// ([`kernel_key`]): the collector reuses its kernel frames. Unwinding the kernel stack is most
+/// of an off-CPU record's cost (about 10 us a switch on this kernel).
+pub const STACK_SAME_KERNEL: u32 = 0x200;
 /// After this many reuses in a row the user stack is sent again, so no reuse goes stale for long.
 pub const SAME_REFRESH: u32 = 32;
+/// Places each thread's off-CPU stacks are remembered for (an OpenMP worker blocks at two or
+/// three barriers in turn: with one place remembered, none of its stacks was ever reused).
+pub const STACK_SLOTS: usize = 4;
+/// An off-CPU record's slot ([`stack_slot`]) in `what`, bits 12..14: with [`STACK_SAME_USER`]
+/// the slot whose stacks it reuses, else the slot its stacks are remembered in.
+pub const STACK_SLOT_SHIFT: u32 = 12;
 
-/// What the kernel remembers of a thread's last off-CPU user stack (map `USTACK_SEEN`): the user
-/// registers it blocked with. The same instruction, stack depth and frame register in the same
-/// thread is the same call path (bytes on the stack are not compared: locals change between
-/// waits, and the measured matches fell from a third to none).
+/// A stack record's kind ([`STACK_CPU`], ...) without the flags `what` carries.
+pub const fn stack_kind(what: u32) -> u32 {
+    what & 0xff
+}
+
+/// An off-CPU record's slot ([`STACK_SLOT_SHIFT`]).
+pub const fn stack_slot(what: u32) -> usize {
+    (what >> STACK_SLOT_SHIFT) as usize % STACK_SLOTS
+}
+
+/// One place a thread blocked at ([`SeenStacks`]): the user registers it blocked with. The same
+/// instruction, stack depth and frame register in the same thread is the same call path (bytes
+/// on the stack are not compared: locals change between waits, and the measured matches fell
+/// from a third to none).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SeenUstack {
     pub ip: u64,
     pub sp: u64,
     pub bp: u64,
+    /// How the last record of this place entered the kernel ([`kernel_key`]); 0: never reused.
+    pub kernel_key: u64,
     pub repeats: u32,
     pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<SeenUstack>() == 40);
+
+/// What the kernel remembers of a thread's last off-CPU stacks (map `USTACK_SEEN`): the last
+/// [`STACK_SLOTS`] places it blocked at, replaced in turn (`next`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SeenStacks {
+    pub slots: [SeenUstack; STACK_SLOTS],
+    pub next: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<SeenStacks>() == 168);
+
+/// The key under which an off-CPU kernel stack may be reused: the system call the thread is in
+/// (`orig_ax` of its user registers) and the state it blocked in. From the same user registers,
+/// the same call and an interruptible sleep take the same kernel path (a futex, poll or accept
+/// wait). 0 (never reused) for an uninterruptible wait: disk IO, a fault or reclaim can block
+/// inside any call at several places, and the disk and memory verdicts rest on those stacks.
+pub const fn kernel_key(orig_ax: u64, state: u32) -> u64 {
+    if state & 0x2 != 0 || state == 0 { 0 } else { (state as u64) << 32 | (orig_ax & 0xffff_ffff) }
 }
 
 pub const STACK_CPU: u32 = 1;
@@ -164,6 +209,24 @@ impl Record for SchedEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_interruptible_sleeps_reuse_a_kernel_stack() {
+        let futex = 202;
+        assert_ne!(kernel_key(futex, 1), 0, "an interruptible futex wait");
+        assert_ne!(kernel_key(futex, 1), kernel_key(7, 1), "another call (poll) is another path");
+        assert_ne!(kernel_key(futex, 1), kernel_key(futex, 0x100 | 1), "another state");
+        assert_eq!(kernel_key(0, 2), 0, "uninterruptible: never reused");
+        assert_eq!(kernel_key(futex, 0x2 | 0x400), 0, "TASK_KILLABLE is uninterruptible too");
+        assert_eq!(kernel_key(futex, 0), 0, "a running task did not block");
+    }
+
+    #[test]
+    fn a_slot_and_a_kind_share_what() {
+        let what = STACK_OFFCPU | STACK_SAME_USER | STACK_SAME_KERNEL | (3 << STACK_SLOT_SHIFT);
+        assert_eq!((stack_kind(what), stack_slot(what)), (STACK_OFFCPU, 3));
+        assert_eq!((stack_kind(STACK_CPU), stack_slot(STACK_CPU)), (STACK_CPU, 0));
+    }
 
     #[test]
     fn a_last_run_survives_its_flags() {

@@ -12,8 +12,9 @@ use aya_ebpf::{
 use probe_common::{
     Counter, EventHeader, Record,
     stack::{
-        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_USER,
-        STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenUstack, StackEvent, USTACK_CAP, last_run_flags,
+        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
+        STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
+        StackEvent, USTACK_CAP, kernel_key, last_run_flags,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -22,10 +23,11 @@ use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert_lru, 
 
 const HDR: usize = core::mem::size_of::<StackEvent>();
 
-/// Each target thread's last off-CPU user stack, by tid: a thread that blocks again at the same
-/// place (ggml's workers wait at one barrier hundreds of times a second) sends no user stack.
+/// Each target thread's last off-CPU places, by tid: a thread that blocks again at one of them
+/// (ggml's OpenMP workers wait at two or three barriers in turn, hundreds of times a second)
+/// sends no user stack, and no kernel stack when it entered the kernel the same way.
 #[map(name = "USTACK_SEEN")]
-static USTACK_SEEN: LruHashMap<u32, SeenUstack> = LruHashMap::with_max_entries(16384, 0);
+static USTACK_SEEN: LruHashMap<u32, SeenStacks> = LruHashMap::with_max_entries(16384, 0);
 
 /// How many user-stack bytes each target thread's stacks need, by tid (1024 to USTACK_CAP, a
 /// power of two): written by the collector from what unwinding them used, so a worker whose
@@ -157,7 +159,8 @@ fn read_kernel<T>(p: *const T) -> T {
 /// Capture the current task's kernel and user stack and send a StackEvent. `full` copies up
 /// to USTACK_CAP bytes of user stack; otherwise 16 KiB (off-CPU switches are frequent and
 /// block in shallow places: a libc wrapper under the caller that matters). `same_as_last`:
-/// leave the user stack out when it is the one this thread sent last ([`seen_before`]).
+/// leave the user stack out when it is the one this thread sent last ([`seen_before`]), and the
+/// kernel stack too when the thread also entered the kernel the same way.
 #[inline(always)]
 pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
     // The user registers at the task's last kernel entry (interrupt, fault or syscall).
@@ -169,13 +172,20 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         // SAFETY: probe reads of the task's saved registers.
         unsafe { (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp)) }
     };
-    let c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp };
+    let mut c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp, slot: 0 };
     // A thread that blocks again where it blocked last (same user registers: the same native
     // stack, so the same Python frames, which only change when the interpreter returns through
     // them) is sent as the same: its Python frames too, without a walk (a spin-wait's yields).
-    if sp != 0 && same_as_last && seen_before(tid, ip, sp, bp) {
-        c.send_same();
-        return;
+    if sp != 0 && same_as_last {
+        // SAFETY: `regs` is not null (sp was read through it); a probe read of the saved register.
+        let key = kernel_key(unsafe { read_kernel(&raw const (*regs).orig_rax) }, state);
+        let (seen, slot) = seen_before(tid, ip, sp, bp, key);
+        c.slot = slot;
+        match seen {
+            Seen::New => {}
+            Seen::User => return c.send_same(STACK_SAME_USER),
+            Seen::Both => return c.send_same(STACK_SAME_USER | STACK_SAME_KERNEL),
+        }
     }
     // A CPython thread's Python frames go first, in a record of their own (python.rs).
     crate::python::send(pid, tid);
@@ -216,6 +226,8 @@ struct Capture {
     ip: u64,
     sp: u64,
     bp: u64,
+    /// The thread's off-CPU place ([`seen_before`]) this record reuses or is remembered in.
+    slot: u32,
 }
 
 impl Capture {
@@ -267,33 +279,39 @@ impl Capture {
         true
     }
 
-    /// A record without user-stack bytes that says they are this thread's last ones.
+    /// A record without user-stack bytes that says they are this thread's last ones (`same`:
+    /// STACK_SAME_USER, with STACK_SAME_KERNEL when its kernel stack is the last one too).
     #[inline(always)]
-    fn send_same(&self) {
+    fn send_same(&self, same: u32) {
         let flags = ringbuf_flags(HDR as u64);
         let Some(mut rec) = EVENTS.reserve::<StackEvent>(0) else {
             self.lost(true);
             return;
         };
         // SAFETY: a reserved record of exactly one StackEvent.
-        unsafe { self.header(rec.as_mut_ptr(), self.what | STACK_SAME_USER, 0) };
+        unsafe { self.header(rec.as_mut_ptr(), self.what | same, 0) };
         rec.submit(flags);
     }
 
-    /// Fill the fixed part at `ev` (the kernel stack straight into the record).
+    /// Fill the fixed part at `ev` (the kernel stack straight into the record, unless it is the
+    /// thread's last one: STACK_SAME_KERNEL in `what`).
     #[inline(always)]
     unsafe fn header(&self, ev: *mut StackEvent, what: u32, ustack_bytes: u32) {
         // SAFETY: `ev` points to a reserved record at least a StackEvent long.
         unsafe {
             (*ev).hdr = header::<StackEvent>(self.pid, self.tid);
-            (*ev).what = what;
+            (*ev).what = what | (self.slot << STACK_SLOT_SHIFT);
             (*ev).state = self.state;
             (*ev).addr = self.addr;
             (*ev).ip = self.ip;
             (*ev).sp = self.sp;
             (*ev).bp = self.bp;
             (*ev).ustack_bytes = ustack_bytes;
-            (*ev).kstack_bytes = bpf_get_stack(self.ctx, (&raw mut (*ev).kstack).cast(), (KSTACK_DEPTH * 8) as u32, 0) as i32;
+            (*ev).kstack_bytes = if what & STACK_SAME_KERNEL != 0 {
+                0
+            } else {
+                bpf_get_stack(self.ctx, (&raw mut (*ev).kstack).cast(), (KSTACK_DEPTH * 8) as u32, 0) as i32
+            };
         }
     }
 
@@ -307,23 +325,51 @@ impl Capture {
     }
 }
 
-/// True when `tid` blocks with the user registers it blocked with last time ([`SeenUstack`]),
-/// and its stack was not reused SAME_REFRESH times in a row already; otherwise they are
-/// remembered as its last and false is returned.
+/// What a thread's block shares with the last off-CPU record of one of its places.
+enum Seen {
+    /// Nothing (or it was reused SAME_REFRESH times in a row): both stacks are sent.
+    New,
+    /// The user stack: the kernel stack is sent.
+    User,
+    /// Both stacks: neither is sent.
+    Both,
+}
+
+/// Whether `tid` blocks at one of its last places ([`SeenStacks`]: the same user registers), that
+/// place's stack not reused SAME_REFRESH times in a row already, and entered the kernel the same
+/// way (`kernel_key`, 0: never the same); and the slot of that place, or the one this new place
+/// is remembered in (the oldest).
 #[inline(always)]
-fn seen_before(tid: u32, ip: u64, sp: u64, bp: u64) -> bool {
-    if let Some(seen) = USTACK_SEEN.get_ptr_mut(&tid) {
-        // SAFETY: a map value pointer, valid for this program run.
-        let seen = unsafe { &mut *seen };
-        if seen.ip == ip && seen.sp == sp && seen.bp == bp && seen.repeats < SAME_REFRESH {
-            seen.repeats += 1;
-            return true;
+fn seen_before(tid: u32, ip: u64, sp: u64, bp: u64, kernel_key: u64) -> (Seen, u32) {
+    let place = SeenUstack { ip, sp, bp, kernel_key, repeats: 0, _pad: 0 };
+    let Some(seen) = USTACK_SEEN.get_ptr_mut(&tid) else {
+        let mut first = SeenStacks { next: 1, ..Default::default() };
+        first.slots[0] = place;
+        insert_lru(&USTACK_SEEN, &tid, &first);
+        return (Seen::New, 0);
+    };
+    // SAFETY: a map value pointer, valid for this program run (only this thread's switches,
+    // which do not overlap, write it).
+    let seen = unsafe { &mut *seen };
+    for (i, slot) in seen.slots.iter_mut().enumerate() {
+        if slot.ip == ip && slot.sp == sp && slot.bp == bp {
+            if slot.repeats >= SAME_REFRESH {
+                *slot = place;
+                return (Seen::New, i as u32);
+            }
+            slot.repeats += 1;
+            if kernel_key != 0 && slot.kernel_key == kernel_key {
+                return (Seen::Both, i as u32);
+            }
+            // This record carries the kernel stack the next ones may refer to.
+            slot.kernel_key = kernel_key;
+            return (Seen::User, i as u32);
         }
-        *seen = SeenUstack { ip, sp, bp, repeats: 0, _pad: 0 };
-        return false;
     }
-    insert_lru(&USTACK_SEEN, &tid, &SeenUstack { ip, sp, bp, repeats: 0, _pad: 0 });
-    false
+    let i = seen.next % STACK_SLOTS as u32;
+    seen.slots[i as usize % STACK_SLOTS] = place;
+    seen.next = i + 1;
+    (Seen::New, i)
 }
 
 /// `prev_state` bits of a thread that is exiting (include/linux/sched.h).

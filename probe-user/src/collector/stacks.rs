@@ -3,22 +3,46 @@
 //! kernel, and the record naming where cut stacks stop.
 use std::collections::HashMap;
 
-use super::{CUT_FRAMES_PER_KIND, CUT_MODULE_MAX, LAST_USER_STACKS, MAX_CUT_TOPS, State};
+use super::{CUT_FRAMES_PER_KIND, CUT_MODULE_MAX, LAST_OFFCPU_STACKS, LAST_USER_STACKS, MAX_CUT_TOPS, State};
 use crate::record::{
     self,
     records::{self, UserRecord},
 };
 
+/// A thread's last off-CPU stack at one place, for the records that refer to it
+/// (STACK_SAME_USER, STACK_SAME_KERNEL): its process, its unwound user stack and its kernel frames.
+pub(super) struct LastOffcpu {
+    pub pid: u32,
+    pub user: crate::kernel::unwind::Unwound,
+    pub kernel: Vec<u64>,
+}
+
+/// A stack record's kernel frames (innermost first): its own, or with STACK_SAME_KERNEL those of
+/// the thread's last off-CPU record at that place (`last`; none when the collector does not have it).
+fn kernel_frames(s: &probe_common::stack::StackEvent, last: Option<&[u64]>) -> Vec<u64> {
+    if s.what & probe_common::stack::STACK_SAME_KERNEL != 0 {
+        return last.map(<[u64]>::to_vec).unwrap_or_default();
+    }
+    match usize::try_from(s.kstack_bytes) {
+        Ok(n) => s.kstack.iter().take(n / 8).copied().take_while(|&a| a != 0).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
 impl State {
     /// Unwind a stack sample and write its frames (off-CPU ones once the thread runs again).
     pub(super) fn on_stack(&mut self, s: &probe_common::stack::StackEvent, ustack: &[u8]) -> std::io::Result<()> {
-        use probe_common::stack::STACK_SAME_USER;
-        let offcpu = s.what & !STACK_SAME_USER == probe_common::stack::STACK_OFFCPU;
+        use probe_common::stack::{STACK_SAME_USER, stack_kind, stack_slot};
+        let offcpu = stack_kind(s.what) == probe_common::stack::STACK_OFFCPU;
+        // Off-CPU stacks are remembered by thread and place (the kernel's slot).
+        let place = (s.hdr.tid, stack_slot(s.what) as u8);
+        let last = self.last_offcpu.get(&place).filter(|l| l.pid == s.hdr.pid);
+        let kernel = kernel_frames(s, last.map(|l| &l.kernel[..]));
         // An off-CPU stack the kernel left out as the same as this thread's last: its frames.
-        let u = match self.last_offcpu_user.get(&s.hdr.tid) {
-            Some((pid, last)) if s.what & STACK_SAME_USER != 0 && *pid == s.hdr.pid => {
+        let u = match last {
+            Some(last) if s.what & STACK_SAME_USER != 0 => {
                 self.unwinders.reused += 1;
-                last.clone()
+                last.user.clone()
             }
             _ => {
                 let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
@@ -26,14 +50,19 @@ impl State {
                 if offcpu {
                     // Threads that exited leave entries until their process does: bounded like
                     // the kernel's map (a thread forgotten here is unwound from its ip alone once).
-                    if self.last_offcpu_user.len() >= LAST_USER_STACKS && !self.last_offcpu_user.contains_key(&s.hdr.tid) {
-                        self.last_offcpu_user.clear();
+                    if self.last_offcpu.len() >= LAST_OFFCPU_STACKS && !self.last_offcpu.contains_key(&place) {
+                        self.last_offcpu.clear();
                     }
-                    self.last_offcpu_user.insert(s.hdr.tid, (s.hdr.pid, u.clone()));
+                    let last = LastOffcpu { pid: s.hdr.pid, user: u.clone(), kernel: Vec::new() };
+                    self.last_offcpu.insert(place, last);
                 }
                 u
             }
         };
+        if offcpu && let Some(last) = self.last_offcpu.get_mut(&place) {
+            // What the next record that says "the same kernel stack" means.
+            last.kernel.clone_from(&kernel);
+        }
         for (id, path) in self.unwinders.take_new_modules() {
             self.module_paths.insert(id, path.clone());
             self.writer.record(&UserRecord::Module(records::Module { id, path }))?;
@@ -47,6 +76,7 @@ impl State {
                 tid: s.hdr.tid,
                 ts_ns: s.hdr.ts_ns,
                 offcpu,
+                slot: place.1,
                 same: s.what & STACK_SAME_USER != 0,
             },
             u.frames,
@@ -56,12 +86,7 @@ impl State {
             let frames = std::mem::take(&mut self.python.new_names);
             self.writer.record(&UserRecord::PyFrames(records::PyFrames { frames }))?;
         }
-        let kernel: Vec<u64> = if s.kstack_bytes > 0 {
-            s.kstack.iter().take(s.kstack_bytes as usize / 8).copied().take_while(|&a| a != 0).collect()
-        } else {
-            Vec::new()
-        };
-        let what = match s.what & !STACK_SAME_USER {
+        let what = match stack_kind(s.what) {
             probe_common::stack::STACK_CPU => record::StackKind::Cpu,
             probe_common::stack::STACK_OFFCPU => record::StackKind::Offcpu,
             probe_common::stack::STACK_FAULT => record::StackKind::Fault,
@@ -154,5 +179,27 @@ impl State {
             log::debug!("thread {tid}: user stacks need {want} bytes (used {}, short {}, given {given})", u.used_bytes, u.short);
             self.need_told.insert(tid, want);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use probe_common::stack::{STACK_OFFCPU, STACK_SAME_KERNEL, STACK_SAME_USER, StackEvent};
+
+    use super::kernel_frames;
+
+    #[test]
+    fn a_same_kernel_record_takes_the_last_frames() {
+        let mut s = StackEvent { what: STACK_OFFCPU, kstack_bytes: 24, ..Default::default() };
+        s.kstack[..4].copy_from_slice(&[0xffff_1000, 0xffff_2000, 0xffff_3000, 0xffff_4000]);
+        let own = kernel_frames(&s, None);
+        assert_eq!(own, [0xffff_1000, 0xffff_2000, 0xffff_3000], "as many frames as the kernel wrote");
+        let same = StackEvent { what: STACK_OFFCPU | STACK_SAME_USER | STACK_SAME_KERNEL, kstack_bytes: 0, ..Default::default() };
+        assert_eq!(kernel_frames(&same, Some(&own)), own);
+        assert!(kernel_frames(&same, None).is_empty(), "the last one is not known: no frames, never another thread's");
+        let user_only = StackEvent { what: STACK_OFFCPU | STACK_SAME_USER, ..s };
+        assert_eq!(kernel_frames(&user_only, Some(&[1, 2])), own, "only the user stack was left out");
+        let failed = StackEvent { kstack_bytes: -14, ..s };
+        assert!(kernel_frames(&failed, Some(&own)).is_empty(), "-EFAULT: no kernel stack");
     }
 }

@@ -90,8 +90,9 @@ pub struct Pythons {
     procs: HashMap<u32, Option<Interp>>,
     /// The last Python frames per thread, waiting for their stack record.
     pending: HashMap<u32, Box<PyStackEvent>>,
-    /// Each thread's Python frames at its last off-CPU stack (for the ones sent as the same).
-    last_offcpu: HashMap<u32, Box<PyStackEvent>>,
+    /// Each thread's Python frames at its last off-CPU stack at each place (tid, the kernel's
+    /// slot), for the ones sent as the same.
+    last_offcpu: HashMap<(u32, u8), Box<PyStackEvent>>,
     codes: HashMap<(u32, u64), Option<Code>>,
     ids: HashMap<(u32, u64, i64), u64>,
     /// Frame ids by (pid, code object, instruction): what `ids` gives without the line's lookup.
@@ -245,10 +246,10 @@ impl Pythons {
     /// the file at `path`. An off-CPU stack the kernel sent as the same as the thread's last
     /// (`same`: no walk, no Python frames sent) gets the Python frames of that last one.
     pub fn merge_into(&mut self, at: StackAt, native: Vec<(i64, u64)>, is_module: impl Fn(i64, &str) -> bool) -> Vec<(i64, u64)> {
-        let StackAt { pid, tid, ts_ns, offcpu, same } = at;
+        let StackAt { pid, tid, ts_ns, offcpu, slot, same } = at;
         let (ev, fresh) = match self.pending.remove(&tid) {
             Some(ev) => (ev, true),
-            None if same && offcpu => match self.last_offcpu.remove(&tid) {
+            None if same && offcpu => match self.last_offcpu.remove(&(tid, slot)) {
                 Some(ev) if ev.hdr.pid == pid => (ev, false),
                 _ => return native,
             },
@@ -258,10 +259,10 @@ impl Pythons {
         let merged = self.merge_event(pid, if fresh { ts_ns } else { ev.hdr.ts_ns }, &ev, native, is_module);
         self.work_ns += thread_cpu_ns().saturating_sub(t0);
         if offcpu {
-            if self.last_offcpu.len() >= 16384 && !self.last_offcpu.contains_key(&tid) {
+            if self.last_offcpu.len() >= 65536 && !self.last_offcpu.contains_key(&(tid, slot)) {
                 self.last_offcpu.clear();
             }
-            self.last_offcpu.insert(tid, ev);
+            self.last_offcpu.insert((tid, slot), ev);
         }
         merged
     }
@@ -330,8 +331,10 @@ pub struct StackAt {
     pub pid: u32,
     pub tid: u32,
     pub ts_ns: u64,
-    /// An off-CPU stack, and one the kernel sent as the same as the thread's last.
+    /// An off-CPU stack, its place (the kernel's slot), and whether the kernel sent it as the
+    /// same as the thread's last at that place.
     pub offcpu: bool,
+    pub slot: u8,
     pub same: bool,
 }
 
