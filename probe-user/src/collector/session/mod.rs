@@ -199,10 +199,7 @@ async fn follow(
     signals: &mut Signals,
 ) -> anyhow::Result<(String, bool)> {
     let Signals { int: sigint, term: sigterm, hup: sighup, usr1: sigusr1 } = signals;
-    // The first once-a-second turn a second from now, not at once: arming wrote the first
-    // counters, and a turn at the start (the programs' run times, the engine's and Python's
-    // follow-ups, 0.5-1 ms at normal priority) came just as the request the user attached for ran.
-    let mut sec_tick = tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_secs(1), Duration::from_secs(1));
+    let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
     // A drain held back for seconds takes one turn when let go, not one per second missed.
     sec_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Small records wait in the ring for this timer (the kernel wakes probe only for a backlog):
