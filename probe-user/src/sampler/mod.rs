@@ -82,6 +82,8 @@ struct Signal {
     cv: Condvar,
     /// The samplers' thread (0 until it starts): raised by the caller that turns the target busy.
     tid: std::sync::atomic::AtomicI32,
+    /// Set when that caller raised it: it lowers itself after its next turn.
+    raised: AtomicBool,
 }
 
 impl Signal {
@@ -173,6 +175,7 @@ impl Sampler {
             let tid = self.signal.tid.load(Ordering::Relaxed);
             if busy && tid > 0 {
                 crate::os::yielding::raise(tid);
+                self.signal.raised.store(true, Ordering::Relaxed);
             }
             self.signal.update(|s| s.1 = busy);
         }
@@ -356,8 +359,6 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
             }
             let m = targets_mem(opts, &pids, cgroup.as_deref(), cpu_cgroup.as_deref());
             let _ = tx.send(Sample::Mem(MemReading { ts_ns: monotonic_ns(), mem: m }));
-            // Raised for the reading at an arrival ([`Sampler::set_busy`]): idle again.
-            yielding.settle();
         }
         let on_demand = snapshot.swap(false, Ordering::Relaxed);
         if (slow_due || stopping)
@@ -367,6 +368,11 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
         }
         if slow_due || stopping || on_demand {
             files.turn(&pids, busy, stopping, on_demand, tx);
+        }
+        // Raised for the reading at an arrival ([`Sampler::set_busy`]): idle again after the
+        // turn (whatever it read: without fast readings, `--sample-hz 0`, there is none).
+        if signal.raised.swap(false, Ordering::Relaxed) {
+            yielding.settle();
         }
         if stopping {
             break;
