@@ -231,6 +231,8 @@ def splitter_seeds():
         "ndjson-ollama": (1, b'{"response":"The","done":false}\n{"response":"","done":true,"done_reason":"length","total_duration":4120,"eval_count":3}\n'),
         "json-openai": (2, b'{"choices":[{"message":{"content":"hi","tool_calls":[]},"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":16}}'),
         "json-error": (2, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'),
+        # llama.cpp's refusal of a prompt over the slot's context: the sizes it quotes are kept as numbers.
+        "json-context-error": (2, b'{"error":{"code":400,"message":"request (3032 tokens) exceeds the available context size (1024 tokens)","type":"exceed_context_size_error","n_prompt_tokens":3032,"n_ctx":1024}}'),
     }
     for name, (kind, body) in bodies.items():
         # Splitting (cuts every 7 bytes or so, holes before pieces 2 and 4), keep text off.

@@ -33,8 +33,13 @@ fn read(v: &Value, keep_text: bool) {
     if let Some(e) = &stop.error {
         let o = e.as_object().expect("an error is kept as an object");
         assert!(keep_text || !o.contains_key("message"), "error text kept without --capture-text: {e}");
-        for k in o.keys() {
-            assert!(matches!(k.as_str(), "code" | "type" | "reason" | "message"), "error keeps {k}");
+        for (k, x) in o {
+            match k.as_str() {
+                "code" | "type" | "reason" | "message" => {}
+                // The sizes a context refusal quotes (llama.cpp's n_prompt_tokens, n_ctx): numbers only.
+                "n_prompt_tokens" | "n_ctx" => assert!(x.is_u64(), "error keeps {k} as {x}"),
+                _ => panic!("error keeps {k}"),
+            }
         }
     }
     if let Some(u) = &stop.usage {
