@@ -79,52 +79,25 @@ pub fn load(dir: &Path, key: &str) -> Option<KernelOffsets> {
 /// never written in place, so the mapped file does not change under the reader.
 pub fn map_bytes(dir: &Path, name: &str, key: &str, max: u64) -> Option<Mapped> {
     let f = open_kept(dir, name, max)?;
-    let len = usize::try_from(f.metadata().ok()?.len()).ok().filter(|&l| l > 0)?;
-    // SAFETY: a read-only private mapping of a regular file we opened; checked for failure below,
-    // unmapped once by Mapped's drop.
-    let at = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, f.as_raw_fd(), 0) };
-    if at == libc::MAP_FAILED {
-        return None;
-    }
-    let mut m = Mapped { at: at.cast(), len, body: 0 };
+    // SAFETY: a read-only mapping of a regular file of ours that is only ever replaced by rename,
+    // never truncated or written in place while mapped.
+    let map = unsafe { memmap2::Mmap::map(&f) }.ok()?;
     let head = format!("{MAGIC}\n{key}\n");
-    // Moved, not copied: a copy's fields would outlive this one's unmapping.
-    m.body = head.len();
-    m.all().starts_with(head.as_bytes()).then_some(m)
+    map.starts_with(head.as_bytes()).then(|| Mapped { map, body: head.len() })
 }
 
 /// A kept file mapped read-only ([`map_bytes`]): its body, after the magic line and the key.
 pub struct Mapped {
-    at: *const u8,
-    len: usize,
+    map: memmap2::Mmap,
     body: usize,
-}
-
-impl Mapped {
-    fn all(&self) -> &[u8] {
-        // SAFETY: `len` bytes mapped at `at` for as long as self lives.
-        unsafe { std::slice::from_raw_parts(self.at, self.len) }
-    }
 }
 
 impl std::ops::Deref for Mapped {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.all()[self.body..]
+        &self.map[self.body..]
     }
 }
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in map_bytes, unmapped once.
-        unsafe { libc::munmap(self.at.cast_mut().cast(), self.len) };
-    }
-}
-
-// SAFETY: a read-only mapping: shared reads from any thread are fine.
-unsafe impl Send for Mapped {}
-// SAFETY: as above.
-unsafe impl Sync for Mapped {}
 
 /// Keep `body` as `name` in `dir` for `key` (best effort, as [`store`]).
 pub fn store_bytes(dir: &Path, name: &str, key: &str, body: &[u8]) {

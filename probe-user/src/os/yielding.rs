@@ -445,10 +445,9 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                     }
                     let overdue = late && !hold;
                     if (overdue || full || urgent) && !b.raised.load(Relaxed) {
-                        let p = libc::sched_param { sched_priority: 0 };
-                        // SAFETY: a valid sched_param; the tid is a thread of this process (it
-                        // leaves the list, `done`, before it ends).
-                        if unsafe { libc::sched_setscheduler(b.tid, libc::SCHED_OTHER, &p) } == 0 {
+                        // The tid is a thread of this process (it leaves the list, `done`,
+                        // before it ends).
+                        if raise(b.tid) {
                             b.raised.store(true, Relaxed);
                         }
                     }
@@ -465,10 +464,10 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
 /// Raise thread `tid` of this process to normal priority now, for a reading that must be taken at
 /// a moment (a request's arrival): it lowers itself again ([`Yielding::settle`]). Best effort:
 /// leaving idle priority needs root or CAP_SYS_NICE.
-pub fn raise(tid: libc::pid_t) {
+pub fn raise(tid: libc::pid_t) -> bool {
     let p = libc::sched_param { sched_priority: 0 };
     // SAFETY: a valid sched_param; a thread of this process (the caller's to name).
-    unsafe { libc::sched_setscheduler(tid, libc::SCHED_OTHER, &p) };
+    unsafe { libc::sched_setscheduler(tid, libc::SCHED_OTHER, &p) == 0 }
 }
 
 /// Set by [`never`]: no thread yields (`probe trace --no-yield`).

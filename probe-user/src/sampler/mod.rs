@@ -174,7 +174,7 @@ impl Sampler {
         if self.signal.busy() != busy {
             let tid = self.signal.tid.load(Ordering::Relaxed);
             if busy && tid > 0 {
-                crate::os::yielding::raise(tid);
+                let _ = crate::os::yielding::raise(tid);
                 self.signal.raised.store(true, Ordering::Relaxed);
             }
             self.signal.update(|s| s.1 = busy);
