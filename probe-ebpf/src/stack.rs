@@ -12,9 +12,9 @@ use aya_ebpf::{
 use probe_common::{
     Counter, EventHeader, Record,
     stack::{
-        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
-        STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
-        StackEvent, USTACK_CAP, kernel_key, last_run_flags,
+        BASE_ANCHORS, BASE_GEN_SHIFT, KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU,
+        STACK_OFFCPU, STACK_SAME_KERNEL, STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STACK_USER_BASE, STEAL_MIN_NS, STEAL_SEND_NS,
+        STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack, StackBase, StackEvent, USTACK_CAP, USTACK_MASK, kernel_key, last_run_flags,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -67,6 +67,44 @@ const TASK_UNINTERRUPTIBLE: i64 = 0x2;
 
 #[map(name = "USTACK_NEED")]
 static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0);
+
+/// Each target thread's base ([`StackBase`]: its outer frames that stay), by tid, written by the
+/// collector from complete unwinds: while its return addresses hold, the copy stops at it.
+#[map(name = "USTACK_BASE")]
+static USTACK_BASE: LruHashMap<u32, StackBase> = LruHashMap::with_max_entries(16384, 0);
+
+/// How many user-stack bytes the copy needs when `tid`'s base holds for a stack at `sp` (from
+/// `sp` to the base's top) and the base's generation; None when the stack is not inside the base (sp at or above its top,
+/// or a return address no longer in place: the thread left those frames, or the tid was reused).
+#[inline(always)]
+fn base_reach(tid: u32, sp: u64) -> Option<(u64, u32)> {
+    // SAFETY: the value is only read during this program run.
+    let b = unsafe { USTACK_BASE.get(&tid) }?;
+    if sp >= b.top || b.top - sp > USTACK_CAP as u64 || b.n == 0 {
+        return None;
+    }
+    // Inside a call the engine probe times, the uretprobe trampoline stands in its return
+    // address's slot: the real one is in ENGINE_CALL (the copy is mended the same way).
+    // SAFETY: copied out at once.
+    let call = unsafe { crate::engine::ENGINE_CALL.get(&tid) }.map_or((0, 0), |c| (c.ret_slot, c.ret_addr));
+    for i in 0..BASE_ANCHORS {
+        if i as u32 >= b.n {
+            break;
+        }
+        let mut v = 0u64;
+        // SAFETY: a probe read of 8 bytes into a local.
+        if unsafe { bpf_probe_read_user((&raw mut v).cast(), 8, b.slots[i] as *const _) } != 0 {
+            return None;
+        }
+        if b.slots[i] == call.0 && call.0 != 0 {
+            v = call.1;
+        }
+        if v != b.values[i] {
+            return None;
+        }
+    }
+    Some((b.top - sp, b.generation))
+}
 
 /// Target threads off the CPU since this time (ns), by tid.
 /// Per target thread off the CPU: [when it left (low bit set: still runnable, preempted), when
@@ -198,12 +236,21 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
     // The stack is read straight into the ring record (no copy through a scratch buffer); near
     // the top of a stack a long read faults as a whole: shorter ones are tried.
     // SAFETY: the value is copied out at once.
-    let cap = match unsafe { USTACK_NEED.get(&tid) } {
+    let mut cap = match unsafe { USTACK_NEED.get(&tid) } {
         Some(&need) => need,
         None if full => USTACK_CAP as u32,
         None => 16384,
     };
-    let done = (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(same_as_last))
+    // Only up to the thread's base when its outer frames are still in place (the collector
+    // reads the words above in place): the smallest size below that reaches it.
+    if let Some((reach, generation)) = base_reach(tid, sp) {
+        let size = if reach > 32768 { (reach + 7) & !7 } else { reach.next_power_of_two().max(1024) } as u32;
+        if size <= cap || cap >= USTACK_CAP as u32 {
+            cap = size;
+            c.what |= STACK_USER_BASE | (generation & 0xffff) << BASE_GEN_SHIFT;
+        }
+    }
+    let done = (cap > 32768 && c.send_upto(cap, same_as_last))
         || (cap >= 32768 && c.send::<32768>(same_as_last))
         || (cap >= 16384 && c.send::<16384>(same_as_last))
         || (cap >= 8192 && c.send::<8192>(same_as_last))
@@ -230,7 +277,40 @@ struct Capture {
     slot: u32,
 }
 
+/// Whether the user word at `addr` reads.
+#[inline(always)]
+fn readable(addr: u64) -> bool {
+    let mut w = 0u64;
+    // SAFETY: a probe read of 8 bytes into a local.
+    unsafe { bpf_probe_read_user((&raw mut w).cast(), 8, addr as *const _) == 0 }
+}
+
+/// How many bytes from `sp` up to `cap` read: `cap`, or up to the first page past 32 KiB that does
+/// not (the end of the stack's mapping: a thread's stack ends a few KiB above its outermost
+/// frame, so a stack 40 KiB deep could not be copied whole when only 32 or 64 KiB could be).
+/// Pages are tried upwards, each one: the memory above a stack may be readable again after a
+/// page that is not (a guard page, or one not faulted in: the copy does not fault pages in).
+#[inline(always)]
+fn stack_room(sp: u64, cap: u64) -> u64 {
+    let mut end = (sp & !4095) + 8 * 4096;
+    for _ in 0..9 {
+        if end >= sp + cap || !readable(end) {
+            break;
+        }
+        end += 4096;
+    }
+    (end - sp).min(cap) & !7
+}
+
 impl Capture {
+    /// Send up to `cap` bytes of user stack, as far as the stack's mapping goes, in a record of
+    /// the largest size: false (nothing sent) when that is 32 KiB or less (the sizes below fit).
+    #[inline(always)]
+    fn send_upto(&self, cap: u32, same_as_last: bool) -> bool {
+        let room = stack_room(self.sp, (cap as u64).min(USTACK_CAP as u64));
+        room > 32768 && self.fill::<USTACK_CAP>(room as u32, same_as_last)
+    }
+
     /// Reserve a record with N bytes of user stack and fill it: false (and nothing sent) when
     /// the stack read of N bytes faulted; true once sent or counted lost.
     #[inline(always)]
@@ -239,12 +319,19 @@ impl Capture {
         // size that would fault never reserves ring space (a discarded record holds its room
         // until the collector passes it: new threads near the top of their stacks made thread
         // churn lose events that way).
-        if N > 0 {
-            let mut last = 0u64;
-            // SAFETY: a probe read of 8 bytes into a local.
-            if unsafe { bpf_probe_read_user((&raw mut last).cast(), 8, (self.sp + N as u64 - 8) as *const _) } != 0 {
-                return false;
-            }
+        if N > 0 && !readable(self.sp + N as u64 - 8) {
+            return false;
+        }
+        self.fill::<N>(N as u32, same_as_last)
+    }
+
+    /// Reserve a record with room for N bytes of user stack and fill `len` of them (the rest of
+    /// the room unused: `ustack_bytes` says): false when the read faulted.
+    #[inline(always)]
+    fn fill<const N: usize>(&self, len: u32, same_as_last: bool) -> bool {
+        let len = len & USTACK_MASK;
+        if len as usize > N {
+            return false;
         }
         let flags = ringbuf_flags((HDR + N) as u64);
         let Some(mut rec) = EVENTS.reserve_bytes(HDR + N, 0) else {
@@ -255,7 +342,7 @@ impl Capture {
         // SAFETY: `base` is the reserved record of HDR + N bytes; the user read writes N bytes
         // at offset HDR, the header fills the first HDR.
         unsafe {
-            if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), N as u32, self.sp as *const _) != 0 {
+            if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), len, self.sp as *const _) != 0 {
                 // With the same wake-up flag: when this record crossed the backlog threshold,
                 // the collector must still be woken (the next records will not force it).
                 rec.discard(flags);
@@ -264,16 +351,16 @@ impl Capture {
             // Inside a call the engine probe times (engine.rs), the kernel's uretprobe
             // trampoline stands where the call's return address was: put the address back in
             // the copy, so the unwind goes on into the caller.
-            if N >= 8
+            if len >= 8
                 && let Some(call) = crate::engine::ENGINE_CALL.get(&self.tid)
                 && call.ret_slot != 0
             {
                 let off = call.ret_slot.wrapping_sub(self.sp);
-                if off <= (N - 8) as u64 {
+                if off <= (len - 8) as u64 && off <= (N - 8) as u64 {
                     core::ptr::write_unaligned(base.add(HDR + off as usize).cast::<u64>(), call.ret_addr);
                 }
             }
-            self.header(base.cast(), self.what, N as u32);
+            self.header(base.cast(), self.what, len);
         }
         rec.submit(flags);
         true
@@ -416,6 +503,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = OFFCPU_SINCE.remove(&tid);
             let _ = USTACK_SEEN.remove(&tid);
             let _ = USTACK_NEED.remove(&tid);
+            let _ = USTACK_BASE.remove(&tid);
             let _ = RUN_SINCE.remove(&tid);
         } else {
             left_cpu(pid, tid, now, cpu_steal());
