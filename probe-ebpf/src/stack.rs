@@ -222,7 +222,7 @@ pub fn capture(
         // SAFETY: probe reads of the task's saved registers.
         unsafe { (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp)) }
     };
-    let mut c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp, slot: 0, kernel };
+    let mut c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp, slot: 0, kernel, base_len: 0 };
     // A thread that blocks again where it blocked last (same user registers: the same native
     // stack, so the same Python frames, which only change when the interpreter returns through
     // them) is sent as the same: its Python frames too, without a walk (a spin-wait's yields).
@@ -254,11 +254,14 @@ pub fn capture(
         None => 16384,
     };
     // Only up to the thread's base when its outer frames are still in place (the collector
-    // reads the words above in place): the smallest size below that reaches it.
+    // reads the words above in place): exactly the bytes below it, in the smallest record size
+    // that holds them (not the whole size: the stack may end before it).
     if let Some((reach, generation)) = base_reach(tid, sp) {
-        let size = if reach > 32768 { (reach + 7) & !7 } else { reach.next_power_of_two().max(1024) } as u32;
+        let len = ((reach + 7) & !7) as u32;
+        let size = if len > 32768 { len } else { len.next_power_of_two().max(1024) };
         if size <= cap || cap >= USTACK_CAP as u32 {
             cap = size;
+            c.base_len = len;
             c.what |= STACK_USER_BASE | (generation & 0xffff) << BASE_GEN_SHIFT;
         }
     }
@@ -289,6 +292,8 @@ struct Capture {
     slot: u32,
     /// Take the kernel stack (false: the task was in user mode, it has none).
     kernel: bool,
+    /// Copied up to the thread's base: exactly this many bytes (0: as many as the size).
+    base_len: u32,
 }
 
 /// Whether the user word at `addr` reads.
@@ -321,7 +326,10 @@ impl Capture {
     /// the largest size: false (nothing sent) when that is 32 KiB or less (the sizes below fit).
     #[inline(always)]
     fn send_upto(&self, cap: u32, same_as_last: bool) -> bool {
-        let room = stack_room(self.sp, (cap as u64).min(USTACK_CAP as u64));
+        let room = match self.base_len {
+            0 => stack_room(self.sp, (cap as u64).min(USTACK_CAP as u64)),
+            n => n as u64,
+        };
         room > 32768 && self.fill::<USTACK_CAP>(room as u32, same_as_last)
     }
 
@@ -333,6 +341,9 @@ impl Capture {
         // size that would fault never reserves ring space (a discarded record holds its room
         // until the collector passes it: new threads near the top of their stacks made thread
         // churn lose events that way).
+        if N > 0 && self.base_len != 0 {
+            return self.base_len as usize <= N && self.fill::<N>(self.base_len, same_as_last);
+        }
         if N > 0 && !readable(self.sp + N as u64 - 8) {
             return false;
         }

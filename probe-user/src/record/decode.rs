@@ -114,15 +114,15 @@ fn read_var<T: Copy>(bytes: &[u8], kind: EventKind, tail: impl Fn(&T) -> u32) ->
     Ok(ev)
 }
 
-/// A stack record: its user stack follows, and the kernel's largest copies leave the rest of
-/// their fixed 64 KiB room unused (filled as far as the stack's mapping goes).
+/// A stack record: its user stack follows, and may leave the rest of the record's room unused
+/// (the kernel's records come in a few fixed sizes, up to 64 KiB of stack: a copy up to a
+/// thread's base, or as far as the stack's mapping goes, fills one only in part).
 fn read_stack(bytes: &[u8]) -> Result<StackEvent, DecodeError> {
     let kind = EventKind::Stack;
     let fixed = size_of::<StackEvent>();
     let ev: StackEvent = read(bytes.get(..fixed).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want: fixed })?, kind)?;
     let want = fixed + ev.ustack_bytes as usize;
-    let room = fixed + probe_common::stack::USTACK_CAP;
-    if bytes.len() != want && !(bytes.len() == room && want <= room) {
+    if bytes.len() < want || bytes.len() > fixed + probe_common::stack::USTACK_CAP.max(ev.ustack_bytes as usize) {
         return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want });
     }
     Ok(ev)
@@ -250,6 +250,14 @@ mod tests {
         let mut over = encode(&ev);
         over.resize(over.len() + probe_common::stack::USTACK_CAP, 9);
         assert!(decode(&over).is_err(), "claims more than the room");
+        // A copy up to the thread's base in a 4 KiB record.
+        ev.ustack_bytes = 3736;
+        let mut part = encode(&ev);
+        part.resize(part.len() + 4096, 9);
+        assert_eq!(data_payload(&part).len(), 3736);
+        assert_eq!(decode(&part), Ok(Event::Stack(Box::new(ev))));
+        part.resize(part.len() + probe_common::stack::USTACK_CAP, 9);
+        assert!(decode(&part).is_err(), "longer than any record the kernel makes");
     }
 
     #[test]
