@@ -26,7 +26,6 @@ pub mod maps {
     pub const TARGETS: &str = "TARGETS";
     /// `LruHashMap<u32 tid, u32 bytes>`: how much user stack to copy for a thread (written by the collector).
     pub const USTACK_NEED: &str = "USTACK_NEED";
-    pub const USTACK_BASE: &str = "USTACK_BASE";
     /// `LruHashMap<u32 tgid, [u8; 16] comm>`: the processes charged with a target thread's wait
     /// for a CPU, named by the kernel as they ran (one that exits before probe reads its record
     /// keeps its name).
@@ -244,7 +243,6 @@ mod pod {
     // SAFETY: all these types are #[repr(C)], made of integers and integer arrays with explicit
     // padding fields, so every bit pattern is valid and there are no uninitialised bytes.
     unsafe impl aya::Pod for crate::EventHeader {}
-    unsafe impl aya::Pod for crate::stack::StackBase {}
     unsafe impl aya::Pod for crate::blockio::BlockIoEvent {}
     unsafe impl aya::Pod for crate::fault::FaultEvent {}
     unsafe impl aya::Pod for crate::mmap::MmapEvent {}

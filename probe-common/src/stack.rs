@@ -62,39 +62,6 @@ pub const STACK_SAME_USER: u32 = 0x100;
 /// ([`kernel_key`]): the collector reuses its kernel frames. Unwinding the kernel stack is most
 /// of an off-CPU record's cost (about 10 us a switch on this kernel).
 pub const STACK_SAME_KERNEL: u32 = 0x200;
-/// Or'ed into `what`: the user stack was copied only up to this thread's base ([`StackBase`], map
-/// `USTACK_BASE`), whose return addresses the kernel found in place: the collector unwinds the
-/// copy to the base's innermost return address and appends the base's frames.
-pub const STACK_USER_BASE: u32 = 0x400;
-/// A record's base generation ([`StackBase::generation`]), bits 16.. of `what`.
-pub const BASE_GEN_SHIFT: u32 = 16;
-pub const fn base_gen(what: u32) -> u32 {
-    what >> BASE_GEN_SHIFT
-}
-/// Return addresses a [`StackBase`] names (the kernel reads each in place per record).
-pub const BASE_ANCHORS: usize = 8;
-
-/// A thread's outer frames that stay while it works (llama-server's `main`, with tens of KiB of
-/// locals, and the C library's frames under it), learned by the collector from complete unwinds
-/// (map `USTACK_BASE`, by tid). While the return addresses at `slots` still hold `values`, those
-/// frames are the same live frames, and the user stack need only be copied from `sp` up to `top`
-/// (the word after the innermost slot): a few KiB where the whole stack is 64 KiB.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StackBase {
-    /// One past the innermost return address's slot: the copy must reach it.
-    pub top: u64,
-    /// How many of `slots` / `values` are set (innermost first), 1..=BASE_ANCHORS.
-    pub n: u32,
-    /// Which of the thread's bases this is (1..=0xffff): a record copied under it says so in
-    /// `what` ([`base_gen`]), so that records still in the ring when the base changes are read
-    /// with the words that were checked for them.
-    pub generation: u32,
-    pub slots: [u64; BASE_ANCHORS],
-    pub values: [u64; BASE_ANCHORS],
-}
-const _: () = assert!(core::mem::size_of::<StackBase>() == 144);
-
 /// After this many reuses in a row the user stack is sent again, so no reuse goes stale for long.
 pub const SAME_REFRESH: u32 = 32;
 /// Places each thread's off-CPU stacks are remembered for (an OpenMP worker blocks at two or

@@ -12,9 +12,9 @@ use aya_ebpf::{
 use probe_common::{
     Counter, EventHeader, Record,
     stack::{
-        BASE_ANCHORS, BASE_GEN_SHIFT, KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU,
-        STACK_OFFCPU, STACK_SAME_KERNEL, STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STACK_USER_BASE, STEAL_MIN_NS, STEAL_SEND_NS,
-        STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack, StackBase, StackEvent, USTACK_CAP, USTACK_MASK, kernel_key, last_run_flags,
+        KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
+        STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
+        StackEvent, USTACK_CAP, kernel_key, last_run_flags,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -67,44 +67,6 @@ const TASK_UNINTERRUPTIBLE: i64 = 0x2;
 
 #[map(name = "USTACK_NEED")]
 static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0);
-
-/// Each target thread's base ([`StackBase`]: its outer frames that stay), by tid, written by the
-/// collector from complete unwinds: while its return addresses hold, the copy stops at it.
-#[map(name = "USTACK_BASE")]
-static USTACK_BASE: LruHashMap<u32, StackBase> = LruHashMap::with_max_entries(16384, 0);
-
-/// How many user-stack bytes the copy needs when `tid`'s base holds for a stack at `sp` (from
-/// `sp` to the base's top) and the base's generation; None when the stack is not inside the base (sp at or above its top,
-/// or a return address no longer in place: the thread left those frames, or the tid was reused).
-#[inline(always)]
-fn base_reach(tid: u32, sp: u64) -> Option<(u64, u32)> {
-    // SAFETY: the value is only read during this program run.
-    let b = unsafe { USTACK_BASE.get(&tid) }?;
-    if sp >= b.top || b.top - sp > USTACK_CAP as u64 || b.n == 0 {
-        return None;
-    }
-    // Inside a call the engine probe times, the uretprobe trampoline stands in its return
-    // address's slot: the real one is in ENGINE_CALL (the copy is mended the same way).
-    // SAFETY: copied out at once.
-    let call = unsafe { crate::engine::ENGINE_CALL.get(&tid) }.map_or((0, 0), |c| (c.ret_slot, c.ret_addr));
-    for i in 0..BASE_ANCHORS {
-        if i as u32 >= b.n {
-            break;
-        }
-        let mut v = 0u64;
-        // SAFETY: a probe read of 8 bytes into a local.
-        if unsafe { bpf_probe_read_user((&raw mut v).cast(), 8, b.slots[i] as *const _) } != 0 {
-            return None;
-        }
-        if b.slots[i] == call.0 && call.0 != 0 {
-            v = call.1;
-        }
-        if v != b.values[i] {
-            return None;
-        }
-    }
-    Some((b.top - sp, b.generation))
-}
 
 /// Target threads off the CPU since this time (ns), by tid.
 /// Per target thread off the CPU: [when it left (low bit set: still runnable, preempted), when
@@ -198,21 +160,9 @@ fn read_kernel<T>(p: *const T) -> T {
 /// to USTACK_CAP bytes of user stack; otherwise 16 KiB (off-CPU switches are frequent and
 /// block in shallow places: a libc wrapper under the caller that matters). `same_as_last`:
 /// leave the user stack out when it is the one this thread sent last ([`seen_before`]), and the
-/// kernel stack too when the thread also entered the kernel the same way. `kernel`: the task was in
-/// the kernel (false: a CPU sample taken in user mode, whose kernel stack is empty).
+/// kernel stack too when the thread also entered the kernel the same way.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub fn capture(
-    ctx: *mut core::ffi::c_void,
-    what: u32,
-    pid: u32,
-    tid: u32,
-    addr: u64,
-    state: u32,
-    full: bool,
-    same_as_last: bool,
-    kernel: bool,
-) {
+pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
     // The user registers at the task's last kernel entry (interrupt, fault or syscall).
     // SAFETY: helpers without preconditions; the pointer is only read through probe reads.
     let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
@@ -222,7 +172,7 @@ pub fn capture(
         // SAFETY: probe reads of the task's saved registers.
         unsafe { (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp)) }
     };
-    let mut c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp, slot: 0, kernel, base_len: 0 };
+    let mut c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp, slot: 0 };
     // A thread that blocks again where it blocked last (same user registers: the same native
     // stack, so the same Python frames, which only change when the interpreter returns through
     // them) is sent as the same: its Python frames too, without a walk (a spin-wait's yields).
@@ -248,24 +198,12 @@ pub fn capture(
     // The stack is read straight into the ring record (no copy through a scratch buffer); near
     // the top of a stack a long read faults as a whole: shorter ones are tried.
     // SAFETY: the value is copied out at once.
-    let mut cap = match unsafe { USTACK_NEED.get(&tid) } {
+    let cap = match unsafe { USTACK_NEED.get(&tid) } {
         Some(&need) => need,
         None if full => USTACK_CAP as u32,
         None => 16384,
     };
-    // Only up to the thread's base when its outer frames are still in place (the collector
-    // reads the words above in place): exactly the bytes below it, in the smallest record size
-    // that holds them (not the whole size: the stack may end before it).
-    if let Some((reach, generation)) = base_reach(tid, sp) {
-        let len = ((reach + 7) & !7) as u32;
-        let size = if len > 32768 { len } else { len.next_power_of_two().max(1024) };
-        if size <= cap || cap >= USTACK_CAP as u32 {
-            cap = size;
-            c.base_len = len;
-            c.what |= STACK_USER_BASE | (generation & 0xffff) << BASE_GEN_SHIFT;
-        }
-    }
-    let done = (cap > 32768 && c.send_upto(cap, same_as_last))
+    let done = (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(same_as_last))
         || (cap >= 32768 && c.send::<32768>(same_as_last))
         || (cap >= 16384 && c.send::<16384>(same_as_last))
         || (cap >= 8192 && c.send::<8192>(same_as_last))
@@ -290,49 +228,9 @@ struct Capture {
     bp: u64,
     /// The thread's off-CPU place ([`seen_before`]) this record reuses or is remembered in.
     slot: u32,
-    /// Take the kernel stack (false: the task was in user mode, it has none).
-    kernel: bool,
-    /// Copied up to the thread's base: exactly this many bytes (0: as many as the size).
-    base_len: u32,
-}
-
-/// Whether the user word at `addr` reads.
-#[inline(always)]
-fn readable(addr: u64) -> bool {
-    let mut w = 0u64;
-    // SAFETY: a probe read of 8 bytes into a local.
-    unsafe { bpf_probe_read_user((&raw mut w).cast(), 8, addr as *const _) == 0 }
-}
-
-/// How many bytes from `sp` up to `cap` read: `cap`, or up to the first page past 32 KiB that does
-/// not (the end of the stack's mapping: a thread's stack ends a few KiB above its outermost
-/// frame, so a stack 40 KiB deep could not be copied whole when only 32 or 64 KiB could be).
-/// Pages are tried upwards, each one: the memory above a stack may be readable again after a
-/// page that is not (a guard page, or one not faulted in: the copy does not fault pages in).
-#[inline(always)]
-fn stack_room(sp: u64, cap: u64) -> u64 {
-    let mut end = (sp & !4095) + 8 * 4096;
-    for _ in 0..9 {
-        if end >= sp + cap || !readable(end) {
-            break;
-        }
-        end += 4096;
-    }
-    (end - sp).min(cap) & !7
 }
 
 impl Capture {
-    /// Send up to `cap` bytes of user stack, as far as the stack's mapping goes, in a record of
-    /// the largest size: false (nothing sent) when that is 32 KiB or less (the sizes below fit).
-    #[inline(always)]
-    fn send_upto(&self, cap: u32, same_as_last: bool) -> bool {
-        let room = match self.base_len {
-            0 => stack_room(self.sp, (cap as u64).min(USTACK_CAP as u64)),
-            n => n as u64,
-        };
-        room > 32768 && self.fill::<USTACK_CAP>(room as u32, same_as_last)
-    }
-
     /// Reserve a record with N bytes of user stack and fill it: false (and nothing sent) when
     /// the stack read of N bytes faulted; true once sent or counted lost.
     #[inline(always)]
@@ -341,22 +239,12 @@ impl Capture {
         // size that would fault never reserves ring space (a discarded record holds its room
         // until the collector passes it: new threads near the top of their stacks made thread
         // churn lose events that way).
-        if N > 0 && self.base_len != 0 {
-            return self.base_len as usize <= N && self.fill::<N>(self.base_len, same_as_last);
-        }
-        if N > 0 && !readable(self.sp + N as u64 - 8) {
-            return false;
-        }
-        self.fill::<N>(N as u32, same_as_last)
-    }
-
-    /// Reserve a record with room for N bytes of user stack and fill `len` of them (the rest of
-    /// the room unused: `ustack_bytes` says): false when the read faulted.
-    #[inline(always)]
-    fn fill<const N: usize>(&self, len: u32, same_as_last: bool) -> bool {
-        let len = len & USTACK_MASK;
-        if len as usize > N {
-            return false;
+        if N > 0 {
+            let mut last = 0u64;
+            // SAFETY: a probe read of 8 bytes into a local.
+            if unsafe { bpf_probe_read_user((&raw mut last).cast(), 8, (self.sp + N as u64 - 8) as *const _) } != 0 {
+                return false;
+            }
         }
         let flags = ringbuf_flags((HDR + N) as u64);
         let Some(mut rec) = EVENTS.reserve_bytes(HDR + N, 0) else {
@@ -367,7 +255,7 @@ impl Capture {
         // SAFETY: `base` is the reserved record of HDR + N bytes; the user read writes N bytes
         // at offset HDR, the header fills the first HDR.
         unsafe {
-            if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), len, self.sp as *const _) != 0 {
+            if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), N as u32, self.sp as *const _) != 0 {
                 // With the same wake-up flag: when this record crossed the backlog threshold,
                 // the collector must still be woken (the next records will not force it).
                 rec.discard(flags);
@@ -376,16 +264,16 @@ impl Capture {
             // Inside a call the engine probe times (engine.rs), the kernel's uretprobe
             // trampoline stands where the call's return address was: put the address back in
             // the copy, so the unwind goes on into the caller.
-            if len >= 8
+            if N >= 8
                 && let Some(call) = crate::engine::ENGINE_CALL.get(&self.tid)
                 && call.ret_slot != 0
             {
                 let off = call.ret_slot.wrapping_sub(self.sp);
-                if off <= (len - 8) as u64 && off <= (N - 8) as u64 {
+                if off <= (N - 8) as u64 {
                     core::ptr::write_unaligned(base.add(HDR + off as usize).cast::<u64>(), call.ret_addr);
                 }
             }
-            self.header(base.cast(), self.what, len);
+            self.header(base.cast(), self.what, N as u32);
         }
         rec.submit(flags);
         true
@@ -419,7 +307,7 @@ impl Capture {
             (*ev).sp = self.sp;
             (*ev).bp = self.bp;
             (*ev).ustack_bytes = ustack_bytes;
-            (*ev).kstack_bytes = if what & STACK_SAME_KERNEL != 0 || !self.kernel {
+            (*ev).kstack_bytes = if what & STACK_SAME_KERNEL != 0 {
                 0
             } else {
                 bpf_get_stack(self.ctx, (&raw mut (*ev).kstack).cast(), (KSTACK_DEPTH * 8) as u32, 0) as i32
@@ -492,10 +380,7 @@ const EXIT_ZOMBIE: i64 = 0x20;
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     let Some((pid, tid)) = perf_target() else { return 0 };
-    // A sample taken in user mode has no kernel stack: not unwinding one saves ~2 us a sample.
-    // SAFETY: a read of the sampled registers in the program's context (bpf_perf_event_data).
-    let cs = unsafe { core::ptr::read_volatile(&raw const (*ctx.as_ptr().cast::<aya_ebpf::bindings::bpf_perf_event_data>()).regs.cs) };
-    capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, true, false, cs & 3 != 3);
+    capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, true, false);
     0
 }
 
@@ -531,13 +416,12 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             let _ = OFFCPU_SINCE.remove(&tid);
             let _ = USTACK_SEEN.remove(&tid);
             let _ = USTACK_NEED.remove(&tid);
-            let _ = USTACK_BASE.remove(&tid);
             let _ = RUN_SINCE.remove(&tid);
         } else {
             left_cpu(pid, tid, now, cpu_steal());
             if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
                 insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
-                capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true, true);
+                capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
             } else if state & 0xff == 0 {
                 // Preempted (or it yielded): still runnable, so until it runs again it waits for
                 // a CPU. No stack (where it was is where it will resume); the low bit of the time

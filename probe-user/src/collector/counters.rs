@@ -68,8 +68,6 @@ pub(super) fn stats(
             ns: u.nanos,
             load_ns: u.load_nanos,
             reused: u.reused,
-            based: u.based,
-            base_missed: u.base_missed,
             left_out: u.left_out,
             held_bytes: u.held_bytes(),
         },

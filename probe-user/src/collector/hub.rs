@@ -310,7 +310,6 @@ impl Hub {
         let mut kept = Vec::new();
         for name in [
             probe_common::maps::USTACK_NEED,
-            probe_common::maps::USTACK_BASE,
             probe_common::maps::OTHER_COMMS,
             probe_common::maps::PY_THREADS,
             probe_common::maps::TARGET_FILES,

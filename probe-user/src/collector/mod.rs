@@ -237,12 +237,6 @@ struct State {
     offcpu: HashMap<u32, record::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
-    /// Where to tell the kernel each thread's base (its outer frames that stay), and what the
-    /// collector learned of them ([`stacks::Base`]).
-    ustack_base: Option<aya::maps::HashMap<MapData, u32, probe_common::stack::StackBase>>,
-    bases: HashMap<u32, stacks::Base>,
-    /// The last base generation told (any thread): 1..=0xffff.
-    base_generation: u32,
     /// The kernel's names of the processes charged with waits ([`probe_common::maps::OTHER_COMMS`]).
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     /// CPython targets: their threads in the kernel's map (where each one's frame chain starts)
@@ -323,9 +317,6 @@ impl State {
             cut_tops: HashMap::new(),
             module_paths: HashMap::new(),
             ustack_need: None,
-            ustack_base: None,
-            bases: HashMap::new(),
-            base_generation: 0,
             other_comms: None,
             python: Default::default(),
             py_threads: None,

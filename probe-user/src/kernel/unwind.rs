@@ -206,10 +206,6 @@ pub struct Unwound {
     pub short: bool,
     /// Why it stopped short of the end of the stack (None: complete).
     pub cut: Option<crate::record::Cut>,
-    /// Every stack word the unwinder read (address, value), in the order read.
-    pub reads: Vec<(u64, u64)>,
-    /// It stopped on a read past the copy that the words read in place did not answer.
-    pub outside: bool,
 }
 
 /// Unwinders for every traced process, and the table of modules (file paths) frames refer to.
@@ -227,9 +223,6 @@ pub struct Unwinders {
     /// Off-CPU stacks whose user part the kernel left out as the thread's last one: its frames
     /// were reused, nothing was unwound.
     pub reused: u64,
-    /// Stacks copied only up to their thread's base, and those whose copy did not lead to it.
-    pub based: u64,
-    pub base_missed: u64,
     /// Time spent unwinding, ns (module loading excluded: see `load_nanos`).
     pub nanos: u64,
     /// Time spent reading ELF files and building unwinders, ns (once per process and mapping change).
@@ -402,14 +395,11 @@ impl Unwinders {
         }
     }
 
-    /// Unwind one sample: user registers and the stack bytes copied from `sp` upwards, and words
-    /// of the stack beyond the copy the kernel read in place (`anchors`: address, value).
-    pub fn unwind(&mut self, pid: u32, ip: u64, sp: u64, bp: u64, stack: &[u8], anchors: &[(u64, u64)]) -> Unwound {
+    /// Unwind one sample: user registers and the stack bytes copied from `sp` upwards.
+    pub fn unwind(&mut self, pid: u32, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> Unwound {
         let t = std::time::Instant::now();
         let load_before = self.load_nanos;
         let mut addrs = Vec::new();
-        let mut reads = Vec::new();
-        let mut outside = false;
         let (mut complete, mut used_bytes, mut short, mut bad_read) = (false, 0u64, false, false);
         if ip != 0 {
             if !self.procs.contains_key(&pid) {
@@ -419,18 +409,13 @@ impl Unwinders {
             }
             let p = self.procs.get_mut(&pid).expect("built above");
             let drap = &mut self.drap;
-            let (used, short, bad_read, read, outside) = (&mut used_bytes, &mut short, &mut bad_read, &mut reads, &mut outside);
+            let (used, short, bad_read) = (&mut used_bytes, &mut short, &mut bad_read);
             let mut read_stack = |addr: u64| -> Result<u64, ()> {
                 let Some(off) = addr.checked_sub(sp).map(|o| o as usize) else {
                     *bad_read = true;
                     return Err(());
                 };
                 let Some(b) = stack.get(off..off + 8) else {
-                    if let Some(&(_, v)) = anchors.iter().find(|a| a.0 == addr) {
-                        read.push((addr, v));
-                        return Ok(v);
-                    }
-                    *outside = true;
                     // Just past the copy (within what one more frame takes): more bytes would
                     // have answered it. Reads far beyond come from a wrong rule, not a short copy.
                     if off < stack.len() + SHORT_REACH {
@@ -441,9 +426,7 @@ impl Unwinders {
                     return Err(());
                 };
                 *used = (*used).max(off as u64 + 8);
-                let v = u64::from_le_bytes(b.try_into().map_err(|_| ())?);
-                read.push((addr, v));
-                Ok(v)
+                Ok(u64::from_le_bytes(b.try_into().map_err(|_| ())?))
             };
             let mut regs = UnwindRegsX86_64::new(ip, sp, bp);
             let mut frame = FrameAddress::from_instruction_pointer(ip);
@@ -460,9 +443,7 @@ impl Unwinders {
                 };
                 match next {
                     Ok(Some(ra)) => match FrameAddress::from_return_address(ra) {
-                        Some(f) => {
-                            frame = f;
-                        }
+                        Some(f) => frame = f,
                         None => {
                             complete = true;
                             break;
@@ -489,7 +470,7 @@ impl Unwinders {
             // No read failed: the unwinder had no rule (CFI) for the frame.
             (false, false, false) => Some(crate::record::Cut::Cfi),
         };
-        Unwound { frames, complete, used_bytes, short: short && !complete, cut, reads, outside }
+        Unwound { frames, complete, used_bytes, short: short && !complete, cut }
     }
 
     /// Absolute addresses → (module id, file offset) with the process's current mappings.

@@ -114,20 +114,6 @@ fn read_var<T: Copy>(bytes: &[u8], kind: EventKind, tail: impl Fn(&T) -> u32) ->
     Ok(ev)
 }
 
-/// A stack record: its user stack follows, and may leave the rest of the record's room unused
-/// (the kernel's records come in a few fixed sizes, up to 64 KiB of stack: a copy up to a
-/// thread's base, or as far as the stack's mapping goes, fills one only in part).
-fn read_stack(bytes: &[u8]) -> Result<StackEvent, DecodeError> {
-    let kind = EventKind::Stack;
-    let fixed = size_of::<StackEvent>();
-    let ev: StackEvent = read(bytes.get(..fixed).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want: fixed })?, kind)?;
-    let want = fixed + ev.ustack_bytes as usize;
-    if bytes.len() < want || bytes.len() > fixed + probe_common::stack::USTACK_CAP.max(ev.ustack_bytes as usize) {
-        return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want });
-    }
-    Ok(ev)
-}
-
 /// The fixed part `T` at the start of a raw record, without checking its kind or size beyond
 /// what `T` needs (for routing a record without decoding it whole).
 pub fn prefix<T: Copy>(bytes: &[u8]) -> Option<T> {
@@ -157,7 +143,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Sock => Event::Sock(read(bytes, kind)?),
         EventKind::Proc => Event::Proc(read(bytes, kind)?),
         EventKind::Data => Event::Data(Box::new(read_var(bytes, kind, |e: &DataEvent| e.captured)?)),
-        EventKind::Stack => Event::Stack(Box::new(read_stack(bytes)?)),
+        EventKind::Stack => Event::Stack(Box::new(read_var(bytes, kind, |e: &StackEvent| e.ustack_bytes)?)),
         EventKind::Sched => Event::Sched(read(bytes, kind)?),
         EventKind::Mem => Event::Mem(read(bytes, kind)?),
         EventKind::Engine => Event::Engine(Box::new(read(bytes, kind)?)),
@@ -170,10 +156,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
 pub fn data_payload(bytes: &[u8]) -> &[u8] {
     match kind_of(bytes) {
         Ok(EventKind::Data) => bytes.get(size_of::<DataEvent>()..).unwrap_or_default(),
-        Ok(EventKind::Stack) => {
-            let n = prefix::<StackEvent>(bytes).map_or(0, |e| e.ustack_bytes as usize);
-            bytes.get(size_of::<StackEvent>()..).map_or(&[], |t| &t[..n.min(t.len())])
-        }
+        Ok(EventKind::Stack) => bytes.get(size_of::<StackEvent>()..).unwrap_or_default(),
         _ => &[],
     }
 }
@@ -240,24 +223,6 @@ mod tests {
         let mut short = encode(&ev);
         short.extend_from_slice(&[7u8; 16]);
         assert!(matches!(decode(&short), Err(DecodeError::Size { kind: "stack", .. })));
-        // The kernel's largest copy: 64 KiB of room, filled as far as the stack went.
-        ev.ustack_bytes = 40 << 10;
-        let mut roomy = encode(&ev);
-        roomy.resize(roomy.len() + probe_common::stack::USTACK_CAP, 9);
-        assert_eq!(decode(&roomy), Ok(Event::Stack(Box::new(ev))));
-        assert_eq!(data_payload(&roomy).len(), 40 << 10);
-        ev.ustack_bytes = probe_common::stack::USTACK_CAP as u32 + 8;
-        let mut over = encode(&ev);
-        over.resize(over.len() + probe_common::stack::USTACK_CAP, 9);
-        assert!(decode(&over).is_err(), "claims more than the room");
-        // A copy up to the thread's base in a 4 KiB record.
-        ev.ustack_bytes = 3736;
-        let mut part = encode(&ev);
-        part.resize(part.len() + 4096, 9);
-        assert_eq!(data_payload(&part).len(), 3736);
-        assert_eq!(decode(&part), Ok(Event::Stack(Box::new(ev))));
-        part.resize(part.len() + probe_common::stack::USTACK_CAP, 9);
-        assert!(decode(&part).is_err(), "longer than any record the kernel makes");
     }
 
     #[test]

@@ -295,12 +295,6 @@ pub struct UnwindCounters {
     /// Off-CPU stacks that reused the thread's last unwound user stack (the kernel saw it
     /// block at the same place and left the stack bytes out).
     pub reused: u64,
-    /// Stacks copied only up to their thread's base, its outer frames appended
-    /// ([`probe_common::stack::StackBase`]), and those whose copy did not lead to the base (cut).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub based: u64,
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub base_missed: u64,
     /// Modules unwound without their unwind sections (over the budget), and the bytes of
     /// sections held (crate::kernel::unwind::UNWIND_BUDGET).
     #[serde(default, skip_serializing_if = "is_zero")]

@@ -253,8 +253,6 @@ impl Builder {
                 r.unwind.samples = u.samples;
                 r.unwind.complete = u.complete;
                 r.unwind.reused = u.reused;
-                r.unwind.based = u.based;
-                r.unwind.base_missed = u.base_missed;
                 r.unwind.left_out_modules = u.left_out;
                 r.unwind.held_bytes = u.held_bytes;
                 if u.samples > 0 {

@@ -159,12 +159,6 @@ pub struct Unwind {
     /// Off-CPU stacks that reused their thread's last unwound user stack instead of unwinding.
     #[serde(default)]
     pub reused: u64,
-    /// Stacks copied only up to their thread's outer frames, which were appended; and those
-    /// whose copy did not lead to them (cut).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub based: u64,
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub base_missed: u64,
     /// Reading ELF files and building unwinders (once per process and mapping change), ms.
     pub load_ms: f64,
     /// Modules unwound without their unwind sections: they would have passed probe's budget for
