@@ -98,15 +98,27 @@ pub fn switch_off(ebpf: &mut Ebpf) {
 /// classic tracepoint waits for an RCU grace period, one after another (about 2 s for 66
 /// programs on a 2-CPU VM), and the process that closes the last descriptor of each pays for it.
 /// The child holds the same descriptors and waits for probe's end (a pipe only probe holds open),
-/// then exits, and the kernel detaches everything. probe itself exits at once; kill -9 of either
-/// still leaves nothing attached. Without a child (fork refused), they are detached here.
+/// then closes them one by one, each while holding the attach lock
+/// ([`crate::os::kernel_cache::attach_lock`]), and exits. A tracepoint's or uprobe's teardown
+/// holds the kernel's `event_mutex` through its grace periods, which a trace arming meanwhile
+/// needs (to read a tracepoint's format, register a uprobe, attach a tracepoint): it waited for
+/// the whole teardown, armed in 0.4-3 s where it took 0.1 (a trace started within 3 s of the last,
+/// as the tests and the demo do). An arming trace holds the lock, so the child pauses between
+/// two descriptors until it has armed: it waits for one teardown at most. probe itself exits at
+/// once; kill -9 of either still leaves nothing attached. Without a child (fork refused), they are
+/// detached here.
 pub fn hand_off(attached: Attached) {
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 writes two descriptors into the array.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
         return detach(attached);
     }
-    // SAFETY: the child calls only async-signal-safe functions (close, read, _exit).
+    // Made before the fork: after it, the child calls only async-signal-safe functions.
+    let held = kernel_objects();
+    let lock = crate::os::kernel_cache::attach_lock(std::path::Path::new(crate::os::kernel_cache::DIR));
+    let lock_fd = lock.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
+    // SAFETY: the child calls only async-signal-safe functions (close, read, flock, nanosleep,
+    // _exit) and reads errno.
     match unsafe { libc::fork() } {
         0 => {
             // The child: let go of the terminal and of probe's output pipes (whoever reads them
@@ -118,7 +130,29 @@ pub fn hand_off(attached: Attached) {
                     libc::close(fd);
                 }
                 let mut b = 0u8;
-                while libc::read(fds[0], (&raw mut b).cast(), 1) != 0 {}
+                while libc::read(fds[0], (&raw mut b).cast(), 1) > 0 {}
+                // An arming trace tries the lock every millisecond; the child every 5 ms while
+                // it is held, and 3 ms after it let it go, so a waiting trace comes first.
+                let pause = |ms: i64| {
+                    let t = libc::timespec { tv_sec: 0, tv_nsec: ms * 1_000_000 };
+                    libc::nanosleep(&t, std::ptr::null_mut());
+                };
+                let mut locking = lock_fd >= 0;
+                for &fd in &held {
+                    while locking && libc::flock(lock_fd, libc::LOCK_EX | libc::LOCK_NB) != 0 {
+                        let e = *libc::__errno_location();
+                        if e == libc::EWOULDBLOCK || e == libc::EINTR {
+                            pause(5);
+                        } else {
+                            locking = false;
+                        }
+                    }
+                    libc::close(fd);
+                    if locking {
+                        libc::flock(lock_fd, libc::LOCK_UN);
+                        pause(3);
+                    }
+                }
                 libc::_exit(0);
             }
         }
@@ -138,6 +172,20 @@ pub fn hand_off(attached: Attached) {
             std::mem::forget(attached);
         }
     }
+}
+
+/// The descriptors of this process that hold kernel objects a trace made: BPF programs, maps and
+/// links, perf events.
+fn kernel_objects() -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return Vec::new() };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| {
+            let fd: i32 = e.file_name().to_str()?.parse().ok()?;
+            let target = std::fs::read_link(e.path()).ok()?;
+            let t = target.to_str()?;
+            (fd > 2 && (t.starts_with("anon_inode:bpf") || t == "anon_inode:[perf_event]")).then_some(fd)
+        })
+        .collect()
 }
 
 /// Detach and unload every program, all at once: closing a classic tracepoint's last perf

@@ -5,7 +5,7 @@
 //! its subsystem skipped, unless the user named that subsystem with `--probes`: then it is an error.
 use std::path::Path;
 
-use super::programs::{Job, in_own_pid_namespace, load_all, pool};
+use super::programs::{Formats, Job, in_own_pid_namespace, load_all, pool};
 use super::table::{How, Spec, TABLE};
 use crate::{os::procfs, os::tracefs};
 use anyhow::{Context as _, anyhow, bail};
@@ -98,6 +98,10 @@ fn raise_memlock() {
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) };
 }
 
+/// The longest an arming trace waits for an earlier trace's teardown to let go of the attach lock
+/// (one descriptor's teardown: tens of ms, up to 2 s under load).
+const DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// What can be refused before anything is made or loaded: privileges, the pid, probe names.
 pub fn preflight(opts: &Options) -> anyhow::Result<()> {
     check_privileges()?;
@@ -119,11 +123,24 @@ pub fn preflight(opts: &Options) -> anyhow::Result<()> {
 pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     let mut laps = Laps { at: std::time::Instant::now(), stages: Vec::new() };
     preflight(opts)?;
+    // Held until armed: an earlier trace's hand-off child closes nothing meanwhile (`hand_off`).
+    // Tried every millisecond (the child pauses 3 ms between two descriptors), for at most
+    // `DETACH_WAIT`: past that, probe arms beside the teardown.
+    let lock = crate::os::kernel_cache::attach_lock(Path::new(crate::os::kernel_cache::DIR));
+    if let Some(l) = &lock {
+        let t = std::time::Instant::now();
+        // SAFETY: flock on a descriptor we own.
+        while unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(l), libc::LOCK_EX | libc::LOCK_NB) } != 0 && t.elapsed() < DETACH_WAIT {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        laps.lap("earlier_trace_detach");
+    }
     let tracefs = tracefs::ensure_mounted().map_err(|e| anyhow!(e))?;
     raise_memlock();
     let run_time_stats = enable_run_time_stats();
     laps.lap("preflight");
     let engine_search = start_engine_search(opts);
+    let formats = start_format_reads(opts, &tracefs);
 
     // Struct offsets for naming the file behind an fd; without BTF the mmap probe still runs
     // and files are named from /proc alone. Kept from the last trace on this kernel (`/run/probe`)
@@ -147,7 +164,7 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         .filter(|s| wanted(opts, **s))
         .map(|s| SubsystemStatus { name: *s, live: true, attached: vec![], skipped: vec![] })
         .collect();
-    let (results, engine) = attach_programs(&mut ebpf, opts, &tracefs, &targets, &koff, engine_search);
+    let (results, engine) = attach_programs(&mut ebpf, opts, formats, &targets, &koff, engine_search);
     let (engine_seen, engine_ms) = engine_status(&mut status, engine);
     let per_program = program_status(&mut status, results, engine_ms);
     if let Some(note) = koff_note {
@@ -182,6 +199,34 @@ fn start_engine_search(opts: &Options) -> EngineSearch {
         let pids: Vec<u32> = std::iter::once(opts.pid).chain(procfs::descendants(opts.pid)).chain(opts.more.iter().copied()).collect();
         std::thread::Builder::new().name("probe-engine".into()).spawn(move || crate::kernel::engine::search(&pids))
     })
+}
+
+/// Read the format files of the wanted tracepoints on a thread of their own, while the object
+/// loads: before the engine's uprobes register ([`Formats`]). Read on the way when there is no
+/// thread.
+fn start_format_reads(opts: &Options, tracefs: &Path) -> FormatReads {
+    let (opts_only, root) = (opts.only.clone(), tracefs.to_path_buf());
+    let job =
+        move || Formats::read(&root, TABLE.iter().filter(|s| opts_only.as_ref().is_none_or(|o| o.iter().any(|n| n == s.subsystem.name()))));
+    match std::thread::Builder::new().name("probe-formats".into()).spawn(job) {
+        Ok(h) => FormatReads::Reading(h, tracefs.to_path_buf()),
+        Err(_) => FormatReads::Later(tracefs.to_path_buf()),
+    }
+}
+
+/// The format reads of [`start_format_reads`].
+enum FormatReads {
+    Reading(std::thread::JoinHandle<Formats>, std::path::PathBuf),
+    Later(std::path::PathBuf),
+}
+
+impl FormatReads {
+    fn join(self) -> Formats {
+        match self {
+            FormatReads::Reading(h, root) => h.join().unwrap_or_else(|_| Formats::read(&root, std::iter::empty())),
+            FormatReads::Later(root) => Formats::read(&root, std::iter::empty()),
+        }
+    }
 }
 
 /// Load probe's kernel object with the ring's size and the globals it reads: the kernel's struct
@@ -229,11 +274,13 @@ fn fill_target_map(ebpf: &mut Ebpf, targets: &[u32]) -> anyhow::Result<()> {
 fn attach_programs(
     ebpf: &mut Ebpf,
     opts: &Options,
-    tracefs: &Path,
+    formats: FormatReads,
     targets: &[u32],
     koff: &probe_common::kernel::KernelOffsets,
     engine_search: EngineSearch,
 ) -> (Vec<Outcome>, EngineDone) {
+    // Before the engine's thread starts registering uprobes ([`Formats`]).
+    let formats = &formats.join();
     // The raw block programs read `struct request` at BTF offsets of their own (`blk_valid`).
     let offsets_known = |spec: &Spec| match (spec.subsystem, spec.how) {
         (Subsystem::Blockio, How::Raw(_)) => koff.blk_valid != 0,
@@ -271,9 +318,9 @@ fn attach_programs(
         // them once the engine's thread is done: a tracepoint attached while a uprobe registers
         // waits on the same kernel locks through its RCU grace periods (400-500 ms measured).
         let specs: Vec<&Spec> = TABLE.iter().filter(|s| wanted(opts, s.subsystem) && !has_raw_twin(s)).collect();
-        let mut jobs = load_all(&mut progs, tracefs, &specs, targets, opts.sample_hz, &offsets_known);
+        let mut jobs = load_all(&mut progs, formats, &specs, targets, opts.sample_hz, &offsets_known);
         let engine = engine.map(|h| h.map(|h| h.join()));
-        pool(&mut jobs, |j| j.attach(tracefs));
+        pool(&mut jobs, |j| j.attach(formats));
         results.extend(jobs.into_iter().flat_map(Job::results));
         // Round two: the classic twins of raw programs that did not attach.
         let specs: Vec<&Spec> = TABLE
@@ -281,8 +328,8 @@ fn attach_programs(
             .filter(|s| wanted(opts, s.subsystem) && has_raw_twin(s))
             .filter(|s| !results.iter().any(|(r, ok, _)| r.program == format!("{}_raw", s.program) && ok.is_ok()))
             .collect();
-        let mut jobs = load_all(&mut progs, tracefs, &specs, targets, opts.sample_hz, &offsets_known);
-        pool(&mut jobs, |j| j.attach(tracefs));
+        let mut jobs = load_all(&mut progs, formats, &specs, targets, opts.sample_hz, &offsets_known);
+        pool(&mut jobs, |j| j.attach(formats));
         results.extend(jobs.into_iter().flat_map(Job::results));
         engine
     });

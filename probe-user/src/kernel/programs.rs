@@ -25,19 +25,19 @@ pub(super) struct Job<'s, 'p> {
 }
 
 impl<'s> Job<'s, '_> {
-    fn load(&mut self, tracefs: &Path, targets: &[u32], sample_hz: u64, offsets_known: &(dyn Fn(&Spec) -> bool + Sync)) {
+    fn load(&mut self, formats: &Formats, targets: &[u32], sample_hz: u64, offsets_known: &(dyn Fn(&Spec) -> bool + Sync)) {
         let t = std::time::Instant::now();
         self.result = match self.program.as_deref_mut() {
             None => Err(anyhow!("program missing from the object")),
             Some(_) if matches!(self.spec.how, How::Raw(_)) && !offsets_known(self.spec) => {
                 Err(anyhow!("kernel BTF lacks the struct offsets it reads"))
             }
-            Some(p) => load_one(p, tracefs, self.spec, targets, sample_hz),
+            Some(p) => load_one(p, formats, self.spec, targets, sample_hz),
         };
         self.ms += t.elapsed().as_secs_f64() * 1e3;
     }
 
-    pub(super) fn attach(&mut self, tracefs: &Path) {
+    pub(super) fn attach(&mut self, formats: &Formats) {
         let t = std::time::Instant::now();
         let Some(p) = self.program.as_deref_mut() else {
             // Its result says why already; the programs running its code did not attach either.
@@ -53,7 +53,7 @@ impl<'s> Job<'s, '_> {
         for (other, r, ms) in &mut self.same {
             let t = std::time::Instant::now();
             *r = match &self.result {
-                Ok(()) => check_point(tracefs, other.how).and_then(|()| attach_point(p, other.how)),
+                Ok(()) => check_point(formats, other.how).and_then(|()| attach_point(p, other.how)),
                 Err(e) => Err(anyhow!("runs {}'s code, which did not attach: {e:#}", self.spec.program)),
             };
             *ms += t.elapsed().as_secs_f64() * 1e3;
@@ -92,7 +92,7 @@ pub(super) fn pool<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
 /// another's code (`SAME_CODE`) in that one's job.
 pub(super) fn load_all<'s, 'p>(
     progs: &mut std::collections::HashMap<&str, &'p mut aya::programs::Program>,
-    tracefs: &Path,
+    formats: &Formats,
     specs: &[&'s Spec],
     targets: &[u32],
     sample_hz: u64,
@@ -110,37 +110,69 @@ pub(super) fn load_all<'s, 'p>(
     // The perf programs first: the first event bound to a task waits for an RCU grace period in
     // the kernel (perf_sched_events, 10-20 ms asleep), which the other threads fill.
     jobs.sort_by_key(|j| !matches!(j.spec.how, How::PerfMajorFaults | How::PerfCpuClock));
-    pool(&mut jobs, |j| j.load(tracefs, targets, sample_hz, offsets_known));
+    pool(&mut jobs, |j| j.load(formats, targets, sample_hz, offsets_known));
     jobs
 }
 
+/// The format files of the tracepoints the table attaches to, read before any uprobe registers:
+/// a format file's read takes the kernel's `event_mutex`, which a uprobe's registration holds
+/// through its RCU grace periods (`perf_uprobe_init`), so a format read beside the engine's
+/// attach waited for it (100-400 ms of a 650 ms arming on a slow grace period, measured from the
+/// threads' kernel stacks). A point not read ahead is read when asked for.
+pub(super) struct Formats {
+    root: std::path::PathBuf,
+    read: std::collections::HashMap<(&'static str, &'static str), Result<String, String>>,
+}
+
+impl Formats {
+    /// Read the format of each of `specs`' tracepoints under tracefs `root`.
+    pub(super) fn read<'a>(root: &Path, specs: impl Iterator<Item = &'a Spec>) -> Formats {
+        let read = specs.filter_map(|s| point(s.how)).map(|(g, n)| ((g, n), tracefs::format(root, g, n))).collect();
+        Formats { root: root.to_path_buf(), read }
+    }
+
+    fn get(&self, group: &'static str, name: &'static str) -> anyhow::Result<std::borrow::Cow<'_, str>> {
+        match self.read.get(&(group, name)) {
+            Some(r) => r.as_deref().map(std::borrow::Cow::Borrowed).map_err(|e| anyhow!(e.clone())),
+            None => tracefs::format(&self.root, group, name).map(std::borrow::Cow::Owned).map_err(|e| anyhow!(e)),
+        }
+    }
+}
+
+/// The tracefs event (group, name) of `how`, for the kinds checked against a format file.
+fn point(how: How) -> Option<(&'static str, &'static str)> {
+    match how {
+        How::Tracepoint(layout) => Some((layout.group, layout.name)),
+        How::Plain(group, name) => Some((group, name)),
+        How::Syscall(name) => Some(("syscalls", name)),
+        How::Raw(_) | How::PerfMajorFaults | How::PerfCpuClock => None,
+    }
+}
+
 /// Check that `how`'s tracepoint exists with the layout the program reads.
-fn check_point(tracefs: &Path, how: How) -> anyhow::Result<()> {
+fn check_point(formats: &Formats, how: How) -> anyhow::Result<()> {
+    let Some((group, name)) = point(how) else { return Ok(()) };
+    let fmt = formats.get(group, name)?;
     match how {
         How::Tracepoint(layout) => {
-            let fmt = tracefs::format(tracefs, layout.group, layout.name).map_err(|e| anyhow!(e))?;
             if let Some(why) = tracefs::check_layout(layout, &fmt) {
                 bail!("{}:{} layout differs from what probe was built for: {why}", layout.group, layout.name);
             }
         }
-        How::Plain(group, name) => {
-            tracefs::format(tracefs, group, name).map_err(|e| anyhow!(e))?;
-        }
         How::Syscall(name) => {
-            let fmt = tracefs::format(tracefs, "syscalls", name).map_err(|e| anyhow!(e))?;
             let ok = tracefs::parse_format(&fmt).iter().any(|f| f.offset == tp::SYSCALL_ARG0 && f.size == 8);
             if !ok {
                 bail!("syscalls:{name} has no 8-byte field at offset {}", tp::SYSCALL_ARG0);
             }
         }
-        How::Raw(_) | How::PerfMajorFaults | How::PerfCpuClock => {}
+        How::Plain(..) | How::Raw(_) | How::PerfMajorFaults | How::PerfCpuClock => {}
     }
     Ok(())
 }
 
 /// Check and verify one program; a perf program is attached too (to each thread of the targets).
-fn load_one(program: &mut aya::programs::Program, tracefs: &Path, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
-    check_point(tracefs, spec.how)?;
+fn load_one(program: &mut aya::programs::Program, formats: &Formats, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
+    check_point(formats, spec.how)?;
     match spec.how {
         How::Tracepoint(_) | How::Plain(..) | How::Syscall(_) => {
             let p: &mut TracePoint = program.try_into()?;

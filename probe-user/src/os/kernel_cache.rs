@@ -190,6 +190,31 @@ fn write(dir: &Path, name: &str, text: &[u8]) {
     }
 }
 
+/// The lock an arming trace holds, and an earlier trace's hand-off child takes between the
+/// descriptors it closes (`kernel::loaded::hand_off`): file `attach.lock` of `dir` (made 0700 if
+/// missing), opened read-write, when it is a regular file of the effective user's that no one else
+/// can write. None: no locking (a directory that is not ours, a read-only /run).
+pub fn attach_lock(dir: &Path) -> Option<File> {
+    let d = open_dir(dir, true)?;
+    // SAFETY: a valid directory fd and NUL-terminated name; O_NOFOLLOW: never through a link.
+    let fd = unsafe {
+        libc::openat(
+            d.as_raw_fd(),
+            c"attach.lock".as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
+            0o600,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fd was just opened and is owned by nothing else.
+    let f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let m = f.metadata().ok()?;
+    // SAFETY: geteuid cannot fail.
+    (m.is_file() && m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0).then_some(f)
+}
+
 /// `dir`, opened without following a link, if it is a directory of the effective user's that no one
 /// else can write; made (0700) when missing and `create`.
 fn open_dir(dir: &Path, create: bool) -> Option<OwnedFd> {

@@ -173,8 +173,7 @@ impl Sampler {
     pub fn set_busy(&self, busy: bool) {
         if self.signal.busy() != busy {
             let tid = self.signal.tid.load(Ordering::Relaxed);
-            if busy && tid > 0 {
-                let _ = crate::os::yielding::raise(tid);
+            if busy && tid > 0 && crate::os::yielding::raise(tid) {
                 self.signal.raised.store(true, Ordering::Relaxed);
             }
             self.signal.update(|s| s.1 = busy);
