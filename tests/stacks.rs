@@ -30,9 +30,14 @@ fn workload() -> &'static Path {
     })
 }
 
+/// One workload at a time: each is timed against the kernel's own counters, and what a thread's
+/// stacks need is learned from its first records (a loaded box delays that).
+static CPUS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Run a workload mode under `probe trace` (started once the workload is ready, stopped by the
 /// workload's exit); returns the workload's `done` line and the recording directory.
 fn traced(name: &str, args: &[&str]) -> (String, PathBuf) {
+    let _cpus = CPUS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp(name);
     let mut w: Child = Command::new(workload()).args(args).current_dir(&dir).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(w.stdout.take().unwrap()).lines();
@@ -68,6 +73,23 @@ fn cpu_stacks_unwind_without_frame_pointers() {
     // 2 s at 99 Hz gives ~198 samples when the spinning thread has a CPU to itself.
     assert!(total >= 100, "2 s of spinning at 99 Hz gave only {total} samples");
     assert!(chain * 10 >= total * 9, "outer;middle;inner in {chain} of {total} samples: {f:?}");
+}
+
+/// A thread under a frame with 40 KiB of locals (llama-server's `main` is like it): its stack's
+/// mapping ends less than the largest copy (64 KiB) above its frames, so that copy faults; the
+/// next (32 KiB) cut every stack under the large frame. Once the collector has told the kernel
+/// where the mapping ends, the largest copy reads up to there: the stacks come out whole, along
+/// each of the two call paths the workload takes by turns (its source is the truth).
+#[test]
+fn stacks_of_a_thread_near_its_stacks_end_are_whole() {
+    let (_, rec) = traced("deep", &["deep", "3"]);
+    let f = folded(&rec, "cpu");
+    let total: u64 = f.values().sum();
+    let path = |p: &str| -> u64 { f.iter().filter(|(s, _)| s.contains(p)).map(|(_, n)| n).sum() };
+    let (a, b) = (path("deep_thread;big_frame;outer;middle;inner"), path("deep_thread;big_frame;side;inner"));
+    assert!(total >= 150, "3 s of spinning at 99 Hz gave only {total} samples");
+    assert!(a * 4 >= total && b * 4 >= total, "outer;middle;inner {a}, side;inner {b} of {total}: {f:?}");
+    assert!((a + b) * 10 >= total * 8, "whole stacks in {} of {total}: {f:?}", a + b);
 }
 
 /// The off-CPU graph weighs a wait by the time the thread was blocked, until its wake-up (the

@@ -3,13 +3,38 @@
 //! The raw user stack is unwound by the collector and dropped: only frame addresses are stored.
 use crate::{EventHeader, EventKind, Record};
 
-/// Largest user-stack slice copied per sample (from `sp` up): 64 KiB less one word, so that
-/// `& USTACK_MASK` bounds it for the verifier (a server thread's frames from `main` down to
-/// the sampled function can exceed 16 KiB). Near the top of a stack the copy falls back to
-/// 32, 16, 8, 4, 2 and 1 KiB.
-pub const USTACK_CAP: usize = 65536 - 8;
-pub const USTACK_MASK: u32 = 0xffff;
+/// Largest user-stack slice copied per sample (from `sp` up): 128 KiB less one word, so that
+/// `& USTACK_MASK` bounds it for the verifier. A server thread's frames from `main` down to the
+/// sampled function can exceed 64 KiB (llama-server's main thread: 82 KiB from the decode to the
+/// end of its stack, `llama_server`'s frame alone over 20 KiB). A thread is copied that much only
+/// once its stacks were seen to need it ([`need_entry`]); before, at most [`USTACK_WIDE`]. Near
+/// the top of a stack the copy falls back to 32, 16, 8, 4, 2 and 1 KiB, or reads up to the end of
+/// the stack's mapping when the collector found it.
+pub const USTACK_CAP: usize = 131072 - 8;
+pub const USTACK_MASK: u32 = 0x1ffff;
+/// The second largest copy, and the most a thread is copied before its needs are known.
+pub const USTACK_WIDE: usize = 65536 - 8;
 pub const KSTACK_DEPTH: usize = 64;
+
+/// A thread's entry in the USTACK_NEED map: the user-stack bytes its stacks need (a power of two,
+/// rounded up to one: its log2 in the low 5 bits; [`USTACK_CAP`] is kept as 128 KiB) and, when the collector found it, the end of the mapping its stack
+/// is in (page aligned; 0: not known). The two largest copies then read only up to that end: a
+/// read past it faults as a whole, and a thread whose stack ends less than the copy above its
+/// frames (a main thread under `main`, a thread under a large frame) was cut at the next size.
+pub const fn need_entry(need: u32, top: u64) -> u64 {
+    let log2 = if need == 0 { 0 } else { need.next_power_of_two().trailing_zeros() as u64 };
+    (top & !0xfff) | (log2 & 0x1f)
+}
+
+/// The bytes a [`need_entry`] says its thread's stacks need.
+pub const fn entry_need(v: u64) -> u32 {
+    1u32 << ((v & 0x1f) as u32 & 31)
+}
+
+/// The end of a [`need_entry`]'s stack mapping (0: not known).
+pub const fn entry_top(v: u64) -> u64 {
+    v & !0xfff
+}
 
 /// Fixed part of a stack record; `ustack_bytes` of user stack (starting at `sp`) follow it.
 #[repr(C)]
@@ -209,6 +234,17 @@ impl Record for SchedEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_need_entry_holds_the_bytes_and_the_stacks_end() {
+        let v = need_entry(65536, 0x7ffd_1234_5000);
+        assert_eq!((entry_need(v), entry_top(v)), (65536, 0x7ffd_1234_5000));
+        assert!(entry_need(need_entry(USTACK_CAP as u32, 0)) >= USTACK_CAP as u32, "the largest copy");
+        let v = need_entry(1024, 0);
+        assert_eq!((entry_need(v), entry_top(v)), (1024, 0), "no end known");
+        assert_eq!(entry_top(need_entry(2048, 1)), 0, "an end looked for and not limiting: none");
+        assert_eq!(entry_top(need_entry(4096, 0x7000_0fff)), 0x7000_0000, "page aligned");
+    }
 
     #[test]
     fn only_interruptible_sleeps_reuse_a_kernel_stack() {

@@ -14,7 +14,7 @@ use probe_common::{
     stack::{
         KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
         STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
-        StackEvent, USTACK_CAP, kernel_key, last_run_flags,
+        StackEvent, USTACK_CAP, USTACK_WIDE, entry_need, entry_top, kernel_key, last_run_flags,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -30,8 +30,9 @@ const HDR: usize = core::mem::size_of::<StackEvent>();
 static USTACK_SEEN: LruHashMap<u32, SeenStacks> = LruHashMap::with_max_entries(16384, 0);
 
 /// How many user-stack bytes each target thread's stacks need, by tid (1024 to USTACK_CAP, a
-/// power of two): written by the collector from what unwinding them used, so a worker whose
-/// frames fit in 2 KiB is not copied 64 KiB a sample.
+/// power of two), with the end of its stack's mapping when known (`need_entry`): written by the
+/// collector from what unwinding them used, so a worker whose frames fit in 2 KiB is not copied
+/// 64 KiB a sample.
 /// 1: off-CPU stacks only for uninterruptible waits (TASK_UNINTERRUPTIBLE: disk IO, page faults,
 /// reclaim; what the disk and memory verdicts rest on), not for the frequent interruptible
 /// sleeps of thread pools and event loops (`probe watch`'s cost). 0: every block. Set by
@@ -66,7 +67,7 @@ fn d_only() -> bool {
 const TASK_UNINTERRUPTIBLE: i64 = 0x2;
 
 #[map(name = "USTACK_NEED")]
-static USTACK_NEED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0);
+static USTACK_NEED: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
 
 /// Target threads off the CPU since this time (ns), by tid.
 /// Per target thread off the CPU: [when it left (low bit set: still runnable, preempted), when
@@ -190,28 +191,32 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
     // A CPython thread's Python frames go first, in a record of their own (python.rs).
     crate::python::send(pid, tid);
     if sp == 0 {
-        c.send::<0>(same_as_last);
+        c.send::<0>(0, same_as_last);
         return;
     }
     // As many bytes as this thread's stacks took to unwind so far (the collector says, in
-    // USTACK_NEED); before it knows, up to USTACK_CAP (CPU, faults, IO) or 16 KiB (off-CPU).
+    // USTACK_NEED); before it knows, up to USTACK_WIDE (CPU, faults, IO) or 16 KiB (off-CPU).
     // The stack is read straight into the ring record (no copy through a scratch buffer); near
     // the top of a stack a long read faults as a whole: shorter ones are tried.
     // SAFETY: the value is copied out at once.
-    let cap = match unsafe { USTACK_NEED.get(&tid) } {
-        Some(&need) => need,
-        None if full => USTACK_CAP as u32,
-        None => 16384,
+    // The largest copy reads only up to the end of the stack's mapping, when the collector found
+    // it (`need_entry`): its record then has room to spare.
+    let (cap, top) = match unsafe { USTACK_NEED.get(&tid) } {
+        Some(&v) => (entry_need(v), entry_top(v)),
+        None if full => (USTACK_WIDE as u32, 0),
+        None => (16384, 0),
     };
-    let done = (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(same_as_last))
-        || (cap >= 32768 && c.send::<32768>(same_as_last))
-        || (cap >= 16384 && c.send::<16384>(same_as_last))
-        || (cap >= 8192 && c.send::<8192>(same_as_last))
-        || (cap >= 4096 && c.send::<4096>(same_as_last))
-        || (cap >= 2048 && c.send::<2048>(same_as_last))
-        || c.send::<1024>(same_as_last);
+    let room = if top > sp { top - sp } else { 0 };
+    let done = (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(room, same_as_last))
+        || (cap >= USTACK_WIDE as u32 && c.send::<USTACK_WIDE>(room, same_as_last))
+        || (cap >= 32768 && c.send::<32768>(0, same_as_last))
+        || (cap >= 16384 && c.send::<16384>(0, same_as_last))
+        || (cap >= 8192 && c.send::<8192>(0, same_as_last))
+        || (cap >= 4096 && c.send::<4096>(0, same_as_last))
+        || (cap >= 2048 && c.send::<2048>(0, same_as_last))
+        || c.send::<1024>(0, same_as_last);
     if !done {
-        c.send::<0>(same_as_last);
+        c.send::<0>(0, same_as_last);
     }
 }
 
@@ -231,18 +236,23 @@ struct Capture {
 }
 
 impl Capture {
-    /// Reserve a record with N bytes of user stack and fill it: false (and nothing sent) when
-    /// the stack read of N bytes faulted; true once sent or counted lost.
+    /// Reserve a record with room for N bytes of user stack and fill it: with N bytes, or only
+    /// `room` when that is less (the bytes up to the end of the stack's mapping; 0: not known);
+    /// false (and nothing sent) when the stack read faulted; true once sent or counted lost.
     #[inline(always)]
-    fn send<const N: usize>(&self, same_as_last: bool) -> bool {
-        // The stack is one mapping: when its N-th byte reads, all N do. Probe that first, so a
+    fn send<const N: usize>(&self, room: u64, same_as_last: bool) -> bool {
+        let len: u32 = if room > 0 && room < N as u64 { room as u32 & !7 } else { N as u32 };
+        if N > 0 && (len < 8 || len > N as u32) {
+            return false;
+        }
+        // The stack is one mapping: when its last byte reads, all do. Probe that first, so a
         // size that would fault never reserves ring space (a discarded record holds its room
         // until the collector passes it: new threads near the top of their stacks made thread
         // churn lose events that way).
         if N > 0 {
             let mut last = 0u64;
             // SAFETY: a probe read of 8 bytes into a local.
-            if unsafe { bpf_probe_read_user((&raw mut last).cast(), 8, (self.sp + N as u64 - 8) as *const _) } != 0 {
+            if unsafe { bpf_probe_read_user((&raw mut last).cast(), 8, (self.sp + len as u64 - 8) as *const _) } != 0 {
                 return false;
             }
         }
@@ -255,7 +265,7 @@ impl Capture {
         // SAFETY: `base` is the reserved record of HDR + N bytes; the user read writes N bytes
         // at offset HDR, the header fills the first HDR.
         unsafe {
-            if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), N as u32, self.sp as *const _) != 0 {
+            if N > 0 && bpf_probe_read_user(base.add(HDR).cast(), len, self.sp as *const _) != 0 {
                 // With the same wake-up flag: when this record crossed the backlog threshold,
                 // the collector must still be woken (the next records will not force it).
                 rec.discard(flags);
@@ -273,7 +283,7 @@ impl Capture {
                     core::ptr::write_unaligned(base.add(HDR + off as usize).cast::<u64>(), call.ret_addr);
                 }
             }
-            self.header(base.cast(), self.what, N as u32);
+            self.header(base.cast(), self.what, if N > 0 { len } else { 0 });
         }
         rec.submit(flags);
         true

@@ -236,7 +236,7 @@ struct State {
     /// Off-CPU stacks waiting for their thread to run again (by tid).
     offcpu: HashMap<u32, record::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
-    ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    ustack_need: Option<aya::maps::HashMap<MapData, u32, u64>>,
     /// The kernel's names of the processes charged with waits ([`probe_common::maps::OTHER_COMMS`]).
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     /// CPython targets: their threads in the kernel's map (where each one's frame chain starts)
@@ -248,7 +248,7 @@ struct State {
     /// whoever issues it), and the files told.
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
     files_told: HashSet<(u32, u32, u64)>,
-    need_told: HashMap<u32, u32>,
+    need_told: HashMap<u32, (u32, u64)>,
     /// Cut user stacks by (kind, outermost frame), and the modules' paths: named at the end.
     cut_tops: HashMap<(record::StackKind, (i64, u64)), u64>,
     module_paths: HashMap<i64, String>,

@@ -46,7 +46,7 @@ impl State {
             }
             _ => {
                 let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
-                self.learn_need(s.hdr.tid, &u, ustack.len());
+                self.learn_need(s.hdr.pid, s.hdr.tid, s.sp, &u, ustack.len());
                 if offcpu {
                     // Threads that exited leave entries until their process does: bounded like
                     // the kernel's map (a thread forgotten here is unwound from its ip alone once).
@@ -162,22 +162,43 @@ impl State {
     /// Tell the kernel how many user-stack bytes `tid`'s stacks need, from what unwinding this
     /// one used: a quarter more, in powers of two from 1 KiB, only ever growing; double when the
     /// unwinder ran out of bytes. The copy is most of a stack sample's cost in the kernel
-    /// (64 KiB for 18 us; llama-server's workers unwind in 2 KiB).
-    fn learn_need(&mut self, tid: u32, u: &crate::kernel::unwind::Unwound, given: usize) {
+    /// (64 KiB for 18 us; llama-server's workers unwind in 2 KiB). A stack that ran out short of
+    /// the largest copy may end nearer than that above `sp` (the largest read faulted, a smaller
+    /// one came): the end of its mapping, read from /proc once per thread (again only when the
+    /// stack is seen above it), is told too, and the largest copy reads up to it.
+    fn learn_need(&mut self, pid: u32, tid: u32, sp: u64, u: &crate::kernel::unwind::Unwound, given: usize) {
         let Some(map) = self.ustack_need.as_mut() else { return };
         let cap = probe_common::stack::USTACK_CAP as u64;
         let class = |b: u64| b.next_power_of_two().clamp(1024, cap + 8).min(cap) as u32;
-        let told = self.need_told.get(&tid).copied().unwrap_or(0);
-        let want = if u.short { class(given as u64 * 2) } else { class(u.used_bytes + u.used_bytes / 4) };
-        if want <= told || (!u.short && u.used_bytes == 0) {
+        let (told, told_top) = self.need_told.get(&tid).copied().unwrap_or((0, 0));
+        let mut want = if u.short { class(given as u64 * 2) } else { class(u.used_bytes + u.used_bytes / 4) };
+        if !u.short && u.used_bytes == 0 {
+            want = 0;
+        }
+        let want = want.max(told);
+        // 1: looked for, not nearer than the largest copy (no end told).
+        let looked = told_top != 0 && (told_top == 1 || sp < told_top);
+        let top = if u.short && (given as u64) < cap && !looked {
+            match crate::os::procfs::mapping_end(pid, sp) {
+                Some(end) if end > sp && end - sp < cap => end,
+                _ => 1,
+            }
+        } else {
+            told_top
+        };
+        if (want, top) == (told, told_top) || want == 0 {
             return;
         }
         if self.need_told.len() >= LAST_USER_STACKS && !self.need_told.contains_key(&tid) {
             self.need_told.clear();
         }
-        if map.insert(tid, want, 0).is_ok() {
-            log::debug!("thread {tid}: user stacks need {want} bytes (used {}, short {}, given {given})", u.used_bytes, u.short);
-            self.need_told.insert(tid, want);
+        if map.insert(tid, probe_common::stack::need_entry(want, top), 0).is_ok() {
+            log::debug!(
+                "thread {tid}: user stacks need {want} bytes, stack ends at {top:#x} (used {}, short {}, given {given})",
+                u.used_bytes,
+                u.short
+            );
+            self.need_told.insert(tid, (want, top));
         }
     }
 }

@@ -51,6 +51,17 @@ pub fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
     Ok(parse_maps(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
 }
 
+/// The end of the mapping of `pid` that holds `addr` (a thread's stack: anonymous mappings too),
+/// from /proc/PID/maps.
+pub fn mapping_end(pid: u32, addr: u64) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    text.lines().find_map(|l| {
+        let (start, end) = l.split(' ').next()?.split_once('-')?;
+        let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+        (start <= addr && addr < end).then_some(end)
+    })
+}
+
 pub fn exists(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }

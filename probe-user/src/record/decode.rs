@@ -114,6 +114,20 @@ fn read_var<T: Copy>(bytes: &[u8], kind: EventKind, tail: impl Fn(&T) -> u32) ->
     Ok(ev)
 }
 
+/// A stack record: its user stack follows, and the kernel's two largest copies may leave the rest
+/// of their fixed room (128 and 64 KiB) unused (filled up to the end of the stack's mapping).
+fn read_stack(bytes: &[u8]) -> Result<StackEvent, DecodeError> {
+    let kind = EventKind::Stack;
+    let fixed = size_of::<StackEvent>();
+    let ev: StackEvent = read(bytes.get(..fixed).ok_or(DecodeError::Size { kind: kind.name(), len: bytes.len(), want: fixed })?, kind)?;
+    let want = fixed + ev.ustack_bytes as usize;
+    let roomy = [probe_common::stack::USTACK_CAP, probe_common::stack::USTACK_WIDE].map(|n| fixed + n);
+    if bytes.len() != want && !(roomy.contains(&bytes.len()) && want <= bytes.len()) {
+        return Err(DecodeError::Size { kind: kind.name(), len: bytes.len(), want });
+    }
+    Ok(ev)
+}
+
 /// The fixed part `T` at the start of a raw record, without checking its kind or size beyond
 /// what `T` needs (for routing a record without decoding it whole).
 pub fn prefix<T: Copy>(bytes: &[u8]) -> Option<T> {
@@ -143,7 +157,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         EventKind::Sock => Event::Sock(read(bytes, kind)?),
         EventKind::Proc => Event::Proc(read(bytes, kind)?),
         EventKind::Data => Event::Data(Box::new(read_var(bytes, kind, |e: &DataEvent| e.captured)?)),
-        EventKind::Stack => Event::Stack(Box::new(read_var(bytes, kind, |e: &StackEvent| e.ustack_bytes)?)),
+        EventKind::Stack => Event::Stack(Box::new(read_stack(bytes)?)),
         EventKind::Sched => Event::Sched(read(bytes, kind)?),
         EventKind::Mem => Event::Mem(read(bytes, kind)?),
         EventKind::Engine => Event::Engine(Box::new(read(bytes, kind)?)),
@@ -156,7 +170,10 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
 pub fn data_payload(bytes: &[u8]) -> &[u8] {
     match kind_of(bytes) {
         Ok(EventKind::Data) => bytes.get(size_of::<DataEvent>()..).unwrap_or_default(),
-        Ok(EventKind::Stack) => bytes.get(size_of::<StackEvent>()..).unwrap_or_default(),
+        Ok(EventKind::Stack) => {
+            let n = prefix::<StackEvent>(bytes).map_or(0, |e| e.ustack_bytes as usize);
+            bytes.get(size_of::<StackEvent>()..).map_or(&[], |t| &t[..n.min(t.len())])
+        }
         _ => &[],
     }
 }
@@ -223,6 +240,29 @@ mod tests {
         let mut short = encode(&ev);
         short.extend_from_slice(&[7u8; 16]);
         assert!(matches!(decode(&short), Err(DecodeError::Size { kind: "stack", .. })));
+        // The kernel's largest copy: 128 KiB of room, filled up to the end of the stack's mapping.
+        ev.ustack_bytes = 40 << 10;
+        let mut roomy = encode(&ev);
+        roomy.resize(roomy.len() + probe_common::stack::USTACK_CAP, 9);
+        assert_eq!(decode(&roomy), Ok(Event::Stack(Box::new(ev))));
+        assert_eq!(data_payload(&roomy).len(), 40 << 10);
+        ev.ustack_bytes = probe_common::stack::USTACK_CAP as u32 + 8;
+        let mut over = encode(&ev);
+        over.resize(over.len() + probe_common::stack::USTACK_CAP, 9);
+        assert!(decode(&over).is_err(), "claims more than the room");
+        // So may the second largest; no other.
+        ev.ustack_bytes = 50 << 10;
+        let mut wide = encode(&ev);
+        wide.resize(wide.len() + probe_common::stack::USTACK_WIDE, 9);
+        assert_eq!(decode(&wide), Ok(Event::Stack(Box::new(ev))));
+        ev.ustack_bytes = probe_common::stack::USTACK_WIDE as u32 + 8;
+        let mut over = encode(&ev);
+        over.resize(over.len() + probe_common::stack::USTACK_WIDE, 9);
+        assert!(decode(&over).is_err(), "claims more than the second largest room");
+        ev.ustack_bytes = 3000;
+        let mut part = encode(&ev);
+        part.resize(part.len() + 4096, 9);
+        assert!(decode(&part).is_err(), "a 4 KiB record carrying 3000 bytes");
     }
 
     #[test]

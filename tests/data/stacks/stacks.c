@@ -4,6 +4,8 @@
  * prints "done ...". Modes: spin SECS, read-cold FILE MIB, touch-cold FILE PAGES, churn THREADS,
  * bursts SECS (5 ms of work, 200 us asleep: the steal it measured while it ran).
  *   stacks spin SECONDS          outer -> middle -> inner, spinning in inner
+ *   stacks deep SECONDS          a thread: big_frame (40 KiB of locals) -> by turns outer -> middle
+ *                                -> inner and side -> inner, 250 ms each (llama-server's main is like it)
  *   stacks read-cold FILE MB     read_cold(): O_DIRECT reads of a file evicted from the cache
  *   stacks touch-cold FILE PAGES touch_cold(): touches PAGES pages of a cold file mapped MADV_RANDOM
  */
@@ -51,6 +53,34 @@ __attribute__((noinline)) uint64_t outer(uint64_t deadline) {
     uint64_t r = middle(deadline);
     sink += r;
     return r + 1;
+}
+
+__attribute__((noinline)) uint64_t side(uint64_t deadline) {
+    uint64_t r = inner(deadline);
+    sink += r;
+    return r + 2;
+}
+
+/* A frame with 40 KiB of locals over two call paths taken by turns. */
+__attribute__((noinline)) uint64_t big_frame(double secs) {
+    volatile char pad[40 << 10];
+    /* Every page touched, as a program's locals are (an untouched page cannot be copied). */
+    for (size_t i = 0; i < sizeof pad; i += 512) pad[i] = (char)i;
+    pad[sizeof pad - 1] = 2;
+    uint64_t end = now_ns() + (uint64_t)(secs * 1e9), r = 0;
+    for (int turn = 0; now_ns() < end; turn++) {
+        uint64_t slice = now_ns() + 250000000ull;
+        r += turn % 2 ? side(slice < end ? slice : end) : outer(slice < end ? slice : end);
+    }
+    return r + pad[0] + pad[sizeof pad - 1];
+}
+
+/* The deep mode's thread (a thread's stack has room above its frames: the main thread's ends
+ * a few KiB above main, nearer than the largest copy). */
+static void *deep_thread(void *arg) {
+    uint64_t r = big_frame(*(double *)arg);
+    sink += r;
+    return NULL;
 }
 
 static void make_cold(const char *path, size_t bytes) {
@@ -188,6 +218,13 @@ int main(int argc, char **argv) {
         wait_go();
         uint64_t r = outer(now_ns() + (uint64_t)(atof(argv[2]) * 1e9));
         printf("done %llu\n", (unsigned long long)(r & 1));
+    } else if (!strcmp(argv[1], "deep")) {
+        double secs = atof(argv[2]);
+        pthread_t t;
+        wait_go();
+        if (pthread_create(&t, NULL, deep_thread, &secs)) { perror("pthread_create"); exit(2); }
+        pthread_join(t, NULL);
+        printf("done %llu\n", (unsigned long long)(sink & 1));
     } else if (!strcmp(argv[1], "read-cold") && argc > 3) {
         size_t bytes = (size_t)atoi(argv[3]) << 20;
         make_cold(argv[2], bytes);

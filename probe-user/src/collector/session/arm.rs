@@ -141,7 +141,7 @@ struct Armed {
     stages: Vec<(String, f64)>,
     engine_seen: Vec<crate::os::target_file::Ident>,
     bpf_unmeasured: Option<String>,
-    ustack_need: Option<aya::maps::HashMap<MapData, u32, u32>>,
+    ustack_need: Option<aya::maps::HashMap<MapData, u32, u64>>,
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     py_threads: Option<aya::maps::HashMap<MapData, u32, probe_common::python::PyThread>>,
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
