@@ -118,7 +118,7 @@ pub fn hand_off(attached: Attached) {
     let lock = crate::os::kernel_cache::attach_lock(std::path::Path::new(crate::os::kernel_cache::DIR));
     let lock_fd = lock.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
     // SAFETY: the child calls only async-signal-safe functions (close, read, flock, nanosleep,
-    // _exit) and reads errno.
+    // clock_gettime, _exit) and reads errno.
     match unsafe { libc::fork() } {
         0 => {
             // The child: let go of the terminal and of probe's output pipes (whoever reads them
@@ -132,7 +132,8 @@ pub fn hand_off(attached: Attached) {
                 let mut b = 0u8;
                 while libc::read(fds[0], (&raw mut b).cast(), 1) > 0 {}
                 // An arming trace tries the lock every millisecond; the child every 5 ms while
-                // it is held, and 3 ms after it let it go, so a waiting trace comes first.
+                // it is held, and 3 ms after it let it go following a teardown, so a waiting
+                // trace comes first.
                 let pause = |ms: i64| {
                     let t = libc::timespec { tv_sec: 0, tv_nsec: ms * 1_000_000 };
                     libc::nanosleep(&t, std::ptr::null_mut());
@@ -147,10 +148,20 @@ pub fn hand_off(attached: Attached) {
                             locking = false;
                         }
                     }
+                    let now = || {
+                        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+                        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t);
+                        t.tv_sec * 1_000_000_000 + t.tv_nsec
+                    };
+                    let t0 = now();
                     libc::close(fd);
                     if locking {
                         libc::flock(lock_fd, libc::LOCK_UN);
-                        pause(3);
+                        // Only after a close that tore something down (a map's or a program's
+                        // last-but-one reference goes in microseconds).
+                        if now() - t0 > 1_000_000 {
+                            pause(3);
+                        }
                     }
                 }
                 libc::_exit(0);
