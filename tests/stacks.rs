@@ -37,6 +37,11 @@ static CPUS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Run a workload mode under `probe trace` (started once the workload is ready, stopped by the
 /// workload's exit); returns the workload's `done` line and the recording directory.
 fn traced(name: &str, args: &[&str]) -> (String, PathBuf) {
+    traced_with(name, args, &[])
+}
+
+/// [`traced`] with more options for `probe trace`.
+fn traced_with(name: &str, args: &[&str], opts: &[&str]) -> (String, PathBuf) {
     let _cpus = CPUS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp(name);
     let mut w: Child = Command::new(workload()).args(args).current_dir(&dir).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
@@ -44,7 +49,9 @@ fn traced(name: &str, args: &[&str]) -> (String, PathBuf) {
     let ready = lines.next().unwrap().unwrap();
     let pid = ready.strip_prefix("ready ").unwrap().to_string();
     let rec = dir.join("rec");
-    let (mut p, rx, armed) = start_trace(&["--pid", &pid, "--duration", "60s", "--out", rec.to_str().unwrap()]);
+    let mut targs = vec!["--pid", &pid, "--duration", "60s", "--out", rec.to_str().unwrap()];
+    targs.extend_from_slice(opts);
+    let (mut p, rx, armed) = start_trace(&targs);
     assert!(armed.contains("cpu") && armed.contains("offcpu"), "stack probes not live: {armed}");
     writeln!(w.stdin.take().unwrap(), "go").unwrap();
     let done = lines.next().unwrap().unwrap();
@@ -90,6 +97,13 @@ fn stacks_of_a_thread_near_its_stacks_end_are_whole() {
     assert!(total >= 150, "3 s of spinning at 99 Hz gave only {total} samples");
     assert!(a * 4 >= total && b * 4 >= total, "outer;middle;inner {a}, side;inner {b} of {total}: {f:?}");
     assert!((a + b) * 10 >= total * 8, "whole stacks in {} of {total}: {f:?}", a + b);
+    // The user's choice of cheaper samples: copies of at most 16 KiB cut every stack under the
+    // 40 KiB frame.
+    let (_, rec) = traced_with("deep-16", &["deep", "2"], &["--stack-kib", "16"]);
+    let f = folded(&rec, "cpu");
+    let total: u64 = f.values().sum();
+    let whole: u64 = f.iter().filter(|(s, _)| s.contains("deep_thread;big_frame;")).map(|(_, n)| n).sum();
+    assert!(total >= 100 && whole * 10 <= total, "--stack-kib 16: {whole} of {total} stacks reached the thread's start: {f:?}");
 }
 
 /// The off-CPU graph weighs a wait by the time the thread was blocked, until its wake-up (the

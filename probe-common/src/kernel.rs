@@ -93,6 +93,9 @@ pub const KOFF_SYMBOL: &str = "KOFF";
 /// The global that limits off-CPU stacks to uninterruptible waits (u32, 1 = on): set by
 /// userspace before load (`probe watch`).
 pub const OFFCPU_D_ONLY_SYMBOL: &str = "OFFCPU_D_ONLY";
+/// The global that caps the user-stack bytes a record copies (u32; 0: no cap beyond the
+/// largest copy): set by userspace before load (`probe trace --stack-kib`).
+pub const USTACK_LIMIT_SYMBOL: &str = "USTACK_LIMIT";
 /// The global that says the perf programs (CPU samples, major faults) are attached per CPU, not
 /// per target thread, and must keep the targets' events only (u32, 1 = per CPU): set by
 /// userspace before load when probe runs in a PID namespace of its own.

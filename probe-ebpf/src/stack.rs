@@ -40,6 +40,11 @@ static USTACK_SEEN: LruHashMap<u32, SeenStacks> = LruHashMap::with_max_entries(1
 #[unsafe(no_mangle)]
 static OFFCPU_D_ONLY: u32 = 0;
 
+/// The most user-stack bytes a record copies (0: up to USTACK_CAP), the user's choice of
+/// cheaper samples over whole deep stacks (`--stack-kib`). Set by userspace before load.
+#[unsafe(no_mangle)]
+static USTACK_LIMIT: u32 = 0;
+
 /// 1: the perf programs are attached per CPU (probe in a PID namespace of its own cannot name
 /// the target's threads to perf): they keep the targets' events only. 0: per target thread,
 /// inherited by its children, every event is a target's. Set by userspace before load.
@@ -206,6 +211,14 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         None if full => (USTACK_WIDE as u32, 0),
         None => (16384, 0),
     };
+    // Off-CPU records copy at most USTACK_WIDE: a thread blocks far more often than it is
+    // sampled, and llama-server's main thread's 80 KiB copies at its switches filled half the
+    // ring within a request (copied out unread into fresh pages: 25-30 ms of probe's at normal
+    // priority during the request it was attached for).
+    let cap = if full { cap } else { cap.min(USTACK_WIDE as u32) };
+    // SAFETY: a read of a global the loader set; volatile so the compiler keeps the load.
+    let limit = unsafe { core::ptr::read_volatile(&raw const USTACK_LIMIT) };
+    let cap = if limit != 0 { cap.min(limit) } else { cap };
     let room = if top > sp { top - sp } else { 0 };
     let done = (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(room, same_as_last))
         || (cap >= USTACK_WIDE as u32 && c.send::<USTACK_WIDE>(room, same_as_last))

@@ -73,6 +73,7 @@ pub fn run() -> i32 {
             ring_bytes: 1 << 20,
             sample_hz: 99,
             offcpu_d_only: false,
+            stack_limit: 0,
             more: Vec::new(),
         };
         match probes::attach(&opts) {

@@ -63,6 +63,8 @@ pub struct TraceOptions {
     pub watch: Option<std::sync::Arc<crate::collector::segments::Link>>,
     /// Off-CPU stacks only for uninterruptible waits (see probes::Options).
     pub offcpu_d_only: bool,
+    /// The most user-stack bytes a record copies (0: the largest copy; see probes::Options).
+    pub stack_limit: u32,
     /// Send the requests as OpenTelemetry spans here at the end (`--otlp`).
     pub otlp: Option<crate::render::export::otlp::Endpoint>,
     /// Trace every process of this cgroup (`--cgroup`, `--container`), as they join it; the
@@ -144,6 +146,7 @@ pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
         ring_bytes: opts.ring_bytes,
         sample_hz: opts.sample_hz,
         offcpu_d_only: opts.offcpu_d_only,
+        stack_limit: opts.stack_limit,
         more: opts.cgroup.as_deref().map(crate::os::cgroup::procs).unwrap_or_default().into_iter().filter(|&p| p != opts.pid).collect(),
     };
     // Then the output: a refused --out costs nothing to attach (or to detach).

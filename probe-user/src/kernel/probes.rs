@@ -50,6 +50,8 @@ pub struct Options {
     pub sample_hz: u64,
     /// Off-CPU stacks only for uninterruptible waits (disk, faults, reclaim): `probe watch`.
     pub offcpu_d_only: bool,
+    /// The most user-stack bytes a record copies (0: the largest copy, 128 KiB).
+    pub stack_limit: u32,
     /// More processes traced from the start with their descendants (a cgroup's other members).
     pub more: Vec<u32>,
 }
@@ -237,6 +239,7 @@ fn load_object(opts: &Options, koff: &probe_common::kernel::KernelOffsets) -> an
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
         .override_global(probe_common::kernel::KOFF_SYMBOL, koff, true)
         .override_global(probe_common::kernel::OFFCPU_D_ONLY_SYMBOL, &u32::from(opts.offcpu_d_only), true)
+        .override_global(probe_common::kernel::USTACK_LIMIT_SYMBOL, &opts.stack_limit, true)
         .override_global(probe_common::kernel::PERF_PER_CPU_SYMBOL, &u32::from(in_own_pid_namespace()), true)
         .override_global(probe_common::kernel::WAKEUP_SHIFT_SYMBOL, &probe_common::wakeup_shift(opts.ring_bytes), true)
         .load(OBJECT)

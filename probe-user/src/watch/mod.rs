@@ -314,6 +314,7 @@ impl Session<'_> {
             max_size: None,
             watch: Some(link),
             offcpu_d_only: o.offcpu_d_only,
+            stack_limit: 0,
             otlp: None,
             cgroup: match &o.select {
                 target::Select::Cgroup(c) => Some(c.clone()),
