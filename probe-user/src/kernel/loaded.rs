@@ -98,13 +98,14 @@ pub fn switch_off(ebpf: &mut Ebpf) {
 /// classic tracepoint waits for an RCU grace period, one after another (about 2 s for 66
 /// programs on a 2-CPU VM), and the process that closes the last descriptor of each pays for it.
 /// The child holds the same descriptors and waits for probe's end (a pipe only probe holds open),
-/// then closes them one by one, each while holding the attach lock
-/// ([`crate::os::kernel_cache::attach_lock`]), and exits. A tracepoint's or uprobe's teardown
+/// then closes them one by one, each holding the attach lock shared
+/// ([`crate::os::kernel_cache::ATTACH_LOCK`]), and exits. A tracepoint's or uprobe's teardown
 /// holds the kernel's `event_mutex` through its grace periods, which a trace arming meanwhile
 /// needs (to read a tracepoint's format, register a uprobe, attach a tracepoint): it waited for
 /// the whole teardown, armed in 0.4-3 s where it took 0.1 (a trace started within 3 s of the last,
-/// as the tests and the demo do). An arming trace holds the lock, so the child pauses between
-/// two descriptors until it has armed: it waits for one teardown at most. probe itself exits at
+/// as the tests and the demo do). An arming trace holds the arming lock and then the attach lock
+/// exclusively, so children pause between two descriptors until it has armed: it waits for the
+/// closes in flight, one per child. Children of several traces close side by side. probe itself exits at
 /// once; kill -9 of either still leaves nothing attached. Without a child (fork refused), they are
 /// detached here.
 pub fn hand_off(attached: Attached) {
@@ -114,54 +115,59 @@ pub fn hand_off(attached: Attached) {
         return detach(attached);
     }
     // Made before the fork: after it, the child calls only async-signal-safe functions.
-    let held = kernel_objects();
-    let lock = crate::os::kernel_cache::attach_lock(std::path::Path::new(crate::os::kernel_cache::DIR));
-    let lock_fd = lock.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
+    use crate::os::kernel_cache::{ARMING_LOCK, ATTACH_LOCK, DIR, lock_file};
+    let dir = std::path::Path::new(DIR);
+    let (arming, attach) = (lock_file(dir, ARMING_LOCK), lock_file(dir, ATTACH_LOCK));
+    let raw = |f: &Option<std::fs::File>| f.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
+    let (arming_fd, attach_fd) = (raw(&arming), raw(&attach));
+    let (held, others) = descriptors(&[fds[0], fds[1], arming_fd, attach_fd]);
     // SAFETY: the child calls only async-signal-safe functions (close, read, flock, nanosleep,
-    // clock_gettime, _exit) and reads errno.
+    // _exit) and reads errno.
     match unsafe { libc::fork() } {
         0 => {
-            // The child: let go of the terminal and of probe's output pipes (whoever reads them
-            // sees their end with probe's), wait for probe to exit (the pipe's write end closes),
-            // then exit.
+            // The child: let go of the terminal, of probe's output pipes (whoever reads them sees
+            // their end with probe's) and of every other file (the recording's: its disk can be
+            // unmounted once probe has exited), wait for probe to exit (the pipe's write end
+            // closes), then close the kernel objects one by one.
             // SAFETY: plain descriptor calls on descriptors this process owns.
             unsafe {
-                for fd in [0, 1, 2, fds[1]] {
+                for fd in [0, 1, 2, fds[1]].into_iter().chain(others.iter().copied()) {
                     libc::close(fd);
                 }
                 let mut b = 0u8;
                 while libc::read(fds[0], (&raw mut b).cast(), 1) > 0 {}
-                // An arming trace tries the lock every millisecond; the child every 5 ms while
-                // it is held, and 3 ms after it let it go following a teardown, so a waiting
-                // trace comes first.
-                let pause = |ms: i64| {
-                    let t = libc::timespec { tv_sec: 0, tv_nsec: ms * 1_000_000 };
+                // A trace arming holds the arming lock: nothing is closed meanwhile (it is tried
+                // every 5 ms); each close holds the attach lock shared, so the arming trace
+                // waits for the closes in flight, one each at most. Children close side by side.
+                let pause = || {
+                    let t = libc::timespec { tv_sec: 0, tv_nsec: 5_000_000 };
                     libc::nanosleep(&t, std::ptr::null_mut());
                 };
-                let mut locking = lock_fd >= 0;
-                for &fd in &held {
-                    while locking && libc::flock(lock_fd, libc::LOCK_EX | libc::LOCK_NB) != 0 {
-                        let e = *libc::__errno_location();
-                        if e == libc::EWOULDBLOCK || e == libc::EINTR {
-                            pause(5);
-                        } else {
-                            locking = false;
-                        }
+                // Taken (or found unusable) within a bounded wait: false where it cannot be.
+                let take = |fd: i32, how: i32| -> bool {
+                    if fd < 0 {
+                        return false;
                     }
-                    let now = || {
-                        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-                        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t);
-                        t.tv_sec * 1_000_000_000 + t.tv_nsec
-                    };
-                    let t0 = now();
-                    libc::close(fd);
-                    if locking {
-                        libc::flock(lock_fd, libc::LOCK_UN);
-                        // Only after a close that tore something down (a map's or a program's
-                        // last-but-one reference goes in microseconds).
-                        if now() - t0 > 1_000_000 {
-                            pause(3);
+                    for _ in 0..400 {
+                        if libc::flock(fd, how | libc::LOCK_NB) == 0 {
+                            return true;
                         }
+                        let e = *libc::__errno_location();
+                        if e != libc::EWOULDBLOCK && e != libc::EINTR {
+                            return false;
+                        }
+                        pause();
+                    }
+                    false
+                };
+                for &fd in &held {
+                    if take(arming_fd, libc::LOCK_SH) {
+                        libc::flock(arming_fd, libc::LOCK_UN);
+                    }
+                    let locked = take(attach_fd, libc::LOCK_SH);
+                    libc::close(fd);
+                    if locked {
+                        libc::flock(attach_fd, libc::LOCK_UN);
                     }
                 }
                 libc::_exit(0);
@@ -185,18 +191,25 @@ pub fn hand_off(attached: Attached) {
     }
 }
 
-/// The descriptors of this process that hold kernel objects a trace made: BPF programs, maps and
-/// links, perf events.
-fn kernel_objects() -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return Vec::new() };
-    dir.filter_map(Result::ok)
+/// The descriptors of this process but `keep`: those that hold kernel objects a trace made (BPF
+/// programs, maps and links, perf events), and the others.
+fn descriptors(keep: &[i32]) -> (Vec<i32>, Vec<i32>) {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return (Vec::new(), Vec::new()) };
+    let listed: Vec<(i32, String)> = dir
+        .filter_map(Result::ok)
         .filter_map(|e| {
             let fd: i32 = e.file_name().to_str()?.parse().ok()?;
-            let target = std::fs::read_link(e.path()).ok()?;
-            let t = target.to_str()?;
-            (fd > 2 && (t.starts_with("anon_inode:bpf") || t == "anon_inode:[perf_event]")).then_some(fd)
+            let target = std::fs::read_link(e.path()).map(|t| t.to_string_lossy().into_owned()).unwrap_or_default();
+            Some((fd, target))
         })
-        .collect()
+        .filter(|(fd, _)| *fd > 2 && !keep.contains(fd))
+        .collect();
+    // The directory's own descriptor is listed and closed by now: closing it in the child is a
+    // harmless EBADF (nothing opens a descriptor there to take its number).
+    let kernel = |t: &str| t.starts_with("anon_inode:bpf") || t == "anon_inode:[perf_event]";
+    let held = listed.iter().filter(|(_, t)| kernel(t)).map(|(fd, _)| *fd).collect();
+    let others = listed.iter().filter(|(_, t)| !kernel(t)).map(|(fd, _)| *fd).collect();
+    (held, others)
 }
 
 /// Detach and unload every program, all at once: closing a classic tracepoint's last perf

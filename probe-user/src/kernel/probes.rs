@@ -104,6 +104,22 @@ fn raise_memlock() {
 /// (one descriptor's teardown: tens of ms, up to 2 s under load).
 const DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The arming and attach locks (`kernel_cache::ARMING_LOCK`, `ATTACH_LOCK`), each held
+/// exclusively where it could be had within [`DETACH_WAIT`] (None: no lock files).
+fn wait_for_teardowns() -> Option<(std::fs::File, std::fs::File)> {
+    use crate::os::kernel_cache::{ARMING_LOCK, ATTACH_LOCK, DIR, lock_file};
+    let dir = Path::new(DIR);
+    let (arming, attach) = (lock_file(dir, ARMING_LOCK)?, lock_file(dir, ATTACH_LOCK)?);
+    let t = std::time::Instant::now();
+    for f in [&arming, &attach] {
+        // SAFETY: flock on a descriptor we own.
+        while unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(f), libc::LOCK_EX | libc::LOCK_NB) } != 0 && t.elapsed() < DETACH_WAIT {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    Some((arming, attach))
+}
+
 /// What can be refused before anything is made or loaded: privileges, the pid, probe names.
 pub fn preflight(opts: &Options) -> anyhow::Result<()> {
     check_privileges()?;
@@ -125,16 +141,12 @@ pub fn preflight(opts: &Options) -> anyhow::Result<()> {
 pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     let mut laps = Laps { at: std::time::Instant::now(), stages: Vec::new() };
     preflight(opts)?;
-    // Held until armed: an earlier trace's hand-off child closes nothing meanwhile (`hand_off`).
-    // Tried every millisecond (the child pauses 3 ms between two descriptors), for at most
-    // `DETACH_WAIT`: past that, probe arms beside the teardown.
-    let lock = crate::os::kernel_cache::attach_lock(Path::new(crate::os::kernel_cache::DIR));
-    if let Some(l) = &lock {
-        let t = std::time::Instant::now();
-        // SAFETY: flock on a descriptor we own.
-        while unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(l), libc::LOCK_EX | libc::LOCK_NB) } != 0 && t.elapsed() < DETACH_WAIT {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+    // Held until armed: an earlier trace's hand-off child closes nothing meanwhile (`hand_off`):
+    // the arming lock first (children stop taking the attach lock), then the attach lock (the
+    // closes in flight end). Each tried every millisecond for at most `DETACH_WAIT` in all: past
+    // that, probe arms beside the teardown.
+    let locks = wait_for_teardowns();
+    if locks.is_some() {
         laps.lap("earlier_trace_detach");
     }
     let tracefs = tracefs::ensure_mounted().map_err(|e| anyhow!(e))?;

@@ -190,17 +190,24 @@ fn write(dir: &Path, name: &str, text: &[u8]) {
     }
 }
 
-/// The lock an arming trace holds, and an earlier trace's hand-off child takes between the
-/// descriptors it closes (`kernel::loaded::hand_off`): file `attach.lock` of `dir` (made 0700 if
-/// missing), opened read-write, when it is a regular file of the effective user's that no one else
-/// can write. None: no locking (a directory that is not ours, a read-only /run).
-pub fn attach_lock(dir: &Path) -> Option<File> {
+/// The lock an arming trace holds exclusively while it arms, and an earlier trace's hand-off child
+/// holds shared while it closes one descriptor (`kernel::loaded::hand_off`).
+pub const ATTACH_LOCK: &std::ffi::CStr = c"attach.lock";
+/// The lock an arming trace holds exclusively from before it asks for [`ATTACH_LOCK`]: a hand-off
+/// child closes nothing more while it is held (flock is not fair: children taking the shared
+/// lock one after another would keep an exclusive waiter out).
+pub const ARMING_LOCK: &std::ffi::CStr = c"arming.lock";
+
+/// Lock file `name` of `dir` (made 0700 if missing), opened read-write, when it is a regular file
+/// of the effective user's that no one else can write. None: no locking (a directory that is not
+/// ours, a read-only /run).
+pub fn lock_file(dir: &Path, name: &std::ffi::CStr) -> Option<File> {
     let d = open_dir(dir, true)?;
     // SAFETY: a valid directory fd and NUL-terminated name; O_NOFOLLOW: never through a link.
     let fd = unsafe {
         libc::openat(
             d.as_raw_fd(),
-            c"attach.lock".as_ptr(),
+            name.as_ptr(),
             libc::O_RDWR | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
             0o600,
         )
