@@ -57,18 +57,3 @@ pub fn cuts(raw: &[u16], len: usize) -> Vec<usize> {
     c.sort_unstable();
     c
 }
-
-/// JSON values equal up to the last bits of floats (serde_json's default float parser may read a
-/// number it wrote one unit in the last place off).
-pub fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
-    use serde_json::Value;
-    match (a, b) {
-        (Value::Number(x), Value::Number(y)) => match (x.as_f64(), y.as_f64()) {
-            (Some(x), Some(y)) if x.fract() != 0.0 || y.fract() != 0.0 => (x - y).abs() <= 1e-12 * x.abs().max(y.abs()),
-            _ => x == y,
-        },
-        (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_json(x, y)),
-        (Value::Object(x), Value::Object(y)) => x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w))),
-        _ => a == b,
-    }
-}

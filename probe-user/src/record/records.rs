@@ -679,6 +679,14 @@ mod tests {
                 ttft_ms: Some(20.0),
                 chunks: 3,
                 chunk_times_ms: vec![20.0, 30.0, 40.0],
+                // Floats read back bit for bit, the server's large ones too (serde_json's
+                // float_roundtrip: its default parser reads these one unit in the last place off).
+                stop: crate::stream::payload::Stop {
+                    usage: Some(serde_json::json!({"n": -1.490143767845386e129, "t": 6.162599865641032e196})),
+                    server_timings: Some(serde_json::json!({"prompt_ms": 1.947700395895162e-169})),
+                    ..Default::default()
+                },
+                final_ms: Some(1.0498824276453545e74),
                 ..Default::default()
             })),
             UserRecord::Stats(Box::new(Stats {

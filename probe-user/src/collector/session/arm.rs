@@ -8,7 +8,7 @@ use probe_common::maps;
 use tokio::io::unix::AsyncFd;
 
 use super::{Session, Source};
-use crate::collector::{State, TraceOptions, reserve_error, segments, stats};
+use crate::collector::{SPILL_MAX, Spill, State, TraceOptions, reserve_error, segments, stats};
 use crate::{
     monotonic_ns,
     os::procfs,
@@ -57,6 +57,11 @@ pub(super) fn arm(
     })?;
     let start_ns = monotonic_ns();
     let mut st = State::new(writer, start_ns, opts.pid, &attached.targets, opts.capture_text);
+    // A spill holds what the ring held past half full, and what came while it was copied out
+    // (a trace's own ring; the members of `watch --all` share the hub's, and spill rarely).
+    if matches!(kernel, Source::Own { .. }) {
+        st.spill = Spill::prepared((opts.ring_bytes as usize / 8 * 5).min(SPILL_MAX));
+    }
     // The engine probe follows executable files mapped after attach (when it was asked for):
     // those it searched already are not searched again.
     let follow_engine = attached.status.iter().any(|s| s.name == records::Subsystem::Engine);
