@@ -126,7 +126,7 @@ impl Table {
     /// The running kernel's table: kept from an earlier trace of this boot when its key still
     /// holds, else read from kallsyms (and kept for the next).
     fn load(key: &str) -> Table {
-        let dir = std::path::Path::new(crate::os::kernel_cache::DIR);
+        let dir = std::path::Path::new(crate::os::run_dir::DIR);
         if let Some(t) = crate::os::kernel_cache::map_bytes(dir, CACHE, key, 256 << 20).and_then(|m| Table::from_body(Body::Mapped(m))) {
             return t;
         }

@@ -94,12 +94,27 @@ pub fn switch_off(ebpf: &mut Ebpf) {
     }
 }
 
+/// The lock an arming trace holds exclusively while it arms, and an earlier trace's hand-off child
+/// holds shared while it closes one descriptor ([`hand_off`]).
+const ATTACH_LOCK: &std::ffi::CStr = c"attach.lock";
+/// The lock an arming trace holds exclusively from before it asks for [`ATTACH_LOCK`]: a hand-off
+/// child closes nothing more while it is held (flock is not fair: children taking the shared
+/// lock one after another would keep an exclusive waiter out).
+const ARMING_LOCK: &std::ffi::CStr = c"arming.lock";
+
+/// The arming lock and the attach lock, opened (None: no lock files: a /run/probe that is not
+/// ours, a read-only /run).
+pub(crate) fn teardown_locks() -> (Option<std::fs::File>, Option<std::fs::File>) {
+    let dir = std::path::Path::new(crate::os::run_dir::DIR);
+    (crate::os::run_dir::lock_file(dir, ARMING_LOCK), crate::os::run_dir::lock_file(dir, ATTACH_LOCK))
+}
+
 /// Hand the programs to a child process that lets them go once probe has exited: closing a
 /// classic tracepoint waits for an RCU grace period, one after another (about 2 s for 66
 /// programs on a 2-CPU VM), and the process that closes the last descriptor of each pays for it.
 /// The child holds the same descriptors and waits for probe's end (a pipe only probe holds open),
 /// then closes them one by one, each holding the attach lock shared
-/// ([`crate::os::kernel_cache::ATTACH_LOCK`]), and exits. A tracepoint's or uprobe's teardown
+/// ([`ATTACH_LOCK`]), and exits. A tracepoint's or uprobe's teardown
 /// holds the kernel's `event_mutex` through its grace periods, which a trace arming meanwhile
 /// needs (to read a tracepoint's format, register a uprobe, attach a tracepoint): it waited for
 /// the whole teardown, armed in 0.4-3 s where it took 0.1 (a trace started within 3 s of the last,
@@ -115,9 +130,7 @@ pub fn hand_off(attached: Attached) {
         return detach(attached);
     }
     // Made before the fork: after it, the child calls only async-signal-safe functions.
-    use crate::os::kernel_cache::{ARMING_LOCK, ATTACH_LOCK, DIR, lock_file};
-    let dir = std::path::Path::new(DIR);
-    let (arming, attach) = (lock_file(dir, ARMING_LOCK), lock_file(dir, ATTACH_LOCK));
+    let (arming, attach) = teardown_locks();
     let raw = |f: &Option<std::fs::File>| f.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
     let (arming_fd, attach_fd) = (raw(&arming), raw(&attach));
     let (held, others) = descriptors(&[fds[0], fds[1], arming_fd, attach_fd]);

@@ -104,12 +104,11 @@ fn raise_memlock() {
 /// (one descriptor's teardown: tens of ms, up to 2 s under load).
 const DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The arming and attach locks (`kernel_cache::ARMING_LOCK`, `ATTACH_LOCK`), each held
-/// exclusively where it could be had within [`DETACH_WAIT`] (None: no lock files).
+/// The arming and attach locks ([`super::loaded::teardown_locks`]), each held exclusively where
+/// it could be had within [`DETACH_WAIT`] (None: no lock files).
 fn wait_for_teardowns() -> Option<(std::fs::File, std::fs::File)> {
-    use crate::os::kernel_cache::{ARMING_LOCK, ATTACH_LOCK, DIR, lock_file};
-    let dir = Path::new(DIR);
-    let (arming, attach) = (lock_file(dir, ARMING_LOCK)?, lock_file(dir, ATTACH_LOCK)?);
+    let (arming, attach) = super::loaded::teardown_locks();
+    let (arming, attach) = (arming?, attach?);
     let t = std::time::Instant::now();
     for f in [&arming, &attach] {
         // SAFETY: flock on a descriptor we own.
@@ -447,7 +446,7 @@ fn slowest(mut per_program: Vec<(String, f64)>) -> impl Iterator<Item = (String,
 fn kernel_offsets() -> (probe_common::kernel::KernelOffsets, Option<String>, bool) {
     use crate::os::kernel_cache;
     let key = kernel_cache::key();
-    let dir = Path::new(kernel_cache::DIR);
+    let dir = Path::new(crate::os::run_dir::DIR);
     if let Some(k) = kernel_cache::load(dir, &key) {
         return (k, None, true);
     }

@@ -7,23 +7,23 @@
 //!
 //! A stale entry is never used: it is replaced.
 //!
-//! Root-safe: the directory is made 0700 and must be a real directory owned by the effective user
-//! with no group or other write; the file is opened with `O_NOFOLLOW` under that directory's
-//! descriptor, must be a regular file of ours, and is replaced by rename, never written in place.
+//! Root-safe: the directory and the files pass [`run_dir`]'s checks; a file is replaced by rename,
+//! never written in place.
 use std::{
     ffi::CString,
     fs::File,
     io::{Read as _, Write as _},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::{ffi::OsStrExt, fs::MetadataExt},
+        unix::fs::MetadataExt,
     },
     path::Path,
 };
 
 use probe_common::kernel::KernelOffsets;
 
-pub const DIR: &str = "/run/probe";
+use super::run_dir;
+
 const NAME: &str = "kernel-offsets";
 const MAGIC: &str = "probe kernel offsets 1";
 const WORDS: usize = std::mem::size_of::<KernelOffsets>() / 4;
@@ -106,8 +106,7 @@ pub fn store_bytes(dir: &Path, name: &str, key: &str, body: &[u8]) {
     write(dir, name, &all);
 }
 
-/// File `name` of `dir`, at most `max` bytes, when it is a regular file of the effective user's
-/// that no one else can write, in a directory that passes [`open_dir`].
+/// File `name` of `dir`, at most `max` bytes, read whole when it passes [`open_kept`]'s checks.
 fn read(dir: &Path, name: &str, max: u64) -> Option<Vec<u8>> {
     let mut f = open_kept(dir, name, max)?;
     let mut bytes = Vec::with_capacity(f.metadata().ok()?.len() as usize);
@@ -115,20 +114,11 @@ fn read(dir: &Path, name: &str, max: u64) -> Option<Vec<u8>> {
     Some(bytes)
 }
 
-/// File `name` of `dir` opened, when it passes [`read`]'s checks.
+/// File `name` of `dir`, opened read-only, when it is at most `max` bytes and passes
+/// [`run_dir::open_in`]'s checks, in a directory that passes [`run_dir::open_dir`].
 fn open_kept(dir: &Path, name: &str, max: u64) -> Option<File> {
-    let d = open_dir(dir, false)?;
-    let name = CString::new(name).ok()?;
-    // SAFETY: a valid directory fd and NUL-terminated name; the returned fd is owned below.
-    let fd = unsafe { libc::openat(d.as_raw_fd(), name.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd was just opened and is owned by nothing else.
-    let f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-    let m = f.metadata().ok()?;
-    // SAFETY: geteuid cannot fail.
-    (m.is_file() && m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0 && m.len() <= max).then_some(f)
+    let f = run_dir::open_in(&run_dir::open_dir(dir, false)?, &CString::new(name).ok()?, libc::O_RDONLY)?;
+    (f.metadata().ok()?.len() <= max).then_some(f)
 }
 
 fn parse(text: &str, key: &str) -> Option<KernelOffsets> {
@@ -163,7 +153,7 @@ pub fn store(dir: &Path, key: &str, k: &KernelOffsets) {
 /// Replace file `name` of `dir` (made 0700 if missing) with `text`: written to a new file
 /// (`O_EXCL`, never following a link), then renamed over. Best effort.
 fn write(dir: &Path, name: &str, text: &[u8]) {
-    let Some(d) = open_dir(dir, true) else { return };
+    let Some(d) = run_dir::open_dir(dir, true) else { return };
     let tmp = format!(".{name}.{}", std::process::id());
     let (Ok(tmp_c), Ok(name_c)) = (CString::new(tmp.as_str()), CString::new(name)) else { return };
     // SAFETY: valid directory fd and NUL-terminated name; O_EXCL|O_NOFOLLOW: never an existing file or link.
@@ -188,58 +178,6 @@ fn write(dir: &Path, name: &str, text: &[u8]) {
         // SAFETY: as above.
         unsafe { libc::unlinkat(d.as_raw_fd(), tmp_c.as_ptr(), 0) };
     }
-}
-
-/// The lock an arming trace holds exclusively while it arms, and an earlier trace's hand-off child
-/// holds shared while it closes one descriptor (`kernel::loaded::hand_off`).
-pub const ATTACH_LOCK: &std::ffi::CStr = c"attach.lock";
-/// The lock an arming trace holds exclusively from before it asks for [`ATTACH_LOCK`]: a hand-off
-/// child closes nothing more while it is held (flock is not fair: children taking the shared
-/// lock one after another would keep an exclusive waiter out).
-pub const ARMING_LOCK: &std::ffi::CStr = c"arming.lock";
-
-/// Lock file `name` of `dir` (made 0700 if missing), opened read-write, when it is a regular file
-/// of the effective user's that no one else can write. None: no locking (a directory that is not
-/// ours, a read-only /run).
-pub fn lock_file(dir: &Path, name: &std::ffi::CStr) -> Option<File> {
-    let d = open_dir(dir, true)?;
-    // SAFETY: a valid directory fd and NUL-terminated name; O_NOFOLLOW: never through a link.
-    let fd = unsafe {
-        libc::openat(
-            d.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_RDWR | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
-            0o600,
-        )
-    };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd was just opened and is owned by nothing else.
-    let f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-    let m = f.metadata().ok()?;
-    // SAFETY: geteuid cannot fail.
-    (m.is_file() && m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0).then_some(f)
-}
-
-/// `dir`, opened without following a link, if it is a directory of the effective user's that no one
-/// else can write; made (0700) when missing and `create`.
-fn open_dir(dir: &Path, create: bool) -> Option<OwnedFd> {
-    let c = CString::new(dir.as_os_str().as_bytes()).ok()?;
-    if create {
-        // SAFETY: NUL-terminated path. EEXIST is fine: what exists is checked below.
-        unsafe { libc::mkdir(c.as_ptr(), 0o700) };
-    }
-    // SAFETY: NUL-terminated path; the fd is owned below.
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd was just opened and is owned by nothing else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let m = File::from(fd.try_clone().ok()?).metadata().ok()?;
-    // SAFETY: geteuid cannot fail.
-    (m.is_dir() && m.uid() == unsafe { libc::geteuid() } && m.mode() & 0o022 == 0).then_some(fd)
 }
 
 #[cfg(test)]

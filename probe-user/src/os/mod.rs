@@ -5,6 +5,7 @@ pub mod btf;
 pub mod cgroup;
 pub mod kernel_cache;
 pub mod procfs;
+pub mod run_dir;
 pub mod target_file;
 pub mod tracefs;
 pub mod yielding;
