@@ -143,6 +143,32 @@ pub const fn kernel_key(orig_ax: u64, state: u32) -> u64 {
     if state & 0x2 != 0 || state == 0 { 0 } else { (state as u64) << 32 | (orig_ax & 0xffff_ffff) }
 }
 
+/// The `prev_state` the classic sched_switch tracepoint reports (the kernel's
+/// `__trace_sched_switch_state`), from the raw tracepoint's arguments: preempted,
+/// TASK_REPORT_MAX (0x100); otherwise the highest bit of the state within TASK_REPORT (0x7f),
+/// where TASK_IDLE reads as idle (0x80), a wait for an RT lock as TASK_UNINTERRUPTIBLE (0x2), and
+/// a thread past `do_task_dead` (TASK_DEAD, 0x80: its exit state is not in `__state`) as
+/// EXIT_DEAD (0x10).
+#[inline(always)]
+pub const fn reported_state(preempt: bool, prev: u32) -> i64 {
+    const TASK_DEAD: u32 = 0x80;
+    const TASK_IDLE: u32 = 0x402;
+    const TASK_RTLOCK_WAIT: u32 = 0x1000;
+    if preempt {
+        return 0x100;
+    }
+    let s = if prev & TASK_RTLOCK_WAIT != 0 {
+        0x2
+    } else if prev & TASK_IDLE == TASK_IDLE {
+        0x80
+    } else if prev & TASK_DEAD != 0 {
+        0x10
+    } else {
+        prev & 0x7f
+    };
+    if s == 0 { 0 } else { 1i64 << (31 - s.leading_zeros()) }
+}
+
 pub const STACK_CPU: u32 = 1;
 pub const STACK_OFFCPU: u32 = 2;
 pub const STACK_FAULT: u32 = 3;
@@ -234,6 +260,28 @@ impl Record for SchedEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The raw tracepoint's state reads as the classic one reports it (include/linux/sched.h's
+    /// bits; `__trace_sched_switch_state` in include/trace/events/sched.h).
+    #[test]
+    fn raw_switch_states_read_as_the_classic_tracepoint_reports_them() {
+        for (preempt, raw, classic) in [
+            (true, 0x1, 0x100),   // preempted: runnable whatever the state
+            (false, 0x0, 0x0),    // yielded: running
+            (false, 0x1, 0x1),    // TASK_INTERRUPTIBLE: S
+            (false, 0x2, 0x2),    // TASK_UNINTERRUPTIBLE: D
+            (false, 0x102, 0x2),  // TASK_KILLABLE: D
+            (false, 0x2002, 0x2), // D | TASK_FREEZABLE
+            (false, 0x402, 0x80), // TASK_IDLE: I
+            (false, 0x1000, 0x2), // TASK_RTLOCK_WAIT: D
+            (false, 0x4, 0x4),    // __TASK_STOPPED: T
+            (false, 0x8, 0x8),    // __TASK_TRACED: t
+            (false, 0x40, 0x40),  // TASK_PARKED
+            (false, 0x80, 0x10),  // TASK_DEAD: its last switch, an exit
+        ] {
+            assert_eq!(reported_state(preempt, raw), classic, "preempt {preempt}, state {raw:#x}");
+        }
+    }
 
     #[test]
     fn a_need_entry_holds_the_bytes_and_the_stacks_end() {

@@ -14,7 +14,7 @@ use probe_common::{
     stack::{
         KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
         STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
-        StackEvent, USTACK_CAP, USTACK_WIDE, entry_need, entry_top, kernel_key, last_run_flags,
+        StackEvent, USTACK_CAP, USTACK_WIDE, entry_need, entry_top, kernel_key, last_run_flags, reported_state,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -407,11 +407,27 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     0
 }
 
-/// sched:sched_switch (prev_pid @24, prev_state @32, next_pid @56): runs in `prev`. A target
-/// thread that blocks (state != running) sends its stack; when it runs again its blocked time.
+/// sched:sched_switch from its raw tracepoint (args: preempt, prev, next, prev_state; Linux 5.18
+/// on, where an older kernel refuses the attach and [`sched_switch`] runs instead): no trace
+/// record is made for it, and its teardown does not hold the kernel's `event_mutex` through
+/// grace periods as a classic tracepoint's does. Runs in `prev`, as the classic one.
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn sched_switch_raw(ctx: RawTracePointContext) -> i32 {
+    let (preempt, next, prev_state): (u64, u64, u64) = (ctx.arg(0), ctx.arg(2), ctx.arg(3));
+    if let Some(next) = crate::task::read::<i32>(next, crate::task::offsets().task_pid) {
+        let _ = on_switch(ctx.as_ptr(), || Ok(reported_state(preempt & 0xff != 0, prev_state as u32)), next as u32);
+    }
+    0
+}
+
+/// sched:sched_switch (prev_pid @24, prev_state @32, next_pid @56), where the raw tracepoint
+/// cannot attach: runs in `prev`. A target thread that blocks (state != running) sends its
+/// stack; when it runs again its blocked time.
 #[tracepoint(category = "sched", name = "sched_switch")]
 pub fn sched_switch(ctx: TracePointContext) -> u32 {
-    let _ = try_sched_switch(&ctx);
+    if let Ok(next) = field::<i32>(&ctx, sw::NEXT_PID) {
+        let _ = on_switch(ctx.as_ptr(), || field(&ctx, sw::PREV_STATE), next as u32);
+    }
     0
 }
 
@@ -420,7 +436,9 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
 #[map(name = "SWITCH_AT")]
 static SWITCH_AT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
+/// A switch from the current task to `next`; `prev_state` as the classic tracepoint reports it.
+#[inline(always)]
+fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i64, i64>, next: u32) -> Result<(), i64> {
     let now = now_ns();
     let prev_ran = match SWITCH_AT.get_ptr_mut(0) {
         // SAFETY: this CPU's slot; the program runs with preemption off.
@@ -432,7 +450,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
         None => u64::MAX,
     };
     if let Some((pid, tid)) = current_target() {
-        let state: i64 = field(ctx, sw::PREV_STATE)?;
+        let state: i64 = prev_state()?;
         // A thread's last switch, as it exits, reports EXIT_DEAD or EXIT_ZOMBIE: it never runs
         // again, so nothing would take its entry out (thread churn would fill the map).
         if state & (EXIT_DEAD | EXIT_ZOMBIE) != 0 {
@@ -444,7 +462,7 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             left_cpu(pid, tid, now, cpu_steal());
             if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
                 insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
-                capture(ctx.as_ptr(), STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
+                capture(ctx, STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
             } else if state & 0xff == 0 {
                 // Preempted (or it yielded): still runnable, so until it runs again it waits for
                 // a CPU. No stack (where it was is where it will resume); the low bit of the time
@@ -453,8 +471,6 @@ fn try_sched_switch(ctx: &TracePointContext) -> Result<(), i64> {
             }
         }
     }
-    let next: i32 = field(ctx, sw::NEXT_PID)?;
-    let next = next as u32;
     // SAFETY: the value is copied out before the remove.
     if let Some([since, woken, waker]) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
         let _ = OFFCPU_SINCE.remove(&next);

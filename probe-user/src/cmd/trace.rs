@@ -73,7 +73,8 @@ pub struct Args {
     /// The most user stack (KiB, 1 to 128) a stack record copies. Whole stacks need as much as
     /// the thread's frames take (llama-server's main thread: 80 KiB, learned per thread); less
     /// makes each sample cheaper and cuts deeper stacks: 64 halves what llama-server's CPU
-    /// samples copy and leaves its main thread's stacks short of `main`.
+    /// samples copy and leaves its main thread's stacks short of `main`. Copies come in sizes
+    /// of 1, 2, 4 … 64 and 128 KiB: a value between two copies the smaller.
     #[arg(long, default_value_t = STACK_KIB_MAX, value_parser = clap::value_parser!(u32).range(1..=i64::from(STACK_KIB_MAX)))]
     pub stack_kib: u32,
     /// GPU (NVML), CPU-frequency and memory-pressure samples per second (up to 1000); 0

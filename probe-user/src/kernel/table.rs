@@ -77,6 +77,7 @@ pub(super) const TABLE: &[Spec] = &[
     s(Subsystem::Sock, "sock_listen", How::Syscall("sys_enter_listen"), false),
     s(Subsystem::Sock, "sock_close", How::Syscall("sys_enter_close"), false),
     s(Subsystem::Cpu, "cpu_sample", How::PerfCpuClock, true),
+    s(Subsystem::Offcpu, "sched_switch_raw", How::Raw("sched_switch"), false),
     s(Subsystem::Offcpu, "sched_switch", How::Tracepoint(&tp::sched_switch::LAYOUT), true),
     s(Subsystem::Offcpu, "sched_waking_raw", How::Raw("sched_waking"), false),
     s(Subsystem::Offcpu, "sched_waking", How::Tracepoint(&tp::sched_waking::LAYOUT), false),
