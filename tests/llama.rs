@@ -570,7 +570,13 @@ fn cold_model_reload_is_named_in_the_report() {
     let part = |p: &str| d["split"].as_array().unwrap().iter().find(|x| x["part"] == p).unwrap()["delta"].as_f64().unwrap();
     let (moved, client) = (part("load") + part("disk"), cold_ms - warm_ms);
     eprintln!("probe diff: load+disk {moved:+.0} ms; the client's clock {cold_ms:.0} - {warm_ms:.0} = {client:+.0} ms; {}", d["headline"]);
-    assert!((moved - client).abs() <= 0.10 * client, "load+disk {moved:.0} ms against the client's {client:.0} ms");
+    // The truth's own spread: the warm request's time is in the client's difference, and a warm
+    // request slowed by something else (72 ms against its usual 15-30, once in about 20 runs
+    // here) moves that difference by as much.
+    assert!(
+        (moved - client).abs() <= 0.10 * client + warm_ms,
+        "load+disk {moved:.0} ms against the client's {client:.0} ms (the warm request took {warm_ms:.0} ms)"
+    );
     let headline = d["headline"].as_str().unwrap();
     assert!(headline.contains(model.to_str().unwrap()), "{headline}");
     assert!(said.contains(headline), "the summary does not lead with the headline: {said}");
