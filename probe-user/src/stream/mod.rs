@@ -421,6 +421,13 @@ impl Tracker {
         self.conns.values().map(|c| c.pending.len()).sum()
     }
 
+    /// Requests in flight that someone else sent: probe's own polls of the server's endpoints do
+    /// not make it busy (one in flight when the drain looked opened NVML for a second, which on a
+    /// sleeping GPU wakes it: the poll that follows a busy one, 2 s after the last request).
+    pub fn others_in_flight(&self) -> usize {
+        self.conns.values().map(|c| c.pending.iter().filter(|p| !p.rec.probe_poll).count()).sum()
+    }
+
     /// Bytes a traced socket call moved (its captured part).
     pub fn on_data(&mut self, ev: &DataEvent, payload: &[u8]) {
         let ts = ev.hdr.ts_ns;
@@ -864,6 +871,14 @@ mod tests {
         assert_eq!(t.usage().0, 2);
         assert_eq!(t.limits().conns_forgotten, 1);
         assert_eq!(t.in_flight(), 1);
+        assert_eq!(t.others_in_flight(), 1);
+        // The same request, were it probe's own poll: in flight, but the server is not serving.
+        for c in t.conns.values_mut() {
+            for p in &mut c.pending {
+                p.rec.probe_poll = true;
+            }
+        }
+        assert_eq!((t.in_flight(), t.others_in_flight()), (1, 0));
     }
 
     /// A connection the kernel's state at attach showed waiting for its answer whose request probe

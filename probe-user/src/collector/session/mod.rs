@@ -256,7 +256,7 @@ async fn follow(
         }
         // A request's arrival (the kernel woke the drain for its first bytes): the samplers take
         // their reading at the arrival (the GPU's power state then), not at the next second.
-        if st.streams.in_flight() > 0 {
+        if st.streams.others_in_flight() > 0 {
             sampler.set_busy(true);
         }
         if st.python.due() {
@@ -474,7 +474,7 @@ impl Second {
     /// server spinning on every CPU had none at all).
     fn held_turn(&mut self, opts: &TraceOptions, st: &mut State, se: &mut Session, sampler: &Sampler, produced: Option<u64>) {
         if let (Some(now), Some(then)) = (produced, self.produced_at) {
-            sampler.set_busy(st.streams.in_flight() > 0 || now.saturating_sub(then) >= BUSY_BYTES);
+            sampler.set_busy(st.streams.others_in_flight() > 0 || now.saturating_sub(then) >= BUSY_BYTES);
         }
         self.produced_at = produced;
         python_budget(st, &se.kernel.counters());
@@ -496,7 +496,7 @@ impl Second {
         self.produced_at = None;
         let lost = se.kernel.lost();
         // Busy: a request in flight, or the target keeps the probes going.
-        let busy = st.streams.in_flight() > 0 || st.events.saturating_sub(self.events_at_sec) >= BUSY_EVENTS;
+        let busy = st.streams.others_in_flight() > 0 || st.events.saturating_sub(self.events_at_sec) >= BUSY_EVENTS;
         sampler.set_busy(busy);
         // Every second while busy or losing events; every IDLE_STATS otherwise.
         let lost_now: u64 = lost.iter().sum();
