@@ -37,7 +37,7 @@ pub(crate) struct Spill {
     /// Where the next record to read starts.
     pub(super) at: usize,
     /// Memory for the first spill, its pages faulted in at idle priority ([`Spill::prepared`]).
-    ready: Option<std::sync::mpsc::Receiver<Vec<u8>>>,
+    ready: Option<std::thread::JoinHandle<Vec<u8>>>,
 }
 
 /// The most bytes of records kept unread (the ring's own size comes first: 32 MiB by default). A
@@ -57,7 +57,6 @@ impl Spill {
     /// start, before the request), the copy is a memcpy. Until that memory is ready a spill takes
     /// fresh memory as before.
     pub(crate) fn prepared(bytes: usize) -> Spill {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let spawned = std::thread::Builder::new().name("probe-spill".into()).spawn(move || {
             crate::os::procfs::idle_priority();
             // Written, not only reserved: every page faulted in here (`vec![0; n]` would take
@@ -67,18 +66,24 @@ impl Spill {
             if buf.try_reserve_exact(bytes).is_ok() {
                 buf.resize(bytes, 0);
                 buf.clear();
-                let _ = tx.send(buf);
             }
+            buf
         });
-        Spill { ready: spawned.is_ok().then_some(rx), ..Spill::default() }
+        Spill { ready: spawned.ok(), ..Spill::default() }
     }
 
-    /// Take the memory [`Spill::prepared`] faulted in, once it is ready; true when taken.
+    /// Take the memory [`Spill::prepared`] faulted in, once its thread is done; true when taken.
     pub(super) fn adopt_ready(&mut self) -> bool {
-        let Some(buf) = self.ready.as_ref().and_then(|r| r.try_recv().ok()) else { return false };
-        self.buf = buf;
-        self.ready = None;
-        true
+        if !self.ready.as_ref().is_some_and(std::thread::JoinHandle::is_finished) {
+            return false;
+        }
+        match self.ready.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(buf)) => {
+                self.buf = buf;
+                true
+            }
+            _ => false,
+        }
     }
 
     pub(crate) fn has_room(&self) -> bool {
