@@ -208,17 +208,29 @@ fn attached_during_a_cold_reload_behind_an_io_limit() {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let log = dir.join("server.log");
-    let mut srv = Command::new("sh")
-        .args(["-c", "echo $$ > \"$0\" && exec \"$@\""])
-        .arg(cg.0.join("cgroup.procs"))
-        .arg(env_path("LLAMA_SERVER"))
-        .arg("-m")
-        .arg(&model)
-        .args(["-c", "1024", "-np", "1", "--no-repack", "--sleep-idle-seconds", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let mut srv = common::spawn_owned(
+        Command::new("sh")
+            .args(["-c", "echo $$ > \"$0\" && exec \"$@\""])
+            .arg(cg.0.join("cgroup.procs"))
+            .arg(env_path("LLAMA_SERVER"))
+            .arg("-m")
+            .arg(&model)
+            .args([
+                "-c",
+                "1024",
+                "-np",
+                "1",
+                "--no-repack",
+                "--sleep-idle-seconds",
+                "1",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap()),
+    );
     common::wait_healthy(addr);
     let pid = srv.id();
     let (st, _) = common::http(addr, "POST", "/completion", Some(&json!({"prompt": "Hello", "n_predict": 2})), &[]).unwrap();

@@ -226,14 +226,14 @@ fn a_missing_entry_point_is_named_and_the_trace_carries_on() {
         .expect("objcopy (binutils)");
     assert!(st.success(), "objcopy failed");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut server = Command::new(&bin)
-        .arg("-m")
-        .arg(common::env_path("LLAMA_MODEL"))
-        .args(["-c", "1024", "-np", "1", "-t", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut server = common::spawn_owned(
+        Command::new(&bin)
+            .arg("-m")
+            .arg(common::env_path("LLAMA_MODEL"))
+            .args(["-c", "1024", "-np", "1", "-t", "1", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     common::wait_healthy(addr);
     let t = Trace::start("nosym", server.id(), &[]);

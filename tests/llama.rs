@@ -453,13 +453,13 @@ fn attaching_mid_stream_marks_the_request_partly_seen() {
 }
 
 /// A llama-server of the test's own (not the shared one), healthy, on a free loopback port.
-fn own_server(model: &std::path::Path, args: &[&str]) -> (Child, SocketAddr) {
+fn own_server(model: &std::path::Path, args: &[&str]) -> (common::Killed, SocketAddr) {
     own_server_in(None, model, args)
 }
 
 /// A llama-server of its own, started inside the cgroup directory `cgroup` when given (it is
 /// charged there from its first page).
-fn own_server_in(cgroup: Option<&std::path::Path>, model: &std::path::Path, args: &[&str]) -> (Child, SocketAddr) {
+fn own_server_in(cgroup: Option<&std::path::Path>, model: &std::path::Path, args: &[&str]) -> (common::Killed, SocketAddr) {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let mut cmd = match cgroup {
@@ -472,7 +472,7 @@ fn own_server_in(cgroup: Option<&std::path::Path>, model: &std::path::Path, args
         None => Command::new(env_path("LLAMA_SERVER")),
     };
     cmd.arg("-m").arg(model).args(args).args(["--host", "127.0.0.1", "--port", &port.to_string()]);
-    let srv = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let srv = common::spawn_owned(cmd.stdout(Stdio::null()).stderr(Stdio::null()));
     let t = Instant::now();
     while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
         assert!(t.elapsed() < Duration::from_secs(60), "server not healthy");
@@ -861,14 +861,25 @@ fn trace_pid(pid: u32, name: &str, env: &[(&str, &str)]) -> (Child, PathBuf) {
         assert!(err.read_line(&mut line).unwrap() > 0, "probe exited before arming");
         assert!(!line.contains("error"), "{line}");
     }
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    // The rest of its log, beside the output, for a failure to show.
+    let mut log = std::fs::File::create(stderr_log(&out)).unwrap();
+    std::thread::spawn(move || std::io::copy(&mut err, &mut log));
     (child, out)
+}
+
+fn stderr_log(out: &std::path::Path) -> PathBuf {
+    out.with_extension("stderr")
 }
 
 fn stop_trace(mut p: Child, out: &std::path::Path) -> Value {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
-    assert!(p.wait().unwrap().success());
+    let st = p.wait().unwrap();
+    if !st.success() {
+        // The copying thread sees the pipe close when probe is gone; give it a moment to write.
+        std::thread::sleep(Duration::from_millis(200));
+        panic!("probe trace ended with {st}; its log after arming:\n{}", std::fs::read_to_string(stderr_log(out)).unwrap_or_default());
+    }
     common::read_report(out)
 }
 
@@ -1026,14 +1037,14 @@ fn memcg_case(compile: bool) {
         env_path("LLAMA_SERVER").display(),
         model.display()
     );
-    let mut srv = Command::new("sh").args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let mut srv = common::spawn_owned(Command::new("sh").args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null()));
     let t = Instant::now();
     while !matches!(request_once(addr, "GET", "/health", None), Ok((200, _))) {
         assert!(t.elapsed() < Duration::from_secs(60), "server in the cgroup did not become healthy");
         std::thread::sleep(Duration::from_millis(100));
     }
     // The compile: gcc -O2 over a generated C file, again and again, on both cores.
-    let mut cc: Vec<Child> = Vec::new();
+    let mut cc: Vec<common::KilledGroup> = Vec::new();
     if compile {
         let src = dir.join("big.c");
         let body: String = (0..400)
@@ -1041,8 +1052,7 @@ fn memcg_case(compile: bool) {
             .collect();
         std::fs::write(&src, body).unwrap();
         let lp = format!("while :; do cc -O2 -c -o /dev/null {}; done", src.display());
-        use std::os::unix::process::CommandExt as _;
-        let run = || Command::new("sh").process_group(0).args(["-c", &lp]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let run = || common::KilledGroup::spawn(Command::new("sh").args(["-c", &lp]).stdout(Stdio::null()).stderr(Stdio::null()));
         cc = (0..2).map(|_| run()).collect();
         std::thread::sleep(Duration::from_millis(500));
     }
@@ -1068,13 +1078,8 @@ fn memcg_case(compile: bool) {
     assert_eq!(read_response(&mut BufReader::new(&s), None).status, 200);
     drop(s);
     let (faults, waited) = (majflt() - f0, (runq() - q0) as f64 / 1e6);
-    for c in &mut cc {
-        // The loop's shell and the compiler it runs: its process group.
-        // SAFETY: signalling our own child's group.
-        unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    // The loops' shells and the compilers they run: their process groups.
+    drop(cc);
     let r = stop_trace(p, &out);
     let _ = srv.kill();
     let _ = srv.wait();
@@ -1215,17 +1220,7 @@ fn cpu_hog_case(threads: Option<u32>) {
     let mut args = vec!["-c".to_string(), "2048".into(), "-np".into(), "1".into()];
     args.extend(threads.iter().flat_map(|t| ["-t".to_string(), t.to_string()]));
     let (srv, addr) = own_server(&env_path("LLAMA_MODEL"), &args.iter().map(String::as_str).collect::<Vec<_>>());
-    // Killed however the case ends (a failed assertion must not leave a server for the next
-    // test to find: CI, watch --all counted three).
-    struct Reap(Child);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let srv = Reap(srv);
-    let pid = srv.0.id();
+    let pid = srv.id();
     let ask = |_: u32| story_request(addr);
     ask(0); // warm: the model is loaded and paged in
     hog_case(pid, &format!("cpuhog-{}", threads.map_or("default".into(), |t| t.to_string())), threads, ask, true);
@@ -1241,7 +1236,6 @@ fn cpu_hog_case(threads: Option<u32>) {
 fn a_cpu_hog_at_attach_is_cpu_contention_with_default_threads() {
     let _cpus = shared_cpus();
     let (srv, addr) = own_server(&env_path("LLAMA_MODEL"), &["-c", "2048", "-np", "1"]);
-    let srv = common::Killed(srv);
     let pid = srv.id();
     story_request(addr); // warm: the model is loaded and paged in
     let calm_before = schedstat(pid);
@@ -1871,26 +1865,24 @@ child.wait()
 "#;
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    use std::os::unix::process::CommandExt;
-    let mut parent = Command::new("python3")
-        .process_group(0)
-        .args(["-c", script, &SILENT.to_string()])
-        .arg(env_path("LLAMA_SERVER"))
-        .arg("-m")
-        .arg(env_path("LLAMA_MODEL"))
-        .args(["-c", "1024", "-np", "1", "-t", "1", "--metrics", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(parent.stdout.take().unwrap()).lines();
+    let mut parent = common::KilledGroup::spawn(
+        Command::new("python3")
+            .args(["-c", script, &SILENT.to_string()])
+            .arg(env_path("LLAMA_SERVER"))
+            .arg("-m")
+            .arg(env_path("LLAMA_MODEL"))
+            .args(["-c", "1024", "-np", "1", "-t", "1", "--metrics", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let mut lines = BufReader::new(parent.0.stdout.take().unwrap()).lines();
     let silent: Vec<u16> = lines.next().unwrap().unwrap().split(' ').skip(1).map(|p| p.parse().unwrap()).collect();
     assert_eq!(silent.len(), SILENT);
     let accepted = std::thread::spawn(move || {
         lines.map_while(Result::ok).filter_map(|l| l.strip_prefix("accepted ")?.parse::<u16>().ok()).collect::<Vec<u16>>()
     });
     common::wait_healthy(addr);
-    let (p, out) = trace_pid(parent.id(), "silent-ports", &[]);
+    let (p, out) = trace_pid(parent.0.id(), "silent-ports", &[]);
     // Eight seconds of requests one after another: busy throughout, polled every 2 s.
     let t = Instant::now();
     let mut served = 0;
@@ -1901,9 +1893,8 @@ child.wait()
         served += 1;
     }
     let r = stop_trace(p, &out);
-    // SAFETY: killing our own child's process group (the parent and its llama-server).
-    unsafe { libc::kill(-(parent.id() as i32), libc::SIGKILL) };
-    let _ = parent.wait();
+    // The parent and its llama-server: their process group.
+    drop(parent);
     let accepted = accepted.join().unwrap();
     let servers = r["system"]["server"].as_array().unwrap();
     let llama = servers.iter().find(|s| s["addr"] == addr.to_string()).unwrap_or_else(|| panic!("{addr} not polled: {servers:?}"));

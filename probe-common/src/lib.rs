@@ -191,10 +191,14 @@ pub enum Counter {
     /// Files the target mapped executable (a library loaded after attach): probe's drain, held
     /// back while every CPU is busy, is let go to follow it (the engine probe attaches there).
     ExecMaps = 8,
+    /// Stack records whose user stack was cut short (or left out) because the ring buffer was
+    /// filling ([`stack::TRIM_AT`]): room kept for the small records (IO, faults, requests) a
+    /// verdict needs. Their flamegraph frames stop early; nothing else is missing.
+    TrimmedStacks = 9,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 9] = [
+    pub const ALL: [Counter; 10] = [
         Self::UserFaults,
         Self::MapFull,
         Self::ReadErrors,
@@ -204,6 +208,7 @@ impl Counter {
         Self::PyWalks,
         Self::PyWalkNs,
         Self::ExecMaps,
+        Self::TrimmedStacks,
     ];
     pub const fn name(self) -> &'static str {
         match self {
@@ -216,6 +221,7 @@ impl Counter {
             Self::PyWalks => "python_walks",
             Self::PyWalkNs => "python_walk_ns",
             Self::ExecMaps => "exec_maps",
+            Self::TrimmedStacks => "trimmed_stacks",
         }
     }
 }

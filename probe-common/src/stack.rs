@@ -14,6 +14,29 @@ pub const USTACK_CAP: usize = 131072 - 8;
 pub const USTACK_MASK: u32 = 0x1ffff;
 /// The second largest copy, and the most a thread is copied before its needs are known.
 pub const USTACK_WIDE: usize = 65536 - 8;
+/// The ring buffer's fill (eighths) from which a stack record copies at most [`TRIM_BYTES`] of user
+/// stack, and from which ([`DROP_USTACK_AT`]) none (kernel frames only). The collector lets the
+/// ring fill to half while every CPU is busy (its drain then yields to the server) and is raised
+/// there: past that, whole-stack copies (tens of KiB each, at every block IO of a thrashing
+/// model) would fill the rest and lose the small records a verdict rests on.
+pub const TRIM_AT: u64 = 5;
+pub const DROP_USTACK_AT: u64 = 6;
+/// The user-stack bytes a trimmed record keeps: the innermost frames.
+pub const TRIM_BYTES: u32 = 8192;
+
+/// The most user-stack bytes a record may copy with `used` of the ring's `size` bytes unread:
+/// `cap`, or less past [`TRIM_AT`] (see there).
+#[inline(always)]
+pub const fn ring_cap(cap: u32, used: u64, size: u64) -> u32 {
+    let eighth = size / 8;
+    if used >= DROP_USTACK_AT * eighth {
+        0
+    } else if used >= TRIM_AT * eighth && cap > TRIM_BYTES {
+        TRIM_BYTES
+    } else {
+        cap
+    }
+}
 pub const KSTACK_DEPTH: usize = 64;
 
 /// A thread's entry in the USTACK_NEED map: the user-stack bytes its stacks need (a power of two,
@@ -260,6 +283,20 @@ impl Record for SchedEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whole copies while the drain keeps the ring under its raise point; past it the innermost
+    /// TRIM_BYTES, then none, whatever size the ring is.
+    #[test]
+    fn a_filling_ring_trims_user_stacks() {
+        for size in [1u64 << 20, 32 << 20, 256 << 20] {
+            assert_eq!(ring_cap(USTACK_CAP as u32, 0, size), USTACK_CAP as u32);
+            assert_eq!(ring_cap(USTACK_CAP as u32, size / 2, size), USTACK_CAP as u32, "half full: the drain is raised there");
+            assert_eq!(ring_cap(USTACK_CAP as u32, size / 8 * 5, size), TRIM_BYTES);
+            assert_eq!(ring_cap(4096, size / 8 * 5, size), 4096, "a small copy stays as it is");
+            assert_eq!(ring_cap(USTACK_CAP as u32, size / 4 * 3, size), 0);
+            assert_eq!(ring_cap(4096, size, size), 0);
+        }
+    }
 
     /// The raw tracepoint's state reads as the classic one reports it (include/linux/sched.h's
     /// bits; `__trace_sched_switch_state` in include/trace/events/sched.h).

@@ -39,7 +39,8 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_KINDS, 0);
 // Flags of bpf_ringbuf_submit / bpf_ringbuf_query (include/uapi/linux/bpf.h).
 const BPF_RB_NO_WAKEUP: u64 = 1;
 pub(crate) const BPF_RB_FORCE_WAKEUP: u64 = 2;
-const BPF_RB_AVAIL_DATA: u64 = 0;
+pub(crate) const BPF_RB_AVAIL_DATA: u64 = 0;
+pub(crate) const BPF_RB_RING_SIZE: u64 = 1;
 
 /// The current task as (tgid, tid) when its process is being traced.
 #[inline(always)]

@@ -14,12 +14,14 @@ use probe_common::{
     stack::{
         KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
         STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
-        StackEvent, USTACK_CAP, USTACK_WIDE, entry_need, entry_top, kernel_key, last_run_flags, reported_state,
+        StackEvent, USTACK_CAP, USTACK_WIDE, entry_need, entry_top, kernel_key, last_run_flags, reported_state, ring_cap,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
 
-use crate::{EVENTS, LOST, add, current_target, emit, field, header, insert_lru, now_ns, ringbuf_flags};
+use crate::{
+    BPF_RB_AVAIL_DATA, BPF_RB_RING_SIZE, EVENTS, LOST, add, count, current_target, emit, field, header, insert_lru, now_ns, ringbuf_flags,
+};
 
 const HDR: usize = core::mem::size_of::<StackEvent>();
 
@@ -219,8 +221,15 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
     // SAFETY: a read of a global the loader set; volatile so the compiler keeps the load.
     let limit = unsafe { core::ptr::read_volatile(&raw const USTACK_LIMIT) };
     let cap = if limit != 0 { cap.min(limit) } else { cap };
+    // A filling ring keeps its room for the small records (probe_common::stack::TRIM_AT).
+    let trimmed = ring_cap(cap, EVENTS.query(BPF_RB_AVAIL_DATA), EVENTS.query(BPF_RB_RING_SIZE));
+    if trimmed < cap {
+        count(Counter::TrimmedStacks);
+    }
+    let cap = trimmed;
     let room = if top > sp { top - sp } else { 0 };
-    let done = (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(room, same_as_last))
+    let done = (cap == 0 && c.send::<0>(0, same_as_last))
+        || (cap >= USTACK_CAP as u32 && c.send::<USTACK_CAP>(room, same_as_last))
         || (cap >= USTACK_WIDE as u32 && c.send::<USTACK_WIDE>(room, same_as_last))
         || (cap >= 32768 && c.send::<32768>(0, same_as_last))
         || (cap >= 16384 && c.send::<16384>(0, same_as_last))

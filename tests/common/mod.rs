@@ -69,13 +69,65 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A child that leads its own process group (a shell loop and what it runs), the whole group
+/// killed and the leader reaped when dropped.
+pub struct KilledGroup(pub Child);
+
+impl KilledGroup {
+    pub fn spawn(cmd: &mut Command) -> KilledGroup {
+        use std::os::unix::process::CommandExt;
+        KilledGroup(spawn_owned(cmd.process_group(0)).take())
+    }
+}
+
+impl Drop for KilledGroup {
+    fn drop(&mut self) {
+        // SAFETY: signalling the process group our child leads.
+        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A child process killed and reaped when dropped: a failing test leaves nothing running.
 pub struct Killed(pub Child);
 
 impl Killed {
-    pub fn id(&self) -> u32 {
-        self.0.id()
+    /// The child, no longer killed on drop (its new owner's job).
+    pub fn take(self) -> Child {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is never used or dropped again; the Child is moved out exactly once.
+        unsafe { std::ptr::read(&me.0) }
     }
+}
+
+impl std::ops::Deref for Killed {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Killed {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+/// Spawn `cmd` as a child that cannot outlive the test: killed and reaped when the returned guard
+/// drops (a failing assertion unwinds through it), and sent SIGKILL by the kernel when the
+/// spawning thread ends (PR_SET_PDEATHSIG: a test's thread, so even a leaked guard dies with its
+/// test, never lingering as a listener the next test binary's node agent would find).
+pub fn spawn_owned(cmd: &mut Command) -> Killed {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl only, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    Killed(cmd.spawn().unwrap_or_else(|e| panic!("start {:?}: {e}", cmd.get_program())))
 }
 
 impl Drop for Killed {

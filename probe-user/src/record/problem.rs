@@ -38,6 +38,8 @@ pub enum Problem {
     /// Python frames turned off past their budget, in the collector's words.
     PythonOff(String),
     LostEvents(u64),
+    /// Stack records whose user stack the kernel cut short to keep the filling ring's room.
+    TrimmedStacks(u64),
     ConnsEvicted {
         conns: u64,
         requests: u64,
@@ -77,6 +79,11 @@ impl fmt::Display for Problem {
             Problem::LostEvents(n) => {
                 write!(f, "{n} events were lost (ring buffer full): counts below are lower bounds; retry with a larger --ring-mb")
             }
+            Problem::TrimmedStacks(n) => write!(
+                f,
+                "{n} stack samples were cut short (the ring buffer was over {}% full: probe's drain was behind, every CPU busy); their flamegraph frames stop early, no event was lost for them; a larger --ring-mb keeps them whole",
+                probe_common::stack::TRIM_AT * 100 / 8
+            ),
             Problem::ConnsEvicted { conns, requests } => write!(
                 f,
                 "probe stopped following {conns} connections to stay bounded (more than {} at once, over {} MiB of buffered bytes, or over {} pipelined requests); {requests} requests in flight on them are marked evicted",

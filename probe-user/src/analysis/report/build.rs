@@ -606,6 +606,9 @@ impl Builder {
         if lost > 0 {
             r.problems.push(Problem::LostEvents(lost));
         }
+        if let Some(&n) = r.counters.get(probe_common::Counter::TrimmedStacks.name()).filter(|&&n| n > 0) {
+            r.problems.push(Problem::TrimmedStacks(n));
+        }
         if let Some(l) = r.stream_limits.as_ref().filter(|l| l.conns_evicted > 0) {
             r.problems.push(Problem::ConnsEvicted { conns: l.conns_evicted, requests: l.requests_evicted });
         }
