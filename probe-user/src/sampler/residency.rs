@@ -46,35 +46,61 @@ impl Watched {
     /// look at a wholly resident file that costs `n` one-page cachestat calls, not a walk of its
     /// whole page tree. None where cachestat(2) is missing (then only a full measure tells).
     pub fn sampled_resident(&self, n: u64, seed: u64) -> Option<bool> {
-        if std::env::var_os("PROBE_NO_CACHESTAT").is_some() {
-            return None;
-        }
-        let bytes = self.file.metadata().ok()?.len();
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
-        let pages = bytes.div_ceil(page);
-        if pages == 0 {
-            return Some(true);
-        }
-        // Evenly spaced strata, a position in each from the seed (a different one each look).
-        let stratum = pages.div_ceil(n.max(1)).max(1);
-        for i in 0..n {
-            let at = (i * stratum + splitmix(seed.wrapping_add(i)) % stratum).min(pages - 1);
-            let range = CachestatRange { off: at * page, len: page };
-            let mut cs = Cachestat::default();
-            // SAFETY: as in `measure`: valid fd, live structs of the syscall's layout, flags 0.
-            let rc = unsafe {
-                libc::syscall(SYS_CACHESTAT, self.file.as_raw_fd(), &range as *const CachestatRange, &mut cs as *mut Cachestat, 0)
-            };
-            if rc != 0 {
-                return None;
-            }
-            if cs.nr_cache == 0 {
+        for at in self.sample_pages(n, seed)? {
+            if !self.page_cached(at)? {
                 return Some(false);
             }
         }
         Some(true)
     }
+
+    /// `n` pages spread over the file from `seed` and whether each is in the page cache now: what
+    /// [`Watched::pages_unchanged`] compares with later. None where cachestat(2) is missing.
+    pub fn page_states(&self, n: u64, seed: u64) -> Option<Vec<(u64, bool)>> {
+        self.sample_pages(n, seed)?.into_iter().map(|at| Some((at, self.page_cached(at)?))).collect()
+    }
+
+    /// Whether each page of `known` is still in (or still out of) the page cache: a file partly
+    /// resident and steady looked at without a walk of its page tree. None where cachestat(2) is
+    /// missing.
+    pub fn pages_unchanged(&self, known: &[(u64, bool)]) -> Option<bool> {
+        for &(at, was) in known {
+            if self.page_cached(at)? != was {
+                return Some(false);
+            }
+        }
+        Some(true)
+    }
+
+    /// Evenly spaced strata of the file's pages, a position in each from `seed` (a different one
+    /// for each seed).
+    fn sample_pages(&self, n: u64, seed: u64) -> Option<Vec<u64>> {
+        if std::env::var_os("PROBE_NO_CACHESTAT").is_some() {
+            return None;
+        }
+        let pages = self.file.metadata().ok()?.len().div_ceil(page_size());
+        if pages == 0 {
+            return Some(Vec::new());
+        }
+        let stratum = pages.div_ceil(n.max(1)).max(1);
+        Some((0..n).map(|i| (i * stratum + splitmix(seed.wrapping_add(i)) % stratum).min(pages - 1)).collect())
+    }
+
+    /// Whether page `at` of the file is in the page cache (one-page cachestat).
+    fn page_cached(&self, at: u64) -> Option<bool> {
+        let page = page_size();
+        let range = CachestatRange { off: at * page, len: page };
+        let mut cs = Cachestat::default();
+        // SAFETY: as in `measure`: valid fd, live structs of the syscall's layout, flags 0.
+        let rc =
+            unsafe { libc::syscall(SYS_CACHESTAT, self.file.as_raw_fd(), &range as *const CachestatRange, &mut cs as *mut Cachestat, 0) };
+        (rc == 0).then_some(cs.nr_cache > 0)
+    }
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as u64 }
 }
 
 /// A 64-bit mix of `x` (splitmix64's finaliser): sample positions that differ from look to look.
