@@ -29,7 +29,10 @@ pub const TRIM_BYTES: u32 = 8192;
 #[inline(always)]
 pub const fn ring_cap(cap: u32, used: u64, size: u64) -> u32 {
     let eighth = size / 8;
-    if used >= DROP_USTACK_AT * eighth {
+    if eighth == 0 {
+        // A ring whose size the kernel did not say: nothing to go by.
+        cap
+    } else if used >= DROP_USTACK_AT * eighth {
         0
     } else if used >= TRIM_AT * eighth && cap > TRIM_BYTES {
         TRIM_BYTES
@@ -296,6 +299,7 @@ mod tests {
             assert_eq!(ring_cap(USTACK_CAP as u32, size / 4 * 3, size), 0);
             assert_eq!(ring_cap(4096, size, size), 0);
         }
+        assert_eq!(ring_cap(4096, 1 << 20, 0), 4096, "no size: no trim");
     }
 
     /// The raw tracepoint's state reads as the classic one reports it (include/linux/sched.h's
