@@ -158,6 +158,17 @@ fn major_faults_are_charged_to_the_touching_function() {
     let f = folded(&rec, "faults");
     let n: u64 = f.iter().filter(|(s, _)| s.ends_with("main;touch_cold") || s.contains(";touch_cold;")).map(|(_, n)| n).sum();
     assert_eq!(n, 40, "{f:?}");
+    // Each fault's block IO comes from the same place (the same user registers): its stack is the
+    // fault's, and so is the thread's wait for it; one load instruction faults 40 times over. The
+    // kernel sends such a stack once per place and the rest as the same: every one of the 120 is
+    // still there and charged to touch_cold, most of them not copied or unwound again.
+    let io = folded(&rec, "io");
+    let n: u64 = io.iter().filter(|(s, _)| s.contains("main;touch_cold")).map(|(_, n)| n).sum();
+    assert!(n >= 40 && io.keys().all(|s| s.contains("main;touch_cold")), "{io:?}");
+    let r = common::read_report(&rec);
+    assert_eq!(r["stacks"]["io"]["complete"], r["stacks"]["io"]["stacks"], "{}", r["stacks"]);
+    let (unwound, reused) = (r["unwind"]["samples"].as_u64().unwrap(), r["unwind"]["reused"].as_u64().unwrap());
+    assert!(reused >= 2 * unwound, "{unwound} stacks unwound, {reused} reused: {}", r["unwind"]);
 }
 
 /// 100 000 short-lived threads: each thread's last switch (as it exits) must not leave an entry

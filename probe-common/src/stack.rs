@@ -104,8 +104,8 @@ impl Default for StackEvent {
     }
 }
 
-/// Or'ed into `what` of an off-CPU record whose user stack was left out because it is the one the
-/// same thread sent last from the same place ([`SeenStacks`] matched a slot, [`stack_slot`]):
+/// Or'ed into `what` of a record ([`stack_remembered`] kinds) whose user stack was left out because
+/// it is the one the same thread sent last from the same place ([`SeenStacks`] matched a slot, [`stack_slot`]):
 /// the collector reuses that one's frames.
 pub const STACK_SAME_USER: u32 = 0x100;
 /// Or'ed into `what` with [`STACK_SAME_USER`]: the kernel stack was left out too (`kstack_bytes`
@@ -127,6 +127,16 @@ pub const fn stack_kind(what: u32) -> u32 {
     what & 0xff
 }
 
+/// Whether records of `what`'s kind go through the thread's places ([`SeenStacks`]): off-CPU,
+/// block IO and major-fault records may be sent as the same as the thread's last at a place, and
+/// each one not sent so is remembered there. A readahead issues several block IOs from one fault
+/// (the same user registers: the same stack), and the fault's own switch off the CPU follows
+/// from there too; a thrashing model faults again and again at one load instruction of a matrix
+/// loop. CPU samples do not (each is its own).
+pub const fn stack_remembered(what: u32) -> bool {
+    matches!(stack_kind(what), STACK_OFFCPU | STACK_IO | STACK_FAULT)
+}
+
 /// An off-CPU record's slot ([`STACK_SLOT_SHIFT`]).
 pub const fn stack_slot(what: u32) -> usize {
     (what >> STACK_SLOT_SHIFT) as usize % STACK_SLOTS
@@ -145,7 +155,10 @@ pub struct SeenUstack {
     /// How the last record of this place entered the kernel ([`kernel_key`]); 0: never reused.
     pub kernel_key: u64,
     pub repeats: u32,
-    pub _pad: u32,
+    /// The user-stack bytes the thread's stacks were known to need when this place's stack was
+    /// sent ([`entry_need`]; 0: not known): once the collector says they need more, the place's
+    /// next record is sent whole again rather than reuse a stack that was cut.
+    pub need: u32,
 }
 const _: () = assert!(core::mem::size_of::<SeenUstack>() == 40);
 

@@ -101,7 +101,7 @@ fn queued(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<
     let start = BlockStart { pid, tid, cpu: crate::cpu(), insert_ns: now_ns(), ..Default::default() };
     insert_lru(&BLOCK_QUEUED, &k, &start);
     // The code path that made this IO (the target's own context).
-    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, false);
+    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, true);
     Ok(())
 }
 
@@ -202,7 +202,7 @@ fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8], r
             q
         }
         (None, Some((pid, tid))) => {
-            crate::stack::capture(ctx, probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, false);
+            crate::stack::capture(ctx, probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, true);
             BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() }
         }
         (None, None) => {

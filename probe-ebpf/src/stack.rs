@@ -28,6 +28,10 @@ const HDR: usize = core::mem::size_of::<StackEvent>();
 /// Each target thread's last off-CPU places, by tid: a thread that blocks again at one of them
 /// (ggml's OpenMP workers wait at two or three barriers in turn, hundreds of times a second)
 /// sends no user stack, and no kernel stack when it entered the kernel the same way.
+/// Scratch room for a thread's first [`SeenStacks`] ([`seen_before`]).
+#[map(name = "SEEN_SCRATCH")]
+static SEEN_SCRATCH: PerCpuArray<SeenStacks> = PerCpuArray::with_max_entries(1, 0);
+
 #[map(name = "USTACK_SEEN")]
 static USTACK_SEEN: LruHashMap<u32, SeenStacks> = LruHashMap::with_max_entries(16384, 0);
 
@@ -166,9 +170,11 @@ fn read_kernel<T>(p: *const T) -> T {
 
 /// Capture the current task's kernel and user stack and send a StackEvent. `full` copies up
 /// to USTACK_CAP bytes of user stack; otherwise 16 KiB (off-CPU switches are frequent and
-/// block in shallow places: a libc wrapper under the caller that matters). `same_as_last`:
-/// leave the user stack out when it is the one this thread sent last ([`seen_before`]), and the
-/// kernel stack too when the thread also entered the kernel the same way.
+/// block in shallow places: a libc wrapper under the caller that matters). `same_as_last` (the
+/// kinds of probe_common::stack::stack_remembered): leave the user stack out when it is the one
+/// this thread sent last from the same registers ([`seen_before`]), and the kernel stack too when
+/// the thread also entered the kernel the same way (an off-CPU wait's key; a block IO's or a
+/// fault's kernel stack is always sent).
 #[inline(always)]
 pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
     // The user registers at the task's last kernel entry (interrupt, fault or syscall).
@@ -186,8 +192,11 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
     // them) is sent as the same: its Python frames too, without a walk (a spin-wait's yields).
     if sp != 0 && same_as_last {
         // SAFETY: `regs` is not null (sp was read through it); a probe read of the saved register.
-        let key = kernel_key(unsafe { read_kernel(&raw const (*regs).orig_rax) }, state);
-        let (seen, slot) = seen_before(tid, ip, sp, bp, key);
+        let key = if what == STACK_OFFCPU { kernel_key(unsafe { read_kernel(&raw const (*regs).orig_rax) }, state) } else { 0 };
+        // What the collector found this thread's stacks need (USTACK_NEED), if it said.
+        // SAFETY: the value is copied out at once.
+        let need = unsafe { USTACK_NEED.get(&tid) }.map_or(0, |&v| entry_need(v));
+        let (seen, slot) = seen_before(tid, ip, sp, bp, key, need);
         c.slot = slot;
         match seen {
             Seen::New => {}
@@ -205,9 +214,9 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
     // USTACK_NEED); before it knows, up to USTACK_WIDE (CPU, faults, IO) or 16 KiB (off-CPU).
     // The stack is read straight into the ring record (no copy through a scratch buffer); near
     // the top of a stack a long read faults as a whole: shorter ones are tried.
-    // SAFETY: the value is copied out at once.
     // The largest copy reads only up to the end of the stack's mapping, when the collector found
     // it (`need_entry`): its record then has room to spare.
+    // SAFETY: the value is copied out at once.
     let (cap, top) = match unsafe { USTACK_NEED.get(&tid) } {
         Some(&v) => (entry_need(v), entry_top(v)),
         None if full => (USTACK_WIDE as u32, 0),
@@ -372,12 +381,19 @@ enum Seen {
 /// way (`kernel_key`, 0: never the same); and the slot of that place, or the one this new place
 /// is remembered in (the oldest).
 #[inline(always)]
-fn seen_before(tid: u32, ip: u64, sp: u64, bp: u64, kernel_key: u64) -> (Seen, u32) {
-    let place = SeenUstack { ip, sp, bp, kernel_key, repeats: 0, _pad: 0 };
+fn seen_before(tid: u32, ip: u64, sp: u64, bp: u64, kernel_key: u64, need: u32) -> (Seen, u32) {
+    let place = SeenUstack { ip, sp, bp, kernel_key, repeats: 0, need };
     let Some(seen) = USTACK_SEEN.get_ptr_mut(&tid) else {
-        let mut first = SeenStacks { next: 1, ..Default::default() };
-        first.slots[0] = place;
-        insert_lru(&USTACK_SEEN, &tid, &first);
+        // The thread's first entry is made in a per-CPU scratch value, not on the BPF stack (the
+        // block IO programs that call this have little of their 512 bytes left).
+        if let Some(first) = SEEN_SCRATCH.get_ptr_mut(0) {
+            // SAFETY: this CPU's scratch value; the program runs with preemption off.
+            let first = unsafe { &mut *first };
+            *first = SeenStacks::default();
+            first.next = 1;
+            first.slots[0] = place;
+            insert_lru(&USTACK_SEEN, &tid, first);
+        }
         return (Seen::New, 0);
     };
     // SAFETY: a map value pointer, valid for this program run (only this thread's switches,
@@ -385,7 +401,7 @@ fn seen_before(tid: u32, ip: u64, sp: u64, bp: u64, kernel_key: u64) -> (Seen, u
     let seen = unsafe { &mut *seen };
     for (i, slot) in seen.slots.iter_mut().enumerate() {
         if slot.ip == ip && slot.sp == sp && slot.bp == bp {
-            if slot.repeats >= SAME_REFRESH {
+            if slot.repeats >= SAME_REFRESH || slot.need < need {
                 *slot = place;
                 return (Seen::New, i as u32);
             }

@@ -32,9 +32,10 @@ fn kernel_frames(s: &probe_common::stack::StackEvent, last: Option<&[u64]>) -> V
 impl State {
     /// Unwind a stack sample and write its frames (off-CPU ones once the thread runs again).
     pub(super) fn on_stack(&mut self, s: &probe_common::stack::StackEvent, ustack: &[u8]) -> std::io::Result<()> {
-        use probe_common::stack::{STACK_SAME_USER, stack_kind, stack_slot};
+        use probe_common::stack::{STACK_SAME_USER, stack_kind, stack_remembered, stack_slot};
         let offcpu = stack_kind(s.what) == probe_common::stack::STACK_OFFCPU;
-        // Off-CPU stacks are remembered by thread and place (the kernel's slot).
+        // Off-CPU, block IO and fault stacks are remembered by thread and place (the kernel's slot).
+        let remembered = stack_remembered(s.what);
         let place = (s.hdr.tid, stack_slot(s.what) as u8);
         let last = self.last_offcpu.get(&place).filter(|l| l.pid == s.hdr.pid);
         let kernel = kernel_frames(s, last.map(|l| &l.kernel[..]));
@@ -47,7 +48,7 @@ impl State {
             _ => {
                 let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
                 self.learn_need(s.hdr.pid, s.hdr.tid, s.sp, &u, ustack.len());
-                if offcpu {
+                if remembered {
                     // Threads that exited leave entries until their process does: bounded like
                     // the kernel's map (a thread forgotten here is unwound from its ip alone once).
                     if self.last_offcpu.len() >= LAST_OFFCPU_STACKS && !self.last_offcpu.contains_key(&place) {
@@ -59,7 +60,7 @@ impl State {
                 u
             }
         };
-        if offcpu && let Some(last) = self.last_offcpu.get_mut(&place) {
+        if remembered && let Some(last) = self.last_offcpu.get_mut(&place) {
             // What the next record that says "the same kernel stack" means.
             last.kernel.clone_from(&kernel);
         }
@@ -75,7 +76,7 @@ impl State {
                 pid: s.hdr.pid,
                 tid: s.hdr.tid,
                 ts_ns: s.hdr.ts_ns,
-                offcpu,
+                remembered,
                 slot: place.1,
                 same: s.what & STACK_SAME_USER != 0,
             },

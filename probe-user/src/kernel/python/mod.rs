@@ -246,10 +246,10 @@ impl Pythons {
     /// the file at `path`. An off-CPU stack the kernel sent as the same as the thread's last
     /// (`same`: no walk, no Python frames sent) gets the Python frames of that last one.
     pub fn merge_into(&mut self, at: StackAt, native: Vec<(i64, u64)>, is_module: impl Fn(i64, &str) -> bool) -> Vec<(i64, u64)> {
-        let StackAt { pid, tid, ts_ns, offcpu, slot, same } = at;
+        let StackAt { pid, tid, ts_ns, remembered, slot, same } = at;
         let (ev, fresh) = match self.pending.remove(&tid) {
             Some(ev) => (ev, true),
-            None if same && offcpu => match self.last_offcpu.remove(&(tid, slot)) {
+            None if same && remembered => match self.last_offcpu.remove(&(tid, slot)) {
                 Some(ev) if ev.hdr.pid == pid => (ev, false),
                 _ => return native,
             },
@@ -258,7 +258,7 @@ impl Pythons {
         let t0 = thread_cpu_ns();
         let merged = self.merge_event(pid, if fresh { ts_ns } else { ev.hdr.ts_ns }, &ev, native, is_module);
         self.work_ns += thread_cpu_ns().saturating_sub(t0);
-        if offcpu {
+        if remembered {
             if self.last_offcpu.len() >= 65536 && !self.last_offcpu.contains_key(&(tid, slot)) {
                 self.last_offcpu.clear();
             }
@@ -331,9 +331,10 @@ pub struct StackAt {
     pub pid: u32,
     pub tid: u32,
     pub ts_ns: u64,
-    /// An off-CPU stack, its place (the kernel's slot), and whether the kernel sent it as the
-    /// same as the thread's last at that place.
-    pub offcpu: bool,
+    /// A stack remembered by place (probe_common::stack::stack_remembered: off-CPU, block IO,
+    /// fault), its place (the kernel's slot), and whether the kernel sent it as the same as the
+    /// thread's last at that place.
+    pub remembered: bool,
     pub slot: u8,
     pub same: bool,
 }
