@@ -25,13 +25,15 @@ use crate::{
 
 const HDR: usize = core::mem::size_of::<StackEvent>();
 
-/// Each target thread's last off-CPU places, by tid: a thread that blocks again at one of them
-/// (ggml's OpenMP workers wait at two or three barriers in turn, hundreds of times a second)
-/// sends no user stack, and no kernel stack when it entered the kernel the same way.
 /// Scratch room for a thread's first [`SeenStacks`] ([`seen_before`]).
 #[map(name = "SEEN_SCRATCH")]
 static SEEN_SCRATCH: PerCpuArray<SeenStacks> = PerCpuArray::with_max_entries(1, 0);
 
+/// Each target thread's last places (off-CPU waits, block IOs, major faults), by tid: a thread
+/// that blocks again at one of them (ggml's OpenMP workers wait at two or three barriers in
+/// turn, hundreds of times a second), or whose readahead issues another IO from the fault it
+/// took there, sends no user stack, and (off-CPU) no kernel stack when it entered the kernel the
+/// same way.
 #[map(name = "USTACK_SEEN")]
 static USTACK_SEEN: LruHashMap<u32, SeenStacks> = LruHashMap::with_max_entries(16384, 0);
 

@@ -69,14 +69,14 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A child that leads its own process group (a shell loop and what it runs), the whole group
-/// killed and the leader reaped when dropped.
-pub struct KilledGroup(pub Child);
+/// A child that leads its own process group (a shell loop and what it runs): the whole group is
+/// killed when dropped, then the leader is reaped ([`Killed`]).
+pub struct KilledGroup(pub Killed);
 
 impl KilledGroup {
     pub fn spawn(cmd: &mut Command) -> KilledGroup {
         use std::os::unix::process::CommandExt;
-        KilledGroup(spawn_owned(cmd.process_group(0)).take())
+        KilledGroup(spawn_owned(cmd.process_group(0)))
     }
 }
 
@@ -84,22 +84,11 @@ impl Drop for KilledGroup {
     fn drop(&mut self) {
         // SAFETY: signalling the process group our child leads.
         unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
 /// A child process killed and reaped when dropped: a failing test leaves nothing running.
 pub struct Killed(pub Child);
-
-impl Killed {
-    /// The child, no longer killed on drop (its new owner's job).
-    pub fn take(self) -> Child {
-        let me = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `me` is never used or dropped again; the Child is moved out exactly once.
-        unsafe { std::ptr::read(&me.0) }
-    }
-}
 
 impl std::ops::Deref for Killed {
     type Target = Child;
@@ -119,15 +108,20 @@ impl std::ops::DerefMut for Killed {
 /// spawning thread ends (PR_SET_PDEATHSIG: a test's thread, so even a leaked guard dies with its
 /// test, never lingering as a listener the next test binary's node agent would find).
 pub fn spawn_owned(cmd: &mut Command) -> Killed {
+    Killed(die_with_spawner(cmd).spawn().unwrap_or_else(|e| panic!("start {:?}: {e}", cmd.get_program())))
+}
+
+/// `cmd`'s child gets SIGKILL from the kernel when the thread that spawns it ends
+/// (PR_SET_PDEATHSIG; kept across exec).
+pub fn die_with_spawner(cmd: &mut Command) -> &mut Command {
     use std::os::unix::process::CommandExt;
     // SAFETY: prctl only, between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
             Ok(())
-        });
+        })
     }
-    Killed(cmd.spawn().unwrap_or_else(|e| panic!("start {:?}: {e}", cmd.get_program())))
 }
 
 impl Drop for Killed {
@@ -224,19 +218,13 @@ pub fn shared_llama_server(args: &[&str]) -> (Child, std::net::SocketAddr) {
 
 /// [`shared_llama_server`] from another llama-server executable (a copy, another build).
 pub fn llama_server_from(exe: &std::path::Path, args: &[&str]) -> (Child, std::net::SocketAddr) {
-    use std::os::unix::process::CommandExt;
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut cmd = Command::new(exe);
     cmd.arg("-m").arg(env_path("LLAMA_MODEL")).args(args).args(["--host", "127.0.0.1", "--port", &port.to_string()]);
     cmd.stdout(Stdio::null()).stderr(Stdio::null());
-    // SAFETY: prctl in the child before exec; the server dies with the thread that spawned it,
-    // so spawn it from a thread that lives as long as the test process.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
+    // The server dies with the thread that spawned it, so spawn it from a thread that lives as
+    // long as the test process.
+    die_with_spawner(&mut cmd);
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(cmd.spawn());

@@ -101,8 +101,8 @@ const DRAIN_RECORDS: usize = 4096;
 const DRAIN_TIME: Duration = Duration::from_millis(10);
 /// Most threads whose last off-CPU user stack is kept (the kernel's USTACK_SEEN holds as many).
 const LAST_USER_STACKS: usize = 16384;
-/// Most off-CPU places whose last stacks are kept (as many as the kernel's USTACK_SEEN holds).
-const LAST_OFFCPU_STACKS: usize = LAST_USER_STACKS * probe_common::stack::STACK_SLOTS;
+/// Most places (off-CPU, block IO, fault) whose last stacks are kept (as many as the kernel's USTACK_SEEN holds).
+const LAST_PLACE_STACKS: usize = LAST_USER_STACKS * probe_common::stack::STACK_SLOTS;
 /// At most this many other processes are named (the competitors for a CPU on a busy box).
 const MAX_OTHERS: usize = 4096;
 /// Connections whose credential-masking state is kept at once (as many as the stream tracker).
@@ -255,9 +255,9 @@ struct State {
     /// Cut user stacks by (kind, outermost frame), and the modules' paths: named at the end.
     cut_tops: HashMap<(record::StackKind, (i64, u64)), u64>,
     module_paths: HashMap<i64, String>,
-    /// Each thread's last off-CPU stack at each of its places (tid, the kernel's slot), for the
-    /// records that refer to it.
-    last_offcpu: HashMap<(u32, u8), stacks::LastOffcpu>,
+    /// Each thread's last stack at each of its places (tid, the kernel's slot: off-CPU, block IO
+    /// and fault records share them), for the records that refer to it.
+    last_at_place: HashMap<(u32, u8), stacks::LastAtPlace>,
     root: u32,
     root_exited: bool,
     /// A cgroup is traced: the root's exit does not end the trace, an empty cgroup does.
@@ -316,7 +316,7 @@ impl State {
             ksyms: crate::analysis::ksyms::Resolver::default(),
             spill: Spill::default(),
             offcpu: HashMap::new(),
-            last_offcpu: HashMap::new(),
+            last_at_place: HashMap::new(),
             cut_tops: HashMap::new(),
             module_paths: HashMap::new(),
             ustack_need: None,
@@ -465,7 +465,7 @@ impl State {
         self.dirty_maps.remove(&pid);
         self.dirty_files.remove(&pid);
         self.threads_seen.retain(|_, p| *p != pid);
-        self.last_offcpu.retain(|_, l| l.pid != pid);
+        self.last_at_place.retain(|_, l| l.pid != pid);
         let gone: Vec<u32> = self.offcpu.iter().filter(|(_, v)| v.pid == pid).map(|(&tid, _)| tid).collect();
         for tid in gone {
             if let Some(mut v) = self.offcpu.remove(&tid) {

@@ -3,15 +3,15 @@
 //! kernel, and the record naming where cut stacks stop.
 use std::collections::HashMap;
 
-use super::{CUT_FRAMES_PER_KIND, CUT_MODULE_MAX, LAST_OFFCPU_STACKS, LAST_USER_STACKS, MAX_CUT_TOPS, State};
+use super::{CUT_FRAMES_PER_KIND, CUT_MODULE_MAX, LAST_PLACE_STACKS, LAST_USER_STACKS, MAX_CUT_TOPS, State};
 use crate::record::{
     self,
     records::{self, UserRecord},
 };
 
-/// A thread's last off-CPU stack at one place, for the records that refer to it
+/// A thread's last stack at one place (off-CPU, block IO or fault: probe_common::stack::stack_remembered), for the records that refer to it
 /// (STACK_SAME_USER, STACK_SAME_KERNEL): its process, its unwound user stack and its kernel frames.
-pub(super) struct LastOffcpu {
+pub(super) struct LastAtPlace {
     pub pid: u32,
     pub user: crate::kernel::unwind::Unwound,
     pub kernel: Vec<u64>,
@@ -37,7 +37,7 @@ impl State {
         // Off-CPU, block IO and fault stacks are remembered by thread and place (the kernel's slot).
         let remembered = stack_remembered(s.what);
         let place = (s.hdr.tid, stack_slot(s.what) as u8);
-        let last = self.last_offcpu.get(&place).filter(|l| l.pid == s.hdr.pid);
+        let last = self.last_at_place.get(&place).filter(|l| l.pid == s.hdr.pid);
         let kernel = kernel_frames(s, last.map(|l| &l.kernel[..]));
         // An off-CPU stack the kernel left out as the same as this thread's last: its frames.
         let u = match last {
@@ -51,16 +51,16 @@ impl State {
                 if remembered {
                     // Threads that exited leave entries until their process does: bounded like
                     // the kernel's map (a thread forgotten here is unwound from its ip alone once).
-                    if self.last_offcpu.len() >= LAST_OFFCPU_STACKS && !self.last_offcpu.contains_key(&place) {
-                        self.last_offcpu.clear();
+                    if self.last_at_place.len() >= LAST_PLACE_STACKS && !self.last_at_place.contains_key(&place) {
+                        self.last_at_place.clear();
                     }
-                    let last = LastOffcpu { pid: s.hdr.pid, user: u.clone(), kernel: Vec::new() };
-                    self.last_offcpu.insert(place, last);
+                    let last = LastAtPlace { pid: s.hdr.pid, user: u.clone(), kernel: Vec::new() };
+                    self.last_at_place.insert(place, last);
                 }
                 u
             }
         };
-        if remembered && let Some(last) = self.last_offcpu.get_mut(&place) {
+        if remembered && let Some(last) = self.last_at_place.get_mut(&place) {
             // What the next record that says "the same kernel stack" means.
             last.kernel.clone_from(&kernel);
         }

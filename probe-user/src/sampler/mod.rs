@@ -460,9 +460,9 @@ struct ModelFiles {
 /// pages; a handful leaving is seen by the next full measure).
 const PROBE_PAGES: u64 = 64;
 /// While the target idles and a partly resident file's full measures keep finding the same,
-/// they come this many times less often at most (doubling with each steady one): the test model
+/// they come up to 2^this times less often (doubling with each steady one): the test model
 /// 99.9% resident was walked (4 ms) at every 2 s turn, a third of an idle trace's cost.
-const STEADY_BACKOFF: u32 = 16;
+const STEADY_BACKOFF_SHIFT: u32 = 4;
 
 /// Pages looked at each slow turn of a wholly resident model between full measures.
 const SAMPLED_PAGES: u64 = 16;
@@ -512,7 +512,7 @@ impl ModelFiles {
                     } else {
                         // Partly resident and steady while the target idles: full measures back
                         // off, the probe pages say when something moved.
-                        let backoff = (1u32 << self.steady.min(8)).min(STEADY_BACKOFF);
+                        let backoff = 1u32 << self.steady.min(STEADY_BACKOFF_SHIFT);
                         s >= floor * backoff
                             || !files
                                 .iter()

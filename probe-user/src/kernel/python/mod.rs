@@ -90,9 +90,9 @@ pub struct Pythons {
     procs: HashMap<u32, Option<Interp>>,
     /// The last Python frames per thread, waiting for their stack record.
     pending: HashMap<u32, Box<PyStackEvent>>,
-    /// Each thread's Python frames at its last off-CPU stack at each place (tid, the kernel's
-    /// slot), for the ones sent as the same.
-    last_offcpu: HashMap<(u32, u8), Box<PyStackEvent>>,
+    /// Each thread's Python frames at its last stack at each place (tid, the kernel's slot:
+    /// off-CPU, block IO and fault records share them), for the ones sent as the same.
+    last_at_place: HashMap<(u32, u8), Box<PyStackEvent>>,
     codes: HashMap<(u32, u64), Option<Code>>,
     ids: HashMap<(u32, u64, i64), u64>,
     /// Frame ids by (pid, code object, instruction): what `ids` gives without the line's lookup.
@@ -146,7 +146,7 @@ impl Pythons {
         }
         self.procs.clear();
         self.pending.clear();
-        self.last_offcpu.clear();
+        self.last_at_place.clear();
         self.off = Some(why);
     }
 
@@ -243,13 +243,13 @@ impl Pythons {
 
     /// The native frames of a stack record of (`pid`, `tid`) at `ts_ns`, merged with the Python
     /// frames sent just before it (none: unchanged). `is_module(id, path)`: native module `id` is
-    /// the file at `path`. An off-CPU stack the kernel sent as the same as the thread's last
+    /// the file at `path`. A stack the kernel sent as the same as the thread's last
     /// (`same`: no walk, no Python frames sent) gets the Python frames of that last one.
     pub fn merge_into(&mut self, at: StackAt, native: Vec<(i64, u64)>, is_module: impl Fn(i64, &str) -> bool) -> Vec<(i64, u64)> {
         let StackAt { pid, tid, ts_ns, remembered, slot, same } = at;
         let (ev, fresh) = match self.pending.remove(&tid) {
             Some(ev) => (ev, true),
-            None if same && remembered => match self.last_offcpu.remove(&(tid, slot)) {
+            None if same && remembered => match self.last_at_place.remove(&(tid, slot)) {
                 Some(ev) if ev.hdr.pid == pid => (ev, false),
                 _ => return native,
             },
@@ -259,10 +259,10 @@ impl Pythons {
         let merged = self.merge_event(pid, if fresh { ts_ns } else { ev.hdr.ts_ns }, &ev, native, is_module);
         self.work_ns += thread_cpu_ns().saturating_sub(t0);
         if remembered {
-            if self.last_offcpu.len() >= 65536 && !self.last_offcpu.contains_key(&(tid, slot)) {
-                self.last_offcpu.clear();
+            if self.last_at_place.len() >= 65536 && !self.last_at_place.contains_key(&(tid, slot)) {
+                self.last_at_place.clear();
             }
-            self.last_offcpu.insert((tid, slot), ev);
+            self.last_at_place.insert((tid, slot), ev);
         }
         merged
     }
