@@ -11,7 +11,7 @@ use aya_ebpf::{
 };
 use probe_common::{
     blockio::{BY_BLKCG, BY_FILE, BY_ISSUER, BlockIoEvent, BlockKey, BlockStart, FileId},
-    tracepoints::{block_io_start as st, block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
+    tracepoints::{block_rq_complete as cpl, block_rq_insert as ins, block_rq_issue as iss},
 };
 
 use crate::{current_target, emit, field, header, insert_lru, now_ns};
@@ -69,25 +69,15 @@ fn key(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<Blo
     Ok(BlockKey { dev: field(ctx, dev_off)?, _pad: 0, sector: field(ctx, sector_off)? })
 }
 
-/// block:block_rq_insert (dev @8, sector @16): runs in the submitter's context when the
-/// request goes through an IO scheduler, so this is where the target is seen queuing IO.
+/// block:block_rq_insert and block:block_io_start (6.5+), both dev @8, sector @16: one program
+/// (verified once, attached to both: `SAME_CODE` in probe-user's attach table). A request is
+/// queued for the target's bio in the submitter's context: through the IO scheduler (insert),
+/// or created for it (io_start, which also covers requests that bypass the scheduler and are
+/// issued later from another request's completion, in interrupt context).
 #[tracepoint(category = "block", name = "block_rq_insert")]
 pub fn block_rq_insert(ctx: TracePointContext) -> u32 {
-    let _ = try_block_rq_insert(&ctx);
+    let _ = queued(&ctx, ins::DEV, ins::SECTOR);
     0
-}
-
-/// block:block_io_start (dev @8, sector @16, 6.5+): a request is created for the target's bio,
-/// in the submitter's context. It covers requests that bypass the IO scheduler (no insert
-/// event) and are issued later from another request's completion (interrupt) context.
-#[tracepoint(category = "block", name = "block_io_start")]
-pub fn block_io_start(ctx: TracePointContext) -> u32 {
-    let _ = queued(&ctx, st::DEV, st::SECTOR);
-    0
-}
-
-fn try_block_rq_insert(ctx: &TracePointContext) -> Result<(), i64> {
-    queued(ctx, ins::DEV, ins::SECTOR)
 }
 
 /// Remember a request of the target until it is issued (the first of io_start / insert wins).
@@ -187,7 +177,9 @@ fn rwbs(flags: u32, bits: &[u32; 5]) -> [u8; 8] {
 }
 
 /// The driver took request `k`: carry what was remembered at queueing (or, for a request issued
-/// straight from the target's own context, start here) into the in-flight table.
+/// straight from the target's own context, start here, with its stack) into the in-flight table.
+/// The stack is taken last: the verifier then walks the capture once, not once for every path
+/// that reaches it with a different state (13,900 instructions walked before, 8,000 now).
 #[inline(always)]
 fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8], rq: u64) {
     // SAFETY: the value is copied out before any other map operation.
@@ -201,10 +193,7 @@ fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8], r
             let _ = BLOCK_QUEUED.remove(&k);
             q
         }
-        (None, Some((pid, tid))) => {
-            crate::stack::capture(ctx, probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, true);
-            BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() }
-        }
+        (None, Some((pid, tid))) => BlockStart { pid, tid, cpu: crate::cpu(), ..Default::default() },
         (None, None) => {
             // SAFETY: u32 values copied out at once.
             let by_cg = if cgroup != 0 { unsafe { TARGET_BLKCG.get(&cgroup) }.copied() } else { None };
@@ -225,6 +214,10 @@ fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8], r
     start.rwbs = rwbs;
     start.issue_ns = now_ns();
     insert_lru(&BLOCK_INFLIGHT, &k, &start);
+    if queued.is_none() && start.matched == BY_ISSUER {
+        // Issued straight from the target's own context: the code path that made it.
+        crate::stack::capture(ctx, probe_common::stack::STACK_IO, start.pid, start.tid, k.sector, 0, true, true);
+    }
 }
 
 /// block:block_rq_complete (dev @8, sector @16, error @28): usually in interrupt context.

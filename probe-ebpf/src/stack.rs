@@ -464,6 +464,8 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
 static SWITCH_AT: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// A switch from the current task to `next`; `prev_state` as the classic tracepoint reports it.
+/// `next`'s side first, the current task's stack last: the verifier then walks the capture once,
+/// not once for every state the other side leaves (25,000 instructions walked before, 12,400 now).
 #[inline(always)]
 fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i64, i64>, next: u32) -> Result<(), i64> {
     let now = now_ns();
@@ -476,28 +478,35 @@ fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i6
         },
         None => u64::MAX,
     };
-    if let Some((pid, tid)) = current_target() {
-        let state: i64 = prev_state()?;
-        // A thread's last switch, as it exits, reports EXIT_DEAD or EXIT_ZOMBIE: it never runs
-        // again, so nothing would take its entry out (thread churn would fill the map).
-        if state & (EXIT_DEAD | EXIT_ZOMBIE) != 0 {
-            let _ = OFFCPU_SINCE.remove(&tid);
-            let _ = USTACK_SEEN.remove(&tid);
-            let _ = USTACK_NEED.remove(&tid);
-            let _ = RUN_SINCE.remove(&tid);
-        } else {
-            left_cpu(pid, tid, now, cpu_steal());
-            if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
-                insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
-                capture(ctx, STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
-            } else if state & 0xff == 0 {
-                // Preempted (or it yielded): still runnable, so until it runs again it waits for
-                // a CPU. No stack (where it was is where it will resume); the low bit of the time
-                // marks the wait as run-queue time.
-                insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0, 0]);
-            }
-        }
+    switched_in(next, now, prev_ran);
+    let Some((pid, tid)) = current_target() else { return Ok(()) };
+    let state: i64 = prev_state()?;
+    // A thread's last switch, as it exits, reports EXIT_DEAD or EXIT_ZOMBIE: it never runs
+    // again, so nothing would take its entry out (thread churn would fill the map).
+    if state & (EXIT_DEAD | EXIT_ZOMBIE) != 0 {
+        let _ = OFFCPU_SINCE.remove(&tid);
+        let _ = USTACK_SEEN.remove(&tid);
+        let _ = USTACK_NEED.remove(&tid);
+        let _ = RUN_SINCE.remove(&tid);
+        return Ok(());
     }
+    left_cpu(pid, tid, now, cpu_steal());
+    if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
+        insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
+        capture(ctx, STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
+    } else if state & 0xff == 0 {
+        // Preempted (or it yielded): still runnable, so until it runs again it waits for a CPU.
+        // No stack (where it was is where it will resume); the low bit of the time marks the
+        // wait as run-queue time.
+        insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0, 0]);
+    }
+    Ok(())
+}
+
+/// `next` comes on the CPU at `now`, after the task it replaces ran `prev_ran` (u64::MAX: not
+/// known): the end of its wait, when probe follows it.
+#[inline(always)]
+fn switched_in(next: u32, now: u64, prev_ran: u64) {
     // SAFETY: the value is copied out before the remove.
     if let Some([since, woken, waker]) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
         let _ = OFFCPU_SINCE.remove(&next);
@@ -515,7 +524,7 @@ fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i6
         let held = if prev_ran == u64::MAX { 0 } else { last_run_flags(prev_ran) };
         if since & 1 != 0 {
             run_queue_wait(now.saturating_sub(since & !1), SCHED_PREEMPTED | held, &sched);
-            return Ok(());
+            return;
         }
         // Blocked, then woken: blocked until the wake-up (by which target thread, in the
         // flags' high bits), then waiting for a CPU until now.
@@ -526,7 +535,6 @@ fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i6
         // Interruptible sleeps are not followed then: the run's start is marked here.
         came_on_cpu(next, now);
     }
-    Ok(())
 }
 
 /// The processes charged with a wait, named as they ran ([`probe_common::maps::OTHER_COMMS`]).

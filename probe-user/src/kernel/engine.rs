@@ -373,9 +373,12 @@ pub fn attach(ebpf: &mut impl Programs, s: &Search) -> Attached {
 
 fn attach_one(ebpf: &mut impl Programs, program: Prog, offset: u64, target: &std::path::Path) -> anyhow::Result<()> {
     let p: &mut UProbe = ebpf.program_mut(program).with_context(|| format!("program {program} missing from the object"))?.try_into()?;
+    let t = std::time::Instant::now();
     if p.fd().is_err() {
         p.load().with_context(|| format!("the verifier refused {program}"))?;
     }
+    let v = t.elapsed();
     p.attach(offset, target, UProbeScope::AllProcesses).with_context(|| format!("cannot attach {program}"))?;
+    log::debug!("engine {program}: verified {v:?}, attached {:?}", t.elapsed() - v);
     Ok(())
 }

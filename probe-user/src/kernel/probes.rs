@@ -323,6 +323,7 @@ fn attach_programs(
                     Ok(h) => h.join().unwrap_or_default(),
                     Err(_) => crate::kernel::engine::search(targets),
                 };
+                log::debug!("engine search joined at {:?}", t.elapsed());
                 let a = crate::kernel::engine::attach(&mut progs, &found);
                 (a, found.seen, t.elapsed().as_secs_f64() * 1e3)
             };

@@ -216,7 +216,9 @@ fn attach_point(program: &mut aya::programs::Program, how: How) -> anyhow::Resul
 /// and children created later (perf follows them from the thread that creates them).
 fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: SoftwareEvent, policy: SamplePolicy) -> anyhow::Result<()> {
     let p: &mut PerfEvent = program.try_into()?;
+    let t = std::time::Instant::now();
     p.load().context("verifier refused the program")?;
+    let verified = t.elapsed();
     let (mut n, mut last_err) = (0, None);
     for &pid in targets {
         for tid in procfs::tasks(pid) {
@@ -240,6 +242,7 @@ fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: Soft
         }
         log::info!("perf {event:?}: attached on {n} of {} CPUs (probe is in a PID namespace of its own)", cpus.len());
     }
+    log::debug!("perf {event:?}: verified in {verified:?}, {n} events opened in {:?}", t.elapsed() - verified);
     if n == 0 {
         return match last_err {
             Some(e) => Err(anyhow::Error::new(e).context(format!("perf_event_open({event:?}) failed"))),

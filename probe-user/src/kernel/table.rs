@@ -112,7 +112,13 @@ pub(super) const TABLE: &[Spec] = &[
 const SAME_CODE: &[(&str, &[&str])] = &[
     ("read_exit", &["write_exit", "recvfrom_exit", "sendto_exit", "readv_exit", "writev_exit", "recvmsg_exit", "sendmsg_exit"]),
     ("mmap_exit", &["munmap_exit", "mremap_exit", "madvise_exit", "mlock_exit", "munlock_exit", "mlock2_exit", "mprotect_exit"]),
+    // The same layout (dev @8, sector @16), each checked against its format file at attach; the
+    // insert first, as kernels before 6.5 have no block_io_start.
+    ("block_rq_insert", &["block_io_start"]),
 ];
+
+// block_io_start runs block_rq_insert's code: the fields it reads are where that code reads them.
+const _: () = assert!(tp::block_io_start::DEV == tp::block_rq_insert::DEV && tp::block_io_start::SECTOR == tp::block_rq_insert::SECTOR);
 
 /// The program whose loaded code `program` runs on, when that is another's (`SAME_CODE`).
 pub(super) fn code_of(program: &str) -> Option<&'static str> {
