@@ -178,10 +178,12 @@ pub fn search(pids: &[u32]) -> Search {
     search_mappings(&maps)
 }
 
-/// Search these mappings (pid, mapping) for entry points: the executable ones, each file once.
+/// Search these mappings (pid, mapping) for entry points: the executable ones, each file once
+/// (what an unchanged file held is taken from the last search: [`Kept`]).
 pub fn search_mappings(maps: &[(u32, procfs::Mapping)]) -> Search {
     let mut out = Search::default();
     let mut seen = HashSet::new();
+    let mut kept = Kept::load(std::path::Path::new(crate::os::run_dir::DIR));
     for (pid, m) in maps {
         let pid = *pid;
         {
@@ -192,7 +194,7 @@ pub fn search_mappings(maps: &[(u32, procfs::Mapping)]) -> Search {
             let base = m.path.rsplit('/').next().unwrap_or(&m.path).to_string();
             out.looked.push(base);
             match target_file::open_mapping(Some(pid), m, target_file::MAX_ELF_BYTES) {
-                Ok(file) => match entry_points(&file) {
+                Ok(file) => match kept.entry_points(&file) {
                     Ok((entries, batch_init)) if !entries.is_empty() => {
                         out.found.push(Found { path: m.path.clone(), ident: target_file::Ident::of(m), file, entries, batch_init })
                     }
@@ -203,7 +205,96 @@ pub fn search_mappings(maps: &[(u32, procfs::Mapping)]) -> Search {
             }
         }
     }
+    kept.store(std::path::Path::new(crate::os::run_dir::DIR));
     out
+}
+
+/// The entry points of the object files searched before, kept in `/run/probe` from one trace to
+/// the next (reading a server's symbols took 30-50 ms of CPU beside arming's verification, on a
+/// 2-core box), by file: device, inode, size, and mtime and ctime to the nanosecond (a file
+/// rewritten or replaced is read again). For this build of probe only (its table of entry points).
+struct Kept {
+    by_file: HashMap<String, (Entries, bool)>,
+    /// Files read in this search, to keep.
+    fresh: Vec<String>,
+}
+
+/// The cache file in `/run/probe`, and the most files it keeps (the latest searched first).
+const KEPT_NAME: &str = "engine-entries";
+const KEPT_FILES: usize = 256;
+
+impl Kept {
+    fn load(dir: &std::path::Path) -> Kept {
+        let text = crate::os::kernel_cache::load_bytes(dir, KEPT_NAME, &Self::key(), 1 << 20).and_then(|b| String::from_utf8(b).ok());
+        let by_file = text.iter().flat_map(|t| t.lines()).filter_map(parse_kept).collect();
+        Kept { by_file, fresh: Vec::new() }
+    }
+
+    fn key() -> String {
+        format!("engine entries 1 exe {}", crate::os::kernel_cache::exe_id())
+    }
+
+    /// [`entry_points`] of `f`, as kept when the file is unchanged.
+    fn entry_points(&mut self, f: &target_file::TargetFile) -> anyhow::Result<(Entries, bool)> {
+        let Some(id) = file_id(&f.file) else { return entry_points(f) };
+        if let Some(hit) = self.by_file.get(&id) {
+            return Ok(hit.clone());
+        }
+        let found = entry_points(f)?;
+        self.by_file.insert(id.clone(), found.clone());
+        self.fresh.push(id);
+        Ok(found)
+    }
+
+    /// Keep what this search read, with the files kept before (up to [`KEPT_FILES`]). Best effort.
+    fn store(self, dir: &std::path::Path) {
+        if self.fresh.is_empty() {
+            return;
+        }
+        let fresh: HashSet<&String> = self.fresh.iter().collect();
+        let order = self.fresh.iter().chain(self.by_file.keys().filter(|k| !fresh.contains(k)));
+        let lines: Vec<String> =
+            order.take(KEPT_FILES).filter_map(|id| self.by_file.get(id).map(|(e, b)| render_kept(id, e, *b))).collect();
+        crate::os::kernel_cache::store_bytes(dir, KEPT_NAME, &Self::key(), lines.join("\n").as_bytes());
+    }
+}
+
+/// What identifies an object file's contents: device, inode, size, mtime and ctime (ns).
+fn file_id(f: &std::fs::File) -> Option<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = f.metadata().ok()?;
+    Some(format!("{}:{}:{}:{}.{}:{}.{}", m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec()))
+}
+
+/// `ID BATCH_INIT(0|1) [ENTRY/NAME/OFFSET]...`: an entry by its index in [`ENTRIES`] and its name's
+/// index in the entry's names.
+fn render_kept(id: &str, entries: &Entries, batch_init: bool) -> String {
+    let mut line = format!("{id} {}", u8::from(batch_init));
+    for (&i, &(name, off)) in entries {
+        let j = ENTRIES[i].names.iter().position(|n| *n == name).unwrap_or(0);
+        line.push_str(&format!(" {i}/{j}/{off}"));
+    }
+    line
+}
+
+fn parse_kept(line: &str) -> Option<(String, (Entries, bool))> {
+    let mut words = line.split(' ');
+    let id = words.next().filter(|w| !w.is_empty())?.to_string();
+    let batch_init = match words.next()? {
+        "0" => false,
+        "1" => true,
+        _ => return None,
+    };
+    let mut entries = Entries::new();
+    for w in words {
+        let mut parts = w.split('/');
+        let (i, j, off): (usize, usize, u64) = (parts.next()?.parse().ok()?, parts.next()?.parse().ok()?, parts.next()?.parse().ok()?);
+        if parts.next().is_some() {
+            return None;
+        }
+        entries.insert(i, (*ENTRIES.get(i)?.names.get(j)?, off));
+    }
+    Some((id, (entries, batch_init)))
 }
 
 /// Entry points found in one file: (symbol, file offset) by entry index.
@@ -381,4 +472,54 @@ fn attach_one(ebpf: &mut impl Programs, program: Prog, offset: u64, target: &std
     p.attach(offset, target, UProbeScope::AllProcesses).with_context(|| format!("cannot attach {program}"))?;
     log::debug!("engine {program}: verified {v:?}, attached {:?}", t.elapsed() - v);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_lines_round_trip_and_bad_ones_are_dropped() {
+        let entries: Entries = [(0, ("llama_process", 4096)), (4, ("llama_batch_ext_add_token", 81920))].into_iter().collect();
+        let line = render_kept("2049:77:1000:1.5:2.6", &entries, true);
+        assert_eq!(parse_kept(&line), Some(("2049:77:1000:1.5:2.6".to_string(), (entries, true))));
+        assert_eq!(parse_kept("id 0"), Some(("id".to_string(), (Entries::new(), false))));
+        for bad in ["", "id", "id 2", "id 1 999/0/5", "id 1 0/9/5", "id 1 0/0", "id 1 0/0/5/6", "id 1 0/0/x"] {
+            assert_eq!(parse_kept(bad), None, "{bad:?}");
+        }
+    }
+
+    /// An object file's entry points are kept for the next search while the file is unchanged,
+    /// and read again once it changes (its mtime here).
+    #[test]
+    fn kept_entries_follow_the_file() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("probe-kept-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let obj = dir.join("true");
+        std::fs::copy("/usr/bin/true", &obj).unwrap();
+        let open = || {
+            let file = std::fs::File::open(&obj).unwrap();
+            target_file::TargetFile { size: file.metadata().unwrap().len(), file, opened: obj.clone() }
+        };
+        let mut kept = Kept::load(&dir);
+        assert!(kept.by_file.is_empty());
+        assert_eq!(kept.entry_points(&open()).unwrap(), (Entries::new(), false));
+        assert_eq!(kept.fresh.len(), 1, "read, to keep");
+        kept.store(&dir);
+        let mut again = Kept::load(&dir);
+        assert_eq!(again.by_file.len(), 1, "kept for the next search");
+        assert_eq!(again.entry_points(&open()).unwrap(), (Entries::new(), false));
+        assert!(again.fresh.is_empty(), "taken from what was kept, not read");
+        // The file changes: read again.
+        let f = std::fs::File::options().write(true).open(&obj).unwrap();
+        f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(60)).unwrap();
+        drop(f);
+        let mut changed = Kept::load(&dir);
+        changed.entry_points(&open()).unwrap();
+        assert_eq!(changed.fresh.len(), 1, "a changed file is read again");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

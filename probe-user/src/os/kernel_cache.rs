@@ -34,10 +34,14 @@ const _: () = assert!(std::mem::size_of::<KernelOffsets>().is_multiple_of(4));
 pub fn key() -> String {
     let kernel = kernel_id();
     let btf = std::fs::metadata("/sys/kernel/btf/vmlinux").map(|m| m.len()).unwrap_or(0);
-    let exe = std::fs::metadata("/proc/self/exe")
+    format!("kernel {kernel} btf {btf} exe {}", exe_id())
+}
+
+/// This executable: device, inode, size, mtime (another build of probe may keep other things).
+pub fn exe_id() -> String {
+    std::fs::metadata("/proc/self/exe")
         .map(|m| format!("{}:{}:{}:{}.{}", m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
-        .unwrap_or_default();
-    format!("kernel {kernel} btf {btf} exe {exe}")
+        .unwrap_or_default()
 }
 
 /// The running kernel: its GNU build id, else its version string.
@@ -104,6 +108,13 @@ pub fn store_bytes(dir: &Path, name: &str, key: &str, body: &[u8]) {
     let mut all = format!("{MAGIC}\n{key}\n").into_bytes();
     all.extend_from_slice(body);
     write(dir, name, &all);
+}
+
+/// The body kept as `name` in `dir` for `key` (what [`store_bytes`] wrote), read whole: at most
+/// `max` bytes, when it passes [`open_kept`]'s checks.
+pub fn load_bytes(dir: &Path, name: &str, key: &str, max: u64) -> Option<Vec<u8>> {
+    let all = read(dir, name, max)?;
+    all.strip_prefix(format!("{MAGIC}\n{key}\n").as_bytes()).map(<[u8]>::to_vec)
 }
 
 /// File `name` of `dir`, at most `max` bytes, read whole when it passes [`open_kept`]'s checks.

@@ -7,5 +7,6 @@ pub mod kernel_cache;
 pub mod procfs;
 pub mod run_dir;
 pub mod target_file;
+pub mod timer;
 pub mod tracefs;
 pub mod yielding;

@@ -412,8 +412,11 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                 if quiet {
                     every = WATCH_QUIET;
                 }
-                // /proc/stat's first line: 6 µs a read, at most 40 a second.
-                let saturated = !beats.is_empty() && saturated(now);
+                // /proc/stat's first line: at most 40 reads a second, none while quiet (the kernel
+                // makes the whole file at each read, every IRQ's count: most of a quiet look's
+                // cost). Nothing flows then, so nothing is held; the first look that sees records
+                // flowing reads it (over the whole quiet spell: the window only widens).
+                let saturated = !beats.is_empty() && !quiet && saturated(now);
                 was_saturated = saturated;
                 for b in beats.iter() {
                     let due = b.due_ns.load(Relaxed);

@@ -27,7 +27,28 @@ pub fn cpufreq() -> Option<CpuFreq> {
 }
 
 pub fn cpuidle() -> Option<CpuIdle> {
+    // The CPUs' idle states (their names and exit latencies) are found once; each reading adds up
+    // their time and usage only (every 2 s while the target idles: the rest was half its reads).
+    thread_local! {
+        static LAYOUT: std::cell::OnceCell<(CpuIdle, Vec<(usize, String)>)> = const { std::cell::OnceCell::new() };
+    }
+    LAYOUT.with(|layout| {
+        let (base, states) = layout.get_or_init(cpuidle_layout);
+        let mut c = base.clone();
+        for (st, dir) in states {
+            let num = |f: &str| read_kept(&format!("{dir}/{f}")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+            c.time_us[*st] += num("time");
+            c.usage[*st] += num("usage");
+        }
+        (c.cpus > 0).then_some(c)
+    })
+}
+
+/// The CPUs' idle states: their names and exit latencies (from the first CPU that has each), the
+/// times and usages zero, and every (state, directory) to read them from.
+fn cpuidle_layout() -> (CpuIdle, Vec<(usize, String)>) {
     let mut c = CpuIdle::default();
+    let mut states = Vec::new();
     for cpu in 0.. {
         let dir = format!("/sys/devices/system/cpu/cpu{cpu}");
         if !std::path::Path::new(&dir).exists() {
@@ -36,21 +57,19 @@ pub fn cpuidle() -> Option<CpuIdle> {
         let mut any = false;
         for st in 0.. {
             let sd = format!("{dir}/cpuidle/state{st}");
-            let Some(name) = read_kept(&format!("{sd}/name")) else { break };
-            let num = |f: &str| read_kept(&format!("{sd}/{f}")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+            let Ok(name) = std::fs::read_to_string(format!("{sd}/name")) else { break };
             if c.names.len() <= st {
                 c.names.push(name.trim().to_string());
-                c.latency_us.push(num("latency"));
+                c.latency_us.push(std::fs::read_to_string(format!("{sd}/latency")).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0));
                 c.time_us.push(0);
                 c.usage.push(0);
             }
-            c.time_us[st] += num("time");
-            c.usage[st] += num("usage");
+            states.push((st, sd));
             any = true;
         }
         c.cpus += u32::from(any);
     }
-    (c.cpus > 0).then_some(c)
+    (c, states)
 }
 
 /// /proc/stat's steal over every CPU, ms since boot.
@@ -187,10 +206,18 @@ fn read_kept(path: &str) -> Option<String> {
             }
             let f = kept.get(path)?;
             let (mut out, mut buf) = (Vec::new(), [0u8; 8192]);
+            // A sysfs attribute is made whole at the read from offset 0, at most a page: one read
+            // that returns less than a page has it all (no second read to find the end).
+            let one_read = path.starts_with("/sys/");
             let whole = loop {
                 match f.read_at(&mut buf, out.len() as u64) {
                     Ok(0) => break true,
-                    Ok(n) => out.extend_from_slice(&buf[..n]),
+                    Ok(n) => {
+                        out.extend_from_slice(&buf[..n]);
+                        if one_read && n < 4096 {
+                            break true;
+                        }
+                    }
                     Err(_) => break false,
                 }
             };

@@ -457,13 +457,19 @@ struct ModelFiles {
 
 /// Pages of a partly resident file looked at each slow turn while it is steady: any of them
 /// coming in or going out brings a full measure (a model leaving the cache goes by thousands of
-/// pages; a handful leaving is seen by the next full measure).
-const PROBE_PAGES: u64 = 64;
+/// pages; a handful leaving is seen by the next full measure). At 64, their one-page cachestats
+/// were a tenth of an idle trace's sampler time.
+const PROBE_PAGES: u64 = 16;
 /// While the target idles and a partly resident file's full measures keep finding the same,
 /// they come up to 2^this times less often (doubling with each steady one): the test model
 /// 99.9% resident was walked (4 ms) at every 2 s turn, a third of an idle trace's cost.
 const STEADY_BACKOFF_SHIFT: u32 = 4;
 
+/// The least time between full measures of a wholly resident model while the target idles (its
+/// sampled pages, different ones at each look, are looked at every slow turn meanwhile: a model
+/// losing a tenth of its pages is seen within a few turns). At FILE_SCAN_EVERY the full
+/// measures were a third of an idle trace's sampler time.
+const RESIDENT_IDLE_EVERY: Duration = Duration::from_secs(20);
 /// Pages looked at each slow turn of a wholly resident model between full measures.
 const SAMPLED_PAGES: u64 = 16;
 /// The share of a core full measures may take: while a model is wholly resident (its sampled
@@ -500,7 +506,8 @@ impl ModelFiles {
             || files.len() != before
             || since.is_none_or(|s| {
                 if self.all_resident {
-                    s >= every(FILE_SCAN_EVERY, RESIDENT_SHARE) || {
+                    let floor = if busy { FILE_SCAN_EVERY } else { RESIDENT_IDLE_EVERY };
+                    s >= every(floor, RESIDENT_SHARE) || {
                         self.looks += 1;
                         let seed = self.looks.wrapping_mul(SAMPLED_PAGES);
                         !files.iter().all(|f| f.sampled_resident(SAMPLED_PAGES, seed).unwrap_or(s >= FILE_SCAN_EVERY))

@@ -199,9 +199,11 @@ async fn follow(
     signals: &mut Signals,
 ) -> anyhow::Result<(String, bool)> {
     let Signals { int: sigint, term: sigterm, hup: sighup, usr1: sigusr1 } = signals;
-    let mut sec_tick = tokio::time::interval(Duration::from_secs(1));
-    // A drain held back for seconds takes one turn when let go, not one per second missed.
-    sec_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first at once, then every second; a drain held back for seconds takes one turn when let
+    // go, not one per second missed. One wake-up per turn (`os::timer`).
+    let mut sec_tick = crate::os::timer::Timer::new();
+    sec_tick.set(Duration::ZERO, Duration::from_secs(1));
+    let mut drain_timer = crate::os::timer::Timer::new();
     // Small records wait in the ring for this timer (the kernel wakes probe only for a backlog):
     // every DRAIN_TICK (100 ms) while records flow, every IDLE_DRAIN after a quiet turn (an idle server then
     // costs probe a few wake-ups a second, not fifty).
@@ -217,21 +219,28 @@ async fn follow(
         // Held by the watchdog (every CPU busy, the ring with room): no turn, not even a timer's
         // wake-up, until it lets go; signals are still heard.
         let held = yielding.held();
+        let drain_timed = !held && tick == DRAIN_TICK;
+        if drain_timed {
+            drain_timer.set(tick, Duration::ZERO);
+        }
         tokio::select! {
             _ = yielding.released(), if held => continue,
             guard = async { match &mut se.kernel { Source::Own { ring, .. } => ring.readable_mut().await, Source::Member(_) => std::future::pending().await } }, if !held => {
                 let mut guard = guard?;
+                // The kernel woke the drain (a backlog, or a request's first bytes): records flow.
+                tick = DRAIN_TICK;
                 more = drain_turn(guard.get_inner_mut(), st, sampler, yielding.spill())?;
                 if !more {
                     guard.clear_ready();
                 }
             }
-            _ = tokio::time::sleep(tick), if !held => {
+            // Quiet (`IDLE_DRAIN`), the once-a-second turn drains: no wake-up of its own.
+            _ = drain_timer.wait(), if drain_timed => {
                 let before = st.events;
                 more = drain_turn(se.records(), st, sampler, yielding.spill())?;
                 tick = if st.events > before { DRAIN_TICK } else { IDLE_DRAIN };
             }
-            _ = sec_tick.tick() => {
+            _ = sec_tick.wait() => {
                 if held {
                     // The target's state for the samplers and the endpoint poller, which go by
                     // it (a reading at a request's arrival, vLLM's counters every 2 s while
@@ -353,12 +362,12 @@ fn stop_reason(opts: &TraceOptions, st: &State) -> Option<String> {
 
 /// Python frames past their budget are turned off (said now, and in the recording's stats): the
 /// kernel's walks (its counter) and this process's work for them, over the budget's window.
-fn python_budget(st: &mut State, counters: &[u64]) {
+fn python_budget(st: &mut State, counters: impl FnOnce() -> Vec<u64>) {
     let Some(b) = st.py_budget.as_mut() else { return };
     if st.py_threads.is_none() || st.python.off.is_some() || !st.python.any() {
         return;
     }
-    let kernel = counters.get(probe_common::Counter::PyWalkNs as usize).copied().unwrap_or(0);
+    let kernel = counters().get(probe_common::Counter::PyWalkNs as usize).copied().unwrap_or(0);
     let Some(share) = b.over(monotonic_ns(), kernel.saturating_add(st.python.work_ns)) else { return };
     let why = format!(
         "Python frames turned off: their own work (the kernel's walks and naming the code) took {:.2}% of a core over {} s, over the budget of {}% (--python-budget)",
@@ -477,7 +486,7 @@ impl Second {
             sampler.set_busy(st.streams.others_in_flight() > 0 || now.saturating_sub(then) >= BUSY_BYTES);
         }
         self.produced_at = produced;
-        python_budget(st, &se.kernel.counters());
+        python_budget(st, || se.kernel.counters());
         follow_python(st);
         follow_targets(opts, st, se);
     }
@@ -494,16 +503,24 @@ impl Second {
         screen: Option<&mut crate::collector::live::Screen>,
     ) -> anyhow::Result<()> {
         self.produced_at = None;
-        let lost = se.kernel.lost();
         // Busy: a request in flight, or the target keeps the probes going.
         let busy = st.streams.others_in_flight() > 0 || st.events.saturating_sub(self.events_at_sec) >= BUSY_EVENTS;
         sampler.set_busy(busy);
+        // The kernel's losses are read when more than an idle server's trickle of records came
+        // this second (a record is lost only to a full ring, which holds hundreds of thousands),
+        // when the stats are due, or when they are shown: an idle second costs no look at the
+        // maps (a syscall for each of their slots).
+        let stats_due = self.last_stats.is_none_or(|t| t.elapsed() >= IDLE_STATS);
+        let flowed = st.events.saturating_sub(self.events_at_sec) >= QUIET_TURN;
+        let lost = (busy || stats_due || flowed || screen.is_some()).then(|| se.kernel.lost());
+        let lost_now: u64 = lost.iter().flatten().sum();
         // Every second while busy or losing events; every IDLE_STATS otherwise.
-        let lost_now: u64 = lost.iter().sum();
-        if busy || lost_now != self.lost_at_stats || self.last_stats.is_none_or(|t| t.elapsed() >= IDLE_STATS) {
+        if let Some(lost) = lost.as_deref()
+            && (busy || lost_now != self.lost_at_stats || stats_due)
+        {
             self.lost_at_stats = lost_now;
             let runs = se.kernel.runs();
-            st.writer.record(&stats(&lost, &se.kernel.counters(), st, &runs, se.bpf_unmeasured.as_deref()))?;
+            st.writer.record(&stats(lost, &se.kernel.counters(), st, &runs, se.bpf_unmeasured.as_deref()))?;
             self.last_stats = Some(Instant::now());
             if let Some(w) = &st.watch {
                 // A member's programs are the node's: the agent counts their cost once.
@@ -513,7 +530,7 @@ impl Second {
         }
         st.writer.flush()?;
         follow_engine(st, se);
-        python_budget(st, &se.kernel.counters());
+        python_budget(st, || se.kernel.counters());
         follow_python(st);
         rotate(opts, st, se, out_dir)?;
         if let (Some(screen), Some(live)) = (screen, &mut st.live) {
