@@ -219,7 +219,11 @@ async fn follow(
         // Held by the watchdog (every CPU busy, the ring with room): no turn, not even a timer's
         // wake-up, until it lets go; signals are still heard.
         let held = yielding.held();
-        let drain_timed = !held && tick == DRAIN_TICK;
+        // Quiet, a drain of its own ring has no timer of its own: the once-a-second turn drains,
+        // and the kernel wakes it for a backlog or a request's first bytes. A hub member has no
+        // ring to be woken by: its tick (once a second while quiet) is what finds records again.
+        let own_ring = matches!(se.kernel, Source::Own { .. });
+        let drain_timed = !held && (tick == DRAIN_TICK || !own_ring);
         if drain_timed {
             drain_timer.set(tick, Duration::ZERO);
         }
@@ -234,7 +238,6 @@ async fn follow(
                     guard.clear_ready();
                 }
             }
-            // Quiet (`IDLE_DRAIN`), the once-a-second turn drains: no wake-up of its own.
             _ = drain_timer.wait(), if drain_timed => {
                 let before = st.events;
                 more = drain_turn(se.records(), st, sampler, yielding.spill())?;
