@@ -106,6 +106,51 @@ fn stacks_of_a_thread_near_its_stacks_end_are_whole() {
     assert!(total >= 100 && whole * 10 <= total, "--stack-kib 16: {whole} of {total} stacks reached the thread's start: {f:?}");
 }
 
+/// The same thread, once its whole stacks are known: a stack cut by a short copy at a frame its
+/// last whole stacks passed at the same place and stack pointer takes its outer frames from them,
+/// and the kernel is told to copy only what the frames below take (from 64 KiB to a few KiB: the
+/// 40 KiB frame is no longer copied). The stacks stay whole along both call paths (the source is
+/// the truth); what the collector told the kernel is its log's.
+#[test]
+fn stitched_stacks_copy_less_and_stay_whole() {
+    let _cpus = CPUS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tmp("deep-stitched");
+    let mut w: Child =
+        Command::new(workload()).args(["deep", "3"]).current_dir(&dir).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(w.stdout.take().unwrap()).lines();
+    let pid = lines.next().unwrap().unwrap().strip_prefix("ready ").unwrap().to_string();
+    let rec = dir.join("rec");
+    let (mut p, rx, _) = common::start_trace_env(
+        &["--pid", &pid, "--duration", "60s", "--out", rec.to_str().unwrap()],
+        &[("RUST_LOG", "probe_user::collector::stacks=debug")],
+    );
+    writeln!(w.stdin.take().unwrap(), "go").unwrap();
+    lines.next().unwrap().unwrap();
+    assert!(w.wait().unwrap().success());
+    assert!(p.wait().unwrap().success());
+    // "thread TID: user stacks need N bytes" for the thread other than the main one.
+    let told: Vec<(String, u64)> = rx
+        .try_iter()
+        .filter_map(|l| {
+            let rest = l.split("thread ").nth(1)?;
+            let (tid, rest) = rest.split_once(": user stacks need ")?;
+            Some((tid.to_string(), rest.split(' ').next()?.parse().ok()?))
+        })
+        .filter(|(tid, _)| *tid != pid)
+        .collect();
+    let most = told.iter().map(|t| t.1).max().unwrap_or(0);
+    let last = told.last().map_or(0, |t| t.1);
+    assert!(most >= 40 << 10, "the whole stack (under a 40 KiB frame) was never copied: {told:?}");
+    assert!(last <= 16 << 10, "the copy did not shrink below the 40 KiB frame once stacks were stitched: {told:?}");
+    let f = folded(&rec, "cpu");
+    let total: u64 = f.values().sum();
+    let path = |p: &str| -> u64 { f.iter().filter(|(s, _)| s.contains(p)).map(|(_, n)| n).sum() };
+    let (a, b) = (path("deep_thread;big_frame;outer;middle;inner"), path("deep_thread;big_frame;side;inner"));
+    assert!(total >= 150, "3 s of spinning at 99 Hz gave only {total} samples");
+    assert!(a * 4 >= total && b * 4 >= total, "outer;middle;inner {a}, side;inner {b} of {total}: {f:?}");
+    assert!((a + b) * 10 >= total * 8, "whole stacks in {} of {total}: {f:?}", a + b);
+}
+
 /// The off-CPU graph weighs a wait by the time the thread was blocked, until its wake-up (the
 /// wait for a CPU after it is cpu_contention, not IO): the workload's own count is its wall time
 /// less its CPU time and its run-queue time (schedstat). On a VM that count also holds what the

@@ -252,6 +252,8 @@ struct State {
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
     files_told: HashSet<(u32, u32, u64)>,
     need_told: HashMap<u32, (u32, u64)>,
+    /// How each thread's told need may shrink (stacks.rs, `Shrink`).
+    need_shrink: HashMap<u32, stacks::Shrink>,
     /// Cut user stacks by (kind, outermost frame), and the modules' paths: named at the end.
     cut_tops: HashMap<(record::StackKind, (i64, u64)), u64>,
     module_paths: HashMap<i64, String>,
@@ -327,6 +329,7 @@ impl State {
             target_files: None,
             files_told: HashSet::new(),
             need_told: HashMap::new(),
+            need_shrink: HashMap::new(),
             root,
             root_exited: false,
             follow_cgroup: false,

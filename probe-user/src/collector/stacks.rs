@@ -46,7 +46,7 @@ impl State {
                 last.user.clone()
             }
             _ => {
-                let u = self.unwinders.unwind(s.hdr.pid, s.ip, s.sp, s.bp, ustack);
+                let u = self.unwinders.unwind(s.hdr.pid, s.hdr.tid, s.ip, s.sp, s.bp, ustack);
                 self.learn_need(s.hdr.pid, s.hdr.tid, s.sp, &u, ustack.len());
                 if remembered {
                     // Threads that exited leave entries until their process does: bounded like
@@ -176,7 +176,17 @@ impl State {
         if !u.short && u.used_bytes == 0 {
             want = 0;
         }
-        let want = want.max(told);
+        // Only ever growing, but for a thread whose stacks are stitched ([`Shrink`]).
+        if self.need_shrink.len() >= LAST_USER_STACKS && !self.need_shrink.contains_key(&tid) {
+            self.need_shrink.clear();
+        }
+        let read_cut = !u.complete && u.cut == Some(crate::record::Cut::Read);
+        let want = match u.stitch_bytes {
+            // What this stack would take stitched counts toward a shrink (none is told yet: the
+            // first need is what the whole stack took).
+            Some(b) if !u.short && told > 0 => self.need_shrink.entry(tid).or_default().next(told, class(b + b / 4), true, read_cut),
+            _ => self.need_shrink.entry(tid).or_default().next(told, want, false, read_cut),
+        };
         // 1: looked for, not nearer than the largest copy (no end told).
         let looked = told_top != 0 && (told_top == 1 || sp < told_top);
         let top = if u.short && (given as u64) < cap && !looked {
@@ -204,11 +214,81 @@ impl State {
     }
 }
 
+/// Stitched stacks in a row, each needing less than told, after which a thread's copy shrinks
+/// to the most of them.
+const NEED_SHRINK: u32 = 8;
+
+/// How a thread's copy may shrink: a thread's need only ever grows, but for stacks stitched to
+/// its last whole ones (`Unwound::stitch_bytes`): after [`NEED_SHRINK`] of them in a row that all
+/// took less than half of what was told, it needs twice the most of them. A later stack cut by a read past the shorter copy
+/// that reaches no frame of the last whole one (the thread deeper in another place) brings the
+/// need back to what it was; one cut by the copy's end doubles it, as for any thread.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct Shrink {
+    run: u32,
+    most: u32,
+    /// The need before it last shrank (0: never).
+    before: u32,
+}
+
+impl Shrink {
+    /// The need to tell after a stack: `told` now, `want` what this one took (a quarter more, a
+    /// class), `stitched`, `read_cut` (cut by a read past its copy).
+    fn next(&mut self, told: u32, want: u32, stitched: bool, read_cut: bool) -> u32 {
+        if stitched && want > 0 && want.saturating_mul(2) < told {
+            self.run += 1;
+            self.most = self.most.max(want);
+            if self.run >= NEED_SHRINK {
+                // Twice the most of them: a stack a little deeper than those still reaches a
+                // frame to stitch at (at the most, the copy ran short a stack in ten and each
+                // time doubled back).
+                let to = self.most.saturating_mul(2).min(told);
+                *self = Shrink { run: 0, most: 0, before: told };
+                return to;
+            }
+            return told;
+        }
+        (self.run, self.most) = (0, 0);
+        if read_cut && self.before > told {
+            return std::mem::take(&mut self.before);
+        }
+        want.max(told)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use probe_common::stack::{STACK_OFFCPU, STACK_SAME_KERNEL, STACK_SAME_USER, StackEvent};
 
-    use super::kernel_frames;
+    use super::{NEED_SHRINK, Shrink, kernel_frames};
+
+    #[test]
+    fn a_stitched_threads_need_shrinks_and_comes_back() {
+        let mut s = Shrink::default();
+        // Growing as ever: the most of what was told and what this one took.
+        assert_eq!(s.next(0, 131072, false, false), 131072);
+        // Stitched stacks that took 8 KiB: told stays until NEED_SHRINK of them in a row, then
+        // twice that.
+        for _ in 1..NEED_SHRINK {
+            assert_eq!(s.next(131072, 8192, true, false), 131072);
+        }
+        assert_eq!(s.next(131072, 8192, true, false), 16384);
+        // A stack stitched at 8 KiB keeps 16 KiB (never below what was told but by a run, and a
+        // run only of stacks that took less than half).
+        assert_eq!(s.next(16384, 8192, true, false), 16384);
+        assert_eq!(s.next(16384, 4096, true, false), 16384);
+        // Cut by a read past the copy, not stitched: back to what it was.
+        assert_eq!(s.next(16384, 16384, false, true), 131072);
+        // Once: a read cut after that grows only as any thread's does.
+        assert_eq!(s.next(131072, 2048, false, true), 131072);
+        // A run broken by an unstitched stack starts again.
+        let mut s = Shrink::default();
+        for _ in 1..NEED_SHRINK {
+            s.next(65536, 4096, true, false);
+        }
+        assert_eq!(s.next(65536, 65536, false, false), 65536);
+        assert_eq!(s.next(65536, 4096, true, false), 65536, "the run starts over");
+    }
 
     #[test]
     fn a_same_kernel_record_takes_the_last_frames() {

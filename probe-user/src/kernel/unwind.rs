@@ -206,7 +206,33 @@ pub struct Unwound {
     pub short: bool,
     /// Why it stopped short of the end of the stack (None: complete).
     pub cut: Option<crate::record::Cut>,
+    /// Its outer frames came from the thread's last whole stack ([`Outer`]): `used_bytes` is
+    /// what the frames below them took.
+    pub stitched: bool,
+    /// The bytes a copy needs for this stack when the frames it shares with the thread's last
+    /// whole stack are taken from that one (stitched: `used_bytes`; None: no last whole stack,
+    /// or this one is cut).
+    pub stitch_bytes: Option<u64>,
 }
+
+/// A thread's last whole stack: each frame's lookup address and stack pointer (its callee's
+/// CFA), innermost first. A later stack cut at a frame found here, at the same address and the
+/// same stack pointer, is inside the same call of that frame: its callers are the same, and
+/// are taken from here. A thread spends its life under the same outer frames (llama-server's
+/// main thread under `llama_server()`, whose frame alone is over 80 KiB): the copy then need
+/// only reach the frames that change, a few KiB, not the 128 KiB a whole stack takes.
+/// The last few distinct ones are kept ([`OUTER_STACKS`]): a thread's calls from one frame to
+/// the next come from a few places (a server loop's decode, its sampling, its tokenizing).
+struct Outer {
+    pid: u32,
+    stacks: Vec<Vec<(u64, u64)>>,
+}
+
+/// A thread's last whole stacks kept, distinct, most recent first.
+const OUTER_STACKS: usize = 8;
+
+/// Threads whose last whole stack is kept ([`Outer`]); past it, all are forgotten at once.
+const OUTER_THREADS: usize = 4096;
 
 /// Unwinders for every traced process, and the table of modules (file paths) frames refer to.
 #[derive(Default)]
@@ -236,6 +262,10 @@ pub struct Unwinders {
     pub left_out: u64,
     /// Processes that exited, released a while later (their samples may still be in the ring).
     exited: Vec<(u32, std::time::Instant)>,
+    /// Each thread's last whole stack ([`Outer`]).
+    outer: HashMap<u32, Outer>,
+    /// Stacks whose outer frames came from their thread's last whole stack.
+    pub stitched: u64,
 }
 
 /// How long an exited process's unwinder is kept for its samples still in the ring buffer.
@@ -285,6 +315,7 @@ impl Unwinders {
         if !gone.is_empty() {
             for (p, _) in gone {
                 self.procs.remove(&p);
+                self.outer.retain(|_, o| o.pid != p);
             }
             self.release();
         }
@@ -396,11 +427,20 @@ impl Unwinders {
     }
 
     /// Unwind one sample: user registers and the stack bytes copied from `sp` upwards.
-    pub fn unwind(&mut self, pid: u32, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> Unwound {
+    /// `tid`'s last whole stack stands in for the outer frames a shorter copy did not reach
+    /// ([`Outer`]).
+    pub fn unwind(&mut self, pid: u32, tid: u32, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> Unwound {
         let t = std::time::Instant::now();
         let load_before = self.load_nanos;
         let mut addrs = Vec::new();
-        let (mut complete, mut used_bytes, mut short, mut bad_read) = (false, 0u64, false, false);
+        // The stack pointer at each frame (its callee's CFA), beside `addrs`.
+        let mut sps = Vec::new();
+        // The stack bytes read before each frame was reached, beside `addrs`.
+        let mut used_at = Vec::new();
+        let mut stitched = false;
+        let (mut complete, mut short, mut bad_read) = (false, false, false);
+        let used = std::cell::Cell::new(0u64);
+        let mut stitch_bytes = None;
         if ip != 0 {
             if !self.procs.contains_key(&pid) {
                 let l = std::time::Instant::now();
@@ -409,7 +449,7 @@ impl Unwinders {
             }
             let p = self.procs.get_mut(&pid).expect("built above");
             let drap = &mut self.drap;
-            let (used, short, bad_read) = (&mut used_bytes, &mut short, &mut bad_read);
+            let (short, bad_read) = (&mut short, &mut bad_read);
             let mut read_stack = |addr: u64| -> Result<u64, ()> {
                 let Some(off) = addr.checked_sub(sp).map(|o| o as usize) else {
                     *bad_read = true;
@@ -425,7 +465,7 @@ impl Unwinders {
                     }
                     return Err(());
                 };
-                *used = (*used).max(off as u64 + 8);
+                used.set(used.get().max(off as u64 + 8));
                 Ok(u64::from_le_bytes(b.try_into().map_err(|_| ())?))
             };
             let mut regs = UnwindRegsX86_64::new(ip, sp, bp);
@@ -433,6 +473,8 @@ impl Unwinders {
             while addrs.len() < MAX_FRAMES {
                 let lookup = frame.address_for_lookup();
                 addrs.push(lookup);
+                sps.push(regs.sp());
+                used_at.push(used.get());
                 let rule = p.modules.iter().find(|(r, _, _)| r.contains(&lookup)).and_then(|(_, elf, bias)| {
                     let svma = lookup.wrapping_sub(*bias);
                     *drap.entry((Arc::as_ptr(elf) as usize, svma)).or_insert_with(|| drap_rule(elf, svma))
@@ -453,10 +495,51 @@ impl Unwinders {
                         complete = true;
                         break;
                     }
-                    Err(()) => break,
+                    Err(()) => {
+                        // Cut here (the copy ended, a read failed): the thread's last whole
+                        // stack passed this same frame, at this same place and stack pointer,
+                        // so the frames above it are the ones it had then.
+                        let here = addrs.last().copied().zip(sps.last().copied());
+                        if let Some(o) = self.outer.get(&tid).filter(|o| o.pid == pid)
+                            && let Some((f, i)) = o.stacks.iter().find_map(|f| Some((f, f.iter().position(|&x| Some(x) == here)?)))
+                        {
+                            let tail = &f[i + 1..];
+                            let room = MAX_FRAMES.saturating_sub(addrs.len());
+                            addrs.extend(tail.iter().take(room).map(|f| f.0));
+                            sps.extend(tail.iter().take(room).map(|f| f.1));
+                            (complete, stitched) = (true, true);
+                            stitch_bytes = Some(used.get());
+                        }
+                        break;
+                    }
                 }
             }
+            if complete && !stitched {
+                // What a copy reaching only the frames below those it shares with the last whole
+                // stack would have taken (at least one frame's step): the copy a stitch needs.
+                stitch_bytes = self.outer.get(&tid).filter(|o| o.pid == pid).map(|o| {
+                    let shared = |f: &Vec<(u64, u64)>| {
+                        addrs.iter().zip(&sps).rev().zip(f.iter().rev()).take_while(|((a, s), f)| (**a, **s) == **f).count()
+                    };
+                    let shared = o.stacks.iter().map(shared).max().unwrap_or(0);
+                    used_at.get(addrs.len().saturating_sub(shared).max(1)).copied().unwrap_or(used.get())
+                });
+            }
+            if complete {
+                if self.outer.len() >= OUTER_THREADS && !self.outer.contains_key(&tid) {
+                    self.outer.clear();
+                }
+                let frames: Vec<(u64, u64)> = addrs.iter().copied().zip(sps.iter().copied()).collect();
+                let o = self.outer.entry(tid).or_insert_with(|| Outer { pid, stacks: Vec::new() });
+                if o.pid != pid {
+                    *o = Outer { pid, stacks: Vec::new() };
+                }
+                o.stacks.retain(|f| *f != frames);
+                o.stacks.insert(0, frames);
+                o.stacks.truncate(OUTER_STACKS);
+            }
         }
+        self.stitched += stitched as u64;
         let frames = self.frames(pid, &addrs);
         self.samples += 1;
         self.complete += complete as u64;
@@ -470,7 +553,7 @@ impl Unwinders {
             // No read failed: the unwinder had no rule (CFI) for the frame.
             (false, false, false) => Some(crate::record::Cut::Cfi),
         };
-        Unwound { frames, complete, used_bytes, short: short && !complete, cut }
+        Unwound { frames, complete, used_bytes: used.get(), short: short && !complete, cut, stitched, stitch_bytes }
     }
 
     /// Absolute addresses → (module id, file offset) with the process's current mappings.
