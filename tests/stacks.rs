@@ -9,7 +9,6 @@ use std::{
 };
 
 mod common;
-use common::start_trace;
 
 fn tmp(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("stacks-{name}-{}", std::process::id()));
@@ -42,6 +41,13 @@ fn traced(name: &str, args: &[&str]) -> (String, PathBuf) {
 
 /// [`traced`] with more options for `probe trace`.
 fn traced_with(name: &str, args: &[&str], opts: &[&str]) -> (String, PathBuf) {
+    let (done, rec, _, _) = traced_env(name, args, opts, &[]);
+    (done, rec)
+}
+
+/// [`traced_with`] with variables added to probe's environment; also probe's stderr after
+/// "armed" and the workload's pid.
+fn traced_env(name: &str, args: &[&str], opts: &[&str], env: &[(&str, &str)]) -> (String, PathBuf, Vec<String>, String) {
     let _cpus = CPUS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp(name);
     let mut w: Child = Command::new(workload()).args(args).current_dir(&dir).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
@@ -51,13 +57,16 @@ fn traced_with(name: &str, args: &[&str], opts: &[&str]) -> (String, PathBuf) {
     let rec = dir.join("rec");
     let mut targs = vec!["--pid", &pid, "--duration", "60s", "--out", rec.to_str().unwrap()];
     targs.extend_from_slice(opts);
-    let (mut p, rx, armed) = start_trace(&targs);
+    let (mut p, rx, armed) = common::start_trace_env(&targs, env);
     assert!(armed.contains("cpu") && armed.contains("offcpu"), "stack probes not live: {armed}");
     writeln!(w.stdin.take().unwrap(), "go").unwrap();
     let done = lines.next().unwrap().unwrap();
     assert!(w.wait().unwrap().success());
-    assert!(p.wait().unwrap().success(), "probe: {:?}", rx.try_iter().collect::<Vec<_>>());
-    (done, rec)
+    let ok = p.wait().unwrap().success();
+    // Its stderr to the end (the reader thread ends with the pipe; 5 s of quiet at most).
+    let log: Vec<String> = std::iter::from_fn(|| rx.recv_timeout(std::time::Duration::from_secs(5)).ok()).collect();
+    assert!(ok, "probe: {log:?}");
+    (done, rec, log, pid)
 }
 
 fn folded(rec: &Path, kind: &str) -> BTreeMap<String, u64> {
@@ -90,13 +99,7 @@ fn cpu_stacks_unwind_without_frame_pointers() {
 #[test]
 fn stacks_of_a_thread_near_its_stacks_end_are_whole() {
     let (_, rec) = traced("deep", &["deep", "3"]);
-    let f = folded(&rec, "cpu");
-    let total: u64 = f.values().sum();
-    let path = |p: &str| -> u64 { f.iter().filter(|(s, _)| s.contains(p)).map(|(_, n)| n).sum() };
-    let (a, b) = (path("deep_thread;big_frame;outer;middle;inner"), path("deep_thread;big_frame;side;inner"));
-    assert!(total >= 150, "3 s of spinning at 99 Hz gave only {total} samples");
-    assert!(a * 4 >= total && b * 4 >= total, "outer;middle;inner {a}, side;inner {b} of {total}: {f:?}");
-    assert!((a + b) * 10 >= total * 8, "whole stacks in {} of {total}: {f:?}", a + b);
+    assert_deep_stacks_whole(&rec);
     // The user's choice of cheaper samples: copies of at most 16 KiB cut every stack under the
     // 40 KiB frame.
     let (_, rec) = traced_with("deep-16", &["deep", "2"], &["--stack-kib", "16"]);
@@ -106,6 +109,18 @@ fn stacks_of_a_thread_near_its_stacks_end_are_whole() {
     assert!(total >= 100 && whole * 10 <= total, "--stack-kib 16: {whole} of {total} stacks reached the thread's start: {f:?}");
 }
 
+/// The `deep` workload's 3 s of CPU stacks come out whole along both call paths it takes by turns
+/// (its source is the truth): each path in at least a quarter, both in at least 80%.
+fn assert_deep_stacks_whole(rec: &Path) {
+    let f = folded(rec, "cpu");
+    let total: u64 = f.values().sum();
+    let path = |p: &str| -> u64 { f.iter().filter(|(s, _)| s.contains(p)).map(|(_, n)| n).sum() };
+    let (a, b) = (path("deep_thread;big_frame;outer;middle;inner"), path("deep_thread;big_frame;side;inner"));
+    assert!(total >= 150, "3 s of spinning at 99 Hz gave only {total} samples");
+    assert!(a * 4 >= total && b * 4 >= total, "outer;middle;inner {a}, side;inner {b} of {total}: {f:?}");
+    assert!((a + b) * 10 >= total * 8, "whole stacks in {} of {total}: {f:?}", a + b);
+}
+
 /// The same thread, once its whole stacks are known: a stack cut by a short copy at a frame its
 /// last whole stacks passed at the same place and stack pointer takes its outer frames from them,
 /// and the kernel is told to copy only what the frames below take (from 64 KiB to a few KiB: the
@@ -113,24 +128,10 @@ fn stacks_of_a_thread_near_its_stacks_end_are_whole() {
 /// the truth); what the collector told the kernel is its log's.
 #[test]
 fn stitched_stacks_copy_less_and_stay_whole() {
-    let _cpus = CPUS.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tmp("deep-stitched");
-    let mut w: Child =
-        Command::new(workload()).args(["deep", "3"]).current_dir(&dir).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    let mut lines = BufReader::new(w.stdout.take().unwrap()).lines();
-    let pid = lines.next().unwrap().unwrap().strip_prefix("ready ").unwrap().to_string();
-    let rec = dir.join("rec");
-    let (mut p, rx, _) = common::start_trace_env(
-        &["--pid", &pid, "--duration", "60s", "--out", rec.to_str().unwrap()],
-        &[("RUST_LOG", "probe_user::collector::stacks=debug")],
-    );
-    writeln!(w.stdin.take().unwrap(), "go").unwrap();
-    lines.next().unwrap().unwrap();
-    assert!(w.wait().unwrap().success());
-    assert!(p.wait().unwrap().success());
+    let (_, rec, log, pid) = traced_env("deep-stitched", &["deep", "3"], &[], &[("RUST_LOG", "probe_user::collector::stacks=debug")]);
     // "thread TID: user stacks need N bytes" for the thread other than the main one.
-    let told: Vec<(String, u64)> = rx
-        .try_iter()
+    let told: Vec<(String, u64)> = log
+        .iter()
         .filter_map(|l| {
             let rest = l.split("thread ").nth(1)?;
             let (tid, rest) = rest.split_once(": user stacks need ")?;
@@ -142,13 +143,7 @@ fn stitched_stacks_copy_less_and_stay_whole() {
     let last = told.last().map_or(0, |t| t.1);
     assert!(most >= 40 << 10, "the whole stack (under a 40 KiB frame) was never copied: {told:?}");
     assert!(last <= 16 << 10, "the copy did not shrink below the 40 KiB frame once stacks were stitched: {told:?}");
-    let f = folded(&rec, "cpu");
-    let total: u64 = f.values().sum();
-    let path = |p: &str| -> u64 { f.iter().filter(|(s, _)| s.contains(p)).map(|(_, n)| n).sum() };
-    let (a, b) = (path("deep_thread;big_frame;outer;middle;inner"), path("deep_thread;big_frame;side;inner"));
-    assert!(total >= 150, "3 s of spinning at 99 Hz gave only {total} samples");
-    assert!(a * 4 >= total && b * 4 >= total, "outer;middle;inner {a}, side;inner {b} of {total}: {f:?}");
-    assert!((a + b) * 10 >= total * 8, "whole stacks in {} of {total}: {f:?}", a + b);
+    assert_deep_stacks_whole(&rec);
 }
 
 /// The off-CPU graph weighs a wait by the time the thread was blocked, until its wake-up (the

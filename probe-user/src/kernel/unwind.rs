@@ -206,21 +206,18 @@ pub struct Unwound {
     pub short: bool,
     /// Why it stopped short of the end of the stack (None: complete).
     pub cut: Option<crate::record::Cut>,
-    /// Its outer frames came from the thread's last whole stack ([`Outer`]): `used_bytes` is
-    /// what the frames below them took.
-    pub stitched: bool,
-    /// The bytes a copy needs for this stack when the frames it shares with the thread's last
-    /// whole stack are taken from that one (stitched: `used_bytes`; None: no last whole stack,
-    /// or this one is cut).
+    /// The bytes a copy needs for this stack when the frames it shares with one of the thread's
+    /// last whole stacks are taken from that one ([`Outer`]; stitched: `used_bytes`; None: no
+    /// last whole stack, or this one is cut).
     pub stitch_bytes: Option<u64>,
 }
 
-/// A thread's last whole stack: each frame's lookup address and stack pointer (its callee's
+/// A thread's last whole stacks: each frame's lookup address and stack pointer (its callee's
 /// CFA), innermost first. A later stack cut at a frame found here, at the same address and the
 /// same stack pointer, is inside the same call of that frame: its callers are the same, and
 /// are taken from here. A thread spends its life under the same outer frames (llama-server's
-/// main thread under `llama_server()`, whose frame alone is over 80 KiB): the copy then need
-/// only reach the frames that change, a few KiB, not the 128 KiB a whole stack takes.
+/// main thread under `llama_server()` and frames of tens of KiB: 80 KiB from its samples to its
+/// stack's end): the copy then need only reach the frames that change, a few KiB.
 /// The last few distinct ones are kept ([`OUTER_STACKS`]): a thread's calls from one frame to
 /// the next come from a few places (a server loop's decode, its sampling, its tokenizing).
 struct Outer {
@@ -262,10 +259,8 @@ pub struct Unwinders {
     pub left_out: u64,
     /// Processes that exited, released a while later (their samples may still be in the ring).
     exited: Vec<(u32, std::time::Instant)>,
-    /// Each thread's last whole stack ([`Outer`]).
+    /// Each thread's last whole stacks ([`Outer`]).
     outer: HashMap<u32, Outer>,
-    /// Stacks whose outer frames came from their thread's last whole stack.
-    pub stitched: u64,
 }
 
 /// How long an exited process's unwinder is kept for its samples still in the ring buffer.
@@ -525,7 +520,12 @@ impl Unwinders {
                     used_at.get(addrs.len().saturating_sub(shared).max(1)).copied().unwrap_or(used.get())
                 });
             }
-            if complete {
+            // Kept, most recent first; the one kept last again (a thread sampled where it was)
+            // costs a comparison, not a copy.
+            let latest = |o: &Outer| {
+                o.pid == pid && o.stacks.first().is_some_and(|f| f.iter().copied().eq(addrs.iter().copied().zip(sps.iter().copied())))
+            };
+            if complete && !self.outer.get(&tid).is_some_and(latest) {
                 if self.outer.len() >= OUTER_THREADS && !self.outer.contains_key(&tid) {
                     self.outer.clear();
                 }
@@ -539,7 +539,6 @@ impl Unwinders {
                 o.stacks.truncate(OUTER_STACKS);
             }
         }
-        self.stitched += stitched as u64;
         let frames = self.frames(pid, &addrs);
         self.samples += 1;
         self.complete += complete as u64;
@@ -553,7 +552,7 @@ impl Unwinders {
             // No read failed: the unwinder had no rule (CFI) for the frame.
             (false, false, false) => Some(crate::record::Cut::Cfi),
         };
-        Unwound { frames, complete, used_bytes: used.get(), short: short && !complete, cut, stitched, stitch_bytes }
+        Unwound { frames, complete, used_bytes: used.get(), short: short && !complete, cut, stitch_bytes }
     }
 
     /// Absolute addresses → (module id, file offset) with the process's current mappings.
