@@ -13,6 +13,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// Where `probe trace` keeps its verified programs between traces (bpffs).
+pub const KEPT_ROOT: &str = "/sys/fs/bpf/probe";
+
 /// The `probe` binary: $PROBE_BIN (set by `cargo xtask test`) or target/release/probe.
 pub fn probe_bin() -> PathBuf {
     let p = std::env::var_os("PROBE_BIN")

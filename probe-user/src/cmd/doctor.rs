@@ -75,6 +75,8 @@ pub fn run() -> i32 {
             offcpu_d_only: false,
             stack_limit: 0,
             more: Vec::new(),
+            // A check of its own: the kept set stays as the traces left it.
+            keep: crate::kernel::kept::Keep::Leave,
         };
         match probes::attach(&opts) {
             Ok(a) => {

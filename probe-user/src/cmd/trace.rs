@@ -91,6 +91,13 @@ pub struct Args {
     /// With this the readings keep their rate, and the verdicts may name probe as a competitor.
     #[arg(long)]
     pub no_yield: bool,
+    /// Do not keep the verified kernel programs for the next trace, and remove any kept. By
+    /// default a trace takes the programs an earlier one kept pinned in /sys/fs/bpf/probe (not
+    /// verified again: arming is then mostly attaching) and keeps its own there when it ends;
+    /// nothing of them runs between traces, but their maps stay allocated (the ring, --ring-mb,
+    /// and about 28 MiB more) until this flag or a reboot removes them.
+    #[arg(long)]
+    pub no_keep: bool,
     #[command(flatten)]
     pub auth: crate::util::httpc::ServerAuth,
     /// Send the requests as OpenTelemetry spans (with their verdicts) to this OTLP/HTTP
@@ -131,6 +138,7 @@ pub fn run(args: Args, started: Instant) -> anyhow::Result<i32> {
         sample_hz,
         no_poll,
         no_yield,
+        no_keep,
         auth,
         otlp,
         quiet,
@@ -173,6 +181,7 @@ pub fn run(args: Args, started: Instant) -> anyhow::Result<i32> {
         watch: None,
         offcpu_d_only: false,
         stack_limit: if stack_kib >= STACK_KIB_MAX { 0 } else { stack_kib << 10 },
+        keep: if no_keep { crate::kernel::kept::Keep::Forget } else { crate::kernel::kept::Keep::Take },
         otlp,
         cgroup,
         quiet,

@@ -65,6 +65,8 @@ pub struct TraceOptions {
     pub offcpu_d_only: bool,
     /// The most user-stack bytes a record copies (0: the largest copy; see probes::Options).
     pub stack_limit: u32,
+    /// Take and keep verified programs across traces (see probes::Options; `--no-keep`).
+    pub keep: crate::kernel::kept::Keep,
     /// Send the requests as OpenTelemetry spans here at the end (`--otlp`).
     pub otlp: Option<crate::render::export::otlp::Endpoint>,
     /// Trace every process of this cgroup (`--cgroup`, `--container`), as they join it; the
@@ -147,6 +149,7 @@ pub fn trace(opts: TraceOptions) -> anyhow::Result<TraceOutcome> {
         sample_hz: opts.sample_hz,
         offcpu_d_only: opts.offcpu_d_only,
         stack_limit: opts.stack_limit,
+        keep: opts.keep,
         more: opts.cgroup.as_deref().map(crate::os::cgroup::procs).unwrap_or_default().into_iter().filter(|&p| p != opts.pid).collect(),
     };
     // Then the output: a refused --out costs nothing to attach (or to detach).

@@ -18,6 +18,9 @@ pub struct Attached {
     /// Executable files the engine probe already searched (a later mapping of another is searched
     /// as it appears: a runner started after attach, a library loaded later).
     pub engine_seen: Vec<crate::os::target_file::Ident>,
+    /// The kept set of verified programs this trace holds (`super::kept`), until its programs are
+    /// detached.
+    pub kept: Option<super::kept::Kept>,
 }
 
 /// What the kernel counts for one loaded program (`struct bpf_prog_info`): runs and run time
@@ -31,11 +34,42 @@ pub struct ProgRuns {
     pub skipped: u64,
 }
 
-/// [`ProgRuns`] of every loaded program, by name (cumulative since load).
+/// [`ProgRuns`] of every loaded program, by name: since this process loaded it, or took it from
+/// the kept set ([`note_taken`]).
 pub fn prog_runs(ebpf: &Ebpf) -> std::collections::BTreeMap<String, ProgRuns> {
+    let taken = TAKEN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut out = std::collections::BTreeMap::new();
+    for (name, prog) in ebpf.programs() {
+        let Ok(fd) = prog.fd() else { continue };
+        let Some((id, r)) = runs_of(fd) else { continue };
+        let base = taken.get(&id).copied().unwrap_or_default();
+        let r = ProgRuns {
+            runs: r.runs.saturating_sub(base.runs),
+            run_ns: r.run_ns.saturating_sub(base.run_ns),
+            skipped: r.skipped.saturating_sub(base.skipped),
+        };
+        out.insert(name.to_string(), r);
+    }
+    out
+}
+
+/// What the programs taken from the kept set had counted when taken, by program id: earlier
+/// traces' runs, not this one's.
+static TAKEN: std::sync::Mutex<std::collections::BTreeMap<u32, ProgRuns>> = std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// A program taken from the kept set: its counts so far are not this trace's.
+pub(crate) fn note_taken(fd: &aya::programs::ProgramFd) {
+    if let Some((id, r)) = runs_of(fd) {
+        TAKEN.lock().unwrap_or_else(|e| e.into_inner()).insert(id, r);
+    }
+}
+
+/// A program's id and its counts since it was loaded (`struct bpf_prog_info`).
+fn runs_of(fd: &aya::programs::ProgramFd) -> Option<(u32, ProgRuns)> {
     use std::os::fd::{AsFd as _, AsRawFd as _};
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
     /// Offsets in `struct bpf_prog_info` (include/uapi/linux/bpf.h).
+    const ID: usize = 4;
     const RUN_TIME_NS: usize = 192;
     const RUN_CNT: usize = 200;
     const RECURSION_MISSES: usize = 208;
@@ -47,27 +81,23 @@ pub fn prog_runs(ebpf: &Ebpf) -> std::collections::BTreeMap<String, ProgRuns> {
         info_len: u32,
         info: u64,
     }
-    let mut out = std::collections::BTreeMap::new();
-    for (name, prog) in ebpf.programs() {
-        let Ok(fd) = prog.fd() else { continue };
-        let mut info = Info([0; 256]);
-        let mut attr = Attr { bpf_fd: fd.as_fd().as_raw_fd() as u32, info_len: 256, info: info.0.as_mut_ptr() as u64 };
-        // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most info_len bytes into `info` and the
-        // written length into attr.info_len; both live for the call.
-        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &mut attr as *mut Attr, std::mem::size_of::<Attr>()) };
-        if rc != 0 {
-            continue;
-        }
-        let len = attr.info_len as usize;
-        let at = |off: usize| -> u64 {
-            if len < off + 8 {
-                return 0;
-            }
-            u64::from_ne_bytes(info.0[off..off + 8].try_into().expect("8 bytes"))
-        };
-        out.insert(name.to_string(), ProgRuns { runs: at(RUN_CNT), run_ns: at(RUN_TIME_NS), skipped: at(RECURSION_MISSES) });
+    let mut info = Info([0; 256]);
+    let mut attr = Attr { bpf_fd: fd.as_fd().as_raw_fd() as u32, info_len: 256, info: info.0.as_mut_ptr() as u64 };
+    // SAFETY: BPF_OBJ_GET_INFO_BY_FD writes at most info_len bytes into `info` and the written
+    // length into attr.info_len; both live for the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &mut attr as *mut Attr, std::mem::size_of::<Attr>()) };
+    if rc != 0 {
+        return None;
     }
-    out
+    let len = attr.info_len as usize;
+    let at = |off: usize| -> u64 {
+        if len < off + 8 {
+            return 0;
+        }
+        u64::from_ne_bytes(info.0[off..off + 8].try_into().expect("8 bytes"))
+    };
+    let id = u32::from_ne_bytes(info.0[ID..ID + 4].try_into().expect("4 bytes"));
+    Some((id, ProgRuns { runs: at(RUN_CNT), run_ns: at(RUN_TIME_NS), skipped: at(RECURSION_MISSES) }))
 }
 
 /// Runs each program skipped ([`ProgRuns::skipped`]); programs with none are left out.
@@ -133,7 +163,10 @@ pub fn hand_off(attached: Attached) {
     let (arming, attach) = teardown_locks();
     let raw = |f: &Option<std::fs::File>| f.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
     let (arming_fd, attach_fd) = (raw(&arming), raw(&attach));
-    let (held, others) = descriptors(&[fds[0], fds[1], arming_fd, attach_fd]);
+    // The kept set's lock stays with the child to its exit: the next trace takes the set once
+    // nothing of this one is attached.
+    let kept_fd = attached.kept.as_ref().map_or(-1, super::kept::Kept::lock_fd);
+    let (held, others) = descriptors(&[fds[0], fds[1], arming_fd, attach_fd, kept_fd]);
     // SAFETY: the child calls only async-signal-safe functions (close, read, flock, nanosleep,
     // _exit) and reads errno.
     match unsafe { libc::fork() } {
@@ -230,7 +263,8 @@ fn descriptors(keep: &[i32]) -> (Vec<i32>, Vec<i32>) {
 /// tracepoint after another), which made a stop take seconds (4.2 s for 64 programs on an idle
 /// 2-CPU VM; 138 ms in parallel). Maps taken out of the `Ebpf` before stay.
 pub fn detach(attached: Attached) {
-    let Attached { mut ebpf, .. } = attached;
+    // The kept set's lock goes last, once nothing is attached.
+    let Attached { mut ebpf, kept, .. } = attached;
     let t = std::time::Instant::now();
     let progs: Vec<(&str, &mut aya::programs::Program)> = ebpf.programs_mut().collect();
     let n = progs.len();
@@ -248,6 +282,7 @@ pub fn detach(attached: Attached) {
         }
     });
     drop(ebpf);
+    drop(kept);
     log::info!("{n} programs detached in {:?}", t.elapsed());
 }
 

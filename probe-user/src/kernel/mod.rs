@@ -2,6 +2,7 @@
 //! target's unwind tables and Python frames.
 pub mod attach;
 pub mod engine;
+pub mod kept;
 mod loaded;
 pub mod probes;
 mod programs;

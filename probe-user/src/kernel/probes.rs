@@ -54,6 +54,9 @@ pub struct Options {
     pub stack_limit: u32,
     /// More processes traced from the start with their descendants (a cgroup's other members).
     pub more: Vec<u32>,
+    /// Take the verified programs an earlier trace kept and keep this trace's for the next, leave
+    /// them, or remove them ([`super::kept`]).
+    pub keep: super::kept::Keep,
 }
 
 /// Fails unless we are root or hold CAP_BPF + CAP_PERFMON (+ CAP_SYS_ADMIN for tracefs mounts).
@@ -160,9 +163,32 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     // or read from BTF now; aya's loader does not read BTF for an object without CO-RE relocations.
     let (koff, koff_note, cached) = kernel_offsets();
     laps.lap(if cached { "kernel_btf (cached)" } else { "kernel_btf" });
-    let mut ebpf = load_object(opts, &koff)?;
-
+    let mut kept = match super::kept::open(&kept_key(opts, &koff), opts.keep) {
+        Ok(k) => Some(k),
+        Err(why) => {
+            log::info!("verified programs: {why}");
+            None
+        }
+    };
+    let mut ebpf = match load_object(opts, &koff, kept.as_ref().map(|k| k.maps_dir()).as_deref()) {
+        Err(e) if kept.is_some() => {
+            // Nothing kept is worth a trace: loaded as when nothing is kept.
+            log::warn!("verified programs not kept ({e:#}): loaded for this trace only");
+            kept = None;
+            load_object(opts, &koff, None)?
+        }
+        loaded => loaded?,
+    };
     laps.lap("object_load");
+    if let Some(k) = &mut kept {
+        k.loaded(&mut ebpf)?;
+        for name in k.adopt(ebpf.programs_mut()) {
+            if let Some(fd) = ebpf.program(&name).and_then(|p| p.fd().ok()) {
+                super::loaded::note_taken(fd);
+            }
+        }
+        laps.lap(k.stage());
+    }
     let targets = target_set(opts);
     laps.lap("descendants");
     fill_target_map(&mut ebpf, &targets)?;
@@ -185,8 +211,13 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     }
     check_live(opts, &status)?;
     laps.lap("programs");
+    if let Some(k) = &kept {
+        let pinned = k.keep(ebpf.programs_mut());
+        log::info!("verified programs: {} taken from the kept set, {pinned} verified now and kept", k.adopted);
+        laps.lap("kept_programs");
+    }
     laps.stages.extend(slowest(per_program));
-    Ok(Attached { ebpf, status, targets, run_time_stats, stages: laps.stages, engine_seen })
+    Ok(Attached { ebpf, status, targets, run_time_stats, stages: laps.stages, engine_seen, kept })
 }
 
 /// Whether the trace wants subsystem `sub`: every one, or the ones named with `--probes`.
@@ -245,8 +276,12 @@ impl FormatReads {
 /// Load probe's kernel object with the ring's size and the globals it reads: the kernel's struct
 /// offsets, whether off-CPU stacks are for uninterruptible waits only, and whether perf events
 /// are per CPU (probe in a PID namespace of its own).
-fn load_object(opts: &Options, koff: &probe_common::kernel::KernelOffsets) -> anyhow::Result<Ebpf> {
-    EbpfLoader::new()
+fn load_object(opts: &Options, koff: &probe_common::kernel::KernelOffsets, keep_maps_in: Option<&Path>) -> anyhow::Result<Ebpf> {
+    let mut loader = EbpfLoader::new();
+    if let Some(dir) = keep_maps_in {
+        loader.keep_maps_in(dir);
+    }
+    loader
         .map_max_entries(probe_common::maps::EVENTS, opts.ring_bytes)
         .override_global(probe_common::kernel::KOFF_SYMBOL, koff, true)
         .override_global(probe_common::kernel::OFFCPU_D_ONLY_SYMBOL, &u32::from(opts.offcpu_d_only), true)
@@ -255,6 +290,21 @@ fn load_object(opts: &Options, koff: &probe_common::kernel::KernelOffsets) -> an
         .override_global(probe_common::kernel::WAKEUP_SHIFT_SYMBOL, &probe_common::wakeup_shift(opts.ring_bytes), true)
         .load(OBJECT)
         .context("the kernel refused probe's BPF object (needs Linux >= 5.8 with BPF ring buffers and BTF)")
+}
+
+/// What the programs are verified with beyond probe's executable: the kernel's struct offsets
+/// and the globals and sizes [`load_object`] sets.
+fn kept_key(opts: &Options, koff: &probe_common::kernel::KernelOffsets) -> String {
+    let koff: Vec<u8> = crate::os::kernel_cache::words(koff).iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let globals = [
+        opts.ring_bytes,
+        u32::from(opts.offcpu_d_only),
+        opts.stack_limit,
+        u32::from(in_own_pid_namespace()),
+        probe_common::wakeup_shift(opts.ring_bytes),
+    ];
+    let globals: Vec<u8> = globals.iter().flat_map(|g| g.to_ne_bytes()).collect();
+    super::kept::key(&[&koff, &globals, &OBJECT.len().to_ne_bytes()])
 }
 
 /// The processes traced from the start: the target and its live descendants, then each of

@@ -174,13 +174,18 @@ fn check_point(formats: &Formats, how: How) -> anyhow::Result<()> {
 fn load_one(program: &mut aya::programs::Program, formats: &Formats, spec: &Spec, targets: &[u32], sample_hz: u64) -> anyhow::Result<()> {
     check_point(formats, spec.how)?;
     match spec.how {
+        // A program taken from the kept set is loaded and verified already (`kept`).
         How::Tracepoint(_) | How::Plain(..) | How::Syscall(_) => {
             let p: &mut TracePoint = program.try_into()?;
-            p.load().context("verifier refused the program")?;
+            if p.fd().is_err() {
+                p.load().context("verifier refused the program")?;
+            }
         }
         How::Raw(_) => {
             let p: &mut aya::programs::RawTracePoint = program.try_into()?;
-            p.load().context("verifier refused the program")?;
+            if p.fd().is_err() {
+                p.load().context("verifier refused the program")?;
+            }
         }
         How::PerfMajorFaults => per_thread(program, targets, SoftwareEvent::PageFaultsMaj, SamplePolicy::Period(1))?,
         How::PerfCpuClock => per_thread(program, targets, SoftwareEvent::CpuClock, SamplePolicy::Frequency(sample_hz))?,
@@ -217,7 +222,9 @@ fn attach_point(program: &mut aya::programs::Program, how: How) -> anyhow::Resul
 fn per_thread(program: &mut aya::programs::Program, targets: &[u32], event: SoftwareEvent, policy: SamplePolicy) -> anyhow::Result<()> {
     let p: &mut PerfEvent = program.try_into()?;
     let t = std::time::Instant::now();
-    p.load().context("verifier refused the program")?;
+    if p.fd().is_err() {
+        p.load().context("verifier refused the program")?;
+    }
     let verified = t.elapsed();
     let (mut n, mut last_err) = (0, None);
     for &pid in targets {

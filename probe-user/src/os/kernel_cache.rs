@@ -148,10 +148,14 @@ fn parse(text: &str, key: &str) -> Option<KernelOffsets> {
     Some(k)
 }
 
-fn render(k: &KernelOffsets, key: &str) -> String {
+/// The offsets as the u32 words they are.
+pub fn words(k: &KernelOffsets) -> &[u32] {
     // SAFETY: as in `parse`: WORDS u32 fields, read as such.
-    let words = unsafe { std::slice::from_raw_parts((k as *const KernelOffsets).cast::<u32>(), WORDS) };
-    let words: Vec<String> = words.iter().map(u32::to_string).collect();
+    unsafe { std::slice::from_raw_parts((k as *const KernelOffsets).cast::<u32>(), WORDS) }
+}
+
+fn render(k: &KernelOffsets, key: &str) -> String {
+    let words: Vec<String> = words(k).iter().map(u32::to_string).collect();
     format!("{MAGIC}\n{key}\n{}\n", words.join(" "))
 }
 

@@ -315,6 +315,9 @@ impl Session<'_> {
             watch: Some(link),
             offcpu_d_only: o.offcpu_d_only,
             stack_limit: 0,
+            // A node agent stays armed while its server runs (it arms again only when the server
+            // restarts): a kept set would hold its maps' memory the whole time for little.
+            keep: crate::kernel::kept::Keep::Leave,
             otlp: None,
             cgroup: match &o.select {
                 target::Select::Cgroup(c) => Some(c.clone()),

@@ -120,6 +120,8 @@ pub struct EbpfLoader<'a> {
     /// probe: whether `btf` still stands for "the kernel's, read at load when the object needs it".
     kernel_btf: bool,
     default_map_pin_directory: Option<PathBuf>,
+    /// probe: every map kept pinned in this directory: opened where pinned, else made and pinned.
+    keep_maps_in: Option<PathBuf>,
     globals: HashMap<&'a str, (&'a [u8], bool)>,
     // Max entries overrides the max_entries field of the map that matches the provided name
     // before the map is created.
@@ -167,6 +169,7 @@ impl<'a> EbpfLoader<'a> {
             btf: None,
             kernel_btf: true,
             default_map_pin_directory: None,
+            keep_maps_in: None,
             globals: HashMap::new(),
             max_entries: HashMap::new(),
             map_pin_path_by_name: HashMap::new(),
@@ -220,6 +223,15 @@ impl<'a> EbpfLoader<'a> {
     ///
     pub const fn allow_unsupported_maps(&mut self) -> &mut Self {
         self.allow_unsupported_maps = true;
+        self
+    }
+
+    /// probe: keep every map of the object pinned in `dir` (a bpffs directory): a map pinned
+    /// there already is opened as it is (neither written nor frozen again: it holds what the
+    /// programs that use it were verified against), any other is made, finalized and pinned.
+    /// [`Ebpf::maps_opened_from_pins`] says which were opened.
+    pub fn keep_maps_in<P: AsRef<Path>>(&mut self, dir: P) -> &mut Self {
+        self.keep_maps_in = Some(dir.as_ref().to_owned());
         self
     }
 
@@ -427,6 +439,7 @@ impl<'a> EbpfLoader<'a> {
             btf,
             kernel_btf,
             default_map_pin_directory,
+            keep_maps_in,
             globals,
             max_entries,
             extensions,
@@ -534,6 +547,7 @@ impl<'a> EbpfLoader<'a> {
         }
 
         let mut maps: HashMap<String, MapData> = HashMap::new();
+        let mut opened_from_pins: Vec<String> = Vec::new();
 
         // Regular maps first, so they're available as inner maps below.
         for ((name, mut map_obj), is_map_of_maps) in regular_maps
@@ -573,6 +587,23 @@ impl<'a> EbpfLoader<'a> {
             } else {
                 None
             };
+            if let (Some(dir), None) = (keep_maps_in.as_deref(), &inner_map_obj) {
+                // bpffs keeps names with dots for itself: `.rodata` is pinned as `_rodata`.
+                let path = dir.join(name.replace('.', "_"));
+                if let Some(map) = MapData::open_pinned(&path, map_obj.clone()) {
+                    opened_from_pins.push(name.clone());
+                    maps.insert(name, map);
+                    continue;
+                }
+                let mut map = MapData::create_with_inner_map_fd(map_obj, &name, btf_fd, None)?;
+                map.finalize()?;
+                map.pin(&path).map_err(|error| MapError::PinError {
+                    name: Some(name.clone()),
+                    error,
+                })?;
+                maps.insert(name, map);
+                continue;
+            }
             let mut map = if let Some(pin_path) = map_pin_path_by_name.get(name.as_str()) {
                 MapData::create_pinned_by_name(pin_path, map_obj, &name, btf_fd, inner_map_obj)?
             } else {
@@ -801,7 +832,11 @@ impl<'a> EbpfLoader<'a> {
             .map(|data| parse_map(data, *allow_unsupported_maps))
             .collect::<Result<HashMap<String, Map>, EbpfError>>()?;
 
-        Ok(Ebpf { maps, programs })
+        Ok(Ebpf {
+            maps,
+            programs,
+            opened_from_pins,
+        })
     }
 }
 
@@ -975,6 +1010,8 @@ impl Default for EbpfLoader<'_> {
 pub struct Ebpf {
     maps: HashMap<String, Map>,
     programs: HashMap<String, Program>,
+    /// probe: the maps opened from their pins ([`EbpfLoader::keep_maps_in`]).
+    opened_from_pins: Vec<String>,
 }
 
 /// The main entry point into the library, used to work with eBPF programs and maps.
@@ -982,6 +1019,11 @@ pub struct Ebpf {
 pub type Bpf = Ebpf;
 
 impl Ebpf {
+    /// probe: the maps opened from their pins rather than made ([`EbpfLoader::keep_maps_in`]).
+    pub fn maps_opened_from_pins(&self) -> &[String] {
+        &self.opened_from_pins
+    }
+
     /// Loads eBPF bytecode from a file.
     ///
     /// Parses the given object code file and initializes the [maps](crate::maps) defined in it. If

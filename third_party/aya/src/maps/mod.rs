@@ -904,6 +904,18 @@ impl MapData {
         }
     }
 
+    /// probe: the map pinned at `path`, opened as it is (None: nothing pinned there).
+    pub(crate) fn open_pinned(path: &Path, obj: aya_obj::Map) -> Option<Self> {
+        use std::os::unix::ffi::OsStrExt as _;
+
+        let path = CString::new(path.as_os_str().as_bytes()).ok()?;
+        let fd = bpf_get_object(&path).ok()?;
+        Some(Self {
+            obj,
+            fd: MapFd::from_fd(fd),
+        })
+    }
+
     pub(crate) fn finalize(&mut self) -> Result<(), MapError> {
         let Self { obj, fd } = self;
         if !obj.data().is_empty() {
