@@ -96,6 +96,7 @@ pub fn run() -> i32 {
                     }
                 }
                 probes::hand_off(a);
+                row("kept programs", crate::kernel::kept::describe());
             }
             Err(e) => {
                 row("BPF object", format!("missing: {e:#}"));

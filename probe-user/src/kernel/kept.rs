@@ -179,6 +179,22 @@ impl Kept {
     }
 }
 
+/// What is kept now, for `probe doctor`: the sets under [`ROOT`] and their pins.
+pub fn describe() -> String {
+    let count = |d: &Path| std::fs::read_dir(d).map_or(0, |r| r.count());
+    let sets: Vec<String> = std::fs::read_dir(ROOT)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| format!("{} ({} programs, {} maps)", e.path().display(), count(&e.path().join("progs")), count(&e.path().join("maps"))))
+        .collect();
+    if sets.is_empty() {
+        "none: the next trace verifies its programs and keeps them for the one after".to_string()
+    } else {
+        format!("{}: the next trace takes them unverified; `probe trace --no-keep` removes them", sets.join(", "))
+    }
+}
+
 /// The kept-set lock, taken without waiting (None: held by another trace, or no lock file).
 fn try_lock() -> Option<File> {
     let f = run_dir::lock_file(Path::new(run_dir::DIR), LOCK)?;
