@@ -225,7 +225,8 @@ const KEPT_FILES: usize = 256;
 
 impl Kept {
     fn load(dir: &std::path::Path) -> Kept {
-        let text = crate::os::kernel_cache::load_bytes(dir, KEPT_NAME, &Self::key(), 1 << 20).and_then(|b| String::from_utf8(b).ok());
+        let text = crate::os::kernel_cache::load_bytes(dir, &crate::os::kernel_cache::per_exe(KEPT_NAME), &Self::key(), 1 << 20)
+            .and_then(|b| String::from_utf8(b).ok());
         let by_file = text.iter().flat_map(|t| t.lines()).filter_map(parse_kept).collect();
         Kept { by_file, fresh: Vec::new() }
     }
@@ -255,7 +256,7 @@ impl Kept {
         let order = self.fresh.iter().chain(self.by_file.keys().filter(|k| !fresh.contains(k)));
         let lines: Vec<String> =
             order.take(KEPT_FILES).filter_map(|id| self.by_file.get(id).map(|(e, b)| render_kept(id, e, *b))).collect();
-        crate::os::kernel_cache::store_bytes(dir, KEPT_NAME, &Self::key(), lines.join("\n").as_bytes());
+        crate::os::kernel_cache::store_bytes(dir, &crate::os::kernel_cache::per_exe(KEPT_NAME), &Self::key(), lines.join("\n").as_bytes());
     }
 }
 

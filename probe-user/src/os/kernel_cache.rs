@@ -37,6 +37,16 @@ pub fn key() -> String {
     format!("kernel {kernel} btf {btf} exe {}", exe_id())
 }
 
+/// `base` for this executable: `base-HASH` of [`exe_id`]. What another build of probe keeps goes
+/// in a file of its own, so that two builds run by turns (a bench beside the last release) do
+/// not replace each other's.
+pub fn per_exe(base: &str) -> String {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    exe_id().hash(&mut h);
+    format!("{base}-{:016x}", h.finish())
+}
+
 /// This executable: device, inode, size, mtime (another build of probe may keep other things).
 pub fn exe_id() -> String {
     std::fs::metadata("/proc/self/exe")
@@ -74,7 +84,7 @@ fn build_id(notes: &[u8]) -> Option<String> {
 
 /// The cached offsets for `key` in `dir`, if there are any and they are ours.
 pub fn load(dir: &Path, key: &str) -> Option<KernelOffsets> {
-    parse(&String::from_utf8(read(dir, NAME, 16 << 10)?).ok()?, key)
+    parse(&String::from_utf8(read(dir, &per_exe(NAME), 16 << 10)?).ok()?, key)
 }
 
 /// The bytes kept as `name` in `dir` for `key`, mapped rather than read: nothing is copied and
@@ -162,7 +172,7 @@ fn render(k: &KernelOffsets, key: &str) -> String {
 /// Keep `k` for `key` in `dir` (made 0700 if missing). Best effort: a directory that is not ours,
 /// a read-only /run, any error: nothing is kept, the next trace reads BTF again.
 pub fn store(dir: &Path, key: &str, k: &KernelOffsets) {
-    write(dir, NAME, render(k, key).as_bytes());
+    write(dir, &per_exe(NAME), render(k, key).as_bytes());
 }
 
 /// Replace file `name` of `dir` (made 0700 if missing) with `text`: written to a new file
