@@ -22,7 +22,10 @@
 use std::{
     ffi::CString,
     fs::File,
-    os::{fd::AsRawFd as _, unix::ffi::OsStrExt as _},
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _},
+        unix::ffi::OsStrExt as _,
+    },
     path::{Path, PathBuf},
 };
 
@@ -171,6 +174,28 @@ impl Kept {
             }
         }
         n
+    }
+
+    /// Move the lock to a descriptor above every one this trace has opened so far: a process
+    /// that exits (SIGKILL included) closes its descriptors in ascending order, and closing an
+    /// attached tracepoint waits for the kernel (up to seconds for all of them), so the lock goes
+    /// only after everything attached while arming is detached; a trace that took the set
+    /// meanwhile would see each event twice.
+    pub fn hold_lock_last(&mut self) {
+        let top = std::fs::read_dir("/proc/self/fd")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .max()
+            .unwrap_or(0);
+        // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own; the new one is owned below.
+        let fd = unsafe { libc::fcntl(self.lock.as_raw_fd(), libc::F_DUPFD_CLOEXEC, top + 1) };
+        if fd >= 0 {
+            // SAFETY: a descriptor just made, owned by nothing else; the lock is the open file
+            // description's, shared by both, so closing the old one keeps it.
+            self.lock = File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+        }
     }
 
     /// What `-v` says of the set.

@@ -211,8 +211,9 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     }
     check_live(opts, &status)?;
     laps.lap("programs");
-    if let Some(k) = &kept {
+    if let Some(k) = &mut kept {
         let pinned = k.keep(ebpf.programs_mut());
+        k.hold_lock_last();
         log::info!("verified programs: {} taken from the kept set, {pinned} verified now and kept", k.adopted);
         laps.lap("kept_programs");
     }
