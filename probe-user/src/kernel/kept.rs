@@ -198,6 +198,11 @@ impl Kept {
         }
     }
 
+    /// Remove this set (it could not be taken); the lock goes with `self`.
+    pub fn forget(self) {
+        forget_all(None);
+    }
+
     /// What `-v` says of the set.
     pub fn stage(&self) -> &'static str {
         if self.reused_maps == 0 { "kept_set (made)" } else { "kept_set (reused)" }

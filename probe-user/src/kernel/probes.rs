@@ -138,8 +138,9 @@ pub fn preflight(opts: &Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Check, load and attach everything for `opts.pid`. On error nothing stays loaded: the `Ebpf`
-/// owns every program, map and link and is dropped.
+/// Check, load and attach everything for `opts.pid`. On error nothing stays attached: the `Ebpf`
+/// owns every program, map and link and is dropped (what is pinned in the kept set stays, as
+/// after any trace: [`super::kept`]).
 pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
     let mut laps = Laps { at: std::time::Instant::now(), stages: Vec::new() };
     preflight(opts)?;
@@ -180,8 +181,18 @@ pub fn attach(opts: &Options) -> anyhow::Result<Attached> {
         loaded => loaded?,
     };
     laps.lap("object_load");
+    if let Some(mut k) = kept.take() {
+        if let Err(e) = k.loaded(&mut ebpf) {
+            // A set that cannot be emptied is not taken: it goes, and this trace loads its own.
+            log::warn!("verified programs not kept ({e:#}): the kept set is removed, loaded for this trace only");
+            k.forget();
+            drop(ebpf);
+            ebpf = load_object(opts, &koff, None)?;
+        } else {
+            kept = Some(k);
+        }
+    }
     if let Some(k) = &mut kept {
-        k.loaded(&mut ebpf)?;
         for name in k.adopt(ebpf.programs_mut()) {
             if let Some(fd) = ebpf.program(&name).and_then(|p| p.fd().ok()) {
                 super::loaded::note_taken(fd);
