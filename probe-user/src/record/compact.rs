@@ -117,6 +117,12 @@ pub(super) fn compact_words(kind: EventKind, mut body: &[u8]) -> Option<(usize, 
     body.is_empty().then_some((n, words))
 }
 
+/// A record's thread id from its pid and the zigzagged difference: None where it is no u32 (a
+/// corrupt record: the difference may be anything, and the sum must not overflow).
+fn tid_of(pid: u64, dtid: u64) -> Option<u32> {
+    i64::try_from(pid).ok()?.checked_add(unzigzag(dtid)).and_then(|t| u32::try_from(t).ok())
+}
+
 /// The raw record back from its compact form; the chain moves on.
 #[cfg(test)]
 pub(super) fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
@@ -128,7 +134,7 @@ pub(super) fn expand(b: &[u8], chain: &mut Chain) -> Option<Vec<u8>> {
 pub(super) fn expand_into(b: &[u8], chain: &mut Chain, rec: &mut Vec<u8>) -> bool {
     let Some((kind, dts, pid, dtid, cpu, body)) = compact_header(b) else { return false };
     let ts = chain.ts.wrapping_add(unzigzag(dts) as u64);
-    let (Ok(tid), Ok(pid32), Ok(cpu)) = (u32::try_from(pid as i64 + unzigzag(dtid)), u32::try_from(pid), u32::try_from(cpu)) else {
+    let (Some(tid), Ok(pid32), Ok(cpu)) = (tid_of(pid, dtid), u32::try_from(pid), u32::try_from(cpu)) else {
         return false;
     };
     rec.clear();
@@ -161,10 +167,26 @@ pub(super) fn expand_into(b: &[u8], chain: &mut Chain, rec: &mut Vec<u8>) -> boo
 /// expanded by this reader. The kind, when the record is whole.
 pub(super) fn skip_compact(b: &[u8], chain: &mut Chain) -> Option<EventKind> {
     let (kind, dts, pid, dtid, cpu, body) = compact_header(b)?;
-    let ok = u32::try_from(pid as i64 + unzigzag(dtid)).is_ok() && u32::try_from(pid).is_ok() && u32::try_from(cpu).is_ok();
+    let ok = tid_of(pid, dtid).is_some() && u32::try_from(pid).is_ok() && u32::try_from(cpu).is_ok();
     if !ok || (chained(kind) && compact_words(kind, body).is_none()) {
         return None;
     }
     chain.ts = chain.ts.wrapping_add(unzigzag(dts) as u64);
     Some(kind)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A corrupt record's thread difference can be anything (the fuzzer found one near
+    /// i64::MAX that overflowed the sum): refused, not a panic.
+    #[test]
+    fn a_thread_id_out_of_range_is_refused() {
+        assert_eq!(tid_of(5, zigzag(2)), Some(7));
+        assert_eq!(tid_of(7, zigzag(-2)), Some(5));
+        assert_eq!(tid_of(u64::from(u32::MAX), u64::MAX - 1), None);
+        assert_eq!(tid_of(u64::MAX, 0), None);
+        assert_eq!(tid_of(0, zigzag(-1)), None);
+    }
 }
