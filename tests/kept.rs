@@ -57,6 +57,14 @@ fn inode(p: &Path) -> u64 {
     std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap())
 }
 
+/// `probe trace -q --pid PID ARGS --out OUT` run to its end, which must be a success: its stderr.
+fn trace_done(pid: u32, args: &[&str], out: &Path) -> String {
+    let run = Command::new(probe_bin()).args(["trace", "--pid", &pid.to_string(), "-q"]).args(args).arg("--out").arg(out).output().unwrap();
+    let err = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert!(run.status.success(), "{err}");
+    err
+}
+
 fn tmp(name: &str) -> PathBuf {
     // The page cache must be the disk's: /tmp may be a tmpfs, the test's target directory is not.
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
@@ -80,13 +88,7 @@ fn a_kept_set_starts_as_a_new_one() {
     let b = reader(&file_b);
     wait_kept_set_free();
     let out2 = tmp("kept-trace2");
-    let run = Command::new(probe_bin())
-        .args(["trace", "--pid", &b.id().to_string(), "-q", "-v", "--duration", "3s", "--out"])
-        .arg(&out2)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "{err}");
+    let err = trace_done(b.id(), &["-v", "--duration", "3s"], &out2);
     let took = err.lines().find(|l| l.contains("arming took")).unwrap_or_default();
     assert!(took.contains("kept_set (reused)"), "the second trace did not take the kept programs: {err}");
     let report = common::read_report(&out2);
@@ -110,12 +112,7 @@ fn no_keep_leaves_nothing_loaded() {
     let sleeper = spawn_owned(Command::new("sleep").arg("60"));
     wait_kept_set_free();
     let out = tmp("kept-nokeep");
-    let run = Command::new(probe_bin())
-        .args(["trace", "--pid", &sleeper.id().to_string(), "-q", "--no-keep", "--duration", "1s", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    trace_done(sleeper.id(), &["--no-keep", "--duration", "1s"], &out);
     let t = Instant::now();
     while common::bpf::probe_programs_loaded() != 0 && t.elapsed() < Duration::from_secs(15) {
         std::thread::sleep(Duration::from_millis(100));
