@@ -48,6 +48,13 @@ pub mod maps {
     /// `HashMap<u32 tid, python::PyThread>`: CPython threads and where their current frame is
     /// (written by the collector): their stack events carry Python frames.
     pub const PY_THREADS: &str = "PY_THREADS";
+    /// `PerCpuArray<i64>` of one, summed over the CPUs: how many target threads are runnable (on a CPU or waiting for one),
+    /// as the switches since arming say; a hint for holding the drain while the server runs
+    /// (meaningless with OFFCPU_D_ONLY, `probe watch`).
+    pub const RUNNABLE: &str = "RUNNABLE";
+    /// `HashMap<u32 tgid, stack::StackRanges>`: the mappings that may hold a thread's stack, for
+    /// the first stack copies of a thread whose needs are not known yet (written by the collector).
+    pub const STACK_RANGES: &str = "STACK_RANGES";
 }
 
 /// Ring buffer size in bytes unless the user asks for another (must be a power of two pages).
@@ -266,6 +273,7 @@ mod pod {
     unsafe impl aya::Pod for crate::python::PyThread {}
     unsafe impl aya::Pod for crate::python::PyStackEvent {}
     unsafe impl aya::Pod for crate::blockio::FileId {}
+    unsafe impl aya::Pod for crate::stack::StackRanges {}
 }
 
 #[cfg(test)]

@@ -162,6 +162,69 @@ pub struct SeenUstack {
 }
 const _: () = assert!(core::mem::size_of::<SeenUstack>() == 40);
 
+/// How many stack mappings [`StackRanges`] holds for a process.
+pub const STACK_RANGES: usize = 128;
+
+/// A process's mappings that may hold a thread's stack (map `STACK_RANGES`, by tgid; written by
+/// the collector from /proc/PID/maps at attach and when the mappings change): `[stack]` and the
+/// writable anonymous mappings just above a guard mapping (pthread stacks), sorted, `n` of them.
+/// Before the collector has learned what a thread's stacks need (`USTACK_NEED`), a stack record
+/// copies the stack from its pointer to the end of the mapping that holds it, no more: a thread
+/// pool blocked at its barriers has a few KiB there, where the copy used to be 64 KiB (the ring
+/// filled at 26 MB/s in the first second after attach, before anything was learned).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackRanges {
+    pub n: u32,
+    pub _pad: u32,
+    pub start: [u64; STACK_RANGES],
+    pub end: [u64; STACK_RANGES],
+}
+
+impl Default for StackRanges {
+    fn default() -> Self {
+        Self { n: 0, _pad: 0, start: [0; STACK_RANGES], end: [0; STACK_RANGES] }
+    }
+}
+
+/// The end of the range of `r` that holds `sp` (None: none does), by binary search (a fixed
+/// number of steps, for the verifier).
+#[inline(always)]
+pub fn stack_range_end(r: &StackRanges, sp: u64) -> Option<u64> {
+    let n = if (r.n as usize) < STACK_RANGES { r.n as usize } else { STACK_RANGES };
+    // The first range starting above `sp` is at `lo` when the loop ends.
+    let (mut lo, mut hi) = (0usize, n);
+    let mut step = 0;
+    while step < 8 {
+        if lo < hi {
+            let mid = (lo + hi) / 2;
+            if r.start[mid & (STACK_RANGES - 1)] <= sp {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        step += 1;
+    }
+    if lo == 0 {
+        return None;
+    }
+    let i = (lo - 1) & (STACK_RANGES - 1);
+    if sp < r.end[i] { Some(r.end[i]) } else { None }
+}
+
+/// The smallest stack copy (1 KiB up to 128 KiB, the sizes `capture` has) that holds `room` bytes.
+#[inline(always)]
+pub const fn copy_for(room: u64) -> u32 {
+    let mut c: u32 = 1024;
+    let mut step = 0;
+    while step < 7 && (c as u64) < room {
+        c <<= 1;
+        step += 1;
+    }
+    c
+}
+
 /// What the kernel remembers of a thread's last off-CPU stacks (map `USTACK_SEEN`): the last
 /// [`STACK_SLOTS`] places it blocked at, replaced in turn (`next`).
 #[repr(C)]
@@ -375,5 +438,36 @@ mod tests {
         }
         assert_eq!(last_run_ns(SCHED_WOKEN), None, "not said: a recording from before");
         assert_eq!(last_run_ns(last_run_flags(u64::MAX)), Some((0xff_fffe - 1) * 1000), "capped");
+    }
+
+    /// The range holding a stack pointer, by its end, among 0, 1, some and every slot in use.
+    #[test]
+    fn a_stack_pointer_finds_the_end_of_its_mapping() {
+        let mut r = StackRanges::default();
+        assert_eq!(stack_range_end(&r, 0x1000), None, "nothing listed");
+        for n in [1usize, 2, 7, STACK_RANGES] {
+            r.n = n as u32;
+            for i in 0..n {
+                r.start[i] = 0x10_0000 * (i as u64 + 1);
+                r.end[i] = r.start[i] + 0x8_0000;
+            }
+            for i in 0..n {
+                assert_eq!(stack_range_end(&r, r.start[i]), Some(r.end[i]), "{n} listed, the start of {i}");
+                assert_eq!(stack_range_end(&r, r.end[i] - 8), Some(r.end[i]), "{n} listed, the top of {i}");
+                assert_eq!(stack_range_end(&r, r.end[i]), None, "{n} listed, between {i} and the next");
+            }
+            assert_eq!(stack_range_end(&r, 0x1000), None, "below every one");
+        }
+        r.n = u32::MAX;
+        assert_eq!(stack_range_end(&r, r.start[5] + 1), Some(r.end[5]), "a count past the array is the array");
+    }
+
+    #[test]
+    fn a_copy_holds_the_room_it_is_for() {
+        assert_eq!(copy_for(0), 1024);
+        assert_eq!(copy_for(1024), 1024);
+        assert_eq!(copy_for(1025), 2048);
+        assert_eq!(copy_for(80 * 1024), 128 * 1024);
+        assert_eq!(copy_for(1 << 30), 128 * 1024, "at most the largest copy");
     }
 }

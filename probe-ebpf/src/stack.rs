@@ -6,7 +6,7 @@ use aya_ebpf::{
     bindings::pt_regs,
     helpers::generated::{bpf_get_current_task_btf, bpf_get_stack, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs},
     macros::{map, perf_event, raw_tracepoint, tracepoint},
-    maps::{LruHashMap, PerCpuArray},
+    maps::{HashMap, LruHashMap, PerCpuArray},
     programs::{PerfEventContext, RawTracePointContext, TracePointContext},
 };
 use probe_common::{
@@ -14,7 +14,8 @@ use probe_common::{
     stack::{
         KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
         STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
-        StackEvent, USTACK_CAP, USTACK_WIDE, entry_need, entry_top, kernel_key, last_run_flags, reported_state, ring_cap,
+        StackEvent, StackRanges, USTACK_CAP, USTACK_WIDE, copy_for, entry_need, entry_top, kernel_key, last_run_flags, reported_state,
+        ring_cap, stack_range_end,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -79,12 +80,20 @@ fn d_only() -> bool {
 /// TASK_UNINTERRUPTIBLE in a task's state.
 const TASK_UNINTERRUPTIBLE: i64 = 0x2;
 
+/// The mappings that may hold each target process's thread stacks, by tgid (written by the
+/// collector): bound a thread's copies before its needs are known. Not preallocated (2 KiB an
+/// entry; only the collector adds them).
+#[map(name = "STACK_RANGES")]
+static STACK_RANGES: HashMap<u32, StackRanges> = HashMap::with_max_entries(1024, BPF_F_NO_PREALLOC);
+
+const BPF_F_NO_PREALLOC: u32 = 1;
+
 #[map(name = "USTACK_NEED")]
 static USTACK_NEED: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
 
-/// Target threads off the CPU since this time (ns), by tid.
 /// Per target thread off the CPU: [when it left (low bit set: still runnable, preempted), when
-/// it was woken (0: not yet), the target thread that woke it (0: none, or another process)].
+/// it was woken (0: not yet), the target thread that woke it (0: none, or another process)]; a
+/// thread on a CPU has its entry marked so (0: [`off_cpu`], [`on_cpu`]).
 /// sched_waking writes the last two in place (no insert: it runs for every wake-up on the machine).
 #[map(name = "OFFCPU_SINCE")]
 static OFFCPU_SINCE: LruHashMap<u32, [u64; 3]> = LruHashMap::with_max_entries(16384, 0);
@@ -176,9 +185,20 @@ fn read_kernel<T>(p: *const T) -> T {
 /// kinds of probe_common::stack::stack_remembered): leave the user stack out when it is the one
 /// this thread sent last from the same registers ([`seen_before`]), and the kernel stack too when
 /// the thread also entered the kernel the same way (an off-CPU wait's key; a block IO's or a
-/// fault's kernel stack is always sent).
+/// fault's kernel stack is always sent). `kstack`: take the kernel stack (false only where it is
+/// known to be empty: a CPU sample of user code, [`in_user_mode`]).
 #[inline(always)]
-pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, full: bool, same_as_last: bool) {
+pub fn capture(
+    ctx: *mut core::ffi::c_void,
+    what: u32,
+    pid: u32,
+    tid: u32,
+    addr: u64,
+    state: u32,
+    full: bool,
+    same_as_last: bool,
+    kstack: bool,
+) {
     // The user registers at the task's last kernel entry (interrupt, fault or syscall).
     // SAFETY: helpers without preconditions; the pointer is only read through probe reads.
     let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
@@ -188,7 +208,7 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
         // SAFETY: probe reads of the task's saved registers.
         unsafe { (read_kernel(&raw const (*regs).rip), read_kernel(&raw const (*regs).rsp), read_kernel(&raw const (*regs).rbp)) }
     };
-    let mut c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp, slot: 0 };
+    let mut c = Capture { ctx, what, pid, tid, addr, state, ip, sp, bp, slot: 0, kstack };
     // A thread that blocks again where it blocked last (same user registers: the same native
     // stack, so the same Python frames, which only change when the interpreter returns through
     // them) is sent as the same: its Python frames too, without a walk (a spin-wait's yields).
@@ -221,8 +241,13 @@ pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr:
     // SAFETY: the value is copied out at once.
     let (cap, top) = match unsafe { USTACK_NEED.get(&tid) } {
         Some(&v) => (entry_need(v), entry_top(v)),
-        None if full => (USTACK_WIDE as u32, 0),
-        None => (16384, 0),
+        // Not learned yet: up to the end of the stack's mapping, when the collector listed it.
+        // SAFETY: a map value read in place for this program run.
+        None => match unsafe { STACK_RANGES.get(&pid) }.and_then(|r| stack_range_end(r, sp)) {
+            Some(end) => (copy_for(end - sp), end),
+            None if full => (USTACK_WIDE as u32, 0),
+            None => (16384, 0),
+        },
     };
     // Off-CPU records copy at most USTACK_WIDE: a thread blocks far more often than it is
     // sampled, and llama-server's main thread's 80 KiB copies at its switches filled half the
@@ -266,6 +291,8 @@ struct Capture {
     bp: u64,
     /// The thread's off-CPU place ([`seen_before`]) this record reuses or is remembered in.
     slot: u32,
+    /// The kernel stack is taken (false: a CPU sample of user code, whose kernel stack is empty).
+    kstack: bool,
 }
 
 impl Capture {
@@ -350,7 +377,7 @@ impl Capture {
             (*ev).sp = self.sp;
             (*ev).bp = self.bp;
             (*ev).ustack_bytes = ustack_bytes;
-            (*ev).kstack_bytes = if what & STACK_SAME_KERNEL != 0 {
+            (*ev).kstack_bytes = if what & STACK_SAME_KERNEL != 0 || !self.kstack {
                 0
             } else {
                 bpf_get_stack(self.ctx, (&raw mut (*ev).kstack).cast(), (KSTACK_DEPTH * 8) as u32, 0) as i32
@@ -426,11 +453,22 @@ fn seen_before(tid: u32, ip: u64, sp: u64, bp: u64, kernel_key: u64, need: u32) 
 const EXIT_DEAD: i64 = 0x10;
 const EXIT_ZOMBIE: i64 = 0x20;
 
+/// Whether a CPU sample interrupted user code (the privilege level of its saved code segment, as
+/// the kernel's `user_mode(regs)`): its kernel stack is then empty, and `bpf_get_stack` would
+/// take 1.8 µs here to say so (its walk's setup, cold after the server's own work) in 97 of 100
+/// of llama-server's samples.
+#[inline(always)]
+fn in_user_mode(ctx: &PerfEventContext) -> bool {
+    let data = ctx.as_ptr() as *const aya_ebpf::bindings::bpf_perf_event_data;
+    // SAFETY: the program's context is a bpf_perf_event_data; its saved registers are readable.
+    unsafe { (*data).regs.cs & 3 == 3 }
+}
+
 /// perf software event CPU_CLOCK at 99 Hz, opened per thread of the target with inherit.
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     let Some((pid, tid)) = perf_target() else { return 0 };
-    capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, true, false);
+    capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, true, false, !in_user_mode(&ctx));
     0
 }
 
@@ -484,6 +522,10 @@ fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i6
     // A thread's last switch, as it exits, reports EXIT_DEAD or EXIT_ZOMBIE: it never runs
     // again, so nothing would take its entry out (thread churn would fill the map).
     if state & (EXIT_DEAD | EXIT_ZOMBIE) != 0 {
+        // SAFETY: the value is copied out at once.
+        if runnable_counted(unsafe { OFFCPU_SINCE.get(&tid) }.map(|v| v[0])) {
+            runnable_add(-1);
+        }
         let _ = OFFCPU_SINCE.remove(&tid);
         let _ = USTACK_SEEN.remove(&tid);
         let _ = USTACK_NEED.remove(&tid);
@@ -492,24 +534,92 @@ fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i6
     }
     left_cpu(pid, tid, now, cpu_steal());
     if state & 0xff != 0 && (state & TASK_UNINTERRUPTIBLE != 0 || !d_only()) {
-        insert_lru(&OFFCPU_SINCE, &tid, &[now & !1, 0, 0]);
-        capture(ctx, STACK_OFFCPU, pid, tid, 0, state as u32, false, true);
+        if runnable_counted(off_cpu(tid, now & !1)) {
+            runnable_add(-1);
+        }
+        capture(ctx, STACK_OFFCPU, pid, tid, 0, state as u32, false, true, true);
     } else if state & 0xff == 0 {
         // Preempted (or it yielded): still runnable, so until it runs again it waits for a CPU.
         // No stack (where it was is where it will resume); the low bit of the time marks the
         // wait as run-queue time.
-        insert_lru(&OFFCPU_SINCE, &tid, &[now | 1, 0, 0]);
+        if !runnable_counted(off_cpu(tid, now | 1)) {
+            runnable_add(1);
+        }
     }
     Ok(())
+}
+
+/// How many target threads are runnable now, on a CPU or waiting for one, as the switches probe
+/// saw since it armed say (a thread running at attach counts from its first switch). The drain
+/// waits while the server's threads run ([`probe_common::maps::RUNNABLE`]). Not a precise
+/// count: it can go below zero or stay high (a thread that left the target set while counted;
+/// with OFFCPU_D_ONLY, where the sleeps probe does not follow leave their thread counted, it means
+/// nothing); the collector reads it as a hint, beside the CPUs' idle time.
+/// Per CPU, what that CPU's switches added (a thread leaves one CPU and comes on another): the
+/// sum over the CPUs is the count.
+#[map(name = "RUNNABLE")]
+static RUNNABLE: PerCpuArray<i64> = PerCpuArray::with_max_entries(1, 0);
+
+#[inline(always)]
+fn runnable_add(n: i64) {
+    if let Some(p) = RUNNABLE.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot; the program runs with preemption off.
+        unsafe { *p = (*p).wrapping_add(n) };
+    }
+}
+
+/// Whether a thread whose [`OFFCPU_SINCE`] time was `since` (None: no entry) is counted in
+/// [`RUNNABLE`]: on a CPU (0) or preempted (the low bit).
+#[inline(always)]
+fn runnable_counted(since: Option<u64>) -> bool {
+    matches!(since, Some(s) if s == 0 || s & 1 != 0)
+}
+
+/// `tid` (a target thread) leaves the CPU: off it since `since` (its low bit set: still runnable,
+/// preempted). Its entry is written in place: it stays in the map while the thread lives, marked
+/// on a CPU ([`on_cpu`]), so that a thread switching hundreds of times a second (a decode's
+/// thread pool) is not taken out of and put back into an LRU map at each switch. The time it
+/// replaced (None: a thread seen for the first time).
+#[inline(always)]
+fn off_cpu(tid: u32, since: u64) -> Option<u64> {
+    match OFFCPU_SINCE.get_ptr_mut(&tid) {
+        // SAFETY: a map value pointer, valid for this program run.
+        Some(v) => unsafe {
+            let was = (*v)[0];
+            *v = [since, 0, 0];
+            Some(was)
+        },
+        None => {
+            insert_lru(&OFFCPU_SINCE, &tid, &[since, 0, 0]);
+            None
+        }
+    }
+}
+
+/// `tid` comes on a CPU: its wait ([since, woken, waker]) when probe follows it and it was off
+/// one, its entry marked on a CPU (since 0).
+#[inline(always)]
+fn on_cpu(tid: u32) -> Option<[u64; 3]> {
+    let v = OFFCPU_SINCE.get_ptr_mut(&tid)?;
+    // SAFETY: a map value pointer, valid for this program run.
+    let w = unsafe { *v };
+    if w[0] == 0 {
+        return None;
+    }
+    // SAFETY: as above.
+    unsafe { (*v)[0] = 0 };
+    if w[0] & 1 == 0 {
+        // It was blocked: runnable again.
+        runnable_add(1);
+    }
+    Some(w)
 }
 
 /// `next` comes on the CPU at `now`, after the task it replaces ran `prev_ran` (u64::MAX: not
 /// known): the end of its wait, when probe follows it.
 #[inline(always)]
 fn switched_in(next: u32, now: u64, prev_ran: u64) {
-    // SAFETY: the value is copied out before the remove.
-    if let Some([since, woken, waker]) = unsafe { OFFCPU_SINCE.get(&next) }.copied() {
-        let _ = OFFCPU_SINCE.remove(&next);
+    if let Some([since, woken, waker]) = on_cpu(next) {
         came_on_cpu(next, now);
         let pid_tgid = aya_ebpf::helpers::bpf_get_current_pid_tgid();
         // One clock reading for the switch: a wait's end is exactly when the thread ran.
@@ -576,7 +686,7 @@ fn woken(tid: u32) {
     // SAFETY: a map value pointer, valid for this program run; a racing switch-in reads either
     // value, both times of this wake-up or none.
     let v = unsafe { &mut *v };
-    if v[0] & 1 == 0 && v[1] == 0 {
+    if v[0] != 0 && v[0] & 1 == 0 && v[1] == 0 {
         v[2] = match current_target() {
             Some((_, t)) => u64::from(t),
             None => 0,

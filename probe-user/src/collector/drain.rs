@@ -129,7 +129,13 @@ impl Records for Spill {
 /// earlier first, [`Spill`]), then the samplers' records and the /proc refresh. True when it
 /// stopped early (more may be waiting). `spill`: every CPU is busy and the ring fills: copy its
 /// records out unread instead, and leave the rest for a turn with a CPU to spare.
-pub(super) fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate::sampler::Sampler, spill: bool) -> std::io::Result<bool> {
+pub(super) fn drain_turn(
+    src: &mut dyn Records,
+    st: &mut State,
+    sampler: &crate::sampler::Sampler,
+    mode: TurnMode,
+) -> std::io::Result<bool> {
+    let spill = mode.spill;
     if spill {
         while st.spill.has_room() {
             let spilled = &mut st.spill;
@@ -142,17 +148,20 @@ pub(super) fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate:
             }
         }
     }
-    let t0 = Instant::now();
-    let mut n = 0usize;
-    let mut more = false;
+    let mut budget = Budget { t0: Instant::now(), n: 0, preempted: mode.polite.then(crate::os::procfs::preemptions) };
+    let mut stop = Stop::Empty;
     if !st.spill.is_empty() {
         let mut spilled = std::mem::take(&mut st.spill);
-        more = take_records(&mut spilled, st, &mut n, t0)?;
+        stop = take_records(&mut spilled, st, &mut budget)?;
         st.spill = spilled;
     }
-    if !more {
-        more = take_records(src, st, &mut n, t0)?;
+    if stop == Stop::Empty {
+        stop = take_records(src, st, &mut budget)?;
     }
+    if stop == Stop::Yielded {
+        st.yielded_turns += 1;
+    }
+    let more = stop == Stop::Budget;
     for v in sampler.drain() {
         st.writer.sample(&v)?;
         if let (Some(l), Sample::Residency(r)) = (&mut st.live, &v) {
@@ -168,18 +177,60 @@ pub(super) fn drain_turn(src: &mut dyn Records, st: &mut State, sampler: &crate:
     Ok(more)
 }
 
-/// Read records from `src` while the turn's budget lasts (`n` records taken so far this turn,
-/// which began at `t0`): true when it stopped with records left.
-fn take_records(src: &mut dyn Records, st: &mut State, n: &mut usize, t0: Instant) -> std::io::Result<bool> {
+/// How a drain turn takes its records.
+#[derive(Clone, Copy, Default)]
+pub(super) struct TurnMode {
+    /// Every CPU is busy and the ring fills: copy its records out unread ([`Spill`]).
+    pub spill: bool,
+    /// The drain runs at idle priority to leave the CPUs to the server: a turn whose thread was
+    /// preempted stops there ([`Stop::Yielded`]).
+    pub polite: bool,
+}
+
+/// Why [`take_records`] stopped.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Stop {
+    /// Nothing left to take.
+    Empty,
+    /// The turn's records or time were spent, records left: behind.
+    Budget,
+    /// Preempted at idle priority: records left for a later turn, not behind.
+    Yielded,
+}
+
+/// What a turn has spent so far: its start, the records taken, and the thread's involuntary
+/// switches at its start (None: it does not yield, [`TurnMode::polite`]).
+struct Budget {
+    t0: Instant,
+    n: usize,
+    preempted: Option<i64>,
+}
+
+/// Read records from `src` while the turn's budget lasts.
+/// A polite turn looks every 64 records whether its thread was preempted since the turn began:
+/// at idle priority that means a server thread woke on its CPU, and the drain, still runnable,
+/// would take its small weight's share of that CPU in slices of milliseconds (EEVDF picks an
+/// idle-priority task that has waited, whatever its weight) while the server thread waits. It
+/// stops instead, and the records wait in the ring for a turn with a CPU to spare (or for the
+/// watchdog, which raises the drain when the ring passes half full).
+fn take_records(src: &mut dyn Records, st: &mut State, b: &mut Budget) -> std::io::Result<Stop> {
     while !st.stop_writing() {
         match src.take(&mut |item| st.on_record(item)) {
-            None => return Ok(false),
+            None => return Ok(Stop::Empty),
             Some(r) => r?,
         }
-        *n += 1;
-        if *n >= DRAIN_RECORDS || (n.is_multiple_of(64) && t0.elapsed() >= DRAIN_TIME) {
-            return Ok(true);
+        b.n += 1;
+        if b.n >= DRAIN_RECORDS {
+            return Ok(Stop::Budget);
+        }
+        if b.n.is_multiple_of(64) {
+            if b.preempted.is_some_and(|at| crate::os::procfs::preemptions() > at) {
+                return Ok(Stop::Yielded);
+            }
+            if b.t0.elapsed() >= DRAIN_TIME {
+                return Ok(Stop::Budget);
+            }
         }
     }
-    Ok(false)
+    Ok(Stop::Empty)
 }

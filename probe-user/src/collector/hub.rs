@@ -310,6 +310,7 @@ impl Hub {
         let mut kept = Vec::new();
         for name in [
             probe_common::maps::USTACK_NEED,
+            probe_common::maps::STACK_RANGES,
             probe_common::maps::OTHER_COMMS,
             probe_common::maps::PY_THREADS,
             probe_common::maps::TARGET_FILES,

@@ -239,10 +239,14 @@ struct State {
     ksyms: crate::analysis::ksyms::Resolver,
     /// Records copied out of the ring unread while every CPU was busy.
     pub(crate) spill: Spill,
+    /// Drain turns that stopped early, preempted at idle priority ([`drain::TurnMode::polite`]).
+    pub(crate) yielded_turns: u64,
     /// Off-CPU stacks waiting for their thread to run again (by tid).
     offcpu: HashMap<u32, record::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u64>>,
+    /// The kernel's list of each target's stack mappings ([`probe_common::stack::StackRanges`]).
+    stack_ranges: Option<aya::maps::HashMap<MapData, u32, probe_common::stack::StackRanges>>,
     /// The kernel's names of the processes charged with waits ([`probe_common::maps::OTHER_COMMS`]).
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     /// CPython targets: their threads in the kernel's map (where each one's frame chain starts)
@@ -320,11 +324,13 @@ impl State {
             unwinders: Unwinders::default(),
             ksyms: crate::analysis::ksyms::Resolver::default(),
             spill: Spill::default(),
+            yielded_turns: 0,
             offcpu: HashMap::new(),
             last_at_place: HashMap::new(),
             cut_tops: HashMap::new(),
             module_paths: HashMap::new(),
             ustack_need: None,
+            stack_ranges: None,
             other_comms: None,
             python: Default::default(),
             py_threads: None,
@@ -580,11 +586,28 @@ impl State {
         self.writer.record(&UserRecord::Threads(records::Threads { ts_ns: monotonic_ns(), threads }))
     }
 
+    /// Tell the kernel which of `pid`'s mappings may hold its threads' stacks (a thread started
+    /// since has its stack in a new one).
+    fn list_stacks(&mut self, pid: u32) {
+        let Some(map) = self.stack_ranges.as_mut() else { return };
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { return };
+        let mut r = probe_common::stack::StackRanges::default();
+        for (i, (start, end)) in procfs::stack_mappings(&text, probe_common::stack::STACK_RANGES).into_iter().enumerate() {
+            r.start[i] = start;
+            r.end[i] = end;
+            r.n = i as u32 + 1;
+        }
+        if let Err(e) = map.insert(pid, r, 0) {
+            log::debug!("stack mappings of {pid} not listed for the kernel: {e}");
+        }
+    }
+
     fn snapshot_maps(&mut self, pid: u32) -> std::io::Result<()> {
         let Ok(maps) = procfs::read_maps(pid) else { return Ok(()) };
         if self.last_maps.get(&pid) == Some(&maps) {
             return Ok(());
         }
+        self.list_stacks(pid);
         self.unwinders.update(pid, &maps);
         for m in &maps {
             self.known_files.insert((m.major, m.minor, m.inode));

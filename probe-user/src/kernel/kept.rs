@@ -340,7 +340,7 @@ struct BatchAttr {
     flags: u64,
 }
 
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> Result<(), std::io::Error> {
+pub(super) fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> Result<(), std::io::Error> {
     // SAFETY: `attr` is a bpf_attr prefix for `cmd` whose pointers address live buffers of the
     // sizes the map's key and value take.
     let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
@@ -434,7 +434,7 @@ fn skip_ring(fd: i32) -> Result<(), String> {
 }
 
 /// The possible CPUs (/sys/devices/system/cpu/possible: `0-3`), as per-CPU values count them.
-fn possible_cpus() -> usize {
+pub(super) fn possible_cpus() -> usize {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap_or_default();
     let last = text.trim().rsplit([',', '-']).next().and_then(|n| n.parse::<usize>().ok());
     last.map_or(1, |n| n + 1)

@@ -4,6 +4,7 @@ pub mod attach;
 pub mod engine;
 pub mod kept;
 mod loaded;
+pub mod percpu;
 pub mod probes;
 mod programs;
 pub mod python;

@@ -62,6 +62,32 @@ pub fn mapping_end(pid: u32, addr: u64) -> Option<u64> {
     })
 }
 
+/// The mappings of /proc/PID/maps text that may hold a thread's stack, in address order:
+/// `[stack]`, and each writable private anonymous mapping that starts where a guard mapping
+/// (no access) ends (a pthread stack above its guard page). The first `max`.
+pub fn stack_mappings(text: &str, max: usize) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut guard_end = None;
+    for l in text.lines() {
+        let mut f = l.split_ascii_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else { continue };
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+        let (inode, path) = (f.nth(2), f.next());
+        let anon = inode == Some("0");
+        if perms == "---p" {
+            guard_end = Some(end);
+            continue;
+        }
+        let stack = path == Some("[stack]") || (anon && path.is_none() && perms == "rw-p" && guard_end == Some(start));
+        guard_end = None;
+        if stack && out.len() < max {
+            out.push((start, end));
+        }
+    }
+    out
+}
+
 pub fn exists(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -205,6 +231,18 @@ pub fn idle_priority() {
     if let Err(e) = set_policy(libc::SCHED_IDLE) {
         log::debug!("cannot run at idle priority: {e}");
     }
+}
+
+/// How many times the calling thread was switched out involuntarily so far (`ru_nivcsw` of
+/// getrusage(RUSAGE_THREAD)): another task took its CPU. 0 when the kernel does not say.
+pub fn preemptions() -> i64 {
+    // SAFETY: an all-zero rusage is valid; getrusage fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes the struct it is given.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) } != 0 {
+        return 0;
+    }
+    u.ru_nivcsw
 }
 
 /// This process's effective capabilities (`CapEff` of /proc/self/status), one bit each.
@@ -680,6 +718,41 @@ pub fn clock_ticks() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[stack]` and the anonymous writable mappings right above a guard mapping; not a malloc
+    /// arena (its no-access reserve is above it), not a file.
+    #[test]
+    fn stack_mappings_are_stack_and_guarded_anonymous_ones() {
+        let text = "\
+55d000000000-55d000001000 r--p 00000000 fd:01 42 /usr/bin/server
+7f0000000000-7f0000001000 ---p 00000000 00:00 0
+7f0000001000-7f0000801000 rw-p 00000000 00:00 0
+7f1000000000-7f1000100000 rw-p 00000000 00:00 0
+7f1000100000-7f1004000000 ---p 00000000 00:00 0
+7f2000000000-7f2000001000 ---p 00000000 00:00 0
+7f2000001000-7f2000801000 rw-p 00000000 fd:01 43 /tmp/file
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0                          [stack]
+";
+        assert_eq!(stack_mappings(text, 8), vec![(0x7f0000001000, 0x7f0000801000), (0x7ffc00000000, 0x7ffc00021000)]);
+        assert_eq!(stack_mappings(text, 1), vec![(0x7f0000001000, 0x7f0000801000)]);
+    }
+
+    /// This process's threads: each one's stack is in one of the mappings listed, the main
+    /// thread's in `[stack]`.
+    #[test]
+    fn every_thread_stack_is_in_a_stack_mapping() {
+        let local = 0u8;
+        let here = (&raw const local) as u64;
+        let t = std::thread::spawn(|| {
+            let local = 0u8;
+            (&raw const local) as u64
+        });
+        let there = t.join().unwrap();
+        let maps = stack_mappings(&fs::read_to_string("/proc/self/maps").unwrap(), 1024);
+        for sp in [here, there] {
+            assert!(maps.iter().any(|&(a, b)| a <= sp && sp < b), "{sp:#x} not in {maps:x?}");
+        }
+    }
 
     /// A dump asks for every socket of the family; one socket's lookup names it, and has no
     /// request in a family its addresses are not of.

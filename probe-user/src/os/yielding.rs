@@ -60,6 +60,11 @@ struct Heartbeat {
     /// the drain's once-a-second turn attaches the engine probe there), and its last value.
     urgent: Option<Urgent>,
     urgent_seen: AtomicU64,
+    /// Whether the server's threads are runnable now (the kernel's count of the targets'
+    /// runnable threads), for a thread that waits while they run ([`BUSY_IDLE`]).
+    server_runs: Option<ServerRuns>,
+    /// When the urgent count is read next (monotonic ns; the watchdog's own).
+    urgent_next_ns: AtomicU64,
     /// Not held before this (monotonic ns).
     free_until_ns: AtomicU64,
     /// The backlog's producer position at the watchdog's last look (the watchdog's own).
@@ -84,6 +89,11 @@ impl Heartbeat {
 /// Reads a count the watchdog watches ([`Heartbeat::urgent`]).
 pub type Urgent = Box<dyn Fn() -> u64 + Send + Sync>;
 
+/// Says whether the server's threads are runnable now ([`Heartbeat::server_runs`]).
+pub type ServerRuns = Box<dyn Fn() -> bool + Send + Sync>;
+
+/// How often, at most, the watchdog reads an urgent count while it holds a thread.
+const URGENT_EVERY: Duration = Duration::from_millis(250);
 /// How long a held thread is let go when its urgent count moves: past its next once-a-second turn.
 const URGENT_NS: u64 = 1_500_000_000;
 
@@ -189,6 +199,13 @@ const START_NS: u64 = 1_000_000_000;
 /// [`IDLE_WINDOW`]: a drain at idle priority then has no idle time to run in, only its small
 /// weight's share of a CPU a server thread is waiting for.
 const SATURATED_IDLE: f64 = 0.05;
+/// Less than this share of one CPU idle over the last window, with the server's own threads
+/// runnable ([`Heartbeat::server_runs`]), a drain waits too: a drain at idle priority that runs in
+/// the idle moments of a server using every CPU (a thread pool spinning at its barriers, yielding
+/// the CPU to whatever is runnable) holds a CPU a server thread wants back a moment later: 2-3 ms
+/// at a time, 6-8 ms of a request started right after attach. With half a CPU idle or more it
+/// runs beside the server.
+const BUSY_IDLE: f64 = 0.5;
 /// The least window over which the CPUs' idle time is measured (/proc/stat counts in 10 ms
 /// ticks: over the least window, "saturated" is less than a tick of idle time).
 const IDLE_WINDOW_NS: u64 = 50_000_000;
@@ -265,11 +282,13 @@ struct CpuIdle {
     seen: std::collections::VecDeque<(u64, u64)>,
     /// The answer at the last read.
     last: bool,
+    /// Less than [`BUSY_IDLE`] of one CPU was idle over the last window.
+    busy: bool,
 }
 
 impl CpuIdle {
     fn new() -> CpuIdle {
-        CpuIdle { file: std::fs::File::open("/proc/stat").ok(), seen: std::collections::VecDeque::new(), last: false }
+        CpuIdle { file: std::fs::File::open("/proc/stat").ok(), seen: std::collections::VecDeque::new(), last: false, busy: false }
     }
 
     /// The CPUs' idle time in ms since boot (idle + iowait of the `cpu` line).
@@ -303,15 +322,25 @@ impl CpuIdle {
         }
         let &(t0, i0) = self.seen.front().expect("pushed above");
         let span = now_ns.saturating_sub(t0);
-        self.last = span >= IDLE_WINDOW_NS && (idle.saturating_sub(i0) as f64) < SATURATED_IDLE * span as f64 / 1e6;
+        let idle_ms = idle.saturating_sub(i0) as f64;
+        self.last = span >= IDLE_WINDOW_NS && idle_ms < SATURATED_IDLE * span as f64 / 1e6;
+        self.busy = span >= IDLE_WINDOW_NS && idle_ms < BUSY_IDLE * span as f64 / 1e6;
         self.last
     }
 }
 
 /// Whether every CPU has been busy over the last window (see [`CpuIdle`]).
 fn saturated(now_ns: u64) -> bool {
+    cpus(now_ns).0
+}
+
+/// Over the last window: every CPU busy ([`SATURATED_IDLE`]), and less than half a CPU idle
+/// ([`BUSY_IDLE`]).
+fn cpus(now_ns: u64) -> (bool, bool) {
     static CPUS: OnceLock<Mutex<CpuIdle>> = OnceLock::new();
-    CPUS.get_or_init(|| Mutex::new(CpuIdle::new())).lock().unwrap_or_else(|e| e.into_inner()).saturated(now_ns)
+    let mut c = CPUS.get_or_init(|| Mutex::new(CpuIdle::new())).lock().unwrap_or_else(|e| e.into_inner());
+    let saturated = c.saturated(now_ns);
+    (saturated, c.busy)
 }
 
 /// Start measuring the CPUs' idle time now, so that a drain starting once probe has armed
@@ -416,7 +445,7 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                 // makes the whole file at each read, every IRQ's count: most of a quiet look's
                 // cost). Nothing flows then, so nothing is held; the first look that sees records
                 // flowing reads it (over the whole quiet spell: the window only widens).
-                let saturated = !beats.is_empty() && !quiet && saturated(now);
+                let (saturated, busy) = if !beats.is_empty() && !quiet { cpus(now) } else { (false, false) };
                 was_saturated = saturated;
                 for b in beats.iter() {
                     let due = b.due_ns.load(Relaxed);
@@ -431,9 +460,13 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                     // overdue: then it takes one, raised, and is held again.
                     let late = due > 0 && now.saturating_sub(b.last_ns.load(Relaxed)) > due;
                     let mut urgent = false;
+                    // Read at most every URGENT_EVERY (a system call, and aya's count of the
+                    // CPUs from sysfs: a quarter of a look's cost when read at each).
                     if let Some(count) = &b.urgent
                         && saturated
+                        && now >= b.urgent_next_ns.load(Relaxed)
                     {
+                        b.urgent_next_ns.store(now + URGENT_EVERY.as_nanos() as u64, Relaxed);
                         let n = count();
                         if b.urgent_seen.swap(n, Relaxed) != n {
                             b.free_until_ns.store(now + URGENT_NS, Relaxed);
@@ -441,7 +474,11 @@ fn watchdog() -> &'static (Mutex<Vec<Arc<Heartbeat>>>, std::sync::Condvar) {
                         }
                     }
                     let free = now < b.free_until_ns.load(Relaxed);
-                    let hold = due > 0 && saturated && !full && !free && b.holdable.load(Relaxed) && (b.backlog.is_some() || !late);
+                    // Less than half a CPU idle and the server's threads runnable: a drain waits
+                    // too ([`BUSY_IDLE`]; the kernel's count read only then).
+                    let server = !saturated && busy && b.backlog.is_some() && b.server_runs.as_ref().is_some_and(|runs| runs());
+                    let hold =
+                        due > 0 && (saturated || server) && !full && !free && b.holdable.load(Relaxed) && (b.backlog.is_some() || !late);
                     b.saturated.store(saturated, Relaxed);
                     if b.held.swap(hold, Relaxed) && !hold {
                         b.release.notify_one();
@@ -485,7 +522,13 @@ impl Yielding {
     /// Start yielding on the calling thread (when it could stop yielding again); its first turn
     /// is overdue after `first`. `backlog`: what it drains, when the watchdog can read its fill;
     /// `urgent`: a count that lets it go when it moves while held.
-    pub fn start(name: &'static str, first: Duration, backlog: Option<RingFill>, urgent: Option<Urgent>) -> Yielding {
+    pub fn start(
+        name: &'static str,
+        first: Duration,
+        backlog: Option<RingFill>,
+        urgent: Option<Urgent>,
+        server_runs: Option<ServerRuns>,
+    ) -> Yielding {
         // SAFETY: geteuid and gettid have no preconditions.
         let (euid, tid) = unsafe { (libc::geteuid(), libc::gettid()) };
         let may = (euid == 0 || effective_caps() & CAP_SYS_NICE != 0) && !NEVER.load(Relaxed);
@@ -506,6 +549,8 @@ impl Yielding {
             saturated: false.into(),
             release: tokio::sync::Notify::new(),
             urgent_seen: urgent.as_ref().map_or(0, |c| c()).into(),
+            urgent_next_ns: 0.into(),
+            server_runs,
             urgent,
             free_until_ns: 0.into(),
             last_produced: 0.into(),
@@ -523,13 +568,23 @@ impl Yielding {
             list.lock().unwrap_or_else(|e| e.into_inner()).push(beat.clone());
             wake.notify_one();
         }
-        // Normal priority first: a trace's first second holds the burst of records right after
-        // attach while the collector still loads unwind tables. Started at idle priority, a
-        // drain lost 800 events under a compile on both CPUs and a memory thrash (CI), and
-        // before the watchdog's first look a decode's thread pool switching 26,000 times a
-        // second filled the ring in a tenth of a second. It yields once turns keep up and the
-        // calm has passed ([`Policy`]); the watchdog looks closely meanwhile ([`WATCH_START`]).
+        // Idle priority from the start. A drain at normal priority in its first second (once
+        // chosen for the burst of records right after attach) woke on the CPUs of the request the
+        // user attached for, preempting its threads 20 to 30 times for 25 µs to 2.5 ms each: 6-8 ms
+        // of that request charged to probe. The ring holds the burst meanwhile; the watchdog
+        // looks closely in the first second ([`WATCH_START`]) and raises the drain when the ring
+        // fills; a turn at idle priority stops when a server thread takes its CPU
+        // ([`Yielding::polite`]).
+        if may && set_policy(libc::SCHED_IDLE).is_ok() {
+            return Yielding { name, may, policy: Policy::new(true, now), beat, behind_turns: 0 };
+        }
         Yielding { name, may, policy: Policy::new(false, now), beat, behind_turns: 0 }
+    }
+
+    /// Whether a turn should stop when its thread is preempted: it runs at idle priority to
+    /// leave the CPUs to the server (not raised: behind, or its ring filling).
+    pub fn polite(&self) -> bool {
+        self.may && self.policy.idle && !self.beat.raised.load(Relaxed)
     }
 
     /// After a turn: `behind`, it fell behind (normal priority from now on); else it kept up.
@@ -726,16 +781,19 @@ mod tests {
     /// Saturated over a window with less than a twentieth of a CPU idle, not before the window.
     #[test]
     fn the_cpus_are_saturated_without_idle_time() {
-        let mut c = CpuIdle { file: None, seen: Default::default(), last: false };
+        let mut c = CpuIdle { file: None, seen: Default::default(), last: false, busy: false };
         let ms = 1_000_000u64;
         assert!(!c.observe(0, 1000));
         assert!(!c.observe(30 * ms, 1000), "a window not yet long enough");
         assert!(c.observe(60 * ms, 1001), "1 ms idle in 60 ms: busy");
+        assert!(c.busy, "and less than half a CPU idle");
         assert!(!c.observe(120 * ms, 1031), "30 ms idle in the last 60: a CPU to spare");
+        assert!(!c.busy, "half a CPU idle");
         assert!(c.seen.len() <= 3, "only the window is kept: {:?}", c.seen);
-        let mut d = CpuIdle { file: None, seen: Default::default(), last: false };
+        let mut d = CpuIdle { file: None, seen: Default::default(), last: false, busy: false };
         d.observe(0, 1000);
         assert!(!d.observe(60 * ms, 1010), "10 ms idle in 60: a CPU to spare");
+        assert!(d.busy, "but less than half of one");
     }
 
     /// Half full, or filling fast enough to pass three quarters within two more looks.

@@ -313,7 +313,7 @@ fn sample_loop(opts: &Options, tx: &mpsc::Sender<Sample>, signal: &Signal, snaps
     // late rather than take a CPU from it (samples carry the time they were read); normal once a
     // reading is 3 s overdue (the watchdog: a thread at idle priority still gets a small share of
     // a busy CPU), until readings come on time again.
-    let mut yielding = crate::os::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None)
+    let mut yielding = crate::os::yielding::Yielding::start("probe: the samplers", period + Duration::from_secs(3), None, None, None)
         .hold_when_busy()
         .idle_from_start();
     // SAFETY: gettid has no preconditions.

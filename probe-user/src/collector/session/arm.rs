@@ -68,6 +68,7 @@ pub(super) fn arm(
     st.engine_seen = attached.engine_seen.iter().copied().collect();
     st.follow_cgroup = opts.cgroup.is_some();
     st.ustack_need = attached.ustack_need.take();
+    st.stack_ranges = attached.stack_ranges.take();
     st.other_comms = attached.other_comms.take();
     st.py_threads = if opts.python_frames { attached.py_threads.take() } else { None };
     st.py_budget = (opts.python_budget > 0.0).then(|| crate::kernel::python::Budget::new(opts.python_budget / 100.0));
@@ -108,6 +109,7 @@ pub(super) fn arm(
     st.refresh()?;
     for &pid in &attached.targets {
         st.unwinders.prepare(pid);
+        st.list_stacks(pid);
     }
     // The first cumulative counters: the report's tracing cost counts from here.
     st.writer.record(&stats(&kernel.lost(), &kernel.counters(), &st, &kernel.runs(), bpf_unmeasured.as_deref()))?;
@@ -147,6 +149,7 @@ struct Armed {
     engine_seen: Vec<crate::os::target_file::Ident>,
     bpf_unmeasured: Option<String>,
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u64>>,
+    stack_ranges: Option<aya::maps::HashMap<MapData, u32, probe_common::stack::StackRanges>>,
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     py_threads: Option<aya::maps::HashMap<MapData, u32, probe_common::python::PyThread>>,
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
@@ -159,6 +162,7 @@ impl Armed {
             Source::Own { attached, .. } => {
                 let mut take = |name: &str| attached.ebpf.take_map(name);
                 let ustack_need = take(maps::USTACK_NEED).and_then(|m| aya::maps::HashMap::try_from(m).ok());
+                let stack_ranges = take(maps::STACK_RANGES).and_then(|m| aya::maps::HashMap::try_from(m).ok());
                 let other_comms = take(maps::OTHER_COMMS).and_then(|m| aya::maps::HashMap::try_from(m).ok());
                 let py_threads = take(maps::PY_THREADS).and_then(|m| aya::maps::HashMap::try_from(m).ok());
                 let target_files = take(maps::TARGET_FILES).and_then(|m| aya::maps::HashMap::try_from(m).ok());
@@ -170,6 +174,7 @@ impl Armed {
                     engine_seen: attached.engine_seen.clone(),
                     bpf_unmeasured: attached.run_time_stats.as_ref().err().cloned(),
                     ustack_need,
+                    stack_ranges,
                     other_comms,
                     py_threads,
                     target_files,
@@ -183,6 +188,7 @@ impl Armed {
                 engine_seen: m.engine_seen.clone(),
                 bpf_unmeasured: m.bpf_unmeasured.clone(),
                 ustack_need: m.open_hash(maps::USTACK_NEED),
+                stack_ranges: m.open_hash(maps::STACK_RANGES),
                 other_comms: m.open_hash(maps::OTHER_COMMS),
                 py_threads: m.open_hash(maps::PY_THREADS),
                 target_files: m.open_hash(maps::TARGET_FILES),

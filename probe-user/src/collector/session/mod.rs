@@ -233,14 +233,14 @@ async fn follow(
                 let mut guard = guard?;
                 // The kernel woke the drain (a backlog, or a request's first bytes): records flow.
                 tick = DRAIN_TICK;
-                more = drain_turn(guard.get_inner_mut(), st, sampler, yielding.spill())?;
+                more = drain_turn(guard.get_inner_mut(), st, sampler, turn_mode(&yielding))?;
                 if !more {
                     guard.clear_ready();
                 }
             }
             _ = drain_timer.wait(), if drain_timed => {
                 let before = st.events;
-                more = drain_turn(se.records(), st, sampler, yielding.spill())?;
+                more = drain_turn(se.records(), st, sampler, turn_mode(&yielding))?;
                 tick = if st.events > before { DRAIN_TICK } else { IDLE_DRAIN };
             }
             _ = sec_tick.wait() => {
@@ -254,7 +254,7 @@ async fn follow(
                     }
                     continue;
                 }
-                more = drain_turn(se.records(), st, sampler, yielding.spill())?;
+                more = drain_turn(se.records(), st, sampler, turn_mode(&yielding))?;
                 second.turn(opts, st, se, sampler, out_dir, screen.as_mut().filter(|_| !hung_up))?;
             }
             _ = sigusr1.recv() => sampler.snapshot_now(),
@@ -297,7 +297,16 @@ async fn follow(
     };
     // The last drain and the report do not wait for a free CPU.
     yielding.stop();
+    if st.yielded_turns > 0 {
+        log::info!("drain: {} turns stopped early to leave a CPU to the server (records left in the ring)", st.yielded_turns);
+    }
     Ok((reason, hung_up))
+}
+
+/// How the drain's next turn takes its records: copied out unread while every CPU is busy and the
+/// ring fills, stopped when preempted while it yields ([`crate::collector::drain::TurnMode`]).
+fn turn_mode(y: &crate::os::yielding::Yielding) -> super::drain::TurnMode {
+    super::drain::TurnMode { spill: y.spill(), polite: y.polite() }
 }
 
 /// Records a turn may take and still leave the watchdog at its quiet pace (an idle llama-server's
@@ -317,9 +326,12 @@ fn drain_yielding(opts: &TraceOptions, st: &State, se: &Session) -> (crate::os::
         Source::Member(_) => None,
     };
     let (busy_due, quiet_due) = match gauge {
-        // Not longer: the once-a-second turn follows what the targets start (a library mapped
-        // after attach gets its engine probe there; 5 s missed a binding's first decode steps).
-        Some(_) => (Duration::from_secs(1), Duration::from_secs(1)),
+        // Overdue once the once-a-second turn is a second late: a drain asleep until that turn
+        // (no records flowing) wakes at idle priority on CPUs the server keeps busy, and was
+        // raised to normal priority for seconds, due at exactly its tick, by any delay of its
+        // wake-up. Not longer: that turn follows what the targets start (a library mapped after
+        // attach gets its engine probe there; 5 s missed a binding's first decode steps).
+        Some(_) => (Duration::from_secs(2), Duration::from_secs(2)),
         None => (Duration::from_millis(100), Duration::from_millis(1500)),
     };
     // A library mapped while the drain is held lets it go: its engine probe attaches there.
@@ -335,7 +347,19 @@ fn drain_yielding(opts: &TraceOptions, st: &State, se: &Session) -> (crate::os::
             }),
         Source::Member(_) => None,
     };
-    let mut yielding = crate::os::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge, exec_maps);
+    // The kernel's count of the targets' runnable threads (not with OFFCPU_D_ONLY: the sleeps
+    // the kernel does not follow leave their threads counted).
+    let server_runs: Option<crate::os::yielding::ServerRuns> = match &se.kernel {
+        Source::Own { attached, .. } if !opts.offcpu_d_only => match attached.ebpf.map(probe_common::maps::RUNNABLE) {
+            Some(aya::maps::Map::PerCpuArray(m)) => std::os::fd::AsFd::as_fd(m.fd()).try_clone_to_owned().ok().map(|fd| {
+                let count = crate::kernel::percpu::PerCpuSum::new(fd);
+                Box::new(move || count.sum().is_some_and(|n| n > 0)) as crate::os::yielding::ServerRuns
+            }),
+            _ => None,
+        },
+        _ => None,
+    };
+    let mut yielding = crate::os::yielding::Yielding::start("probe: the ring's drain", busy_due, gauge, exec_maps, server_runs);
     if st.live.is_some() {
         // A live view is made from the records as they come: not held while it shows.
         yielding = yielding.never_held();
