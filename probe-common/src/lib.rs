@@ -52,7 +52,7 @@ pub mod maps {
     /// as the switches since arming say; a hint for holding the drain while the server runs
     /// (meaningless with OFFCPU_D_ONLY, `probe watch`).
     pub const RUNNABLE: &str = "RUNNABLE";
-    /// `HashMap<u32 tgid, stack::StackRanges>`: the mappings that may hold a thread's stack, for
+    /// `HashMap<stack::StackKey, stack::StackSpans>`: the mappings that may hold a thread's stack, for
     /// the first stack copies of a thread whose needs are not known yet (written by the collector).
     pub const STACK_RANGES: &str = "STACK_RANGES";
 }
@@ -273,7 +273,8 @@ mod pod {
     unsafe impl aya::Pod for crate::python::PyThread {}
     unsafe impl aya::Pod for crate::python::PyStackEvent {}
     unsafe impl aya::Pod for crate::blockio::FileId {}
-    unsafe impl aya::Pod for crate::stack::StackRanges {}
+    unsafe impl aya::Pod for crate::stack::StackKey {}
+    unsafe impl aya::Pod for crate::stack::StackSpans {}
 }
 
 #[cfg(test)]

@@ -162,67 +162,84 @@ pub struct SeenUstack {
 }
 const _: () = assert!(core::mem::size_of::<SeenUstack>() == 40);
 
-/// How many stack mappings [`StackRanges`] holds for a process.
-pub const STACK_RANGES: usize = 128;
+/// Stack mappings are listed by 2 MiB of address space ([`StackKey::granule`]).
+pub const STACK_GRANULE_SHIFT: u32 = 21;
 
-/// A process's mappings that may hold a thread's stack (map `STACK_RANGES`, by tgid; written by
-/// the collector from /proc/PID/maps at attach and when the mappings change): `[stack]` and the
-/// writable anonymous mappings just above a guard mapping (pthread stacks), sorted, `n` of them.
-/// Before the collector has learned what a thread's stacks need (`USTACK_NEED`), a stack record
-/// copies the stack from its pointer to the end of the mapping that holds it, no more: a thread
-/// pool blocked at its barriers has a few KiB there, where the copy used to be 64 KiB (the ring
-/// filled at 26 MB/s in the first second after attach, before anything was learned).
+/// A process's 2 MiB of address space (map `STACK_RANGES`): the key of the stack mappings that
+/// overlap it.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StackRanges {
-    pub n: u32,
-    pub _pad: u32,
-    pub start: [u64; STACK_RANGES],
-    pub end: [u64; STACK_RANGES],
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StackKey {
+    pub pid: u32,
+    /// The address shifted right by [`STACK_GRANULE_SHIFT`] (user addresses are below 2^47).
+    pub granule: u32,
 }
 
-impl Default for StackRanges {
-    fn default() -> Self {
-        Self { n: 0, _pad: 0, start: [0; STACK_RANGES], end: [0; STACK_RANGES] }
+impl StackKey {
+    pub const fn of(pid: u32, addr: u64) -> StackKey {
+        StackKey { pid, granule: (addr >> STACK_GRANULE_SHIFT) as u32 }
     }
 }
 
-/// The end of the range of `r` that holds `sp` (None: none does), by binary search (a fixed
-/// number of steps, for the verifier).
-#[inline(always)]
-pub fn stack_range_end(r: &StackRanges, sp: u64) -> Option<u64> {
-    let n = if (r.n as usize) < STACK_RANGES { r.n as usize } else { STACK_RANGES };
-    // The first range starting above `sp` is at `lo` when the loop ends.
-    let (mut lo, mut hi) = (0usize, n);
-    let mut step = 0;
-    while step < 8 {
-        if lo < hi {
-            let mid = (lo + hi) / 2;
-            if r.start[mid & (STACK_RANGES - 1)] <= sp {
-                lo = mid + 1;
-            } else {
-                hi = mid;
+/// The mappings that may hold a thread's stack, overlapping one [`StackKey`]'s 2 MiB (two at most:
+/// pthread stacks lie side by side, each above its guard page), written by the collector from
+/// /proc/PID/maps at attach and when the mappings change: `[stack]` and the writable anonymous
+/// mappings just above a guard mapping. Before the collector has learned what a thread's stacks
+/// need (`USTACK_NEED`), a stack record copies the stack from its pointer to the end of the
+/// mapping that holds it, no more: a thread pool blocked at its barriers has a few KiB there,
+/// where the copy used to be 64 KiB (the ring filled at 26 MB/s in the first second after attach,
+/// before anything was learned). One lookup, no search: the verifier walks it once.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackSpans {
+    pub start: [u64; 2],
+    pub end: [u64; 2],
+}
+
+impl StackSpans {
+    /// The end of the span holding `sp` (None: neither does).
+    #[inline(always)]
+    pub fn end_of(&self, sp: u64) -> Option<u64> {
+        if self.start[0] <= sp && sp < self.end[0] {
+            Some(self.end[0])
+        } else if self.start[1] <= sp && sp < self.end[1] {
+            Some(self.end[1])
+        } else {
+            None
+        }
+    }
+
+    /// Add a span; false when both are taken.
+    pub fn add(&mut self, start: u64, end: u64) -> bool {
+        for i in 0..2 {
+            if self.end[i] == 0 {
+                (self.start[i], self.end[i]) = (start, end);
+                return true;
             }
         }
-        step += 1;
+        false
     }
-    if lo == 0 {
-        return None;
-    }
-    let i = (lo - 1) & (STACK_RANGES - 1);
-    if sp < r.end[i] { Some(r.end[i]) } else { None }
 }
 
-/// The smallest stack copy (1 KiB up to 128 KiB, the sizes `capture` has) that holds `room` bytes.
+/// The keys of `pid`'s span `start..end` with the granules it overlaps.
+pub fn stack_keys(pid: u32, start: u64, end: u64) -> impl Iterator<Item = StackKey> {
+    let (first, last) = ((start >> STACK_GRANULE_SHIFT) as u32, (end.saturating_sub(1) >> STACK_GRANULE_SHIFT) as u32);
+    (first..=last).map(move |granule| StackKey { pid, granule })
+}
+
+/// The smallest stack copy that holds `room` bytes: the power of two at or above it, 1 KiB at
+/// least, 1 MiB at most (the copies are 1 KiB to 128 KiB: one of 1 MiB is the largest). Bits
+/// smeared, not a loop: one path for the verifier, not one per size.
 #[inline(always)]
 pub const fn copy_for(room: u64) -> u32 {
-    let mut c: u32 = 1024;
-    let mut step = 0;
-    while step < 7 && (c as u64) < room {
-        c <<= 1;
-        step += 1;
-    }
-    c
+    let room = if room > 1 << 20 { 1 << 20 } else { room };
+    let mut x = room.saturating_sub(1) | 1023;
+    x |= x >> 1;
+    x |= x >> 2;
+    x |= x >> 4;
+    x |= x >> 8;
+    x |= x >> 16;
+    (x + 1) as u32
 }
 
 /// What the kernel remembers of a thread's last off-CPU stacks (map `USTACK_SEEN`): the last
@@ -440,26 +457,22 @@ mod tests {
         assert_eq!(last_run_ns(last_run_flags(u64::MAX)), Some((0xff_fffe - 1) * 1000), "capped");
     }
 
-    /// The range holding a stack pointer, by its end, among 0, 1, some and every slot in use.
+    /// A stack pointer finds its mapping's end through the 2 MiB it is in; two mappings side by
+    /// side in one 2 MiB are told apart; a third is not kept.
     #[test]
     fn a_stack_pointer_finds_the_end_of_its_mapping() {
-        let mut r = StackRanges::default();
-        assert_eq!(stack_range_end(&r, 0x1000), None, "nothing listed");
-        for n in [1usize, 2, 7, STACK_RANGES] {
-            r.n = n as u32;
-            for i in 0..n {
-                r.start[i] = 0x10_0000 * (i as u64 + 1);
-                r.end[i] = r.start[i] + 0x8_0000;
-            }
-            for i in 0..n {
-                assert_eq!(stack_range_end(&r, r.start[i]), Some(r.end[i]), "{n} listed, the start of {i}");
-                assert_eq!(stack_range_end(&r, r.end[i] - 8), Some(r.end[i]), "{n} listed, the top of {i}");
-                assert_eq!(stack_range_end(&r, r.end[i]), None, "{n} listed, between {i} and the next");
-            }
-            assert_eq!(stack_range_end(&r, 0x1000), None, "below every one");
-        }
-        r.n = u32::MAX;
-        assert_eq!(stack_range_end(&r, r.start[5] + 1), Some(r.end[5]), "a count past the array is the array");
+        let (a, b) = (0x7f00_0000_1000u64, 0x7f00_0080_1000u64);
+        assert_eq!(stack_keys(7, a, b).count(), 5, "8 MiB not aligned to 2 MiB: five of them");
+        assert_eq!(stack_keys(7, a, b).next(), Some(StackKey::of(7, a)));
+        assert_eq!(stack_keys(7, a, b).last(), Some(StackKey::of(7, b - 1)));
+        let mut s = StackSpans::default();
+        assert_eq!(s.end_of(a), None);
+        assert!(s.add(a, b) && s.add(b + 0x1000, b + 0x81_0000));
+        assert!(!s.add(1, 2), "two at most");
+        assert_eq!(s.end_of(a), Some(b));
+        assert_eq!(s.end_of(b - 8), Some(b));
+        assert_eq!(s.end_of(b), None, "the guard page between them");
+        assert_eq!(s.end_of(b + 0x2000), Some(b + 0x81_0000));
     }
 
     #[test]
@@ -468,6 +481,7 @@ mod tests {
         assert_eq!(copy_for(1024), 1024);
         assert_eq!(copy_for(1025), 2048);
         assert_eq!(copy_for(80 * 1024), 128 * 1024);
-        assert_eq!(copy_for(1 << 30), 128 * 1024, "at most the largest copy");
+        assert_eq!(copy_for(128 * 1024), 128 * 1024);
+        assert_eq!(copy_for(1 << 30), 1 << 20, "the largest copy, whatever the room");
     }
 }

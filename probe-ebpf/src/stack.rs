@@ -14,8 +14,8 @@ use probe_common::{
     stack::{
         KSTACK_DEPTH, SAME_REFRESH, SCHED_PREEMPTED, SCHED_STEAL, SCHED_WOKEN, SHORT_WAIT_NS, STACK_CPU, STACK_OFFCPU, STACK_SAME_KERNEL,
         STACK_SAME_USER, STACK_SLOT_SHIFT, STACK_SLOTS, STEAL_MIN_NS, STEAL_SEND_NS, STEAL_SPAN_NS, SchedEvent, SeenStacks, SeenUstack,
-        StackEvent, StackRanges, USTACK_CAP, USTACK_WIDE, copy_for, entry_need, entry_top, kernel_key, last_run_flags, reported_state,
-        ring_cap, stack_range_end,
+        StackEvent, StackKey, StackSpans, USTACK_CAP, USTACK_WIDE, copy_for, entry_need, entry_top, kernel_key, last_run_flags,
+        reported_state, ring_cap,
     },
     tracepoints::{sched_switch as sw, sched_waking as wk},
 };
@@ -80,13 +80,10 @@ fn d_only() -> bool {
 /// TASK_UNINTERRUPTIBLE in a task's state.
 const TASK_UNINTERRUPTIBLE: i64 = 0x2;
 
-/// The mappings that may hold each target process's thread stacks, by tgid (written by the
-/// collector): bound a thread's copies before its needs are known. Not preallocated (2 KiB an
-/// entry; only the collector adds them).
+/// The mappings that may hold each target process's thread stacks, by 2 MiB of address space
+/// (written by the collector): bound a thread's copies before its needs are known.
 #[map(name = "STACK_RANGES")]
-static STACK_RANGES: HashMap<u32, StackRanges> = HashMap::with_max_entries(1024, BPF_F_NO_PREALLOC);
-
-const BPF_F_NO_PREALLOC: u32 = 1;
+static STACK_RANGES: HashMap<StackKey, StackSpans> = HashMap::with_max_entries(16384, 0);
 
 #[map(name = "USTACK_NEED")]
 static USTACK_NEED: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
@@ -243,7 +240,7 @@ pub fn capture(
         Some(&v) => (entry_need(v), entry_top(v)),
         // Not learned yet: up to the end of the stack's mapping, when the collector listed it.
         // SAFETY: a map value read in place for this program run.
-        None => match unsafe { STACK_RANGES.get(&pid) }.and_then(|r| stack_range_end(r, sp)) {
+        None => match unsafe { STACK_RANGES.get(&StackKey::of(pid, sp)) }.and_then(|r| r.end_of(sp)) {
             Some(end) => (copy_for(end - sp), end),
             None if full => (USTACK_WIDE as u32, 0),
             None => (16384, 0),

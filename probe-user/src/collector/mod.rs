@@ -245,8 +245,10 @@ struct State {
     offcpu: HashMap<u32, record::StackRecord>,
     /// Where to tell the kernel how many user-stack bytes each thread needs, and what was told.
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u64>>,
-    /// The kernel's list of each target's stack mappings ([`probe_common::stack::StackRanges`]).
-    stack_ranges: Option<aya::maps::HashMap<MapData, u32, probe_common::stack::StackRanges>>,
+    /// The kernel's list of the targets' stack mappings ([`probe_common::stack::StackSpans`]), and
+    /// the keys written there for each process (replaced when its mappings change).
+    stack_ranges: Option<aya::maps::HashMap<MapData, probe_common::stack::StackKey, probe_common::stack::StackSpans>>,
+    stack_keys: HashMap<u32, Vec<probe_common::stack::StackKey>>,
     /// The kernel's names of the processes charged with waits ([`probe_common::maps::OTHER_COMMS`]).
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     /// CPython targets: their threads in the kernel's map (where each one's frame chain starts)
@@ -331,6 +333,7 @@ impl State {
             module_paths: HashMap::new(),
             ustack_need: None,
             stack_ranges: None,
+            stack_keys: HashMap::new(),
             other_comms: None,
             python: Default::default(),
             py_threads: None,
@@ -587,19 +590,32 @@ impl State {
     }
 
     /// Tell the kernel which of `pid`'s mappings may hold its threads' stacks (a thread started
-    /// since has its stack in a new one).
+    /// since has its stack in a new one): by the 2 MiB they overlap, the keys of before removed.
     fn list_stacks(&mut self, pid: u32) {
         let Some(map) = self.stack_ranges.as_mut() else { return };
         let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { return };
-        let mut r = probe_common::stack::StackRanges::default();
-        for (i, (start, end)) in procfs::stack_mappings(&text, probe_common::stack::STACK_RANGES).into_iter().enumerate() {
-            r.start[i] = start;
-            r.end[i] = end;
-            r.n = i as u32 + 1;
+        let mut spans: HashMap<probe_common::stack::StackKey, probe_common::stack::StackSpans> = HashMap::new();
+        for (start, end) in procfs::stack_mappings(&text, 4096) {
+            for k in probe_common::stack::stack_keys(pid, start, end) {
+                spans.entry(k).or_default().add(start, end);
+            }
         }
-        if let Err(e) = map.insert(pid, r, 0) {
-            log::debug!("stack mappings of {pid} not listed for the kernel: {e}");
+        for k in self.stack_keys.remove(&pid).unwrap_or_default() {
+            if !spans.contains_key(&k) {
+                let _ = map.remove(&k);
+            }
         }
+        let mut written = Vec::with_capacity(spans.len());
+        for (k, v) in spans {
+            match map.insert(k, v, 0) {
+                Ok(()) => written.push(k),
+                Err(e) => {
+                    log::debug!("stack mappings of {pid} not all listed for the kernel: {e}");
+                    break;
+                }
+            }
+        }
+        self.stack_keys.insert(pid, written);
     }
 
     fn snapshot_maps(&mut self, pid: u32) -> std::io::Result<()> {

@@ -149,7 +149,7 @@ struct Armed {
     engine_seen: Vec<crate::os::target_file::Ident>,
     bpf_unmeasured: Option<String>,
     ustack_need: Option<aya::maps::HashMap<MapData, u32, u64>>,
-    stack_ranges: Option<aya::maps::HashMap<MapData, u32, probe_common::stack::StackRanges>>,
+    stack_ranges: Option<aya::maps::HashMap<MapData, probe_common::stack::StackKey, probe_common::stack::StackSpans>>,
     other_comms: Option<aya::maps::HashMap<MapData, u32, [u8; 16]>>,
     py_threads: Option<aya::maps::HashMap<MapData, u32, probe_common::python::PyThread>>,
     target_files: Option<aya::maps::HashMap<MapData, probe_common::blockio::FileId, u32>>,
