@@ -91,7 +91,7 @@ fn queued(ctx: &TracePointContext, dev_off: usize, sector_off: usize) -> Result<
     let start = BlockStart { pid, tid, cpu: crate::cpu(), insert_ns: now_ns(), ..Default::default() };
     insert_lru(&BLOCK_QUEUED, &k, &start);
     // The code path that made this IO (the target's own context).
-    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, true, true, true);
+    crate::stack::capture(ctx.as_ptr(), probe_common::stack::STACK_IO, pid, tid, k.sector, 0, crate::stack::Take::EVENT);
     Ok(())
 }
 
@@ -216,7 +216,7 @@ fn issued(ctx: *mut core::ffi::c_void, k: BlockKey, bytes: u32, rwbs: [u8; 8], r
     insert_lru(&BLOCK_INFLIGHT, &k, &start);
     if queued.is_none() && start.matched == BY_ISSUER {
         // Issued straight from the target's own context: the code path that made it.
-        crate::stack::capture(ctx, probe_common::stack::STACK_IO, start.pid, start.tid, k.sector, 0, true, true, true);
+        crate::stack::capture(ctx, probe_common::stack::STACK_IO, start.pid, start.tid, k.sector, 0, crate::stack::Take::EVENT);
     }
 }
 

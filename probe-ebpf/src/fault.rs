@@ -31,7 +31,15 @@ fn try_fault_major(ctx: &PerfEventContext) -> Result<(), i64> {
     let (pid, tid) = crate::stack::perf_target().ok_or(0i64)?;
     let ev = FaultEvent { hdr: header::<FaultEvent>(pid, tid), addr, ip, flags: FAULT_MAJOR, _pad: 0 };
     emit(&ev);
-    crate::stack::capture(ctx.as_ptr().cast(), probe_common::stack::STACK_FAULT, ev.hdr.pid, ev.hdr.tid, addr, 0, true, true, true);
+    crate::stack::capture(
+        ctx.as_ptr().cast(),
+        probe_common::stack::STACK_FAULT,
+        ev.hdr.pid,
+        ev.hdr.tid,
+        addr,
+        0,
+        crate::stack::Take::EVENT,
+    );
     Ok(())
 }
 

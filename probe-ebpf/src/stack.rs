@@ -176,26 +176,36 @@ fn read_kernel<T>(p: *const T) -> T {
     }
 }
 
-/// Capture the current task's kernel and user stack and send a StackEvent. `full` copies up
-/// to USTACK_CAP bytes of user stack; otherwise 16 KiB (off-CPU switches are frequent and
-/// block in shallow places: a libc wrapper under the caller that matters). `same_as_last` (the
-/// kinds of probe_common::stack::stack_remembered): leave the user stack out when it is the one
-/// this thread sent last from the same registers ([`seen_before`]), and the kernel stack too when
-/// the thread also entered the kernel the same way (an off-CPU wait's key; a block IO's or a
-/// fault's kernel stack is always sent). `kstack`: take the kernel stack (false only where it is
-/// known to be empty: a CPU sample of user code, [`in_user_mode`]).
+/// What a [`capture`] takes. `full` copies up to USTACK_CAP bytes of user stack; otherwise 16 KiB
+/// (off-CPU switches are frequent and block in shallow places: a libc wrapper under the caller
+/// that matters). `same_as_last` (the kinds of probe_common::stack::stack_remembered): leave the
+/// user stack out when it is the one this thread sent last from the same registers
+/// ([`seen_before`]), and the kernel stack too when the thread also entered the kernel the same
+/// way (an off-CPU wait's key; a block IO's or a fault's kernel stack is always sent). `kstack`:
+/// take the kernel stack (false only where it is known to be empty: a CPU sample of user code,
+/// [`in_user_mode`]).
+#[derive(Clone, Copy)]
+pub struct Take {
+    pub full: bool,
+    pub same_as_last: bool,
+    pub kstack: bool,
+}
+
+impl Take {
+    /// A block IO's or a major fault's stack.
+    pub const EVENT: Take = Take { full: true, same_as_last: true, kstack: true };
+    /// An off-CPU wait's stack.
+    const OFFCPU: Take = Take { full: false, same_as_last: true, kstack: true };
+    /// A CPU sample's stack (`kstack`: it interrupted the kernel).
+    const fn cpu(kstack: bool) -> Take {
+        Take { full: true, same_as_last: false, kstack }
+    }
+}
+
+/// Capture the current task's kernel and user stack and send a StackEvent ([`Take`]: how).
 #[inline(always)]
-pub fn capture(
-    ctx: *mut core::ffi::c_void,
-    what: u32,
-    pid: u32,
-    tid: u32,
-    addr: u64,
-    state: u32,
-    full: bool,
-    same_as_last: bool,
-    kstack: bool,
-) {
+pub fn capture(ctx: *mut core::ffi::c_void, what: u32, pid: u32, tid: u32, addr: u64, state: u32, take: Take) {
+    let Take { full, same_as_last, kstack } = take;
     // The user registers at the task's last kernel entry (interrupt, fault or syscall).
     // SAFETY: helpers without preconditions; the pointer is only read through probe reads.
     let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
@@ -465,7 +475,7 @@ fn in_user_mode(ctx: &PerfEventContext) -> bool {
 #[perf_event]
 pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     let Some((pid, tid)) = perf_target() else { return 0 };
-    capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, true, false, !in_user_mode(&ctx));
+    capture(ctx.as_ptr(), STACK_CPU, pid, tid, 0, 0, Take::cpu(!in_user_mode(&ctx)));
     0
 }
 
@@ -534,7 +544,7 @@ fn on_switch(ctx: *mut core::ffi::c_void, prev_state: impl FnOnce() -> Result<i6
         if runnable_counted(off_cpu(tid, now & !1)) {
             runnable_add(-1);
         }
-        capture(ctx, STACK_OFFCPU, pid, tid, 0, state as u32, false, true, true);
+        capture(ctx, STACK_OFFCPU, pid, tid, 0, state as u32, Take::OFFCPU);
     } else if state & 0xff == 0 {
         // Preempted (or it yielded): still runnable, so until it runs again it waits for a CPU.
         // No stack (where it was is where it will resume); the low bit of the time marks the
